@@ -1,0 +1,1 @@
+//! crust-agent-proto

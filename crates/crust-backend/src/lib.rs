@@ -1,0 +1,115 @@
+//! Volume backends: where a volume's bytes live and how it becomes a block
+//! device on this node.
+//!
+//! The CSI services talk only to [`Backend`]; each implementation owns its
+//! own bookkeeping of which backing store belongs to which volume id. All
+//! operations are idempotent: creating an existing id with the same size
+//! returns it, deleting a missing id succeeds, attaching an attached volume
+//! returns the same device.
+
+use std::path::PathBuf;
+
+/// A backing store allocated to one volume.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Allocation {
+    /// Volume id the store belongs to.
+    pub volume_id: String,
+    /// Size in bytes (exactly what was allocated; never rounded down).
+    pub size_bytes: u64,
+    /// The backing file (pool) or the device node (static); for messages.
+    pub backing: PathBuf,
+}
+
+/// Capacity of the backend as GetCapacity reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Bytes that can still be allocated.
+    pub available_bytes: u64,
+    /// Largest single volume that can be created now.
+    pub maximum_volume_size: u64,
+    /// Smallest volume the backend will create.
+    pub minimum_volume_size: u64,
+}
+
+/// What the backend can see about a volume's backing store, for health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackingState {
+    /// Backing store present and (if attached) the device matches it.
+    Healthy,
+    /// Backing file or device node is gone.
+    Missing(String),
+    /// Present but not usable (wrong size, not a block device, ...).
+    Degraded(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("volume {0} not found in backend")]
+    NotFound(String),
+    #[error("volume {id} already exists with size {existing} bytes (requested {requested})")]
+    SizeMismatch { id: String, existing: u64, requested: u64 },
+    #[error("not enough space: requested {requested} bytes, {available} available")]
+    Exhausted { requested: u64, available: u64 },
+    #[error("size {0} bytes is outside what this backend supports: {1}")]
+    OutOfRange(u64, String),
+    #[error("cannot shrink volume {id} from {current} to {requested} bytes")]
+    Shrink { id: String, current: u64, requested: u64 },
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error("block device error: {0}")]
+    Device(String),
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// A source of block volumes local to this node.
+pub trait Backend: Send + Sync + 'static {
+    /// Short name for logs and `GetPluginInfo` manifest ("pool", "static").
+    fn kind(&self) -> &'static str;
+
+    /// Allocates `size_bytes` for `volume_id`. Idempotent for the same size;
+    /// [`BackendError::SizeMismatch`] when the id exists with another size.
+    /// The pool allocates exactly `size_bytes`; the static backend picks the
+    /// smallest free device with at least `size_bytes` and at most `limit_bytes`
+    /// (0 = no limit) and reports the device's real size.
+    fn create(&self, volume_id: &str, size_bytes: u64, limit_bytes: u64) -> Result<Allocation>;
+
+    /// Releases the backing store and its data. Idempotent.
+    fn delete(&self, volume_id: &str) -> Result<()>;
+
+    /// The allocation of a volume, if it exists.
+    fn get(&self, volume_id: &str) -> Result<Option<Allocation>>;
+
+    /// Every allocation, sorted by volume id (ListVolumes pages over this).
+    fn list(&self) -> Result<Vec<Allocation>>;
+
+    /// Grows the backing store to at least `new_size_bytes`; returns the new
+    /// size. Growing an attached volume also refreshes the device size.
+    fn expand(&self, volume_id: &str, new_size_bytes: u64) -> Result<u64>;
+
+    /// Makes the volume available as a block device and returns its path.
+    /// Idempotent: an already attached volume returns the same device, also
+    /// after a plugin restart (found again, never attached twice).
+    fn attach(&self, volume_id: &str) -> Result<PathBuf>;
+
+    /// The device path if currently attached.
+    fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>>;
+
+    /// Detaches the block device. Never destroys data. Idempotent.
+    fn detach(&self, volume_id: &str) -> Result<()>;
+
+    /// Free space and limits.
+    fn capacity(&self) -> Result<Capacity>;
+
+    /// Whether the backend is usable right now (Probe).
+    fn probe(&self) -> Result<()>;
+
+    /// Health of the backing store for VolumeCondition.
+    fn backing_state(&self, volume_id: &str) -> BackingState;
+}

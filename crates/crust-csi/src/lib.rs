@@ -1,0 +1,1 @@
+//! crust-csi

@@ -1,0 +1,306 @@
+//! Checks shared by the write and the read side. Each returns a reason
+//! string; the caller decides whether that is the caller's fault
+//! (InvalidArgument) or the record's (BadRecord).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use crate::mountinfo::{FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy};
+
+/// Longest path accepted anywhere (PATH_MAX).
+pub const MAX_PATH_LEN: usize = 4096;
+/// Longest single mount option.
+pub const MAX_OPTION_LEN: usize = 256;
+/// Longest sum of all mount options.
+pub const MAX_OPTIONS_TOTAL: usize = 4096;
+/// Longest sandbox id.
+pub const MAX_SANDBOX_ID_LEN: usize = 128;
+
+/// Names a sandbox id may never take: they are the record's own files.
+const RESERVED_NAMES: [&str; 2] = ["mountInfo.json", "runtime-cli"];
+
+/// Substrings (lower-cased) of a mount option that suggest a credential.
+/// Records are persisted, so such an option must never reach disk.
+const SECRET_MARKERS: [&str; 11] = [
+    "password", "passwd", "pass=", "pwd", "secret", "cred", "token", "key=", "username=", "user=",
+    "auth",
+];
+
+/// An absolute, lexically normalized path: no `.`/`..` components, no
+/// empty components (`//`), no trailing `/`, no control characters, not
+/// `/` itself, at most [`MAX_PATH_LEN`] bytes.
+pub fn check_abs_path(what: &str, p: &str) -> Result<(), String> {
+    if p.is_empty() {
+        return Err(format!("{what} is empty"));
+    }
+    if p.len() > MAX_PATH_LEN {
+        return Err(format!("{what} is longer than {MAX_PATH_LEN} bytes"));
+    }
+    if !p.starts_with('/') {
+        return Err(format!("{what} {p:?} is not absolute"));
+    }
+    if p == "/" {
+        return Err(format!("{what} must not be /"));
+    }
+    if p.chars().any(|c| c.is_control()) {
+        return Err(format!("{what} {p:?} contains a control character"));
+    }
+    for comp in p[1..].split('/') {
+        match comp {
+            "" => return Err(format!("{what} {p:?} is not normalized (empty component or trailing /)")),
+            "." | ".." => return Err(format!("{what} {p:?} is not normalized ({comp} component)")),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A relative normalized path (used for subpaths); empty means none.
+pub fn check_rel_path(p: &str) -> Result<(), String> {
+    if p.is_empty() {
+        return Ok(());
+    }
+    check_abs_path("subpath", &format!("/{p}"))
+}
+
+/// `true` when `path` is `prefix` or lies beneath it (component-wise).
+pub fn is_within(path: &str, prefix: &str) -> bool {
+    Path::new(path).starts_with(Path::new(prefix))
+}
+
+/// Sandbox ids become file names: `[A-Za-z0-9][A-Za-z0-9_.-]{0,127}`,
+/// never one of the record's own file names.
+pub fn check_sandbox_id(id: &str) -> Result<(), String> {
+    let b = id.as_bytes();
+    let ok_first = b.first().is_some_and(|c| c.is_ascii_alphanumeric());
+    let ok_rest = b
+        .iter()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-'));
+    if !ok_first || !ok_rest || b.len() > MAX_SANDBOX_ID_LEN {
+        return Err(format!(
+            "sandbox id {id:?} must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,127}}"
+        ));
+    }
+    if RESERVED_NAMES.contains(&id) {
+        return Err(format!("sandbox id {id:?} is a reserved name"));
+    }
+    Ok(())
+}
+
+pub fn check_volume_type(t: &str) -> Result<(), String> {
+    match t {
+        "block" => Ok(()),
+        "network" => Err(
+            "volume-type \"network\" is not supported: crust hands off block devices only".into(),
+        ),
+        other => Err(format!(
+            "volume-type {other:?} is unknown (only \"block\" is supported)"
+        )),
+    }
+}
+
+pub fn check_fstype(fstype: &str, allowed: &[String]) -> Result<(), String> {
+    if allowed.iter().any(|a| a == fstype) {
+        Ok(())
+    } else {
+        Err(format!(
+            "fstype {fstype:?} is not allowed (allowed: {})",
+            allowed.join(", ")
+        ))
+    }
+}
+
+/// Mount options travel to the guest and are persisted: a conservative
+/// charset, bounded sizes, and nothing that looks like a credential.
+pub fn check_options(options: &[String]) -> Result<(), String> {
+    let mut total = 0usize;
+    for o in options {
+        if o.is_empty() {
+            return Err("empty mount option".into());
+        }
+        if o.len() > MAX_OPTION_LEN {
+            return Err(format!("mount option longer than {MAX_OPTION_LEN} bytes"));
+        }
+        total += o.len();
+        if total > MAX_OPTIONS_TOTAL {
+            return Err(format!("mount options exceed {MAX_OPTIONS_TOTAL} bytes in total"));
+        }
+        let lower = o.to_ascii_lowercase();
+        // Checked before the charset so the message never echoes a secret.
+        if SECRET_MARKERS.iter().any(|m| lower.contains(m)) {
+            return Err(
+                "a mount option looks like a credential; secrets must never be persisted in a hand-off record"
+                    .into(),
+            );
+        }
+        if let Some(c) = o
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '=' | ':' | '/' | '+')))
+        {
+            return Err(format!("mount option {o:?} contains {c:?} (allowed: A-Z a-z 0-9 _ . - = : / +)"));
+        }
+    }
+    Ok(())
+}
+
+/// Only the keys crust (and Kata) understand, with checked values.
+pub fn check_metadata(md: &BTreeMap<String, String>) -> Result<(), String> {
+    for (k, v) in md {
+        match k.as_str() {
+            FS_GROUP_KEY => {
+                parse_fs_group(v)?;
+            }
+            FS_GROUP_CHANGE_POLICY_KEY => {
+                FsGroupChangePolicy::parse(v)?;
+            }
+            other => {
+                return Err(format!(
+                    "metadata key {other:?} is not allowed (allowed: {FS_GROUP_KEY}, {FS_GROUP_CHANGE_POLICY_KEY})"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Canonical decimal gid: digits only, no leading zero, fits in u32.
+pub fn parse_fs_group(v: &str) -> Result<u32, String> {
+    let canonical = !v.is_empty()
+        && v.bytes().all(|b| b.is_ascii_digit())
+        && (v == "0" || !v.starts_with('0'));
+    if !canonical {
+        return Err(format!("fsGroup {v:?} is not a decimal group id"));
+    }
+    v.parse::<u32>()
+        .map_err(|_| format!("fsGroup {v:?} does not fit in 32 bits"))
+}
+
+/// A device is a block device under /dev, or — only when the policy lists
+/// roots for it — a regular file beneath one of those roots (VM images,
+/// tests). Symlinks are resolved and the resolved path is checked again, so
+/// /dev/disk/by-id links work but cannot lead elsewhere.
+pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), String> {
+    check_abs_path("device", dev)?;
+    let meta = std::fs::metadata(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
+    let real = std::fs::canonicalize(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
+    if meta.file_type().is_block_device() {
+        if dev.starts_with("/dev/") && real.starts_with("/dev") {
+            return Ok(());
+        }
+        return Err(format!("device {dev:?} is a block device outside /dev"));
+    }
+    if meta.file_type().is_file() {
+        for root in file_device_roots {
+            let root_real = match std::fs::canonicalize(root) {
+                Ok(r) => r,
+                Err(_) => continue,
+            };
+            if Path::new(dev).starts_with(root) && real.starts_with(&root_real) && real != root_real {
+                return Ok(());
+            }
+        }
+        return Err(format!(
+            "device {dev:?} is a regular file outside the configured file-device roots"
+        ));
+    }
+    Err(format!("device {dev:?} is neither a block device nor an allowed regular file"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abs_paths() {
+        for ok in ["/a", "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv/mount", "/a b/c"] {
+            assert_eq!(check_abs_path("p", ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "/", "a/b", "/a/", "/a//b", "/a/./b", "/a/../b", "/..", "/.", "/a\0b", "/a\nb"] {
+            assert!(check_abs_path("p", bad).is_err(), "{bad:?}");
+        }
+        let long = format!("/{}", "a".repeat(MAX_PATH_LEN));
+        assert!(check_abs_path("p", &long).unwrap_err().contains("longer"));
+        let max = format!("/{}", "a".repeat(MAX_PATH_LEN - 1));
+        assert_eq!(check_abs_path("p", &max), Ok(()));
+    }
+
+    #[test]
+    fn sandbox_ids() {
+        for ok in ["a", "0", "c9be9e-1_2.x", &"a".repeat(128)] {
+            assert_eq!(check_sandbox_id(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "", ".hidden", "-x", "_x", "a/b", "..", "a b", "mountInfo.json", "runtime-cli",
+            &"a".repeat(129), "é", "a\0",
+        ] {
+            assert!(check_sandbox_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn options_charset_sizes_and_secrets() {
+        let ok: Vec<String> = ["noatime", "data=ordered", "errors=remount-ro", "logbsize=256k", "nouser_xattr", "commit=5"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(check_options(&ok), Ok(()));
+        for secret in [
+            "password=hunter2", "PASSWD=x", "pass=x", "secret=x", "credentials=/x", "token=abc",
+            "key=abc", "username=bob", "user=bob", "AuthMethod=x", "Sec_Key=1", "pwd=x",
+        ] {
+            let e = check_options(&[secret.to_string()]).unwrap_err();
+            assert!(e.contains("credential"), "{secret}: {e}");
+            assert!(!e.contains(secret), "the message must not echo the secret");
+        }
+        for bad in ["a,b", "a b", "a\"b", "", "a;b", "$(x)"] {
+            assert!(check_options(&[bad.to_string()]).is_err(), "{bad:?}");
+        }
+        assert!(check_options(&["a".repeat(257)]).is_err());
+        assert_eq!(check_options(&["a".repeat(256)]), Ok(()));
+        let many = vec!["a".repeat(200); 21];
+        assert!(check_options(&many).unwrap_err().contains("total"));
+    }
+
+    #[test]
+    fn metadata_allow_list() {
+        let md = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        assert_eq!(check_metadata(&md("fsGroup", "100")), Ok(()));
+        assert_eq!(check_metadata(&md("fsGroup", "0")), Ok(()));
+        assert_eq!(check_metadata(&md("fsGroup", "4294967295")), Ok(()));
+        assert_eq!(check_metadata(&md("fsGroupChangePolicy", "Always")), Ok(()));
+        assert_eq!(check_metadata(&md("fsGroupChangePolicy", "OnRootMismatch")), Ok(()));
+        for (k, v) in [
+            ("fsGroup", "4294967296"),
+            ("fsGroup", "-1"),
+            ("fsGroup", "+1"),
+            ("fsGroup", "010"),
+            ("fsGroup", ""),
+            ("fsGroup", "1e3"),
+            ("fsGroupChangePolicy", "always"),
+            ("fsGroupChangePolicy", "Never"),
+            ("encryptionKey", "x"),
+            ("createFilesystem", "true"),
+        ] {
+            assert!(check_metadata(&md(k, v)).is_err(), "{k}={v}");
+        }
+    }
+
+    #[test]
+    fn volume_types_and_fstypes() {
+        assert_eq!(check_volume_type("block"), Ok(()));
+        assert!(check_volume_type("network").unwrap_err().contains("not supported"));
+        assert!(check_volume_type("Block").is_err());
+        let allowed = vec!["ext4".to_string(), "xfs".to_string()];
+        assert_eq!(check_fstype("xfs", &allowed), Ok(()));
+        assert!(check_fstype("btrfs", &allowed).is_err());
+        assert!(check_fstype("", &allowed).is_err());
+    }
+
+    #[test]
+    fn within() {
+        assert!(is_within("/var/lib/kubelet/pods/x", "/var/lib/kubelet/pods"));
+        assert!(is_within("/var/lib/kubelet/pods", "/var/lib/kubelet/pods"));
+        assert!(!is_within("/var/lib/kubelet/podsx/y", "/var/lib/kubelet/pods"));
+        assert!(!is_within("/var/lib", "/var/lib/kubelet/pods"));
+    }
+}

@@ -1,0 +1,13 @@
+// Compiles the protos with protox (pure Rust), so no `protoc` is needed.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = ["proto/csi.proto", "proto/runtime.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(fds)?;
+    Ok(())
+}

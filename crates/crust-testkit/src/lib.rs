@@ -1,0 +1,137 @@
+//! Test-only helpers shared by the integration tests of every crust crate.
+//!
+//! The machines that run the tests have two cores, so guests are rationed
+//! machine-wide through [`VmSlot`] (a lock file per slot), not per process:
+//! nextest runs each test in its own process.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::Duration;
+
+use rustix::fs::{FlockOperation, flock};
+
+/// How many guests may run at once across every test process on the machine.
+pub const VM_SLOTS: usize = 2;
+
+const SLOT_DIR: &str = "/tmp/crust-test-vm-slots";
+
+/// One of the machine-wide guest slots; released when dropped.
+pub struct VmSlot {
+    _file: File,
+    pub index: usize,
+}
+
+impl VmSlot {
+    /// Blocks until a slot is free. `CRUST_TEST_VM_SLOTS` lowers the limit.
+    pub fn acquire() -> VmSlot {
+        let slots = std::env::var("CRUST_TEST_VM_SLOTS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(VM_SLOTS)
+            .clamp(1, VM_SLOTS);
+        std::fs::create_dir_all(SLOT_DIR).expect("create vm slot dir");
+        loop {
+            for index in 0..slots {
+                let path = Path::new(SLOT_DIR).join(format!("slot-{index}.lock"));
+                let file = OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&path)
+                    .expect("open vm slot lock");
+                if flock(&file, FlockOperation::NonBlockingLockExclusive).is_ok() {
+                    return VmSlot { _file: file, index };
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// The workspace root (two levels above this crate's manifest).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// Where `guest/build-image.sh` leaves the kernel and initramfs.
+/// `CRUST_GUEST_DIR` overrides the default `<workspace>/target/guest-image`.
+pub fn guest_image_dir() -> PathBuf {
+    std::env::var_os("CRUST_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/guest-image"))
+}
+
+/// Kernel and initramfs paths; panics with the command to run when missing,
+/// because a test that needs a guest cannot say anything useful without one.
+pub fn guest_image() -> (PathBuf, PathBuf) {
+    let dir = guest_image_dir();
+    let kernel = dir.join("vmlinuz");
+    let initrd = dir.join("initramfs.cpio.gz");
+    assert!(
+        kernel.is_file() && initrd.is_file(),
+        "guest image missing in {}: run guest/build-image.sh first",
+        dir.display()
+    );
+    (kernel, initrd)
+}
+
+/// Panics unless running as root: the real-device tests need loop devices
+/// and mounts, and skipping them silently would hide missing coverage.
+pub fn require_root() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test needs root (loop devices, mounts)"
+    );
+}
+
+/// Kills and reaps a child process when dropped, so a failing test leaves
+/// no daemon or QEMU behind.
+pub struct ChildGuard(pub Option<Child>);
+
+impl ChildGuard {
+    pub fn new(child: Child) -> Self {
+        ChildGuard(Some(child))
+    }
+
+    pub fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("child already taken")
+    }
+
+    /// Hands the child back without killing it.
+    pub fn into_inner(mut self) -> Child {
+        self.0.take().expect("child already taken")
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The path of a binary built from this workspace, for tests of one crate
+/// that drive another crate's binary (Cargo only sets `CARGO_BIN_EXE_*` for
+/// the crate's own binaries). Looks next to the running test executable.
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/test-xxxx -> target/<profile>/<name>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target profile dir");
+    let path = profile_dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} not built: run `cargo build --workspace --bins` first",
+        path.display()
+    );
+    path
+}
