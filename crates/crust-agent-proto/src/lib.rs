@@ -1,1 +1,38 @@
-//! crust-agent-proto
+//! Protocol between the crust host side and `crust-agent`, the agent inside
+//! each guest VM.
+//!
+//! * Transport: the guest's virtio-serial port named [`AGENT_PORT_NAME`];
+//!   on the host, the unix socket of QEMU's chardev behind it.
+//! * Framing ([`frame`]): 4-byte big-endian length + JSON body, at most
+//!   [`frame::MAX_FRAME_LEN`] (1 MiB).
+//! * Messages ([`messages`]): every [`Request`] carries an id and a relative
+//!   deadline; every [`Response`] echoes the id with a result or an
+//!   [`AgentError`] whose [`ErrorCode`] maps onto gRPC codes.
+//! * Host client ([`AgentClient`], feature `client`, on by default): tokio,
+//!   concurrent calls multiplexed by id, per-call timeouts, reconnects.
+
+pub mod frame;
+pub mod messages;
+
+#[cfg(feature = "client")]
+mod client;
+
+#[cfg(feature = "client")]
+pub use client::{AgentClient, ClientError, DEFAULT_TIMEOUT};
+pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
+pub use messages::*;
+
+/// Name of the virtio-serial port (`virtserialport,name=...`).
+pub const AGENT_PORT_NAME: &str = "org.crust.agent";
+
+/// Bumped on incompatible wire changes; reported by [`PingReply`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Where the agent mounts volume `<v>`: `/run/crust/volumes/<v>`.
+pub const GUEST_VOLUME_ROOT: &str = "/run/crust/volumes";
+
+/// Cap on [`WorkloadLog::tail_bytes`].
+pub const MAX_LOG_TAIL: u64 = 256 * 1024;
+
+/// Cap on each of [`ExecReply::stdout`] and [`ExecReply::stderr`].
+pub const MAX_EXEC_OUTPUT: usize = 256 * 1024;

@@ -1,1 +1,28 @@
-//! crust-agent
+//! crust-agent: runs inside each crust guest VM and serves the
+//! [`crust_agent_proto`] protocol on the virtio-serial port
+//! `org.crust.agent`.
+//!
+//! * Volumes are found by virtio-blk serial, mounted at
+//!   `/run/crust/volumes/<volume>` with allow-listed options
+//!   ([`options`]), and given Kubernetes fsGroup semantics ([`fsgroup`]).
+//! * Stats come from statvfs; health from the mount table, ext4's error
+//!   counter, disk presence and a read probe ([`volume`]).
+//! * The workload gets bind mounts resolved beneath the volume root with
+//!   openat2 ([`subpath`]) and logs to `/run/crust/workload.log`
+//!   ([`workload`]).
+//! * Every request runs on its own thread, so a slow Exec never holds up a
+//!   Ping; mount-changing operations are serialized.
+//!
+//! The agent is not PID 1: the initramfs `/init` (busybox sh) sets up the
+//! guest, reaps orphans and restarts the agent if it dies.
+
+pub mod fsgroup;
+pub mod options;
+pub mod process;
+pub mod server;
+pub mod subpath;
+pub mod sys;
+pub mod volume;
+pub mod workload;
+
+pub use server::{Config, RunFailure, run};

@@ -47,13 +47,21 @@ pub enum BackendError {
     #[error("volume {0} not found in backend")]
     NotFound(String),
     #[error("volume {id} already exists with size {existing} bytes (requested {requested})")]
-    SizeMismatch { id: String, existing: u64, requested: u64 },
+    SizeMismatch {
+        id: String,
+        existing: u64,
+        requested: u64,
+    },
     #[error("not enough space: requested {requested} bytes, {available} available")]
     Exhausted { requested: u64, available: u64 },
     #[error("size {0} bytes is outside what this backend supports: {1}")]
     OutOfRange(u64, String),
     #[error("cannot shrink volume {id} from {current} to {requested} bytes")]
-    Shrink { id: String, current: u64, requested: u64 },
+    Shrink {
+        id: String,
+        current: u64,
+        requested: u64,
+    },
     #[error("invalid argument: {0}")]
     Invalid(String),
     #[error("block device error: {0}")]
@@ -113,3 +121,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Health of the backing store for VolumeCondition.
     fn backing_state(&self, volume_id: &str) -> BackingState;
 }
+
+mod pool;
+mod static_devices;
+mod util;
+
+pub use pool::{DEFAULT_MINIMUM_VOLUME_SIZE, PoolBackend, PoolConfig};
+pub use static_devices::{StaticBackend, StaticConfig, WIPE_BYTES};
+pub use util::MAX_VOLUME_ID_LEN;

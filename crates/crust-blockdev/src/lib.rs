@@ -1,1 +1,53 @@
-//! crust-blockdev
+//! Host-side block device primitives for crust.
+//!
+//! Everything the CSI plugin and the backends need to turn a file or a block
+//! device into a mounted, measured and health-checked volume:
+//!
+//! * [`loopdev`]: loop devices through the kernel ioctls (no `losetup`):
+//!   [`LoopDevice::attach`], [`find_by_backing`], [`detach`],
+//!   [`refresh_capacity`], [`list_loops`], and [`LoopGuard`] for tests.
+//! * [`device`]: [`block_device_size`], [`is_block_device`],
+//!   [`device_major_minor`].
+//! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
+//!   never formatted.
+//! * [`fs`]: [`FsType`], [`mkfs`] and online [`grow_fs`] (the only places
+//!   that exec tools: `mkfs.ext4`, `mkfs.xfs`, `resize2fs`, `xfs_growfs`).
+//! * [`mount`]: [`mount_fs`], [`bind_mount`], [`unmount`], [`mount_info`],
+//!   [`find_mount`], [`is_mountpoint`], [`MountGuard`].
+//! * [`usage`]: [`usage()`] from `statvfs`.
+//! * [`health`]: [`fs_health`], [`device_health`], [`with_timeout`].
+//! * [`path`]: [`validate_abs_path`] for paths that come from a CO.
+//!
+//! All functions are synchronous and may block on I/O; call them from
+//! `tokio::task::spawn_blocking` in async code. Health probes should be
+//! wrapped in [`with_timeout`] (see [`fs_health_with_timeout`]).
+
+pub mod device;
+pub mod fs;
+pub mod health;
+pub mod loopdev;
+pub mod mount;
+pub mod path;
+pub mod probe;
+mod sys;
+pub mod usage;
+
+pub use device::{
+    DeviceError, block_device_size, device_major_minor, is_block_device, is_device_in_use,
+    sysfs_name, wipe_edges,
+};
+pub use fs::{FsError, FsType, can_grow_ext4_online, grow_fs, grow_fs_offline, mkfs};
+pub use health::{
+    DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,
+};
+pub use loopdev::{
+    AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,
+    find_all_by_backing, find_by_backing, list_loops, loop_status, refresh_capacity,
+};
+pub use mount::{
+    MountEntry, MountError, MountGuard, ParsedOptions, bind_mount, find_mount, is_mountpoint,
+    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount,
+};
+pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
+pub use probe::{Probe, ProbeError, probe_fs};
+pub use usage::{Usage, UsageError, usage};

@@ -1,1 +1,36 @@
-//! crust-csi
+//! crust's CSI plugin: Identity, Controller and Node services for local
+//! block volumes (a pool of sparse files on loop devices, or
+//! pre-provisioned block devices), ext4/xfs or raw block, with online
+//! expansion, capacity, node topology and volume health.
+//!
+//! Run it with [`serve`] (the `crust-csi` binary is a thin wrapper):
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), crust_csi::ServeError> {
+//! let cfg = crust_csi::Config::pool(
+//!     "/run/crust-csi/csi.sock".into(),
+//!     "/var/lib/crust-csi".into(),
+//!     "/var/lib/crust-csi/pool".into(),
+//!     10 << 30,
+//! );
+//! crust_csi::serve(cfg, async { let _ = tokio::signal::ctrl_c().await; }).await
+//! # }
+//! ```
+
+pub mod caps;
+pub mod config;
+pub mod controller;
+mod driver;
+pub mod error;
+pub mod guard;
+pub mod health;
+pub mod identity;
+pub mod node;
+pub mod server;
+pub mod state;
+
+pub use config::{BackendConfig, Cli, Config, Gate, Hooks, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE};
+pub use driver::Driver;
+pub use error::{ControllerError, IdentityError, NodeError, ServeError};
+pub use server::{build_backend, serve, serve_with_backend};
+pub use state::volume_id_for;

@@ -1,1 +1,74 @@
-//! crust-handoff
+//! The hand-off records through which a CSI plugin (via crust_ops) tells a
+//! VM runtime how to mount a volume inside its guest, and through which
+//! the runtime says which sandbox consumes it and which CLI serves stats
+//! and resize.
+//!
+//! Two layouts, one API ([`Store`]):
+//! - [`Layout::Crust`] (KEP-2857): `<root>/<hex sha256(target)>/` with
+//!   `mountInfo.json`, `runtime-cli` and an empty `<sandbox-id>` file.
+//! - [`Layout::Kata`] (Kata direct volumes): `<root>/<base64url(path)>/`
+//!   with `mountInfo.json` and an empty `<sandbox-id>` file.
+//!
+//! Records are validated when written and again when read, because the
+//! reader (the runtime) must refuse a forged record: see [`Store::read`].
+
+mod error;
+mod mountinfo;
+mod store;
+pub mod validate;
+
+pub use error::{ErrorKind, HandoffError, Result};
+pub use mountinfo::{
+    FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK,
+};
+pub use store::{
+    DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT, Layout, ListedRecord, MAX_RECORD_SIZE, MOUNT_INFO_FILE,
+    Policy, RUNTIME_CLI_FILE, RecordState, SourceMatch, Store, crust_key, kata_key,
+};
+
+/// For a source under kubelet's pod directory
+/// (`<kubelet_root>/pods/<uid>/volumes/...`), the `.../volumes` layer that
+/// bounds [`Store::find_for_source`]. None for any other source.
+pub fn kubelet_volumes_layer(source: &str, kubelet_root: &str) -> Option<String> {
+    let kubelet_root = kubelet_root.trim_end_matches('/');
+    let rest = source.strip_prefix(kubelet_root)?.strip_prefix("/pods/")?;
+    let (uid, rest) = rest.split_once('/')?;
+    if uid.is_empty() || uid == "." || uid == ".." {
+        return None;
+    }
+    if rest != "volumes" && !rest.starts_with("volumes/") {
+        return None;
+    }
+    Some(format!("{kubelet_root}/pods/{uid}/volumes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volumes_layer() {
+        let src = "/var/lib/kubelet/pods/1234-ab/volumes/kubernetes.io~csi/pv1/mount/sub";
+        assert_eq!(
+            kubelet_volumes_layer(src, "/var/lib/kubelet").as_deref(),
+            Some("/var/lib/kubelet/pods/1234-ab/volumes")
+        );
+        assert_eq!(
+            kubelet_volumes_layer(src, "/var/lib/kubelet/").as_deref(),
+            Some("/var/lib/kubelet/pods/1234-ab/volumes")
+        );
+        assert_eq!(
+            kubelet_volumes_layer("/var/lib/kubelet/pods/x/etc-hosts", "/var/lib/kubelet"),
+            None
+        );
+        assert_eq!(
+            kubelet_volumes_layer("/var/lib/kubelet/pods/x/volumesx/a", "/var/lib/kubelet"),
+            None
+        );
+        assert_eq!(kubelet_volumes_layer("/srv/a", "/var/lib/kubelet"), None);
+        assert_eq!(
+            kubelet_volumes_layer("/var/lib/kubelet/pods/../volumes/a", "/var/lib/kubelet"),
+            None
+        );
+    }
+}

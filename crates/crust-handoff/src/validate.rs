@@ -23,7 +23,16 @@ const RESERVED_NAMES: [&str; 2] = ["mountInfo.json", "runtime-cli"];
 /// Substrings (lower-cased) of a mount option that suggest a credential.
 /// Records are persisted, so such an option must never reach disk.
 const SECRET_MARKERS: [&str; 11] = [
-    "password", "passwd", "pass=", "pwd", "secret", "cred", "token", "key=", "username=", "user=",
+    "password",
+    "passwd",
+    "pass=",
+    "pwd",
+    "secret",
+    "cred",
+    "token",
+    "key=",
+    "username=",
+    "user=",
     "auth",
 ];
 
@@ -48,7 +57,11 @@ pub fn check_abs_path(what: &str, p: &str) -> Result<(), String> {
     }
     for comp in p[1..].split('/') {
         match comp {
-            "" => return Err(format!("{what} {p:?} is not normalized (empty component or trailing /)")),
+            "" => {
+                return Err(format!(
+                    "{what} {p:?} is not normalized (empty component or trailing /)"
+                ));
+            }
             "." | ".." => return Err(format!("{what} {p:?} is not normalized ({comp} component)")),
             _ => {}
         }
@@ -124,7 +137,9 @@ pub fn check_options(options: &[String]) -> Result<(), String> {
         }
         total += o.len();
         if total > MAX_OPTIONS_TOTAL {
-            return Err(format!("mount options exceed {MAX_OPTIONS_TOTAL} bytes in total"));
+            return Err(format!(
+                "mount options exceed {MAX_OPTIONS_TOTAL} bytes in total"
+            ));
         }
         let lower = o.to_ascii_lowercase();
         // Checked before the charset so the message never echoes a secret.
@@ -134,11 +149,12 @@ pub fn check_options(options: &[String]) -> Result<(), String> {
                     .into(),
             );
         }
-        if let Some(c) = o
-            .chars()
-            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '=' | ':' | '/' | '+')))
-        {
-            return Err(format!("mount option {o:?} contains {c:?} (allowed: A-Z a-z 0-9 _ . - = : / +)"));
+        if let Some(c) = o.chars().find(|c| {
+            !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '=' | ':' | '/' | '+'))
+        }) {
+            return Err(format!(
+                "mount option {o:?} contains {c:?} (allowed: A-Z a-z 0-9 _ . - = : / +)"
+            ));
         }
     }
     Ok(())
@@ -166,9 +182,8 @@ pub fn check_metadata(md: &BTreeMap<String, String>) -> Result<(), String> {
 
 /// Canonical decimal gid: digits only, no leading zero, fits in u32.
 pub fn parse_fs_group(v: &str) -> Result<u32, String> {
-    let canonical = !v.is_empty()
-        && v.bytes().all(|b| b.is_ascii_digit())
-        && (v == "0" || !v.starts_with('0'));
+    let canonical =
+        !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) && (v == "0" || !v.starts_with('0'));
     if !canonical {
         return Err(format!("fsGroup {v:?} is not a decimal group id"));
     }
@@ -196,7 +211,8 @@ pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), Stri
                 Ok(r) => r,
                 Err(_) => continue,
             };
-            if Path::new(dev).starts_with(root) && real.starts_with(&root_real) && real != root_real {
+            if Path::new(dev).starts_with(root) && real.starts_with(&root_real) && real != root_real
+            {
                 return Ok(());
             }
         }
@@ -204,7 +220,9 @@ pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), Stri
             "device {dev:?} is a regular file outside the configured file-device roots"
         ));
     }
-    Err(format!("device {dev:?} is neither a block device nor an allowed regular file"))
+    Err(format!(
+        "device {dev:?} is neither a block device nor an allowed regular file"
+    ))
 }
 
 #[cfg(test)]
@@ -213,10 +231,16 @@ mod tests {
 
     #[test]
     fn abs_paths() {
-        for ok in ["/a", "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv/mount", "/a b/c"] {
+        for ok in [
+            "/a",
+            "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv/mount",
+            "/a b/c",
+        ] {
             assert_eq!(check_abs_path("p", ok), Ok(()), "{ok}");
         }
-        for bad in ["", "/", "a/b", "/a/", "/a//b", "/a/./b", "/a/../b", "/..", "/.", "/a\0b", "/a\nb"] {
+        for bad in [
+            "", "/", "a/b", "/a/", "/a//b", "/a/./b", "/a/../b", "/..", "/.", "/a\0b", "/a\nb",
+        ] {
             assert!(check_abs_path("p", bad).is_err(), "{bad:?}");
         }
         let long = format!("/{}", "a".repeat(MAX_PATH_LEN));
@@ -231,8 +255,18 @@ mod tests {
             assert_eq!(check_sandbox_id(ok), Ok(()), "{ok}");
         }
         for bad in [
-            "", ".hidden", "-x", "_x", "a/b", "..", "a b", "mountInfo.json", "runtime-cli",
-            &"a".repeat(129), "é", "a\0",
+            "",
+            ".hidden",
+            "-x",
+            "_x",
+            "a/b",
+            "..",
+            "a b",
+            "mountInfo.json",
+            "runtime-cli",
+            &"a".repeat(129),
+            "é",
+            "a\0",
         ] {
             assert!(check_sandbox_id(bad).is_err(), "{bad:?}");
         }
@@ -240,13 +274,30 @@ mod tests {
 
     #[test]
     fn options_charset_sizes_and_secrets() {
-        let ok: Vec<String> = ["noatime", "data=ordered", "errors=remount-ro", "logbsize=256k", "nouser_xattr", "commit=5"]
-            .map(String::from)
-            .to_vec();
+        let ok: Vec<String> = [
+            "noatime",
+            "data=ordered",
+            "errors=remount-ro",
+            "logbsize=256k",
+            "nouser_xattr",
+            "commit=5",
+        ]
+        .map(String::from)
+        .to_vec();
         assert_eq!(check_options(&ok), Ok(()));
         for secret in [
-            "password=hunter2", "PASSWD=x", "pass=x", "secret=x", "credentials=/x", "token=abc",
-            "key=abc", "username=bob", "user=bob", "AuthMethod=x", "Sec_Key=1", "pwd=x",
+            "password=hunter2",
+            "PASSWD=x",
+            "pass=x",
+            "secret=x",
+            "credentials=/x",
+            "token=abc",
+            "key=abc",
+            "username=bob",
+            "user=bob",
+            "AuthMethod=x",
+            "Sec_Key=1",
+            "pwd=x",
         ] {
             let e = check_options(&[secret.to_string()]).unwrap_err();
             assert!(e.contains("credential"), "{secret}: {e}");
@@ -268,7 +319,10 @@ mod tests {
         assert_eq!(check_metadata(&md("fsGroup", "0")), Ok(()));
         assert_eq!(check_metadata(&md("fsGroup", "4294967295")), Ok(()));
         assert_eq!(check_metadata(&md("fsGroupChangePolicy", "Always")), Ok(()));
-        assert_eq!(check_metadata(&md("fsGroupChangePolicy", "OnRootMismatch")), Ok(()));
+        assert_eq!(
+            check_metadata(&md("fsGroupChangePolicy", "OnRootMismatch")),
+            Ok(())
+        );
         for (k, v) in [
             ("fsGroup", "4294967296"),
             ("fsGroup", "-1"),
@@ -288,7 +342,11 @@ mod tests {
     #[test]
     fn volume_types_and_fstypes() {
         assert_eq!(check_volume_type("block"), Ok(()));
-        assert!(check_volume_type("network").unwrap_err().contains("not supported"));
+        assert!(
+            check_volume_type("network")
+                .unwrap_err()
+                .contains("not supported")
+        );
         assert!(check_volume_type("Block").is_err());
         let allowed = vec!["ext4".to_string(), "xfs".to_string()];
         assert_eq!(check_fstype("xfs", &allowed), Ok(()));
@@ -298,9 +356,15 @@ mod tests {
 
     #[test]
     fn within() {
-        assert!(is_within("/var/lib/kubelet/pods/x", "/var/lib/kubelet/pods"));
+        assert!(is_within(
+            "/var/lib/kubelet/pods/x",
+            "/var/lib/kubelet/pods"
+        ));
         assert!(is_within("/var/lib/kubelet/pods", "/var/lib/kubelet/pods"));
-        assert!(!is_within("/var/lib/kubelet/podsx/y", "/var/lib/kubelet/pods"));
+        assert!(!is_within(
+            "/var/lib/kubelet/podsx/y",
+            "/var/lib/kubelet/pods"
+        ));
         assert!(!is_within("/var/lib", "/var/lib/kubelet/pods"));
     }
 }

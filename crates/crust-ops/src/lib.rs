@@ -1,1 +1,32 @@
-//! crust-ops
+//! crust_ops: the KEP-2857 `Runtime` service.
+//!
+//! A CSI plugin that defers filesystem operations to the pod's runtime
+//! calls [`CrustOps`] in process (or the `crust-ops` daemon over a unix
+//! socket). Stage/unstage write and remove the hand-off record
+//! ([`crust_handoff`]); stats and expand run the consuming runtime's CLI:
+//!
+//! - CRUST layout: `<runtime-cli> crust stats <target>` and
+//!   `<runtime-cli> crust resize <target> <min> <max>` (0 = unspecified),
+//!   the CLI taken from the record's `runtime-cli` file;
+//! - Kata layout: `<kata-runtime> direct-volume stats --volume-path P` and
+//!   `direct-volume resize --volume-path P --size N`.
+//!
+//! Status codes: see [`OpsError`].
+
+pub mod cli;
+mod error;
+mod ops;
+pub mod parse;
+pub mod server;
+pub mod service;
+
+pub use error::OpsError;
+pub use ops::{
+    CrustOps, DEFAULT_CLI_TIMEOUT, DEFAULT_KATA_RUNTIME, ExpandRequest, LayoutMode, OpsConfig,
+    StageRequest,
+};
+pub use parse::{UsageUnit, VolumeCondition, VolumeStats, VolumeUsage};
+pub use service::RuntimeService;
+
+/// Default socket of the daemon.
+pub const DEFAULT_ENDPOINT: &str = "unix:///run/crust/ops.sock";

@@ -17,3 +17,5 @@ pub mod runtime {
         tonic::include_proto!("crust.runtime.v1alpha1");
     }
 }
+
+pub mod endpoint;

@@ -102,6 +102,9 @@ pub struct PciDevice {
     pub device: u32,
     /// The `id` given to `device_add`/`-device`; empty for built-ins.
     pub qdev_id: String,
+    /// For bridges and root ports: the bus number behind them (0 until the
+    /// guest firmware has numbered buses).
+    pub secondary_bus: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -182,8 +185,14 @@ struct RawPciId {
 
 #[derive(Deserialize)]
 struct RawPciBridge {
+    bus: RawPciBridgeBus,
     #[serde(default)]
     devices: Vec<RawPciDevice>,
+}
+
+#[derive(Deserialize)]
+struct RawPciBridgeBus {
+    secondary: u32,
 }
 
 pub(crate) fn flatten_pci(buses: Vec<RawPciBus>) -> Vec<PciDevice> {
@@ -197,6 +206,7 @@ pub(crate) fn flatten_pci(buses: Vec<RawPciBus>) -> Vec<PciDevice> {
                 vendor: d.id.vendor,
                 device: d.id.device,
                 qdev_id: d.qdev_id,
+                secondary_bus: d.pci_bridge.as_ref().map(|b| b.bus.secondary),
             });
             if let Some(bridge) = d.pci_bridge {
                 walk(bridge.devices, out);

@@ -1,0 +1,626 @@
+//! Requests, replies and errors exchanged with the guest agent.
+//!
+//! On the wire a request is
+//! `{"id": 7, "deadline_ms": 30000, "op": "mount_volume", "args": {...}}`
+//! and a response is `{"id": 7, "result": {...}}` or
+//! `{"id": 7, "error": {"code": "not_found", "message": "..."}}`.
+//! A response with id 0 reports a frame the agent could not attribute to a
+//! request (malformed JSON without a readable id, an oversized frame).
+
+use std::fmt;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// One request. `deadline_ms` is relative to when the agent reads it (host
+/// and guest clocks are unrelated); 0 means no deadline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    #[serde(default)]
+    pub deadline_ms: u64,
+    #[serde(flatten)]
+    pub op: Operation,
+}
+
+/// Every operation the agent understands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "args", rename_all = "snake_case")]
+pub enum Operation {
+    Ping(Ping),
+    MountVolume(MountVolume),
+    StatVolume(StatVolume),
+    GrowVolume(GrowVolume),
+    UnmountVolume(UnmountVolume),
+    StartWorkload(StartWorkload),
+    WorkloadStatus(WorkloadStatus),
+    WorkloadLog(WorkloadLog),
+    SignalWorkload(SignalWorkload),
+    StopWorkload(StopWorkload),
+    Exec(Exec),
+    Shutdown(Shutdown),
+}
+
+/// Wire names of every operation, for telling "unknown op" apart from
+/// "known op with bad arguments".
+pub const OPERATION_NAMES: &[&str] = &[
+    "ping",
+    "mount_volume",
+    "stat_volume",
+    "grow_volume",
+    "unmount_volume",
+    "start_workload",
+    "workload_status",
+    "workload_log",
+    "signal_workload",
+    "stop_workload",
+    "exec",
+    "shutdown",
+];
+
+impl Operation {
+    /// The wire name (`"mount_volume"`, ...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Operation::Ping(_) => Ping::NAME,
+            Operation::MountVolume(_) => MountVolume::NAME,
+            Operation::StatVolume(_) => StatVolume::NAME,
+            Operation::GrowVolume(_) => GrowVolume::NAME,
+            Operation::UnmountVolume(_) => UnmountVolume::NAME,
+            Operation::StartWorkload(_) => StartWorkload::NAME,
+            Operation::WorkloadStatus(_) => WorkloadStatus::NAME,
+            Operation::WorkloadLog(_) => WorkloadLog::NAME,
+            Operation::SignalWorkload(_) => SignalWorkload::NAME,
+            Operation::StopWorkload(_) => StopWorkload::NAME,
+            Operation::Exec(_) => Exec::NAME,
+            Operation::Shutdown(_) => Shutdown::NAME,
+        }
+    }
+}
+
+/// One response: the request's id and either a result or an error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    pub id: u64,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// Result (operation-specific JSON) or error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Result(serde_json::Value),
+    Error(AgentError),
+}
+
+impl Response {
+    /// A successful response carrying `reply`.
+    pub fn ok<T: Serialize>(id: u64, reply: &T) -> Response {
+        match serde_json::to_value(reply) {
+            Ok(v) => Response {
+                id,
+                outcome: Outcome::Result(v),
+            },
+            Err(e) => Response::err(id, AgentError::new(ErrorCode::Internal, e.to_string())),
+        }
+    }
+
+    /// A failed response.
+    pub fn err(id: u64, error: AgentError) -> Response {
+        Response {
+            id,
+            outcome: Outcome::Error(error),
+        }
+    }
+}
+
+/// Coarse failure classes, aligned with gRPC/CSI codes so the runtime can
+/// map them one to one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    FailedPrecondition,
+    DeadlineExceeded,
+    ResourceExhausted,
+    Unimplemented,
+    Internal,
+    /// A code this build does not know (newer agent).
+    #[serde(other)]
+    Unknown,
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            ErrorCode::InvalidArgument => "InvalidArgument",
+            ErrorCode::NotFound => "NotFound",
+            ErrorCode::AlreadyExists => "AlreadyExists",
+            ErrorCode::FailedPrecondition => "FailedPrecondition",
+            ErrorCode::DeadlineExceeded => "DeadlineExceeded",
+            ErrorCode::ResourceExhausted => "ResourceExhausted",
+            ErrorCode::Unimplemented => "Unimplemented",
+            ErrorCode::Internal => "Internal",
+            ErrorCode::Unknown => "Unknown",
+        };
+        f.write_str(s)
+    }
+}
+
+/// An error reported by the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct AgentError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl AgentError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        AgentError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Ties a request type to its reply type and wire name.
+pub trait Call: Into<Operation> {
+    type Reply: Serialize + DeserializeOwned;
+    const NAME: &'static str;
+}
+
+macro_rules! call {
+    ($req:ident => $reply:ty, $name:literal) => {
+        impl Call for $req {
+            type Reply = $reply;
+            const NAME: &'static str = $name;
+        }
+        impl From<$req> for Operation {
+            fn from(r: $req) -> Operation {
+                Operation::$req(r)
+            }
+        }
+    };
+}
+
+call!(Ping => PingReply, "ping");
+call!(MountVolume => MountVolumeReply, "mount_volume");
+call!(StatVolume => VolumeStats, "stat_volume");
+call!(GrowVolume => GrowVolumeReply, "grow_volume");
+call!(UnmountVolume => Empty, "unmount_volume");
+call!(StartWorkload => StartWorkloadReply, "start_workload");
+call!(WorkloadStatus => WorkloadState, "workload_status");
+call!(WorkloadLog => WorkloadLogReply, "workload_log");
+call!(SignalWorkload => Empty, "signal_workload");
+call!(StopWorkload => WorkloadState, "stop_workload");
+call!(Exec => ExecReply, "exec");
+call!(Shutdown => Empty, "shutdown");
+
+/// Reply with no data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Empty {}
+
+/// Liveness probe.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PingReply {
+    /// Agent crate version.
+    pub version: String,
+    /// [`crate::PROTOCOL_VERSION`] the agent speaks.
+    pub protocol: u32,
+    /// Guest uptime.
+    pub uptime_ms: u64,
+}
+
+/// Filesystems the agent mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FsType {
+    Ext4,
+    Xfs,
+}
+
+impl FsType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+        }
+    }
+}
+
+impl fmt::Display for FsType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Kubernetes `fsGroupChangePolicy`, spelled as in the pod spec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum FsGroupPolicy {
+    /// Recursively change group ownership and permissions on every mount.
+    #[default]
+    Always,
+    /// Only when the volume root does not already have the group, the
+    /// setgid bit and group rwx.
+    OnRootMismatch,
+}
+
+/// Mount the filesystem of the virtio-blk disk whose serial is `serial` at
+/// `/run/crust/volumes/<volume>` and apply `fs_group`.
+///
+/// Idempotent: the same volume already mounted from the same serial is a
+/// success. fsGroup is not applied to read-only mounts (as kubelet does).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountVolume {
+    /// Host-chosen key; `[A-Za-z0-9._-]`, at most 128 bytes, not `.`/`..`.
+    pub volume: String,
+    /// virtio-blk serial of the disk (as in `/sys/block/vd*/serial`).
+    pub serial: String,
+    pub fstype: FsType,
+    /// Mount options from an allow-list (see the agent docs); anything
+    /// else is InvalidArgument.
+    #[serde(default)]
+    pub options: Vec<String>,
+    #[serde(default)]
+    pub readonly: bool,
+    #[serde(default)]
+    pub fs_group: Option<u32>,
+    /// Defaults to `Always` when `fs_group` is set.
+    #[serde(default)]
+    pub fs_group_policy: Option<FsGroupPolicy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountVolumeReply {
+    /// Guest path of the mount, `/run/crust/volumes/<volume>`.
+    pub mount_path: String,
+    /// Guest block device, e.g. `/dev/vdb`.
+    pub device: String,
+    /// Whether ownership/permissions were changed for fsGroup on this call.
+    pub fs_group_applied: bool,
+}
+
+/// Usage and health of a mounted volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatVolume {
+    pub volume: String,
+}
+
+/// statvfs-derived usage plus a health verdict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeStats {
+    /// total = f_blocks·f_frsize, used = (f_blocks−f_bfree)·f_frsize,
+    /// available = f_bavail·f_frsize (what `df -P -B1` prints).
+    pub bytes: Usage,
+    /// total = f_files, used = f_files−f_ffree, available = f_ffree.
+    pub inodes: Usage,
+    pub condition: VolumeCondition,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub total: u64,
+    pub used: u64,
+    pub available: u64,
+}
+
+/// CSI `VolumeCondition`: `abnormal` plus a message a person can act on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeCondition {
+    pub abnormal: bool,
+    pub message: String,
+}
+
+/// Grow the filesystem online to the disk's current size (the host resizes
+/// the disk first, e.g. QMP `block_resize`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrowVolume {
+    pub volume: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrowVolumeReply {
+    /// Disk size the guest kernel sees.
+    pub device_bytes: u64,
+    /// Filesystem size after growing (f_blocks·f_frsize).
+    pub fs_total_bytes: u64,
+}
+
+/// Sync and unmount; a volume that is not mounted is a success. Refused
+/// with FailedPrecondition while a running workload uses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmountVolume {
+    pub volume: String,
+}
+
+/// Start the guest's single workload process after bind-mounting volumes.
+///
+/// Idempotent: a running workload with an identical spec is a success;
+/// a different one is AlreadyExists. An exited workload may be replaced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartWorkload {
+    /// argv; `args[0]` is looked up in the workload's PATH.
+    pub args: Vec<String>,
+    /// `KEY=VALUE` entries; the environment is exactly this (plus a default
+    /// PATH when none is given).
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory inside the guest; default `/`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub mounts: Vec<WorkloadMount>,
+    /// Run as this user instead of root.
+    #[serde(default)]
+    pub user: Option<WorkloadUser>,
+}
+
+/// A volume (or a subdirectory/file of it) made visible at `destination`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadMount {
+    pub volume: String,
+    /// Relative path beneath the volume root. Resolved without leaving the
+    /// volume (symlinks included); missing directories are created.
+    #[serde(default)]
+    pub subpath: Option<String>,
+    /// Absolute guest path; created if missing.
+    pub destination: String,
+    #[serde(default)]
+    pub readonly: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadUser {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups, e.g. the pod's fsGroup.
+    #[serde(default)]
+    pub supplemental_gids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartWorkloadReply {
+    pub pid: u32,
+}
+
+/// Current workload state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadStatus {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum WorkloadState {
+    NotStarted,
+    Running {
+        pid: u32,
+    },
+    Exited {
+        pid: u32,
+        /// Exit status when it exited normally.
+        exit_code: Option<i32>,
+        /// Terminating signal when it was killed.
+        signal: Option<i32>,
+    },
+}
+
+/// The end of the workload's combined stdout/stderr log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadLog {
+    /// At most this many bytes from the end (capped by the agent at
+    /// [`crate::MAX_LOG_TAIL`]).
+    pub tail_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadLogReply {
+    /// The bytes, lossily decoded as UTF-8.
+    pub data: String,
+    /// Total log size.
+    pub size: u64,
+    /// Whether earlier bytes were left out.
+    pub truncated: bool,
+}
+
+/// Send a signal (1..=64) to the workload's process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalWorkload {
+    pub signal: i32,
+}
+
+/// SIGTERM the workload's process group, SIGKILL after `timeout_ms`, and
+/// return the final state. Not running is a success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopWorkload {
+    pub timeout_ms: u64,
+}
+
+/// Run a command to completion (diagnostics and tests).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exec {
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Killed (process group) after this long → DeadlineExceeded.
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecReply {
+    /// Exit status, or 128+signal when killed by a signal.
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+    /// Captured output, lossily decoded, each capped at
+    /// [`crate::MAX_EXEC_OUTPUT`] bytes.
+    pub stdout: String,
+    pub stderr: String,
+    /// Whether output was cut.
+    pub truncated: bool,
+}
+
+/// Stop the workload, unmount every volume, sync and power the guest off.
+/// The reply is sent before the power-off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shutdown {}
+
+/// Parses a request body. On failure returns the id if one was readable
+/// (so the error can be addressed) and the error to send back: unknown
+/// operations are `Unimplemented`, everything else `InvalidArgument`.
+pub fn parse_request(body: &[u8]) -> Result<Request, (u64, AgentError)> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        (
+            0,
+            AgentError::new(ErrorCode::InvalidArgument, format!("malformed JSON: {e}")),
+        )
+    })?;
+    let id = value.get("id").and_then(|v| v.as_u64()).unwrap_or(0);
+    let op = value.get("op").and_then(|v| v.as_str()).map(str::to_owned);
+    serde_json::from_value::<Request>(value).map_err(|e| {
+        let err = match op {
+            Some(op) if !OPERATION_NAMES.contains(&op.as_str()) => AgentError::new(
+                ErrorCode::Unimplemented,
+                format!("unknown operation {op:?} (agent protocol {})", crate::PROTOCOL_VERSION),
+            ),
+            _ => AgentError::new(ErrorCode::InvalidArgument, format!("bad request: {e}")),
+        };
+        (id, err)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn request_wire_shape() {
+        let req = Request {
+            id: 9,
+            deadline_ms: 1500,
+            op: MountVolume {
+                volume: "v1".into(),
+                serial: "s1".into(),
+                fstype: FsType::Xfs,
+                options: vec!["noatime".into()],
+                readonly: false,
+                fs_group: Some(2000),
+                fs_group_policy: Some(FsGroupPolicy::OnRootMismatch),
+            }
+            .into(),
+        };
+        let v = serde_json::to_value(&req).unwrap();
+        assert_eq!(v["op"], "mount_volume");
+        assert_eq!(v["id"], 9);
+        assert_eq!(v["args"]["fstype"], "xfs");
+        assert_eq!(v["args"]["fs_group_policy"], "OnRootMismatch");
+        let back: Request = serde_json::from_value(v).unwrap();
+        assert_eq!(back, req);
+        assert_eq!(back.op.name(), "mount_volume");
+    }
+
+    #[test]
+    fn every_operation_round_trips() {
+        let ops: Vec<Operation> = vec![
+            Ping {}.into(),
+            StatVolume { volume: "a".into() }.into(),
+            GrowVolume { volume: "a".into() }.into(),
+            UnmountVolume { volume: "a".into() }.into(),
+            StartWorkload {
+                args: vec!["sh".into()],
+                env: vec![],
+                cwd: None,
+                mounts: vec![WorkloadMount {
+                    volume: "a".into(),
+                    subpath: Some("x/y".into()),
+                    destination: "/data".into(),
+                    readonly: true,
+                }],
+                user: None,
+            }
+            .into(),
+            WorkloadStatus {}.into(),
+            WorkloadLog { tail_bytes: 10 }.into(),
+            SignalWorkload { signal: 15 }.into(),
+            StopWorkload { timeout_ms: 10 }.into(),
+            Exec {
+                args: vec!["df".into()],
+                env: vec![],
+                timeout_ms: 10,
+            }
+            .into(),
+            Shutdown {}.into(),
+        ];
+        for (i, op) in ops.into_iter().enumerate() {
+            let name = op.name();
+            assert!(OPERATION_NAMES.contains(&name));
+            let req = Request {
+                id: i as u64 + 1,
+                deadline_ms: 0,
+                op,
+            };
+            let body = serde_json::to_vec(&req).unwrap();
+            assert_eq!(parse_request(&body).unwrap(), req, "{name}");
+        }
+    }
+
+    #[test]
+    fn response_wire_shape() {
+        let ok = Response::ok(3, &GrowVolumeReply {
+            device_bytes: 10,
+            fs_total_bytes: 8,
+        });
+        assert_eq!(
+            serde_json::to_value(&ok).unwrap(),
+            json!({"id": 3, "result": {"device_bytes": 10, "fs_total_bytes": 8}})
+        );
+        let err = Response::err(4, AgentError::new(ErrorCode::NotFound, "no disk"));
+        let v = serde_json::to_value(&err).unwrap();
+        assert_eq!(v, json!({"id": 4, "error": {"code": "not_found", "message": "no disk"}}));
+        assert_eq!(serde_json::from_value::<Response>(v).unwrap(), err);
+        // A code from a newer agent still parses.
+        let v = json!({"id": 5, "error": {"code": "brand_new", "message": "?"}});
+        match serde_json::from_value::<Response>(v).unwrap().outcome {
+            Outcome::Error(e) => assert_eq!(e.code, ErrorCode::Unknown),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn workload_state_shape() {
+        let s = WorkloadState::Exited {
+            pid: 4,
+            exit_code: None,
+            signal: Some(9),
+        };
+        assert_eq!(
+            serde_json::to_value(s).unwrap(),
+            json!({"state": "exited", "pid": 4, "exit_code": null, "signal": 9})
+        );
+        assert_eq!(
+            serde_json::to_value(WorkloadState::NotStarted).unwrap(),
+            json!({"state": "not_started"})
+        );
+    }
+
+    #[test]
+    fn parse_errors_are_classified() {
+        let (id, e) = parse_request(b"{not json").unwrap_err();
+        assert_eq!((id, e.code), (0, ErrorCode::InvalidArgument));
+        let (id, e) = parse_request(br#"{"id": 12, "op": "teleport", "args": {}}"#).unwrap_err();
+        assert_eq!((id, e.code), (12, ErrorCode::Unimplemented));
+        assert!(e.message.contains("teleport"));
+        let (id, e) =
+            parse_request(br#"{"id": 13, "op": "mount_volume", "args": {"volume": 1}}"#).unwrap_err();
+        assert_eq!((id, e.code), (13, ErrorCode::InvalidArgument));
+        let (id, e) = parse_request(br#"{"id": 14, "op": "mount_volume", "args": {"volume": "v", "serial": "s", "fstype": "btrfs"}}"#).unwrap_err();
+        assert_eq!((id, e.code), (14, ErrorCode::InvalidArgument));
+        let (id, e) = parse_request(br#"[1,2,3]"#).unwrap_err();
+        assert_eq!((id, e.code), (0, ErrorCode::InvalidArgument));
+    }
+}

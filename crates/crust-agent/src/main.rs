@@ -1,0 +1,29 @@
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// The crust guest agent (runs inside the VM).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// virtio-serial port name to serve on.
+    #[arg(long, default_value = crust_agent_proto::AGENT_PORT_NAME)]
+    port_name: String,
+    /// Serve on this character device instead of looking the port up.
+    #[arg(long)]
+    device: Option<PathBuf>,
+    /// Seconds to wait for the port to appear.
+    #[arg(long, default_value_t = 30)]
+    wait_port_secs: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    crust_agent::run(crust_agent::Config {
+        port_name: args.port_name,
+        device: args.device,
+        wait_port: Duration::from_secs(args.wait_port_secs),
+    })?;
+    Ok(())
+}

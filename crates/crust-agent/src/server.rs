@@ -1,0 +1,430 @@
+//! The agent: request dispatch and the virtio-serial channel loop.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crust_agent_proto::{
+    AgentError, Empty, ErrorCode, ExecReply, FrameDecoder, FrameError, GUEST_VOLUME_ROOT,
+    MAX_EXEC_OUTPUT, Operation, PROTOCOL_VERSION, PingReply, Request, Response, frame,
+    parse_request,
+};
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+
+use crate::process::{self, RunError};
+use crate::volume::Volumes;
+use crate::workload::Workloads;
+
+/// Requests handled at once; more get ResourceExhausted.
+const MAX_IN_FLIGHT: usize = 64;
+
+/// How often a disconnected port is polled for the host coming back.
+const RECONNECT_POLL: Duration = Duration::from_millis(25);
+
+macro_rules! log {
+    ($($arg:tt)*) => { eprintln!("crust-agent: {}", format_args!($($arg)*)) };
+}
+
+/// What to do once a response has been written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    Nothing,
+    PowerOff,
+}
+
+struct Outgoing {
+    frame: Vec<u8>,
+    after: After,
+    /// Host connection the request came in on; replies for an earlier
+    /// connection are dropped rather than sent to whoever is there now.
+    connection: u64,
+}
+
+/// Agent state shared by the handler threads.
+pub struct Agent {
+    volumes: Volumes,
+    workloads: Workloads,
+    /// Serializes operations that change mounts.
+    mutate: Mutex<()>,
+    started: Instant,
+}
+
+impl Default for Agent {
+    fn default() -> Self {
+        Agent {
+            volumes: Volumes::default(),
+            workloads: Workloads::default(),
+            mutate: Mutex::new(()),
+            started: Instant::now(),
+        }
+    }
+}
+
+fn uptime_ms(fallback: Instant) -> u64 {
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .map(|s| (s * 1000.0) as u64)
+        .unwrap_or_else(|| fallback.elapsed().as_millis() as u64)
+}
+
+fn deadline_err(what: &str) -> AgentError {
+    AgentError::new(ErrorCode::DeadlineExceeded, format!("{what}: deadline exceeded"))
+}
+
+impl Agent {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.mutate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Handles one request; the flag says whether to power off after the
+    /// reply is out.
+    fn handle(&self, req: Request, received: Instant) -> (Response, After) {
+        let id = req.id;
+        let deadline = (req.deadline_ms > 0).then(|| received + Duration::from_millis(req.deadline_ms));
+        let name = req.op.name();
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return (Response::err(id, deadline_err(name)), After::Nothing);
+        }
+        let mut after = After::Nothing;
+        let result: Result<serde_json::Value, AgentError> = (|| {
+            let v = match req.op {
+                Operation::Ping(_) => serde_json::to_value(PingReply {
+                    version: env!("CARGO_PKG_VERSION").into(),
+                    protocol: PROTOCOL_VERSION,
+                    uptime_ms: uptime_ms(self.started),
+                }),
+                Operation::MountVolume(m) => {
+                    let _g = self.lock();
+                    serde_json::to_value(self.volumes.mount(&m, deadline)?)
+                }
+                Operation::StatVolume(s) => serde_json::to_value(self.volumes.stat(&s.volume)?),
+                Operation::GrowVolume(g) => {
+                    let _g = self.lock();
+                    serde_json::to_value(self.volumes.grow(&g.volume, deadline)?)
+                }
+                Operation::UnmountVolume(u) => {
+                    let _g = self.lock();
+                    crate::volume::validate_name(&u.volume)?;
+                    let (running, dests) = self.workloads.uses(&u.volume);
+                    if running && !dests.is_empty() {
+                        return Err(AgentError::new(
+                            ErrorCode::FailedPrecondition,
+                            format!(
+                                "volume {:?} is in use by the running workload at {}; stop the workload first",
+                                u.volume,
+                                dests.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+                            ),
+                        ));
+                    }
+                    self.workloads.release_binds(Some(&u.volume));
+                    self.volumes.unmount(&u.volume)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::StartWorkload(s) => {
+                    let _g = self.lock();
+                    serde_json::to_value(self.workloads.start(&s, &self.volumes)?)
+                }
+                Operation::WorkloadStatus(_) => serde_json::to_value(self.workloads.status()),
+                Operation::WorkloadLog(l) => serde_json::to_value(self.workloads.log(l.tail_bytes)?),
+                Operation::SignalWorkload(s) => {
+                    self.workloads.signal(s.signal)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::StopWorkload(s) => {
+                    let grace = Duration::from_millis(s.timeout_ms);
+                    serde_json::to_value(self.workloads.stop(grace))
+                }
+                Operation::Exec(e) => serde_json::to_value(self.exec(&e.args, &e.env, e.timeout_ms, deadline)?),
+                Operation::Shutdown(_) => {
+                    self.shutdown_prepare();
+                    after = After::PowerOff;
+                    serde_json::to_value(Empty {})
+                }
+            };
+            v.map_err(|e| AgentError::new(ErrorCode::Internal, e.to_string()))
+        })();
+        let resp = match result {
+            Ok(v) => Response {
+                id,
+                outcome: crust_agent_proto::Outcome::Result(v),
+            },
+            Err(e) => {
+                log!("{name} (id {id}) failed: {e}");
+                Response::err(id, e)
+            }
+        };
+        (resp, after)
+    }
+
+    fn exec(
+        &self,
+        args: &[String],
+        env: &[String],
+        timeout_ms: u64,
+        deadline: Option<Instant>,
+    ) -> Result<ExecReply, AgentError> {
+        let mut timeout = Duration::from_millis(timeout_ms.max(1));
+        if let Some(d) = deadline {
+            timeout = timeout.min(d.saturating_duration_since(Instant::now()));
+        }
+        match process::run(args, env, timeout, MAX_EXEC_OUTPUT) {
+            Ok(o) => Ok(ExecReply {
+                exit_code: o.code,
+                signal: o.signal,
+                stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+                truncated: o.truncated,
+            }),
+            Err(e @ RunError::Empty) => Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string())),
+            Err(e @ RunError::Spawn { .. }) => Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string())),
+            Err(e @ RunError::Timeout { .. }) => Err(AgentError::new(ErrorCode::DeadlineExceeded, e.to_string())),
+            Err(e @ RunError::Wait { .. }) => Err(AgentError::new(ErrorCode::Internal, e.to_string())),
+        }
+    }
+
+    /// Stops the workload and unmounts everything; errors are logged, not
+    /// fatal, since the guest is going away either way.
+    fn shutdown_prepare(&self) {
+        log!("shutdown requested");
+        let _g = self.lock();
+        let state = self.workloads.stop(Duration::from_secs(5));
+        log!("workload: {state:?}");
+        self.workloads.release_binds(None);
+        for v in self.volumes.mounted() {
+            match self.volumes.unmount(&v) {
+                Ok(()) => log!("unmounted volume {v}"),
+                Err(e) => log!("unmounting volume {v}: {e}"),
+            }
+        }
+        rustix::fs::sync();
+    }
+}
+
+/// Agent start-up options.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// virtio-serial port name to serve on.
+    pub port_name: String,
+    /// Use this device instead of looking the port up by name.
+    pub device: Option<PathBuf>,
+    /// How long to wait for the port to appear.
+    pub wait_port: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunFailure {
+    #[error("no virtio-serial port named {name:?} appeared within {after:?} (ports: {seen})")]
+    NoPort {
+        name: String,
+        after: Duration,
+        seen: String,
+    },
+    #[error("opening {path}: {errno}")]
+    Open { path: String, errno: Errno },
+}
+
+/// Finds `/dev/vportNpM` for the port called `name`.
+pub fn find_port(name: &str) -> Result<PathBuf, Vec<String>> {
+    let mut seen = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/class/virtio-ports") {
+        for e in rd.flatten() {
+            let n = std::fs::read_to_string(e.path().join("name")).unwrap_or_default();
+            let n = n.trim();
+            let dev = e.file_name().to_string_lossy().into_owned();
+            if n == name {
+                return Ok(Path::new("/dev").join(dev));
+            }
+            seen.push(format!("{dev}={n:?}"));
+        }
+    }
+    Err(seen)
+}
+
+fn open_port(cfg: &Config) -> Result<OwnedFd, RunFailure> {
+    let path = match &cfg.device {
+        Some(p) => p.clone(),
+        None => {
+            let until = Instant::now() + cfg.wait_port;
+            loop {
+                match find_port(&cfg.port_name) {
+                    Ok(p) if p.exists() => break p,
+                    Ok(_) => {}
+                    Err(seen) if Instant::now() >= until => {
+                        return Err(RunFailure::NoPort {
+                            name: cfg.port_name.clone(),
+                            after: cfg.wait_port,
+                            seen: if seen.is_empty() { "none".into() } else { seen.join(", ") },
+                        });
+                    }
+                    Err(_) => {}
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    rustix::fs::open(path.as_path(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).map_err(|errno| {
+        RunFailure::Open {
+            path: path.display().to_string(),
+            errno,
+        }
+    })
+}
+
+fn power_off() -> ! {
+    rustix::fs::sync();
+    log!("powering off");
+    let _ = rustix::system::reboot(rustix::system::RebootCommand::PowerOff);
+    // No ACPI power-off: a restart also ends QEMU when run with -no-reboot.
+    let _ = rustix::system::reboot(rustix::system::RebootCommand::Restart);
+    std::process::exit(0)
+}
+
+fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<AtomicU64>) {
+    for out in rx {
+        if out.connection != connection.load(Ordering::SeqCst) && out.after != After::PowerOff {
+            log!("dropping a reply for a host connection that has gone");
+            continue;
+        }
+        let mut buf = &out.frame[..];
+        while !buf.is_empty() {
+            match rustix::io::write(&port, buf) {
+                Ok(n) => buf = &buf[n..],
+                Err(Errno::INTR) | Err(Errno::AGAIN) => {}
+                Err(e) => {
+                    log!("dropping a {}-byte response: write failed: {e}", out.frame.len());
+                    break;
+                }
+            }
+        }
+        if out.after == After::PowerOff {
+            // Give QEMU a moment to pass the reply on before the VM ends.
+            std::thread::sleep(Duration::from_millis(200));
+            power_off();
+        }
+    }
+}
+
+/// Serves the agent protocol on the virtio-serial port until the process
+/// ends. Survives the host disconnecting: reads then return EOF, the
+/// partial frame is dropped and the port is polled until the host is back.
+pub fn run(cfg: Config) -> Result<(), RunFailure> {
+    log!("version {} starting", env!("CARGO_PKG_VERSION"));
+    if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {
+        log!("creating {GUEST_VOLUME_ROOT}: {e}");
+    }
+    let _ = rustix::fs::chmod("/run/crust", Mode::from_raw_mode(0o700));
+    let port = open_port(&cfg)?;
+    let reader = port.try_clone().map_err(|e| RunFailure::Open {
+        path: "port (dup)".into(),
+        errno: Errno::from_io_error(&e).unwrap_or(Errno::IO),
+    })?;
+    log!("serving on {}", cfg.device.as_deref().map_or(cfg.port_name.clone(), |p| p.display().to_string()));
+
+    let (tx, rx) = mpsc::channel::<Outgoing>();
+    let connection = Arc::new(AtomicU64::new(0));
+    {
+        let connection = connection.clone();
+        std::thread::spawn(move || writer_loop(port, rx, connection));
+    }
+    let agent = Arc::new(Agent::default());
+    let in_flight = Arc::new(AtomicUsize::new(0));
+
+    let send = |tx: &mpsc::Sender<Outgoing>, resp: &Response, after: After, conn: u64| {
+        let f = frame::encode(resp).or_else(|e| {
+            // Only an oversized reply can fail; tell the caller instead.
+            let msg = format!("reply not sent: {e}");
+            frame::encode(&Response::err(resp.id, AgentError::new(ErrorCode::Internal, msg)))
+        });
+        if let Ok(frame) = f {
+            let _ = tx.send(Outgoing {
+                frame,
+                after,
+                connection: conn,
+            });
+        }
+    };
+
+    let mut dec = FrameDecoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut connected = false;
+    loop {
+        match rustix::io::read(reader.as_fd(), &mut buf) {
+            Ok(0) => {
+                // virtio-serial: no host on the other end.
+                if connected {
+                    log!("host disconnected");
+                    connected = false;
+                    connection.fetch_add(1, Ordering::SeqCst);
+                }
+                dec.reset();
+                std::thread::sleep(RECONNECT_POLL);
+            }
+            Ok(n) => {
+                if !connected {
+                    log!("host connected");
+                    connected = true;
+                }
+                dec.push(&buf[..n]);
+                let conn = connection.load(Ordering::SeqCst);
+                while let Some(f) = dec.next_frame() {
+                    let body = match f {
+                        Ok(b) => b,
+                        Err(e @ FrameError::TooLarge { .. }) => {
+                            log!("refusing frame: {e}");
+                            let r = Response::err(0, AgentError::new(ErrorCode::InvalidArgument, e.to_string()));
+                            send(&tx, &r, After::Nothing, conn);
+                            continue;
+                        }
+                        Err(e) => {
+                            log!("bad frame: {e}");
+                            continue;
+                        }
+                    };
+                    let received = Instant::now();
+                    let req = match parse_request(&body) {
+                        Ok(r) => r,
+                        Err((id, err)) => {
+                            log!("bad request (id {id}): {}", err.message);
+                            send(&tx, &Response::err(id, err), After::Nothing, conn);
+                            continue;
+                        }
+                    };
+                    if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                        let e = AgentError::new(
+                            ErrorCode::ResourceExhausted,
+                            format!("more than {MAX_IN_FLIGHT} requests in flight"),
+                        );
+                        send(&tx, &Response::err(req.id, e), After::Nothing, conn);
+                        continue;
+                    }
+                    let (agent, tx2, busy) = (agent.clone(), tx.clone(), in_flight.clone());
+                    let id = req.id;
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("req-{id}"))
+                        .spawn(move || {
+                            let (resp, after) = agent.handle(req, received);
+                            send(&tx2, &resp, after, conn);
+                            busy.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if let Err(e) = spawned {
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                        let e = AgentError::new(ErrorCode::ResourceExhausted, format!("cannot start a handler thread: {e}"));
+                        send(&tx, &Response::err(id, e), After::Nothing, conn);
+                    }
+                }
+            }
+            Err(Errno::INTR) | Err(Errno::AGAIN) => {}
+            Err(e) => {
+                log!("reading the port: {e}");
+                dec.reset();
+                std::thread::sleep(RECONNECT_POLL * 4);
+            }
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Small readers of /proc and /sys used by the volume operations.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crust_agent_proto::FsType;
+
+/// One line of /proc/self/mountinfo.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    pub mount_point: PathBuf,
+    /// Root of the mount within its filesystem (`/` unless a bind mount of
+    /// a subdirectory).
+    pub root: String,
+    pub fstype: String,
+    pub source: String,
+    /// Per-mount options (`rw`, `noatime`, ...).
+    pub mount_options: Vec<String>,
+    /// Superblock options (`rw`, `errors=remount-ro`, ...).
+    pub super_options: Vec<String>,
+}
+
+impl MountEntry {
+    /// Read-only at either the mount or the superblock level.
+    pub fn is_readonly(&self) -> bool {
+        self.mount_options.iter().any(|o| o == "ro") || self.super_options.iter().any(|o| o == "ro")
+    }
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for space, ...).
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Parses mountinfo text.
+pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        if sep < 6 || fields.len() < sep + 4 {
+            continue;
+        }
+        out.push(MountEntry {
+            root: unescape(fields[3]),
+            mount_point: PathBuf::from(unescape(fields[4])),
+            mount_options: fields[5].split(',').map(str::to_owned).collect(),
+            fstype: fields[sep + 1].to_owned(),
+            source: unescape(fields[sep + 2]),
+            super_options: fields[sep + 3].split(',').map(str::to_owned).collect(),
+        });
+    }
+    out
+}
+
+/// Current mount table of this process's namespace.
+pub fn mounts() -> Vec<MountEntry> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|t| parse_mountinfo(&t))
+        .unwrap_or_default()
+}
+
+/// The topmost mount at exactly `path`.
+pub fn mount_at(path: &Path) -> Option<MountEntry> {
+    mounts().into_iter().rev().find(|m| m.mount_point == path)
+}
+
+/// A virtio disk as the guest sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disk {
+    /// Kernel name, e.g. `vdb`.
+    pub name: String,
+    pub serial: String,
+}
+
+impl Disk {
+    pub fn dev_path(&self) -> PathBuf {
+        Path::new("/dev").join(&self.name)
+    }
+}
+
+/// virtio-blk serial of `/sys/block/<name>`, without padding.
+pub fn disk_serial(name: &str) -> Option<String> {
+    let raw = std::fs::read(Path::new("/sys/block").join(name).join("serial")).ok()?;
+    let s = String::from_utf8_lossy(&raw);
+    Some(s.trim_end_matches(['\0', '\n', ' ']).to_owned())
+}
+
+/// Every virtio disk currently present.
+pub fn disks() -> Vec<Disk> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/block") {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("vd") {
+                continue;
+            }
+            if let Some(serial) = disk_serial(&name) {
+                out.push(Disk { name, serial });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// Waits (polling) until a disk with `serial` shows up or `until` passes;
+/// a hot-plugged disk takes a moment to be probed.
+pub fn wait_for_disk(serial: &str, until: Instant) -> Result<Disk, Vec<Disk>> {
+    loop {
+        let all = disks();
+        if let Some(d) = all.iter().find(|d| d.serial == serial) {
+            return Ok(d.clone());
+        }
+        if Instant::now() >= until {
+            return Err(all);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Disk size in bytes from `/sys/block/<name>/size` (512-byte sectors).
+pub fn disk_bytes(name: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(Path::new("/sys/block").join(name).join("size")).ok()?;
+    s.trim().parse::<u64>().ok().map(|n| n * 512)
+}
+
+/// Whether the disk itself is read-only (attached with `read-only=on`).
+pub fn disk_readonly(name: &str) -> bool {
+    std::fs::read_to_string(Path::new("/sys/block").join(name).join("ro"))
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false)
+}
+
+/// Which of our filesystems a superblock holds, by magic number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detected {
+    Fs(FsType),
+    Unknown,
+}
+
+/// Reads the ext2/3/4 and XFS magics from the start of `dev`.
+pub fn detect_fs(dev: &Path) -> std::io::Result<Detected> {
+    let mut f = std::fs::File::open(dev)?;
+    let mut buf = vec![0u8; 2048];
+    let mut got = 0;
+    while got < buf.len() {
+        let n = f.read(&mut buf[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    Ok(detect_fs_bytes(&buf[..got]))
+}
+
+pub fn detect_fs_bytes(b: &[u8]) -> Detected {
+    if b.len() >= 4 && &b[..4] == b"XFSB" {
+        return Detected::Fs(FsType::Xfs);
+    }
+    // ext superblock at 1024, s_magic at offset 56 (little-endian 0xEF53).
+    if b.len() >= 1082 && b[1080] == 0x53 && b[1081] == 0xEF {
+        return Detected::Fs(FsType::Ext4);
+    }
+    Detected::Unknown
+}
+
+/// The last few kernel log lines mentioning `needle`, for error messages.
+pub fn kmsg_tail(needles: &[&str], max: usize) -> Vec<String> {
+    let Ok(fd) = rustix::fs::open(
+        "/dev/kmsg",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) else {
+        return Vec::new();
+    };
+    let mut lines: Vec<String> = Vec::new();
+    let mut buf = vec![0u8; 8192];
+    loop {
+        match rustix::io::read(&fd, &mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                let rec = String::from_utf8_lossy(&buf[..n]);
+                let msg = rec.split_once(';').map(|(_, m)| m).unwrap_or(&rec);
+                let msg = msg.lines().next().unwrap_or("").trim();
+                if needles.iter().any(|n| msg.contains(n)) {
+                    lines.push(msg.to_owned());
+                    if lines.len() > max {
+                        lines.remove(0);
+                    }
+                }
+            }
+            // EPIPE: a record was overwritten while reading; keep going.
+            Err(rustix::io::Errno::PIPE) | Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => break,
+        }
+    }
+    lines
+}
+
+/// Reads a small sysfs attribute, trimmed.
+pub fn read_attr(path: impl AsRef<Path>) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_parsing() {
+        let text = "22 1 0:5 / / rw,relatime - rootfs rootfs rw\n\
+                    30 22 254:16 / /run/crust/volumes/v1 rw,noatime - ext4 /dev/vdb rw,errors=remount-ro\n\
+                    31 22 254:16 /data/app /data ro,noatime shared:1 - ext4 /dev/vdb rw\n\
+                    32 22 254:32 / /mnt/with\\040space ro - xfs /dev/vdc ro,attr2\n";
+        let m = parse_mountinfo(text);
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[1].mount_point, Path::new("/run/crust/volumes/v1"));
+        assert_eq!(m[1].source, "/dev/vdb");
+        assert_eq!(m[1].fstype, "ext4");
+        assert!(m[1].mount_options.contains(&"noatime".to_string()));
+        assert!(m[1].super_options.contains(&"errors=remount-ro".to_string()));
+        assert!(!m[1].is_readonly());
+        assert_eq!(m[2].root, "/data/app");
+        assert!(m[2].is_readonly());
+        assert_eq!(m[3].mount_point, Path::new("/mnt/with space"));
+        assert!(m[3].is_readonly());
+    }
+
+    #[test]
+    fn fs_magic() {
+        let mut b = vec![0u8; 2048];
+        assert_eq!(detect_fs_bytes(&b), Detected::Unknown);
+        b[1080] = 0x53;
+        b[1081] = 0xEF;
+        assert_eq!(detect_fs_bytes(&b), Detected::Fs(FsType::Ext4));
+        b[..4].copy_from_slice(b"XFSB");
+        assert_eq!(detect_fs_bytes(&b), Detected::Fs(FsType::Xfs));
+        assert_eq!(detect_fs_bytes(&[]), Detected::Unknown);
+    }
+}

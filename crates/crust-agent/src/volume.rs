@@ -1,0 +1,594 @@
+//! Volume operations: mount by virtio serial, stats and health, online
+//! growth, unmount.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crust_agent_proto::{
+    AgentError, ErrorCode, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, GrowVolumeReply, MountVolume,
+    MountVolumeReply, Usage, VolumeCondition, VolumeStats,
+};
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+use rustix::mount::UnmountFlags;
+
+use crate::fsgroup::{self, FsGroupError};
+use crate::options::{self, OptionError};
+use crate::process;
+use crate::sys::{self, Detected};
+
+/// How long MountVolume waits for a disk that is not there yet (hot-plug).
+const DISK_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("invalid volume name {0:?}: use 1-128 characters from [A-Za-z0-9._-], not '.' or '..'")]
+    InvalidName(String),
+    #[error("invalid serial {0:?}: use 1-20 characters from [A-Za-z0-9_-]")]
+    InvalidSerial(String),
+    #[error(transparent)]
+    Options(#[from] OptionError),
+    #[error("no virtio disk with serial {serial:?} is attached (disks seen: {seen})")]
+    NoDisk { serial: String, seen: String },
+    #[error("volume {volume:?} is already mounted from disk serial {mounted:?}, not {serial:?}")]
+    SerialMismatch {
+        volume: String,
+        mounted: String,
+        serial: String,
+    },
+    #[error("disk serial {serial:?} (/dev/{disk}) is already mounted at {at}")]
+    DiskInUse {
+        serial: String,
+        disk: String,
+        at: String,
+    },
+    #[error("disk serial {serial:?} (/dev/{disk}) is attached read-only; mount it with readonly: true")]
+    DiskReadOnly { serial: String, disk: String },
+    #[error("disk serial {serial:?} (/dev/{disk}) holds {found}, not {want}")]
+    WrongFs {
+        serial: String,
+        disk: String,
+        found: String,
+        want: FsType,
+    },
+    #[error("e2fsck found errors it could not fix on /dev/{disk} (exit {code}): {output}; repair the volume offline")]
+    Fsck {
+        disk: String,
+        code: i32,
+        output: String,
+    },
+    #[error("mounting /dev/{disk} ({fstype}) at {target} failed: {errno}{hint}")]
+    MountFailed {
+        disk: String,
+        fstype: FsType,
+        target: String,
+        errno: Errno,
+        hint: String,
+    },
+    #[error("volume {0:?} is not mounted")]
+    NotMounted(String),
+    #[error(transparent)]
+    FsGroup(#[from] FsGroupError),
+    #[error("volume {0:?} is mounted read-only and cannot be grown")]
+    ReadOnly(String),
+    #[error("growing volume {volume:?} with {tool} failed: {detail}")]
+    Grow {
+        volume: String,
+        tool: &'static str,
+        detail: String,
+    },
+    #[error("volume {volume:?} is busy ({errno}): {detail}")]
+    Busy {
+        volume: String,
+        errno: Errno,
+        detail: String,
+    },
+    #[error("{op} {path}: {errno}")]
+    Io {
+        op: &'static str,
+        path: String,
+        errno: Errno,
+    },
+    #[error("{0}")]
+    Deadline(String),
+}
+
+impl From<VolumeError> for AgentError {
+    fn from(e: VolumeError) -> AgentError {
+        use VolumeError::*;
+        let code = match &e {
+            InvalidName(_) | InvalidSerial(_) | Options(_) => ErrorCode::InvalidArgument,
+            NoDisk { .. } | NotMounted(_) => ErrorCode::NotFound,
+            SerialMismatch { .. } | DiskInUse { .. } => ErrorCode::AlreadyExists,
+            DiskReadOnly { .. } | WrongFs { .. } | Fsck { .. } | ReadOnly(_) | Busy { .. } => {
+                ErrorCode::FailedPrecondition
+            }
+            MountFailed { errno, .. } if *errno == Errno::INVAL => ErrorCode::InvalidArgument,
+            MountFailed { errno, .. } if *errno == Errno::ROFS || *errno == Errno::ACCESS => {
+                ErrorCode::FailedPrecondition
+            }
+            FsGroup(FsGroupError::Deadline { .. }) | Deadline(_) => ErrorCode::DeadlineExceeded,
+            MountFailed { .. } | FsGroup(_) | Grow { .. } | Io { .. } => ErrorCode::Internal,
+        };
+        AgentError::new(code, e.to_string())
+    }
+}
+
+/// What the agent remembers about a mounted volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub serial: String,
+    /// Kernel disk name, e.g. `vdb`.
+    pub disk: String,
+    pub fstype: FsType,
+    /// Read-only was requested (so a read-only mount is not a fault).
+    pub readonly: bool,
+}
+
+pub fn validate_name(volume: &str) -> Result<(), VolumeError> {
+    let ok = !volume.is_empty()
+        && volume.len() <= 128
+        && volume != "."
+        && volume != ".."
+        && volume
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(VolumeError::InvalidName(volume.into()))
+    }
+}
+
+fn validate_serial(serial: &str) -> Result<(), VolumeError> {
+    let ok = !serial.is_empty()
+        && serial.len() <= 20
+        && serial
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(VolumeError::InvalidSerial(serial.into()))
+    }
+}
+
+/// `/run/crust/volumes/<volume>`.
+pub fn mount_path(volume: &str) -> PathBuf {
+    Path::new(GUEST_VOLUME_ROOT).join(volume)
+}
+
+fn io(op: &'static str, path: &Path, errno: Errno) -> VolumeError {
+    VolumeError::Io {
+        op,
+        path: path.display().to_string(),
+        errno,
+    }
+}
+
+fn disk_of_source(source: &str) -> Option<String> {
+    source.strip_prefix("/dev/").map(str::to_owned)
+}
+
+#[derive(Default)]
+pub struct Volumes {
+    records: Mutex<HashMap<String, VolumeRecord>>,
+}
+
+impl Volumes {
+    /// The record for `volume`, rebuilt from the mount table if this agent
+    /// did not mount it (agent restarted).
+    pub fn lookup(&self, volume: &str) -> Option<VolumeRecord> {
+        let target = mount_path(volume);
+        let entry = sys::mount_at(&target)?;
+        if let Some(r) = self.records.lock().expect("records").get(volume) {
+            return Some(r.clone());
+        }
+        let disk = disk_of_source(&entry.source)?;
+        let fstype = match entry.fstype.as_str() {
+            "ext4" => FsType::Ext4,
+            "xfs" => FsType::Xfs,
+            _ => return None,
+        };
+        let rec = VolumeRecord {
+            serial: sys::disk_serial(&disk).unwrap_or_default(),
+            readonly: entry.is_readonly(),
+            disk,
+            fstype,
+        };
+        self.records
+            .lock()
+            .expect("records")
+            .insert(volume.into(), rec.clone());
+        Some(rec)
+    }
+
+    /// Names of every mounted volume.
+    pub fn mounted(&self) -> Vec<String> {
+        let root = Path::new(GUEST_VOLUME_ROOT);
+        let mut out: Vec<String> = sys::mounts()
+            .into_iter()
+            .filter(|m| m.mount_point.parent() == Some(root))
+            .filter_map(|m| m.mount_point.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    pub fn mount(&self, req: &MountVolume, deadline: Option<Instant>) -> Result<MountVolumeReply, VolumeError> {
+        validate_name(&req.volume)?;
+        validate_serial(&req.serial)?;
+        let opts = options::parse(req.fstype, &req.options, req.readonly)?;
+        let target = mount_path(&req.volume);
+        let policy = req.fs_group_policy.unwrap_or(FsGroupPolicy::Always);
+
+        if let Some(entry) = sys::mount_at(&target) {
+            let disk = disk_of_source(&entry.source).unwrap_or_default();
+            let mounted = sys::disk_serial(&disk).unwrap_or_default();
+            if mounted != req.serial {
+                return Err(VolumeError::SerialMismatch {
+                    volume: req.volume.clone(),
+                    mounted,
+                    serial: req.serial.clone(),
+                });
+            }
+            // Same volume, same disk: done already. fsGroup is re-applied
+            // so a retry after a failed walk completes it.
+            let mut applied = false;
+            if let Some(gid) = req.fs_group
+                && !entry.is_readonly()
+            {
+                applied = fsgroup::apply(&target, gid, policy, deadline)?;
+            }
+            self.lookup(&req.volume);
+            return Ok(MountVolumeReply {
+                mount_path: target.display().to_string(),
+                device: entry.source,
+                fs_group_applied: applied,
+            });
+        }
+
+        let until = deadline.map_or(Instant::now() + DISK_WAIT, |d| d.min(Instant::now() + DISK_WAIT));
+        let disk = sys::wait_for_disk(&req.serial, until).map_err(|seen| VolumeError::NoDisk {
+            serial: req.serial.clone(),
+            seen: if seen.is_empty() {
+                "none".into()
+            } else {
+                seen.iter()
+                    .map(|d| format!("{}={:?}", d.name, d.serial))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        })?;
+        let dev = disk.dev_path();
+        if let Some(m) = sys::mounts()
+            .into_iter()
+            .find(|m| m.source == dev.to_string_lossy())
+        {
+            return Err(VolumeError::DiskInUse {
+                serial: req.serial.clone(),
+                disk: disk.name.clone(),
+                at: m.mount_point.display().to_string(),
+            });
+        }
+        if !opts.readonly && sys::disk_readonly(&disk.name) {
+            return Err(VolumeError::DiskReadOnly {
+                serial: req.serial.clone(),
+                disk: disk.name.clone(),
+            });
+        }
+        match sys::detect_fs(&dev).map_err(|e| io("read", &dev, Errno::from_io_error(&e).unwrap_or(Errno::IO)))? {
+            Detected::Fs(found) if found == req.fstype => {}
+            Detected::Fs(found) => {
+                return Err(VolumeError::WrongFs {
+                    serial: req.serial.clone(),
+                    disk: disk.name.clone(),
+                    found: format!("an {found} filesystem"),
+                    want: req.fstype,
+                });
+            }
+            Detected::Unknown => {
+                return Err(VolumeError::WrongFs {
+                    serial: req.serial.clone(),
+                    disk: disk.name.clone(),
+                    found: "no ext4 or xfs filesystem (unformatted?)".into(),
+                    want: req.fstype,
+                });
+            }
+        }
+        if req.fstype == FsType::Ext4 && !opts.readonly {
+            // Like kubelet: preen before a read-write mount. 1 = fixed.
+            let args = ["e2fsck", "-p", &dev.to_string_lossy()].map(String::from);
+            let left = deadline.map_or(Duration::from_secs(300), |d| d.saturating_duration_since(Instant::now()));
+            let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| VolumeError::Fsck {
+                disk: disk.name.clone(),
+                code: -1,
+                output: e.to_string(),
+            })?;
+            if out.code >= 4 {
+                return Err(VolumeError::Fsck {
+                    disk: disk.name.clone(),
+                    code: out.code,
+                    output: out.text(),
+                });
+            }
+        }
+
+        std::fs::create_dir_all(&target)
+            .map_err(|e| io("mkdir", &target, Errno::from_io_error(&e).unwrap_or(Errno::IO)))?;
+        let data = std::ffi::CString::new(opts.data.clone()).expect("validated options have no NUL");
+        if let Err(errno) = rustix::mount::mount(
+            dev.as_path(),
+            target.as_path(),
+            req.fstype.as_str(),
+            opts.flags,
+            (!opts.data.is_empty()).then_some(data.as_c_str()),
+        ) {
+            let _ = std::fs::remove_dir(&target);
+            let kmsg = sys::kmsg_tail(&[disk.name.as_str()], 3);
+            let hint = if kmsg.is_empty() {
+                String::new()
+            } else {
+                format!(" (kernel: {})", kmsg.join(" / "))
+            };
+            return Err(VolumeError::MountFailed {
+                disk: disk.name.clone(),
+                fstype: req.fstype,
+                target: target.display().to_string(),
+                errno,
+                hint,
+            });
+        }
+        self.records.lock().expect("records").insert(
+            req.volume.clone(),
+            VolumeRecord {
+                serial: req.serial.clone(),
+                disk: disk.name.clone(),
+                fstype: req.fstype,
+                readonly: opts.readonly,
+            },
+        );
+        let mut applied = false;
+        if let Some(gid) = req.fs_group
+            && !opts.readonly
+        {
+            applied = fsgroup::apply(&target, gid, policy, deadline)?;
+        }
+        Ok(MountVolumeReply {
+            mount_path: target.display().to_string(),
+            device: dev.display().to_string(),
+            fs_group_applied: applied,
+        })
+    }
+
+    pub fn stat(&self, volume: &str) -> Result<VolumeStats, VolumeError> {
+        validate_name(volume)?;
+        let rec = self
+            .lookup(volume)
+            .ok_or_else(|| VolumeError::NotMounted(volume.into()))?;
+        let target = mount_path(volume);
+        let mut problems: Vec<String> = Vec::new();
+        let (bytes, inodes) = match rustix::fs::statvfs(target.as_path()) {
+            Ok(s) => {
+                let frsize = s.f_frsize;
+                (
+                    Usage {
+                        total: s.f_blocks * frsize,
+                        used: s.f_blocks.saturating_sub(s.f_bfree) * frsize,
+                        available: s.f_bavail * frsize,
+                    },
+                    Usage {
+                        total: s.f_files,
+                        used: s.f_files.saturating_sub(s.f_ffree),
+                        available: s.f_ffree,
+                    },
+                )
+            }
+            Err(e) => {
+                problems.push(format!(
+                    "statfs on the volume failed ({e}): the filesystem has shut down or the disk is failing; \
+                     stop the pod and repair the volume offline"
+                ));
+                (Usage::default(), Usage::default())
+            }
+        };
+        match sys::disk_serial(&rec.disk) {
+            Some(s) if s == rec.serial => {}
+            _ => problems.push(format!(
+                "disk serial {:?} (was /dev/{}) is no longer attached to the VM; the volume cannot be read \
+                 or written until it is re-attached and the pod restarted",
+                rec.serial, rec.disk
+            )),
+        }
+        if let Some(entry) = sys::mount_at(&target)
+            && entry.is_readonly()
+            && !rec.readonly
+        {
+            problems.push(format!(
+                "filesystem on /dev/{} was remounted read-only by the kernel although it was mounted \
+                 read-write (usually after an I/O or metadata error); check the guest kernel log and \
+                 repair the volume offline",
+                rec.disk
+            ));
+        }
+        if rec.fstype == FsType::Ext4 {
+            let base = Path::new("/sys/fs/ext4").join(&rec.disk);
+            let count: u64 = sys::read_attr(base.join("errors_count"))
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            if count > 0 {
+                let func = sys::read_attr(base.join("last_error_func")).unwrap_or_default();
+                problems.push(format!(
+                    "ext4 on /dev/{} has recorded {count} error(s){}; run e2fsck on the volume offline",
+                    rec.disk,
+                    if func.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (last in {func})")
+                    }
+                ));
+            }
+        }
+        // A read probe: XFS (and ext4 after an abort) fail readdir with EIO
+        // once shut down, without writing anything to the volume.
+        if let Err(e) = probe_readdir(&target) {
+            problems.push(format!(
+                "reading the volume root failed ({e}): the filesystem has shut down or the disk is \
+                 failing; stop the pod and repair the volume offline (e2fsck / xfs_repair)"
+            ));
+        }
+        let condition = if problems.is_empty() {
+            VolumeCondition {
+                abnormal: false,
+                message: format!("volume is mounted from /dev/{} and healthy", rec.disk),
+            }
+        } else {
+            VolumeCondition {
+                abnormal: true,
+                message: problems.join("; "),
+            }
+        };
+        Ok(VolumeStats {
+            bytes,
+            inodes,
+            condition,
+        })
+    }
+
+    pub fn grow(&self, volume: &str, deadline: Option<Instant>) -> Result<GrowVolumeReply, VolumeError> {
+        validate_name(volume)?;
+        let rec = self
+            .lookup(volume)
+            .ok_or_else(|| VolumeError::NotMounted(volume.into()))?;
+        let target = mount_path(volume);
+        if sys::mount_at(&target).is_some_and(|m| m.is_readonly()) {
+            return Err(VolumeError::ReadOnly(volume.into()));
+        }
+        let device_bytes = sys::disk_bytes(&rec.disk).ok_or_else(|| VolumeError::Grow {
+            volume: volume.into(),
+            tool: "sysfs",
+            detail: format!("cannot read the size of /dev/{} (disk detached?)", rec.disk),
+        })?;
+        let (tool, args): (&'static str, Vec<String>) = match rec.fstype {
+            FsType::Ext4 => ("resize2fs", vec!["resize2fs".into(), format!("/dev/{}", rec.disk)]),
+            FsType::Xfs => (
+                "xfs_growfs",
+                vec!["xfs_growfs".into(), "-d".into(), target.display().to_string()],
+            ),
+        };
+        let left = deadline.map_or(Duration::from_secs(600), |d| d.saturating_duration_since(Instant::now()));
+        let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| match e {
+            process::RunError::Timeout { .. } => VolumeError::Deadline(format!("{tool}: {e}")),
+            e => VolumeError::Grow {
+                volume: volume.into(),
+                tool,
+                detail: e.to_string(),
+            },
+        })?;
+        if !out.success() {
+            return Err(VolumeError::Grow {
+                volume: volume.into(),
+                tool,
+                detail: format!("exit {}: {}", out.code, out.text()),
+            });
+        }
+        let s = rustix::fs::statvfs(target.as_path()).map_err(|e| io("statfs", &target, e))?;
+        Ok(GrowVolumeReply {
+            device_bytes,
+            fs_total_bytes: s.f_blocks * s.f_frsize,
+        })
+    }
+
+    /// Syncs and unmounts; not mounted is success. The caller makes sure
+    /// no workload bind mount still uses it.
+    pub fn unmount(&self, volume: &str) -> Result<(), VolumeError> {
+        validate_name(volume)?;
+        let target = mount_path(volume);
+        while sys::mount_at(&target).is_some() {
+            if let Ok(fd) = rustix::fs::open(
+                target.as_path(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
+                let _ = rustix::fs::syncfs(&fd);
+            }
+            match rustix::mount::unmount(target.as_path(), UnmountFlags::empty()) {
+                Ok(()) => {}
+                Err(Errno::BUSY) => {
+                    return Err(VolumeError::Busy {
+                        volume: volume.into(),
+                        errno: Errno::BUSY,
+                        detail: "files are open or something is mounted inside it".into(),
+                    });
+                }
+                Err(Errno::INVAL) => break,
+                Err(e) => return Err(io("umount", &target, e)),
+            }
+        }
+        self.records.lock().expect("records").remove(volume);
+        match std::fs::remove_dir(&target) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("rmdir", &target, Errno::from_io_error(&e).unwrap_or(Errno::IO))),
+        }
+    }
+}
+
+fn probe_readdir(dir: &Path) -> Result<(), Errno> {
+    let fd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut d = rustix::fs::Dir::new(fd)?;
+    match d.read() {
+        Some(Err(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_serials() {
+        for ok in ["pvc-1", "a", "A.b_c-9", &"x".repeat(128)] {
+            assert!(validate_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129), "ä"] {
+            assert!(validate_name(bad).is_err(), "{bad}");
+        }
+        assert!(validate_serial("crust-0123456789abcd").is_ok());
+        assert!(validate_serial("crust-0123456789abcde").is_err());
+        assert!(validate_serial("a.b").is_err());
+        assert!(validate_serial("").is_err());
+    }
+
+    #[test]
+    fn error_codes() {
+        let c = |e: VolumeError| AgentError::from(e).code;
+        assert_eq!(c(VolumeError::InvalidName("x/".into())), ErrorCode::InvalidArgument);
+        assert_eq!(
+            c(VolumeError::NoDisk {
+                serial: "s".into(),
+                seen: "none".into()
+            }),
+            ErrorCode::NotFound
+        );
+        assert_eq!(
+            c(VolumeError::MountFailed {
+                disk: "vdb".into(),
+                fstype: FsType::Xfs,
+                target: "/t".into(),
+                errno: Errno::INVAL,
+                hint: String::new()
+            }),
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(c(VolumeError::NotMounted("v".into())), ErrorCode::NotFound);
+    }
+}

@@ -1,0 +1,530 @@
+//! The guest's single workload: volume bind mounts (with subPath), the
+//! process, its log, signals and stop.
+
+use std::fs::OpenOptions;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crust_agent_proto::{
+    AgentError, ErrorCode, MAX_LOG_TAIL, StartWorkload, StartWorkloadReply, WorkloadLogReply,
+    WorkloadMount, WorkloadState,
+};
+use rustix::fs::{FileType, Gid, Mode, OFlags, Uid};
+use rustix::io::Errno;
+use rustix::mount::{MountFlags, UnmountFlags};
+use rustix::process::{Pid, Signal};
+
+use crate::process;
+use crate::subpath::{self, SubpathError};
+use crate::volume::{self, Volumes, mount_path};
+
+/// Combined stdout/stderr of the workload.
+pub const LOG_PATH: &str = "/run/crust/workload.log";
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("invalid workload spec: {0}")]
+    Invalid(String),
+    #[error("mount of volume {volume:?} at {destination}: {source}")]
+    Subpath {
+        volume: String,
+        destination: String,
+        #[source]
+        source: SubpathError,
+    },
+    #[error("volume {0:?} is not mounted; call MountVolume first")]
+    VolumeNotMounted(String),
+    #[error("a different workload is already running (pid {0}); stop it first")]
+    AlreadyRunning(u32),
+    #[error("no workload is running")]
+    NotRunning,
+    #[error("cannot start workload {program:?}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{op} {path}: {errno}")]
+    Io {
+        op: &'static str,
+        path: String,
+        errno: Errno,
+    },
+}
+
+impl From<WorkloadError> for AgentError {
+    fn from(e: WorkloadError) -> AgentError {
+        use WorkloadError::*;
+        let code = match &e {
+            Invalid(_) | Subpath { .. } => ErrorCode::InvalidArgument,
+            Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                ErrorCode::InvalidArgument
+            }
+            VolumeNotMounted(_) | NotRunning => ErrorCode::FailedPrecondition,
+            AlreadyRunning(_) => ErrorCode::AlreadyExists,
+            Spawn { .. } | Io { .. } => ErrorCode::Internal,
+        };
+        AgentError::new(code, e.to_string())
+    }
+}
+
+fn io_err(op: &'static str, path: &Path, errno: Errno) -> WorkloadError {
+    WorkloadError::Io {
+        op,
+        path: path.display().to_string(),
+        errno,
+    }
+}
+
+fn errno_of(e: &std::io::Error) -> Errno {
+    Errno::from_io_error(e).unwrap_or(Errno::IO)
+}
+
+/// A bind mount made for the workload.
+#[derive(Debug, Clone)]
+struct Bind {
+    volume: String,
+    destination: PathBuf,
+}
+
+struct Current {
+    spec: StartWorkload,
+    pid: u32,
+    state: WorkloadState,
+    binds: Vec<Bind>,
+}
+
+#[derive(Default)]
+struct Slot {
+    current: Option<Current>,
+}
+
+/// The workload slot. Cheap to share (`Arc` inside).
+#[derive(Clone, Default)]
+pub struct Workloads {
+    inner: Arc<(Mutex<Slot>, Condvar)>,
+}
+
+/// Guest paths a workload mount must not cover.
+const RESERVED: &[&str] = &["/proc", "/sys", "/dev", "/run/crust"];
+
+fn validate_destination(dest: &str) -> Result<PathBuf, WorkloadError> {
+    let p = Path::new(dest);
+    let bad = |why: &str| WorkloadError::Invalid(format!("destination {dest:?} {why}"));
+    if !p.is_absolute() {
+        return Err(bad("must be absolute"));
+    }
+    if p.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(bad("must not contain '..'"));
+    }
+    let clean: PathBuf = p.components().collect();
+    if clean == Path::new("/") {
+        return Err(bad("must not be /"));
+    }
+    if RESERVED.iter().any(|r| clean.starts_with(r)) {
+        return Err(bad(&format!("must not be under {}", RESERVED.join(", "))));
+    }
+    Ok(clean)
+}
+
+fn validate(spec: &StartWorkload) -> Result<Vec<PathBuf>, WorkloadError> {
+    if spec.args.is_empty() || spec.args[0].is_empty() {
+        return Err(WorkloadError::Invalid("args must not be empty".into()));
+    }
+    if let Some(kv) = spec
+        .env
+        .iter()
+        .find(|kv| !kv.contains('=') || kv.starts_with('='))
+    {
+        return Err(WorkloadError::Invalid(format!("env entry {kv:?} is not KEY=VALUE")));
+    }
+    if let Some(cwd) = &spec.cwd
+        && !cwd.starts_with('/')
+    {
+        return Err(WorkloadError::Invalid(format!("cwd {cwd:?} must be absolute")));
+    }
+    let mut dests = Vec::new();
+    for m in &spec.mounts {
+        volume::validate_name(&m.volume).map_err(|e| WorkloadError::Invalid(e.to_string()))?;
+        let d = validate_destination(&m.destination)?;
+        if dests.contains(&d) {
+            return Err(WorkloadError::Invalid(format!(
+                "destination {} is used twice",
+                d.display()
+            )));
+        }
+        if let Some(sp) = &m.subpath {
+            subpath::components(sp).map_err(|source| WorkloadError::Subpath {
+                volume: m.volume.clone(),
+                destination: m.destination.clone(),
+                source,
+            })?;
+        }
+        dests.push(d);
+    }
+    Ok(dests)
+}
+
+fn unmount_binds(binds: &[Bind]) {
+    for b in binds.iter().rev() {
+        loop {
+            match rustix::mount::unmount(b.destination.as_path(), UnmountFlags::empty()) {
+                Ok(()) => {}
+                Err(Errno::BUSY) => {
+                    // Workload leftovers still hold it: detach so the volume
+                    // can be unmounted; the kernel finishes when they go.
+                    let _ = rustix::mount::unmount(b.destination.as_path(), UnmountFlags::DETACH);
+                }
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Resolves one workload mount and bind-mounts it at `dest`.
+fn bind_one(m: &WorkloadMount, dest: &Path, volumes: &Volumes) -> Result<(), WorkloadError> {
+    if volumes.lookup(&m.volume).is_none() {
+        return Err(WorkloadError::VolumeNotMounted(m.volume.clone()));
+    }
+    let root_path = mount_path(&m.volume);
+    let root = rustix::fs::open(
+        root_path.as_path(),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err("open", &root_path, e))?;
+    let root_mode = rustix::fs::fstat(&root)
+        .map_err(|e| io_err("stat", &root_path, e))?
+        .st_mode
+        & 0o7777;
+    let src = subpath::open_beneath(
+        &root,
+        m.subpath.as_deref().unwrap_or(""),
+        true,
+        Mode::from_raw_mode(root_mode),
+    )
+    .map_err(|source| WorkloadError::Subpath {
+        volume: m.volume.clone(),
+        destination: m.destination.clone(),
+        source,
+    })?;
+    let st = rustix::fs::fstat(&src).map_err(|e| io_err("stat", &root_path, e))?;
+    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+        std::fs::create_dir_all(dest).map_err(|e| io_err("mkdir", dest, errno_of(&e)))?;
+    } else {
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("mkdir", parent, errno_of(&e)))?;
+        }
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(dest)
+            .map_err(|e| io_err("create", dest, errno_of(&e)))?;
+    }
+    // Through the descriptor: the subPath is never looked up by name again.
+    let proc_path = format!("/proc/self/fd/{}", src.as_raw_fd());
+    rustix::mount::mount_bind(proc_path.as_str(), dest).map_err(|e| io_err("bind mount at", dest, e))?;
+    if m.readonly
+        && let Err(e) = rustix::mount::mount_remount(dest, MountFlags::BIND | MountFlags::RDONLY, "")
+    {
+        let _ = rustix::mount::unmount(dest, UnmountFlags::empty());
+        return Err(io_err("read-only remount of", dest, e));
+    }
+    Ok(())
+}
+
+fn spawn(spec: &StartWorkload) -> Result<Child, WorkloadError> {
+    let log = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(LOG_PATH)
+        .map_err(|e| io_err("open", Path::new(LOG_PATH), errno_of(&e)))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| io_err("dup", Path::new(LOG_PATH), errno_of(&e)))?;
+    let mut cmd = Command::new(&spec.args[0]);
+    cmd.args(&spec.args[1..])
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .current_dir(spec.cwd.as_deref().unwrap_or("/"))
+        .process_group(0);
+    if !spec.env.iter().any(|kv| kv.starts_with("PATH=")) {
+        cmd.env("PATH", process::PATH);
+    }
+    for kv in &spec.env {
+        let (k, v) = kv.split_once('=').expect("validated");
+        cmd.env(k, v);
+    }
+    if let Some(user) = &spec.user {
+        let groups: Vec<Gid> = user
+            .supplemental_gids
+            .iter()
+            .map(|g| Gid::from_raw(*g))
+            .collect();
+        let (uid, gid) = (Uid::from_raw(user.uid), Gid::from_raw(user.gid));
+        // SAFETY: only raw syscalls between fork and exec, no allocation.
+        unsafe {
+            cmd.pre_exec(move || {
+                rustix::thread::set_thread_groups(&groups)?;
+                rustix::thread::set_thread_gid(gid)?;
+                rustix::thread::set_thread_uid(uid)?;
+                Ok(())
+            });
+        }
+    }
+    cmd.spawn().map_err(|source| WorkloadError::Spawn {
+        program: spec.args[0].clone(),
+        source,
+    })
+}
+
+impl Workloads {
+    pub fn start(&self, spec: &StartWorkload, volumes: &Volumes) -> Result<StartWorkloadReply, WorkloadError> {
+        let dests = validate(spec)?;
+        let (lock, cv) = &*self.inner;
+        let mut slot = lock.lock().expect("workload lock");
+        if let Some(cur) = &slot.current
+            && let WorkloadState::Running { pid } = cur.state
+        {
+            if cur.spec == *spec {
+                return Ok(StartWorkloadReply { pid });
+            }
+            return Err(WorkloadError::AlreadyRunning(pid));
+        }
+        if let Some(old) = slot.current.take() {
+            unmount_binds(&old.binds);
+        }
+        let mut binds: Vec<Bind> = Vec::new();
+        for (m, dest) in spec.mounts.iter().zip(&dests) {
+            if let Err(e) = bind_one(m, dest, volumes) {
+                unmount_binds(&binds);
+                return Err(e);
+            }
+            binds.push(Bind {
+                volume: m.volume.clone(),
+                destination: dest.clone(),
+            });
+        }
+        let mut child = match spawn(spec) {
+            Ok(c) => c,
+            Err(e) => {
+                unmount_binds(&binds);
+                return Err(e);
+            }
+        };
+        let pid = child.id();
+        slot.current = Some(Current {
+            spec: spec.clone(),
+            pid,
+            state: WorkloadState::Running { pid },
+            binds,
+        });
+        drop(slot);
+        let inner = self.inner.clone();
+        let _ = cv;
+        std::thread::spawn(move || {
+            let status = child.wait();
+            let (lock, cv) = &*inner;
+            let mut slot = lock.lock().expect("workload lock");
+            if let Some(cur) = slot.current.as_mut()
+                && cur.pid == pid
+            {
+                let (exit_code, signal) = match status {
+                    Ok(st) => {
+                        let (code, sig) = process::status_code(st);
+                        (if sig.is_some() { None } else { Some(code) }, sig)
+                    }
+                    Err(_) => (None, None),
+                };
+                cur.state = WorkloadState::Exited {
+                    pid,
+                    exit_code,
+                    signal,
+                };
+            }
+            cv.notify_all();
+        });
+        Ok(StartWorkloadReply { pid })
+    }
+
+    pub fn status(&self) -> WorkloadState {
+        let slot = self.inner.0.lock().expect("workload lock");
+        slot.current
+            .as_ref()
+            .map_or(WorkloadState::NotStarted, |c| c.state)
+    }
+
+    pub fn log(&self, tail: u64) -> Result<WorkloadLogReply, WorkloadError> {
+        let tail = tail.min(MAX_LOG_TAIL);
+        let mut f = match std::fs::File::open(LOG_PATH) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(WorkloadLogReply {
+                    data: String::new(),
+                    size: 0,
+                    truncated: false,
+                });
+            }
+            Err(e) => return Err(io_err("open", Path::new(LOG_PATH), errno_of(&e))),
+        };
+        let size = f
+            .metadata()
+            .map_err(|e| io_err("stat", Path::new(LOG_PATH), errno_of(&e)))?
+            .len();
+        let start = size.saturating_sub(tail);
+        f.seek(SeekFrom::Start(start))
+            .map_err(|e| io_err("seek", Path::new(LOG_PATH), errno_of(&e)))?;
+        let mut buf = Vec::new();
+        f.take(tail)
+            .read_to_end(&mut buf)
+            .map_err(|e| io_err("read", Path::new(LOG_PATH), errno_of(&e)))?;
+        Ok(WorkloadLogReply {
+            data: String::from_utf8_lossy(&buf).into_owned(),
+            size,
+            truncated: start > 0,
+        })
+    }
+
+    fn running_pid(&self) -> Option<u32> {
+        let slot = self.inner.0.lock().expect("workload lock");
+        match slot.current.as_ref().map(|c| c.state) {
+            Some(WorkloadState::Running { pid }) => Some(pid),
+            _ => None,
+        }
+    }
+
+    pub fn signal(&self, signal: i32) -> Result<(), WorkloadError> {
+        let sig = Signal::from_named_raw(signal)
+            .ok_or_else(|| WorkloadError::Invalid(format!("unknown signal {signal}")))?;
+        let pid = self.running_pid().ok_or(WorkloadError::NotRunning)?;
+        let pid = Pid::from_raw(pid as i32).expect("nonzero pid");
+        match rustix::process::kill_process_group(pid, sig) {
+            Ok(()) | Err(Errno::SRCH) => Ok(()),
+            Err(e) => Err(WorkloadError::Io {
+                op: "kill",
+                path: format!("process group {}", pid.as_raw_nonzero()),
+                errno: e,
+            }),
+        }
+    }
+
+    fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let (lock, cv) = &*self.inner;
+        let mut slot = lock.lock().expect("workload lock");
+        loop {
+            if !matches!(
+                slot.current.as_ref().map(|c| c.state),
+                Some(WorkloadState::Running { .. })
+            ) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            slot = cv.wait_timeout(slot, left).expect("workload lock").0;
+        }
+    }
+
+    /// TERM, then KILL after `grace`; returns the final state.
+    pub fn stop(&self, grace: Duration) -> WorkloadState {
+        if let Some(pid) = self.running_pid() {
+            let pid = Pid::from_raw(pid as i32).expect("nonzero pid");
+            let _ = rustix::process::kill_process_group(pid, Signal::TERM);
+            if !self.wait_exit(grace) {
+                let _ = rustix::process::kill_process_group(pid, Signal::KILL);
+                self.wait_exit(Duration::from_secs(10));
+            }
+            // Stragglers left in the group after the leader exited.
+            let _ = rustix::process::kill_process_group(pid, Signal::KILL);
+        }
+        self.status()
+    }
+
+    /// Where a volume is bind-mounted for the workload, and whether the
+    /// workload is running.
+    pub fn uses(&self, volume: &str) -> (bool, Vec<PathBuf>) {
+        let slot = self.inner.0.lock().expect("workload lock");
+        match &slot.current {
+            None => (false, Vec::new()),
+            Some(c) => (
+                matches!(c.state, WorkloadState::Running { .. }),
+                c.binds
+                    .iter()
+                    .filter(|b| b.volume == volume)
+                    .map(|b| b.destination.clone())
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Removes the (stopped) workload's bind mounts of `volume`, or of all
+    /// volumes when `None`.
+    pub fn release_binds(&self, volume: Option<&str>) {
+        let mut slot = self.inner.0.lock().expect("workload lock");
+        if let Some(c) = slot.current.as_mut() {
+            let (drop, keep): (Vec<Bind>, Vec<Bind>) = c
+                .binds
+                .drain(..)
+                .partition(|b| volume.is_none_or(|v| b.volume == v));
+            unmount_binds(&drop);
+            c.binds = keep;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crust_agent_proto::WorkloadMount;
+
+    fn spec(mounts: Vec<WorkloadMount>) -> StartWorkload {
+        StartWorkload {
+            args: vec!["sh".into()],
+            env: vec!["A=1".into()],
+            cwd: None,
+            mounts,
+            user: None,
+        }
+    }
+
+    fn m(dest: &str, sub: Option<&str>) -> WorkloadMount {
+        WorkloadMount {
+            volume: "v".into(),
+            subpath: sub.map(Into::into),
+            destination: dest.into(),
+            readonly: false,
+        }
+    }
+
+    #[test]
+    fn destinations_validated() {
+        assert!(validate(&spec(vec![m("/data", None)])).is_ok());
+        assert_eq!(
+            validate(&spec(vec![m("/data//x/", None)])).unwrap(),
+            vec![PathBuf::from("/data/x")]
+        );
+        for bad in ["data", "/", "/a/../b", "/proc/x", "/dev", "/run/crust/volumes/v"] {
+            assert!(validate(&spec(vec![m(bad, None)])).is_err(), "{bad}");
+        }
+        assert!(validate(&spec(vec![m("/a", None), m("/a/", None)])).is_err());
+        assert!(validate(&spec(vec![m("/a", Some("../x"))])).is_err());
+        assert!(validate(&spec(vec![m("/a", Some("/x"))])).is_err());
+        let mut s = spec(vec![]);
+        s.env = vec!["NOEQUALS".into()];
+        assert!(validate(&s).is_err());
+        s.env = vec![];
+        s.args = vec![];
+        assert!(validate(&s).is_err());
+    }
+}

@@ -1,0 +1,677 @@
+//! The embedded default backend: sparse files attached as loop devices.
+//!
+//! Layout of the pool directory (mode 0700):
+//!
+//! ```text
+//! <dir>/index.json        volume id -> {file, size_bytes}; the source of truth
+//! <dir>/<name>.img        one sparse file per volume (mode 0600)
+//! <dir>/quarantine/       orphaned files that hold data (never deleted by crust)
+//! <dir>/.lock             flock held while a PoolBackend is open
+//! ```
+//!
+//! `<name>` is the volume id itself when it only uses `[A-Za-z0-9._-]`
+//! (not starting with `.`, at most 128 bytes), otherwise a sanitised
+//! prefix plus 16 hex digits of its SHA-256.
+//!
+//! ## Crash safety
+//! Create writes the file (O_EXCL, ftruncate, fsync) before the index
+//! entry; delete removes the file before the entry; expand grows the file
+//! before the entry. So after a crash the index may lack an entry for a
+//! file, or list a file that is gone, or list a smaller size. [`PoolBackend::open`]
+//! reconciles:
+//!
+//! * file without entry, no blocks allocated (`st_blocks == 0`): nothing
+//!   was ever written, it is a create that did not finish: removed;
+//! * file without entry that holds data: moved to `quarantine/` with a
+//!   timestamp suffix and logged; never deleted, never counted;
+//! * entry without file: kept, so the CO still sees the volume,
+//!   [`Backend::backing_state`] reports it `Missing`, and a retried
+//!   DeleteVolume removes the entry;
+//! * file larger than its entry: an expand that did not finish: the
+//!   entry adopts the file's size (growing never loses data); a file
+//!   smaller than its entry is left alone and reported `Degraded`.
+//!
+//! ## Concurrency
+//! One mutex guards the in-memory index (and the index write, a small
+//! fsynced file). File creation, truncation, loop attach/detach run
+//! outside it; operations on the same volume id are serialised by a
+//! per-id lock, and in-flight creates/expands reserve their bytes so
+//! concurrent creates cannot overcommit.
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crust_blockdev::{AttachOptions, LoopDevice, LoopError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::util::{self, IdLocks, io_err, lock};
+use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result};
+
+/// Smallest volume the pool creates unless configured otherwise.
+pub const DEFAULT_MINIMUM_VOLUME_SIZE: u64 = 1 << 20;
+
+const INDEX: &str = "index.json";
+const LOCK: &str = ".lock";
+const QUARANTINE: &str = "quarantine";
+const INDEX_VERSION: u32 = 1;
+
+/// Configuration of a [`PoolBackend`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Directory holding the images and the index; created (0700) if
+    /// missing.
+    pub dir: PathBuf,
+    /// Total bytes the pool may hand out (sum of volume sizes).
+    pub capacity_bytes: u64,
+    /// Smallest volume size accepted.
+    pub minimum_volume_size: u64,
+}
+
+impl PoolConfig {
+    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+        PoolConfig {
+            dir: dir.into(),
+            capacity_bytes,
+            minimum_volume_size: DEFAULT_MINIMUM_VOLUME_SIZE,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    /// File name inside the pool directory.
+    file: String,
+    size_bytes: u64,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Index {
+    version: u32,
+    volumes: BTreeMap<String, Entry>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    index: Index,
+    /// Bytes promised to creates/expands still writing their files.
+    reserved: u64,
+}
+
+/// Sparse-file pool backend; see the module docs.
+#[derive(Debug)]
+pub struct PoolBackend {
+    config: PoolConfig,
+    dir: PathBuf,
+    state: Mutex<State>,
+    ids: IdLocks,
+    _lock: util::DirLock,
+}
+
+/// File name for a new volume's image.
+fn image_name(id: &str) -> String {
+    let safe = !id.starts_with('.')
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if safe {
+        return format!("{id}.img");
+    }
+    let prefix: String = id
+        .chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let digest = Sha256::digest(id.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{prefix}-{hex}.img")
+}
+
+impl PoolBackend {
+    /// Opens (creating if needed) the pool in `config.dir`, takes its lock
+    /// (a second open of the same directory fails until the first is
+    /// dropped), and reconciles the index with the files (see the module
+    /// docs). A corrupt index is an error: a person must look at it.
+    pub fn open(config: PoolConfig) -> Result<Self> {
+        if config.minimum_volume_size == 0 {
+            return Err(BackendError::Invalid(
+                "minimum volume size must be at least 1 byte".into(),
+            ));
+        }
+        util::ensure_private_dir(&config.dir)?;
+        let dir = std::fs::canonicalize(&config.dir).map_err(io_err(&config.dir))?;
+        let lock_file = util::DirLock::acquire(
+            &dir.join(LOCK),
+            &format!("pool directory {}", dir.display()),
+        )?;
+        util::remove_stale_temps(&dir);
+        let index_path = dir.join(INDEX);
+        let index = match std::fs::read(&index_path) {
+            Ok(bytes) => {
+                let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
+                    BackendError::Invalid(format!(
+                        "pool index {} is corrupt ({e}); refusing to guess, fix or move it away",
+                        index_path.display()
+                    ))
+                })?;
+                if index.version != INDEX_VERSION {
+                    return Err(BackendError::Invalid(format!(
+                        "pool index {} has version {}, this build understands {INDEX_VERSION}",
+                        index_path.display(),
+                        index.version
+                    )));
+                }
+                index
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Index {
+                version: INDEX_VERSION,
+                volumes: BTreeMap::new(),
+            },
+            Err(e) => return Err(io_err(&index_path)(e)),
+        };
+        let pool = PoolBackend {
+            config,
+            dir,
+            state: Mutex::new(State { index, reserved: 0 }),
+            ids: IdLocks::default(),
+            _lock: lock_file,
+        };
+        pool.reconcile()?;
+        Ok(pool)
+    }
+
+    /// The pool directory (canonical).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Where orphaned files holding data are moved.
+    pub fn quarantine_dir(&self) -> PathBuf {
+        self.dir.join(QUARANTINE)
+    }
+
+    /// The backing file of a volume, if it is in the index.
+    pub fn backing_file(&self, volume_id: &str) -> Option<PathBuf> {
+        lock(&self.state)
+            .index
+            .volumes
+            .get(volume_id)
+            .map(|e| self.dir.join(&e.file))
+    }
+
+    fn reconcile(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        let mut changed = false;
+        for (id, entry) in st.index.volumes.iter_mut() {
+            let path = self.dir.join(&entry.file);
+            match std::fs::metadata(&path) {
+                Ok(m) if m.len() > entry.size_bytes => {
+                    tracing::warn!(volume = %id, file = %path.display(), index = entry.size_bytes, file_size = m.len(),
+                        "backing file larger than the index (interrupted expand); adopting the file size");
+                    entry.size_bytes = m.len();
+                    changed = true;
+                }
+                Ok(m) if m.len() < entry.size_bytes => {
+                    tracing::warn!(volume = %id, file = %path.display(), "backing file smaller than the index; reporting it degraded");
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    tracing::warn!(volume = %id, file = %path.display(), "backing file is missing; keeping the index entry so the volume reports Missing");
+                }
+                Err(e) => return Err(io_err(&path)(e)),
+            }
+        }
+        let known: std::collections::HashSet<&str> =
+            st.index.volumes.values().map(|e| e.file.as_str()).collect();
+        let entries = std::fs::read_dir(&self.dir).map_err(io_err(&self.dir))?;
+        let mut orphans = Vec::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".img") && !known.contains(name.as_str()) {
+                orphans.push(e.path());
+            }
+        }
+        for path in orphans {
+            let meta = std::fs::symlink_metadata(&path).map_err(io_err(&path))?;
+            if meta.is_file() && meta.blocks() == 0 {
+                tracing::info!(file = %path.display(), "removing orphaned image that never held data (interrupted create)");
+                std::fs::remove_file(&path).map_err(io_err(&path))?;
+            } else {
+                let qdir = self.quarantine_dir();
+                util::ensure_private_dir(&qdir)?;
+                let stamp = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                let dest = qdir.join(format!(
+                    "{}.{stamp}",
+                    path.file_name().unwrap_or_default().to_string_lossy()
+                ));
+                tracing::warn!(file = %path.display(), dest = %dest.display(),
+                    "image holds data but no volume owns it; quarantined (not deleted)");
+                std::fs::rename(&path, &dest).map_err(io_err(&path))?;
+            }
+            util::fsync_dir(&self.dir)?;
+        }
+        if changed {
+            self.persist(&st)?;
+        }
+        Ok(())
+    }
+
+    fn persist(&self, st: &State) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(&st.index)
+            .map_err(|e| BackendError::Invalid(format!("serialising pool index: {e}")))?;
+        util::atomic_write(&self.dir.join(INDEX), &bytes)
+    }
+
+    fn available(&self, st: &State) -> Result<u64> {
+        let allocated: u64 = st.index.volumes.values().map(|e| e.size_bytes).sum();
+        let by_config = self
+            .config
+            .capacity_bytes
+            .saturating_sub(allocated.saturating_add(st.reserved));
+        Ok(by_config.min(util::fs_free_bytes(&self.dir)?))
+    }
+
+    fn allocation(&self, id: &str, e: &Entry) -> Allocation {
+        Allocation {
+            volume_id: id.to_owned(),
+            size_bytes: e.size_bytes,
+            backing: self.dir.join(&e.file),
+        }
+    }
+
+    fn entry(&self, id: &str) -> Option<Entry> {
+        lock(&self.state).index.volumes.get(id).cloned()
+    }
+
+    /// Detaches the given loop devices, turning "busy" into a clear error.
+    fn detach_all(&self, id: &str, devices: &[PathBuf]) -> Result<()> {
+        for dev in devices {
+            crust_blockdev::detach(dev).map_err(|e| match e {
+                LoopError::Busy { .. } => {
+                    BackendError::Device(format!("volume {id} is in use: {e}"))
+                }
+                other => BackendError::Device(other.to_string()),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn loop_err(e: LoopError) -> BackendError {
+    BackendError::Device(e.to_string())
+}
+
+impl Backend for PoolBackend {
+    fn kind(&self) -> &'static str {
+        "pool"
+    }
+
+    fn create(&self, volume_id: &str, size_bytes: u64, limit_bytes: u64) -> Result<Allocation> {
+        util::validate_id(volume_id)?;
+        let min = self.config.minimum_volume_size;
+        if size_bytes < min {
+            return Err(BackendError::OutOfRange(
+                size_bytes,
+                format!("the pool's minimum volume size is {min} bytes"),
+            ));
+        }
+        if limit_bytes != 0 && size_bytes > limit_bytes {
+            return Err(BackendError::OutOfRange(
+                size_bytes,
+                format!("larger than the limit of {limit_bytes} bytes"),
+            ));
+        }
+        let _id = self.ids.lock(volume_id);
+        let name = {
+            let mut st = lock(&self.state);
+            if let Some(e) = st.index.volumes.get(volume_id) {
+                return if e.size_bytes == size_bytes {
+                    Ok(self.allocation(volume_id, e))
+                } else {
+                    Err(BackendError::SizeMismatch {
+                        id: volume_id.to_owned(),
+                        existing: e.size_bytes,
+                        requested: size_bytes,
+                    })
+                };
+            }
+            let available = self.available(&st)?;
+            if size_bytes > available {
+                return Err(BackendError::Exhausted {
+                    requested: size_bytes,
+                    available,
+                });
+            }
+            let name = image_name(volume_id);
+            if st.index.volumes.values().any(|e| e.file == name) {
+                return Err(BackendError::Device(format!(
+                    "image name {name} for volume {volume_id} collides with another volume"
+                )));
+            }
+            st.reserved += size_bytes;
+            name
+        };
+        let path = self.dir.join(&name);
+        let written = (|| -> std::io::Result<()> {
+            let f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)?;
+            f.set_len(size_bytes)?;
+            f.sync_all()
+        })();
+        let mut st = lock(&self.state);
+        st.reserved -= size_bytes;
+        if let Err(e) = written {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                return Err(BackendError::Device(format!(
+                    "{} already exists but no volume owns it; refusing to reuse it (move it away)",
+                    path.display()
+                )));
+            }
+            let _ = std::fs::remove_file(&path);
+            return Err(io_err(&path)(e));
+        }
+        let entry = Entry {
+            file: name,
+            size_bytes,
+        };
+        st.index.volumes.insert(volume_id.to_owned(), entry.clone());
+        if let Err(e) = util::fsync_dir(&self.dir).and_then(|_| self.persist(&st)) {
+            st.index.volumes.remove(volume_id);
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        tracing::info!(volume = %volume_id, size = size_bytes, file = %path.display(), "pool volume created");
+        Ok(self.allocation(volume_id, &entry))
+    }
+
+    fn delete(&self, volume_id: &str) -> Result<()> {
+        let _id = self.ids.lock(volume_id);
+        let Some(entry) = self.entry(volume_id) else {
+            return Ok(());
+        };
+        let path = self.dir.join(&entry.file);
+        // The data is going away, so stale devices on a deleted copy go too.
+        let devices: Vec<PathBuf> = crust_blockdev::find_all_by_backing(&path)
+            .map_err(loop_err)?
+            .into_iter()
+            .map(|s| s.path)
+            .collect();
+        self.detach_all(volume_id, &devices)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => util::fsync_dir(&self.dir)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&path)(e)),
+        }
+        let mut st = lock(&self.state);
+        let removed = st.index.volumes.remove(volume_id);
+        if let Err(e) = self.persist(&st) {
+            if let Some(r) = removed {
+                st.index.volumes.insert(volume_id.to_owned(), r);
+            }
+            return Err(e);
+        }
+        tracing::info!(volume = %volume_id, "pool volume deleted");
+        Ok(())
+    }
+
+    fn get(&self, volume_id: &str) -> Result<Option<Allocation>> {
+        Ok(self
+            .entry(volume_id)
+            .map(|e| self.allocation(volume_id, &e)))
+    }
+
+    fn list(&self) -> Result<Vec<Allocation>> {
+        let st = lock(&self.state);
+        Ok(st
+            .index
+            .volumes
+            .iter()
+            .map(|(id, e)| self.allocation(id, e))
+            .collect())
+    }
+
+    fn expand(&self, volume_id: &str, new_size_bytes: u64) -> Result<u64> {
+        let _id = self.ids.lock(volume_id);
+        let entry = self
+            .entry(volume_id)
+            .ok_or_else(|| BackendError::NotFound(volume_id.to_owned()))?;
+        let path = self.dir.join(&entry.file);
+        let mut size = entry.size_bytes;
+        if new_size_bytes > size {
+            let delta = new_size_bytes - size;
+            {
+                let mut st = lock(&self.state);
+                let available = self.available(&st)?;
+                if delta > available {
+                    return Err(BackendError::Exhausted {
+                        requested: delta,
+                        available,
+                    });
+                }
+                st.reserved += delta;
+            }
+            let grown = (|| -> std::io::Result<()> {
+                let f = OpenOptions::new().write(true).open(&path)?;
+                f.set_len(new_size_bytes)?;
+                f.sync_all()
+            })();
+            let mut st = lock(&self.state);
+            st.reserved -= delta;
+            if let Err(e) = grown {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    return Err(BackendError::Device(format!(
+                        "backing file {} of volume {volume_id} was removed; cannot expand",
+                        path.display()
+                    )));
+                }
+                return Err(io_err(&path)(e));
+            }
+            if let Some(e) = st.index.volumes.get_mut(volume_id) {
+                e.size_bytes = new_size_bytes;
+            }
+            if let Err(e) = self.persist(&st) {
+                // The file stays larger; open() adopts that size later.
+                if let Some(e) = st.index.volumes.get_mut(volume_id) {
+                    e.size_bytes = size;
+                }
+                return Err(e);
+            }
+            size = new_size_bytes;
+            tracing::info!(volume = %volume_id, size, "pool volume expanded");
+        }
+        // Also on the idempotent path: a previous call may have grown the
+        // file and crashed before refreshing the device.
+        if let Some(dev) = crust_blockdev::find_by_backing(&path).map_err(loop_err)? {
+            let dev_size = crust_blockdev::refresh_capacity(&dev).map_err(loop_err)?;
+            if dev_size != size {
+                return Err(BackendError::Device(format!(
+                    "{} reports {dev_size} bytes after refreshing, expected {size}",
+                    dev.display()
+                )));
+            }
+        }
+        Ok(size)
+    }
+
+    fn attach(&self, volume_id: &str) -> Result<PathBuf> {
+        let _id = self.ids.lock(volume_id);
+        let entry = self
+            .entry(volume_id)
+            .ok_or_else(|| BackendError::NotFound(volume_id.to_owned()))?;
+        let path = self.dir.join(&entry.file);
+        if !path.is_file() {
+            return Err(BackendError::Device(format!(
+                "backing file {} of volume {volume_id} was removed; cannot attach",
+                path.display()
+            )));
+        }
+        if let Some(dev) = crust_blockdev::find_by_backing(&path).map_err(loop_err)? {
+            // Found again (e.g. after a restart); catch up on an expand
+            // that grew the file but never refreshed the device.
+            let file_len = std::fs::metadata(&path).map_err(io_err(&path))?.len();
+            if crust_blockdev::block_device_size(&dev)
+                .map_err(|e| BackendError::Device(e.to_string()))?
+                != file_len
+            {
+                crust_blockdev::refresh_capacity(&dev).map_err(loop_err)?;
+            }
+            return Ok(dev);
+        }
+        let info = LoopDevice::attach(&path, AttachOptions::default()).map_err(loop_err)?;
+        tracing::info!(volume = %volume_id, device = %info.path.display(), "pool volume attached");
+        Ok(info.path)
+    }
+
+    fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>> {
+        let Some(entry) = self.entry(volume_id) else {
+            return Ok(None);
+        };
+        crust_blockdev::find_by_backing(&self.dir.join(&entry.file)).map_err(loop_err)
+    }
+
+    fn detach(&self, volume_id: &str) -> Result<()> {
+        let _id = self.ids.lock(volume_id);
+        let Some(entry) = self.entry(volume_id) else {
+            return Ok(());
+        };
+        let path = self.dir.join(&entry.file);
+        let mut live = Vec::new();
+        for s in crust_blockdev::find_all_by_backing(&path).map_err(loop_err)? {
+            if s.backing_deleted {
+                // That device holds the only remaining copy of the data.
+                tracing::warn!(volume = %volume_id, device = %s.path.display(),
+                    "leaving loop device attached: its backing file was deleted and it holds the last copy of the data");
+            } else {
+                live.push(s.path);
+            }
+        }
+        self.detach_all(volume_id, &live)
+    }
+
+    fn capacity(&self) -> Result<Capacity> {
+        let st = lock(&self.state);
+        let available = self.available(&st)?;
+        Ok(Capacity {
+            available_bytes: available,
+            maximum_volume_size: available,
+            minimum_volume_size: self.config.minimum_volume_size,
+        })
+    }
+
+    fn probe(&self) -> Result<()> {
+        rustix::fs::access(&self.dir, rustix::fs::Access::WRITE_OK).map_err(|e| {
+            BackendError::Device(format!(
+                "pool directory {} is not writable: {e}",
+                self.dir.display()
+            ))
+        })?;
+        if !Path::new("/dev/loop-control").exists() {
+            return Err(BackendError::Device(
+                "/dev/loop-control is missing: load the loop module".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn backing_state(&self, volume_id: &str) -> BackingState {
+        let Some(entry) = self.entry(volume_id) else {
+            return BackingState::Missing(format!("volume {volume_id} is not in the pool index"));
+        };
+        let path = self.dir.join(&entry.file);
+        let p = path.display();
+        let loops = match crust_blockdev::find_all_by_backing(&path) {
+            Ok(l) => l,
+            Err(e) => return BackingState::Degraded(format!("cannot list loop devices: {e}")),
+        };
+        let stale: Vec<PathBuf> = loops
+            .iter()
+            .filter(|s| s.backing_deleted)
+            .map(|s| s.path.clone())
+            .collect();
+        let meta = match std::fs::metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if stale.is_empty() {
+                    return BackingState::Missing(format!(
+                        "backing file {p} was removed outside of the CSI driver; the volume's data is gone"
+                    ));
+                }
+                return BackingState::Missing(format!(
+                    "backing file {p} was removed while attached; {} still holds the deleted data: copy it off before detaching",
+                    util::display_list(&stale)
+                ));
+            }
+            Err(e) => return BackingState::Degraded(format!("cannot stat backing file {p}: {e}")),
+        };
+        if !meta.is_file() {
+            return BackingState::Degraded(format!("backing file {p} is not a regular file"));
+        }
+        if !stale.is_empty() {
+            return BackingState::Degraded(format!(
+                "{} is attached to a deleted earlier copy of {p}; writes through it do not reach the volume's file: unpublish, unstage and stage again",
+                util::display_list(&stale)
+            ));
+        }
+        if meta.len() != entry.size_bytes {
+            return BackingState::Degraded(format!(
+                "backing file {p} is {} bytes but the volume is {} bytes",
+                meta.len(),
+                entry.size_bytes
+            ));
+        }
+        let live: Vec<&crust_blockdev::LoopStatus> = loops.iter().collect();
+        if live.len() > 1 {
+            let devs: Vec<PathBuf> = live.iter().map(|s| s.path.clone()).collect();
+            return BackingState::Degraded(format!(
+                "{p} is attached more than once ({}); concurrent writers corrupt filesystems",
+                util::display_list(&devs)
+            ));
+        }
+        if let Some(s) = live.first()
+            && s.size_bytes != meta.len()
+        {
+            return BackingState::Degraded(format!(
+                "{} is {} bytes but its backing file is {}; the device size was not refreshed after an expand",
+                s.path.display(),
+                s.size_bytes,
+                meta.len()
+            ));
+        }
+        BackingState::Healthy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::image_name;
+
+    #[test]
+    fn image_names() {
+        assert_eq!(image_name("pvc-1234_a.b"), "pvc-1234_a.b.img");
+        let odd = image_name("ns/vol name");
+        assert!(
+            odd.starts_with("ns_vol_name-") && odd.ends_with(".img"),
+            "{odd}"
+        );
+        assert_ne!(image_name("a/b"), image_name("a_b"));
+        assert_ne!(image_name("a/b"), image_name("a:b"));
+        assert!(image_name("..").starts_with("__-"));
+        assert!(image_name(&"x".repeat(200)).len() < 100);
+    }
+}

@@ -1,0 +1,418 @@
+//! PoolBackend on real sparse files and loop devices (root). Each test
+//! uses its own temp pool dir; loop devices and mounts are held by guards.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use crust_backend::*;
+use crust_blockdev::{FsType, LoopGuard, MountGuard};
+
+const MIB: u64 = 1 << 20;
+
+fn pool(dir: &Path, capacity: u64) -> PoolBackend {
+    PoolBackend::open(PoolConfig::new(dir.join("pool"), capacity)).unwrap()
+}
+
+/// Detaches every loop device still on a pool's images when dropped, so a
+/// failing assertion leaves nothing behind.
+struct PoolCleanup(PathBuf);
+
+impl Drop for PoolCleanup {
+    fn drop(&mut self) {
+        let pool = self.0.join("pool");
+        if let Ok(loops) = crust_blockdev::list_loops() {
+            for l in loops
+                .into_iter()
+                .filter(|l| l.backing_file.starts_with(&pool))
+            {
+                let _ = LoopGuard::adopt_path(&l.path);
+            }
+        }
+    }
+}
+
+/// Loop devices on `file` (live or on a deleted copy). Checked by backing
+/// path, not device number: parallel tests reuse freed numbers at once.
+fn attached_to(file: &Path) -> Vec<PathBuf> {
+    crust_blockdev::find_all_by_backing(file)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.path)
+        .collect()
+}
+
+fn setup() -> (tempfile::TempDir, PoolCleanup) {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let canon = std::fs::canonicalize(dir.path()).unwrap();
+    (dir, PoolCleanup(canon))
+}
+
+#[test]
+fn create_is_exact_sparse_idempotent_and_bounded() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    assert_eq!(p.kind(), "pool");
+    p.probe().unwrap();
+    let cap = p.capacity().unwrap();
+    assert_eq!(cap.available_bytes, 64 * MIB);
+    assert_eq!(cap.maximum_volume_size, 64 * MIB);
+    assert_eq!(cap.minimum_volume_size, DEFAULT_MINIMUM_VOLUME_SIZE);
+
+    let size = 5 * MIB + 4096;
+    let a = p.create("vol-a", size, 0).unwrap();
+    assert_eq!(a.size_bytes, size);
+    let meta = std::fs::metadata(&a.backing).unwrap();
+    assert_eq!(meta.len(), size, "exact size, no rounding");
+    assert_eq!(meta.blocks(), 0, "sparse");
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    assert_eq!(p.create("vol-a", size, 0).unwrap(), a);
+    assert_eq!(p.get("vol-a").unwrap(), Some(a.clone()));
+    assert!(matches!(
+        p.create("vol-a", 6 * MIB, 0),
+        Err(BackendError::SizeMismatch { existing, requested, .. }) if existing == size && requested == 6 * MIB
+    ));
+    assert_eq!(p.capacity().unwrap().available_bytes, 64 * MIB - size);
+
+    match p.create("vol-big", 60 * MIB, 0) {
+        Err(BackendError::Exhausted {
+            requested,
+            available,
+        }) => {
+            assert_eq!(requested, 60 * MIB);
+            assert_eq!(available, 64 * MIB - size);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        p.create("tiny", 1000, 0),
+        Err(BackendError::OutOfRange(1000, _))
+    ));
+    assert!(matches!(
+        p.create("lim", 4 * MIB, 2 * MIB),
+        Err(BackendError::OutOfRange(..))
+    ));
+    assert!(matches!(
+        p.create("", MIB, 0),
+        Err(BackendError::Invalid(_))
+    ));
+    assert!(matches!(
+        p.create("a\nb", MIB, 0),
+        Err(BackendError::Invalid(_))
+    ));
+    // Failed creates leave nothing behind.
+    assert_eq!(p.list().unwrap().len(), 1);
+
+    // Ids that are not file-name safe still work, under a hashed name.
+    let odd = p.create("ns/odd id", MIB, 0).unwrap();
+    assert_eq!(odd.backing.parent().unwrap(), p.dir());
+    assert!(
+        odd.backing
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("ns_odd_id-")
+    );
+
+    p.delete("vol-a").unwrap();
+    assert!(!a.backing.exists());
+    assert_eq!(p.get("vol-a").unwrap(), None);
+    p.delete("vol-a").unwrap();
+    p.delete("never-existed").unwrap();
+    assert_eq!(p.capacity().unwrap().available_bytes, 63 * MIB);
+}
+
+#[test]
+fn list_is_sorted_by_id() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    for id in ["charlie", "alpha", "bravo", "Zulu"] {
+        p.create(id, MIB, 0).unwrap();
+    }
+    let ids: Vec<String> = p.list().unwrap().into_iter().map(|a| a.volume_id).collect();
+    assert_eq!(ids, ["Zulu", "alpha", "bravo", "charlie"]);
+}
+
+#[test]
+fn concurrent_creates_never_overcommit() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 10 * MIB);
+    let results: Vec<Result<Allocation>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let p = &p;
+                s.spawn(move || p.create(&format!("v{i}"), 3 * MIB, 0))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(ok, 3, "{results:?}");
+    assert!(
+        results
+            .iter()
+            .filter(|r| r.is_err())
+            .all(|r| matches!(r, Err(BackendError::Exhausted { .. })))
+    );
+    assert_eq!(p.capacity().unwrap().available_bytes, MIB);
+}
+
+#[test]
+fn attach_is_idempotent_and_survives_reopen() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let a = p.create("vol", 8 * MIB, 0).unwrap();
+    assert_eq!(p.attached_device("vol").unwrap(), None);
+
+    // Concurrent attaches of one volume give one device.
+    let devs: Vec<PathBuf> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| p.attach("vol").unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(devs.iter().all(|d| d == &devs[0]), "{devs:?}");
+    let dev = devs[0].clone();
+    assert_eq!(p.attach("vol").unwrap(), dev);
+    assert_eq!(
+        crust_blockdev::find_all_by_backing(&a.backing)
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(crust_blockdev::block_device_size(&dev).unwrap(), 8 * MIB);
+    assert_eq!(p.backing_state("vol"), BackingState::Healthy);
+
+    let f = File::options().write(true).open(&dev).unwrap();
+    f.write_all_at(b"survives restarts", 4096).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+
+    // "Restart": a new backend on the same directory finds the device.
+    drop(p);
+    let p = pool(dir.path(), 64 * MIB);
+    assert_eq!(p.get("vol").unwrap(), Some(a.clone()));
+    assert_eq!(p.attached_device("vol").unwrap(), Some(dev.clone()));
+    assert_eq!(p.attach("vol").unwrap(), dev);
+    assert_eq!(
+        crust_blockdev::find_all_by_backing(&a.backing)
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // Detach keeps the data; attach again reads it back.
+    p.detach("vol").unwrap();
+    assert_eq!(p.attached_device("vol").unwrap(), None);
+    p.detach("vol").unwrap();
+    p.detach("unknown").unwrap();
+    let dev2 = p.attach("vol").unwrap();
+    let mut buf = [0u8; 17];
+    File::open(&dev2)
+        .unwrap()
+        .read_exact_at(&mut buf, 4096)
+        .unwrap();
+    assert_eq!(&buf, b"survives restarts");
+    assert!(matches!(p.attach("nope"), Err(BackendError::NotFound(_))));
+
+    p.delete("vol").unwrap();
+    assert!(attached_to(&a.backing).is_empty());
+    let _ = dev2;
+}
+
+#[test]
+fn second_open_of_a_pool_is_refused() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let err = PoolBackend::open(PoolConfig::new(dir.path().join("pool"), 64 * MIB)).unwrap_err();
+    assert!(
+        err.to_string().contains("in use by another process"),
+        "{err}"
+    );
+    drop(p);
+    pool(dir.path(), 64 * MIB);
+}
+
+#[test]
+fn expand_grows_file_and_attached_device() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let a = p.create("vol", 8 * MIB, 0).unwrap();
+    let dev = p.attach("vol").unwrap();
+    assert_eq!(p.expand("vol", 24 * MIB).unwrap(), 24 * MIB);
+    assert_eq!(std::fs::metadata(&a.backing).unwrap().len(), 24 * MIB);
+    assert_eq!(crust_blockdev::block_device_size(&dev).unwrap(), 24 * MIB);
+    assert_eq!(p.get("vol").unwrap().unwrap().size_bytes, 24 * MIB);
+    // Never shrinks; asking for less returns the current size.
+    assert_eq!(p.expand("vol", 16 * MIB).unwrap(), 24 * MIB);
+    assert!(matches!(
+        p.expand("vol", 100 * MIB),
+        Err(BackendError::Exhausted { requested, .. }) if requested == 76 * MIB
+    ));
+    assert!(matches!(
+        p.expand("nope", 10 * MIB),
+        Err(BackendError::NotFound(_))
+    ));
+    assert_eq!(p.capacity().unwrap().available_bytes, 40 * MIB);
+    // Expanding a detached volume just grows the file.
+    p.detach("vol").unwrap();
+    assert_eq!(p.expand("vol", 32 * MIB).unwrap(), 32 * MIB);
+    let dev = p.attach("vol").unwrap();
+    assert_eq!(crust_blockdev::block_device_size(&dev).unwrap(), 32 * MIB);
+    p.delete("vol").unwrap();
+}
+
+#[test]
+fn delete_refuses_a_mounted_volume() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let a = p.create("vol", 32 * MIB, 0).unwrap();
+    let dev = p.attach("vol").unwrap();
+    crust_blockdev::mkfs(&dev, FsType::Ext4).unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mg = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+
+    let err = p.delete("vol").unwrap_err();
+    assert!(err.to_string().contains("in use"), "{err}");
+    assert!(a.backing.exists());
+    assert!(p.get("vol").unwrap().is_some());
+    let err = p.detach("vol").unwrap_err();
+    assert!(err.to_string().contains("mounted at"), "{err}");
+
+    mg.unmount().unwrap();
+    p.delete("vol").unwrap();
+    assert!(!a.backing.exists());
+    assert!(attached_to(&a.backing).is_empty(), "{}", dev.display());
+}
+
+#[test]
+fn backing_file_removed_is_reported_and_data_device_kept() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let a = p.create("vol", 32 * MIB, 0).unwrap();
+    let dev = p.attach("vol").unwrap();
+    crust_blockdev::mkfs(&dev, FsType::Ext4).unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mg = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+    assert_eq!(p.backing_state("vol"), BackingState::Healthy);
+    assert!(crust_blockdev::fs_health(&dev, &mnt, false).is_ok());
+
+    // Someone deletes the image behind the driver's back.
+    std::fs::remove_file(&a.backing).unwrap();
+    match p.backing_state("vol") {
+        BackingState::Missing(m) => {
+            assert!(m.contains("was removed"), "{m}");
+            assert!(m.contains(&dev.display().to_string()), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(p.attach("vol"), Err(BackendError::Device(m)) if m.contains("removed")));
+    mg.unmount().unwrap();
+    // Detach leaves the device that holds the last copy of the data.
+    p.detach("vol").unwrap();
+    assert_eq!(attached_to(&a.backing), vec![dev.clone()]);
+    // Delete means the data may go.
+    p.delete("vol").unwrap();
+    assert!(attached_to(&a.backing).is_empty());
+    assert!(matches!(p.backing_state("vol"), BackingState::Missing(_)));
+
+    // A file replaced under an attached device is reported too.
+    let b = p.create("vol-b", 4 * MIB, 0).unwrap();
+    let dev_b = p.attach("vol-b").unwrap();
+    std::fs::remove_file(&b.backing).unwrap();
+    File::create(&b.backing).unwrap().set_len(4 * MIB).unwrap();
+    match p.backing_state("vol-b") {
+        BackingState::Degraded(m) => assert!(m.contains("deleted earlier copy"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // Attach gives a fresh device on the current file, not the stale one.
+    let dev_b2 = p.attach("vol-b").unwrap();
+    assert_ne!(dev_b2, dev_b);
+    assert_eq!(attached_to(&b.backing).len(), 2);
+    p.delete("vol-b").unwrap();
+    assert!(attached_to(&b.backing).is_empty());
+}
+
+#[test]
+fn startup_reconciles_index_and_files() {
+    let (dir, _c) = setup();
+    let p = pool(dir.path(), 64 * MIB);
+    let keep = p.create("keep", 2 * MIB, 0).unwrap();
+    let ghost = p.create("ghost", 2 * MIB, 0).unwrap();
+    let grown = p.create("grown", 2 * MIB, 0).unwrap();
+    File::options()
+        .write(true)
+        .open(&keep.backing)
+        .unwrap()
+        .write_all_at(b"keep", 0)
+        .unwrap();
+    let pool_dir = p.dir().to_path_buf();
+    drop(p);
+
+    // The states a crash can leave behind.
+    std::fs::remove_file(&ghost.backing).unwrap(); // entry without file
+    File::options()
+        .write(true)
+        .open(&grown.backing)
+        .unwrap()
+        .set_len(3 * MIB)
+        .unwrap();
+    File::create(pool_dir.join("empty-orphan.img"))
+        .unwrap()
+        .set_len(MIB)
+        .unwrap();
+    let orphan = File::create(pool_dir.join("data-orphan.img")).unwrap();
+    orphan.set_len(MIB).unwrap();
+    orphan.write_all_at(b"precious", 512).unwrap();
+    orphan.sync_all().unwrap();
+    std::fs::write(pool_dir.join(".crust-tmp.index.json.1.1"), b"{").unwrap();
+
+    let p = pool(dir.path(), 64 * MIB);
+    let ids: Vec<String> = p.list().unwrap().into_iter().map(|a| a.volume_id).collect();
+    assert_eq!(ids, ["ghost", "grown", "keep"]);
+    assert_eq!(p.get("grown").unwrap().unwrap().size_bytes, 3 * MIB);
+    assert!(
+        matches!(p.backing_state("ghost"), BackingState::Missing(m) if m.contains("was removed"))
+    );
+    assert_eq!(p.backing_state("keep"), BackingState::Healthy);
+    assert!(!pool_dir.join("empty-orphan.img").exists());
+    assert!(!pool_dir.join("data-orphan.img").exists());
+    assert!(!pool_dir.join(".crust-tmp.index.json.1.1").exists());
+    let quarantined: Vec<PathBuf> = std::fs::read_dir(p.quarantine_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(quarantined.len(), 1);
+    assert!(
+        quarantined[0]
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("data-orphan.img.")
+    );
+    let mut buf = [0u8; 8];
+    File::open(&quarantined[0])
+        .unwrap()
+        .read_exact_at(&mut buf, 512)
+        .unwrap();
+    assert_eq!(&buf, b"precious");
+    // A retried delete of the ghost clears it.
+    p.delete("ghost").unwrap();
+    assert_eq!(p.get("ghost").unwrap(), None);
+    // Orphans do not count against capacity: 2 + 3 MiB allocated.
+    assert_eq!(p.capacity().unwrap().available_bytes, 59 * MIB);
+    drop(p);
+
+    // A corrupt index stops startup instead of guessing.
+    std::fs::write(pool_dir.join("index.json"), b"{not json").unwrap();
+    let err = PoolBackend::open(PoolConfig::new(&pool_dir, 64 * MIB)).unwrap_err();
+    assert!(
+        matches!(&err, BackendError::Invalid(m) if m.contains("corrupt")),
+        "{err}"
+    );
+}

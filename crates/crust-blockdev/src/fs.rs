@@ -1,0 +1,281 @@
+//! Creating and growing filesystems. These exec the filesystem tools,
+//! which is the one place this crate runs other programs.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+
+use crate::device::{self, DeviceError};
+use crate::probe::{Probe, ProbeError, probe_fs};
+use crate::usage::{UsageError, usage};
+
+/// Filesystems crust formats and mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FsType {
+    Ext4,
+    Xfs,
+}
+
+impl FsType {
+    /// Name as `mount(2)` and CSI use it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+        }
+    }
+
+    /// Every supported type, for capability reporting.
+    pub const ALL: [FsType; 2] = [FsType::Ext4, FsType::Xfs];
+}
+
+impl std::fmt::Display for FsType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for FsType {
+    type Err = FsError;
+
+    /// `"ext4"` or `"xfs"` (exact, lower case). An empty string is NOT
+    /// accepted: choosing a default is the caller's policy.
+    fn from_str(s: &str) -> Result<Self, FsError> {
+        match s {
+            "ext4" => Ok(FsType::Ext4),
+            "xfs" => Ok(FsType::Xfs),
+            other => Err(FsError::UnsupportedFsType(other.to_owned())),
+        }
+    }
+}
+
+/// Errors from formatting or growing a filesystem.
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("unsupported filesystem type {0:?} (supported: ext4, xfs)")]
+    UnsupportedFsType(String),
+    #[error("refusing to format {device}: it is not blank, it holds {found}")]
+    NotBlank { device: PathBuf, found: Probe },
+    #[error("{0} not found in PATH, /usr/sbin or /sbin")]
+    ToolNotFound(&'static str),
+    #[error("running {tool}: {source}")]
+    Spawn {
+        tool: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{tool} on {target} failed ({status}): {stderr}")]
+    Tool {
+        tool: &'static str,
+        target: PathBuf,
+        status: String,
+        stderr: String,
+    },
+    #[error(
+        "{what} needs the {capability} capability, which this process does not have (unmount and use grow_fs_offline, or grant the capability)"
+    )]
+    MissingCapability {
+        capability: &'static str,
+        what: &'static str,
+    },
+    #[error("{device} is in use (mounted or held); {what} needs it unmounted")]
+    InUse { device: PathBuf, what: &'static str },
+    #[error("{0} cannot be grown offline (xfs_growfs needs a mounted filesystem)")]
+    OfflineGrowUnsupported(FsType),
+    #[error("{device} is not the filesystem mounted at {mountpoint}")]
+    NotMounted {
+        device: PathBuf,
+        mountpoint: PathBuf,
+    },
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Usage(#[from] UsageError),
+    #[error(transparent)]
+    Mount(#[from] crate::mount::MountError),
+}
+
+/// Finds an admin tool even when PATH lacks the sbin directories (systemd
+/// units and test harnesses often run with a short PATH).
+fn find_tool(name: &'static str) -> Result<PathBuf, FsError> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or(FsError::ToolNotFound(name))
+}
+
+fn run(tool: &'static str, args: &[&std::ffi::OsStr], target: &Path) -> Result<String, FsError> {
+    run_accepting(tool, args, target, &[0])
+}
+
+/// Runs a tool; exit codes in `ok_codes` count as success.
+fn run_accepting(
+    tool: &'static str,
+    args: &[&std::ffi::OsStr],
+    target: &Path,
+    ok_codes: &[i32],
+) -> Result<String, FsError> {
+    let exe = find_tool(tool)?;
+    let out = Command::new(&exe)
+        .args(args)
+        .env("LC_ALL", "C")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|source| FsError::Spawn { tool, source })?;
+    if !out.status.code().is_some_and(|c| ok_codes.contains(&c)) {
+        let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        if stderr.is_empty() {
+            stderr = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+        return Err(FsError::Tool {
+            tool,
+            target: target.to_path_buf(),
+            status: out.status.to_string(),
+            stderr,
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Creates a filesystem on a block device.
+///
+/// Re-probes the device first and refuses with [`FsError::NotBlank`]
+/// unless it is [`Probe::Blank`] (the tools are run with `-f`/`-F`, so
+/// this check is what keeps data safe).
+///
+/// * ext4: `mkfs.ext4 -F -q -e remount-ro -E lazy_itable_init=1,lazy_journal_init=1,nodiscard`
+///   (lazy init keeps formatting small test volumes and large sparse files
+///   fast; `errors=remount-ro` makes the kernel flip the filesystem
+///   read-only on corruption, which [`crate::fs_health`] reports).
+/// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
+///   filesystems smaller than 300 MiB; the tool's message is returned.
+pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    if !device::is_block_device(dev) {
+        return Err(DeviceError::NotBlockDevice(dev.to_path_buf()).into());
+    }
+    match probe_fs(dev)? {
+        Probe::Blank => {}
+        found => {
+            return Err(FsError::NotBlank {
+                device: dev.to_path_buf(),
+                found,
+            });
+        }
+    }
+    let d = dev.as_os_str();
+    match fstype {
+        FsType::Ext4 => run(
+            "mkfs.ext4",
+            &[
+                "-F".as_ref(),
+                "-q".as_ref(),
+                "-e".as_ref(),
+                "remount-ro".as_ref(),
+                "-E".as_ref(),
+                "lazy_itable_init=1,lazy_journal_init=1,nodiscard".as_ref(),
+                d,
+            ],
+            dev,
+        )?,
+        FsType::Xfs => run(
+            "mkfs.xfs",
+            &["-f".as_ref(), "-q".as_ref(), "-K".as_ref(), d],
+            dev,
+        )?,
+    };
+    tracing::info!(device = %dev.display(), %fstype, "filesystem created");
+    Ok(())
+}
+
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Whether this process has capability `bit` in its effective set.
+fn has_capability(bit: u32) -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << bit) != 0)
+}
+
+/// Whether [`grow_fs`] can grow a mounted ext4 here: the kernel's online
+/// resize ioctl needs `CAP_SYS_RESOURCE`, which some sandboxes drop even
+/// for root. XFS only needs `CAP_SYS_ADMIN`.
+pub fn can_grow_ext4_online() -> bool {
+    has_capability(CAP_SYS_RESOURCE)
+}
+
+/// Grows the filesystem of `dev`, mounted at `mountpoint`, online to fill
+/// the device, and returns the filesystem's new total size in bytes
+/// (`statvfs` `f_blocks * f_frsize`, i.e. [`crate::Usage::bytes_total`]).
+///
+/// Checks that `mountpoint` really is a mount of `dev` first. ext4 runs
+/// `resize2fs <dev>`, xfs runs `xfs_growfs -d <mountpoint>`. Growing to the
+/// current size is a no-op, so this is idempotent. Online ext4 growth
+/// needs `CAP_SYS_RESOURCE` ([`FsError::MissingCapability`] without it,
+/// see [`can_grow_ext4_online`]).
+pub fn grow_fs(dev: &Path, mountpoint: &Path, fstype: FsType) -> Result<u64, FsError> {
+    let (major, minor) = device::device_major_minor(dev)?;
+    match crate::mount::find_mount(mountpoint)? {
+        Some(m) if m.major == major && m.minor == minor => {}
+        _ => {
+            return Err(FsError::NotMounted {
+                device: dev.to_path_buf(),
+                mountpoint: mountpoint.to_path_buf(),
+            });
+        }
+    }
+    if fstype == FsType::Ext4 && !can_grow_ext4_online() {
+        return Err(FsError::MissingCapability {
+            capability: "CAP_SYS_RESOURCE",
+            what: "growing a mounted ext4 filesystem",
+        });
+    }
+    match fstype {
+        FsType::Ext4 => run("resize2fs", &[dev.as_os_str()], dev)?,
+        FsType::Xfs => run(
+            "xfs_growfs",
+            &["-d".as_ref(), mountpoint.as_os_str()],
+            mountpoint,
+        )?,
+    };
+    let total = usage(mountpoint)?.bytes_total;
+    tracing::info!(device = %dev.display(), %fstype, total, "filesystem grown");
+    Ok(total)
+}
+
+/// Grows an unmounted ext4 filesystem to fill its device: `e2fsck -f -p`
+/// (resize2fs insists on a freshly checked filesystem; exit codes 0 and 1,
+/// "no errors" and "errors fixed", are accepted) then `resize2fs`. The
+/// device must not be in use. XFS can only grow mounted
+/// ([`FsError::OfflineGrowUnsupported`]). Idempotent.
+pub fn grow_fs_offline(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    if fstype == FsType::Xfs {
+        return Err(FsError::OfflineGrowUnsupported(fstype));
+    }
+    if device::is_device_in_use(dev)? {
+        return Err(FsError::InUse {
+            device: dev.to_path_buf(),
+            what: "offline resize",
+        });
+    }
+    run_accepting(
+        "e2fsck",
+        &["-f".as_ref(), "-p".as_ref(), dev.as_os_str()],
+        dev,
+        &[0, 1],
+    )?;
+    run("resize2fs", &[dev.as_os_str()], dev)?;
+    tracing::info!(device = %dev.display(), %fstype, "filesystem grown offline");
+    Ok(())
+}

@@ -1,0 +1,271 @@
+//! Cheap health signals for CSI `VolumeCondition`.
+//!
+//! Every probe here only reads kernel state (mountinfo, sysfs) or does one
+//! small operation on the volume (`statvfs`, reading one directory entry,
+//! a 4 KiB read). A hung filesystem can still block those forever, so
+//! callers should use [`fs_health_with_timeout`] or [`with_timeout`].
+
+use std::io;
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+
+use crate::{device, mount, sys};
+
+/// Timeout callers should use unless they have a reason not to.
+pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Condition of a volume; maps onto CSI `VolumeCondition`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    Ok,
+    /// Something is wrong; the message says what and what to do.
+    Abnormal(String),
+}
+
+impl Health {
+    pub fn is_ok(&self) -> bool {
+        matches!(self, Health::Ok)
+    }
+
+    /// `(abnormal, message)` as CSI wants them; the message is empty when
+    /// healthy.
+    pub fn to_condition(&self) -> (bool, String) {
+        match self {
+            Health::Ok => (false, String::new()),
+            Health::Abnormal(m) => (true, m.clone()),
+        }
+    }
+}
+
+/// Runs `probe` on a separate thread and waits at most `timeout` for it.
+///
+/// On timeout returns `Abnormal("health probe timed out after …")`. The
+/// probe thread cannot be cancelled: it is left running (leaked) and its
+/// result dropped when it finishes. A thread stuck in uninterruptible I/O
+/// on a dead device may never finish, so a caller polling a dead volume
+/// periodically leaks one thread per poll; keep the poll rate modest.
+pub fn with_timeout<F>(timeout: Duration, probe: F) -> Health
+where
+    F: FnOnce() -> Health + Send + 'static,
+{
+    let (tx, rx) = mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new()
+        .name("crust-health-probe".into())
+        .spawn(move || {
+            let _ = tx.send(probe());
+        });
+    if let Err(e) = spawned {
+        return Health::Abnormal(format!("could not start health probe: {e}"));
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(h) => h,
+        Err(mpsc::RecvTimeoutError::Timeout) => Health::Abnormal(format!(
+            "health probe timed out after {:.1}s: the filesystem or device is not responding (hung I/O?)",
+            timeout.as_secs_f64()
+        )),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            Health::Abnormal("health probe panicked".into())
+        }
+    }
+}
+
+/// [`fs_health`] under [`with_timeout`].
+pub fn fs_health_with_timeout(
+    dev: &Path,
+    mountpoint: &Path,
+    expected_ro: bool,
+    timeout: Duration,
+) -> Health {
+    let (dev, mp) = (dev.to_path_buf(), mountpoint.to_path_buf());
+    with_timeout(timeout, move || fs_health(&dev, &mp, expected_ro))
+}
+
+fn read_sysfs(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+fn is_eio(e: &io::Error) -> bool {
+    sys::errno(e) == Some(Errno::IO)
+}
+
+/// Health of the filesystem of block device `dev` mounted at `mountpoint`
+/// (a staging path, or a publish path bind-mounted from it). Checks, in
+/// order, stopping at the first problem:
+///
+/// 1. a mount exists at `mountpoint` (from mountinfo);
+/// 2. it is the filesystem of `dev` (major:minor match) and `dev` still
+///    exists;
+/// 3. it is not read-only when `expected_ro` is false: a read-only
+///    superblock means the kernel remounted it after an error (or an
+///    admin did); a read-only mount over a writable superblock means
+///    someone remounted this mount point;
+/// 4. ext4: `/sys/fs/ext4/<dev>/errors_count` is zero;
+/// 5. `statvfs` works (XFS answers `EIO` once it has shut down);
+/// 6. the mount point can be listed (one directory entry is read).
+///
+/// Never modifies anything. May block on a hung filesystem (steps 5-6):
+/// use [`fs_health_with_timeout`].
+pub fn fs_health(dev: &Path, mountpoint: &Path, expected_ro: bool) -> Health {
+    let d = dev.display();
+    let mp = mountpoint.display();
+    let entry = match mount::find_mount(mountpoint) {
+        Ok(Some(e)) => e,
+        Ok(None) => {
+            return Health::Abnormal(format!(
+                "volume is not mounted at {mp} (expected {d}); it was unmounted outside of the CSI driver: unpublish and publish again"
+            ));
+        }
+        Err(e) => return Health::Abnormal(format!("cannot read the mount table: {e}")),
+    };
+    let (major, minor) = match device::device_major_minor(dev) {
+        Ok(n) => n,
+        Err(e) if e.is_not_found() => {
+            return Health::Abnormal(format!(
+                "device {d} behind {mp} no longer exists (detached or removed); the data may be unreachable"
+            ));
+        }
+        Err(e) => return Health::Abnormal(format!("cannot inspect device {d}: {e}")),
+    };
+    if (entry.major, entry.minor) != (major, minor) {
+        return Health::Abnormal(format!(
+            "{mp} has {} ({}:{}) mounted, not the volume's device {d} ({major}:{minor}); something was mounted over it",
+            entry.source, entry.major, entry.minor
+        ));
+    }
+    let devname = device::sysfs_name_of(major, minor).unwrap_or_else(|_| entry.source.clone());
+    if !expected_ro {
+        if entry.super_read_only() {
+            let errors = entry.super_option("errors").unwrap_or("default");
+            return Health::Abnormal(format!(
+                "filesystem on {d} ({}) is read-only although read-write was expected: the kernel remounts it read-only after an I/O or corruption error (errors={errors}), or an administrator remounted it; check the kernel log and run fsck after unpublishing",
+                entry.fs_type
+            ));
+        }
+        if entry.is_read_only() {
+            return Health::Abnormal(format!(
+                "mount {mp} of {d} was remounted read-only although read-write was expected; unpublish and publish again"
+            ));
+        }
+    }
+    if entry.fs_type == "ext4"
+        && let Some(count) = read_sysfs(&format!("/sys/fs/ext4/{devname}/errors_count"))
+            .and_then(|s| s.parse::<u64>().ok())
+        && count > 0
+    {
+        let func = read_sysfs(&format!("/sys/fs/ext4/{devname}/first_error_func"))
+            .filter(|s| !s.is_empty())
+            .map(|f| format!(", first in {f}"))
+            .unwrap_or_default();
+        return Health::Abnormal(format!(
+            "ext4 on {d} has recorded {count} error(s){func}; the filesystem may be corrupted: run fsck after unpublishing"
+        ));
+    }
+    if let Err(e) = rustix::fs::statvfs(mountpoint) {
+        let e = io::Error::from(e);
+        if is_eio(&e) {
+            return Health::Abnormal(format!(
+                "{} on {d} returns I/O errors (statfs on {mp}): the filesystem has shut down or the device failed; unmount it and run {}",
+                entry.fs_type,
+                repair_tool(&entry.fs_type)
+            ));
+        }
+        return Health::Abnormal(format!("statfs on {mp} failed: {e}"));
+    }
+    match std::fs::read_dir(mountpoint).and_then(|mut it| it.next().transpose()) {
+        Ok(_) => Health::Ok,
+        Err(e) if is_eio(&e) => Health::Abnormal(format!(
+            "reading {mp} fails with an I/O error: the {} filesystem on {d} has shut down or the device failed; unmount it and run {}",
+            entry.fs_type,
+            repair_tool(&entry.fs_type)
+        )),
+        Err(e) => Health::Abnormal(format!("cannot read {mp}: {e}")),
+    }
+}
+
+fn repair_tool(fs: &str) -> &'static str {
+    if fs == "xfs" { "xfs_repair" } else { "fsck" }
+}
+
+/// Health of a raw block volume: the node exists, is a block device, and
+/// its first 4 KiB can be read with `O_DIRECT` (so a dead device or a
+/// loop device whose backing file has become unreadable shows up). May
+/// block on a hung device: wrap in [`with_timeout`].
+pub fn device_health(dev: &Path) -> Health {
+    let d = dev.display();
+    if !dev.exists() {
+        return Health::Abnormal(format!("device {d} no longer exists (detached or removed)"));
+    }
+    if !device::is_block_device(dev) {
+        return Health::Abnormal(format!("{d} is not a block device"));
+    }
+    let fd = match rustix::fs::open(
+        dev,
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::DIRECT,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(e) => return Health::Abnormal(format!("cannot open {d}: {}", io::Error::from(e))),
+    };
+    match device::size_of_fd(&fd, dev) {
+        Ok(0) => {
+            return Health::Abnormal(format!(
+                "device {d} has size 0: it is no longer attached to its backing store"
+            ));
+        }
+        Ok(_) => {}
+        Err(e) => return Health::Abnormal(format!("cannot read the size of {d}: {e}")),
+    }
+    let mut buf = sys::AlignedBuf::new(sys::DIRECT_ALIGN);
+    match sys::pread_full(&fd, buf.as_mut_slice(), 0) {
+        Ok(_) => Health::Ok,
+        Err(e) => Health::Abnormal(format!(
+            "reading {d} fails ({e}): the device or its backing store has failed"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn timeout_wrapper_returns_quickly() {
+        let start = Instant::now();
+        let h = with_timeout(Duration::from_millis(100), || {
+            std::thread::sleep(Duration::from_secs(30));
+            Health::Ok
+        });
+        assert!(
+            matches!(&h, Health::Abnormal(m) if m.contains("timed out after 0.1s")),
+            "{h:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn timeout_wrapper_passes_result_through() {
+        let h = with_timeout(Duration::from_secs(5), || Health::Abnormal("x".into()));
+        assert_eq!(h, Health::Abnormal("x".into()));
+        assert_eq!(
+            with_timeout(Duration::from_secs(5), || Health::Ok),
+            Health::Ok
+        );
+    }
+
+    #[test]
+    fn unmounted_path_is_abnormal() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = fs_health(Path::new("/dev/null"), dir.path(), false);
+        assert!(
+            matches!(&h, Health::Abnormal(m) if m.contains("not mounted")),
+            "{h:?}"
+        );
+    }
+}

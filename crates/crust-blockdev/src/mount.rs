@@ -1,0 +1,784 @@
+//! Mounting, unmounting and reading `/proc/self/mountinfo`.
+
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, CWD, StatxAttributes, StatxFlags};
+use rustix::io::Errno;
+use rustix::mount::{MountFlags, UnmountFlags};
+
+use crate::FsType;
+use crate::device::{self, DeviceError};
+
+/// Errors from mount operations.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("mount option {option:?} rejected: {reason}")]
+    InvalidOption { option: String, reason: String },
+    #[error("mount target {0} does not exist or is not a directory")]
+    BadTarget(PathBuf),
+    #[error("{target} already has {existing} mounted on it")]
+    TargetInUse { target: PathBuf, existing: String },
+    #[error("{target} is already mounted {actual}, but {wanted} was requested")]
+    ReadOnlyMismatch {
+        target: PathBuf,
+        actual: &'static str,
+        wanted: &'static str,
+    },
+    #[error("mounting {source_path} on {target}: {source}")]
+    Mount {
+        source_path: PathBuf,
+        target: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{target} is busy (files open or mounts below it); not unmounted")]
+    Busy { target: PathBuf },
+    #[error("unmounting {target}: {source}")]
+    Unmount {
+        target: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading /proc/self/mountinfo: {0}")]
+    MountInfo(#[source] io::Error),
+    #[error("malformed mountinfo line {line}: {reason}")]
+    Parse { line: usize, reason: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// One line of `/proc/self/mountinfo`, with octal escapes (`\040` etc.)
+/// decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    pub mount_id: u32,
+    pub parent_id: u32,
+    /// Device numbers of the mounted filesystem (for a block device
+    /// filesystem, the device's numbers).
+    pub major: u32,
+    pub minor: u32,
+    /// Directory of the filesystem that is mounted here ("/" unless this
+    /// is a bind mount of a subdirectory or a file).
+    pub root: PathBuf,
+    pub mount_point: PathBuf,
+    /// Per-mount options ("rw", "nosuid", "relatime", ...).
+    pub mount_options: Vec<String>,
+    /// Propagation fields ("shared:1", "master:2", ...).
+    pub optional_fields: Vec<String>,
+    pub fs_type: String,
+    /// Mount source ("/dev/loop3", "tmpfs", ...).
+    pub source: String,
+    /// Superblock options ("rw", "errors=remount-ro", ...). "ro" here and
+    /// "rw" wanted means the filesystem itself went read-only.
+    pub super_options: Vec<String>,
+}
+
+impl MountEntry {
+    /// This mount is read-only (per-mount flag).
+    pub fn is_read_only(&self) -> bool {
+        self.mount_options.iter().any(|o| o == "ro")
+    }
+
+    /// The filesystem (superblock) is read-only, e.g. after the kernel
+    /// remounted it because of errors.
+    pub fn super_read_only(&self) -> bool {
+        self.super_options.iter().any(|o| o == "ro")
+    }
+
+    /// Value of a superblock option such as `errors`.
+    pub fn super_option(&self, key: &str) -> Option<&str> {
+        self.super_options
+            .iter()
+            .find_map(|o| o.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
+    }
+}
+
+fn unescape(field: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while i < field.len() {
+        if field[i] == b'\\'
+            && i + 3 < field.len()
+            && field[i + 1..i + 4]
+                .iter()
+                .all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (field[i + 1] - b'0') as u32 * 64
+                + (field[i + 2] - b'0') as u32 * 8
+                + (field[i + 3] - b'0') as u32;
+            out.push(v as u8);
+            i += 4;
+        } else {
+            out.push(field[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+fn split_opts(field: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(&unescape(field))
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Parses the contents of a mountinfo file (see `proc(5)`).
+pub fn parse_mountinfo(text: &[u8]) -> Result<Vec<MountEntry>, MountError> {
+    let mut out = Vec::new();
+    for (idx, line) in text.split(|&b| b == b'\n').enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |reason: &str| MountError::Parse {
+            line: idx + 1,
+            reason: reason.to_owned(),
+        };
+        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+        let sep = fields
+            .iter()
+            .position(|f| *f == b"-")
+            .ok_or_else(|| bad("no \" - \" separator"))?;
+        if sep < 6 || fields.len() < sep + 4 {
+            return Err(bad("too few fields"));
+        }
+        let num = |f: &[u8], what: &str| -> Result<u32, MountError> {
+            std::str::from_utf8(f)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| bad(what))
+        };
+        let (maj, min) = {
+            let mm = fields[2];
+            let colon = mm
+                .iter()
+                .position(|&b| b == b':')
+                .ok_or_else(|| bad("bad major:minor"))?;
+            (
+                num(&mm[..colon], "bad major")?,
+                num(&mm[colon + 1..], "bad minor")?,
+            )
+        };
+        let path = |f: &[u8]| PathBuf::from(OsString::from_vec(unescape(f)));
+        out.push(MountEntry {
+            mount_id: num(fields[0], "bad mount id")?,
+            parent_id: num(fields[1], "bad parent id")?,
+            major: maj,
+            minor: min,
+            root: path(fields[3]),
+            mount_point: path(fields[4]),
+            mount_options: split_opts(fields[5]),
+            optional_fields: fields[6..sep]
+                .iter()
+                .map(|f| String::from_utf8_lossy(f).into_owned())
+                .collect(),
+            fs_type: String::from_utf8_lossy(&unescape(fields[sep + 1])).into_owned(),
+            source: String::from_utf8_lossy(&unescape(fields[sep + 2])).into_owned(),
+            super_options: split_opts(fields[sep + 3]),
+        });
+    }
+    Ok(out)
+}
+
+/// Every mount visible to this process, in mount order (later entries are
+/// stacked on top of earlier ones at the same path).
+pub fn mount_info() -> Result<Vec<MountEntry>, MountError> {
+    let text = std::fs::read("/proc/self/mountinfo").map_err(MountError::MountInfo)?;
+    parse_mountinfo(&text)
+}
+
+/// `path` as mountinfo would print it, without touching the (maybe hung)
+/// filesystem mounted there: the parent is canonicalized, the last
+/// component kept.
+fn mountinfo_form(path: &Path) -> PathBuf {
+    match (path.parent(), path.file_name()) {
+        (Some(parent), Some(name)) => std::fs::canonicalize(parent)
+            .map(|p| p.join(name))
+            .unwrap_or_else(|_| path.to_path_buf()),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// The topmost mount whose mount point is `target`, if any. Does not
+/// access the filesystem mounted there, so it is safe on a hung mount.
+pub fn find_mount(target: &Path) -> Result<Option<MountEntry>, MountError> {
+    let want = mountinfo_form(target);
+    Ok(mount_info()?
+        .into_iter()
+        .rev()
+        .find(|m| m.mount_point == want))
+}
+
+/// Whether `path` is the root of a mount (also for file bind mounts).
+/// A missing path is `false`. Uses `statx` `STATX_ATTR_MOUNT_ROOT`, falling
+/// back to mountinfo on kernels without it.
+pub fn is_mountpoint(path: &Path) -> Result<bool, MountError> {
+    match rustix::fs::statx(
+        CWD,
+        path,
+        AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::BASIC_STATS,
+    ) {
+        Ok(st) if st.stx_attributes_mask.contains(StatxAttributes::MOUNT_ROOT) => {
+            Ok(st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
+        }
+        Ok(_) => Ok(find_mount(path)?.is_some()),
+        Err(Errno::NOENT) | Err(Errno::NOTDIR) => Ok(false),
+        // A hung or shut-down filesystem: decide from mountinfo.
+        Err(_) => Ok(find_mount(path)?.is_some()),
+    }
+}
+
+/// Mount options split into `mount(2)` flags and the filesystem data string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedOptions {
+    pub flags: MountFlags,
+    /// Comma-separated filesystem-specific options (may be empty).
+    pub data: String,
+    pub read_only: bool,
+}
+
+const FLAG_OPTS: &[(&str, MountFlags)] = &[
+    ("ro", MountFlags::RDONLY),
+    ("nosuid", MountFlags::NOSUID),
+    ("nodev", MountFlags::NODEV),
+    ("noexec", MountFlags::NOEXEC),
+    ("noatime", MountFlags::NOATIME),
+    ("nodiratime", MountFlags::NODIRATIME),
+    ("relatime", MountFlags::RELATIME),
+    ("strictatime", MountFlags::STRICTATIME),
+    ("lazytime", MountFlags::LAZYTIME),
+    ("sync", MountFlags::SYNCHRONOUS),
+    ("dirsync", MountFlags::DIRSYNC),
+    ("nosymfollow", MountFlags::NOSYMFOLLOW),
+];
+
+/// Kernel defaults; accepted and ignored.
+const NOOP_OPTS: &[&str] = &[
+    "defaults", "rw", "async", "dev", "suid", "exec", "atime", "diratime",
+];
+
+const COMMON_DATA_WORDS: &[&str] = &[
+    "discard",
+    "nodiscard",
+    "usrquota",
+    "grpquota",
+    "prjquota",
+    "quota",
+    "noquota",
+    "grpid",
+    "bsdgroups",
+    "nogrpid",
+    "sysvgroups",
+    "norecovery",
+];
+
+const EXT4_DATA_WORDS: &[&str] = &[
+    "barrier",
+    "nobarrier",
+    "delalloc",
+    "nodelalloc",
+    "auto_da_alloc",
+    "noauto_da_alloc",
+    "user_xattr",
+    "nouser_xattr",
+    "acl",
+    "noacl",
+    "journal_checksum",
+    "nojournal_checksum",
+    "journal_async_commit",
+    "init_itable",
+    "noinit_itable",
+    "block_validity",
+    "noblock_validity",
+    "dioread_lock",
+    "dioread_nolock",
+    "i_version",
+    "nombcache",
+    "noload",
+];
+
+const EXT4_NUMERIC: &[&str] = &[
+    "barrier",
+    "commit",
+    "stripe",
+    "init_itable",
+    "inode_readahead_blks",
+    "max_batch_time",
+    "min_batch_time",
+    "journal_ioprio",
+    "max_dir_size_kb",
+    "resuid",
+    "resgid",
+];
+
+const XFS_DATA_WORDS: &[&str] = &[
+    "inode32",
+    "inode64",
+    "largeio",
+    "nolargeio",
+    "noalign",
+    "swalloc",
+    "wsync",
+    "nouuid",
+    "attr2",
+    "noattr2",
+    "ikeep",
+    "noikeep",
+    "uquota",
+    "gquota",
+    "pquota",
+    "uqnoenforce",
+    "gqnoenforce",
+    "pqnoenforce",
+    "qnoenforce",
+    "filestreams",
+];
+
+const XFS_NUMERIC: &[&str] = &["logbufs", "sunit", "swidth"];
+const XFS_SIZE: &[&str] = &["allocsize", "logbsize"];
+
+/// Options that change what mount(2) does or point outside the volume.
+const UNSAFE: &[(&str, &str)] = &[
+    ("bind", "bind mounts are made by crust itself"),
+    ("rbind", "bind mounts are made by crust itself"),
+    ("remount", "remounting is not a volume option"),
+    ("move", "moving mounts is not a volume option"),
+    ("loop", "crust attaches loop devices itself"),
+    ("errors=panic", "a volume error must not crash the node"),
+    ("dax", "DAX needs persistent memory"),
+    ("user", "fstab-only option"),
+    ("users", "fstab-only option"),
+    ("owner", "fstab-only option"),
+    ("nofail", "fstab-only option"),
+    ("auto", "fstab-only option"),
+    ("noauto", "fstab-only option"),
+    ("_netdev", "fstab-only option"),
+];
+
+fn is_number(v: &str) -> bool {
+    !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())
+}
+
+fn is_size(v: &str) -> bool {
+    let digits = v.trim_end_matches(['k', 'K', 'm', 'M', 'g', 'G']);
+    is_number(digits) && v.len() - digits.len() <= 1
+}
+
+fn data_option_ok(fstype: FsType, opt: &str) -> bool {
+    if COMMON_DATA_WORDS.contains(&opt) {
+        return true;
+    }
+    let (key, value) = match opt.split_once('=') {
+        Some((k, v)) => (k, Some(v)),
+        None => (opt, None),
+    };
+    match (fstype, value) {
+        (FsType::Ext4, None) => EXT4_DATA_WORDS.contains(&key),
+        (FsType::Ext4, Some(v)) => match key {
+            "errors" => matches!(v, "remount-ro" | "continue"),
+            "data" => matches!(v, "ordered" | "writeback" | "journal"),
+            k => EXT4_NUMERIC.contains(&k) && is_number(v),
+        },
+        (FsType::Xfs, None) => XFS_DATA_WORDS.contains(&key),
+        (FsType::Xfs, Some(v)) => {
+            (XFS_NUMERIC.contains(&key) && is_number(v)) || (XFS_SIZE.contains(&key) && is_size(v))
+        }
+    }
+}
+
+/// Validates mount options for `fstype` and splits them into flags and a
+/// data string. Each element may itself hold comma-separated options.
+///
+/// Accepted: the generic flags (`ro`, `nosuid`, `nodev`, `noexec`,
+/// `noatime`, `nodiratime`, `relatime`, `strictatime`, `lazytime`, `sync`,
+/// `dirsync`, `nosymfollow`), the kernel defaults (`defaults`, `rw`,
+/// `async`, `dev`, `suid`, `exec`, `atime`, `diratime`; ignored), and an
+/// allowlist of ext4/xfs data options with validated values (e.g.
+/// `errors=remount-ro|continue`, `data=ordered|writeback|journal`,
+/// `commit=N`, `discard`, `nouuid`, `allocsize=64k`, quota options).
+/// Rejected: anything else, including `bind`, `remount`, `loop`,
+/// `errors=panic`, options naming paths or devices (`journal_path=`,
+/// `logdev=`, `rtdev=`), SELinux contexts, and `rw` together with a
+/// read-only request. `norecovery` is only allowed read-only.
+pub fn parse_mount_options(
+    fstype: FsType,
+    options: &[String],
+    readonly: bool,
+) -> Result<ParsedOptions, MountError> {
+    let mut flags = MountFlags::empty();
+    let mut data: Vec<&str> = Vec::new();
+    let mut rw_requested = false;
+    let reject = |option: &str, reason: &str| MountError::InvalidOption {
+        option: option.to_owned(),
+        reason: reason.to_owned(),
+    };
+    for opt in options.iter().flat_map(|o| o.split(',')) {
+        let opt = opt.trim();
+        if opt.is_empty() {
+            continue;
+        }
+        if opt.contains('\0') || opt.contains('/') {
+            return Err(reject(opt, "options may not contain paths or NUL bytes"));
+        }
+        if let Some((_, reason)) = UNSAFE.iter().find(|(o, _)| *o == opt) {
+            return Err(reject(opt, reason));
+        }
+        if let Some((_, f)) = FLAG_OPTS.iter().find(|(o, _)| *o == opt) {
+            flags |= *f;
+        } else if NOOP_OPTS.contains(&opt) {
+            rw_requested |= opt == "rw";
+        } else if data_option_ok(fstype, opt) {
+            data.push(opt);
+        } else {
+            return Err(reject(
+                opt,
+                &format!("not a supported {fstype} mount option"),
+            ));
+        }
+    }
+    if readonly {
+        flags |= MountFlags::RDONLY;
+    }
+    let read_only = flags.contains(MountFlags::RDONLY);
+    if read_only && rw_requested {
+        return Err(reject("rw", "conflicts with a read-only mount"));
+    }
+    if !read_only && data.contains(&"norecovery") {
+        return Err(reject("norecovery", "only allowed for read-only mounts"));
+    }
+    let exclusive = [
+        MountFlags::RELATIME,
+        MountFlags::STRICTATIME,
+        MountFlags::NOATIME,
+    ];
+    if exclusive.iter().filter(|f| flags.contains(**f)).count() > 1 {
+        return Err(reject(
+            "atime",
+            "noatime, relatime and strictatime are mutually exclusive",
+        ));
+    }
+    Ok(ParsedOptions {
+        flags,
+        data: data.join(","),
+        read_only,
+    })
+}
+
+fn ro_word(ro: bool) -> &'static str {
+    if ro { "read-only" } else { "read-write" }
+}
+
+fn ensure_dir(target: &Path) -> Result<(), MountError> {
+    match std::fs::metadata(target) {
+        Ok(m) if m.is_dir() => Ok(()),
+        _ => Err(MountError::BadTarget(target.to_path_buf())),
+    }
+}
+
+/// Mounts the filesystem on block device `dev` at directory `target`.
+///
+/// Options are validated by [`parse_mount_options`]; `readonly` adds
+/// `MS_RDONLY`. Idempotent: if `target` already has `dev` mounted (its
+/// whole filesystem) with the same read-only-ness, returns `Ok`. Another
+/// mount there gives [`MountError::TargetInUse`], a different
+/// read-only-ness [`MountError::ReadOnlyMismatch`]. The target directory
+/// must exist.
+pub fn mount_fs(
+    dev: &Path,
+    target: &Path,
+    fstype: FsType,
+    options: &[String],
+    readonly: bool,
+) -> Result<(), MountError> {
+    let parsed = parse_mount_options(fstype, options, readonly)?;
+    let (major, minor) = device::device_major_minor(dev)?;
+    if let Some(m) = find_mount(target)? {
+        if (m.major, m.minor) == (major, minor) && m.root == Path::new("/") {
+            if m.is_read_only() == parsed.read_only {
+                return Ok(());
+            }
+            return Err(MountError::ReadOnlyMismatch {
+                target: target.to_path_buf(),
+                actual: ro_word(m.is_read_only()),
+                wanted: ro_word(parsed.read_only),
+            });
+        }
+        return Err(MountError::TargetInUse {
+            target: target.to_path_buf(),
+            existing: m.source,
+        });
+    }
+    ensure_dir(target)?;
+    let data = CString::new(parsed.data).expect("NUL rejected above");
+    rustix::mount::mount(
+        dev,
+        target,
+        fstype.as_str(),
+        parsed.flags,
+        Some(data.as_c_str()),
+    )
+    .map_err(|e| MountError::Mount {
+        source_path: dev.to_path_buf(),
+        target: target.to_path_buf(),
+        source: e.into(),
+    })?;
+    tracing::debug!(device = %dev.display(), target = %target.display(), "mounted");
+    Ok(())
+}
+
+fn same_object(a: &Path, b: &Path) -> bool {
+    match (rustix::fs::stat(a), rustix::fs::stat(b)) {
+        (Ok(x), Ok(y)) => x.st_dev == y.st_dev && x.st_ino == y.st_ino,
+        _ => false,
+    }
+}
+
+/// Bind-mounts `src` (a directory, a file or a device node) onto `target`
+/// (an existing directory or file of the same kind). A read-only bind
+/// needs a second `MS_REMOUNT|MS_BIND|MS_RDONLY` call; if that fails the
+/// bind is undone so no writable mount is left behind.
+///
+/// Idempotent: if `target` is already a mount showing the same object as
+/// `src` with the same read-only-ness, returns `Ok`.
+pub fn bind_mount(src: &Path, target: &Path, readonly: bool) -> Result<(), MountError> {
+    if is_mountpoint(target)? {
+        if same_object(src, target) {
+            let ro = find_mount(target)?.is_some_and(|m| m.is_read_only());
+            if ro == readonly {
+                return Ok(());
+            }
+            return Err(MountError::ReadOnlyMismatch {
+                target: target.to_path_buf(),
+                actual: ro_word(ro),
+                wanted: ro_word(readonly),
+            });
+        }
+        let existing = find_mount(target)?
+            .map(|m| m.source)
+            .unwrap_or_else(|| "another mount".into());
+        return Err(MountError::TargetInUse {
+            target: target.to_path_buf(),
+            existing,
+        });
+    }
+    let map = |e: Errno| MountError::Mount {
+        source_path: src.to_path_buf(),
+        target: target.to_path_buf(),
+        source: e.into(),
+    };
+    rustix::mount::mount_bind(src, target).map_err(map)?;
+    if readonly
+        && let Err(e) =
+            rustix::mount::mount_remount(target, MountFlags::BIND | MountFlags::RDONLY, c"")
+    {
+        let _ = rustix::mount::unmount(target, UnmountFlags::NOFOLLOW);
+        return Err(map(e));
+    }
+    tracing::debug!(src = %src.display(), target = %target.display(), readonly, "bind mounted");
+    Ok(())
+}
+
+/// Unmounts `target` until it is no longer a mount point (stacked mounts
+/// are all removed). Idempotent: a path that is not mounted or does not
+/// exist is success. Never detaches lazily: a busy mount gives
+/// [`MountError::Busy`]. Symlinks are not followed.
+pub fn unmount(target: &Path) -> Result<(), MountError> {
+    for _ in 0..64 {
+        match rustix::mount::unmount(target, UnmountFlags::NOFOLLOW) {
+            Ok(()) => {
+                tracing::debug!(target = %target.display(), "unmounted");
+                continue;
+            }
+            Err(Errno::INVAL) | Err(Errno::NOENT) => return Ok(()),
+            Err(Errno::BUSY) => {
+                return Err(MountError::Busy {
+                    target: target.to_path_buf(),
+                });
+            }
+            Err(e) => {
+                return Err(MountError::Unmount {
+                    target: target.to_path_buf(),
+                    source: e.into(),
+                });
+            }
+        }
+    }
+    Err(MountError::Unmount {
+        target: target.to_path_buf(),
+        source: io::Error::other("more than 64 mounts stacked on the target"),
+    })
+}
+
+/// Unmounts its target when dropped (tests and error paths).
+#[derive(Debug)]
+pub struct MountGuard {
+    target: Option<PathBuf>,
+}
+
+impl MountGuard {
+    /// Guards an existing mount at `target`.
+    pub fn new(target: impl Into<PathBuf>) -> Self {
+        MountGuard {
+            target: Some(target.into()),
+        }
+    }
+
+    /// [`mount_fs`] and guard the result.
+    pub fn mount_fs(
+        dev: &Path,
+        target: &Path,
+        fstype: FsType,
+        options: &[String],
+        readonly: bool,
+    ) -> Result<Self, MountError> {
+        mount_fs(dev, target, fstype, options, readonly)?;
+        Ok(Self::new(target))
+    }
+
+    pub fn target(&self) -> &Path {
+        self.target.as_deref().expect("guard armed")
+    }
+
+    /// Unmounts now, reporting errors.
+    pub fn unmount(mut self) -> Result<(), MountError> {
+        let t = self.target.take().expect("guard armed");
+        unmount(&t)
+    }
+
+    /// Disarms the guard; the mount stays.
+    pub fn release(mut self) -> PathBuf {
+        self.target.take().expect("guard armed")
+    }
+}
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        if let Some(t) = self.target.take()
+            && let Err(e) = unmount(&t)
+        {
+            tracing::warn!(target = %t.display(), %e, "MountGuard could not unmount");
+            eprintln!("MountGuard: could not unmount {}: {e}", t.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "\
+22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,errors=remount-ro
+36 22 7:3 / /var/lib/kubelet/pods/a\\040b/vol\\011x rw,nosuid shared:5 master:2 - ext4 /dev/loop3 ro,errors=remount-ro
+37 22 0:5 /loop3 /tmp/raw\\134file ro - devtmpfs udev rw,size=10k
+38 22 7:4 /sub /mnt/back\\\\slash rw - xfs /dev/loop4 rw,attr2
+";
+
+    #[test]
+    fn parses_mountinfo_with_escapes() {
+        let m = parse_mountinfo(SAMPLE.as_bytes()).unwrap();
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[0].mount_point, Path::new("/"));
+        assert_eq!(m[0].optional_fields, vec!["shared:1"]);
+        assert_eq!(m[1].mount_id, 36);
+        assert_eq!((m[1].major, m[1].minor), (7, 3));
+        assert_eq!(
+            m[1].mount_point,
+            Path::new("/var/lib/kubelet/pods/a b/vol\tx")
+        );
+        assert_eq!(m[1].optional_fields, vec!["shared:5", "master:2"]);
+        assert!(!m[1].is_read_only());
+        assert!(m[1].super_read_only());
+        assert_eq!(m[1].super_option("errors"), Some("remount-ro"));
+        assert_eq!(m[1].source, "/dev/loop3");
+        assert_eq!(m[2].root, Path::new("/loop3"));
+        assert_eq!(m[2].mount_point, Path::new("/tmp/raw\\file"));
+        assert!(m[2].is_read_only());
+        assert!(m[2].optional_fields.is_empty());
+        // A backslash not followed by three octal digits stays literal.
+        assert_eq!(m[3].mount_point, Path::new("/mnt/back\\\\slash"));
+        assert_eq!(m[3].fs_type, "xfs");
+    }
+
+    #[test]
+    fn rejects_malformed_mountinfo() {
+        assert!(matches!(
+            parse_mountinfo(b"1 2 3:4 / /x rw ext4 /dev/x rw\n"),
+            Err(MountError::Parse { line: 1, .. })
+        ));
+        assert!(matches!(
+            parse_mountinfo(b"1 2 3-4 / /x rw - ext4 /dev/x rw\n"),
+            Err(MountError::Parse { .. })
+        ));
+    }
+
+    #[test]
+    fn reads_own_mountinfo() {
+        let m = mount_info().unwrap();
+        assert!(m.iter().any(|e| e.mount_point == Path::new("/")));
+    }
+
+    fn opts(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn splits_flags_and_data() {
+        let p = parse_mount_options(
+            FsType::Ext4,
+            &opts(&[
+                "noatime,nodev",
+                "errors=remount-ro",
+                "commit=30",
+                "defaults",
+            ]),
+            false,
+        )
+        .unwrap();
+        assert_eq!(p.flags, MountFlags::NOATIME | MountFlags::NODEV);
+        assert_eq!(p.data, "errors=remount-ro,commit=30");
+        assert!(!p.read_only);
+
+        let p =
+            parse_mount_options(FsType::Xfs, &opts(&["nouuid", "allocsize=64k"]), true).unwrap();
+        assert_eq!(p.flags, MountFlags::RDONLY);
+        assert_eq!(p.data, "nouuid,allocsize=64k");
+        assert!(p.read_only);
+    }
+
+    #[test]
+    fn rejects_unsafe_and_unknown_options() {
+        for (fs, bad) in [
+            (FsType::Ext4, "bind"),
+            (FsType::Ext4, "errors=panic"),
+            (FsType::Ext4, "journal_path=/dev/sda"),
+            (FsType::Xfs, "logdev=/dev/sdb"),
+            (FsType::Ext4, "context=system_u:object_r:foo"),
+            (FsType::Ext4, "nouuid"),
+            (FsType::Xfs, "data=journal"),
+            (FsType::Ext4, "commit=abc"),
+            (FsType::Xfs, "allocsize=1x"),
+            (FsType::Ext4, "frobnicate"),
+            (FsType::Ext4, "norecovery"),
+        ] {
+            let err = parse_mount_options(fs, &opts(&[bad]), false).unwrap_err();
+            assert!(
+                matches!(err, MountError::InvalidOption { .. }),
+                "{bad}: {err}"
+            );
+        }
+        assert!(parse_mount_options(FsType::Ext4, &opts(&["rw"]), true).is_err());
+        assert!(parse_mount_options(FsType::Ext4, &opts(&["noatime", "relatime"]), false).is_err());
+        assert!(parse_mount_options(FsType::Xfs, &opts(&["norecovery"]), true).is_ok());
+    }
+}

@@ -1,0 +1,247 @@
+//! Filesystem and signature probing by reading superblocks directly.
+//!
+//! The only question the CSI layer asks is "may I format this?", so the
+//! rule is conservative: anything that is not provably all zeros where
+//! filesystems, partition tables and volume managers keep their
+//! signatures is reported, and only [`Probe::Blank`] may be formatted.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{FileType, Mode, OFlags};
+
+use crate::{FsType, device, sys};
+
+/// How many bytes at the start and at the end of a device must be zero for
+/// it to count as blank.
+pub const BLANK_EDGE_BYTES: u64 = 128 * 1024;
+
+/// What a device holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// Every byte in the first and the last [`BLANK_EDGE_BYTES`] (the whole
+    /// device if it is smaller than twice that) is zero. That covers every
+    /// signature we know of: ext2/3/4 superblock (1024..2048, magic 0xEF53
+    /// at 1080), XFS ("XFSB" at 0), MBR/GPT (sectors 0-1, backup GPT in the
+    /// last sector), LUKS, LVM2 ("LABELONE" in sectors 0-3), swap (4086),
+    /// iso9660 (32769), btrfs (65600), md 0.90/1.x superblocks.
+    Blank,
+    /// An ext4 filesystem (ext superblock with ext4-only features).
+    Ext4,
+    /// An XFS filesystem.
+    Xfs,
+    /// Something else: another filesystem, a partition table, or just
+    /// non-zero bytes. The string says what was recognised.
+    Unknown(String),
+}
+
+impl Probe {
+    /// The filesystem type if the device holds one we support.
+    pub fn fs_type(&self) -> Option<FsType> {
+        match self {
+            Probe::Ext4 => Some(FsType::Ext4),
+            Probe::Xfs => Some(FsType::Xfs),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Probe::Blank => f.write_str("blank"),
+            Probe::Ext4 => f.write_str("ext4 filesystem"),
+            Probe::Xfs => f.write_str("xfs filesystem"),
+            Probe::Unknown(what) => f.write_str(what),
+        }
+    }
+}
+
+/// Errors reading a device for probing.
+#[derive(Debug, thiserror::Error)]
+#[error("probing {path}: {source}")]
+pub struct ProbeError {
+    pub path: PathBuf,
+    #[source]
+    pub source: io::Error,
+}
+
+/// Reads the first and last [`BLANK_EDGE_BYTES`] of `dev` (a block device
+/// or a regular image file) and classifies them; see [`Probe`] for the
+/// exact blank rule. Reads with `O_DIRECT` when possible so a stale page
+/// cache (e.g. the backing file was written behind the loop device's back)
+/// cannot make data look blank.
+pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
+    let err = |source: io::Error| ProbeError {
+        path: dev.to_path_buf(),
+        source,
+    };
+    let (fd, _direct) = open_for_probe(dev).map_err(err)?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| err(e.into()))?;
+    let size = match FileType::from_raw_mode(st.st_mode) {
+        FileType::BlockDevice => device::size_of_fd(&fd, dev).map_err(|e| match e {
+            device::DeviceError::Io { source, .. } => err(source),
+            other => err(io::Error::other(other.to_string())),
+        })?,
+        FileType::RegularFile => st.st_size as u64,
+        _ => {
+            return Err(err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a block device or regular file",
+            )));
+        }
+    };
+
+    let head_len = size.min(BLANK_EDGE_BYTES) as usize;
+    let head = read_region(&fd, 0, head_len).map_err(err)?;
+    if let Some(found) = classify_head(&head) {
+        return Ok(found);
+    }
+    let mut nonzero = head.iter().any(|&b| b != 0);
+    let tail_start = size.saturating_sub(BLANK_EDGE_BYTES).max(head_len as u64);
+    if !nonzero && tail_start < size {
+        // Align down for O_DIRECT; re-reading a little of the head is fine.
+        let aligned = tail_start - tail_start % sys::DIRECT_ALIGN as u64;
+        let tail = read_region(&fd, aligned, (size - aligned) as usize).map_err(err)?;
+        if tail.len() >= 512 && &tail[tail.len() - 512..tail.len() - 512 + 8] == b"EFI PART" {
+            return Ok(Probe::Unknown("GPT partition table (backup header)".into()));
+        }
+        nonzero = tail.iter().any(|&b| b != 0);
+    }
+    if nonzero {
+        return Ok(Probe::Unknown(
+            "unrecognised non-zero data in the first or last 128 KiB".into(),
+        ));
+    }
+    Ok(Probe::Blank)
+}
+
+fn open_for_probe(dev: &Path) -> io::Result<(std::os::fd::OwnedFd, bool)> {
+    let base = OFlags::RDONLY | OFlags::CLOEXEC;
+    match rustix::fs::open(dev, base | OFlags::DIRECT, Mode::empty()) {
+        Ok(fd) => Ok((fd, true)),
+        // tmpfs and a few others refuse O_DIRECT.
+        Err(rustix::io::Errno::INVAL) => Ok((rustix::fs::open(dev, base, Mode::empty())?, false)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Reads `len` bytes at `offset` (short at EOF) through an aligned buffer.
+fn read_region(fd: &std::os::fd::OwnedFd, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+    let padded = len.div_ceil(sys::DIRECT_ALIGN) * sys::DIRECT_ALIGN;
+    let mut buf = sys::AlignedBuf::new(padded);
+    let n = sys::pread_full(fd, buf.as_mut_slice(), offset)?;
+    Ok(buf.as_slice()[..n.min(len)].to_vec())
+}
+
+fn at(buf: &[u8], off: usize, sig: &[u8]) -> bool {
+    buf.len() >= off + sig.len() && &buf[off..off + sig.len()] == sig
+}
+
+fn le32(buf: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes(buf[off..off + 4].try_into().expect("4 bytes"))
+}
+
+/// Recognises signatures in the first [`BLANK_EDGE_BYTES`] of a device.
+/// Exposed for unit tests of the rule.
+pub fn classify_head(head: &[u8]) -> Option<Probe> {
+    if at(head, 0, b"XFSB") {
+        return Some(Probe::Xfs);
+    }
+    if at(head, 1080, &[0x53, 0xEF]) {
+        return Some(classify_ext(head));
+    }
+    let known: &[(usize, &[u8], &str)] = &[
+        (0, b"LUKS\xba\xbe", "LUKS encrypted volume"),
+        (
+            0,
+            b"SKUL\xba\xbe",
+            "LUKS2 encrypted volume (secondary header)",
+        ),
+        (512, b"EFI PART", "GPT partition table"),
+        (512, b"LABELONE", "LVM2 physical volume"),
+        (1024, b"LABELONE", "LVM2 physical volume"),
+        (4086, b"SWAPSPACE2", "swap space"),
+        (4086, b"SWAP-SPACE", "swap space"),
+        (0, b"hsqs", "squashfs filesystem"),
+        (3, b"NTFS    ", "NTFS filesystem"),
+        (32769, b"CD001", "iso9660 filesystem"),
+        (65600, b"_BHRfS_M", "btrfs filesystem"),
+        (0, b"\xfc\x4e\x2b\xa9", "md RAID member (v1.1)"),
+        (4096, b"\xfc\x4e\x2b\xa9", "md RAID member (v1.2)"),
+        (1024, b"\x10\x20\xf5\xf2", "f2fs filesystem"),
+    ];
+    for (off, sig, what) in known {
+        if at(head, *off, sig) {
+            return Some(Probe::Unknown((*what).into()));
+        }
+    }
+    if at(head, 510, &[0x55, 0xAA]) {
+        return Some(Probe::Unknown(
+            "DOS/MBR partition table or boot sector".into(),
+        ));
+    }
+    None
+}
+
+/// ext2, ext3 and ext4 share the magic; ext4 is told apart by features
+/// that only ext4 uses.
+fn classify_ext(head: &[u8]) -> Probe {
+    const SB: usize = 1024;
+    if head.len() < SB + 0x68 {
+        return Probe::Unknown("truncated ext superblock".into());
+    }
+    let compat = le32(head, SB + 0x5C);
+    let incompat = le32(head, SB + 0x60);
+    let ro_compat = le32(head, SB + 0x64);
+    // extents, 64bit, flex_bg, mmp, inline_data, csum_seed, largedir, encrypt
+    let ext4_incompat = 0x40 | 0x80 | 0x100 | 0x200 | 0x1000 | 0x2000 | 0x4000 | 0x8000 | 0x10000;
+    // huge_file, gdt_csum, dir_nlink, extra_isize, quota, bigalloc, metadata_csum
+    let ext4_ro = 0x8 | 0x10 | 0x20 | 0x40 | 0x100 | 0x200 | 0x400;
+    if incompat & ext4_incompat != 0 || ro_compat & ext4_ro != 0 {
+        Probe::Ext4
+    } else if compat & 0x4 != 0 {
+        Probe::Unknown("ext3 filesystem".into())
+    } else {
+        Probe::Unknown("ext2 filesystem".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_head_is_unclassified() {
+        assert_eq!(classify_head(&[0u8; 4096]), None);
+    }
+
+    #[test]
+    fn signatures() {
+        let mut b = vec![0u8; BLANK_EDGE_BYTES as usize];
+        b[0..4].copy_from_slice(b"XFSB");
+        assert_eq!(classify_head(&b), Some(Probe::Xfs));
+
+        let mut b = vec![0u8; BLANK_EDGE_BYTES as usize];
+        b[1080] = 0x53;
+        b[1081] = 0xEF;
+        assert_eq!(
+            classify_head(&b),
+            Some(Probe::Unknown("ext2 filesystem".into()))
+        );
+        b[1024 + 0x5C] = 0x4;
+        assert_eq!(
+            classify_head(&b),
+            Some(Probe::Unknown("ext3 filesystem".into()))
+        );
+        b[1024 + 0x60] = 0x40;
+        assert_eq!(classify_head(&b), Some(Probe::Ext4));
+
+        let mut b = vec![0u8; 4096];
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        assert!(matches!(classify_head(&b), Some(Probe::Unknown(s)) if s.contains("MBR")));
+        b[512..520].copy_from_slice(b"EFI PART");
+        assert!(matches!(classify_head(&b), Some(Probe::Unknown(s)) if s.contains("GPT")));
+    }
+}

@@ -1,0 +1,600 @@
+//! Real loop devices, mkfs and mounts. Needs root; every device and mount
+//! is held by a guard declared after the temp dir it lives in, so drop
+//! order is unmount → detach → remove dir, also on failure.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crust_blockdev::*;
+
+const MIB: u64 = 1 << 20;
+
+fn sparse(dir: &Path, name: &str, size: u64) -> PathBuf {
+    let p = dir.join(name);
+    File::create(&p).unwrap().set_len(size).unwrap();
+    p
+}
+
+fn mkdir(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::create_dir(&p).unwrap();
+    p
+}
+
+fn rw() -> AttachOptions {
+    AttachOptions::default()
+}
+
+/// Pseudo-random bytes without a dependency (xorshift).
+fn noise(len: usize, mut seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
+#[test]
+fn attach_find_detach_round_trip() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "vol.img", 16 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = guard.path().to_path_buf();
+
+    assert!(is_block_device(&dev));
+    assert_eq!(block_device_size(&dev).unwrap(), 16 * MIB);
+    let (major, minor) = device_major_minor(&dev).unwrap();
+    assert_eq!(major, 7);
+    assert_eq!(
+        dev,
+        PathBuf::from(format!("/dev/loop{}", guard.info().number))
+    );
+    let _ = minor;
+
+    // Found again from sysfs alone, as a restarted plugin would, also
+    // through a non-canonical spelling of the path.
+    assert_eq!(find_by_backing(&img).unwrap(), Some(dev.clone()));
+    let odd = dir.path().join(".").join("vol.img");
+    assert_eq!(find_by_backing(&odd).unwrap(), Some(dev.clone()));
+    let st = loop_status(&dev).unwrap().expect("bound");
+    assert_eq!(st.backing_file, std::fs::canonicalize(&img).unwrap());
+    assert!(!st.autoclear, "device must survive the process");
+    assert!(!st.read_only);
+    assert!(!st.backing_deleted);
+    assert_eq!(st.size_bytes, 16 * MIB);
+    assert!(list_loops().unwrap().iter().any(|s| s.path == dev));
+
+    // Bytes written through the device land in the file.
+    let data = noise(4096, 7);
+    let f = OpenOptions::new().write(true).open(&dev).unwrap();
+    f.write_all_at(&data, 8192).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let mut back = vec![0u8; 4096];
+    File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut back, 8192)
+        .unwrap();
+    assert_eq!(back, data);
+
+    let info = guard.release();
+    detach(&info.path).unwrap();
+    assert_eq!(find_by_backing(&img).unwrap(), None);
+    // Checked by backing path: a parallel test may reuse the number at once.
+    assert!(find_all_by_backing(&img).unwrap().is_empty());
+    detach(&info.path).unwrap(); // idempotent when unbound (or not ours)
+    // Detach never touches the data.
+    let mut back = vec![0u8; 4096];
+    File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut back, 8192)
+        .unwrap();
+    assert_eq!(back, data);
+}
+
+/// Runs inside a child process started by `device_survives_process_exit`.
+#[test]
+#[ignore = "helper run in a child process by device_survives_process_exit"]
+fn child_attach_helper() {
+    let Some(img) = std::env::var_os("CRUST_BLOCKDEV_CHILD_IMG") else {
+        return;
+    };
+    let info = LoopDevice::attach(Path::new(&img), rw()).unwrap();
+    println!("CHILD-DEVICE {}", info.path.display());
+}
+
+#[test]
+fn device_survives_process_exit() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "restart.img", 4 * MIB);
+    // Another process attaches and exits, like a plugin that restarts.
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_attach_helper", "--ignored", "--nocapture"])
+        .env("CRUST_BLOCKDEV_CHILD_IMG", &img)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let dev = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CHILD-DEVICE "))
+        .map(PathBuf::from);
+    let guard = dev.as_deref().map(|d| LoopGuard::adopt_path(d).unwrap());
+    assert!(out.status.success(), "child failed: {stdout}");
+    let dev = dev.expect("child printed its device");
+    // Nothing but sysfs tells this process about the device.
+    assert_eq!(find_by_backing(&img).unwrap(), Some(dev.clone()));
+    assert!(!loop_status(&dev).unwrap().unwrap().autoclear);
+    drop(guard);
+    assert!(find_all_by_backing(&img).unwrap().is_empty());
+}
+
+#[test]
+fn read_only_attach_refuses_writes() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "ro.img", 4 * MIB);
+    let guard = LoopGuard::attach(
+        &img,
+        AttachOptions {
+            read_only: true,
+            direct_io: false,
+        },
+    )
+    .unwrap();
+    assert!(loop_status(guard.path()).unwrap().unwrap().read_only);
+    let w = OpenOptions::new()
+        .write(true)
+        .open(guard.path())
+        .and_then(|mut f| f.write_all(&[1u8; 512]).and_then(|_| f.sync_all()));
+    assert!(w.is_err(), "write to a read-only loop device succeeded");
+}
+
+#[test]
+fn direct_io_attach_reports_dio() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "dio.img", 4 * MIB);
+    let guard = LoopGuard::attach(
+        &img,
+        AttachOptions {
+            read_only: false,
+            direct_io: true,
+        },
+    )
+    .unwrap();
+    // /tmp is ext4 here, which supports O_DIRECT, so the kernel keeps it.
+    assert!(loop_status(guard.path()).unwrap().unwrap().direct_io);
+}
+
+#[test]
+fn refresh_capacity_after_growing_the_file() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "grow.img", 8 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    File::options()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(24 * MIB)
+        .unwrap();
+    assert_eq!(block_device_size(guard.path()).unwrap(), 8 * MIB);
+    assert_eq!(refresh_capacity(guard.path()).unwrap(), 24 * MIB);
+    assert_eq!(block_device_size(guard.path()).unwrap(), 24 * MIB);
+    assert_eq!(refresh_capacity(guard.path()).unwrap(), 24 * MIB);
+}
+
+#[test]
+fn deleted_backing_file_is_not_found_by_path() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "gone.img", 4 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    std::fs::remove_file(&img).unwrap();
+    assert_eq!(find_by_backing(&img).unwrap(), None);
+    let all = find_all_by_backing(&img).unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].path, guard.path());
+    assert!(all[0].backing_deleted);
+    // A new file at the same path is a different file.
+    sparse(dir.path(), "gone.img", 4 * MIB);
+    assert_eq!(find_by_backing(&img).unwrap(), None);
+}
+
+#[test]
+fn detach_refuses_while_mounted_or_open() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "busy.img", 32 * MIB);
+    let mnt = mkdir(dir.path(), "mnt");
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = lg.path().to_path_buf();
+    mkfs(&dev, FsType::Ext4).unwrap();
+    let mg = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+
+    let err = detach(&dev).unwrap_err();
+    assert!(
+        matches!(&err, LoopError::Busy { reason, .. } if reason.contains("mounted at")),
+        "{err}"
+    );
+    let st = loop_status(&dev).unwrap().expect("still bound");
+    assert!(
+        !st.autoclear,
+        "a refused detach must not leave a lazy detach behind"
+    );
+    mg.unmount().unwrap();
+
+    // A plain opener (think QEMU) makes the kernel defer the detach; we
+    // cancel that and say so instead.
+    let holder = File::open(&dev).unwrap();
+    let err = detach(&dev).unwrap_err();
+    assert!(
+        matches!(&err, LoopError::Busy { reason, .. } if reason.contains("still open")),
+        "{err}"
+    );
+    let st = loop_status(&dev).unwrap().expect("still bound");
+    assert!(!st.autoclear);
+    drop(holder);
+    let info = lg.release();
+    detach(&info.path).unwrap();
+    assert!(find_all_by_backing(&img).unwrap().is_empty());
+}
+
+#[test]
+fn not_a_loop_device_is_rejected() {
+    crust_testkit::require_root();
+    let err = detach(Path::new("/dev/null")).unwrap_err();
+    assert!(
+        matches!(err, LoopError::Device(DeviceError::NotBlockDevice(_))),
+        "{err}"
+    );
+    assert!(!is_block_device(Path::new("/dev/null")));
+    assert!(!is_block_device(Path::new("/nonexistent/dev")));
+    assert!(block_device_size(Path::new("/dev/null")).is_err());
+}
+
+#[test]
+fn probe_blank_unknown_and_refuse_mkfs_on_data() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "probe.img", 16 * MIB);
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = lg.path().to_path_buf();
+    assert_eq!(probe_fs(&dev).unwrap(), Probe::Blank);
+
+    // Data written behind the device's back (into the file) is still seen:
+    // probing bypasses the page cache that the first probe filled.
+    let junk = noise(512, 42);
+    let f = File::options().read(true).write(true).open(&img).unwrap();
+    f.write_all_at(&junk, 100_000).unwrap();
+    f.sync_all().unwrap();
+    let p = probe_fs(&dev).unwrap();
+    assert!(
+        matches!(&p, Probe::Unknown(s) if s.contains("non-zero")),
+        "{p:?}"
+    );
+
+    let err = mkfs(&dev, FsType::Ext4).unwrap_err();
+    assert!(matches!(err, FsError::NotBlank { .. }), "{err}");
+    let mut back = vec![0u8; 512];
+    f.read_exact_at(&mut back, 100_000).unwrap();
+    assert_eq!(back, junk, "refused mkfs must not touch the data");
+
+    // Non-zero bytes only near the end also count.
+    f.write_all_at(&[0u8; 512], 100_000).unwrap();
+    f.write_all_at(&noise(64, 3), 16 * MIB - 1000).unwrap();
+    f.sync_all().unwrap();
+    assert!(matches!(probe_fs(&dev).unwrap(), Probe::Unknown(_)));
+
+    // A partition table is named.
+    f.write_all_at(&[0u8; 64], 16 * MIB - 1000).unwrap();
+    f.write_all_at(&[0x55, 0xAA], 510).unwrap();
+    f.sync_all().unwrap();
+    let p = probe_fs(&dev).unwrap();
+    assert!(
+        matches!(&p, Probe::Unknown(s) if s.contains("MBR")),
+        "{p:?}"
+    );
+
+    // Wiping the edges makes it blank again.
+    wipe_edges(&dev, MIB).unwrap();
+    assert_eq!(probe_fs(&dev).unwrap(), Probe::Blank);
+}
+
+#[test]
+fn mkfs_mount_write_remount_read_back() {
+    crust_testkit::require_root();
+    for (fstype, size) in [(FsType::Ext4, 64 * MIB), (FsType::Xfs, 320 * MIB)] {
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse(dir.path(), "fs.img", size);
+        let mnt = mkdir(dir.path(), "mnt");
+        let lg = LoopGuard::attach(&img, rw()).unwrap();
+        let dev = lg.path().to_path_buf();
+        mkfs(&dev, fstype).unwrap();
+        let probed = probe_fs(&dev).unwrap();
+        assert_eq!(probed.fs_type(), Some(fstype), "{probed:?}");
+        // Second mkfs refuses: the device now holds a filesystem.
+        assert!(matches!(mkfs(&dev, fstype), Err(FsError::NotBlank { .. })));
+
+        let opts = vec!["noatime".to_string()];
+        let mg = MountGuard::mount_fs(&dev, &mnt, fstype, &opts, false).unwrap();
+        assert!(is_mountpoint(&mnt).unwrap());
+        let m = find_mount(&mnt).unwrap().expect("mounted");
+        assert_eq!(m.fs_type, fstype.as_str());
+        assert!(m.mount_options.iter().any(|o| o == "noatime"));
+        // Idempotent; a different read-only-ness is a conflict.
+        mount_fs(&dev, &mnt, fstype, &opts, false).unwrap();
+        assert!(matches!(
+            mount_fs(&dev, &mnt, fstype, &[], true),
+            Err(MountError::ReadOnlyMismatch { .. })
+        ));
+
+        let data = noise(300_000, 9);
+        std::fs::write(mnt.join("payload"), &data).unwrap();
+        let u = usage(&mnt).unwrap();
+        assert!(u.bytes_total > 0 && u.bytes_total <= size);
+        assert!(u.bytes_used >= 300_000, "{u:?}");
+        assert!(u.bytes_available > 0 && u.bytes_available < u.bytes_total);
+        assert!(u.inodes_used >= 2 && u.inodes_used + u.inodes_free == u.inodes_total);
+        mg.unmount().unwrap();
+        assert!(!is_mountpoint(&mnt).unwrap());
+        unmount(&mnt).unwrap(); // idempotent
+        assert!(!mnt.join("payload").exists());
+
+        let mg = MountGuard::mount_fs(&dev, &mnt, fstype, &[], true).unwrap();
+        assert_eq!(std::fs::read(mnt.join("payload")).unwrap(), data);
+        assert!(find_mount(&mnt).unwrap().unwrap().is_read_only());
+        assert!(std::fs::write(mnt.join("new"), b"x").is_err());
+        drop(mg);
+        drop(lg);
+    }
+}
+
+#[test]
+fn invalid_options_mount_nothing() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "opt.img", 32 * MIB);
+    let mnt = mkdir(dir.path(), "mnt");
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    mkfs(lg.path(), FsType::Ext4).unwrap();
+    let err = mount_fs(
+        lg.path(),
+        &mnt,
+        FsType::Ext4,
+        &["errors=panic".to_string()],
+        false,
+    )
+    .unwrap_err();
+    assert!(matches!(err, MountError::InvalidOption { .. }), "{err}");
+    assert!(!is_mountpoint(&mnt).unwrap());
+    let err = mount_fs(
+        lg.path(),
+        &dir.path().join("missing"),
+        FsType::Ext4,
+        &[],
+        false,
+    )
+    .unwrap_err();
+    assert!(matches!(err, MountError::BadTarget(_)), "{err}");
+}
+
+#[test]
+fn bind_mounts_dir_and_block_device() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "bind.img", 32 * MIB);
+    let stage = mkdir(dir.path(), "stage");
+    let publish = mkdir(dir.path(), "publish");
+    let raw_target = dir.path().join("raw");
+    File::create(&raw_target).unwrap();
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = lg.path().to_path_buf();
+    mkfs(&dev, FsType::Ext4).unwrap();
+    let _stage_g = MountGuard::mount_fs(&dev, &stage, FsType::Ext4, &[], false).unwrap();
+    std::fs::write(stage.join("f"), b"hello").unwrap();
+
+    bind_mount(&stage, &publish, true).unwrap();
+    let pub_g = MountGuard::new(&publish);
+    assert_eq!(std::fs::read(publish.join("f")).unwrap(), b"hello");
+    let e = std::fs::write(publish.join("g"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(30), "EROFS expected, got {e}");
+    // The staging mount stays writable.
+    std::fs::write(stage.join("g"), b"x").unwrap();
+    bind_mount(&stage, &publish, true).unwrap(); // idempotent
+    assert!(matches!(
+        bind_mount(&stage, &publish, false),
+        Err(MountError::ReadOnlyMismatch { .. })
+    ));
+    let other = mkdir(dir.path(), "other");
+    assert!(matches!(
+        bind_mount(&other, &publish, true),
+        Err(MountError::TargetInUse { .. })
+    ));
+    // Health of the publish path follows the bind mount to the device.
+    assert_eq!(fs_health(&dev, &publish, true), Health::Ok);
+    drop(pub_g);
+
+    // Raw block: the device node bound onto a file.
+    bind_mount(&dev, &raw_target, false).unwrap();
+    let _raw_g = MountGuard::new(&raw_target);
+    assert!(is_mountpoint(&raw_target).unwrap());
+    assert_eq!(block_device_size(&raw_target).unwrap(), 32 * MIB);
+}
+
+#[test]
+fn grow_fs_online_ext4_and_xfs() {
+    crust_testkit::require_root();
+    for (fstype, small, big) in [
+        (FsType::Ext4, 64 * MIB, 128 * MIB),
+        (FsType::Xfs, 304 * MIB, 400 * MIB),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse(dir.path(), "g.img", small);
+        let mnt = mkdir(dir.path(), "mnt");
+        let lg = LoopGuard::attach(&img, rw()).unwrap();
+        let dev = lg.path().to_path_buf();
+        mkfs(&dev, fstype).unwrap();
+        let mg = MountGuard::mount_fs(&dev, &mnt, fstype, &[], false).unwrap();
+        std::fs::write(mnt.join("keep"), b"still here").unwrap();
+        let before = usage(&mnt).unwrap().bytes_total;
+
+        File::options()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(big)
+            .unwrap();
+        assert_eq!(refresh_capacity(&dev).unwrap(), big);
+        // Wrong mount point is refused.
+        assert!(matches!(
+            grow_fs(&dev, dir.path(), fstype),
+            Err(FsError::NotMounted { .. })
+        ));
+        let after = if fstype == FsType::Ext4 && !can_grow_ext4_online() {
+            // Sandboxes without CAP_SYS_RESOURCE: the kernel refuses the
+            // online resize ioctl, and we must say why instead of the
+            // tool's bare "Permission denied". Then grow offline.
+            let err = grow_fs(&dev, &mnt, fstype).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    FsError::MissingCapability {
+                        capability: "CAP_SYS_RESOURCE",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(matches!(
+                grow_fs_offline(&dev, fstype),
+                Err(FsError::InUse { .. })
+            ));
+            mg.unmount().unwrap();
+            grow_fs_offline(&dev, fstype).unwrap();
+            grow_fs_offline(&dev, fstype).unwrap();
+            let _mg = MountGuard::mount_fs(&dev, &mnt, fstype, &[], false).unwrap();
+            let after = usage(&mnt).unwrap().bytes_total;
+            assert_eq!(std::fs::read(mnt.join("keep")).unwrap(), b"still here");
+            after
+        } else {
+            let after = grow_fs(&dev, &mnt, fstype).unwrap();
+            assert_eq!(usage(&mnt).unwrap().bytes_total, after);
+            // Growing again is a no-op.
+            assert_eq!(grow_fs(&dev, &mnt, fstype).unwrap(), after);
+            assert_eq!(std::fs::read(mnt.join("keep")).unwrap(), b"still here");
+            drop(mg);
+            after
+        };
+        assert!(
+            after > before + (big - small) / 2,
+            "{fstype}: {before} -> {after}"
+        );
+        assert!(after <= big);
+        if fstype == FsType::Xfs {
+            assert!(matches!(
+                grow_fs_offline(&dev, fstype),
+                Err(FsError::OfflineGrowUnsupported(_))
+            ));
+        }
+    }
+}
+
+#[test]
+fn health_ok_then_remounted_read_only() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "h.img", 32 * MIB);
+    let mnt = mkdir(dir.path(), "mnt");
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = lg.path().to_path_buf();
+    mkfs(&dev, FsType::Ext4).unwrap();
+    let mg = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+    assert_eq!(fs_health(&dev, &mnt, false), Health::Ok);
+    assert_eq!(
+        fs_health_with_timeout(&dev, &mnt, false, DEFAULT_HEALTH_TIMEOUT),
+        Health::Ok
+    );
+    assert_eq!(device_health(&dev), Health::Ok);
+
+    // The wrong device for this mount point.
+    let h = fs_health(Path::new("/dev/zero"), &mnt, false);
+    assert!(matches!(&h, Health::Abnormal(_)), "{h:?}");
+
+    let st = Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let h = fs_health(&dev, &mnt, false);
+    match &h {
+        Health::Abnormal(m) => {
+            assert!(m.contains("read-only"), "{m}");
+            assert!(m.contains(&dev.display().to_string()), "{m}");
+        }
+        Health::Ok => panic!("read-only remount not detected"),
+    }
+    // Read-only was what a read-only publish expects.
+    assert_eq!(fs_health(&dev, &mnt, true), Health::Ok);
+
+    mg.unmount().unwrap();
+    let h = fs_health(&dev, &mnt, false);
+    assert!(
+        matches!(&h, Health::Abnormal(m) if m.contains("not mounted")),
+        "{h:?}"
+    );
+    drop(lg);
+    // A loop device that lost its backing store shows as size 0; an empty
+    // backing file gives the same picture without racing other tests.
+    let empty = sparse(dir.path(), "empty.img", 0);
+    let eg = LoopGuard::attach(&empty, rw()).unwrap();
+    let h = device_health(eg.path());
+    assert!(
+        matches!(&h, Health::Abnormal(m) if m.contains("size 0")),
+        "{h:?}"
+    );
+    let h = device_health(&dir.path().join("no-such-dev"));
+    assert!(
+        matches!(&h, Health::Abnormal(m) if m.contains("no longer exists")),
+        "{h:?}"
+    );
+}
+
+#[test]
+fn health_detects_xfs_shutdown() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "x.img", 304 * MIB);
+    let mnt = mkdir(dir.path(), "mnt");
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = lg.path().to_path_buf();
+    mkfs(&dev, FsType::Xfs).unwrap();
+    let _mg = MountGuard::mount_fs(&dev, &mnt, FsType::Xfs, &[], false).unwrap();
+    assert_eq!(fs_health(&dev, &mnt, false), Health::Ok);
+    let st = Command::new("xfs_io")
+        .args(["-x", "-c", "shutdown"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let h = fs_health_with_timeout(&dev, &mnt, false, DEFAULT_HEALTH_TIMEOUT);
+    assert!(
+        matches!(&h, Health::Abnormal(m) if m.contains("I/O error") && m.contains("xfs_repair")),
+        "{h:?}"
+    );
+}
+
+#[test]
+fn usage_of_missing_path_is_an_error() {
+    let e = usage(Path::new("/nonexistent/crust/path")).unwrap_err();
+    assert_eq!(e.source.kind(), std::io::ErrorKind::NotFound);
+}

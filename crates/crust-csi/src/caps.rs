@@ -1,0 +1,317 @@
+//! Volume capabilities: validation of the CSI `VolumeCapability` messages
+//! and the normalized form kept in volume records.
+
+use std::fmt;
+
+use crust_proto::csi::v1 as csi;
+use csi::volume_capability::access_mode::Mode;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Filesystems this plugin creates and mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FsType {
+    Ext4,
+    Xfs,
+}
+
+impl FsType {
+    pub fn parse(s: &str) -> Option<FsType> {
+        match s {
+            "ext4" => Some(FsType::Ext4),
+            "xfs" => Some(FsType::Xfs),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+        }
+    }
+
+    /// Smallest volume this filesystem can be created on (mkfs.xfs refuses
+    /// filesystems under 300 MiB).
+    pub fn min_size(self) -> u64 {
+        match self {
+            FsType::Ext4 => 1 << 20,
+            FsType::Xfs => 300 << 20,
+        }
+    }
+
+    pub fn to_blockdev(self) -> crust_blockdev::FsType {
+        match self {
+            FsType::Ext4 => crust_blockdev::FsType::Ext4,
+            FsType::Xfs => crust_blockdev::FsType::Xfs,
+        }
+    }
+}
+
+impl fmt::Display for FsType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Supported access modes (all single-node: volumes are local).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AccessMode {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
+}
+
+impl AccessMode {
+    fn from_proto(m: i32) -> Result<AccessMode, String> {
+        match Mode::try_from(m) {
+            Ok(Mode::SingleNodeWriter) => Ok(AccessMode::SingleNodeWriter),
+            Ok(Mode::SingleNodeReaderOnly) => Ok(AccessMode::SingleNodeReaderOnly),
+            Ok(Mode::SingleNodeSingleWriter) => Ok(AccessMode::SingleNodeSingleWriter),
+            Ok(Mode::SingleNodeMultiWriter) => Ok(AccessMode::SingleNodeMultiWriter),
+            Ok(Mode::Unknown) => Err("access mode is missing or UNKNOWN".to_string()),
+            Ok(other) => Err(format!(
+                "access mode {} is not supported: volumes are local to one node \
+                 (supported: SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY, \
+                 SINGLE_NODE_SINGLE_WRITER, SINGLE_NODE_MULTI_WRITER)",
+                other.as_str_name()
+            )),
+            Err(_) => Err(format!("access mode {m} is not a known CSI access mode")),
+        }
+    }
+
+    pub fn to_proto(self) -> Mode {
+        match self {
+            AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
+            AccessMode::SingleNodeReaderOnly => Mode::SingleNodeReaderOnly,
+            AccessMode::SingleNodeSingleWriter => Mode::SingleNodeSingleWriter,
+            AccessMode::SingleNodeMultiWriter => Mode::SingleNodeMultiWriter,
+        }
+    }
+
+    /// Modes that allow only one publish target at a time.
+    pub fn single_target(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeSingleWriter | AccessMode::SingleNodeReaderOnly
+        )
+    }
+
+    pub fn read_only(self) -> bool {
+        self == AccessMode::SingleNodeReaderOnly
+    }
+}
+
+/// Block or filesystem access.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum Access {
+    Block,
+    /// `fs_type` None = the volume's own fsType.
+    Mount { fs_type: Option<FsType> },
+}
+
+impl Access {
+    pub fn is_block(&self) -> bool {
+        matches!(self, Access::Block)
+    }
+}
+
+/// A validated capability. Mount flags are kept only for the mount itself
+/// (they may hold sensitive data) and never persisted; records keep a
+/// digest to recognise an identical repeat call.
+#[derive(Debug, Clone)]
+pub struct Capability {
+    pub access: Access,
+    pub mode: AccessMode,
+    pub mount_flags: Vec<String>,
+}
+
+/// The persisted form of a capability.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CapSpec {
+    pub access: Access,
+    pub mode: AccessMode,
+}
+
+impl Capability {
+    /// Validates one CSI capability; the error is a human message for
+    /// INVALID_ARGUMENT.
+    pub fn from_proto(cap: &csi::VolumeCapability) -> Result<Capability, String> {
+        use csi::volume_capability::AccessType;
+        let mode = match &cap.access_mode {
+            Some(m) => AccessMode::from_proto(m.mode)?,
+            None => return Err("volume capability has no access_mode".to_string()),
+        };
+        let (access, mount_flags) = match &cap.access_type {
+            Some(AccessType::Block(_)) => (Access::Block, Vec::new()),
+            Some(AccessType::Mount(m)) => {
+                let fs_type = if m.fs_type.is_empty() {
+                    None
+                } else {
+                    Some(FsType::parse(&m.fs_type).ok_or_else(|| {
+                        format!(
+                            "fsType {:?} is not supported (supported: ext4, xfs)",
+                            m.fs_type
+                        )
+                    })?)
+                };
+                if !m.volume_mount_group.is_empty() {
+                    return Err(
+                        "volume_mount_group is not supported (VOLUME_MOUNT_GROUP is not advertised)"
+                            .to_string(),
+                    );
+                }
+                if !m.volume_supplemental_group.is_empty()
+                    || !m.volume_supplemental_group_change_policy.is_empty()
+                {
+                    return Err("volume_supplemental_group is only meaningful with deferred \
+                                filesystem operations, which this plugin configuration does not support"
+                        .to_string());
+                }
+                for f in &m.mount_flags {
+                    // Flags go into the mount data string, which is
+                    // comma separated; say which flag without echoing it
+                    // (flags may carry secrets).
+                    if f.is_empty() || f.contains('\0') {
+                        return Err("a mount flag is empty or contains NUL".to_string());
+                    }
+                }
+                (Access::Mount { fs_type }, m.mount_flags.clone())
+            }
+            None => {
+                return Err(
+                    "volume capability has neither block nor mount access type".to_string()
+                );
+            }
+        };
+        Ok(Capability {
+            access,
+            mode,
+            mount_flags,
+        })
+    }
+
+    pub fn spec(&self) -> CapSpec {
+        CapSpec {
+            access: self.access.clone(),
+            mode: self.mode,
+        }
+    }
+
+    /// A digest of the mount flags (empty string when there are none).
+    pub fn flags_digest(&self) -> String {
+        flags_digest(&self.mount_flags)
+    }
+}
+
+pub fn flags_digest(flags: &[String]) -> String {
+    if flags.is_empty() {
+        return String::new();
+    }
+    let mut h = Sha256::new();
+    for f in flags {
+        h.update(f.as_bytes());
+        h.update([0u8]);
+    }
+    hex(&h.finalize()[..16])
+}
+
+impl CapSpec {
+    pub fn to_proto(&self) -> csi::VolumeCapability {
+        use csi::volume_capability::{AccessMode as PMode, AccessType, BlockVolume, MountVolume};
+        let access_type = match &self.access {
+            Access::Block => AccessType::Block(BlockVolume {}),
+            Access::Mount { fs_type } => AccessType::Mount(MountVolume {
+                fs_type: fs_type.map(|f| f.as_str().to_string()).unwrap_or_default(),
+                ..Default::default()
+            }),
+        };
+        csi::VolumeCapability {
+            access_type: Some(access_type),
+            access_mode: Some(PMode {
+                mode: self.mode.to_proto() as i32,
+            }),
+        }
+    }
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use csi::volume_capability::{AccessMode as PMode, AccessType, BlockVolume, MountVolume};
+
+    fn cap(access: Option<AccessType>, mode: Mode) -> csi::VolumeCapability {
+        csi::VolumeCapability {
+            access_type: access,
+            access_mode: Some(PMode { mode: mode as i32 }),
+        }
+    }
+
+    #[test]
+    fn validates_access_type_mode_and_fs() {
+        let ok = Capability::from_proto(&cap(
+            Some(AccessType::Mount(MountVolume {
+                fs_type: "xfs".into(),
+                ..Default::default()
+            })),
+            Mode::SingleNodeMultiWriter,
+        ))
+        .unwrap();
+        assert_eq!(
+            ok.access,
+            Access::Mount {
+                fs_type: Some(FsType::Xfs)
+            }
+        );
+        assert!(
+            Capability::from_proto(&cap(Some(AccessType::Block(BlockVolume {})), Mode::MultiNodeMultiWriter))
+                .unwrap_err()
+                .contains("MULTI_NODE_MULTI_WRITER")
+        );
+        assert!(
+            Capability::from_proto(&cap(
+                Some(AccessType::Mount(MountVolume {
+                    fs_type: "btrfs".into(),
+                    ..Default::default()
+                })),
+                Mode::SingleNodeWriter
+            ))
+            .unwrap_err()
+            .contains("btrfs")
+        );
+        assert!(Capability::from_proto(&cap(None, Mode::SingleNodeWriter)).is_err());
+        let mut c = cap(Some(AccessType::Block(BlockVolume {})), Mode::SingleNodeWriter);
+        c.access_mode = None;
+        assert!(Capability::from_proto(&c).is_err());
+    }
+
+    #[test]
+    fn spec_round_trips_through_proto() {
+        let spec = CapSpec {
+            access: Access::Mount {
+                fs_type: Some(FsType::Ext4),
+            },
+            mode: AccessMode::SingleNodeSingleWriter,
+        };
+        let back = Capability::from_proto(&spec.to_proto()).unwrap().spec();
+        assert_eq!(back, spec);
+        assert_eq!(flags_digest(&[]), "");
+        assert_ne!(
+            flags_digest(&["noatime".into()]),
+            flags_digest(&["noatime,".into()])
+        );
+    }
+}

@@ -1,0 +1,446 @@
+//! Plugin configuration: the command line (in the style of the CSI
+//! sidecars, every flag also settable as `CRUST_CSI_*`) and the resolved
+//! [`Config`] that [`crate::serve`] runs with.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crust_proto::endpoint::Endpoint;
+
+/// Default size of a volume whose CreateVolume request sets no capacity.
+pub const DEFAULT_VOLUME_SIZE: u64 = 1 << 30;
+
+/// Default plugin name (`GetPluginInfo.name`, topology key prefix).
+pub const DEFAULT_DRIVER_NAME: &str = "blk.crust.dev";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--endpoint {0:?}: {1}")]
+    Endpoint(String, String),
+    #[error("--driver-name {0:?}: {1}")]
+    DriverName(String, String),
+    #[error("--node-id {0:?}: {1}")]
+    NodeId(String, String),
+    #[error("size {0:?}: {1}")]
+    Size(String, String),
+    #[error("{0}")]
+    Backend(String),
+    #[error("duration {0:?}: expected a number with unit ms, s or m (e.g. 500ms, 5s)")]
+    Duration(String),
+    #[error("--state-dir {0:?}: must be an absolute path")]
+    StateDir(PathBuf),
+}
+
+/// Which backend serves the volumes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendConfig {
+    /// Sparse files in `dir`, attached as loop devices, at most
+    /// `capacity_bytes` allocated in total.
+    Pool { dir: PathBuf, capacity_bytes: u64 },
+    /// Pre-provisioned block devices, one volume each.
+    Static { devices: Vec<PathBuf> },
+}
+
+/// Test-only hooks; production configurations leave them empty.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// NodeStageVolume waits on this gate after taking the volume's
+    /// operation guard, so a test can race a second call deterministically.
+    pub stage_gate: Option<Arc<Gate>>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("stage_gate", &self.stage_gate.is_some())
+            .finish()
+    }
+}
+
+/// A two-sided rendezvous: the plugin signals `entered` and waits for
+/// `release`.
+#[derive(Default)]
+pub struct Gate {
+    pub entered: tokio::sync::Notify,
+    pub release: tokio::sync::Notify,
+}
+
+/// Everything the plugin needs to run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Unix socket to serve on.
+    pub socket: PathBuf,
+    pub node_id: String,
+    pub driver_name: String,
+    /// Per-volume records live in `<state_dir>/volumes`.
+    pub state_dir: PathBuf,
+    pub backend: BackendConfig,
+    /// NodeGetInfo.max_volumes_per_node; 0 = no limit reported.
+    pub max_volumes_per_node: i64,
+    /// How long a computed VolumeCondition is reused.
+    pub health_ttl: Duration,
+    /// Upper bound for one health check or statvfs; past it the volume is
+    /// reported abnormal instead of hanging the RPC.
+    pub health_timeout: Duration,
+    pub hooks: Hooks,
+}
+
+impl Config {
+    /// The topology key of this plugin: `<driver-name>/node`.
+    pub fn topology_key(&self) -> String {
+        format!("{}/node", self.driver_name)
+    }
+
+    /// A pool-backed configuration with defaults for everything else;
+    /// convenient for tests and for `crustctl demo`.
+    pub fn pool(socket: PathBuf, state_dir: PathBuf, pool_dir: PathBuf, capacity: u64) -> Config {
+        Config {
+            socket,
+            node_id: default_node_id(),
+            driver_name: DEFAULT_DRIVER_NAME.to_string(),
+            state_dir,
+            backend: BackendConfig::Pool {
+                dir: pool_dir,
+                capacity_bytes: capacity,
+            },
+            max_volumes_per_node: 0,
+            health_ttl: Duration::from_secs(5),
+            health_timeout: Duration::from_secs(3),
+            hooks: Hooks::default(),
+        }
+    }
+}
+
+/// Command line of the `crust-csi` binary.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "crust-csi",
+    version,
+    about = "CSI plugin serving local block volumes (Identity, Controller and Node on one socket)",
+    long_about = "CSI plugin serving local block volumes: sparse files on loop devices (pool \
+backend) or pre-provisioned block devices (static backend), with ext4/xfs, raw block, online \
+expansion, capacity, node topology and volume health. One process serves Identity, Controller \
+and Node on a unix socket, so it runs on every node (distributed provisioning). Every flag can \
+also be set through the environment variable shown."
+)]
+pub struct Cli {
+    /// CSI endpoint to serve on (unix:///path/to/csi.sock). The socket is
+    /// created mode 0600; a missing parent directory is created mode 0700;
+    /// a stale socket is replaced, any other file there is refused.
+    #[arg(long, env = "CRUST_CSI_ENDPOINT", default_value = "unix:///run/crust-csi/csi.sock")]
+    pub endpoint: String,
+
+    /// Node id reported by NodeGetInfo and used as the topology segment
+    /// (default: the host name).
+    #[arg(long, env = "CRUST_CSI_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// Plugin name (GetPluginInfo); the topology key is <driver-name>/node.
+    #[arg(long, env = "CRUST_CSI_DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME)]
+    pub driver_name: String,
+
+    /// Directory for the plugin's per-volume records (created 0700).
+    #[arg(long, env = "CRUST_CSI_STATE_DIR", default_value = "/var/lib/crust-csi")]
+    pub state_dir: PathBuf,
+
+    /// Volume backend: `pool` (sparse files attached as loop devices) or
+    /// `static` (pre-provisioned block devices given with --static-device).
+    #[arg(long, env = "CRUST_CSI_BACKEND", value_enum, default_value_t = BackendKind::Pool)]
+    pub backend: BackendKind,
+
+    /// Pool backend: directory holding the sparse backing files
+    /// (default: <state-dir>/pool).
+    #[arg(long, env = "CRUST_CSI_POOL_DIR")]
+    pub pool_dir: Option<PathBuf>,
+
+    /// Pool backend: total bytes the pool may allocate, e.g. 10Gi, 512Mi,
+    /// 20G or a plain byte count.
+    #[arg(long, env = "CRUST_CSI_POOL_CAPACITY", default_value = "10Gi")]
+    pub pool_capacity: String,
+
+    /// Static backend: a block device to hand out as one volume; repeat
+    /// the flag (or separate with commas in the environment) for more.
+    #[arg(long = "static-device", env = "CRUST_CSI_STATIC_DEVICE", value_delimiter = ',')]
+    pub static_devices: Vec<PathBuf>,
+
+    /// NodeGetInfo.max_volumes_per_node (0: no limit reported).
+    #[arg(long, env = "CRUST_CSI_MAX_VOLUMES_PER_NODE", default_value_t = 0)]
+    pub max_volumes_per_node: i64,
+
+    /// How long a computed volume condition is reused before it is
+    /// checked again (e.g. 5s, 500ms, 0s to always re-check).
+    #[arg(long, env = "CRUST_CSI_HEALTH_TTL", default_value = "5s")]
+    pub health_ttl: String,
+
+    /// Time bound of one health check or statvfs; a volume whose check
+    /// does not finish in time is reported abnormal (hung filesystem).
+    #[arg(long, env = "CRUST_CSI_HEALTH_TIMEOUT", default_value = "3s")]
+    pub health_timeout: String,
+
+    /// Log level: error, warn, info, debug, trace, a klog-style number
+    /// (0-2 info, 3-4 debug, 5+ trace) or a tracing filter directive.
+    #[arg(short = 'v', long = "log-level", env = "CRUST_CSI_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    Pool,
+    Static,
+}
+
+impl Cli {
+    /// Validates the flags and resolves defaults.
+    pub fn into_config(self) -> Result<Config, ConfigError> {
+        let endpoint = Endpoint::parse(&self.endpoint)
+            .map_err(|e| ConfigError::Endpoint(self.endpoint.clone(), e.to_string()))?;
+        let socket = endpoint
+            .unix_path()
+            .ok_or_else(|| {
+                ConfigError::Endpoint(
+                    self.endpoint.clone(),
+                    "only unix:// endpoints are served".into(),
+                )
+            })?
+            .to_path_buf();
+        validate_driver_name(&self.driver_name)?;
+        let node_id = match self.node_id {
+            Some(n) => n,
+            None => default_node_id(),
+        };
+        validate_node_id(&node_id)?;
+        if !self.state_dir.is_absolute() {
+            return Err(ConfigError::StateDir(self.state_dir));
+        }
+        let backend = match self.backend {
+            BackendKind::Pool => {
+                if !self.static_devices.is_empty() {
+                    return Err(ConfigError::Backend(
+                        "--static-device is only valid with --backend static".into(),
+                    ));
+                }
+                let capacity_bytes = parse_size(&self.pool_capacity)?;
+                if capacity_bytes == 0 {
+                    return Err(ConfigError::Size(
+                        self.pool_capacity,
+                        "the pool capacity must be greater than zero".into(),
+                    ));
+                }
+                let dir = self.pool_dir.unwrap_or_else(|| self.state_dir.join("pool"));
+                if !dir.is_absolute() {
+                    return Err(ConfigError::Backend(format!(
+                        "--pool-dir {}: must be an absolute path",
+                        dir.display()
+                    )));
+                }
+                BackendConfig::Pool {
+                    dir,
+                    capacity_bytes,
+                }
+            }
+            BackendKind::Static => {
+                if self.static_devices.is_empty() {
+                    return Err(ConfigError::Backend(
+                        "--backend static needs at least one --static-device".into(),
+                    ));
+                }
+                BackendConfig::Static {
+                    devices: self.static_devices,
+                }
+            }
+        };
+        Ok(Config {
+            socket,
+            node_id,
+            driver_name: self.driver_name,
+            state_dir: self.state_dir,
+            backend,
+            max_volumes_per_node: self.max_volumes_per_node.max(0),
+            health_ttl: parse_duration(&self.health_ttl)?,
+            health_timeout: parse_duration(&self.health_timeout)?.max(Duration::from_millis(10)),
+            hooks: Hooks::default(),
+        })
+    }
+
+    /// The tracing filter directive for `--log-level`.
+    pub fn log_filter(&self) -> String {
+        log_filter(&self.log_level)
+    }
+}
+
+/// Maps `-v` values to a tracing filter: names pass through, klog-style
+/// numbers are translated.
+pub fn log_filter(level: &str) -> String {
+    match level.trim().parse::<u32>() {
+        Ok(0..=2) => "info".into(),
+        Ok(3..=4) => "debug".into(),
+        Ok(_) => "trace".into(),
+        Err(_) => level.trim().to_string(),
+    }
+}
+
+/// The host name, the default node id.
+pub fn default_node_id() -> String {
+    let uname = rustix::system::uname();
+    let name = uname.nodename().to_string_lossy().into_owned();
+    if name.is_empty() {
+        "localhost".to_string()
+    } else {
+        name
+    }
+}
+
+/// Parses a size such as `10Gi`, `512Mi`, `20G`, `1.5Gi` is not accepted
+/// (integers only), `4096`. Binary suffixes Ki Mi Gi Ti Pi, decimal k/K M G T
+/// P, optional trailing `B`.
+pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
+    let bad = |why: &str| ConfigError::Size(s.to_string(), why.to_string());
+    let t = s.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if digits_end == 0 {
+        return Err(bad("expected an integer optionally followed by Ki, Mi, Gi, Ti, K, M, G or T"));
+    }
+    let n: u64 = t[..digits_end]
+        .parse()
+        .map_err(|_| bad("number too large"))?;
+    let suffix = t[digits_end..].trim();
+    let suffix = suffix.strip_suffix('B').unwrap_or(suffix);
+    let mult: u64 = match suffix {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        "k" | "K" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "P" => 1_000_000_000_000_000,
+        _ => return Err(bad("unknown unit; use Ki, Mi, Gi, Ti, Pi, K, M, G, T or P")),
+    };
+    n.checked_mul(mult)
+        .filter(|v| *v <= i64::MAX as u64)
+        .ok_or_else(|| bad("size too large"))
+}
+
+/// Parses `500ms`, `5s`, `2m` or a plain number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, ConfigError> {
+    let t = s.trim();
+    let bad = || ConfigError::Duration(s.to_string());
+    let (num, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => (&t[..i], &t[i..]),
+        None => (t, "s"),
+    };
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.checked_mul(60).ok_or_else(bad)?)),
+        _ => Err(bad()),
+    }
+}
+
+fn validate_driver_name(name: &str) -> Result<(), ConfigError> {
+    let bad = |why: &str| ConfigError::DriverName(name.to_string(), why.to_string());
+    if name.is_empty() || name.len() > 63 {
+        return Err(bad("must be 1 to 63 characters"));
+    }
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    let first = name.as_bytes()[0];
+    let last = name.as_bytes()[name.len() - 1];
+    if !ok_chars || !first.is_ascii_alphanumeric() || !last.is_ascii_alphanumeric() {
+        return Err(bad(
+            "must be a domain-style name: letters, digits, '-' and '.', starting and ending with a letter or digit",
+        ));
+    }
+    Ok(())
+}
+
+fn validate_node_id(id: &str) -> Result<(), ConfigError> {
+    if id.is_empty() || id.len() > 128 {
+        return Err(ConfigError::NodeId(id.to_string(), "must be 1 to 128 bytes".into()));
+    }
+    // The node id becomes a topology label value in Kubernetes.
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+    {
+        return Err(ConfigError::NodeId(
+            id.to_string(),
+            "only letters, digits, '-', '.' and '_' are allowed".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("10Gi").unwrap(), 10 << 30);
+        assert_eq!(parse_size("512Mi").unwrap(), 512 << 20);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("2G").unwrap(), 2_000_000_000);
+        assert_eq!(parse_size("1KiB").unwrap(), 1024);
+        assert!(parse_size("Gi").is_err());
+        assert!(parse_size("1.5Gi").is_err());
+        assert!(parse_size("10Xi").is_err());
+        assert!(parse_size("99999999999Pi").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("5h").is_err());
+    }
+
+    #[test]
+    fn cli_resolves_defaults_and_rejects_bad_flags() {
+        let cfg = Cli::parse_from([
+            "crust-csi",
+            "--endpoint",
+            "unix:///tmp/x/csi.sock",
+            "--node-id",
+            "n1",
+            "--state-dir",
+            "/tmp/st",
+            "--pool-capacity",
+            "512Mi",
+        ])
+        .into_config()
+        .unwrap();
+        assert_eq!(cfg.socket, PathBuf::from("/tmp/x/csi.sock"));
+        assert_eq!(cfg.topology_key(), "blk.crust.dev/node");
+        assert_eq!(
+            cfg.backend,
+            BackendConfig::Pool {
+                dir: "/tmp/st/pool".into(),
+                capacity_bytes: 512 << 20
+            }
+        );
+        let bad = |args: &[&str]| {
+            let mut v = vec!["crust-csi", "--node-id", "n1"];
+            v.extend_from_slice(args);
+            Cli::parse_from(v).into_config().is_err()
+        };
+        assert!(bad(&["--endpoint", "relative.sock"]));
+        assert!(bad(&["--endpoint", "http://127.0.0.1:1"]));
+        assert!(bad(&["--driver-name", "-bad"]));
+        assert!(bad(&["--backend", "static"]));
+        assert!(bad(&["--static-device", "/dev/loop0"]));
+        assert!(bad(&["--pool-capacity", "0"]));
+        assert!(bad(&["--state-dir", "rel"]));
+        assert_eq!(log_filter("5"), "trace");
+        assert_eq!(log_filter("debug"), "debug");
+    }
+}

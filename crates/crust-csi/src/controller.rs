@@ -1,0 +1,872 @@
+//! CSI Controller service.
+//!
+//! Volumes are local: the plugin on each node provisions from that node's
+//! backend (the external-provisioner's distributed provisioning) and every
+//! volume is accessible only from `{ "<driver>/node": <node-id> }`.
+//!
+//! * Volume ids are `vol-` + 32 hex digits of sha256(name): deterministic,
+//!   so a retried CreateVolume finds its volume even after a restart.
+//! * A CreateVolume without a capacity range gets [`DEFAULT_VOLUME_SIZE`]
+//!   (1 GiB), or the limit if that is smaller. Sizes are rounded up to a
+//!   multiple of 4 KiB when the range allows it.
+//! * Parameters: `fsType` (ext4 | xfs, default ext4); `deferFsOps`
+//!   ("false" accepted, "true" refused: deferral is not supported by this
+//!   configuration); the `csi.storage.k8s.io/*` keys added by the
+//!   external-provisioner's --extra-create-metadata are accepted and
+//!   ignored; anything else is INVALID_ARGUMENT.
+//! * ListVolumes tokens are the URL-safe base64 of the last volume id of
+//!   the previous page; pages continue after that id, so they stay
+//!   consistent while volumes are created and deleted.
+//! * `published_node_ids` lists this node while the volume is staged or
+//!   published here (there is no ControllerPublish for local volumes).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use crust_backend::BackendError;
+use crust_proto::csi::v1 as csi;
+use csi::controller_server::Controller;
+use csi::controller_service_capability::rpc::Type as RpcType;
+use tonic::{Request, Response, Status};
+
+use crate::caps::{Access, CapSpec, Capability, FsType};
+use crate::config::DEFAULT_VOLUME_SIZE;
+use crate::driver::{Driver, blocking};
+use crate::error::ControllerError;
+use crate::state::{Phase, RECORD_VERSION, VolumeRecord, is_valid_volume_id, volume_id_for};
+
+/// Longest accepted CreateVolume name (bytes).
+pub const MAX_NAME_LEN: usize = 128;
+/// Sizes are rounded up to this when the requested range allows it.
+pub const SIZE_ALIGN: u64 = 4096;
+/// Block devices come in whole sectors.
+pub const SECTOR: u64 = 512;
+/// Prefix of the metadata keys the external-provisioner adds.
+const K8S_PREFIX: &str = "csi.storage.k8s.io/";
+
+type Result<T> = std::result::Result<T, ControllerError>;
+
+/// Validated CreateVolume parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Params {
+    pub fs_type: Option<FsType>,
+    /// What is persisted and compared (no csi.storage.k8s.io/* keys).
+    pub kept: BTreeMap<String, String>,
+}
+
+pub(crate) fn parse_params<'a>(
+    params: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<Params> {
+    let mut out = Params {
+        fs_type: None,
+        kept: BTreeMap::new(),
+    };
+    for (k, v) in params {
+        if k.starts_with(K8S_PREFIX) {
+            continue;
+        }
+        match k.as_str() {
+            "fsType" => {
+                let fs = FsType::parse(v).ok_or_else(|| {
+                    ControllerError::InvalidArgument(format!(
+                        "parameter fsType={v:?} is not supported (supported: ext4, xfs)"
+                    ))
+                })?;
+                out.fs_type = Some(fs);
+            }
+            "deferFsOps" => match v.as_str() {
+                "false" => {}
+                "true" => {
+                    return Err(ControllerError::InvalidArgument(
+                        "parameter deferFsOps=true: deferral not supported by this plugin configuration"
+                            .into(),
+                    ));
+                }
+                _ => {
+                    return Err(ControllerError::InvalidArgument(format!(
+                        "parameter deferFsOps={v:?}: expected \"true\" or \"false\""
+                    )));
+                }
+            },
+            _ => {
+                return Err(ControllerError::InvalidArgument(format!(
+                    "unknown parameter {k:?} (supported: fsType, deferFsOps; \
+                     csi.storage.k8s.io/* keys are ignored)"
+                )));
+            }
+        }
+        out.kept.insert(k.clone(), v.clone());
+    }
+    Ok(out)
+}
+
+fn parse_caps(caps: &[csi::VolumeCapability]) -> Result<Vec<Capability>> {
+    caps.iter()
+        .map(|c| Capability::from_proto(c).map_err(ControllerError::InvalidArgument))
+        .collect()
+}
+
+/// The fsType a volume gets: the parameter, else the one the mount
+/// capabilities name, else ext4. Conflicts are INVALID_ARGUMENT.
+fn effective_fs(params: &Params, caps: &[Capability]) -> Result<FsType> {
+    let mut named: Option<FsType> = params.fs_type;
+    for c in caps {
+        if let Access::Mount { fs_type: Some(f) } = c.access {
+            match named {
+                Some(n) if n != f => {
+                    return Err(ControllerError::InvalidArgument(format!(
+                        "conflicting filesystem types: {n} and {f}"
+                    )));
+                }
+                _ => named = Some(f),
+            }
+        }
+    }
+    Ok(named.unwrap_or(FsType::Ext4))
+}
+
+pub(crate) fn validate_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(ControllerError::Missing("name"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(ControllerError::InvalidArgument(format!(
+            "name is {} bytes long; at most {MAX_NAME_LEN} are accepted",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(ControllerError::InvalidArgument(
+            "name contains control characters".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// (required, limit) from a CapacityRange, 0 meaning unset.
+fn range(r: Option<&csi::CapacityRange>) -> Result<(u64, u64)> {
+    let Some(r) = r else { return Ok((0, 0)) };
+    if r.required_bytes < 0 || r.limit_bytes < 0 {
+        return Err(ControllerError::InvalidArgument(format!(
+            "capacity range must not be negative (required_bytes={}, limit_bytes={})",
+            r.required_bytes, r.limit_bytes
+        )));
+    }
+    let (req, lim) = (r.required_bytes as u64, r.limit_bytes as u64);
+    if lim != 0 && req > lim {
+        return Err(ControllerError::InvalidArgument(format!(
+            "required_bytes {req} is larger than limit_bytes {lim}"
+        )));
+    }
+    Ok((req, lim))
+}
+
+/// Picks the size to allocate for a range, honouring `min`.
+fn choose_size(required: u64, limit: u64, min: u64) -> Result<u64> {
+    let mut size = if required > 0 {
+        required
+    } else if limit > 0 {
+        DEFAULT_VOLUME_SIZE.min(limit)
+    } else {
+        DEFAULT_VOLUME_SIZE
+    };
+    size = size.max(min);
+    if limit > 0 && size > limit {
+        return Err(ControllerError::OutOfRange(format!(
+            "cannot create a volume of at most {limit} bytes: the smallest volume possible \
+             here is {min} bytes"
+        )));
+    }
+    align(size, limit)
+}
+
+/// Rounds `size` up to 4 KiB, or at least to the 512-byte sector size a
+/// block device needs, without exceeding `limit` (0 = none).
+fn align(size: u64, limit: u64) -> Result<u64> {
+    for unit in [SIZE_ALIGN, SECTOR] {
+        let aligned = size.div_ceil(unit) * unit;
+        if limit == 0 || aligned <= limit {
+            return Ok(aligned);
+        }
+    }
+    Err(ControllerError::OutOfRange(format!(
+        "no size between {size} and {limit} bytes is a multiple of the {SECTOR}-byte sector size"
+    )))
+}
+
+fn in_range(size: u64, required: u64, limit: u64) -> bool {
+    size >= required && (limit == 0 || size <= limit)
+}
+
+fn cap_set(caps: &[CapSpec]) -> HashSet<&CapSpec> {
+    caps.iter().collect()
+}
+
+impl Driver {
+    fn backend_min_size(&self) -> u64 {
+        self.backend
+            .capacity()
+            .map(|c| c.minimum_volume_size)
+            .unwrap_or(0)
+    }
+
+    pub(crate) fn volume_proto(&self, rec: &VolumeRecord) -> csi::Volume {
+        let mut ctx = std::collections::HashMap::new();
+        ctx.insert("fsType".to_string(), rec.fs_type.to_string());
+        csi::Volume {
+            capacity_bytes: rec.capacity_bytes as i64,
+            volume_id: rec.id.clone(),
+            volume_context: ctx,
+            content_source: None,
+            accessible_topology: vec![csi::Topology {
+                segments: std::collections::HashMap::from([(
+                    self.cfg.topology_key(),
+                    rec.node_id.clone(),
+                )]),
+            }],
+        }
+    }
+
+    pub fn create_volume(&self, req: &csi::CreateVolumeRequest) -> Result<csi::Volume> {
+        validate_name(&req.name)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(ControllerError::Missing("volume_capabilities"));
+        }
+        let caps = parse_caps(&req.volume_capabilities)?;
+        let params = parse_params(&req.parameters)?;
+        let fs_type = effective_fs(&params, &caps)?;
+        if let Some(src) = &req.volume_content_source {
+            let what = match &src.r#type {
+                Some(csi::volume_content_source::Type::Snapshot(_)) => "a snapshot",
+                Some(csi::volume_content_source::Type::Volume(_)) => "another volume (clone)",
+                None => "an empty content source",
+            };
+            return Err(ControllerError::InvalidArgument(format!(
+                "creating a volume from {what} is not supported: this plugin has no snapshots \
+                 or clones (CREATE_DELETE_SNAPSHOT and CLONE_VOLUME are not advertised)"
+            )));
+        }
+        if !req.mutable_parameters.is_empty() {
+            return Err(ControllerError::InvalidArgument(
+                "mutable_parameters are not supported (MODIFY_VOLUME is not advertised)".into(),
+            ));
+        }
+        let (required, limit) = range(req.capacity_range.as_ref())?;
+        if let Some(t) = &req.accessibility_requirements
+            && !t.requisite.is_empty()
+            && !t.requisite.iter().any(|t| self.topology_matches(t))
+        {
+            return Err(ControllerError::ResourceExhausted(format!(
+                "none of the requisite topologies is this node ({}={}); volumes of this \
+                 plugin are local to the node that creates them",
+                self.cfg.topology_key(),
+                self.cfg.node_id
+            )));
+        }
+        let specs: Vec<CapSpec> = {
+            let mut v: Vec<CapSpec> = caps.iter().map(Capability::spec).collect();
+            v.dedup();
+            v
+        };
+        let wants_fs = caps.iter().any(|c| !c.access.is_block());
+        let min = self
+            .backend_min_size()
+            .max(if wants_fs { fs_type.min_size() } else { 0 });
+
+        let id = volume_id_for(&req.name);
+        let _guard = self.guards.try_begin(&id, "CreateVolume")?;
+
+        let existing = self.state.get(&id);
+        if let Some(rec) = &existing {
+            if rec.name != req.name {
+                return Err(ControllerError::Internal(format!(
+                    "volume id {id} of name {:?} collides with existing volume {:?}",
+                    req.name, rec.name
+                )));
+            }
+            let same_args = rec.fs_type == fs_type
+                && rec.parameters == params.kept
+                && cap_set(&rec.capabilities) == cap_set(&specs);
+            match rec.phase {
+                Phase::Ready => {
+                    if !same_args {
+                        return Err(ControllerError::AlreadyExists(format!(
+                            "volume {:?} already exists with different fsType, parameters or \
+                             capabilities (fsType {}, parameters {:?})",
+                            req.name, rec.fs_type, rec.parameters
+                        )));
+                    }
+                    if !in_range(rec.capacity_bytes, required, limit) {
+                        return Err(ControllerError::AlreadyExists(format!(
+                            "volume {:?} already exists with {} bytes, outside the requested \
+                             range (required {required}, limit {limit})",
+                            req.name, rec.capacity_bytes
+                        )));
+                    }
+                    return Ok(self.volume_proto(rec));
+                }
+                Phase::Creating => {
+                    // Never answered to the CO: a retry with other
+                    // arguments replaces it.
+                    if !same_args || rec.required_bytes != required || rec.limit_bytes != limit
+                    {
+                        self.backend.delete(&id)?;
+                        self.state.remove(&id)?;
+                    }
+                }
+            }
+        }
+
+        let size = choose_size(required, limit, min)?;
+        let mut rec = VolumeRecord {
+            version: RECORD_VERSION,
+            id: id.clone(),
+            name: req.name.clone(),
+            phase: Phase::Creating,
+            capacity_bytes: size,
+            required_bytes: required,
+            limit_bytes: limit,
+            fs_type,
+            parameters: params.kept,
+            capabilities: specs,
+            node_id: self.cfg.node_id.clone(),
+            staging: None,
+            published: BTreeMap::new(),
+        };
+        self.state.put(rec.clone())?;
+        let alloc = match self.backend.create(&id, size, limit) {
+            Ok(a) => a,
+            Err(e) => {
+                // Leave nothing behind for a request that failed.
+                if let Err(re) = self.state.remove(&id) {
+                    tracing::error!(volume = %id, error = %re, "cannot remove record of failed create");
+                }
+                return Err(match e {
+                    BackendError::SizeMismatch { .. } => ControllerError::AlreadyExists(format!(
+                        "backing store of volume {:?} already exists with another size: {e}",
+                        req.name
+                    )),
+                    other => other.into(),
+                });
+            }
+        };
+        rec.capacity_bytes = alloc.size_bytes;
+        rec.phase = Phase::Ready;
+        self.state.put(rec.clone())?;
+        tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %fs_type, "volume created");
+        Ok(self.volume_proto(&rec))
+    }
+
+    pub fn delete_volume(&self, id: &str) -> Result<()> {
+        if id.is_empty() {
+            return Err(ControllerError::Missing("volume_id"));
+        }
+        if !is_valid_volume_id(id) {
+            // Not an id this plugin issues: nothing to delete.
+            return Ok(());
+        }
+        let _guard = self.guards.try_begin(id, "DeleteVolume")?;
+        let Some(rec) = self.state.get(id) else {
+            return Ok(());
+        };
+        if let Some(s) = &rec.staging {
+            return Err(ControllerError::FailedPrecondition(format!(
+                "volume {id} is still staged at {}; NodeUnstageVolume first",
+                s.path.display()
+            )));
+        }
+        if !rec.published.is_empty() {
+            return Err(ControllerError::FailedPrecondition(format!(
+                "volume {id} is still published at {:?}; NodeUnpublishVolume first",
+                rec.published.keys().collect::<Vec<_>>()
+            )));
+        }
+        // A device left attached by an interrupted stage: detach (refused
+        // by the backend while anything mounts it).
+        if let Some(dev) = self.backend.attached_device(id)? {
+            self.backend.detach(id).map_err(|e| {
+                ControllerError::FailedPrecondition(format!(
+                    "volume {id} is attached as {} and cannot be detached: {e}",
+                    dev.display()
+                ))
+            })?;
+        }
+        self.backend.delete(id)?;
+        self.state.remove(id)?;
+        self.health.forget(id);
+        tracing::info!(volume = %id, name = %rec.name, "volume deleted");
+        Ok(())
+    }
+
+    /// A Ready record or NOT_FOUND.
+    pub(crate) fn ready_record(&self, id: &str) -> Result<VolumeRecord> {
+        match self.state.get(id) {
+            Some(r) if r.phase == Phase::Ready => Ok(r),
+            _ => Err(ControllerError::NotFound(id.to_string())),
+        }
+    }
+
+    pub fn validate_volume_capabilities(
+        &self,
+        req: &csi::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<csi::ValidateVolumeCapabilitiesResponse> {
+        if req.volume_id.is_empty() {
+            return Err(ControllerError::Missing("volume_id"));
+        }
+        if req.volume_capabilities.is_empty() {
+            return Err(ControllerError::Missing("volume_capabilities"));
+        }
+        let rec = self.ready_record(&req.volume_id)?;
+        let unconfirmed = |msg: String| csi::ValidateVolumeCapabilitiesResponse {
+            confirmed: None,
+            message: msg,
+        };
+        for c in &req.volume_capabilities {
+            let cap = match Capability::from_proto(c) {
+                Ok(c) => c,
+                Err(e) => return Ok(unconfirmed(e)),
+            };
+            match cap.access {
+                Access::Block if !rec.allows_block() => {
+                    return Ok(unconfirmed(
+                        "volume was created for filesystem access only".into(),
+                    ));
+                }
+                Access::Mount { .. } if !rec.allows_mount() => {
+                    return Ok(unconfirmed(
+                        "volume was created for raw block access only".into(),
+                    ));
+                }
+                Access::Mount { fs_type: Some(f) } if f != rec.fs_type => {
+                    return Ok(unconfirmed(format!(
+                        "volume has fsType {}, capability asks for {f}",
+                        rec.fs_type
+                    )));
+                }
+                _ => {}
+            }
+        }
+        if !req.parameters.is_empty() {
+            match parse_params(&req.parameters) {
+                Ok(p) if p.kept == rec.parameters => {}
+                Ok(_) => {
+                    return Ok(unconfirmed(
+                        "parameters differ from the ones the volume was created with".into(),
+                    ));
+                }
+                Err(e) => return Ok(unconfirmed(e.to_string())),
+            }
+        }
+        if let Some(fs) = req.volume_context.get("fsType")
+            && fs != rec.fs_type.as_str()
+        {
+            return Ok(unconfirmed(format!(
+                "volume_context fsType {fs:?} does not match the volume's {}",
+                rec.fs_type
+            )));
+        }
+        Ok(csi::ValidateVolumeCapabilitiesResponse {
+            confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
+                volume_context: req.volume_context.clone(),
+                volume_capabilities: req.volume_capabilities.clone(),
+                parameters: req.parameters.clone(),
+                mutable_parameters: Default::default(),
+            }),
+            message: String::new(),
+        })
+    }
+
+    pub(crate) fn published_nodes(&self, rec: &VolumeRecord) -> Vec<String> {
+        if rec.staging.is_some() || !rec.published.is_empty() {
+            vec![rec.node_id.clone()]
+        } else {
+            Vec::new()
+        }
+    }
+
+    pub fn list_volumes(&self, req: &csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse> {
+        if req.max_entries < 0 {
+            return Err(ControllerError::InvalidArgument(format!(
+                "max_entries must not be negative (got {})",
+                req.max_entries
+            )));
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(&req.starting_token)?)
+        };
+        let (page, more) = self.state.page(after.as_deref(), req.max_entries as usize);
+        let conditions = self.health.conditions(self, &page);
+        let next_token = match (more, page.last()) {
+            (true, Some(last)) => encode_token(&last.id),
+            _ => String::new(),
+        };
+        let entries = page
+            .iter()
+            .zip(conditions)
+            .map(|(rec, cond)| csi::list_volumes_response::Entry {
+                volume: Some(self.volume_proto(rec)),
+                status: Some(csi::list_volumes_response::VolumeStatus {
+                    published_node_ids: self.published_nodes(rec),
+                    volume_condition: Some(cond.into()),
+                }),
+            })
+            .collect();
+        Ok(csi::ListVolumesResponse {
+            entries,
+            next_token,
+        })
+    }
+
+    pub fn controller_get_volume(&self, id: &str) -> Result<csi::ControllerGetVolumeResponse> {
+        if id.is_empty() {
+            return Err(ControllerError::Missing("volume_id"));
+        }
+        let rec = self.ready_record(id)?;
+        let cond = self.health.condition(self, &rec);
+        Ok(csi::ControllerGetVolumeResponse {
+            volume: Some(self.volume_proto(&rec)),
+            status: Some(csi::controller_get_volume_response::VolumeStatus {
+                published_node_ids: self.published_nodes(&rec),
+                volume_condition: Some(cond.into()),
+            }),
+        })
+    }
+
+    pub fn get_capacity(&self, req: &csi::GetCapacityRequest) -> Result<csi::GetCapacityResponse> {
+        let params = parse_params(&req.parameters)?;
+        let zero = csi::GetCapacityResponse {
+            available_capacity: 0,
+            maximum_volume_size: Some(0),
+            minimum_volume_size: None,
+        };
+        // Capabilities this plugin cannot serve: no capacity for them.
+        let Ok(caps) = parse_caps(&req.volume_capabilities) else {
+            return Ok(zero);
+        };
+        if let Some(t) = &req.accessible_topology
+            && !self.topology_matches(t)
+        {
+            return Ok(zero);
+        }
+        let Ok(fs_type) = effective_fs(&params, &caps) else {
+            return Ok(zero);
+        };
+        let cap = self.backend.capacity()?;
+        let wants_fs = params.fs_type.is_some() || caps.iter().any(|c| !c.access.is_block());
+        let min = cap
+            .minimum_volume_size
+            .max(if wants_fs { fs_type.min_size() } else { 0 });
+        let max = cap.maximum_volume_size.min(cap.available_bytes);
+        if max < min {
+            return Ok(csi::GetCapacityResponse {
+                available_capacity: 0,
+                maximum_volume_size: Some(0),
+                minimum_volume_size: Some(min as i64),
+            });
+        }
+        Ok(csi::GetCapacityResponse {
+            available_capacity: cap.available_bytes as i64,
+            maximum_volume_size: Some(max as i64),
+            minimum_volume_size: Some(min as i64),
+        })
+    }
+
+    pub fn controller_expand_volume(
+        &self,
+        req: &csi::ControllerExpandVolumeRequest,
+    ) -> Result<csi::ControllerExpandVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(ControllerError::Missing("volume_id"));
+        }
+        let Some(cr) = req.capacity_range.as_ref() else {
+            return Err(ControllerError::Missing("capacity_range"));
+        };
+        let (required, limit) = range(Some(cr))?;
+        if required == 0 && limit == 0 {
+            return Err(ControllerError::InvalidArgument(
+                "capacity_range needs required_bytes or limit_bytes".into(),
+            ));
+        }
+        let cap = match &req.volume_capability {
+            Some(c) => Some(Capability::from_proto(c).map_err(ControllerError::InvalidArgument)?),
+            None => None,
+        };
+        let mut rec = self.ready_record(&req.volume_id)?;
+        let _guard = self.guards.try_begin(&rec.id, "ControllerExpandVolume")?;
+        rec = self.ready_record(&req.volume_id)?;
+        let node_expansion_required = match (&cap, &rec.staging) {
+            (Some(c), _) => !c.access.is_block(),
+            (None, Some(s)) => !s.block,
+            (None, None) => !rec.is_block_only(),
+        };
+        let current = rec.capacity_bytes;
+        if required <= current {
+            if limit != 0 && current > limit {
+                return Err(ControllerError::OutOfRange(format!(
+                    "volume {} is {current} bytes, above limit_bytes {limit}; volumes cannot shrink",
+                    rec.id
+                )));
+            }
+            return Ok(csi::ControllerExpandVolumeResponse {
+                capacity_bytes: current as i64,
+                node_expansion_required,
+            });
+        }
+        let target = align(required, limit)?;
+        let new_size = self.backend.expand(&rec.id, target)?;
+        rec.capacity_bytes = new_size;
+        self.state.put(rec.clone())?;
+        self.health.forget(&rec.id);
+        tracing::info!(volume = %rec.id, from = current, to = new_size, "volume expanded");
+        Ok(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: new_size as i64,
+            node_expansion_required,
+        })
+    }
+}
+
+pub(crate) fn encode_token(id: &str) -> String {
+    URL_SAFE_NO_PAD.encode(id.as_bytes())
+}
+
+fn decode_token(token: &str) -> Result<String> {
+    let bad = || ControllerError::BadToken(token.to_string());
+    let bytes = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
+    let id = String::from_utf8(bytes).map_err(|_| bad())?;
+    if !is_valid_volume_id(&id) {
+        return Err(bad());
+    }
+    Ok(id)
+}
+
+fn ctl_caps() -> Vec<csi::ControllerServiceCapability> {
+    [
+        RpcType::CreateDeleteVolume,
+        RpcType::ListVolumes,
+        RpcType::GetCapacity,
+        RpcType::ExpandVolume,
+        RpcType::ListVolumesPublishedNodes,
+        RpcType::VolumeCondition,
+        RpcType::GetVolume,
+        RpcType::SingleNodeMultiWriter,
+    ]
+    .into_iter()
+    .map(|t| csi::ControllerServiceCapability {
+        r#type: Some(csi::controller_service_capability::Type::Rpc(
+            csi::controller_service_capability::Rpc { r#type: t as i32 },
+        )),
+    })
+    .collect()
+}
+
+/// The tonic Controller service.
+#[derive(Clone)]
+pub struct ControllerService {
+    driver: Arc<Driver>,
+}
+
+impl ControllerService {
+    pub fn new(driver: Arc<Driver>) -> Self {
+        ControllerService { driver }
+    }
+}
+
+fn unimplemented(rpc: &str) -> Status {
+    Status::unimplemented(format!("{rpc} is not supported by this plugin"))
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        request: Request<csi::CreateVolumeRequest>,
+    ) -> std::result::Result<Response<csi::CreateVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let volume = blocking(&self.driver, move |d| d.create_volume(&req)).await?;
+        Ok(Response::new(csi::CreateVolumeResponse {
+            volume: Some(volume),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<csi::DeleteVolumeRequest>,
+    ) -> std::result::Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let id = request.into_inner().volume_id;
+        blocking(&self.driver, move |d| d.delete_volume(&id)).await?;
+        Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _request: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> std::result::Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        Err(unimplemented("ControllerPublishVolume"))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        _request: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> std::result::Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        Err(unimplemented("ControllerUnpublishVolume"))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> std::result::Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.validate_volume_capabilities(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn list_volumes(
+        &self,
+        request: Request<csi::ListVolumesRequest>,
+    ) -> std::result::Result<Response<csi::ListVolumesResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.list_volumes(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn get_capacity(
+        &self,
+        request: Request<csi::GetCapacityRequest>,
+    ) -> std::result::Result<Response<csi::GetCapacityResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.get_capacity(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _request: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> std::result::Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
+            capabilities: ctl_caps(),
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        _request: Request<csi::CreateSnapshotRequest>,
+    ) -> std::result::Result<Response<csi::CreateSnapshotResponse>, Status> {
+        Err(unimplemented("CreateSnapshot"))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _request: Request<csi::DeleteSnapshotRequest>,
+    ) -> std::result::Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        Err(unimplemented("DeleteSnapshot"))
+    }
+
+    async fn list_snapshots(
+        &self,
+        _request: Request<csi::ListSnapshotsRequest>,
+    ) -> std::result::Result<Response<csi::ListSnapshotsResponse>, Status> {
+        Err(unimplemented("ListSnapshots"))
+    }
+
+    async fn get_snapshot(
+        &self,
+        _request: Request<csi::GetSnapshotRequest>,
+    ) -> std::result::Result<Response<csi::GetSnapshotResponse>, Status> {
+        Err(unimplemented("GetSnapshot"))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        request: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> std::result::Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.controller_expand_volume(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_get_volume(
+        &self,
+        request: Request<csi::ControllerGetVolumeRequest>,
+    ) -> std::result::Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        let id = request.into_inner().volume_id;
+        let resp = blocking(&self.driver, move |d| d.controller_get_volume(&id)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _request: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        Err(unimplemented("ControllerModifyVolume"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_honour_the_range() {
+        assert_eq!(choose_size(0, 0, 0).unwrap(), DEFAULT_VOLUME_SIZE);
+        assert_eq!(choose_size(0, 100 << 20, 0).unwrap(), 100 << 20);
+        assert_eq!(choose_size(1000, 0, 0).unwrap(), 4096);
+        // a range too narrow for 4 KiB still gets whole sectors
+        assert_eq!(choose_size(5000, 6000, 0).unwrap(), 5120);
+        assert!(matches!(choose_size(1000, 1000, 0), Err(ControllerError::OutOfRange(_))));
+        assert_eq!(choose_size(5000, 8192, 0).unwrap(), 8192);
+        // filesystem minimum raises the size within the limit...
+        assert_eq!(choose_size(1 << 20, 0, 300 << 20).unwrap(), 300 << 20);
+        // ...or the range is impossible
+        assert!(matches!(
+            choose_size(1 << 20, 2 << 20, 300 << 20),
+            Err(ControllerError::OutOfRange(_))
+        ));
+    }
+
+    #[test]
+    fn params_accept_known_and_provisioner_keys_only() {
+        let mut m = BTreeMap::new();
+        m.insert("fsType".to_string(), "xfs".to_string());
+        m.insert(
+            "csi.storage.k8s.io/pvc/name".to_string(),
+            "data".to_string(),
+        );
+        let p = parse_params(&m).unwrap();
+        assert_eq!(p.fs_type, Some(FsType::Xfs));
+        assert_eq!(p.kept.len(), 1);
+        m.insert("color".into(), "blue".into());
+        assert!(matches!(
+            parse_params(&m),
+            Err(ControllerError::InvalidArgument(msg)) if msg.contains("color")
+        ));
+        let mut m = BTreeMap::new();
+        m.insert("fsType".to_string(), "btrfs".to_string());
+        assert!(parse_params(&m).is_err());
+        let mut m = BTreeMap::new();
+        m.insert("deferFsOps".to_string(), "true".to_string());
+        assert!(matches!(
+            parse_params(&m),
+            Err(ControllerError::InvalidArgument(msg)) if msg.contains("deferral not supported")
+        ));
+    }
+
+    #[test]
+    fn names_and_tokens() {
+        assert!(validate_name("pvc-1").is_ok());
+        assert!(validate_name("").is_err());
+        assert!(validate_name(&"x".repeat(128)).is_ok());
+        assert!(validate_name(&"x".repeat(129)).is_err());
+        assert!(validate_name("a\nb").is_err());
+        let id = volume_id_for("x");
+        assert_eq!(decode_token(&encode_token(&id)).unwrap(), id);
+        assert!(matches!(decode_token("!!!"), Err(ControllerError::BadToken(_))));
+        assert!(matches!(
+            decode_token(&encode_token("vol-nothex")),
+            Err(ControllerError::BadToken(_))
+        ));
+    }
+}

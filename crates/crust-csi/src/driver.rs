@@ -1,0 +1,116 @@
+//! The plugin core shared by the three services: configuration, backend,
+//! volume records, the per-volume operation guard and the health monitor.
+//!
+//! Operations are written as synchronous functions on [`Driver`] and run on
+//! tokio's blocking pool (they call mkfs, mount, ioctls and fsync); the
+//! gRPC services are thin async wrappers around them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crust_backend::Backend;
+use crust_proto::csi::v1 as csi;
+use tonic::Status;
+
+use crate::config::Config;
+use crate::error::ServeError;
+use crate::guard::OpGuards;
+use crate::health::HealthMonitor;
+use crate::state::StateStore;
+
+pub struct Driver {
+    pub(crate) cfg: Config,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) state: StateStore,
+    pub(crate) guards: OpGuards,
+    pub(crate) health: HealthMonitor,
+}
+
+impl Driver {
+    /// Loads the records in `cfg.state_dir` and reconciles them with the
+    /// backend (logs only: nothing is deleted on start).
+    pub fn new(cfg: Config, backend: Arc<dyn Backend>) -> Result<Arc<Driver>, ServeError> {
+        let state = StateStore::open(&cfg.state_dir)?;
+        let health = HealthMonitor::new(cfg.health_ttl, cfg.health_timeout);
+        let driver = Driver {
+            cfg,
+            backend,
+            state,
+            guards: OpGuards::default(),
+            health,
+        };
+        driver.reconcile();
+        Ok(Arc::new(driver))
+    }
+
+    /// Reports records whose backing store vanished and backing stores
+    /// without a record. Never deletes: an orphan may be the data of a
+    /// record that could not be read.
+    fn reconcile(&self) {
+        let records = self.state.all();
+        match self.backend.list() {
+            Ok(allocs) => {
+                for a in &allocs {
+                    if self.state.get(&a.volume_id).is_none() {
+                        tracing::warn!(volume = %a.volume_id, backing = %a.backing.display(),
+                            "backing store without a volume record (left untouched)");
+                    }
+                }
+                for r in &records {
+                    if !allocs.iter().any(|a| a.volume_id == r.id) {
+                        tracing::warn!(volume = %r.id, name = %r.name,
+                            "volume record without backing store; it will report an abnormal condition");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot list backend allocations"),
+        }
+        for r in records.iter().filter(|r| r.staging.is_some()) {
+            let s = r.staging.as_ref().expect("filtered");
+            match self.backend.attached_device(&r.id) {
+                Ok(Some(dev)) if dev == s.device => {
+                    tracing::info!(volume = %r.id, device = %dev.display(), "staged volume still attached")
+                }
+                Ok(other) => tracing::warn!(volume = %r.id, recorded = %s.device.display(),
+                    now = ?other, "staged volume's device changed or is detached; the next NodeStageVolume repairs it"),
+                Err(e) => tracing::warn!(volume = %r.id, error = %e, "cannot query attached device"),
+            }
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// This node's topology segments: `{ "<driver>/node": <node-id> }`.
+    pub(crate) fn segments(&self) -> HashMap<String, String> {
+        HashMap::from([(self.cfg.topology_key(), self.cfg.node_id.clone())])
+    }
+
+    pub(crate) fn topology(&self) -> csi::Topology {
+        csi::Topology {
+            segments: self.segments(),
+        }
+    }
+
+    /// Whether a topology requirement entry selects this node: every
+    /// segment it names must be one of ours with the same value.
+    pub(crate) fn topology_matches(&self, t: &csi::Topology) -> bool {
+        let ours = self.segments();
+        !t.segments.is_empty() && t.segments.iter().all(|(k, v)| ours.get(k) == Some(v))
+    }
+}
+
+/// Runs `f` on the blocking pool and converts its error to a gRPC status.
+pub(crate) async fn blocking<T, E, F>(driver: &Arc<Driver>, f: F) -> Result<T, Status>
+where
+    F: FnOnce(&Driver) -> Result<T, E> + Send + 'static,
+    T: Send + 'static,
+    E: Into<Status> + Send + 'static,
+{
+    let d = driver.clone();
+    match tokio::task::spawn_blocking(move || f(&d)).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(e) => Err(Status::internal(format!("operation panicked: {e}"))),
+    }
+}

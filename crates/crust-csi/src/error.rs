@@ -1,0 +1,181 @@
+//! Error enums of the three CSI services, mapped to `tonic::Status` with
+//! the codes the CSI spec prescribes.
+//!
+//! Conventions (documented for COs and tests):
+//! * a missing field, a relative path, a path with `..`, an unsupported
+//!   fsType/access mode/parameter: INVALID_ARGUMENT (wrong whatever the
+//!   node's state);
+//! * a path whose *state* is wrong (staging directory missing, a file where
+//!   a directory is needed, a missing parent of a publish target, something
+//!   else mounted there), a volume still staged/published, a filesystem on
+//!   the device that is not the requested one: FAILED_PRECONDITION;
+//! * unknown volume: NOT_FOUND; another operation in flight on the same
+//!   volume: ABORTED; sizes: OUT_OF_RANGE / RESOURCE_EXHAUSTED.
+
+use crust_backend::BackendError;
+use tonic::{Code, Status};
+
+use crate::guard::Busy;
+use crate::state::StateError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("backend is not usable: {0}")]
+    NotReady(String),
+}
+
+impl From<IdentityError> for Status {
+    fn from(e: IdentityError) -> Status {
+        match e {
+            IdentityError::NotReady(_) => Status::failed_precondition(e.to_string()),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("{0} is required")]
+    Missing(&'static str),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("volume {0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    OutOfRange(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("starting_token {0:?} is not a token this plugin issued")]
+    BadToken(String),
+    #[error(transparent)]
+    Busy(#[from] Busy),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<ControllerError> for Status {
+    fn from(e: ControllerError) -> Status {
+        let code = match &e {
+            ControllerError::Missing(_) | ControllerError::InvalidArgument(_) => {
+                Code::InvalidArgument
+            }
+            ControllerError::NotFound(_) => Code::NotFound,
+            ControllerError::AlreadyExists(_) => Code::AlreadyExists,
+            ControllerError::FailedPrecondition(_) => Code::FailedPrecondition,
+            ControllerError::OutOfRange(_) => Code::OutOfRange,
+            ControllerError::ResourceExhausted(_) => Code::ResourceExhausted,
+            ControllerError::BadToken(_) | ControllerError::Busy(_) => Code::Aborted,
+            ControllerError::Backend(b) => backend_code(b),
+            ControllerError::State(_) | ControllerError::Internal(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{0} is required")]
+    Missing(&'static str),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("volume {0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    PathNotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    OutOfRange(String),
+    #[error(
+        "deferral not supported by this plugin configuration: the volume would be mounted on \
+         the host instead of in the pod's sandbox, which deferral exists to avoid"
+    )]
+    DeferralUnsupported,
+    #[error(transparent)]
+    Busy(#[from] Busy),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<NodeError> for Status {
+    fn from(e: NodeError) -> Status {
+        let code = match &e {
+            NodeError::Missing(_) | NodeError::InvalidArgument(_) => Code::InvalidArgument,
+            NodeError::NotFound(_) | NodeError::PathNotFound(_) => Code::NotFound,
+            NodeError::AlreadyExists(_) => Code::AlreadyExists,
+            NodeError::FailedPrecondition(_) | NodeError::DeferralUnsupported => {
+                Code::FailedPrecondition
+            }
+            NodeError::OutOfRange(_) => Code::OutOfRange,
+            NodeError::Busy(_) => Code::Aborted,
+            NodeError::Backend(b) => backend_code(b),
+            NodeError::State(_) | NodeError::Internal(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+fn backend_code(e: &BackendError) -> Code {
+    match e {
+        BackendError::NotFound(_) => Code::NotFound,
+        BackendError::SizeMismatch { .. } => Code::AlreadyExists,
+        BackendError::Exhausted { .. } => Code::ResourceExhausted,
+        BackendError::OutOfRange(..) | BackendError::Shrink { .. } => Code::OutOfRange,
+        BackendError::Invalid(_) => Code::InvalidArgument,
+        BackendError::Device(_) | BackendError::Io { .. } => Code::Internal,
+    }
+}
+
+/// Errors that stop the server from starting or running.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("socket {path}: {reason}")]
+    Socket { path: String, reason: String },
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("backend: {0}")]
+    Backend(String),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_spec() {
+        let s: Status = ControllerError::Busy(Busy {
+            volume: "vol-x".into(),
+            running: "CreateVolume",
+        })
+        .into();
+        assert_eq!(s.code(), Code::Aborted);
+        assert!(s.message().contains("CreateVolume already in progress for volume vol-x"));
+        let s: Status = ControllerError::Backend(BackendError::Exhausted {
+            requested: 10,
+            available: 1,
+        })
+        .into();
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        let s: Status = NodeError::DeferralUnsupported.into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().starts_with("deferral not supported by this plugin configuration"));
+        let s: Status = IdentityError::NotReady("pool dir gone".into()).into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("pool dir gone"));
+    }
+}

@@ -1,0 +1,517 @@
+//! Volume health for `VolumeCondition` (NodeGetVolumeStats, ListVolumes,
+//! ControllerGetVolume), computed from real signals:
+//!
+//! * the backend's view of the backing store (file or device present,
+//!   right size);
+//! * for a staged volume: the recorded block device is still the one
+//!   attached; for a filesystem, the staging mount exists and is that
+//!   device, is not read-only unless asked (the kernel flips ext4 to
+//!   read-only on errors), ext4 `errors_count` is zero, statfs/readdir do
+//!   not fail (XFS answers EIO after a shutdown); for raw block, the
+//!   device's first block can be read;
+//! * every publish target is still mounted (bind of the staging mount or
+//!   of the device node).
+//!
+//! Checks that touch the volume can hang on a dead device, so they run on
+//! worker threads with a time bound, and results are cached per volume for
+//! a short TTL. A check still running when its bound expires is reported as
+//! abnormal ("not responding") and is not started again while it hangs, so
+//! a hung filesystem costs one thread, not one per RPC.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crust_backend::{Backend, BackingState};
+use crust_blockdev::Health;
+use crust_proto::csi::v1 as csi;
+
+use crate::driver::Driver;
+use crate::state::VolumeRecord;
+
+/// A computed VolumeCondition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub abnormal: bool,
+    pub message: String,
+}
+
+impl Condition {
+    pub fn normal(msg: impl Into<String>) -> Self {
+        Condition {
+            abnormal: false,
+            message: msg.into(),
+        }
+    }
+
+    pub fn abnormal(msg: impl Into<String>) -> Self {
+        Condition {
+            abnormal: true,
+            message: msg.into(),
+        }
+    }
+}
+
+impl From<Condition> for csi::VolumeCondition {
+    fn from(c: Condition) -> Self {
+        csi::VolumeCondition {
+            abnormal: c.abnormal,
+            message: c.message,
+        }
+    }
+}
+
+/// Where a pending check leaves its result.
+struct Slot {
+    result: Mutex<Option<Condition>>,
+    cv: Condvar,
+    started: Instant,
+}
+
+impl Slot {
+    fn new() -> Arc<Slot> {
+        Arc::new(Slot {
+            result: Mutex::new(None),
+            cv: Condvar::new(),
+            started: Instant::now(),
+        })
+    }
+
+    fn wait_until(&self, deadline: Instant) -> Option<Condition> {
+        let mut g = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(c) = g.as_ref() {
+                return Some(c.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            g = self
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    /// id -> (computed at, generation, condition)
+    cache: HashMap<String, (Instant, u64, Condition)>,
+    /// Bumped by `forget` so results of checks started before a state
+    /// change are not cached as current.
+    generation: HashMap<String, u64>,
+    /// (id, generation) -> running check
+    inflight: HashMap<(String, u64), Arc<Slot>>,
+    /// Other time-bounded operations (statvfs) by key.
+    ops: HashMap<String, Instant>,
+}
+
+/// Cached, time-bounded health checks.
+pub struct HealthMonitor {
+    ttl: Duration,
+    timeout: Duration,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl HealthMonitor {
+    pub fn new(ttl: Duration, timeout: Duration) -> Self {
+        HealthMonitor {
+            ttl,
+            timeout,
+            inner: Arc::default(),
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops the cached condition of `id` (its state just changed).
+    pub fn forget(&self, id: &str) {
+        let mut g = self.lock();
+        g.cache.remove(id);
+        *g.generation.entry(id.to_string()).or_default() += 1;
+    }
+
+    pub fn condition(&self, d: &Driver, rec: &VolumeRecord) -> Condition {
+        self.conditions(d, std::slice::from_ref(rec))
+            .pop()
+            .expect("one record in, one condition out")
+    }
+
+    /// Conditions of `recs`, in order, within one time bound overall.
+    pub fn conditions(&self, d: &Driver, recs: &[VolumeRecord]) -> Vec<Condition> {
+        enum Pending {
+            Done(Condition),
+            Wait(Arc<Slot>),
+        }
+        let mut pending = Vec::with_capacity(recs.len());
+        // Unstaged volumes only need the backend's cheap look at the
+        // backing store: they share one worker. Staged volumes touch
+        // filesystems and devices that may hang: one worker each.
+        let mut light: Vec<(VolumeRecord, u64, Arc<Slot>)> = Vec::new();
+        {
+            let mut g = self.lock();
+            let now = Instant::now();
+            for rec in recs {
+                let gen_ = g.generation.get(&rec.id).copied().unwrap_or(0);
+                if let Some((at, cgen, c)) = g.cache.get(&rec.id)
+                    && *cgen == gen_
+                    && now.duration_since(*at) < self.ttl
+                {
+                    pending.push(Pending::Done(c.clone()));
+                    continue;
+                }
+                let key = (rec.id.clone(), gen_);
+                if let Some(slot) = g.inflight.get(&key) {
+                    pending.push(Pending::Wait(slot.clone()));
+                    continue;
+                }
+                let slot = Slot::new();
+                g.inflight.insert(key, slot.clone());
+                pending.push(Pending::Wait(slot.clone()));
+                if rec.staging.is_none() && rec.published.is_empty() {
+                    light.push((rec.clone(), gen_, slot));
+                } else {
+                    self.spawn(d.backend.clone(), vec![(rec.clone(), gen_, slot)]);
+                }
+            }
+        }
+        if !light.is_empty() {
+            self.spawn(d.backend.clone(), light);
+        }
+        let deadline = Instant::now() + self.timeout;
+        pending
+            .into_iter()
+            .map(|p| match p {
+                Pending::Done(c) => c,
+                Pending::Wait(slot) => slot.wait_until(deadline).unwrap_or_else(|| {
+                    Condition::abnormal(format!(
+                        "health check has not finished after {:.1}s: the volume's filesystem \
+                         or device is not responding (hung I/O?); check the kernel log for \
+                         errors on its device",
+                        slot.started.elapsed().as_secs_f64()
+                    ))
+                }),
+            })
+            .collect()
+    }
+
+    fn spawn(&self, backend: Arc<dyn Backend>, jobs: Vec<(VolumeRecord, u64, Arc<Slot>)>) {
+        let inner = self.inner.clone();
+        let run = move || {
+            for (rec, gen_, slot) in jobs {
+                let c = evaluate(&*backend, &rec);
+                {
+                    let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
+                    g.inflight.remove(&(rec.id.clone(), gen_));
+                    if g.generation.get(&rec.id).copied().unwrap_or(0) == gen_ {
+                        g.cache.insert(rec.id.clone(), (Instant::now(), gen_, c.clone()));
+                    }
+                }
+                *slot.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+                slot.cv.notify_all();
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("crust-csi-health".into())
+            .spawn(run)
+        {
+            tracing::error!(error = %e, "cannot start health check thread");
+        }
+    }
+
+    /// Runs `f` on a worker thread and waits at most the health timeout.
+    /// While an earlier call with the same `key` is still running (hung),
+    /// fails at once instead of starting another thread.
+    pub fn bounded<T, F>(&self, key: &str, f: F) -> Result<T, String>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> T + Send + 'static,
+    {
+        {
+            let mut g = self.lock();
+            if let Some(started) = g.ops.get(key) {
+                return Err(format!(
+                    "a previous {key} has not returned for {:.1}s (hung filesystem or device?)",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+            g.ops.insert(key.to_string(), Instant::now());
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let inner = self.inner.clone();
+        let k = key.to_string();
+        let spawned = std::thread::Builder::new()
+            .name("crust-csi-bounded".into())
+            .spawn(move || {
+                let r = f();
+                inner
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .ops
+                    .remove(&k);
+                let _ = tx.send(r);
+            });
+        if let Err(e) = spawned {
+            self.lock().ops.remove(key);
+            return Err(format!("cannot start worker thread: {e}"));
+        }
+        rx.recv_timeout(self.timeout).map_err(|_| {
+            format!(
+                "{key} did not answer within {:.1}s (hung filesystem or device?)",
+                self.timeout.as_secs_f64()
+            )
+        })
+    }
+}
+
+/// Every signal for one volume; may block on a hung device (runs on a
+/// worker thread).
+pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
+    let mut problems: Vec<String> = Vec::new();
+    match backend.backing_state(&rec.id) {
+        BackingState::Healthy => {}
+        BackingState::Missing(m) => problems.push(format!(
+            "backing store is missing ({m}): the volume's data is gone or was moved outside \
+             the plugin; restore it, or delete the volume"
+        )),
+        BackingState::Degraded(m) => problems.push(format!("backing store is degraded: {m}")),
+    }
+    if let Some(s) = &rec.staging {
+        match backend.attached_device(&rec.id) {
+            Ok(Some(dev)) if dev == s.device => {}
+            Ok(Some(dev)) => problems.push(format!(
+                "volume is staged on {} but its backing store is now attached as {}; \
+                 unstage and stage it again",
+                s.device.display(),
+                dev.display()
+            )),
+            Ok(None) => problems.push(format!(
+                "volume is staged but its block device {} is no longer attached; \
+                 unstage and stage it again (restart the pod)",
+                s.device.display()
+            )),
+            Err(e) => problems.push(format!("cannot tell whether the device is attached: {e}")),
+        }
+        if problems.is_empty() {
+            let h = if s.block {
+                crust_blockdev::device_health(&s.device)
+            } else {
+                crust_blockdev::fs_health(&s.device, &s.path, s.readonly)
+            };
+            if let Health::Abnormal(m) = h {
+                problems.push(m);
+            }
+        }
+        for (target, p) in &rec.published {
+            if let Some(m) = publication_problem(&s.device, target, p.block) {
+                problems.push(m);
+            }
+        }
+    }
+    if problems.is_empty() {
+        Condition::normal("volume is healthy")
+    } else {
+        Condition::abnormal(problems.join("; "))
+    }
+}
+
+/// Whether a publish target still shows the volume.
+fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<String> {
+    let t = target.display();
+    if block {
+        let same = match (rustix::fs::stat(device), rustix::fs::stat(target)) {
+            (Ok(d), Ok(t)) => {
+                rustix::fs::FileType::from_raw_mode(t.st_mode)
+                    == rustix::fs::FileType::BlockDevice
+                    && d.st_rdev == t.st_rdev
+            }
+            _ => false,
+        };
+        return (!same).then(|| {
+            format!(
+                "publish target {t} no longer exposes the block device {} (unmounted outside \
+                 the plugin?); unpublish and publish again",
+                device.display()
+            )
+        });
+    }
+    match crust_blockdev::find_mount(target) {
+        Ok(Some(m)) => {
+            let ok = crust_blockdev::device_major_minor(device)
+                .map(|mm| mm == (m.major, m.minor))
+                .unwrap_or(false);
+            (!ok).then(|| {
+                format!(
+                    "publish target {t} shows {} instead of the volume's filesystem; \
+                     unpublish and publish again",
+                    m.source
+                )
+            })
+        }
+        Ok(None) => Some(format!(
+            "publish target {t} is no longer mounted (unmounted outside the plugin); \
+             unpublish and publish again"
+        )),
+        Err(e) => Some(format!("cannot read the mount table: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caps::FsType;
+    use crate::state::{Phase, RECORD_VERSION};
+    use crust_backend::{Allocation, BackendError, Capacity};
+    use std::collections::BTreeMap;
+    use std::path::PathBuf;
+
+    /// A backend whose backing_state can be made to hang or fail; only
+    /// the health module's caching and time bounds are under test here.
+    struct FakeBackend {
+        state: Mutex<BackingState>,
+        delay: Mutex<Duration>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Backend for FakeBackend {
+        fn kind(&self) -> &'static str {
+            "fake"
+        }
+        fn create(&self, _: &str, _: u64, _: u64) -> crust_backend::Result<Allocation> {
+            Err(BackendError::Invalid("fake".into()))
+        }
+        fn delete(&self, _: &str) -> crust_backend::Result<()> {
+            Ok(())
+        }
+        fn get(&self, _: &str) -> crust_backend::Result<Option<Allocation>> {
+            Ok(None)
+        }
+        fn list(&self) -> crust_backend::Result<Vec<Allocation>> {
+            Ok(vec![])
+        }
+        fn expand(&self, _: &str, n: u64) -> crust_backend::Result<u64> {
+            Ok(n)
+        }
+        fn attach(&self, _: &str) -> crust_backend::Result<PathBuf> {
+            Err(BackendError::Invalid("fake".into()))
+        }
+        fn attached_device(&self, _: &str) -> crust_backend::Result<Option<PathBuf>> {
+            Ok(None)
+        }
+        fn detach(&self, _: &str) -> crust_backend::Result<()> {
+            Ok(())
+        }
+        fn capacity(&self) -> crust_backend::Result<Capacity> {
+            Ok(Capacity {
+                available_bytes: 0,
+                maximum_volume_size: 0,
+                minimum_volume_size: 0,
+            })
+        }
+        fn probe(&self) -> crust_backend::Result<()> {
+            Ok(())
+        }
+        fn backing_state(&self, _: &str) -> BackingState {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let d = *self.delay.lock().unwrap();
+            std::thread::sleep(d);
+            self.state.lock().unwrap().clone()
+        }
+    }
+
+    fn rec(id: &str) -> VolumeRecord {
+        VolumeRecord {
+            version: RECORD_VERSION,
+            id: id.into(),
+            name: id.into(),
+            phase: Phase::Ready,
+            capacity_bytes: 1,
+            required_bytes: 0,
+            limit_bytes: 0,
+            fs_type: FsType::Ext4,
+            parameters: BTreeMap::new(),
+            capabilities: vec![],
+            node_id: "n".into(),
+            staging: None,
+            published: BTreeMap::new(),
+        }
+    }
+
+    fn driver_with(backend: Arc<FakeBackend>, ttl: Duration, timeout: Duration) -> Arc<Driver> {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = crate::config::Config::pool(
+            tmp.path().join("s.sock"),
+            tmp.path().join("state"),
+            tmp.path().join("pool"),
+            1 << 20,
+        );
+        cfg.health_ttl = ttl;
+        cfg.health_timeout = timeout;
+        let d = Driver::new(cfg, backend).unwrap();
+        std::mem::forget(tmp);
+        d
+    }
+
+    #[test]
+    fn results_are_cached_for_the_ttl_and_dropped_on_forget() {
+        let b = Arc::new(FakeBackend {
+            state: Mutex::new(BackingState::Healthy),
+            delay: Mutex::new(Duration::ZERO),
+            calls: Default::default(),
+        });
+        let d = driver_with(b.clone(), Duration::from_secs(60), Duration::from_secs(5));
+        let r = rec("vol-a");
+        assert!(!d.health.condition(&d, &r).abnormal);
+        *b.state.lock().unwrap() = BackingState::Missing("file gone".into());
+        // cached
+        assert!(!d.health.condition(&d, &r).abnormal);
+        assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        d.health.forget("vol-a");
+        let c = d.health.condition(&d, &r);
+        assert!(c.abnormal);
+        assert!(c.message.contains("file gone"), "{}", c.message);
+    }
+
+    #[test]
+    fn a_hung_check_is_bounded_and_not_restarted() {
+        let b = Arc::new(FakeBackend {
+            state: Mutex::new(BackingState::Healthy),
+            delay: Mutex::new(Duration::from_millis(1500)),
+            calls: Default::default(),
+        });
+        let d = driver_with(b.clone(), Duration::ZERO, Duration::from_millis(100));
+        let r = rec("vol-h");
+        let t0 = Instant::now();
+        let c = d.health.condition(&d, &r);
+        assert!(c.abnormal && c.message.contains("not responding"), "{c:?}");
+        assert!(t0.elapsed() < Duration::from_millis(1000));
+        // second call joins the running check instead of starting another
+        let c = d.health.condition(&d, &r);
+        assert!(c.abnormal);
+        assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // bounded() refuses to pile up behind a hung op
+        let hm = &d.health;
+        let e = hm
+            .bounded("statvfs /x", || std::thread::sleep(Duration::from_millis(800)))
+            .unwrap_err();
+        assert!(e.contains("did not answer"), "{e}");
+        let e = hm.bounded("statvfs /x", || ()).unwrap_err();
+        assert!(e.contains("has not returned"), "{e}");
+        assert_eq!(hm.bounded("statvfs /y", || 7).unwrap(), 7);
+        // after the hang clears, checks run again
+        std::thread::sleep(Duration::from_millis(1600));
+        *b.delay.lock().unwrap() = Duration::ZERO;
+        assert!(!d.health.condition(&d, &r).abnormal);
+        assert_eq!(hm.bounded("statvfs /x", || 1).unwrap(), 1);
+    }
+}

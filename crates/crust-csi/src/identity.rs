@@ -1,0 +1,92 @@
+//! CSI Identity service.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crust_proto::csi::v1 as csi;
+use csi::identity_server::Identity;
+use csi::plugin_capability::service::Type as ServiceType;
+use csi::plugin_capability::volume_expansion::Type as ExpansionType;
+use tonic::{Request, Response, Status};
+
+use crate::driver::{Driver, blocking};
+use crate::error::IdentityError;
+
+impl Driver {
+    pub fn plugin_info(&self) -> csi::GetPluginInfoResponse {
+        let manifest = HashMap::from([
+            ("backend".to_string(), self.backend.kind().to_string()),
+            ("node".to_string(), self.cfg.node_id.clone()),
+            ("topology-key".to_string(), self.cfg.topology_key()),
+        ]);
+        csi::GetPluginInfoResponse {
+            name: self.cfg.driver_name.clone(),
+            vendor_version: env!("CARGO_PKG_VERSION").to_string(),
+            manifest,
+        }
+    }
+
+    /// Ready only when the backend really works (pool directory writable,
+    /// loop control reachable, static devices present...).
+    pub fn probe(&self) -> Result<csi::ProbeResponse, IdentityError> {
+        self.backend
+            .probe()
+            .map_err(|e| IdentityError::NotReady(e.to_string()))?;
+        Ok(csi::ProbeResponse { ready: Some(true) })
+    }
+}
+
+fn plugin_caps() -> Vec<csi::PluginCapability> {
+    use csi::plugin_capability::{Service, Type, VolumeExpansion};
+    let svc = |t: ServiceType| csi::PluginCapability {
+        r#type: Some(Type::Service(Service { r#type: t as i32 })),
+    };
+    vec![
+        svc(ServiceType::ControllerService),
+        svc(ServiceType::VolumeAccessibilityConstraints),
+        csi::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                r#type: ExpansionType::Online as i32,
+            })),
+        },
+    ]
+}
+
+/// The tonic Identity service.
+#[derive(Clone)]
+pub struct IdentityService {
+    driver: Arc<Driver>,
+}
+
+impl IdentityService {
+    pub fn new(driver: Arc<Driver>) -> Self {
+        IdentityService { driver }
+    }
+}
+
+#[tonic::async_trait]
+impl Identity for IdentityService {
+    async fn get_plugin_info(
+        &self,
+        _request: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(self.driver.plugin_info()))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _request: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities: plugin_caps(),
+        }))
+    }
+
+    async fn probe(
+        &self,
+        _request: Request<csi::ProbeRequest>,
+    ) -> Result<Response<csi::ProbeResponse>, Status> {
+        let resp = blocking(&self.driver, |d| d.probe()).await?;
+        Ok(Response::new(resp))
+    }
+}

@@ -1,0 +1,851 @@
+//! CSI Node service.
+//!
+//! * NodeStageVolume attaches the volume (loop device or static device);
+//!   for filesystem access it creates the filesystem only on a blank
+//!   device (never reformats: a device holding another filesystem or
+//!   unknown data is FAILED_PRECONDITION) and mounts it at the staging
+//!   path. The staging path must already exist as a directory (the CO
+//!   creates it); if it does not, FAILED_PRECONDITION.
+//! * NodePublishVolume bind-mounts the staging mount onto the target
+//!   directory (created if missing; its parent must exist), or for raw
+//!   block the device node onto a target file (created if missing).
+//!   `readonly` is a read-only bind; for raw block, where a read-only bind
+//!   does not stop writes to a device node, the device itself is set
+//!   read-only (BLKROSET), so read-only and read-write raw publications of
+//!   one volume cannot be mixed.
+//! * Unpublish/unstage unmount, remove the target, detach: data is never
+//!   deleted.
+//! * Path syntax errors are INVALID_ARGUMENT; a path in the wrong state
+//!   (missing, a file where a directory is needed, something else mounted
+//!   there) is FAILED_PRECONDITION and nothing on the node is changed.
+//!
+//! KEP-2857: [`Driver::fs_ops_route`] is the seam where deferred
+//! filesystem operations will branch off. Today a request for deferral
+//! (`defer_fs_ops`, or `deferFsOps=true` in the volume context) fails with
+//! FAILED_PRECONDITION instead of silently mounting on the host.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crust_blockdev::{MountError, Probe};
+use crust_proto::csi::v1 as csi;
+use csi::node_server::Node;
+use csi::node_service_capability::rpc::Type as RpcType;
+use tonic::{Request, Response, Status};
+
+use crate::caps::{Access, Capability, FsType};
+use crate::driver::{Driver, blocking};
+use crate::error::NodeError;
+use crate::state::{Phase, Publication, Staging, VolumeRecord};
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// Volume-context key that selects deferred filesystem operations.
+pub const DEFER_CONTEXT_KEY: &str = "deferFsOps";
+
+/// How a request's filesystem operations are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsOps {
+    /// The plugin mounts/measures/grows on the host (standard CSI).
+    Host,
+}
+
+fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
+    if p.is_empty() {
+        return Err(NodeError::Missing(field));
+    }
+    crust_blockdev::validate_abs_path(p).map_err(|e| NodeError::InvalidArgument(format!("{field}: {e}")))
+}
+
+fn node_cap(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
+    let cap = cap.ok_or(NodeError::Missing("volume_capability"))?;
+    Capability::from_proto(cap).map_err(NodeError::InvalidArgument)
+}
+
+fn mount_err(e: MountError) -> NodeError {
+    match e {
+        MountError::InvalidOption { .. } => NodeError::InvalidArgument(e.to_string()),
+        MountError::BadTarget(_)
+        | MountError::TargetInUse { .. }
+        | MountError::ReadOnlyMismatch { .. }
+        | MountError::Busy { .. } => NodeError::FailedPrecondition(e.to_string()),
+        other => NodeError::Internal(other.to_string()),
+    }
+}
+
+/// Sets or clears the kernel read-only flag of a block device (BLKROSET).
+/// Private helper: crust-blockdev has no wrapper for it.
+fn set_device_read_only(dev: &Path, ro: bool) -> io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    use rustix::ioctl::{Setter, ioctl};
+    let fd = rustix::fs::open(dev, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    let st = rustix::fs::fstat(&fd)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::BlockDevice {
+        return Err(io::Error::other(format!("{} is not a block device", dev.display())));
+    }
+    let v: libc::c_int = ro.into();
+    // SAFETY: BLKROSET reads one int through the pointer Setter passes.
+    unsafe {
+        ioctl(
+            &fd,
+            Setter::<{ linux_raw_sys::ioctl::BLKROSET as rustix::ioctl::Opcode }, libc::c_int>::new(v),
+        )
+    }?;
+    Ok(())
+}
+
+/// Checks that `p` is an existing directory (not a symlink).
+fn require_dir(field: &str, p: &Path) -> Result<()> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
+            "{field} {} is a symbolic link; a real directory is required",
+            p.display()
+        ))),
+        Ok(_) => Err(NodeError::FailedPrecondition(format!(
+            "{field} {} exists but is not a directory",
+            p.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(NodeError::FailedPrecondition(format!(
+            "{field} {} does not exist; the CO must create it first",
+            p.display()
+        ))),
+        Err(e) => Err(NodeError::Internal(format!("{field} {}: {e}", p.display()))),
+    }
+}
+
+/// Creates the publish target if missing; returns whether it was created.
+fn prepare_target(target: &Path, block: bool) -> Result<bool> {
+    let t = target.display();
+    if let Some(parent) = target.parent() {
+        match fs::metadata(parent) {
+            Ok(m) if m.is_dir() => {}
+            _ => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "parent directory {} of target_path does not exist; the CO must create it",
+                    parent.display()
+                )));
+            }
+        }
+    }
+    match fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a symbolic link; refusing to follow it"
+        ))),
+        Ok(m) if block && m.is_dir() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a directory; a raw block volume is published as a file"
+        ))),
+        Ok(m) if block && !m.is_file() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a regular file"
+        ))),
+        Ok(m) if !block && !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
+        ))),
+        Ok(_) => Ok(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let r = if block {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(target)
+                    .map(drop)
+            } else {
+                fs::DirBuilder::new().mode(0o750).create(target)
+            };
+            r.map_err(|e| NodeError::Internal(format!("creating target_path {t}: {e}")))?;
+            Ok(true)
+        }
+        Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
+    }
+}
+
+/// Removes a publish target after unmounting (empty dir or our file).
+fn remove_target(target: &Path) {
+    let r = match fs::symlink_metadata(target) {
+        Ok(m) if m.is_dir() => fs::remove_dir(target),
+        Ok(_) => fs::remove_file(target),
+        Err(_) => Ok(()),
+    };
+    if let Err(e) = r {
+        tracing::warn!(target = %target.display(), error = %e, "could not remove publish target");
+    }
+}
+
+impl Driver {
+    /// KEP-2857 seam: decides how filesystem operations of a request are
+    /// carried out. The deferred path (hand the volume to the pod's
+    /// runtime through crust_ops) will branch off here; until it exists a
+    /// request for it is refused, never silently served with a host mount.
+    pub fn fs_ops_route(
+        &self,
+        requested: bool,
+        volume_context: Option<&HashMap<String, String>>,
+    ) -> Result<FsOps> {
+        let from_context = match volume_context.and_then(|c| c.get(DEFER_CONTEXT_KEY)) {
+            None => false,
+            Some(v) if v == "false" => false,
+            Some(v) if v == "true" => true,
+            Some(v) => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "volume_context {DEFER_CONTEXT_KEY}={v:?}: expected \"true\" or \"false\""
+                )));
+            }
+        };
+        if requested || from_context {
+            return Err(NodeError::DeferralUnsupported);
+        }
+        Ok(FsOps::Host)
+    }
+
+    fn node_record(&self, id: &str) -> Result<VolumeRecord> {
+        match self.state.get(id) {
+            Some(r) if r.phase == Phase::Ready => Ok(r),
+            _ => Err(NodeError::NotFound(id.to_string())),
+        }
+    }
+
+    fn stage_gate(&self) {
+        if let Some(gate) = &self.cfg.hooks.stage_gate {
+            gate.entered.notify_one();
+            tokio::runtime::Handle::current().block_on(gate.release.notified());
+        }
+    }
+
+    pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("staging_target_path", &req.staging_target_path)?;
+        let cap = node_cap(req.volume_capability.as_ref())?;
+        self.fs_ops_route(false, Some(&req.volume_context))?;
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
+        self.stage_gate();
+        let mut rec = self.node_record(&req.volume_id)?;
+        let id = rec.id.clone();
+        let block = cap.access.is_block();
+        if block && !rec.allows_block() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was created for filesystem access only; it cannot be staged as raw block"
+            )));
+        }
+        if !block && !rec.allows_mount() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was created for raw block access only; staging it as a filesystem would format it"
+            )));
+        }
+        let fs_type: Option<FsType> = match cap.access {
+            Access::Block => None,
+            Access::Mount { fs_type: Some(f) } => Some(f),
+            Access::Mount { fs_type: None } => Some(rec.fs_type),
+        };
+        if let Some(f) = fs_type
+            && f != rec.fs_type
+        {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} has fsType {}; the capability asks for {f}",
+                rec.fs_type
+            )));
+        }
+        let readonly = cap.mode.read_only();
+        let wanted = Staging {
+            path: path.clone(),
+            device: PathBuf::new(),
+            block,
+            fs_type,
+            readonly,
+            mode: cap.mode,
+            flags_digest: cap.flags_digest(),
+        };
+        let repeat = match &rec.staging {
+            Some(s) if s.path != path => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is already staged at {}; unstage it first (one staging path per volume)",
+                    s.path.display()
+                )));
+            }
+            Some(s) => {
+                let same = s.block == wanted.block
+                    && s.fs_type == wanted.fs_type
+                    && s.mode == wanted.mode
+                    && s.flags_digest == wanted.flags_digest;
+                if !same {
+                    return Err(NodeError::AlreadyExists(format!(
+                        "volume {id} is already staged at {} with a different capability \
+                         ({}, {:?})",
+                        path.display(),
+                        if s.block { "block" } else { "mount" },
+                        s.mode
+                    )));
+                }
+                true
+            }
+            None => false,
+        };
+        require_dir("staging_target_path", &path)?;
+        if let Some(fs) = fs_type {
+            // Reject bad mount flags before touching anything.
+            crust_blockdev::parse_mount_options(fs.to_blockdev(), &cap.mount_flags, readonly)
+                .map_err(mount_err)?;
+        }
+        if !repeat && !block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
+            return Err(NodeError::FailedPrecondition(format!(
+                "staging_target_path {} already has something mounted on it",
+                path.display()
+            )));
+        }
+        let was_attached = self.backend.attached_device(&id)?.is_some();
+        let device = self.backend.attach(&id)?;
+        // Undo our attach if the rest fails, so a failed stage changes nothing.
+        let undo = |e: NodeError| {
+            if !repeat && !was_attached {
+                if let Err(de) = self.backend.detach(&id) {
+                    tracing::warn!(volume = %id, error = %de, "could not detach after failed stage");
+                }
+            }
+            e
+        };
+        if let Some(fs) = fs_type {
+            self.ensure_filesystem(&id, &device, fs).map_err(undo)?;
+            crust_blockdev::mount_fs(&device, &path, fs.to_blockdev(), &cap.mount_flags, readonly)
+                .map_err(mount_err)
+                .map_err(undo)?;
+        } else if readonly {
+            set_device_read_only(&device, true)
+                .map_err(|e| NodeError::Internal(format!("setting {} read-only: {e}", device.display())))
+                .map_err(undo)?;
+        }
+        let staging = Staging { device, ..wanted };
+        if rec.staging.as_ref() != Some(&staging) {
+            rec.staging = Some(staging.clone());
+            self.state.put(rec)?;
+        }
+        self.health.forget(&id);
+        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(), block, "volume staged");
+        Ok(())
+    }
+
+    /// Makes sure `device` holds a filesystem of type `fs`, creating it on
+    /// a blank device only.
+    fn ensure_filesystem(&self, id: &str, device: &Path, fs: FsType) -> Result<()> {
+        let found = crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
+        match found {
+            Probe::Blank => {
+                crust_blockdev::mkfs(device, fs.to_blockdev())
+                    .map_err(|e| NodeError::Internal(format!("creating {fs} on {}: {e}", device.display())))?;
+                tracing::info!(volume = %id, device = %device.display(), %fs, "created filesystem on blank volume");
+                Ok(())
+            }
+            p if p.fs_type() == Some(fs.to_blockdev()) => Ok(()),
+            p => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
+            ))),
+        }
+    }
+
+    pub fn node_unstage_volume(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("staging_target_path", &req.staging_target_path)?;
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeUnstageVolume")?;
+        let mut rec = self.node_record(&req.volume_id)?;
+        let id = rec.id.clone();
+        let Some(s) = rec.staging.clone() else {
+            return Ok(());
+        };
+        if s.path != path {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged at {}, not at {}",
+                s.path.display(),
+                path.display()
+            )));
+        }
+        if !rec.published.is_empty() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is still published at {:?}; unpublish it first",
+                rec.published.keys().collect::<Vec<_>>()
+            )));
+        }
+        if s.block {
+            if s.readonly && s.device.exists() {
+                let _ = set_device_read_only(&s.device, false);
+            }
+        } else {
+            crust_blockdev::unmount(&path).map_err(mount_err)?;
+        }
+        self.backend.detach(&id).map_err(|e| {
+            NodeError::FailedPrecondition(format!(
+                "volume {id}: cannot detach {} (still in use?): {e}",
+                s.device.display()
+            ))
+        })?;
+        rec.staging = None;
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, path = %path.display(), "volume unstaged");
+        Ok(())
+    }
+
+    pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let staging = abs_path("staging_target_path", &req.staging_target_path)?;
+        let target = abs_path("target_path", &req.target_path)?;
+        let cap = node_cap(req.volume_capability.as_ref())?;
+        if target.starts_with(&staging) || staging.starts_with(&target) {
+            return Err(NodeError::InvalidArgument(format!(
+                "target_path {} and staging_target_path {} must not contain each other",
+                target.display(),
+                staging.display()
+            )));
+        }
+        match self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))? {
+            FsOps::Host => {}
+        }
+        let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
+        let mut rec = self.node_record(&req.volume_id)?;
+        let id = rec.id.clone();
+        let s = match &rec.staging {
+            Some(s) if s.path == staging => s.clone(),
+            Some(s) => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is staged at {}, not at {}",
+                    s.path.display(),
+                    staging.display()
+                )));
+            }
+            None => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is not staged; call NodeStageVolume first"
+                )));
+            }
+        };
+        let block = cap.access.is_block();
+        if block != s.block {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged for {} access; it cannot be published for {} access",
+                if s.block { "raw block" } else { "filesystem" },
+                if block { "raw block" } else { "filesystem" }
+            )));
+        }
+        if let Access::Mount { fs_type: Some(f) } = cap.access
+            && Some(f) != s.fs_type
+        {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged with {}; the capability asks for {f}",
+                s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
+            )));
+        }
+        let readonly = req.readonly || cap.mode.read_only() || s.readonly;
+        let wanted = Publication {
+            block,
+            readonly,
+            mode: cap.mode,
+            flags_digest: cap.flags_digest(),
+        };
+        let repeat = match rec.published.get(&target) {
+            Some(p) if *p == wanted => true,
+            Some(p) => {
+                return Err(NodeError::AlreadyExists(format!(
+                    "volume {id} is already published at {} with readonly={} and access mode {:?}",
+                    target.display(),
+                    p.readonly,
+                    p.mode
+                )));
+            }
+            None => false,
+        };
+        if !repeat {
+            let others: Vec<_> = rec.published.iter().filter(|(t, _)| **t != target).collect();
+            if let Some((t, p)) = others
+                .iter()
+                .find(|(_, p)| p.mode.single_target() || cap.mode.single_target())
+            {
+                let mode = if p.mode.single_target() { p.mode } else { cap.mode };
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is already published at {} and access mode {mode:?} allows \
+                     only one publish target",
+                    t.display()
+                )));
+            }
+            if block
+                && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != readonly)
+            {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "raw block volume {id} is already published {} at {}; read-only raw block \
+                     access makes the whole device read-only, so read-only and read-write \
+                     publications cannot be mixed",
+                    if readonly { "read-write" } else { "read-only" },
+                    t.display()
+                )));
+            }
+        }
+        let created = prepare_target(&target, block)?;
+        let source: &Path = if block { &s.device } else { &s.path };
+        let result = crust_blockdev::bind_mount(source, &target, readonly)
+            .map_err(mount_err)
+            .and_then(|()| {
+                if block && readonly {
+                    set_device_read_only(&s.device, true).map_err(|e| {
+                        let _ = crust_blockdev::unmount(&target);
+                        NodeError::Internal(format!("setting {} read-only: {e}", s.device.display()))
+                    })
+                } else {
+                    Ok(())
+                }
+            });
+        if let Err(e) = result {
+            if created {
+                remove_target(&target);
+            }
+            return Err(e);
+        }
+        if !repeat {
+            rec.published.insert(target.clone(), wanted);
+            self.state.put(rec)?;
+        }
+        self.health.forget(&id);
+        tracing::info!(volume = %id, target = %target.display(), readonly, block, "volume published");
+        Ok(())
+    }
+
+    pub fn node_unpublish_volume(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let target = abs_path("target_path", &req.target_path)?;
+        match self.fs_ops_route(req.defer_fs_ops, None)? {
+            FsOps::Host => {}
+        }
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeUnpublishVolume")?;
+        let Some(mut rec) = self.state.get(&req.volume_id) else {
+            return Ok(());
+        };
+        let id = rec.id.clone();
+        let Some(p) = rec.published.get(&target).cloned() else {
+            return Ok(());
+        };
+        crust_blockdev::unmount(&target).map_err(mount_err)?;
+        remove_target(&target);
+        rec.published.remove(&target);
+        if p.block
+            && p.readonly
+            && let Some(s) = &rec.staging
+            && !s.readonly
+            && !rec.published.values().any(|o| o.block && o.readonly)
+            && let Err(e) = set_device_read_only(&s.device, false)
+        {
+            tracing::warn!(volume = %id, error = %e, "could not make the device writable again");
+        }
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, target = %target.display(), "volume unpublished");
+        Ok(())
+    }
+
+    /// What `volume_path` is for this volume: (is block, device, mount or
+    /// device path to measure).
+    fn resolve_volume_path(&self, rec: &VolumeRecord, path: &Path) -> Result<(bool, PathBuf)> {
+        let Some(s) = &rec.staging else {
+            return Err(NodeError::PathNotFound(format!(
+                "volume {} is not staged or published on this node",
+                rec.id
+            )));
+        };
+        if let Some(p) = rec.published.get(path) {
+            return Ok((p.block, s.device.clone()));
+        }
+        if s.path == path {
+            return Ok((s.block, s.device.clone()));
+        }
+        Err(NodeError::PathNotFound(format!(
+            "{} is not a staged or published path of volume {}",
+            path.display(),
+            rec.id
+        )))
+    }
+
+    pub fn node_get_volume_stats(
+        &self,
+        req: &csi::NodeGetVolumeStatsRequest,
+    ) -> Result<csi::NodeGetVolumeStatsResponse> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("volume_path", &req.volume_path)?;
+        if !req.staging_target_path.is_empty() {
+            abs_path("staging_target_path", &req.staging_target_path)?;
+        }
+        match self.fs_ops_route(req.defer_fs_ops, None)? {
+            FsOps::Host => {}
+        }
+        let rec = self.node_record(&req.volume_id)?;
+        let (block, device) = self.resolve_volume_path(&rec, &path)?;
+        let mut cond = self.health.condition(self, &rec);
+        let mut usage = Vec::new();
+        let mut add_problem = |m: String| {
+            if cond.abnormal {
+                cond.message = format!("{}; {m}", cond.message);
+            } else {
+                cond = crate::health::Condition::abnormal(m);
+            }
+        };
+        if block {
+            // Measure what is published when the path is the device file.
+            let measured = if crust_blockdev::is_block_device(&path) {
+                path.clone()
+            } else {
+                device.clone()
+            };
+            let key = format!("BLKGETSIZE64 {}", measured.display());
+            match self
+                .health
+                .bounded(&key, move || crust_blockdev::block_device_size(&measured))
+            {
+                Ok(Ok(size)) => usage.push(csi::VolumeUsage {
+                    available: 0,
+                    total: size as i64,
+                    used: 0,
+                    unit: csi::volume_usage::Unit::Bytes as i32,
+                }),
+                Ok(Err(e)) => add_problem(format!("cannot read the device size: {e}")),
+                Err(e) => add_problem(e),
+            }
+        } else {
+            let key = format!("statvfs {}", path.display());
+            let p = path.clone();
+            match self.health.bounded(&key, move || crust_blockdev::usage(&p)) {
+                Ok(Ok(u)) => {
+                    usage.push(csi::VolumeUsage {
+                        available: u.bytes_available as i64,
+                        total: u.bytes_total as i64,
+                        used: u.bytes_used as i64,
+                        unit: csi::volume_usage::Unit::Bytes as i32,
+                    });
+                    usage.push(csi::VolumeUsage {
+                        available: u.inodes_free as i64,
+                        total: u.inodes_total as i64,
+                        used: u.inodes_used as i64,
+                        unit: csi::volume_usage::Unit::Inodes as i32,
+                    });
+                }
+                Ok(Err(e)) => add_problem(format!("cannot measure usage: {e}")),
+                Err(e) => add_problem(e),
+            }
+        }
+        Ok(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(cond.into()),
+        })
+    }
+
+    pub fn node_expand_volume(
+        &self,
+        req: &csi::NodeExpandVolumeRequest,
+    ) -> Result<csi::NodeExpandVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("volume_path", &req.volume_path)?;
+        if !req.staging_target_path.is_empty() {
+            abs_path("staging_target_path", &req.staging_target_path)?;
+        }
+        let (required, limit) = match &req.capacity_range {
+            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => {
+                return Err(NodeError::InvalidArgument(
+                    "capacity range must not be negative".into(),
+                ));
+            }
+            Some(r) if r.limit_bytes != 0 && r.required_bytes > r.limit_bytes => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "required_bytes {} is larger than limit_bytes {}",
+                    r.required_bytes, r.limit_bytes
+                )));
+            }
+            Some(r) => (r.required_bytes as u64, r.limit_bytes as u64),
+            None => (0, 0),
+        };
+        let cap = match &req.volume_capability {
+            Some(c) => Some(Capability::from_proto(c).map_err(NodeError::InvalidArgument)?),
+            None => None,
+        };
+        match self.fs_ops_route(req.defer_fs_ops, None)? {
+            FsOps::Host => {}
+        }
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
+        let rec = self.node_record(&req.volume_id)?;
+        let (recorded_block, device) = self.resolve_volume_path(&rec, &path)?;
+        // Block or filesystem: the capability if given, else what the
+        // path is (a device node, or a directory with a mount).
+        let block = match &cap {
+            Some(c) => c.access.is_block(),
+            None => {
+                let p = path.clone();
+                let key = format!("stat {}", path.display());
+                match self.health.bounded(&key, move || fs::metadata(&p)) {
+                    Ok(Ok(m)) if m.is_dir() => recorded_block && !crust_blockdev::is_mountpoint(&path).unwrap_or(false),
+                    Ok(Ok(_)) => true,
+                    _ => recorded_block,
+                }
+            }
+        };
+        if block != recorded_block {
+            return Err(NodeError::InvalidArgument(format!(
+                "volume {} is used as {} at {}, not as {}",
+                rec.id,
+                if recorded_block { "raw block" } else { "a filesystem" },
+                path.display(),
+                if block { "raw block" } else { "a filesystem" }
+            )));
+        }
+        // Pick up a grown backing store (LOOP_SET_CAPACITY for loop devices).
+        let size = match crust_blockdev::loop_status(&device) {
+            Ok(Some(_)) => crust_blockdev::refresh_capacity(&device)
+                .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
+            _ => crust_blockdev::block_device_size(&device)
+                .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
+        };
+        if required > size {
+            return Err(NodeError::OutOfRange(format!(
+                "device {} of volume {} is {size} bytes, less than the {required} bytes \
+                 requested; expand the volume with ControllerExpandVolume first",
+                device.display(),
+                rec.id
+            )));
+        }
+        if limit != 0 && size > limit {
+            return Err(NodeError::OutOfRange(format!(
+                "device of volume {} is already {size} bytes, above limit_bytes {limit}",
+                rec.id
+            )));
+        }
+        if !block {
+            let s = rec.staging.as_ref().expect("resolved above");
+            let fs = s.fs_type.unwrap_or(rec.fs_type);
+            crust_blockdev::grow_fs(&device, &s.path, fs.to_blockdev()).map_err(|e| {
+                NodeError::Internal(format!("growing {fs} on {}: {e}", device.display()))
+            })?;
+        }
+        self.health.forget(&rec.id);
+        tracing::info!(volume = %rec.id, size, block, "node expansion done");
+        Ok(csi::NodeExpandVolumeResponse {
+            capacity_bytes: size as i64,
+        })
+    }
+
+    pub fn node_get_info(&self) -> csi::NodeGetInfoResponse {
+        csi::NodeGetInfoResponse {
+            node_id: self.cfg.node_id.clone(),
+            max_volumes_per_node: self.cfg.max_volumes_per_node,
+            accessible_topology: Some(self.topology()),
+        }
+    }
+}
+
+fn node_caps() -> Vec<csi::NodeServiceCapability> {
+    [
+        RpcType::StageUnstageVolume,
+        RpcType::GetVolumeStats,
+        RpcType::ExpandVolume,
+        RpcType::VolumeCondition,
+        RpcType::SingleNodeMultiWriter,
+    ]
+    .into_iter()
+    .map(|t| csi::NodeServiceCapability {
+        r#type: Some(csi::node_service_capability::Type::Rpc(
+            csi::node_service_capability::Rpc { r#type: t as i32 },
+        )),
+    })
+    .collect()
+}
+
+/// The tonic Node service.
+#[derive(Clone)]
+pub struct NodeService {
+    driver: Arc<Driver>,
+}
+
+impl NodeService {
+    pub fn new(driver: Arc<Driver>) -> Self {
+        NodeService { driver }
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> std::result::Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.node_stage_volume(&req)).await?;
+        Ok(Response::new(csi::NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> std::result::Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.node_unstage_volume(&req)).await?;
+        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> std::result::Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.node_publish_volume(&req)).await?;
+        Ok(Response::new(csi::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> std::result::Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.node_unpublish_volume(&req)).await?;
+        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.node_get_volume_stats(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> std::result::Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.node_expand_volume(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities: node_caps(),
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _request: Request<csi::NodeGetInfoRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(self.driver.node_get_info()))
+    }
+}

@@ -1,0 +1,229 @@
+//! The gRPC server: Identity, Controller and Node on one unix socket.
+//!
+//! The socket is private: bound under a temporary name, chmod 0600, then
+//! renamed into place, so the final path never exists with looser
+//! permissions; a missing parent directory is created 0700. A stale
+//! socket (nobody accepting on it) is replaced; a live one or any other
+//! kind of file is refused. On shutdown in-flight RPCs finish (bounded by
+//! [`SHUTDOWN_GRACE`]) and the socket is removed.
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crust_backend::Backend;
+use crust_proto::csi::v1::controller_server::ControllerServer;
+use crust_proto::csi::v1::identity_server::IdentityServer;
+use crust_proto::csi::v1::node_server::NodeServer;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::config::{BackendConfig, Config};
+use crate::controller::ControllerService;
+use crate::driver::Driver;
+use crate::error::ServeError;
+use crate::identity::IdentityService;
+use crate::node::NodeService;
+use crate::state::create_private_dir;
+
+/// How long in-flight RPCs may run after the shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Builds the backend named in the configuration.
+pub fn build_backend(cfg: &Config) -> Result<Arc<dyn Backend>, ServeError> {
+    match &cfg.backend {
+        BackendConfig::Pool {
+            dir,
+            capacity_bytes,
+        } => crust_backend::PoolBackend::open(crust_backend::PoolConfig::new(
+            dir.clone(),
+            *capacity_bytes,
+        ))
+            .map(|b| Arc::new(b) as Arc<dyn Backend>)
+            .map_err(|e| ServeError::Backend(format!("pool {}: {e}", dir.display()))),
+        BackendConfig::Static { devices } => {
+            crust_backend::StaticBackend::open(crust_backend::StaticConfig {
+                devices: devices.clone(),
+                state_file: cfg.state_dir.join("static-claims.json"),
+            })
+        }
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(|e| ServeError::Backend(format!("static devices: {e}"))),
+    }
+}
+
+/// Serves the plugin on `config.socket` until `shutdown` completes.
+pub async fn serve<F>(config: Config, shutdown: F) -> Result<(), ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let cfg = config.clone();
+    let backend = tokio::task::spawn_blocking(move || build_backend(&cfg))
+        .await
+        .map_err(|e| ServeError::Backend(e.to_string()))??;
+    serve_with_backend(config, backend, shutdown).await
+}
+
+/// [`serve`] with a backend built by the caller.
+pub async fn serve_with_backend<F>(
+    config: Config,
+    backend: Arc<dyn Backend>,
+    shutdown: F,
+) -> Result<(), ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let driver = tokio::task::spawn_blocking(move || Driver::new(config, backend))
+        .await
+        .map_err(|e| ServeError::Backend(e.to_string()))??;
+    let (listener, socket) = bind_socket(&driver.config().socket)?;
+    tracing::info!(
+        socket = %socket.path.display(),
+        driver = %driver.config().driver_name,
+        node = %driver.config().node_id,
+        backend = driver.backend.kind(),
+        "serving CSI"
+    );
+
+    let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        let _ = fired_tx.send(true);
+    };
+    let server = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(IdentityService::new(driver.clone())))
+        .add_service(ControllerServer::new(ControllerService::new(driver.clone())))
+        .add_service(NodeServer::new(NodeService::new(driver.clone())))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+    tokio::pin!(server);
+    let result = tokio::select! {
+        r = &mut server => r.map_err(ServeError::from),
+        _ = fired_rx.wait_for(|v| *v) => {
+            tracing::info!("shutting down: waiting for in-flight requests");
+            match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
+                Ok(r) => r.map_err(ServeError::from),
+                Err(_) => {
+                    tracing::warn!("in-flight requests did not finish within {SHUTDOWN_GRACE:?}");
+                    Ok(())
+                }
+            }
+        }
+    };
+    drop(socket);
+    tracing::info!("stopped");
+    result
+}
+
+/// Removes the socket on drop if it is still the one we created.
+struct SocketGuard {
+    path: PathBuf,
+    ino: u64,
+}
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        if let Ok(m) = std::fs::symlink_metadata(&self.path)
+            && m.ino() == self.ino
+        {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn socket_err(path: &Path, reason: impl Into<String>) -> ServeError {
+    ServeError::Socket {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn bind_socket(path: &Path) -> Result<(tokio::net::UnixListener, SocketGuard), ServeError> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .ok_or_else(|| socket_err(path, "has no parent directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| socket_err(path, "has no file name"))?
+        .to_string_lossy()
+        .into_owned();
+    create_private_dir(parent)
+        .map_err(|e| socket_err(path, format!("parent directory {}: {e}", parent.display())))?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(socket_err(
+                    path,
+                    "another process is serving on this socket; refusing to replace it",
+                ));
+            }
+            tracing::info!(socket = %path.display(), "replacing stale socket");
+            std::fs::remove_file(path)
+                .map_err(|e| socket_err(path, format!("removing stale socket: {e}")))?;
+        }
+        Ok(_) => {
+            return Err(socket_err(
+                path,
+                "exists and is not a socket; refusing to replace it",
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(socket_err(path, e.to_string())),
+    }
+    let tmp = parent.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let bind = || -> io::Result<std::os::unix::net::UnixListener> {
+        let l = std::os::unix::net::UnixListener::bind(&tmp)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&tmp, path)?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    };
+    let std_listener = bind().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        socket_err(path, format!("binding: {e}"))
+    })?;
+    let ino = std::fs::symlink_metadata(path)
+        .map_err(|e| socket_err(path, e.to_string()))?
+        .ino();
+    let guard = SocketGuard {
+        path: path.to_path_buf(),
+        ino,
+    };
+    let listener = tokio::net::UnixListener::from_std(std_listener)
+        .map_err(|e| socket_err(path, e.to_string()))?;
+    Ok((listener, guard))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn socket_is_private_stale_replaced_and_others_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sock = tmp.path().join("new/csi.sock");
+        let (l, g) = bind_socket(&sock).unwrap();
+        let m = std::fs::symlink_metadata(&sock).unwrap();
+        assert!(m.file_type().is_socket());
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(tmp.path().join("new")).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        // live socket: refused
+        assert!(matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("another process")));
+        // stale socket (listener gone, file left): replaced
+        drop(l);
+        std::mem::forget(g);
+        let (_l2, g2) = bind_socket(&sock).unwrap();
+        drop(g2);
+        assert!(!sock.exists(), "guard removes the socket");
+        // a regular file: refused and untouched
+        std::fs::write(&sock, b"keep").unwrap();
+        assert!(matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("not a socket")));
+        assert_eq!(std::fs::read(&sock).unwrap(), b"keep");
+    }
+}

@@ -1,0 +1,423 @@
+//! Persistent plugin state: one JSON record per volume in
+//! `<state-dir>/volumes/<volume-id>.json` (dir 0700, files 0600).
+//!
+//! Records are written atomically (temp file in the same directory, fsync,
+//! rename, fsync the directory), so after a crash or restart a record is
+//! either the old or the new version, never a torn one. The in-memory map
+//! is only touched for short lookups and swaps; file I/O happens outside
+//! its lock, and callers serialize writers per volume with the operation
+//! guard.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::caps::{AccessMode, CapSpec, FsType, hex};
+
+/// Record format version.
+pub const RECORD_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("state directory {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("writing volume record {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("removing volume record {path}: {source}")]
+    Remove {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("encoding volume record {id}: {source}")]
+    Encode {
+        id: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Lifecycle of a volume record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Written before the backend allocates; never reported to the CO.
+    /// A retried CreateVolume finishes (or replaces) it.
+    Creating,
+    /// CreateVolume returned it.
+    Ready,
+}
+
+/// Where and how the volume is staged on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Staging {
+    pub path: PathBuf,
+    pub device: PathBuf,
+    pub block: bool,
+    /// Filesystem mounted at `path` (None for block).
+    pub fs_type: Option<FsType>,
+    /// Mounted read-only (SINGLE_NODE_READER_ONLY).
+    pub readonly: bool,
+    pub mode: AccessMode,
+    /// Digest of the mount flags, to recognise an identical repeat.
+    #[serde(default)]
+    pub flags_digest: String,
+}
+
+/// One publish target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publication {
+    pub block: bool,
+    pub readonly: bool,
+    pub mode: AccessMode,
+    #[serde(default)]
+    pub flags_digest: String,
+}
+
+/// Everything the plugin knows about one volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub version: u32,
+    pub id: String,
+    pub name: String,
+    pub phase: Phase,
+    pub capacity_bytes: u64,
+    /// The range CreateVolume asked for (0 = unset), to answer a retry.
+    pub required_bytes: u64,
+    pub limit_bytes: u64,
+    /// Filesystem created on first mount-staging.
+    pub fs_type: FsType,
+    /// CreateVolume parameters minus the ignored `csi.storage.k8s.io/*`.
+    pub parameters: BTreeMap<String, String>,
+    pub capabilities: Vec<CapSpec>,
+    /// The node that owns the volume (topology segment).
+    pub node_id: String,
+    pub staging: Option<Staging>,
+    /// Publish targets, by path.
+    pub published: BTreeMap<PathBuf, Publication>,
+}
+
+impl VolumeRecord {
+    pub fn is_block_only(&self) -> bool {
+        !self.capabilities.is_empty() && self.capabilities.iter().all(|c| c.access.is_block())
+    }
+
+    pub fn allows_block(&self) -> bool {
+        self.capabilities.iter().any(|c| c.access.is_block())
+    }
+
+    pub fn allows_mount(&self) -> bool {
+        self.capabilities.iter().any(|c| !c.access.is_block())
+    }
+}
+
+/// Volume id for a CreateVolume name: `vol-` + the first 32 hex digits of
+/// sha256(name). Deterministic, so a retried CreateVolume maps to the same
+/// volume even across restarts, and safe as a file name.
+pub fn volume_id_for(name: &str) -> String {
+    let digest = Sha256::digest(name.as_bytes());
+    format!("vol-{}", hex(&digest[..16]))
+}
+
+/// Whether `id` has the shape of an id this plugin issues.
+pub fn is_valid_volume_id(id: &str) -> bool {
+    id.len() == 36
+        && id.starts_with("vol-")
+        && id[4..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The record store.
+#[derive(Debug)]
+pub struct StateStore {
+    dir: PathBuf,
+    records: Mutex<BTreeMap<String, VolumeRecord>>,
+}
+
+impl StateStore {
+    /// Opens (creating 0700) `<state_dir>/volumes` and loads every record.
+    /// Unreadable records are moved aside as `*.corrupt` with an error log,
+    /// never silently dropped; leftover temp files are removed.
+    pub fn open(state_dir: &Path) -> Result<StateStore, StateError> {
+        let dir = state_dir.join("volumes");
+        for d in [state_dir, dir.as_path()] {
+            create_private_dir(d).map_err(|source| StateError::Dir {
+                path: d.to_path_buf(),
+                source,
+            })?;
+        }
+        let mut records = BTreeMap::new();
+        let entries = fs::read_dir(&dir).map_err(|source| StateError::Dir {
+            path: dir.clone(),
+            source,
+        })?;
+        for entry in entries {
+            let entry = entry.map_err(|source| StateError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.contains(".tmp") {
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let Some(id) = name.strip_suffix(".json") else {
+                continue;
+            };
+            match fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<VolumeRecord>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(rec) if rec.id == id && is_valid_volume_id(id) => {
+                    records.insert(rec.id.clone(), rec);
+                }
+                Ok(rec) => {
+                    tracing::error!(file = %path.display(), record_id = %rec.id, "volume record name does not match its id; moved aside");
+                    let _ = fs::rename(&path, path.with_extension("json.corrupt"));
+                }
+                Err(e) => {
+                    tracing::error!(file = %path.display(), error = %e, "unreadable volume record; moved aside");
+                    let _ = fs::rename(&path, path.with_extension("json.corrupt"));
+                }
+            }
+        }
+        tracing::info!(dir = %dir.display(), volumes = records.len(), "loaded volume records");
+        Ok(StateStore {
+            dir,
+            records: Mutex::new(records),
+        })
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeRecord>> {
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn get(&self, id: &str) -> Option<VolumeRecord> {
+        self.map().get(id).cloned()
+    }
+
+    /// Ready records with id greater than `after`, at most `max` (0 = all),
+    /// plus whether more follow.
+    pub fn page(&self, after: Option<&str>, max: usize) -> (Vec<VolumeRecord>, bool) {
+        use std::ops::Bound;
+        let map = self.map();
+        let lower = match after {
+            Some(a) => Bound::Excluded(a.to_string()),
+            None => Bound::Unbounded,
+        };
+        let mut it = map
+            .range::<String, _>((lower, Bound::Unbounded))
+            .map(|(_, r)| r)
+            .filter(|r| r.phase == Phase::Ready);
+        let mut out = Vec::new();
+        for r in it.by_ref() {
+            out.push(r.clone());
+            if max != 0 && out.len() == max {
+                break;
+            }
+        }
+        let more = max != 0 && it.next().is_some();
+        (out, more)
+    }
+
+    pub fn all(&self) -> Vec<VolumeRecord> {
+        self.map().values().cloned().collect()
+    }
+
+    /// Persists `rec` atomically, then makes it visible.
+    pub fn put(&self, rec: VolumeRecord) -> Result<(), StateError> {
+        let path = self.dir.join(format!("{}.json", rec.id));
+        let data = serde_json::to_vec_pretty(&rec).map_err(|source| StateError::Encode {
+            id: rec.id.clone(),
+            source,
+        })?;
+        write_atomic(&self.dir, &path, &data)
+            .map_err(|source| StateError::Write { path, source })?;
+        self.map().insert(rec.id.clone(), rec);
+        Ok(())
+    }
+
+    /// Deletes the record of `id` (idempotent).
+    pub fn remove(&self, id: &str) -> Result<(), StateError> {
+        let path = self.dir.join(format!("{id}.json"));
+        match fs::remove_file(&path) {
+            Ok(()) => {
+                fsync_dir(&self.dir).map_err(|source| StateError::Remove {
+                    path: path.clone(),
+                    source,
+                })?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(StateError::Remove { path, source }),
+        }
+        self.map().remove(id);
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// Creates `dir` (and missing parents) with mode 0700 for the ones it
+/// creates; an existing directory keeps its mode.
+pub fn create_private_dir(dir: &Path) -> io::Result<()> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "exists and is not a directory",
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            // DirBuilder's mode is filtered by the umask; make it exact.
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn write_atomic(dir: &Path, path: &Path, data: &[u8]) -> io::Result<()> {
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{file_name}.tmp{}", std::process::id()));
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)?;
+        fsync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn fsync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caps::Access;
+
+    fn rec(name: &str) -> VolumeRecord {
+        VolumeRecord {
+            version: RECORD_VERSION,
+            id: volume_id_for(name),
+            name: name.into(),
+            phase: Phase::Ready,
+            capacity_bytes: 1 << 20,
+            required_bytes: 1 << 20,
+            limit_bytes: 0,
+            fs_type: FsType::Ext4,
+            parameters: BTreeMap::new(),
+            capabilities: vec![CapSpec {
+                access: Access::Mount { fs_type: None },
+                mode: AccessMode::SingleNodeWriter,
+            }],
+            node_id: "n1".into(),
+            staging: None,
+            published: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn ids_are_deterministic_and_well_formed() {
+        let a = volume_id_for("pvc-1");
+        assert_eq!(a, volume_id_for("pvc-1"));
+        assert_ne!(a, volume_id_for("pvc-2"));
+        assert!(is_valid_volume_id(&a));
+        assert!(!is_valid_volume_id("vol-../../etc"));
+        assert!(!is_valid_volume_id(&a.to_uppercase()));
+    }
+
+    #[test]
+    fn records_persist_privately_and_reload() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let store = StateStore::open(&state).unwrap();
+        assert_eq!(
+            fs::metadata(state.join("volumes")).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        let mut r = rec("a");
+        r.staging = Some(Staging {
+            path: "/stage/a".into(),
+            device: "/dev/loop9".into(),
+            block: false,
+            fs_type: Some(FsType::Xfs),
+            readonly: false,
+            mode: AccessMode::SingleNodeWriter,
+            flags_digest: String::new(),
+        });
+        store.put(r.clone()).unwrap();
+        store.put(rec("b")).unwrap();
+        let file = state.join("volumes").join(format!("{}.json", r.id));
+        assert_eq!(fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+        // a torn temp file and a corrupt record from a crash
+        fs::write(state.join("volumes/.x.json.tmp1"), b"{").unwrap();
+        let bad = state.join("volumes").join(format!("{}.json", volume_id_for("c")));
+        fs::write(&bad, b"not json").unwrap();
+
+        let again = StateStore::open(&state).unwrap();
+        assert_eq!(again.get(&r.id), Some(r.clone()));
+        assert_eq!(again.all().len(), 2);
+        assert!(!state.join("volumes/.x.json.tmp1").exists());
+        assert!(bad.with_extension("json.corrupt").exists());
+
+        again.remove(&r.id).unwrap();
+        again.remove(&r.id).unwrap();
+        assert!(!file.exists());
+        assert_eq!(StateStore::open(&state).unwrap().all().len(), 1);
+    }
+
+    #[test]
+    fn pages_skip_creating_records_and_continue_after_a_deleted_id() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = StateStore::open(tmp.path()).unwrap();
+        let mut ids = Vec::new();
+        for i in 0..5 {
+            let r = rec(&format!("v{i}"));
+            ids.push(r.id.clone());
+            store.put(r).unwrap();
+        }
+        let mut creating = rec("pending");
+        creating.phase = Phase::Creating;
+        store.put(creating).unwrap();
+        ids.sort();
+        let (p1, more) = store.page(None, 2);
+        assert!(more);
+        assert_eq!(p1.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), ids[..2]);
+        store.remove(&ids[1]).unwrap();
+        let (p2, more) = store.page(Some(&ids[1]), 0);
+        assert!(!more);
+        assert_eq!(p2.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), ids[2..]);
+    }
+}

@@ -1,0 +1,307 @@
+//! `mountInfo.json`: Kata's `MountInfo` with Kata's keys, in Kata's order,
+//! encoded the way Go's `encoding/json` does it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+
+pub const FS_GROUP_KEY: &str = "fsGroup";
+pub const FS_GROUP_CHANGE_POLICY_KEY: &str = "fsGroupChangePolicy";
+
+/// The only volume type crust hands off.
+pub const VOLUME_TYPE_BLOCK: &str = "block";
+
+/// What the runtime needs to mount a volume inside the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MountInfo {
+    pub volume_type: String,
+    pub device: String,
+    pub fstype: String,
+    pub metadata: BTreeMap<String, String>,
+    pub options: Vec<String>,
+}
+
+/// Kubernetes' `fsGroupChangePolicy`, spelled as Kata stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsGroupChangePolicy {
+    Always,
+    OnRootMismatch,
+}
+
+impl FsGroupChangePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsGroupChangePolicy::Always => "Always",
+            FsGroupChangePolicy::OnRootMismatch => "OnRootMismatch",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "Always" => Ok(FsGroupChangePolicy::Always),
+            "OnRootMismatch" => Ok(FsGroupChangePolicy::OnRootMismatch),
+            other => Err(format!(
+                "fsGroupChangePolicy {other:?} is not Always or OnRootMismatch"
+            )),
+        }
+    }
+}
+
+impl MountInfo {
+    /// A block volume with no metadata and no options.
+    pub fn block(device: impl Into<String>, fstype: impl Into<String>) -> Self {
+        MountInfo {
+            volume_type: VOLUME_TYPE_BLOCK.into(),
+            device: device.into(),
+            fstype: fstype.into(),
+            ..Default::default()
+        }
+    }
+
+    /// The fsGroup, if set and valid.
+    pub fn fs_group(&self) -> Option<u32> {
+        self.metadata
+            .get(FS_GROUP_KEY)
+            .and_then(|v| crate::validate::parse_fs_group(v).ok())
+    }
+
+    pub fn set_fs_group(&mut self, gid: Option<u32>) {
+        match gid {
+            Some(g) => self.metadata.insert(FS_GROUP_KEY.into(), g.to_string()),
+            None => self.metadata.remove(FS_GROUP_KEY),
+        };
+    }
+
+    /// The fsGroup change policy, if set and valid.
+    pub fn fs_group_change_policy(&self) -> Option<FsGroupChangePolicy> {
+        self.metadata
+            .get(FS_GROUP_CHANGE_POLICY_KEY)
+            .and_then(|v| FsGroupChangePolicy::parse(v).ok())
+    }
+
+    pub fn set_fs_group_change_policy(&mut self, p: Option<FsGroupChangePolicy>) {
+        match p {
+            Some(p) => self
+                .metadata
+                .insert(FS_GROUP_CHANGE_POLICY_KEY.into(), p.as_str().into()),
+            None => self.metadata.remove(FS_GROUP_CHANGE_POLICY_KEY),
+        };
+    }
+
+    /// The exact bytes Go's `json.Marshal(&MountInfo{...})` produces:
+    /// compact, declaration order, `omitempty` maps/slices left out, map
+    /// keys sorted, HTML-safe string escaping.
+    pub fn to_json(&self) -> String {
+        let mut out = String::with_capacity(128);
+        out.push_str("{\"volume-type\":");
+        go_string(&mut out, &self.volume_type);
+        out.push_str(",\"device\":");
+        go_string(&mut out, &self.device);
+        out.push_str(",\"fstype\":");
+        go_string(&mut out, &self.fstype);
+        if !self.metadata.is_empty() {
+            out.push_str(",\"metadata\":{");
+            for (i, (k, v)) in self.metadata.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                go_string(&mut out, k);
+                out.push(':');
+                go_string(&mut out, v);
+            }
+            out.push('}');
+        }
+        if !self.options.is_empty() {
+            out.push_str(",\"options\":[");
+            for (i, o) in self.options.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                go_string(&mut out, o);
+            }
+            out.push(']');
+        }
+        out.push('}');
+        out
+    }
+
+    /// Parses any JSON spelling of a record (Kata stores whatever its
+    /// caller passed, so whitespace and key order may differ). Unknown or
+    /// duplicate keys are refused; field values are checked separately.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        // serde would also take a struct as a JSON array; Go would not.
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err("malformed mountInfo.json: not a JSON object".into());
+        }
+        let raw: RawMountInfo =
+            serde_json::from_slice(bytes).map_err(|e| format!("malformed mountInfo.json: {e}"))?;
+        Ok(MountInfo {
+            volume_type: raw.volume_type,
+            device: raw.device,
+            fstype: raw.fstype,
+            metadata: raw.metadata.map(|m| m.0).unwrap_or_default(),
+            options: raw.options.unwrap_or_default(),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMountInfo {
+    #[serde(rename = "volume-type")]
+    volume_type: String,
+    device: String,
+    fstype: String,
+    #[serde(default)]
+    metadata: Option<UniqueMap>,
+    #[serde(default)]
+    options: Option<Vec<String>>,
+}
+
+/// A string map that refuses duplicate keys instead of keeping the last.
+struct UniqueMap(BTreeMap<String, String>);
+
+impl<'de> Deserialize<'de> for UniqueMap {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = UniqueMap;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a map of strings")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<UniqueMap, A::Error> {
+                let mut m = BTreeMap::new();
+                while let Some((k, v)) = a.next_entry::<String, String>()? {
+                    if m.contains_key(&k) {
+                        return Err(de::Error::custom(format!("duplicate metadata key {k:?}")));
+                    }
+                    m.insert(k, v);
+                }
+                Ok(UniqueMap(m))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Go's `encoding/json` string encoding with HTML escaping (the default of
+/// `json.Marshal`): `<`, `>`, `&`, U+2028 and U+2029 become `\uXXXX`.
+fn go_string(out: &mut String, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || c == '<' || c == '>' || c == '&' => {
+                let b = c as u32 as u8;
+                out.push_str("\\u00");
+                out.push(HEX[(b >> 4) as usize] as char);
+                out.push(HEX[(b & 0xf) as usize] as char);
+            }
+            '\u{2028}' => out.push_str("\\u2028"),
+            '\u{2029}' => out.push_str("\\u2029"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> MountInfo {
+        let mut mi = MountInfo::block("/dev/loop3", "ext4");
+        mi.set_fs_group(Some(100));
+        mi.set_fs_group_change_policy(Some(FsGroupChangePolicy::OnRootMismatch));
+        mi.options = vec!["noatime".into()];
+        mi
+    }
+
+    #[test]
+    fn go_encoding_byte_exact() {
+        assert_eq!(
+            sample().to_json(),
+            r#"{"volume-type":"block","device":"/dev/loop3","fstype":"ext4","metadata":{"fsGroup":"100","fsGroupChangePolicy":"OnRootMismatch"},"options":["noatime"]}"#
+        );
+        // omitempty: no metadata, no options.
+        assert_eq!(
+            MountInfo::block("/dev/sdf", "xfs").to_json(),
+            r#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs"}"#
+        );
+        // The KEP's example record (fsGroup only).
+        let mut kep = MountInfo::block("/dev/sdf", "xfs");
+        kep.set_fs_group(Some(4059));
+        assert_eq!(
+            kep.to_json(),
+            r#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","metadata":{"fsGroup":"4059"}}"#
+        );
+    }
+
+    #[test]
+    fn go_string_escapes() {
+        let mut s = String::new();
+        go_string(&mut s, "a<b>&\"\\\n\t\u{1}\u{8}\u{c}\u{2028}\u{7f}é");
+        // Go leaves DEL (0x7f) and non-ASCII as they are.
+        assert_eq!(
+            s,
+            "\"a\\u003cb\\u003e\\u0026\\\"\\\\\\n\\t\\u0001\\b\\f\\u2028\u{7f}é\""
+        );
+    }
+
+    #[test]
+    fn accessors() {
+        let mi = sample();
+        assert_eq!(mi.fs_group(), Some(100));
+        assert_eq!(
+            mi.fs_group_change_policy(),
+            Some(FsGroupChangePolicy::OnRootMismatch)
+        );
+        let mut mi = mi;
+        mi.set_fs_group(None);
+        mi.set_fs_group_change_policy(None);
+        assert!(mi.metadata.is_empty());
+        assert_eq!(mi.fs_group(), None);
+    }
+
+    #[test]
+    fn parse_accepts_other_spellings() {
+        let spaced = br#"{ "fstype" : "ext4", "device": "/dev/loop3",
+            "options": ["noatime"], "volume-type": "block",
+            "metadata": {"fsGroupChangePolicy": "OnRootMismatch", "fsGroup": "100"} }"#;
+        assert_eq!(MountInfo::from_json(spaced).unwrap(), sample());
+        let nulls = br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","metadata":null,"options":null}"#;
+        assert_eq!(
+            MountInfo::from_json(nulls).unwrap(),
+            MountInfo::block("/dev/sdf", "xfs")
+        );
+    }
+
+    #[test]
+    fn parse_rejects() {
+        for (bad, why) in [
+            (&br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","extra":1}"#[..], "unknown field"),
+            (br#"{"volume-type":"block","Device":"/dev/sdf","fstype":"xfs"}"#, "unknown field"),
+            (br#"{"volume-type":"block","device":"/dev/sdf","device":"/dev/sdg","fstype":"xfs"}"#, "duplicate field"),
+            (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","metadata":{"fsGroup":"1","fsGroup":"2"}}"#, "duplicate metadata key"),
+            (br#"{"volume-type":"block","device":"/dev/sdf"}"#, "missing field"),
+            (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xf"#, "EOF"),
+            (br#"{"volume-type":"block","device":7,"fstype":"xfs"}"#, "invalid type"),
+            (br#"[]"#, "not a JSON object"),
+            (br#"["block","/dev/sdf","xfs",null,null]"#, "not a JSON object"),
+            (b"", "not a JSON object"),
+            (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs"} trailing"#, "trailing"),
+        ] {
+            let e = MountInfo::from_json(bad).unwrap_err();
+            assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(bad));
+        }
+    }
+}

@@ -1,0 +1,959 @@
+//! The record directories on disk. Every access below the root goes through
+//! directory file descriptors with `O_NOFOLLOW`, so a symlink planted in the
+//! root can never redirect a read or a write; mutations hold `flock` on the
+//! record directory so concurrent stagers, claimers and removers serialize.
+
+use std::ffi::CStr;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use base64::Engine;
+use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags};
+use rustix::io::Errno;
+use sha2::{Digest, Sha256};
+
+use crate::error::{HandoffError, Result};
+use crate::mountinfo::MountInfo;
+use crate::validate;
+
+/// File holding the record itself (both layouts).
+pub const MOUNT_INFO_FILE: &str = "mountInfo.json";
+/// File holding the runtime CLI's absolute path (CRUST layout only).
+pub const RUNTIME_CLI_FILE: &str = "runtime-cli";
+/// Largest `mountInfo.json` accepted.
+pub const MAX_RECORD_SIZE: u64 = 64 * 1024;
+/// Temp files sort after every valid sandbox id (`~` > alphanumerics), so a
+/// Kata runtime picking "the first non-mountInfo.json file" never picks one
+/// while a sandbox file exists.
+const TMP_PREFIX: &str = "~tmp.";
+/// Longest file name the kernel accepts (NAME_MAX).
+const NAME_MAX: usize = 255;
+
+pub const DEFAULT_CRUST_ROOT: &str = "/var/run/crust";
+pub const DEFAULT_KATA_ROOT: &str = "/run/kata-containers/shared/direct-volumes";
+
+/// Which on-disk format a [`Store`] speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// KEP-2857: `<root>/<hex sha256(target)>/{mountInfo.json,runtime-cli,<sandbox-id>}`.
+    Crust,
+    /// Kata direct volumes: `<root>/<base64url(path) with padding>/{mountInfo.json,<sandbox-id>}`.
+    Kata,
+}
+
+impl Layout {
+    pub fn default_root(self) -> &'static str {
+        match self {
+            Layout::Crust => DEFAULT_CRUST_ROOT,
+            Layout::Kata => DEFAULT_KATA_ROOT,
+        }
+    }
+
+    /// The record directory's name for `target` (no validation).
+    pub fn key(self, target: &str) -> String {
+        match self {
+            Layout::Crust => crust_key(target),
+            Layout::Kata => kata_key(target),
+        }
+    }
+
+    fn is_key(self, name: &str) -> bool {
+        match self {
+            Layout::Crust => {
+                name.len() == 64 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            }
+            Layout::Kata => {
+                !name.is_empty()
+                    && name.len().is_multiple_of(4)
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'='))
+            }
+        }
+    }
+
+    fn target_of(self, key: &str) -> Option<String> {
+        match self {
+            Layout::Crust => None,
+            Layout::Kata => base64::engine::general_purpose::URL_SAFE
+                .decode(key)
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok()),
+        }
+    }
+}
+
+/// Lowercase hex SHA-256 of the target path string (the KEP's directory name).
+pub fn crust_key(target: &str) -> String {
+    let d = Sha256::digest(target.as_bytes());
+    let mut s = String::with_capacity(64);
+    for b in d {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// URL-safe base64 with padding of the volume path (Go's `base64.URLEncoding`).
+pub fn kata_key(path: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE.encode(path.as_bytes())
+}
+
+/// What the caller's deployment allows.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Targets must lie beneath one of these (e.g. `/var/lib/kubelet/pods`).
+    /// Empty: any absolute normalized path.
+    pub allowed_target_prefixes: Vec<String>,
+    /// Regular files beneath these roots are accepted as devices (VM images,
+    /// tests). Empty: block devices under /dev only.
+    pub file_device_roots: Vec<PathBuf>,
+    /// Filesystems a record may name.
+    pub allowed_fstypes: Vec<String>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            allowed_target_prefixes: Vec::new(),
+            file_device_roots: Vec::new(),
+            allowed_fstypes: vec!["ext4".into(), "xfs".into()],
+        }
+    }
+}
+
+/// A record seen by [`Store::list`].
+#[derive(Debug)]
+pub struct ListedRecord {
+    /// The directory name.
+    pub key: String,
+    /// The target path when the layout can recover it (Kata); the CRUST
+    /// layout stores only a digest.
+    pub target: Option<String>,
+    pub state: Result<RecordState>,
+}
+
+/// Everything a record directory says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordState {
+    pub mount_info: MountInfo,
+    pub claimant: Option<String>,
+    pub runtime_cli: Option<String>,
+}
+
+/// A record matched by [`Store::find_for_source`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceMatch {
+    /// The target path the record was staged for.
+    pub target: String,
+    /// What the OCI source adds beneath the target (relative, normalized,
+    /// empty when the source is the target itself).
+    pub subpath: String,
+    pub mount_info: MountInfo,
+}
+
+/// One layout rooted at one directory, with the caller's policy.
+#[derive(Debug, Clone)]
+pub struct Store {
+    layout: Layout,
+    root: PathBuf,
+    policy: Policy,
+}
+
+/// Entries a record directory may hold.
+enum Entry {
+    MountInfo,
+    RuntimeCli,
+    Temp(String),
+    Sandbox(String),
+}
+
+impl Store {
+    /// Validates the policy; touches nothing on disk.
+    pub fn new(layout: Layout, root: impl Into<PathBuf>, policy: Policy) -> Result<Self> {
+        let root = root.into();
+        let root_str = root
+            .to_str()
+            .ok_or_else(|| HandoffError::InvalidArgument("root is not UTF-8".into()))?;
+        validate::check_abs_path("root", root_str).map_err(HandoffError::InvalidArgument)?;
+        let mut policy = policy;
+        for p in &mut policy.allowed_target_prefixes {
+            let trimmed = p.trim_end_matches('/');
+            validate::check_abs_path("allowed target prefix", trimmed)
+                .map_err(HandoffError::InvalidArgument)?;
+            *p = trimmed.to_string();
+        }
+        for r in &policy.file_device_roots {
+            let s = r.to_str().ok_or_else(|| {
+                HandoffError::InvalidArgument("file-device root is not UTF-8".into())
+            })?;
+            validate::check_abs_path("file-device root", s.trim_end_matches('/'))
+                .map_err(HandoffError::InvalidArgument)?;
+        }
+        if policy.allowed_fstypes.is_empty() {
+            return Err(HandoffError::InvalidArgument(
+                "the fstype allow-list is empty".into(),
+            ));
+        }
+        Ok(Store {
+            layout,
+            root,
+            policy,
+        })
+    }
+
+    /// The layout at its default root.
+    pub fn with_default_root(layout: Layout, policy: Policy) -> Result<Self> {
+        Store::new(layout, layout.default_root(), policy)
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Checks a target path against format and policy; returns its key.
+    pub fn check_target(&self, target: &str) -> Result<String> {
+        validate::check_abs_path("target path", target).map_err(HandoffError::InvalidArgument)?;
+        let prefixes = &self.policy.allowed_target_prefixes;
+        if !prefixes.is_empty()
+            && !prefixes
+                .iter()
+                .any(|p| validate::is_within(target, p) && target != p)
+        {
+            return Err(HandoffError::InvalidArgument(format!(
+                "target path {target:?} is outside the allowed prefixes ({})",
+                prefixes.join(", ")
+            )));
+        }
+        let key = self.layout.key(target);
+        if key.len() > NAME_MAX {
+            return Err(HandoffError::InvalidArgument(format!(
+                "target path is too long for the Kata layout (its encoded name exceeds {NAME_MAX} bytes)"
+            )));
+        }
+        Ok(key)
+    }
+
+    /// Where the record for `target` lives.
+    pub fn record_dir(&self, target: &str) -> Result<PathBuf> {
+        Ok(self.root.join(self.check_target(target)?))
+    }
+
+    /// Checks every field of a record against format and policy, including
+    /// that the device exists and is acceptable now.
+    pub fn check_mount_info(&self, mi: &MountInfo) -> std::result::Result<(), String> {
+        validate::check_volume_type(&mi.volume_type)?;
+        validate::check_fstype(&mi.fstype, &self.policy.allowed_fstypes)?;
+        validate::check_metadata(&mi.metadata)?;
+        validate::check_options(&mi.options)?;
+        validate::check_device(&mi.device, &self.policy.file_device_roots)?;
+        Ok(())
+    }
+
+    /// Writes the record for `target`. Same content again: Ok. Different
+    /// content: refused while a sandbox holds the volume, otherwise replaced
+    /// atomically (and a stale `runtime-cli` dropped).
+    pub fn stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let key = self.check_target(target)?;
+        self.check_mount_info(mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        let json = mi.to_json();
+        if json.len() as u64 > MAX_RECORD_SIZE {
+            return Err(HandoffError::InvalidArgument(
+                "the record would exceed 64 KiB".into(),
+            ));
+        }
+        let root = self.open_root(true)?.expect("root created");
+        let dir = self
+            .lock_record_dir(&root, &key, true)?
+            .expect("dir created");
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        match compare_staged(&dir, &entries, mi, target, &path)? {
+            Staged::Same => return Ok(()),
+            Staged::Different if entries.iter().any(|e| matches!(e, Entry::RuntimeCli)) => {
+                unlink_ignore_missing(&dir, RUNTIME_CLI_FILE, &path)?;
+            }
+            Staged::Different | Staged::Nothing => {}
+        }
+        write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)
+    }
+
+    /// Everything [`Store::stage`] would refuse, without writing: lets a
+    /// caller staging into several layouts check them all first.
+    pub fn check_stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let key = self.check_target(target)?;
+        self.check_mount_info(mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(());
+        };
+        let Some(dir) = self.open_record_dir(&root, &key)? else {
+            return Ok(());
+        };
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        compare_staged(&dir, &entries, mi, target, &path).map(|_| ())
+    }
+
+    /// The validated record for `target`. A record that this library would
+    /// not write (unknown keys, bad device, symlinks, too large) is refused.
+    pub fn read(&self, target: &str) -> Result<MountInfo> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let Some(dir) = self.open_record_dir(&root, &key)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        self.read_mount_info(&dir, &self.display(&key))?
+            .ok_or_else(|| HandoffError::NotFound(target.into()))
+    }
+
+    /// Whether a record directory with a `mountInfo.json` exists for
+    /// `target`, without judging the record's content.
+    pub fn exists(&self, target: &str) -> Result<bool> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(false);
+        };
+        let Some(dir) = self.open_record_dir(&root, &key)? else {
+            return Ok(false);
+        };
+        match rustix::fs::statat(&dir, MOUNT_INFO_FILE, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile => Ok(true),
+            Ok(_) => Err(HandoffError::bad(
+                self.display(&key),
+                "mountInfo.json is not a regular file",
+            )),
+            Err(Errno::NOENT) => Ok(false),
+            Err(e) => Err(HandoffError::io("stat mountInfo.json", e)),
+        }
+    }
+
+    /// Mount info, claimant and runtime CLI of one record.
+    pub fn inspect(&self, target: &str) -> Result<RecordState> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        self.inspect_key(&root, &key)?
+            .ok_or_else(|| HandoffError::NotFound(target.into()))
+    }
+
+    /// Removes the whole record directory. Missing: Ok. Anything this
+    /// library does not know inside (a directory, a symlink, a stray name):
+    /// refused, and nothing is removed.
+    pub fn remove(&self, target: &str) -> Result<()> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(());
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Ok(());
+        };
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        // mountInfo.json goes last: a crash midway leaves a record a retry
+        // removes, never a claim or a CLI without its record.
+        let mut names: Vec<String> = entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::RuntimeCli => Some(RUNTIME_CLI_FILE.to_string()),
+                Entry::Temp(n) | Entry::Sandbox(n) => Some(n.clone()),
+                Entry::MountInfo => None,
+            })
+            .collect();
+        if entries.iter().any(|e| matches!(e, Entry::MountInfo)) {
+            names.push(MOUNT_INFO_FILE.into());
+        }
+        for n in &names {
+            unlink_ignore_missing(&dir, n, &path)?;
+        }
+        match rustix::fs::unlinkat(&root, key.as_str(), AtFlags::REMOVEDIR) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(HandoffError::io(format!("remove {path}"), e)),
+        }
+        rustix::fs::fsync(&root).map_err(|e| HandoffError::io("fsync root", e))
+    }
+
+    /// Marks `sandbox_id` as the one sandbox using the volume. Another
+    /// claimant that `is_alive` says still runs: [`HandoffError::Claimed`].
+    /// A dead one: its claim is removed and the new one taken. Same id: Ok.
+    pub fn claim(
+        &self,
+        target: &str,
+        sandbox_id: &str,
+        is_alive: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        let key = self.check_target(target)?;
+        validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        if !entries.iter().any(|e| matches!(e, Entry::MountInfo)) {
+            return Err(HandoffError::NotFound(target.into()));
+        }
+        let mut mine = false;
+        for e in &entries {
+            let Entry::Sandbox(other) = e else { continue };
+            if other == sandbox_id {
+                mine = true;
+            } else if is_alive(other) {
+                return Err(HandoffError::Claimed {
+                    target: target.into(),
+                    by: other.clone(),
+                });
+            }
+        }
+        // Only now, when no live claimant stands in the way, drop stale ones.
+        for e in &entries {
+            if let Entry::Sandbox(other) = e
+                && other != sandbox_id
+            {
+                unlink_ignore_missing(&dir, other, &path)?;
+            }
+        }
+        if !mine {
+            match rustix::fs::openat(
+                &dir,
+                sandbox_id,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            ) {
+                Ok(fd) => {
+                    rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o600))
+                        .map_err(|e| HandoffError::io("chmod claim", e))?;
+                }
+                Err(Errno::EXIST) => {}
+                Err(e) => return Err(HandoffError::io(format!("claim {path}"), e)),
+            }
+        }
+        rustix::fs::fsync(&dir).map_err(|e| HandoffError::io("fsync record dir", e))
+    }
+
+    /// Drops `sandbox_id`'s claim (missing: Ok). With no claimant left, the
+    /// `runtime-cli` goes too: no runtime serves the volume any more.
+    pub fn release(&self, target: &str, sandbox_id: &str) -> Result<()> {
+        let key = self.check_target(target)?;
+        validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(());
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Ok(());
+        };
+        let path = self.display(&key);
+        unlink_ignore_missing(&dir, sandbox_id, &path)?;
+        let entries = self.entries(&dir, &path)?;
+        if first_sandbox(&entries).is_none()
+            && entries.iter().any(|e| matches!(e, Entry::RuntimeCli))
+        {
+            unlink_ignore_missing(&dir, RUNTIME_CLI_FILE, &path)?;
+        }
+        rustix::fs::fsync(&dir).map_err(|e| HandoffError::io("fsync record dir", e))
+    }
+
+    /// The sandbox holding the volume (Kata's rule: the first entry, in name
+    /// order, that is not the record file).
+    pub fn claimant(&self, target: &str) -> Result<Option<String>> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let Some(dir) = self.open_record_dir(&root, &key)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let entries = self.entries(&dir, &self.display(&key))?;
+        Ok(first_sandbox(&entries).map(str::to_string))
+    }
+
+    /// Records the runtime CLI that serves stats and resize (CRUST layout).
+    pub fn set_runtime_cli(&self, target: &str, cli: &str) -> Result<()> {
+        if self.layout == Layout::Kata {
+            return Err(HandoffError::Unsupported(
+                "the Kata layout has no runtime-cli file".into(),
+            ));
+        }
+        let key = self.check_target(target)?;
+        validate::check_abs_path("runtime cli", cli).map_err(HandoffError::InvalidArgument)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        if !entries.iter().any(|e| matches!(e, Entry::MountInfo)) {
+            return Err(HandoffError::NotFound(target.into()));
+        }
+        write_atomic(&dir, RUNTIME_CLI_FILE, cli.as_bytes(), &path)
+    }
+
+    /// The runtime CLI recorded for `target`; None before a runtime consumed
+    /// the volume, and always None in the Kata layout.
+    pub fn runtime_cli(&self, target: &str) -> Result<Option<String>> {
+        let key = self.check_target(target)?;
+        if self.layout == Layout::Kata {
+            return Ok(None);
+        }
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        let Some(dir) = self.open_record_dir(&root, &key)? else {
+            return Err(HandoffError::NotFound(target.into()));
+        };
+        read_runtime_cli(&dir, &self.display(&key))
+    }
+
+    /// Every record directory under the root (other names are ignored: the
+    /// root may be shared, e.g. `/run/crust` also holds the ops socket).
+    pub fn list(&self) -> Result<Vec<ListedRecord>> {
+        let Some(root) = self.open_root(false)? else {
+            return Ok(Vec::new());
+        };
+        let mut keys = Vec::new();
+        let dir =
+            rustix::fs::Dir::read_from(&root).map_err(|e| HandoffError::io("read root", e))?;
+        for ent in dir {
+            let ent = ent.map_err(|e| HandoffError::io("read root", e))?;
+            if let Ok(name) = ent.file_name().to_str()
+                && self.layout.is_key(name)
+            {
+                keys.push(name.to_string());
+            }
+        }
+        keys.sort();
+        Ok(keys
+            .into_iter()
+            .map(|key| {
+                let state = self
+                    .inspect_key(&root, &key)
+                    .and_then(|s| s.ok_or_else(|| HandoffError::NotFound(self.display(&key))));
+                ListedRecord {
+                    target: self.layout.target_of(&key),
+                    key,
+                    state,
+                }
+            })
+            .collect())
+    }
+
+    /// For the runtime: the record an OCI mount `source` refers to. Probes
+    /// the source itself, then each parent down to and including
+    /// `stop_layer` (never above it), skipping paths outside the policy's
+    /// prefixes. A source that is not an absolute path (`proc`, `tmpfs`)
+    /// has no record. A record found but invalid is an error, never skipped.
+    pub fn find_for_source(&self, source: &str, stop_layer: &str) -> Result<Option<SourceMatch>> {
+        if !source.starts_with('/') {
+            return Ok(None);
+        }
+        validate::check_abs_path("mount source", source).map_err(HandoffError::InvalidArgument)?;
+        validate::check_abs_path("stop layer", stop_layer)
+            .map_err(HandoffError::InvalidArgument)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(None);
+        };
+        let mut candidate = source;
+        loop {
+            if let Ok(key) = self.check_target(candidate)
+                && let Some(dir) = self.open_record_dir(&root, &key)?
+                && let Some(mi) = self.read_mount_info(&dir, &self.display(&key))?
+            {
+                let subpath = source[candidate.len()..]
+                    .trim_start_matches('/')
+                    .to_string();
+                return Ok(Some(SourceMatch {
+                    target: candidate.to_string(),
+                    subpath,
+                    mount_info: mi,
+                }));
+            }
+            if candidate == stop_layer || !validate::is_within(candidate, stop_layer) {
+                return Ok(None);
+            }
+            match candidate.rfind('/') {
+                Some(0) | None => return Ok(None),
+                Some(i) => candidate = &candidate[..i],
+            }
+        }
+    }
+
+    fn display(&self, key: &str) -> String {
+        self.root.join(key).display().to_string()
+    }
+
+    /// Opens the root (following symlinks in the configured path itself:
+    /// `/var/run` is one). With `create`, makes it 0700 (parents 0755).
+    fn open_root(&self, create: bool) -> Result<Option<OwnedFd>> {
+        let open = || {
+            rustix::fs::open(
+                &self.root,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        };
+        match open() {
+            Ok(fd) => return Ok(Some(fd)),
+            Err(Errno::NOENT) if create => {}
+            Err(Errno::NOENT) => return Ok(None),
+            Err(e) => return Err(HandoffError::io(format!("open {}", self.root.display()), e)),
+        }
+        if let Some(parent) = self.root.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(parent)
+                .map_err(|e| HandoffError::io(format!("create {}", parent.display()), e))?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(&self.root) {
+            Ok(()) => std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| HandoffError::io(format!("chmod {}", self.root.display()), e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(HandoffError::io(
+                    format!("create {}", self.root.display()),
+                    e,
+                ));
+            }
+        }
+        open()
+            .map(Some)
+            .map_err(|e| HandoffError::io(format!("open {}", self.root.display()), e))
+    }
+
+    /// The record directory, refusing a symlink or non-directory in its
+    /// place and a directory others could write to.
+    fn open_record_dir(&self, root: &OwnedFd, key: &str) -> Result<Option<OwnedFd>> {
+        let path = self.display(key);
+        match rustix::fs::openat(
+            root,
+            key,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => {
+                let st =
+                    rustix::fs::fstat(&fd).map_err(|e| HandoffError::io("stat record dir", e))?;
+                check_owner_mode(&st, &path)?;
+                Ok(Some(fd))
+            }
+            Err(Errno::NOENT) => Ok(None),
+            Err(Errno::LOOP) | Err(Errno::NOTDIR) => {
+                let is_link = rustix::fs::statat(root, key, AtFlags::SYMLINK_NOFOLLOW)
+                    .map(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink)
+                    .unwrap_or(false);
+                Err(HandoffError::bad(
+                    path,
+                    if is_link {
+                        "a symlink stands in place of the record directory"
+                    } else {
+                        "not a directory"
+                    },
+                ))
+            }
+            Err(e) => Err(HandoffError::io(format!("open {path}"), e)),
+        }
+    }
+
+    /// Opens (creating with `create`) and locks the record directory, and
+    /// makes sure it is still the one linked under the root (a remover may
+    /// have deleted it while we waited for the lock).
+    fn lock_record_dir(&self, root: &OwnedFd, key: &str, create: bool) -> Result<Option<OwnedFd>> {
+        for _ in 0..16 {
+            if create {
+                match rustix::fs::mkdirat(root, key, Mode::from_raw_mode(0o700)) {
+                    Ok(()) => {
+                        rustix::fs::fsync(root).map_err(|e| HandoffError::io("fsync root", e))?;
+                    }
+                    Err(Errno::EXIST) => {}
+                    Err(e) => {
+                        return Err(HandoffError::io(format!("create {}", self.display(key)), e));
+                    }
+                }
+            }
+            let Some(dir) = self.open_record_dir(root, key)? else {
+                if create {
+                    continue;
+                }
+                return Ok(None);
+            };
+            if create {
+                // Explicit, whatever the umask was at mkdir time.
+                rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o700))
+                    .map_err(|e| HandoffError::io("chmod record dir", e))?;
+            }
+            rustix::fs::flock(&dir, FlockOperation::LockExclusive)
+                .map_err(|e| HandoffError::io("lock record dir", e))?;
+            let held =
+                rustix::fs::fstat(&dir).map_err(|e| HandoffError::io("stat record dir", e))?;
+            match rustix::fs::statat(root, key, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(now) if now.st_dev == held.st_dev && now.st_ino == held.st_ino => {
+                    return Ok(Some(dir));
+                }
+                Ok(_) | Err(Errno::NOENT) if create => continue,
+                Ok(_) | Err(Errno::NOENT) => return Ok(None),
+                Err(e) => return Err(HandoffError::io("stat record dir", e)),
+            }
+        }
+        Err(HandoffError::io(
+            format!("lock {}", self.display(key)),
+            std::io::Error::other("record directory keeps being replaced"),
+        ))
+    }
+
+    /// Classifies every entry; anything unknown is refused.
+    fn entries(&self, dir: &OwnedFd, path: &str) -> Result<Vec<Entry>> {
+        let mut out = Vec::new();
+        let reader = rustix::fs::Dir::read_from(dir)
+            .map_err(|e| HandoffError::io(format!("read {path}"), e))?;
+        for ent in reader {
+            let ent = ent.map_err(|e| HandoffError::io(format!("read {path}"), e))?;
+            let raw: &CStr = ent.file_name();
+            let bytes = raw.to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            let Ok(name) = raw.to_str() else {
+                return Err(HandoffError::bad(
+                    path,
+                    "unexpected entry with a non-UTF-8 name",
+                ));
+            };
+            let st = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(HandoffError::io(format!("stat {path}/{name}"), e)),
+            };
+            if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+                return Err(HandoffError::bad(
+                    path,
+                    format!("unexpected entry {name:?} (not a regular file)"),
+                ));
+            }
+            let entry = match name {
+                MOUNT_INFO_FILE => Entry::MountInfo,
+                RUNTIME_CLI_FILE if self.layout == Layout::Crust => Entry::RuntimeCli,
+                n if n.starts_with(TMP_PREFIX) => Entry::Temp(n.into()),
+                n if validate::check_sandbox_id(n).is_ok() => Entry::Sandbox(n.into()),
+                n => {
+                    return Err(HandoffError::bad(path, format!("unexpected entry {n:?}")));
+                }
+            };
+            out.push(entry);
+        }
+        out.sort_by(|a, b| entry_name(a).cmp(entry_name(b)));
+        Ok(out)
+    }
+
+    fn read_mount_info(&self, dir: &OwnedFd, path: &str) -> Result<Option<MountInfo>> {
+        let Some(bytes) = read_bounded(dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, path)? else {
+            return Ok(None);
+        };
+        let mi = MountInfo::from_json(&bytes).map_err(|r| HandoffError::bad(path, r))?;
+        self.check_mount_info(&mi)
+            .map_err(|r| HandoffError::bad(path, r))?;
+        Ok(Some(mi))
+    }
+
+    fn inspect_key(&self, root: &OwnedFd, key: &str) -> Result<Option<RecordState>> {
+        let path = self.display(key);
+        let Some(dir) = self.open_record_dir(root, key)? else {
+            return Ok(None);
+        };
+        let entries = self.entries(&dir, &path)?;
+        let Some(mount_info) = self.read_mount_info(&dir, &path)? else {
+            return Ok(None);
+        };
+        let runtime_cli = if self.layout == Layout::Crust {
+            read_runtime_cli(&dir, &path)?
+        } else {
+            None
+        };
+        Ok(Some(RecordState {
+            mount_info,
+            claimant: first_sandbox(&entries).map(str::to_string),
+            runtime_cli,
+        }))
+    }
+}
+
+enum Staged {
+    Nothing,
+    Same,
+    Different,
+}
+
+/// What is staged compared to `mi`; a different record held by a sandbox
+/// is a conflict.
+fn compare_staged(
+    dir: &OwnedFd,
+    entries: &[Entry],
+    mi: &MountInfo,
+    target: &str,
+    path: &str,
+) -> Result<Staged> {
+    if !entries.iter().any(|e| matches!(e, Entry::MountInfo)) {
+        return Ok(Staged::Nothing);
+    }
+    let existing = read_bounded(dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, path)?
+        .and_then(|b| MountInfo::from_json(&b).ok());
+    if existing.as_ref() == Some(mi) {
+        return Ok(Staged::Same);
+    }
+    if let Some(by) = first_sandbox(entries) {
+        return Err(HandoffError::Conflict(format!(
+            "a different record is staged for {target} and sandbox {by} holds it"
+        )));
+    }
+    Ok(Staged::Different)
+}
+
+fn entry_name(e: &Entry) -> &str {
+    match e {
+        Entry::MountInfo => MOUNT_INFO_FILE,
+        Entry::RuntimeCli => RUNTIME_CLI_FILE,
+        Entry::Temp(n) | Entry::Sandbox(n) => n,
+    }
+}
+
+fn first_sandbox(entries: &[Entry]) -> Option<&str> {
+    entries.iter().find_map(|e| match e {
+        Entry::Sandbox(n) => Some(n.as_str()),
+        _ => None,
+    })
+}
+
+/// Records are root-only: owned by us and writable by nobody else.
+fn check_owner_mode(st: &rustix::fs::Stat, path: &str) -> Result<()> {
+    if st.st_uid != rustix::process::geteuid().as_raw() {
+        return Err(HandoffError::bad(
+            path,
+            format!("owned by uid {}, not by us", st.st_uid),
+        ));
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(HandoffError::bad(
+            path,
+            format!("mode {:o} lets others write", st.st_mode & 0o7777),
+        ));
+    }
+    Ok(())
+}
+
+fn read_runtime_cli(dir: &OwnedFd, path: &str) -> Result<Option<String>> {
+    let Some(bytes) = read_bounded(
+        dir,
+        RUNTIME_CLI_FILE,
+        validate::MAX_PATH_LEN as u64 + 2,
+        path,
+    )?
+    else {
+        return Ok(None);
+    };
+    let s = String::from_utf8(bytes)
+        .map_err(|_| HandoffError::bad(path, "runtime-cli is not UTF-8"))?;
+    let cli = s.trim_end_matches(['\n', '\r']);
+    validate::check_abs_path("runtime-cli", cli).map_err(|r| HandoffError::bad(path, r))?;
+    Ok(Some(cli.to_string()))
+}
+
+/// Reads a small file below `dir` without following a symlink, without
+/// blocking on a FIFO, and without reading more than `max` bytes.
+fn read_bounded(dir: &OwnedFd, name: &str, max: u64, path: &str) -> Result<Option<Vec<u8>>> {
+    let fd = match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(Errno::LOOP) => return Err(HandoffError::bad(path, format!("{name} is a symlink"))),
+        Err(e) => return Err(HandoffError::io(format!("open {path}/{name}"), e)),
+    };
+    let st =
+        rustix::fs::fstat(&fd).map_err(|e| HandoffError::io(format!("stat {path}/{name}"), e))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(HandoffError::bad(
+            path,
+            format!("{name} is not a regular file"),
+        ));
+    }
+    check_owner_mode(&st, &format!("{path}/{name}"))?;
+    if st.st_size as u64 > max {
+        return Err(HandoffError::bad(
+            path,
+            format!("{name} is larger than {max} bytes"),
+        ));
+    }
+    let mut buf = Vec::with_capacity(st.st_size as usize);
+    File::from(fd)
+        .take(max + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| HandoffError::io(format!("read {path}/{name}"), e))?;
+    if buf.len() as u64 > max {
+        return Err(HandoffError::bad(
+            path,
+            format!("{name} is larger than {max} bytes"),
+        ));
+    }
+    Ok(Some(buf))
+}
+
+fn unlink_ignore_missing(dir: &OwnedFd, name: &str, path: &str) -> Result<()> {
+    match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+        Ok(()) | Err(Errno::NOENT) => Ok(()),
+        Err(e) => Err(HandoffError::io(format!("remove {path}/{name}"), e)),
+    }
+}
+
+/// Temp file in the same directory, 0600 whatever the umask, fsync,
+/// rename over the final name, fsync the directory.
+fn write_atomic(dir: &OwnedFd, name: &str, data: &[u8], path: &str) -> Result<()> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let tmp = format!(
+        "{TMP_PREFIX}{name}.{}.{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let fd = rustix::fs::openat(
+        dir,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| HandoffError::io(format!("create {path}/{tmp}"), e))?;
+    let result = (|| {
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o600))?;
+        let mut f = File::from(fd);
+        f.write_all(data)?;
+        f.sync_all()?;
+        drop(f);
+        rustix::fs::renameat(dir, tmp.as_str(), dir, name)?;
+        rustix::fs::fsync(dir)?;
+        Ok::<_, std::io::Error>(())
+    })();
+    if let Err(e) = result {
+        let _ = rustix::fs::unlinkat(dir, tmp.as_str(), AtFlags::empty());
+        return Err(HandoffError::io(format!("write {path}/{name}"), e));
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+use std::time::Duration;
+
+use crust_handoff::{ErrorKind, HandoffError};
+use tonic::{Code, Status};
+
+/// Failures of the Runtime operations. Status codes (see [`OpsError::code`]):
+///
+/// | error | code |
+/// |---|---|
+/// | bad request field | INVALID_ARGUMENT |
+/// | no record for the target | NOT_FOUND |
+/// | different record staged and claimed | ALREADY_EXISTS |
+/// | record exists, no runtime consumed it yet (no `runtime-cli` / no sandbox file) | FAILED_PRECONDITION |
+/// | recorded CLI not absolute / not an executable regular file | FAILED_PRECONDITION |
+/// | forged or broken record on disk | FAILED_PRECONDITION |
+/// | CLI did not finish within the timeout (it is killed) | DEADLINE_EXCEEDED |
+/// | CLI exited non-zero | INTERNAL (carries its stderr; a runtime that cannot serve a volume it took is a server-side fault the CO should retry, not a caller mistake) |
+/// | CLI output unparseable or out of range | INTERNAL |
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error(transparent)]
+    Handoff(#[from] HandoffError),
+    #[error("volume {0} is not consumed by a runtime yet")]
+    NotConsumed(String),
+    #[error("runtime cli {path}: {reason}")]
+    BadRuntimeCli { path: String, reason: String },
+    #[error("`{cli} {op}` did not finish within {timeout:?} and was killed")]
+    CliTimeout {
+        cli: String,
+        op: String,
+        timeout: Duration,
+    },
+    #[error("`{cli} {op}` failed ({status}): {stderr}")]
+    CliFailed {
+        cli: String,
+        op: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("`{cli} {op}` printed unusable output: {reason}")]
+    BadOutput {
+        cli: String,
+        op: String,
+        reason: String,
+    },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl OpsError {
+    pub fn code(&self) -> Code {
+        match self {
+            OpsError::InvalidArgument(_) => Code::InvalidArgument,
+            OpsError::Handoff(e) => match e.kind() {
+                ErrorKind::InvalidArgument => Code::InvalidArgument,
+                ErrorKind::NotFound => Code::NotFound,
+                ErrorKind::AlreadyExists => Code::AlreadyExists,
+                ErrorKind::FailedPrecondition => Code::FailedPrecondition,
+                ErrorKind::Internal => Code::Internal,
+            },
+            OpsError::NotConsumed(_) | OpsError::BadRuntimeCli { .. } => Code::FailedPrecondition,
+            OpsError::CliTimeout { .. } => Code::DeadlineExceeded,
+            OpsError::CliFailed { .. } | OpsError::BadOutput { .. } | OpsError::Io { .. } => {
+                Code::Internal
+            }
+        }
+    }
+}
+
+impl From<OpsError> for Status {
+    fn from(e: OpsError) -> Status {
+        Status::new(e.code(), e.to_string())
+    }
+}

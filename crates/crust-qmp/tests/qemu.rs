@@ -1,0 +1,384 @@
+//! crust-qmp against a real `qemu-system-x86_64` (TCG, CPUs paused with
+//! `-S`, no guest OS): hot-plug, resize, queries, errors, events, quit.
+//!
+//! Without a guest nothing acknowledges a PCI unplug, so `device_del` is
+//! only tested up to its timeout here.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crust_qmp::{QmpClient, QmpError};
+use crust_testkit::{ChildGuard, VmSlot};
+use serde_json::Value;
+use tempfile::TempDir;
+
+const MIB: u64 = 1 << 20;
+const T: Duration = Duration::from_secs(20);
+
+/// A paused QEMU with two PCIe root ports (`rp0`, `rp1`) for hot-plug.
+/// Fields drop in order: socket, process, temp dir, then the VM slot.
+struct Qemu {
+    qmp: QmpClient,
+    guard: ChildGuard,
+    dir: TempDir,
+    _slot: VmSlot,
+}
+
+impl Qemu {
+    async fn start() -> Qemu {
+        let slot = tokio::task::spawn_blocking(VmSlot::acquire).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("qmp.sock");
+        let child = Command::new("qemu-system-x86_64")
+            .args(["-M", "q35", "-accel", "tcg", "-m", "64"])
+            .args(["-nodefaults", "-display", "none", "-S"])
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", sock.display()))
+            .args(["-device", "pcie-root-port,id=rp0,chassis=1"])
+            .args(["-device", "pcie-root-port,id=rp1,chassis=2"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn qemu-system-x86_64");
+        let guard = ChildGuard::new(child);
+        let qmp = QmpClient::connect(&sock, T).await.expect("QMP handshake");
+        Qemu {
+            qmp,
+            guard,
+            dir,
+            _slot: slot,
+        }
+    }
+
+    /// A sparse file of `size` bytes in the test's temp dir.
+    fn sparse_file(&self, name: &str, size: u64) -> PathBuf {
+        let path = self.dir.path().join(name);
+        std::fs::File::create(&path).unwrap().set_len(size).unwrap();
+        path
+    }
+
+    /// Waits for QEMU to exit on its own; returns whether it exited cleanly.
+    fn wait_exit(&mut self, within: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < within {
+            if let Some(status) = self.guard.child().try_wait().unwrap() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("QEMU still running after {within:?}");
+    }
+}
+
+/// A loop device over a file, detached on drop.
+struct LoopDev(PathBuf);
+
+impl LoopDev {
+    fn attach(file: &Path) -> LoopDev {
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "losetup: {out:?}");
+        LoopDev(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+    }
+
+    /// Re-reads the backing file's size (`losetup -c`).
+    fn refresh_capacity(&self) {
+        let st = Command::new("losetup")
+            .arg("-c")
+            .arg(&self.0)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+fn node_size(nodes: &[crust_qmp::BlockNode], name: &str) -> Option<u64> {
+    nodes.iter().find(|n| n.node_name == name).map(|n| n.size)
+}
+
+async fn attached_size(qmp: &QmpClient, id: &str) -> u64 {
+    let blocks = qmp.query_block().await.unwrap();
+    let b = blocks
+        .iter()
+        .find(|b| b.is_device(id))
+        .expect("device in query-block");
+    b.inserted.as_ref().expect("medium inserted").size
+}
+
+fn assert_command_error(res: Result<(), QmpError>, classes: &[&str]) -> String {
+    match res {
+        Err(QmpError::Command { class, desc }) => {
+            assert!(classes.contains(&class.as_str()), "class {class}: {desc}");
+            desc
+        }
+        other => panic!("expected a QEMU error of class {classes:?}, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn file_volume_hotplug_resize_and_quit() {
+    let mut vm = Qemu::start().await;
+    let qmp = &vm.qmp;
+    let img = vm.sparse_file("vol0.img", 64 * MIB);
+    let other = vm.sparse_file("other.img", 8 * MIB);
+
+    qmp.blockdev_add_file("vol0", &img, false).await.unwrap();
+    let nodes = qmp.query_named_block_nodes().await.unwrap();
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert_eq!(nodes[0].node_name, "vol0");
+    assert_eq!(nodes[0].driver, "file");
+    assert_eq!(Path::new(&nodes[0].file), img);
+    assert_eq!(nodes[0].size, 64 * MIB);
+    assert!(!nodes[0].read_only);
+
+    // Idempotent re-add; a different file under the same name is refused.
+    qmp.blockdev_add_file("vol0", &img, false).await.unwrap();
+    assert_command_error(
+        qmp.blockdev_add_file("vol0", &other, false).await,
+        &["GenericError"],
+    );
+    assert_eq!(qmp.query_named_block_nodes().await.unwrap().len(), 1);
+
+    qmp.device_add_virtio_blk("vd0", "vol0", "crust-vol0", Some("rp0"))
+        .await
+        .unwrap();
+    qmp.device_add_virtio_blk("vd0", "vol0", "crust-vol0", Some("rp0"))
+        .await
+        .unwrap();
+    let blocks = qmp.query_block().await.unwrap();
+    let vd0 = blocks
+        .iter()
+        .find(|b| b.is_device("vd0"))
+        .expect("vd0 attached");
+    let node = vd0.inserted.as_ref().unwrap();
+    assert_eq!(
+        (node.node_name.as_str(), node.size),
+        ("vol0", 64 * MIB),
+        "{vd0:?}"
+    );
+    assert_eq!(Path::new(&node.file), img);
+    // A second writer on the same node is refused by QEMU's permission model.
+    assert_command_error(
+        qmp.device_add_virtio_blk("vd1", "vol0", "crust-vol0b", Some("rp1"))
+            .await,
+        &["GenericError"],
+    );
+
+    // Grown on the host, then announced.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(96 * MIB)
+        .unwrap();
+    qmp.block_resize("vol0", 96 * MIB).await.unwrap();
+    assert_eq!(attached_size(qmp, "vd0").await, 96 * MIB);
+    // Grown by QEMU itself: the file on disk follows.
+    qmp.block_resize("vol0", 128 * MIB).await.unwrap();
+    assert_eq!(attached_size(qmp, "vd0").await, 128 * MIB);
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 128 * MIB);
+
+    assert_command_error(
+        qmp.block_resize("no-such-node", 128 * MIB).await,
+        &["GenericError", "DeviceNotFound"],
+    );
+    // In use by vd0: refused, and the node stays.
+    assert_command_error(qmp.blockdev_del("vol0").await, &["GenericError"]);
+    assert_eq!(
+        node_size(&qmp.query_named_block_nodes().await.unwrap(), "vol0"),
+        Some(128 * MIB)
+    );
+
+    // Paused guest: the unplug request is accepted but never completes.
+    match qmp.device_del("vd0", Duration::from_secs(2)).await {
+        Err(QmpError::Timeout { what, .. }) => assert!(what.contains("vd0"), "{what}"),
+        other => panic!("expected a DEVICE_DELETED timeout, got {other:?}"),
+    }
+    assert!(
+        qmp.query_block()
+            .await
+            .unwrap()
+            .iter()
+            .any(|b| b.is_device("vd0"))
+    );
+
+    let mut events = qmp.events();
+    qmp.quit().await.unwrap();
+    let shutdown = qmp
+        .next_event(&mut events, "SHUTDOWN", |_| true, T)
+        .await
+        .unwrap();
+    assert_eq!(shutdown.data["reason"], "host-qmp-quit");
+    assert!(vm.wait_exit(T), "QEMU exits cleanly on quit");
+    assert!(matches!(
+        vm.qmp.query_status().await,
+        Err(QmpError::Disconnected(_))
+    ));
+}
+
+#[tokio::test]
+async fn loop_device_volume_resize() {
+    crust_testkit::require_root();
+    let backing_dir = tempfile::tempdir().unwrap();
+    let backing = backing_dir.path().join("loop.img");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let lo = LoopDev::attach(&backing);
+    let vm = Qemu::start().await;
+    let qmp = &vm.qmp;
+
+    qmp.blockdev_add_file("lvol", &lo.0, false).await.unwrap();
+    let nodes = qmp.query_named_block_nodes().await.unwrap();
+    let node = nodes.iter().find(|n| n.node_name == "lvol").unwrap();
+    assert_eq!(node.driver, "host_device");
+    assert_eq!(Path::new(&node.file), lo.0);
+    assert_eq!(node.size, 32 * MIB);
+    qmp.device_add_virtio_blk("vd0", "lvol", "crust-lvol", Some("rp0"))
+        .await
+        .unwrap();
+    assert_eq!(attached_size(qmp, "vd0").await, 32 * MIB);
+
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&backing)
+        .unwrap()
+        .set_len(48 * MIB)
+        .unwrap();
+    lo.refresh_capacity();
+    qmp.block_resize("lvol", 48 * MIB).await.unwrap();
+    assert_eq!(attached_size(qmp, "vd0").await, 48 * MIB);
+    // QEMU cannot grow a block device beyond its real size.
+    assert_command_error(qmp.block_resize("lvol", 64 * MIB).await, &["GenericError"]);
+    assert_eq!(attached_size(qmp, "vd0").await, 48 * MIB);
+
+    // An unattached read-only node comes and goes; deleting twice is fine.
+    let spare = vm.sparse_file("spare.img", 4 * MIB);
+    qmp.blockdev_add_file("spare", &spare, true).await.unwrap();
+    let nodes = qmp.query_named_block_nodes().await.unwrap();
+    assert!(nodes.iter().any(|n| n.node_name == "spare" && n.read_only));
+    qmp.blockdev_del("spare").await.unwrap();
+    qmp.blockdev_del("spare").await.unwrap();
+    let nodes = qmp.query_named_block_nodes().await.unwrap();
+    assert_eq!(node_size(&nodes, "spare"), None);
+    assert_eq!(node_size(&nodes, "lvol"), Some(48 * MIB));
+
+    // QEMU must let go of the loop device before it is detached.
+    drop(vm);
+    drop(lo);
+}
+
+#[tokio::test]
+async fn errors_events_and_connection_loss() {
+    let mut vm = Qemu::start().await;
+    let qmp = &vm.qmp;
+
+    let out = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let v = qmp.version();
+    assert!(
+        text.contains(&format!("version {}.{}.{}", v.major, v.minor, v.micro)),
+        "{v:?} vs {text}"
+    );
+
+    let status = qmp.query_status().await.unwrap();
+    assert_eq!(
+        (status.running, status.status.as_str()),
+        (false, "prelaunch")
+    );
+
+    // Bad names never reach QEMU, so nothing changes.
+    let img = vm.sparse_file("x.img", MIB);
+    let pci_before = qmp.query_pci().await.unwrap();
+    for res in [
+        qmp.blockdev_add_file("9lives", &img, false).await,
+        qmp.blockdev_add_file("a,driver=qcow2", &img, false).await,
+        qmp.blockdev_add_file(&"n".repeat(32), &img, false).await,
+        qmp.device_add_virtio_blk("vd 0", "n0", "s", Some("rp0"))
+            .await,
+        qmp.device_add_virtio_blk("vd0", "n0", "s", Some("rp0,addr=3"))
+            .await,
+        qmp.block_resize("-x", MIB).await,
+    ] {
+        assert!(matches!(res, Err(QmpError::InvalidArgument(_))), "{res:?}");
+    }
+    assert!(qmp.query_named_block_nodes().await.unwrap().is_empty());
+    assert_eq!(qmp.query_pci().await.unwrap(), pci_before);
+
+    assert_command_error(
+        qmp.execute("no-such-command", Value::Null).await.map(drop),
+        &["CommandNotFound"],
+    );
+
+    // Events: run, pause, power button.
+    let mut events = qmp.events();
+    qmp.cont().await.unwrap();
+    qmp.next_event(&mut events, "RESUME", |_| true, T)
+        .await
+        .unwrap();
+    assert!(qmp.query_status().await.unwrap().running);
+
+    // Once the firmware has numbered the root port's bus, a hot-plugged
+    // disk shows up behind it in query-pci.
+    let deadline = Instant::now() + T;
+    let bus = loop {
+        let pci = qmp.query_pci().await.unwrap();
+        let rp0 = pci.iter().find(|d| d.qdev_id == "rp0").expect("rp0");
+        match rp0.secondary_bus {
+            Some(n) if n > 0 => break n,
+            _ => assert!(Instant::now() < deadline, "firmware never numbered rp0"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    qmp.blockdev_add_file("n0", &img, false).await.unwrap();
+    qmp.device_add_virtio_blk("vd0", "n0", "crust-n0", Some("rp0"))
+        .await
+        .unwrap();
+    let pci = qmp.query_pci().await.unwrap();
+    let dev = pci.iter().find(|d| d.qdev_id == "vd0").expect("vd0 on PCI");
+    assert_eq!(
+        (dev.bus, dev.vendor, dev.class),
+        (bus, 0x1af4, 0x0100),
+        "{dev:?}"
+    );
+
+    qmp.stop().await.unwrap();
+    qmp.next_event(&mut events, "STOP", |_| true, T)
+        .await
+        .unwrap();
+    assert_eq!(qmp.query_status().await.unwrap().status, "paused");
+    qmp.system_powerdown().await.unwrap();
+    let ev = qmp
+        .next_event(&mut events, "POWERDOWN", |_| true, T)
+        .await
+        .unwrap();
+    assert!(ev.timestamp.is_some());
+
+    // QEMU dies under a waiting caller: it learns at once, not at timeout.
+    let waiting = qmp.wait_event("NEVER_SENT", |_| true, T);
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        vm.guard.child().kill().unwrap();
+    };
+    let (res, ()) = tokio::join!(waiting, killer);
+    assert!(matches!(res, Err(QmpError::Disconnected(_))), "{res:?}");
+    assert!(matches!(
+        vm.qmp.query_status().await,
+        Err(QmpError::Disconnected(_))
+    ));
+    assert!(vm.qmp.closed_reason().is_some());
+}

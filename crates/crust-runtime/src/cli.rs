@@ -1,0 +1,362 @@
+//! Command line surface (clap derive). Every global flag can also come
+//! from the environment (`CRUST_RUNTIME_*`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use crust_handoff::{DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT};
+
+use crate::config::{Accel, Config};
+use crate::error::RuntimeError;
+use crate::runtime::Runtime;
+use crate::shim::Code;
+
+#[derive(Debug, Parser)]
+#[command(name = "crust-runtime", version, about = "crust VM runtime: OCI bundles in QEMU guests with in-guest volume mounts")]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalOpts,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GlobalOpts {
+    /// Sandbox state directory.
+    #[arg(long, env = "CRUST_RUNTIME_ROOT", default_value = "/run/crust-runtime", global = true)]
+    pub root: PathBuf,
+    /// KEP-2857 hand-off root.
+    #[arg(long, env = "CRUST_RUNTIME_CRUST_ROOT", default_value = DEFAULT_CRUST_ROOT, global = true)]
+    pub crust_root: PathBuf,
+    /// Kata direct-volumes hand-off root.
+    #[arg(long, env = "CRUST_RUNTIME_KATA_ROOT", default_value = DEFAULT_KATA_ROOT, global = true)]
+    pub kata_root: PathBuf,
+    /// kubelet pods dir: subPath probing stops at `<this>/<uid>/volumes`.
+    #[arg(long, env = "CRUST_RUNTIME_PODS_LAYER_STOP", default_value = "/var/lib/kubelet/pods", global = true)]
+    pub pods_layer_stop: String,
+    /// Guest kernel (default: $CRUST_GUEST_DIR/vmlinuz or <exe dir>/../guest-image/vmlinuz).
+    #[arg(long, env = "CRUST_RUNTIME_GUEST_KERNEL", global = true)]
+    pub guest_kernel: Option<PathBuf>,
+    /// Guest initramfs (default: next to the kernel, initramfs.cpio.gz).
+    #[arg(long, env = "CRUST_RUNTIME_GUEST_INITRD", global = true)]
+    pub guest_initrd: Option<PathBuf>,
+    #[arg(long, env = "CRUST_RUNTIME_ACCEL", value_enum, default_value = "auto", global = true)]
+    pub accel: Accel,
+    /// Bound on one call into a shim or guest agent, in milliseconds.
+    #[arg(long, env = "CRUST_RUNTIME_TIMEOUT_MS", default_value = "10000", global = true)]
+    pub timeout_ms: u64,
+    /// Bound on sandbox creation and on one resize, in milliseconds.
+    #[arg(long, env = "CRUST_RUNTIME_BOOT_TIMEOUT_MS", default_value = "120000", global = true)]
+    pub boot_timeout_ms: u64,
+    /// Guest memory.
+    #[arg(long, env = "CRUST_RUNTIME_MEMORY_MIB", default_value = "256", global = true)]
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    #[arg(long, env = "CRUST_RUNTIME_CPUS", default_value = "1", global = true)]
+    pub cpus: u32,
+}
+
+impl GlobalOpts {
+    pub fn config(&self) -> Config {
+        let dir = Config::default_guest_dir();
+        let guest_kernel = self.guest_kernel.clone().unwrap_or_else(|| dir.join("vmlinuz"));
+        let guest_initrd = self.guest_initrd.clone().unwrap_or_else(|| {
+            guest_kernel
+                .parent()
+                .map(|p| p.join("initramfs.cpio.gz"))
+                .unwrap_or_else(|| dir.join("initramfs.cpio.gz"))
+        });
+        Config {
+            root: self.root.clone(),
+            crust_root: self.crust_root.clone(),
+            kata_root: self.kata_root.clone(),
+            pods_layer_stop: self.pods_layer_stop.clone(),
+            guest_kernel,
+            guest_initrd,
+            accel: self.accel,
+            timeout: Duration::from_millis(self.timeout_ms.max(1)),
+            boot_timeout: Duration::from_millis(self.boot_timeout_ms.max(1)),
+            memory_mib: self.memory_mib,
+            cpus: self.cpus.max(1),
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a sandbox from an OCI bundle: boot the guest, attach and mount its volumes.
+    Create {
+        #[arg(long, short = 'b')]
+        bundle: PathBuf,
+        /// Write the sandbox's pid (QEMU) here.
+        #[arg(long)]
+        pid_file: Option<PathBuf>,
+        id: String,
+    },
+    /// Start the workload of a created sandbox.
+    Start { id: String },
+    /// Print the sandbox's state as JSON.
+    State { id: String },
+    /// Send a signal (number or name, default TERM) to the workload.
+    Kill {
+        id: String,
+        #[arg(default_value = "TERM")]
+        signal: String,
+    },
+    /// Tear the sandbox down (unmount in the guest, stop QEMU, release claims).
+    Delete {
+        #[arg(long, short = 'f')]
+        force: bool,
+        id: String,
+    },
+    /// create + start; waits for the workload, prints its exit status, deletes.
+    Run {
+        #[arg(long, short = 'b')]
+        bundle: PathBuf,
+        #[arg(long, short = 'd')]
+        detach: bool,
+        id: String,
+    },
+    /// List sandboxes.
+    List,
+    /// Run a command in the guest (diagnostics).
+    Exec {
+        id: String,
+        #[arg(long, default_value = "30000")]
+        timeout_ms: u64,
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
+    /// Print the workload's output.
+    Logs { id: String },
+    /// Hot-plug the volume staged for PATH into a running sandbox.
+    AddVolume {
+        id: String,
+        #[arg(long)]
+        volume_path: String,
+    },
+    /// KEP-2857 runtime-cli protocol.
+    #[command(subcommand)]
+    Crust(CrustCommand),
+    /// Kata-compatible direct-assigned volume commands.
+    #[command(subcommand)]
+    DirectVolume(DirectVolumeCommand),
+    /// The per-sandbox shim (spawned by `create`).
+    #[command(hide = true)]
+    Shim {
+        #[arg(long)]
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CrustCommand {
+    /// Print NodeGetVolumeStatsResponse-shaped JSON for the volume at TARGET.
+    Stats { target_path: String },
+    /// Expand the volume to at least MIN (at most MAX when > 0) bytes.
+    Resize { target_path: String, min: u64, max: u64 },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DirectVolumeCommand {
+    /// Write the Kata mountInfo.json record for a volume path.
+    Add {
+        #[arg(long)]
+        volume_path: String,
+        #[arg(long)]
+        mount_info: String,
+    },
+    /// Remove the Kata record for a volume path.
+    Remove {
+        #[arg(long)]
+        volume_path: String,
+    },
+    /// Print the volume's stats (from the guest).
+    Stats {
+        #[arg(long)]
+        volume_path: String,
+    },
+    /// Resize the volume to SIZE bytes (online, in the guest).
+    Resize {
+        #[arg(long)]
+        volume_path: String,
+        #[arg(long)]
+        size: u64,
+    },
+}
+
+/// Parses `9`, `KILL`, `SIGKILL` (case-insensitive) into a signal number.
+pub fn parse_signal(s: &str) -> Result<i32, RuntimeError> {
+    if let Ok(n) = s.parse::<i32>() {
+        if (1..=64).contains(&n) {
+            return Ok(n);
+        }
+    } else {
+        let up = s.to_ascii_uppercase();
+        let name = up.strip_prefix("SIG").unwrap_or(&up);
+        let n = match name {
+            "HUP" => Some(libc::SIGHUP),
+            "INT" => Some(libc::SIGINT),
+            "QUIT" => Some(libc::SIGQUIT),
+            "KILL" => Some(libc::SIGKILL),
+            "USR1" => Some(libc::SIGUSR1),
+            "USR2" => Some(libc::SIGUSR2),
+            "TERM" => Some(libc::SIGTERM),
+            "CONT" => Some(libc::SIGCONT),
+            "STOP" => Some(libc::SIGSTOP),
+            "ALRM" => Some(libc::SIGALRM),
+            "WINCH" => Some(libc::SIGWINCH),
+            _ => None,
+        };
+        if let Some(n) = n {
+            return Ok(n);
+        }
+    }
+    Err(RuntimeError::new(Code::InvalidArgument, format!("unknown signal {s:?}")))
+}
+
+/// What a command leaves for the binary to print and exit with.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+}
+
+impl Outcome {
+    fn json<T: serde::Serialize>(v: &T) -> Outcome {
+        Outcome {
+            stdout: serde_json::to_string_pretty(v).expect("serializable") + "\n",
+            ..Default::default()
+        }
+    }
+}
+
+/// Runs every command except `shim` (see [`crate::controller::run_shim`]).
+pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeError> {
+    let rt = Runtime::new(cfg)?;
+    match command {
+        Command::Create { bundle, pid_file, id } => {
+            let st = rt.create(&bundle, &id).await?;
+            if let (Some(f), Some(pid)) = (pid_file, st.pid) {
+                std::fs::write(&f, pid.to_string()).map_err(RuntimeError::io(format!("writing {}", f.display())))?;
+            }
+            Ok(Outcome::default())
+        }
+        Command::Start { id } => rt.start(&id).await.map(|_| Outcome::default()),
+        Command::State { id } => Ok(Outcome::json(&rt.state(&id).await?)),
+        Command::Kill { id, signal } => {
+            let sig = parse_signal(&signal)?;
+            rt.kill(&id, sig).await.map(|()| Outcome::default())
+        }
+        Command::Delete { force, id } => rt.delete(&id, force).await.map(|()| Outcome::default()),
+        Command::Run { bundle, detach, id } => match rt.run(&bundle, &id, detach).await? {
+            Some(code) => Ok(Outcome {
+                stdout: format!("{code}\n"),
+                exit_code: code.clamp(0, 255),
+                ..Default::default()
+            }),
+            None => Ok(Outcome::default()),
+        },
+        Command::List => {
+            let mut out = Vec::new();
+            for id in rt.sandboxes.list()? {
+                match rt.load(&id) {
+                    Ok(st) => out.push(serde_json::json!({"id": id, "status": st.status, "bundle": st.bundle})),
+                    Err(e) => out.push(serde_json::json!({"id": id, "error": e.to_string()})),
+                }
+            }
+            Ok(Outcome::json(&out))
+        }
+        Command::Exec { id, timeout_ms, args } => {
+            let r = rt.exec(&id, args, Duration::from_millis(timeout_ms)).await?;
+            Ok(Outcome {
+                stdout: r.stdout,
+                stderr: r.stderr,
+                exit_code: r.exit_code.clamp(0, 255),
+            })
+        }
+        Command::Logs { id } => Ok(Outcome {
+            stdout: rt.logs(&id).await?,
+            ..Default::default()
+        }),
+        Command::AddVolume { id, volume_path } => Ok(Outcome::json(&rt.add_volume(&id, &volume_path).await?)),
+        Command::Crust(CrustCommand::Stats { target_path }) => {
+            Ok(Outcome::json(&rt.volume_stats(&target_path).await?))
+        }
+        Command::Crust(CrustCommand::Resize { target_path, min, max }) => {
+            Ok(Outcome::json(&rt.volume_resize(&target_path, min, max).await?))
+        }
+        Command::DirectVolume(DirectVolumeCommand::Add { volume_path, mount_info }) => {
+            rt.direct_volume_add(&volume_path, &mount_info).map(|()| Outcome::default())
+        }
+        Command::DirectVolume(DirectVolumeCommand::Remove { volume_path }) => {
+            rt.direct_volume_remove(&volume_path).map(|()| Outcome::default())
+        }
+        Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
+            Ok(Outcome::json(&rt.volume_stats(&volume_path).await?))
+        }
+        Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => {
+            Ok(Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?))
+        }
+        Command::Shim { .. } => Err(RuntimeError::new(Code::Internal, "the shim is not dispatched here")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_kep_and_kata_forms() {
+        let c = Cli::try_parse_from(["crust-runtime", "crust", "resize", "/t", "1", "0"]).unwrap();
+        assert!(matches!(c.command, Command::Crust(CrustCommand::Resize { min: 1, max: 0, .. })));
+        let c = Cli::try_parse_from([
+            "crust-runtime",
+            "--root",
+            "/r",
+            "direct-volume",
+            "add",
+            "--volume-path",
+            "/v",
+            "--mount-info",
+            "{}",
+        ])
+        .unwrap();
+        assert_eq!(c.global.root, PathBuf::from("/r"));
+        assert!(matches!(c.command, Command::DirectVolume(DirectVolumeCommand::Add { .. })));
+        // Global flags may follow the subcommand.
+        let c = Cli::try_parse_from(["crust-runtime", "state", "x", "--timeout-ms", "5"]).unwrap();
+        assert_eq!(c.global.config().timeout, Duration::from_millis(5));
+        let c = Cli::try_parse_from(["crust-runtime", "exec", "x", "--", "df", "-P"]).unwrap();
+        assert!(matches!(c.command, Command::Exec { ref args, .. } if args == &["df", "-P"]));
+    }
+
+    #[test]
+    fn config_roundtrips_through_shim_args() {
+        let c = Cli::try_parse_from(["crust-runtime", "--guest-kernel", "/k/vmlinuz", "--accel", "tcg", "list"]).unwrap();
+        let cfg = c.global.config();
+        assert_eq!(cfg.guest_initrd, PathBuf::from("/k/initramfs.cpio.gz"));
+        let mut args = vec!["crust-runtime".into()];
+        args.extend(cfg.to_args());
+        args.extend(["shim".into(), "--id".into(), "a".into()]);
+        let again = Cli::try_parse_from(args).unwrap().global.config();
+        assert_eq!(format!("{again:?}"), format!("{cfg:?}"));
+    }
+
+    #[test]
+    fn signals() {
+        assert_eq!(parse_signal("9").unwrap(), 9);
+        assert_eq!(parse_signal("sigterm").unwrap(), 15);
+        assert_eq!(parse_signal("KILL").unwrap(), 9);
+        assert!(parse_signal("0").is_err());
+        assert!(parse_signal("BOGUS").is_err());
+    }
+}

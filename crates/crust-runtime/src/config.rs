@@ -1,0 +1,82 @@
+//! Runtime-wide settings (from flags or `CRUST_RUNTIME_*`), shared by the
+//! CLI and the shim it spawns.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How QEMU executes the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Accel {
+    Tcg,
+    Kvm,
+    /// KVM when `/dev/kvm` can be opened, else TCG.
+    Auto,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+            Accel::Auto => "auto",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Sandbox state: `<root>/<id>/`.
+    pub root: PathBuf,
+    /// KEP-2857 hand-off root.
+    pub crust_root: PathBuf,
+    /// Kata direct-volumes hand-off root.
+    pub kata_root: PathBuf,
+    /// kubelet's pods directory; parent probing stops at `<pods>/<uid>/volumes`.
+    pub pods_layer_stop: String,
+    pub guest_kernel: PathBuf,
+    pub guest_initrd: PathBuf,
+    pub accel: Accel,
+    /// Bound on one call into a shim or the guest agent.
+    pub timeout: Duration,
+    /// Bound on `create` (guest boot, hot-plug, mounts) and on a resize.
+    pub boot_timeout: Duration,
+    pub memory_mib: u32,
+    pub cpus: u32,
+}
+
+impl Config {
+    /// The default guest image directory: `$CRUST_GUEST_DIR`, else
+    /// `<dir of this executable>/../guest-image` (i.e. `target/guest-image`
+    /// next to `target/<profile>/crust-runtime`).
+    pub fn default_guest_dir() -> PathBuf {
+        if let Some(d) = std::env::var_os("CRUST_GUEST_DIR") {
+            return PathBuf::from(d);
+        }
+        std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|p| p.join("../guest-image")))
+            .unwrap_or_else(|| PathBuf::from("guest-image"))
+    }
+
+    /// Flags that recreate this configuration in a child process (the shim).
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut a: Vec<OsString> = Vec::new();
+        let mut push = |k: &str, v: OsString| {
+            a.push(k.into());
+            a.push(v);
+        };
+        push("--root", self.root.clone().into());
+        push("--crust-root", self.crust_root.clone().into());
+        push("--kata-root", self.kata_root.clone().into());
+        push("--pods-layer-stop", self.pods_layer_stop.clone().into());
+        push("--guest-kernel", self.guest_kernel.clone().into());
+        push("--guest-initrd", self.guest_initrd.clone().into());
+        push("--accel", self.accel.as_str().into());
+        push("--timeout-ms", self.timeout.as_millis().to_string().into());
+        push("--boot-timeout-ms", self.boot_timeout.as_millis().to_string().into());
+        push("--memory-mib", self.memory_mib.to_string().into());
+        push("--cpus", self.cpus.to_string().into());
+        a
+    }
+}

@@ -1,0 +1,599 @@
+//! The per-sandbox shim process: owns the QEMU guest, its QMP connection
+//! and the agent client; claims, attaches and mounts the volumes; serves
+//! the shim API; tears everything down on `/shutdown` or SIGTERM.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crust_agent_proto::{AgentClient, MAX_LOG_TAIL, StartWorkload, WorkloadState, WorkloadUser};
+use crust_qmp::QmpClient;
+use tokio::sync::watch;
+
+use crate::bundle::Bundle;
+use crate::config::Config;
+use crate::discovery::{Discovery, LayoutKind, Volume, WorkloadMount};
+use crate::error::RuntimeError;
+use crate::runtime::ReadyLine;
+use crate::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
+use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crate::vm::Guest;
+use crate::volumes::{self, VolumeError};
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Grace the workload gets between SIGTERM and SIGKILL at teardown.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long the guest gets to power off after the agent's Shutdown.
+const POWEROFF_WAIT: Duration = Duration::from_secs(15);
+/// Workload status polling period (TCG guests are slow: keep it sparse).
+const WORKLOAD_POLL: Duration = Duration::from_millis(500);
+
+pub struct Controller {
+    cfg: Config,
+    id: String,
+    store: SandboxStore,
+    discovery: Discovery,
+    bundle: Bundle,
+    state: Mutex<SandboxState>,
+    guest: Guest,
+    qmp: QmpClient,
+    agent: AgentClient,
+    /// Free hot-plug buses (PCIe root ports).
+    buses: Mutex<Vec<String>>,
+    /// Volume id -> bus it sits on.
+    bus_of: Mutex<HashMap<String, String>>,
+    /// One resize / hot-plug at a time per volume.
+    volume_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    hotplug: tokio::sync::Mutex<()>,
+    teardown: tokio::sync::Mutex<bool>,
+    stopping: AtomicBool,
+    /// Some(reason) once QEMU has exited.
+    qemu_exit: watch::Receiver<Option<String>>,
+}
+
+/// The shim's `main`: sets the sandbox up, reports readiness on the
+/// original stdout, serves until shutdown. Returns the exit code.
+pub async fn run_shim(cfg: Config, id: String) -> i32 {
+    let mut ready = match take_stdout() {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::error!("cannot take over stdout: {e}");
+            return 1;
+        }
+    };
+    let store = SandboxStore::new(cfg.root.clone());
+    let ctrl = match setup(cfg, id.clone(), store.clone()).await {
+        Ok(c) => Arc::new(c),
+        Err(e) => {
+            tracing::error!("sandbox {id}: {e}");
+            let api: ApiError = e.into();
+            let line = ReadyLine {
+                ok: false,
+                error: Some(api),
+            };
+            let _ = writeln!(ready, "{}", serde_json::to_string(&line).expect("serializable"));
+            return 1;
+        }
+    };
+    let listener = match shim::bind(&store.socket(&id)) {
+        Ok(l) => l,
+        Err(e) => {
+            let msg = format!("binding the shim socket: {e}");
+            ctrl.teardown(Some(msg.clone())).await;
+            let line = ReadyLine {
+                ok: false,
+                error: Some(ApiError::new(Code::Internal, msg)),
+            };
+            let _ = writeln!(ready, "{}", serde_json::to_string(&line).expect("serializable"));
+            return 1;
+        }
+    };
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    ctrl.spawn_qemu_watch();
+    ctrl.spawn_workload_watch();
+    let server = tokio::spawn(shim::serve(listener, ctrl.clone(), stop_tx.clone()));
+    ctrl.set_status(Status::Created);
+    let _ = writeln!(
+        ready,
+        "{}",
+        serde_json::to_string(&ReadyLine { ok: true, error: None }).expect("serializable")
+    );
+    drop(ready);
+    tracing::info!("sandbox {id} ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
+    tokio::select! {
+        _ = stop_rx.wait_for(|s| *s) => {}
+        _ = async { match term.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {
+            tracing::info!("SIGTERM: tearing down");
+            ctrl.teardown(None).await;
+            let _ = stop_tx.send(true);
+        }
+        _ = async { match int.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {
+            tracing::info!("SIGINT: tearing down");
+            ctrl.teardown(None).await;
+            let _ = stop_tx.send(true);
+        }
+    }
+    let _ = server.await;
+    let _ = std::fs::remove_file(store.socket(&id));
+    tracing::info!("shim of sandbox {id} exits");
+    0
+}
+
+/// Keeps the original stdout (the readiness pipe) and points fd 1 at
+/// /dev/null so nothing later can block on or break the pipe.
+fn take_stdout() -> std::io::Result<File> {
+    let pipe = rustix::io::dup(std::io::stdout())?;
+    let null = File::options().write(true).open("/dev/null")?;
+    rustix::stdio::dup2_stdout(&null)?;
+    Ok(File::from(pipe))
+}
+
+/// Everything until the sandbox is ready; on failure undoes what it did.
+async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controller, RuntimeError> {
+    let mut state = store.load(&id)?;
+    let bundle = Bundle::load(&state.bundle)?;
+    let discovery = Discovery::new(cfg.crust_root.clone(), cfg.kata_root.clone(), &cfg.pods_layer_stop)?;
+    let plan = discovery.plan(&bundle)?;
+    // Persist who we are and what we are about to claim before claiming,
+    // so a crash at any point leaves enough on disk to clean up.
+    state.shim = Some(ProcRef::current());
+    state.volumes = plan.volumes.clone();
+    state.mounts = plan.mounts.clone();
+    state.skipped_mounts = plan.skipped.clone();
+    store.save(&state)?;
+    for m in &plan.skipped {
+        tracing::warn!("mount {m} has no hand-off record; the guest cannot see host paths, skipping it");
+    }
+
+    let mut claimed: Vec<Volume> = Vec::new();
+    let res = async {
+        for v in &plan.volumes {
+            claim(&discovery, &store, &id, v)?;
+            claimed.push(v.clone());
+        }
+        let guest = Guest::launch(&cfg, &store.vm_dir(&id), &id).await?;
+        state.qemu = Some(guest.proc_ref());
+        state.pid = Some(guest.proc_ref().pid);
+        store.save(&state)?;
+        Ok::<_, RuntimeError>(guest)
+    }
+    .await;
+    let guest = match res {
+        Ok(g) => g,
+        Err(e) => {
+            release_all(&discovery, &id, &claimed);
+            mark_failed(&store, &mut state, &e);
+            return Err(e);
+        }
+    };
+    let (exit_tx, qemu_exit) = watch::channel(None);
+    let ctrl = async {
+        let qmp = QmpClient::connect(guest.qmp_socket(), cfg.timeout)
+            .await
+            .map_err(|e| RuntimeError::new(Code::Unavailable, format!("QMP: {e}")))?;
+        let agent = AgentClient::with_timeout(guest.agent_socket(), cfg.timeout);
+        agent.wait_ready(cfg.boot_timeout).await.map_err(|e| {
+            RuntimeError::new(
+                Code::DeadlineExceeded,
+                format!("the guest agent did not come up: {e} (console: {})", guest.console_tail()),
+            )
+        })?;
+        let buses = guest.hotplug_buses();
+        Ok::<_, RuntimeError>(Controller {
+            state: Mutex::new(state.clone()),
+            buses: Mutex::new(buses),
+            bus_of: Mutex::new(HashMap::new()),
+            volume_locks: Mutex::new(HashMap::new()),
+            hotplug: tokio::sync::Mutex::new(()),
+            teardown: tokio::sync::Mutex::new(false),
+            stopping: AtomicBool::new(false),
+            qemu_exit,
+            cfg: cfg.clone(),
+            id: id.clone(),
+            store: store.clone(),
+            discovery: discovery.clone(),
+            bundle,
+            guest,
+            qmp,
+            agent,
+        })
+    }
+    .await;
+    let ctrl = match ctrl {
+        Ok(c) => c,
+        Err(e) => {
+            // The guest is dropped (killed) by the failed future.
+            release_all(&discovery, &id, &claimed);
+            mark_failed(&store, &mut state, &e);
+            return Err(e);
+        }
+    };
+    ctrl.guest.set_exit_notifier(exit_tx);
+    for v in &plan.volumes {
+        if let Err(e) = ctrl.plug(v).await {
+            let e = RuntimeError::from(e);
+            ctrl.teardown(Some(e.to_string())).await;
+            return Err(e);
+        }
+    }
+    Ok(ctrl)
+}
+
+fn claim(discovery: &Discovery, store: &SandboxStore, id: &str, v: &Volume) -> Result<(), RuntimeError> {
+    let s = discovery.store(v.layout);
+    s.claim(&v.target, id, |other| store.holds_volumes(other))?;
+    if v.layout == LayoutKind::Crust {
+        let exe = std::env::current_exe()
+            .and_then(|p| p.canonicalize())
+            .map_err(RuntimeError::io("locating this executable"))?;
+        let exe = exe.to_str().ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))?;
+        if let Err(e) = s.set_runtime_cli(&v.target, exe) {
+            let _ = s.release(&v.target, id);
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+fn release_all(discovery: &Discovery, id: &str, vols: &[Volume]) {
+    for v in vols {
+        if let Err(e) = discovery.store(v.layout).release(&v.target, id) {
+            tracing::warn!(target = %v.target, "releasing the claim: {e}");
+        }
+    }
+}
+
+fn mark_failed(store: &SandboxStore, state: &mut SandboxState, e: &RuntimeError) {
+    state.status = Status::Stopped;
+    state.reason = Some(e.to_string());
+    let _ = store.save(state);
+}
+
+impl Controller {
+    fn snapshot(&self) -> SandboxState {
+        self.state.lock().expect("state lock").clone()
+    }
+
+    /// Applies `f` to the state and persists it.
+    fn update(&self, f: impl FnOnce(&mut SandboxState)) -> SandboxState {
+        let mut st = self.state.lock().expect("state lock");
+        f(&mut st);
+        if let Err(e) = self.store.save(&st) {
+            tracing::error!("persisting state: {e}");
+        }
+        st.clone()
+    }
+
+    fn set_status(&self, status: Status) {
+        self.update(|s| s.status = status);
+    }
+
+    fn qemu_exited(&self) -> Option<String> {
+        self.qemu_exit.borrow().clone()
+    }
+
+    fn not_running(&self, reason: &str) -> ApiError {
+        ApiError::new(
+            Code::Unavailable,
+            format!("sandbox {} is not running ({reason})", self.id),
+        )
+    }
+
+    fn volume_lock(&self, vol: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.volume_locks
+            .lock()
+            .expect("locks")
+            .entry(vol.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Marks the sandbox stopped when QEMU exits on its own.
+    fn spawn_qemu_watch(self: &Arc<Self>) {
+        let me = self.clone();
+        let mut rx = self.qemu_exit.clone();
+        tokio::spawn(async move {
+            let Ok(reason) = rx.wait_for(|r| r.is_some()).await.map(|r| r.clone()) else {
+                return;
+            };
+            if me.stopping.load(Ordering::SeqCst) {
+                return;
+            }
+            let reason = reason.unwrap_or_default();
+            tracing::error!("QEMU exited unexpectedly: {reason}");
+            me.update(|s| {
+                s.status = Status::Stopped;
+                s.reason = Some(format!("QEMU exited ({reason})"));
+            });
+        });
+    }
+
+    /// Once the workload runs, waits for it to exit and records its status.
+    fn spawn_workload_watch(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(WORKLOAD_POLL).await;
+                if me.stopping.load(Ordering::SeqCst) || me.qemu_exited().is_some() {
+                    return;
+                }
+                if me.snapshot().status != Status::Running {
+                    continue;
+                }
+                match me.agent.workload_status().await {
+                    Ok(WorkloadState::Exited { exit_code, signal, .. }) => {
+                        let code = exit_code.or(signal.map(|s| 128 + s)).unwrap_or(-1);
+                        tracing::info!("workload exited with {code}");
+                        me.update(|s| {
+                            s.status = Status::Stopped;
+                            s.exit_status = Some(code);
+                        });
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!("workload status: {e}"),
+                }
+            }
+        });
+    }
+
+    /// Attach + mount one volume; on failure unplug it again.
+    async fn plug(&self, v: &Volume) -> Result<(), VolumeError> {
+        let bus = {
+            let mut buses = self.buses.lock().expect("buses");
+            if buses.is_empty() {
+                return Err(VolumeError::Precondition {
+                    target: v.target.clone(),
+                    reason: "no free hot-plug slot left in the guest".into(),
+                });
+            }
+            buses.remove(0)
+        };
+        let res = async {
+            volumes::attach(&self.qmp, v, Some(&bus)).await?;
+            if let Err(e) = volumes::mount(&self.agent, v, self.cfg.boot_timeout).await {
+                let _ = volumes::detach(&self.qmp, v).await;
+                return Err(e);
+            }
+            Ok(())
+        }
+        .await;
+        match res {
+            Ok(()) => {
+                self.bus_of.lock().expect("bus_of").insert(v.id.clone(), bus);
+                Ok(())
+            }
+            Err(e) => {
+                self.buses.lock().expect("buses").insert(0, bus);
+                Err(e)
+            }
+        }
+    }
+
+    /// The volume a stats/resize path names: its target (volume path),
+    /// its host device (what Kata's CLI sends), or its guest mount path.
+    fn find_volume(&self, path: &str) -> ApiResult<Volume> {
+        let st = self.state.lock().expect("state lock");
+        st.volumes
+            .iter()
+            .find(|v| v.target == path)
+            .or_else(|| st.volumes.iter().find(|v| v.device == path || volumes::guest_path(v) == path))
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::new(
+                    Code::NotFound,
+                    format!("sandbox {} has no volume {path}", self.id),
+                )
+            })
+    }
+
+    /// Stops the workload, unmounts, powers the guest off (killing it if
+    /// it does not comply), releases the claims. Idempotent.
+    pub async fn teardown(&self, failure: Option<String>) {
+        let mut done = self.teardown.lock().await;
+        if *done {
+            return;
+        }
+        self.stopping.store(true, Ordering::SeqCst);
+        let st = self.snapshot();
+        if self.qemu_exited().is_none() {
+            if st.status == Status::Running
+                && let Err(e) = self.agent.stop_workload(STOP_GRACE).await
+            {
+                tracing::warn!("stopping the workload: {e}");
+            }
+            for v in &st.volumes {
+                if let Err(e) = volumes::unmount(&self.agent, v, self.cfg.timeout).await {
+                    tracing::warn!("{e}");
+                }
+            }
+            if let Err(e) = self.agent.shutdown().await {
+                tracing::warn!("agent shutdown: {e}");
+            }
+            if !self.guest.wait_exit(POWEROFF_WAIT).await {
+                tracing::warn!("the guest did not power off; quitting QEMU");
+                let _ = tokio::time::timeout(self.cfg.timeout, self.qmp.quit()).await;
+                if !self.guest.wait_exit(Duration::from_secs(5)).await {
+                    self.guest.kill().await;
+                }
+            }
+        } else {
+            self.guest.kill().await;
+        }
+        release_all(&self.discovery, &self.id, &st.volumes);
+        self.update(|s| {
+            s.status = Status::Stopped;
+            if let Some(f) = failure {
+                s.reason = Some(f);
+            }
+        });
+        *done = true;
+    }
+}
+
+impl ShimHandler for Controller {
+    async fn state(&self) -> ApiResult<SandboxState> {
+        Ok(self.snapshot())
+    }
+
+    async fn start(&self) -> ApiResult<SandboxState> {
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        let st = self.snapshot();
+        if st.status != Status::Created {
+            return Err(ApiError::new(
+                Code::FailedPrecondition,
+                format!("sandbox {} is {}, not created", self.id, st.status.as_str()),
+            ));
+        }
+        let b = &self.bundle;
+        let user = (b.uid != 0 || b.gid != 0 || !b.additional_gids.is_empty()).then(|| WorkloadUser {
+            uid: b.uid,
+            gid: b.gid,
+            supplemental_gids: b.additional_gids.clone(),
+        });
+        let req = StartWorkload {
+            args: b.args.clone(),
+            env: b.env.clone(),
+            cwd: Some(b.cwd.clone()),
+            mounts: st.mounts.iter().map(agent_mount).collect(),
+            user,
+        };
+        self.agent
+            .call_with_timeout(req, self.cfg.boot_timeout)
+            .await
+            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("starting the workload: {e}")))?;
+        Ok(self.update(|s| s.status = Status::Running))
+    }
+
+    async fn kill(&self, signal: i32) -> ApiResult<()> {
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        self.agent
+            .signal_workload(signal)
+            .await
+            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("signalling the workload: {e}")))
+    }
+
+    async fn shutdown(&self) -> ApiResult<()> {
+        self.teardown(None).await;
+        Ok(())
+    }
+
+    async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
+        let v = self.find_volume(&path)?;
+        if self.qemu_exited().is_some() {
+            return Ok(VolumeStats::abnormal(format!(
+                "sandbox {} is not running (QEMU exited)",
+                self.id
+            )));
+        }
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(VolumeStats::abnormal(format!("sandbox {} is shutting down", self.id)));
+        }
+        Ok(volumes::stats(&self.agent, &v, self.cfg.timeout).await?)
+    }
+
+    async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
+        let v = self.find_volume(&req.volume_path)?;
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        let lock = self.volume_lock(&v.id);
+        let _g = lock.lock().await;
+        let capacity_bytes =
+            volumes::resize(&self.qmp, &self.agent, &v, req.size, req.max_bytes, self.cfg.boot_timeout).await?;
+        Ok(ResizeResponse { capacity_bytes })
+    }
+
+    async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(self.not_running("shutting down"));
+        }
+        let _g = self.hotplug.lock().await;
+        if let Ok(v) = self.find_volume(&volume_path)
+            && v.target == volume_path
+        {
+            return Ok(v);
+        }
+        let (layout, mi) = self
+            .discovery
+            .exact(&volume_path)
+            .map_err(|e| ApiError::from(RuntimeError::from(e)))?
+            .ok_or_else(|| ApiError::new(Code::NotFound, format!("no hand-off record for {volume_path}")))?;
+        let v = Volume::from_record(layout, &volume_path, &mi, false);
+        if self.snapshot().volumes.iter().any(|o| o.id == v.id) {
+            return Err(ApiError::new(Code::AlreadyExists, format!("volume id {} is taken", v.id)));
+        }
+        // Record before claiming so a crash leaves the claim releasable.
+        self.update(|s| s.volumes.push(v.clone()));
+        let res = match claim(&self.discovery, &self.store, &self.id, &v) {
+            Ok(()) => self.plug(&v).await.map_err(RuntimeError::from),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = res {
+            release_all(&self.discovery, &self.id, std::slice::from_ref(&v));
+            self.update(|s| s.volumes.retain(|o| o.id != v.id));
+            return Err(e.into());
+        }
+        Ok(v)
+    }
+
+    async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        let timeout = Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
+        let r = self
+            .agent
+            .call_with_timeout(
+                crust_agent_proto::Exec {
+                    args: req.args,
+                    env: req.env,
+                    timeout_ms: timeout.as_millis() as u64,
+                },
+                timeout + self.cfg.timeout,
+            )
+            .await
+            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("exec: {e}")))?;
+        Ok(ExecResponse {
+            exit_code: r.exit_code,
+            stdout: r.stdout,
+            stderr: r.stderr,
+        })
+    }
+
+    async fn logs(&self) -> ApiResult<LogsResponse> {
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        let r = self
+            .agent
+            .workload_log(MAX_LOG_TAIL)
+            .await
+            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("workload log: {e}")))?;
+        Ok(LogsResponse { output: r.data })
+    }
+}
+
+fn agent_mount(m: &WorkloadMount) -> crust_agent_proto::WorkloadMount {
+    crust_agent_proto::WorkloadMount {
+        volume: m.volume.clone(),
+        subpath: (!m.subpath.is_empty()).then(|| m.subpath.clone()),
+        destination: m.destination.clone(),
+        readonly: m.readonly,
+    }
+}

@@ -1,0 +1,439 @@
+//! Which OCI mounts are deferred volumes: every path-like mount source is
+//! looked up in the two root-only hand-off roots (CRUST layout, then Kata
+//! layout), probing parents down to the kubelet `pods/<uid>/volumes` layer
+//! so that a subPath appended by kubelet is found too. Nothing else is ever
+//! consulted: a `mountInfo.json` planted inside a volume is just a file.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use crust_handoff::validate::{check_abs_path, is_within};
+use crust_handoff::{FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SourceMatch, Store};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::bundle::Bundle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("mount {destination}: {reason}")]
+    InvalidSource { destination: String, reason: String },
+    #[error("volume {path}: {source}")]
+    Record {
+        path: String,
+        #[source]
+        source: HandoffError,
+    },
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+impl DiscoveryError {
+    fn record(path: &str, source: HandoffError) -> Self {
+        DiscoveryError::Record {
+            path: path.to_string(),
+            source,
+        }
+    }
+}
+
+/// Which hand-off layout a volume came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayoutKind {
+    Crust,
+    Kata,
+}
+
+impl LayoutKind {
+    pub fn layout(self) -> Layout {
+        match self {
+            LayoutKind::Crust => Layout::Crust,
+            LayoutKind::Kata => Layout::Kata,
+        }
+    }
+}
+
+/// A deferred volume as the sandbox consumes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    /// Short stable id: 12 hex chars of sha256(target). Also the agent's
+    /// volume name.
+    pub id: String,
+    pub layout: LayoutKind,
+    /// The target path the record was staged for (the "volume path").
+    pub target: String,
+    pub device: String,
+    pub fstype: String,
+    pub options: Vec<String>,
+    pub fs_group: Option<u32>,
+    pub fs_group_policy: Option<String>,
+    /// Attached read-only (record option `ro`, or every OCI mount of it is `ro`).
+    pub readonly: bool,
+    /// virtio-blk serial the guest sees (`crust` + id, 17 bytes).
+    pub serial: String,
+    /// QMP block node name.
+    pub node_name: String,
+    /// QMP device id.
+    pub device_id: String,
+}
+
+impl Volume {
+    pub fn from_record(layout: LayoutKind, target: &str, mi: &MountInfo, oci_readonly: bool) -> Volume {
+        let id = volume_id(target);
+        Volume {
+            serial: format!("crust{id}"),
+            node_name: format!("crust-{id}"),
+            device_id: format!("vblk-{id}"),
+            id,
+            layout,
+            target: target.to_string(),
+            device: mi.device.clone(),
+            fstype: mi.fstype.clone(),
+            options: mi.options.clone(),
+            fs_group: mi.fs_group(),
+            fs_group_policy: mi.fs_group_change_policy().map(|p| p.as_str().to_string()),
+            readonly: oci_readonly || mi.options.iter().any(|o| o == "ro"),
+        }
+    }
+
+    pub fn fs_group_change_policy(&self) -> Option<FsGroupChangePolicy> {
+        self.fs_group_policy
+            .as_deref()
+            .and_then(|p| FsGroupChangePolicy::parse(p).ok())
+    }
+}
+
+/// 12 hex chars of sha256(target).
+pub fn volume_id(target: &str) -> String {
+    let d = Sha256::digest(target.as_bytes());
+    d.iter().take(6).map(|b| format!("{b:02x}")).collect()
+}
+
+/// An OCI mount served from a deferred volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadMount {
+    /// [`Volume::id`].
+    pub volume: String,
+    /// Relative, normalized; empty for the volume root.
+    pub subpath: String,
+    pub destination: String,
+    pub readonly: bool,
+}
+
+/// What discovery decided for a bundle.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub volumes: Vec<Volume>,
+    pub mounts: Vec<WorkloadMount>,
+    /// Host-path mounts with no hand-off record: without a shared
+    /// filesystem the guest cannot see them.
+    pub skipped: Vec<String>,
+}
+
+/// The two hand-off roots and the kubelet pods directory that bounds
+/// parent probing.
+#[derive(Debug, Clone)]
+pub struct Discovery {
+    crust: Store,
+    kata: Store,
+    pods_dir: String,
+}
+
+impl Discovery {
+    pub fn new(crust_root: PathBuf, kata_root: PathBuf, pods_dir: &str) -> Result<Self, DiscoveryError> {
+        let pods_dir = pods_dir.trim_end_matches('/').to_string();
+        check_abs_path("pods layer", &pods_dir).map_err(DiscoveryError::Config)?;
+        let crust = Store::new(Layout::Crust, crust_root, Policy::default())
+            .map_err(|e| DiscoveryError::Config(e.to_string()))?;
+        let kata = Store::new(Layout::Kata, kata_root, Policy::default())
+            .map_err(|e| DiscoveryError::Config(e.to_string()))?;
+        Ok(Discovery { crust, kata, pods_dir })
+    }
+
+    pub fn store(&self, layout: LayoutKind) -> &Store {
+        match layout {
+            LayoutKind::Crust => &self.crust,
+            LayoutKind::Kata => &self.kata,
+        }
+    }
+
+    /// The deepest layer parent probing may reach for `source`:
+    /// `<pods>/<uid>/volumes` for a source beneath it, else the source
+    /// itself (exact match only).
+    pub fn stop_layer(&self, source: &str) -> String {
+        let Some(rest) = source
+            .strip_prefix(&self.pods_dir)
+            .and_then(|r| r.strip_prefix('/'))
+        else {
+            return source.to_string();
+        };
+        let mut parts = rest.splitn(3, '/');
+        match (parts.next(), parts.next()) {
+            (Some(uid), Some("volumes")) if !uid.is_empty() => {
+                format!("{}/{uid}/volumes", self.pods_dir)
+            }
+            _ => source.to_string(),
+        }
+    }
+
+    /// The record `source` refers to, in either layout. When both layouts
+    /// match, the more specific (longer) target wins, CRUST on a tie.
+    pub fn lookup(&self, source: &str) -> Result<Option<(LayoutKind, SourceMatch)>, DiscoveryError> {
+        check_abs_path("mount source", source).map_err(|reason| DiscoveryError::InvalidSource {
+            destination: source.to_string(),
+            reason,
+        })?;
+        let stop = self.stop_layer(source);
+        let c = self
+            .crust
+            .find_for_source(source, &stop)
+            .map_err(|e| DiscoveryError::record(source, e))?;
+        let k = self
+            .kata
+            .find_for_source(source, &stop)
+            .map_err(|e| DiscoveryError::record(source, e))?;
+        Ok(match (c, k) {
+            (Some(c), Some(k)) if k.target.len() > c.target.len() => Some((LayoutKind::Kata, k)),
+            (Some(c), _) => Some((LayoutKind::Crust, c)),
+            (None, Some(k)) => Some((LayoutKind::Kata, k)),
+            (None, None) => None,
+        })
+    }
+
+    /// The record staged exactly for `volume_path` (no parent probing),
+    /// CRUST layout first. Used by stats/resize and hot-plug.
+    pub fn exact(&self, volume_path: &str) -> Result<Option<(LayoutKind, MountInfo)>, DiscoveryError> {
+        check_abs_path("volume path", volume_path).map_err(|reason| DiscoveryError::InvalidSource {
+            destination: volume_path.to_string(),
+            reason,
+        })?;
+        for layout in [LayoutKind::Crust, LayoutKind::Kata] {
+            match self.store(layout).read(volume_path) {
+                Ok(mi) => return Ok(Some((layout, mi))),
+                Err(HandoffError::NotFound(_)) => {}
+                Err(e) => return Err(DiscoveryError::record(volume_path, e)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Finds every deferred volume of `bundle`. Reads only; claims nothing.
+    pub fn plan(&self, bundle: &Bundle) -> Result<Plan, DiscoveryError> {
+        let mut plan = Plan::default();
+        // target -> index in plan.volumes, plus whether every mount is ro.
+        let mut by_target: BTreeMap<String, (usize, bool)> = BTreeMap::new();
+        for m in &bundle.mounts {
+            if !m.source_is_path() {
+                continue;
+            }
+            let source = m.source.as_deref().unwrap_or_default();
+            let found = self.lookup(source).map_err(|e| match e {
+                DiscoveryError::InvalidSource { reason, .. } => DiscoveryError::InvalidSource {
+                    destination: m.destination.clone(),
+                    reason,
+                },
+                e => e,
+            })?;
+            let Some((layout, found)) = found else {
+                plan.skipped.push(m.destination.clone());
+                continue;
+            };
+            let ro = m.readonly();
+            let id = match by_target.get_mut(&found.target) {
+                Some((idx, all_ro)) => {
+                    *all_ro &= ro;
+                    plan.volumes[*idx].id.clone()
+                }
+                None => {
+                    let v = Volume::from_record(layout, &found.target, &found.mount_info, false);
+                    if let Some(other) = plan.volumes.iter().find(|o| o.id == v.id) {
+                        return Err(DiscoveryError::Config(format!(
+                            "volumes {} and {} hash to the same id",
+                            other.target, v.target
+                        )));
+                    }
+                    by_target.insert(found.target.clone(), (plan.volumes.len(), ro));
+                    let id = v.id.clone();
+                    plan.volumes.push(v);
+                    id
+                }
+            };
+            plan.mounts.push(WorkloadMount {
+                volume: id,
+                subpath: found.subpath,
+                destination: m.destination.clone(),
+                readonly: ro,
+            });
+        }
+        for (idx, all_ro) in by_target.values() {
+            plan.volumes[*idx].readonly |= *all_ro;
+        }
+        // Two mounts on one destination would shadow each other silently.
+        let mut dests: Vec<&str> = bundle.mounts.iter().map(|m| m.destination.as_str()).collect();
+        dests.sort_unstable();
+        if let Some(w) = dests.windows(2).find(|w| w[0] == w[1]) {
+            return Err(DiscoveryError::InvalidSource {
+                destination: w[0].to_string(),
+                reason: "more than one mount has this destination".into(),
+            });
+        }
+        Ok(plan)
+    }
+}
+
+/// `true` if `path` is `target` or lies beneath it.
+pub fn path_within(path: &str, target: &str) -> bool {
+    is_within(path, target)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bundle::BundleMount;
+    use std::os::unix::fs::PermissionsExt;
+
+    struct Roots {
+        _dir: tempfile::TempDir,
+        crust: PathBuf,
+        kata: PathBuf,
+        pods: String,
+    }
+
+    fn roots() -> Roots {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        Roots {
+            crust: dir.path().join("crust"),
+            kata: dir.path().join("kata"),
+            pods: dir.path().join("pods").to_str().unwrap().to_string(),
+            _dir: dir,
+        }
+    }
+
+    /// Any block device node the test machine has (records must name one).
+    fn some_block_device() -> Option<String> {
+        use std::os::unix::fs::FileTypeExt;
+        std::fs::read_dir("/dev").ok()?.flatten().find_map(|e| {
+            let ft = e.file_type().ok()?;
+            ft.is_block_device().then(|| e.path().to_str().unwrap().to_string())
+        })
+    }
+
+    fn bundle(mounts: Vec<BundleMount>) -> Bundle {
+        Bundle {
+            dir: "/b".into(),
+            args: vec!["/bin/true".into()],
+            env: vec![],
+            cwd: "/".into(),
+            uid: 0,
+            gid: 0,
+            additional_gids: vec![],
+            mounts,
+        }
+    }
+
+    fn bind(dest: &str, src: &str, ro: bool) -> BundleMount {
+        BundleMount {
+            destination: dest.into(),
+            source: Some(src.into()),
+            typ: Some("bind".into()),
+            options: if ro { vec!["rbind".into(), "ro".into()] } else { vec!["rbind".into()] },
+        }
+    }
+
+    #[test]
+    fn stop_layer_is_the_pods_volumes_dir() {
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &format!("{}/", r.pods)).unwrap();
+        let src = format!("{}/uid1/volumes/kubernetes.io~csi/pv/mount/a/b", r.pods);
+        assert_eq!(d.stop_layer(&src), format!("{}/uid1/volumes", r.pods));
+        assert_eq!(d.stop_layer("/srv/data/x"), "/srv/data/x");
+        let not_volumes = format!("{}/uid1/etc-hosts", r.pods);
+        assert_eq!(d.stop_layer(&not_volumes), not_volumes);
+    }
+
+    #[test]
+    fn plan_finds_subpaths_in_both_layouts() {
+        let Some(dev) = some_block_device() else { return };
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        let t1 = format!("{}/u/volumes/kubernetes.io~csi/pv1/mount", r.pods);
+        let t2 = format!("{}/u/volumes/kubernetes.io~csi/pv2/mount", r.pods);
+        let mut mi = MountInfo::block(dev.clone(), "ext4");
+        mi.set_fs_group(Some(100));
+        d.store(LayoutKind::Crust).stage(&t1, &mi).unwrap();
+        d.store(LayoutKind::Kata).stage(&t2, &MountInfo::block(dev.clone(), "xfs")).unwrap();
+        let b = bundle(vec![
+            bind("/a", &format!("{t1}/sub/dir"), true),
+            bind("/b", &t1, false),
+            bind("/c", &t2, true),
+            bind("/etc/hosts", "/etc/hosts", true),
+            BundleMount {
+                destination: "/proc".into(),
+                source: Some("proc".into()),
+                typ: Some("proc".into()),
+                options: vec![],
+            },
+        ]);
+        let plan = d.plan(&b).unwrap();
+        assert_eq!(plan.volumes.len(), 2);
+        let v1 = &plan.volumes[0];
+        assert_eq!((v1.layout, v1.target.as_str(), v1.fs_group), (LayoutKind::Crust, t1.as_str(), Some(100)));
+        assert!(!v1.readonly, "one rw mount keeps the device rw");
+        assert_eq!(v1.serial, format!("crust{}", v1.id));
+        assert!(v1.serial.len() <= 20);
+        let v2 = &plan.volumes[1];
+        assert_eq!((v2.layout, v2.readonly), (LayoutKind::Kata, true));
+        assert_eq!(plan.mounts.len(), 3);
+        assert_eq!(plan.mounts[0].subpath, "sub/dir");
+        assert!(plan.mounts[0].readonly);
+        assert_eq!(plan.mounts[1].subpath, "");
+        assert_eq!(plan.mounts[2].volume, v2.id);
+        assert_eq!(plan.skipped, ["/etc/hosts"]);
+    }
+
+    #[test]
+    fn probing_never_goes_above_the_volumes_layer() {
+        let Some(dev) = some_block_device() else { return };
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        // A record at the pods dir itself must not capture a pod's source.
+        let above = format!("{}/u", r.pods);
+        d.store(LayoutKind::Crust).stage(&above, &MountInfo::block(dev, "ext4")).unwrap();
+        let src = format!("{}/u/volumes/x/pv/mount", r.pods);
+        assert!(d.lookup(&src).unwrap().is_none());
+        // Outside the pods dir only the exact path counts.
+        assert!(d.lookup(&format!("{above}/z")).unwrap().is_none());
+        assert!(d.lookup(&above).unwrap().is_some());
+    }
+
+    #[test]
+    fn bad_records_are_errors_not_skips() {
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        let t = format!("{}/u/volumes/x/pv/mount", r.pods);
+        // Written by hand: stage() would refuse the missing device.
+        let dir = r.crust.join(crust_handoff::crust_key(&t));
+        std::fs::create_dir_all(&dir).unwrap();
+        for p in [&r.crust, &dir] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700)).unwrap();
+        }
+        let path = dir.join("mountInfo.json");
+        std::fs::write(&path, MountInfo::block("/dev/crust-nonexistent", "ext4").to_json()).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let e = d.plan(&bundle(vec![bind("/d", &t, false)])).unwrap_err().to_string();
+        assert!(e.contains("/dev/crust-nonexistent"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_destinations_refused() {
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        let e = d
+            .plan(&bundle(vec![bind("/d", "/srv/a", false), bind("/d", "/srv/b", false)]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than one mount"), "{e}");
+    }
+}

@@ -1,0 +1,48 @@
+//! `crust-runtime`: parse flags, run the command, print its outcome.
+
+use std::io::Write;
+
+use clap::Parser;
+use crust_runtime::cli::{Cli, Command, dispatch};
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let is_shim = matches!(cli.command, Command::Shim { .. });
+    let default_level = if is_shim { "info" } else { "warn" };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let cfg = cli.global.config();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: tokio runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    if let Command::Shim { id } = cli.command {
+        let code = rt.block_on(crust_runtime::controller::run_shim(cfg, id));
+        return std::process::ExitCode::from(code.clamp(0, 255) as u8);
+    }
+    match rt.block_on(dispatch(cfg, cli.command)) {
+        Ok(out) => {
+            let _ = std::io::stdout().write_all(out.stdout.as_bytes());
+            let _ = std::io::stderr().write_all(out.stderr.as_bytes());
+            std::process::ExitCode::from(out.exit_code.clamp(0, 255) as u8)
+        }
+        Err(e) => {
+            // Messages already carry their causes.
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

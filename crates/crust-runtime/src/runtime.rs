@@ -1,0 +1,507 @@
+//! The CLI side of every command: sandbox lifecycle (through the shim),
+//! the KEP `crust stats|resize` protocol and the Kata-compatible
+//! `direct-volume` commands.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crust_handoff::{HandoffError, MountInfo, VOLUME_TYPE_BLOCK};
+use serde::{Deserialize, Serialize};
+
+use crate::bundle::Bundle;
+use crate::config::Config;
+use crate::discovery::{Discovery, LayoutKind, Volume};
+use crate::error::RuntimeError;
+use crate::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crate::shim::{ApiError, Code, ExecRequest, ExecResponse, ShimClient, ShimError};
+use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// What the shim writes on its stdout once: ready, or why not.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadyLine {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+}
+
+/// How long `delete` waits for a shim to exit after `/shutdown`.
+const SHIM_EXIT_WAIT: Duration = Duration::from_secs(20);
+/// How long a killed process gets to disappear.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+pub struct Runtime {
+    pub cfg: Config,
+    pub sandboxes: SandboxStore,
+    pub discovery: Discovery,
+}
+
+impl Runtime {
+    pub fn new(cfg: Config) -> Result<Runtime> {
+        let discovery = Discovery::new(cfg.crust_root.clone(), cfg.kata_root.clone(), &cfg.pods_layer_stop)?;
+        Ok(Runtime {
+            sandboxes: SandboxStore::new(cfg.root.clone()),
+            discovery,
+            cfg,
+        })
+    }
+
+    pub fn client(&self, id: &str) -> ShimClient {
+        ShimClient::new(self.sandboxes.socket(id), self.cfg.timeout)
+    }
+
+    /// Loads a sandbox's state with its effective status.
+    pub fn load(&self, id: &str) -> Result<SandboxState> {
+        Ok(self.sandboxes.load(id)?.effective())
+    }
+
+    // ---- lifecycle -------------------------------------------------------
+
+    /// Validates everything that can be validated without side effects,
+    /// then spawns the shim and waits until it reports the sandbox ready
+    /// (guest booted, volumes attached and mounted) or failed.
+    pub async fn create(&self, bundle_dir: &Path, id: &str) -> Result<SandboxState> {
+        SandboxStore::check_id(id)?;
+        let dir = if bundle_dir.is_absolute() {
+            bundle_dir.to_path_buf()
+        } else {
+            std::env::current_dir()
+                .map_err(RuntimeError::io("current directory"))?
+                .join(bundle_dir)
+        };
+        let bundle = Bundle::load(&dir)?;
+        let plan = self.discovery.plan(&bundle)?;
+        for v in &plan.volumes {
+            let claimant = self.discovery.store(v.layout).claimant(&v.target)?;
+            if let Some(other) = claimant.filter(|o| o != id && self.sandboxes.holds_volumes(o)) {
+                return Err(RuntimeError::Handoff(HandoffError::Claimed {
+                    target: v.target.clone(),
+                    by: other,
+                }));
+            }
+        }
+        for (what, p) in [("guest kernel", &self.cfg.guest_kernel), ("guest initrd", &self.cfg.guest_initrd)] {
+            if !p.is_file() {
+                return Err(RuntimeError::new(
+                    Code::FailedPrecondition,
+                    format!("{what} {} not found (build it with guest/build-image.sh)", p.display()),
+                ));
+            }
+        }
+        self.sandboxes.create(id)?;
+        let res = self.spawn_shim(id, &bundle).await;
+        if let Err(e) = res {
+            self.cleanup_dead(id);
+            return Err(e);
+        }
+        self.load(id)
+    }
+
+    async fn spawn_shim(&self, id: &str, bundle: &Bundle) -> Result<()> {
+        self.sandboxes.save(&SandboxState::new(id, bundle))?;
+        let exe = std::env::current_exe().map_err(RuntimeError::io("locating this executable"))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(self.sandboxes.log(id))
+            .map_err(RuntimeError::io("creating shim.log"))?;
+        let (rd, wr) = std::io::pipe().map_err(RuntimeError::io("pipe"))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(self.cfg.to_args())
+            .arg("shim")
+            .arg("--id")
+            .arg(id)
+            .stdin(Stdio::null())
+            .stdout(wr)
+            .stderr(log);
+        // SAFETY: setsid is async-signal-safe; nothing else runs in the child.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(RuntimeError::io("spawning the shim"))?;
+        drop(cmd); // closes our copy of the pipe's write end
+        let reader = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            BufReader::new(rd).read_line(&mut line).map(|_| line)
+        });
+        let wait = self.cfg.boot_timeout + Duration::from_secs(5);
+        let line = match tokio::time::timeout(wait, reader).await {
+            Ok(Ok(Ok(line))) => line,
+            Ok(_) => String::new(),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(RuntimeError::new(
+                    Code::DeadlineExceeded,
+                    format!("sandbox {id} was not ready within {wait:?}"),
+                ));
+            }
+        };
+        match serde_json::from_str::<ReadyLine>(line.trim()) {
+            Ok(ReadyLine { ok: true, .. }) => Ok(()),
+            Ok(ReadyLine { error, .. }) => {
+                let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
+                Err(RuntimeError::Shim(ShimError::Api(error.unwrap_or_else(|| {
+                    ApiError::new(Code::Internal, "the shim failed without saying why")
+                }))))
+            }
+            Err(_) => {
+                let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
+                let tail = log_tail(&self.sandboxes.log(id), 2000);
+                Err(RuntimeError::new(
+                    Code::Internal,
+                    format!("the shim of sandbox {id} exited before the sandbox was ready; its log ends with:\n{tail}"),
+                ))
+            }
+        }
+    }
+
+    /// Best-effort teardown of a sandbox whose shim is gone (or never
+    /// came up): kill its QEMU, release its claims, drop its directory.
+    pub fn cleanup_dead(&self, id: &str) {
+        if let Ok(st) = self.sandboxes.load(id) {
+            if let Some(shim) = st.shim.filter(|s| s.alive() && s.pid != std::process::id() as i32) {
+                kill_and_wait(shim);
+            }
+            if let Some(q) = st.qemu.filter(ProcRef::alive) {
+                kill_and_wait(q);
+            }
+            for v in &st.volumes {
+                if let Err(e) = self.discovery.store(v.layout).release(&v.target, id) {
+                    tracing::warn!(target = %v.target, "releasing the claim: {e}");
+                }
+            }
+        }
+        if let Err(e) = self.sandboxes.remove(id) {
+            tracing::warn!("removing sandbox {id}: {e}");
+        }
+    }
+
+    pub async fn start(&self, id: &str) -> Result<SandboxState> {
+        let st = self.load(id)?;
+        if st.status != Status::Created {
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                format!("sandbox {id} is {}, not created", st.status.as_str()),
+            ));
+        }
+        Ok(self.client(id).start().await?)
+    }
+
+    /// The current state: from the shim when it answers, else from disk.
+    pub async fn state(&self, id: &str) -> Result<SandboxState> {
+        let st = self.load(id)?;
+        if st.shim.is_some_and(|s| s.alive())
+            && let Ok(fresh) = self.client(id).state().await
+        {
+            return Ok(fresh);
+        }
+        Ok(st)
+    }
+
+    pub async fn kill(&self, id: &str, signal: i32) -> Result<()> {
+        let st = self.load(id)?;
+        if st.status != Status::Running {
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                format!("sandbox {id} is {}, not running", st.status.as_str()),
+            ));
+        }
+        Ok(self.client(id).kill(signal).await?)
+    }
+
+    /// Tears the sandbox down. A running workload needs `force`. A missing
+    /// sandbox is an error unless `force`.
+    pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        SandboxStore::check_id(id)?;
+        let st = match self.load(id) {
+            Ok(st) => st,
+            Err(RuntimeError::Sandbox(crate::sandbox::SandboxError::NotFound(_))) => {
+                if self.sandboxes.exists(id) {
+                    // A create that died before writing its state.
+                    self.cleanup_dead(id);
+                    return Ok(());
+                }
+                if force {
+                    return Ok(());
+                }
+                return Err(RuntimeError::new(Code::NotFound, format!("sandbox {id} does not exist")));
+            }
+            Err(e) => return Err(e),
+        };
+        if st.status == Status::Running && !force {
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                format!("sandbox {id} is running; kill it first or use --force"),
+            ));
+        }
+        if let Some(shim) = st.shim.filter(ProcRef::alive) {
+            let client = self.client(id).with_timeout(self.cfg.timeout * 3 + Duration::from_secs(20));
+            if let Err(e) = client.shutdown().await {
+                tracing::warn!("sandbox {id}: orderly shutdown failed ({e}); killing it");
+            }
+            let deadline = Instant::now() + SHIM_EXIT_WAIT;
+            while shim.alive() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        self.cleanup_dead(id);
+        Ok(())
+    }
+
+    /// create + start; unless `detach`, waits for the workload to exit,
+    /// deletes the sandbox and returns the workload's exit status.
+    pub async fn run(&self, bundle_dir: &Path, id: &str, detach: bool) -> Result<Option<i32>> {
+        self.create(bundle_dir, id).await?;
+        if let Err(e) = self.start(id).await {
+            let _ = self.delete(id, true).await;
+            return Err(e);
+        }
+        if detach {
+            return Ok(None);
+        }
+        let st = loop {
+            let st = self.load(id)?;
+            if st.status == Status::Stopped {
+                break st;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        self.delete(id, true).await?;
+        match st.exit_status {
+            Some(code) => Ok(Some(code)),
+            None => Err(RuntimeError::new(
+                Code::Unavailable,
+                format!(
+                    "sandbox {id} stopped without a workload exit status: {}",
+                    st.reason.as_deref().unwrap_or("unknown reason")
+                ),
+            )),
+        }
+    }
+
+    pub async fn exec(&self, id: &str, args: Vec<String>, timeout: Duration) -> Result<ExecResponse> {
+        let req = ExecRequest {
+            args,
+            env: Vec::new(),
+            timeout_ms: Some(timeout.as_millis() as u64),
+        };
+        let client = self.client(id).with_timeout(timeout + self.cfg.timeout);
+        Ok(client.exec(&req).await?)
+    }
+
+    pub async fn logs(&self, id: &str) -> Result<String> {
+        Ok(self.client(id).logs().await?.output)
+    }
+
+    pub async fn add_volume(&self, id: &str, volume_path: &str) -> Result<Volume> {
+        let client = self.client(id).with_timeout(self.cfg.boot_timeout);
+        Ok(client.add_volume(volume_path).await?)
+    }
+
+    // ---- stats and resize ------------------------------------------------
+
+    /// The sandbox serving `volume_path` (via the record's claimant), or
+    /// the abnormal condition to report when it no longer runs.
+    fn serving_sandbox(&self, volume_path: &str) -> Result<std::result::Result<String, VolumeStats>> {
+        let (layout, _) = self.discovery.exact(volume_path)?.ok_or_else(|| {
+            RuntimeError::new(Code::NotFound, format!("no hand-off record for volume {volume_path}"))
+        })?;
+        let claimant = self.discovery.store(layout).claimant(volume_path)?.ok_or_else(|| {
+            RuntimeError::new(
+                Code::FailedPrecondition,
+                format!("volume {volume_path} is not used by any sandbox"),
+            )
+        })?;
+        let st = match self.sandboxes.load(&claimant) {
+            Ok(st) => st,
+            Err(crate::sandbox::SandboxError::NotFound(_)) => {
+                return Ok(Err(VolumeStats::abnormal(format!(
+                    "sandbox {claimant} is not running (it is unknown to runtime root {})",
+                    self.cfg.root.display()
+                ))));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !st.qemu.is_some_and(|q| q.alive()) {
+            return Ok(Err(VolumeStats::abnormal(format!("sandbox {claimant} is not running (QEMU exited)"))));
+        }
+        if !st.shim.is_some_and(|s| s.alive()) {
+            return Ok(Err(VolumeStats::abnormal(format!("sandbox {claimant} is not running (its shim exited)"))));
+        }
+        Ok(Ok(claimant))
+    }
+
+    /// KEP `crust stats` / Kata `direct-volume stats`.
+    pub async fn volume_stats(&self, volume_path: &str) -> Result<VolumeStats> {
+        let id = match self.serving_sandbox(volume_path)? {
+            Ok(id) => id,
+            Err(abnormal) => return Ok(abnormal),
+        };
+        match self.client(&id).stats(volume_path).await {
+            Ok(s) => Ok(s),
+            Err(ShimError::Unreachable { .. }) if !self.sandboxes.holds_volumes(&id) => Ok(
+                VolumeStats::abnormal(format!("sandbox {id} is not running (QEMU exited)")),
+            ),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// KEP `crust resize` (min, max) / Kata `direct-volume resize` (size).
+    pub async fn volume_resize(&self, volume_path: &str, min: u64, max: u64) -> Result<ResizeResponse> {
+        if max > 0 && max < min {
+            return Err(RuntimeError::new(
+                Code::InvalidArgument,
+                format!("max {max} is smaller than min {min}"),
+            ));
+        }
+        let id = match self.serving_sandbox(volume_path)? {
+            Ok(id) => id,
+            Err(abnormal) => {
+                return Err(RuntimeError::new(Code::Unavailable, abnormal.volume_condition.message));
+            }
+        };
+        let req = ResizeRequest {
+            volume_path: volume_path.to_string(),
+            size: min,
+            max_bytes: (max > 0).then_some(max),
+        };
+        let client = self.client(&id).with_timeout(self.cfg.boot_timeout);
+        let resp = client.resize(&req).await?;
+        if resp.capacity_bytes < min || (max > 0 && resp.capacity_bytes > max) {
+            return Err(RuntimeError::new(
+                Code::OutOfRange,
+                format!(
+                    "volume {volume_path} has {} bytes after the resize, outside [{min}, {}]",
+                    resp.capacity_bytes,
+                    if max > 0 { max.to_string() } else { "unbounded".into() }
+                ),
+            ));
+        }
+        Ok(resp)
+    }
+
+    // ---- Kata direct-volume records --------------------------------------
+
+    /// `direct-volume add`: validates `mount_info` and writes the Kata
+    /// layout record (0600 in a 0700 dir).
+    pub fn direct_volume_add(&self, volume_path: &str, mount_info: &str) -> Result<()> {
+        let mi = parse_kata_mount_info(mount_info)?;
+        Ok(self.discovery.store(LayoutKind::Kata).stage(volume_path, &mi)?)
+    }
+
+    /// `direct-volume remove`: drops the Kata record, refused while a live
+    /// sandbox uses the volume.
+    pub fn direct_volume_remove(&self, volume_path: &str) -> Result<()> {
+        let store = self.discovery.store(LayoutKind::Kata);
+        match store.claimant(volume_path) {
+            Ok(Some(id)) if self.sandboxes.holds_volumes(&id) => {
+                return Err(RuntimeError::Handoff(HandoffError::Claimed {
+                    target: volume_path.into(),
+                    by: id,
+                }));
+            }
+            Ok(_) | Err(HandoffError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(store.remove(volume_path)?)
+    }
+}
+
+/// Kata's `mountInfo` as callers pass it: Go's JSON decoder matches keys
+/// case-insensitively (the seed's own example says `"Device"`), and
+/// `volume-type` may be left out (block is the only type).
+pub fn parse_kata_mount_info(s: &str) -> Result<MountInfo> {
+    let bad = |m: String| RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {m}"));
+    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| bad(e.to_string()))?;
+    let serde_json::Value::Object(obj) = v else {
+        return Err(bad("not a JSON object".into()));
+    };
+    let mut out = serde_json::Map::new();
+    for (k, v) in obj {
+        let canon = ["volume-type", "device", "fstype", "metadata", "options"]
+            .into_iter()
+            .find(|c| c.eq_ignore_ascii_case(&k))
+            .ok_or_else(|| bad(format!("unknown key {k:?}")))?;
+        if out.insert(canon.to_string(), v).is_some() {
+            return Err(bad(format!("key {canon:?} given twice")));
+        }
+    }
+    out.entry("volume-type")
+        .or_insert_with(|| serde_json::Value::String(VOLUME_TYPE_BLOCK.into()));
+    let bytes = serde_json::to_vec(&out).expect("serializable");
+    MountInfo::from_json(&bytes).map_err(bad)
+}
+
+fn wait_child(child: &mut std::process::Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            return child.wait().ok();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGKILL and wait until the process is gone (or a zombie).
+pub fn kill_and_wait(p: ProcRef) {
+    if !p.alive() {
+        return;
+    }
+    if let Some(pid) = rustix::process::Pid::from_raw(p.pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+    let deadline = Instant::now() + KILL_WAIT;
+    while p.alive() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The last `max` bytes of a log file (for error messages).
+pub fn log_tail(path: &PathBuf, max: usize) -> String {
+    let data = std::fs::read(path).unwrap_or_default();
+    let start = data.len().saturating_sub(max);
+    String::from_utf8_lossy(&data[start..]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kata_mount_info_spellings() {
+        let mi = parse_kata_mount_info(r#"{"Device": "/dev/null", "fstype": "ext4"}"#).unwrap();
+        assert_eq!((mi.volume_type.as_str(), mi.device.as_str(), mi.fstype.as_str()), ("block", "/dev/null", "ext4"));
+        let mi = parse_kata_mount_info(
+            r#"{"volume-type":"block","device":"/dev/x","FsType":"xfs","Metadata":{"fsGroup":"7"},"options":["noatime"]}"#,
+        )
+        .unwrap();
+        assert_eq!(mi.fs_group(), Some(7));
+        assert_eq!(mi.options, ["noatime"]);
+        for bad in [
+            "[]",
+            "{",
+            r#"{"device":"/dev/x","fstype":"ext4","extra":1}"#,
+            r#"{"device":"/dev/x","Device":"/dev/y","fstype":"ext4"}"#,
+            r#"{"fstype":"ext4"}"#,
+        ] {
+            let e = parse_kata_mount_info(bad).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e}");
+        }
+    }
+}

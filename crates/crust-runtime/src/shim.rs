@@ -1,0 +1,614 @@
+//! The shim API: HTTP/1.1 over the sandbox's unix socket
+//! (`<root>/<id>/shim.sock`, 0600). Seed 000's `/direct-volume/stats` and
+//! `/direct-volume/resize`, plus the lifecycle endpoints the CLI uses.
+//!
+//! | method | path | body | answer |
+//! |---|---|---|---|
+//! | GET  | `/direct-volume/stats?path=<escaped>` (or `/direct-volume/stats/<escaped>`) | | [`VolumeStats`] |
+//! | POST | `/direct-volume/resize` | [`ResizeRequest`] | [`ResizeResponse`] |
+//! | GET  | `/state` | | [`SandboxState`] |
+//! | POST | `/start` | | [`SandboxState`] |
+//! | POST | `/kill` | [`KillRequest`] | `{}` |
+//! | POST | `/shutdown` | | `{}` (the shim exits afterwards) |
+//! | POST | `/volumes` | [`AddVolumeRequest`] | [`Volume`] |
+//! | POST | `/exec` | [`ExecRequest`] | [`ExecResponse`] |
+//! | GET  | `/logs` | | [`LogsResponse`] |
+//!
+//! Errors are `{"code": "NOT_FOUND", "message": "..."}` with a matching
+//! HTTP status.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+
+use crate::discovery::Volume;
+use crate::sandbox::SandboxState;
+use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 1 << 20;
+
+/// Error classes, named like gRPC codes so the CLI and crust_ops can map
+/// them onward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Code {
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    FailedPrecondition,
+    OutOfRange,
+    Unavailable,
+    DeadlineExceeded,
+    Internal,
+}
+
+impl Code {
+    pub fn http_status(self) -> StatusCode {
+        match self {
+            Code::InvalidArgument => StatusCode::BAD_REQUEST,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists => StatusCode::CONFLICT,
+            Code::FailedPrecondition => StatusCode::PRECONDITION_FAILED,
+            Code::OutOfRange => StatusCode::RANGE_NOT_SATISFIABLE,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// An error answered by the shim.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error("{message}")]
+pub struct ApiError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: Code, message: impl Into<String>) -> ApiError {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KillRequest {
+    pub signal: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddVolumeRequest {
+    #[serde(rename = "volumePath", alias = "VolumePath", alias = "volume_path")]
+    pub volume_path: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResponse {
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogsResponse {
+    pub output: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Empty {}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// What the shim process implements behind the HTTP surface.
+pub trait ShimHandler: Send + Sync + 'static {
+    fn state(&self) -> impl Future<Output = ApiResult<SandboxState>> + Send;
+    fn start(&self) -> impl Future<Output = ApiResult<SandboxState>> + Send;
+    fn kill(&self, signal: i32) -> impl Future<Output = ApiResult<()>> + Send;
+    /// Tears the sandbox down; the server stops accepting afterwards.
+    fn shutdown(&self) -> impl Future<Output = ApiResult<()>> + Send;
+    /// `path` is a volume path (target), its host device, or its guest path.
+    fn stats(&self, path: String) -> impl Future<Output = ApiResult<VolumeStats>> + Send;
+    fn resize(&self, req: ResizeRequest) -> impl Future<Output = ApiResult<ResizeResponse>> + Send;
+    fn add_volume(&self, volume_path: String) -> impl Future<Output = ApiResult<Volume>> + Send;
+    fn exec(&self, req: ExecRequest) -> impl Future<Output = ApiResult<ExecResponse>> + Send;
+    fn logs(&self) -> impl Future<Output = ApiResult<LogsResponse>> + Send;
+}
+
+/// Binds `path` (replacing a stale socket) with mode 0600.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serves `handler` until `stop` turns true. A successful `/shutdown`
+/// also flips `stop` (after its answer is written).
+pub async fn serve<H: ShimHandler>(listener: UnixListener, handler: Arc<H>, stop: watch::Sender<bool>) {
+    let mut stop_rx = stop.subscribe();
+    let stop = Arc::new(stop);
+    loop {
+        tokio::select! {
+            res = listener.accept() => {
+                let Ok((stream, _)) = res else { continue };
+                let handler = handler.clone();
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let handler = handler.clone();
+                        let stop = stop.clone();
+                        async move { Ok::<_, Infallible>(route(&*handler, &stop, req).await) }
+                    });
+                    if let Err(e) = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await
+                    {
+                        tracing::debug!("shim API connection: {e}");
+                    }
+                });
+            }
+            _ = stop_rx.wait_for(|s| *s) => break,
+        }
+    }
+}
+
+fn json_response<T: Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
+    let bytes = serde_json::to_vec(body).expect("serializable");
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(bytes)))
+        .expect("valid response")
+}
+
+fn reply<T: Serialize>(res: ApiResult<T>) -> Response<Full<Bytes>> {
+    match res {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => json_response(e.code.http_status(), &e),
+    }
+}
+
+async fn body_json<T: DeserializeOwned>(req: Request<Incoming>) -> ApiResult<T> {
+    let bytes = Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| ApiError::new(Code::InvalidArgument, format!("reading the request body: {e}")))?
+        .to_bytes();
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::new(Code::InvalidArgument, format!("malformed request body: {e}")))
+}
+
+async fn route<H: ShimHandler>(h: &H, stop: &watch::Sender<bool>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().map(str::to_string);
+    tracing::debug!(%method, %path, "shim API request");
+    match (method, path.as_str()) {
+        (Method::GET, "/direct-volume/stats") => {
+            let p = query
+                .as_deref()
+                .and_then(|q| query_param(q, "path"))
+                .ok_or_else(|| ApiError::new(Code::InvalidArgument, "missing query parameter path"));
+            match p.and_then(|p| percent_decode(&p)) {
+                Ok(p) => reply(h.stats(p).await),
+                Err(e) => reply::<Empty>(Err(e)),
+            }
+        }
+        (Method::GET, p) if p.starts_with("/direct-volume/stats/") => {
+            // Seed 000's curl example puts the escaped path in the URL path.
+            match percent_decode(&p["/direct-volume/stats/".len()..]) {
+                Ok(p) => reply(h.stats(p).await),
+                Err(e) => reply::<Empty>(Err(e)),
+            }
+        }
+        (Method::POST, "/direct-volume/resize") => match body_json::<ResizeRequest>(req).await {
+            Ok(r) => reply(h.resize(r).await),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::GET, "/state") => reply(h.state().await),
+        (Method::POST, "/start") => reply(h.start().await),
+        (Method::POST, "/kill") => match body_json::<KillRequest>(req).await {
+            Ok(k) => reply(h.kill(k.signal).await.map(|()| Empty {})),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::POST, "/shutdown") => {
+            let res = h.shutdown().await;
+            if res.is_ok() {
+                // Let this answer go out before the listener closes.
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = stop.send(true);
+                });
+            }
+            reply(res.map(|()| Empty {}))
+        }
+        (Method::POST, "/volumes") => match body_json::<AddVolumeRequest>(req).await {
+            Ok(a) => reply(h.add_volume(a.volume_path).await),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::POST, "/exec") => match body_json::<ExecRequest>(req).await {
+            Ok(x) => reply(h.exec(x).await),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::GET, "/logs") => reply(h.logs().await),
+        (m, p) => reply::<Empty>(Err(ApiError::new(
+            Code::NotFound,
+            format!("no endpoint {m} {p}"),
+        ))),
+    }
+}
+
+fn query_param(query: &str, key: &str) -> Option<String> {
+    query.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == key).then(|| v.to_string())
+    })
+}
+
+/// Escapes everything but RFC 3986 unreserved characters and `/`.
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes `%XX` escapes (a `+` stays a `+`: Kata escapes with Go's
+/// `url.PathEscape`).
+pub fn percent_decode(s: &str) -> ApiResult<String> {
+    let bad = || ApiError::new(Code::InvalidArgument, format!("malformed escape in {s:?}"));
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).ok_or_else(bad)?;
+            let hex = std::str::from_utf8(hex).map_err(|_| bad())?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| ApiError::new(Code::InvalidArgument, "path is not UTF-8"))
+}
+
+/// Failures of a call into a shim.
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("cannot reach the shim at {socket}: {source}")]
+    Unreachable {
+        socket: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the shim did not answer {what} within {after:?}")]
+    Timeout { what: String, after: Duration },
+    #[error("{0}")]
+    Api(#[from] ApiError),
+    #[error("shim API protocol error: {0}")]
+    Protocol(String),
+}
+
+/// A client of one shim's API. Every call is bounded by a timeout.
+#[derive(Debug, Clone)]
+pub struct ShimClient {
+    socket: PathBuf,
+    timeout: Duration,
+}
+
+impl ShimClient {
+    pub fn new(socket: impl Into<PathBuf>, timeout: Duration) -> ShimClient {
+        ShimClient {
+            socket: socket.into(),
+            timeout,
+        }
+    }
+
+    pub fn with_timeout(&self, timeout: Duration) -> ShimClient {
+        ShimClient {
+            socket: self.socket.clone(),
+            timeout,
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// One request/response; `body` is sent as JSON when given.
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ShimError> {
+        let what = format!("{method} {path_and_query}");
+        match tokio::time::timeout(self.timeout, self.call_inner(method, path_and_query, body)).await {
+            Ok(r) => r,
+            Err(_) => Err(ShimError::Timeout {
+                what,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    async fn call_inner<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ShimError> {
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|source| ShimError::Unreachable {
+                socket: self.socket.display().to_string(),
+                source,
+            })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| ShimError::Protocol(format!("handshake: {e}")))?;
+        let conn = tokio::spawn(conn);
+        let req = Request::builder()
+            .method(method)
+            .uri(path_and_query)
+            .header("host", "localhost")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| ShimError::Protocol(format!("building the request: {e}")))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| ShimError::Protocol(format!("sending the request: {e}")))?;
+        let status = resp.status();
+        let bytes = Limited::new(resp.into_body(), 16 * MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| ShimError::Protocol(format!("reading the answer: {e}")))?
+            .to_bytes();
+        conn.abort();
+        if !status.is_success() {
+            let err = serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
+                ApiError::new(
+                    Code::Internal,
+                    format!("HTTP {status}: {}", String::from_utf8_lossy(&bytes)),
+                )
+            });
+            return Err(ShimError::Api(err));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ShimError::Protocol(format!("malformed answer: {e}")))
+    }
+
+    pub async fn state(&self) -> Result<SandboxState, ShimError> {
+        self.call(Method::GET, "/state", None).await
+    }
+
+    pub async fn start(&self) -> Result<SandboxState, ShimError> {
+        self.call(Method::POST, "/start", None).await
+    }
+
+    pub async fn kill(&self, signal: i32) -> Result<(), ShimError> {
+        let body = serde_json::to_vec(&KillRequest { signal }).expect("serializable");
+        self.call::<Empty>(Method::POST, "/kill", Some(body)).await.map(drop)
+    }
+
+    pub async fn shutdown(&self) -> Result<(), ShimError> {
+        self.call::<Empty>(Method::POST, "/shutdown", None).await.map(drop)
+    }
+
+    pub async fn stats(&self, path: &str) -> Result<VolumeStats, ShimError> {
+        let uri = format!("/direct-volume/stats?path={}", percent_encode(path));
+        self.call(Method::GET, &uri, None).await
+    }
+
+    pub async fn resize(&self, req: &ResizeRequest) -> Result<ResizeResponse, ShimError> {
+        let body = serde_json::to_vec(req).expect("serializable");
+        self.call(Method::POST, "/direct-volume/resize", Some(body)).await
+    }
+
+    pub async fn add_volume(&self, volume_path: &str) -> Result<Volume, ShimError> {
+        let body = serde_json::to_vec(&AddVolumeRequest {
+            volume_path: volume_path.into(),
+        })
+        .expect("serializable");
+        self.call(Method::POST, "/volumes", Some(body)).await
+    }
+
+    pub async fn exec(&self, req: &ExecRequest) -> Result<ExecResponse, ShimError> {
+        let body = serde_json::to_vec(req).expect("serializable");
+        self.call(Method::POST, "/exec", Some(body)).await
+    }
+
+    pub async fn logs(&self) -> Result<LogsResponse, ShimError> {
+        self.call(Method::GET, "/logs", None).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stats::{FsFigures, VolumeStats};
+    use std::sync::Mutex;
+
+    /// A handler that records what it was asked (unit test of the HTTP layer only).
+    #[derive(Default)]
+    struct Fake {
+        seen: Mutex<Vec<String>>,
+    }
+
+    impl ShimHandler for Fake {
+        async fn state(&self) -> ApiResult<SandboxState> {
+            Err(ApiError::new(Code::Unavailable, "no state in the fake"))
+        }
+        async fn start(&self) -> ApiResult<SandboxState> {
+            Err(ApiError::new(Code::FailedPrecondition, "not created"))
+        }
+        async fn kill(&self, signal: i32) -> ApiResult<()> {
+            self.seen.lock().unwrap().push(format!("kill {signal}"));
+            Ok(())
+        }
+        async fn shutdown(&self) -> ApiResult<()> {
+            self.seen.lock().unwrap().push("shutdown".into());
+            Ok(())
+        }
+        async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
+            self.seen.lock().unwrap().push(format!("stats {path}"));
+            if path == "/missing" {
+                return Err(ApiError::new(Code::NotFound, "no such volume"));
+            }
+            let f = FsFigures {
+                frsize: 1024,
+                blocks: 10,
+                bfree: 5,
+                bavail: 4,
+                files: 3,
+                ffree: 1,
+            };
+            Ok(VolumeStats::from_figures(&f, path))
+        }
+        async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
+            self.seen.lock().unwrap().push(format!("resize {} {}", req.volume_path, req.size));
+            Ok(ResizeResponse { capacity_bytes: req.size })
+        }
+        async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {
+            Err(ApiError::new(Code::NotFound, format!("no record for {volume_path}")))
+        }
+        async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
+            Ok(ExecResponse {
+                exit_code: 0,
+                stdout: req.args.join(" "),
+                stderr: String::new(),
+            })
+        }
+        async fn logs(&self) -> ApiResult<LogsResponse> {
+            Ok(LogsResponse { output: "hi".into() })
+        }
+    }
+
+    #[test]
+    fn percent_roundtrip() {
+        for s in ["/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv 1/mount", "/a?b&c=d%e", "/é"] {
+            assert_eq!(percent_decode(&percent_encode(s)).unwrap(), s);
+        }
+        assert_eq!(percent_decode("/a+b%2Fc").unwrap(), "/a+b/c");
+        assert!(percent_decode("%4").is_err());
+        assert!(percent_decode("%zz").is_err());
+        assert!(percent_decode("%ff").is_err());
+    }
+
+    #[tokio::test]
+    async fn http_surface() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("shim.sock");
+        let listener = bind(&sock).unwrap();
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let fake = Arc::new(Fake::default());
+        let (stop, _) = watch::channel(false);
+        let server = tokio::spawn(serve(listener, fake.clone(), stop));
+        let c = ShimClient::new(&sock, Duration::from_secs(5));
+
+        let path = "/k/pods/u/volumes/kubernetes.io~csi/pv a&b/mount";
+        let s = c.stats(path).await.unwrap();
+        assert_eq!(s.volume_condition.message, path);
+        let s: VolumeStats = c
+            .call(Method::GET, &format!("/direct-volume/stats/{}", percent_encode(path)), None)
+            .await
+            .unwrap();
+        assert_eq!(s.volume_condition.message, path);
+        match c.stats("/missing").await {
+            Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
+            other => panic!("{other:?}"),
+        }
+        for body in [
+            r#"{"volumePath":"/v","size":5}"#,
+            r#"{"VolumePath":"/v","Size":5}"#,
+            r#"{"volume_guest_path":"/v","size":5}"#,
+        ] {
+            let r: ResizeResponse = c
+                .call(Method::POST, "/direct-volume/resize", Some(body.as_bytes().to_vec()))
+                .await
+                .unwrap();
+            assert_eq!(r.capacity_bytes, 5);
+        }
+        match c
+            .call::<ResizeResponse>(Method::POST, "/direct-volume/resize", Some(b"{\"size\":1}".to_vec()))
+            .await
+        {
+            Err(ShimError::Api(e)) => assert_eq!(e.code, Code::InvalidArgument),
+            other => panic!("{other:?}"),
+        }
+        match c.call::<Empty>(Method::GET, "/nope", None).await {
+            Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
+            other => panic!("{other:?}"),
+        }
+        c.kill(15).await.unwrap();
+        assert_eq!(c.exec(&ExecRequest { args: vec!["a".into(), "b".into()], env: vec![], timeout_ms: None }).await.unwrap().stdout, "a b");
+        assert_eq!(c.logs().await.unwrap().output, "hi");
+        c.shutdown().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap();
+        assert_eq!(
+            fake.seen.lock().unwrap().as_slice(),
+            [
+                format!("stats {path}"),
+                format!("stats {path}"),
+                "stats /missing".to_string(),
+                "resize /v 5".into(),
+                "resize /v 5".into(),
+                "resize /v 5".into(),
+                "kill 15".into(),
+                "shutdown".into()
+            ]
+        );
+        // Nobody listens any more.
+        assert!(matches!(c.state().await, Err(ShimError::Unreachable { .. })));
+    }
+
+    #[tokio::test]
+    async fn client_times_out_on_a_silent_peer() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        let _listener = UnixListener::bind(&sock).unwrap(); // accepts, never answers
+        let c = ShimClient::new(&sock, Duration::from_millis(300));
+        match c.stats("/x").await {
+            Err(ShimError::Timeout { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! A deferred volume's life inside a running guest: hot-plug the host
+//! device as virtio-blk over QMP, have the agent mount it (fsGroup
+//! applied), and serve stats and online resize from the guest.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crust_agent_proto::{
+    AgentClient, ClientError, ErrorCode, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, MountVolume,
+    MountVolumeReply,
+};
+use crust_handoff::FsGroupChangePolicy;
+use crust_qmp::{QmpClient, QmpError};
+
+use crate::discovery::Volume;
+use crate::shim::{ApiError, Code};
+use crate::stats::{Unit, VolumeCondition, VolumeStats, VolumeUsage};
+
+/// How long the guest gets to release a hot-unplugged disk.
+const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("volume {target}: {what}: {source}")]
+    Qmp {
+        target: String,
+        what: &'static str,
+        #[source]
+        source: QmpError,
+    },
+    #[error("volume {target}: guest agent {what}: {source}")]
+    Agent {
+        target: String,
+        what: &'static str,
+        #[source]
+        source: ClientError,
+    },
+    #[error("volume {target}: host device {device}: {reason}")]
+    HostDevice {
+        target: String,
+        device: String,
+        reason: String,
+    },
+    #[error("volume {target}: {reason}")]
+    OutOfRange { target: String, reason: String },
+    #[error("volume {target}: {reason}")]
+    Precondition { target: String, reason: String },
+}
+
+impl VolumeError {
+    pub fn code(&self) -> Code {
+        match self {
+            VolumeError::Qmp { source, .. } => match source {
+                QmpError::InvalidArgument(_) => Code::InvalidArgument,
+                QmpError::Timeout { .. } => Code::DeadlineExceeded,
+                QmpError::Disconnected(_) => Code::Unavailable,
+                _ => Code::Internal,
+            },
+            VolumeError::Agent { source, .. } => agent_code(source),
+            VolumeError::HostDevice { .. } => Code::FailedPrecondition,
+            VolumeError::OutOfRange { .. } => Code::OutOfRange,
+            VolumeError::Precondition { .. } => Code::FailedPrecondition,
+        }
+    }
+}
+
+impl From<VolumeError> for ApiError {
+    fn from(e: VolumeError) -> ApiError {
+        ApiError::new(e.code(), e.to_string())
+    }
+}
+
+/// The API code for an agent failure: a silent agent is a deadline, a
+/// gone one is unavailable, the agent's own codes map one to one.
+pub fn agent_code(e: &ClientError) -> Code {
+    match e {
+        ClientError::Timeout { .. } | ClientError::NotReady { .. } => Code::DeadlineExceeded,
+        ClientError::Connect { .. } | ClientError::Disconnected => Code::Unavailable,
+        ClientError::Agent(a) => match a.code {
+            ErrorCode::InvalidArgument => Code::InvalidArgument,
+            ErrorCode::NotFound => Code::NotFound,
+            ErrorCode::AlreadyExists => Code::AlreadyExists,
+            ErrorCode::FailedPrecondition => Code::FailedPrecondition,
+            ErrorCode::DeadlineExceeded => Code::DeadlineExceeded,
+            ErrorCode::ResourceExhausted => Code::OutOfRange,
+            _ => Code::Internal,
+        },
+        _ => Code::Internal,
+    }
+}
+
+fn qmp_err(v: &Volume, what: &'static str) -> impl FnOnce(QmpError) -> VolumeError {
+    let target = v.target.clone();
+    move |source| VolumeError::Qmp { target, what, source }
+}
+
+fn agent_err(v: &Volume, what: &'static str) -> impl FnOnce(ClientError) -> VolumeError {
+    let target = v.target.clone();
+    move |source| VolumeError::Agent { target, what, source }
+}
+
+/// Where the agent mounts `v` in the guest.
+pub fn guest_path(v: &Volume) -> String {
+    format!("{GUEST_VOLUME_ROOT}/{}", v.id)
+}
+
+pub fn agent_fstype(v: &Volume) -> Result<FsType, VolumeError> {
+    match v.fstype.as_str() {
+        "ext4" => Ok(FsType::Ext4),
+        "xfs" => Ok(FsType::Xfs),
+        other => Err(VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: format!("the guest cannot mount fstype {other:?}"),
+        }),
+    }
+}
+
+/// Checks the host device right before handing it to QEMU: it must still
+/// be a block device (records are validated when read, but time passes).
+pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
+    if crust_blockdev::is_block_device(Path::new(&v.device)) {
+        Ok(())
+    } else {
+        Err(VolumeError::HostDevice {
+            target: v.target.clone(),
+            device: v.device.clone(),
+            reason: "is not a block device (any more)".into(),
+        })
+    }
+}
+
+/// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
+pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
+    check_host_device(v)?;
+    qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
+        .await
+        .map_err(qmp_err(v, "blockdev-add"))?;
+    if let Err(e) = qmp
+        .device_add_virtio_blk(&v.device_id, &v.node_name, &v.serial, bus)
+        .await
+    {
+        let _ = qmp.blockdev_del(&v.node_name).await;
+        return Err(qmp_err(v, "device_add")(e));
+    }
+    Ok(())
+}
+
+/// Unplugs `v` (rollback of a failed hot-plug into a running sandbox).
+pub async fn detach(qmp: &QmpClient, v: &Volume) -> Result<(), VolumeError> {
+    qmp.device_del(&v.device_id, UNPLUG_TIMEOUT)
+        .await
+        .map_err(qmp_err(v, "device_del"))?;
+    qmp.blockdev_del(&v.node_name)
+        .await
+        .map_err(qmp_err(v, "blockdev-del"))
+}
+
+/// Has the agent mount `v` with the record's fstype, options and fsGroup.
+pub async fn mount(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<MountVolumeReply, VolumeError> {
+    let req = MountVolume {
+        volume: v.id.clone(),
+        serial: v.serial.clone(),
+        fstype: agent_fstype(v)?,
+        // `ro` travels as the readonly flag; the agent's allow-list does the rest.
+        options: v.options.iter().filter(|o| *o != "ro" && *o != "rw").cloned().collect(),
+        readonly: v.readonly,
+        fs_group: v.fs_group,
+        fs_group_policy: v.fs_group_change_policy().map(|p| match p {
+            FsGroupChangePolicy::Always => FsGroupPolicy::Always,
+            FsGroupChangePolicy::OnRootMismatch => FsGroupPolicy::OnRootMismatch,
+        }),
+    };
+    agent
+        .call_with_timeout(req, timeout)
+        .await
+        .map_err(agent_err(v, "mount"))
+}
+
+pub async fn unmount(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<(), VolumeError> {
+    agent
+        .call_with_timeout(crust_agent_proto::UnmountVolume { volume: v.id.clone() }, timeout)
+        .await
+        .map(drop)
+        .map_err(agent_err(v, "unmount"))
+}
+
+/// Usage and condition of `v`, as the guest sees them.
+pub async fn stats(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<VolumeStats, VolumeError> {
+    let s = agent
+        .call_with_timeout(crust_agent_proto::StatVolume { volume: v.id.clone() }, timeout)
+        .await
+        .map_err(agent_err(v, "stats"))?;
+    let usage = |u: crust_agent_proto::Usage, unit| VolumeUsage {
+        available: u.available,
+        total: u.total,
+        used: u.used,
+        unit,
+    };
+    Ok(VolumeStats {
+        usage: vec![usage(s.bytes, Unit::Bytes), usage(s.inodes, Unit::Inodes)],
+        volume_condition: VolumeCondition {
+            abnormal: s.condition.abnormal,
+            message: s.condition.message,
+        },
+    })
+}
+
+/// The host device's size, after making a loop device re-read its
+/// backing file (the CSI plugin grows the file, we propagate it).
+pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {
+    let dev = v.device.clone();
+    let res = tokio::task::spawn_blocking(move || {
+        let path = Path::new(&dev);
+        let is_loop = crust_blockdev::loop_status(path).ok().flatten().is_some();
+        if is_loop {
+            crust_blockdev::refresh_capacity(path).map_err(|e| e.to_string())
+        } else {
+            crust_blockdev::block_device_size(path).map_err(|e| e.to_string())
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r);
+    res.map_err(|reason| VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason,
+    })
+}
+
+/// Online expansion: refresh the host device, `block_resize` the QEMU node
+/// to the device's size, grow the filesystem in the guest. Refuses before
+/// touching anything when the device is smaller than `min_bytes` or larger
+/// than `max_bytes` (when given and non-zero). Returns the disk size the
+/// guest sees afterwards.
+pub async fn resize(
+    qmp: &QmpClient,
+    agent: &AgentClient,
+    v: &Volume,
+    min_bytes: u64,
+    max_bytes: Option<u64>,
+    timeout: Duration,
+) -> Result<u64, VolumeError> {
+    if v.readonly {
+        return Err(VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: "the volume is attached read-only; it cannot be expanded".into(),
+        });
+    }
+    let size = refresh_host_size(v).await?;
+    if size < min_bytes {
+        return Err(VolumeError::OutOfRange {
+            target: v.target.clone(),
+            reason: format!(
+                "the host device {} has {size} bytes, less than the requested {min_bytes}; grow it first",
+                v.device
+            ),
+        });
+    }
+    if let Some(max) = max_bytes.filter(|m| *m > 0)
+        && size > max
+    {
+        return Err(VolumeError::OutOfRange {
+            target: v.target.clone(),
+            reason: format!("the host device {} has {size} bytes, more than the limit {max}", v.device),
+        });
+    }
+    qmp.block_resize(&v.node_name, size)
+        .await
+        .map_err(qmp_err(v, "block_resize"))?;
+    let grown = agent
+        .call_with_timeout(crust_agent_proto::GrowVolume { volume: v.id.clone() }, timeout)
+        .await
+        .map_err(agent_err(v, "grow"))?;
+    if grown.device_bytes < min_bytes {
+        return Err(VolumeError::OutOfRange {
+            target: v.target.clone(),
+            reason: format!(
+                "the guest sees {} bytes after the resize, less than the requested {min_bytes}",
+                grown.device_bytes
+            ),
+        });
+    }
+    Ok(grown.device_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::LayoutKind;
+    use crust_handoff::MountInfo;
+
+    #[test]
+    fn codes_and_paths() {
+        let mut mi = MountInfo::block("/dev/loop0", "xfs");
+        mi.options = vec!["ro".into(), "noatime".into()];
+        let v = Volume::from_record(LayoutKind::Crust, "/t/x", &mi, false);
+        assert!(v.readonly);
+        assert_eq!(guest_path(&v), format!("/run/crust/volumes/{}", v.id));
+        assert_eq!(agent_fstype(&v).unwrap(), FsType::Xfs);
+        let e = VolumeError::Agent {
+            target: "/t".into(),
+            what: "stats",
+            source: ClientError::Timeout {
+                op: "stat_volume",
+                after: Duration::from_secs(1),
+            },
+        };
+        assert_eq!(e.code(), Code::DeadlineExceeded);
+        assert!(e.to_string().contains("timed out"), "{e}");
+        let bad = Volume { fstype: "btrfs".into(), ..v };
+        assert!(agent_fstype(&bad).is_err());
+    }
+}

@@ -1,0 +1,395 @@
+//! What a guest is launched with, and the QMP arguments for its disks.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::VmError;
+
+/// Which accelerator QEMU uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    /// Software emulation; works everywhere.
+    Tcg,
+    /// Hardware virtualization; launch fails if /dev/kvm is unusable.
+    Kvm,
+    /// KVM when /dev/kvm opens and can create a VM, TCG otherwise.
+    #[default]
+    Auto,
+}
+
+/// A disk attached at boot, or described for hot-plug.
+///
+/// Naming used on the QEMU side (and by [`DiskSpec::blockdev_add_args`] /
+/// [`DiskSpec::device_add_args`] for hot-plug): block node
+/// `crust-node-<id>`, device `crust-disk-<id>`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskSpec {
+    /// `[A-Za-z][A-Za-z0-9_-]*`, at most 20 bytes; unique within the VM.
+    pub id: String,
+    /// Absolute path of a block device or regular file.
+    pub path: PathBuf,
+    /// virtio-blk serial the guest sees (`/sys/block/vdX/serial`):
+    /// `[A-Za-z0-9_-]`, 1..=20 bytes (the virtio-blk limit).
+    pub serial: String,
+    pub readonly: bool,
+}
+
+/// Longest virtio-blk serial (VIRTIO_BLK_ID_BYTES).
+pub const MAX_SERIAL_LEN: usize = 20;
+
+impl DiskSpec {
+    /// QEMU block node name.
+    pub fn node_name(&self) -> String {
+        format!("crust-node-{}", self.id)
+    }
+
+    /// QEMU device id (for `device_del`).
+    pub fn device_id(&self) -> String {
+        format!("crust-disk-{}", self.id)
+    }
+
+    /// Checks id, serial and path.
+    pub fn validate(&self) -> Result<(), VmError> {
+        let bad = |m: String| Err(VmError::InvalidConfig(m));
+        let id_ok = !self.id.is_empty()
+            && self.id.len() <= 20
+            && self.id.as_bytes()[0].is_ascii_alphabetic()
+            && self
+                .id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !id_ok {
+            return bad(format!(
+                "disk id {:?}: use 1-20 characters [A-Za-z0-9_-] starting with a letter",
+                self.id
+            ));
+        }
+        if !valid_serial(&self.serial) {
+            return bad(format!(
+                "disk {:?}: serial {:?} must be 1-{MAX_SERIAL_LEN} characters [A-Za-z0-9_-]",
+                self.id, self.serial
+            ));
+        }
+        if !self.path.is_absolute() {
+            return bad(format!(
+                "disk {:?}: path {} is not absolute",
+                self.id,
+                self.path.display()
+            ));
+        }
+        match std::fs::metadata(&self.path) {
+            Ok(m) if m.is_file() || is_block(&m) => Ok(()),
+            Ok(_) => bad(format!(
+                "disk {:?}: {} is neither a block device nor a regular file",
+                self.id,
+                self.path.display()
+            )),
+            Err(e) => bad(format!("disk {:?}: {}: {e}", self.id, self.path.display())),
+        }
+    }
+
+    /// Arguments of QMP `blockdev-add` for this disk (also used verbatim as
+    /// the `-blockdev` JSON of boot disks): raw format over `host_device`
+    /// or `file`, host page cache on (`cache.direct=off`), `aio=threads`.
+    pub fn blockdev_add_args(&self) -> Value {
+        let is_blk = std::fs::metadata(&self.path)
+            .map(|m| is_block(&m))
+            .unwrap_or(false);
+        json!({
+            "node-name": self.node_name(),
+            "driver": "raw",
+            "read-only": self.readonly,
+            "file": {
+                "driver": if is_blk { "host_device" } else { "file" },
+                "filename": self.path,
+                "cache": { "direct": false },
+                "aio": "threads",
+                "read-only": self.readonly,
+            },
+        })
+    }
+
+    /// Arguments of QMP `device_add` putting the disk on root port `bus`
+    /// (one of [`crate::Vm::hotplug_ports`]).
+    pub fn device_add_args(&self, bus: &str) -> Value {
+        json!({
+            "driver": "virtio-blk-pci",
+            "id": self.device_id(),
+            "drive": self.node_name(),
+            "serial": self.serial,
+            "bus": bus,
+        })
+    }
+}
+
+fn is_block(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    m.file_type().is_block_device()
+}
+
+/// Whether `s` is usable as a virtio-blk serial here.
+pub fn valid_serial(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_SERIAL_LEN
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Everything needed to launch one guest.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Shown in `ps` and QEMU messages; `[A-Za-z0-9._-]`, 1-64 bytes.
+    pub name: String,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub memory_mib: u32,
+    pub cpus: u32,
+    /// Holds `qmp.sock`, `agent.sock`, `console.log`, `qemu.log`,
+    /// `qemu.pid` and `vm.json`. Created (0700) if missing.
+    pub run_dir: PathBuf,
+    pub accel: Accel,
+    /// Disks attached at boot, each on its own root port (so they can be
+    /// unplugged later too).
+    pub disks: Vec<DiskSpec>,
+    /// Appended to the kernel command line.
+    pub kernel_cmdline_extra: Vec<String>,
+    /// Empty `pcie-root-port`s reserved for hot-plug
+    /// (`crust-hp0`..`crust-hp<N-1>`).
+    pub hotplug_ports: u32,
+    /// QEMU binary (looked up in PATH unless absolute).
+    pub qemu_binary: PathBuf,
+    /// Firmware image; `None` uses qboot when installed (faster direct
+    /// kernel boot) and QEMU's default SeaBIOS otherwise.
+    pub firmware: Option<PathBuf>,
+    /// Kill QEMU when the launching thread's process dies (for tests); off
+    /// by default so a VM can outlive the process that launched it.
+    pub die_with_parent: bool,
+}
+
+/// qboot as packaged by Debian's qemu-system-data.
+pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
+impl VmConfig {
+    /// A config with defaults: 256 MiB, 1 vCPU, Auto accel, no disks,
+    /// 8 hot-plug ports.
+    pub fn new(
+        name: impl Into<String>,
+        kernel: impl Into<PathBuf>,
+        initrd: impl Into<PathBuf>,
+        run_dir: impl Into<PathBuf>,
+    ) -> Self {
+        VmConfig {
+            name: name.into(),
+            kernel: kernel.into(),
+            initrd: initrd.into(),
+            memory_mib: 256,
+            cpus: 1,
+            run_dir: run_dir.into(),
+            accel: Accel::Auto,
+            disks: Vec::new(),
+            kernel_cmdline_extra: Vec::new(),
+            hotplug_ports: 8,
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            firmware: None,
+            die_with_parent: false,
+        }
+    }
+
+    /// Checks everything that can be checked before starting QEMU.
+    pub fn validate(&self) -> Result<(), VmError> {
+        let bad = |m: String| Err(VmError::InvalidConfig(m));
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+        if !name_ok {
+            return bad(format!(
+                "name {:?}: use 1-64 characters [A-Za-z0-9._-]",
+                self.name
+            ));
+        }
+        for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
+            if !p.is_absolute() {
+                return bad(format!("{what} {} is not an absolute path", p.display()));
+            }
+            if !p.is_file() {
+                return bad(format!("{what} {} does not exist", p.display()));
+            }
+        }
+        if let Some(fw) = &self.firmware
+            && (!fw.is_absolute() || !fw.is_file())
+        {
+            return bad(format!(
+                "firmware {} is not an existing absolute path",
+                fw.display()
+            ));
+        }
+        if !self.run_dir.is_absolute() {
+            return bad(format!(
+                "run_dir {} is not absolute",
+                self.run_dir.display()
+            ));
+        }
+        // sun_path holds 107 bytes plus NUL.
+        let longest = self.run_dir.join("agent.sock");
+        if longest.as_os_str().len() > 107 {
+            return bad(format!(
+                "run_dir {} is too long for unix socket paths (max ~96 bytes)",
+                self.run_dir.display()
+            ));
+        }
+        if self
+            .run_dir
+            .to_str()
+            .is_none_or(|s| s.contains(['\n', '\0']))
+        {
+            return bad("run_dir must be valid UTF-8 without newlines".into());
+        }
+        if !(16..=65536).contains(&self.memory_mib) {
+            return bad(format!("memory_mib {} out of 16..=65536", self.memory_mib));
+        }
+        if !(1..=64).contains(&self.cpus) {
+            return bad(format!("cpus {} out of 1..=64", self.cpus));
+        }
+        let ports = self.disks.len() as u32 + self.hotplug_ports;
+        if ports > MAX_ROOT_PORTS {
+            return bad(format!(
+                "{} disks + {} hot-plug ports exceed the {MAX_ROOT_PORTS} root ports available",
+                self.disks.len(),
+                self.hotplug_ports
+            ));
+        }
+        for a in &self.kernel_cmdline_extra {
+            if a.is_empty() || a.contains(char::is_whitespace) {
+                return bad(format!(
+                    "kernel_cmdline_extra entry {a:?} must be one word without spaces"
+                ));
+            }
+        }
+        let mut ids = std::collections::HashSet::new();
+        let mut serials = std::collections::HashSet::new();
+        for d in &self.disks {
+            d.validate()?;
+            if !ids.insert(&d.id) {
+                return bad(format!("disk id {:?} used twice", d.id));
+            }
+            if !serials.insert(&d.serial) {
+                return bad(format!("disk serial {:?} used twice", d.serial));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn firmware_path(&self) -> Option<PathBuf> {
+        self.firmware.clone().or_else(|| {
+            let q = Path::new(QBOOT);
+            q.is_file().then(|| q.to_path_buf())
+        })
+    }
+}
+
+/// Root ports fit on pcie.0 next to the fixed devices.
+pub const MAX_ROOT_PORTS: u32 = 24;
+
+/// Id of the `i`-th hot-plug root port.
+pub fn hotplug_port_id(i: u32) -> String {
+    format!("crust-hp{i}")
+}
+
+/// Id of the root port holding boot disk number `i`.
+pub fn boot_port_id(i: usize) -> String {
+    format!("crust-boot{i}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(id: &str, serial: &str, path: &Path) -> DiskSpec {
+        DiskSpec {
+            id: id.into(),
+            path: path.into(),
+            serial: serial.into(),
+            readonly: false,
+        }
+    }
+
+    #[test]
+    fn disk_validation() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        assert!(disk("d1", "crust-12345678901234", f.path()).validate().is_ok());
+        for (id, serial) in [
+            ("1d", "s"),
+            ("d", "crust-123456789012345"),
+            ("d", ""),
+            ("d", "a b"),
+            ("d", "a,b"),
+            ("d.x", "s"),
+            ("", "s"),
+        ] {
+            assert!(
+                disk(id, serial, f.path()).validate().is_err(),
+                "{id} {serial}"
+            );
+        }
+        assert!(
+            disk("d", "s", Path::new("relative/path"))
+                .validate()
+                .is_err()
+        );
+        assert!(
+            disk("d", "s", Path::new("/nonexistent/x"))
+                .validate()
+                .is_err()
+        );
+        assert!(disk("d", "s", Path::new("/tmp")).validate().is_err());
+    }
+
+    #[test]
+    fn qmp_args_shape() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let mut d = disk("vol1", "crust-vol1", f.path());
+        d.readonly = true;
+        let b = d.blockdev_add_args();
+        assert_eq!(b["node-name"], "crust-node-vol1");
+        assert_eq!(b["file"]["driver"], "file");
+        assert_eq!(b["file"]["cache"]["direct"], false);
+        assert_eq!(b["file"]["aio"], "threads");
+        assert_eq!(b["read-only"], true);
+        let dev = d.device_add_args("crust-hp3");
+        assert_eq!(dev["bus"], "crust-hp3");
+        assert_eq!(dev["serial"], "crust-vol1");
+        assert_eq!(dev["drive"], "crust-node-vol1");
+        assert_eq!(dev["id"], "crust-disk-vol1");
+    }
+
+    #[test]
+    fn config_validation() {
+        let k = tempfile::NamedTempFile::new().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ok = VmConfig::new("vm-1", k.path(), k.path(), dir.path().join("run"));
+        assert!(ok.validate().is_ok());
+        let mut c = ok.clone();
+        c.name = "bad name".into();
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.kernel = "vmlinuz".into();
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.run_dir = PathBuf::from("/").join("x".repeat(120));
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.hotplug_ports = 30;
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.kernel_cmdline_extra = vec!["a b".into()];
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.disks = vec![disk("a", "s1", k.path()), disk("b", "s1", k.path())];
+        assert!(c.validate().unwrap_err().to_string().contains("twice"));
+    }
+}

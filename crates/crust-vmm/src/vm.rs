@@ -1,0 +1,629 @@
+//! A running QEMU guest.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, Signal};
+use serde::{Deserialize, Serialize};
+
+use crate::accel::{self, ResolvedAccel};
+use crate::config::{DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
+use crate::{VmError, AGENT_PORT_NAME};
+
+/// How long QEMU gets to create its sockets before launch gives up.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Files in a VM's run directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunPaths {
+    pub run_dir: PathBuf,
+    /// QMP monitor (`-qmp unix:...,server=on,wait=off`).
+    pub qmp_socket: PathBuf,
+    /// The agent's virtio-serial port (`org.crust.agent`).
+    pub agent_socket: PathBuf,
+    /// Guest serial console.
+    pub console_log: PathBuf,
+    /// QEMU's own stdout/stderr.
+    pub qemu_log: PathBuf,
+    /// QEMU's pid.
+    pub pid_file: PathBuf,
+    /// [`VmState`] as JSON.
+    pub state_file: PathBuf,
+}
+
+impl RunPaths {
+    pub fn new(run_dir: impl Into<PathBuf>) -> Self {
+        let d: PathBuf = run_dir.into();
+        RunPaths {
+            qmp_socket: d.join("qmp.sock"),
+            agent_socket: d.join("agent.sock"),
+            console_log: d.join("console.log"),
+            qemu_log: d.join("qemu.log"),
+            pid_file: d.join("qemu.pid"),
+            state_file: d.join("vm.json"),
+            run_dir: d,
+        }
+    }
+}
+
+/// What `vm.json` records, so another process can find and drive the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmState {
+    pub name: String,
+    pub pid: u32,
+    /// Process start time (clock ticks since boot, /proc/<pid>/stat field
+    /// 22): tells a reused pid apart.
+    pub start_time: u64,
+    pub accel: ResolvedAccel,
+    /// Boot disks and the root port each sits on.
+    pub boot_disks: Vec<(DiskSpec, String)>,
+    /// Root ports left empty for hot-plug.
+    pub hotplug_ports: Vec<String>,
+}
+
+/// How QEMU ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmExit {
+    /// Exit status, when known (only for a VM this process launched).
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+impl VmExit {
+    /// Exited with status 0 (a guest power-off or reset under -no-reboot).
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+/// One QEMU process.
+///
+/// A `Vm` from [`Vm::launch`] kills and reaps QEMU when dropped unless
+/// [`Vm::detach`]ed. A `Vm` from [`Vm::attach`] never kills on drop.
+#[derive(Debug)]
+pub struct Vm {
+    state: VmState,
+    paths: RunPaths,
+    child: Option<Child>,
+    owned: bool,
+    exit: Option<VmExit>,
+}
+
+fn io_err(op: &'static str, path: &Path, source: std::io::Error) -> VmError {
+    VmError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// QEMU's key=value syntax escapes a comma by doubling it.
+fn esc(p: &Path) -> String {
+    p.to_string_lossy().replace(',', ",,")
+}
+
+/// Last `max` bytes of a file, lossily decoded.
+pub fn tail(path: &Path, max: u64) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(max)));
+    let mut buf = Vec::new();
+    let _ = f.take(max).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).trim().to_owned()
+}
+
+/// Writes `data` to `path` atomically (temp file, fsync, rename, fsync dir).
+fn write_atomic(path: &Path, data: &[u8]) -> Result<(), VmError> {
+    let dir = path.parent().expect("file in a directory");
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| io_err("create", &tmp, e))?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| io_err("chmod", &tmp, e))?;
+    f.write_all(data).map_err(|e| io_err("write", &tmp, e))?;
+    f.sync_all().map_err(|e| io_err("fsync", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err("rename", path, e))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err("fsync", dir, e))
+}
+
+/// Field 22 of /proc/<pid>/stat, and whether the process is a zombie.
+fn proc_start_time(pid: u32) -> Option<(u64, bool)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parens: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // rest starts at field 3 (state); field 22 is index 19.
+    let zombie = fields.first() == Some(&"Z") || fields.first() == Some(&"X");
+    Some((fields.get(19)?.parse().ok()?, zombie))
+}
+
+fn proc_cmdline(pid: u32) -> Option<Vec<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        raw.split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect(),
+    )
+}
+
+/// Whether `pid` is still the QEMU recorded in `state`/`paths`.
+fn is_our_qemu(state: &VmState, paths: &RunPaths) -> bool {
+    match proc_start_time(state.pid) {
+        Some((t, zombie)) if t == state.start_time && !zombie => {}
+        _ => return false,
+    }
+    let qmp_arg = format!("unix:{},server=on,wait=off", esc(&paths.qmp_socket));
+    proc_cmdline(state.pid).is_some_and(|c| c.iter().any(|a| *a == qmp_arg))
+}
+
+fn read_state(paths: &RunPaths) -> Option<VmState> {
+    let data = std::fs::read(&paths.state_file).ok()?;
+    serde_json::from_slice(&data).ok()
+}
+
+const BASE_CMDLINE: &[&str] = &[
+    "console=ttyS0",
+    "panic=-1",
+    "quiet",
+    "loglevel=4",
+    "rdinit=/init",
+    // Nothing is behind the legacy keyboard controller; probing it costs
+    // boot time under TCG.
+    "i8042.noaux",
+    "i8042.nomux",
+    "i8042.nopnp",
+    "i8042.dumbkbd",
+];
+
+fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
+    push(&["-name", &format!("crust-{}", cfg.name)]);
+    push(&["-machine", "q35"]);
+    match accel {
+        ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        ResolvedAccel::Tcg => push(&["-accel", "tcg"]),
+    }
+    push(&["-m", &cfg.memory_mib.to_string(), "-smp", &cfg.cpus.to_string()]);
+    push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    push(&["-msg", "timestamp=on"]);
+    if let Some(fw) = cfg.firmware_path() {
+        push(&["-bios", &fw.to_string_lossy()]);
+    }
+    let mut cmdline: Vec<String> = BASE_CMDLINE.iter().map(|s| s.to_string()).collect();
+    cmdline.extend(cfg.kernel_cmdline_extra.iter().cloned());
+    push(&["-kernel", &cfg.kernel.to_string_lossy()]);
+    push(&["-initrd", &cfg.initrd.to_string_lossy()]);
+    push(&["-append", &cmdline.join(" ")]);
+    push(&[
+        "-chardev",
+        &format!("file,id=crust-console,path={}", esc(&paths.console_log)),
+        "-serial",
+        "chardev:crust-console",
+    ]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", esc(&paths.qmp_socket)),
+    ]);
+    push(&[
+        "-device",
+        "virtio-serial-pci,id=crust-vser",
+        "-chardev",
+        &format!(
+            "socket,id=crust-agent,path={},server=on,wait=off",
+            esc(&paths.agent_socket)
+        ),
+        "-device",
+        &format!("virtserialport,bus=crust-vser.0,chardev=crust-agent,name={AGENT_PORT_NAME}"),
+    ]);
+    let mut chassis = 1;
+    for (i, d) in cfg.disks.iter().enumerate() {
+        let port = boot_port_id(i);
+        push(&[
+            "-device",
+            &format!("pcie-root-port,id={port},chassis={chassis}"),
+        ]);
+        chassis += 1;
+        // JSON syntax: no escaping of paths needed.
+        push(&["-blockdev", &d.blockdev_add_args().to_string()]);
+        push(&["-device", &d.device_add_args(&port).to_string()]);
+    }
+    for i in 0..cfg.hotplug_ports {
+        push(&[
+            "-device",
+            &format!("pcie-root-port,id={},chassis={chassis}", hotplug_port_id(i)),
+        ]);
+        chassis += 1;
+    }
+    a
+}
+
+impl Vm {
+    /// Starts QEMU for `cfg` and waits until its QMP and agent sockets
+    /// exist (not for the guest to boot: use the agent client's
+    /// `wait_ready` for that).
+    ///
+    /// Fails with [`VmError::AlreadyRunning`] if a live QEMU already owns
+    /// `run_dir`, and with [`VmError::EarlyExit`] (carrying the tail of
+    /// `qemu.log`) if QEMU dies while starting.
+    pub async fn launch(cfg: VmConfig) -> Result<Vm, VmError> {
+        cfg.validate()?;
+        let paths = RunPaths::new(&cfg.run_dir);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&paths.run_dir)
+            .map_err(|e| io_err("mkdir", &paths.run_dir, e))?;
+        std::fs::set_permissions(&paths.run_dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| io_err("chmod", &paths.run_dir, e))?;
+        if let Some(old) = read_state(&paths)
+            && is_our_qemu(&old, &paths)
+        {
+            return Err(VmError::AlreadyRunning {
+                run_dir: paths.run_dir.clone(),
+                pid: old.pid,
+            });
+        }
+        for stale in [
+            &paths.qmp_socket,
+            &paths.agent_socket,
+            &paths.pid_file,
+            &paths.state_file,
+        ] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err("remove", stale, e)),
+            }
+        }
+        let accel = accel::resolve(cfg.accel)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&paths.qemu_log)
+            .map_err(|e| io_err("create", &paths.qemu_log, e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| io_err("dup", &paths.qemu_log, e))?;
+        let mut cmd = Command::new(&cfg.qemu_binary);
+        cmd.args(qemu_args(&cfg, accel, &paths))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .process_group(0);
+        if cfg.die_with_parent {
+            // SAFETY: a single raw prctl between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().map_err(|source| VmError::Spawn {
+            binary: cfg.qemu_binary.clone(),
+            source,
+        })?;
+        let pid = child.id();
+        let start_time = proc_start_time(pid).map(|(t, _)| t).unwrap_or(0);
+        let state = VmState {
+            name: cfg.name.clone(),
+            pid,
+            start_time,
+            accel,
+            boot_disks: cfg
+                .disks
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (d.clone(), boot_port_id(i)))
+                .collect(),
+            hotplug_ports: (0..cfg.hotplug_ports).map(hotplug_port_id).collect(),
+        };
+        let mut vm = Vm {
+            state,
+            paths,
+            child: Some(child),
+            owned: true,
+            exit: None,
+        };
+        write_atomic(&vm.paths.pid_file, format!("{pid}\n").as_bytes())?;
+        let json = serde_json::to_vec_pretty(&vm.state).expect("state serializes");
+        write_atomic(&vm.paths.state_file, &json)?;
+
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Some(exit) = vm.poll_exit() {
+                return Err(VmError::EarlyExit {
+                    status: format!("{exit:?}"),
+                    log_tail: tail(&vm.paths.qemu_log, 4096),
+                });
+            }
+            if vm.paths.qmp_socket.exists() && vm.paths.agent_socket.exists() {
+                return Ok(vm);
+            }
+            if Instant::now() >= deadline {
+                let log_tail = tail(&vm.paths.qemu_log, 4096);
+                vm.kill()?;
+                return Err(VmError::StartTimeout {
+                    after: START_TIMEOUT,
+                    log_tail,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Finds the VM running from `run_dir` (launched by another process)
+    /// via `vm.json`, checking that the pid is still that QEMU (start time
+    /// and command line). The handle never kills QEMU on drop.
+    pub fn attach(run_dir: impl Into<PathBuf>) -> Result<Vm, VmError> {
+        let paths = RunPaths::new(run_dir);
+        let not_running = |reason: String| VmError::NotRunning {
+            run_dir: paths.run_dir.clone(),
+            reason,
+        };
+        let state = read_state(&paths).ok_or_else(|| {
+            not_running(format!("no readable {}", paths.state_file.display()))
+        })?;
+        if !is_our_qemu(&state, &paths) {
+            return Err(not_running(format!(
+                "pid {} is not the QEMU started from this directory anymore",
+                state.pid
+            )));
+        }
+        Ok(Vm {
+            state,
+            paths,
+            child: None,
+            owned: false,
+            exit: None,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.state.pid
+    }
+
+    pub fn name(&self) -> &str {
+        &self.state.name
+    }
+
+    pub fn paths(&self) -> &RunPaths {
+        &self.paths
+    }
+
+    pub fn qmp_socket(&self) -> &Path {
+        &self.paths.qmp_socket
+    }
+
+    pub fn agent_socket(&self) -> &Path {
+        &self.paths.agent_socket
+    }
+
+    pub fn console_log(&self) -> &Path {
+        &self.paths.console_log
+    }
+
+    pub fn accel(&self) -> ResolvedAccel {
+        self.state.accel
+    }
+
+    /// The recorded launch state.
+    pub fn state(&self) -> &VmState {
+        &self.state
+    }
+
+    /// Boot disks with the root port each occupies.
+    pub fn boot_disks(&self) -> &[(DiskSpec, String)] {
+        &self.state.boot_disks
+    }
+
+    /// Root ports that were empty at launch (`crust-hp0`, ...). A
+    /// hot-plugged disk goes on one of them: QMP `blockdev-add` with
+    /// [`DiskSpec::blockdev_add_args`], then `device_add` with
+    /// [`DiskSpec::device_add_args`]`(port)`. Each port takes one device;
+    /// the caller tracks which are in use.
+    pub fn hotplug_ports(&self) -> &[String] {
+        &self.state.hotplug_ports
+    }
+
+    /// The tails of `qemu.log` and `console.log`, for error messages when
+    /// the guest does not come up.
+    pub fn failure_context(&self) -> String {
+        format!(
+            "qemu.log: {}\nconsole.log: {}",
+            tail(&self.paths.qemu_log, 2048),
+            tail(&self.paths.console_log, 4096)
+        )
+    }
+
+    fn poll_exit(&mut self) -> Option<VmExit> {
+        if self.exit.is_some() {
+            return self.exit;
+        }
+        let exit = match &mut self.child {
+            Some(c) => match c.try_wait() {
+                Ok(Some(st)) => Some(VmExit {
+                    code: st.code(),
+                    signal: st.signal(),
+                }),
+                Ok(None) => None,
+                Err(_) => Some(VmExit {
+                    code: None,
+                    signal: None,
+                }),
+            },
+            None => (!is_our_qemu(&self.state, &self.paths)).then_some(VmExit {
+                code: None,
+                signal: None,
+            }),
+        };
+        if exit.is_some() {
+            self.exit = exit;
+            self.cleanup_files();
+        }
+        exit
+    }
+
+    /// Whether QEMU is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.poll_exit().is_none()
+    }
+
+    /// Waits up to `timeout` for QEMU to exit; `None` if it is still
+    /// running.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<VmExit> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(e) = self.poll_exit() {
+                return Some(e);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILLs QEMU and waits for it to be gone. Already gone is fine.
+    pub fn kill(&mut self) -> Result<(), VmError> {
+        if self.poll_exit().is_some() {
+            return Ok(());
+        }
+        if let Some(c) = &mut self.child {
+            let _ = c.kill();
+            let st = c.wait().map_err(|e| io_err("wait", &self.paths.pid_file, e))?;
+            self.exit = Some(VmExit {
+                code: st.code(),
+                signal: st.signal(),
+            });
+        } else {
+            if let Some(pid) = Pid::from_raw(self.state.pid as i32) {
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while is_our_qemu(&self.state, &self.paths) {
+                if Instant::now() >= deadline {
+                    return Err(VmError::NotRunning {
+                        run_dir: self.paths.run_dir.clone(),
+                        reason: format!("pid {} survived SIGKILL for 10s", self.state.pid),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.exit = Some(VmExit {
+                code: None,
+                signal: Some(Signal::KILL.as_raw()),
+            });
+        }
+        self.cleanup_files();
+        Ok(())
+    }
+
+    /// Leaves QEMU running when this handle is dropped; returns its pid.
+    /// Another process can pick it up with [`Vm::attach`].
+    pub fn detach(mut self) -> u32 {
+        self.owned = false;
+        // Dropping a std Child neither kills nor waits.
+        self.child = None;
+        self.state.pid
+    }
+
+    /// Removes the sockets and pid/state files of an exited VM; logs stay.
+    fn cleanup_files(&self) {
+        for f in [
+            &self.paths.qmp_socket,
+            &self.paths.agent_socket,
+            &self.paths.pid_file,
+            &self.paths.state_file,
+        ] {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.kill();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_shape() {
+        let k = tempfile::NamedTempFile::new().unwrap();
+        let mut cfg = VmConfig::new("t1", k.path(), k.path(), "/run/x,y");
+        cfg.disks.push(DiskSpec {
+            id: "data".into(),
+            path: k.path().into(),
+            serial: "crust-data".into(),
+            readonly: true,
+        });
+        cfg.hotplug_ports = 2;
+        cfg.kernel_cmdline_extra = vec!["foo=bar".into()];
+        let paths = RunPaths::new(&cfg.run_dir);
+        let a = qemu_args(&cfg, ResolvedAccel::Tcg, &paths);
+        let joined = a.join(" ");
+        for want in [
+            "-machine q35",
+            "-accel tcg",
+            "-nodefaults -no-user-config -nographic -no-reboot",
+            "unix:/run/x,,y/qmp.sock,server=on,wait=off",
+            "socket,id=crust-agent,path=/run/x,,y/agent.sock,server=on,wait=off",
+            "name=org.crust.agent",
+            "pcie-root-port,id=crust-boot0,chassis=1",
+            "pcie-root-port,id=crust-hp0,chassis=2",
+            "pcie-root-port,id=crust-hp1,chassis=3",
+            "foo=bar",
+        ] {
+            assert!(joined.contains(want), "missing {want:?} in {joined}");
+        }
+        let bd = a.iter().position(|x| x == "-blockdev").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&a[bd + 1]).unwrap();
+        assert_eq!(v["read-only"], true);
+        let dev: serde_json::Value = serde_json::from_str(&a[bd + 3]).unwrap();
+        assert_eq!(dev["bus"], "crust-boot0");
+        assert_eq!(dev["serial"], "crust-data");
+    }
+
+    #[test]
+    fn proc_stat_parsing_of_self() {
+        let (t, zombie) = proc_start_time(std::process::id()).unwrap();
+        assert!(t > 0);
+        assert!(!zombie);
+        assert!(proc_start_time(u32::MAX).is_none());
+    }
+
+    #[test]
+    fn atomic_write_and_tail() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        write_atomic(&p, b"hello world").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"hello world");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(tail(&p, 5), "world");
+        assert_eq!(tail(&d.path().join("missing"), 5), "");
+    }
+}

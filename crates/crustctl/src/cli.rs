@@ -1,0 +1,1219 @@
+//! The `crustctl` command line: clap definitions and their dispatch. The
+//! binary only parses and calls [`run`]; later subcommands (`flow`, `demo`)
+//! add a variant to [`Command`] and a handler here.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use crust_proto::csi::v1 as csi;
+use crust_proto::endpoint::Endpoint;
+use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+
+use crate::bench::{self, BenchConfig, Limit, Scenario};
+use crate::client::{ConnectError, Csi};
+use crate::fmt::{OutputFormat, Render, render};
+use crate::parse::{KeyValue, parse_duration, parse_key_value, parse_size, to_map};
+
+/// Exit code for errors reported by the driver or the connection.
+pub const EXIT_FAILURE: u8 = 1;
+/// Exit code for bad command lines (clap uses the same).
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code after Ctrl-C (128 + SIGINT), once cleanup ran.
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "crustctl",
+    version,
+    about = "Drive any CSI driver the way a CO would: every Identity, Controller and Node RPC, and a load generator"
+)]
+pub struct Cli {
+    /// CSI endpoint: unix:///path/to/csi.sock or http://host:port.
+    #[arg(
+        long,
+        env = "CSI_ENDPOINT",
+        global = true,
+        default_value = "unix:///csi/csi.sock",
+        value_parser = Endpoint::parse
+    )]
+    pub endpoint: Endpoint,
+
+    /// Deadline for each RPC (e.g. 500ms, 60s, 2m).
+    #[arg(long, global = true, default_value = "60s", value_parser = parse_duration)]
+    pub timeout: Duration,
+
+    /// Output format.
+    #[arg(
+        short = 'o',
+        long = "output",
+        global = true,
+        value_enum,
+        default_value_t
+    )]
+    pub output: OutputFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Identity service RPCs.
+    #[command(subcommand)]
+    Identity(IdentityCmd),
+    /// Controller service RPCs.
+    #[command(subcommand)]
+    Controller(ControllerCmd),
+    /// Node service RPCs (including the KEP-2857 deferral fields).
+    #[command(subcommand)]
+    Node(NodeCmd),
+    /// Load-test a CSI endpoint with standard CSI calls.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IdentityCmd {
+    /// GetPluginInfo.
+    Info,
+    /// GetPluginCapabilities.
+    Capabilities,
+    /// Probe.
+    Probe,
+}
+
+/// CSI access modes, spelled in kebab-case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AccessModeArg {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    MultiNodeReaderOnly,
+    MultiNodeSingleWriter,
+    MultiNodeMultiWriter,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
+}
+
+impl AccessModeArg {
+    pub fn mode(self) -> Mode {
+        match self {
+            AccessModeArg::SingleNodeWriter => Mode::SingleNodeWriter,
+            AccessModeArg::SingleNodeReaderOnly => Mode::SingleNodeReaderOnly,
+            AccessModeArg::MultiNodeReaderOnly => Mode::MultiNodeReaderOnly,
+            AccessModeArg::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
+            AccessModeArg::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
+            AccessModeArg::SingleNodeSingleWriter => Mode::SingleNodeSingleWriter,
+            AccessModeArg::SingleNodeMultiWriter => Mode::SingleNodeMultiWriter,
+        }
+    }
+}
+
+/// Kubernetes' fsGroupChangePolicy values, spelled as Kubernetes does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChangePolicy {
+    #[value(name = "Always")]
+    Always,
+    #[value(name = "OnRootMismatch")]
+    OnRootMismatch,
+}
+
+impl ChangePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangePolicy::Always => "Always",
+            ChangePolicy::OnRootMismatch => "OnRootMismatch",
+        }
+    }
+}
+
+/// Flags that build one `VolumeCapability`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CapabilityArgs {
+    /// Raw block access instead of a mounted filesystem.
+    #[arg(long, conflicts_with_all = ["fs_type", "mount_flags", "volume_mount_group",
+        "supplemental_group", "supplemental_group_change_policy"])]
+    pub block: bool,
+    /// Filesystem type (empty: the driver's default).
+    #[arg(long)]
+    pub fs_type: Option<String>,
+    /// Mount flag (repeatable).
+    #[arg(long = "mount-flag", value_name = "FLAG")]
+    pub mount_flags: Vec<String>,
+    /// MountVolume.volume_mount_group (VOLUME_MOUNT_GROUP).
+    #[arg(long, value_name = "GID")]
+    pub volume_mount_group: Option<u32>,
+    /// KEP-2857 MountVolume.volume_supplemental_group (the pod's fsGroup).
+    #[arg(long, value_name = "GID")]
+    pub supplemental_group: Option<u32>,
+    /// KEP-2857 MountVolume.volume_supplemental_group_change_policy.
+    #[arg(long, value_enum, ignore_case = true)]
+    pub supplemental_group_change_policy: Option<ChangePolicy>,
+    /// Access mode [default: single-node-writer].
+    #[arg(long, value_enum)]
+    pub access_mode: Option<AccessModeArg>,
+}
+
+impl CapabilityArgs {
+    /// Whether any capability flag was given (for RPCs where it is optional).
+    pub fn given(&self) -> bool {
+        self.block
+            || self.fs_type.is_some()
+            || !self.mount_flags.is_empty()
+            || self.volume_mount_group.is_some()
+            || self.supplemental_group.is_some()
+            || self.supplemental_group_change_policy.is_some()
+            || self.access_mode.is_some()
+    }
+
+    pub fn build(&self) -> csi::VolumeCapability {
+        let access_type = if self.block {
+            AccessType::Block(BlockVolume {})
+        } else {
+            AccessType::Mount(MountVolume {
+                fs_type: self.fs_type.clone().unwrap_or_default(),
+                mount_flags: self.mount_flags.clone(),
+                volume_mount_group: self
+                    .volume_mount_group
+                    .map(|g| g.to_string())
+                    .unwrap_or_default(),
+                volume_supplemental_group: self
+                    .supplemental_group
+                    .map(|g| g.to_string())
+                    .unwrap_or_default(),
+                volume_supplemental_group_change_policy: self
+                    .supplemental_group_change_policy
+                    .map(|p| p.as_str().to_string())
+                    .unwrap_or_default(),
+            })
+        };
+        csi::VolumeCapability {
+            access_type: Some(access_type),
+            access_mode: Some(AccessMode {
+                mode: self
+                    .access_mode
+                    .unwrap_or(AccessModeArg::SingleNodeWriter)
+                    .mode() as i32,
+            }),
+        }
+    }
+
+    fn optional(&self) -> Option<csi::VolumeCapability> {
+        self.given().then(|| self.build())
+    }
+}
+
+
+#[derive(Debug, Subcommand)]
+pub enum ControllerCmd {
+    /// CreateVolume.
+    Create {
+        /// Volume name (the idempotency key).
+        #[arg(long)]
+        name: String,
+        /// Required capacity (1Gi, 512Mi, 1G, bytes).
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Capacity limit.
+        #[arg(long, value_parser = parse_size)]
+        limit: Option<u64>,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        /// StorageClass-style parameter (repeatable).
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+        /// Mutable parameter (repeatable).
+        #[arg(long = "mutable-param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        mutable_params: Vec<KeyValue>,
+        /// Secret (repeatable; never printed).
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+        /// Topology segment, used as requisite and preferred (repeatable).
+        #[arg(long = "topology", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        topology: Vec<KeyValue>,
+        /// Clone from this snapshot.
+        #[arg(long, conflicts_with = "source_volume")]
+        source_snapshot: Option<String>,
+        /// Clone from this volume.
+        #[arg(long)]
+        source_volume: Option<String>,
+    },
+    /// DeleteVolume.
+    Delete {
+        volume_id: String,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ControllerGetVolume.
+    Get { volume_id: String },
+    /// ListVolumes.
+    List {
+        #[arg(long)]
+        max_entries: Option<i32>,
+        #[arg(long)]
+        starting_token: Option<String>,
+        /// Follow next_token through every page.
+        #[arg(long)]
+        all: bool,
+    },
+    /// GetCapacity.
+    Capacity {
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+        #[arg(long = "topology", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        topology: Vec<KeyValue>,
+    },
+    /// ControllerExpandVolume.
+    Expand {
+        volume_id: String,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        #[arg(long, value_parser = parse_size)]
+        limit: Option<u64>,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ValidateVolumeCapabilities.
+    Validate {
+        volume_id: String,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long = "volume-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        volume_context: Vec<KeyValue>,
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+        #[arg(long = "mutable-param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        mutable_params: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ControllerGetCapabilities.
+    Capabilities,
+    /// ControllerPublishVolume.
+    Publish {
+        volume_id: String,
+        #[arg(long)]
+        node_id: String,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long)]
+        readonly: bool,
+        #[arg(long = "volume-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        volume_context: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ControllerUnpublishVolume.
+    Unpublish {
+        volume_id: String,
+        /// Empty: unpublish from every node.
+        #[arg(long, default_value = "")]
+        node_id: String,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ControllerModifyVolume.
+    Modify {
+        volume_id: String,
+        #[arg(long = "mutable-param", value_name = "KEY=VALUE", value_parser = parse_key_value, required = true)]
+        mutable_params: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// CreateSnapshot.
+    SnapshotCreate {
+        #[arg(long)]
+        source_volume: String,
+        #[arg(long)]
+        name: String,
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// DeleteSnapshot.
+    SnapshotDelete {
+        snapshot_id: String,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// ListSnapshots.
+    SnapshotList {
+        #[arg(long)]
+        max_entries: Option<i32>,
+        #[arg(long)]
+        starting_token: Option<String>,
+        #[arg(long)]
+        source_volume: Option<String>,
+        #[arg(long)]
+        snapshot_id: Option<String>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+        /// Follow next_token through every page.
+        #[arg(long)]
+        all: bool,
+    },
+    /// GetSnapshot.
+    SnapshotGet {
+        snapshot_id: String,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NodeCmd {
+    /// NodeStageVolume.
+    Stage {
+        volume_id: String,
+        /// staging_target_path (must exist, like kubelet's globalmount).
+        #[arg(long)]
+        staging_path: PathBuf,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long = "publish-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        publish_context: Vec<KeyValue>,
+        #[arg(long = "volume-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        volume_context: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+    },
+    /// NodeUnstageVolume.
+    Unstage {
+        volume_id: String,
+        #[arg(long)]
+        staging_path: PathBuf,
+    },
+    /// NodePublishVolume.
+    Publish {
+        volume_id: String,
+        /// target_path (its parent must exist).
+        #[arg(long)]
+        target_path: PathBuf,
+        #[arg(long)]
+        staging_path: Option<PathBuf>,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long)]
+        readonly: bool,
+        #[arg(long = "publish-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        publish_context: Vec<KeyValue>,
+        #[arg(long = "volume-context", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        volume_context: Vec<KeyValue>,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+        /// KEP-2857: leave the filesystem to the container runtime.
+        #[arg(long)]
+        defer_fs_ops: bool,
+    },
+    /// NodeUnpublishVolume.
+    Unpublish {
+        volume_id: String,
+        #[arg(long)]
+        target_path: PathBuf,
+        /// KEP-2857 deferral flag.
+        #[arg(long)]
+        defer_fs_ops: bool,
+    },
+    /// NodeGetVolumeStats.
+    Stats {
+        volume_id: String,
+        #[arg(long)]
+        volume_path: PathBuf,
+        #[arg(long)]
+        staging_path: Option<PathBuf>,
+        /// KEP-2857 deferral flag.
+        #[arg(long)]
+        defer_fs_ops: bool,
+    },
+    /// NodeExpandVolume.
+    Expand {
+        volume_id: String,
+        #[arg(long)]
+        volume_path: PathBuf,
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        #[arg(long, value_parser = parse_size)]
+        limit: Option<u64>,
+        #[arg(long)]
+        staging_path: Option<PathBuf>,
+        #[command(flatten)]
+        cap: CapabilityArgs,
+        #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        secrets: Vec<KeyValue>,
+        /// KEP-2857 deferral flag.
+        #[arg(long)]
+        defer_fs_ops: bool,
+    },
+    /// NodeGetCapabilities.
+    Capabilities,
+    /// NodeGetInfo.
+    Info,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "create-delete,stage-publish-cycle,stats"
+    )]
+    pub scenarios: Vec<Scenario>,
+    /// Parallel workers per scenario.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub concurrency: u32,
+    /// Run each scenario this long (e.g. 10s).
+    #[arg(long, value_parser = parse_duration, conflicts_with = "ops")]
+    pub duration: Option<Duration>,
+    /// Run each scenario for this many operations (default 100 when no --duration).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ops: Option<u64>,
+    /// Volume size.
+    #[arg(long, default_value = "64Mi", value_parser = parse_size)]
+    pub size: u64,
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+    /// CreateVolume parameter (repeatable).
+    #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub params: Vec<KeyValue>,
+    /// Secret for create/delete/stage/publish (repeatable; never printed).
+    #[arg(long = "secret", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub secrets: Vec<KeyValue>,
+    /// Root under which per-op staging directories are made (default: a temp dir).
+    #[arg(long)]
+    pub staging_dir: Option<PathBuf>,
+    /// Root under which per-op target parent directories are made (default: a temp dir).
+    #[arg(long)]
+    pub target_dir: Option<PathBuf>,
+    /// How many published volumes the stats scenario queries round robin.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub stats_volumes: u32,
+    /// Set the KEP-2857 defer_fs_ops field (needs DEFER_FS_OPS).
+    #[arg(long)]
+    pub defer_fs_ops: bool,
+    /// Attempts per cleanup call before giving up on it.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub cleanup_retries: u32,
+}
+
+/// Why a command failed; [`CliError::exit_code`] maps it to the process
+/// exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{}: {}", .0.code_name(), .0.message())]
+    Grpc(tonic::Status),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Bench(#[from] bench::BenchError),
+}
+
+trait CodeName {
+    fn code_name(&self) -> String;
+}
+
+impl CodeName for tonic::Status {
+    /// `NotFound`, `InvalidArgument`, ... (the variant name).
+    fn code_name(&self) -> String {
+        format!("{:?}", self.code())
+    }
+}
+
+impl From<tonic::Status> for CliError {
+    fn from(s: tonic::Status) -> Self {
+        CliError::Grpc(s)
+    }
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        match self {
+            CliError::Usage(_) => ExitCode::from(EXIT_USAGE),
+            _ => ExitCode::from(EXIT_FAILURE),
+        }
+    }
+}
+
+fn map(pairs: &[KeyValue], what: &str) -> Result<HashMap<String, String>, CliError> {
+    to_map(pairs, what).map_err(CliError::Usage)
+}
+
+fn topology(pairs: &[KeyValue]) -> Result<Option<csi::Topology>, CliError> {
+    if pairs.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(csi::Topology {
+        segments: map(pairs, "--topology")?,
+    }))
+}
+
+fn capacity(size: Option<u64>, limit: Option<u64>) -> Result<Option<csi::CapacityRange>, CliError> {
+    if let (Some(s), Some(l)) = (size, limit)
+        && l < s
+    {
+        return Err(CliError::Usage(format!(
+            "--limit ({l}) is smaller than --size ({s})"
+        )));
+    }
+    if size.is_none() && limit.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(csi::CapacityRange {
+        required_bytes: size.unwrap_or(0) as i64,
+        limit_bytes: limit.unwrap_or(0) as i64,
+    }))
+}
+
+fn path_str(p: &std::path::Path) -> Result<String, CliError> {
+    p.to_str()
+        .map(str::to_string)
+        .ok_or_else(|| CliError::Usage(format!("path {} is not UTF-8", p.display())))
+}
+
+fn opt_path(p: &Option<PathBuf>) -> Result<String, CliError> {
+    p.as_deref().map(path_str).unwrap_or(Ok(String::new()))
+}
+
+/// Prints a response; a response without data prints `done` in text mode so
+/// scripts and humans see the call succeeded.
+fn emit<T: Render>(format: OutputFormat, resp: &T, done: &str) {
+    let s = render(resp, format);
+    if s.is_empty() {
+        println!("{done}");
+    } else if s.ends_with('\n') {
+        print!("{s}");
+    } else {
+        println!("{s}");
+    }
+}
+
+/// Runs a parsed command line.
+pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    let out = cli.output;
+    // Validate the command's own input before touching the network.
+    match cli.command {
+        Command::Identity(cmd) => {
+            let c = Csi::connect(&cli.endpoint, cli.timeout).await?;
+            identity(&c, cmd, out).await?;
+        }
+        Command::Controller(cmd) => controller(&cli.endpoint, cli.timeout, cmd, out).await?,
+        Command::Node(cmd) => node(&cli.endpoint, cli.timeout, cmd, out).await?,
+        Command::Bench(args) => return bench_cmd(&cli.endpoint, cli.timeout, args, out).await,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn identity(c: &Csi, cmd: IdentityCmd, out: OutputFormat) -> Result<(), CliError> {
+    match cmd {
+        IdentityCmd::Info => emit(out, &c.get_plugin_info(Default::default()).await?, ""),
+        IdentityCmd::Capabilities => emit(
+            out,
+            &c.get_plugin_capabilities(Default::default()).await?,
+            "",
+        ),
+        IdentityCmd::Probe => emit(out, &c.probe(Default::default()).await?, ""),
+    }
+    Ok(())
+}
+
+async fn controller(
+    ep: &Endpoint,
+    timeout: Duration,
+    cmd: ControllerCmd,
+    out: OutputFormat,
+) -> Result<(), CliError> {
+    use ControllerCmd as C;
+    // Build the request first so bad input fails without connecting.
+    enum Req {
+        Create(csi::CreateVolumeRequest),
+        Delete(csi::DeleteVolumeRequest),
+        Get(csi::ControllerGetVolumeRequest),
+        List(csi::ListVolumesRequest, bool),
+        Capacity(csi::GetCapacityRequest),
+        Expand(csi::ControllerExpandVolumeRequest),
+        Validate(csi::ValidateVolumeCapabilitiesRequest),
+        Capabilities,
+        Publish(csi::ControllerPublishVolumeRequest),
+        Unpublish(csi::ControllerUnpublishVolumeRequest),
+        Modify(csi::ControllerModifyVolumeRequest),
+        SnapCreate(csi::CreateSnapshotRequest),
+        SnapDelete(csi::DeleteSnapshotRequest),
+        SnapList(csi::ListSnapshotsRequest, bool),
+        SnapGet(csi::GetSnapshotRequest),
+    }
+    let req = match cmd {
+        C::Create {
+            name,
+            size,
+            limit,
+            cap,
+            params,
+            mutable_params,
+            secrets,
+            topology: topo,
+            source_snapshot,
+            source_volume,
+        } => {
+            use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+            let content = match (source_snapshot, source_volume) {
+                (Some(s), _) => Some(Type::Snapshot(SnapshotSource { snapshot_id: s })),
+                (None, Some(v)) => Some(Type::Volume(VolumeSource { volume_id: v })),
+                (None, None) => None,
+            };
+            Req::Create(csi::CreateVolumeRequest {
+                name,
+                capacity_range: capacity(size, limit)?,
+                volume_capabilities: vec![cap.build()],
+                parameters: map(&params, "--param")?,
+                secrets: map(&secrets, "--secret")?,
+                volume_content_source: content
+                    .map(|t| csi::VolumeContentSource { r#type: Some(t) }),
+                accessibility_requirements: topology(&topo)?.map(|t| csi::TopologyRequirement {
+                    requisite: vec![t.clone()],
+                    preferred: vec![t],
+                }),
+                mutable_parameters: map(&mutable_params, "--mutable-param")?,
+            })
+        }
+        C::Delete { volume_id, secrets } => Req::Delete(csi::DeleteVolumeRequest {
+            volume_id,
+            secrets: map(&secrets, "--secret")?,
+        }),
+        C::Get { volume_id } => Req::Get(csi::ControllerGetVolumeRequest { volume_id }),
+        C::List {
+            max_entries,
+            starting_token,
+            all,
+        } => {
+            if max_entries.is_some_and(|m| m < 0) {
+                return Err(CliError::Usage("--max-entries must not be negative".into()));
+            }
+            Req::List(
+                csi::ListVolumesRequest {
+                    max_entries: max_entries.unwrap_or(0),
+                    starting_token: starting_token.unwrap_or_default(),
+                },
+                all,
+            )
+        }
+        C::Capacity {
+            cap,
+            params,
+            topology: topo,
+        } => Req::Capacity(csi::GetCapacityRequest {
+            volume_capabilities: cap.optional().into_iter().collect(),
+            parameters: map(&params, "--param")?,
+            accessible_topology: topology(&topo)?,
+        }),
+        C::Expand {
+            volume_id,
+            size,
+            limit,
+            cap,
+            secrets,
+        } => Req::Expand(csi::ControllerExpandVolumeRequest {
+            volume_id,
+            capacity_range: capacity(Some(size), limit)?,
+            secrets: map(&secrets, "--secret")?,
+            volume_capability: cap.optional(),
+        }),
+        C::Validate {
+            volume_id,
+            cap,
+            volume_context,
+            params,
+            mutable_params,
+            secrets,
+        } => Req::Validate(csi::ValidateVolumeCapabilitiesRequest {
+            volume_id,
+            volume_context: map(&volume_context, "--volume-context")?,
+            volume_capabilities: vec![cap.build()],
+            parameters: map(&params, "--param")?,
+            secrets: map(&secrets, "--secret")?,
+            mutable_parameters: map(&mutable_params, "--mutable-param")?,
+        }),
+        C::Capabilities => Req::Capabilities,
+        C::Publish {
+            volume_id,
+            node_id,
+            cap,
+            readonly,
+            volume_context,
+            secrets,
+        } => Req::Publish(csi::ControllerPublishVolumeRequest {
+            volume_id,
+            node_id,
+            volume_capability: Some(cap.build()),
+            readonly,
+            secrets: map(&secrets, "--secret")?,
+            volume_context: map(&volume_context, "--volume-context")?,
+        }),
+        C::Unpublish {
+            volume_id,
+            node_id,
+            secrets,
+        } => Req::Unpublish(csi::ControllerUnpublishVolumeRequest {
+            volume_id,
+            node_id,
+            secrets: map(&secrets, "--secret")?,
+        }),
+        C::Modify {
+            volume_id,
+            mutable_params,
+            secrets,
+        } => Req::Modify(csi::ControllerModifyVolumeRequest {
+            volume_id,
+            secrets: map(&secrets, "--secret")?,
+            mutable_parameters: map(&mutable_params, "--mutable-param")?,
+        }),
+        C::SnapshotCreate {
+            source_volume,
+            name,
+            params,
+            secrets,
+        } => Req::SnapCreate(csi::CreateSnapshotRequest {
+            source_volume_id: source_volume,
+            name,
+            secrets: map(&secrets, "--secret")?,
+            parameters: map(&params, "--param")?,
+        }),
+        C::SnapshotDelete {
+            snapshot_id,
+            secrets,
+        } => Req::SnapDelete(csi::DeleteSnapshotRequest {
+            snapshot_id,
+            secrets: map(&secrets, "--secret")?,
+        }),
+        C::SnapshotList {
+            max_entries,
+            starting_token,
+            source_volume,
+            snapshot_id,
+            secrets,
+            all,
+        } => {
+            if max_entries.is_some_and(|m| m < 0) {
+                return Err(CliError::Usage("--max-entries must not be negative".into()));
+            }
+            Req::SnapList(
+                csi::ListSnapshotsRequest {
+                    max_entries: max_entries.unwrap_or(0),
+                    starting_token: starting_token.unwrap_or_default(),
+                    source_volume_id: source_volume.unwrap_or_default(),
+                    snapshot_id: snapshot_id.unwrap_or_default(),
+                    secrets: map(&secrets, "--secret")?,
+                },
+                all,
+            )
+        }
+        C::SnapshotGet {
+            snapshot_id,
+            secrets,
+        } => Req::SnapGet(csi::GetSnapshotRequest {
+            snapshot_id,
+            secrets: map(&secrets, "--secret")?,
+        }),
+    };
+
+    let c = Csi::connect(ep, timeout).await?;
+    match req {
+        Req::Create(r) => emit(out, &c.create_volume(r).await?, ""),
+        Req::Delete(r) => {
+            let id = r.volume_id.clone();
+            emit(
+                out,
+                &c.delete_volume(r).await?,
+                &format!("volume {id} deleted"),
+            )
+        }
+        Req::Get(r) => emit(out, &c.controller_get_volume(r).await?, ""),
+        Req::List(r, true) => emit(
+            out,
+            &c.list_all_volumes(r.max_entries, r.starting_token).await?,
+            "",
+        ),
+        Req::List(r, false) => emit(out, &c.list_volumes(r).await?, ""),
+        Req::Capacity(r) => emit(out, &c.get_capacity(r).await?, ""),
+        Req::Expand(r) => emit(out, &c.controller_expand_volume(r).await?, ""),
+        Req::Validate(r) => emit(out, &c.validate_volume_capabilities(r).await?, ""),
+        Req::Capabilities => emit(
+            out,
+            &c.controller_get_capabilities(Default::default()).await?,
+            "",
+        ),
+        Req::Publish(r) => emit(out, &c.controller_publish_volume(r).await?, ""),
+        Req::Unpublish(r) => {
+            let id = r.volume_id.clone();
+            emit(
+                out,
+                &c.controller_unpublish_volume(r).await?,
+                &format!("volume {id} unpublished"),
+            )
+        }
+        Req::Modify(r) => {
+            let id = r.volume_id.clone();
+            emit(
+                out,
+                &c.controller_modify_volume(r).await?,
+                &format!("volume {id} modified"),
+            )
+        }
+        Req::SnapCreate(r) => emit(out, &c.create_snapshot(r).await?, ""),
+        Req::SnapDelete(r) => {
+            let id = r.snapshot_id.clone();
+            emit(
+                out,
+                &c.delete_snapshot(r).await?,
+                &format!("snapshot {id} deleted"),
+            )
+        }
+        Req::SnapList(r, true) => emit(out, &c.list_all_snapshots(r).await?, ""),
+        Req::SnapList(r, false) => emit(out, &c.list_snapshots(r).await?, ""),
+        Req::SnapGet(r) => emit(out, &c.get_snapshot(r).await?, ""),
+    }
+    Ok(())
+}
+
+async fn node(
+    ep: &Endpoint,
+    timeout: Duration,
+    cmd: NodeCmd,
+    out: OutputFormat,
+) -> Result<(), CliError> {
+    use NodeCmd as N;
+    enum Req {
+        Stage(csi::NodeStageVolumeRequest),
+        Unstage(csi::NodeUnstageVolumeRequest),
+        Publish(csi::NodePublishVolumeRequest),
+        Unpublish(csi::NodeUnpublishVolumeRequest),
+        Stats(csi::NodeGetVolumeStatsRequest),
+        Expand(csi::NodeExpandVolumeRequest),
+        Capabilities,
+        Info,
+    }
+    let req = match cmd {
+        N::Stage {
+            volume_id,
+            staging_path,
+            cap,
+            publish_context,
+            volume_context,
+            secrets,
+        } => Req::Stage(csi::NodeStageVolumeRequest {
+            volume_id,
+            publish_context: map(&publish_context, "--publish-context")?,
+            staging_target_path: path_str(&staging_path)?,
+            volume_capability: Some(cap.build()),
+            secrets: map(&secrets, "--secret")?,
+            volume_context: map(&volume_context, "--volume-context")?,
+        }),
+        N::Unstage {
+            volume_id,
+            staging_path,
+        } => Req::Unstage(csi::NodeUnstageVolumeRequest {
+            volume_id,
+            staging_target_path: path_str(&staging_path)?,
+        }),
+        N::Publish {
+            volume_id,
+            target_path,
+            staging_path,
+            cap,
+            readonly,
+            publish_context,
+            volume_context,
+            secrets,
+            defer_fs_ops,
+        } => Req::Publish(csi::NodePublishVolumeRequest {
+            volume_id,
+            publish_context: map(&publish_context, "--publish-context")?,
+            staging_target_path: opt_path(&staging_path)?,
+            target_path: path_str(&target_path)?,
+            volume_capability: Some(cap.build()),
+            readonly,
+            secrets: map(&secrets, "--secret")?,
+            volume_context: map(&volume_context, "--volume-context")?,
+            defer_fs_ops,
+        }),
+        N::Unpublish {
+            volume_id,
+            target_path,
+            defer_fs_ops,
+        } => Req::Unpublish(csi::NodeUnpublishVolumeRequest {
+            volume_id,
+            target_path: path_str(&target_path)?,
+            defer_fs_ops,
+        }),
+        N::Stats {
+            volume_id,
+            volume_path,
+            staging_path,
+            defer_fs_ops,
+        } => Req::Stats(csi::NodeGetVolumeStatsRequest {
+            volume_id,
+            volume_path: path_str(&volume_path)?,
+            staging_target_path: opt_path(&staging_path)?,
+            defer_fs_ops,
+        }),
+        N::Expand {
+            volume_id,
+            volume_path,
+            size,
+            limit,
+            staging_path,
+            cap,
+            secrets,
+            defer_fs_ops,
+        } => Req::Expand(csi::NodeExpandVolumeRequest {
+            volume_id,
+            volume_path: path_str(&volume_path)?,
+            capacity_range: capacity(size, limit)?,
+            staging_target_path: opt_path(&staging_path)?,
+            // kubelet always sends the capability; so do we.
+            volume_capability: Some(cap.build()),
+            secrets: map(&secrets, "--secret")?,
+            defer_fs_ops,
+        }),
+        N::Capabilities => Req::Capabilities,
+        N::Info => Req::Info,
+    };
+
+    let c = Csi::connect(ep, timeout).await?;
+    match req {
+        Req::Stage(r) => {
+            let msg = format!("volume {} staged at {}", r.volume_id, r.staging_target_path);
+            emit(out, &c.node_stage_volume(r).await?, &msg)
+        }
+        Req::Unstage(r) => {
+            let msg = format!(
+                "volume {} unstaged from {}",
+                r.volume_id, r.staging_target_path
+            );
+            emit(out, &c.node_unstage_volume(r).await?, &msg)
+        }
+        Req::Publish(r) => {
+            let msg = format!(
+                "volume {} published at {}{}",
+                r.volume_id,
+                r.target_path,
+                if r.defer_fs_ops {
+                    " (filesystem deferred to the runtime)"
+                } else {
+                    ""
+                }
+            );
+            emit(out, &c.node_publish_volume(r).await?, &msg)
+        }
+        Req::Unpublish(r) => {
+            let msg = format!("volume {} unpublished from {}", r.volume_id, r.target_path);
+            emit(out, &c.node_unpublish_volume(r).await?, &msg)
+        }
+        Req::Stats(r) => emit(out, &c.node_get_volume_stats(r).await?, ""),
+        Req::Expand(r) => emit(out, &c.node_expand_volume(r).await?, ""),
+        Req::Capabilities => emit(out, &c.node_get_capabilities(Default::default()).await?, ""),
+        Req::Info => emit(out, &c.node_get_info(Default::default()).await?, ""),
+    }
+    Ok(())
+}
+
+async fn bench_cmd(
+    ep: &Endpoint,
+    timeout: Duration,
+    a: BenchArgs,
+    out: OutputFormat,
+) -> Result<ExitCode, CliError> {
+    let limit = match (a.duration, a.ops) {
+        (Some(d), _) => Limit::Duration(d),
+        (None, Some(n)) => Limit::Ops(n),
+        (None, None) => Limit::Ops(100),
+    };
+    let mut scenarios = Vec::new();
+    for s in a.scenarios {
+        if !scenarios.contains(&s) {
+            scenarios.push(s);
+        }
+    }
+    let config = BenchConfig {
+        scenarios,
+        concurrency: a.concurrency as usize,
+        limit,
+        size: a.size,
+        capability: a.cap.build(),
+        params: map(&a.params, "--param")?,
+        secrets: map(&a.secrets, "--secret")?,
+        staging_dir: a.staging_dir,
+        target_dir: a.target_dir,
+        stats_volumes: a.stats_volumes as usize,
+        defer_fs_ops: a.defer_fs_ops,
+        cleanup_retries: a.cleanup_retries,
+        run_id: None,
+    };
+    let c = Csi::connect(ep, timeout).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // First Ctrl-C/SIGTERM: stop starting work and clean up. Second: leave now.
+    let signals = tokio::spawn(async move {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        interrupted(&mut term).await;
+        eprintln!("interrupted: cleaning up (interrupt again to abort cleanup)");
+        let _ = stop_tx.send(true);
+        interrupted(&mut term).await;
+        eprintln!("cleanup aborted; resources may be left behind");
+        std::process::exit(EXIT_INTERRUPTED as i32);
+    });
+    let report = bench::run_bench(&c, config, stop_rx).await;
+    signals.abort();
+    let report = report?;
+    emit(out, &report, "");
+    if !report.cleanup.leftovers.is_empty() {
+        eprintln!(
+            "error: cleanup left {} item(s) behind (listed in the report)",
+            report.cleanup.leftovers.len()
+        );
+        return Ok(ExitCode::from(EXIT_FAILURE));
+    }
+    if report.interrupted {
+        return Ok(ExitCode::from(EXIT_INTERRUPTED));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Waits for Ctrl-C or SIGTERM.
+async fn interrupted(term: &mut Option<tokio::signal::unix::Signal>) {
+    match term {
+        Some(t) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = t.recv() => {}
+            }
+        }
+        None => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn capability_from_flags() {
+        let cli = Cli::try_parse_from([
+            "crustctl",
+            "node",
+            "publish",
+            "v1",
+            "--target-path",
+            "/t",
+            "--fs-type",
+            "xfs",
+            "--supplemental-group",
+            "100",
+            "--supplemental-group-change-policy",
+            "onrootmismatch",
+            "--access-mode",
+            "single-node-multi-writer",
+        ])
+        .unwrap();
+        let Command::Node(NodeCmd::Publish { cap, .. }) = cli.command else {
+            panic!("wrong command")
+        };
+        let c = cap.build();
+        let Some(AccessType::Mount(m)) = c.access_type else {
+            panic!("not a mount")
+        };
+        assert_eq!(m.fs_type, "xfs");
+        assert_eq!(m.volume_supplemental_group, "100");
+        assert_eq!(m.volume_supplemental_group_change_policy, "OnRootMismatch");
+        assert_eq!(
+            c.access_mode.unwrap().mode,
+            Mode::SingleNodeMultiWriter as i32
+        );
+    }
+
+    #[test]
+    fn usage_errors() {
+        for bad in [
+            vec![
+                "crustctl",
+                "controller",
+                "create",
+                "--name",
+                "x",
+                "--size",
+                "1GB",
+            ],
+            vec![
+                "crustctl",
+                "controller",
+                "create",
+                "--name",
+                "x",
+                "--block",
+                "--fs-type",
+                "ext4",
+            ],
+            vec![
+                "crustctl",
+                "controller",
+                "create",
+                "--name",
+                "x",
+                "--param",
+                "novalue",
+            ],
+            vec![
+                "crustctl",
+                "node",
+                "publish",
+                "v",
+                "--target-path",
+                "/t",
+                "--supplemental-group",
+                "abc",
+            ],
+            vec![
+                "crustctl",
+                "--endpoint",
+                "relative.sock",
+                "identity",
+                "info",
+            ],
+            vec!["crustctl", "--timeout", "0s", "identity", "info"],
+            vec!["crustctl", "bench", "--scenarios", "nope"],
+            vec!["crustctl", "bench", "--ops", "5", "--duration", "1s"],
+        ] {
+            let e = Cli::try_parse_from(&bad).unwrap_err();
+            assert_eq!(e.exit_code(), EXIT_USAGE as i32, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn limit_below_size_is_a_usage_error() {
+        let e = capacity(Some(10), Some(5)).unwrap_err();
+        assert!(matches!(e, CliError::Usage(_)));
+        assert_eq!(capacity(None, None).unwrap(), None);
+    }
+
+    #[test]
+    fn grpc_error_text() {
+        let e = CliError::from(tonic::Status::not_found("volume x"));
+        assert_eq!(e.to_string(), "NotFound: volume x");
+        assert_eq!(e.exit_code(), ExitCode::from(EXIT_FAILURE));
+    }
+}

@@ -1,0 +1,277 @@
+#!/usr/bin/env bash
+# Builds the crust guest image from Debian packages and the crust-agent:
+#   <out>/vmlinuz            the linux-image-cloud-amd64 kernel
+#   <out>/initramfs.cpio.gz  busybox, fs tools, kernel modules, crust-agent
+# <out> is target/guest-image (or $CRUST_GUEST_DIR, or --out DIR).
+# Skips the rebuild when a sha256 over every input matches the stamp.
+set -euo pipefail
+
+usage() {
+	cat <<'EOF'
+usage: guest/build-image.sh [--out DIR] [--force]
+  --out DIR   output directory (default: $CRUST_GUEST_DIR or <repo>/target/guest-image)
+  --force     rebuild even when the stamp matches
+Needs the Debian packages linux-image-cloud-amd64 busybox-static e2fsprogs
+xfsprogs cpio (and gzip), plus cargo. Honours CARGO_TARGET_DIR.
+EOF
+}
+
+die() {
+	echo "build-image: error: $*" >&2
+	exit 1
+}
+say() { echo "build-image: $*"; }
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${CRUST_GUEST_DIR:-$ROOT/target/guest-image}
+FORCE=0
+while [ $# -gt 0 ]; do
+	case $1 in
+	--out)
+		[ $# -ge 2 ] || die "--out needs a directory"
+		OUT=$2
+		shift 2
+		;;
+	--out=*)
+		OUT=${1#--out=}
+		shift
+		;;
+	--force)
+		FORCE=1
+		shift
+		;;
+	-h | --help)
+		usage
+		exit 0
+		;;
+	*)
+		usage >&2
+		die "unknown argument: $1"
+		;;
+	esac
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+# Sbin dirs are not on every user's PATH.
+export PATH="$PATH:/usr/sbin:/sbin"
+
+# A file the image needs; missing means its package is not installed.
+need() {
+	[ -e "$1" ] || die "$1 is missing: install the Debian package '$2' (apt-get install -y $2)"
+}
+# Absolute path of a tool from a package.
+tool() {
+	local p
+	p=$(command -v "$1" 2>/dev/null) || die "$1 not found: install the Debian package '$2' (apt-get install -y $2)"
+	echo "$p"
+}
+pkg_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo "not-from-dpkg"; }
+
+command -v cpio >/dev/null || die "cpio not found: install the Debian package 'cpio'"
+command -v gzip >/dev/null || die "gzip not found: install the Debian package 'gzip'"
+command -v cargo >/dev/null || die "cargo not found (needed to build crust-agent)"
+
+# --- kernel -----------------------------------------------------------------
+KVER=${CRUST_GUEST_KERNEL_VERSION:-}
+if [ -z "$KVER" ]; then
+	# The metapackage names the exact kernel it pulls in.
+	KVER=$(dpkg-query -W -f='${Depends}' linux-image-cloud-amd64 2>/dev/null |
+		grep -o 'linux-image-[^ ,(]*-cloud-amd64' | head -n1 | sed 's/^linux-image-//' || true)
+fi
+if [ -z "$KVER" ]; then
+	KVER=$(find /boot -maxdepth 1 -name 'vmlinuz-*-cloud-amd64' 2>/dev/null |
+		sed 's|.*/vmlinuz-||' | sort -V | tail -n1)
+fi
+[ -n "$KVER" ] || die "no cloud kernel found: install the Debian package 'linux-image-cloud-amd64'"
+VMLINUZ=/boot/vmlinuz-$KVER
+MODDIR=/lib/modules/$KVER
+need "$VMLINUZ" linux-image-cloud-amd64
+need "$MODDIR/modules.dep" linux-image-cloud-amd64
+KCONFIG=/boot/config-$KVER
+
+# --- user space from packages ---------------------------------------------------
+BUSYBOX=/bin/busybox
+need "$BUSYBOX" busybox-static
+if ldd "$BUSYBOX" 2>&1 | grep -q '=>'; then
+	die "$BUSYBOX is dynamically linked: install the Debian package 'busybox-static'"
+fi
+E2FSCK=$(tool e2fsck e2fsprogs)
+RESIZE2FS=$(tool resize2fs e2fsprogs)
+XFS_GROWFS=$(tool xfs_growfs xfsprogs)
+
+# --- agent --------------------------------------------------------------------
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+TRIPLE=x86_64-unknown-linux-gnu
+say "building crust-agent (static glibc, profile agent)"
+(
+	cd "$ROOT"
+	# --target keeps build scripts and proc macros off the static flag.
+	RUSTFLAGS="-C target-feature=+crt-static" \
+		cargo build --quiet --profile agent -p crust-agent --target "$TRIPLE"
+)
+AGENT=$TARGET_DIR/$TRIPLE/agent/crust-agent
+[ -x "$AGENT" ] || die "cargo did not produce $AGENT"
+if ldd "$AGENT" 2>&1 | grep -q '=>'; then
+	die "$AGENT is dynamically linked (is libc6-dev installed? it provides libc.a)"
+fi
+
+# --- kernel modules -------------------------------------------------------------
+# Wanted as modules unless built in; dependencies come from modules.dep.
+WANT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console ext4 xfs"
+# PCI hot-plug: built in on Debian's cloud kernel; taken along if modular.
+HOTPLUG_MODULES="pciehp acpiphp"
+
+norm() { echo "$1" | tr '-' '_'; }
+declare -A MODPATH MODDEPS BUILTIN
+while IFS= read -r line; do
+	rel=${line%%:*}
+	name=$(basename "$rel")
+	name=$(norm "${name%%.ko*}")
+	MODPATH[$name]=$rel
+	deps=""
+	for d in ${line#*:}; do
+		dn=$(basename "$d")
+		deps="$deps $(norm "${dn%%.ko*}")"
+	done
+	MODDEPS[$name]=$deps
+done <"$MODDIR/modules.dep"
+if [ -f "$MODDIR/modules.builtin" ]; then
+	while IFS= read -r rel; do
+		name=$(basename "$rel")
+		BUILTIN[$(norm "${name%%.ko*}")]=1
+	done <"$MODDIR/modules.builtin"
+fi
+
+declare -A SEEN
+ORDER=()
+# Depth-first: dependencies before the module (virtio_ring before virtio).
+visit() {
+	local m=$1 d
+	[ -n "${SEEN[$m]:-}" ] && return 0
+	SEEN[$m]=1
+	for d in ${MODDEPS[$m]}; do visit "$d"; done
+	ORDER+=("$m")
+}
+for m in $WANT_MODULES; do
+	m=$(norm "$m")
+	if [ -n "${MODPATH[$m]:-}" ]; then
+		visit "$m"
+	elif [ -n "${BUILTIN[$m]:-}" ]; then
+		:
+	else
+		die "kernel module $m is neither in $MODDIR/modules.dep nor built in (linux-image-cloud-amd64 changed?)"
+	fi
+done
+for m in $HOTPLUG_MODULES; do
+	m=$(norm "$m")
+	[ -n "${MODPATH[$m]:-}" ] && visit "$m"
+done
+if [ -f "$KCONFIG" ] && ! grep -Eq '^CONFIG_HOTPLUG_PCI_(PCIE|ACPI)=[ym]' "$KCONFIG"; then
+	die "$KCONFIG has neither PCIe nor ACPI PCI hot-plug"
+fi
+
+# --- cache key -------------------------------------------------------------------
+KEY=$(
+	{
+		echo "format 1"
+		sha256sum "${BASH_SOURCE[0]}" "$AGENT" "$VMLINUZ" | cut -d' ' -f1
+		echo "kernel $KVER $(pkg_version "linux-image-$KVER")"
+		for p in busybox-static e2fsprogs xfsprogs libc6 liburcu8; do echo "$p $(pkg_version $p)"; done
+		echo "modules ${ORDER[*]}"
+	} | sha256sum | cut -d' ' -f1
+)
+STAMP=$OUT/.stamp
+if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] &&
+	[ -f "$OUT/vmlinuz" ] && [ -f "$OUT/initramfs.cpio.gz" ]; then
+	say "up to date in $OUT (key ${KEY:0:12}); nothing rebuilt"
+	exit 0
+fi
+
+# --- stage the root filesystem --------------------------------------------------
+STAGE=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-image.XXXXXX")
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE"/{bin,sbin,usr/bin,usr/sbin,lib,lib64,etc,proc,sys,dev,run,tmp,mnt,root,lib/modules}
+chmod 1777 "$STAGE/tmp"
+
+cp "$BUSYBOX" "$STAGE/bin/busybox"
+for applet in $("$BUSYBOX" --list); do
+	[ -e "$STAGE/bin/$applet" ] || ln -s busybox "$STAGE/bin/$applet"
+done
+
+# Copies a dynamically linked program and the libraries ldd names.
+add_prog() {
+	local src=$1 dst=$2 lib
+	cp -L "$src" "$STAGE$dst"
+	for lib in $(ldd "$src" | awk '/=> \//{print $3} /^\t\/lib/{print $1}'); do
+		if [ ! -e "$STAGE$lib" ]; then
+			mkdir -p "$STAGE$(dirname "$lib")"
+			cp -L "$lib" "$STAGE$lib"
+		fi
+	done
+}
+add_prog "$E2FSCK" /usr/sbin/e2fsck
+add_prog "$RESIZE2FS" /usr/sbin/resize2fs
+add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
+cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
+
+: >"$STAGE/etc/modules.load"
+for m in "${ORDER[@]}"; do
+	src=$MODDIR/${MODPATH[$m]}
+	case $src in
+	*.ko) cp "$src" "$STAGE/lib/modules/$m.ko" ;;
+	*.ko.xz) xz -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
+	*.ko.zst) zstd -qdc "$src" >"$STAGE/lib/modules/$m.ko" ;;
+	*.ko.gz) gzip -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
+	*) die "unknown module format: $src" ;;
+	esac
+	echo "$m" >>"$STAGE/etc/modules.load"
+done
+
+ln -s /proc/self/mounts "$STAGE/etc/mtab"
+printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$STAGE/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' >"$STAGE/etc/group"
+# The kernel opens /dev/console before devtmpfs is mounted.
+mknod -m 600 "$STAGE/dev/console" c 5 1 2>/dev/null || true
+
+cat >"$STAGE/init" <<'EOF'
+#!/bin/sh
+# crust guest init. Stays PID 1 (reaping orphans while it waits) and keeps
+# crust-agent running; the agent powers the VM off on Shutdown.
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+mount -t proc -o nosuid,nodev,noexec proc /proc
+mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
+mount -t devtmpfs -o nosuid devtmpfs /dev
+exec </dev/null >/dev/console 2>&1
+mkdir -p /dev/pts /dev/shm /run/crust
+mount -t tmpfs -o nosuid,nodev tmpfs /tmp
+while read -r m; do
+	insmod "/lib/modules/$m.ko" || echo "init: loading module $m failed"
+done </etc/modules.load
+hostname crust
+echo "init: modules loaded, starting crust-agent"
+while :; do
+	/usr/sbin/crust-agent
+	echo "init: crust-agent exited ($?); restarting"
+	sleep 1
+done
+EOF
+chmod 755 "$STAGE/init"
+
+# --- pack -------------------------------------------------------------------------
+(
+	cd "$STAGE"
+	find . -print0 | LC_ALL=C sort -z |
+		cpio --null --create --format=newc --owner=0:0 --reproducible --quiet
+) | gzip -9 -n >"$OUT/initramfs.cpio.gz.tmp"
+cp "$VMLINUZ" "$OUT/vmlinuz.tmp"
+mv -f "$OUT/initramfs.cpio.gz.tmp" "$OUT/initramfs.cpio.gz"
+mv -f "$OUT/vmlinuz.tmp" "$OUT/vmlinuz"
+echo "$KEY" >"$STAMP.tmp"
+mv -f "$STAMP.tmp" "$STAMP"
+
+say "built $OUT (key ${KEY:0:12})"
+say "  kernel   $KVER  $(du -h "$OUT/vmlinuz" | cut -f1)"
+say "  initrd   $(du -h "$OUT/initramfs.cpio.gz" | cut -f1) compressed, $(du -sh "$STAGE" | cut -f1) unpacked"
+say "  agent    $(du -h "$AGENT" | cut -f1) ($AGENT)"
+say "  modules  ${ORDER[*]}"

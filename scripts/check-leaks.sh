@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fails when a test run left loop devices, test mounts or QEMU processes.
+set -uo pipefail
+status=0
+loops=$(losetup -a 2>/dev/null || true)
+if [ -n "$loops" ]; then
+  echo "leak: loop devices still attached:" >&2
+  echo "$loops" >&2
+  status=1
+fi
+mnts=$(grep -E ' /(tmp|run/crust|var/run/crust|var/lib/kubelet)' /proc/mounts || true)
+if [ -n "$mnts" ]; then
+  echo "leak: test mounts still present:" >&2
+  echo "$mnts" >&2
+  status=1
+fi
+if pgrep -x qemu-system-x86_64 >/dev/null 2>&1; then
+  echo "leak: QEMU processes still running:" >&2
+  pgrep -a -x qemu-system-x86_64 >&2
+  status=1
+fi
+[ $status = 0 ] && echo "no leftovers: no loop device, test mount or QEMU process"
+exit $status

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command: builds every binary and the guest image (cached), runs
+# the whole workspace's tests, then fails if anything was left behind.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" != 0 ]; then
+  echo "the tests need root (loop devices, mounts, QEMU): run as root" >&2
+  exit 1
+fi
+
+export CI="${CI:-true}"
+cargo build --workspace --bins --locked 2>&1 | tail -n 3
+bash guest/build-image.sh
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --no-fail-fast --test-threads 2
+else
+  cargo test --workspace --locked --no-fail-fast -- --test-threads 2
+fi
+
+bash scripts/check-leaks.sh
