@@ -117,30 +117,27 @@ if ldd "$AGENT" 2>&1 | grep -q '=>'; then
 fi
 
 # --- kernel modules -------------------------------------------------------------
-# Wanted as modules unless built in; dependencies come from modules.dep.
-WANT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console ext4 xfs"
+# Loaded by /init: the disk, console and hot-plug drivers.
+BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console"
 # PCI hot-plug: built in on Debian's cloud kernel; taken along if modular.
 HOTPLUG_MODULES="pciehp acpiphp"
+# Filesystems, loaded by the agent on first mount (xfs.ko alone costs over a
+# second of boot under TCG). Built-in ones need nothing.
+FS_MODULES="ext4 xfs"
 
 norm() { echo "$1" | tr '-' '_'; }
 declare -A MODPATH MODDEPS BUILTIN
-while IFS= read -r line; do
-	rel=${line%%:*}
-	name=$(basename "$rel")
-	name=$(norm "${name%%.ko*}")
+# One awk pass (not a subshell per line): "name path dep-names...".
+modname_awk='function mod(p) { sub(/.*\//, "", p); sub(/\.ko.*/, "", p); gsub(/-/, "_", p); return p }'
+while read -r name rel deps; do
 	MODPATH[$name]=$rel
-	deps=""
-	for d in ${line#*:}; do
-		dn=$(basename "$d")
-		deps="$deps $(norm "${dn%%.ko*}")"
-	done
 	MODDEPS[$name]=$deps
-done <"$MODDIR/modules.dep"
+done < <(awk "$modname_awk"'
+	{ rel = $1; sub(/:$/, "", rel); line = mod(rel) " " rel
+	  for (i = 2; i <= NF; i++) line = line " " mod($i)
+	  print line }' "$MODDIR/modules.dep")
 if [ -f "$MODDIR/modules.builtin" ]; then
-	while IFS= read -r rel; do
-		name=$(basename "$rel")
-		BUILTIN[$(norm "${name%%.ko*}")]=1
-	done <"$MODDIR/modules.builtin"
+	while read -r name; do BUILTIN[$name]=1; done < <(awk "$modname_awk"'{ print mod($1) }' "$MODDIR/modules.builtin")
 fi
 
 declare -A SEEN
@@ -153,20 +150,34 @@ visit() {
 	for d in ${MODDEPS[$m]}; do visit "$d"; done
 	ORDER+=("$m")
 }
-for m in $WANT_MODULES; do
-	m=$(norm "$m")
+# Module or built in; anything else means the kernel package changed.
+require_module() {
+	local m
+	m=$(norm "$1")
 	if [ -n "${MODPATH[$m]:-}" ]; then
 		visit "$m"
-	elif [ -n "${BUILTIN[$m]:-}" ]; then
-		:
-	else
+	elif [ -z "${BUILTIN[$m]:-}" ]; then
 		die "kernel module $m is neither in $MODDIR/modules.dep nor built in (linux-image-cloud-amd64 changed?)"
 	fi
-done
+}
+for m in $BOOT_MODULES; do require_module "$m"; done
 for m in $HOTPLUG_MODULES; do
 	m=$(norm "$m")
 	[ -n "${MODPATH[$m]:-}" ] && visit "$m"
 done
+BOOT_ORDER=("${ORDER[@]}")
+declare -A BOOT_SEEN FS_ORDER
+for k in "${!SEEN[@]}"; do BOOT_SEEN[$k]=1; done
+for fs in $FS_MODULES; do
+	# Each list stands alone: shared dependencies appear in both.
+	SEEN=()
+	for k in "${!BOOT_SEEN[@]}"; do SEEN[$k]=1; done
+	ORDER=()
+	require_module "$fs"
+	FS_ORDER[$fs]="${ORDER[*]}"
+done
+ALL_MODULES="${BOOT_ORDER[*]}"
+for fs in $FS_MODULES; do ALL_MODULES="$ALL_MODULES ${FS_ORDER[$fs]}"; done
 if [ -f "$KCONFIG" ] && ! grep -Eq '^CONFIG_HOTPLUG_PCI_(PCIE|ACPI)=[ym]' "$KCONFIG"; then
 	die "$KCONFIG has neither PCIe nor ACPI PCI hot-plug"
 fi
@@ -178,7 +189,7 @@ KEY=$(
 		sha256sum "${BASH_SOURCE[0]}" "$AGENT" "$VMLINUZ" | cut -d' ' -f1
 		echo "kernel $KVER $(pkg_version "linux-image-$KVER")"
 		for p in busybox-static e2fsprogs xfsprogs libc6 liburcu8; do echo "$p $(pkg_version $p)"; done
-		echo "modules ${ORDER[*]}"
+		echo "modules ${BOOT_ORDER[*]} | ${ALL_MODULES}"
 	} | sha256sum | cut -d' ' -f1
 )
 STAMP=$OUT/.stamp
@@ -190,6 +201,8 @@ fi
 
 # --- stage the root filesystem --------------------------------------------------
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-image.XXXXXX")
+# mktemp makes it 0700; it becomes the guest's /.
+chmod 755 "$STAGE"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE"/{bin,sbin,usr/bin,usr/sbin,lib,lib64,etc,proc,sys,dev,run,tmp,mnt,root,lib/modules}
 chmod 1777 "$STAGE/tmp"
@@ -215,9 +228,9 @@ add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
 cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
 
-: >"$STAGE/etc/modules.load"
-for m in "${ORDER[@]}"; do
-	src=$MODDIR/${MODPATH[$m]}
+# Decompressed here so the guest needs no xz/zstd.
+add_module() {
+	local m=$1 src=$MODDIR/${MODPATH[$1]}
 	case $src in
 	*.ko) cp "$src" "$STAGE/lib/modules/$m.ko" ;;
 	*.ko.xz) xz -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
@@ -225,7 +238,21 @@ for m in "${ORDER[@]}"; do
 	*.ko.gz) gzip -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
 	*) die "unknown module format: $src" ;;
 	esac
+}
+# /etc/modules.load: loaded by /init, in order. /etc/modules.d/<fs>: loaded
+# in order by the agent before the first mount of <fs> (empty: built in).
+mkdir -p "$STAGE/etc/modules.d"
+: >"$STAGE/etc/modules.load"
+for m in "${BOOT_ORDER[@]}"; do
+	add_module "$m"
 	echo "$m" >>"$STAGE/etc/modules.load"
+done
+for fs in $FS_MODULES; do
+	: >"$STAGE/etc/modules.d/$fs"
+	for m in ${FS_ORDER[$fs]}; do
+		add_module "$m"
+		echo "$m" >>"$STAGE/etc/modules.d/$fs"
+	done
 done
 
 ln -s /proc/self/mounts "$STAGE/etc/mtab"
@@ -274,4 +301,5 @@ say "built $OUT (key ${KEY:0:12})"
 say "  kernel   $KVER  $(du -h "$OUT/vmlinuz" | cut -f1)"
 say "  initrd   $(du -h "$OUT/initramfs.cpio.gz" | cut -f1) compressed, $(du -sh "$STAGE" | cut -f1) unpacked"
 say "  agent    $(du -h "$AGENT" | cut -f1) ($AGENT)"
-say "  modules  ${ORDER[*]}"
+say "  modules  boot: ${BOOT_ORDER[*]}"
+for fs in $FS_MODULES; do say "           on first $fs mount: ${FS_ORDER[$fs]:-(built in)}"; done

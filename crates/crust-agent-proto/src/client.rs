@@ -259,7 +259,8 @@ impl AgentClient {
 
     /// Sends `req` and waits for its reply with the default timeout.
     pub async fn call<C: Call>(&self, req: C) -> Result<C::Reply, ClientError> {
-        self.call_with_timeout(req, self.inner.default_timeout).await
+        self.call_with_timeout(req, self.inner.default_timeout)
+            .await
     }
 
     /// Sends `req` and waits at most `timeout` (connecting included). The

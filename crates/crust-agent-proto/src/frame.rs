@@ -231,7 +231,10 @@ mod tests {
 
         let partial = [0u8, 0];
         let mut r = &partial[..];
-        assert!(matches!(read_frame_async(&mut r).await, Err(FrameError::Io(_))));
+        assert!(matches!(
+            read_frame_async(&mut r).await,
+            Err(FrameError::Io(_))
+        ));
     }
 
     proptest! {

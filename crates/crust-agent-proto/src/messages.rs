@@ -485,7 +485,10 @@ pub fn parse_request(body: &[u8]) -> Result<Request, (u64, AgentError)> {
         let err = match op {
             Some(op) if !OPERATION_NAMES.contains(&op.as_str()) => AgentError::new(
                 ErrorCode::Unimplemented,
-                format!("unknown operation {op:?} (agent protocol {})", crate::PROTOCOL_VERSION),
+                format!(
+                    "unknown operation {op:?} (agent protocol {})",
+                    crate::PROTOCOL_VERSION
+                ),
             ),
             _ => AgentError::new(ErrorCode::InvalidArgument, format!("bad request: {e}")),
         };
@@ -571,17 +574,23 @@ mod tests {
 
     #[test]
     fn response_wire_shape() {
-        let ok = Response::ok(3, &GrowVolumeReply {
-            device_bytes: 10,
-            fs_total_bytes: 8,
-        });
+        let ok = Response::ok(
+            3,
+            &GrowVolumeReply {
+                device_bytes: 10,
+                fs_total_bytes: 8,
+            },
+        );
         assert_eq!(
             serde_json::to_value(&ok).unwrap(),
             json!({"id": 3, "result": {"device_bytes": 10, "fs_total_bytes": 8}})
         );
         let err = Response::err(4, AgentError::new(ErrorCode::NotFound, "no disk"));
         let v = serde_json::to_value(&err).unwrap();
-        assert_eq!(v, json!({"id": 4, "error": {"code": "not_found", "message": "no disk"}}));
+        assert_eq!(
+            v,
+            json!({"id": 4, "error": {"code": "not_found", "message": "no disk"}})
+        );
         assert_eq!(serde_json::from_value::<Response>(v).unwrap(), err);
         // A code from a newer agent still parses.
         let v = json!({"id": 5, "error": {"code": "brand_new", "message": "?"}});
@@ -615,8 +624,8 @@ mod tests {
         let (id, e) = parse_request(br#"{"id": 12, "op": "teleport", "args": {}}"#).unwrap_err();
         assert_eq!((id, e.code), (12, ErrorCode::Unimplemented));
         assert!(e.message.contains("teleport"));
-        let (id, e) =
-            parse_request(br#"{"id": 13, "op": "mount_volume", "args": {"volume": 1}}"#).unwrap_err();
+        let (id, e) = parse_request(br#"{"id": 13, "op": "mount_volume", "args": {"volume": 1}}"#)
+            .unwrap_err();
         assert_eq!((id, e.code), (13, ErrorCode::InvalidArgument));
         let (id, e) = parse_request(br#"{"id": 14, "op": "mount_volume", "args": {"volume": "v", "serial": "s", "fstype": "btrfs"}}"#).unwrap_err();
         assert_eq!((id, e.code), (14, ErrorCode::InvalidArgument));

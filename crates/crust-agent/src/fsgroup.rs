@@ -32,7 +32,11 @@ pub enum FsGroupError {
         errno: Errno,
     },
     #[error("applying fsGroup {gid} under {root}: deadline exceeded after {entries} entries")]
-    Deadline { gid: u32, root: String, entries: u64 },
+    Deadline {
+        gid: u32,
+        root: String,
+        entries: u64,
+    },
 }
 
 const S_ISGID: u32 = 0o2000;
@@ -80,7 +84,7 @@ impl Walk<'_> {
 
     fn tick(&mut self) -> Result<(), FsGroupError> {
         self.entries += 1;
-        if self.entries % 256 == 0
+        if self.entries.is_multiple_of(256)
             && let Some(d) = self.deadline
             && Instant::now() > d
         {

@@ -193,7 +193,11 @@ fn check_value(option: &str, value: Option<&str>, spec: Value) -> Result<(), Opt
 }
 
 /// Validates `options` for `fstype` and splits them into flags and data.
-pub fn parse(fstype: FsType, options: &[String], readonly: bool) -> Result<ParsedOptions, OptionError> {
+pub fn parse(
+    fstype: FsType,
+    options: &[String],
+    readonly: bool,
+) -> Result<ParsedOptions, OptionError> {
     let mut flags = MountFlags::empty();
     let mut data: Vec<&str> = Vec::new();
     let mut saw_rw = false;
@@ -259,7 +263,14 @@ mod tests {
     fn flags_and_data_split() {
         let r = p(
             FsType::Ext4,
-            &["noatime", "nodiratime", "data=ordered", "errors=remount-ro", "discard", "nosuid"],
+            &[
+                "noatime",
+                "nodiratime",
+                "data=ordered",
+                "errors=remount-ro",
+                "discard",
+                "nosuid",
+            ],
             false,
         )
         .unwrap();
@@ -282,10 +293,20 @@ mod tests {
 
     #[test]
     fn unknown_and_smuggled_options_refused() {
-        for bad in ["suidx", "noatime,suid", "", "data", "mode=0777", "context=x"] {
+        for bad in [
+            "suidx",
+            "noatime,suid",
+            "",
+            "data",
+            "mode=0777",
+            "context=x",
+        ] {
             let e = p(FsType::Ext4, &[bad], false).unwrap_err();
             assert!(
-                matches!(e, OptionError::NotAllowed { .. } | OptionError::BadValue { .. }),
+                matches!(
+                    e,
+                    OptionError::NotAllowed { .. } | OptionError::BadValue { .. }
+                ),
                 "{bad}: {e}"
             );
         }

@@ -114,7 +114,12 @@ pub fn kill_group(child: &mut Child) {
 /// Runs `args` with `env` added to the agent's environment, in its own
 /// process group, stdin from /dev/null, output captured up to `cap` bytes
 /// each. Killed after `timeout`.
-pub fn run(args: &[String], env: &[String], timeout: Duration, cap: usize) -> Result<Output, RunError> {
+pub fn run(
+    args: &[String],
+    env: &[String],
+    timeout: Duration,
+    cap: usize,
+) -> Result<Output, RunError> {
     let (program, rest) = args.split_first().ok_or(RunError::Empty)?;
     let mut cmd = Command::new(program);
     cmd.args(rest)

@@ -73,7 +73,10 @@ fn uptime_ms(fallback: Instant) -> u64 {
 }
 
 fn deadline_err(what: &str) -> AgentError {
-    AgentError::new(ErrorCode::DeadlineExceeded, format!("{what}: deadline exceeded"))
+    AgentError::new(
+        ErrorCode::DeadlineExceeded,
+        format!("{what}: deadline exceeded"),
+    )
 }
 
 impl Agent {
@@ -85,7 +88,8 @@ impl Agent {
     /// reply is out.
     fn handle(&self, req: Request, received: Instant) -> (Response, After) {
         let id = req.id;
-        let deadline = (req.deadline_ms > 0).then(|| received + Duration::from_millis(req.deadline_ms));
+        let deadline =
+            (req.deadline_ms > 0).then(|| received + Duration::from_millis(req.deadline_ms));
         let name = req.op.name();
         if deadline.is_some_and(|d| Instant::now() > d) {
             return (Response::err(id, deadline_err(name)), After::Nothing);
@@ -117,7 +121,11 @@ impl Agent {
                             format!(
                                 "volume {:?} is in use by the running workload at {}; stop the workload first",
                                 u.volume,
-                                dests.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+                                dests
+                                    .iter()
+                                    .map(|d| d.display().to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
                             ),
                         ));
                     }
@@ -130,7 +138,9 @@ impl Agent {
                     serde_json::to_value(self.workloads.start(&s, &self.volumes)?)
                 }
                 Operation::WorkloadStatus(_) => serde_json::to_value(self.workloads.status()),
-                Operation::WorkloadLog(l) => serde_json::to_value(self.workloads.log(l.tail_bytes)?),
+                Operation::WorkloadLog(l) => {
+                    serde_json::to_value(self.workloads.log(l.tail_bytes)?)
+                }
                 Operation::SignalWorkload(s) => {
                     self.workloads.signal(s.signal)?;
                     serde_json::to_value(Empty {})
@@ -139,7 +149,9 @@ impl Agent {
                     let grace = Duration::from_millis(s.timeout_ms);
                     serde_json::to_value(self.workloads.stop(grace))
                 }
-                Operation::Exec(e) => serde_json::to_value(self.exec(&e.args, &e.env, e.timeout_ms, deadline)?),
+                Operation::Exec(e) => {
+                    serde_json::to_value(self.exec(&e.args, &e.env, e.timeout_ms, deadline)?)
+                }
                 Operation::Shutdown(_) => {
                     self.shutdown_prepare();
                     after = After::PowerOff;
@@ -180,10 +192,18 @@ impl Agent {
                 stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
                 truncated: o.truncated,
             }),
-            Err(e @ RunError::Empty) => Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string())),
-            Err(e @ RunError::Spawn { .. }) => Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string())),
-            Err(e @ RunError::Timeout { .. }) => Err(AgentError::new(ErrorCode::DeadlineExceeded, e.to_string())),
-            Err(e @ RunError::Wait { .. }) => Err(AgentError::new(ErrorCode::Internal, e.to_string())),
+            Err(e @ RunError::Empty) => {
+                Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string()))
+            }
+            Err(e @ RunError::Spawn { .. }) => {
+                Err(AgentError::new(ErrorCode::InvalidArgument, e.to_string()))
+            }
+            Err(e @ RunError::Timeout { .. }) => {
+                Err(AgentError::new(ErrorCode::DeadlineExceeded, e.to_string()))
+            }
+            Err(e @ RunError::Wait { .. }) => {
+                Err(AgentError::new(ErrorCode::Internal, e.to_string()))
+            }
         }
     }
 
@@ -258,7 +278,11 @@ fn open_port(cfg: &Config) -> Result<OwnedFd, RunFailure> {
                         return Err(RunFailure::NoPort {
                             name: cfg.port_name.clone(),
                             after: cfg.wait_port,
-                            seen: if seen.is_empty() { "none".into() } else { seen.join(", ") },
+                            seen: if seen.is_empty() {
+                                "none".into()
+                            } else {
+                                seen.join(", ")
+                            },
                         });
                     }
                     Err(_) => {}
@@ -267,11 +291,14 @@ fn open_port(cfg: &Config) -> Result<OwnedFd, RunFailure> {
             }
         }
     };
-    rustix::fs::open(path.as_path(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).map_err(|errno| {
-        RunFailure::Open {
-            path: path.display().to_string(),
-            errno,
-        }
+    rustix::fs::open(
+        path.as_path(),
+        OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|errno| RunFailure::Open {
+        path: path.display().to_string(),
+        errno,
     })
 }
 
@@ -296,7 +323,10 @@ fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<Atom
                 Ok(n) => buf = &buf[n..],
                 Err(Errno::INTR) | Err(Errno::AGAIN) => {}
                 Err(e) => {
-                    log!("dropping a {}-byte response: write failed: {e}", out.frame.len());
+                    log!(
+                        "dropping a {}-byte response: write failed: {e}",
+                        out.frame.len()
+                    );
                     break;
                 }
             }
@@ -323,7 +353,12 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
         path: "port (dup)".into(),
         errno: Errno::from_io_error(&e).unwrap_or(Errno::IO),
     })?;
-    log!("serving on {}", cfg.device.as_deref().map_or(cfg.port_name.clone(), |p| p.display().to_string()));
+    log!(
+        "serving on {}",
+        cfg.device
+            .as_deref()
+            .map_or(cfg.port_name.clone(), |p| p.display().to_string())
+    );
 
     let (tx, rx) = mpsc::channel::<Outgoing>();
     let connection = Arc::new(AtomicU64::new(0));
@@ -338,7 +373,10 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
         let f = frame::encode(resp).or_else(|e| {
             // Only an oversized reply can fail; tell the caller instead.
             let msg = format!("reply not sent: {e}");
-            frame::encode(&Response::err(resp.id, AgentError::new(ErrorCode::Internal, msg)))
+            frame::encode(&Response::err(
+                resp.id,
+                AgentError::new(ErrorCode::Internal, msg),
+            ))
         });
         if let Ok(frame) = f {
             let _ = tx.send(Outgoing {
@@ -376,7 +414,10 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                         Ok(b) => b,
                         Err(e @ FrameError::TooLarge { .. }) => {
                             log!("refusing frame: {e}");
-                            let r = Response::err(0, AgentError::new(ErrorCode::InvalidArgument, e.to_string()));
+                            let r = Response::err(
+                                0,
+                                AgentError::new(ErrorCode::InvalidArgument, e.to_string()),
+                            );
                             send(&tx, &r, After::Nothing, conn);
                             continue;
                         }
@@ -405,16 +446,20 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                     }
                     let (agent, tx2, busy) = (agent.clone(), tx.clone(), in_flight.clone());
                     let id = req.id;
-                    let spawned = std::thread::Builder::new()
-                        .name(format!("req-{id}"))
-                        .spawn(move || {
-                            let (resp, after) = agent.handle(req, received);
-                            send(&tx2, &resp, after, conn);
-                            busy.fetch_sub(1, Ordering::SeqCst);
-                        });
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name(format!("req-{id}"))
+                            .spawn(move || {
+                                let (resp, after) = agent.handle(req, received);
+                                send(&tx2, &resp, after, conn);
+                                busy.fetch_sub(1, Ordering::SeqCst);
+                            });
                     if let Err(e) = spawned {
                         in_flight.fetch_sub(1, Ordering::SeqCst);
-                        let e = AgentError::new(ErrorCode::ResourceExhausted, format!("cannot start a handler thread: {e}"));
+                        let e = AgentError::new(
+                            ErrorCode::ResourceExhausted,
+                            format!("cannot start a handler thread: {e}"),
+                        );
                         send(&tx, &Response::err(id, e), After::Nothing, conn);
                     }
                 }

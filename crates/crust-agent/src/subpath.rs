@@ -144,7 +144,8 @@ pub fn open_beneath(
             Err(e) => return Err(map_err(subpath, comps[i], "open", e)),
         };
         rustix::fs::fchmod(&dir, dir_mode).map_err(|e| map_err(subpath, comps[i], "chmod", e))?;
-        parent = resolve(root, &prefix, flags).map_err(|e| map_err(subpath, comps[i], "open", e))?;
+        parent =
+            resolve(root, &prefix, flags).map_err(|e| map_err(subpath, comps[i], "open", e))?;
     }
     Ok(parent)
 }
@@ -178,7 +179,7 @@ mod tests {
         let vol = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(vol.path().join("data/app")).unwrap();
         symlink("data/app", vol.path().join("link")).unwrap();
-        let r = root(&vol.path());
+        let r = root(vol.path());
         let fd = open_beneath(&r, "data/app", false, Mode::from_raw_mode(0o755)).unwrap();
         assert_eq!(path_of(&fd), vol.path().join("data/app"));
         // A symlink that stays inside the volume is followed.
@@ -201,19 +202,36 @@ mod tests {
             assert!(matches!(e, SubpathError::Escapes(_)), "{sp}: {e}");
         }
         assert!(!outer.path().join("secret/new").exists());
-        assert_eq!(std::fs::read_dir(outer.path().join("secret")).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(outer.path().join("secret"))
+                .unwrap()
+                .count(),
+            0
+        );
     }
 
     #[test]
     fn creates_missing_dirs_with_given_mode() {
         let vol = tempfile::tempdir().unwrap();
-        let r = root(&vol.path());
+        let r = root(vol.path());
         let e = open_beneath(&r, "x/y/z", false, Mode::from_raw_mode(0o755)).unwrap_err();
-        assert!(matches!(e, SubpathError::Io { errno: Errno::NOENT, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                SubpathError::Io {
+                    errno: Errno::NOENT,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let fd = open_beneath(&r, "x/y/z", true, Mode::from_raw_mode(0o2775)).unwrap();
         let p = vol.path().join("x/y/z");
         assert_eq!(path_of(&fd), p);
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777, 0o2775);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777,
+            0o2775
+        );
         // A file in the middle of the path is not a directory.
         std::fs::write(vol.path().join("f"), b"").unwrap();
         let e = open_beneath(&r, "f/sub", true, Mode::from_raw_mode(0o755)).unwrap_err();

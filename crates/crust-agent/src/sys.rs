@@ -34,7 +34,10 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -214,6 +217,46 @@ pub fn kmsg_tail(needles: &[&str], max: usize) -> Vec<String> {
     lines
 }
 
+/// Whether the kernel has filesystem `name` registered.
+pub fn filesystem_registered(name: &str) -> bool {
+    std::fs::read_to_string("/proc/filesystems")
+        .map(|t| t.lines().any(|l| l.split_whitespace().last() == Some(name)))
+        .unwrap_or(false)
+}
+
+/// Makes sure the kernel knows `fs`, loading the modules the image lists in
+/// `/etc/modules.d/<fs>` (dependency order) on first use: they are not
+/// loaded at boot because loading xfs costs more than a second under TCG.
+pub fn ensure_filesystem(fs: FsType) -> Result<(), String> {
+    let name = fs.as_str();
+    if filesystem_registered(name) {
+        return Ok(());
+    }
+    let list_path = Path::new("/etc/modules.d").join(name);
+    let list = std::fs::read_to_string(&list_path).map_err(|e| {
+        format!(
+            "the guest kernel has no {name} support and {} is unreadable: {e}",
+            list_path.display()
+        )
+    })?;
+    for m in list.split_whitespace() {
+        let ko = Path::new("/lib/modules").join(format!("{m}.ko"));
+        let f = std::fs::File::open(&ko).map_err(|e| format!("opening {}: {e}", ko.display()))?;
+        match rustix::system::finit_module(&f, c"", 0) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("loading kernel module {m}: {e}")),
+        }
+    }
+    if filesystem_registered(name) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name} still unknown to the kernel after loading {}",
+            list.trim()
+        ))
+    }
+}
+
 /// Reads a small sysfs attribute, trimmed.
 pub fn read_attr(path: impl AsRef<Path>) -> Option<String> {
     std::fs::read_to_string(path)
@@ -237,7 +280,10 @@ mod tests {
         assert_eq!(m[1].source, "/dev/vdb");
         assert_eq!(m[1].fstype, "ext4");
         assert!(m[1].mount_options.contains(&"noatime".to_string()));
-        assert!(m[1].super_options.contains(&"errors=remount-ro".to_string()));
+        assert!(
+            m[1].super_options
+                .contains(&"errors=remount-ro".to_string())
+        );
         assert!(!m[1].is_readonly());
         assert_eq!(m[2].root, "/data/app");
         assert!(m[2].is_readonly());

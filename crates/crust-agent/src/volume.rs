@@ -44,7 +44,9 @@ pub enum VolumeError {
         disk: String,
         at: String,
     },
-    #[error("disk serial {serial:?} (/dev/{disk}) is attached read-only; mount it with readonly: true")]
+    #[error(
+        "disk serial {serial:?} (/dev/{disk}) is attached read-only; mount it with readonly: true"
+    )]
     DiskReadOnly { serial: String, disk: String },
     #[error("disk serial {serial:?} (/dev/{disk}) holds {found}, not {want}")]
     WrongFs {
@@ -53,7 +55,9 @@ pub enum VolumeError {
         found: String,
         want: FsType,
     },
-    #[error("e2fsck found errors it could not fix on /dev/{disk} (exit {code}): {output}; repair the volume offline")]
+    #[error(
+        "e2fsck found errors it could not fix on /dev/{disk} (exit {code}): {output}; repair the volume offline"
+    )]
     Fsck {
         disk: String,
         code: i32,
@@ -93,6 +97,8 @@ pub enum VolumeError {
     },
     #[error("{0}")]
     Deadline(String),
+    #[error("{0}")]
+    FsSupport(String),
 }
 
 impl From<VolumeError> for AgentError {
@@ -110,7 +116,9 @@ impl From<VolumeError> for AgentError {
                 ErrorCode::FailedPrecondition
             }
             FsGroup(FsGroupError::Deadline { .. }) | Deadline(_) => ErrorCode::DeadlineExceeded,
-            MountFailed { .. } | FsGroup(_) | Grow { .. } | Io { .. } => ErrorCode::Internal,
+            MountFailed { .. } | FsGroup(_) | Grow { .. } | Io { .. } | FsSupport(_) => {
+                ErrorCode::Internal
+            }
         };
         AgentError::new(code, e.to_string())
     }
@@ -211,14 +219,22 @@ impl Volumes {
         let mut out: Vec<String> = sys::mounts()
             .into_iter()
             .filter(|m| m.mount_point.parent() == Some(root))
-            .filter_map(|m| m.mount_point.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .filter_map(|m| {
+                m.mount_point
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
             .collect();
         out.sort();
         out.dedup();
         out
     }
 
-    pub fn mount(&self, req: &MountVolume, deadline: Option<Instant>) -> Result<MountVolumeReply, VolumeError> {
+    pub fn mount(
+        &self,
+        req: &MountVolume,
+        deadline: Option<Instant>,
+    ) -> Result<MountVolumeReply, VolumeError> {
         validate_name(&req.volume)?;
         validate_serial(&req.serial)?;
         let opts = options::parse(req.fstype, &req.options, req.readonly)?;
@@ -251,7 +267,13 @@ impl Volumes {
             });
         }
 
-        let until = deadline.map_or(Instant::now() + DISK_WAIT, |d| d.min(Instant::now() + DISK_WAIT));
+        // Give up a little before the caller's deadline so the NotFound
+        // answer arrives instead of a client-side timeout.
+        let until = deadline.map_or(Instant::now() + DISK_WAIT, |d| {
+            d.checked_sub(Duration::from_millis(300))
+                .unwrap_or(d)
+                .min(Instant::now() + DISK_WAIT)
+        });
         let disk = sys::wait_for_disk(&req.serial, until).map_err(|seen| VolumeError::NoDisk {
             serial: req.serial.clone(),
             seen: if seen.is_empty() {
@@ -280,7 +302,10 @@ impl Volumes {
                 disk: disk.name.clone(),
             });
         }
-        match sys::detect_fs(&dev).map_err(|e| io("read", &dev, Errno::from_io_error(&e).unwrap_or(Errno::IO)))? {
+        sys::ensure_filesystem(req.fstype).map_err(VolumeError::FsSupport)?;
+        match sys::detect_fs(&dev)
+            .map_err(|e| io("read", &dev, Errno::from_io_error(&e).unwrap_or(Errno::IO)))?
+        {
             Detected::Fs(found) if found == req.fstype => {}
             Detected::Fs(found) => {
                 return Err(VolumeError::WrongFs {
@@ -302,7 +327,9 @@ impl Volumes {
         if req.fstype == FsType::Ext4 && !opts.readonly {
             // Like kubelet: preen before a read-write mount. 1 = fixed.
             let args = ["e2fsck", "-p", &dev.to_string_lossy()].map(String::from);
-            let left = deadline.map_or(Duration::from_secs(300), |d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map_or(Duration::from_secs(300), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| VolumeError::Fsck {
                 disk: disk.name.clone(),
                 code: -1,
@@ -317,9 +344,15 @@ impl Volumes {
             }
         }
 
-        std::fs::create_dir_all(&target)
-            .map_err(|e| io("mkdir", &target, Errno::from_io_error(&e).unwrap_or(Errno::IO)))?;
-        let data = std::ffi::CString::new(opts.data.clone()).expect("validated options have no NUL");
+        std::fs::create_dir_all(&target).map_err(|e| {
+            io(
+                "mkdir",
+                &target,
+                Errno::from_io_error(&e).unwrap_or(Errno::IO),
+            )
+        })?;
+        let data =
+            std::ffi::CString::new(opts.data.clone()).expect("validated options have no NUL");
         if let Err(errno) = rustix::mount::mount(
             dev.as_path(),
             target.as_path(),
@@ -458,7 +491,11 @@ impl Volumes {
         })
     }
 
-    pub fn grow(&self, volume: &str, deadline: Option<Instant>) -> Result<GrowVolumeReply, VolumeError> {
+    pub fn grow(
+        &self,
+        volume: &str,
+        deadline: Option<Instant>,
+    ) -> Result<GrowVolumeReply, VolumeError> {
         validate_name(volume)?;
         let rec = self
             .lookup(volume)
@@ -473,13 +510,22 @@ impl Volumes {
             detail: format!("cannot read the size of /dev/{} (disk detached?)", rec.disk),
         })?;
         let (tool, args): (&'static str, Vec<String>) = match rec.fstype {
-            FsType::Ext4 => ("resize2fs", vec!["resize2fs".into(), format!("/dev/{}", rec.disk)]),
+            FsType::Ext4 => (
+                "resize2fs",
+                vec!["resize2fs".into(), format!("/dev/{}", rec.disk)],
+            ),
             FsType::Xfs => (
                 "xfs_growfs",
-                vec!["xfs_growfs".into(), "-d".into(), target.display().to_string()],
+                vec![
+                    "xfs_growfs".into(),
+                    "-d".into(),
+                    target.display().to_string(),
+                ],
             ),
         };
-        let left = deadline.map_or(Duration::from_secs(600), |d| d.saturating_duration_since(Instant::now()));
+        let left = deadline.map_or(Duration::from_secs(600), |d| {
+            d.saturating_duration_since(Instant::now())
+        });
         let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| match e {
             process::RunError::Timeout { .. } => VolumeError::Deadline(format!("{tool}: {e}")),
             e => VolumeError::Grow {
@@ -532,7 +578,11 @@ impl Volumes {
         match std::fs::remove_dir(&target) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io("rmdir", &target, Errno::from_io_error(&e).unwrap_or(Errno::IO))),
+            Err(e) => Err(io(
+                "rmdir",
+                &target,
+                Errno::from_io_error(&e).unwrap_or(Errno::IO),
+            )),
         }
     }
 }
@@ -571,7 +621,10 @@ mod tests {
     #[test]
     fn error_codes() {
         let c = |e: VolumeError| AgentError::from(e).code;
-        assert_eq!(c(VolumeError::InvalidName("x/".into())), ErrorCode::InvalidArgument);
+        assert_eq!(
+            c(VolumeError::InvalidName("x/".into())),
+            ErrorCode::InvalidArgument
+        );
         assert_eq!(
             c(VolumeError::NoDisk {
                 serial: "s".into(),

@@ -141,12 +141,16 @@ fn validate(spec: &StartWorkload) -> Result<Vec<PathBuf>, WorkloadError> {
         .iter()
         .find(|kv| !kv.contains('=') || kv.starts_with('='))
     {
-        return Err(WorkloadError::Invalid(format!("env entry {kv:?} is not KEY=VALUE")));
+        return Err(WorkloadError::Invalid(format!(
+            "env entry {kv:?} is not KEY=VALUE"
+        )));
     }
     if let Some(cwd) = &spec.cwd
         && !cwd.starts_with('/')
     {
-        return Err(WorkloadError::Invalid(format!("cwd {cwd:?} must be absolute")));
+        return Err(WorkloadError::Invalid(format!(
+            "cwd {cwd:?} must be absolute"
+        )));
     }
     let mut dests = Vec::new();
     for m in &spec.mounts {
@@ -229,9 +233,11 @@ fn bind_one(m: &WorkloadMount, dest: &Path, volumes: &Volumes) -> Result<(), Wor
     }
     // Through the descriptor: the subPath is never looked up by name again.
     let proc_path = format!("/proc/self/fd/{}", src.as_raw_fd());
-    rustix::mount::mount_bind(proc_path.as_str(), dest).map_err(|e| io_err("bind mount at", dest, e))?;
+    rustix::mount::mount_bind(proc_path.as_str(), dest)
+        .map_err(|e| io_err("bind mount at", dest, e))?;
     if m.readonly
-        && let Err(e) = rustix::mount::mount_remount(dest, MountFlags::BIND | MountFlags::RDONLY, "")
+        && let Err(e) =
+            rustix::mount::mount_remount(dest, MountFlags::BIND | MountFlags::RDONLY, "")
     {
         let _ = rustix::mount::unmount(dest, UnmountFlags::empty());
         return Err(io_err("read-only remount of", dest, e));
@@ -288,10 +294,13 @@ fn spawn(spec: &StartWorkload) -> Result<Child, WorkloadError> {
 }
 
 impl Workloads {
-    pub fn start(&self, spec: &StartWorkload, volumes: &Volumes) -> Result<StartWorkloadReply, WorkloadError> {
+    pub fn start(
+        &self,
+        spec: &StartWorkload,
+        volumes: &Volumes,
+    ) -> Result<StartWorkloadReply, WorkloadError> {
         let dests = validate(spec)?;
-        let (lock, cv) = &*self.inner;
-        let mut slot = lock.lock().expect("workload lock");
+        let mut slot = self.inner.0.lock().expect("workload lock");
         if let Some(cur) = &slot.current
             && let WorkloadState::Running { pid } = cur.state
         {
@@ -330,7 +339,6 @@ impl Workloads {
         });
         drop(slot);
         let inner = self.inner.clone();
-        let _ = cv;
         std::thread::spawn(move || {
             let status = child.wait();
             let (lock, cv) = &*inner;
@@ -514,7 +522,14 @@ mod tests {
             validate(&spec(vec![m("/data//x/", None)])).unwrap(),
             vec![PathBuf::from("/data/x")]
         );
-        for bad in ["data", "/", "/a/../b", "/proc/x", "/dev", "/run/crust/volumes/v"] {
+        for bad in [
+            "data",
+            "/",
+            "/a/../b",
+            "/proc/x",
+            "/dev",
+            "/run/crust/volumes/v",
+        ] {
             assert!(validate(&spec(vec![m(bad, None)])).is_err(), "{bad}");
         }
         assert!(validate(&spec(vec![m("/a", None), m("/a/", None)])).is_err());

@@ -7,14 +7,17 @@
 //!   [`LoopDevice::attach`], [`find_by_backing`], [`detach`],
 //!   [`refresh_capacity`], [`list_loops`], and [`LoopGuard`] for tests.
 //! * [`device`]: [`block_device_size`], [`is_block_device`],
-//!   [`device_major_minor`].
+//!   [`device_major_minor`], [`is_device_in_use`] (O_EXCL test),
+//!   [`wipe_edges`].
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted.
-//! * [`fs`]: [`FsType`], [`mkfs`] and online [`grow_fs`] (the only places
-//!   that exec tools: `mkfs.ext4`, `mkfs.xfs`, `resize2fs`, `xfs_growfs`).
+//! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
+//!   [`grow_fs_offline`] (the only places that exec tools: `mkfs.ext4`,
+//!   `mkfs.xfs`, `resize2fs`, `xfs_growfs`, `e2fsck`). Online ext4 growth
+//!   needs `CAP_SYS_RESOURCE`: see [`can_grow_ext4_online`].
 //! * [`mount`]: [`mount_fs`], [`bind_mount`], [`unmount`], [`mount_info`],
 //!   [`find_mount`], [`is_mountpoint`], [`MountGuard`].
-//! * [`usage`]: [`usage()`] from `statvfs`.
+//! * [`mod@usage`]: [`usage()`] from `statvfs`.
 //! * [`health`]: [`fs_health`], [`device_health`], [`with_timeout`].
 //! * [`path`]: [`validate_abs_path`] for paths that come from a CO.
 //!

@@ -137,6 +137,31 @@ fn device_survives_process_exit() {
 }
 
 #[test]
+fn concurrent_attaches_get_distinct_devices() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let imgs: Vec<PathBuf> = (0..8)
+        .map(|i| sparse(dir.path(), &format!("c{i}.img"), MIB))
+        .collect();
+    // Every thread races for the same "first free" device; the losers
+    // get EBUSY from the kernel and must retry with another one.
+    let guards: Vec<LoopGuard> = std::thread::scope(|s| {
+        let hs: Vec<_> = imgs
+            .iter()
+            .map(|img| s.spawn(move || LoopGuard::attach(img, rw())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    let mut devs: Vec<&Path> = guards.iter().map(|g| g.path()).collect();
+    devs.sort();
+    devs.dedup();
+    assert_eq!(devs.len(), imgs.len());
+    for (img, g) in imgs.iter().zip(&guards) {
+        assert_eq!(find_by_backing(img).unwrap().as_deref(), Some(g.path()));
+    }
+}
+
+#[test]
 fn read_only_attach_refuses_writes() {
     crust_testkit::require_root();
     let dir = tempfile::tempdir().unwrap();

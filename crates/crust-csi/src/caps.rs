@@ -111,7 +111,9 @@ impl AccessMode {
 pub enum Access {
     Block,
     /// `fs_type` None = the volume's own fsType.
-    Mount { fs_type: Option<FsType> },
+    Mount {
+        fs_type: Option<FsType>,
+    },
 }
 
 impl Access {
@@ -183,9 +185,7 @@ impl Capability {
                 (Access::Mount { fs_type }, m.mount_flags.clone())
             }
             None => {
-                return Err(
-                    "volume capability has neither block nor mount access type".to_string()
-                );
+                return Err("volume capability has neither block nor mount access type".to_string());
             }
         };
         Ok(Capability {
@@ -277,9 +277,12 @@ mod tests {
             }
         );
         assert!(
-            Capability::from_proto(&cap(Some(AccessType::Block(BlockVolume {})), Mode::MultiNodeMultiWriter))
-                .unwrap_err()
-                .contains("MULTI_NODE_MULTI_WRITER")
+            Capability::from_proto(&cap(
+                Some(AccessType::Block(BlockVolume {})),
+                Mode::MultiNodeMultiWriter
+            ))
+            .unwrap_err()
+            .contains("MULTI_NODE_MULTI_WRITER")
         );
         assert!(
             Capability::from_proto(&cap(
@@ -293,7 +296,10 @@ mod tests {
             .contains("btrfs")
         );
         assert!(Capability::from_proto(&cap(None, Mode::SingleNodeWriter)).is_err());
-        let mut c = cap(Some(AccessType::Block(BlockVolume {})), Mode::SingleNodeWriter);
+        let mut c = cap(
+            Some(AccessType::Block(BlockVolume {})),
+            Mode::SingleNodeWriter,
+        );
         c.access_mode = None;
         assert!(Capability::from_proto(&c).is_err());
     }

@@ -58,12 +58,30 @@ impl std::fmt::Debug for Hooks {
     }
 }
 
-/// A two-sided rendezvous: the plugin signals `entered` and waits for
-/// `release`.
-#[derive(Default)]
+/// A one-shot rendezvous: the first operation that reaches it signals
+/// `entered` and waits for `release`; later ones pass straight through.
 pub struct Gate {
+    armed: std::sync::atomic::AtomicBool,
     pub entered: tokio::sync::Notify,
     pub release: tokio::sync::Notify,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate {
+            armed: std::sync::atomic::AtomicBool::new(true),
+            entered: tokio::sync::Notify::new(),
+            release: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// Called by the plugin from a blocking thread.
+    pub(crate) fn pass(&self) {
+        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.entered.notify_one();
+            tokio::runtime::Handle::current().block_on(self.release.notified());
+        }
+    }
 }
 
 /// Everything the plugin needs to run.
@@ -128,7 +146,11 @@ pub struct Cli {
     /// CSI endpoint to serve on (unix:///path/to/csi.sock). The socket is
     /// created mode 0600; a missing parent directory is created mode 0700;
     /// a stale socket is replaced, any other file there is refused.
-    #[arg(long, env = "CRUST_CSI_ENDPOINT", default_value = "unix:///run/crust-csi/csi.sock")]
+    #[arg(
+        long,
+        env = "CRUST_CSI_ENDPOINT",
+        default_value = "unix:///run/crust-csi/csi.sock"
+    )]
     pub endpoint: String,
 
     /// Node id reported by NodeGetInfo and used as the topology segment
@@ -141,7 +163,11 @@ pub struct Cli {
     pub driver_name: String,
 
     /// Directory for the plugin's per-volume records (created 0700).
-    #[arg(long, env = "CRUST_CSI_STATE_DIR", default_value = "/var/lib/crust-csi")]
+    #[arg(
+        long,
+        env = "CRUST_CSI_STATE_DIR",
+        default_value = "/var/lib/crust-csi"
+    )]
     pub state_dir: PathBuf,
 
     /// Volume backend: `pool` (sparse files attached as loop devices) or
@@ -161,7 +187,11 @@ pub struct Cli {
 
     /// Static backend: a block device to hand out as one volume; repeat
     /// the flag (or separate with commas in the environment) for more.
-    #[arg(long = "static-device", env = "CRUST_CSI_STATIC_DEVICE", value_delimiter = ',')]
+    #[arg(
+        long = "static-device",
+        env = "CRUST_CSI_STATIC_DEVICE",
+        value_delimiter = ','
+    )]
     pub static_devices: Vec<PathBuf>,
 
     /// NodeGetInfo.max_volumes_per_node (0: no limit reported).
@@ -180,7 +210,12 @@ pub struct Cli {
 
     /// Log level: error, warn, info, debug, trace, a klog-style number
     /// (0-2 info, 3-4 debug, 5+ trace) or a tracing filter directive.
-    #[arg(short = 'v', long = "log-level", env = "CRUST_CSI_LOG_LEVEL", default_value = "info")]
+    #[arg(
+        short = 'v',
+        long = "log-level",
+        env = "CRUST_CSI_LOG_LEVEL",
+        default_value = "info"
+    )]
     pub log_level: String,
 }
 
@@ -299,7 +334,9 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     let t = s.trim();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     if digits_end == 0 {
-        return Err(bad("expected an integer optionally followed by Ki, Mi, Gi, Ti, K, M, G or T"));
+        return Err(bad(
+            "expected an integer optionally followed by Ki, Mi, Gi, Ti, K, M, G or T",
+        ));
     }
     let n: u64 = t[..digits_end]
         .parse()
@@ -362,7 +399,10 @@ fn validate_driver_name(name: &str) -> Result<(), ConfigError> {
 
 fn validate_node_id(id: &str) -> Result<(), ConfigError> {
     if id.is_empty() || id.len() > 128 {
-        return Err(ConfigError::NodeId(id.to_string(), "must be 1 to 128 bytes".into()));
+        return Err(ConfigError::NodeId(
+            id.to_string(),
+            "must be 1 to 128 bytes".into(),
+        ));
     }
     // The node id becomes a topology label value in Kubernetes.
     if !id
@@ -431,11 +471,14 @@ mod tests {
         let bad = |args: &[&str]| {
             let mut v = vec!["crust-csi", "--node-id", "n1"];
             v.extend_from_slice(args);
-            Cli::parse_from(v).into_config().is_err()
+            Cli::try_parse_from(v)
+                .map(|c| c.into_config().is_err())
+                .unwrap_or(true)
         };
         assert!(bad(&["--endpoint", "relative.sock"]));
         assert!(bad(&["--endpoint", "http://127.0.0.1:1"]));
-        assert!(bad(&["--driver-name", "-bad"]));
+        assert!(bad(&["--driver-name=-bad"]));
+        assert!(bad(&["--driver-name", "a_b"]));
         assert!(bad(&["--backend", "static"]));
         assert!(bad(&["--static-device", "/dev/loop0"]));
         assert!(bad(&["--pool-capacity", "0"]));

@@ -310,8 +310,7 @@ impl Driver {
                 Phase::Creating => {
                     // Never answered to the CO: a retry with other
                     // arguments replaces it.
-                    if !same_args || rec.required_bytes != required || rec.limit_bytes != limit
-                    {
+                    if !same_args || rec.required_bytes != required || rec.limit_bytes != limit {
                         self.backend.delete(&id)?;
                         self.state.remove(&id)?;
                     }
@@ -816,7 +815,10 @@ mod tests {
         assert_eq!(choose_size(1000, 0, 0).unwrap(), 4096);
         // a range too narrow for 4 KiB still gets whole sectors
         assert_eq!(choose_size(5000, 6000, 0).unwrap(), 5120);
-        assert!(matches!(choose_size(1000, 1000, 0), Err(ControllerError::OutOfRange(_))));
+        assert!(matches!(
+            choose_size(1000, 1000, 0),
+            Err(ControllerError::OutOfRange(_))
+        ));
         assert_eq!(choose_size(5000, 8192, 0).unwrap(), 8192);
         // filesystem minimum raises the size within the limit...
         assert_eq!(choose_size(1 << 20, 0, 300 << 20).unwrap(), 300 << 20);
@@ -863,7 +865,10 @@ mod tests {
         assert!(validate_name("a\nb").is_err());
         let id = volume_id_for("x");
         assert_eq!(decode_token(&encode_token(&id)).unwrap(), id);
-        assert!(matches!(decode_token("!!!"), Err(ControllerError::BadToken(_))));
+        assert!(matches!(
+            decode_token("!!!"),
+            Err(ControllerError::BadToken(_))
+        ));
         assert!(matches!(
             decode_token(&encode_token("vol-nothex")),
             Err(ControllerError::BadToken(_))

@@ -40,6 +40,12 @@ impl Driver {
             health,
         };
         driver.reconcile();
+        if !crust_blockdev::can_grow_ext4_online() {
+            tracing::warn!(
+                "no CAP_SYS_RESOURCE: mounted ext4 volumes cannot be grown online; they are \
+                 grown when next staged (xfs grows online regardless)"
+            );
+        }
         Ok(Arc::new(driver))
     }
 
@@ -65,6 +71,13 @@ impl Driver {
             }
             Err(e) => tracing::warn!(error = %e, "cannot list backend allocations"),
         }
+        for r in records
+            .iter()
+            .filter(|r| r.phase == crate::state::Phase::Creating)
+        {
+            tracing::warn!(volume = %r.id, name = %r.name,
+                "CreateVolume did not finish before the last stop; a retry completes it");
+        }
         for r in records.iter().filter(|r| r.staging.is_some()) {
             let s = r.staging.as_ref().expect("filtered");
             match self.backend.attached_device(&r.id) {
@@ -73,7 +86,9 @@ impl Driver {
                 }
                 Ok(other) => tracing::warn!(volume = %r.id, recorded = %s.device.display(),
                     now = ?other, "staged volume's device changed or is detached; the next NodeStageVolume repairs it"),
-                Err(e) => tracing::warn!(volume = %r.id, error = %e, "cannot query attached device"),
+                Err(e) => {
+                    tracing::warn!(volume = %r.id, error = %e, "cannot query attached device")
+                }
             }
         }
     }

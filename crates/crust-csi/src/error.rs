@@ -164,7 +164,10 @@ mod tests {
         })
         .into();
         assert_eq!(s.code(), Code::Aborted);
-        assert!(s.message().contains("CreateVolume already in progress for volume vol-x"));
+        assert!(
+            s.message()
+                .contains("CreateVolume already in progress for volume vol-x")
+        );
         let s: Status = ControllerError::Backend(BackendError::Exhausted {
             requested: 10,
             available: 1,
@@ -173,7 +176,10 @@ mod tests {
         assert_eq!(s.code(), Code::ResourceExhausted);
         let s: Status = NodeError::DeferralUnsupported.into();
         assert_eq!(s.code(), Code::FailedPrecondition);
-        assert!(s.message().starts_with("deferral not supported by this plugin configuration"));
+        assert!(
+            s.message()
+                .starts_with("deferral not supported by this plugin configuration")
+        );
         let s: Status = IdentityError::NotReady("pool dir gone".into()).into();
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("pool dir gone"));

@@ -45,7 +45,10 @@ impl OpGuards {
 
     /// Number of operations in flight (for tests and logs).
     pub fn len(&self) -> usize {
-        self.inflight.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {

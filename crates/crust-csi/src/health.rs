@@ -214,7 +214,8 @@ impl HealthMonitor {
                     let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
                     g.inflight.remove(&(rec.id.clone(), gen_));
                     if g.generation.get(&rec.id).copied().unwrap_or(0) == gen_ {
-                        g.cache.insert(rec.id.clone(), (Instant::now(), gen_, c.clone()));
+                        g.cache
+                            .insert(rec.id.clone(), (Instant::now(), gen_, c.clone()));
                     }
                 }
                 *slot.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
@@ -331,8 +332,7 @@ fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<Stri
     if block {
         let same = match (rustix::fs::stat(device), rustix::fs::stat(target)) {
             (Ok(d), Ok(t)) => {
-                rustix::fs::FileType::from_raw_mode(t.st_mode)
-                    == rustix::fs::FileType::BlockDevice
+                rustix::fs::FileType::from_raw_mode(t.st_mode) == rustix::fs::FileType::BlockDevice
                     && d.st_rdev == t.st_rdev
             }
             _ => false,
@@ -502,7 +502,9 @@ mod tests {
         // bounded() refuses to pile up behind a hung op
         let hm = &d.health;
         let e = hm
-            .bounded("statvfs /x", || std::thread::sleep(Duration::from_millis(800)))
+            .bounded("statvfs /x", || {
+                std::thread::sleep(Duration::from_millis(800))
+            })
             .unwrap_err();
         assert!(e.contains("did not answer"), "{e}");
         let e = hm.bounded("statvfs /x", || ()).unwrap_err();

@@ -29,7 +29,9 @@ pub mod node;
 pub mod server;
 pub mod state;
 
-pub use config::{BackendConfig, Cli, Config, Gate, Hooks, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE};
+pub use config::{
+    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, Gate, Hooks,
+};
 pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};
 pub use server::{build_backend, serve, serve_with_backend};

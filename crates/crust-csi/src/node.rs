@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -58,7 +58,8 @@ fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
     if p.is_empty() {
         return Err(NodeError::Missing(field));
     }
-    crust_blockdev::validate_abs_path(p).map_err(|e| NodeError::InvalidArgument(format!("{field}: {e}")))
+    crust_blockdev::validate_abs_path(p)
+        .map_err(|e| NodeError::InvalidArgument(format!("{field}: {e}")))
 }
 
 fn node_cap(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
@@ -85,17 +86,59 @@ fn set_device_read_only(dev: &Path, ro: bool) -> io::Result<()> {
     let fd = rustix::fs::open(dev, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
     let st = rustix::fs::fstat(&fd)?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::BlockDevice {
-        return Err(io::Error::other(format!("{} is not a block device", dev.display())));
+        return Err(io::Error::other(format!(
+            "{} is not a block device",
+            dev.display()
+        )));
     }
     let v: libc::c_int = ro.into();
     // SAFETY: BLKROSET reads one int through the pointer Setter passes.
     unsafe {
         ioctl(
             &fd,
-            Setter::<{ linux_raw_sys::ioctl::BLKROSET as rustix::ioctl::Opcode }, libc::c_int>::new(v),
+            Setter::<{ linux_raw_sys::ioctl::BLKROSET as rustix::ioctl::Opcode }, libc::c_int>::new(
+                v,
+            ),
         )
     }?;
     Ok(())
+}
+
+/// Bytes an ext4 filesystem spans, from its superblock (blocks count x
+/// block size). Private helper: crust-blockdev has no superblock reader
+/// that returns the size.
+fn ext4_fs_bytes(dev: &Path) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut sb = [0u8; 1024];
+    fs::File::open(dev)?.read_exact_at(&mut sb, 1024)?;
+    let le32 = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().expect("4 bytes")) as u64;
+    if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+        return Err(io::Error::other("no ext4 superblock"));
+    }
+    let log = le32(0x18);
+    if log > 6 {
+        return Err(io::Error::other("implausible ext4 block size"));
+    }
+    let mut blocks = le32(0x04);
+    const INCOMPAT_64BIT: u64 = 0x80;
+    if le32(0x60) & INCOMPAT_64BIT != 0 {
+        blocks |= le32(0x150) << 32;
+    }
+    Ok(blocks * (1024 << log))
+}
+
+/// Whether the ext4 on `dev` is at least 1 MiB smaller than the device
+/// (a grown volume whose filesystem was not grown yet).
+fn ext4_needs_grow(dev: &Path) -> Result<bool> {
+    let fs_bytes = ext4_fs_bytes(dev).map_err(|e| {
+        NodeError::Internal(format!(
+            "reading the ext4 superblock of {}: {e}",
+            dev.display()
+        ))
+    })?;
+    let dev_bytes = crust_blockdev::block_device_size(dev)
+        .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?;
+    Ok(dev_bytes >= fs_bytes + (1 << 20))
 }
 
 /// Checks that `p` is an existing directory (not a symlink).
@@ -110,10 +153,12 @@ fn require_dir(field: &str, p: &Path) -> Result<()> {
             "{field} {} exists but is not a directory",
             p.display()
         ))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(NodeError::FailedPrecondition(format!(
-            "{field} {} does not exist; the CO must create it first",
-            p.display()
-        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(NodeError::FailedPrecondition(format!(
+                "{field} {} does not exist; the CO must create it first",
+                p.display()
+            )))
+        }
         Err(e) => Err(NodeError::Internal(format!("{field} {}: {e}", p.display()))),
     }
 }
@@ -139,9 +184,13 @@ fn prepare_target(target: &Path, block: bool) -> Result<bool> {
         Ok(m) if block && m.is_dir() => Err(NodeError::FailedPrecondition(format!(
             "target_path {t} is a directory; a raw block volume is published as a file"
         ))),
-        Ok(m) if block && !m.is_file() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} exists and is not a regular file"
-        ))),
+        // A block device node here is an earlier bind of ours (checked by
+        // bind_mount, which only accepts the same device).
+        Ok(m) if block && !m.is_file() && !m.file_type().is_block_device() => {
+            Err(NodeError::FailedPrecondition(format!(
+                "target_path {t} exists and is not a regular file"
+            )))
+        }
         Ok(m) if !block && !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
             "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
         ))),
@@ -162,6 +211,21 @@ fn prepare_target(target: &Path, block: bool) -> Result<bool> {
         }
         Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
     }
+}
+
+/// Whether `target` is a mount showing the staged volume: a bind of its
+/// filesystem or of its device node.
+fn publication_of(s: &Staging, target: &Path) -> bool {
+    let Ok(Some(m)) = crust_blockdev::find_mount(target) else {
+        return false;
+    };
+    if s.block {
+        return match (rustix::fs::stat(&s.device), rustix::fs::stat(target)) {
+            (Ok(d), Ok(t)) => d.st_rdev == t.st_rdev && t.st_rdev != 0,
+            _ => false,
+        };
+    }
+    crust_blockdev::device_major_minor(&s.device).ok() == Some((m.major, m.minor))
 }
 
 /// Removes a publish target after unmounting (empty dir or our file).
@@ -211,8 +275,7 @@ impl Driver {
 
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
-            gate.entered.notify_one();
-            tokio::runtime::Handle::current().block_on(gate.release.notified());
+            gate.pass();
         }
     }
 
@@ -292,20 +355,34 @@ impl Driver {
             crust_blockdev::parse_mount_options(fs.to_blockdev(), &cap.mount_flags, readonly)
                 .map_err(mount_err)?;
         }
-        if !repeat && !block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
-            return Err(NodeError::FailedPrecondition(format!(
-                "staging_target_path {} already has something mounted on it",
-                path.display()
-            )));
+        let attached = self.backend.attached_device(&id)?;
+        if !repeat
+            && !block
+            && let Some(m) = crust_blockdev::find_mount(&path).map_err(mount_err)?
+        {
+            // Our own mount from a stage that crashed before recording it
+            // is adopted; anything else there is refused.
+            let ours = attached
+                .as_deref()
+                .and_then(|d| crust_blockdev::device_major_minor(d).ok())
+                == Some((m.major, m.minor));
+            if !ours {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "staging_target_path {} already has {} mounted on it",
+                    path.display(),
+                    m.source
+                )));
+            }
         }
-        let was_attached = self.backend.attached_device(&id)?.is_some();
+        let was_attached = attached.is_some();
         let device = self.backend.attach(&id)?;
         // Undo our attach if the rest fails, so a failed stage changes nothing.
         let undo = |e: NodeError| {
-            if !repeat && !was_attached {
-                if let Err(de) = self.backend.detach(&id) {
-                    tracing::warn!(volume = %id, error = %de, "could not detach after failed stage");
-                }
+            if !repeat
+                && !was_attached
+                && let Err(de) = self.backend.detach(&id)
+            {
+                tracing::warn!(volume = %id, error = %de, "could not detach after failed stage");
             }
             e
         };
@@ -316,7 +393,9 @@ impl Driver {
                 .map_err(undo)?;
         } else if readonly {
             set_device_read_only(&device, true)
-                .map_err(|e| NodeError::Internal(format!("setting {} read-only: {e}", device.display())))
+                .map_err(|e| {
+                    NodeError::Internal(format!("setting {} read-only: {e}", device.display()))
+                })
                 .map_err(undo)?;
         }
         let staging = Staging { device, ..wanted };
@@ -332,15 +411,27 @@ impl Driver {
     /// Makes sure `device` holds a filesystem of type `fs`, creating it on
     /// a blank device only.
     fn ensure_filesystem(&self, id: &str, device: &Path, fs: FsType) -> Result<()> {
-        let found = crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
+        let found =
+            crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
         match found {
             Probe::Blank => {
-                crust_blockdev::mkfs(device, fs.to_blockdev())
-                    .map_err(|e| NodeError::Internal(format!("creating {fs} on {}: {e}", device.display())))?;
+                crust_blockdev::mkfs(device, fs.to_blockdev()).map_err(|e| {
+                    NodeError::Internal(format!("creating {fs} on {}: {e}", device.display()))
+                })?;
                 tracing::info!(volume = %id, device = %device.display(), %fs, "created filesystem on blank volume");
                 Ok(())
             }
-            p if p.fs_type() == Some(fs.to_blockdev()) => Ok(()),
+            p if p.fs_type() == Some(fs.to_blockdev()) => {
+                // A volume expanded while it was not staged (or while
+                // online ext4 growth was impossible): grow before mounting.
+                if fs == FsType::Ext4 && ext4_needs_grow(device)? {
+                    crust_blockdev::grow_fs_offline(device, fs.to_blockdev()).map_err(|e| {
+                        NodeError::Internal(format!("growing ext4 on {}: {e}", device.display()))
+                    })?;
+                    tracing::info!(volume = %id, device = %device.display(), "grew ext4 to the device size before mounting");
+                }
+                Ok(())
+            }
             p => Err(NodeError::FailedPrecondition(format!(
                 "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
             ))),
@@ -356,7 +447,7 @@ impl Driver {
         let mut rec = self.node_record(&req.volume_id)?;
         let id = rec.id.clone();
         let Some(s) = rec.staging.clone() else {
-            return Ok(());
+            return self.unstage_unrecorded(&id, &path);
         };
         if s.path != path {
             return Err(NodeError::FailedPrecondition(format!(
@@ -388,6 +479,31 @@ impl Driver {
         self.state.put(rec)?;
         self.health.forget(&id);
         tracing::info!(volume = %id, path = %path.display(), "volume unstaged");
+        Ok(())
+    }
+
+    /// Unstage of a volume the records say is not staged: undo what a
+    /// stage that crashed before recording may have left (its mount at
+    /// `path`, its attached device); otherwise nothing to do.
+    fn unstage_unrecorded(&self, id: &str, path: &Path) -> Result<()> {
+        let Some(dev) = self.backend.attached_device(id)? else {
+            return Ok(());
+        };
+        let Ok(numbers) = crust_blockdev::device_major_minor(&dev) else {
+            return Ok(());
+        };
+        if let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)?
+            && (m.major, m.minor) == numbers
+        {
+            crust_blockdev::unmount(path).map_err(mount_err)?;
+        }
+        let mounted_elsewhere = crust_blockdev::mount_info()
+            .map_err(mount_err)?
+            .iter()
+            .any(|m| (m.major, m.minor) == numbers);
+        if !mounted_elsewhere {
+            self.backend.detach(id)?;
+        }
         Ok(())
     }
 
@@ -462,21 +578,27 @@ impl Driver {
             None => false,
         };
         if !repeat {
-            let others: Vec<_> = rec.published.iter().filter(|(t, _)| **t != target).collect();
+            let others: Vec<_> = rec
+                .published
+                .iter()
+                .filter(|(t, _)| **t != target)
+                .collect();
             if let Some((t, p)) = others
                 .iter()
                 .find(|(_, p)| p.mode.single_target() || cap.mode.single_target())
             {
-                let mode = if p.mode.single_target() { p.mode } else { cap.mode };
+                let mode = if p.mode.single_target() {
+                    p.mode
+                } else {
+                    cap.mode
+                };
                 return Err(NodeError::FailedPrecondition(format!(
                     "volume {id} is already published at {} and access mode {mode:?} allows \
                      only one publish target",
                     t.display()
                 )));
             }
-            if block
-                && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != readonly)
-            {
+            if block && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != readonly) {
                 return Err(NodeError::FailedPrecondition(format!(
                     "raw block volume {id} is already published {} at {}; read-only raw block \
                      access makes the whole device read-only, so read-only and read-write \
@@ -494,7 +616,10 @@ impl Driver {
                 if block && readonly {
                     set_device_read_only(&s.device, true).map_err(|e| {
                         let _ = crust_blockdev::unmount(&target);
-                        NodeError::Internal(format!("setting {} read-only: {e}", s.device.display()))
+                        NodeError::Internal(format!(
+                            "setting {} read-only: {e}",
+                            s.device.display()
+                        ))
                     })
                 } else {
                     Ok(())
@@ -523,12 +648,22 @@ impl Driver {
         match self.fs_ops_route(req.defer_fs_ops, None)? {
             FsOps::Host => {}
         }
-        let _guard = self.guards.try_begin(&req.volume_id, "NodeUnpublishVolume")?;
+        let _guard = self
+            .guards
+            .try_begin(&req.volume_id, "NodeUnpublishVolume")?;
         let Some(mut rec) = self.state.get(&req.volume_id) else {
             return Ok(());
         };
         let id = rec.id.clone();
         let Some(p) = rec.published.get(&target).cloned() else {
+            // Not recorded: only a bind of this volume left by a publish
+            // that crashed before recording it is undone.
+            if let Some(s) = &rec.staging
+                && publication_of(s, &target)
+            {
+                crust_blockdev::unmount(&target).map_err(mount_err)?;
+                remove_target(&target);
+            }
             return Ok(());
         };
         crust_blockdev::unmount(&target).map_err(mount_err)?;
@@ -689,7 +824,9 @@ impl Driver {
                 let p = path.clone();
                 let key = format!("stat {}", path.display());
                 match self.health.bounded(&key, move || fs::metadata(&p)) {
-                    Ok(Ok(m)) if m.is_dir() => recorded_block && !crust_blockdev::is_mountpoint(&path).unwrap_or(false),
+                    Ok(Ok(m)) if m.is_dir() => {
+                        recorded_block && !crust_blockdev::is_mountpoint(&path).unwrap_or(false)
+                    }
                     Ok(Ok(_)) => true,
                     _ => recorded_block,
                 }
@@ -699,7 +836,11 @@ impl Driver {
             return Err(NodeError::InvalidArgument(format!(
                 "volume {} is used as {} at {}, not as {}",
                 rec.id,
-                if recorded_block { "raw block" } else { "a filesystem" },
+                if recorded_block {
+                    "raw block"
+                } else {
+                    "a filesystem"
+                },
                 path.display(),
                 if block { "raw block" } else { "a filesystem" }
             )));
@@ -728,9 +869,19 @@ impl Driver {
         if !block {
             let s = rec.staging.as_ref().expect("resolved above");
             let fs = s.fs_type.unwrap_or(rec.fs_type);
-            crust_blockdev::grow_fs(&device, &s.path, fs.to_blockdev()).map_err(|e| {
-                NodeError::Internal(format!("growing {fs} on {}: {e}", device.display()))
-            })?;
+            if fs == FsType::Ext4 && !crust_blockdev::can_grow_ext4_online() {
+                // The kernel's online ext4 resize needs CAP_SYS_RESOURCE.
+                if ext4_needs_grow(&device)? {
+                    return Err(NodeError::FailedPrecondition(format!(
+                        "ext4 on {} cannot be grown while it is mounted: this plugin lacks                          CAP_SYS_RESOURCE, which online ext4 resize needs; the filesystem is                          grown automatically the next time the volume is staged (restart the                          pod using it), or run the plugin with CAP_SYS_RESOURCE",
+                        device.display()
+                    )));
+                }
+            } else {
+                crust_blockdev::grow_fs(&device, &s.path, fs.to_blockdev()).map_err(|e| {
+                    NodeError::Internal(format!("growing {fs} on {}: {e}", device.display()))
+                })?;
+            }
         }
         self.health.forget(&rec.id);
         tracing::info!(volume = %rec.id, size, block, "node expansion done");

@@ -41,8 +41,8 @@ pub fn build_backend(cfg: &Config) -> Result<Arc<dyn Backend>, ServeError> {
             dir.clone(),
             *capacity_bytes,
         ))
-            .map(|b| Arc::new(b) as Arc<dyn Backend>)
-            .map_err(|e| ServeError::Backend(format!("pool {}: {e}", dir.display()))),
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(|e| ServeError::Backend(format!("pool {}: {e}", dir.display()))),
         BackendConfig::Static { devices } => {
             crust_backend::StaticBackend::open(crust_backend::StaticConfig {
                 devices: devices.clone(),
@@ -94,13 +94,15 @@ where
     };
     let server = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(driver.clone())))
-        .add_service(ControllerServer::new(ControllerService::new(driver.clone())))
+        .add_service(ControllerServer::new(ControllerService::new(
+            driver.clone(),
+        )))
         .add_service(NodeServer::new(NodeService::new(driver.clone())))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(ServeError::from),
-        _ = fired_rx.wait_for(|v| *v) => {
+        _ = fired_rx.changed() => {
             tracing::info!("shutting down: waiting for in-flight requests");
             match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
                 Ok(r) => r.map_err(ServeError::from),
@@ -210,11 +212,17 @@ mod tests {
         assert!(m.file_type().is_socket());
         assert_eq!(m.permissions().mode() & 0o777, 0o600);
         assert_eq!(
-            std::fs::metadata(tmp.path().join("new")).unwrap().permissions().mode() & 0o777,
+            std::fs::metadata(tmp.path().join("new"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
             0o700
         );
         // live socket: refused
-        assert!(matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("another process")));
+        assert!(
+            matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("another process"))
+        );
         // stale socket (listener gone, file left): replaced
         drop(l);
         std::mem::forget(g);
@@ -223,7 +231,9 @@ mod tests {
         assert!(!sock.exists(), "guard removes the socket");
         // a regular file: refused and untouched
         std::fs::write(&sock, b"keep").unwrap();
-        assert!(matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("not a socket")));
+        assert!(
+            matches!(bind_socket(&sock), Err(ServeError::Socket { reason, .. }) if reason.contains("not a socket"))
+        );
         assert_eq!(std::fs::read(&sock).unwrap(), b"keep");
     }
 }

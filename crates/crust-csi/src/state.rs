@@ -285,7 +285,10 @@ pub fn create_private_dir(dir: &Path) -> io::Result<()> {
             "exists and is not a directory",
         )),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
             // DirBuilder's mode is filtered by the umask; make it exact.
             fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
         }
@@ -364,7 +367,11 @@ mod tests {
         let state = tmp.path().join("state");
         let store = StateStore::open(&state).unwrap();
         assert_eq!(
-            fs::metadata(state.join("volumes")).unwrap().permissions().mode() & 0o777,
+            fs::metadata(state.join("volumes"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
             0o700
         );
         let mut r = rec("a");
@@ -380,10 +387,15 @@ mod tests {
         store.put(r.clone()).unwrap();
         store.put(rec("b")).unwrap();
         let file = state.join("volumes").join(format!("{}.json", r.id));
-        assert_eq!(fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         // a torn temp file and a corrupt record from a crash
         fs::write(state.join("volumes/.x.json.tmp1"), b"{").unwrap();
-        let bad = state.join("volumes").join(format!("{}.json", volume_id_for("c")));
+        let bad = state
+            .join("volumes")
+            .join(format!("{}.json", volume_id_for("c")));
         fs::write(&bad, b"not json").unwrap();
 
         let again = StateStore::open(&state).unwrap();
@@ -414,10 +426,16 @@ mod tests {
         ids.sort();
         let (p1, more) = store.page(None, 2);
         assert!(more);
-        assert_eq!(p1.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), ids[..2]);
+        assert_eq!(
+            p1.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
+            ids[..2]
+        );
         store.remove(&ids[1]).unwrap();
         let (p2, more) = store.page(Some(&ids[1]), 0);
         assert!(!more);
-        assert_eq!(p2.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), ids[2..]);
+        assert_eq!(
+            p2.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
+            ids[2..]
+        );
     }
 }

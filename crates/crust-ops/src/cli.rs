@@ -208,7 +208,10 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
-        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the 300 s sleep was cut short"
+        );
         let pids = std::fs::read_to_string(&pidfile).unwrap();
         for pid in pids.split_whitespace() {
             // Dead, or at most an unreaped zombie of init.

@@ -78,3 +78,81 @@ impl From<OpsError> for Status {
         Status::new(e.code(), e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_codes() {
+        let cases: Vec<(OpsError, Code)> = vec![
+            (OpsError::InvalidArgument("x".into()), Code::InvalidArgument),
+            (
+                HandoffError::InvalidArgument("x".into()).into(),
+                Code::InvalidArgument,
+            ),
+            (HandoffError::NotFound("/t".into()).into(), Code::NotFound),
+            (
+                HandoffError::Conflict("x".into()).into(),
+                Code::AlreadyExists,
+            ),
+            (
+                HandoffError::Claimed {
+                    target: "/t".into(),
+                    by: "sb".into(),
+                }
+                .into(),
+                Code::FailedPrecondition,
+            ),
+            (
+                HandoffError::BadRecord {
+                    path: "/r".into(),
+                    reason: "forged".into(),
+                }
+                .into(),
+                Code::FailedPrecondition,
+            ),
+            (OpsError::NotConsumed("/t".into()), Code::FailedPrecondition),
+            (
+                OpsError::BadRuntimeCli {
+                    path: "x".into(),
+                    reason: "not absolute".into(),
+                },
+                Code::FailedPrecondition,
+            ),
+            (
+                OpsError::CliTimeout {
+                    cli: "c".into(),
+                    op: "crust stats /t".into(),
+                    timeout: Duration::from_secs(1),
+                },
+                Code::DeadlineExceeded,
+            ),
+            (
+                OpsError::CliFailed {
+                    cli: "c".into(),
+                    op: "crust stats /t".into(),
+                    status: "exit code 1".into(),
+                    stderr: "boom".into(),
+                },
+                Code::Internal,
+            ),
+            (
+                OpsError::BadOutput {
+                    cli: "c".into(),
+                    op: "crust stats".into(),
+                    reason: "not JSON".into(),
+                },
+                Code::Internal,
+            ),
+        ];
+        for (e, code) in cases {
+            let msg = e.to_string();
+            let status = Status::from(e);
+            assert_eq!(status.code(), code, "{msg}");
+            assert_eq!(status.message(), msg);
+        }
+        let s = Status::from(OpsError::NotConsumed("/t".into()));
+        assert_eq!(s.message(), "volume /t is not consumed by a runtime yet");
+    }
+}

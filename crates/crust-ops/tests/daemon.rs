@@ -274,7 +274,7 @@ async fn misbehaving_runtime_clis() {
     let took = t0.elapsed();
     assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
     assert!(
-        took >= Duration::from_millis(1500) && took < Duration::from_secs(6),
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(15),
         "{took:?}"
     );
     let pid: u32 = std::fs::read_to_string(&pidfile)

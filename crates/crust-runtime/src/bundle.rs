@@ -73,7 +73,9 @@ impl Bundle {
             reason,
         };
         if !dir.is_absolute() {
-            return Err(invalid("the bundle directory must be an absolute path".into()));
+            return Err(invalid(
+                "the bundle directory must be an absolute path".into(),
+            ));
         }
         let config = dir.join("config.json");
         let meta = std::fs::metadata(&config).map_err(|source| BundleError::Io {
@@ -84,7 +86,9 @@ impl Bundle {
             return Err(invalid("config.json is not a regular file".into()));
         }
         if meta.len() > MAX_CONFIG_SIZE {
-            return Err(invalid(format!("config.json is larger than {MAX_CONFIG_SIZE} bytes")));
+            return Err(invalid(format!(
+                "config.json is larger than {MAX_CONFIG_SIZE} bytes"
+            )));
         }
         let bytes = std::fs::read(&config).map_err(|source| BundleError::Io {
             path: config.display().to_string(),
@@ -114,7 +118,9 @@ impl Bundle {
         }
         let env = process.env().clone().unwrap_or_default();
         if let Some(bad) = env.iter().find(|e| !e.contains('=') || e.starts_with('=')) {
-            return Err(invalid(format!("process.env entry {bad:?} is not NAME=VALUE")));
+            return Err(invalid(format!(
+                "process.env entry {bad:?} is not NAME=VALUE"
+            )));
         }
         let cwd = process.cwd().to_str().unwrap_or("").to_string();
         if cwd != "/" {
@@ -132,7 +138,9 @@ impl Bundle {
             let source = match m.source() {
                 Some(s) => Some(
                     s.to_str()
-                        .ok_or_else(|| invalid(format!("the source of mount {destination} is not UTF-8")))?
+                        .ok_or_else(|| {
+                            invalid(format!("the source of mount {destination} is not UTF-8"))
+                        })?
                         .to_string(),
                 ),
                 None => None,
@@ -147,9 +155,8 @@ impl Bundle {
             // whoever controls the working directory or a symlink: refuse.
             if mount.source_is_path() {
                 let src = mount.source.as_deref().unwrap_or_default();
-                check_abs_path("mount source", src).map_err(|r| {
-                    invalid(format!("mount {}: {r}", mount.destination))
-                })?;
+                check_abs_path("mount source", src)
+                    .map_err(|r| invalid(format!("mount {}: {r}", mount.destination)))?;
             }
             mounts.push(mount);
         }
@@ -195,7 +202,10 @@ mod tests {
         assert_eq!(b.args, ["/bin/sh", "-c", "true"]);
         assert_eq!(b.env, ["A=1"]);
         assert_eq!(b.cwd, "/data");
-        assert_eq!((b.uid, b.gid, b.additional_gids.as_slice()), (1000, 100, &[5][..]));
+        assert_eq!(
+            (b.uid, b.gid, b.additional_gids.as_slice()),
+            (1000, 100, &[5][..])
+        );
         assert_eq!(b.mounts.len(), 2);
         assert!(!b.mounts[0].source_is_path());
         assert!(b.mounts[1].source_is_path());
@@ -205,15 +215,19 @@ mod tests {
     #[test]
     fn refuses_relative_or_traversing_sources() {
         for src in ["data/x", "/a/../b", "/a/./b", "/a//b", "/a/b/", "../x"] {
-            let e = parse(spec(json!([{"destination": "/d", "type": "bind", "source": src}])))
-                .unwrap_err()
-                .to_string();
+            let e = parse(spec(
+                json!([{"destination": "/d", "type": "bind", "source": src}]),
+            ))
+            .unwrap_err()
+            .to_string();
             assert!(e.contains("mount source"), "{src}: {e}");
         }
         // Bind option on an untyped mount also marks the source a path.
-        let e = parse(spec(json!([{"destination": "/d", "source": "rel", "options": ["bind"]}])))
-            .unwrap_err()
-            .to_string();
+        let e = parse(spec(
+            json!([{"destination": "/d", "source": "rel", "options": ["bind"]}]),
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("not absolute"), "{e}");
     }
 
@@ -235,17 +249,27 @@ mod tests {
             Bundle::parse(Path::new("/b"), b"{not json"),
             Err(BundleError::Parse { .. })
         ));
-        let e = parse(spec(json!([{"destination": "rel", "type": "tmpfs", "source": "tmpfs"}])))
-            .unwrap_err()
-            .to_string();
+        let e = parse(spec(
+            json!([{"destination": "rel", "type": "tmpfs", "source": "tmpfs"}]),
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("mount destination"), "{e}");
     }
 
     #[test]
     fn load_needs_absolute_dir_and_config() {
-        assert!(Bundle::load(Path::new("rel")).unwrap_err().to_string().contains("absolute"));
+        assert!(
+            Bundle::load(Path::new("rel"))
+                .unwrap_err()
+                .to_string()
+                .contains("absolute")
+        );
         let d = tempfile::tempdir().unwrap();
-        assert!(matches!(Bundle::load(d.path()), Err(BundleError::Io { .. })));
+        assert!(matches!(
+            Bundle::load(d.path()),
+            Err(BundleError::Io { .. })
+        ));
         std::fs::write(d.path().join("config.json"), spec(json!([])).to_string()).unwrap();
         assert_eq!(Bundle::load(d.path()).unwrap().dir, d.path());
     }

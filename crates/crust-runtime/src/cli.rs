@@ -13,7 +13,11 @@ use crate::runtime::Runtime;
 use crate::shim::Code;
 
 #[derive(Debug, Parser)]
-#[command(name = "crust-runtime", version, about = "crust VM runtime: OCI bundles in QEMU guests with in-guest volume mounts")]
+#[command(
+    name = "crust-runtime",
+    version,
+    about = "crust VM runtime: OCI bundles in QEMU guests with in-guest volume mounts"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub global: GlobalOpts,
@@ -24,7 +28,12 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct GlobalOpts {
     /// Sandbox state directory.
-    #[arg(long, env = "CRUST_RUNTIME_ROOT", default_value = "/run/crust-runtime", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_ROOT",
+        default_value = "/run/crust-runtime",
+        global = true
+    )]
     pub root: PathBuf,
     /// KEP-2857 hand-off root.
     #[arg(long, env = "CRUST_RUNTIME_CRUST_ROOT", default_value = DEFAULT_CRUST_ROOT, global = true)]
@@ -33,7 +42,12 @@ pub struct GlobalOpts {
     #[arg(long, env = "CRUST_RUNTIME_KATA_ROOT", default_value = DEFAULT_KATA_ROOT, global = true)]
     pub kata_root: PathBuf,
     /// kubelet pods dir: subPath probing stops at `<this>/<uid>/volumes`.
-    #[arg(long, env = "CRUST_RUNTIME_PODS_LAYER_STOP", default_value = "/var/lib/kubelet/pods", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_PODS_LAYER_STOP",
+        default_value = "/var/lib/kubelet/pods",
+        global = true
+    )]
     pub pods_layer_stop: String,
     /// Guest kernel (default: $CRUST_GUEST_DIR/vmlinuz or <exe dir>/../guest-image/vmlinuz).
     #[arg(long, env = "CRUST_RUNTIME_GUEST_KERNEL", global = true)]
@@ -41,16 +55,37 @@ pub struct GlobalOpts {
     /// Guest initramfs (default: next to the kernel, initramfs.cpio.gz).
     #[arg(long, env = "CRUST_RUNTIME_GUEST_INITRD", global = true)]
     pub guest_initrd: Option<PathBuf>,
-    #[arg(long, env = "CRUST_RUNTIME_ACCEL", value_enum, default_value = "auto", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_ACCEL",
+        value_enum,
+        default_value = "auto",
+        global = true
+    )]
     pub accel: Accel,
     /// Bound on one call into a shim or guest agent, in milliseconds.
-    #[arg(long, env = "CRUST_RUNTIME_TIMEOUT_MS", default_value = "10000", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_TIMEOUT_MS",
+        default_value = "10000",
+        global = true
+    )]
     pub timeout_ms: u64,
     /// Bound on sandbox creation and on one resize, in milliseconds.
-    #[arg(long, env = "CRUST_RUNTIME_BOOT_TIMEOUT_MS", default_value = "120000", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_BOOT_TIMEOUT_MS",
+        default_value = "120000",
+        global = true
+    )]
     pub boot_timeout_ms: u64,
     /// Guest memory.
-    #[arg(long, env = "CRUST_RUNTIME_MEMORY_MIB", default_value = "256", global = true)]
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_MEMORY_MIB",
+        default_value = "256",
+        global = true
+    )]
     pub memory_mib: u32,
     /// Guest vCPUs.
     #[arg(long, env = "CRUST_RUNTIME_CPUS", default_value = "1", global = true)]
@@ -60,7 +95,10 @@ pub struct GlobalOpts {
 impl GlobalOpts {
     pub fn config(&self) -> Config {
         let dir = Config::default_guest_dir();
-        let guest_kernel = self.guest_kernel.clone().unwrap_or_else(|| dir.join("vmlinuz"));
+        let guest_kernel = self
+            .guest_kernel
+            .clone()
+            .unwrap_or_else(|| dir.join("vmlinuz"));
         let guest_initrd = self.guest_initrd.clone().unwrap_or_else(|| {
             guest_kernel
                 .parent()
@@ -155,7 +193,11 @@ pub enum CrustCommand {
     /// Print NodeGetVolumeStatsResponse-shaped JSON for the volume at TARGET.
     Stats { target_path: String },
     /// Expand the volume to at least MIN (at most MAX when > 0) bytes.
-    Resize { target_path: String, min: u64, max: u64 },
+    Resize {
+        target_path: String,
+        min: u64,
+        max: u64,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -213,7 +255,10 @@ pub fn parse_signal(s: &str) -> Result<i32, RuntimeError> {
             return Ok(n);
         }
     }
-    Err(RuntimeError::new(Code::InvalidArgument, format!("unknown signal {s:?}")))
+    Err(RuntimeError::new(
+        Code::InvalidArgument,
+        format!("unknown signal {s:?}"),
+    ))
 }
 
 /// What a command leaves for the binary to print and exit with.
@@ -237,10 +282,15 @@ impl Outcome {
 pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeError> {
     let rt = Runtime::new(cfg)?;
     match command {
-        Command::Create { bundle, pid_file, id } => {
+        Command::Create {
+            bundle,
+            pid_file,
+            id,
+        } => {
             let st = rt.create(&bundle, &id).await?;
             if let (Some(f), Some(pid)) = (pid_file, st.pid) {
-                std::fs::write(&f, pid.to_string()).map_err(RuntimeError::io(format!("writing {}", f.display())))?;
+                std::fs::write(&f, pid.to_string())
+                    .map_err(RuntimeError::io(format!("writing {}", f.display())))?;
             }
             Ok(Outcome::default())
         }
@@ -263,14 +313,22 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             let mut out = Vec::new();
             for id in rt.sandboxes.list()? {
                 match rt.load(&id) {
-                    Ok(st) => out.push(serde_json::json!({"id": id, "status": st.status, "bundle": st.bundle})),
+                    Ok(st) => out.push(
+                        serde_json::json!({"id": id, "status": st.status, "bundle": st.bundle}),
+                    ),
                     Err(e) => out.push(serde_json::json!({"id": id, "error": e.to_string()})),
                 }
             }
             Ok(Outcome::json(&out))
         }
-        Command::Exec { id, timeout_ms, args } => {
-            let r = rt.exec(&id, args, Duration::from_millis(timeout_ms)).await?;
+        Command::Exec {
+            id,
+            timeout_ms,
+            args,
+        } => {
+            let r = rt
+                .exec(&id, args, Duration::from_millis(timeout_ms))
+                .await?;
             Ok(Outcome {
                 stdout: r.stdout,
                 stderr: r.stderr,
@@ -281,26 +339,38 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             stdout: rt.logs(&id).await?,
             ..Default::default()
         }),
-        Command::AddVolume { id, volume_path } => Ok(Outcome::json(&rt.add_volume(&id, &volume_path).await?)),
+        Command::AddVolume { id, volume_path } => {
+            Ok(Outcome::json(&rt.add_volume(&id, &volume_path).await?))
+        }
         Command::Crust(CrustCommand::Stats { target_path }) => {
             Ok(Outcome::json(&rt.volume_stats(&target_path).await?))
         }
-        Command::Crust(CrustCommand::Resize { target_path, min, max }) => {
-            Ok(Outcome::json(&rt.volume_resize(&target_path, min, max).await?))
-        }
-        Command::DirectVolume(DirectVolumeCommand::Add { volume_path, mount_info }) => {
-            rt.direct_volume_add(&volume_path, &mount_info).map(|()| Outcome::default())
-        }
-        Command::DirectVolume(DirectVolumeCommand::Remove { volume_path }) => {
-            rt.direct_volume_remove(&volume_path).map(|()| Outcome::default())
-        }
+        Command::Crust(CrustCommand::Resize {
+            target_path,
+            min,
+            max,
+        }) => Ok(Outcome::json(
+            &rt.volume_resize(&target_path, min, max).await?,
+        )),
+        Command::DirectVolume(DirectVolumeCommand::Add {
+            volume_path,
+            mount_info,
+        }) => rt
+            .direct_volume_add(&volume_path, &mount_info)
+            .map(|()| Outcome::default()),
+        Command::DirectVolume(DirectVolumeCommand::Remove { volume_path }) => rt
+            .direct_volume_remove(&volume_path)
+            .map(|()| Outcome::default()),
         Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
             Ok(Outcome::json(&rt.volume_stats(&volume_path).await?))
         }
-        Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => {
-            Ok(Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?))
-        }
-        Command::Shim { .. } => Err(RuntimeError::new(Code::Internal, "the shim is not dispatched here")),
+        Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => Ok(
+            Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?),
+        ),
+        Command::Shim { .. } => Err(RuntimeError::new(
+            Code::Internal,
+            "the shim is not dispatched here",
+        )),
     }
 }
 
@@ -317,7 +387,10 @@ mod tests {
     #[test]
     fn parses_kep_and_kata_forms() {
         let c = Cli::try_parse_from(["crust-runtime", "crust", "resize", "/t", "1", "0"]).unwrap();
-        assert!(matches!(c.command, Command::Crust(CrustCommand::Resize { min: 1, max: 0, .. })));
+        assert!(matches!(
+            c.command,
+            Command::Crust(CrustCommand::Resize { min: 1, max: 0, .. })
+        ));
         let c = Cli::try_parse_from([
             "crust-runtime",
             "--root",
@@ -331,7 +404,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.global.root, PathBuf::from("/r"));
-        assert!(matches!(c.command, Command::DirectVolume(DirectVolumeCommand::Add { .. })));
+        assert!(matches!(
+            c.command,
+            Command::DirectVolume(DirectVolumeCommand::Add { .. })
+        ));
         // Global flags may follow the subcommand.
         let c = Cli::try_parse_from(["crust-runtime", "state", "x", "--timeout-ms", "5"]).unwrap();
         assert_eq!(c.global.config().timeout, Duration::from_millis(5));
@@ -341,7 +417,15 @@ mod tests {
 
     #[test]
     fn config_roundtrips_through_shim_args() {
-        let c = Cli::try_parse_from(["crust-runtime", "--guest-kernel", "/k/vmlinuz", "--accel", "tcg", "list"]).unwrap();
+        let c = Cli::try_parse_from([
+            "crust-runtime",
+            "--guest-kernel",
+            "/k/vmlinuz",
+            "--accel",
+            "tcg",
+            "list",
+        ])
+        .unwrap();
         let cfg = c.global.config();
         assert_eq!(cfg.guest_initrd, PathBuf::from("/k/initramfs.cpio.gz"));
         let mut args = vec!["crust-runtime".into()];

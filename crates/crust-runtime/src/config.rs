@@ -74,7 +74,10 @@ impl Config {
         push("--guest-initrd", self.guest_initrd.clone().into());
         push("--accel", self.accel.as_str().into());
         push("--timeout-ms", self.timeout.as_millis().to_string().into());
-        push("--boot-timeout-ms", self.boot_timeout.as_millis().to_string().into());
+        push(
+            "--boot-timeout-ms",
+            self.boot_timeout.as_millis().to_string().into(),
+        );
         push("--memory-mib", self.memory_mib.to_string().into());
         push("--cpus", self.cpus.to_string().into());
         a

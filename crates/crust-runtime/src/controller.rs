@@ -76,7 +76,11 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
                 ok: false,
                 error: Some(api),
             };
-            let _ = writeln!(ready, "{}", serde_json::to_string(&line).expect("serializable"));
+            let _ = writeln!(
+                ready,
+                "{}",
+                serde_json::to_string(&line).expect("serializable")
+            );
             return 1;
         }
     };
@@ -89,7 +93,11 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
                 ok: false,
                 error: Some(ApiError::new(Code::Internal, msg)),
             };
-            let _ = writeln!(ready, "{}", serde_json::to_string(&line).expect("serializable"));
+            let _ = writeln!(
+                ready,
+                "{}",
+                serde_json::to_string(&line).expect("serializable")
+            );
             return 1;
         }
     };
@@ -101,7 +109,11 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
     let _ = writeln!(
         ready,
         "{}",
-        serde_json::to_string(&ReadyLine { ok: true, error: None }).expect("serializable")
+        serde_json::to_string(&ReadyLine {
+            ok: true,
+            error: None
+        })
+        .expect("serializable")
     );
     drop(ready);
     tracing::info!("sandbox {id} ready");
@@ -140,7 +152,11 @@ fn take_stdout() -> std::io::Result<File> {
 async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controller, RuntimeError> {
     let mut state = store.load(&id)?;
     let bundle = Bundle::load(&state.bundle)?;
-    let discovery = Discovery::new(cfg.crust_root.clone(), cfg.kata_root.clone(), &cfg.pods_layer_stop)?;
+    let discovery = Discovery::new(
+        cfg.crust_root.clone(),
+        cfg.kata_root.clone(),
+        &cfg.pods_layer_stop,
+    )?;
     let plan = discovery.plan(&bundle)?;
     // Persist who we are and what we are about to claim before claiming,
     // so a crash at any point leaves enough on disk to clean up.
@@ -150,7 +166,9 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     state.skipped_mounts = plan.skipped.clone();
     store.save(&state)?;
     for m in &plan.skipped {
-        tracing::warn!("mount {m} has no hand-off record; the guest cannot see host paths, skipping it");
+        tracing::warn!(
+            "mount {m} has no hand-off record; the guest cannot see host paths, skipping it"
+        );
     }
 
     let mut claimed: Vec<Volume> = Vec::new();
@@ -183,7 +201,10 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         agent.wait_ready(cfg.boot_timeout).await.map_err(|e| {
             RuntimeError::new(
                 Code::DeadlineExceeded,
-                format!("the guest agent did not come up: {e} (console: {})", guest.console_tail()),
+                format!(
+                    "the guest agent did not come up: {e} (console: {})",
+                    guest.console_tail()
+                ),
             )
         })?;
         let buses = guest.hotplug_buses();
@@ -227,14 +248,21 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     Ok(ctrl)
 }
 
-fn claim(discovery: &Discovery, store: &SandboxStore, id: &str, v: &Volume) -> Result<(), RuntimeError> {
+fn claim(
+    discovery: &Discovery,
+    store: &SandboxStore,
+    id: &str,
+    v: &Volume,
+) -> Result<(), RuntimeError> {
     let s = discovery.store(v.layout);
     s.claim(&v.target, id, |other| store.holds_volumes(other))?;
     if v.layout == LayoutKind::Crust {
         let exe = std::env::current_exe()
             .and_then(|p| p.canonicalize())
             .map_err(RuntimeError::io("locating this executable"))?;
-        let exe = exe.to_str().ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))?;
+        let exe = exe
+            .to_str()
+            .ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))?;
         if let Err(e) = s.set_runtime_cli(&v.target, exe) {
             let _ = s.release(&v.target, id);
             return Err(e.into());
@@ -329,7 +357,9 @@ impl Controller {
                     continue;
                 }
                 match me.agent.workload_status().await {
-                    Ok(WorkloadState::Exited { exit_code, signal, .. }) => {
+                    Ok(WorkloadState::Exited {
+                        exit_code, signal, ..
+                    }) => {
                         let code = exit_code.or(signal.map(|s| 128 + s)).unwrap_or(-1);
                         tracing::info!("workload exited with {code}");
                         me.update(|s| {
@@ -368,7 +398,10 @@ impl Controller {
         .await;
         match res {
             Ok(()) => {
-                self.bus_of.lock().expect("bus_of").insert(v.id.clone(), bus);
+                self.bus_of
+                    .lock()
+                    .expect("bus_of")
+                    .insert(v.id.clone(), bus);
                 Ok(())
             }
             Err(e) => {
@@ -385,7 +418,11 @@ impl Controller {
         st.volumes
             .iter()
             .find(|v| v.target == path)
-            .or_else(|| st.volumes.iter().find(|v| v.device == path || volumes::guest_path(v) == path))
+            .or_else(|| {
+                st.volumes
+                    .iter()
+                    .find(|v| v.device == path || volumes::guest_path(v) == path)
+            })
             .cloned()
             .ok_or_else(|| {
                 ApiError::new(
@@ -456,11 +493,12 @@ impl ShimHandler for Controller {
             ));
         }
         let b = &self.bundle;
-        let user = (b.uid != 0 || b.gid != 0 || !b.additional_gids.is_empty()).then(|| WorkloadUser {
-            uid: b.uid,
-            gid: b.gid,
-            supplemental_gids: b.additional_gids.clone(),
-        });
+        let user =
+            (b.uid != 0 || b.gid != 0 || !b.additional_gids.is_empty()).then(|| WorkloadUser {
+                uid: b.uid,
+                gid: b.gid,
+                supplemental_gids: b.additional_gids.clone(),
+            });
         let req = StartWorkload {
             args: b.args.clone(),
             env: b.env.clone(),
@@ -471,7 +509,12 @@ impl ShimHandler for Controller {
         self.agent
             .call_with_timeout(req, self.cfg.boot_timeout)
             .await
-            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("starting the workload: {e}")))?;
+            .map_err(|e| {
+                ApiError::new(
+                    volumes::agent_code(&e),
+                    format!("starting the workload: {e}"),
+                )
+            })?;
         Ok(self.update(|s| s.status = Status::Running))
     }
 
@@ -479,10 +522,12 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        self.agent
-            .signal_workload(signal)
-            .await
-            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("signalling the workload: {e}")))
+        self.agent.signal_workload(signal).await.map_err(|e| {
+            ApiError::new(
+                volumes::agent_code(&e),
+                format!("signalling the workload: {e}"),
+            )
+        })
     }
 
     async fn shutdown(&self) -> ApiResult<()> {
@@ -499,7 +544,10 @@ impl ShimHandler for Controller {
             )));
         }
         if self.stopping.load(Ordering::SeqCst) {
-            return Ok(VolumeStats::abnormal(format!("sandbox {} is shutting down", self.id)));
+            return Ok(VolumeStats::abnormal(format!(
+                "sandbox {} is shutting down",
+                self.id
+            )));
         }
         Ok(volumes::stats(&self.agent, &v, self.cfg.timeout).await?)
     }
@@ -511,8 +559,15 @@ impl ShimHandler for Controller {
         }
         let lock = self.volume_lock(&v.id);
         let _g = lock.lock().await;
-        let capacity_bytes =
-            volumes::resize(&self.qmp, &self.agent, &v, req.size, req.max_bytes, self.cfg.boot_timeout).await?;
+        let capacity_bytes = volumes::resize(
+            &self.qmp,
+            &self.agent,
+            &v,
+            req.size,
+            req.max_bytes,
+            self.cfg.boot_timeout,
+        )
+        .await?;
         Ok(ResizeResponse { capacity_bytes })
     }
 
@@ -533,10 +588,18 @@ impl ShimHandler for Controller {
             .discovery
             .exact(&volume_path)
             .map_err(|e| ApiError::from(RuntimeError::from(e)))?
-            .ok_or_else(|| ApiError::new(Code::NotFound, format!("no hand-off record for {volume_path}")))?;
+            .ok_or_else(|| {
+                ApiError::new(
+                    Code::NotFound,
+                    format!("no hand-off record for {volume_path}"),
+                )
+            })?;
         let v = Volume::from_record(layout, &volume_path, &mi, false);
         if self.snapshot().volumes.iter().any(|o| o.id == v.id) {
-            return Err(ApiError::new(Code::AlreadyExists, format!("volume id {} is taken", v.id)));
+            return Err(ApiError::new(
+                Code::AlreadyExists,
+                format!("volume id {} is taken", v.id),
+            ));
         }
         // Record before claiming so a crash leaves the claim releasable.
         self.update(|s| s.volumes.push(v.clone()));
@@ -580,11 +643,10 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        let r = self
-            .agent
-            .workload_log(MAX_LOG_TAIL)
-            .await
-            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("workload log: {e}")))?;
+        let r =
+            self.agent.workload_log(MAX_LOG_TAIL).await.map_err(|e| {
+                ApiError::new(volumes::agent_code(&e), format!("workload log: {e}"))
+            })?;
         Ok(LogsResponse { output: r.data })
     }
 }

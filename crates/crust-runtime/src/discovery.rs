@@ -7,8 +7,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crust_handoff::validate::{check_abs_path, is_within};
-use crust_handoff::{FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SourceMatch, Store};
+use crust_handoff::validate::check_abs_path;
+use crust_handoff::{
+    FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SourceMatch, Store,
+};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -79,7 +81,12 @@ pub struct Volume {
 }
 
 impl Volume {
-    pub fn from_record(layout: LayoutKind, target: &str, mi: &MountInfo, oci_readonly: bool) -> Volume {
+    pub fn from_record(
+        layout: LayoutKind,
+        target: &str,
+        mi: &MountInfo,
+        oci_readonly: bool,
+    ) -> Volume {
         let id = volume_id(target);
         Volume {
             serial: format!("crust{id}"),
@@ -141,14 +148,22 @@ pub struct Discovery {
 }
 
 impl Discovery {
-    pub fn new(crust_root: PathBuf, kata_root: PathBuf, pods_dir: &str) -> Result<Self, DiscoveryError> {
+    pub fn new(
+        crust_root: PathBuf,
+        kata_root: PathBuf,
+        pods_dir: &str,
+    ) -> Result<Self, DiscoveryError> {
         let pods_dir = pods_dir.trim_end_matches('/').to_string();
         check_abs_path("pods layer", &pods_dir).map_err(DiscoveryError::Config)?;
         let crust = Store::new(Layout::Crust, crust_root, Policy::default())
             .map_err(|e| DiscoveryError::Config(e.to_string()))?;
         let kata = Store::new(Layout::Kata, kata_root, Policy::default())
             .map_err(|e| DiscoveryError::Config(e.to_string()))?;
-        Ok(Discovery { crust, kata, pods_dir })
+        Ok(Discovery {
+            crust,
+            kata,
+            pods_dir,
+        })
     }
 
     pub fn store(&self, layout: LayoutKind) -> &Store {
@@ -179,7 +194,10 @@ impl Discovery {
 
     /// The record `source` refers to, in either layout. When both layouts
     /// match, the more specific (longer) target wins, CRUST on a tie.
-    pub fn lookup(&self, source: &str) -> Result<Option<(LayoutKind, SourceMatch)>, DiscoveryError> {
+    pub fn lookup(
+        &self,
+        source: &str,
+    ) -> Result<Option<(LayoutKind, SourceMatch)>, DiscoveryError> {
         check_abs_path("mount source", source).map_err(|reason| DiscoveryError::InvalidSource {
             destination: source.to_string(),
             reason,
@@ -203,10 +221,15 @@ impl Discovery {
 
     /// The record staged exactly for `volume_path` (no parent probing),
     /// CRUST layout first. Used by stats/resize and hot-plug.
-    pub fn exact(&self, volume_path: &str) -> Result<Option<(LayoutKind, MountInfo)>, DiscoveryError> {
-        check_abs_path("volume path", volume_path).map_err(|reason| DiscoveryError::InvalidSource {
-            destination: volume_path.to_string(),
-            reason,
+    pub fn exact(
+        &self,
+        volume_path: &str,
+    ) -> Result<Option<(LayoutKind, MountInfo)>, DiscoveryError> {
+        check_abs_path("volume path", volume_path).map_err(|reason| {
+            DiscoveryError::InvalidSource {
+                destination: volume_path.to_string(),
+                reason,
+            }
         })?;
         for layout in [LayoutKind::Crust, LayoutKind::Kata] {
             match self.store(layout).read(volume_path) {
@@ -270,7 +293,11 @@ impl Discovery {
             plan.volumes[*idx].readonly |= *all_ro;
         }
         // Two mounts on one destination would shadow each other silently.
-        let mut dests: Vec<&str> = bundle.mounts.iter().map(|m| m.destination.as_str()).collect();
+        let mut dests: Vec<&str> = bundle
+            .mounts
+            .iter()
+            .map(|m| m.destination.as_str())
+            .collect();
         dests.sort_unstable();
         if let Some(w) = dests.windows(2).find(|w| w[0] == w[1]) {
             return Err(DiscoveryError::InvalidSource {
@@ -280,11 +307,6 @@ impl Discovery {
         }
         Ok(plan)
     }
-}
-
-/// `true` if `path` is `target` or lies beneath it.
-pub fn path_within(path: &str, target: &str) -> bool {
-    is_within(path, target)
 }
 
 #[cfg(test)]
@@ -316,7 +338,8 @@ mod tests {
         use std::os::unix::fs::FileTypeExt;
         std::fs::read_dir("/dev").ok()?.flatten().find_map(|e| {
             let ft = e.file_type().ok()?;
-            ft.is_block_device().then(|| e.path().to_str().unwrap().to_string())
+            ft.is_block_device()
+                .then(|| e.path().to_str().unwrap().to_string())
         })
     }
 
@@ -338,7 +361,11 @@ mod tests {
             destination: dest.into(),
             source: Some(src.into()),
             typ: Some("bind".into()),
-            options: if ro { vec!["rbind".into(), "ro".into()] } else { vec!["rbind".into()] },
+            options: if ro {
+                vec!["rbind".into(), "ro".into()]
+            } else {
+                vec!["rbind".into()]
+            },
         }
     }
 
@@ -355,7 +382,9 @@ mod tests {
 
     #[test]
     fn plan_finds_subpaths_in_both_layouts() {
-        let Some(dev) = some_block_device() else { return };
+        let Some(dev) = some_block_device() else {
+            return;
+        };
         let r = roots();
         let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
         let t1 = format!("{}/u/volumes/kubernetes.io~csi/pv1/mount", r.pods);
@@ -363,7 +392,9 @@ mod tests {
         let mut mi = MountInfo::block(dev.clone(), "ext4");
         mi.set_fs_group(Some(100));
         d.store(LayoutKind::Crust).stage(&t1, &mi).unwrap();
-        d.store(LayoutKind::Kata).stage(&t2, &MountInfo::block(dev.clone(), "xfs")).unwrap();
+        d.store(LayoutKind::Kata)
+            .stage(&t2, &MountInfo::block(dev.clone(), "xfs"))
+            .unwrap();
         let b = bundle(vec![
             bind("/a", &format!("{t1}/sub/dir"), true),
             bind("/b", &t1, false),
@@ -379,7 +410,10 @@ mod tests {
         let plan = d.plan(&b).unwrap();
         assert_eq!(plan.volumes.len(), 2);
         let v1 = &plan.volumes[0];
-        assert_eq!((v1.layout, v1.target.as_str(), v1.fs_group), (LayoutKind::Crust, t1.as_str(), Some(100)));
+        assert_eq!(
+            (v1.layout, v1.target.as_str(), v1.fs_group),
+            (LayoutKind::Crust, t1.as_str(), Some(100))
+        );
         assert!(!v1.readonly, "one rw mount keeps the device rw");
         assert_eq!(v1.serial, format!("crust{}", v1.id));
         assert!(v1.serial.len() <= 20);
@@ -395,12 +429,16 @@ mod tests {
 
     #[test]
     fn probing_never_goes_above_the_volumes_layer() {
-        let Some(dev) = some_block_device() else { return };
+        let Some(dev) = some_block_device() else {
+            return;
+        };
         let r = roots();
         let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
         // A record at the pods dir itself must not capture a pod's source.
         let above = format!("{}/u", r.pods);
-        d.store(LayoutKind::Crust).stage(&above, &MountInfo::block(dev, "ext4")).unwrap();
+        d.store(LayoutKind::Crust)
+            .stage(&above, &MountInfo::block(dev, "ext4"))
+            .unwrap();
         let src = format!("{}/u/volumes/x/pv/mount", r.pods);
         assert!(d.lookup(&src).unwrap().is_none());
         // Outside the pods dir only the exact path counts.
@@ -420,9 +458,16 @@ mod tests {
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700)).unwrap();
         }
         let path = dir.join("mountInfo.json");
-        std::fs::write(&path, MountInfo::block("/dev/crust-nonexistent", "ext4").to_json()).unwrap();
+        std::fs::write(
+            &path,
+            MountInfo::block("/dev/crust-nonexistent", "ext4").to_json(),
+        )
+        .unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let e = d.plan(&bundle(vec![bind("/d", &t, false)])).unwrap_err().to_string();
+        let e = d
+            .plan(&bundle(vec![bind("/d", &t, false)]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("/dev/crust-nonexistent"), "{e}");
     }
 
@@ -431,7 +476,10 @@ mod tests {
         let r = roots();
         let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
         let e = d
-            .plan(&bundle(vec![bind("/d", "/srv/a", false), bind("/d", "/srv/b", false)]))
+            .plan(&bundle(vec![
+                bind("/d", "/srv/a", false),
+                bind("/d", "/srv/b", false),
+            ]))
             .unwrap_err()
             .to_string();
         assert!(e.contains("more than one mount"), "{e}");

@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -43,7 +43,11 @@ pub struct Runtime {
 
 impl Runtime {
     pub fn new(cfg: Config) -> Result<Runtime> {
-        let discovery = Discovery::new(cfg.crust_root.clone(), cfg.kata_root.clone(), &cfg.pods_layer_stop)?;
+        let discovery = Discovery::new(
+            cfg.crust_root.clone(),
+            cfg.kata_root.clone(),
+            &cfg.pods_layer_stop,
+        )?;
         Ok(Runtime {
             sandboxes: SandboxStore::new(cfg.root.clone()),
             discovery,
@@ -51,8 +55,14 @@ impl Runtime {
         })
     }
 
+    /// A client of sandbox `id`'s shim. Its bound is a little longer than
+    /// the shim's own bound on agent calls, so a hung guest is reported by
+    /// the shim (naming the agent call) rather than as a silent shim.
     pub fn client(&self, id: &str) -> ShimClient {
-        ShimClient::new(self.sandboxes.socket(id), self.cfg.timeout)
+        ShimClient::new(
+            self.sandboxes.socket(id),
+            self.cfg.timeout + Duration::from_secs(2),
+        )
     }
 
     /// Loads a sandbox's state with its effective status.
@@ -85,11 +95,17 @@ impl Runtime {
                 }));
             }
         }
-        for (what, p) in [("guest kernel", &self.cfg.guest_kernel), ("guest initrd", &self.cfg.guest_initrd)] {
+        for (what, p) in [
+            ("guest kernel", &self.cfg.guest_kernel),
+            ("guest initrd", &self.cfg.guest_initrd),
+        ] {
             if !p.is_file() {
                 return Err(RuntimeError::new(
                     Code::FailedPrecondition,
-                    format!("{what} {} not found (build it with guest/build-image.sh)", p.display()),
+                    format!(
+                        "{what} {} not found (build it with guest/build-image.sh)",
+                        p.display()
+                    ),
                 ));
             }
         }
@@ -152,16 +168,18 @@ impl Runtime {
             Ok(ReadyLine { ok: true, .. }) => Ok(()),
             Ok(ReadyLine { error, .. }) => {
                 let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
-                Err(RuntimeError::Shim(ShimError::Api(error.unwrap_or_else(|| {
-                    ApiError::new(Code::Internal, "the shim failed without saying why")
-                }))))
+                Err(RuntimeError::Shim(ShimError::Api(error.unwrap_or_else(
+                    || ApiError::new(Code::Internal, "the shim failed without saying why"),
+                ))))
             }
             Err(_) => {
                 let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
                 let tail = log_tail(&self.sandboxes.log(id), 2000);
                 Err(RuntimeError::new(
                     Code::Internal,
-                    format!("the shim of sandbox {id} exited before the sandbox was ready; its log ends with:\n{tail}"),
+                    format!(
+                        "the shim of sandbox {id} exited before the sandbox was ready; its log ends with:\n{tail}"
+                    ),
                 ))
             }
         }
@@ -171,7 +189,10 @@ impl Runtime {
     /// came up): kill its QEMU, release its claims, drop its directory.
     pub fn cleanup_dead(&self, id: &str) {
         if let Ok(st) = self.sandboxes.load(id) {
-            if let Some(shim) = st.shim.filter(|s| s.alive() && s.pid != std::process::id() as i32) {
+            if let Some(shim) = st
+                .shim
+                .filter(|s| s.alive() && s.pid != std::process::id() as i32)
+            {
                 kill_and_wait(shim);
             }
             if let Some(q) = st.qemu.filter(ProcRef::alive) {
@@ -236,7 +257,10 @@ impl Runtime {
                 if force {
                     return Ok(());
                 }
-                return Err(RuntimeError::new(Code::NotFound, format!("sandbox {id} does not exist")));
+                return Err(RuntimeError::new(
+                    Code::NotFound,
+                    format!("sandbox {id} does not exist"),
+                ));
             }
             Err(e) => return Err(e),
         };
@@ -247,7 +271,9 @@ impl Runtime {
             ));
         }
         if let Some(shim) = st.shim.filter(ProcRef::alive) {
-            let client = self.client(id).with_timeout(self.cfg.timeout * 3 + Duration::from_secs(20));
+            let client = self
+                .client(id)
+                .with_timeout(self.cfg.timeout * 3 + Duration::from_secs(20));
             if let Err(e) = client.shutdown().await {
                 tracing::warn!("sandbox {id}: orderly shutdown failed ({e}); killing it");
             }
@@ -291,7 +317,12 @@ impl Runtime {
         }
     }
 
-    pub async fn exec(&self, id: &str, args: Vec<String>, timeout: Duration) -> Result<ExecResponse> {
+    pub async fn exec(
+        &self,
+        id: &str,
+        args: Vec<String>,
+        timeout: Duration,
+    ) -> Result<ExecResponse> {
         let req = ExecRequest {
             args,
             env: Vec::new(),
@@ -314,16 +345,26 @@ impl Runtime {
 
     /// The sandbox serving `volume_path` (via the record's claimant), or
     /// the abnormal condition to report when it no longer runs.
-    fn serving_sandbox(&self, volume_path: &str) -> Result<std::result::Result<String, VolumeStats>> {
+    fn serving_sandbox(
+        &self,
+        volume_path: &str,
+    ) -> Result<std::result::Result<String, VolumeStats>> {
         let (layout, _) = self.discovery.exact(volume_path)?.ok_or_else(|| {
-            RuntimeError::new(Code::NotFound, format!("no hand-off record for volume {volume_path}"))
-        })?;
-        let claimant = self.discovery.store(layout).claimant(volume_path)?.ok_or_else(|| {
             RuntimeError::new(
-                Code::FailedPrecondition,
-                format!("volume {volume_path} is not used by any sandbox"),
+                Code::NotFound,
+                format!("no hand-off record for volume {volume_path}"),
             )
         })?;
+        let claimant = self
+            .discovery
+            .store(layout)
+            .claimant(volume_path)?
+            .ok_or_else(|| {
+                RuntimeError::new(
+                    Code::FailedPrecondition,
+                    format!("volume {volume_path} is not used by any sandbox"),
+                )
+            })?;
         let st = match self.sandboxes.load(&claimant) {
             Ok(st) => st,
             Err(crate::sandbox::SandboxError::NotFound(_)) => {
@@ -335,10 +376,14 @@ impl Runtime {
             Err(e) => return Err(e.into()),
         };
         if !st.qemu.is_some_and(|q| q.alive()) {
-            return Ok(Err(VolumeStats::abnormal(format!("sandbox {claimant} is not running (QEMU exited)"))));
+            return Ok(Err(VolumeStats::abnormal(format!(
+                "sandbox {claimant} is not running (QEMU exited)"
+            ))));
         }
         if !st.shim.is_some_and(|s| s.alive()) {
-            return Ok(Err(VolumeStats::abnormal(format!("sandbox {claimant} is not running (its shim exited)"))));
+            return Ok(Err(VolumeStats::abnormal(format!(
+                "sandbox {claimant} is not running (its shim exited)"
+            ))));
         }
         Ok(Ok(claimant))
     }
@@ -359,7 +404,12 @@ impl Runtime {
     }
 
     /// KEP `crust resize` (min, max) / Kata `direct-volume resize` (size).
-    pub async fn volume_resize(&self, volume_path: &str, min: u64, max: u64) -> Result<ResizeResponse> {
+    pub async fn volume_resize(
+        &self,
+        volume_path: &str,
+        min: u64,
+        max: u64,
+    ) -> Result<ResizeResponse> {
         if max > 0 && max < min {
             return Err(RuntimeError::new(
                 Code::InvalidArgument,
@@ -369,7 +419,10 @@ impl Runtime {
         let id = match self.serving_sandbox(volume_path)? {
             Ok(id) => id,
             Err(abnormal) => {
-                return Err(RuntimeError::new(Code::Unavailable, abnormal.volume_condition.message));
+                return Err(RuntimeError::new(
+                    Code::Unavailable,
+                    abnormal.volume_condition.message,
+                ));
             }
         };
         let req = ResizeRequest {
@@ -385,7 +438,11 @@ impl Runtime {
                 format!(
                     "volume {volume_path} has {} bytes after the resize, outside [{min}, {}]",
                     resp.capacity_bytes,
-                    if max > 0 { max.to_string() } else { "unbounded".into() }
+                    if max > 0 {
+                        max.to_string()
+                    } else {
+                        "unbounded".into()
+                    }
                 ),
             ));
         }
@@ -398,7 +455,10 @@ impl Runtime {
     /// layout record (0600 in a 0700 dir).
     pub fn direct_volume_add(&self, volume_path: &str, mount_info: &str) -> Result<()> {
         let mi = parse_kata_mount_info(mount_info)?;
-        Ok(self.discovery.store(LayoutKind::Kata).stage(volume_path, &mi)?)
+        Ok(self
+            .discovery
+            .store(LayoutKind::Kata)
+            .stage(volume_path, &mi)?)
     }
 
     /// `direct-volume remove`: drops the Kata record, refused while a live
@@ -444,7 +504,10 @@ pub fn parse_kata_mount_info(s: &str) -> Result<MountInfo> {
     MountInfo::from_json(&bytes).map_err(bad)
 }
 
-fn wait_child(child: &mut std::process::Child, within: Duration) -> Option<std::process::ExitStatus> {
+fn wait_child(
+    child: &mut std::process::Child,
+    within: Duration,
+) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + within;
     loop {
         if let Ok(Some(st)) = child.try_wait() {
@@ -473,7 +536,7 @@ pub fn kill_and_wait(p: ProcRef) {
 }
 
 /// The last `max` bytes of a log file (for error messages).
-pub fn log_tail(path: &PathBuf, max: usize) -> String {
+pub fn log_tail(path: &Path, max: usize) -> String {
     let data = std::fs::read(path).unwrap_or_default();
     let start = data.len().saturating_sub(max);
     String::from_utf8_lossy(&data[start..]).into_owned()
@@ -486,7 +549,14 @@ mod tests {
     #[test]
     fn kata_mount_info_spellings() {
         let mi = parse_kata_mount_info(r#"{"Device": "/dev/null", "fstype": "ext4"}"#).unwrap();
-        assert_eq!((mi.volume_type.as_str(), mi.device.as_str(), mi.fstype.as_str()), ("block", "/dev/null", "ext4"));
+        assert_eq!(
+            (
+                mi.volume_type.as_str(),
+                mi.device.as_str(),
+                mi.fstype.as_str()
+            ),
+            ("block", "/dev/null", "ext4")
+        );
         let mi = parse_kata_mount_info(
             r#"{"volume-type":"block","device":"/dev/x","FsType":"xfs","Metadata":{"fsGroup":"7"},"options":["noatime"]}"#,
         )

@@ -158,10 +158,18 @@ impl SandboxState {
         }
     }
 
-    /// Whether this sandbox still holds its volumes: its shim runs and it
-    /// has not stopped. Used as the hand-off claim's liveness test.
+    /// Whether this sandbox still holds its volumes (the hand-off claim's
+    /// liveness test): its shim runs and so does its QEMU (or, before QEMU
+    /// is launched, it is still being created). A sandbox whose workload
+    /// exited still holds them: the guest keeps them mounted until delete.
     pub fn holds_volumes(&self) -> bool {
-        self.status != Status::Stopped && self.shim.is_some_and(|s| s.alive())
+        if !self.shim.is_some_and(|s| s.alive()) {
+            return false;
+        }
+        match self.qemu {
+            Some(q) => q.alive(),
+            None => self.status != Status::Stopped,
+        }
     }
 
     /// The status as seen from outside: a sandbox whose shim is gone is
@@ -169,7 +177,8 @@ impl SandboxState {
     pub fn effective(mut self) -> SandboxState {
         if self.status != Status::Stopped && !self.shim.is_some_and(|s| s.alive()) {
             self.status = Status::Stopped;
-            self.reason.get_or_insert_with(|| "the sandbox's shim is not running".into());
+            self.reason
+                .get_or_insert_with(|| "the sandbox's shim is not running".into());
         }
         self
     }
@@ -349,24 +358,51 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let store = SandboxStore::new(d.path().join("root"));
         store.create("sb1").unwrap();
-        assert!(matches!(store.create("sb1"), Err(SandboxError::AlreadyExists(_))));
-        assert!(matches!(store.create("../x"), Err(SandboxError::InvalidId(..))));
-        let mode = std::fs::metadata(store.dir("sb1")).unwrap().permissions().mode();
+        assert!(matches!(
+            store.create("sb1"),
+            Err(SandboxError::AlreadyExists(_))
+        ));
+        assert!(matches!(
+            store.create("../x"),
+            Err(SandboxError::InvalidId(..))
+        ));
+        let mode = std::fs::metadata(store.dir("sb1"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o700);
         assert!(matches!(store.load("sb1"), Err(SandboxError::NotFound(_))));
         let mut st = SandboxState::new("sb1", &bundle());
         st.shim = Some(ProcRef::current());
         store.save(&st).unwrap();
         assert_eq!(store.load("sb1").unwrap(), st);
-        let mode = std::fs::metadata(store.dir("sb1").join(STATE_FILE)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(store.dir("sb1").join(STATE_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         // No temp file left behind.
-        let names: Vec<_> = std::fs::read_dir(store.dir("sb1")).unwrap().flatten().map(|e| e.file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(store.dir("sb1"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
         assert_eq!(names, [STATE_FILE]);
-        assert!(store.holds_volumes("sb1"));
+        assert!(store.holds_volumes("sb1"), "being created");
         st.status = Status::Stopped;
         store.save(&st).unwrap();
-        assert!(!store.holds_volumes("sb1"));
+        assert!(!store.holds_volumes("sb1"), "failed before QEMU");
+        // With a VM: its liveness decides, whatever the workload did.
+        st.qemu = Some(ProcRef::current());
+        store.save(&st).unwrap();
+        assert!(store.holds_volumes("sb1"), "workload stopped, VM up");
+        st.qemu = Some(ProcRef {
+            pid: i32::MAX,
+            start_time: 1,
+        });
+        st.status = Status::Running;
+        store.save(&st).unwrap();
+        assert!(!store.holds_volumes("sb1"), "QEMU gone");
         assert!(!store.holds_volumes("unknown"));
         assert_eq!(store.list().unwrap(), ["sb1"]);
         store.remove("sb1").unwrap();
@@ -378,11 +414,26 @@ mod tests {
     fn liveness_uses_start_time() {
         let me = ProcRef::current();
         assert!(me.alive());
-        assert!(!ProcRef { start_time: me.start_time + 1, ..me }.alive());
-        assert!(!ProcRef { pid: 0, start_time: 0 }.alive());
+        assert!(
+            !ProcRef {
+                start_time: me.start_time + 1,
+                ..me
+            }
+            .alive()
+        );
+        assert!(
+            !ProcRef {
+                pid: 0,
+                start_time: 0
+            }
+            .alive()
+        );
         let mut st = SandboxState::new("x", &bundle());
         st.status = Status::Running;
-        st.shim = Some(ProcRef { start_time: me.start_time + 1, ..me });
+        st.shim = Some(ProcRef {
+            start_time: me.start_time + 1,
+            ..me
+        });
         let eff = st.effective();
         assert_eq!(eff.status, Status::Stopped);
         assert!(eff.reason.unwrap().contains("shim"));

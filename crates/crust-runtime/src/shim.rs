@@ -153,7 +153,11 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 
 /// Serves `handler` until `stop` turns true. A successful `/shutdown`
 /// also flips `stop` (after its answer is written).
-pub async fn serve<H: ShimHandler>(listener: UnixListener, handler: Arc<H>, stop: watch::Sender<bool>) {
+pub async fn serve<H: ShimHandler>(
+    listener: UnixListener,
+    handler: Arc<H>,
+    stop: watch::Sender<bool>,
+) {
     let mut stop_rx = stop.subscribe();
     let stop = Arc::new(stop);
     loop {
@@ -201,13 +205,26 @@ async fn body_json<T: DeserializeOwned>(req: Request<Incoming>) -> ApiResult<T> 
     let bytes = Limited::new(req.into_body(), MAX_BODY)
         .collect()
         .await
-        .map_err(|e| ApiError::new(Code::InvalidArgument, format!("reading the request body: {e}")))?
+        .map_err(|e| {
+            ApiError::new(
+                Code::InvalidArgument,
+                format!("reading the request body: {e}"),
+            )
+        })?
         .to_bytes();
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::new(Code::InvalidArgument, format!("malformed request body: {e}")))
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            Code::InvalidArgument,
+            format!("malformed request body: {e}"),
+        )
+    })
 }
 
-async fn route<H: ShimHandler>(h: &H, stop: &watch::Sender<bool>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route<H: ShimHandler>(
+    h: &H,
+    stop: &watch::Sender<bool>,
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().map(str::to_string);
@@ -217,7 +234,9 @@ async fn route<H: ShimHandler>(h: &H, stop: &watch::Sender<bool>, req: Request<I
             let p = query
                 .as_deref()
                 .and_then(|q| query_param(q, "path"))
-                .ok_or_else(|| ApiError::new(Code::InvalidArgument, "missing query parameter path"));
+                .ok_or_else(|| {
+                    ApiError::new(Code::InvalidArgument, "missing query parameter path")
+                });
             match p.and_then(|p| percent_decode(&p)) {
                 Ok(p) => reply(h.stats(p).await),
                 Err(e) => reply::<Empty>(Err(e)),
@@ -360,7 +379,9 @@ impl ShimClient {
         body: Option<Vec<u8>>,
     ) -> Result<T, ShimError> {
         let what = format!("{method} {path_and_query}");
-        match tokio::time::timeout(self.timeout, self.call_inner(method, path_and_query, body)).await {
+        match tokio::time::timeout(self.timeout, self.call_inner(method, path_and_query, body))
+            .await
+        {
             Ok(r) => r,
             Err(_) => Err(ShimError::Timeout {
                 what,
@@ -375,12 +396,13 @@ impl ShimClient {
         path_and_query: &str,
         body: Option<Vec<u8>>,
     ) -> Result<T, ShimError> {
-        let stream = UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ShimError::Unreachable {
-                socket: self.socket.display().to_string(),
-                source,
-            })?;
+        let stream =
+            UnixStream::connect(&self.socket)
+                .await
+                .map_err(|source| ShimError::Unreachable {
+                    socket: self.socket.display().to_string(),
+                    source,
+                })?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| ShimError::Protocol(format!("handshake: {e}")))?;
@@ -412,7 +434,8 @@ impl ShimClient {
             });
             return Err(ShimError::Api(err));
         }
-        serde_json::from_slice(&bytes).map_err(|e| ShimError::Protocol(format!("malformed answer: {e}")))
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ShimError::Protocol(format!("malformed answer: {e}")))
     }
 
     pub async fn state(&self) -> Result<SandboxState, ShimError> {
@@ -425,11 +448,15 @@ impl ShimClient {
 
     pub async fn kill(&self, signal: i32) -> Result<(), ShimError> {
         let body = serde_json::to_vec(&KillRequest { signal }).expect("serializable");
-        self.call::<Empty>(Method::POST, "/kill", Some(body)).await.map(drop)
+        self.call::<Empty>(Method::POST, "/kill", Some(body))
+            .await
+            .map(drop)
     }
 
     pub async fn shutdown(&self) -> Result<(), ShimError> {
-        self.call::<Empty>(Method::POST, "/shutdown", None).await.map(drop)
+        self.call::<Empty>(Method::POST, "/shutdown", None)
+            .await
+            .map(drop)
     }
 
     pub async fn stats(&self, path: &str) -> Result<VolumeStats, ShimError> {
@@ -439,7 +466,8 @@ impl ShimClient {
 
     pub async fn resize(&self, req: &ResizeRequest) -> Result<ResizeResponse, ShimError> {
         let body = serde_json::to_vec(req).expect("serializable");
-        self.call(Method::POST, "/direct-volume/resize", Some(body)).await
+        self.call(Method::POST, "/direct-volume/resize", Some(body))
+            .await
     }
 
     pub async fn add_volume(&self, volume_path: &str) -> Result<Volume, ShimError> {
@@ -503,11 +531,19 @@ mod tests {
             Ok(VolumeStats::from_figures(&f, path))
         }
         async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
-            self.seen.lock().unwrap().push(format!("resize {} {}", req.volume_path, req.size));
-            Ok(ResizeResponse { capacity_bytes: req.size })
+            self.seen
+                .lock()
+                .unwrap()
+                .push(format!("resize {} {}", req.volume_path, req.size));
+            Ok(ResizeResponse {
+                capacity_bytes: req.size,
+            })
         }
         async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {
-            Err(ApiError::new(Code::NotFound, format!("no record for {volume_path}")))
+            Err(ApiError::new(
+                Code::NotFound,
+                format!("no record for {volume_path}"),
+            ))
         }
         async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
             Ok(ExecResponse {
@@ -517,13 +553,19 @@ mod tests {
             })
         }
         async fn logs(&self) -> ApiResult<LogsResponse> {
-            Ok(LogsResponse { output: "hi".into() })
+            Ok(LogsResponse {
+                output: "hi".into(),
+            })
         }
     }
 
     #[test]
     fn percent_roundtrip() {
-        for s in ["/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv 1/mount", "/a?b&c=d%e", "/é"] {
+        for s in [
+            "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/pv 1/mount",
+            "/a?b&c=d%e",
+            "/é",
+        ] {
             assert_eq!(percent_decode(&percent_encode(s)).unwrap(), s);
         }
         assert_eq!(percent_decode("/a+b%2Fc").unwrap(), "/a+b/c");
@@ -548,7 +590,11 @@ mod tests {
         let s = c.stats(path).await.unwrap();
         assert_eq!(s.volume_condition.message, path);
         let s: VolumeStats = c
-            .call(Method::GET, &format!("/direct-volume/stats/{}", percent_encode(path)), None)
+            .call(
+                Method::GET,
+                &format!("/direct-volume/stats/{}", percent_encode(path)),
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(s.volume_condition.message, path);
@@ -562,13 +608,21 @@ mod tests {
             r#"{"volume_guest_path":"/v","size":5}"#,
         ] {
             let r: ResizeResponse = c
-                .call(Method::POST, "/direct-volume/resize", Some(body.as_bytes().to_vec()))
+                .call(
+                    Method::POST,
+                    "/direct-volume/resize",
+                    Some(body.as_bytes().to_vec()),
+                )
                 .await
                 .unwrap();
             assert_eq!(r.capacity_bytes, 5);
         }
         match c
-            .call::<ResizeResponse>(Method::POST, "/direct-volume/resize", Some(b"{\"size\":1}".to_vec()))
+            .call::<ResizeResponse>(
+                Method::POST,
+                "/direct-volume/resize",
+                Some(b"{\"size\":1}".to_vec()),
+            )
             .await
         {
             Err(ShimError::Api(e)) => assert_eq!(e.code, Code::InvalidArgument),
@@ -579,10 +633,23 @@ mod tests {
             other => panic!("{other:?}"),
         }
         c.kill(15).await.unwrap();
-        assert_eq!(c.exec(&ExecRequest { args: vec!["a".into(), "b".into()], env: vec![], timeout_ms: None }).await.unwrap().stdout, "a b");
+        assert_eq!(
+            c.exec(&ExecRequest {
+                args: vec!["a".into(), "b".into()],
+                env: vec![],
+                timeout_ms: None
+            })
+            .await
+            .unwrap()
+            .stdout,
+            "a b"
+        );
         assert_eq!(c.logs().await.unwrap().output, "hi");
         c.shutdown().await.unwrap();
-        tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(
             fake.seen.lock().unwrap().as_slice(),
             [
@@ -597,7 +664,10 @@ mod tests {
             ]
         );
         // Nobody listens any more.
-        assert!(matches!(c.state().await, Err(ShimError::Unreachable { .. })));
+        assert!(matches!(
+            c.state().await,
+            Err(ShimError::Unreachable { .. })
+        ));
     }
 
     #[tokio::test]

@@ -103,7 +103,11 @@ pub struct ResizeResponse {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ResizeRequest {
-    #[serde(rename = "volumePath", alias = "VolumePath", alias = "volume_guest_path")]
+    #[serde(
+        rename = "volumePath",
+        alias = "VolumePath",
+        alias = "volume_guest_path"
+    )]
     pub volume_path: String,
     #[serde(alias = "Size", deserialize_with = "u64_or_string")]
     pub size: u64,
@@ -183,9 +187,14 @@ mod tests {
             r#"{"volumePath":"/p","Size":"123"}"#,
         ] {
             let r: ResizeRequest = serde_json::from_str(body).unwrap();
-            assert_eq!((r.volume_path.as_str(), r.size, r.max_bytes), ("/p", 123, None), "{body}");
+            assert_eq!(
+                (r.volume_path.as_str(), r.size, r.max_bytes),
+                ("/p", 123, None),
+                "{body}"
+            );
         }
-        let r: ResizeRequest = serde_json::from_str(r#"{"volumePath":"/p","size":1,"maxBytes":"9"}"#).unwrap();
+        let r: ResizeRequest =
+            serde_json::from_str(r#"{"volumePath":"/p","size":1,"maxBytes":"9"}"#).unwrap();
         assert_eq!(r.max_bytes, Some(9));
         for bad in [
             r#"{"volumePath":"/p"}"#,

@@ -1,42 +1,144 @@
-//! The sandbox's QEMU guest (adapter over crust-vmm).
+//! The sandbox's QEMU guest: a thin adapter over crust-vmm that shares the
+//! `Vm` between the shim's tasks and turns QEMU's exit into a notification.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use crust_vmm::{Vm, VmConfig, VmExit};
+use tokio::sync::{Mutex, watch};
 
-use crate::config::Config;
+use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
 use crate::sandbox::ProcRef;
 use crate::shim::Code;
 
+/// Empty PCIe root ports reserved for volume hot-plug.
+pub const HOTPLUG_PORTS: u32 = 8;
+/// How often the shim checks whether QEMU is still there.
+const EXIT_POLL: Duration = Duration::from_millis(100);
+
 pub struct Guest {
-    run_dir: PathBuf,
+    vm: Arc<Mutex<Vm>>,
+    proc: ProcRef,
+    qmp_socket: PathBuf,
+    agent_socket: PathBuf,
+    ports: Vec<String>,
+    context: Box<dyn Fn() -> String + Send + Sync>,
 }
 
 impl Guest {
-    pub async fn launch(_cfg: &Config, run_dir: &Path, _id: &str) -> Result<Guest, RuntimeError> {
-        let _ = Guest { run_dir: run_dir.to_path_buf() };
-        Err(RuntimeError::new(Code::Internal, "crust-vmm is not wired in yet"))
+    /// Starts QEMU (returns once its sockets answer; the guest boots on).
+    /// QEMU dies with the shim, so a crashed shim never leaves a VM behind
+    /// holding volumes.
+    pub async fn launch(cfg: &Config, run_dir: &Path, id: &str) -> Result<Guest, RuntimeError> {
+        let name: String = format!("crust-{id}").chars().take(64).collect();
+        let mut vc = VmConfig::new(name, &cfg.guest_kernel, &cfg.guest_initrd, run_dir);
+        vc.memory_mib = cfg.memory_mib;
+        vc.cpus = cfg.cpus;
+        vc.accel = match cfg.accel {
+            Accel::Tcg => crust_vmm::Accel::Tcg,
+            Accel::Kvm => crust_vmm::Accel::Kvm,
+            Accel::Auto => crust_vmm::Accel::Auto,
+        };
+        vc.hotplug_ports = HOTPLUG_PORTS;
+        vc.die_with_parent = true;
+        let vm = Vm::launch(vc)
+            .await
+            .map_err(|e| RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")))?;
+        let proc = ProcRef {
+            pid: vm.pid() as i32,
+            start_time: vm.state().start_time,
+        };
+        let paths = vm.paths().clone();
+        Ok(Guest {
+            proc,
+            qmp_socket: vm.qmp_socket().to_path_buf(),
+            agent_socket: vm.agent_socket().to_path_buf(),
+            ports: vm.hotplug_ports().to_vec(),
+            context: Box::new(move || {
+                format!(
+                    "qemu.log: {}\nconsole.log: {}",
+                    crust_vmm::tail(&paths.qemu_log, 1024),
+                    crust_vmm::tail(&paths.console_log, 2048)
+                )
+            }),
+            vm: Arc::new(Mutex::new(vm)),
+        })
     }
+
     pub fn proc_ref(&self) -> ProcRef {
-        ProcRef::current()
+        self.proc
     }
-    pub fn qmp_socket(&self) -> PathBuf {
-        self.run_dir.join("qmp.sock")
+
+    pub fn qmp_socket(&self) -> &Path {
+        &self.qmp_socket
     }
-    pub fn agent_socket(&self) -> PathBuf {
-        self.run_dir.join("agent.sock")
+
+    pub fn agent_socket(&self) -> &Path {
+        &self.agent_socket
     }
+
+    /// The ends of qemu.log and console.log, for error messages.
     pub fn console_tail(&self) -> String {
-        String::new()
+        (self.context)()
     }
+
     pub fn hotplug_buses(&self) -> Vec<String> {
-        Vec::new()
+        self.ports.clone()
     }
-    pub fn set_exit_notifier(&self, _tx: watch::Sender<Option<String>>) {}
-    pub async fn wait_exit(&self, _t: Duration) -> bool {
-        true
+
+    /// Sends `Some(reason)` on `tx` once QEMU has exited.
+    pub fn set_exit_notifier(&self, tx: watch::Sender<Option<String>>) {
+        let vm = self.vm.clone();
+        tokio::spawn(async move {
+            loop {
+                let exit = vm.lock().await.wait_exit(Duration::ZERO).await;
+                if let Some(e) = exit {
+                    let _ = tx.send(Some(describe(&e)));
+                    return;
+                }
+                if tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(EXIT_POLL).await;
+            }
+        });
     }
-    pub async fn kill(&self) {}
+
+    /// Waits up to `timeout` for QEMU to exit; true once it has.
+    pub async fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self
+                .vm
+                .lock()
+                .await
+                .wait_exit(Duration::ZERO)
+                .await
+                .is_some()
+            {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILLs QEMU and reaps it.
+    pub async fn kill(&self) {
+        if let Err(e) = self.vm.lock().await.kill() {
+            tracing::error!("killing QEMU: {e}");
+        }
+    }
+}
+
+fn describe(e: &VmExit) -> String {
+    match (e.code, e.signal) {
+        (_, Some(s)) => format!("killed by signal {s}"),
+        (Some(c), None) => format!("exit status {c}"),
+        (None, None) => "exited".into(),
+    }
 }

@@ -91,12 +91,20 @@ pub fn agent_code(e: &ClientError) -> Code {
 
 fn qmp_err(v: &Volume, what: &'static str) -> impl FnOnce(QmpError) -> VolumeError {
     let target = v.target.clone();
-    move |source| VolumeError::Qmp { target, what, source }
+    move |source| VolumeError::Qmp {
+        target,
+        what,
+        source,
+    }
 }
 
 fn agent_err(v: &Volume, what: &'static str) -> impl FnOnce(ClientError) -> VolumeError {
     let target = v.target.clone();
-    move |source| VolumeError::Agent { target, what, source }
+    move |source| VolumeError::Agent {
+        target,
+        what,
+        source,
+    }
 }
 
 /// Where the agent mounts `v` in the guest.
@@ -156,13 +164,22 @@ pub async fn detach(qmp: &QmpClient, v: &Volume) -> Result<(), VolumeError> {
 }
 
 /// Has the agent mount `v` with the record's fstype, options and fsGroup.
-pub async fn mount(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<MountVolumeReply, VolumeError> {
+pub async fn mount(
+    agent: &AgentClient,
+    v: &Volume,
+    timeout: Duration,
+) -> Result<MountVolumeReply, VolumeError> {
     let req = MountVolume {
         volume: v.id.clone(),
         serial: v.serial.clone(),
         fstype: agent_fstype(v)?,
         // `ro` travels as the readonly flag; the agent's allow-list does the rest.
-        options: v.options.iter().filter(|o| *o != "ro" && *o != "rw").cloned().collect(),
+        options: v
+            .options
+            .iter()
+            .filter(|o| *o != "ro" && *o != "rw")
+            .cloned()
+            .collect(),
         readonly: v.readonly,
         fs_group: v.fs_group,
         fs_group_policy: v.fs_group_change_policy().map(|p| match p {
@@ -176,18 +193,36 @@ pub async fn mount(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result
         .map_err(agent_err(v, "mount"))
 }
 
-pub async fn unmount(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<(), VolumeError> {
+pub async fn unmount(
+    agent: &AgentClient,
+    v: &Volume,
+    timeout: Duration,
+) -> Result<(), VolumeError> {
     agent
-        .call_with_timeout(crust_agent_proto::UnmountVolume { volume: v.id.clone() }, timeout)
+        .call_with_timeout(
+            crust_agent_proto::UnmountVolume {
+                volume: v.id.clone(),
+            },
+            timeout,
+        )
         .await
         .map(drop)
         .map_err(agent_err(v, "unmount"))
 }
 
 /// Usage and condition of `v`, as the guest sees them.
-pub async fn stats(agent: &AgentClient, v: &Volume, timeout: Duration) -> Result<VolumeStats, VolumeError> {
+pub async fn stats(
+    agent: &AgentClient,
+    v: &Volume,
+    timeout: Duration,
+) -> Result<VolumeStats, VolumeError> {
     let s = agent
-        .call_with_timeout(crust_agent_proto::StatVolume { volume: v.id.clone() }, timeout)
+        .call_with_timeout(
+            crust_agent_proto::StatVolume {
+                volume: v.id.clone(),
+            },
+            timeout,
+        )
         .await
         .map_err(agent_err(v, "stats"))?;
     let usage = |u: crust_agent_proto::Usage, unit| VolumeUsage {
@@ -262,14 +297,22 @@ pub async fn resize(
     {
         return Err(VolumeError::OutOfRange {
             target: v.target.clone(),
-            reason: format!("the host device {} has {size} bytes, more than the limit {max}", v.device),
+            reason: format!(
+                "the host device {} has {size} bytes, more than the limit {max}",
+                v.device
+            ),
         });
     }
     qmp.block_resize(&v.node_name, size)
         .await
         .map_err(qmp_err(v, "block_resize"))?;
     let grown = agent
-        .call_with_timeout(crust_agent_proto::GrowVolume { volume: v.id.clone() }, timeout)
+        .call_with_timeout(
+            crust_agent_proto::GrowVolume {
+                volume: v.id.clone(),
+            },
+            timeout,
+        )
         .await
         .map_err(agent_err(v, "grow"))?;
     if grown.device_bytes < min_bytes {
@@ -308,7 +351,10 @@ mod tests {
         };
         assert_eq!(e.code(), Code::DeadlineExceeded);
         assert!(e.to_string().contains("timed out"), "{e}");
-        let bad = Volume { fstype: "btrfs".into(), ..v };
+        let bad = Volume {
+            fstype: "btrfs".into(),
+            ..v
+        };
         assert!(agent_fstype(&bad).is_err());
     }
 }

@@ -1,5 +1,9 @@
 //! Choosing between KVM and TCG.
 
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
 use rustix::fs::{Mode, OFlags};
 use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
 
@@ -41,11 +45,8 @@ const KVM_API_VERSION: IoctlOutput = 12;
 /// and can create a VM. A device node alone proves nothing (containers
 /// often expose one that fails).
 pub fn kvm_usable() -> bool {
-    let Ok(kvm) = rustix::fs::open(
-        "/dev/kvm",
-        OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) else {
+    let Ok(kvm) = rustix::fs::open("/dev/kvm", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+    else {
         return false;
     };
     // SAFETY: KVM_GET_API_VERSION takes no argument.
@@ -65,14 +66,81 @@ pub fn kvm_usable() -> bool {
     }
 }
 
-pub fn resolve(accel: Accel) -> Result<ResolvedAccel, VmError> {
+/// Whether QEMU itself can bring up a KVM machine here: some hosts create
+/// VMs fine but fail when QEMU programs the vCPU (e.g. MSRs a nested
+/// hypervisor refuses). Starts `qemu -accel kvm -cpu host -S` and waits
+/// for its monitor to run a command, which happens after the first
+/// machine reset.
+async fn qemu_kvm_works(qemu: &Path) -> bool {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("crust-kvm-probe-{}-{nanos}", std::process::id()));
+    if std::fs::create_dir(&dir).is_err() {
+        return false;
+    }
+    let sock = dir.join("qmp.sock");
+    let child = Command::new(qemu)
+        .args(["-accel", "kvm", "-cpu", "host", "-machine", "q35", "-S"])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-m",
+            "64",
+        ])
+        .arg("-qmp")
+        .arg(format!(
+            "unix:{},server=on,wait=off",
+            sock.to_string_lossy().replace(',', ",,")
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let ok = match child {
+        Ok(mut child) => {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let mut ok = false;
+            while std::time::Instant::now() < deadline {
+                if !matches!(child.try_wait(), Ok(None)) {
+                    break;
+                }
+                if sock.exists() && crate::vm::qmp_ready(&sock).await {
+                    ok = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            ok
+        }
+        Err(_) => false,
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    ok
+}
+
+static KVM_WORKS: tokio::sync::OnceCell<bool> = tokio::sync::OnceCell::const_new();
+
+/// [`kvm_usable`] plus a real QEMU start, cached for the process.
+pub async fn kvm_works(qemu: &Path) -> bool {
+    *KVM_WORKS
+        .get_or_init(|| async { kvm_usable() && qemu_kvm_works(qemu).await })
+        .await
+}
+
+pub async fn resolve(accel: Accel, qemu: &Path) -> Result<ResolvedAccel, VmError> {
     match accel {
         Accel::Tcg => Ok(ResolvedAccel::Tcg),
-        Accel::Kvm if kvm_usable() => Ok(ResolvedAccel::Kvm),
+        Accel::Kvm if kvm_works(qemu).await => Ok(ResolvedAccel::Kvm),
         Accel::Kvm => Err(VmError::InvalidConfig(
-            "accel kvm requested but /dev/kvm is missing or cannot create a VM".into(),
+            "accel kvm requested but KVM is unusable here (/dev/kvm missing, or QEMU cannot start a KVM vCPU)".into(),
         )),
-        Accel::Auto if kvm_usable() => Ok(ResolvedAccel::Kvm),
+        Accel::Auto if kvm_works(qemu).await => Ok(ResolvedAccel::Kvm),
         Accel::Auto => Ok(ResolvedAccel::Tcg),
     }
 }

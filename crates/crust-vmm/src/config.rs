@@ -321,7 +321,11 @@ mod tests {
     #[test]
     fn disk_validation() {
         let f = tempfile::NamedTempFile::new().unwrap();
-        assert!(disk("d1", "crust-12345678901234", f.path()).validate().is_ok());
+        assert!(
+            disk("d1", "crust-12345678901234", f.path())
+                .validate()
+                .is_ok()
+        );
         for (id, serial) in [
             ("1d", "s"),
             ("d", "crust-123456789012345"),

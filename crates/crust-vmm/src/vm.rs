@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::accel::{self, ResolvedAccel};
 use crate::config::{DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
-use crate::{VmError, AGENT_PORT_NAME};
+use crate::{AGENT_PORT_NAME, VmError};
 
 /// How long QEMU gets to create its sockets before launch gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
@@ -166,12 +166,48 @@ fn is_our_qemu(state: &VmState, paths: &RunPaths) -> bool {
         _ => return false,
     }
     let qmp_arg = format!("unix:{},server=on,wait=off", esc(&paths.qmp_socket));
-    proc_cmdline(state.pid).is_some_and(|c| c.iter().any(|a| *a == qmp_arg))
+    proc_cmdline(state.pid).is_some_and(|c| c.contains(&qmp_arg))
 }
 
 fn read_state(paths: &RunPaths) -> Option<VmState> {
     let data = std::fs::read(&paths.state_file).ok()?;
     serde_json::from_slice(&data).ok()
+}
+
+/// Whether QEMU's monitor executes a command. The greeting alone proves
+/// little (the monitor's I/O thread sends it while the machine is still
+/// being built); a command reply comes from the main loop, so the kernel
+/// and initrd are loaded by then. The connection is closed again; QEMU
+/// takes the next client.
+pub(crate) async fn qmp_ready(path: &Path) -> bool {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let Ok(s) = tokio::net::UnixStream::connect(path).await else {
+        return false;
+    };
+    let (rd, mut wr) = s.into_split();
+    let mut lines = BufReader::new(rd).lines();
+    let talk = async {
+        let greeting = lines.next_line().await.ok()??;
+        if !greeting.contains("\"QMP\"") {
+            return None;
+        }
+        wr.write_all(b"{\"execute\": \"qmp_capabilities\"}\n")
+            .await
+            .ok()?;
+        loop {
+            let line = lines.next_line().await.ok()??;
+            if line.contains("\"return\"") {
+                return Some(());
+            }
+            if line.contains("\"error\"") {
+                return None;
+            }
+        }
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), talk).await,
+        Ok(Some(()))
+    )
 }
 
 const BASE_CMDLINE: &[&str] = &[
@@ -186,6 +222,12 @@ const BASE_CMDLINE: &[&str] = &[
     "i8042.nomux",
     "i8042.nopnp",
     "i8042.dumbkbd",
+    // A VM's TSC needs no watchdog or re-calibration; skip crypto
+    // self-tests and audit: all boot time under TCG.
+    "tsc=reliable",
+    "no_timer_check",
+    "cryptomgr.notests",
+    "audit=0",
 ];
 
 fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<String> {
@@ -197,7 +239,12 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
         ResolvedAccel::Tcg => push(&["-accel", "tcg"]),
     }
-    push(&["-m", &cfg.memory_mib.to_string(), "-smp", &cfg.cpus.to_string()]);
+    push(&[
+        "-m",
+        &cfg.memory_mib.to_string(),
+        "-smp",
+        &cfg.cpus.to_string(),
+    ]);
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-msg", "timestamp=on"]);
     if let Some(fw) = cfg.firmware_path() {
@@ -252,9 +299,9 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
 }
 
 impl Vm {
-    /// Starts QEMU for `cfg` and waits until its QMP and agent sockets
-    /// exist (not for the guest to boot: use the agent client's
-    /// `wait_ready` for that).
+    /// Starts QEMU for `cfg` and waits until its QMP monitor answers a
+    /// command (the machine is built, sockets exist) — not for the guest to boot: use
+    /// the agent client's `wait_ready` for that.
     ///
     /// Fails with [`VmError::AlreadyRunning`] if a live QEMU already owns
     /// `run_dir`, and with [`VmError::EarlyExit`] (carrying the tail of
@@ -289,7 +336,7 @@ impl Vm {
                 Err(e) => return Err(io_err("remove", stale, e)),
             }
         }
-        let accel = accel::resolve(cfg.accel)?;
+        let accel = accel::resolve(cfg.accel, &cfg.qemu_binary).await?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -352,7 +399,10 @@ impl Vm {
                     log_tail: tail(&vm.paths.qemu_log, 4096),
                 });
             }
-            if vm.paths.qmp_socket.exists() && vm.paths.agent_socket.exists() {
+            if vm.paths.qmp_socket.exists()
+                && vm.paths.agent_socket.exists()
+                && qmp_ready(&vm.paths.qmp_socket).await
+            {
                 return Ok(vm);
             }
             if Instant::now() >= deadline {
@@ -376,9 +426,8 @@ impl Vm {
             run_dir: paths.run_dir.clone(),
             reason,
         };
-        let state = read_state(&paths).ok_or_else(|| {
-            not_running(format!("no readable {}", paths.state_file.display()))
-        })?;
+        let state = read_state(&paths)
+            .ok_or_else(|| not_running(format!("no readable {}", paths.state_file.display())))?;
         if !is_our_qemu(&state, &paths) {
             return Err(not_running(format!(
                 "pid {} is not the QEMU started from this directory anymore",
@@ -506,7 +555,9 @@ impl Vm {
         }
         if let Some(c) = &mut self.child {
             let _ = c.kill();
-            let st = c.wait().map_err(|e| io_err("wait", &self.paths.pid_file, e))?;
+            let st = c
+                .wait()
+                .map_err(|e| io_err("wait", &self.paths.pid_file, e))?;
             self.exit = Some(VmExit {
                 code: st.code(),
                 signal: st.signal(),

@@ -204,7 +204,6 @@ impl CapabilityArgs {
     }
 }
 
-
 #[derive(Debug, Subcommand)]
 pub enum ControllerCmd {
     /// CreateVolume.
@@ -1030,6 +1029,15 @@ async fn bench_cmd(
     a: BenchArgs,
     out: OutputFormat,
 ) -> Result<ExitCode, CliError> {
+    // The KEP fields go on the wire only in a deferral run.
+    if !a.defer_fs_ops
+        && (a.cap.supplemental_group.is_some() || a.cap.supplemental_group_change_policy.is_some())
+    {
+        return Err(CliError::Usage(
+            "--supplemental-group and --supplemental-group-change-policy need --defer-fs-ops in bench"
+                .into(),
+        ));
+    }
     let limit = match (a.duration, a.ops) {
         (Some(d), _) => Limit::Duration(d),
         (None, Some(n)) => Limit::Ops(n),

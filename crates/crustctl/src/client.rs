@@ -15,6 +15,8 @@ use tonic::{Request, Response, Status};
 /// Default per-call deadline (what kubelet and the sidecars use too).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+const HEADER_MARGIN: Duration = Duration::from_millis(250);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error(transparent)]
@@ -89,15 +91,17 @@ impl Csi {
         self.node.clone()
     }
 
-    /// Sends the deadline to the server (grpc-timeout) and also enforces it
-    /// locally, so a server that ignores the header cannot hang us.
+    /// Enforces the deadline locally (DEADLINE_EXCEEDED) and sends it to the
+    /// server as grpc-timeout so it can stop working on the call. The header
+    /// gets a small margin: tonic's own timer on the header would otherwise
+    /// race ours and report a vague CANCELLED instead.
     async fn call<Req, Resp, F, Fut>(&self, req: Req, f: F) -> Result<Resp, Status>
     where
         F: FnOnce(Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
         let mut r = Request::new(req);
-        r.set_timeout(self.timeout);
+        r.set_timeout(self.timeout + HEADER_MARGIN);
         match tokio::time::timeout(self.timeout, f(r)).await {
             Ok(res) => res.map(Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded(format!(

@@ -52,12 +52,18 @@ fn mount(c: &Option<csi::VolumeCapability>) -> csi::volume_capability::MountVolu
 fn identity_commands() {
     let fake = Fake::start(Options::default());
     let text = ok(&crustctl(&fake, &["identity", "info"]));
-    assert!(text.contains(support::DRIVER) && text.contains("0.0.1-test"), "{text}");
+    assert!(
+        text.contains(support::DRIVER) && text.contains("0.0.1-test"),
+        "{text}"
+    );
     let j = json_out(&crustctl(&fake, &["-o", "json", "identity", "info"]));
     assert_eq!(j["name"], support::DRIVER);
     assert_eq!(j["manifest"], json!({"fake": "yes"}));
 
-    let j = json_out(&crustctl(&fake, &["identity", "capabilities", "-o", "json"]));
+    let j = json_out(&crustctl(
+        &fake,
+        &["identity", "capabilities", "-o", "json"],
+    ));
     assert_eq!(
         j["capabilities"],
         json!([
@@ -129,7 +135,7 @@ fn create_sends_every_field_and_hides_secrets() {
     assert_eq!(m.fs_type, "xfs");
     assert_eq!(m.mount_flags, vec!["noatime"]);
     assert_eq!(
-        cap.unwrap().access_mode.unwrap().mode,
+        r.volume_capabilities[0].access_mode.unwrap().mode,
         Mode::SingleNodeSingleWriter as i32
     );
     assert_eq!(r.parameters["crust.io/fs"], "xfs");
@@ -155,7 +161,10 @@ fn create_sends_every_field_and_hides_secrets() {
             "fake-vol-1",
         ],
     ));
-    assert!(text.contains("fake-vol-2") && text.contains("512.0Mi"), "{text}");
+    assert!(
+        text.contains("fake-vol-2") && text.contains("512.0Mi"),
+        "{text}"
+    );
     let r: csi::CreateVolumeRequest = fake.last("CreateVolume");
     assert!(matches!(
         r.volume_capabilities[0].access_type,
@@ -193,7 +202,15 @@ fn controller_commands() {
     assert_eq!(j["next_token"], "2");
     let j = json_out(&crustctl(
         &fake,
-        &["controller", "list", "--max-entries", "1", "--all", "-o", "json"],
+        &[
+            "controller",
+            "list",
+            "--max-entries",
+            "1",
+            "--all",
+            "-o",
+            "json",
+        ],
     ));
     let ids: Vec<&str> = j["entries"]
         .as_array()
@@ -210,21 +227,42 @@ fn controller_commands() {
         .map(|r| r.starting_token)
         .collect();
     assert_eq!(tokens, vec!["", "1", "2"]);
-    let text = ok(&crustctl(&fake, &["controller", "list", "--starting-token", "2"]));
+    let text = ok(&crustctl(
+        &fake,
+        &["controller", "list", "--starting-token", "2"],
+    ));
     assert!(text.starts_with("VOLUME_ID") && text.contains("v3") && !text.contains("v1"));
     // a bad token is the server's ABORTED, passed through
     let o = crustctl(&fake, &["controller", "list", "--starting-token", "99"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).starts_with("error: Aborted: invalid starting_token"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("error: Aborted: invalid starting_token"),
+        "{}",
+        stderr(&o)
+    );
 
     let j = json_out(&crustctl(
         &fake,
-        &["controller", "capacity", "--fs-type", "ext4", "--param", "p=1", "--topology", "zone=a", "-o", "json"],
+        &[
+            "controller",
+            "capacity",
+            "--fs-type",
+            "ext4",
+            "--param",
+            "p=1",
+            "--topology",
+            "zone=a",
+            "-o",
+            "json",
+        ],
     ));
     assert_eq!(j["available_capacity"], 10i64 << 30);
     assert_eq!(j["maximum_volume_size"], 4i64 << 30);
     let r: csi::GetCapacityRequest = fake.last("GetCapacity");
-    assert_eq!(mount(&Some(r.volume_capabilities[0].clone())).fs_type, "ext4");
+    assert_eq!(
+        mount(&Some(r.volume_capabilities[0].clone())).fs_type,
+        "ext4"
+    );
     assert_eq!(r.parameters["p"], "1");
     assert_eq!(r.accessible_topology.unwrap().segments["zone"], "a");
     // without capability flags none is sent
@@ -250,8 +288,18 @@ fn controller_commands() {
     let j = json_out(&crustctl(
         &fake,
         &[
-            "controller", "validate", "v1", "--block", "--access-mode", "multi-node-reader-only",
-            "--volume-context", "c=1", "--param", "p=2", "-o", "json",
+            "controller",
+            "validate",
+            "v1",
+            "--block",
+            "--access-mode",
+            "multi-node-reader-only",
+            "--volume-context",
+            "c=1",
+            "--param",
+            "p=2",
+            "-o",
+            "json",
         ],
     ));
     assert_eq!(
@@ -261,7 +309,10 @@ fn controller_commands() {
     assert_eq!(j["confirmed"]["volume_context"], json!({"c": "1"}));
     assert_eq!(j["confirmed"]["parameters"], json!({"p": "2"}));
 
-    let j = json_out(&crustctl(&fake, &["controller", "capabilities", "-o", "json"]));
+    let j = json_out(&crustctl(
+        &fake,
+        &["controller", "capabilities", "-o", "json"],
+    ));
     let caps: Vec<&str> = j["capabilities"]
         .as_array()
         .unwrap()
@@ -272,7 +323,20 @@ fn controller_commands() {
 
     let j = json_out(&crustctl(
         &fake,
-        &["controller", "publish", "v1", "--node-id", NODE_ID, "--readonly", "--volume-context", "k=v", "--secret", "s=zzsecretzz", "-o", "json"],
+        &[
+            "controller",
+            "publish",
+            "v1",
+            "--node-id",
+            NODE_ID,
+            "--readonly",
+            "--volume-context",
+            "k=v",
+            "--secret",
+            "s=zzsecretzz",
+            "-o",
+            "json",
+        ],
     ));
     assert_eq!(j["publish_context"]["devicePath"], "/dev/fake/v1");
     let r: csi::ControllerPublishVolumeRequest = fake.last("ControllerPublishVolume");
@@ -281,36 +345,68 @@ fn controller_commands() {
     assert_eq!(r.volume_context["k"], "v");
     assert_eq!(r.secrets["s"], "zzsecretzz");
     assert_eq!(fake.held().1, 1);
-    let text = ok(&crustctl(&fake, &["controller", "unpublish", "v1", "--node-id", NODE_ID]));
+    let text = ok(&crustctl(
+        &fake,
+        &["controller", "unpublish", "v1", "--node-id", NODE_ID],
+    ));
     assert_eq!(text, "volume v1 unpublished\n");
     assert_eq!(fake.held().1, 0);
 
-    ok(&crustctl(&fake, &["controller", "modify", "v1", "--mutable-param", "iops=9"]));
+    ok(&crustctl(
+        &fake,
+        &["controller", "modify", "v1", "--mutable-param", "iops=9"],
+    ));
     let r: csi::ControllerModifyVolumeRequest = fake.last("ControllerModifyVolume");
     assert_eq!(r.mutable_parameters["iops"], "9");
 
     // snapshots
     let j = json_out(&crustctl(
         &fake,
-        &["controller", "snapshot-create", "--source-volume", "v1", "--name", "s1", "--param", "a=b", "-o", "json"],
+        &[
+            "controller",
+            "snapshot-create",
+            "--source-volume",
+            "v1",
+            "--name",
+            "s1",
+            "--param",
+            "a=b",
+            "-o",
+            "json",
+        ],
     ));
     assert_eq!(j["snapshot"]["snapshot_id"], "snap-s1");
     assert_eq!(j["snapshot"]["creation_time"], "2023-11-14T22:13:20Z");
     let r: csi::CreateSnapshotRequest = fake.last("CreateSnapshot");
     assert_eq!((r.source_volume_id.as_str(), r.name.as_str()), ("v1", "s1"));
     assert_eq!(r.parameters["a"], "b");
-    let j = json_out(&crustctl(&fake, &["controller", "snapshot-get", "snap-s1", "-o", "json"]));
+    let j = json_out(&crustctl(
+        &fake,
+        &["controller", "snapshot-get", "snap-s1", "-o", "json"],
+    ));
     assert_eq!(j["snapshot"]["source_volume_id"], "v1");
     let j = json_out(&crustctl(
         &fake,
-        &["controller", "snapshot-list", "--source-volume", "v1", "--all", "-o", "json"],
+        &[
+            "controller",
+            "snapshot-list",
+            "--source-volume",
+            "v1",
+            "--all",
+            "-o",
+            "json",
+        ],
     ));
     assert_eq!(j["entries"].as_array().unwrap().len(), 1);
     assert_eq!(
-        fake.last::<csi::ListSnapshotsRequest>("ListSnapshots").source_volume_id,
+        fake.last::<csi::ListSnapshotsRequest>("ListSnapshots")
+            .source_volume_id,
         "v1"
     );
-    let text = ok(&crustctl(&fake, &["controller", "snapshot-delete", "snap-s1"]));
+    let text = ok(&crustctl(
+        &fake,
+        &["controller", "snapshot-delete", "snap-s1"],
+    ));
     assert_eq!(text, "snapshot snap-s1 deleted\n");
     let o = crustctl(&fake, &["controller", "snapshot-get", "snap-s1"]);
     assert_eq!(o.status.code(), Some(1));
@@ -318,10 +414,17 @@ fn controller_commands() {
 
     let text = ok(&crustctl(&fake, &["controller", "delete", "v3"]));
     assert_eq!(text, "volume v3 deleted\n");
-    assert_eq!(fake.last::<csi::DeleteVolumeRequest>("DeleteVolume").volume_id, "v3");
+    assert_eq!(
+        fake.last::<csi::DeleteVolumeRequest>("DeleteVolume")
+            .volume_id,
+        "v3"
+    );
     assert_eq!(fake.held().0, 2);
     // empty responses are `{}` in JSON
-    let j = json_out(&crustctl(&fake, &["controller", "delete", "v2", "-o", "json"]));
+    let j = json_out(&crustctl(
+        &fake,
+        &["controller", "delete", "v2", "-o", "json"],
+    ));
     assert_eq!(j, json!({}));
 }
 
@@ -339,9 +442,19 @@ fn node_commands_carry_the_kep_fields() {
     let text = ok(&crustctl(
         &fake,
         &[
-            "node", "stage", "v1", "--staging-path", staging_s, "--fs-type", "ext4",
-            "--publish-context", "devicePath=/dev/x", "--volume-context", "crust.io/defer=true",
-            "--secret", "key=stage-secret-value",
+            "node",
+            "stage",
+            "v1",
+            "--staging-path",
+            staging_s,
+            "--fs-type",
+            "ext4",
+            "--publish-context",
+            "devicePath=/dev/x",
+            "--volume-context",
+            "crust.io/defer=true",
+            "--secret",
+            "key=stage-secret-value",
         ],
     ));
     assert_eq!(text, format!("volume v1 staged at {staging_s}\n"));
@@ -356,10 +469,27 @@ fn node_commands_carry_the_kep_fields() {
     let o = crustctl(
         &fake,
         &[
-            "node", "publish", "v1", "--target-path", target_s, "--staging-path", staging_s,
-            "--readonly", "--defer-fs-ops", "--supplemental-group", "100",
-            "--supplemental-group-change-policy", "OnRootMismatch", "--fs-type", "ext4",
-            "--mount-flag", "ro", "--secret", "key=publish-secret-value", "--volume-context", "a=b",
+            "node",
+            "publish",
+            "v1",
+            "--target-path",
+            target_s,
+            "--staging-path",
+            staging_s,
+            "--readonly",
+            "--defer-fs-ops",
+            "--supplemental-group",
+            "100",
+            "--supplemental-group-change-policy",
+            "OnRootMismatch",
+            "--fs-type",
+            "ext4",
+            "--mount-flag",
+            "ro",
+            "--secret",
+            "key=publish-secret-value",
+            "--volume-context",
+            "a=b",
         ],
     );
     let text = ok(&o);
@@ -378,13 +508,24 @@ fn node_commands_carry_the_kep_fields() {
     assert_eq!(r.volume_context["a"], "b");
     // on the wire: field 9, varint, true
     let raw = fake.raw_requests("NodePublishVolume").pop().unwrap();
-    assert!(raw.windows(2).any(|w| w == [9 << 3, 1]), "field 9 not on the wire");
+    assert!(
+        raw.windows(2).any(|w| w == [9 << 3, 1]),
+        "field 9 not on the wire"
+    );
 
     // without --defer-fs-ops the field stays off (and off the wire)
     let target2 = fake.dir.path().join("pod").join("mount2");
     ok(&crustctl(
         &fake,
-        &["node", "publish", "v1", "--target-path", target2.to_str().unwrap(), "--staging-path", staging_s],
+        &[
+            "node",
+            "publish",
+            "v1",
+            "--target-path",
+            target2.to_str().unwrap(),
+            "--staging-path",
+            staging_s,
+        ],
     ));
     let r: csi::NodePublishVolumeRequest = fake.last("NodePublishVolume");
     assert!(!r.defer_fs_ops && !r.readonly);
@@ -392,30 +533,75 @@ fn node_commands_carry_the_kep_fields() {
 
     let j = json_out(&crustctl(
         &fake,
-        &["node", "stats", "v1", "--volume-path", target_s, "--staging-path", staging_s, "--defer-fs-ops", "-o", "json"],
+        &[
+            "node",
+            "stats",
+            "v1",
+            "--volume-path",
+            target_s,
+            "--staging-path",
+            staging_s,
+            "--defer-fs-ops",
+            "-o",
+            "json",
+        ],
     ));
-    assert_eq!(j["usage"][0], json!({"available": (1i64 << 30) - 4096, "total": 1i64 << 30, "used": 4096, "unit": "BYTES"}));
+    assert_eq!(
+        j["usage"][0],
+        json!({"available": (1i64 << 30) - 4096, "total": 1i64 << 30, "used": 4096, "unit": "BYTES"})
+    );
     assert_eq!(j["usage"][1]["unit"], "INODES");
-    assert_eq!(j["volume_condition"], json!({"abnormal": false, "message": "healthy"}));
+    assert_eq!(
+        j["volume_condition"],
+        json!({"abnormal": false, "message": "healthy"})
+    );
     let r: csi::NodeGetVolumeStatsRequest = fake.last("NodeGetVolumeStats");
     assert!(r.defer_fs_ops);
-    assert_eq!((r.volume_path.as_str(), r.staging_target_path.as_str()), (target_s, staging_s));
-    let text = ok(&crustctl(&fake, &["node", "stats", "v1", "--volume-path", target_s]));
-    assert!(text.contains("BYTES") && text.contains("normal: healthy"), "{text}");
-    assert!(!fake.last::<csi::NodeGetVolumeStatsRequest>("NodeGetVolumeStats").defer_fs_ops);
+    assert_eq!(
+        (r.volume_path.as_str(), r.staging_target_path.as_str()),
+        (target_s, staging_s)
+    );
+    let text = ok(&crustctl(
+        &fake,
+        &["node", "stats", "v1", "--volume-path", target_s],
+    ));
+    assert!(
+        text.contains("BYTES") && text.contains("normal: healthy"),
+        "{text}"
+    );
+    assert!(
+        !fake
+            .last::<csi::NodeGetVolumeStatsRequest>("NodeGetVolumeStats")
+            .defer_fs_ops
+    );
 
     let j = json_out(&crustctl(
         &fake,
         &[
-            "node", "expand", "v1", "--volume-path", target_s, "--size", "2Gi", "--defer-fs-ops",
-            "--supplemental-group", "100", "--supplemental-group-change-policy", "Always", "-o", "json",
+            "node",
+            "expand",
+            "v1",
+            "--volume-path",
+            target_s,
+            "--size",
+            "2Gi",
+            "--defer-fs-ops",
+            "--supplemental-group",
+            "100",
+            "--supplemental-group-change-policy",
+            "Always",
+            "-o",
+            "json",
         ],
     ));
     assert_eq!(j, json!({"capacity_bytes": 2i64 << 30}));
     let r: csi::NodeExpandVolumeRequest = fake.last("NodeExpandVolume");
     assert!(r.defer_fs_ops);
     assert_eq!(r.capacity_range.unwrap().required_bytes, 2 << 30);
-    assert_eq!(mount(&r.volume_capability).volume_supplemental_group_change_policy, "Always");
+    assert_eq!(
+        mount(&r.volume_capability).volume_supplemental_group_change_policy,
+        "Always"
+    );
     // field 2857 on the wire, never the spec's field 6 (secrets)
     let raw = fake.raw_requests("NodeExpandVolume").pop().unwrap();
     let mut key = Vec::new();
@@ -425,14 +611,40 @@ fn node_commands_carry_the_kep_fields() {
 
     let text = ok(&crustctl(
         &fake,
-        &["node", "unpublish", "v1", "--target-path", target_s, "--defer-fs-ops"],
+        &[
+            "node",
+            "unpublish",
+            "v1",
+            "--target-path",
+            target_s,
+            "--defer-fs-ops",
+        ],
     ));
     assert_eq!(text, format!("volume v1 unpublished from {target_s}\n"));
-    assert!(fake.last::<csi::NodeUnpublishVolumeRequest>("NodeUnpublishVolume").defer_fs_ops);
+    assert!(
+        fake.last::<csi::NodeUnpublishVolumeRequest>("NodeUnpublishVolume")
+            .defer_fs_ops
+    );
     assert!(!target.exists());
-    ok(&crustctl(&fake, &["node", "unpublish", "v1", "--target-path", target2.to_str().unwrap()]));
-    assert!(!fake.last::<csi::NodeUnpublishVolumeRequest>("NodeUnpublishVolume").defer_fs_ops);
-    ok(&crustctl(&fake, &["node", "unstage", "v1", "--staging-path", staging_s]));
+    ok(&crustctl(
+        &fake,
+        &[
+            "node",
+            "unpublish",
+            "v1",
+            "--target-path",
+            target2.to_str().unwrap(),
+        ],
+    ));
+    assert!(
+        !fake
+            .last::<csi::NodeUnpublishVolumeRequest>("NodeUnpublishVolume")
+            .defer_fs_ops
+    );
+    ok(&crustctl(
+        &fake,
+        &["node", "unstage", "v1", "--staging-path", staging_s],
+    ));
     assert_eq!(fake.held(), (1, 0, 0, 0));
 
     let j = json_out(&crustctl(&fake, &["node", "capabilities", "-o", "json"]));
@@ -462,15 +674,32 @@ fn grpc_errors_exit_1_with_the_code() {
     assert_eq!(stderr(&o), "error: NotFound: volume nope does not exist\n");
     assert!(o.stdout.is_empty());
     // JSON mode keeps errors on stderr too
-    let o = crustctl(&fake, &["-o", "json", "node", "stats", "nope", "--volume-path", "/x"]);
+    let o = crustctl(
+        &fake,
+        &["-o", "json", "node", "stats", "nope", "--volume-path", "/x"],
+    );
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).starts_with("error: NotFound: "));
-    let o = crustctl(&fake, &["node", "stage", "v", "--staging-path", "/nonexistent-dir"]);
+    let o = crustctl(
+        &fake,
+        &["node", "stage", "v", "--staging-path", "/nonexistent-dir"],
+    );
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).starts_with("error: NotFound: volume v"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("error: NotFound: volume v"),
+        "{}",
+        stderr(&o)
+    );
     fake.add_volume("v", 1 << 20);
-    let o = crustctl(&fake, &["node", "stage", "v", "--staging-path", "/nonexistent-dir"]);
-    assert!(stderr(&o).starts_with("error: InvalidArgument: staging_target_path"), "{}", stderr(&o));
+    let o = crustctl(
+        &fake,
+        &["node", "stage", "v", "--staging-path", "/nonexistent-dir"],
+    );
+    assert!(
+        stderr(&o).starts_with("error: InvalidArgument: staging_target_path"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -478,10 +707,44 @@ fn usage_errors_exit_2_without_calling() {
     let fake = Fake::start(Options::default());
     for args in [
         vec!["controller", "create", "--name", "x", "--size", "1GB"],
-        vec!["controller", "create", "--name", "x", "--size", "1Gi", "--limit", "1Mi"],
-        vec!["controller", "create", "--name", "x", "--param", "a=1", "--param", "a=2"],
-        vec!["controller", "create", "--name", "x", "--block", "--fs-type", "xfs"],
-        vec!["node", "publish", "v", "--target-path", "/t", "--supplemental-group-change-policy", "Sometimes"],
+        vec![
+            "controller",
+            "create",
+            "--name",
+            "x",
+            "--size",
+            "1Gi",
+            "--limit",
+            "1Mi",
+        ],
+        vec![
+            "controller",
+            "create",
+            "--name",
+            "x",
+            "--param",
+            "a=1",
+            "--param",
+            "a=2",
+        ],
+        vec![
+            "controller",
+            "create",
+            "--name",
+            "x",
+            "--block",
+            "--fs-type",
+            "xfs",
+        ],
+        vec![
+            "node",
+            "publish",
+            "v",
+            "--target-path",
+            "/t",
+            "--supplemental-group-change-policy",
+            "Sometimes",
+        ],
         vec!["node", "stage", "v"],
         vec!["controller", "list", "--max-entries", "-1"],
         vec!["frobnicate"],
@@ -508,7 +771,11 @@ fn connection_and_deadline_errors() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).starts_with("error: cannot connect to unix://"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("error: cannot connect to unix://"),
+        "{}",
+        stderr(&o)
+    );
 
     let fake = Fake::start(Options {
         probe_delay: std::time::Duration::from_secs(5),
@@ -517,7 +784,11 @@ fn connection_and_deadline_errors() {
     let t0 = std::time::Instant::now();
     let o = crustctl(&fake, &["--timeout", "300ms", "identity", "probe"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).starts_with("error: DeadlineExceeded"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("error: DeadlineExceeded"),
+        "{}",
+        stderr(&o)
+    );
     assert!(t0.elapsed() < std::time::Duration::from_secs(5));
 }
 

@@ -31,15 +31,19 @@ pub struct Env {
     pub files: PathBuf,
     pub kernel: PathBuf,
     pub initrd: PathBuf,
-    /// Extra global flags (e.g. a short --timeout-ms).
-    pub extra: Vec<String>,
+    /// `--timeout-ms` given to every command (and so to the shims).
+    pub timeout_ms: u64,
 }
 
 impl Env {
     pub fn new() -> Env {
         crust_testkit::require_root();
+        ensure_guest_image();
         let (kernel, initrd) = crust_testkit::guest_image();
-        let dir = tempfile::Builder::new().prefix("crust-rt-").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("crust-rt-")
+            .tempdir()
+            .unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         let p = dir.path().to_path_buf();
         for d in ["files", "pods"] {
@@ -53,13 +57,13 @@ impl Env {
             files: p.join("files"),
             kernel,
             initrd,
-            extra: Vec::new(),
+            timeout_ms: 20_000,
             dir,
         }
     }
 
     pub fn global_args(&self) -> Vec<String> {
-        let mut a: Vec<String> = vec![
+        let a: Vec<String> = vec![
             "--root".into(),
             self.root.display().to_string(),
             "--crust-root".into(),
@@ -75,9 +79,8 @@ impl Env {
             "--accel".into(),
             "tcg".into(),
             "--timeout-ms".into(),
-            "20000".into(),
+            self.timeout_ms.to_string(),
         ];
-        a.extend(self.extra.iter().cloned());
         a
     }
 
@@ -160,19 +163,54 @@ impl Env {
             "root": {"path": "rootfs"},
             "mounts": mounts,
         });
-        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&spec).unwrap(),
+        )
+        .unwrap();
         dir
     }
 
     /// Starts managing sandbox `id` (deleted with --force on drop).
     pub fn sandbox(&self, id: &str) -> Sandbox<'_> {
-        Sandbox { env: self, id: id.into() }
+        Sandbox {
+            env: self,
+            id: id.into(),
+        }
     }
 
     /// The sandbox's state.json as written by the runtime.
     pub fn state_file(&self, id: &str) -> Value {
-        serde_json::from_slice(&std::fs::read(self.root.join(id).join("state.json")).unwrap()).unwrap()
+        serde_json::from_slice(&std::fs::read(self.root.join(id).join("state.json")).unwrap())
+            .unwrap()
     }
+}
+
+/// Builds the guest image with `guest/build-image.sh` when it is missing
+/// (once across concurrently running test binaries).
+pub fn ensure_guest_image() {
+    let dir = crust_testkit::guest_image_dir();
+    let ready = || dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file();
+    if ready() {
+        return;
+    }
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open("/tmp/crust-guest-image-build.lock")
+        .unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    if ready() {
+        return;
+    }
+    let script = crust_testkit::workspace_root().join("guest/build-image.sh");
+    let st = Command::new("bash")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success(), "{} failed", script.display());
 }
 
 /// An OCI bind mount.
@@ -230,14 +268,20 @@ impl Disk {
 
     /// Grows the backing file (what a CSI plugin does before NodeExpand).
     pub fn grow_file(&self, size: u64) {
-        std::fs::OpenOptions::new().write(true).open(&self.file).unwrap().set_len(size).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.file)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
     }
 
     /// Mounts the filesystem on the host for the duration of `f` (test
     /// setup and verification only; the runtime never does this).
     pub fn with_host_mount<R>(&self, readonly: bool, f: impl FnOnce(&Path) -> R) -> R {
         let mnt = tempfile::tempdir().unwrap();
-        let guard = MountGuard::mount_fs(self.dev.path(), mnt.path(), self.fstype, &[], readonly).unwrap();
+        let guard =
+            MountGuard::mount_fs(self.dev.path(), mnt.path(), self.fstype, &[], readonly).unwrap();
         let r = f(mnt.path());
         guard.unmount().unwrap();
         r
@@ -277,11 +321,15 @@ impl Sandbox<'_> {
     }
 
     pub fn qemu_pid(&self) -> i32 {
-        self.env.state_file(&self.id)["qemu"]["pid"].as_i64().unwrap() as i32
+        self.env.state_file(&self.id)["qemu"]["pid"]
+            .as_i64()
+            .unwrap() as i32
     }
 
     pub fn shim_pid(&self) -> i32 {
-        self.env.state_file(&self.id)["shim"]["pid"].as_i64().unwrap() as i32
+        self.env.state_file(&self.id)["shim"]["pid"]
+            .as_i64()
+            .unwrap() as i32
     }
 }
 
@@ -303,10 +351,14 @@ impl Drop for Sandbox<'_> {
             .unwrap_or_default();
         // A stopped (SIGSTOP) QEMU would stall the orderly path.
         for p in &pids {
-            let _ = Command::new("kill").arg("-CONT").arg(p.to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(p.to_string())
+                .status();
         }
         let mut cmd = Command::new(BIN);
-        cmd.args(self.env.global_args()).args(["delete", "--force", &self.id]);
+        cmd.args(self.env.global_args())
+            .args(["delete", "--force", &self.id]);
         let out = run_limited(cmd, Duration::from_secs(90));
         if !out.status.success() || dir.exists() {
             eprintln!(
@@ -331,7 +383,10 @@ pub fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T
         if let Some(v) = f() {
             return v;
         }
-        assert!(start.elapsed() < within, "timed out after {within:?} waiting for {what}");
+        assert!(
+            start.elapsed() < within,
+            "timed out after {within:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -343,9 +398,16 @@ pub fn pid_alive(pid: i32) -> bool {
 
 /// `df -P -B1 <path>` parsed: (total, used, available).
 pub fn parse_df(out: &str) -> (u64, u64, u64) {
-    let line = out.lines().nth(1).unwrap_or_else(|| panic!("df output: {out}"));
+    let line = out
+        .lines()
+        .nth(1)
+        .unwrap_or_else(|| panic!("df output: {out}"));
     let f: Vec<&str> = line.split_whitespace().collect();
-    (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap())
+    (
+        f[1].parse().unwrap(),
+        f[2].parse().unwrap(),
+        f[3].parse().unwrap(),
+    )
 }
 
 /// `df -P -i <path>` parsed: (inodes, used, free).
@@ -361,10 +423,31 @@ pub fn assert_clean(env: &Env) {
     assert!(!mounts.contains(&dir), "mount left under {dir}:\n{mounts}");
     let loops = crust_blockdev::list_loops().unwrap();
     assert!(
-        !loops.iter().any(|l| l.backing_file.starts_with(env.dir.path())),
+        !loops
+            .iter()
+            .any(|l| l.backing_file.starts_with(env.dir.path())),
         "loop device left: {loops:?}"
     );
+    assert_clean_processes(env);
+}
+
+/// No QEMU or shim of this test's roots is running.
+pub fn assert_clean_processes(env: &Env) {
+    let dir = env.dir.path().display().to_string();
     for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        if !p
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        {
+            continue;
+        }
+        let Ok(pid) = p.file_name().to_str().unwrap().parse::<i32>() else {
+            continue;
+        };
+        if !pid_alive(pid) {
+            continue; // a zombie waiting for init
+        }
         if let Ok(cmd) = std::fs::read(p.path().join("cmdline")) {
             let cmd = String::from_utf8_lossy(&cmd);
             assert!(

@@ -185,7 +185,8 @@ pub struct Skipped {
     pub reason: String,
 }
 
-/// What the cleanup path undid, and what it could not.
+/// What the cleanup path undid (per-op directories and error leftovers,
+/// scenario set-ups, the final sweep), and what it could not.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CleanupReport {
     pub node_unpublished: u64,
@@ -490,6 +491,8 @@ struct Ctx {
     node_id: String,
     topology: Option<csi::Topology>,
     ledger: Mutex<Ledger>,
+    /// Totals of every cleanup pass (per op, per scenario, final).
+    cleaned: Mutex<CleanupReport>,
     stop: watch::Receiver<bool>,
     seq: AtomicU64,
 }
@@ -618,10 +621,10 @@ impl Ctx {
     /// Makes the per-op staging dir (when staging) and target parent dir,
     /// the way kubelet does before calling the driver.
     fn make_dirs(&self, n: u64) -> Result<Mount, BenchError> {
-        let leaf = format!("{}-{n}", self.run_id);
+        // Distinct names, so one root may serve as both staging and target.
         let mut keys = Vec::new();
         let staging = if self.stage {
-            let p = self.staging_root.join(&leaf);
+            let p = self.staging_root.join(format!("{}-stage-{n}", self.run_id));
             std::fs::create_dir(&p).map_err(|source| BenchError::Io {
                 what: "create staging dir",
                 path: p.clone(),
@@ -636,7 +639,7 @@ impl Ctx {
         } else {
             PathBuf::new()
         };
-        let parent = self.target_root.join(&leaf);
+        let parent = self.target_root.join(format!("{}-pod-{n}", self.run_id));
         if let Err(source) = std::fs::create_dir(&parent) {
             return Err(BenchError::Io {
                 what: "create target parent dir",
@@ -854,6 +857,7 @@ impl Ctx {
                 }
             }
         }
+        self.cleaned.lock().unwrap().add(rep.clone());
         rep
     }
 
@@ -1209,10 +1213,7 @@ async fn discover(c: &Csi) -> Result<Discovered, BenchError> {
         controller = caps
             .capabilities
             .iter()
-            .filter_map(|c| match &c.r#type {
-                Some(Type::Rpc(r)) => Some(r.r#type),
-                None => None,
-            })
+            .filter_map(|c| c.r#type.as_ref().map(|Type::Rpc(r)| r.r#type))
             .collect();
     }
     let (node, node_id, topology) = match c.node_get_capabilities(Default::default()).await {
@@ -1221,10 +1222,7 @@ async fn discover(c: &Csi) -> Result<Discovered, BenchError> {
             let set: HashSet<i32> = caps
                 .capabilities
                 .iter()
-                .filter_map(|c| match &c.r#type {
-                    Some(Type::Rpc(r)) => Some(r.r#type),
-                    None => None,
-                })
+                .filter_map(|c| c.r#type.as_ref().map(|Type::Rpc(r)| r.r#type))
                 .collect();
             match c.node_get_info(Default::default()).await {
                 Ok(info) => (Some(set), info.node_id, info.accessible_topology),
@@ -1390,18 +1388,17 @@ pub async fn run_bench(
         .target_dir
         .clone()
         .unwrap_or_else(|| base.join("target"));
-    if node_scenarios {
-        if let Err(e) = make_root(&mut ledger, &staging_root)
+    if node_scenarios
+        && let Err(e) = make_root(&mut ledger, &staging_root)
             .and_then(|()| make_root(&mut ledger, &target_root))
-        {
-            // Undo the roots we made before failing.
-            for item in ledger.items.values().rev() {
-                if let Item::Dir { path, .. } = item {
-                    let _ = std::fs::remove_dir(path);
-                }
+    {
+        // Undo the roots we made before failing.
+        for item in ledger.items.values().rev() {
+            if let Item::Dir { path, .. } = item {
+                let _ = std::fs::remove_dir(path);
             }
-            return Err(e);
         }
+        return Err(e);
     }
 
     let ctx = Arc::new(Ctx {
@@ -1414,13 +1411,13 @@ pub async fn run_bench(
         node_id: d.node_id.clone(),
         topology,
         ledger: Mutex::new(ledger),
+        cleaned: Mutex::new(CleanupReport::default()),
         stop,
         seq: AtomicU64::new(0),
         cfg,
     });
 
     let mut reports = Vec::new();
-    let mut cleanup = CleanupReport::default();
     for s in run {
         if ctx.stopped() {
             break;
@@ -1445,10 +1442,11 @@ pub async fn run_bench(
             }
         };
         // Whatever the scenario still holds (stats volumes, error leftovers).
-        cleanup.add(ctx.cleanup(None, false).await);
+        ctx.cleanup(None, false).await;
         reports.push(rec.report(s, elapsed));
     }
-    cleanup.add(ctx.cleanup(None, true).await);
+    ctx.cleanup(None, true).await;
+    let cleanup = ctx.cleaned.lock().unwrap().clone();
 
     Ok(BenchReport {
         driver: d.driver,
@@ -1494,6 +1492,7 @@ mod tests {
             node_id: String::new(),
             topology: None,
             ledger: Mutex::new(Ledger::default()),
+            cleaned: Mutex::new(CleanupReport::default()),
             stop: rx,
             seq: AtomicU64::new(0),
         };
@@ -1550,6 +1549,7 @@ mod tests {
             node_id: String::new(),
             topology: None,
             ledger: Mutex::new(Ledger::default()),
+            cleaned: Mutex::new(CleanupReport::default()),
             stop: rx,
             seq: AtomicU64::new(0),
         };

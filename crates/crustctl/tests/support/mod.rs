@@ -220,7 +220,10 @@ impl Svc {
         if let Some((every, code)) = self.opts.fail_every.get(rpc)
             && n % every == 0
         {
-            return Err(Status::new(*code, format!("injected failure of {rpc} call {n}")));
+            return Err(Status::new(
+                *code,
+                format!("injected failure of {rpc} call {n}"),
+            ));
         }
         Ok(())
     }
@@ -261,7 +264,10 @@ fn is_block(c: &Option<csi::VolumeCapability>) -> bool {
 
 #[tonic::async_trait]
 impl Identity for Svc {
-    async fn get_plugin_info(&self, r: Request<csi::GetPluginInfoRequest>) -> R<csi::GetPluginInfoResponse> {
+    async fn get_plugin_info(
+        &self,
+        r: Request<csi::GetPluginInfoRequest>,
+    ) -> R<csi::GetPluginInfoResponse> {
         self.rec("GetPluginInfo", r.get_ref())?;
         Ok(Response::new(csi::GetPluginInfoResponse {
             name: DRIVER.into(),
@@ -303,7 +309,10 @@ impl Identity for Svc {
 
 #[tonic::async_trait]
 impl Controller for Svc {
-    async fn create_volume(&self, r: Request<csi::CreateVolumeRequest>) -> R<csi::CreateVolumeResponse> {
+    async fn create_volume(
+        &self,
+        r: Request<csi::CreateVolumeRequest>,
+    ) -> R<csi::CreateVolumeResponse> {
         let r = r.into_inner();
         self.rec("CreateVolume", &r)?;
         if r.name.is_empty() {
@@ -342,7 +351,10 @@ impl Controller for Svc {
         }))
     }
 
-    async fn delete_volume(&self, r: Request<csi::DeleteVolumeRequest>) -> R<csi::DeleteVolumeResponse> {
+    async fn delete_volume(
+        &self,
+        r: Request<csi::DeleteVolumeRequest>,
+    ) -> R<csi::DeleteVolumeResponse> {
         let r = r.into_inner();
         self.rec("DeleteVolume", &r)?;
         if r.volume_id.is_empty() {
@@ -371,12 +383,18 @@ impl Controller for Svc {
         let mut s = self.state.lock().unwrap();
         Svc::need_volume(&s, &r.volume_id)?;
         if r.node_id != NODE_ID {
-            return Err(Status::not_found(format!("node {} does not exist", r.node_id)));
+            return Err(Status::not_found(format!(
+                "node {} does not exist",
+                r.node_id
+            )));
         }
         s.attached.insert((r.volume_id.clone(), r.node_id));
         Ok(Response::new(csi::ControllerPublishVolumeResponse {
-            publish_context: [("devicePath".to_string(), format!("/dev/fake/{}", r.volume_id))]
-                .into(),
+            publish_context: [(
+                "devicePath".to_string(),
+                format!("/dev/fake/{}", r.volume_id),
+            )]
+            .into(),
         }))
     }
 
@@ -411,7 +429,10 @@ impl Controller for Svc {
         }))
     }
 
-    async fn list_volumes(&self, r: Request<csi::ListVolumesRequest>) -> R<csi::ListVolumesResponse> {
+    async fn list_volumes(
+        &self,
+        r: Request<csi::ListVolumesRequest>,
+    ) -> R<csi::ListVolumesResponse> {
         let r = r.into_inner();
         self.rec("ListVolumes", &r)?;
         let s = self.state.lock().unwrap();
@@ -422,7 +443,9 @@ impl Controller for Svc {
                 .parse()
                 .ok()
                 .filter(|i| *i <= s.volumes.len())
-                .ok_or_else(|| Status::aborted(format!("invalid starting_token {:?}", r.starting_token)))?
+                .ok_or_else(|| {
+                    Status::aborted(format!("invalid starting_token {:?}", r.starting_token))
+                })?
         };
         let max = if r.max_entries > 0 {
             r.max_entries as usize
@@ -459,7 +482,10 @@ impl Controller for Svc {
         }))
     }
 
-    async fn get_capacity(&self, r: Request<csi::GetCapacityRequest>) -> R<csi::GetCapacityResponse> {
+    async fn get_capacity(
+        &self,
+        r: Request<csi::GetCapacityRequest>,
+    ) -> R<csi::GetCapacityResponse> {
         self.rec("GetCapacity", r.get_ref())?;
         Ok(Response::new(csi::GetCapacityResponse {
             available_capacity: 10 << 30,
@@ -497,7 +523,10 @@ impl Controller for Svc {
         }))
     }
 
-    async fn create_snapshot(&self, r: Request<csi::CreateSnapshotRequest>) -> R<csi::CreateSnapshotResponse> {
+    async fn create_snapshot(
+        &self,
+        r: Request<csi::CreateSnapshotRequest>,
+    ) -> R<csi::CreateSnapshotResponse> {
         let r = r.into_inner();
         self.rec("CreateSnapshot", &r)?;
         let mut s = self.state.lock().unwrap();
@@ -514,17 +543,25 @@ impl Controller for Svc {
             group_snapshot_id: String::new(),
         };
         s.snapshots.insert(snap.snapshot_id.clone(), snap.clone());
-        Ok(Response::new(csi::CreateSnapshotResponse { snapshot: Some(snap) }))
+        Ok(Response::new(csi::CreateSnapshotResponse {
+            snapshot: Some(snap),
+        }))
     }
 
-    async fn delete_snapshot(&self, r: Request<csi::DeleteSnapshotRequest>) -> R<csi::DeleteSnapshotResponse> {
+    async fn delete_snapshot(
+        &self,
+        r: Request<csi::DeleteSnapshotRequest>,
+    ) -> R<csi::DeleteSnapshotResponse> {
         let r = r.into_inner();
         self.rec("DeleteSnapshot", &r)?;
         self.state.lock().unwrap().snapshots.remove(&r.snapshot_id);
         Ok(Response::new(csi::DeleteSnapshotResponse {}))
     }
 
-    async fn list_snapshots(&self, r: Request<csi::ListSnapshotsRequest>) -> R<csi::ListSnapshotsResponse> {
+    async fn list_snapshots(
+        &self,
+        r: Request<csi::ListSnapshotsRequest>,
+    ) -> R<csi::ListSnapshotsResponse> {
         let r = r.into_inner();
         self.rec("ListSnapshots", &r)?;
         let s = self.state.lock().unwrap();
@@ -532,7 +569,9 @@ impl Controller for Svc {
             entries: s
                 .snapshots
                 .values()
-                .filter(|x| r.source_volume_id.is_empty() || x.source_volume_id == r.source_volume_id)
+                .filter(|x| {
+                    r.source_volume_id.is_empty() || x.source_volume_id == r.source_volume_id
+                })
                 .filter(|x| r.snapshot_id.is_empty() || x.snapshot_id == r.snapshot_id)
                 .map(|x| csi::list_snapshots_response::Entry {
                     snapshot: Some(x.clone()),
@@ -542,16 +581,19 @@ impl Controller for Svc {
         }))
     }
 
-    async fn get_snapshot(&self, r: Request<csi::GetSnapshotRequest>) -> R<csi::GetSnapshotResponse> {
+    async fn get_snapshot(
+        &self,
+        r: Request<csi::GetSnapshotRequest>,
+    ) -> R<csi::GetSnapshotResponse> {
         let r = r.into_inner();
         self.rec("GetSnapshot", &r)?;
         let s = self.state.lock().unwrap();
-        let snap = s
-            .snapshots
-            .get(&r.snapshot_id)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("snapshot {} does not exist", r.snapshot_id)))?;
-        Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snap) }))
+        let snap = s.snapshots.get(&r.snapshot_id).cloned().ok_or_else(|| {
+            Status::not_found(format!("snapshot {} does not exist", r.snapshot_id))
+        })?;
+        Ok(Response::new(csi::GetSnapshotResponse {
+            snapshot: Some(snap),
+        }))
     }
 
     async fn controller_expand_volume(
@@ -610,14 +652,19 @@ fn need_dir(p: &str, what: &str) -> Result<(), Status> {
         return Err(Status::invalid_argument(format!("{what} is required")));
     }
     if !Path::new(p).is_dir() {
-        return Err(Status::invalid_argument(format!("{what} {p} is not a directory")));
+        return Err(Status::invalid_argument(format!(
+            "{what} {p} is not a directory"
+        )));
     }
     Ok(())
 }
 
 #[tonic::async_trait]
 impl Node for Svc {
-    async fn node_stage_volume(&self, r: Request<csi::NodeStageVolumeRequest>) -> R<csi::NodeStageVolumeResponse> {
+    async fn node_stage_volume(
+        &self,
+        r: Request<csi::NodeStageVolumeRequest>,
+    ) -> R<csi::NodeStageVolumeResponse> {
         let r = r.into_inner();
         self.rec("NodeStageVolume", &r)?;
         if !self.opts.stage_unstage {
@@ -676,7 +723,10 @@ impl Node for Svc {
             return Err(Status::invalid_argument("target_path is required"));
         }
         let target = Path::new(&r.target_path);
-        let parent = target.parent().map(|p| p.to_string_lossy().to_string()).unwrap_or_default();
+        let parent = target
+            .parent()
+            .map(|p| p.to_string_lossy().to_string())
+            .unwrap_or_default();
         need_dir(&parent, "target parent")?;
         let made = if is_block(&r.volume_capability) {
             std::fs::OpenOptions::new()
@@ -800,7 +850,10 @@ impl Node for Svc {
         }))
     }
 
-    async fn node_get_info(&self, r: Request<csi::NodeGetInfoRequest>) -> R<csi::NodeGetInfoResponse> {
+    async fn node_get_info(
+        &self,
+        r: Request<csi::NodeGetInfoRequest>,
+    ) -> R<csi::NodeGetInfoResponse> {
         self.rec("NodeGetInfo", r.get_ref())?;
         Ok(Response::new(csi::NodeGetInfoResponse {
             node_id: NODE_ID.into(),

@@ -1,0 +1,461 @@
+//! Shared harness of the crust-csi integration tests: a temporary node
+//! (socket, state, pool and kubelet-like directories in a tempdir), the
+//! real `crust-csi` binary under a [`ChildGuard`], tonic clients, request
+//! builders, and a drop guard that unmounts everything under the tempdir
+//! and detaches every loop device backed by a file in it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crust_proto::csi::v1 as csi;
+use crust_proto::endpoint::Endpoint;
+use crust_testkit::ChildGuard;
+use csi::controller_client::ControllerClient;
+use csi::identity_client::IdentityClient;
+use csi::node_client::NodeClient;
+use csi::volume_capability::access_mode::Mode;
+use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use tonic::transport::Channel;
+
+pub const MIB: i64 = 1 << 20;
+pub const GIB: i64 = 1 << 30;
+pub const NODE: &str = "test-node";
+pub const TOPO_KEY: &str = "blk.crust.dev/node";
+
+/// Unmounts every mount under `root` and detaches loop devices backed by
+/// files under `root`, on drop (also when a test fails).
+pub struct NodeCleanup {
+    root: PathBuf,
+}
+
+impl NodeCleanup {
+    pub fn new(root: &Path) -> Self {
+        NodeCleanup {
+            root: std::fs::canonicalize(root).unwrap(),
+        }
+    }
+
+    pub fn run(&self) {
+        // Deepest (latest) mounts first.
+        for _ in 0..8 {
+            let mounts: Vec<PathBuf> = crust_blockdev::mount_info()
+                .unwrap_or_default()
+                .into_iter()
+                .rev()
+                .map(|m| m.mount_point)
+                .filter(|p| p.starts_with(&self.root))
+                .collect();
+            if mounts.is_empty() {
+                break;
+            }
+            for m in mounts {
+                if crust_blockdev::unmount(&m).is_err() {
+                    // Last resort so the machine is not left dirty.
+                    let _ = rustix::mount::unmount(&m, rustix::mount::UnmountFlags::DETACH);
+                }
+            }
+        }
+        for l in crust_blockdev::list_loops().unwrap_or_default() {
+            if l.backing_file.starts_with(&self.root) {
+                let _ = crust_blockdev::detach(&l.path);
+            }
+        }
+    }
+}
+
+impl Drop for NodeCleanup {
+    fn drop(&mut self) {
+        self.run();
+    }
+}
+
+/// Loop devices currently bound to files under `dir` (sysfs evidence).
+pub fn loops_under(dir: &Path) -> Vec<crust_blockdev::LoopStatus> {
+    let root = std::fs::canonicalize(dir).unwrap();
+    crust_blockdev::list_loops()
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.backing_file.starts_with(&root))
+        .collect()
+}
+
+/// Mount points under `dir`.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let root = std::fs::canonicalize(dir).unwrap();
+    crust_blockdev::mount_info()
+        .unwrap()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|p| p.starts_with(&root))
+        .collect()
+}
+
+/// A running plugin process.
+pub struct Plugin {
+    pub guard: ChildGuard,
+    pub endpoint: Endpoint,
+    pub stderr_path: PathBuf,
+}
+
+impl Plugin {
+    /// Sends SIGTERM and waits for a clean exit; returns the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let child = self.guard.child();
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                // Already reaped by try_wait; disarm the guard.
+                let _ = self.guard.0.take();
+                return st;
+            }
+            assert!(Instant::now() < deadline, "plugin did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill(self) {
+        drop(self.guard);
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+/// A temporary node: directories, the plugin and cleanup.
+pub struct TestNode {
+    // Field order is drop order: stop the plugin, then clean the node,
+    // then remove the directory.
+    pub plugin: Option<Plugin>,
+    pub cleanup: NodeCleanup,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub state: PathBuf,
+    pub pool: PathBuf,
+    pub extra: Vec<String>,
+    /// `--health-ttl`; tests use 0s so every condition is fresh.
+    pub health_ttl: String,
+    starts: usize,
+}
+
+impl TestNode {
+    /// A node with a 20 GiB pool (sparse; nothing is preallocated).
+    pub fn new() -> TestNode {
+        Self::with_args(&["--pool-capacity", "20Gi"])
+    }
+
+    pub fn with_args(extra: &[&str]) -> TestNode {
+        Self::build(extra, "0s")
+    }
+
+    pub fn build(extra: &[&str], health_ttl: &str) -> TestNode {
+        crust_testkit::require_root();
+        let dir = tempfile::Builder::new()
+            .prefix("crust-csi-test")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let cleanup = NodeCleanup::new(dir.path());
+        let mut n = TestNode {
+            plugin: None,
+            cleanup,
+            socket: dir.path().join("sock/csi.sock"),
+            state: dir.path().join("state"),
+            pool: dir.path().join("pool"),
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            health_ttl: health_ttl.to_string(),
+            starts: 0,
+        };
+        n.start();
+        n
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// A fresh directory under the node (like kubelet's staging dirs).
+    pub fn mkdir(&self, rel: &str) -> String {
+        let p = self.path(rel);
+        std::fs::create_dir_all(&p).unwrap();
+        p.to_str().unwrap().to_string()
+    }
+
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_crust-csi"));
+        cmd.arg("--endpoint")
+            .arg(format!("unix://{}", self.socket.display()))
+            .arg("--node-id")
+            .arg(NODE)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("--pool-dir")
+            .arg(&self.pool)
+            .arg("--health-ttl")
+            .arg(&self.health_ttl)
+            .args(&self.extra)
+            .env("CRUST_CSI_LOG_LEVEL", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        cmd
+    }
+
+    /// Starts the plugin and waits until it answers Probe.
+    pub fn start(&mut self) {
+        assert!(self.plugin.is_none(), "plugin already running");
+        self.starts += 1;
+        let stderr_path = self.path(&format!("plugin-{}.log", self.starts));
+        let log = std::fs::File::create(&stderr_path).unwrap();
+        let child = self.command().stderr(log).spawn().unwrap();
+        let plugin = Plugin {
+            guard: ChildGuard::new(child),
+            endpoint: Endpoint::Unix(self.socket.clone()),
+            stderr_path,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut plugin = plugin;
+        loop {
+            if let Some(st) = plugin.guard.child().try_wait().unwrap() {
+                panic!("plugin exited early ({st}): {}", plugin.stderr());
+            }
+            // The socket appears only once the plugin is ready to serve.
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "plugin did not come up: {}",
+                plugin.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.plugin = Some(plugin);
+    }
+
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        self.plugin.take().expect("running").terminate()
+    }
+
+    pub fn crash(&mut self) {
+        self.plugin.take().expect("running").kill();
+    }
+
+    pub async fn clients(&self) -> Clients {
+        let ch = self
+            .plugin
+            .as_ref()
+            .expect("running")
+            .endpoint
+            .connect()
+            .await
+            .unwrap();
+        Clients::new(ch)
+    }
+}
+
+#[derive(Clone)]
+pub struct Clients {
+    pub id: IdentityClient<Channel>,
+    pub ctl: ControllerClient<Channel>,
+    pub node: NodeClient<Channel>,
+}
+
+impl Clients {
+    pub fn new(ch: Channel) -> Self {
+        Clients {
+            id: IdentityClient::new(ch.clone()),
+            ctl: ControllerClient::new(ch.clone()),
+            node: NodeClient::new(ch),
+        }
+    }
+
+    pub async fn create(
+        &mut self,
+        req: csi::CreateVolumeRequest,
+    ) -> Result<csi::Volume, tonic::Status> {
+        self.ctl
+            .create_volume(req)
+            .await
+            .map(|r| r.into_inner().volume.unwrap())
+    }
+
+    pub async fn delete(&mut self, id: &str) -> Result<(), tonic::Status> {
+        self.ctl
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: id.into(),
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn stage(
+        &mut self,
+        id: &str,
+        staging: &str,
+        cap: csi::VolumeCapability,
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+                volume_capability: Some(cap),
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
+        self.node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn publish(
+        &mut self,
+        id: &str,
+        staging: &str,
+        target: &str,
+        cap: csi::VolumeCapability,
+        readonly: bool,
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.into(),
+                target_path: target.into(),
+                volume_capability: Some(cap),
+                readonly,
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn unpublish(&mut self, id: &str, target: &str) -> Result<(), tonic::Status> {
+        self.node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: id.into(),
+                target_path: target.into(),
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    pub async fn stats(
+        &mut self,
+        id: &str,
+        path: &str,
+    ) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+        self.node
+            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                volume_id: id.into(),
+                volume_path: path.into(),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn get(
+        &mut self,
+        id: &str,
+    ) -> Result<csi::ControllerGetVolumeResponse, tonic::Status> {
+        self.ctl
+            .controller_get_volume(csi::ControllerGetVolumeRequest {
+                volume_id: id.into(),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn list_all(&mut self) -> Vec<csi::list_volumes_response::Entry> {
+        self.ctl
+            .list_volumes(csi::ListVolumesRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .entries
+    }
+}
+
+pub fn mode_cap(access: AccessType, mode: Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(access),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn mount(fs: &str) -> csi::VolumeCapability {
+    mount_mode(fs, Mode::SingleNodeWriter)
+}
+
+pub fn mount_mode(fs: &str, mode: Mode) -> csi::VolumeCapability {
+    mode_cap(
+        AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            ..Default::default()
+        }),
+        mode,
+    )
+}
+
+pub fn block() -> csi::VolumeCapability {
+    block_mode(Mode::SingleNodeWriter)
+}
+
+pub fn block_mode(mode: Mode) -> csi::VolumeCapability {
+    mode_cap(AccessType::Block(BlockVolume {}), mode)
+}
+
+pub fn create_req(
+    name: &str,
+    bytes: i64,
+    caps: Vec<csi::VolumeCapability>,
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: caps,
+        ..Default::default()
+    }
+}
+
+/// Asserts a gRPC error code, printing the message on mismatch.
+#[track_caller]
+pub fn assert_code<T: std::fmt::Debug>(
+    r: Result<T, tonic::Status>,
+    code: tonic::Code,
+) -> tonic::Status {
+    match r {
+        Ok(v) => panic!("expected {code:?}, got Ok({v:?})"),
+        Err(s) => {
+            assert_eq!(s.code(), code, "unexpected status: {}", s.message());
+            s
+        }
+    }
+}
+
+/// Size of a block device node (BLKGETSIZE64).
+pub fn dev_size(p: &Path) -> u64 {
+    crust_blockdev::block_device_size(p).unwrap()
+}
+
+/// statvfs total bytes.
+pub fn fs_total(p: &Path) -> u64 {
+    crust_blockdev::usage(p).unwrap().bytes_total
+}

@@ -1,0 +1,606 @@
+//! Real QEMU guests running the real agent on real loop devices.
+//!
+//! Needs root and the guest image: run `guest/build-image.sh` first (CI
+//! does). Each test boots one guest and holds a `VmSlot` throughout.
+
+mod common;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::time::Duration;
+
+use common::*;
+use crust_agent_proto::{
+    ErrorCode, FsGroupPolicy, FsType, MountVolume, StartWorkload, WorkloadMount, WorkloadState,
+    WorkloadUser, frame,
+};
+use crust_vmm::{DiskSpec, Vm, VmConfig, VmError};
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+fn mount_req(volume: &str, serial: &str, fstype: FsType) -> MountVolume {
+    MountVolume {
+        volume: volume.into(),
+        serial: serial.into(),
+        fstype,
+        options: vec![],
+        readonly: false,
+        fs_group: None,
+        fs_group_policy: None,
+    }
+}
+
+fn chmod(p: &std::path::Path, mode: u32) {
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+fn chown(p: &std::path::Path, uid: u32, gid: u32) {
+    std::os::unix::fs::lchown(p, Some(uid), Some(gid)).unwrap();
+}
+
+/// Mount options, fsGroup (both policies), stats vs df, online growth,
+/// subPath (created, escape refused), read-only binds, a non-root workload
+/// writing through fsGroup, health signals, concurrency, Shutdown, and the
+/// written data on the device afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_fsgroup_subpath_workload_and_shutdown() {
+    crust_testkit::require_root();
+    let work = tempfile::tempdir().unwrap();
+    let ext = LoopDev::new(work.path(), "ext.img", 256 * MIB);
+    let xfs = LoopDev::new(work.path(), "xfs.img", 512 * MIB);
+    run("mkfs.ext4", &["-q", "-F", ext.dev_str()]);
+    run("mkfs.xfs", &["-q", "-f", xfs.dev_str()]);
+    {
+        let m = HostMount::new(&ext.dev, "rw");
+        let r = m.path();
+        chmod(r, 0o755);
+        std::fs::create_dir_all(r.join("fsg/dir")).unwrap();
+        chmod(&r.join("fsg/dir"), 0o700);
+        std::fs::write(r.join("fsg/dir/file"), b"data").unwrap();
+        chmod(&r.join("fsg/dir/file"), 0o600);
+        std::fs::write(r.join("fsg/exec"), b"#!/bin/sh\n").unwrap();
+        chmod(&r.join("fsg/exec"), 0o744);
+        symlink("/tmp/marker", r.join("fsg/outlink")).unwrap();
+        symlink("/", r.join("escape")).unwrap();
+        symlink("../../..", r.join("escape2")).unwrap();
+    }
+    {
+        let m = HostMount::new(&xfs.dev, "rw");
+        let r = m.path();
+        chown(r, 0, 3000);
+        chmod(r, 0o2770);
+        std::fs::write(r.join("keep"), b"k").unwrap();
+        chown(&r.join("keep"), 0, 0);
+        chmod(&r.join("keep"), 0o600);
+    }
+
+    let g = Guest::boot(
+        "vols",
+        vec![
+            disk("ext", &ext.dev, "crust-ext"),
+            disk("xfs", &xfs.dev, "crust-xfs"),
+        ],
+    )
+    .await;
+    let a = &g.agent;
+    let ping = a.ping().await.unwrap();
+    assert_eq!(ping.protocol, crust_agent_proto::PROTOCOL_VERSION);
+    g.sh("echo secret > /tmp/marker && chmod 600 /tmp/marker")
+        .await;
+
+    // --- bad input changes nothing -------------------------------------------
+    let mut bad = mount_req("ext", "crust-ext", FsType::Ext4);
+    bad.options = vec!["noatime".into(), "suid,dev".into()];
+    assert_eq!(
+        code_of(a.mount_volume(bad).await),
+        ErrorCode::InvalidArgument
+    );
+    let mut bad = mount_req("ext", "crust-ext", FsType::Xfs);
+    bad.options = vec!["data=ordered".into()];
+    assert_eq!(
+        code_of(a.mount_volume(bad).await),
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        code_of(
+            a.mount_volume(mount_req("../x", "crust-ext", FsType::Ext4))
+                .await
+        ),
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        code_of(
+            a.call_with_timeout(
+                mount_req("nope", "crust-nope", FsType::Ext4),
+                Duration::from_secs(3)
+            )
+            .await
+        ),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code_of(
+            a.mount_volume(mount_req("x", "crust-xfs", FsType::Ext4))
+                .await
+        ),
+        ErrorCode::FailedPrecondition,
+        "an xfs disk mounted as ext4"
+    );
+    assert_eq!(g.sh("ls /run/crust/volumes").await.trim(), "");
+    assert!(
+        !g.sh("cat /proc/mounts")
+            .await
+            .contains("/run/crust/volumes")
+    );
+
+    // --- ext4 with options and fsGroup Always --------------------------------
+    let mut req = mount_req("ext", "crust-ext", FsType::Ext4);
+    req.options = ["noatime", "nodiratime", "data=ordered", "errors=remount-ro"]
+        .map(String::from)
+        .to_vec();
+    req.fs_group = Some(2000);
+    req.fs_group_policy = Some(FsGroupPolicy::Always);
+    let mounted = a.mount_volume(req.clone()).await.unwrap();
+    assert_eq!(mounted.mount_path, "/run/crust/volumes/ext");
+    assert!(mounted.fs_group_applied);
+    let line = g
+        .mount_line("/run/crust/volumes/ext")
+        .await
+        .expect("ext mounted");
+    assert!(
+        line.starts_with(&format!("{} /run/crust/volumes/ext ext4 ", mounted.device)),
+        "{line}"
+    );
+    for opt in ["rw", "noatime", "nodiratime", "errors=remount-ro"] {
+        assert!(
+            line.split([' ', ',']).any(|o| o == opt),
+            "{opt} missing: {line}"
+        );
+    }
+    let v = "/run/crust/volumes/ext";
+    let st = g
+        .sh(&format!(
+            "cd {v} && stat -c '%n %a %g' . fsg fsg/dir fsg/dir/file fsg/exec fsg/outlink /tmp/marker"
+        ))
+        .await;
+    let st: Vec<&str> = st.lines().collect();
+    assert_eq!(
+        st,
+        vec![
+            ". 2775 2000",
+            "fsg 2775 2000",
+            "fsg/dir 2770 2000",
+            "fsg/dir/file 660 2000",
+            "fsg/exec 774 2000",
+            "fsg/outlink 777 2000",
+            "/tmp/marker 600 0",
+        ]
+    );
+    // Idempotent; a different disk for the same volume is refused.
+    assert!(a.mount_volume(req.clone()).await.is_ok());
+    assert_eq!(
+        code_of(
+            a.mount_volume(mount_req("ext", "crust-xfs", FsType::Xfs))
+                .await
+        ),
+        ErrorCode::AlreadyExists
+    );
+    assert_eq!(
+        code_of(
+            a.mount_volume(mount_req("ext2", "crust-ext", FsType::Ext4))
+                .await
+        ),
+        ErrorCode::AlreadyExists,
+        "one disk, one mount"
+    );
+
+    // --- xfs with fsGroup OnRootMismatch ----------------------------------------
+    let mut xreq = mount_req("xfsv", "crust-xfs", FsType::Xfs);
+    xreq.fs_group = Some(3000);
+    xreq.fs_group_policy = Some(FsGroupPolicy::OnRootMismatch);
+    let xm = a.mount_volume(xreq.clone()).await.unwrap();
+    assert!(!xm.fs_group_applied, "root already matched");
+    let x = "/run/crust/volumes/xfsv";
+    assert_eq!(
+        g.sh(&format!("stat -c '%a %g' {x}/keep")).await.trim(),
+        "600 0"
+    );
+    a.unmount_volume("xfsv").await.unwrap();
+    a.unmount_volume("xfsv").await.unwrap(); // idempotent
+    assert!(g.mount_line(x).await.is_none());
+    xreq.fs_group = Some(3001);
+    assert!(a.mount_volume(xreq).await.unwrap().fs_group_applied);
+    assert_eq!(
+        g.sh(&format!("stat -c '%a %g' {x} {x}/keep")).await,
+        "2770 3001\n660 3001\n"
+    );
+
+    // --- stats equal df in the guest ------------------------------------------
+    for (vol, path) in [("ext", v), ("xfsv", x)] {
+        let s = a.stat_volume(vol).await.unwrap();
+        let (t, u, av) = guest_df(&g, "-P -B1", path).await;
+        assert_eq!(
+            (s.bytes.total, s.bytes.used, s.bytes.available),
+            (t, u, av),
+            "{vol} bytes"
+        );
+        let (t, u, av) = guest_df(&g, "-i", path).await;
+        assert_eq!(
+            (s.inodes.total, s.inodes.used, s.inodes.available),
+            (t, u, av),
+            "{vol} inodes"
+        );
+        assert!(!s.condition.abnormal, "{}", s.condition.message);
+    }
+    assert_eq!(code_of(a.stat_volume("nope").await), ErrorCode::NotFound);
+
+    // --- online growth ------------------------------------------------------
+    let before = a.stat_volume("ext").await.unwrap().bytes.total;
+    ext.grow(384 * MIB);
+    let mut qmp = Qmp::connect(g.vm.qmp_socket()).await;
+    qmp.execute(
+        "block_resize",
+        json!({"node-name": "crust-node-ext", "size": 384 * MIB}),
+    )
+    .await
+    .unwrap();
+    let grown = a.grow_volume("ext").await.unwrap();
+    assert_eq!(grown.device_bytes, 384 * MIB);
+    assert!(
+        grown.fs_total_bytes > before + 100 * MIB,
+        "{grown:?} vs {before}"
+    );
+    assert_eq!(guest_df(&g, "-P -B1", v).await.0, grown.fs_total_bytes);
+
+    // --- subPath escape refused, nothing mounted -----------------------------------
+    for sp in ["escape/etc", "escape2", "../x", "/etc"] {
+        let r = a
+            .start_workload(StartWorkload {
+                args: vec!["true".into()],
+                env: vec![],
+                cwd: None,
+                mounts: vec![WorkloadMount {
+                    volume: "ext".into(),
+                    subpath: Some(sp.into()),
+                    destination: "/data".into(),
+                    readonly: false,
+                }],
+                user: None,
+            })
+            .await;
+        assert_eq!(code_of(r), ErrorCode::InvalidArgument, "subPath {sp}");
+    }
+    assert!(g.mount_line("/data").await.is_none());
+    assert_eq!(
+        a.workload_status().await.unwrap(),
+        WorkloadState::NotStarted
+    );
+
+    // --- the workload: non-root, writes via fsGroup, read-only xfs ----------------
+    let spec = StartWorkload {
+        args: ["sh", "-c", "echo hello-from-guest > /data/out.txt && sync; \
+                if touch /xfs/nope 2>/dev/null; then echo xfs-writable; else echo xfs-readonly; fi; \
+                id -u; echo started; exec sleep 600"]
+            .map(String::from)
+            .to_vec(),
+        env: vec!["HOME=/".into()],
+        cwd: Some("/data".into()),
+        mounts: vec![
+            WorkloadMount {
+                volume: "ext".into(),
+                subpath: Some("app/data".into()),
+                destination: "/data".into(),
+                readonly: false,
+            },
+            WorkloadMount {
+                volume: "xfsv".into(),
+                subpath: None,
+                destination: "/xfs".into(),
+                readonly: true,
+            },
+        ],
+        user: Some(WorkloadUser {
+            uid: 1000,
+            gid: 1000,
+            supplemental_gids: vec![2000, 3001],
+        }),
+    };
+    let started = a.start_workload(spec.clone()).await.unwrap();
+    assert_eq!(
+        a.start_workload(spec.clone()).await.unwrap(),
+        started,
+        "idempotent"
+    );
+    let mut log = String::new();
+    for _ in 0..200 {
+        log = a.workload_log(4096).await.unwrap().data;
+        if log.contains("started") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(log, "xfs-readonly\n1000\nstarted\n");
+    assert_eq!(
+        a.workload_status().await.unwrap(),
+        WorkloadState::Running { pid: started.pid }
+    );
+    let xfs_line = g.mount_line("/xfs").await.expect("/xfs bound");
+    assert!(xfs_line.contains(" xfs ro,"), "{xfs_line}");
+    assert_eq!(
+        g.sh("stat -c '%u %g %a' /data/out.txt /run/crust/volumes/ext/app/data")
+            .await,
+        "1000 2000 644\n0 2000 2775\n"
+    );
+    assert_eq!(
+        code_of(a.unmount_volume("ext").await),
+        ErrorCode::FailedPrecondition,
+        "in use by the workload"
+    );
+    let mut other = spec.clone();
+    other.args = vec!["true".into()];
+    assert_eq!(
+        code_of(a.start_workload(other).await),
+        ErrorCode::AlreadyExists
+    );
+
+    // A slow Exec does not hold up a Ping.
+    let slow = {
+        let a = a.clone();
+        tokio::spawn(async move { a.exec(&["sleep", "4"], Duration::from_secs(30)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.ping().await.unwrap();
+    assert!(!slow.is_finished(), "ping should not wait for the exec");
+    assert_eq!(slow.await.unwrap().unwrap().exit_code, 0);
+    assert_eq!(
+        code_of(a.exec(&["sleep", "30"], Duration::from_millis(500)).await),
+        ErrorCode::DeadlineExceeded
+    );
+
+    let stopped = a.stop_workload(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(
+        stopped,
+        WorkloadState::Exited {
+            pid: started.pid,
+            exit_code: None,
+            signal: Some(15)
+        }
+    );
+
+    // --- health ------------------------------------------------------------------
+    let dev = mounted.device.trim_start_matches("/dev/");
+    g.sh(&format!("echo 1 > /sys/fs/ext4/{dev}/trigger_fs_error"))
+        .await;
+    let s = a.stat_volume("ext").await.unwrap();
+    assert!(s.condition.abnormal);
+    let msg = &s.condition.message;
+    assert!(
+        msg.contains("has recorded") && msg.contains("e2fsck"),
+        "{msg}"
+    );
+    g.sh(&format!("mount -o remount,ro {x}")).await;
+    let s = a.stat_volume("xfsv").await.unwrap();
+    assert!(
+        s.condition.abnormal && s.condition.message.contains("read-only"),
+        "{s:?}"
+    );
+
+    // --- Shutdown ends QEMU; the data is on the device ------------------------------
+    a.shutdown().await.unwrap();
+    let mut vm = g.vm;
+    let exit = vm
+        .wait_exit(Duration::from_secs(60))
+        .await
+        .expect("QEMU exits");
+    assert!(exit.success(), "{exit:?}");
+    let m = HostMount::new(&ext.dev, "ro,noload");
+    let out = m.path().join("app/data/out.txt");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), "hello-from-guest\n");
+    let md = std::fs::metadata(&out).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1000, 2000));
+    drop(m);
+}
+
+/// Hot-plug on the documented root ports, unplug while mounted (health),
+/// xfs growth, protocol robustness (garbage, oversize, reconnect), attach
+/// from the run dir.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hotplug_health_and_channel_robustness() {
+    crust_testkit::require_root();
+    let work = tempfile::tempdir().unwrap();
+    let ext = LoopDev::new(work.path(), "hp-ext.img", 128 * MIB);
+    let xfs = LoopDev::new(work.path(), "hp-xfs.img", 400 * MIB);
+    run("mkfs.ext4", &["-q", "-F", ext.dev_str()]);
+    run("mkfs.xfs", &["-q", "-f", xfs.dev_str()]);
+
+    let g = Guest::boot("hotplug", vec![]).await;
+    let a = &g.agent;
+    let ports = g.vm.hotplug_ports().to_vec();
+    assert_eq!(ports, vec!["crust-hp0", "crust-hp1"]);
+
+    // Another process's view: attach by run dir; dropping it leaves QEMU up.
+    let attached = Vm::attach(&g.vm.paths().run_dir).unwrap();
+    assert_eq!(attached.pid(), g.vm.pid());
+    drop(attached);
+    let second = VmConfig::new(
+        "again",
+        crust_testkit::guest_image().0,
+        crust_testkit::guest_image().1,
+        g.vm.paths().run_dir.clone(),
+    );
+    assert!(matches!(
+        Vm::launch(second).await,
+        Err(VmError::AlreadyRunning { .. })
+    ));
+
+    let mut qmp = Qmp::connect(g.vm.qmp_socket()).await;
+    let d_ext = disk("hpext", &ext.dev, "crust-hp-ext");
+    let d_xfs = disk("hpxfs", &xfs.dev, "crust-hp-xfs");
+    for (d, port) in [(&d_ext, &ports[0]), (&d_xfs, &ports[1])] {
+        qmp.execute("blockdev-add", d.blockdev_add_args())
+            .await
+            .unwrap();
+        qmp.execute("device_add", d.device_add_args(port))
+            .await
+            .unwrap();
+    }
+    a.mount_volume(mount_req("e", "crust-hp-ext", FsType::Ext4))
+        .await
+        .unwrap();
+    a.mount_volume(mount_req("x", "crust-hp-xfs", FsType::Xfs))
+        .await
+        .unwrap();
+    g.sh("echo hot > /run/crust/volumes/e/f && sync").await;
+
+    // xfs online growth.
+    let before = a.stat_volume("x").await.unwrap().bytes.total;
+    xfs.grow(600 * MIB);
+    qmp.execute(
+        "block_resize",
+        json!({"node-name": d_xfs.node_name(), "size": 600 * MIB}),
+    )
+    .await
+    .unwrap();
+    let grown = a.grow_volume("x").await.unwrap();
+    assert_eq!(grown.device_bytes, 600 * MIB);
+    assert!(
+        grown.fs_total_bytes > before + 150 * MIB,
+        "{grown:?} vs {before}"
+    );
+    assert_eq!(
+        guest_df(&g, "-P -B1", "/run/crust/volumes/x").await.0,
+        grown.fs_total_bytes
+    );
+
+    // Clean unplug of xfs: unmount, device_del, blockdev-del.
+    a.unmount_volume("x").await.unwrap();
+    qmp.execute("device_del", json!({"id": d_xfs.device_id()}))
+        .await
+        .unwrap();
+    qmp.wait_event("DEVICE_DELETED", &d_xfs.device_id()).await;
+    qmp.execute("blockdev-del", json!({"node-name": d_xfs.node_name()}))
+        .await
+        .unwrap();
+    assert_eq!(
+        code_of(
+            a.call_with_timeout(
+                mount_req("x", "crust-hp-xfs", FsType::Xfs),
+                Duration::from_secs(2)
+            )
+            .await
+        ),
+        ErrorCode::NotFound
+    );
+
+    // The ext4 disk vanishes while mounted: reported, and unmount still works.
+    assert!(!a.stat_volume("e").await.unwrap().condition.abnormal);
+    qmp.execute("device_del", json!({"id": d_ext.device_id()}))
+        .await
+        .unwrap();
+    qmp.wait_event("DEVICE_DELETED", &d_ext.device_id()).await;
+    let s = a.stat_volume("e").await.unwrap();
+    assert!(s.condition.abnormal);
+    assert!(
+        s.condition.message.contains("no longer attached"),
+        "{}",
+        s.condition.message
+    );
+    a.unmount_volume("e").await.unwrap();
+    assert!(g.mount_line("/run/crust/volumes/e").await.is_none());
+
+    // --- the channel: garbage and oversize frames, host reconnects --------------
+    a.disconnect();
+    let mut raw = tokio::net::UnixStream::connect(g.vm.agent_socket())
+        .await
+        .unwrap();
+    let garbage = b"{this is not json";
+    raw.write_all(&(garbage.len() as u32).to_be_bytes())
+        .await
+        .unwrap();
+    raw.write_all(garbage).await.unwrap();
+    let body = frame::read_frame_async(&mut raw).await.unwrap().unwrap();
+    let resp: crust_agent_proto::Response = frame::decode(&body).unwrap();
+    assert_eq!(resp.id, 0);
+    match resp.outcome {
+        crust_agent_proto::Outcome::Error(e) => assert_eq!(e.code, ErrorCode::InvalidArgument),
+        o => panic!("{o:?}"),
+    }
+    let unknown = json!({"id": 77, "deadline_ms": 5000, "op": "teleport", "args": {}});
+    raw.write_all(&frame::encode(&unknown).unwrap())
+        .await
+        .unwrap();
+    let resp: crust_agent_proto::Response =
+        frame::decode(&frame::read_frame_async(&mut raw).await.unwrap().unwrap()).unwrap();
+    assert_eq!(resp.id, 77);
+    assert!(
+        matches!(resp.outcome, crust_agent_proto::Outcome::Error(ref e) if e.code == ErrorCode::Unimplemented)
+    );
+    // Announce 2 MiB, send a little, hang up mid-frame.
+    raw.write_all(&(2u32 << 20).to_be_bytes()).await.unwrap();
+    raw.write_all(&[b'x'; 1000]).await.unwrap();
+    let resp: crust_agent_proto::Response =
+        frame::decode(&frame::read_frame_async(&mut raw).await.unwrap().unwrap()).unwrap();
+    assert!(
+        matches!(resp.outcome, crust_agent_proto::Outcome::Error(ref e) if e.message.contains("exceeds"))
+    );
+    drop(raw);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A fresh connection is served from a clean state.
+    let p = a.wait_ready(Duration::from_secs(30)).await.unwrap();
+    assert!(p.uptime_ms > 0);
+    // Orphans end up with the shell /init (PID 1), which reaps them.
+    assert_eq!(g.sh("cat /proc/1/comm").await.trim(), "init");
+    g.sh("for i in 1 2 3; do (sleep 0.1 &) ; done; sleep 0.3").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ps = g.sh("ps -o pid,ppid,stat,comm").await;
+    assert!(
+        !ps.lines().skip(1).any(|l| l.split_whitespace().nth(2).is_some_and(|s| s.starts_with('Z'))),
+        "zombies left:\n{ps}"
+    );
+
+    a.shutdown().await.unwrap();
+    let mut vm = g.vm;
+    assert!(
+        vm.wait_exit(Duration::from_secs(60))
+            .await
+            .expect("exit")
+            .success()
+    );
+    assert!(!vm.qmp_socket().exists(), "sockets cleaned up");
+}
+
+/// A QEMU that cannot start reports why, and leaves no process behind.
+#[tokio::test]
+async fn early_exit_reports_qemu_log() {
+    let _slot = crust_testkit::VmSlot::acquire();
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("not-a-kernel");
+    std::fs::write(&junk, b"garbage").unwrap();
+    let mut cfg = VmConfig::new("bad", &junk, &junk, dir.path().join("run"));
+    cfg.accel = crust_vmm::Accel::Tcg;
+    cfg.disks.push(DiskSpec {
+        id: "d".into(),
+        path: junk.clone(),
+        serial: "crust-d".into(),
+        readonly: true,
+    });
+    match Vm::launch(cfg).await {
+        Err(VmError::EarlyExit { log_tail, .. }) => {
+            assert!(log_tail.contains("kernel"), "{log_tail}")
+        }
+        Err(e) => panic!("expected EarlyExit, got {e}"),
+        Ok(vm) => panic!(
+            "QEMU with a garbage kernel came up: {}",
+            vm.failure_context()
+        ),
+    }
+    assert!(!dir.path().join("run/qmp.sock").exists());
+    let bad = VmConfig::new("bad name", &junk, &junk, dir.path().join("run2"));
+    assert!(matches!(
+        Vm::launch(bad).await,
+        Err(VmError::InvalidConfig(_))
+    ));
+    assert!(
+        !dir.path().join("run2").exists(),
+        "invalid config changes nothing"
+    );
+}
