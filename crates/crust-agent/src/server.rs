@@ -38,7 +38,8 @@ enum After {
 
 struct Outgoing {
     frame: Vec<u8>,
-    after: After,
+    /// Told once the frame is written (Shutdown waits for it).
+    written: Option<mpsc::Sender<()>>,
     /// Host connection the request came in on; replies for an earlier
     /// connection are dropped rather than sent to whoever is there now.
     connection: u64,
@@ -313,7 +314,7 @@ fn power_off() -> ! {
 
 fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<AtomicU64>) {
     for out in rx {
-        if out.connection != connection.load(Ordering::SeqCst) && out.after != After::PowerOff {
+        if out.connection != connection.load(Ordering::SeqCst) && out.written.is_none() {
             log!("dropping a reply for a host connection that has gone");
             continue;
         }
@@ -331,10 +332,8 @@ fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<Atom
                 }
             }
         }
-        if out.after == After::PowerOff {
-            // Give QEMU a moment to pass the reply on before the VM ends.
-            std::thread::sleep(Duration::from_millis(200));
-            power_off();
+        if let Some(w) = out.written {
+            let _ = w.send(());
         }
     }
 }
@@ -369,7 +368,10 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
     let agent = Arc::new(Agent::default());
     let in_flight = Arc::new(AtomicUsize::new(0));
 
-    let send = |tx: &mpsc::Sender<Outgoing>, resp: &Response, after: After, conn: u64| {
+    let send = |tx: &mpsc::Sender<Outgoing>,
+                resp: &Response,
+                written: Option<mpsc::Sender<()>>,
+                conn: u64| {
         let f = frame::encode(resp).or_else(|e| {
             // Only an oversized reply can fail; tell the caller instead.
             let msg = format!("reply not sent: {e}");
@@ -381,7 +383,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
         if let Ok(frame) = f {
             let _ = tx.send(Outgoing {
                 frame,
-                after,
+                written,
                 connection: conn,
             });
         }
@@ -418,7 +420,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                                 0,
                                 AgentError::new(ErrorCode::InvalidArgument, e.to_string()),
                             );
-                            send(&tx, &r, After::Nothing, conn);
+                            send(&tx, &r, None, conn);
                             continue;
                         }
                         Err(e) => {
@@ -431,7 +433,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                         Ok(r) => r,
                         Err((id, err)) => {
                             log!("bad request (id {id}): {}", err.message);
-                            send(&tx, &Response::err(id, err), After::Nothing, conn);
+                            send(&tx, &Response::err(id, err), None, conn);
                             continue;
                         }
                     };
@@ -441,7 +443,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                             ErrorCode::ResourceExhausted,
                             format!("more than {MAX_IN_FLIGHT} requests in flight"),
                         );
-                        send(&tx, &Response::err(req.id, e), After::Nothing, conn);
+                        send(&tx, &Response::err(req.id, e), None, conn);
                         continue;
                     }
                     let (agent, tx2, busy) = (agent.clone(), tx.clone(), in_flight.clone());
@@ -451,7 +453,16 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                             .name(format!("req-{id}"))
                             .spawn(move || {
                                 let (resp, after) = agent.handle(req, received);
-                                send(&tx2, &resp, after, conn);
+                                if after == After::PowerOff {
+                                    // Reply first, but a vanished host (write
+                                    // blocked) must not keep the VM up.
+                                    let (wtx, wrx) = mpsc::channel();
+                                    send(&tx2, &resp, Some(wtx), conn);
+                                    let _ = wrx.recv_timeout(Duration::from_secs(3));
+                                    std::thread::sleep(Duration::from_millis(200));
+                                    power_off();
+                                }
+                                send(&tx2, &resp, None, conn);
                                 busy.fetch_sub(1, Ordering::SeqCst);
                             });
                     if let Err(e) = spawned {
@@ -460,7 +471,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                             ErrorCode::ResourceExhausted,
                             format!("cannot start a handler thread: {e}"),
                         );
-                        send(&tx, &Response::err(id, e), After::Nothing, conn);
+                        send(&tx, &Response::err(id, e), None, conn);
                     }
                 }
             }

@@ -38,6 +38,11 @@ pub enum VolumeError {
         mounted: String,
         serial: String,
     },
+    #[error("volume {volume:?} is already mounted {mounted}; unmount it to change that")]
+    ModeMismatch {
+        volume: String,
+        mounted: &'static str,
+    },
     #[error("disk serial {serial:?} (/dev/{disk}) is already mounted at {at}")]
     DiskInUse {
         serial: String,
@@ -107,7 +112,9 @@ impl From<VolumeError> for AgentError {
         let code = match &e {
             InvalidName(_) | InvalidSerial(_) | Options(_) => ErrorCode::InvalidArgument,
             NoDisk { .. } | NotMounted(_) => ErrorCode::NotFound,
-            SerialMismatch { .. } | DiskInUse { .. } => ErrorCode::AlreadyExists,
+            SerialMismatch { .. } | DiskInUse { .. } | ModeMismatch { .. } => {
+                ErrorCode::AlreadyExists
+            }
             DiskReadOnly { .. } | WrongFs { .. } | Fsck { .. } | ReadOnly(_) | Busy { .. } => {
                 ErrorCode::FailedPrecondition
             }
@@ -249,6 +256,19 @@ impl Volumes {
                     volume: req.volume.clone(),
                     mounted,
                     serial: req.serial.clone(),
+                });
+            }
+            let was_readonly = self
+                .lookup(&req.volume)
+                .map_or(entry.is_readonly(), |r| r.readonly);
+            if was_readonly != opts.readonly {
+                return Err(VolumeError::ModeMismatch {
+                    volume: req.volume.clone(),
+                    mounted: if was_readonly {
+                        "read-only"
+                    } else {
+                        "read-write"
+                    },
                 });
             }
             // Same volume, same disk: done already. fsGroup is re-applied

@@ -326,9 +326,9 @@ pub fn default_node_id() -> String {
     }
 }
 
-/// Parses a size such as `10Gi`, `512Mi`, `20G`, `1.5Gi` is not accepted
-/// (integers only), `4096`. Binary suffixes Ki Mi Gi Ti Pi, decimal k/K M G T
-/// P, optional trailing `B`.
+/// Parses a size such as `10Gi`, `512Mi`, `20G` or `4096`: an integer
+/// (fractions are refused) with an optional binary suffix Ki Mi Gi Ti Pi or
+/// decimal suffix k/K M G T P, optionally followed by `B`.
 pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     let bad = |why: &str| ConfigError::Size(s.to_string(), why.to_string());
     let t = s.trim();

@@ -424,7 +424,10 @@ impl Driver {
             p if p.fs_type() == Some(fs.to_blockdev()) => {
                 // A volume expanded while it was not staged (or while
                 // online ext4 growth was impossible): grow before mounting.
-                if fs == FsType::Ext4 && ext4_needs_grow(device)? {
+                if fs == FsType::Ext4
+                    && !crust_blockdev::is_device_in_use(device).unwrap_or(true)
+                    && ext4_needs_grow(device)?
+                {
                     crust_blockdev::grow_fs_offline(device, fs.to_blockdev()).map_err(|e| {
                         NodeError::Internal(format!("growing ext4 on {}: {e}", device.display()))
                     })?;
@@ -557,6 +560,31 @@ impl Driver {
                 "volume {id} is staged with {}; the capability asks for {f}",
                 s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
             )));
+        }
+        // Never bind an empty staging directory or a device number that
+        // now belongs to something else (e.g. after a reboot): the staged
+        // device must still be this volume's, and mounted at the staging path.
+        let attached = self.backend.attached_device(&id)?;
+        if attached.as_deref() != Some(s.device.as_path()) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was staged on {} but that device is no longer attached to it \
+                 (node rebooted?); call NodeStageVolume again",
+                s.device.display()
+            )));
+        }
+        if !block {
+            let numbers = crust_blockdev::device_major_minor(&s.device)
+                .map_err(|e| NodeError::Internal(e.to_string()))?;
+            match crust_blockdev::find_mount(&staging).map_err(mount_err)? {
+                Some(m) if (m.major, m.minor) == numbers => {}
+                _ => {
+                    return Err(NodeError::FailedPrecondition(format!(
+                        "volume {id} is not mounted at its staging path {} (unmounted outside \
+                         the plugin, or the node rebooted); call NodeStageVolume again",
+                        staging.display()
+                    )));
+                }
+            }
         }
         let readonly = req.readonly || cap.mode.read_only() || s.readonly;
         let wanted = Publication {

@@ -1767,3 +1767,52 @@ async fn crash_windows_between_mount_and_record_are_recovered() {
     assert!(loops_under(node.dir.path()).is_empty());
     c.delete(&id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_refuses_a_staging_path_that_lost_its_mount_and_restage_repairs_it() {
+    let node = TestNode::new();
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req("lost", 16 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/l");
+    let t = format!("{}/t", node.mkdir("pods"));
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    std::fs::write(format!("{staging}/on-volume"), b"v").unwrap();
+    // like a reboot: the mount is gone, the record still says staged
+    crust_blockdev::unmount(Path::new(&staging)).unwrap();
+    let s = assert_code(
+        c.publish(&id, &staging, &t, mount("ext4"), false).await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message().contains("NodeStageVolume again"),
+        "{}",
+        s.message()
+    );
+    assert!(
+        !Path::new(&t).exists(),
+        "nothing bound onto the bare directory"
+    );
+    let cond = c
+        .get(&id)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(cond.abnormal, "lost staging mount is reported");
+    // the repeated stage repairs it
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &t, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(format!("{t}/on-volume")).unwrap(), b"v");
+    c.unpublish(&id, &t).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}

@@ -109,6 +109,9 @@ async fn online_expansion(fs: &str, size: i64, grown: i64) {
         .into_inner();
     assert_eq!(r.capacity_bytes, grown);
     assert!(r.node_expansion_required);
+    // a repeated stage of the mounted, grown volume stays a no-op
+    c.stage(&id, &staging, mount(fs)).await.unwrap();
+    assert_eq!(fs_total(Path::new(&t)), before);
 
     let expand =
         |path: &str, cap: Option<csi::VolumeCapability>, req: i64| csi::NodeExpandVolumeRequest {
@@ -339,7 +342,8 @@ async fn health_reports_a_read_only_remount_and_a_lost_mount() {
         assert!(cond.abnormal);
         assert!(cond.message.contains("read-only"), "{}", cond.message);
     }
-    rustix::mount::mount_remount(staging.as_str(), rustix::mount::MountFlags::empty(), c"").unwrap();
+    rustix::mount::mount_remount(staging.as_str(), rustix::mount::MountFlags::empty(), c"")
+        .unwrap();
     for cond in conditions(&mut c, &id, &t).await {
         assert!(!cond.abnormal, "{}", cond.message);
     }

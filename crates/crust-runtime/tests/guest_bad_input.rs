@@ -196,15 +196,9 @@ fn bad_input_and_hung_guest() {
             env.json(&["crust", "stats", &target])["volume_condition"]["abnormal"],
             false
         );
-        std::process::Command::new("kill")
-            .args(["-STOP", &qemu.to_string()])
-            .status()
-            .unwrap();
+        signal(qemu, Signal::STOP);
         let out = env.run(&["crust", "stats", &target]);
-        std::process::Command::new("kill")
-            .args(["-CONT", &qemu.to_string()])
-            .status()
-            .unwrap();
+        signal(qemu, Signal::CONT);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success(),

@@ -115,10 +115,7 @@ fn online_resize_claims_and_qemu_death() {
         // --- QEMU dies --------------------------------------------------------------
         let qemu = sb.qemu_pid();
         let shim = sb.shim_pid();
-        std::process::Command::new("kill")
-            .args(["-9", &qemu.to_string()])
-            .status()
-            .unwrap();
+        signal(qemu, Signal::KILL);
         let st = wait_for("the shim to notice", Duration::from_secs(30), || {
             let st = env.state_file("writer");
             st["reason"]

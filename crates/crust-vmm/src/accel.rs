@@ -1,11 +1,13 @@
 //! Choosing between KVM and TCG.
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use rustix::fs::{Mode, OFlags};
 use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
+use rustix::process::{Resource, Rlimit};
 
 use crate::{Accel, VmError};
 
@@ -81,7 +83,20 @@ async fn qemu_kvm_works(qemu: &Path) -> bool {
         return false;
     }
     let sock = dir.join("qmp.sock");
-    let child = Command::new(qemu)
+    let mut cmd = Command::new(qemu);
+    // The failing case is an assertion (SIGABRT): no core dumps, please.
+    // SAFETY: a single raw setrlimit between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let none = Rlimit {
+                current: Some(0),
+                maximum: Some(0),
+            };
+            rustix::process::setrlimit(Resource::Core, none)?;
+            Ok(())
+        });
+    }
+    let child = cmd
         .args(["-accel", "kvm", "-cpu", "host", "-machine", "q35", "-S"])
         .args([
             "-nodefaults",

@@ -163,8 +163,9 @@ pub struct VmConfig {
     /// Firmware image; `None` uses qboot when installed (faster direct
     /// kernel boot) and QEMU's default SeaBIOS otherwise.
     pub firmware: Option<PathBuf>,
-    /// Kill QEMU when the launching thread's process dies (for tests); off
-    /// by default so a VM can outlive the process that launched it.
+    /// SIGKILL QEMU when the thread that launched it exits (Linux
+    /// parent-death signal; meant for tests). Off by default so a VM can
+    /// outlive the process that launched it.
     pub die_with_parent: bool,
 }
 

@@ -55,7 +55,7 @@ impl RunPaths {
 pub struct VmState {
     pub name: String,
     pub pid: u32,
-    /// Process start time (clock ticks since boot, /proc/<pid>/stat field
+    /// Process start time (clock ticks since boot, `/proc/<pid>/stat` field
     /// 22): tells a reused pid apart.
     pub start_time: u64,
     pub accel: ResolvedAccel,
@@ -138,7 +138,7 @@ fn write_atomic(path: &Path, data: &[u8]) -> Result<(), VmError> {
         .map_err(|e| io_err("fsync", dir, e))
 }
 
-/// Field 22 of /proc/<pid>/stat, and whether the process is a zombie.
+/// Field 22 of `/proc/<pid>/stat`, and whether the process is a zombie.
 fn proc_start_time(pid: u32) -> Option<(u64, bool)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may contain spaces and parens: split after the last ')'.

@@ -491,6 +491,34 @@ async fn hotplug_health_and_channel_robustness() {
         ErrorCode::NotFound
     );
 
+    // A read-only disk on the freed port: only a read-only mount works.
+    let d_ro = DiskSpec {
+        readonly: true,
+        ..disk("hpro", &xfs.dev, "crust-hp-ro")
+    };
+    qmp.execute("blockdev-add", d_ro.blockdev_add_args())
+        .await
+        .unwrap();
+    qmp.execute("device_add", d_ro.device_add_args(&ports[1]))
+        .await
+        .unwrap();
+    assert_eq!(
+        code_of(
+            a.mount_volume(mount_req("ro", "crust-hp-ro", FsType::Xfs))
+                .await
+        ),
+        ErrorCode::FailedPrecondition
+    );
+    let mut ro = mount_req("ro", "crust-hp-ro", FsType::Xfs);
+    ro.readonly = true;
+    ro.fs_group = Some(1234);
+    assert!(!a.mount_volume(ro.clone()).await.unwrap().fs_group_applied);
+    let line = g.mount_line("/run/crust/volumes/ro").await.unwrap();
+    assert!(line.contains(" xfs ro,"), "{line}");
+    ro.readonly = false;
+    assert_eq!(code_of(a.mount_volume(ro).await), ErrorCode::AlreadyExists);
+    a.unmount_volume("ro").await.unwrap();
+
     // The ext4 disk vanishes while mounted: reported, and unmount still works.
     assert!(!a.stat_volume("e").await.unwrap().condition.abnormal);
     qmp.execute("device_del", json!({"id": d_ext.device_id()}))
@@ -549,15 +577,26 @@ async fn hotplug_health_and_channel_robustness() {
     assert!(p.uptime_ms > 0);
     // Orphans end up with the shell /init (PID 1), which reaps them.
     assert_eq!(g.sh("cat /proc/1/comm").await.trim(), "init");
-    g.sh("for i in 1 2 3; do (sleep 0.1 &) ; done; sleep 0.3").await;
+    g.sh("for i in 1 2 3; do (sleep 0.1 &) ; done; sleep 0.3")
+        .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let ps = g.sh("ps -o pid,ppid,stat,comm").await;
     assert!(
-        !ps.lines().skip(1).any(|l| l.split_whitespace().nth(2).is_some_and(|s| s.starts_with('Z'))),
+        !ps.lines().skip(1).any(|l| l
+            .split_whitespace()
+            .nth(2)
+            .is_some_and(|s| s.starts_with('Z'))),
         "zombies left:\n{ps}"
     );
 
-    a.shutdown().await.unwrap();
+    // Shutdown from a host that hangs up at once still powers off.
+    a.disconnect();
+    let mut raw = tokio::net::UnixStream::connect(g.vm.agent_socket())
+        .await
+        .unwrap();
+    let req = json!({"id": 5, "deadline_ms": 30000, "op": "shutdown", "args": {}});
+    raw.write_all(&frame::encode(&req).unwrap()).await.unwrap();
+    drop(raw);
     let mut vm = g.vm;
     assert!(
         vm.wait_exit(Duration::from_secs(60))

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crust_blockdev::{AttachOptions, FsType, LoopGuard, MountGuard};
 use crust_handoff::{Layout, MountInfo, Policy, Store};
+pub use rustix::process::Signal;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -240,7 +241,7 @@ pub fn run_limited(mut cmd: Command, limit: Duration) -> Output {
             return out.expect("wait crust-runtime");
         }
         if start.elapsed() > limit {
-            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            signal(pid, Signal::KILL);
             panic!("{cmd:?} did not finish within {limit:?}");
         }
     }
@@ -351,10 +352,7 @@ impl Drop for Sandbox<'_> {
             .unwrap_or_default();
         // A stopped (SIGSTOP) QEMU would stall the orderly path.
         for p in &pids {
-            let _ = Command::new("kill")
-                .arg("-CONT")
-                .arg(p.to_string())
-                .status();
+            signal(*p as i32, Signal::CONT);
         }
         let mut cmd = Command::new(BIN);
         cmd.args(self.env.global_args())
@@ -367,11 +365,18 @@ impl Drop for Sandbox<'_> {
                 String::from_utf8_lossy(&out.stderr)
             );
             for p in &pids {
-                let _ = Command::new("kill").arg("-9").arg(p.to_string()).status();
+                signal(*p as i32, Signal::KILL);
             }
             std::thread::sleep(Duration::from_millis(500));
             let _ = std::fs::remove_dir_all(&dir);
         }
+    }
+}
+
+/// Sends `sig` to `pid` (gone already: ignored).
+pub fn signal(pid: i32, sig: Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, sig);
     }
 }
 

@@ -162,6 +162,31 @@ impl Qmp {
     }
 }
 
+/// Builds the guest image if it is missing (CI builds it before the tests;
+/// a stale image is not detected here: rerun guest/build-image.sh after
+/// changing the agent). The nested cargo build uses its own target dir:
+/// the outer `cargo test` holds the lock on the usual one.
+pub fn ensure_guest_image() {
+    let dir = crust_testkit::guest_image_dir();
+    if dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file() {
+        return;
+    }
+    std::fs::create_dir_all("/tmp/crust-test-vm-slots").unwrap();
+    let lock = std::fs::File::create("/tmp/crust-test-vm-slots/image-build.lock").unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    if dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file() {
+        return;
+    }
+    let root = crust_testkit::workspace_root();
+    let status = Command::new(root.join("guest/build-image.sh"))
+        .arg("--out")
+        .arg(&dir)
+        .env("CARGO_TARGET_DIR", root.join("target/guest-agent-build"))
+        .status()
+        .expect("run guest/build-image.sh");
+    assert!(status.success(), "guest/build-image.sh failed");
+}
+
 /// A booted guest with its agent answering.
 pub struct Guest {
     pub agent: AgentClient,
@@ -174,6 +199,7 @@ pub struct Guest {
 
 impl Guest {
     pub async fn boot(name: &str, disks: Vec<DiskSpec>) -> Guest {
+        ensure_guest_image();
         let slot = crust_testkit::VmSlot::acquire();
         let (kernel, initrd) = crust_testkit::guest_image();
         let run_dir = tempfile::Builder::new()
