@@ -262,8 +262,11 @@ fn status_by_name(name: &str) -> Result<Option<LoopStatus>, LoopError> {
         Ok(s) => s,
         // No "loop" dir (unbound) or the device vanished meanwhile.
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        // Reading backing_file of an unbound-in-progress device gives ENXIO.
-        Err(e) if sys::errno(&e) == Some(Errno::NXIO) => return Ok(None),
+        // Reading backing_file of a device being unbound concurrently gives
+        // ENXIO or ENODEV depending on how far the detach has got.
+        Err(e) if matches!(sys::errno(&e), Some(Errno::NXIO) | Some(Errno::NODEV)) => {
+            return Ok(None);
+        }
         Err(source) => {
             return Err(LoopError::Sysfs {
                 path: backing_path,
