@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # Debian packages crust's tests, demo and guest image need.
+# --if-missing: do nothing when every tool is already there.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
-  qemu-system-x86        # the guest VMs (software emulation)
+  qemu-system-x86         # the guest VMs (software emulation)
   linux-image-cloud-amd64 # guest kernel and its modules
-  busybox-static         # guest userland
-  e2fsprogs xfsprogs     # mkfs/resize on host and in the guest
-  cpio zstd xz-utils kmod # building the initramfs
-  util-linux             # losetup/mount used by test guards
+  busybox-static          # guest userland
+  e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
+  cpio gzip kmod          # building the initramfs
+  libc6-dev               # libc.a for the static guest agent
+  util-linux              # losetup/mount used by test guards
 )
+if [ "${1:-}" = "--if-missing" ]; then
+  missing=0
+  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup; do
+    PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
+  done
+  ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1
+  [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || missing=1
+  [ $missing = 0 ] && exit 0
+  echo "install-deps: installing missing Debian packages: ${pkgs[*]}"
+fi
 if [ "$(id -u)" != 0 ]; then
   echo "install-deps.sh must run as root" >&2
   exit 1

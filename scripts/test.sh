@@ -8,9 +8,10 @@ if [ "$(id -u)" != 0 ]; then
   echo "the tests need root (loop devices, mounts, QEMU): run as root" >&2
   exit 1
 fi
+bash scripts/install-deps.sh --if-missing
 
 export CI="${CI:-true}"
-cargo build --workspace --bins --locked 2>&1 | tail -n 3
+cargo build --workspace --bins --locked
 bash guest/build-image.sh
 
 if cargo nextest --version >/dev/null 2>&1; then

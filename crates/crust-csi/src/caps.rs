@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crust_proto::csi::v1 as csi;
+use crust_handoff::FsGroupChangePolicy;
 use csi::volume_capability::access_mode::Mode;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -130,6 +131,16 @@ pub struct Capability {
     pub access: Access,
     pub mode: AccessMode,
     pub mount_flags: Vec<String>,
+    /// KEP-2857 `volume_supplemental_group` (+ change policy): only
+    /// accepted with deferred filesystem operations.
+    pub supplemental: Option<SupplementalGroup>,
+}
+
+/// The fsGroup a runtime applies after mounting a deferred volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SupplementalGroup {
+    pub gid: u32,
+    pub change_policy: Option<FsGroupChangePolicy>,
 }
 
 /// The persisted form of a capability.
@@ -143,13 +154,24 @@ impl Capability {
     /// Validates one CSI capability; the error is a human message for
     /// INVALID_ARGUMENT.
     pub fn from_proto(cap: &csi::VolumeCapability) -> Result<Capability, String> {
+        Self::parse(cap, false)
+    }
+
+    /// [`Capability::from_proto`] for a request with deferred filesystem
+    /// operations, which may carry `volume_supplemental_group` and
+    /// `volume_supplemental_group_change_policy`.
+    pub fn from_proto_deferred(cap: &csi::VolumeCapability) -> Result<Capability, String> {
+        Self::parse(cap, true)
+    }
+
+    fn parse(cap: &csi::VolumeCapability, deferred: bool) -> Result<Capability, String> {
         use csi::volume_capability::AccessType;
         let mode = match &cap.access_mode {
             Some(m) => AccessMode::from_proto(m.mode)?,
             None => return Err("volume capability has no access_mode".to_string()),
         };
-        let (access, mount_flags) = match &cap.access_type {
-            Some(AccessType::Block(_)) => (Access::Block, Vec::new()),
+        let (access, mount_flags, supplemental) = match &cap.access_type {
+            Some(AccessType::Block(_)) => (Access::Block, Vec::new(), None),
             Some(AccessType::Mount(m)) => {
                 let fs_type = if m.fs_type.is_empty() {
                     None
@@ -167,13 +189,11 @@ impl Capability {
                             .to_string(),
                     );
                 }
-                if !m.volume_supplemental_group.is_empty()
-                    || !m.volume_supplemental_group_change_policy.is_empty()
-                {
-                    return Err("volume_supplemental_group is only meaningful with deferred \
-                                filesystem operations, which this plugin configuration does not support"
-                        .to_string());
-                }
+                let supplemental = parse_supplemental(
+                    &m.volume_supplemental_group,
+                    &m.volume_supplemental_group_change_policy,
+                    deferred,
+                )?;
                 for f in &m.mount_flags {
                     // Flags go into the mount data string, which is
                     // comma separated; say which flag without echoing it
@@ -182,7 +202,7 @@ impl Capability {
                         return Err("a mount flag is empty or contains NUL".to_string());
                     }
                 }
-                (Access::Mount { fs_type }, m.mount_flags.clone())
+                (Access::Mount { fs_type }, m.mount_flags.clone(), supplemental)
             }
             None => {
                 return Err("volume capability has neither block nor mount access type".to_string());
@@ -192,6 +212,7 @@ impl Capability {
             access,
             mode,
             mount_flags,
+            supplemental,
         })
     }
 
@@ -206,6 +227,44 @@ impl Capability {
     pub fn flags_digest(&self) -> String {
         flags_digest(&self.mount_flags)
     }
+}
+
+/// Validates the KEP-2857 supplemental group fields of a MountVolume.
+fn parse_supplemental(
+    group: &str,
+    policy: &str,
+    deferred: bool,
+) -> Result<Option<SupplementalGroup>, String> {
+    if group.is_empty() && policy.is_empty() {
+        return Ok(None);
+    }
+    if !deferred {
+        return Err(
+            "volume_supplemental_group and volume_supplemental_group_change_policy are only \
+             valid with deferred filesystem operations (defer_fs_ops, or deferFsOps=true in \
+             the volume context)"
+                .to_string(),
+        );
+    }
+    if group.is_empty() {
+        return Err(
+            "volume_supplemental_group_change_policy is set without volume_supplemental_group"
+                .to_string(),
+        );
+    }
+    let gid = crust_handoff::validate::parse_fs_group(group)
+        .map_err(|e| format!("volume_supplemental_group: {e}"))?;
+    let change_policy = if policy.is_empty() {
+        None
+    } else {
+        Some(FsGroupChangePolicy::parse(policy).map_err(|_| {
+            format!(
+                "volume_supplemental_group_change_policy {policy:?} is not supported \
+                 (supported: Always, OnRootMismatch)"
+            )
+        })?)
+    };
+    Ok(Some(SupplementalGroup { gid, change_policy }))
 }
 
 pub fn flags_digest(flags: &[String]) -> String {

@@ -2,10 +2,12 @@
 //! sidecars, every flag also settable as `CRUST_CSI_*`) and the resolved
 //! [`Config`] that [`crate::serve`] runs with.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crust_ops::{LayoutMode, OpsConfig};
 use crust_proto::endpoint::Endpoint;
 
 /// Default size of a volume whose CreateVolume request sets no capacity.
@@ -30,6 +32,8 @@ pub enum ConfigError {
     Duration(String),
     #[error("--state-dir {0:?}: must be an absolute path")]
     StateDir(PathBuf),
+    #[error("{0}")]
+    Deferral(String),
 }
 
 /// Which backend serves the volumes.
@@ -101,7 +105,31 @@ pub struct Config {
     /// Upper bound for one health check or statvfs; past it the volume is
     /// reported abnormal instead of hanging the RPC.
     pub health_timeout: Duration,
+    /// Deferred filesystem operations (KEP-2857).
+    pub deferral: DeferralConfig,
+    /// Where `/metrics` is served (Prometheus text format); None: not served.
+    pub metrics_address: Option<SocketAddr>,
     pub hooks: Hooks,
+}
+
+/// Deferred filesystem operations: whether they are offered, and how the
+/// in-process crust_ops writes and serves hand-off records.
+#[derive(Debug, Clone)]
+pub struct DeferralConfig {
+    /// Advertise DEFER_FS_OPS* and accept deferral requests. When false
+    /// the hand-off settings are still used to clean up records of
+    /// volumes published with deferral before a downgrade (KEP story 5).
+    pub enabled: bool,
+    pub ops: OpsConfig,
+}
+
+impl Default for DeferralConfig {
+    fn default() -> Self {
+        DeferralConfig {
+            enabled: true,
+            ops: OpsConfig::default(),
+        }
+    }
 }
 
 impl Config {
@@ -125,6 +153,8 @@ impl Config {
             max_volumes_per_node: 0,
             health_ttl: Duration::from_secs(5),
             health_timeout: Duration::from_secs(3),
+            deferral: DeferralConfig::default(),
+            metrics_address: None,
             hooks: Hooks::default(),
         }
     }
@@ -208,6 +238,52 @@ pub struct Cli {
     #[arg(long, env = "CRUST_CSI_HEALTH_TIMEOUT", default_value = "3s")]
     pub health_timeout: String,
 
+    /// Deferred filesystem operations (KEP-2857): `enabled` advertises
+    /// DEFER_FS_OPS (with the supplemental-group capabilities) and hands
+    /// deferred volumes to the pod's runtime through hand-off records;
+    /// `disabled` refuses deferral requests with FAILED_PRECONDITION.
+    #[arg(long, env = "CRUST_CSI_DEFERRAL", value_enum, default_value_t = Deferral::Enabled)]
+    pub deferral: Deferral,
+
+    /// Hand-off record layout written for deferred volumes: `crust`
+    /// (KEP-2857, <crust-root>/<sha256 of target>/), `kata` (Kata direct
+    /// volumes, <kata-root>/<base64url of target>/) or `both`.
+    #[arg(long, env = "CRUST_CSI_HANDOFF_LAYOUT", value_enum, default_value_t = HandoffLayout::Crust)]
+    pub handoff_layout: HandoffLayout,
+
+    /// Root of the CRUST hand-off layout.
+    #[arg(long, env = "CRUST_CSI_CRUST_ROOT", default_value = crust_handoff::DEFAULT_CRUST_ROOT)]
+    pub crust_root: PathBuf,
+
+    /// Root of the Kata direct-volume layout.
+    #[arg(long, env = "CRUST_CSI_KATA_ROOT", default_value = crust_handoff::DEFAULT_KATA_ROOT)]
+    pub kata_root: PathBuf,
+
+    /// The Kata runtime CLI (`direct-volume stats|resize`) for the Kata layout.
+    #[arg(long, env = "CRUST_CSI_KATA_RUNTIME", default_value = crust_ops::DEFAULT_KATA_RUNTIME)]
+    pub kata_runtime: PathBuf,
+
+    /// How long a runtime CLI call (stats, resize) may take before it is
+    /// killed (DEADLINE_EXCEEDED).
+    #[arg(long, env = "CRUST_CSI_RUNTIME_CLI_TIMEOUT", default_value = "30s")]
+    pub runtime_cli_timeout: String,
+
+    /// Deferred publish targets must lie beneath this directory; repeat
+    /// the flag (or separate with commas in the environment) for more.
+    /// None: any absolute path. Kubelet deployments set
+    /// /var/lib/kubelet/pods/.
+    #[arg(
+        long = "allowed-target-prefix",
+        env = "CRUST_CSI_ALLOWED_TARGET_PREFIX",
+        value_delimiter = ','
+    )]
+    pub allowed_target_prefixes: Vec<String>,
+
+    /// Serve Prometheus metrics at http://<address>/metrics (e.g.
+    /// 127.0.0.1:9808; port 0 picks a free port, logged at start).
+    #[arg(long, env = "CRUST_CSI_METRICS_ADDRESS")]
+    pub metrics_address: Option<SocketAddr>,
+
     /// Log level: error, warn, info, debug, trace, a klog-style number
     /// (0-2 info, 3-4 debug, 5+ trace) or a tracing filter directive.
     #[arg(
@@ -223,6 +299,29 @@ pub struct Cli {
 pub enum BackendKind {
     Pool,
     Static,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Deferral {
+    Enabled,
+    Disabled,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HandoffLayout {
+    Crust,
+    Kata,
+    Both,
+}
+
+impl HandoffLayout {
+    pub fn to_ops(self) -> LayoutMode {
+        match self {
+            HandoffLayout::Crust => LayoutMode::Crust,
+            HandoffLayout::Kata => LayoutMode::Kata,
+            HandoffLayout::Both => LayoutMode::Both,
+        }
+    }
 }
 
 impl Cli {
@@ -285,6 +384,37 @@ impl Cli {
                 }
             }
         };
+        let cli_timeout = parse_duration(&self.runtime_cli_timeout)?;
+        if cli_timeout.is_zero() {
+            return Err(ConfigError::Deferral(
+                "--runtime-cli-timeout must be greater than zero".into(),
+            ));
+        }
+        for (flag, p) in [
+            ("--crust-root", &self.crust_root),
+            ("--kata-root", &self.kata_root),
+            ("--kata-runtime", &self.kata_runtime),
+        ] {
+            if !p.is_absolute() {
+                return Err(ConfigError::Deferral(format!(
+                    "{flag} {}: must be an absolute path",
+                    p.display()
+                )));
+            }
+        }
+        let ops = OpsConfig {
+            layout: self.handoff_layout.to_ops(),
+            crust_root: self.crust_root,
+            kata_root: self.kata_root,
+            kata_runtime: self.kata_runtime,
+            cli_timeout,
+            allowed_target_prefixes: self.allowed_target_prefixes,
+            ..OpsConfig::default()
+        };
+        // Same checks crust_ops makes when the plugin starts: report a
+        // bad prefix as a flag error, not a start-up failure.
+        crust_ops::CrustOps::new(ops.clone())
+            .map_err(|e| ConfigError::Deferral(format!("hand-off settings: {e}")))?;
         Ok(Config {
             socket,
             node_id,
@@ -294,6 +424,11 @@ impl Cli {
             max_volumes_per_node: self.max_volumes_per_node.max(0),
             health_ttl: parse_duration(&self.health_ttl)?,
             health_timeout: parse_duration(&self.health_timeout)?.max(Duration::from_millis(10)),
+            deferral: DeferralConfig {
+                enabled: self.deferral == Deferral::Enabled,
+                ops,
+            },
+            metrics_address: self.metrics_address,
             hooks: Hooks::default(),
         })
     }

@@ -10,8 +10,11 @@
 //!   (1 GiB), or the limit if that is smaller. Sizes are rounded up to a
 //!   multiple of 4 KiB when the range allows it.
 //! * Parameters: `fsType` (ext4 | xfs, default ext4); `deferFsOps`
-//!   ("false" accepted, "true" refused: deferral is not supported by this
-//!   configuration); the `csi.storage.k8s.io/*` keys added by the
+//!   ("true" | "false": a StorageClass asking for deferred filesystem
+//!   operations, copied into the volume context so NodeStage/NodePublish
+//!   defer even when the CO sends no `defer_fs_ops`; "true" is refused
+//!   with `--deferral disabled`, and for a volume with only raw block
+//!   capabilities); the `csi.storage.k8s.io/*` keys added by the
 //!   external-provisioner's --extra-create-metadata are accepted and
 //!   ignored; anything else is INVALID_ARGUMENT.
 //! * ListVolumes tokens are the URL-safe base64 of the last volume id of
@@ -52,15 +55,28 @@ type Result<T> = std::result::Result<T, ControllerError>;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Params {
     pub fs_type: Option<FsType>,
+    /// `deferFsOps=true`.
+    pub defer: bool,
     /// What is persisted and compared (no csi.storage.k8s.io/* keys).
     pub kept: BTreeMap<String, String>,
 }
 
+/// Parameters as a plugin without deferral parses them (`deferFsOps=true`
+/// refused).
+#[cfg(test)]
 pub(crate) fn parse_params<'a>(
     params: impl IntoIterator<Item = (&'a String, &'a String)>,
 ) -> Result<Params> {
+    parse_params_with(params, false)
+}
+
+pub(crate) fn parse_params_with<'a>(
+    params: impl IntoIterator<Item = (&'a String, &'a String)>,
+    deferral_enabled: bool,
+) -> Result<Params> {
     let mut out = Params {
         fs_type: None,
+        defer: false,
         kept: BTreeMap::new(),
     };
     for (k, v) in params {
@@ -78,6 +94,7 @@ pub(crate) fn parse_params<'a>(
             }
             "deferFsOps" => match v.as_str() {
                 "false" => {}
+                "true" if deferral_enabled => out.defer = true,
                 "true" => {
                     return Err(ControllerError::InvalidArgument(
                         "parameter deferFsOps=true: deferral not supported by this plugin configuration"
@@ -215,6 +232,9 @@ impl Driver {
     pub(crate) fn volume_proto(&self, rec: &VolumeRecord) -> csi::Volume {
         let mut ctx = std::collections::HashMap::new();
         ctx.insert("fsType".to_string(), rec.fs_type.to_string());
+        if let Some(v) = rec.parameters.get(crate::node::DEFER_CONTEXT_KEY) {
+            ctx.insert(crate::node::DEFER_CONTEXT_KEY.to_string(), v.clone());
+        }
         csi::Volume {
             capacity_bytes: rec.capacity_bytes as i64,
             volume_id: rec.id.clone(),
@@ -235,8 +255,15 @@ impl Driver {
             return Err(ControllerError::Missing("volume_capabilities"));
         }
         let caps = parse_caps(&req.volume_capabilities)?;
-        let params = parse_params(&req.parameters)?;
+        let params = parse_params_with(&req.parameters, self.deferral_enabled())?;
         let fs_type = effective_fs(&params, &caps)?;
+        if params.defer && caps.iter().all(|c| c.access.is_block()) {
+            return Err(ControllerError::InvalidArgument(
+                "parameter deferFsOps=true needs a filesystem (mount) capability: deferral \
+                 hands a filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
+        }
         if let Some(src) = &req.volume_content_source {
             let what = match &src.r#type {
                 Some(csi::volume_content_source::Type::Snapshot(_)) => "a snapshot",
@@ -395,6 +422,7 @@ impl Driver {
         self.backend.delete(id)?;
         self.state.remove(id)?;
         self.health.forget(id);
+        self.metrics.forget_volume(id);
         tracing::info!(volume = %id, name = %rec.name, "volume deleted");
         Ok(())
     }
@@ -448,7 +476,7 @@ impl Driver {
             }
         }
         if !req.parameters.is_empty() {
-            match parse_params(&req.parameters) {
+            match parse_params_with(&req.parameters, self.deferral_enabled()) {
                 Ok(p) if p.kept == rec.parameters => {}
                 Ok(_) => {
                     return Ok(unconfirmed(
@@ -536,7 +564,7 @@ impl Driver {
     }
 
     pub fn get_capacity(&self, req: &csi::GetCapacityRequest) -> Result<csi::GetCapacityResponse> {
-        let params = parse_params(&req.parameters)?;
+        let params = parse_params_with(&req.parameters, self.deferral_enabled())?;
         let zero = csi::GetCapacityResponse {
             available_capacity: 0,
             maximum_volume_size: Some(0),

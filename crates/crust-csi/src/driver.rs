@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crust_backend::Backend;
+use crust_ops::CrustOps;
 use crust_proto::csi::v1 as csi;
 use tonic::Status;
 
@@ -16,6 +17,7 @@ use crate::config::Config;
 use crate::error::ServeError;
 use crate::guard::OpGuards;
 use crate::health::HealthMonitor;
+use crate::metrics::Metrics;
 use crate::state::StateStore;
 
 pub struct Driver {
@@ -24,6 +26,11 @@ pub struct Driver {
     pub(crate) state: StateStore,
     pub(crate) guards: OpGuards,
     pub(crate) health: HealthMonitor,
+    /// crust_ops in process. Present even with deferral disabled, so
+    /// records of volumes published with deferral before a downgrade can
+    /// still be removed on unpublish.
+    pub(crate) ops: CrustOps,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl Driver {
@@ -32,12 +39,15 @@ impl Driver {
     pub fn new(cfg: Config, backend: Arc<dyn Backend>) -> Result<Arc<Driver>, ServeError> {
         let state = StateStore::open(&cfg.state_dir)?;
         let health = HealthMonitor::new(cfg.health_ttl, cfg.health_timeout);
+        let ops = CrustOps::new(cfg.deferral.ops.clone())?;
         let driver = Driver {
             cfg,
             backend,
             state,
             guards: OpGuards::default(),
             health,
+            ops,
+            metrics: Arc::new(Metrics::new()),
         };
         driver.reconcile();
         if !crust_blockdev::can_grow_ext4_online() {
@@ -95,6 +105,15 @@ impl Driver {
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Whether deferred filesystem operations are offered.
+    pub fn deferral_enabled(&self) -> bool {
+        self.cfg.deferral.enabled
     }
 
     /// This node's topology segments: `{ "<driver>/node": <node-id> }`.

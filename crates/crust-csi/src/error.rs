@@ -96,10 +96,14 @@ pub enum NodeError {
     #[error("{0}")]
     OutOfRange(String),
     #[error(
-        "deferral not supported by this plugin configuration: the volume would be mounted on \
-         the host instead of in the pod's sandbox, which deferral exists to avoid"
+        "deferral not supported by this plugin configuration: plugin does not support deferred \
+         filesystem operations (started with --deferral disabled); the volume would be mounted \
+         on the host instead of in the pod's sandbox, which deferral exists to avoid"
     )]
     DeferralUnsupported,
+    /// crust_ops (hand-off record, runtime CLI); its code passes through.
+    #[error("deferred filesystem operation: {0}")]
+    Ops(#[from] crust_ops::OpsError),
     #[error(transparent)]
     Busy(#[from] Busy),
     #[error(transparent)]
@@ -121,6 +125,7 @@ impl From<NodeError> for Status {
             }
             NodeError::OutOfRange(_) => Code::OutOfRange,
             NodeError::Busy(_) => Code::Aborted,
+            NodeError::Ops(o) => o.code(),
             NodeError::Backend(b) => backend_code(b),
             NodeError::State(_) | NodeError::Internal(_) => Code::Internal,
         };
@@ -150,6 +155,14 @@ pub enum ServeError {
     Backend(String),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("deferral (crust_ops): {0}")]
+    Ops(#[from] crust_ops::OpsError),
+    #[error("metrics endpoint {address}: {source}")]
+    Metrics {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 #[cfg(test)]
@@ -180,6 +193,14 @@ mod tests {
             s.message()
                 .starts_with("deferral not supported by this plugin configuration")
         );
+        let s: Status = NodeError::DeferralUnsupported.into();
+        assert!(
+            s.message()
+                .contains("plugin does not support deferred filesystem operations")
+        );
+        let s: Status = NodeError::Ops(crust_ops::OpsError::NotConsumed("/t".into())).into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("not consumed by a runtime yet"));
         let s: Status = IdentityError::NotReady("pool dir gone".into()).into();
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("pool dir gone"));

@@ -10,7 +10,11 @@
 //!   not fail (XFS answers EIO after a shutdown); for raw block, the
 //!   device's first block can be read;
 //! * every publish target is still mounted (bind of the staging mount or
-//!   of the device node).
+//!   of the device node);
+//! * a filesystem left unmounted on the host for deferred filesystem
+//!   operations is checked like a raw device (first block readable), and
+//!   its deferred publication (an empty directory by design) is not
+//!   checked here: its condition comes from the runtime.
 //!
 //! Checks that touch the volume can hang on a dead device, so they run on
 //! worker threads with a time bound, and results are cached per volume for
@@ -304,7 +308,7 @@ pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
             Err(e) => problems.push(format!("cannot tell whether the device is attached: {e}")),
         }
         if problems.is_empty() {
-            let h = if s.block {
+            let h = if s.block || s.host_mount != crate::state::HostMount::Mounted {
                 crust_blockdev::device_health(&s.device)
             } else {
                 crust_blockdev::fs_health(&s.device, &s.path, s.readonly)
@@ -313,7 +317,7 @@ pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
                 problems.push(m);
             }
         }
-        for (target, p) in &rec.published {
+        for (target, p) in rec.host_publications() {
             if let Some(m) = publication_problem(&s.device, target, p.block) {
                 problems.push(m);
             }

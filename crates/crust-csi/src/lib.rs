@@ -1,7 +1,9 @@
 //! crust's CSI plugin: Identity, Controller and Node services for local
 //! block volumes (a pool of sparse files on loop devices, or
 //! pre-provisioned block devices), ext4/xfs or raw block, with online
-//! expansion, capacity, node topology and volume health.
+//! expansion, capacity, node topology and volume health; KEP-2857
+//! deferred filesystem operations (the volume's device is handed to the
+//! pod's VM runtime through crust_ops, in process) and Prometheus metrics.
 //!
 //! Run it with [`serve`] (the `crust-csi` binary is a thin wrapper):
 //!
@@ -20,17 +22,20 @@
 pub mod caps;
 pub mod config;
 pub mod controller;
+mod defer;
 mod driver;
 pub mod error;
 pub mod guard;
 pub mod health;
 pub mod identity;
+pub mod metrics;
 pub mod node;
 pub mod server;
 pub mod state;
 
 pub use config::{
-    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, Gate, Hooks,
+    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig, Gate,
+    Hooks,
 };
 pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};

@@ -19,10 +19,13 @@
 //!   (missing, a file where a directory is needed, something else mounted
 //!   there) is FAILED_PRECONDITION and nothing on the node is changed.
 //!
-//! KEP-2857: [`Driver::fs_ops_route`] is the seam where deferred
-//! filesystem operations will branch off. Today a request for deferral
-//! (`defer_fs_ops`, or `deferFsOps=true` in the volume context) fails with
-//! FAILED_PRECONDITION instead of silently mounting on the host.
+//! KEP-2857: [`Driver::fs_ops_route`] decides whether a request's
+//! filesystem operations are deferred to the pod's runtime (`defer_fs_ops`
+//! in the request, or `deferFsOps=true` in the volume context); the
+//! deferred paths are in `defer.rs`. With `--deferral disabled` a request
+//! for deferral fails with FAILED_PRECONDITION instead of silently
+//! mounting on the host. A volume staged with `deferFsOps=true` in its
+//! volume context is attached and formatted but never mounted on the host.
 
 use std::collections::HashMap;
 use std::fs;
@@ -40,7 +43,7 @@ use tonic::{Request, Response, Status};
 use crate::caps::{Access, Capability, FsType};
 use crate::driver::{Driver, blocking};
 use crate::error::NodeError;
-use crate::state::{Phase, Publication, Staging, VolumeRecord};
+use crate::state::{HostMount, Phase, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -52,9 +55,24 @@ pub const DEFER_CONTEXT_KEY: &str = "deferFsOps";
 pub enum FsOps {
     /// The plugin mounts/measures/grows on the host (standard CSI).
     Host,
+    /// The pod's runtime mounts the filesystem in its guest; the plugin
+    /// hands the device over through crust_ops.
+    Deferred,
 }
 
-fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
+/// Whether a volume context asks for deferral (`deferFsOps`).
+pub(crate) fn context_defers(volume_context: Option<&HashMap<String, String>>) -> Result<bool> {
+    match volume_context.and_then(|c| c.get(DEFER_CONTEXT_KEY)) {
+        None => Ok(false),
+        Some(v) if v == "false" => Ok(false),
+        Some(v) if v == "true" => Ok(true),
+        Some(v) => Err(NodeError::InvalidArgument(format!(
+            "volume_context {DEFER_CONTEXT_KEY}={v:?}: expected \"true\" or \"false\""
+        ))),
+    }
+}
+
+pub(crate) fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
     if p.is_empty() {
         return Err(NodeError::Missing(field));
     }
@@ -67,7 +85,7 @@ fn node_cap(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
     Capability::from_proto(cap).map_err(NodeError::InvalidArgument)
 }
 
-fn mount_err(e: MountError) -> NodeError {
+pub(crate) fn mount_err(e: MountError) -> NodeError {
     match e {
         MountError::InvalidOption { .. } => NodeError::InvalidArgument(e.to_string()),
         MountError::BadTarget(_)
@@ -142,7 +160,7 @@ fn ext4_needs_grow(dev: &Path) -> Result<bool> {
 }
 
 /// Checks that `p` is an existing directory (not a symlink).
-fn require_dir(field: &str, p: &Path) -> Result<()> {
+pub(crate) fn require_dir(field: &str, p: &Path) -> Result<()> {
     match fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
@@ -164,7 +182,7 @@ fn require_dir(field: &str, p: &Path) -> Result<()> {
 }
 
 /// Creates the publish target if missing; returns whether it was created.
-fn prepare_target(target: &Path, block: bool) -> Result<bool> {
+pub(crate) fn prepare_target(target: &Path, block: bool) -> Result<bool> {
     let t = target.display();
     if let Some(parent) = target.parent() {
         match fs::metadata(parent) {
@@ -228,8 +246,36 @@ fn publication_of(s: &Staging, target: &Path) -> bool {
     crust_blockdev::device_major_minor(&s.device).ok() == Some((m.major, m.minor))
 }
 
+/// Whether `path` is a mount of the filesystem on `device`.
+pub(crate) fn mounted_here(device: &Path, path: &Path) -> Result<bool> {
+    let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
+        return Ok(false);
+    };
+    Ok(crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor)))
+}
+
+/// Flushes the filesystem mounted at `path`, then unmounts it. A busy
+/// mount (open files) is FAILED_PRECONDITION and stays mounted.
+pub(crate) fn sync_and_unmount(path: &Path) -> Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    // The descriptor must be closed before unmounting (it pins the mount).
+    match rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => {
+            if let Err(e) = rustix::fs::syncfs(&fd) {
+                tracing::warn!(path = %path.display(), error = %e, "syncfs failed before unmount");
+            }
+        }
+        Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot open mount to sync it"),
+    }
+    crust_blockdev::unmount(path).map_err(mount_err)
+}
+
 /// Removes a publish target after unmounting (empty dir or our file).
-fn remove_target(target: &Path) {
+pub(crate) fn remove_target(target: &Path) {
     let r = match fs::symlink_metadata(target) {
         Ok(m) if m.is_dir() => fs::remove_dir(target),
         Ok(_) => fs::remove_file(target),
@@ -242,31 +288,26 @@ fn remove_target(target: &Path) {
 
 impl Driver {
     /// KEP-2857 seam: decides how filesystem operations of a request are
-    /// carried out. The deferred path (hand the volume to the pod's
-    /// runtime through crust_ops) will branch off here; until it exists a
-    /// request for it is refused, never silently served with a host mount.
+    /// carried out: deferred to the pod's runtime when the request
+    /// (`defer_fs_ops`) or the volume context (`deferFsOps=true`) asks for
+    /// it. A plugin started with `--deferral disabled` refuses such a
+    /// request (FAILED_PRECONDITION), never serving it with a host mount.
     pub fn fs_ops_route(
         &self,
         requested: bool,
         volume_context: Option<&HashMap<String, String>>,
     ) -> Result<FsOps> {
-        let from_context = match volume_context.and_then(|c| c.get(DEFER_CONTEXT_KEY)) {
-            None => false,
-            Some(v) if v == "false" => false,
-            Some(v) if v == "true" => true,
-            Some(v) => {
-                return Err(NodeError::InvalidArgument(format!(
-                    "volume_context {DEFER_CONTEXT_KEY}={v:?}: expected \"true\" or \"false\""
-                )));
-            }
-        };
-        if requested || from_context {
+        let from_context = context_defers(volume_context)?;
+        if !(requested || from_context) {
+            return Ok(FsOps::Host);
+        }
+        if !self.deferral_enabled() {
             return Err(NodeError::DeferralUnsupported);
         }
-        Ok(FsOps::Host)
+        Ok(FsOps::Deferred)
     }
 
-    fn node_record(&self, id: &str) -> Result<VolumeRecord> {
+    pub(crate) fn node_record(&self, id: &str) -> Result<VolumeRecord> {
         match self.state.get(id) {
             Some(r) if r.phase == Phase::Ready => Ok(r),
             _ => Err(NodeError::NotFound(id.to_string())),
@@ -285,7 +326,14 @@ impl Driver {
         }
         let path = abs_path("staging_target_path", &req.staging_target_path)?;
         let cap = node_cap(req.volume_capability.as_ref())?;
-        self.fs_ops_route(false, Some(&req.volume_context))?;
+        let deferred = self.fs_ops_route(false, Some(&req.volume_context))? == FsOps::Deferred;
+        if deferred && cap.access.is_block() {
+            return Err(NodeError::InvalidArgument(
+                "deferFsOps=true cannot be used with raw block access: deferral hands a \
+                 filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
+        }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
         self.stage_gate();
         let mut rec = self.node_record(&req.volume_id)?;
@@ -323,6 +371,12 @@ impl Driver {
             readonly,
             mode: cap.mode,
             flags_digest: cap.flags_digest(),
+            deferred,
+            host_mount: if deferred {
+                HostMount::UnmountedForDeferral
+            } else {
+                HostMount::Mounted
+            },
         };
         let repeat = match &rec.staging {
             Some(s) if s.path != path => {
@@ -345,6 +399,15 @@ impl Driver {
                         s.mode
                     )));
                 }
+                if s.deferred != deferred {
+                    return Err(NodeError::AlreadyExists(format!(
+                        "volume {id} is already staged at {} {} deferred filesystem operations \
+                         ({DEFER_CONTEXT_KEY}={}); unstage it first to change that",
+                        path.display(),
+                        if s.deferred { "with" } else { "without" },
+                        s.deferred
+                    )));
+                }
                 true
             }
             None => false,
@@ -356,12 +419,14 @@ impl Driver {
                 .map_err(mount_err)?;
         }
         let attached = self.backend.attached_device(&id)?;
+        let mut unmount_ours = false;
         if !repeat
             && !block
             && let Some(m) = crust_blockdev::find_mount(&path).map_err(mount_err)?
         {
             // Our own mount from a stage that crashed before recording it
-            // is adopted; anything else there is refused.
+            // is adopted (or, for a deferred stage, removed); anything
+            // else there is refused.
             let ours = attached
                 .as_deref()
                 .and_then(|d| crust_blockdev::device_major_minor(d).ok())
@@ -373,7 +438,23 @@ impl Driver {
                     m.source
                 )));
             }
+            unmount_ours = deferred;
         }
+        // What the host mount should be after this call: a deferred stage
+        // never mounts; a repeated stage of a volume whose mount was taken
+        // away for a deferred publication stays unmounted while that
+        // publication exists, and is repaired otherwise.
+        let host_mount = match &rec.staging {
+            Some(s) if repeat && s.host_mount == HostMount::UnmountedForDeferral => {
+                if deferred || rec.deferred_publication().is_some() {
+                    HostMount::UnmountedForDeferral
+                } else {
+                    HostMount::Mounted
+                }
+            }
+            Some(s) if repeat => s.host_mount,
+            _ => wanted.host_mount,
+        };
         let was_attached = attached.is_some();
         let device = self.backend.attach(&id)?;
         // Undo our attach if the rest fails, so a failed stage changes nothing.
@@ -387,10 +468,21 @@ impl Driver {
             e
         };
         if let Some(fs) = fs_type {
+            if unmount_ours {
+                sync_and_unmount(&path).map_err(undo)?;
+            }
             self.ensure_filesystem(&id, &device, fs).map_err(undo)?;
-            crust_blockdev::mount_fs(&device, &path, fs.to_blockdev(), &cap.mount_flags, readonly)
+            if host_mount == HostMount::Mounted {
+                crust_blockdev::mount_fs(
+                    &device,
+                    &path,
+                    fs.to_blockdev(),
+                    &cap.mount_flags,
+                    readonly,
+                )
                 .map_err(mount_err)
                 .map_err(undo)?;
+            }
         } else if readonly {
             set_device_read_only(&device, true)
                 .map_err(|e| {
@@ -398,13 +490,17 @@ impl Driver {
                 })
                 .map_err(undo)?;
         }
-        let staging = Staging { device, ..wanted };
+        let staging = Staging {
+            device,
+            host_mount,
+            ..wanted
+        };
         if rec.staging.as_ref() != Some(&staging) {
             rec.staging = Some(staging.clone());
             self.state.put(rec)?;
         }
         self.health.forget(&id);
-        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(), block, "volume staged");
+        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(), block, deferred, "volume staged");
         Ok(())
     }
 
@@ -469,7 +565,11 @@ impl Driver {
             if s.readonly && s.device.exists() {
                 let _ = set_device_read_only(&s.device, false);
             }
-        } else {
+        } else if s.host_mount == HostMount::Mounted {
+            crust_blockdev::unmount(&path).map_err(mount_err)?;
+        } else if mounted_here(&s.device, &path)? {
+            // Not mounted by the records, but a host publication that
+            // crashed after remounting the staging path left it mounted.
             crust_blockdev::unmount(&path).map_err(mount_err)?;
         }
         self.backend.detach(&id).map_err(|e| {
@@ -516,7 +616,19 @@ impl Driver {
         }
         let staging = abs_path("staging_target_path", &req.staging_target_path)?;
         let target = abs_path("target_path", &req.target_path)?;
-        let cap = node_cap(req.volume_capability.as_ref())?;
+        let wants_deferral = req.defer_fs_ops || context_defers(Some(&req.volume_context))?;
+        let cap = {
+            let c = req
+                .volume_capability
+                .as_ref()
+                .ok_or(NodeError::Missing("volume_capability"))?;
+            if wants_deferral {
+                Capability::from_proto_deferred(c)
+            } else {
+                Capability::from_proto(c)
+            }
+            .map_err(NodeError::InvalidArgument)?
+        };
         if target.starts_with(&staging) || staging.starts_with(&target) {
             return Err(NodeError::InvalidArgument(format!(
                 "target_path {} and staging_target_path {} must not contain each other",
@@ -524,13 +636,18 @@ impl Driver {
                 staging.display()
             )));
         }
-        match self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))? {
-            FsOps::Host => {}
+        if wants_deferral && cap.access.is_block() {
+            return Err(NodeError::InvalidArgument(
+                "deferred filesystem operations were requested for a raw block volume: \
+                 deferral hands a filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
         }
+        let route = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
         let mut rec = self.node_record(&req.volume_id)?;
         let id = rec.id.clone();
-        let s = match &rec.staging {
+        let mut s = match &rec.staging {
             Some(s) if s.path == staging => s.clone(),
             Some(s) => {
                 return Err(NodeError::FailedPrecondition(format!(
@@ -572,6 +689,21 @@ impl Driver {
                 s.device.display()
             )));
         }
+        if route == FsOps::Deferred {
+            return self.publish_deferred(req, rec, s, target, cap);
+        }
+        if let Some(p) = rec.published.get(&target)
+            && p.deferred
+        {
+            return Err(NodeError::AlreadyExists(format!(
+                "volume {id} is already published at {} with deferred filesystem operations; \
+                 a host publication there would differ",
+                target.display()
+            )));
+        }
+        if !block && s.host_mount != HostMount::Mounted {
+            s = self.remount_staging(&mut rec, &cap)?;
+        }
         if !block {
             let numbers = crust_blockdev::device_major_minor(&s.device)
                 .map_err(|e| NodeError::Internal(e.to_string()))?;
@@ -587,12 +719,7 @@ impl Driver {
             }
         }
         let readonly = req.readonly || cap.mode.read_only() || s.readonly;
-        let wanted = Publication {
-            block,
-            readonly,
-            mode: cap.mode,
-            flags_digest: cap.flags_digest(),
-        };
+        let wanted = Publication::host(block, readonly, cap.mode, cap.flags_digest());
         let repeat = match rec.published.get(&target) {
             Some(p) if *p == wanted => true,
             Some(p) => {
@@ -673,9 +800,6 @@ impl Driver {
             return Err(NodeError::Missing("volume_id"));
         }
         let target = abs_path("target_path", &req.target_path)?;
-        match self.fs_ops_route(req.defer_fs_ops, None)? {
-            FsOps::Host => {}
-        }
         let _guard = self
             .guards
             .try_begin(&req.volume_id, "NodeUnpublishVolume")?;
@@ -685,15 +809,34 @@ impl Driver {
         let id = rec.id.clone();
         let Some(p) = rec.published.get(&target).cloned() else {
             // Not recorded: only a bind of this volume left by a publish
-            // that crashed before recording it is undone.
+            // that crashed before recording it is undone, or the hand-off
+            // record of a deferred publish that crashed the same way.
             if let Some(s) = &rec.staging
                 && publication_of(s, &target)
             {
                 crust_blockdev::unmount(&target).map_err(mount_err)?;
                 remove_target(&target);
             }
+            self.unpublish_unrecorded_deferred(&rec, &target)?;
             return Ok(());
         };
+        if p.deferred {
+            // Whatever the request says (a kubelet that lost track of the
+            // deferral, or a plugin downgraded to --deferral disabled: KEP
+            // story 5), the records know the volume was handed to a runtime.
+            return self.unpublish_deferred(rec, &target);
+        }
+        if req.defer_fs_ops {
+            return Err(if self.deferral_enabled() {
+                NodeError::FailedPrecondition(format!(
+                    "volume {id} is published at {} on the host, not with deferred filesystem \
+                     operations; call NodeUnpublishVolume without defer_fs_ops",
+                    target.display()
+                ))
+            } else {
+                NodeError::DeferralUnsupported
+            });
+        }
         crust_blockdev::unmount(&target).map_err(mount_err)?;
         remove_target(&target);
         rec.published.remove(&target);
@@ -725,6 +868,14 @@ impl Driver {
             return Ok((p.block, s.device.clone()));
         }
         if s.path == path {
+            if !s.block && s.host_mount != HostMount::Mounted {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {} is not mounted at its staging path {}: its filesystem is left \
+                     to a pod's runtime (deferred filesystem operations)",
+                    rec.id,
+                    path.display()
+                )));
+            }
             return Ok((s.block, s.device.clone()));
         }
         Err(NodeError::PathNotFound(format!(
@@ -745,10 +896,13 @@ impl Driver {
         if !req.staging_target_path.is_empty() {
             abs_path("staging_target_path", &req.staging_target_path)?;
         }
-        match self.fs_ops_route(req.defer_fs_ops, None)? {
-            FsOps::Host => {}
+        if req.defer_fs_ops && !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
         }
         let rec = self.node_record(&req.volume_id)?;
+        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
+            return self.stats_deferred(&rec, &path);
+        }
         let (block, device) = self.resolve_volume_path(&rec, &path)?;
         let mut cond = self.health.condition(self, &rec);
         let mut usage = Vec::new();
@@ -802,6 +956,7 @@ impl Driver {
                 Err(e) => add_problem(e),
             }
         }
+        self.metrics.observe_condition(&rec.id, cond.abnormal);
         Ok(csi::NodeGetVolumeStatsResponse {
             usage,
             volume_condition: Some(cond.into()),
@@ -838,11 +993,19 @@ impl Driver {
             Some(c) => Some(Capability::from_proto(c).map_err(NodeError::InvalidArgument)?),
             None => None,
         };
-        match self.fs_ops_route(req.defer_fs_ops, None)? {
-            FsOps::Host => {}
+        if req.defer_fs_ops && !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
         let rec = self.node_record(&req.volume_id)?;
+        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
+            if cap.as_ref().is_some_and(|c| c.access.is_block()) {
+                return Err(NodeError::InvalidArgument(
+                    "deferred filesystem operations cannot expand a raw block volume".into(),
+                ));
+            }
+            return self.expand_deferred(&rec, &path, required, limit);
+        }
         let (recorded_block, device) = self.resolve_volume_path(&rec, &path)?;
         // Block or filesystem: the capability if given, else what the
         // path is (a device node, or a directory with a mount).
@@ -927,15 +1090,22 @@ impl Driver {
     }
 }
 
-fn node_caps() -> Vec<csi::NodeServiceCapability> {
-    [
+fn node_caps(deferral: bool) -> Vec<csi::NodeServiceCapability> {
+    let mut caps = vec![
         RpcType::StageUnstageVolume,
         RpcType::GetVolumeStats,
         RpcType::ExpandVolume,
         RpcType::VolumeCondition,
         RpcType::SingleNodeMultiWriter,
-    ]
-    .into_iter()
+    ];
+    if deferral {
+        caps.extend([
+            RpcType::DeferFsOps,
+            RpcType::DeferFsOpsWithSupplementalGroup,
+            RpcType::DeferFsOpsWithSupplementalGroupChangePolicy,
+        ]);
+    }
+    caps.into_iter()
     .map(|t| csi::NodeServiceCapability {
         r#type: Some(csi::node_service_capability::Type::Rpc(
             csi::node_service_capability::Rpc { r#type: t as i32 },
@@ -1017,7 +1187,7 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities: node_caps(),
+            capabilities: node_caps(self.driver.deferral_enabled()),
         }))
     }
 

@@ -6,6 +6,10 @@
 //! socket (nobody accepting on it) is replaced; a live one or any other
 //! kind of file is refused. On shutdown in-flight RPCs finish (bounded by
 //! [`SHUTDOWN_GRACE`]) and the socket is removed.
+//!
+//! With `--metrics-address`, Prometheus metrics are served at
+//! `http://<address>/metrics` (see [`crate::metrics`]); every RPC passes
+//! through the metrics layer.
 
 use std::future::Future;
 use std::io;
@@ -25,6 +29,7 @@ use crate::controller::ControllerService;
 use crate::driver::Driver;
 use crate::error::ServeError;
 use crate::identity::IdentityService;
+use crate::metrics::RpcMetricsLayer;
 use crate::node::NodeService;
 use crate::state::create_private_dir;
 
@@ -78,6 +83,25 @@ where
     let driver = tokio::task::spawn_blocking(move || Driver::new(config, backend))
         .await
         .map_err(|e| ServeError::Backend(e.to_string()))??;
+    // The metrics endpoint is bound first: a bad address stops the plugin
+    // before it serves anything.
+    let metrics_listener = match driver.config().metrics_address {
+        Some(address) => {
+            let l = crate::metrics::bind(address)
+                .await
+                .map_err(|source| ServeError::Metrics {
+                    address: address.to_string(),
+                    source,
+                })?;
+            let bound = l.local_addr().map_err(|source| ServeError::Metrics {
+                address: address.to_string(),
+                source,
+            })?;
+            tracing::info!("metrics endpoint listening on http://{bound}/metrics");
+            Some(l)
+        }
+        None => None,
+    };
     let (listener, socket) = bind_socket(&driver.config().socket)?;
     tracing::info!(
         socket = %socket.path.display(),
@@ -88,11 +112,19 @@ where
     );
 
     let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
+    if let Some(l) = metrics_listener {
+        tokio::spawn(crate::metrics::serve(
+            l,
+            driver.metrics().clone(),
+            fired_rx.clone(),
+        ));
+    }
     let signal = async move {
         shutdown.await;
         let _ = fired_tx.send(true);
     };
     let server = tonic::transport::Server::builder()
+        .layer(RpcMetricsLayer::new(driver.metrics().clone()))
         .add_service(IdentityServer::new(IdentityService::new(driver.clone())))
         .add_service(ControllerServer::new(ControllerService::new(
             driver.clone(),

@@ -76,6 +76,37 @@ pub struct Staging {
     /// Digest of the mount flags, to recognise an identical repeat.
     #[serde(default)]
     pub flags_digest: String,
+    /// Staged with deferred filesystem operations (volume context
+    /// `deferFsOps=true`): attached and formatted, never mounted here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deferred: bool,
+    /// Whether the filesystem is mounted at `path` on the host (records
+    /// written before deferral existed say nothing: mounted).
+    #[serde(default, skip_serializing_if = "HostMount::is_mounted")]
+    pub host_mount: HostMount,
+}
+
+/// Whether a staged filesystem is mounted on the host. A filesystem
+/// mounted by the host and by a guest at once is corrupted (two kernels
+/// caching one filesystem), so a volume published with deferral is never
+/// mounted on the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostMount {
+    /// Mounted at the staging path (standard CSI; raw block: nothing to
+    /// mount).
+    #[default]
+    Mounted,
+    /// Not mounted on the host so that a guest can mount it: a deferred
+    /// stage (never mounted), or a host mount that a deferred publication
+    /// removed. A later host publication mounts it again.
+    UnmountedForDeferral,
+}
+
+impl HostMount {
+    pub fn is_mounted(&self) -> bool {
+        *self == HostMount::Mounted
+    }
 }
 
 /// One publish target.
@@ -86,6 +117,32 @@ pub struct Publication {
     pub mode: AccessMode,
     #[serde(default)]
     pub flags_digest: String,
+    /// Published with deferred filesystem operations: the target is an
+    /// empty directory and a hand-off record tells the pod's runtime how
+    /// to mount the volume in its guest.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deferred: bool,
+    /// fsGroup handed to the runtime (deferred publications only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supplemental_group: Option<u32>,
+    /// fsGroupChangePolicy handed to the runtime (`Always` | `OnRootMismatch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supplemental_group_change_policy: Option<String>,
+}
+
+impl Publication {
+    /// A host publication (bind mount).
+    pub fn host(block: bool, readonly: bool, mode: AccessMode, flags_digest: String) -> Self {
+        Publication {
+            block,
+            readonly,
+            mode,
+            flags_digest,
+            deferred: false,
+            supplemental_group: None,
+            supplemental_group_change_policy: None,
+        }
+    }
 }
 
 /// Everything the plugin knows about one volume.
@@ -122,6 +179,17 @@ impl VolumeRecord {
 
     pub fn allows_mount(&self) -> bool {
         self.capabilities.iter().any(|c| !c.access.is_block())
+    }
+
+    /// The publication with deferred filesystem operations, if any (at
+    /// most one: one sandbox at a time).
+    pub fn deferred_publication(&self) -> Option<(&PathBuf, &Publication)> {
+        self.published.iter().find(|(_, p)| p.deferred)
+    }
+
+    /// Publications bind-mounted on the host.
+    pub fn host_publications(&self) -> impl Iterator<Item = (&PathBuf, &Publication)> {
+        self.published.iter().filter(|(_, p)| !p.deferred)
     }
 }
 
@@ -383,6 +451,8 @@ mod tests {
             readonly: false,
             mode: AccessMode::SingleNodeWriter,
             flags_digest: String::new(),
+            deferred: false,
+            host_mount: HostMount::Mounted,
         });
         store.put(r.clone()).unwrap();
         store.put(rec("b")).unwrap();

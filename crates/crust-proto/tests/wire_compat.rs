@@ -54,8 +54,14 @@ fn stock_expand_request_with_secrets_is_not_read_as_deferral() {
         secrets: HashMap::from([("token".to_string(), "s3cr3t".to_string())]),
     };
     let decoded = ours::NodeExpandVolumeRequest::decode(stock.encode_to_vec().as_slice()).unwrap();
-    assert!(!decoded.defer_fs_ops, "field 6 (secrets) must not turn on deferral");
-    assert_eq!(decoded.secrets.get("token").map(String::as_str), Some("s3cr3t"));
+    assert!(
+        !decoded.defer_fs_ops,
+        "field 6 (secrets) must not turn on deferral"
+    );
+    assert_eq!(
+        decoded.secrets.get("token").map(String::as_str),
+        Some("s3cr3t")
+    );
     assert_eq!(decoded.capacity_range.unwrap().required_bytes, 1 << 30);
 }
 
@@ -70,7 +76,10 @@ fn deferral_fields_are_skipped_by_a_stock_decoder() {
     let bytes = ours_req.encode_to_vec();
     let stock = StockNodeExpandVolumeRequest::decode(bytes.as_slice()).unwrap();
     assert_eq!(stock.volume_id, "vol-2");
-    assert!(stock.secrets.is_empty(), "defer_fs_ops must not land in secrets");
+    assert!(
+        stock.secrets.is_empty(),
+        "defer_fs_ops must not land in secrets"
+    );
 
     let publish = ours::NodePublishVolumeRequest {
         volume_id: "vol-3".into(),
@@ -95,7 +104,10 @@ fn stock_publish_request_decodes_without_deferral() {
     };
     let decoded = ours::NodePublishVolumeRequest::decode(stock.encode_to_vec().as_slice()).unwrap();
     assert!(!decoded.defer_fs_ops);
-    assert_eq!(decoded.volume_context.get("k").map(String::as_str), Some("v"));
+    assert_eq!(
+        decoded.volume_context.get("k").map(String::as_str),
+        Some("v")
+    );
 }
 
 #[test]

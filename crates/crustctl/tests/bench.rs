@@ -395,6 +395,9 @@ fn errors_are_counted_and_cleaned_up() {
     );
     let sp = scenario(&r, "stage-publish-cycle");
     assert!(sp["errors"].as_u64().unwrap() > 0);
+    // failed cycles show in the cycle row too
+    assert_eq!(row(sp, "cycle").unwrap()["errors"], sp["errors"]);
+    assert_eq!(row(sp, "cycle").unwrap()["count"], sp["ops"]);
     assert!(
         row(sp, "NodePublishVolume").unwrap()["errors"]
             .as_u64()

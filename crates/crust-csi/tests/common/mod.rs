@@ -188,6 +188,11 @@ impl TestNode {
 
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_crust-csi"));
+        // The suites written for the plugin without deferral pin that
+        // mode; the deferral suites pass `--deferral enabled` themselves.
+        if !self.extra.iter().any(|a| a.starts_with("--deferral")) {
+            cmd.args(["--deferral", "disabled"]);
+        }
         cmd.arg("--endpoint")
             .arg(format!("unix://{}", self.socket.display()))
             .arg("--node-id")

@@ -366,6 +366,12 @@ impl Recorder {
         self.sample(format!("{rpc}: {msg}"));
     }
 
+    /// A cycle that did not complete (its failing RPC is already counted).
+    fn cycle_failed(&self) {
+        self.failed_ops.fetch_add(1, Ordering::Relaxed);
+        self.with_row("cycle", |r| r.errors += 1);
+    }
+
     fn sample(&self, msg: String) {
         let mut s = self.samples.lock().unwrap();
         if s.len() < MAX_ERROR_SAMPLES && !s.contains(&msg) {
@@ -937,7 +943,7 @@ async fn create_delete(ctx: Arc<Ctx>, claims: Arc<Claims>, rec: Arc<Recorder>) {
         let n = ctx.seq.fetch_add(1, Ordering::Relaxed);
         let t0 = Instant::now();
         let Ok((key, vol)) = ctx.create(Some(&rec), format!("{}-{n}", ctx.run_id)).await else {
-            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+            rec.cycle_failed();
             continue;
         };
         let del = rec
@@ -954,7 +960,7 @@ async fn create_delete(ctx: Arc<Ctx>, claims: Arc<Claims>, rec: Arc<Recorder>) {
             rec.ok("cycle", t0.elapsed());
             rec.ops.fetch_add(1, Ordering::Relaxed);
         } else {
-            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+            rec.cycle_failed();
             let rep = ctx.cleanup(Some(&[key]), false).await;
             for l in rep.leftovers {
                 rec.sample(format!("cleanup: {l}"));
@@ -1002,7 +1008,7 @@ async fn stage_publish_cycle(ctx: Arc<Ctx>, claims: Arc<Claims>, rec: Arc<Record
         let mut m = match ctx.make_dirs(n) {
             Ok(m) => m,
             Err(e) => {
-                rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                rec.cycle_failed();
                 rec.sample(e.to_string());
                 continue;
             }
@@ -1053,7 +1059,7 @@ async fn stage_publish_cycle(ctx: Arc<Ctx>, claims: Arc<Claims>, rec: Arc<Record
             rec.ok("cycle", t0.elapsed());
             rec.ops.fetch_add(1, Ordering::Relaxed);
         } else {
-            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+            rec.cycle_failed();
         }
     }
     let rep = ctx.cleanup(Some(&vol_keys), false).await;

@@ -1,0 +1,473 @@
+//! KEP-2857 deferred filesystem operations: the Node service hands a
+//! staged volume's block device to the pod's runtime instead of mounting
+//! it, through crust_ops running in process.
+//!
+//! * NodePublishVolume writes the hand-off record (device, fstype, mount
+//!   flags, fsGroup and its change policy; `ro` when read-only) in the
+//!   configured layout(s) and leaves the target an empty directory. One
+//!   deferred publication per volume (one sandbox at a time), never
+//!   together with host publications: a filesystem mounted by the host and
+//!   by a guest at once is corrupted. A staging mount with no host
+//!   publications is synced and unmounted first, and the stage remembered
+//!   as unmounted for deferral; a later host publication mounts it again.
+//! * NodeGetVolumeStats and NodeExpandVolume ask the runtime that consumed
+//!   the record (its CLI). A record no runtime consumed yet gives
+//!   FAILED_PRECONDITION ("not consumed by a runtime yet"), passed through
+//!   from crust_ops like its other codes.
+//! * NodeUnpublishVolume removes the record and the empty target, whether
+//!   or not the request says `defer_fs_ops`: the plugin's records know.
+
+use std::future::Future;
+use std::path::Path;
+
+use crust_ops::{ExpandRequest, StageRequest};
+use crust_proto::csi::v1 as csi;
+
+use crate::caps::Capability;
+use crate::driver::Driver;
+use crate::error::NodeError;
+use crate::health::Condition;
+use crate::node::{
+    mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount,
+};
+use crate::state::{HostMount, Publication, Staging, VolumeRecord};
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// Runs one crust_ops call from a blocking-pool thread (the node
+/// operations are synchronous; crust_ops is async).
+fn run<F: Future>(f: F) -> F::Output {
+    tokio::runtime::Handle::current().block_on(f)
+}
+
+fn utf8<'a>(what: &str, p: &'a Path) -> Result<&'a str> {
+    p.to_str()
+        .ok_or_else(|| NodeError::Internal(format!("{what} {} is not UTF-8", p.display())))
+}
+
+/// Checks a deferred publish target without creating it: its parent
+/// exists, and it is missing or a real directory with nothing mounted on
+/// it (the runtime mounts in its guest; the host target stays empty).
+fn check_deferred_target(target: &Path) -> Result<()> {
+    let t = target.display();
+    if let Some(parent) = target.parent()
+        && !std::fs::metadata(parent).is_ok_and(|m| m.is_dir())
+    {
+        return Err(NodeError::FailedPrecondition(format!(
+            "parent directory {} of target_path does not exist; the CO must create it",
+            parent.display()
+        )));
+    }
+    match std::fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a symbolic link; refusing to follow it"
+        ))),
+        Ok(m) if !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
+        ))),
+        Ok(_) if crust_blockdev::is_mountpoint(target).map_err(mount_err)? => {
+            Err(NodeError::FailedPrecondition(format!(
+                "target_path {t} has a filesystem mounted on it; a deferred publication leaves \
+                 the target empty for the pod's runtime"
+            )))
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
+    }
+}
+
+/// Host mount points of the filesystem on `device`.
+fn host_mounts_of(device: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let Ok(numbers) = crust_blockdev::device_major_minor(device) else {
+        return Ok(Vec::new());
+    };
+    Ok(crust_blockdev::mount_info()
+        .map_err(mount_err)?
+        .into_iter()
+        .filter(|m| (m.major, m.minor) == numbers)
+        .map(|m| m.mount_point)
+        .collect())
+}
+
+impl Driver {
+    /// Whether stats/expansion of `path` go to the runtime: the records
+    /// say the publication there is deferred, or the request asks for it
+    /// (then `path` must be such a publication).
+    pub(crate) fn deferred_path(
+        &self,
+        rec: &VolumeRecord,
+        path: &Path,
+        requested: bool,
+    ) -> Result<bool> {
+        match rec.published.get(path) {
+            Some(p) if p.deferred => Ok(true),
+            Some(_) if requested => Err(NodeError::FailedPrecondition(format!(
+                "volume {} is published at {} on the host, not with deferred filesystem \
+                 operations; call without defer_fs_ops",
+                rec.id,
+                path.display()
+            ))),
+            Some(_) => Ok(false),
+            None if requested => {
+                if rec.staging.as_ref().is_some_and(|s| s.path == path) {
+                    Err(NodeError::FailedPrecondition(format!(
+                        "{} is the staging path of volume {}; with deferred filesystem \
+                         operations, volume_path must be the publish target",
+                        path.display(),
+                        rec.id
+                    )))
+                } else {
+                    Err(NodeError::PathNotFound(format!(
+                        "{} is not a publication of volume {} with deferred filesystem operations",
+                        path.display(),
+                        rec.id
+                    )))
+                }
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// NodePublishVolume with deferral; the caller checked the request,
+    /// the staging and the attached device, and holds the volume's guard.
+    pub(crate) fn publish_deferred(
+        &self,
+        req: &csi::NodePublishVolumeRequest,
+        mut rec: VolumeRecord,
+        mut s: Staging,
+        target: std::path::PathBuf,
+        cap: Capability,
+    ) -> Result<()> {
+        let id = rec.id.clone();
+        let target_str = utf8("target_path", &target)?.to_string();
+        let readonly = req.readonly || cap.mode.read_only() || s.readonly;
+        let fs = s.fs_type.unwrap_or(rec.fs_type);
+        let gid = cap.supplemental.map(|g| g.gid);
+        let policy = cap.supplemental.and_then(|g| g.change_policy);
+        let wanted = Publication {
+            deferred: true,
+            supplemental_group: gid,
+            supplemental_group_change_policy: policy.map(|p| p.as_str().to_string()),
+            ..Publication::host(false, readonly, cap.mode, cap.flags_digest())
+        };
+        let repeat = match rec.published.get(&target) {
+            Some(p) if *p == wanted => true,
+            Some(p) if p.deferred => {
+                return Err(NodeError::AlreadyExists(format!(
+                    "volume {id} is already published at {} with deferred filesystem \
+                     operations and other options (read-only, access mode, mount flags or \
+                     supplemental group)",
+                    target.display()
+                )));
+            }
+            Some(_) => {
+                return Err(NodeError::AlreadyExists(format!(
+                    "volume {id} is already published at {} on the host (bind mount), not \
+                     with deferred filesystem operations",
+                    target.display()
+                )));
+            }
+            None => false,
+        };
+        if !repeat {
+            if let Some((t, _)) = rec.deferred_publication() {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is already published with deferred filesystem operations at \
+                     {}; only one sandbox may use it at a time (ReadWriteOncePod): unpublish \
+                     it first",
+                    t.display()
+                )));
+            }
+            if let Some((t, _)) = rec.host_publications().next() {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is mounted on the host and published at {}; its filesystem \
+                     cannot also be mounted in a sandbox's guest (two kernels mounting one \
+                     filesystem corrupt it): unpublish the host targets first",
+                    t.display()
+                )));
+            }
+        }
+        let mut mount_flags = cap.mount_flags.clone();
+        if readonly && !mount_flags.iter().any(|f| f == "ro") {
+            mount_flags.push("ro".into());
+        }
+        let stage = StageRequest {
+            target_path: target_str.clone(),
+            device: utf8("device", &s.device)?.to_string(),
+            fs_type: fs.as_str().to_string(),
+            mount_flags,
+            fs_group: gid,
+            fs_group_change_policy: policy,
+        };
+        // Everything that can refuse the request is checked before the
+        // staging mount or any record changes: flags that look like
+        // credentials, a target outside the allowed prefixes, a different
+        // record a sandbox still holds.
+        let mi = stage.mount_info();
+        for store in self.ops.crust_store().into_iter().chain(self.ops.kata_store()) {
+            store
+                .check_stage(&target_str, &mi)
+                .map_err(|e| NodeError::Ops(e.into()))?;
+        }
+        check_deferred_target(&target)?;
+        let staging_mounted = mounted_here(&s.device, &s.path)?;
+        if !repeat {
+            let elsewhere: Vec<_> = host_mounts_of(&s.device)?
+                .into_iter()
+                .filter(|m| *m != s.path)
+                .collect();
+            if !elsewhere.is_empty() {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "the filesystem of volume {id} is mounted on the host at {elsewhere:?}; \
+                     it cannot be handed to a sandbox while the host has it mounted"
+                )));
+            }
+        }
+        let mut unmounted_now = false;
+        if staging_mounted {
+            sync_and_unmount(&s.path)?;
+            unmounted_now = true;
+            tracing::info!(volume = %id, path = %s.path.display(),
+                "staging mount removed: the filesystem goes to a sandbox's guest");
+        }
+        s.host_mount = HostMount::UnmountedForDeferral;
+        let keep_staging = |rec: &mut VolumeRecord, s: &Staging| {
+            // Keep the records true to the node after a partial failure.
+            if unmounted_now {
+                rec.staging = Some(s.clone());
+                if let Err(e) = self.state.put(rec.clone()) {
+                    tracing::error!(volume = %rec.id, error = %e, "cannot record the unmounted staging path");
+                }
+            }
+        };
+        if let Err(e) = run(self.ops.stage(stage)) {
+            keep_staging(&mut rec, &s);
+            return Err(e.into());
+        }
+        if let Err(e) = prepare_target(&target, false) {
+            if !repeat && let Err(ue) = run(self.ops.unstage(&target_str)) {
+                tracing::warn!(volume = %id, error = %ue, "could not remove the hand-off record after a failed publish");
+            }
+            keep_staging(&mut rec, &s);
+            return Err(e);
+        }
+        rec.staging = Some(s.clone());
+        rec.published.insert(target.clone(), wanted);
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        self.metrics.deferred_publish_succeeded();
+        tracing::info!(volume = %id, target = %target_str, device = %s.device.display(),
+            readonly, fs_group = ?gid, "volume published with deferred filesystem operations");
+        Ok(())
+    }
+
+    /// Mounts the staging path again for a host publication of a volume
+    /// whose mount was left to (or taken away for) a sandbox's guest.
+    /// Returns the updated staging, already recorded.
+    pub(crate) fn remount_staging(
+        &self,
+        rec: &mut VolumeRecord,
+        cap: &Capability,
+    ) -> Result<Staging> {
+        let id = rec.id.clone();
+        let mut s = rec
+            .staging
+            .clone()
+            .ok_or_else(|| NodeError::Internal(format!("volume {id} has no staging")))?;
+        if let Some((t, _)) = rec.deferred_publication() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is published with deferred filesystem operations at {}: a \
+                 sandbox's guest may have its filesystem mounted, and mounting it on the host \
+                 as well would corrupt it (two kernels); unpublish {} first",
+                t.display(),
+                t.display()
+            )));
+        }
+        // A remount that crashed before it was recorded is adopted.
+        if !mounted_here(&s.device, &s.path)? {
+            if crust_blockdev::is_device_in_use(&s.device).unwrap_or(false) {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "device {} of volume {id} is still in use (a sandbox that has not \
+                     stopped?); it cannot be mounted on the host",
+                    s.device.display()
+                )));
+            }
+            if cap.flags_digest() != s.flags_digest {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} must be mounted again at its staging path {} with the mount \
+                     flags NodeStageVolume used, which differ from this request's; call \
+                     NodeStageVolume again",
+                    s.path.display()
+                )));
+            }
+            let fs = s.fs_type.unwrap_or(rec.fs_type);
+            crust_blockdev::mount_fs(
+                &s.device,
+                &s.path,
+                fs.to_blockdev(),
+                &cap.mount_flags,
+                s.readonly,
+            )
+            .map_err(mount_err)?;
+        }
+        s.host_mount = HostMount::Mounted;
+        rec.staging = Some(s.clone());
+        self.state.put(rec.clone())?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, path = %s.path.display(), "staging path mounted again for a host publication");
+        Ok(s)
+    }
+
+    /// NodeUnpublishVolume of a deferred publication: the hand-off
+    /// record(s) and the empty target go; the staging stays as it is.
+    pub(crate) fn unpublish_deferred(&self, mut rec: VolumeRecord, target: &Path) -> Result<()> {
+        let id = rec.id.clone();
+        let target_str = utf8("target_path", target)?;
+        run(self.ops.unstage(target_str))?;
+        if crust_blockdev::is_mountpoint(target).unwrap_or(false) {
+            tracing::warn!(volume = %id, target = %target_str,
+                "something is mounted on a deferred publish target; left in place");
+        } else {
+            remove_target(target);
+        }
+        rec.published.remove(target);
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, target = %target_str, "deferred publication removed");
+        Ok(())
+    }
+
+    /// A deferred publish that crashed after writing the hand-off record
+    /// but before recording the publication: the record (if it names this
+    /// volume's device) and the empty target go.
+    pub(crate) fn unpublish_unrecorded_deferred(
+        &self,
+        rec: &VolumeRecord,
+        target: &Path,
+    ) -> Result<()> {
+        let Some(s) = &rec.staging else {
+            return Ok(());
+        };
+        let Some(t) = target.to_str() else {
+            return Ok(());
+        };
+        let ours = self
+            .ops
+            .crust_store()
+            .into_iter()
+            .chain(self.ops.kata_store())
+            .any(|store| store.read(t).is_ok_and(|mi| Path::new(&mi.device) == s.device));
+        if !ours {
+            return Ok(());
+        }
+        run(self.ops.unstage(t))?;
+        if !crust_blockdev::is_mountpoint(target).unwrap_or(true) {
+            remove_target(target);
+        }
+        tracing::info!(volume = %rec.id, target = %t, "removed the hand-off record of an unrecorded deferred publish");
+        Ok(())
+    }
+
+    /// NodeGetVolumeStats of a deferred publication: usage and condition
+    /// from the runtime, plus what the host can tell about the device.
+    pub(crate) fn stats_deferred(
+        &self,
+        rec: &VolumeRecord,
+        path: &Path,
+    ) -> Result<csi::NodeGetVolumeStatsResponse> {
+        if !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
+        }
+        let target = utf8("volume_path", path)?;
+        let host = self.health.condition(self, rec);
+        let stats = run(self.ops.stats(target))?;
+        let usage = stats
+            .usage
+            .iter()
+            .map(|u| csi::VolumeUsage {
+                available: clamp(u.available),
+                total: clamp(u.total),
+                used: clamp(u.used),
+                unit: match u.unit {
+                    crust_ops::UsageUnit::Bytes => csi::volume_usage::Unit::Bytes,
+                    crust_ops::UsageUnit::Inodes => csi::volume_usage::Unit::Inodes,
+                    crust_ops::UsageUnit::Unknown => csi::volume_usage::Unit::Unknown,
+                } as i32,
+            })
+            .collect();
+        let mut cond = match stats.condition {
+            Some(c) => Condition {
+                abnormal: c.abnormal,
+                message: c.message,
+            },
+            None => Condition::normal("the runtime reported no volume condition"),
+        };
+        if host.abnormal {
+            cond = if cond.abnormal {
+                Condition::abnormal(format!("{}; {}", cond.message, host.message))
+            } else {
+                host
+            };
+        }
+        self.metrics.observe_condition(&rec.id, cond.abnormal);
+        Ok(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(cond.into()),
+        })
+    }
+
+    /// NodeExpandVolume of a deferred publication: the host device learns
+    /// its new size (the backing store was grown by ControllerExpandVolume),
+    /// then the runtime grows the filesystem in its guest.
+    pub(crate) fn expand_deferred(
+        &self,
+        rec: &VolumeRecord,
+        path: &Path,
+        required: u64,
+        limit: u64,
+    ) -> Result<csi::NodeExpandVolumeResponse> {
+        if !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
+        }
+        let target = utf8("volume_path", path)?;
+        let s = rec.staging.as_ref().ok_or_else(|| {
+            NodeError::FailedPrecondition(format!("volume {} is not staged", rec.id))
+        })?;
+        let device = &s.device;
+        let size = match crust_blockdev::loop_status(device) {
+            Ok(Some(_)) => crust_blockdev::refresh_capacity(device)
+                .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
+            _ => crust_blockdev::block_device_size(device)
+                .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
+        };
+        if required > size {
+            return Err(NodeError::OutOfRange(format!(
+                "device {} of volume {} is {size} bytes, less than the {required} bytes \
+                 requested; expand the volume with ControllerExpandVolume first",
+                device.display(),
+                rec.id
+            )));
+        }
+        if limit != 0 && size > limit {
+            return Err(NodeError::OutOfRange(format!(
+                "device of volume {} is already {size} bytes, above limit_bytes {limit}",
+                rec.id
+            )));
+        }
+        let capacity = run(self.ops.expand(ExpandRequest {
+            target_path: target.to_string(),
+            required_bytes: required,
+            limit_bytes: limit,
+        }))?;
+        self.health.forget(&rec.id);
+        tracing::info!(volume = %rec.id, device_size = size, capacity, "deferred expansion done");
+        Ok(csi::NodeExpandVolumeResponse {
+            capacity_bytes: clamp(capacity),
+        })
+    }
+}
+
+fn clamp(v: u64) -> i64 {
+    v.min(i64::MAX as u64) as i64
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Benchmarks crust-csi with crustctl's driver-agnostic CSI load generator.
+#   scripts/bench.sh             standard CSI calls against a fresh plugin
+#   scripts/bench.sh --deferred  stats/resize through crust_ops and a guest
+# Extra arguments go to `crustctl bench`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" != 0 ]; then
+  echo "the benchmark needs root (loop devices, mounts, QEMU): run as root" >&2
+  exit 1
+fi
+bash scripts/install-deps.sh --if-missing
+cargo build --release --workspace --bins --locked
+bash guest/build-image.sh
+
+work=$(mktemp -d /var/tmp/crust-bench.XXXXXX)
+csi_pid=
+cleanup() {
+  if [ -n "$csi_pid" ]; then kill "$csi_pid" 2>/dev/null || true; wait "$csi_pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+mkdir -p "$work/pool" "$work/state" "$work/stage" "$work/target" "$work/crust" "$work/runtime"
+
+export CRUST_RUNTIME_ROOT="$work/runtime" CRUST_RUNTIME_CRUST_ROOT="$work/crust"
+target/release/crust-csi --endpoint "unix://$work/csi.sock" --node-id bench \
+  --state-dir "$work/state" --backend pool --pool-dir "$work/pool" --pool-capacity 8Gi \
+  --crust-root "$work/crust" --log-level warn &
+csi_pid=$!
+for _ in $(seq 50); do [ -S "$work/csi.sock" ] && break; sleep 0.1; done
+
+target/release/crustctl --endpoint "unix://$work/csi.sock" bench \
+  --staging-dir "$work/stage" --target-dir "$work/target" --duration 10s --concurrency 4 "$@"
