@@ -3,8 +3,8 @@
 
 use std::fmt;
 
-use crust_proto::csi::v1 as csi;
 use crust_handoff::FsGroupChangePolicy;
+use crust_proto::csi::v1 as csi;
 use csi::volume_capability::access_mode::Mode;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -202,7 +202,11 @@ impl Capability {
                         return Err("a mount flag is empty or contains NUL".to_string());
                     }
                 }
-                (Access::Mount { fs_type }, m.mount_flags.clone(), supplemental)
+                (
+                    Access::Mount { fs_type },
+                    m.mount_flags.clone(),
+                    supplemental,
+                )
             }
             None => {
                 return Err("volume capability has neither block nor mount access type".to_string());
@@ -378,5 +382,55 @@ mod tests {
             flags_digest(&["noatime".into()]),
             flags_digest(&["noatime,".into()])
         );
+    }
+
+    #[test]
+    fn supplemental_group_only_with_deferral() {
+        let with = |group: &str, policy: &str| {
+            cap(
+                Some(AccessType::Mount(MountVolume {
+                    fs_type: "ext4".into(),
+                    volume_supplemental_group: group.into(),
+                    volume_supplemental_group_change_policy: policy.into(),
+                    ..Default::default()
+                })),
+                Mode::SingleNodeWriter,
+            )
+        };
+        let e = Capability::from_proto(&with("100", "")).unwrap_err();
+        assert!(e.contains("only valid with deferred"), "{e}");
+        assert!(Capability::from_proto(&with("", "Always")).is_err());
+        assert_eq!(
+            Capability::from_proto(&with("", "")).unwrap().supplemental,
+            None
+        );
+
+        let ok = Capability::from_proto_deferred(&with("100", "OnRootMismatch")).unwrap();
+        assert_eq!(
+            ok.supplemental,
+            Some(SupplementalGroup {
+                gid: 100,
+                change_policy: Some(FsGroupChangePolicy::OnRootMismatch)
+            })
+        );
+        let ok = Capability::from_proto_deferred(&with("0", "")).unwrap();
+        assert_eq!(
+            ok.supplemental,
+            Some(SupplementalGroup {
+                gid: 0,
+                change_policy: None
+            })
+        );
+        for (g, p, why) in [
+            ("100", "Never", "not supported"),
+            ("100", "always", "not supported"),
+            ("", "Always", "without volume_supplemental_group"),
+            ("x1", "", "not a decimal group id"),
+            ("0100", "", "not a decimal group id"),
+            ("4294967296", "", "32 bits"),
+        ] {
+            let e = Capability::from_proto_deferred(&with(g, p)).unwrap_err();
+            assert!(e.contains(why), "{g:?} {p:?}: {e}");
+        }
     }
 }

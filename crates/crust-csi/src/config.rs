@@ -621,4 +621,76 @@ mod tests {
         assert_eq!(log_filter("5"), "trace");
         assert_eq!(log_filter("debug"), "debug");
     }
+
+    #[test]
+    fn deferral_flags() {
+        let base = ["crust-csi", "--node-id", "n1"];
+        let cfg = Cli::parse_from(base).into_config().unwrap();
+        assert!(cfg.deferral.enabled, "enabled by default");
+        assert_eq!(cfg.deferral.ops.layout, LayoutMode::Crust);
+        assert_eq!(cfg.deferral.ops.crust_root, PathBuf::from("/var/run/crust"));
+        assert_eq!(
+            cfg.deferral.ops.kata_root,
+            PathBuf::from("/run/kata-containers/shared/direct-volumes")
+        );
+        assert_eq!(
+            cfg.deferral.ops.kata_runtime,
+            PathBuf::from("/usr/bin/kata-runtime")
+        );
+        assert_eq!(cfg.deferral.ops.cli_timeout, Duration::from_secs(30));
+        assert!(cfg.deferral.ops.allowed_target_prefixes.is_empty());
+        assert_eq!(cfg.metrics_address, None);
+
+        let mut args = base.to_vec();
+        args.extend([
+            "--deferral",
+            "disabled",
+            "--handoff-layout",
+            "both",
+            "--crust-root",
+            "/srv/crust",
+            "--kata-root",
+            "/srv/kata",
+            "--kata-runtime",
+            "/opt/kata/bin/kata-runtime",
+            "--runtime-cli-timeout",
+            "1500ms",
+            "--allowed-target-prefix",
+            "/var/lib/kubelet/pods/",
+            "--allowed-target-prefix",
+            "/srv/pods",
+            "--metrics-address",
+            "127.0.0.1:9808",
+        ]);
+        let cfg = Cli::parse_from(args).into_config().unwrap();
+        assert!(!cfg.deferral.enabled);
+        assert_eq!(cfg.deferral.ops.layout, LayoutMode::Both);
+        assert_eq!(cfg.deferral.ops.crust_root, PathBuf::from("/srv/crust"));
+        assert_eq!(cfg.deferral.ops.kata_root, PathBuf::from("/srv/kata"));
+        assert_eq!(cfg.deferral.ops.cli_timeout, Duration::from_millis(1500));
+        assert_eq!(
+            cfg.deferral.ops.allowed_target_prefixes,
+            vec![
+                "/var/lib/kubelet/pods/".to_string(),
+                "/srv/pods".to_string()
+            ]
+        );
+        assert_eq!(cfg.metrics_address, Some("127.0.0.1:9808".parse().unwrap()));
+
+        let bad = |extra: &[&str]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            Cli::try_parse_from(v)
+                .map(|c| c.into_config().is_err())
+                .unwrap_or(true)
+        };
+        assert!(bad(&["--deferral", "maybe"]));
+        assert!(bad(&["--handoff-layout", "docker"]));
+        assert!(bad(&["--crust-root", "relative"]));
+        assert!(bad(&["--kata-runtime", "kata-runtime"]));
+        assert!(bad(&["--runtime-cli-timeout", "0s"]));
+        assert!(bad(&["--runtime-cli-timeout", "soon"]));
+        assert!(bad(&["--allowed-target-prefix", "pods"]));
+        assert!(bad(&["--metrics-address", "localhost"]));
+    }
 }

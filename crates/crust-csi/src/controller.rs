@@ -885,6 +885,19 @@ mod tests {
     }
 
     #[test]
+    fn defer_parameter_with_deferral_enabled() {
+        let mut m = BTreeMap::new();
+        m.insert("deferFsOps".to_string(), "true".to_string());
+        let p = parse_params_with(&m, true).unwrap();
+        assert!(p.defer);
+        assert_eq!(p.kept.get("deferFsOps").map(String::as_str), Some("true"));
+        m.insert("deferFsOps".to_string(), "false".to_string());
+        assert!(!parse_params_with(&m, true).unwrap().defer);
+        m.insert("deferFsOps".to_string(), "yes".to_string());
+        assert!(parse_params_with(&m, true).is_err());
+    }
+
+    #[test]
     fn names_and_tokens() {
         assert!(validate_name("pvc-1").is_ok());
         assert!(validate_name("").is_err());

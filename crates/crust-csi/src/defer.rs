@@ -27,9 +27,7 @@ use crate::caps::Capability;
 use crate::driver::Driver;
 use crate::error::NodeError;
 use crate::health::Condition;
-use crate::node::{
-    mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount,
-};
+use crate::node::{mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount};
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -205,7 +203,12 @@ impl Driver {
         // credentials, a target outside the allowed prefixes, a different
         // record a sandbox still holds.
         let mi = stage.mount_info();
-        for store in self.ops.crust_store().into_iter().chain(self.ops.kata_store()) {
+        for store in self
+            .ops
+            .crust_store()
+            .into_iter()
+            .chain(self.ops.kata_store())
+        {
             store
                 .check_stage(&target_str, &mi)
                 .map_err(|e| NodeError::Ops(e.into()))?;
@@ -357,7 +360,11 @@ impl Driver {
             .crust_store()
             .into_iter()
             .chain(self.ops.kata_store())
-            .any(|store| store.read(t).is_ok_and(|mi| Path::new(&mi.device) == s.device));
+            .any(|store| {
+                store
+                    .read(t)
+                    .is_ok_and(|mi| Path::new(&mi.device) == s.device)
+            });
         if !ours {
             return Ok(());
         }

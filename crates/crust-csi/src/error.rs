@@ -10,7 +10,17 @@
 //!   else mounted there), a volume still staged/published, a filesystem on
 //!   the device that is not the requested one: FAILED_PRECONDITION;
 //! * unknown volume: NOT_FOUND; another operation in flight on the same
-//!   volume: ABORTED; sizes: OUT_OF_RANGE / RESOURCE_EXHAUSTED.
+//!   volume: ABORTED; sizes: OUT_OF_RANGE / RESOURCE_EXHAUSTED;
+//! * deferred filesystem operations: requested of a plugin started with
+//!   `--deferral disabled`, FAILED_PRECONDITION; for raw block access, or
+//!   `volume_supplemental_group*` without deferral, INVALID_ARGUMENT; a
+//!   second deferred publication of a volume, or mixing deferred and host
+//!   publications, FAILED_PRECONDITION; errors of crust_ops keep its code
+//!   (a hand-off record no runtime consumed yet: FAILED_PRECONDITION "not
+//!   consumed by a runtime yet"; a mount flag that looks like a credential
+//!   or a target outside `--allowed-target-prefix`: INVALID_ARGUMENT; a
+//!   runtime CLI that timed out: DEADLINE_EXCEEDED; one that failed:
+//!   INTERNAL).
 
 use crust_backend::BackendError;
 use tonic::{Code, Status};

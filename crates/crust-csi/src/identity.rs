@@ -18,6 +18,15 @@ impl Driver {
             ("backend".to_string(), self.backend.kind().to_string()),
             ("node".to_string(), self.cfg.node_id.clone()),
             ("topology-key".to_string(), self.cfg.topology_key()),
+            (
+                "deferral".to_string(),
+                if self.deferral_enabled() {
+                    "enabled"
+                } else {
+                    "disabled"
+                }
+                .to_string(),
+            ),
         ]);
         csi::GetPluginInfoResponse {
             name: self.cfg.driver_name.clone(),

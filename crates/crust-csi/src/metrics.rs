@@ -332,7 +332,11 @@ fn respond<B>(metrics: &Metrics, req: &hyper::Request<B>) -> hyper::Response<Ful
             .expect("static response parts are valid")
     };
     if req.uri().path() != "/metrics" {
-        return reply(404, "text/plain", "not found; metrics are at /metrics\n".into());
+        return reply(
+            404,
+            "text/plain",
+            "not found; metrics are at /metrics\n".into(),
+        );
     }
     if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
         return reply(405, "text/plain", "only GET is allowed\n".into());

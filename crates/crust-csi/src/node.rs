@@ -269,7 +269,9 @@ pub(crate) fn sync_and_unmount(path: &Path) -> Result<()> {
                 tracing::warn!(path = %path.display(), error = %e, "syncfs failed before unmount");
             }
         }
-        Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot open mount to sync it"),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot open mount to sync it")
+        }
     }
     crust_blockdev::unmount(path).map_err(mount_err)
 }
@@ -443,10 +445,14 @@ impl Driver {
         // What the host mount should be after this call: a deferred stage
         // never mounts; a repeated stage of a volume whose mount was taken
         // away for a deferred publication stays unmounted while that
-        // publication exists, and is repaired otherwise.
+        // publication exists (or something still holds the device), and
+        // is repaired otherwise.
         let host_mount = match &rec.staging {
             Some(s) if repeat && s.host_mount == HostMount::UnmountedForDeferral => {
-                if deferred || rec.deferred_publication().is_some() {
+                let in_use = attached
+                    .as_deref()
+                    .is_some_and(|d| crust_blockdev::is_device_in_use(d).unwrap_or(true));
+                if deferred || rec.deferred_publication().is_some() || in_use {
                     HostMount::UnmountedForDeferral
                 } else {
                     HostMount::Mounted
@@ -1106,12 +1112,12 @@ fn node_caps(deferral: bool) -> Vec<csi::NodeServiceCapability> {
         ]);
     }
     caps.into_iter()
-    .map(|t| csi::NodeServiceCapability {
-        r#type: Some(csi::node_service_capability::Type::Rpc(
-            csi::node_service_capability::Rpc { r#type: t as i32 },
-        )),
-    })
-    .collect()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(csi::node_service_capability::Type::Rpc(
+                csi::node_service_capability::Rpc { r#type: t as i32 },
+            )),
+        })
+        .collect()
 }
 
 /// The tonic Node service.

@@ -508,4 +508,61 @@ mod tests {
             ids[2..]
         );
     }
+
+    #[test]
+    fn deferral_fields_round_trip_and_old_records_still_load() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = StateStore::open(tmp.path()).unwrap();
+        let mut r = rec("d");
+        r.staging = Some(Staging {
+            path: "/stage/d".into(),
+            device: "/dev/loop7".into(),
+            block: false,
+            fs_type: Some(FsType::Ext4),
+            readonly: false,
+            mode: AccessMode::SingleNodeWriter,
+            flags_digest: String::new(),
+            deferred: true,
+            host_mount: HostMount::UnmountedForDeferral,
+        });
+        r.published.insert(
+            "/pods/p".into(),
+            Publication {
+                deferred: true,
+                supplemental_group: Some(100),
+                supplemental_group_change_policy: Some("Always".into()),
+                ..Publication::host(false, true, AccessMode::SingleNodeWriter, String::new())
+            },
+        );
+        store.put(r.clone()).unwrap();
+        assert_eq!(
+            StateStore::open(tmp.path()).unwrap().get(&r.id),
+            Some(r.clone())
+        );
+        assert_eq!(
+            r.deferred_publication().map(|(t, _)| t.clone()),
+            Some("/pods/p".into())
+        );
+        assert_eq!(r.host_publications().count(), 0);
+
+        // A record written before deferral existed: host mount, no deferral;
+        // and a non-deferred record is written without the new keys.
+        let mut old = rec("o");
+        old.staging = Some(Staging {
+            deferred: false,
+            host_mount: HostMount::Mounted,
+            ..r.staging.clone().unwrap()
+        });
+        old.published.insert(
+            "/pods/h".into(),
+            Publication::host(false, false, AccessMode::SingleNodeWriter, String::new()),
+        );
+        let json = serde_json::to_string(&old).unwrap();
+        for key in ["deferred", "host_mount", "supplemental_group"] {
+            assert!(!json.contains(key), "{key} in {json}");
+        }
+        let back: VolumeRecord = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, old);
+        assert_eq!(back.host_publications().count(), 1);
+    }
 }

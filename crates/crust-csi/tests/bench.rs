@@ -7,7 +7,10 @@
 //!
 //! Reports ops/s and p50/p99 latency for CreateVolume+DeleteVolume, the
 //! stage/publish/unpublish/unstage cycle, and NodeGetVolumeStats (with
-//! the health cache off and with the default 5 s TTL). Nothing is asserted
+//! the health cache off and with the default 5 s TTL); `deferral_bench`:
+//! NodePublishVolume/NodeUnpublishVolume with deferred filesystem
+//! operations (hand-off record through crust_ops) and NodeGetVolumeStats
+//! through crust_ops and `crust-test-runtime-cli`. Nothing is asserted
 //! about speed.
 
 mod common;
@@ -15,6 +18,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use crust_proto::csi::v1 as csi;
 
 struct Stats(Vec<Duration>);
 
@@ -146,6 +150,92 @@ async fn csi_bench() {
     }
     Stats(s).report("NodeGetVolumeStats (health TTL 5s)", 1);
     c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run explicitly with --ignored --nocapture"]
+async fn deferral_bench() {
+    let cli = runtime_cli();
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut r = create_req("deferred", 64 * MIB, vec![mount("ext4")]);
+    r.parameters.insert("deferFsOps".into(), "true".into());
+    let v = c.create(r).await.unwrap();
+    let (id, ctx) = (v.volume_id, v.volume_context);
+    let staging = node.mkdir("staging/deferred");
+    c.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.clone(),
+            volume_capability: Some(mount("ext4")),
+            volume_context: ctx.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+    let publish = csi::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.clone(),
+        target_path: target.clone(),
+        volume_capability: Some(mount("ext4")),
+        volume_context: ctx.clone(),
+        defer_fs_ops: true,
+        ..Default::default()
+    };
+    let unpublish = csi::NodeUnpublishVolumeRequest {
+        volume_id: id.clone(),
+        target_path: target.clone(),
+        defer_fs_ops: true,
+    };
+    let (mut pb, mut up) = (Vec::new(), Vec::new());
+    for _ in 0..300 {
+        time(&mut pb, async {
+            c.node.node_publish_volume(publish.clone()).await.unwrap();
+        })
+        .await;
+        time(&mut up, async {
+            c.node
+                .node_unpublish_volume(unpublish.clone())
+                .await
+                .unwrap();
+        })
+        .await;
+    }
+    Stats(pb).report("NodePublishVolume (deferred: hand-off record)", 1);
+    Stats(up).report("NodeUnpublishVolume (deferred)", 1);
+
+    // a runtime consumes it; stats run its CLI through crust_ops
+    c.node.node_publish_volume(publish.clone()).await.unwrap();
+    let lo = loops_under(node.dir.path()).remove(0);
+    let mut guest = GuestMount::new(&lo.path, &node.path("guest"), "ext4");
+    let map = serde_json::json!({ &target: { "mount": guest.dir } });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    consume(&node.crust_root(), &target, "bench-sandbox", &cli);
+    let req = csi::NodeGetVolumeStatsRequest {
+        volume_id: id.clone(),
+        volume_path: target.clone(),
+        defer_fs_ops: true,
+        ..Default::default()
+    };
+    let mut s = Vec::new();
+    for _ in 0..1000 {
+        time(&mut s, async {
+            let r = c
+                .node
+                .node_get_volume_stats(req.clone())
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(!r.volume_condition.unwrap().abnormal);
+        })
+        .await;
+    }
+    Stats(s).report("NodeGetVolumeStats (deferred: crust_ops + CLI)", 1);
+    guest.unmount();
+    c.node.node_unpublish_volume(unpublish).await.unwrap();
     c.unstage(&id, &staging).await.unwrap();
     c.delete(&id).await.unwrap();
 }

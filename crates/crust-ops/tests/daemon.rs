@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crust_handoff::{Layout, Policy, Store, crust_key, kata_key};
 use crust_proto::runtime::v1alpha1 as pb;
+use crust_testkit::LoopDisk;
 use support::*;
 use tonic::Code;
 
@@ -66,9 +67,8 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     crust_testkit::require_root();
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let lo = LoopDev::new(&t.join("vol.img"), size as u64);
-    mkfs(fs, &lo.path);
-    let mnt = Mount::new(&lo.path, &t.join("guest-view"), fs);
+    let lo = LoopDisk::with_fs(t.join("vol.img"), size as u64, fs.parse().unwrap());
+    let mnt = lo.mount(&t.join("guest-view"), &[], false);
     let crust_root = t.join("crust");
     let pods = t.join("kubelet/pods");
     let target = format!(
@@ -78,7 +78,7 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     let map = t.join("cli-map.json");
     write_map(
         &map,
-        serde_json::json!({ &target: {"mount": mnt.dir, "backing": lo.backing, "loop": lo.path} }),
+        serde_json::json!({ &target: {"mount": mnt.target(), "backing": lo.file(), "loop": lo.dev()} }),
     );
     let daemon = Daemon::start(
         &t.join("run/ops.sock"),
@@ -95,13 +95,13 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     let mut c = daemon.client().await;
 
     // Stage: the record on disk, byte for byte, root-only.
-    c.runtime_stage_volume(stage_req_fs(&target, &lo.path, fs))
+    c.runtime_stage_volume(stage_req_fs(&target, lo.dev_str(), fs))
         .await
         .unwrap();
     let dir = crust_root.join(crust_key(&target));
     let expected = format!(
         r#"{{"volume-type":"block","device":"{}","fstype":"{fs}","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
-        lo.path
+        lo.dev().display()
     );
     assert_eq!(
         std::fs::read_to_string(dir.join("mountInfo.json")).unwrap(),
@@ -111,7 +111,7 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     assert_eq!(mode(&dir), 0o700);
     assert_eq!(mode(&dir.join("mountInfo.json")), 0o600);
     // Idempotent.
-    c.runtime_stage_volume(stage_req_fs(&target, &lo.path, fs))
+    c.runtime_stage_volume(stage_req_fs(&target, lo.dev_str(), fs))
         .await
         .unwrap();
     assert_eq!(
@@ -149,10 +149,10 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     consume(&crust_root, &target, CLI, "sandbox-a");
 
     // Stats are those of the real filesystem, payload included.
-    let empty = assert_stats_match(&mut c, &target, &mnt.dir).await;
+    let empty = assert_stats_match(&mut c, &target, mnt.target()).await;
     let data = vec![0xA5u8; 8 * MIB as usize];
-    std::fs::write(mnt.dir.join("payload"), &data).unwrap();
-    let full = assert_stats_match(&mut c, &target, &mnt.dir).await;
+    std::fs::write(mnt.target().join("payload"), &data).unwrap();
+    let full = assert_stats_match(&mut c, &target, mnt.target()).await;
     assert!(
         full.2 >= empty.2 + 8 * MIB,
         "used {} -> {}",
@@ -168,19 +168,19 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let r = c.runtime_expand_volume(expand_req(&target, grown, 0)).await;
-    if fs == "ext4" && !has_cap_sys_resource() {
+    if fs == "ext4" && !crust_blockdev::can_grow_ext4_online() {
         // This host may not grow a mounted ext4 (the guest can): the CLI's
         // failure comes back as INTERNAL with its stderr, and the
         // filesystem is unchanged.
         let e = r.unwrap_err();
         assert_eq!(e.code(), Code::Internal, "{e:?}");
         assert!(e.message().contains("resize2fs"), "{e:?}");
-        let now = assert_stats_match(&mut c, &target, &mnt.dir).await;
+        let now = assert_stats_match(&mut c, &target, mnt.target()).await;
         assert_eq!(now.1, full.1, "fs size unchanged");
     } else {
         assert_eq!(r.unwrap().into_inner().capacity_bytes, grown);
-        assert_eq!(std::fs::metadata(&lo.backing).unwrap().len(), grown as u64);
-        let now = assert_stats_match(&mut c, &target, &mnt.dir).await;
+        assert_eq!(std::fs::metadata(lo.file()).unwrap().len(), grown as u64);
+        let now = assert_stats_match(&mut c, &target, mnt.target()).await;
         assert!(
             now.1 >= full.1 + (grown - size) * 9 / 10,
             "fs total {} -> {}",
@@ -195,7 +195,7 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         assert_eq!(r.into_inner().capacity_bytes, grown);
     }
     // The data is untouched.
-    assert_eq!(std::fs::read(mnt.dir.join("payload")).unwrap(), data);
+    assert_eq!(std::fs::read(mnt.target().join("payload")).unwrap(), data);
 
     // Unstage twice; afterwards the volume is unknown.
     c.runtime_unstage_volume(unstage_req(&target))

@@ -7,8 +7,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use crust_blockdev::FsType;
 use crust_handoff::{Layout, Policy, Store};
 use crust_ops::{CrustOps, OpsConfig, StageRequest};
+use crust_testkit::LoopDisk;
 use support::*;
 
 const CLI: &str = env!("CARGO_BIN_EXE_crust-test-runtime-cli");
@@ -31,15 +33,14 @@ async fn latency_figures() {
     crust_testkit::require_root();
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let lo = LoopDev::new(&t.join("vol.img"), 64 << 20);
-    mkfs("ext4", &lo.path);
-    let mnt = Mount::new(&lo.path, &t.join("mnt"), "ext4");
+    let lo = LoopDisk::with_fs(t.join("vol.img"), 64 << 20, FsType::Ext4);
+    let mnt = lo.mount(&t.join("mnt"), &[], false);
     let crust_root = t.join("crust");
     let target = "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv/mount";
     let map = t.join("map.json");
     std::fs::write(
         &map,
-        serde_json::json!({ target: {"mount": mnt.dir, "backing": lo.backing, "loop": lo.path} })
+        serde_json::json!({ target: {"mount": mnt.target(), "backing": lo.file(), "loop": lo.dev()} })
             .to_string(),
     )
     .unwrap();
@@ -51,7 +52,7 @@ async fn latency_figures() {
     let mut c = daemon.client().await;
 
     // Warm up the connection.
-    c.runtime_stage_volume(stage_req(target, &lo.path))
+    c.runtime_stage_volume(stage_req(target, lo.dev_str()))
         .await
         .unwrap();
 
@@ -59,7 +60,7 @@ async fn latency_figures() {
     for i in 0..300 {
         let tgt = format!("/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv-{i}/mount");
         let t0 = Instant::now();
-        c.runtime_stage_volume(stage_req(&tgt, &lo.path))
+        c.runtime_stage_volume(stage_req(&tgt, lo.dev_str()))
             .await
             .unwrap();
         fresh.push(t0.elapsed());
@@ -69,7 +70,7 @@ async fn latency_figures() {
     let mut again = Vec::new();
     for _ in 0..300 {
         let t0 = Instant::now();
-        c.runtime_stage_volume(stage_req(target, &lo.path))
+        c.runtime_stage_volume(stage_req(target, lo.dev_str()))
             .await
             .unwrap();
         again.push(t0.elapsed());
@@ -89,7 +90,7 @@ async fn latency_figures() {
         let t0 = Instant::now();
         ops.stage(StageRequest {
             target_path: format!("/p/{i}"),
-            device: lo.path.clone(),
+            device: lo.dev_str().into(),
             fs_type: "ext4".into(),
             mount_flags: vec![],
             fs_group: Some(2000),

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crust_qmp::{QmpClient, QmpError};
-use crust_testkit::{ChildGuard, VmSlot};
+use crust_testkit::{ChildGuard, LoopDisk, VmSlot};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -68,37 +68,6 @@ impl Qemu {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("QEMU still running after {within:?}");
-    }
-}
-
-/// A loop device over a file, detached on drop.
-struct LoopDev(PathBuf);
-
-impl LoopDev {
-    fn attach(file: &Path) -> LoopDev {
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(file)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "losetup: {out:?}");
-        LoopDev(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
-    }
-
-    /// Re-reads the backing file's size (`losetup -c`).
-    fn refresh_capacity(&self) {
-        let st = Command::new("losetup")
-            .arg("-c")
-            .arg(&self.0)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
     }
 }
 
@@ -230,33 +199,24 @@ async fn file_volume_hotplug_resize_and_quit() {
 async fn loop_device_volume_resize() {
     crust_testkit::require_root();
     let backing_dir = tempfile::tempdir().unwrap();
-    let backing = backing_dir.path().join("loop.img");
-    std::fs::File::create(&backing)
-        .unwrap()
-        .set_len(32 * MIB)
-        .unwrap();
-    let lo = LoopDev::attach(&backing);
+    let lo = LoopDisk::new(backing_dir.path().join("loop.img"), 32 * MIB);
     let vm = Qemu::start().await;
     let qmp = &vm.qmp;
 
-    qmp.blockdev_add_file("lvol", &lo.0, false).await.unwrap();
+    qmp.blockdev_add_file("lvol", lo.dev(), false)
+        .await
+        .unwrap();
     let nodes = qmp.query_named_block_nodes().await.unwrap();
     let node = nodes.iter().find(|n| n.node_name == "lvol").unwrap();
     assert_eq!(node.driver, "host_device");
-    assert_eq!(Path::new(&node.file), lo.0);
+    assert_eq!(Path::new(&node.file), lo.dev());
     assert_eq!(node.size, 32 * MIB);
     qmp.device_add_virtio_blk("vd0", "lvol", "crust-lvol", Some("rp0"))
         .await
         .unwrap();
     assert_eq!(attached_size(qmp, "vd0").await, 32 * MIB);
 
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&backing)
-        .unwrap()
-        .set_len(48 * MIB)
-        .unwrap();
-    lo.refresh_capacity();
+    lo.grow(48 * MIB);
     qmp.block_resize("lvol", 48 * MIB).await.unwrap();
     assert_eq!(attached_size(qmp, "vd0").await, 48 * MIB);
     // QEMU cannot grow a block device beyond its real size.

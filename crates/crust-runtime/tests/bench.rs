@@ -28,12 +28,12 @@ fn ms(d: Duration) -> String {
 fn bench_runtime() {
     let env = Env::new();
     {
-        let disk = Disk::new(&env, "bench.img", 64 * MIB, FsType::Ext4);
+        let disk = env.disk("bench.img", 64 * MIB, FsType::Ext4);
         let target = env.target("pod-b", "pv-b");
         env.stage(
             Layout::Crust,
             &target,
-            &MountInfo::block(disk.path(), "ext4"),
+            &MountInfo::block(disk.dev_str(), "ext4"),
         );
         let bundle = env.bundle("b", &["sleep", "600"], vec![bind("/data", &target, false)]);
         let _slot = VmSlot::acquire();

@@ -96,7 +96,7 @@ fn bad_input_and_hung_guest() {
         assert!(!env.kata.join(crust_handoff::kata_key(&t)).exists());
 
         // --- a guest with one real volume, one forged one, one escape --------
-        let disk = Disk::new(&env, "v.img", 32 * MIB, FsType::Ext4);
+        let disk = env.disk("v.img", 32 * MIB, FsType::Ext4);
         disk.with_host_mount(false, |m| {
             std::os::unix::fs::symlink("/etc", m.join("escape")).unwrap();
             std::os::unix::fs::symlink("../../../../..", m.join("up")).unwrap();
@@ -106,16 +106,16 @@ fn bad_input_and_hung_guest() {
         env.stage(
             Layout::Crust,
             &target,
-            &MountInfo::block(disk.path(), "ext4"),
+            &MountInfo::block(disk.dev_str(), "ext4"),
         );
 
         // The attacker's disk and a record for it planted in a directory the
         // workload controls (an emptyDir), under the names old designs read.
-        let victim = Disk::new(&env, "victim.img", 32 * MIB, FsType::Ext4);
+        let victim = env.disk("victim.img", 32 * MIB, FsType::Ext4);
         victim.with_host_mount(false, |m| std::fs::write(m.join("SECRET"), b"s").unwrap());
         let forged_dir = env.pods.join("pod-v/volumes/kubernetes.io~empty-dir/cache");
         std::fs::create_dir_all(&forged_dir).unwrap();
-        let forged = MountInfo::block(victim.path(), "ext4").to_json();
+        let forged = MountInfo::block(victim.dev_str(), "ext4").to_json();
         std::fs::write(forged_dir.join("mountInfo.json"), &forged).unwrap();
         std::fs::write(forged_dir.join("csiPlugin.json"), &forged).unwrap();
 
@@ -132,9 +132,9 @@ fn bad_input_and_hung_guest() {
 
         // A record whose fstype does not match the disk: the guest refuses
         // to mount, and create rolls everything back.
-        let w = Disk::new(&env, "w.img", 32 * MIB, FsType::Ext4);
+        let w = env.disk("w.img", 32 * MIB, FsType::Ext4);
         let wrong = env.target("pod-w", "pv-w");
-        env.stage(Layout::Crust, &wrong, &MountInfo::block(w.path(), "xfs"));
+        env.stage(Layout::Crust, &wrong, &MountInfo::block(w.dev_str(), "xfs"));
         let wb = env.bundle("w", &["true"], vec![bind("/w", &wrong, false)]);
         let failed = env.sandbox("wrongfs");
         let err = env.fails(&["create", "--bundle", wb.to_str().unwrap(), "wrongfs"]);

@@ -17,12 +17,12 @@ use crust_testkit::VmSlot;
 fn online_resize_claims_and_qemu_death() {
     let env = Env::new();
     {
-        let disk = Disk::new(&env, "r.img", 64 * MIB, FsType::Ext4);
+        let disk = env.disk("r.img", 64 * MIB, FsType::Ext4);
         let target = env.target("pod-r", "pv-r");
         env.stage(
             Layout::Crust,
             &target,
-            &MountInfo::block(disk.path(), "ext4"),
+            &MountInfo::block(disk.dev_str(), "ext4"),
         );
         // Writes and fsyncs 256 KiB chunks over 40 files until told to
         // stop; any failed write ends it with status 3.

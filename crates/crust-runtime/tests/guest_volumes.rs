@@ -78,7 +78,7 @@ fn volumes_in_guest() {
     {
         // --- disks and records --------------------------------------------
         // a: ext4, CRUST layout, fsGroup 2000 Always, also used via subPath.
-        let a = Disk::new(&env, "a.img", 64 * MIB, FsType::Ext4);
+        let a = env.disk("a.img", 64 * MIB, FsType::Ext4);
         a.with_host_mount(false, |m| {
             std::fs::create_dir_all(m.join("sub/dir")).unwrap();
             std::fs::write(m.join("old.txt"), b"old").unwrap();
@@ -87,7 +87,7 @@ fn volumes_in_guest() {
         });
         // b: xfs, Kata layout, fsGroup 3000 OnRootMismatch with a root that
         // already matches: the file inside must be left alone.
-        let b = Disk::new(&env, "b.img", 320 * MIB, FsType::Xfs);
+        let b = env.disk("b.img", 320 * MIB, FsType::Xfs);
         b.with_host_mount(false, |m| {
             std::fs::write(m.join("keep.txt"), b"keep").unwrap();
             std::fs::set_permissions(m.join("keep.txt"), std::fs::Permissions::from_mode(0o644))
@@ -96,7 +96,7 @@ fn volumes_in_guest() {
             std::fs::set_permissions(m, std::fs::Permissions::from_mode(0o2770)).unwrap();
         });
         // c: ext4, CRUST layout, fsGroup 4000 OnRootMismatch, root mismatching.
-        let c = Disk::new(&env, "c.img", 32 * MIB, FsType::Ext4);
+        let c = env.disk("c.img", 32 * MIB, FsType::Ext4);
         c.with_host_mount(false, |m| {
             std::fs::write(m.join("f.txt"), b"f").unwrap();
             std::fs::set_permissions(m.join("f.txt"), std::fs::Permissions::from_mode(0o600))
@@ -104,14 +104,14 @@ fn volumes_in_guest() {
         });
 
         // e: ext4, CRUST layout, read-only by its record (`ro` option).
-        let e = Disk::new(&env, "e.img", 32 * MIB, FsType::Ext4);
+        let e = env.disk("e.img", 32 * MIB, FsType::Ext4);
         // d: hot-plugged into the running sandbox later.
-        let d = Disk::new(&env, "d.img", 32 * MIB, FsType::Ext4);
+        let d = env.disk("d.img", 32 * MIB, FsType::Ext4);
 
         let ta = env.target("pod-1", "pv-a");
         let tb = env.target("pod-1", "pv-b");
         let tc = env.target("pod-1", "pv-c");
-        let mut mia = MountInfo::block(a.path(), "ext4");
+        let mut mia = MountInfo::block(a.dev_str(), "ext4");
         mia.options = vec!["noatime".into(), "nodev".into()];
         mia.set_fs_group(Some(2000));
         mia.set_fs_group_change_policy(Some(FsGroupChangePolicy::Always));
@@ -126,7 +126,7 @@ fn volumes_in_guest() {
             "--mount-info",
             &format!(
                 r#"{{"Device": "{}", "fstype": "xfs", "metadata": {{"fsGroup": "3000", "fsGroupChangePolicy": "OnRootMismatch"}}, "options": ["nosuid"]}}"#,
-                b.path()
+                b.dev_str()
             ),
         ]);
         let kata_dir = env.kata.join(crust_handoff::kata_key(&tb));
@@ -136,12 +136,12 @@ fn volumes_in_guest() {
             std::fs::metadata(&kata_dir).unwrap().permissions().mode() & 0o777,
             0o700
         );
-        let mut mic = MountInfo::block(c.path(), "ext4");
+        let mut mic = MountInfo::block(c.dev_str(), "ext4");
         mic.set_fs_group(Some(4000));
         mic.set_fs_group_change_policy(Some(FsGroupChangePolicy::OnRootMismatch));
         env.stage(Layout::Crust, &tc, &mic);
         let te = env.target("pod-1", "pv-e");
-        let mut mie = MountInfo::block(e.path(), "ext4");
+        let mut mie = MountInfo::block(e.dev_str(), "ext4");
         mie.options = vec!["ro".into()];
         env.stage(Layout::Crust, &te, &mie);
 
@@ -328,7 +328,7 @@ fn volumes_in_guest() {
         let (code, by_device) = http(
             &sock,
             "GET",
-            &format!("/direct-volume/stats?path={}", escape(a.path())),
+            &format!("/direct-volume/stats?path={}", escape(a.dev_str())),
             "",
         );
         assert_eq!((code, &by_device), (200, &cli_stats));
@@ -385,7 +385,7 @@ fn volumes_in_guest() {
 
         // --- hot-plug a volume into the running sandbox ---------------------------
         let td = env.target("pod-1", "pv-d");
-        env.stage(Layout::Crust, &td, &MountInfo::block(d.path(), "ext4"));
+        env.stage(Layout::Crust, &td, &MountInfo::block(d.dev_str(), "ext4"));
         let vd = env.json(&["add-volume", "vols", "--volume-path", &td]);
         let gd = format!("/run/crust/volumes/{}", vd["id"].as_str().unwrap());
         assert!(mount_line(&sb.sh("cat /proc/mounts"), &gd).contains(" ext4 "));

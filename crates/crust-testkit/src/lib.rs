@@ -3,6 +3,13 @@
 //! The machines that run the tests have two cores, so guests are rationed
 //! machine-wide through [`VmSlot`] (a lock file per slot), not per process:
 //! nextest runs each test in its own process.
+//!
+//! [`LoopDisk`] and [`TempMount`] wrap crust-blockdev's loop and mount
+//! guards for tests that need a real formatted block device.
+
+mod disk;
+
+pub use disk::{LoopDisk, TempMount};
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -78,6 +85,39 @@ pub fn guest_image() -> (PathBuf, PathBuf) {
         dir.display()
     );
     (kernel, initrd)
+}
+
+/// Builds the guest image with `guest/build-image.sh` when it is missing
+/// (CI builds it before the tests; a stale image is not detected here:
+/// rerun the script after changing the agent). One build at a time across
+/// all test processes. The nested cargo build gets its own target dir, as
+/// the outer `cargo test` may hold the lock on the usual one.
+pub fn ensure_guest_image() {
+    let dir = guest_image_dir();
+    let ready = || dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file();
+    if ready() {
+        return;
+    }
+    std::fs::create_dir_all(SLOT_DIR).expect("create vm slot dir");
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(Path::new(SLOT_DIR).join("image-build.lock"))
+        .expect("open image build lock");
+    flock(&lock, FlockOperation::LockExclusive).expect("lock image build");
+    if ready() {
+        return;
+    }
+    let root = workspace_root();
+    let status = std::process::Command::new(root.join("guest/build-image.sh"))
+        .arg("--out")
+        .arg(&dir)
+        .env("CARGO_TARGET_DIR", root.join("target/guest-agent-build"))
+        .stdin(std::process::Stdio::null())
+        .status()
+        .expect("run guest/build-image.sh");
+    assert!(status.success(), "guest/build-image.sh failed");
 }
 
 /// Panics unless running as root: the real-device tests need loop devices

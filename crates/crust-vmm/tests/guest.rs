@@ -13,6 +13,7 @@ use crust_agent_proto::{
     ErrorCode, FsGroupPolicy, FsType, MountVolume, StartWorkload, WorkloadMount, WorkloadState,
     WorkloadUser, frame,
 };
+use crust_testkit::LoopDisk;
 use crust_vmm::{DiskSpec, Vm, VmConfig, VmError};
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
@@ -45,12 +46,11 @@ fn chown(p: &std::path::Path, uid: u32, gid: u32) {
 async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     crust_testkit::require_root();
     let work = tempfile::tempdir().unwrap();
-    let ext = LoopDev::new(work.path(), "ext.img", 256 * MIB);
-    let xfs = LoopDev::new(work.path(), "xfs.img", 512 * MIB);
-    run("mkfs.ext4", &["-q", "-F", ext.dev_str()]);
-    run("mkfs.xfs", &["-q", "-f", xfs.dev_str()]);
+    let ext = LoopDisk::new(work.path().join("ext.img"), 256 * MIB);
+    let xfs = LoopDisk::new(work.path().join("xfs.img"), 512 * MIB);
+    mkfs_tool_defaults(&ext, &xfs);
     {
-        let m = HostMount::new(&ext.dev, "rw");
+        let m = ext.mount_temp(&[], false);
         let r = m.path();
         chmod(r, 0o755);
         std::fs::create_dir_all(r.join("fsg/dir")).unwrap();
@@ -64,7 +64,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         symlink("../../..", r.join("escape2")).unwrap();
     }
     {
-        let m = HostMount::new(&xfs.dev, "rw");
+        let m = xfs.mount_temp(&[], false);
         let r = m.path();
         chown(r, 0, 3000);
         chmod(r, 0o2770);
@@ -76,8 +76,8 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     let g = Guest::boot(
         "vols",
         vec![
-            disk("ext", &ext.dev, "crust-ext"),
-            disk("xfs", &xfs.dev, "crust-xfs"),
+            disk("ext", ext.dev(), "crust-ext"),
+            disk("xfs", xfs.dev(), "crust-xfs"),
         ],
     )
     .await;
@@ -392,7 +392,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         .await
         .expect("QEMU exits");
     assert!(exit.success(), "{exit:?}");
-    let m = HostMount::new(&ext.dev, "ro,noload");
+    let m = ext.mount_temp(&["noload"], true);
     let out = m.path().join("app/data/out.txt");
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "hello-from-guest\n");
     let md = std::fs::metadata(&out).unwrap();
@@ -407,10 +407,9 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
 async fn hotplug_health_and_channel_robustness() {
     crust_testkit::require_root();
     let work = tempfile::tempdir().unwrap();
-    let ext = LoopDev::new(work.path(), "hp-ext.img", 128 * MIB);
-    let xfs = LoopDev::new(work.path(), "hp-xfs.img", 400 * MIB);
-    run("mkfs.ext4", &["-q", "-F", ext.dev_str()]);
-    run("mkfs.xfs", &["-q", "-f", xfs.dev_str()]);
+    let ext = LoopDisk::new(work.path().join("hp-ext.img"), 128 * MIB);
+    let xfs = LoopDisk::new(work.path().join("hp-xfs.img"), 400 * MIB);
+    mkfs_tool_defaults(&ext, &xfs);
 
     let g = Guest::boot("hotplug", vec![]).await;
     let a = &g.agent;
@@ -433,8 +432,8 @@ async fn hotplug_health_and_channel_robustness() {
     ));
 
     let mut qmp = Qmp::connect(g.vm.qmp_socket()).await;
-    let d_ext = disk("hpext", &ext.dev, "crust-hp-ext");
-    let d_xfs = disk("hpxfs", &xfs.dev, "crust-hp-xfs");
+    let d_ext = disk("hpext", ext.dev(), "crust-hp-ext");
+    let d_xfs = disk("hpxfs", xfs.dev(), "crust-hp-xfs");
     for (d, port) in [(&d_ext, &ports[0]), (&d_xfs, &ports[1])] {
         qmp.execute("blockdev-add", d.blockdev_add_args())
             .await
@@ -494,7 +493,7 @@ async fn hotplug_health_and_channel_robustness() {
     // A read-only disk on the freed port: only a read-only mount works.
     let d_ro = DiskSpec {
         readonly: true,
-        ..disk("hpro", &xfs.dev, "crust-hp-ro")
+        ..disk("hpro", xfs.dev(), "crust-hp-ro")
     };
     qmp.execute("blockdev-add", d_ro.blockdev_add_args())
         .await

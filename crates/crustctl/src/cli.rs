@@ -14,8 +14,11 @@ use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, a
 
 use crate::bench::{self, BenchConfig, Limit, Scenario};
 use crate::client::{ConnectError, Csi};
+use crate::demo::{DemoConfig, run_demo};
+use crate::flow::{DeferVia, Flow, FlowConfig, StepReport, Workload};
 use crate::fmt::{OutputFormat, Render, render};
 use crate::parse::{KeyValue, parse_duration, parse_key_value, parse_size, to_map};
+use crate::runtime_cli::RuntimeCli;
 
 /// Exit code for errors reported by the driver or the connection.
 pub const EXIT_FAILURE: u8 = 1;
@@ -70,8 +73,229 @@ pub enum Command {
     /// Node service RPCs (including the KEP-2857 deferral fields).
     #[command(subcommand)]
     Node(NodeCmd),
-    /// Load-test a CSI endpoint with standard CSI calls.
+    /// Load-test a CSI endpoint with standard CSI calls (or, with
+    /// --deferred, the deferred stats/expand paths of one running pod).
     Bench(BenchArgs),
+    /// Play kubelet for one pod: create, stage, publish with deferral, run
+    /// the pod in the VM runtime, stats, expand, stop, unpublish, unstage,
+    /// delete; each step reported as it happens.
+    Flow(FlowArgs),
+    /// Run the whole stack from nothing (as root): pool, plugin, guest,
+    /// one pod through the flow, and a check that nothing is left behind.
+    Demo(DemoArgs),
+}
+
+/// Where the VM runtime is and how it runs.
+#[derive(Debug, Clone, Args)]
+pub struct RuntimeArgs {
+    /// The crust-runtime binary [default: next to crustctl, else on PATH].
+    #[arg(long = "runtime", value_name = "PATH")]
+    pub runtime_bin: Option<PathBuf>,
+    /// The runtime's sandbox state dir [default: the runtime's].
+    #[arg(long, value_name = "DIR")]
+    pub runtime_root: Option<PathBuf>,
+    /// KEP-2857 hand-off root the runtime reads [default: the runtime's].
+    #[arg(long, value_name = "DIR")]
+    pub crust_root: Option<PathBuf>,
+    /// Kata direct-volumes root the runtime reads [default: the runtime's].
+    #[arg(long, value_name = "DIR")]
+    pub kata_root: Option<PathBuf>,
+    /// Guest kernel [default: the runtime's].
+    #[arg(long, value_name = "PATH")]
+    pub guest_kernel: Option<PathBuf>,
+    /// Guest initramfs [default: next to the kernel].
+    #[arg(long, value_name = "PATH")]
+    pub guest_initrd: Option<PathBuf>,
+    /// QEMU acceleration: tcg, kvm or auto [default: the runtime's].
+    #[arg(long, value_parser = ["tcg", "kvm", "auto"])]
+    pub accel: Option<String>,
+    /// Bound on each runtime command (create boots a guest).
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    pub runtime_timeout: Duration,
+}
+
+impl RuntimeArgs {
+    pub fn build(&self) -> RuntimeCli {
+        let mut r = RuntimeCli::new(
+            self.runtime_bin
+                .clone()
+                .unwrap_or_else(RuntimeCli::default_bin),
+        );
+        r.root = self.runtime_root.clone();
+        r.crust_root = self.crust_root.clone();
+        r.kata_root = self.kata_root.clone();
+        r.guest_kernel = self.guest_kernel.clone();
+        r.guest_initrd = self.guest_initrd.clone();
+        r.accel = self.accel.clone();
+        r.timeout = self.runtime_timeout;
+        r
+    }
+}
+
+/// The pod and its volume (shared by `flow` and `bench --deferred`).
+#[derive(Debug, Clone, Args)]
+pub struct PodArgs {
+    /// Work dir: kubelet's root is <work-dir>/kubelet, bundles go to
+    /// <work-dir>/bundles [default: a fresh /var/tmp/crust-flow-<pid>,
+    /// removed afterwards].
+    #[arg(long, value_name = "DIR")]
+    pub work_dir: Option<PathBuf>,
+    /// Driver name in kubelet's staging path [default: GetPluginInfo's].
+    #[arg(long)]
+    pub driver_name: Option<String>,
+    /// CreateVolume name [default: pvc-<uuid>].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// PV name in the publish path [default: the volume name].
+    #[arg(long)]
+    pub pv_name: Option<String>,
+    /// Pod UID in the publish path [default: a random UUID].
+    #[arg(long)]
+    pub pod_uid: Option<String>,
+    /// Sandbox (container) id for the runtime [default: crust-pod-<8 hex>].
+    #[arg(long)]
+    pub sandbox_id: Option<String>,
+    /// Volume size.
+    #[arg(long, default_value = "256Mi", value_parser = parse_size)]
+    pub size: u64,
+    /// Filesystem type.
+    #[arg(long, default_value = "ext4")]
+    pub fs_type: String,
+    /// Mount flag for the filesystem (repeatable).
+    #[arg(long = "mount-flag", value_name = "FLAG")]
+    pub mount_flags: Vec<String>,
+    /// The pod's fsGroup (sent as volume_supplemental_group).
+    #[arg(long, value_name = "GID")]
+    pub fs_group: Option<u32>,
+    /// The pod's fsGroupChangePolicy.
+    #[arg(long, value_enum, ignore_case = true, requires = "fs_group")]
+    pub fs_group_change_policy: Option<ChangePolicy>,
+    /// How deferral is asked for: request (defer_fs_ops), storage-class
+    /// (parameter deferFsOps=true in the volume context) or none.
+    #[arg(long, value_enum, default_value_t = DeferVia::Request)]
+    pub defer_via: DeferVia,
+    /// CreateVolume parameter (repeatable).
+    #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub params: Vec<KeyValue>,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+}
+
+impl PodArgs {
+    fn flow_config(&self, work_dir: PathBuf) -> Result<FlowConfig, CliError> {
+        let mut f = FlowConfig::new(work_dir, self.runtime.build());
+        f.driver_name = self.driver_name.clone();
+        if let Some(n) = &self.name {
+            f.volume_name = n.clone();
+        }
+        f.pv_name = self.pv_name.clone();
+        if let Some(u) = &self.pod_uid {
+            check_name("--pod-uid", u)?;
+            f.pod_uid = u.clone();
+        }
+        if let Some(i) = &self.sandbox_id {
+            check_name("--sandbox-id", i)?;
+            f.sandbox_id = i.clone();
+        }
+        if let Some(p) = &self.pv_name {
+            check_name("--pv-name", p)?;
+        }
+        check_name("--name", &f.volume_name)?;
+        f.size = self.size;
+        f.fs_type = self.fs_type.clone();
+        f.mount_flags = self.mount_flags.clone();
+        f.fs_group = self.fs_group;
+        f.change_policy = self.fs_group_change_policy;
+        f.defer_via = self.defer_via;
+        f.params = map(&self.params, "--param")?;
+        if f.defer_via == DeferVia::None && f.fs_group.is_some() {
+            return Err(CliError::Usage(
+                "--fs-group is sent as volume_supplemental_group, which needs deferral".into(),
+            ));
+        }
+        Ok(f)
+    }
+}
+
+/// A path component kubelet would accept.
+fn check_name(flag: &str, v: &str) -> Result<(), CliError> {
+    if v.is_empty() || v == "." || v == ".." || v.contains('/') || v.contains('\0') || v.len() > 253
+    {
+        return Err(CliError::Usage(format!(
+            "{flag} {v:?}: must be a single non-empty path component"
+        )));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FlowArgs {
+    #[command(flatten)]
+    pub pod: PodArgs,
+    /// Expand the volume to this size while the pod runs.
+    #[arg(long, default_value = "512Mi", value_parser = parse_size, conflicts_with = "no_expand")]
+    pub expand_to: u64,
+    /// Skip ControllerExpandVolume/NodeExpandVolume.
+    #[arg(long)]
+    pub no_expand: bool,
+    /// The container's volumeMount subPath (the runtime resolves it in the guest).
+    #[arg(long)]
+    pub sub_path: Option<String>,
+    /// Container environment entry (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Container working directory.
+    #[arg(long, default_value = "/")]
+    pub cwd: String,
+    /// Keep the volume (and its data): no DeleteVolume at the end.
+    #[arg(long)]
+    pub keep_volume: bool,
+    /// Shell command run in the guest before the pod stops; its output
+    /// goes into the report (e.g. 'cat /data/out.txt').
+    #[arg(long, value_name = "SCRIPT")]
+    pub collect: Option<String>,
+    /// Stop after NodePublishVolume: leave the hand-off record unconsumed
+    /// (no sandbox; stats and expansion are skipped).
+    #[arg(long, conflicts_with_all = ["collect", "sub_path"])]
+    pub no_sandbox: bool,
+    /// The workload [default: append `date` to /data/out.txt every second].
+    #[arg(last = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Work dir (empty or new) [default: a fresh /var/tmp/crust-demo-<pid>].
+    #[arg(long, value_name = "DIR")]
+    pub work_dir: Option<PathBuf>,
+    /// Keep the work dir (pool files, logs) afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// The crust-csi binary [default: next to crustctl].
+    #[arg(long, value_name = "PATH")]
+    pub crust_csi: Option<PathBuf>,
+    /// The crust-runtime binary [default: next to crustctl].
+    #[arg(long = "runtime", value_name = "PATH")]
+    pub runtime_bin: Option<PathBuf>,
+    /// Guest image dir (vmlinuz, initramfs.cpio.gz), built there if missing
+    /// [default: $CRUST_GUEST_DIR, <exe>/../guest-image or <checkout>/target/guest-image].
+    #[arg(long, value_name = "DIR")]
+    pub guest_dir: Option<PathBuf>,
+    /// QEMU acceleration: tcg, kvm or auto [default: the runtime's].
+    #[arg(long, value_parser = ["tcg", "kvm", "auto"])]
+    pub accel: Option<String>,
+    /// Volume size.
+    #[arg(long, default_value = "256Mi", value_parser = parse_size)]
+    pub size: u64,
+    /// Size after the online expansion.
+    #[arg(long, default_value = "512Mi", value_parser = parse_size)]
+    pub expand_to: u64,
+    /// Filesystem type.
+    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    pub fs_type: String,
+    /// The pool's capacity.
+    #[arg(long, default_value = "2Gi", value_parser = parse_size)]
+    pub pool_capacity: u64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -499,6 +723,20 @@ pub struct BenchArgs {
     /// Attempts per cleanup call before giving up on it.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub cleanup_retries: u32,
+    /// Deferred mode: set up one pod with `flow` (stage, deferred publish,
+    /// sandbox) and measure deferred NodeGetVolumeStats and
+    /// ControllerExpandVolume+NodeExpandVolume instead of --scenarios.
+    #[arg(long, conflicts_with_all = ["scenarios", "stats_volumes", "defer_fs_ops", "staging_dir", "target_dir"])]
+    pub deferred: bool,
+    /// Deferred mode: bytes added by each expansion.
+    #[arg(long, default_value = "4Mi", value_parser = parse_size, requires = "deferred")]
+    pub expand_step: u64,
+    /// Deferred mode: work dir (kubelet root, bundles) [default: a fresh
+    /// /var/tmp/crust-bench-<pid>, removed afterwards].
+    #[arg(long, value_name = "DIR", requires = "deferred")]
+    pub work_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
 }
 
 /// Why a command failed; [`CliError::exit_code`] maps it to the process
@@ -605,7 +843,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Controller(cmd) => controller(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Node(cmd) => node(&cli.endpoint, cli.timeout, cmd, out).await?,
+        Command::Bench(args) if args.deferred => {
+            return bench_deferred_cmd(&cli.endpoint, cli.timeout, args, out).await;
+        }
         Command::Bench(args) => return bench_cmd(&cli.endpoint, cli.timeout, args, out).await,
+        Command::Flow(args) => return flow_cmd(&cli.endpoint, cli.timeout, args, out).await,
+        Command::Demo(args) => return demo_cmd(cli.timeout, args, out).await,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -1079,6 +1322,243 @@ async fn bench_cmd(
     });
     let report = bench::run_bench(&c, config, stop_rx).await;
     signals.abort();
+    let report = report?;
+    emit(out, &report, "");
+    if !report.cleanup.leftovers.is_empty() {
+        eprintln!(
+            "error: cleanup left {} item(s) behind (listed in the report)",
+            report.cleanup.leftovers.len()
+        );
+        return Ok(ExitCode::from(EXIT_FAILURE));
+    }
+    if report.interrupted {
+        return Ok(ExitCode::from(EXIT_INTERRUPTED));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Step lines as they happen: stdout for text, stderr when stdout is JSON.
+fn progress_printer(out: OutputFormat) -> crate::flow::Progress {
+    std::sync::Arc::new(move |s: &StepReport| match out {
+        OutputFormat::Text => println!("{}", s.line()),
+        OutputFormat::Json => eprintln!("{}", s.line()),
+    })
+}
+
+/// First Ctrl-C/SIGTERM: stop and tear down. Second: leave now.
+fn stop_on_signals() -> (
+    tokio::sync::watch::Receiver<bool>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let signals = tokio::spawn(async move {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        interrupted(&mut term).await;
+        eprintln!("interrupted: tearing down (interrupt again to abort the teardown)");
+        let _ = stop_tx.send(true);
+        interrupted(&mut term).await;
+        eprintln!("teardown aborted; resources may be left behind");
+        std::process::exit(EXIT_INTERRUPTED as i32);
+    });
+    (stop_rx, signals)
+}
+
+/// The given work dir (created if missing) or a fresh
+/// `/var/tmp/<prefix>-<pid>`; says whether we created it.
+fn work_dir(given: Option<PathBuf>, prefix: &str) -> Result<(PathBuf, bool), CliError> {
+    let dir =
+        given.unwrap_or_else(|| PathBuf::from(format!("/var/tmp/{prefix}-{}", std::process::id())));
+    if !dir.is_absolute() {
+        return Err(CliError::Usage(format!(
+            "--work-dir {}: must be an absolute path",
+            dir.display()
+        )));
+    }
+    if dir.is_dir() {
+        return Ok((dir, false));
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| CliError::Usage(format!("cannot create {}: {e}", dir.display())))?;
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+    Ok((dir, true))
+}
+
+/// Removes a work dir we created, if the flow left it empty.
+fn drop_work_dir(dir: &std::path::Path, made: bool) {
+    if made && let Err(e) = std::fs::remove_dir(dir) {
+        eprintln!("warning: work dir {} not removed: {e}", dir.display());
+    }
+}
+
+async fn flow_cmd(
+    ep: &Endpoint,
+    timeout: Duration,
+    a: FlowArgs,
+    out: OutputFormat,
+) -> Result<ExitCode, CliError> {
+    if let Some(sp) = &a.sub_path
+        && (sp.is_empty()
+            || sp.starts_with('/')
+            || sp.split('/').any(|c| c == "..")
+            || sp.contains('\0'))
+    {
+        return Err(CliError::Usage(format!(
+            "--sub-path {sp:?}: must be a relative path without '..'"
+        )));
+    }
+    if a.sub_path.is_some() && a.pod.defer_via == DeferVia::None {
+        return Err(CliError::Usage(
+            "--sub-path is resolved by the VM runtime in the guest; it needs deferral".into(),
+        ));
+    }
+    if !a.no_expand && a.expand_to <= a.pod.size {
+        return Err(CliError::Usage(format!(
+            "--expand-to ({}) must be larger than --size ({}); or use --no-expand",
+            a.expand_to, a.pod.size
+        )));
+    }
+    let c = Csi::connect(ep, timeout).await?;
+    let (work, made) = work_dir(a.pod.work_dir.clone(), "crust-flow")?;
+    let mut cfg = match a.pod.flow_config(work.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            drop_work_dir(&work, made);
+            return Err(e);
+        }
+    };
+    cfg.expand_to = (!a.no_expand).then_some(a.expand_to);
+    cfg.sub_path = a.sub_path;
+    if !a.command.is_empty() {
+        cfg.workload.args = a.command;
+    }
+    cfg.workload.env = a.env;
+    cfg.workload.cwd = a.cwd;
+    cfg.keep_volume = a.keep_volume;
+    cfg.collect = a.collect;
+    cfg.start_sandbox = !a.no_sandbox;
+    let (stop, signals) = stop_on_signals();
+    let report = Flow::new(cfg, c, progress_printer(out))
+        .with_stop(stop.clone())
+        .run()
+        .await;
+    signals.abort();
+    drop_work_dir(&work, made);
+    emit(out, &report, "");
+    if *stop.borrow() {
+        return Ok(ExitCode::from(EXIT_INTERRUPTED));
+    }
+    if !report.ok {
+        if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
+            eprintln!("error: {s} failed: {e}");
+        }
+        return Ok(ExitCode::from(EXIT_FAILURE));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn demo_cmd(timeout: Duration, a: DemoArgs, out: OutputFormat) -> Result<ExitCode, CliError> {
+    if a.expand_to <= a.size {
+        return Err(CliError::Usage(format!(
+            "--expand-to ({}) must be larger than --size ({})",
+            a.expand_to, a.size
+        )));
+    }
+    if a.expand_to > a.pool_capacity {
+        return Err(CliError::Usage(format!(
+            "--expand-to ({}) does not fit the pool (--pool-capacity {})",
+            a.expand_to, a.pool_capacity
+        )));
+    }
+    let cfg = DemoConfig {
+        work_dir: a.work_dir,
+        keep: a.keep,
+        crust_csi: a.crust_csi,
+        runtime_bin: a.runtime_bin,
+        guest_dir: a.guest_dir,
+        accel: a.accel,
+        size: a.size,
+        expand_to: a.expand_to,
+        fs_type: a.fs_type,
+        pool_capacity: a.pool_capacity,
+        rpc_timeout: timeout.max(Duration::from_secs(120)),
+        ..DemoConfig::default()
+    };
+    let (stop, signals) = stop_on_signals();
+    if out == OutputFormat::Text {
+        println!("crust demo: one pod with a deferred volume, end to end\n");
+    }
+    let report = run_demo(cfg, progress_printer(out), stop.clone()).await;
+    signals.abort();
+    emit(out, &report, "");
+    if *stop.borrow() {
+        return Ok(ExitCode::from(EXIT_INTERRUPTED));
+    }
+    if !report.ok {
+        if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
+            eprintln!("error: {s} failed: {e}");
+        }
+        return Ok(ExitCode::from(EXIT_FAILURE));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn bench_deferred_cmd(
+    ep: &Endpoint,
+    timeout: Duration,
+    a: BenchArgs,
+    out: OutputFormat,
+) -> Result<ExitCode, CliError> {
+    if a.cap.block {
+        return Err(CliError::Usage(
+            "--deferred hands a filesystem to the runtime; --block does not apply".into(),
+        ));
+    }
+    let limit = match (a.duration, a.ops) {
+        (Some(d), _) => Limit::Duration(d),
+        (None, Some(n)) => Limit::Ops(n),
+        (None, None) => Limit::Ops(100),
+    };
+    let c = Csi::connect(ep, timeout).await?;
+    let (work, made) = work_dir(a.work_dir.clone(), "crust-bench")?;
+    let mut f = FlowConfig::new(work.clone(), a.runtime.build());
+    let run = bench::new_run_id();
+    f.volume_name = run.clone();
+    f.sandbox_id = run;
+    f.size = a.size;
+    f.fs_type = a.cap.fs_type.clone().unwrap_or_else(|| "ext4".into());
+    f.mount_flags = a.cap.mount_flags.clone();
+    f.fs_group = a.cap.supplemental_group;
+    f.change_policy = a.cap.supplemental_group_change_policy;
+    f.params = match map(&a.params, "--param") {
+        Ok(p) => p,
+        Err(e) => {
+            drop_work_dir(&work, made);
+            return Err(e);
+        }
+    };
+    f.workload = Workload {
+        args: vec![
+            "sh".into(),
+            "-c".into(),
+            "trap 'exit 0' TERM; while true; do sleep 1; done".into(),
+        ],
+        ..Workload::default()
+    };
+    let cfg = bench::deferred::DeferredConfig {
+        flow: f,
+        concurrency: a.concurrency as usize,
+        limit,
+        expand_step: a.expand_step,
+    };
+    let (stop, signals) = stop_on_signals();
+    // Set-up and teardown steps go to stderr: stdout is the table.
+    let progress: crate::flow::Progress =
+        std::sync::Arc::new(|s: &StepReport| eprintln!("{}", s.line()));
+    let report = bench::deferred::run_deferred(&c, cfg, progress, stop).await;
+    signals.abort();
+    drop_work_dir(&work, made);
     let report = report?;
     emit(out, &report, "");
     if !report.cleanup.leftovers.is_empty() {

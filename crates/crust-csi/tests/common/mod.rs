@@ -138,6 +138,8 @@ pub struct TestNode {
     pub state: PathBuf,
     pub pool: PathBuf,
     pub extra: Vec<String>,
+    /// Environment of the plugin process.
+    pub env: Vec<(String, String)>,
     /// `--health-ttl`; tests use 0s so every condition is fresh.
     pub health_ttl: String,
     starts: usize,
@@ -154,13 +156,20 @@ impl TestNode {
     }
 
     pub fn build(extra: &[&str], health_ttl: &str) -> TestNode {
+        let mut n = Self::unstarted(extra, health_ttl);
+        n.start();
+        n
+    }
+
+    /// The node's directories and guards, plugin not started yet.
+    pub fn unstarted(extra: &[&str], health_ttl: &str) -> TestNode {
         crust_testkit::require_root();
         let dir = tempfile::Builder::new()
             .prefix("crust-csi-test")
             .tempdir_in("/tmp")
             .unwrap();
         let cleanup = NodeCleanup::new(dir.path());
-        let mut n = TestNode {
+        TestNode {
             plugin: None,
             cleanup,
             socket: dir.path().join("sock/csi.sock"),
@@ -168,11 +177,61 @@ impl TestNode {
             pool: dir.path().join("pool"),
             dir,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
             health_ttl: health_ttl.to_string(),
             starts: 0,
-        };
+        }
+    }
+
+    /// A node with deferral enabled: hand-off roots under the node's
+    /// tempdir, `layout` (crust | kata | both), the runtime CLI map of
+    /// `crust-test-runtime-cli` at [`TestNode::cli_map`], plus `more` flags.
+    pub fn deferral(layout: &str, more: &[&str]) -> TestNode {
+        let mut n = Self::deferral_unstarted(layout, more);
         n.start();
         n
+    }
+
+    /// [`TestNode::deferral`] before the plugin starts (to add flags that
+    /// name the node's directories).
+    pub fn deferral_unstarted(layout: &str, more: &[&str]) -> TestNode {
+        let mut n = Self::unstarted(&["--pool-capacity", "20Gi"], "0s");
+        let crust = n.crust_root();
+        let kata = n.kata_root();
+        n.extra.extend(
+            [
+                "--deferral",
+                "enabled",
+                "--handoff-layout",
+                layout,
+                "--crust-root",
+                crust.to_str().unwrap(),
+                "--kata-root",
+                kata.to_str().unwrap(),
+            ]
+            .iter()
+            .chain(more)
+            .map(|s| s.to_string()),
+        );
+        let map = n.cli_map();
+        n.env.push((
+            "CRUST_TEST_CLI_MAP".into(),
+            map.to_str().unwrap().to_string(),
+        ));
+        n
+    }
+
+    pub fn crust_root(&self) -> PathBuf {
+        self.path("handoff/crust")
+    }
+
+    pub fn kata_root(&self) -> PathBuf {
+        self.path("handoff/kata")
+    }
+
+    /// The JSON map `crust-test-runtime-cli` answers from.
+    pub fn cli_map(&self) -> PathBuf {
+        self.path("cli-map.json")
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -204,6 +263,7 @@ impl TestNode {
             .arg("--health-ttl")
             .arg(&self.health_ttl)
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("CRUST_CSI_LOG_LEVEL", "debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null());
@@ -463,4 +523,146 @@ pub fn dev_size(p: &Path) -> u64 {
 /// statvfs total bytes.
 pub fn fs_total(p: &Path) -> u64 {
     crust_blockdev::usage(p).unwrap().bytes_total
+}
+
+/// The `crust-test-runtime-cli` binary of crust-ops (a runtime CLI that
+/// answers `crust stats|resize` from a real mounted filesystem), built
+/// into this test's target directory and profile on first use: cargo
+/// builds only this package's binaries for its tests.
+pub fn runtime_cli() -> PathBuf {
+    static CLI: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    CLI.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        // target/<profile>/deps/<test> -> target/<profile>
+        let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+        let target_dir = profile_dir.parent().unwrap();
+        let bin = profile_dir.join("crust-test-runtime-cli");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "-p", "crust-ops"])
+            .args(["--bin", "crust-test-runtime-cli", "--target-dir"])
+            .arg(target_dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdin(Stdio::null());
+        match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") => {}
+            Some("release") => {
+                cmd.arg("--release");
+            }
+            Some(other) => {
+                cmd.args(["--profile", other]);
+            }
+            None => panic!("cannot tell the build profile from {}", exe.display()),
+        }
+        match cmd.output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => assert!(
+                bin.is_file(),
+                "building crust-test-runtime-cli failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            Err(e) => assert!(
+                bin.is_file(),
+                "cannot run cargo ({e}) and {} is not built",
+                bin.display()
+            ),
+        }
+        assert!(bin.is_file(), "{} was not built", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// A filesystem mounted on the host where a sandbox's guest would mount
+/// it (the tests play the runtime); unmounted on drop.
+pub struct GuestMount {
+    pub dir: PathBuf,
+    mounted: bool,
+}
+
+impl GuestMount {
+    pub fn new(device: &Path, dir: &Path, fs: &str) -> GuestMount {
+        std::fs::create_dir_all(dir).unwrap();
+        rustix::mount::mount(device, dir, fs, rustix::mount::MountFlags::empty(), None)
+            .unwrap_or_else(|e| panic!("mount {} on {}: {e}", device.display(), dir.display()));
+        GuestMount {
+            dir: dir.to_path_buf(),
+            mounted: true,
+        }
+    }
+
+    /// Like the runtime at sandbox stop.
+    pub fn unmount(&mut self) {
+        if self.mounted {
+            crust_blockdev::unmount(&self.dir).unwrap();
+            self.mounted = false;
+        }
+    }
+}
+
+impl Drop for GuestMount {
+    fn drop(&mut self) {
+        if self.mounted && crust_blockdev::unmount(&self.dir).is_err() {
+            let _ = rustix::mount::unmount(&self.dir, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+/// The CRUST-layout store at `root`, as a runtime opens it.
+pub fn crust_store(root: &Path) -> crust_handoff::Store {
+    crust_handoff::Store::new(
+        crust_handoff::Layout::Crust,
+        root,
+        crust_handoff::Policy::default(),
+    )
+    .unwrap()
+}
+
+/// What a runtime does when it consumes a deferred volume: claims it for
+/// its sandbox and records the CLI that serves stats and resize.
+pub fn consume(root: &Path, target: &str, sandbox: &str, cli: &Path) {
+    let store = crust_store(root);
+    store.claim(target, sandbox, |_| true).unwrap();
+    store
+        .set_runtime_cli(target, cli.to_str().unwrap())
+        .unwrap();
+}
+
+/// The address the plugin logged for its metrics endpoint.
+pub fn metrics_address(node: &TestNode) -> std::net::SocketAddr {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = node.plugin.as_ref().expect("running").stderr();
+        if let Some(rest) = log.split("metrics endpoint listening on http://").nth(1) {
+            let addr = rest.split("/metrics").next().unwrap();
+            return addr.parse().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no metrics address in the log: {log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `GET <path>` over a plain TCP connection: (status line, body).
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("HTTP response");
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// The value of an un-labelled or fully labelled sample in metrics text.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.trim().parse().unwrap())
 }

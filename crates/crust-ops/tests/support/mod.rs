@@ -1,10 +1,9 @@
-//! Real resources for the integration tests, each released on drop: a
-//! loop device over a sparse file, an ext4 mount, the crust-ops daemon.
+//! Real resources for the integration tests, each released on drop: the
+//! crust-ops daemon here; loop-backed filesystems and their mounts come from
+//! `crust_testkit::LoopDisk`.
 
 #![allow(dead_code)]
 
-use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -12,145 +11,7 @@ use std::time::{Duration, Instant};
 use crust_proto::endpoint::Endpoint;
 use crust_proto::runtime::v1alpha1 as pb;
 use crust_testkit::ChildGuard;
-use linux_raw_sys::loop_device as ld;
 use pb::runtime_client::RuntimeClient;
-use rustix::ioctl::{Ioctl, IoctlOutput, Opcode};
-
-/// `LOOP_CTL_GET_FREE` returns the device number as the ioctl's result.
-struct GetFree;
-
-unsafe impl Ioctl for GetFree {
-    type Output = u32;
-    const IS_MUTATING: bool = false;
-    fn opcode(&self) -> Opcode {
-        ld::LOOP_CTL_GET_FREE as Opcode
-    }
-    fn as_ptr(&mut self) -> *mut core::ffi::c_void {
-        core::ptr::null_mut()
-    }
-    unsafe fn output_from_ptr(
-        out: IoctlOutput,
-        _: *mut core::ffi::c_void,
-    ) -> rustix::io::Result<u32> {
-        Ok(out as u32)
-    }
-}
-
-/// A loop device over a sparse backing file; detached on drop.
-pub struct LoopDev {
-    pub path: String,
-    pub backing: PathBuf,
-    file: File,
-}
-
-impl LoopDev {
-    pub fn new(backing: &Path, size: u64) -> LoopDev {
-        let f = File::create(backing).unwrap();
-        f.set_len(size).unwrap();
-        drop(f);
-        let backing_file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(backing)
-            .unwrap();
-        let ctl = File::open("/dev/loop-control").unwrap();
-        // Other tests race for free devices: retry on EBUSY.
-        for _ in 0..50 {
-            let n = unsafe { rustix::ioctl::ioctl(&ctl, GetFree) }.unwrap();
-            let path = format!("/dev/loop{n}");
-            let dev = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .unwrap();
-            let mut cfg: ld::loop_config = unsafe { std::mem::zeroed() };
-            cfg.fd = backing_file.as_raw_fd() as u32;
-            cfg.info.lo_flags = ld::LO_FLAGS_AUTOCLEAR as u32;
-            let r = unsafe {
-                rustix::ioctl::ioctl(
-                    &dev,
-                    rustix::ioctl::Setter::<{ ld::LOOP_CONFIGURE as Opcode }, ld::loop_config>::new(
-                        cfg,
-                    ),
-                )
-            };
-            match r {
-                Ok(()) => {
-                    return LoopDev {
-                        path,
-                        backing: backing.to_path_buf(),
-                        file: dev,
-                    };
-                }
-                Err(rustix::io::Errno::BUSY) => continue,
-                Err(e) => panic!("LOOP_CONFIGURE {path}: {e}"),
-            }
-        }
-        panic!("no free loop device");
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = unsafe {
-            rustix::ioctl::ioctl(
-                &self.file,
-                rustix::ioctl::NoArg::<{ ld::LOOP_CLR_FD as Opcode }>::new(),
-            )
-        };
-    }
-}
-
-pub fn mkfs(fs: &str, dev: &str) {
-    let out = match fs {
-        "ext4" => Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-b", "4096", dev])
-            .output(),
-        "xfs" => Command::new("mkfs.xfs").args(["-q", "-f", dev]).output(),
-        other => panic!("no mkfs for {other}"),
-    }
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "mkfs.{fs}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A mount; unmounted (lazily if busy) on drop.
-pub struct Mount {
-    pub dir: PathBuf,
-}
-
-impl Mount {
-    pub fn new(dev: &str, dir: &Path, fs: &str) -> Mount {
-        std::fs::create_dir_all(dir).unwrap();
-        rustix::mount::mount(dev, dir, fs, rustix::mount::MountFlags::empty(), None).unwrap();
-        Mount {
-            dir: dir.to_path_buf(),
-        }
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        if rustix::mount::unmount(&self.dir, rustix::mount::UnmountFlags::empty()).is_err() {
-            let _ = rustix::mount::unmount(&self.dir, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-/// Whether this process may grow a mounted ext4 (EXT4_IOC_RESIZE_FS needs
-/// CAP_SYS_RESOURCE, which some sandboxes drop).
-pub fn has_cap_sys_resource() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
-        .unwrap();
-    eff & (1 << 24) != 0
-}
 
 /// The real `crust-ops` binary on a socket in a tempdir.
 pub struct Daemon {

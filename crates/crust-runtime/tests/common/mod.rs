@@ -1,16 +1,18 @@
-//! Helpers of the runtime's guest tests: temp roots, loop-backed disks,
-//! hand-off records, OCI bundles, and the runtime binary with a wall-clock
-//! limit. Everything is released by guards on drop (also on panic).
+//! Helpers of the runtime's guest tests: temp roots, loop-backed disks
+//! (`crust_testkit::LoopDisk`), hand-off records, OCI bundles, and the
+//! runtime binary with a wall-clock limit. Everything is released by guards
+//! on drop (also on panic).
 
 #![allow(dead_code)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crust_blockdev::{AttachOptions, FsType, LoopGuard, MountGuard};
+use crust_blockdev::FsType;
 use crust_handoff::{Layout, MountInfo, Policy, Store};
+use crust_testkit::LoopDisk;
 pub use rustix::process::Signal;
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -39,7 +41,7 @@ pub struct Env {
 impl Env {
     pub fn new() -> Env {
         crust_testkit::require_root();
-        ensure_guest_image();
+        crust_testkit::ensure_guest_image();
         let (kernel, initrd) = crust_testkit::guest_image();
         let dir = tempfile::Builder::new()
             .prefix("crust-rt-")
@@ -148,6 +150,12 @@ impl Env {
         self.store(layout).stage(target, mi).unwrap();
     }
 
+    /// A sparse `files/<name>` of `size` bytes on a loop device, with a fresh
+    /// `fstype` filesystem. Detached on drop.
+    pub fn disk(&self, name: &str, size: u64, fstype: FsType) -> LoopDisk {
+        LoopDisk::with_fs(self.files.join(name), size, fstype)
+    }
+
     /// Writes `<dir>/<name>/config.json` and returns the bundle dir.
     pub fn bundle(&self, name: &str, args: &[&str], mounts: Vec<Value>) -> PathBuf {
         let dir = self.dir.path().join("bundles").join(name);
@@ -187,33 +195,6 @@ impl Env {
     }
 }
 
-/// Builds the guest image with `guest/build-image.sh` when it is missing
-/// (once across concurrently running test binaries).
-pub fn ensure_guest_image() {
-    let dir = crust_testkit::guest_image_dir();
-    let ready = || dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file();
-    if ready() {
-        return;
-    }
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open("/tmp/crust-guest-image-build.lock")
-        .unwrap();
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
-    if ready() {
-        return;
-    }
-    let script = crust_testkit::workspace_root().join("guest/build-image.sh");
-    let st = Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success(), "{} failed", script.display());
-}
-
 /// An OCI bind mount.
 pub fn bind(destination: &str, source: &str, ro: bool) -> Value {
     let mut opts = vec!["rbind", "rprivate"];
@@ -244,48 +225,6 @@ pub fn run_limited(mut cmd: Command, limit: Duration) -> Output {
             signal(pid, Signal::KILL);
             panic!("{cmd:?} did not finish within {limit:?}");
         }
-    }
-}
-
-/// A sparse file on a loop device with a fresh filesystem. Detached on drop.
-pub struct Disk {
-    pub file: PathBuf,
-    pub dev: LoopGuard,
-    pub fstype: FsType,
-}
-
-impl Disk {
-    pub fn new(env: &Env, name: &str, size: u64, fstype: FsType) -> Disk {
-        let file = env.files.join(name);
-        std::fs::File::create(&file).unwrap().set_len(size).unwrap();
-        let dev = LoopGuard::attach(&file, AttachOptions::default()).unwrap();
-        crust_blockdev::mkfs(dev.path(), fstype).unwrap();
-        Disk { file, dev, fstype }
-    }
-
-    pub fn path(&self) -> &str {
-        self.dev.path().to_str().unwrap()
-    }
-
-    /// Grows the backing file (what a CSI plugin does before NodeExpand).
-    pub fn grow_file(&self, size: u64) {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&self.file)
-            .unwrap()
-            .set_len(size)
-            .unwrap();
-    }
-
-    /// Mounts the filesystem on the host for the duration of `f` (test
-    /// setup and verification only; the runtime never does this).
-    pub fn with_host_mount<R>(&self, readonly: bool, f: impl FnOnce(&Path) -> R) -> R {
-        let mnt = tempfile::tempdir().unwrap();
-        let guard =
-            MountGuard::mount_fs(self.dev.path(), mnt.path(), self.fstype, &[], readonly).unwrap();
-        let r = f(mnt.path());
-        guard.unmount().unwrap();
-        r
     }
 }
 

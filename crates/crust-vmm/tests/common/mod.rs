@@ -1,12 +1,14 @@
-//! Helpers for the guest tests: loop devices, host mounts, a minimal QMP
-//! client, and booting a guest with the real image and agent.
+//! Helpers for the guest tests: formatting, a minimal QMP client, and
+//! booting a guest with the real image and agent. Loop devices and host
+//! mounts come from `crust_testkit::LoopDisk`.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crust_agent_proto::{AgentClient, ClientError, ErrorCode};
+use crust_testkit::LoopDisk;
 use crust_vmm::{Accel, DiskSpec, Vm, VmConfig};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -15,7 +17,15 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 pub const MIB: u64 = 1024 * 1024;
 
-pub fn run(cmd: &str, args: &[&str]) -> String {
+/// Formats with the tools' own defaults, not crust_blockdev::mkfs: that one
+/// makes `errors=remount-ro` the superblock default, and the kernel then
+/// hides the option the tests pass and look for in the guest's mount table.
+pub fn mkfs_tool_defaults(ext4: &LoopDisk, xfs: &LoopDisk) {
+    run("mkfs.ext4", &["-q", "-F", ext4.dev_str()]);
+    run("mkfs.xfs", &["-q", "-f", xfs.dev_str()]);
+}
+
+fn run(cmd: &str, args: &[&str]) {
     let out = Command::new(cmd)
         .args(args)
         .output()
@@ -25,79 +35,6 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
         "{cmd} {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A sparse backing file attached to a loop device; detached on drop.
-pub struct LoopDev {
-    pub file: PathBuf,
-    pub dev: PathBuf,
-}
-
-impl LoopDev {
-    pub fn new(dir: &Path, name: &str, size: u64) -> LoopDev {
-        let file = dir.join(name);
-        let f = std::fs::File::create(&file).unwrap();
-        f.set_len(size).unwrap();
-        drop(f);
-        let dev = run("losetup", &["--find", "--show", file.to_str().unwrap()]);
-        LoopDev {
-            file,
-            dev: PathBuf::from(dev.trim()),
-        }
-    }
-
-    pub fn dev_str(&self) -> &str {
-        self.dev.to_str().unwrap()
-    }
-
-    /// Grows the backing file and makes the loop device see it.
-    pub fn grow(&self, size: u64) {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&self.file)
-            .unwrap()
-            .set_len(size)
-            .unwrap();
-        run("losetup", &["--set-capacity", self.dev_str()]);
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
-    }
-}
-
-/// A host mount in a temp dir; unmounted on drop.
-pub struct HostMount {
-    pub dir: tempfile::TempDir,
-}
-
-impl HostMount {
-    pub fn new(dev: &Path, opts: &str) -> HostMount {
-        let dir = tempfile::tempdir().unwrap();
-        run(
-            "mount",
-            &[
-                "-o",
-                opts,
-                dev.to_str().unwrap(),
-                dir.path().to_str().unwrap(),
-            ],
-        );
-        HostMount { dir }
-    }
-
-    pub fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for HostMount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.dir.path()).status();
-    }
 }
 
 /// Just enough QMP for the tests (the runtime uses crust-qmp).
@@ -162,31 +99,6 @@ impl Qmp {
     }
 }
 
-/// Builds the guest image if it is missing (CI builds it before the tests;
-/// a stale image is not detected here: rerun guest/build-image.sh after
-/// changing the agent). The nested cargo build uses its own target dir:
-/// the outer `cargo test` holds the lock on the usual one.
-pub fn ensure_guest_image() {
-    let dir = crust_testkit::guest_image_dir();
-    if dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file() {
-        return;
-    }
-    std::fs::create_dir_all("/tmp/crust-test-vm-slots").unwrap();
-    let lock = std::fs::File::create("/tmp/crust-test-vm-slots/image-build.lock").unwrap();
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
-    if dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file() {
-        return;
-    }
-    let root = crust_testkit::workspace_root();
-    let status = Command::new(root.join("guest/build-image.sh"))
-        .arg("--out")
-        .arg(&dir)
-        .env("CARGO_TARGET_DIR", root.join("target/guest-agent-build"))
-        .status()
-        .expect("run guest/build-image.sh");
-    assert!(status.success(), "guest/build-image.sh failed");
-}
-
 /// A booted guest with its agent answering.
 pub struct Guest {
     pub agent: AgentClient,
@@ -199,7 +111,7 @@ pub struct Guest {
 
 impl Guest {
     pub async fn boot(name: &str, disks: Vec<DiskSpec>) -> Guest {
-        ensure_guest_image();
+        crust_testkit::ensure_guest_image();
         let slot = crust_testkit::VmSlot::acquire();
         let (kernel, initrd) = crust_testkit::guest_image();
         let run_dir = tempfile::Builder::new()

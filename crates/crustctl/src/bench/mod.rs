@@ -20,6 +20,7 @@
 //! memory, < 1.6% over-estimate); counts are successful calls, errors are
 //! failed calls, ops/s is successful calls over the scenario's wall time.
 
+pub mod deferred;
 pub mod hist;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -51,6 +52,14 @@ pub enum Scenario {
     StagePublishCycle,
     /// NodeGetVolumeStats round robin over published volumes.
     Stats,
+    /// `--deferred`: NodeGetVolumeStats with defer_fs_ops on a volume a
+    /// running sandbox holds (answered by the guest).
+    #[value(skip)]
+    DeferredStats,
+    /// `--deferred`: ControllerExpandVolume + NodeExpandVolume with
+    /// defer_fs_ops in small steps (grown online in the guest).
+    #[value(skip)]
+    DeferredExpand,
 }
 
 impl Scenario {
@@ -59,6 +68,8 @@ impl Scenario {
             Scenario::CreateDelete => "create-delete",
             Scenario::StagePublishCycle => "stage-publish-cycle",
             Scenario::Stats => "stats",
+            Scenario::DeferredStats => "deferred-stats",
+            Scenario::DeferredExpand => "deferred-expand",
         }
     }
 }
@@ -142,6 +153,10 @@ pub enum BenchError {
     Unsupported(String),
     #[error("invalid bench config: {0}")]
     Config(String),
+    /// The deferred mode's volume/sandbox could not be set up (it was
+    /// torn down again).
+    #[error("deferred set-up failed: {0}")]
+    Setup(String),
     #[error("{what} {}: {source}", .path.display())]
     Io {
         what: &'static str,
@@ -1320,6 +1335,16 @@ pub async fn run_bench(
     }
     if matches!(cfg.limit, Limit::Ops(0)) {
         return Err(BenchError::Config("ops must be at least 1".into()));
+    }
+    if let Some(s) = cfg
+        .scenarios
+        .iter()
+        .find(|s| matches!(s, Scenario::DeferredStats | Scenario::DeferredExpand))
+    {
+        return Err(BenchError::Config(format!(
+            "{} runs only in deferred mode (bench::deferred)",
+            s.name()
+        )));
     }
     if cfg.capability.access_type.is_none() || cfg.capability.access_mode.is_none() {
         return Err(BenchError::Config(

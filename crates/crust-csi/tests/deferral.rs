@@ -1,0 +1,1296 @@
+//! KEP-2857 deferred filesystem operations, against the real `crust-csi`
+//! binary (pool backend on real loop devices, real mkfs and mounts, a
+//! unix socket), with crust_ops in process writing real hand-off records
+//! under the node's tempdir. The tests play the pod's runtime: they claim
+//! a record with crust-handoff, record `crust-test-runtime-cli` as its
+//! `runtime-cli`, and mount the device themselves where the guest would.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use crust_proto::csi::v1 as csi;
+use csi::volume_capability::access_mode::Mode;
+use csi::volume_capability::{AccessType, MountVolume};
+use tonic::Code;
+
+const DEFER_KEY: &str = "deferFsOps";
+
+/// A mount capability with KEP-2857 supplemental group fields and flags.
+fn mount_with(fs: &str, group: &str, policy: &str, flags: &[&str]) -> csi::VolumeCapability {
+    mode_cap(
+        AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+            volume_supplemental_group: group.into(),
+            volume_supplemental_group_change_policy: policy.into(),
+            ..Default::default()
+        }),
+        Mode::SingleNodeWriter,
+    )
+}
+
+fn defer_ctx() -> HashMap<String, String> {
+    HashMap::from([(DEFER_KEY.to_string(), "true".to_string())])
+}
+
+/// CreateVolume with the StorageClass parameter `deferFsOps: "true"`;
+/// returns the id and the volume context the CO passes to the node.
+async fn create_deferred(
+    c: &mut Clients,
+    name: &str,
+    bytes: i64,
+    fs: &str,
+) -> (String, HashMap<String, String>) {
+    let mut r = create_req(name, bytes, vec![mount(fs)]);
+    r.parameters.insert(DEFER_KEY.into(), "true".into());
+    let v = c.create(r.clone()).await.unwrap();
+    // idempotent, same context
+    let again = c.create(r).await.unwrap();
+    assert_eq!(again.volume_context, v.volume_context);
+    (v.volume_id, v.volume_context)
+}
+
+async fn stage_ctx(
+    c: &mut Clients,
+    id: &str,
+    staging: &str,
+    cap: csi::VolumeCapability,
+    ctx: &HashMap<String, String>,
+) -> Result<(), tonic::Status> {
+    c.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            volume_capability: Some(cap),
+            volume_context: ctx.clone(),
+            ..Default::default()
+        })
+        .await
+        .map(drop)
+}
+
+#[derive(Clone)]
+struct Pub<'a> {
+    id: &'a str,
+    staging: &'a str,
+    target: &'a str,
+    cap: csi::VolumeCapability,
+    ctx: HashMap<String, String>,
+    defer: bool,
+    readonly: bool,
+}
+
+impl Pub<'_> {
+    async fn send(&self, c: &mut Clients) -> Result<(), tonic::Status> {
+        c.node
+            .node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: self.id.into(),
+                staging_target_path: self.staging.into(),
+                target_path: self.target.into(),
+                volume_capability: Some(self.cap.clone()),
+                readonly: self.readonly,
+                volume_context: self.ctx.clone(),
+                defer_fs_ops: self.defer,
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+}
+
+async fn unpublish_flag(
+    c: &mut Clients,
+    id: &str,
+    target: &str,
+    defer: bool,
+) -> Result<(), tonic::Status> {
+    c.node
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.into(),
+            target_path: target.into(),
+            defer_fs_ops: defer,
+        })
+        .await
+        .map(drop)
+}
+
+async fn stats_flag(
+    c: &mut Clients,
+    id: &str,
+    path: &str,
+    defer: bool,
+) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+    c.node
+        .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            defer_fs_ops: defer,
+            ..Default::default()
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+fn expand_req(
+    id: &str,
+    path: &str,
+    staging: &str,
+    fs: &str,
+    required: i64,
+    defer: bool,
+) -> csi::NodeExpandVolumeRequest {
+    csi::NodeExpandVolumeRequest {
+        volume_id: id.into(),
+        volume_path: path.into(),
+        staging_target_path: staging.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: required,
+            limit_bytes: 0,
+        }),
+        volume_capability: Some(mount(fs)),
+        defer_fs_ops: defer,
+        ..Default::default()
+    }
+}
+
+fn crust_record(node: &TestNode, target: &str) -> PathBuf {
+    node.crust_root().join(crust_handoff::crust_key(target))
+}
+
+fn kata_record(node: &TestNode, target: &str) -> PathBuf {
+    node.kata_root().join(crust_handoff::kata_key(target))
+}
+
+fn mode_of(p: &Path) -> u32 {
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn is_mountpoint(p: &str) -> bool {
+    crust_blockdev::is_mountpoint(Path::new(p)).unwrap()
+}
+
+/// The target of a deferred publication: an empty directory, not a mount.
+#[track_caller]
+fn assert_empty_target(target: &str) {
+    let m = std::fs::symlink_metadata(target).unwrap();
+    assert!(m.is_dir(), "{target} is a directory");
+    assert!(!is_mountpoint(target), "nothing mounted on {target}");
+    assert_eq!(
+        std::fs::read_dir(target).unwrap().count(),
+        0,
+        "{target} is empty"
+    );
+}
+
+/// The single loop device of the node's pool.
+fn the_loop(node: &TestNode) -> crust_blockdev::LoopStatus {
+    let loops = loops_under(node.dir.path());
+    assert_eq!(loops.len(), 1, "{loops:?}");
+    loops.into_iter().next().unwrap()
+}
+
+fn node_caps_of(resp: csi::NodeGetCapabilitiesResponse) -> BTreeSet<i32> {
+    resp.capabilities
+        .into_iter()
+        .filter_map(|c| {
+            c.r#type
+                .map(|csi::node_service_capability::Type::Rpc(r)| r.r#type)
+        })
+        .collect()
+}
+
+async fn node_caps(c: &mut Clients) -> BTreeSet<i32> {
+    node_caps_of(
+        c.node
+            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+}
+
+fn usage(r: &csi::NodeGetVolumeStatsResponse, unit: csi::volume_usage::Unit) -> csi::VolumeUsage {
+    *r.usage
+        .iter()
+        .find(|u| u.unit == unit as i32)
+        .unwrap_or_else(|| panic!("no {unit:?} usage in {r:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defer_capabilities_are_advertised_only_when_enabled() {
+    use csi::node_service_capability::rpc::Type as N;
+    let kep: BTreeSet<i32> = [
+        N::DeferFsOps,
+        N::DeferFsOpsWithSupplementalGroup,
+        N::DeferFsOpsWithSupplementalGroupChangePolicy,
+    ]
+    .into_iter()
+    .map(|t| t as i32)
+    .collect();
+    assert_eq!(kep, BTreeSet::from([7, 8, 9]));
+
+    let on = TestNode::deferral("crust", &[]);
+    let off = TestNode::with_args(&["--deferral", "disabled"]);
+    let with = node_caps(&mut on.clients().await).await;
+    let without = node_caps(&mut off.clients().await).await;
+    for (node, want) in [(&on, "enabled"), (&off, "disabled")] {
+        let info = node
+            .clients()
+            .await
+            .id
+            .get_plugin_info(csi::GetPluginInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            info.manifest.get("deferral").map(String::as_str),
+            Some(want)
+        );
+    }
+    assert!(without.is_disjoint(&kep), "{without:?}");
+    assert_eq!(
+        with,
+        without.union(&kep).copied().collect::<BTreeSet<_>>(),
+        "enabled adds exactly the three KEP capabilities"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn context_deferral_stages_without_mounting_and_publish_writes_the_crust_record() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "ctx-ext4", 64 * MIB, "ext4").await;
+    assert_eq!(ctx.get(DEFER_KEY).map(String::as_str), Some("true"));
+    assert_eq!(ctx.get("fsType").map(String::as_str), Some("ext4"));
+
+    // --- stage: attached and formatted, never mounted ---
+    let staging = node.mkdir("staging/ctx");
+    for _ in 0..2 {
+        stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+            .await
+            .unwrap();
+    }
+    assert!(!is_mountpoint(&staging));
+    assert!(mounts_under(node.dir.path()).is_empty());
+    let lo = the_loop(&node);
+    assert_eq!(
+        crust_blockdev::probe_fs(&lo.path).unwrap().fs_type(),
+        Some(crust_blockdev::FsType::Ext4),
+        "stage formatted the blank volume"
+    );
+    // the staging path is no filesystem to measure on the host
+    assert_code(c.stats(&id, &staging).await, Code::FailedPrecondition);
+
+    // --- publish: the CRUST record, byte-exact; the target stays empty ---
+    let pods = node.mkdir("pods/uid-1/volumes");
+    let target = format!("{pods}/pv-ctx");
+    let p = Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount_with("ext4", "100", "OnRootMismatch", &["noatime"]),
+        ctx: ctx.clone(),
+        defer: false, // today's kubelet: only the volume context says so
+        readonly: false,
+    };
+    for _ in 0..2 {
+        p.send(&mut c).await.unwrap();
+    }
+    let dir = crust_record(&node, &target);
+    let want = format!(
+        r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"100","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
+        lo.path.display()
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("mountInfo.json")).unwrap(),
+        want
+    );
+    assert_eq!(mode_of(&dir), 0o700);
+    assert_eq!(mode_of(&dir.join("mountInfo.json")), 0o600);
+    assert_eq!(std::fs::read_dir(node.crust_root()).unwrap().count(), 1);
+    assert_empty_target(&target);
+    assert!(
+        mounts_under(node.dir.path()).is_empty(),
+        "nothing mounted on the host"
+    );
+    assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition);
+
+    // --- the guest uses the volume ---
+    let mut guest = GuestMount::new(&lo.path, &node.path("guest/ctx"), "ext4");
+    std::fs::write(guest.dir.join("from-guest"), b"written in the sandbox").unwrap();
+    guest.unmount();
+
+    // --- unpublish (no defer_fs_ops: the records know) ---
+    for _ in 0..2 {
+        c.unpublish(&id, &target).await.unwrap();
+    }
+    assert!(!dir.exists(), "hand-off record removed");
+    assert!(!Path::new(&target).exists(), "target removed");
+
+    // --- unstage: refused while a "guest" still holds the device ---
+    let mut guest = GuestMount::new(&lo.path, &node.path("guest/ctx"), "ext4");
+    let s = assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition);
+    assert!(s.message().contains("detach"), "{}", s.message());
+    assert_eq!(the_loop(&node).path, lo.path, "still attached");
+    guest.unmount();
+    for _ in 0..2 {
+        c.unstage(&id, &staging).await.unwrap();
+    }
+    assert!(loops_under(node.dir.path()).is_empty());
+
+    // --- data survives restage + republish to another pod ---
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let target2 = format!("{}/pv-ctx", node.mkdir("pods/uid-2/volumes"));
+    Pub {
+        target: &target2,
+        cap: mount("ext4"),
+        ..p.clone()
+    }
+    .send(&mut c)
+    .await
+    .unwrap();
+    let lo2 = the_loop(&node);
+    assert_eq!(
+        std::fs::read_to_string(crust_record(&node, &target2).join("mountInfo.json")).unwrap(),
+        format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
+            lo2.path.display()
+        )
+    );
+    let mut guest = GuestMount::new(&lo2.path, &node.path("guest/ctx"), "ext4");
+    assert_eq!(
+        std::fs::read(guest.dir.join("from-guest")).unwrap(),
+        b"written in the sandbox"
+    );
+    guest.unmount();
+    c.unpublish(&id, &target2).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+    assert!(
+        std::fs::read_dir(node.crust_root())
+            .unwrap()
+            .next()
+            .is_none()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_deferral_unmounts_the_staging_mount_and_a_host_publish_remounts_it() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    // an ordinary volume: no deferFsOps in its context
+    let v = c
+        .create(create_req("req", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap();
+    let id = v.volume_id;
+    assert!(!v.volume_context.contains_key(DEFER_KEY));
+    let staging = node.mkdir("staging/req");
+    let pods = node.mkdir("pods");
+    let (t1, t2, t3) = (
+        format!("{pods}/host1"),
+        format!("{pods}/sandbox"),
+        format!("{pods}/host2"),
+    );
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert!(is_mountpoint(&staging));
+    c.publish(&id, &staging, &t1, mount("ext4"), false)
+        .await
+        .unwrap();
+    std::fs::write(format!("{t1}/from-host"), b"host").unwrap();
+    let lo = the_loop(&node);
+
+    // a deferred publication while the host has the filesystem: refused
+    let deferred = Pub {
+        id: &id,
+        staging: &staging,
+        target: &t2,
+        cap: mount("ext4"),
+        ctx: v.volume_context.clone(),
+        defer: true,
+        readonly: false,
+    };
+    let s = assert_code(deferred.send(&mut c).await, Code::FailedPrecondition);
+    assert!(s.message().contains("two kernels"), "{}", s.message());
+    assert!(
+        is_mountpoint(&staging) && is_mountpoint(&t1),
+        "nothing changed"
+    );
+    assert!(!Path::new(&t2).exists());
+    assert!(!crust_record(&node, &t2).exists());
+
+    // without host publications the staging mount is synced and removed
+    c.unpublish(&id, &t1).await.unwrap();
+    for _ in 0..2 {
+        deferred.send(&mut c).await.unwrap();
+    }
+    assert!(!is_mountpoint(&staging), "staging unmounted for deferral");
+    assert!(mounts_under(node.dir.path()).is_empty());
+    assert_empty_target(&t2);
+    assert_eq!(
+        std::fs::read_to_string(crust_record(&node, &t2).join("mountInfo.json")).unwrap(),
+        format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
+            lo.path.display()
+        )
+    );
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["staging"]["host_mount"], "unmounted_for_deferral");
+    assert_eq!(state["published"][&t2]["deferred"], true);
+
+    // the host may not mount it while the sandbox may have it
+    let s = assert_code(
+        c.publish(&id, &staging, &t3, mount("ext4"), false).await,
+        Code::FailedPrecondition,
+    );
+    assert!(s.message().contains("two kernels"), "{}", s.message());
+    assert!(!Path::new(&t3).exists());
+    assert_code(c.stats(&id, &staging).await, Code::FailedPrecondition);
+    // kubelet repeats NodeStageVolume: still no host mount
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert!(!is_mountpoint(&staging));
+
+    // the guest sees the host's data and adds its own
+    let mut guest = GuestMount::new(&lo.path, &node.path("guest/req"), "ext4");
+    assert_eq!(std::fs::read(guest.dir.join("from-host")).unwrap(), b"host");
+    std::fs::write(guest.dir.join("from-guest"), b"guest").unwrap();
+    guest.unmount();
+
+    unpublish_flag(&mut c, &id, &t2, true).await.unwrap();
+    assert!(!crust_record(&node, &t2).exists());
+    assert!(!Path::new(&t2).exists());
+
+    // a host publication mounts the staging path again first
+    c.publish(&id, &staging, &t3, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&staging) && is_mountpoint(&t3));
+    assert_eq!(std::fs::read(format!("{t3}/from-host")).unwrap(), b"host");
+    assert_eq!(std::fs::read(format!("{t3}/from-guest")).unwrap(), b"guest");
+    let st = c.stats(&id, &t3).await.unwrap();
+    assert!(!st.volume_condition.unwrap().abnormal);
+
+    // unstage of a stage unmounted for deferral: no mount to remove
+    c.unpublish(&id, &t3).await.unwrap();
+    deferred.send(&mut c).await.unwrap();
+    assert!(!is_mountpoint(&staging));
+    unpublish_flag(&mut c, &id, &t2, true).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+    assert!(mounts_under(node.dir.path()).is_empty());
+    c.delete(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kata_and_both_layouts_write_their_records() {
+    for layout in ["kata", "both"] {
+        let node = TestNode::deferral(layout, &[]);
+        let mut c = node.clients().await;
+        let (id, ctx) = create_deferred(&mut c, "kata", 64 * MIB, "ext4").await;
+        let staging = node.mkdir("staging/k");
+        stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+            .await
+            .unwrap();
+        let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+        let p = Pub {
+            id: &id,
+            staging: &staging,
+            target: &target,
+            cap: mount_with("ext4", "2000", "Always", &[]),
+            ctx: ctx.clone(),
+            defer: true,
+            readonly: true,
+        };
+        p.send(&mut c).await.unwrap();
+        p.send(&mut c).await.unwrap();
+        let lo = the_loop(&node);
+        let want = format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"Always"}},"options":["ro"]}}"#,
+            lo.path.display()
+        );
+        let kata = kata_record(&node, &target);
+        assert_eq!(
+            std::fs::read_to_string(kata.join("mountInfo.json")).unwrap(),
+            want,
+            "{layout}"
+        );
+        assert_eq!(mode_of(&kata), 0o700);
+        assert_eq!(mode_of(&kata.join("mountInfo.json")), 0o600);
+        let crust = crust_record(&node, &target);
+        if layout == "both" {
+            assert_eq!(
+                std::fs::read_to_string(crust.join("mountInfo.json")).unwrap(),
+                want
+            );
+        } else {
+            assert!(!crust.exists(), "kata only");
+        }
+        assert_empty_target(&target);
+        // no sandbox consumed it yet
+        let s = assert_code(
+            stats_flag(&mut c, &id, &target, true).await,
+            Code::FailedPrecondition,
+        );
+        assert!(s.message().contains("not consumed"), "{}", s.message());
+
+        unpublish_flag(&mut c, &id, &target, true).await.unwrap();
+        assert!(
+            !kata.exists() && !crust.exists(),
+            "{layout}: records removed"
+        );
+        assert!(!Path::new(&target).exists());
+        c.unstage(&id, &staging).await.unwrap();
+        c.delete(&id).await.unwrap();
+        assert!(loops_under(node.dir.path()).is_empty());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_and_expansion_go_through_crust_ops_and_the_runtime_cli() {
+    let cli = runtime_cli();
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (size, grown) = (320 * MIB, 400 * MIB);
+    let (id, ctx) = create_deferred(&mut c, "grow", size, "xfs").await;
+    let staging = node.mkdir("staging/g");
+    stage_ctx(&mut c, &id, &staging, mount("xfs"), &ctx)
+        .await
+        .unwrap();
+    let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+    Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount("xfs"),
+        ctx: ctx.clone(),
+        defer: true,
+        readonly: false,
+    }
+    .send(&mut c)
+    .await
+    .unwrap();
+
+    // before a runtime consumed the record: FAILED_PRECONDITION, whether
+    // the request says defer_fs_ops or only the records do
+    for flag in [true, false] {
+        let s = assert_code(
+            stats_flag(&mut c, &id, &target, flag).await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message().contains("not consumed by a runtime yet"),
+            "{}",
+            s.message()
+        );
+    }
+    assert_code(
+        c.node
+            .node_expand_volume(expand_req(&id, &target, &staging, "xfs", size, true))
+            .await,
+        Code::FailedPrecondition,
+    );
+
+    // the runtime takes the volume: mounts it in its "guest", claims the
+    // record and records its CLI
+    let lo = the_loop(&node);
+    let guest = GuestMount::new(&lo.path, &node.path("guest/g"), "xfs");
+    let map = serde_json::json!({
+        &target: {
+            "mount": guest.dir,
+            "backing": lo.backing_file,
+            "loop": lo.path,
+        }
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    consume(&node.crust_root(), &target, "sandbox-1", &cli);
+    std::fs::write(guest.dir.join("blob"), vec![7u8; 8 << 20]).unwrap();
+    rustix::fs::sync();
+
+    for flag in [true, false] {
+        let st = stats_flag(&mut c, &id, &target, flag).await.unwrap();
+        let fs = crust_blockdev::usage(&guest.dir).unwrap();
+        let b = usage(&st, csi::volume_usage::Unit::Bytes);
+        let i = usage(&st, csi::volume_usage::Unit::Inodes);
+        // the guest's statvfs (xfs may settle a few blocks in between)
+        assert_eq!(b.total, fs.bytes_total as i64, "{b:?}");
+        assert!((b.used - fs.bytes_used as i64).abs() <= MIB, "{b:?} {fs:?}");
+        assert!(
+            (b.available - fs.bytes_available as i64).abs() <= MIB,
+            "{b:?} {fs:?}"
+        );
+        assert_eq!(
+            (i.total, i.used, i.available),
+            (
+                fs.inodes_total as i64,
+                fs.inodes_used as i64,
+                fs.inodes_free as i64
+            )
+        );
+        assert!(b.used >= 8 << 20, "{b:?}");
+        let cond = st.volume_condition.unwrap();
+        assert!(!cond.abnormal, "{}", cond.message);
+        assert_eq!(cond.message, "mounted", "the runtime's condition");
+    }
+
+    // grow: the controller grows the backing file, the node refreshes the
+    // loop device, the runtime grows the filesystem in its guest
+    let r = c
+        .ctl
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: grown,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(mount("xfs")),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.capacity_bytes, grown);
+    assert!(r.node_expansion_required);
+    // (the pool backend already refreshes an attached loop device; the
+    // node refreshes it again, which covers a controller that crashed
+    // between growing the file and LOOP_SET_CAPACITY)
+    let before = fs_total(&guest.dir);
+    for _ in 0..2 {
+        let r = c
+            .node
+            .node_expand_volume(expand_req(&id, &target, &staging, "xfs", grown, true))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.capacity_bytes, grown);
+    }
+    assert_eq!(dev_size(&lo.path), grown as u64, "device refreshed");
+    let after = fs_total(&guest.dir);
+    assert!(
+        after >= before + 70 * MIB as u64 && after <= grown as u64,
+        "filesystem grew in the guest: {before} -> {after}"
+    );
+    let st = stats_flag(&mut c, &id, &target, true).await.unwrap();
+    assert_eq!(
+        usage(&st, csi::volume_usage::Unit::Bytes).total as u64,
+        after
+    );
+    // more than the device holds
+    assert_code(
+        c.node
+            .node_expand_volume(expand_req(&id, &target, &staging, "xfs", 2 * grown, true))
+            .await,
+        Code::OutOfRange,
+    );
+    assert_eq!(
+        std::fs::read(guest.dir.join("blob")).unwrap().len(),
+        8 << 20
+    );
+
+    let mut guest = guest;
+    guest.unmount();
+    c.unpublish(&id, &target).await.unwrap();
+    assert!(!crust_record(&node, &target).exists());
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn story5_unpublish_after_a_downgrade_cleans_up_the_record() {
+    let mut node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "downgrade", 64 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/d");
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let pods = node.mkdir("pods");
+    let target = format!("{pods}/pod");
+    let p = Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount("ext4"),
+        ctx: ctx.clone(),
+        defer: true,
+        readonly: false,
+    };
+    p.send(&mut c).await.unwrap();
+    let record = crust_record(&node, &target);
+    assert!(record.join("mountInfo.json").is_file());
+    drop(c);
+
+    // the plugin is downgraded (restarted without deferral), node not drained
+    assert!(node.stop().success());
+    let flag = node.extra.iter().position(|a| a == "--deferral").unwrap();
+    node.extra[flag + 1] = "disabled".into();
+    node.start();
+    let mut c = node.clients().await;
+    assert!(
+        !node_caps(&mut c)
+            .await
+            .contains(&(csi::node_service_capability::rpc::Type::DeferFsOps as i32))
+    );
+    // stats are not deferred any more (kubelet would not ask)
+    let s = assert_code(c.stats(&id, &target).await, Code::FailedPrecondition);
+    assert!(
+        s.message()
+            .contains("plugin does not support deferred filesystem operations"),
+        "{}",
+        s.message()
+    );
+    // story 6: a new deferred publication fails, never a host mount
+    let other = format!("{pods}/other");
+    let s = assert_code(
+        Pub {
+            target: &other,
+            ..p.clone()
+        }
+        .send(&mut c)
+        .await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message()
+            .contains("plugin does not support deferred filesystem operations"),
+        "{}",
+        s.message()
+    );
+    assert!(!Path::new(&other).exists());
+    assert!(mounts_under(node.dir.path()).is_empty());
+
+    // kubelet unpublishes without defer_fs_ops: success, record cleaned up
+    for _ in 0..2 {
+        c.unpublish(&id, &target).await.unwrap();
+    }
+    assert!(!record.exists(), "hand-off record removed");
+    assert!(!Path::new(&target).exists());
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+    c.delete(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impossible_deferral_is_an_error_never_a_host_mount() {
+    // --deferral disabled: FAILED_PRECONDITION (KEP story 6)
+    let node = TestNode::with_args(&["--deferral", "disabled"]);
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req("plain", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/p");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    let target = format!("{}/t", node.mkdir("pods"));
+    let s = assert_code(
+        Pub {
+            id: &id,
+            staging: &staging,
+            target: &target,
+            cap: mount_with("ext4", "100", "", &[]),
+            ctx: HashMap::new(),
+            defer: true,
+            readonly: false,
+        }
+        .send(&mut c)
+        .await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message()
+            .contains("plugin does not support deferred filesystem operations"),
+        "{}",
+        s.message()
+    );
+    assert!(!Path::new(&target).exists());
+    let staging_real = std::fs::canonicalize(&staging).unwrap();
+    assert_eq!(mounts_under(node.dir.path()), vec![staging_real.clone()]);
+    // a volume context asking for deferral at stage: refused, not mounted
+    let other = c
+        .create(create_req("other", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging2 = node.mkdir("staging/o");
+    assert_code(
+        stage_ctx(&mut c, &other, &staging2, mount("ext4"), &defer_ctx()).await,
+        Code::FailedPrecondition,
+    );
+    assert!(!is_mountpoint(&staging2));
+    assert_eq!(loops_under(node.dir.path()).len(), 1, "nothing attached");
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    c.delete(&other).await.unwrap();
+    drop(c);
+    drop(node);
+
+    // raw block: INVALID_ARGUMENT
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut r = create_req("blk-defer", 16 * MIB, vec![block()]);
+    r.parameters.insert(DEFER_KEY.into(), "true".into());
+    let s = assert_code(c.create(r).await, Code::InvalidArgument);
+    assert!(s.message().contains("raw block"), "{}", s.message());
+    let id = c
+        .create(create_req("blk", 16 * MIB, vec![block()]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/b");
+    let s = assert_code(
+        stage_ctx(&mut c, &id, &staging, block(), &defer_ctx()).await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().contains("raw block"), "{}", s.message());
+    assert!(loops_under(node.dir.path()).is_empty(), "nothing attached");
+    c.stage(&id, &staging, block()).await.unwrap();
+    let target = format!("{}/dev", node.mkdir("pods"));
+    for (defer, ctx) in [(true, HashMap::new()), (false, defer_ctx())] {
+        let s = assert_code(
+            Pub {
+                id: &id,
+                staging: &staging,
+                target: &target,
+                cap: block(),
+                ctx,
+                defer,
+                readonly: false,
+            }
+            .send(&mut c)
+            .await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains("raw block"), "{}", s.message());
+        assert!(!Path::new(&target).exists());
+        assert!(mounts_under(node.dir.path()).is_empty());
+    }
+    assert!(!node.crust_root().exists(), "no hand-off record written");
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_deferral_arguments_are_invalid_and_change_nothing() {
+    let mut node = TestNode::deferral_unstarted("crust", &[]);
+    let allowed = node.mkdir("pods");
+    node.extra
+        .extend(["--allowed-target-prefix".to_string(), allowed.clone()]);
+    node.start();
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req("args", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/a");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    let target = format!("{allowed}/t");
+    let p = |cap: csi::VolumeCapability, defer: bool| Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap,
+        ctx: HashMap::new(),
+        defer,
+        readonly: false,
+    };
+    let unchanged = |node: &TestNode| {
+        assert!(is_mountpoint(&staging), "staging mount kept");
+        assert!(!Path::new(&target).exists());
+        assert!(
+            !node.crust_root().exists()
+                || std::fs::read_dir(node.crust_root()).unwrap().count() == 0
+        );
+    };
+    // supplemental group without deferral
+    let s = assert_code(
+        p(mount_with("ext4", "100", "", &[]), false)
+            .send(&mut c)
+            .await,
+        Code::InvalidArgument,
+    );
+    assert!(
+        s.message().contains("only valid with deferred"),
+        "{}",
+        s.message()
+    );
+    unchanged(&node);
+    for (group, policy, what) in [
+        ("100", "Sometimes", "Sometimes"),
+        ("abc", "", "abc"),
+        ("", "Always", "without volume_supplemental_group"),
+        ("-1", "", "-1"),
+    ] {
+        let s = assert_code(
+            p(mount_with("ext4", group, policy, &[]), true)
+                .send(&mut c)
+                .await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains(what), "{what}: {}", s.message());
+        unchanged(&node);
+    }
+    // mount flags that look like a credential are never persisted
+    let s = assert_code(
+        p(mount_with("ext4", "", "", &["password=hunter2"]), true)
+            .send(&mut c)
+            .await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().contains("credential"), "{}", s.message());
+    assert!(!s.message().contains("hunter2"), "{}", s.message());
+    unchanged(&node);
+    // a target outside --allowed-target-prefix
+    let outside = format!("{}/t", node.mkdir("elsewhere"));
+    let s = assert_code(
+        Pub {
+            target: &outside,
+            ..p(mount("ext4"), true)
+        }
+        .send(&mut c)
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().contains("allowed prefixes"), "{}", s.message());
+    assert!(!Path::new(&outside).exists());
+    unchanged(&node);
+    // a bad volume context value
+    assert_code(
+        Pub {
+            ctx: HashMap::from([(DEFER_KEY.to_string(), "yes".to_string())]),
+            ..p(mount("ext4"), false)
+        }
+        .send(&mut c)
+        .await,
+        Code::InvalidArgument,
+    );
+    unchanged(&node);
+    // a valid one after all that
+    p(
+        mount_with("ext4", "0", "OnRootMismatch", &["noatime"]),
+        true,
+    )
+    .send(&mut c)
+    .await
+    .unwrap();
+    assert!(!is_mountpoint(&staging));
+    assert_empty_target(&target);
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_deferred_publication_per_volume_and_crashed_publishes_are_cleaned() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "rwop", 64 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/r");
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let pods = node.mkdir("pods");
+    let (t1, t2) = (format!("{pods}/pod1"), format!("{pods}/pod2"));
+    let p1 = Pub {
+        id: &id,
+        staging: &staging,
+        target: &t1,
+        cap: mount("ext4"),
+        ctx: ctx.clone(),
+        defer: true,
+        readonly: false,
+    };
+    p1.send(&mut c).await.unwrap();
+    // a second sandbox: refused, nothing written
+    let s = assert_code(
+        Pub {
+            target: &t2,
+            ..p1.clone()
+        }
+        .send(&mut c)
+        .await,
+        Code::FailedPrecondition,
+    );
+    assert!(s.message().contains("one sandbox"), "{}", s.message());
+    assert!(!Path::new(&t2).exists());
+    assert!(!crust_record(&node, &t2).exists());
+    // the same target with other options
+    assert_code(
+        Pub {
+            readonly: true,
+            ..p1.clone()
+        }
+        .send(&mut c)
+        .await,
+        Code::AlreadyExists,
+    );
+    // a host publication at the deferred target
+    assert_code(
+        c.publish(&id, &staging, &t1, mount("ext4"), false).await,
+        Code::AlreadyExists,
+    );
+    c.unpublish(&id, &t1).await.unwrap();
+
+    // read-only: the record says "ro"
+    let p2 = Pub {
+        target: &t2,
+        readonly: true,
+        ..p1.clone()
+    };
+    p2.send(&mut c).await.unwrap();
+    let lo = the_loop(&node);
+    assert_eq!(
+        std::fs::read_to_string(crust_record(&node, &t2).join("mountInfo.json")).unwrap(),
+        format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["ro"]}}"#,
+            lo.path.display()
+        )
+    );
+    c.unpublish(&id, &t2).await.unwrap();
+
+    // a publish that crashed after writing the record, before recording
+    // the publication: the unpublish the CO retries removes it
+    let t3 = format!("{pods}/pod3");
+    std::fs::create_dir(&t3).unwrap();
+    crust_store(&node.crust_root())
+        .stage(
+            &t3,
+            &crust_handoff::MountInfo::block(lo.path.to_str().unwrap(), "ext4"),
+        )
+        .unwrap();
+    unpublish_flag(&mut c, &id, &t3, true).await.unwrap();
+    assert!(!crust_record(&node, &t3).exists());
+    assert!(!Path::new(&t3).exists());
+    // a record naming another volume's device is not this volume's: kept
+    let (other, other_ctx) = create_deferred(&mut c, "rwop-other", 64 * MIB, "ext4").await;
+    let other_staging = node.mkdir("staging/other");
+    stage_ctx(&mut c, &other, &other_staging, mount("ext4"), &other_ctx)
+        .await
+        .unwrap();
+    let other_dev = loops_under(node.dir.path())
+        .into_iter()
+        .find(|l| l.path != lo.path)
+        .unwrap()
+        .path;
+    let t4 = format!("{pods}/pod4");
+    crust_store(&node.crust_root())
+        .stage(
+            &t4,
+            &crust_handoff::MountInfo::block(other_dev.to_str().unwrap(), "ext4"),
+        )
+        .unwrap();
+    unpublish_flag(&mut c, &id, &t4, true).await.unwrap();
+    assert!(crust_record(&node, &t4).exists(), "not this volume's: kept");
+    crust_store(&node.crust_root()).remove(&t4).unwrap();
+    c.unstage(&other, &other_staging).await.unwrap();
+    c.delete(&other).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_counts_deferred_publishes_abnormal_volumes_and_rpcs() {
+    let node = TestNode::deferral("crust", &["--metrics-address", "127.0.0.1:0"]);
+    let addr = metrics_address(&node);
+    let scrape = || {
+        let (status, body) = http_get(addr, "/metrics");
+        assert!(status.contains("200"), "{status}");
+        body
+    };
+    let m = scrape();
+    assert_eq!(
+        sample(&m, "volumes_published_with_deferred_ops_total"),
+        Some(0.0)
+    );
+    assert_eq!(sample(&m, "volume_stats_health_status_abnormal"), Some(0.0));
+    assert!(m.ends_with("# EOF\n"), "{m}");
+    let (status, _) = http_get(addr, "/other");
+    assert!(status.contains("404"), "{status}");
+
+    let mut c = node.clients().await;
+    // two successful deferred publishes (one a repeat) and a refused one
+    let (id, ctx) = create_deferred(&mut c, "m-defer", 64 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/m");
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let pods = node.mkdir("pods");
+    let t1 = format!("{pods}/a");
+    let t2 = format!("{pods}/b");
+    let p = Pub {
+        id: &id,
+        staging: &staging,
+        target: &t1,
+        cap: mount("ext4"),
+        ctx: ctx.clone(),
+        defer: false,
+        readonly: false,
+    };
+    p.send(&mut c).await.unwrap();
+    p.send(&mut c).await.unwrap();
+    assert_code(
+        Pub {
+            target: &t2,
+            ..p.clone()
+        }
+        .send(&mut c)
+        .await,
+        Code::FailedPrecondition,
+    );
+
+    // an ordinary volume whose filesystem goes read-only, then recovers
+    let host = c
+        .create(create_req("m-host", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let hs = node.mkdir("staging/h");
+    let ht = format!("{pods}/h");
+    c.stage(&host, &hs, mount("ext4")).await.unwrap();
+    c.publish(&host, &hs, &ht, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert!(
+        !c.stats(&host, &ht)
+            .await
+            .unwrap()
+            .volume_condition
+            .unwrap()
+            .abnormal
+    );
+    rustix::mount::mount_remount(hs.as_str(), rustix::mount::MountFlags::RDONLY, c"").unwrap();
+    for _ in 0..2 {
+        assert!(
+            c.stats(&host, &ht)
+                .await
+                .unwrap()
+                .volume_condition
+                .unwrap()
+                .abnormal
+        );
+    }
+    let m = scrape();
+    assert_eq!(
+        sample(&m, "volumes_published_with_deferred_ops_total"),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(&m, "volume_stats_health_status_abnormal"),
+        Some(1.0),
+        "one abnormal volume, however often it is asked about"
+    );
+    let rpc = |m: &str, method: &str, code: &str| {
+        sample(
+            m,
+            &format!("csi_rpc_requests_total{{method=\"{method}\",code=\"{code}\"}}"),
+        )
+    };
+    assert_eq!(rpc(&m, "NodePublishVolume", "OK"), Some(3.0));
+    assert_eq!(
+        rpc(&m, "NodePublishVolume", "FAILED_PRECONDITION"),
+        Some(1.0)
+    );
+    assert_eq!(rpc(&m, "NodeGetVolumeStats", "OK"), Some(3.0));
+    assert_eq!(rpc(&m, "CreateVolume", "OK"), Some(3.0));
+    assert_eq!(
+        sample(
+            &m,
+            "csi_rpc_duration_seconds_count{method=\"NodePublishVolume\"}"
+        ),
+        Some(4.0)
+    );
+    rustix::mount::mount_remount(hs.as_str(), rustix::mount::MountFlags::empty(), c"").unwrap();
+    assert!(
+        !c.stats(&host, &ht)
+            .await
+            .unwrap()
+            .volume_condition
+            .unwrap()
+            .abnormal
+    );
+    let m = scrape();
+    assert_eq!(sample(&m, "volume_stats_health_status_abnormal"), Some(0.0));
+    assert_eq!(rpc(&m, "NodeGetVolumeStats", "OK"), Some(4.0));
+
+    c.unpublish(&host, &ht).await.unwrap();
+    c.unstage(&host, &hs).await.unwrap();
+    c.delete(&host).await.unwrap();
+    c.unpublish(&id, &t1).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert_eq!(
+        sample(&scrape(), "volumes_published_with_deferred_ops_total"),
+        Some(2.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stock_client_sees_the_standard_behaviour_with_deferral_enabled() {
+    let node = TestNode::deferral("both", &[]);
+    let mut c = node.clients().await;
+    let (size, grown) = (320 * MIB, 384 * MIB);
+    let v = c
+        .create(create_req("stock", size, vec![mount("xfs")]))
+        .await
+        .unwrap();
+    assert_eq!(
+        v.volume_context,
+        HashMap::from([("fsType".to_string(), "xfs".to_string())])
+    );
+    let id = v.volume_id;
+    let staging = node.mkdir("staging/s");
+    let t = format!("{}/t", node.mkdir("pods"));
+    c.stage(&id, &staging, mount("xfs")).await.unwrap();
+    assert!(is_mountpoint(&staging));
+    c.publish(&id, &staging, &t, mount("xfs"), false)
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&t), "a bind mount, as before");
+    std::fs::write(format!("{t}/f"), b"stock").unwrap();
+    let st = c.stats(&id, &t).await.unwrap();
+    assert_eq!(
+        usage(&st, csi::volume_usage::Unit::Bytes).total as u64,
+        fs_total(Path::new(&t))
+    );
+    // ControllerExpand + NodeExpand with secrets (field 6, the number the
+    // KEP proposed for defer_fs_ops): grown on the host
+    c.ctl
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: grown,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let before = fs_total(Path::new(&t));
+    let mut req = expand_req(&id, &t, &staging, "xfs", grown, false);
+    req.secrets = HashMap::from([("token".to_string(), "not-a-deferral".to_string())]);
+    let r = c.node.node_expand_volume(req).await.unwrap().into_inner();
+    assert_eq!(r.capacity_bytes, grown);
+    assert!(fs_total(Path::new(&t)) > before, "grown on the host");
+    assert_eq!(std::fs::read(format!("{t}/f")).unwrap(), b"stock");
+    c.unpublish(&id, &t).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(
+        !node.crust_root().exists() && !node.kata_root().exists(),
+        "no hand-off records"
+    );
+    assert!(loops_under(node.dir.path()).is_empty());
+}

@@ -1,0 +1,233 @@
+//! KEP-2857 story 1 end to end, on one guest boot: a pod with fsGroup
+//! 2000 (`OnRootMismatch`) and a subPath runs in a real QEMU guest on a
+//! volume of the real `crust-csi` plugin published with `defer_fs_ops`.
+//! The guest shows the subPath at /data with the fsGroup applied, the
+//! plugin's deferred stats equal the guest's `df`, the online expansion
+//! shows in the guest, `bench --deferred`'s measurement runs on the same
+//! pod, and after teardown a host publication (no deferral) reads the
+//! bytes the workload wrote.
+
+mod e2e_support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crustctl::bench::deferred::{DeferredConfig, measure};
+use crustctl::bench::{Limit, Scenario};
+use crustctl::cli::ChangePolicy;
+use crustctl::flow::{DeferVia, Flow};
+use e2e_support::*;
+
+async fn guest(flow: &Flow, script: &str) -> String {
+    let id = flow.sandbox().expect("sandbox running");
+    flow.runtime()
+        .sh(id, script)
+        .await
+        .unwrap_or_else(|e| panic!("guest `{script}`: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
+    let mut st = Stack::new(Layout::Crust);
+    st.start_plugin(true).await;
+    let csi = st.csi().await;
+
+    let mut cfg = st.flow_config();
+    cfg.volume_name = "pvc-story1".into();
+    cfg.size = 128 * MIB;
+    cfg.expand_to = Some(192 * MIB);
+    cfg.fs_group = Some(2000);
+    cfg.change_policy = Some(ChangePolicy::OnRootMismatch);
+    cfg.sub_path = Some("app/data".into());
+    cfg.defer_via = DeferVia::Request;
+    cfg.keep_volume = true;
+    cfg.workload.args = vec![
+        "sh".into(),
+        "-c".into(),
+        "echo story1 > /data/hello.txt && sync && exec sleep 100000".into(),
+    ];
+
+    let _slot = crust_testkit::VmSlot::acquire();
+    let mut flow = Flow::new(cfg, csi.clone(), st.progress());
+    if let Err(e) = flow.bring_up().await {
+        panic!("bring-up: {e}\nplugin log:\n{}", st.plugin_log());
+    }
+    let target = flow.target_path().to_string();
+    let staging = flow.staging_path().unwrap().to_string();
+
+    // --- the host: nothing mounted, a root-only record -------------------
+    assert!(!crustctl::flow::is_mountpoint(Path::new(&target)));
+    assert!(
+        !crustctl::flow::is_mountpoint(Path::new(&staging)),
+        "story 1: the staging path stays empty with deferral"
+    );
+    let rec = st.crust_root.join(crust_handoff::crust_key(&target));
+    let meta = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(meta(&rec), 0o700);
+    assert_eq!(meta(&rec.join("mountInfo.json")), 0o600);
+    let mi: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(rec.join("mountInfo.json")).unwrap()).unwrap();
+    assert_eq!(mi["fstype"], "ext4", "{mi}");
+    assert_eq!(mi["metadata"]["fsGroup"], "2000", "{mi}");
+    assert_eq!(mi["metadata"]["fsGroupChangePolicy"], "OnRootMismatch", "{mi}");
+    let dev = mi["device"].as_str().unwrap().to_string();
+    let pool_loops = st.loops_on_pool();
+    assert!(
+        pool_loops.iter().any(|l| l.to_str() == Some(dev.as_str())),
+        "{dev} is not a loop device on the pool: {pool_loops:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(rec.join("runtime-cli")).unwrap(),
+        st.runtime.bin.to_str().unwrap(),
+        "the runtime consumed the record"
+    );
+    assert!(rec.join(&flow.config().sandbox_id).is_file(), "sandbox claim");
+
+    // --- the guest: subPath at /data, fsGroup applied ---------------------
+    let gv = flow.report().guest_volume_path.clone().unwrap();
+    let t0 = Instant::now();
+    while guest(&flow, "test -f /data/hello.txt && echo y || echo n").await.trim() != "y" {
+        assert!(t0.elapsed() < Duration::from_secs(60), "workload never wrote");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let ids = guest(&flow, &format!("stat -c '%d:%i' /data {gv}/app/data")).await;
+    let ids: Vec<&str> = ids.lines().collect();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(ids[0], ids[1], "/data is the volume's subPath app/data");
+    assert_eq!(
+        guest(&flow, &format!("cat {gv}/app/data/hello.txt")).await,
+        "story1\n"
+    );
+    assert_eq!(
+        guest(&flow, &format!("stat -c '%g %a' {gv}")).await.trim(),
+        "2000 2775",
+        "OnRootMismatch on a fresh filesystem: root gets the group, setgid, g+rwx"
+    );
+    let groups = guest(
+        &flow,
+        &format!("stat -c %g {gv}/app {gv}/app/data /data/hello.txt"),
+    )
+    .await;
+    assert_eq!(groups.lines().collect::<Vec<_>>(), ["2000", "2000", "2000"]);
+    let mounts = guest(&flow, "cat /proc/mounts").await;
+    assert!(
+        mounts.lines().any(|l| l.split_whitespace().nth(1) == Some(gv.as_str())
+            && l.contains(" ext4 ")),
+        "{mounts}"
+    );
+
+    // --- stats and expansion through the plugin ---------------------------
+    if let Err(e) = flow.exercise().await {
+        panic!("exercise: {e}\nplugin log:\n{}", st.plugin_log());
+    }
+    let r = flow.report().clone();
+    for (label, o) in [("before", &r.before_expand), ("after", &r.after_expand)] {
+        let df = o.df.as_ref().unwrap();
+        let s = o.stats.as_ref().unwrap();
+        assert_eq!(s.bytes, Some(df.bytes), "{label}: stats bytes = guest df");
+        assert_eq!(s.inodes, Some(df.inodes), "{label}: stats inodes = guest df -i");
+        assert_eq!(s.abnormal, Some(false), "{label}: {}", s.message);
+    }
+    let (before, after) = (
+        r.before_expand.df.as_ref().unwrap().bytes.total,
+        r.after_expand.df.as_ref().unwrap().bytes.total,
+    );
+    assert!(after > before + 40 * MIB, "df {before} -> {after}");
+    assert!(r.expanded_bytes.unwrap() >= (192 * MIB) as i64);
+    let devsize = |flow: &Flow| {
+        let gv = gv.clone();
+        async move {
+            guest(
+                flow,
+                &format!("blockdev --getsize64 $(awk '$2==\"{gv}\"{{print $1}}' /proc/mounts)"),
+            )
+            .await
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+        }
+    };
+    assert_eq!(devsize(&flow).await, 192 * MIB);
+
+    // --- bench --deferred's measurement on the same pod -------------------
+    let (_tx, stop) = tokio::sync::watch::channel(false);
+    let bcfg = DeferredConfig {
+        flow: flow.config().clone(),
+        concurrency: 2,
+        limit: Limit::Ops(4),
+        expand_step: 8 * MIB,
+    };
+    let (scenarios, _) = measure(&csi, &flow, &bcfg, &stop).await;
+    let sc = |s: Scenario| scenarios.iter().find(|r| r.scenario == s).unwrap();
+    let stats = sc(Scenario::DeferredStats);
+    assert_eq!((stats.ops, stats.errors), (4, 0), "{:?}", stats.error_samples);
+    let row = |s: &crustctl::bench::ScenarioReport, rpc: &str| {
+        s.rpcs.iter().find(|r| r.rpc == rpc).unwrap().clone()
+    };
+    assert_eq!(row(stats, "NodeGetVolumeStats").count, 4);
+    let exp = sc(Scenario::DeferredExpand);
+    assert_eq!((exp.ops, exp.errors), (4, 0), "{:?}", exp.error_samples);
+    assert_eq!(row(exp, "NodeExpandVolume").count, 4);
+    assert!(row(exp, "NodeExpandVolume").p50_us > 0);
+    assert_eq!(devsize(&flow).await, 224 * MIB, "192Mi + 4 x 8Mi");
+    let last_df = flow.df().await.unwrap();
+    assert!(last_df.bytes.total > after);
+
+    // --- teardown (volume kept) -------------------------------------------
+    let qemu = r.qemu_pid.unwrap();
+    flow.tear_down().await;
+    let r = flow.report().clone();
+    assert!(r.ok, "{:?}: {:?}", r.failed_step, r.error);
+    assert!(!crustctl::flow::pid_is_qemu(qemu));
+    for step in [
+        "runtime kill",
+        "runtime delete",
+        "NodeUnpublishVolume",
+        "NodeUnstageVolume",
+    ] {
+        assert!(r.steps.iter().any(|s| s.step == step && s.ok), "{step}");
+    }
+    assert!(!r.steps.iter().any(|s| s.step == "DeleteVolume"));
+    assert_eq!(st.records(), Vec::<std::path::PathBuf>::new(), "record removed");
+    assert!(st.mounts_under_root().is_empty());
+    assert!(st.vm_processes().is_empty());
+    let id = r.volume.as_ref().unwrap().id.clone();
+    let list = csi.list_all_volumes(0, String::new()).await.unwrap();
+    assert!(
+        list.entries
+            .iter()
+            .any(|e| e.volume.as_ref().is_some_and(|v| v.volume_id == id)),
+        "the volume was kept"
+    );
+
+    // --- the same volume on the host, without deferral ----------------------
+    let mut cfg = st.flow_config();
+    cfg.volume_name = "pvc-story1".into();
+    cfg.size = 128 * MIB;
+    cfg.expand_to = None;
+    cfg.defer_via = DeferVia::None;
+    let mut host = Flow::new(cfg, csi.clone(), st.progress());
+    host.bring_up().await.unwrap();
+    assert_eq!(host.volume_id(), Some(id.as_str()), "CreateVolume is idempotent");
+    let t = Path::new(host.target_path());
+    assert!(crustctl::flow::is_mountpoint(t));
+    let hello = t.join("app/data/hello.txt");
+    assert_eq!(std::fs::read_to_string(&hello).unwrap(), "story1\n");
+    assert_eq!(std::fs::metadata(&hello).unwrap().gid(), 2000);
+    let root = std::fs::metadata(t).unwrap();
+    assert_eq!((root.gid(), root.mode() & 0o7777), (2000, 0o2775));
+    assert_eq!(
+        host.df().await.unwrap().bytes.total,
+        last_df.bytes.total,
+        "the host sees the filesystem the guest grew"
+    );
+    host.tear_down().await;
+    let hr = host.report();
+    assert!(hr.ok, "{:?}: {:?}", hr.failed_step, hr.error);
+    assert!(hr.steps.iter().any(|s| s.step == "DeleteVolume" && s.ok));
+    let list = csi.list_all_volumes(0, String::new()).await.unwrap();
+    assert_eq!(list.entries, vec![], "volume deleted");
+    st.assert_clean();
+    assert!(!st.work.exists(), "the flows removed the kubelet dirs they made");
+}
