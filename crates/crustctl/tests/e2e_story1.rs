@@ -27,6 +27,18 @@ async fn guest(flow: &Flow, script: &str) -> String {
         .unwrap_or_else(|e| panic!("guest `{script}`: {e}"))
 }
 
+/// Size of the block device mounted at `gv` in the guest.
+async fn guest_dev_size(flow: &Flow, gv: &str) -> u64 {
+    guest(
+        flow,
+        &format!("blockdev --getsize64 $(awk '$2==\"{gv}\"{{print $1}}' /proc/mounts)"),
+    )
+    .await
+    .trim()
+    .parse()
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     let mut st = Stack::new(Layout::Crust);
@@ -135,20 +147,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     );
     assert!(after > before + 40 * MIB, "df {before} -> {after}");
     assert!(r.expanded_bytes.unwrap() >= (192 * MIB) as i64);
-    let devsize = |flow: &Flow| {
-        let gv = gv.clone();
-        async move {
-            guest(
-                flow,
-                &format!("blockdev --getsize64 $(awk '$2==\"{gv}\"{{print $1}}' /proc/mounts)"),
-            )
-            .await
-            .trim()
-            .parse::<u64>()
-            .unwrap()
-        }
-    };
-    assert_eq!(devsize(&flow).await, 192 * MIB);
+    assert_eq!(guest_dev_size(&flow, &gv).await, 192 * MIB);
 
     // --- bench --deferred's measurement on the same pod -------------------
     let (_tx, stop) = tokio::sync::watch::channel(false);
@@ -170,7 +169,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     assert_eq!((exp.ops, exp.errors), (4, 0), "{:?}", exp.error_samples);
     assert_eq!(row(exp, "NodeExpandVolume").count, 4);
     assert!(row(exp, "NodeExpandVolume").p50_us > 0);
-    assert_eq!(devsize(&flow).await, 224 * MIB, "192Mi + 4 x 8Mi");
+    assert_eq!(guest_dev_size(&flow, &gv).await, 224 * MIB, "192Mi + 4 x 8Mi");
     let last_df = flow.df().await.unwrap();
     assert!(last_df.bytes.total > after);
 
