@@ -1,6 +1,7 @@
 //! The `crustctl` command line: clap definitions and their dispatch. The
-//! binary only parses and calls [`run`]; later subcommands (`flow`, `demo`)
-//! add a variant to [`Command`] and a handler here.
+//! binary only parses and calls [`run`]. `flow`, `demo` and `bench
+//! --deferred` print their steps as they happen (stdout, or stderr when
+//! stdout carries JSON) and exit 1 when a step failed (after teardown).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -1689,6 +1690,96 @@ mod tests {
             let e = Cli::try_parse_from(&bad).unwrap_err();
             assert_eq!(e.exit_code(), EXIT_USAGE as i32, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn flow_demo_and_deferred_bench_parse() {
+        let cli = Cli::try_parse_from([
+            "crustctl",
+            "flow",
+            "--work-dir",
+            "/w",
+            "--fs-group",
+            "2000",
+            "--fs-group-change-policy",
+            "onrootmismatch",
+            "--sub-path",
+            "a/b",
+            "--defer-via",
+            "storage-class",
+            "--runtime-root",
+            "/r",
+            "--accel",
+            "tcg",
+            "--",
+            "sh",
+            "-c",
+            "true",
+        ])
+        .unwrap();
+        let Command::Flow(f) = cli.command else {
+            panic!("not flow")
+        };
+        assert_eq!(f.command, ["sh", "-c", "true"]);
+        assert_eq!(f.pod.defer_via, DeferVia::StorageClass);
+        let cfg = f.pod.flow_config("/w".into()).unwrap();
+        assert_eq!(cfg.fs_group, Some(2000));
+        assert_eq!(cfg.change_policy, Some(ChangePolicy::OnRootMismatch));
+        assert_eq!(
+            cfg.runtime.root.as_deref(),
+            Some(std::path::Path::new("/r"))
+        );
+        assert_eq!(cfg.runtime.accel.as_deref(), Some("tcg"));
+        assert_eq!(f.expand_to, 512 << 20);
+
+        let cli = Cli::try_parse_from(["crustctl", "demo", "--keep", "--size", "64Mi"]).unwrap();
+        let Command::Demo(d) = cli.command else {
+            panic!("not demo")
+        };
+        assert!(d.keep && d.size == 64 << 20 && d.pool_capacity == 2 << 30);
+
+        let cli = Cli::try_parse_from([
+            "crustctl",
+            "bench",
+            "--deferred",
+            "--expand-step",
+            "8Mi",
+            "--ops",
+            "3",
+        ])
+        .unwrap();
+        let Command::Bench(b) = cli.command else {
+            panic!("not bench")
+        };
+        assert!(b.deferred && b.expand_step == 8 << 20);
+
+        for bad in [
+            // the policy needs a group
+            vec!["crustctl", "flow", "--fs-group-change-policy", "Always"],
+            // deferred-mode flags without --deferred
+            vec!["crustctl", "bench", "--expand-step", "8Mi"],
+            // standard scenarios and --deferred do not mix
+            vec!["crustctl", "bench", "--deferred", "--scenarios", "stats"],
+            vec!["crustctl", "flow", "--no-expand", "--expand-to", "1Gi"],
+            vec!["crustctl", "demo", "--fs-type", "btrfs"],
+        ] {
+            let e = Cli::try_parse_from(&bad).unwrap_err();
+            assert_eq!(e.exit_code(), EXIT_USAGE as i32, "{bad:?}");
+        }
+        // fsGroup travels as volume_supplemental_group: deferral only.
+        let cli =
+            Cli::try_parse_from(["crustctl", "flow", "--defer-via", "none", "--fs-group", "1"])
+                .unwrap();
+        let Command::Flow(f) = cli.command else {
+            panic!()
+        };
+        assert!(matches!(
+            f.pod.flow_config("/w".into()),
+            Err(CliError::Usage(_))
+        ));
+        assert!(check_name("--pod-uid", "a/b").is_err());
+        assert!(check_name("--pod-uid", "..").is_err());
+        assert!(check_name("--pod-uid", "uid-1").is_ok());
     }
 
     #[test]

@@ -225,11 +225,11 @@ impl Render for DemoReport {
         if self.leftovers.is_empty() && self.plugin_stopped {
             let _ = writeln!(
                 o,
-                "cleanup:    cleaned up: sandbox deleted, volume unpublished, unstaged and deleted, plugin stopped;"
+                "cleanup:    cleaned up: plugin stopped; no sandbox, volume, loop device on the pool,"
             );
             let _ = writeln!(
                 o,
-                "            no loop device on the pool, no mount under the work dir, no QEMU, no hand-off record"
+                "            mount under the work dir, QEMU or hand-off record left"
             );
             let _ = writeln!(
                 o,
@@ -396,7 +396,13 @@ fn signal(pid: u32, sig: rustix::process::Signal) {
 /// The last `max` bytes of a text file.
 pub fn log_tail(path: &Path, max: usize) -> String {
     let s = std::fs::read(path).unwrap_or_default();
-    let start = s.len().saturating_sub(max);
+    let mut start = s.len().saturating_sub(max);
+    // Start at a line.
+    if start > 0
+        && let Some(nl) = s[start..].iter().position(|b| *b == b'\n')
+    {
+        start += nl + 1;
+    }
     String::from_utf8_lossy(&s[start..]).into_owned()
 }
 
@@ -701,7 +707,7 @@ pub async fn run_demo(
         let r = p.stop(Duration::from_secs(20)).await;
         s.report.plugin_stopped = r.is_ok();
         if s.report.failed_step.is_some() || r.is_err() {
-            s.report.plugin_log_tail = Some(p.log_tail(3000));
+            s.report.plugin_log_tail = Some(p.log_tail(2000));
         }
         let _ = s.record("stop crust-csi", t0, r);
     } else {
@@ -899,22 +905,21 @@ async fn demo_body(
         lay.work.join("kubelet/pods").into(),
     ]
     .to_vec();
-    let mut plugin = match PluginProcess::spawn(
-        &csi_bin,
-        &args,
-        &runtime.env(),
-        &lay.logs.join("crust-csi.log"),
-    ) {
-        Ok(p) => p,
-        Err(e) => {
-            let _ = s.record(
-                "start crust-csi",
-                t0,
-                Err(format!("spawn {}: {e}", csi_bin.display())),
-            );
-            return None;
-        }
-    };
+    let mut env = runtime.env();
+    // Plain text in the log we may quote.
+    env.push(("NO_COLOR", "1".into()));
+    let mut plugin =
+        match PluginProcess::spawn(&csi_bin, &args, &env, &lay.logs.join("crust-csi.log")) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = s.record(
+                    "start crust-csi",
+                    t0,
+                    Err(format!("spawn {}: {e}", csi_bin.display())),
+                );
+                return None;
+            }
+        };
     let ready = plugin
         .wait_ready(&lay.socket, Duration::from_secs(30))
         .await;
@@ -933,7 +938,7 @@ async fn demo_body(
     let csi = match csi {
         Ok(c) => c,
         Err(e) => {
-            s.report.plugin_log_tail = Some(plugin.log_tail(3000));
+            s.report.plugin_log_tail = Some(plugin.log_tail(2000));
             let _ = s.record("start crust-csi", t0, Err(e));
             return Some(plugin);
         }
@@ -964,7 +969,11 @@ async fn demo_body(
     };
     let mut flow = Flow::new(fc, csi.clone(), s.progress.clone()).with_stop(stop.clone());
     if flow.bring_up().await.is_ok() && flow.exercise().await.is_ok() {
-        workload_lines(cfg, &mut flow, s, &stop).await;
+        let t0 = Instant::now();
+        let r = verify(flow.report());
+        if s.record("verify", t0, r).is_ok() {
+            workload_lines(cfg, &mut flow, s, &stop).await;
+        }
     }
     flow.tear_down().await;
     let volume = flow.volume_id().map(str::to_string);
@@ -990,6 +999,46 @@ async fn demo_body(
             .collect();
     }
     Some(plugin)
+}
+
+/// What the demo claims: the guest saw the filesystem grow online, the
+/// plugin's deferred stats are the guest's figures, the volume is healthy.
+fn verify(r: &FlowReport) -> Result<String, String> {
+    let (Some(b), Some(a)) = (&r.before_expand.df, &r.after_expand.df) else {
+        return Err("no guest df before and after the expansion".into());
+    };
+    if a.bytes.total <= b.bytes.total {
+        return Err(format!(
+            "the guest's filesystem did not grow: {} -> {} (is --expand-to above the volume's size?)",
+            human_size(b.bytes.total as i64),
+            human_size(a.bytes.total as i64)
+        ));
+    }
+    for (label, o) in [("before", &r.before_expand), ("after", &r.after_expand)] {
+        let (Some(df), Some(st)) = (&o.df, &o.stats) else {
+            return Err(format!("no stats {label} the expansion"));
+        };
+        // The workload keeps writing, so only the totals must agree.
+        if st.bytes.map(|x| x.total) != Some(df.bytes.total)
+            || st.inodes.map(|x| x.total) != Some(df.inodes.total)
+        {
+            return Err(format!(
+                "NodeGetVolumeStats {label} the expansion ({:?}, {:?}) differs from the guest's df ({:?}, {:?})",
+                st.bytes, st.inodes, df.bytes, df.inodes
+            ));
+        }
+        if st.abnormal != Some(false) {
+            return Err(format!(
+                "volume health {label} the expansion: {}",
+                st.health()
+            ));
+        }
+    }
+    Ok(format!(
+        "guest df grew {} -> {}; CSI stats totals = guest df; health normal",
+        human_size(b.bytes.total as i64),
+        human_size(a.bytes.total as i64)
+    ))
 }
 
 /// Waits until the workload wrote `min_lines` lines, then reads them.

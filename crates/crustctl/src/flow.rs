@@ -362,6 +362,12 @@ impl Render for FlowReport {
                 let _ = writeln!(out, "{label}: NodeGetVolumeStats {}", s.text());
             }
         }
+        if let Some(c) = &self.collected {
+            let _ = writeln!(out, "collected in the guest:");
+            for l in c.lines() {
+                let _ = writeln!(out, "  {l}");
+            }
+        }
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");
         }
@@ -1076,7 +1082,11 @@ impl Flow {
         let r = r.map(|df| {
             let d = format!(
                 "{} {} total, {} used, {} available",
-                MOUNT_DESTINATION,
+                if where_ == "guest" {
+                    MOUNT_DESTINATION
+                } else {
+                    "target"
+                },
                 human_size(df.bytes.total as i64),
                 human_size(df.bytes.used as i64),
                 human_size(df.bytes.available as i64)
@@ -1504,8 +1514,8 @@ mod tests {
         assert_eq!(spec["root"]["path"], "rootfs");
     }
 
-    #[test]
-    fn publish_capability_carries_the_kep_fields_only_when_deferred() {
+    #[tokio::test]
+    async fn publish_capability_carries_the_kep_fields_only_when_deferred() {
         use csi::volume_capability::AccessType;
         let mut cfg = FlowConfig::new("/w", RuntimeCli::new("/bin/true"));
         cfg.fs_group = Some(2000);

@@ -82,7 +82,10 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         serde_json::from_slice(&std::fs::read(rec.join("mountInfo.json")).unwrap()).unwrap();
     assert_eq!(mi["fstype"], "ext4", "{mi}");
     assert_eq!(mi["metadata"]["fsGroup"], "2000", "{mi}");
-    assert_eq!(mi["metadata"]["fsGroupChangePolicy"], "OnRootMismatch", "{mi}");
+    assert_eq!(
+        mi["metadata"]["fsGroupChangePolicy"], "OnRootMismatch",
+        "{mi}"
+    );
     let dev = mi["device"].as_str().unwrap().to_string();
     let pool_loops = st.loops_on_pool();
     assert!(
@@ -94,13 +97,23 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         st.runtime.bin.to_str().unwrap(),
         "the runtime consumed the record"
     );
-    assert!(rec.join(&flow.config().sandbox_id).is_file(), "sandbox claim");
+    assert!(
+        rec.join(&flow.config().sandbox_id).is_file(),
+        "sandbox claim"
+    );
 
     // --- the guest: subPath at /data, fsGroup applied ---------------------
     let gv = flow.report().guest_volume_path.clone().unwrap();
     let t0 = Instant::now();
-    while guest(&flow, "test -f /data/hello.txt && echo y || echo n").await.trim() != "y" {
-        assert!(t0.elapsed() < Duration::from_secs(60), "workload never wrote");
+    while guest(&flow, "test -f /data/hello.txt && echo y || echo n")
+        .await
+        .trim()
+        != "y"
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "workload never wrote"
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let ids = guest(&flow, &format!("stat -c '%d:%i' /data {gv}/app/data")).await;
@@ -124,8 +137,9 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     assert_eq!(groups.lines().collect::<Vec<_>>(), ["2000", "2000", "2000"]);
     let mounts = guest(&flow, "cat /proc/mounts").await;
     assert!(
-        mounts.lines().any(|l| l.split_whitespace().nth(1) == Some(gv.as_str())
-            && l.contains(" ext4 ")),
+        mounts
+            .lines()
+            .any(|l| l.split_whitespace().nth(1) == Some(gv.as_str()) && l.contains(" ext4 ")),
         "{mounts}"
     );
 
@@ -138,7 +152,11 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         let df = o.df.as_ref().unwrap();
         let s = o.stats.as_ref().unwrap();
         assert_eq!(s.bytes, Some(df.bytes), "{label}: stats bytes = guest df");
-        assert_eq!(s.inodes, Some(df.inodes), "{label}: stats inodes = guest df -i");
+        assert_eq!(
+            s.inodes,
+            Some(df.inodes),
+            "{label}: stats inodes = guest df -i"
+        );
         assert_eq!(s.abnormal, Some(false), "{label}: {}", s.message);
     }
     let (before, after) = (
@@ -160,7 +178,12 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     let (scenarios, _) = measure(&csi, &flow, &bcfg, &stop).await;
     let sc = |s: Scenario| scenarios.iter().find(|r| r.scenario == s).unwrap();
     let stats = sc(Scenario::DeferredStats);
-    assert_eq!((stats.ops, stats.errors), (4, 0), "{:?}", stats.error_samples);
+    assert_eq!(
+        (stats.ops, stats.errors),
+        (4, 0),
+        "{:?}",
+        stats.error_samples
+    );
     let row = |s: &crustctl::bench::ScenarioReport, rpc: &str| {
         s.rpcs.iter().find(|r| r.rpc == rpc).unwrap().clone()
     };
@@ -169,7 +192,11 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     assert_eq!((exp.ops, exp.errors), (4, 0), "{:?}", exp.error_samples);
     assert_eq!(row(exp, "NodeExpandVolume").count, 4);
     assert!(row(exp, "NodeExpandVolume").p50_us > 0);
-    assert_eq!(guest_dev_size(&flow, &gv).await, 224 * MIB, "192Mi + 4 x 8Mi");
+    assert_eq!(
+        guest_dev_size(&flow, &gv).await,
+        224 * MIB,
+        "192Mi + 4 x 8Mi"
+    );
     let last_df = flow.df().await.unwrap();
     assert!(last_df.bytes.total > after);
 
@@ -188,7 +215,11 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         assert!(r.steps.iter().any(|s| s.step == step && s.ok), "{step}");
     }
     assert!(!r.steps.iter().any(|s| s.step == "DeleteVolume"));
-    assert_eq!(st.records(), Vec::<std::path::PathBuf>::new(), "record removed");
+    assert_eq!(
+        st.records(),
+        Vec::<std::path::PathBuf>::new(),
+        "record removed"
+    );
     assert!(st.mounts_under_root().is_empty());
     assert!(st.vm_processes().is_empty());
     let id = r.volume.as_ref().unwrap().id.clone();
@@ -208,7 +239,11 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     cfg.defer_via = DeferVia::None;
     let mut host = Flow::new(cfg, csi.clone(), st.progress());
     host.bring_up().await.unwrap();
-    assert_eq!(host.volume_id(), Some(id.as_str()), "CreateVolume is idempotent");
+    assert_eq!(
+        host.volume_id(),
+        Some(id.as_str()),
+        "CreateVolume is idempotent"
+    );
     let t = Path::new(host.target_path());
     assert!(crustctl::flow::is_mountpoint(t));
     let hello = t.join("app/data/hello.txt");
@@ -228,5 +263,8 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     let list = csi.list_all_volumes(0, String::new()).await.unwrap();
     assert_eq!(list.entries, vec![], "volume deleted");
     st.assert_clean();
-    assert!(!st.work.exists(), "the flows removed the kubelet dirs they made");
+    assert!(
+        !st.work.exists(),
+        "the flows removed the kubelet dirs they made"
+    );
 }

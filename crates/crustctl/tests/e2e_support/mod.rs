@@ -153,13 +153,11 @@ impl Stack {
             "-v".into(),
             "debug".into(),
         ];
-        let mut p = PluginProcess::spawn(
-            &self.csi_bin,
-            &args,
-            &self.runtime.env(),
-            &self.root.join("crust-csi.log"),
-        )
-        .unwrap();
+        let mut env = self.runtime.env();
+        env.push(("NO_COLOR", "1".into()));
+        let mut p =
+            PluginProcess::spawn(&self.csi_bin, &args, &env, &self.root.join("crust-csi.log"))
+                .unwrap();
         if let Err(e) = p.wait_ready(&self.socket, Duration::from_secs(30)).await {
             panic!("{e}\n{}", p.log_tail(4000));
         }
@@ -270,10 +268,26 @@ impl Stack {
     /// Nothing of this stack is left on the machine (the plugin may run).
     #[track_caller]
     pub fn assert_clean(&self) {
-        assert_eq!(self.mounts_under_root(), Vec::<PathBuf>::new(), "mounts left");
-        assert_eq!(self.loops_on_pool(), Vec::<PathBuf>::new(), "loop devices left");
-        assert_eq!(self.vm_processes(), Vec::<String>::new(), "VM processes left");
-        assert_eq!(self.records(), Vec::<PathBuf>::new(), "hand-off records left");
+        assert_eq!(
+            self.mounts_under_root(),
+            Vec::<PathBuf>::new(),
+            "mounts left"
+        );
+        assert_eq!(
+            self.loops_on_pool(),
+            Vec::<PathBuf>::new(),
+            "loop devices left"
+        );
+        assert_eq!(
+            self.vm_processes(),
+            Vec::<String>::new(),
+            "VM processes left"
+        );
+        assert_eq!(
+            self.records(),
+            Vec::<PathBuf>::new(),
+            "hand-off records left"
+        );
         let sandboxes: Vec<_> = std::fs::read_dir(&self.runtime_root)
             .map(|rd| rd.flatten().map(|e| e.path()).collect())
             .unwrap_or_default();
@@ -317,7 +331,10 @@ impl Drop for Stack {
             }
         }
         if let Ok(loops) = crust_blockdev::list_loops() {
-            for l in loops.into_iter().filter(|l| l.backing_file.starts_with(&self.pool)) {
+            for l in loops
+                .into_iter()
+                .filter(|l| l.backing_file.starts_with(&self.pool))
+            {
                 let _ = crust_blockdev::detach(&l.path);
             }
         }
