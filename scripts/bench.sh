@@ -30,5 +30,13 @@ target/release/crust-csi --endpoint "unix://$work/csi.sock" --node-id bench \
 csi_pid=$!
 for _ in $(seq 50); do [ -S "$work/csi.sock" ] && break; sleep 0.1; done
 
-target/release/crustctl --endpoint "unix://$work/csi.sock" bench \
-  --staging-dir "$work/stage" --target-dir "$work/target" --duration 10s --concurrency 4 "$@"
+ctl=(target/release/crustctl --endpoint "unix://$work/csi.sock" bench)
+if [ "${1:-}" = "--deferred" ]; then
+  shift
+  # One pod in a guest; deferred stats and expansions through crust_ops.
+  "${ctl[@]}" --deferred --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
+    --crust-root "$work/crust" --duration 10s --concurrency 2 "$@"
+else
+  "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
+    --duration 10s --concurrency 4 "$@"
+fi
