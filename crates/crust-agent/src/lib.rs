@@ -8,7 +8,8 @@
 //! * Stats come from statvfs; health from the mount table, ext4's error
 //!   counter, disk presence and a read probe ([`volume`]).
 //! * The workload gets bind mounts resolved beneath the volume root with
-//!   openat2 ([`subpath`]) and logs to `/run/crust/workload.log`
+//!   openat2 ([`subpath`]), mounted on destinations opened without
+//!   following any symlink ([`destination`]), and logs to `/run/crust/workload.log`
 //!   ([`workload`]).
 //! * Every request runs on its own thread, so a slow Exec never holds up a
 //!   Ping; mount-changing operations are serialized.
@@ -16,6 +17,7 @@
 //! The agent is not PID 1: the initramfs `/init` (busybox sh) sets up the
 //! guest, reaps orphans and restarts the agent if it dies.
 
+pub mod destination;
 pub mod fsgroup;
 pub mod options;
 pub mod process;

@@ -12,6 +12,13 @@ use rustix::process::{Pid, Signal};
 /// Directories searched for tools; the guest's PATH is this too.
 pub const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+// The filesystem tools the agent runs as root, by absolute path (where
+// guest/build-image.sh installs them, and where Debian has them): a PATH
+// lookup could find a binary a workload bound over a PATH directory.
+pub const E2FSCK: &str = "/usr/sbin/e2fsck";
+pub const RESIZE2FS: &str = "/usr/sbin/resize2fs";
+pub const XFS_GROWFS: &str = "/usr/sbin/xfs_growfs";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
     /// Exit status, or 128+signal.
@@ -189,6 +196,21 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn tool_paths_match_the_guest_image() {
+        // The agent execs these by absolute path: build-image.sh must put
+        // them exactly there.
+        let script = include_str!("../../../guest/build-image.sh");
+        for (var, path) in [
+            ("E2FSCK", E2FSCK),
+            ("RESIZE2FS", RESIZE2FS),
+            ("XFS_GROWFS", XFS_GROWFS),
+        ] {
+            let line = format!("add_prog \"${var}\" {path}\n");
+            assert!(script.contains(&line), "build-image.sh lacks {line:?}");
+        }
     }
 
     #[test]

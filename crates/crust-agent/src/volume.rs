@@ -346,7 +346,7 @@ impl Volumes {
         }
         if req.fstype == FsType::Ext4 && !opts.readonly {
             // Like kubelet: preen before a read-write mount. 1 = fixed.
-            let args = ["e2fsck", "-p", &dev.to_string_lossy()].map(String::from);
+            let args = [process::E2FSCK, "-p", &dev.to_string_lossy()].map(String::from);
             let left = deadline.map_or(Duration::from_secs(300), |d| {
                 d.saturating_duration_since(Instant::now())
             });
@@ -532,12 +532,12 @@ impl Volumes {
         let (tool, args): (&'static str, Vec<String>) = match rec.fstype {
             FsType::Ext4 => (
                 "resize2fs",
-                vec!["resize2fs".into(), format!("/dev/{}", rec.disk)],
+                vec![process::RESIZE2FS.into(), format!("/dev/{}", rec.disk)],
             ),
             FsType::Xfs => (
                 "xfs_growfs",
                 vec![
-                    "xfs_growfs".into(),
+                    process::XFS_GROWFS.into(),
                     "-d".into(),
                     target.display().to_string(),
                 ],

@@ -3,7 +3,7 @@
 
 use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Component, Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,6 +19,7 @@ use rustix::io::Errno;
 use rustix::mount::{MountFlags, UnmountFlags};
 use rustix::process::{Pid, Signal};
 
+use crate::destination::{self, DestinationError, Leaf};
 use crate::process;
 use crate::subpath::{self, SubpathError};
 use crate::volume::{self, Volumes, mount_path};
@@ -37,6 +38,8 @@ pub enum WorkloadError {
         #[source]
         source: SubpathError,
     },
+    #[error(transparent)]
+    Destination(#[from] DestinationError),
     #[error("volume {0:?} is not mounted; call MountVolume first")]
     VolumeNotMounted(String),
     #[error("a different workload is already running (pid {0}); stop it first")]
@@ -62,12 +65,13 @@ impl From<WorkloadError> for AgentError {
         use WorkloadError::*;
         let code = match &e {
             Invalid(_) | Subpath { .. } => ErrorCode::InvalidArgument,
+            Destination(d) if d.is_invalid_argument() => ErrorCode::InvalidArgument,
             Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 ErrorCode::InvalidArgument
             }
             VolumeNotMounted(_) | NotRunning => ErrorCode::FailedPrecondition,
             AlreadyRunning(_) => ErrorCode::AlreadyExists,
-            Spawn { .. } | Io { .. } => ErrorCode::Internal,
+            Spawn { .. } | Io { .. } | Destination(_) => ErrorCode::Internal,
         };
         AgentError::new(code, e.to_string())
     }
@@ -174,19 +178,44 @@ fn validate(spec: &StartWorkload) -> Result<Vec<PathBuf>, WorkloadError> {
     Ok(dests)
 }
 
-fn unmount_binds(binds: &[Bind]) {
-    for b in binds.iter().rev() {
-        loop {
-            match rustix::mount::unmount(b.destination.as_path(), UnmountFlags::empty()) {
-                Ok(()) => {}
-                Err(Errno::BUSY) => {
-                    // Workload leftovers still hold it: detach so the volume
-                    // can be unmounted; the kernel finishes when they go.
-                    let _ = rustix::mount::unmount(b.destination.as_path(), UnmountFlags::DETACH);
-                }
-                Err(_) => break,
+fn open_root() -> Result<OwnedFd, WorkloadError> {
+    rustix::fs::open(
+        "/",
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err("open", Path::new("/"), e))
+}
+
+/// Unmounts everything stacked on `path` (a `/proc/self/fd/P/name`).
+fn unmount_all(path: &Path) {
+    loop {
+        // NOFOLLOW: a symlink swapped in for the name is not followed.
+        match rustix::mount::unmount(path, UnmountFlags::NOFOLLOW) {
+            Ok(()) => {}
+            Err(Errno::BUSY) => {
+                // Workload leftovers still hold it: detach so the volume
+                // can be unmounted; the kernel finishes when they go.
+                let _ = rustix::mount::unmount(path, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW);
             }
+            Err(_) => break,
         }
+    }
+}
+
+/// Unmounts what is on `dest` below `root`. The parent is walked again
+/// without following symlinks (the workload may have swapped a directory on
+/// the way for one) and held only for this call, so it pins nothing.
+fn unmount_beneath(root: &impl AsFd, dest: &Path) {
+    if let Ok((parent, name)) = destination::open_parent(root, dest) {
+        unmount_all(&destination::proc_fd(&parent).join(name));
+    }
+}
+
+fn unmount_binds(binds: &[Bind]) {
+    let Ok(root) = open_root() else { return };
+    for b in binds.iter().rev() {
+        unmount_beneath(&root, &b.destination);
     }
 }
 
@@ -217,30 +246,41 @@ fn bind_one(m: &WorkloadMount, dest: &Path, volumes: &Volumes) -> Result<(), Wor
         destination: m.destination.clone(),
         source,
     })?;
-    let st = rustix::fs::fstat(&src).map_err(|e| io_err("stat", &root_path, e))?;
-    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-        std::fs::create_dir_all(dest).map_err(|e| io_err("mkdir", dest, errno_of(&e)))?;
+    bind_at(&open_root()?, &src, dest, m.readonly)
+}
+
+/// Bind-mounts `src` (an `O_PATH` descriptor) on `dest` below `root`
+/// (`/` in the guest), creating the destination if missing.
+fn bind_at(
+    root: &impl AsFd,
+    src: &OwnedFd,
+    dest: &Path,
+    readonly: bool,
+) -> Result<(), WorkloadError> {
+    let st = rustix::fs::fstat(src).map_err(|e| io_err("stat", dest, e))?;
+    let leaf = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+        Leaf::Directory
     } else {
-        if let Some(parent) = dest.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err("mkdir", parent, errno_of(&e)))?;
-        }
-        OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(dest)
-            .map_err(|e| io_err("create", dest, errno_of(&e)))?;
-    }
-    // Through the descriptor: the subPath is never looked up by name again.
-    let proc_path = format!("/proc/self/fd/{}", src.as_raw_fd());
-    rustix::mount::mount_bind(proc_path.as_str(), dest)
+        Leaf::File
+    };
+    // No symlink anywhere in the destination is followed: an earlier bind
+    // may have put volume contents (an earlier pod's) on the way.
+    let target = destination::open(root, dest, leaf, Mode::from_raw_mode(0o755))?;
+    // Both ends through descriptors: neither path is looked up by name again.
+    rustix::mount::mount_bind(destination::proc_fd(src), target.proc_path())
         .map_err(|e| io_err("bind mount at", dest, e))?;
-    if m.readonly
-        && let Err(e) =
-            rustix::mount::mount_remount(dest, MountFlags::BIND | MountFlags::RDONLY, "")
-    {
-        let _ = rustix::mount::unmount(dest, UnmountFlags::empty());
-        return Err(io_err("read-only remount of", dest, e));
+    if readonly {
+        let remounted = target.reopen().and_then(|mounted| {
+            rustix::mount::mount_remount(
+                destination::proc_fd(&mounted),
+                MountFlags::BIND | MountFlags::RDONLY,
+                "",
+            )
+        });
+        if let Err(e) = remounted {
+            unmount_all(&target.proc_child_path());
+            return Err(io_err("read-only remount of", dest, e));
+        }
     }
     Ok(())
 }
@@ -495,6 +535,7 @@ impl Workloads {
 mod tests {
     use super::*;
     use crust_agent_proto::WorkloadMount;
+    use std::os::unix::fs::symlink;
 
     fn spec(mounts: Vec<WorkloadMount>) -> StartWorkload {
         StartWorkload {
@@ -513,6 +554,110 @@ mod tests {
             destination: dest.into(),
             readonly: false,
         }
+    }
+
+    /// Unmounts (lazily, deepest first) whatever a test left below `dir`.
+    struct MountsBelow(PathBuf);
+
+    fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mut v: Vec<PathBuf> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(PathBuf::from)
+            .filter(|p| p.starts_with(dir))
+            .collect();
+        v.sort();
+        v
+    }
+
+    impl Drop for MountsBelow {
+        fn drop(&mut self) {
+            for p in mounts_below(&self.0).iter().rev() {
+                let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
+            }
+        }
+    }
+
+    fn opath(p: &Path) -> OwnedFd {
+        rustix::fs::open(p, OFlags::PATH | OFlags::CLOEXEC, Mode::empty()).unwrap()
+    }
+
+    /// The nested-bind attack on real mounts: a volume carrying
+    /// `logs -> <system dir>` bound at /data, then /data/logs requested.
+    #[test]
+    fn nested_destination_through_planted_symlink_mounts_nothing() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("this test needs root (bind mounts)");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let _guard = MountsBelow(t.path().to_path_buf());
+        let sys = t.path().join("sbin");
+        std::fs::create_dir(&sys).unwrap();
+        std::fs::write(sys.join("e2fsck"), b"real").unwrap();
+        let vol = t.path().join("vol");
+        std::fs::create_dir_all(vol.join("trap")).unwrap();
+        std::fs::create_dir_all(vol.join("evil")).unwrap();
+        std::fs::write(vol.join("evil/e2fsck"), b"evil").unwrap();
+        symlink(&sys, vol.join("trap/logs")).unwrap();
+        symlink("/", vol.join("trap/up")).unwrap();
+        let other = t.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(other.join("f"), b"other").unwrap();
+        let rootdir = t.path().join("root");
+        std::fs::create_dir(&rootdir).unwrap();
+        let root = opath(&rootdir);
+
+        bind_at(&root, &opath(&vol.join("trap")), Path::new("/data"), false).unwrap();
+        assert_eq!(mounts_below(t.path()), vec![rootdir.join("data")]);
+        assert!(rootdir.join("data/logs").is_symlink());
+        for dest in ["/data/logs", "/data/logs/x", "/data/up/tmp"] {
+            let e = bind_at(&root, &opath(&vol.join("evil")), Path::new(dest), false).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    WorkloadError::Destination(DestinationError::Symlink { .. })
+                ),
+                "{dest}: {e}"
+            );
+            assert_eq!(AgentError::from(e).code, ErrorCode::InvalidArgument);
+        }
+        assert_eq!(mounts_below(t.path()), vec![rootdir.join("data")]);
+        assert!(
+            !mounts_below(Path::new("/"))
+                .iter()
+                .any(|p| p.starts_with(&sys))
+        );
+        assert_eq!(std::fs::read(sys.join("e2fsck")).unwrap(), b"real");
+        assert_eq!(std::fs::read_dir(&sys).unwrap().count(), 1);
+
+        // A real nested directory works, read-only, and is made inside the
+        // volume bound at /data.
+        bind_at(&root, &opath(&other), Path::new("/data/sub/ro"), true).unwrap();
+        assert!(vol.join("trap/sub/ro").is_dir());
+        assert_eq!(
+            std::fs::read(rootdir.join("data/sub/ro/f")).unwrap(),
+            b"other"
+        );
+        let sv = rustix::fs::statvfs(rootdir.join("data/sub/ro").as_path()).unwrap();
+        assert!(sv.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY));
+        assert!(std::fs::write(rootdir.join("data/sub/ro/g"), b"").is_err());
+        // A file source gets a file destination.
+        bind_at(
+            &root,
+            &opath(&other.join("f")),
+            Path::new("/data/one"),
+            false,
+        )
+        .unwrap();
+        assert_eq!(std::fs::read(rootdir.join("data/one")).unwrap(), b"other");
+
+        for d in ["/data/one", "/data/sub/ro", "/data"] {
+            unmount_beneath(&root, Path::new(d));
+        }
+        assert_eq!(mounts_below(t.path()), Vec::<PathBuf>::new());
+        assert!(rootdir.join("data").is_dir());
+        assert_eq!(std::fs::read_dir(rootdir.join("data")).unwrap().count(), 0);
     }
 
     #[test]

@@ -39,7 +39,8 @@ fn chown(p: &std::path::Path, uid: u32, gid: u32) {
 }
 
 /// Mount options, fsGroup (both policies), stats vs df, online growth,
-/// subPath (created, escape refused), read-only binds, a non-root workload
+/// subPath (created, escape refused), nested destinations (a planted
+/// symlink refused, a real directory bound), read-only binds, a non-root workload
 /// writing through fsGroup, health signals, concurrency, Shutdown, and the
 /// written data on the device afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,6 +63,11 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         symlink("/tmp/marker", r.join("fsg/outlink")).unwrap();
         symlink("/", r.join("escape")).unwrap();
         symlink("../../..", r.join("escape2")).unwrap();
+        // Left by an "earlier pod": bound at /data, these would redirect a
+        // nested destination onto guest system paths.
+        std::fs::create_dir(r.join("trap")).unwrap();
+        symlink("/usr/sbin", r.join("trap/logs")).unwrap();
+        symlink("/run/crust", r.join("trap/state")).unwrap();
     }
     {
         let m = xfs.mount_temp(&[], false);
@@ -275,6 +281,57 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         WorkloadState::NotStarted
     );
 
+    // --- a nested destination through a symlink in a volume: nothing mounted --------
+    let mounts_before = g.sh("cat /proc/mounts").await;
+    let sbin_before = g.sh("ls -la /usr/sbin /run/crust/volumes").await;
+    assert!(sbin_before.contains(" e2fsck\n"), "{sbin_before}");
+    for nested in ["/data/logs", "/data/logs/bin", "/data/state/volumes/ext"] {
+        let r = a
+            .start_workload(StartWorkload {
+                args: vec!["true".into()],
+                env: vec![],
+                cwd: None,
+                mounts: vec![
+                    WorkloadMount {
+                        volume: "ext".into(),
+                        subpath: Some("trap".into()),
+                        destination: "/data".into(),
+                        readonly: false,
+                    },
+                    WorkloadMount {
+                        volume: "xfsv".into(),
+                        subpath: None,
+                        destination: nested.into(),
+                        readonly: false,
+                    },
+                ],
+                user: None,
+            })
+            .await;
+        match r {
+            Err(crust_agent_proto::ClientError::Agent(e)) => {
+                assert_eq!(e.code, ErrorCode::InvalidArgument, "{nested}: {e:?}");
+                assert!(e.message.contains("symlink"), "{nested}: {}", e.message);
+            }
+            other => panic!("{nested}: expected InvalidArgument, got {other:?}"),
+        }
+        // The /data bind made first is rolled back.
+        assert_eq!(g.sh("cat /proc/mounts").await, mounts_before, "{nested}");
+    }
+    assert_eq!(
+        g.sh("ls -la /usr/sbin /run/crust/volumes").await,
+        sbin_before
+    );
+    assert_eq!(
+        g.sh("cd /run/crust/volumes/ext/trap && readlink logs && readlink state")
+            .await,
+        "/usr/sbin\n/run/crust\n"
+    );
+    assert_eq!(
+        a.workload_status().await.unwrap(),
+        WorkloadState::NotStarted
+    );
+
     // --- the workload: non-root, writes via fsGroup, read-only xfs ----------------
     let spec = StartWorkload {
         args: ["sh", "-c", "echo hello-from-guest > /data/out.txt && sync; \
@@ -295,6 +352,13 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
                 volume: "xfsv".into(),
                 subpath: None,
                 destination: "/xfs".into(),
+                readonly: true,
+            },
+            // Nested in /data through real directories: made and bound.
+            WorkloadMount {
+                volume: "xfsv".into(),
+                subpath: None,
+                destination: "/data/nested/xfs".into(),
                 readonly: true,
             },
         ],
@@ -325,6 +389,16 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     );
     let xfs_line = g.mount_line("/xfs").await.expect("/xfs bound");
     assert!(xfs_line.contains(" xfs ro,"), "{xfs_line}");
+    let nested_line = g
+        .mount_line("/data/nested/xfs")
+        .await
+        .expect("/data/nested/xfs bound");
+    assert!(nested_line.contains(" xfs ro,"), "{nested_line}");
+    assert_eq!(
+        g.sh("stat -c '%F' /run/crust/volumes/ext/app/data/nested/xfs && ls /data/nested/xfs")
+            .await,
+        "directory\nkeep\n"
+    );
     assert_eq!(
         g.sh("stat -c '%u %g %a' /data/out.txt /run/crust/volumes/ext/app/data")
             .await,
