@@ -1,10 +1,12 @@
-//! Facts about block device nodes: size, type, numbers, exclusive use, wiping.
+//! Facts about block device nodes: size, type, numbers, who uses them,
+//! wiping.
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use rustix::fs::{FileType, Mode, OFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, StatxFlags};
 
 use crate::sys;
 
@@ -81,8 +83,9 @@ pub fn block_device_size(path: &Path) -> Result<u64, DeviceError> {
 /// any mount namespace), a device-mapper or md holder, or another
 /// `O_EXCL` opener. Implemented by trying an `O_EXCL` open, which the
 /// kernel refuses with `EBUSY` in exactly those cases. Plain (non-exclusive)
-/// openers such as QEMU are not detected.
-pub fn is_device_in_use(path: &Path) -> Result<bool, DeviceError> {
+/// openers such as QEMU are NOT detected: see [`device_openers`] and
+/// [`is_device_in_use`].
+pub fn is_device_held_exclusively(path: &Path) -> Result<bool, DeviceError> {
     match open_block(path, OFlags::RDONLY | OFlags::EXCL) {
         Ok(_) => Ok(false),
         Err(DeviceError::Io { source, .. })
@@ -92,6 +95,108 @@ pub fn is_device_in_use(path: &Path) -> Result<bool, DeviceError> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// Whether anything but this process uses the device: an exclusive holder
+/// ([`is_device_held_exclusively`]: a mount, device-mapper, `O_EXCL`
+/// opener) or another process with a plain open descriptor
+/// ([`device_openers`]; e.g. QEMU, which opens a disk without `O_EXCL`
+/// while its guest's kernel has the filesystem mounted).
+pub fn is_device_in_use(path: &Path) -> Result<bool, DeviceError> {
+    Ok(is_device_held_exclusively(path)? || !device_openers(path)?.is_empty())
+}
+
+/// A process with an open descriptor on a block device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opener {
+    pub pid: u32,
+    /// `/proc/PID/comm` ("qemu-system-x86" is truncated by the kernel to
+    /// 15 bytes), or "?" when the process went away meanwhile.
+    pub comm: String,
+}
+
+impl std::fmt::Display for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({})", self.pid, self.comm)
+    }
+}
+
+/// Longest a [`device_openers`] scan may take before it gives up (an
+/// error, never an "unused" answer).
+pub const OPENERS_SCAN_LIMIT: Duration = Duration::from_secs(5);
+
+/// Processes other than this one that hold `path`'s device open, found by
+/// scanning `/proc/*/fd`: a descriptor matches when it is a block device
+/// node with the same device numbers (whatever path it was opened by).
+///
+/// Only processes in this PID namespace are visible (a node plugin must
+/// run with the host's to see the runtimes' QEMU). Processes and
+/// descriptors that vanish during the scan are skipped; `statx` is asked
+/// not to sync attributes so a descriptor on a hung network filesystem
+/// does not stall the scan, which is also bounded by
+/// [`OPENERS_SCAN_LIMIT`]. Sorted by pid, one entry per process.
+pub fn device_openers(path: &Path) -> Result<Vec<Opener>, DeviceError> {
+    let (major, minor) = device_major_minor(path)?;
+    openers_of(major, minor, Instant::now() + OPENERS_SCAN_LIMIT)
+        .map_err(|e| DeviceError::io(path, e))
+}
+
+fn openers_of(major: u32, minor: u32, deadline: Instant) -> io::Result<Vec<Opener>> {
+    let me = std::process::id();
+    let mut found = Vec::new();
+    for ent in std::fs::read_dir("/proc")? {
+        let Ok(ent) = ent else { continue };
+        let Some(pid) = ent.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        if Instant::now() > deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "scanning /proc/*/fd for other openers took too long",
+            ));
+        }
+        if process_has_device(pid, major, minor) {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim_end().to_owned())
+                .unwrap_or_else(|_| "?".into());
+            found.push(Opener { pid, comm });
+        }
+    }
+    found.sort_by_key(|o| o.pid);
+    Ok(found)
+}
+
+/// Whether process `pid` has a descriptor on block device `major:minor`.
+/// Any error (the process exited, a descriptor was closed) is "no".
+fn process_has_device(pid: u32, major: u32, minor: u32) -> bool {
+    let dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let Ok(fds) = std::fs::read_dir(&dir) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        let link = fd.path();
+        // Sockets, pipes, anon inodes ("socket:[123]") are never devices.
+        match std::fs::read_link(&link) {
+            Ok(t) if t.as_os_str().as_encoded_bytes().first() == Some(&b'/') => {}
+            _ => return false,
+        }
+        match rustix::fs::statx(
+            rustix::fs::CWD,
+            &link,
+            AtFlags::STATX_DONT_SYNC,
+            StatxFlags::TYPE,
+        ) {
+            Ok(st) => {
+                FileType::from_raw_mode(st.stx_mode.into()) == FileType::BlockDevice
+                    && st.stx_rdev_major == major
+                    && st.stx_rdev_minor == minor
+            }
+            Err(_) => false,
+        }
+    })
 }
 
 /// Overwrites the first and last `edge_bytes` of a block device with
@@ -115,6 +220,16 @@ pub fn wipe_edges(path: &Path, edge_bytes: u64) -> Result<(), DeviceError> {
         }
         other => other?,
     };
+    // Plain openers (a guest's QEMU) are not stopped by O_EXCL.
+    if let Some(o) = device_openers(path)?.first() {
+        return Err(DeviceError::Io {
+            path: path.to_path_buf(),
+            source: io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                format!("device is open by {o}; refusing to wipe it"),
+            ),
+        });
+    }
     let size = size_of_fd(&fd, path)?;
     let ranges = if size <= edge_bytes.saturating_mul(2) {
         vec![(0, size)]

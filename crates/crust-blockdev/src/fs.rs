@@ -81,6 +81,14 @@ pub enum FsError {
     },
     #[error("{device} is in use (mounted or held); {what} needs it unmounted")]
     InUse { device: PathBuf, what: &'static str },
+    #[error("device {} is open by {opener}{}; refusing to {action}", device.display(), more_openers(*others))]
+    OpenElsewhere {
+        device: PathBuf,
+        opener: crate::device::Opener,
+        /// How many other processes have it open too.
+        others: usize,
+        action: &'static str,
+    },
     #[error("{0} cannot be grown offline (xfs_growfs needs a mounted filesystem)")]
     OfflineGrowUnsupported(FsType),
     #[error("{device} is not the filesystem mounted at {mountpoint}")]
@@ -96,6 +104,65 @@ pub enum FsError {
     Usage(#[from] UsageError),
     #[error(transparent)]
     Mount(#[from] crate::mount::MountError),
+}
+
+fn more_openers(n: usize) -> String {
+    if n == 0 {
+        String::new()
+    } else {
+        format!(" and {n} other process(es)")
+    }
+}
+
+/// What [`grow_fs_offline`] refuses to do while another process (a guest's
+/// QEMU) has the device open.
+pub const CHECK_OR_GROW: &str = "check or grow a filesystem another kernel may have mounted";
+/// What [`mkfs`] refuses to do while another process has the device open.
+pub const FORMAT: &str = "format a device another process or kernel may be using";
+/// For callers about to mount a device on the host (see
+/// [`ensure_no_other_openers`]).
+pub const MOUNT: &str = "mount a filesystem another kernel may have mounted";
+
+/// How often, and how far apart, an opener is looked for again before a
+/// refusal: a prober such as udev's blkid opens a new device briefly.
+const OPENER_CHECKS: usize = 4;
+const OPENER_RECHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Refuses with [`FsError::InUse`] if the device is held exclusively
+/// (mounted), then as [`ensure_no_other_openers`].
+fn require_unused(dev: &Path, what: &'static str, action: &'static str) -> Result<(), FsError> {
+    if device::is_device_held_exclusively(dev)? {
+        return Err(FsError::InUse {
+            device: dev.to_path_buf(),
+            what,
+        });
+    }
+    ensure_no_other_openers(dev, action)
+}
+
+/// Refuses with [`FsError::OpenElsewhere`] (saying it refuses to
+/// `action`, e.g. [`MOUNT`]) when another process keeps `dev` open across
+/// a few re-checks about 100 ms apart (a prober such as udev's blkid holds
+/// a device only briefly; a guest's QEMU for as long as the guest runs).
+/// See [`crate::device_openers`].
+pub fn ensure_no_other_openers(dev: &Path, action: &'static str) -> Result<(), FsError> {
+    let mut openers = device::device_openers(dev)?;
+    for _ in 1..OPENER_CHECKS {
+        if openers.is_empty() {
+            return Ok(());
+        }
+        std::thread::sleep(OPENER_RECHECK);
+        openers = device::device_openers(dev)?;
+    }
+    match openers.first() {
+        None => Ok(()),
+        Some(o) => Err(FsError::OpenElsewhere {
+            device: dev.to_path_buf(),
+            opener: o.clone(),
+            others: openers.len() - 1,
+            action,
+        }),
+    }
 }
 
 /// Finds an admin tool even when PATH lacks the sbin directories (systemd
@@ -148,7 +215,9 @@ fn run_accepting(
 ///
 /// Re-probes the device first and refuses with [`FsError::NotBlank`]
 /// unless it is [`Probe::Blank`] (the tools are run with `-f`/`-F`, so
-/// this check is what keeps data safe).
+/// this check is what keeps data safe). A device that is mounted
+/// ([`FsError::InUse`]) or open in another process
+/// ([`FsError::OpenElsewhere`]) is refused before anything is read.
 ///
 /// * ext4: `mkfs.ext4 -F -q -e remount-ro -E lazy_itable_init=1,lazy_journal_init=1,nodiscard`
 ///   (lazy init keeps formatting small test volumes and large sparse files
@@ -160,6 +229,7 @@ pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     if !device::is_block_device(dev) {
         return Err(DeviceError::NotBlockDevice(dev.to_path_buf()).into());
     }
+    require_unused(dev, "formatting", FORMAT)?;
     match probe_fs(dev)? {
         Probe::Blank => {}
         found => {
@@ -257,18 +327,16 @@ pub fn grow_fs(dev: &Path, mountpoint: &Path, fstype: FsType) -> Result<u64, FsE
 /// Grows an unmounted ext4 filesystem to fill its device: `e2fsck -f -p`
 /// (resize2fs insists on a freshly checked filesystem; exit codes 0 and 1,
 /// "no errors" and "errors fixed", are accepted) then `resize2fs`. The
-/// device must not be in use. XFS can only grow mounted
+/// device must not be in use: not mounted ([`FsError::InUse`]) and not
+/// open in any other process ([`FsError::OpenElsewhere`]): QEMU opens a
+/// guest's disk without `O_EXCL`, and checking a filesystem a guest kernel
+/// has mounted corrupts it. XFS can only grow mounted
 /// ([`FsError::OfflineGrowUnsupported`]). Idempotent.
 pub fn grow_fs_offline(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     if fstype == FsType::Xfs {
         return Err(FsError::OfflineGrowUnsupported(fstype));
     }
-    if device::is_device_in_use(dev)? {
-        return Err(FsError::InUse {
-            device: dev.to_path_buf(),
-            what: "offline resize",
-        });
-    }
+    require_unused(dev, "offline resize", CHECK_OR_GROW)?;
     run_accepting(
         "e2fsck",
         &["-f".as_ref(), "-p".as_ref(), dev.as_os_str()],

@@ -7,14 +7,17 @@
 //!   [`LoopDevice::attach`], [`find_by_backing`], [`detach`],
 //!   [`refresh_capacity`], [`list_loops`], and [`LoopGuard`] for tests.
 //! * [`device`]: [`block_device_size`], [`is_block_device`],
-//!   [`device_major_minor`], [`is_device_in_use`] (O_EXCL test),
-//!   [`wipe_edges`].
+//!   [`device_major_minor`], [`is_device_in_use`] (an `O_EXCL` test,
+//!   [`is_device_held_exclusively`], plus other processes' descriptors from
+//!   `/proc/*/fd`, [`device_openers`]), [`wipe_edges`].
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted.
 //! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
 //!   [`grow_fs_offline`] (the only places that exec tools: `mkfs.ext4`,
 //!   `mkfs.xfs`, `resize2fs`, `xfs_growfs`, `e2fsck`). Online ext4 growth
-//!   needs `CAP_SYS_RESOURCE`: see [`can_grow_ext4_online`].
+//!   needs `CAP_SYS_RESOURCE`: see [`can_grow_ext4_online`]. [`mkfs`] and
+//!   [`grow_fs_offline`] refuse a device another process has open
+//!   ([`ensure_no_other_openers`]).
 //! * [`mount`]: [`mount_fs`], [`bind_mount`], [`unmount`], [`mount_info`],
 //!   [`find_mount`], [`is_mountpoint`], [`MountGuard`].
 //! * [`mod@usage`]: [`usage()`] from `statvfs`.
@@ -36,10 +39,12 @@ mod sys;
 pub mod usage;
 
 pub use device::{
-    DeviceError, block_device_size, device_major_minor, is_block_device, is_device_in_use,
-    sysfs_name, wipe_edges,
+    DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
+    is_block_device, is_device_held_exclusively, is_device_in_use, sysfs_name, wipe_edges,
 };
-pub use fs::{FsError, FsType, can_grow_ext4_online, grow_fs, grow_fs_offline, mkfs};
+pub use fs::{
+    FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs, grow_fs_offline, mkfs,
+};
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,
 };

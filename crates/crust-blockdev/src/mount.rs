@@ -15,8 +15,23 @@ use crate::device::{self, DeviceError};
 /// Errors from mount operations.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
-    #[error("mount option {option:?} rejected: {reason}")]
-    InvalidOption { option: String, reason: String },
+    /// Never carries the option's text (options may hold credentials and
+    /// this message reaches gRPC statuses, logs and pod events): only its
+    /// position and, when it is one crust knows, its name from crust's
+    /// own tables.
+    #[error(
+        "mount option {}{} is not allowed: {reason} (the option's text is not repeated: mount options may carry credentials)",
+        position.map(|n| format!("#{n}")).unwrap_or_default(),
+        name.map(|k| format!(" ({k})")).unwrap_or_default()
+    )]
+    InvalidOption {
+        /// 1-based, counting comma-separated options across all elements;
+        /// None for a conflict between options.
+        position: Option<usize>,
+        /// A name from crust's option tables (never the caller's text).
+        name: Option<&'static str>,
+        reason: String,
+    },
     #[error("mount target {0} does not exist or is not a directory")]
     BadTarget(PathBuf),
     #[error("{target} already has {existing} mounted on it")]
@@ -397,6 +412,30 @@ fn data_option_ok(fstype: FsType, opt: &str) -> bool {
     }
 }
 
+/// The name of a rejected option as crust's own tables spell it: the whole
+/// option if it is a listed unsafe one, else its key if crust knows that
+/// key. Returns only `'static` table entries, so a caller's text (which may
+/// be a credential) can never come back through it.
+fn known_name(opt: &str) -> Option<&'static str> {
+    if let Some((o, _)) = UNSAFE.iter().find(|(o, _)| *o == opt) {
+        return Some(o);
+    }
+    let key = opt.split_once('=').map_or(opt, |(k, _)| k);
+    FLAG_OPTS
+        .iter()
+        .map(|(o, _)| o)
+        .chain(NOOP_OPTS)
+        .chain(COMMON_DATA_WORDS)
+        .chain(EXT4_DATA_WORDS)
+        .chain(EXT4_NUMERIC)
+        .chain(XFS_DATA_WORDS)
+        .chain(XFS_NUMERIC)
+        .chain(XFS_SIZE)
+        .chain(&["errors", "data"])
+        .find(|k| **k == key)
+        .copied()
+}
+
 /// Validates mount options for `fstype` and splits them into flags and a
 /// data string. Each element may itself hold comma-separated options.
 ///
@@ -410,7 +449,9 @@ fn data_option_ok(fstype: FsType, opt: &str) -> bool {
 /// Rejected: anything else, including `bind`, `remount`, `loop`,
 /// `errors=panic`, options naming paths or devices (`journal_path=`,
 /// `logdev=`, `rtdev=`), SELinux contexts, and `rw` together with a
-/// read-only request. `norecovery` is only allowed read-only.
+/// read-only request. `norecovery` is only allowed read-only. An error
+/// names the option by position (and by crust's name for it, if it has
+/// one), never by its text.
 pub fn parse_mount_options(
     fstype: FsType,
     options: &[String],
@@ -419,20 +460,28 @@ pub fn parse_mount_options(
     let mut flags = MountFlags::empty();
     let mut data: Vec<&str> = Vec::new();
     let mut rw_requested = false;
-    let reject = |option: &str, reason: &str| MountError::InvalidOption {
-        option: option.to_owned(),
+    let reject = |position: usize, opt: &str, reason: &str| MountError::InvalidOption {
+        position: Some(position),
+        name: known_name(opt),
         reason: reason.to_owned(),
     };
-    for opt in options.iter().flat_map(|o| o.split(',')) {
-        let opt = opt.trim();
-        if opt.is_empty() {
-            continue;
-        }
+    let conflict = |name: &'static str, reason: &str| MountError::InvalidOption {
+        position: None,
+        name: Some(name),
+        reason: reason.to_owned(),
+    };
+    let opts = options
+        .iter()
+        .flat_map(|o| o.split(','))
+        .map(str::trim)
+        .filter(|o| !o.is_empty());
+    for (i, opt) in opts.enumerate() {
+        let reject = |reason: &str| reject(i + 1, opt, reason);
         if opt.contains('\0') || opt.contains('/') {
-            return Err(reject(opt, "options may not contain paths or NUL bytes"));
+            return Err(reject("options may not contain paths or NUL bytes"));
         }
         if let Some((_, reason)) = UNSAFE.iter().find(|(o, _)| *o == opt) {
-            return Err(reject(opt, reason));
+            return Err(reject(reason));
         }
         if let Some((_, f)) = FLAG_OPTS.iter().find(|(o, _)| *o == opt) {
             flags |= *f;
@@ -441,10 +490,9 @@ pub fn parse_mount_options(
         } else if data_option_ok(fstype, opt) {
             data.push(opt);
         } else {
-            return Err(reject(
-                opt,
-                &format!("not a supported {fstype} mount option"),
-            ));
+            return Err(reject(&format!(
+                "not a supported {fstype} mount option, or not with this value"
+            )));
         }
     }
     if readonly {
@@ -452,10 +500,10 @@ pub fn parse_mount_options(
     }
     let read_only = flags.contains(MountFlags::RDONLY);
     if read_only && rw_requested {
-        return Err(reject("rw", "conflicts with a read-only mount"));
+        return Err(conflict("rw", "conflicts with a read-only mount"));
     }
     if !read_only && data.contains(&"norecovery") {
-        return Err(reject("norecovery", "only allowed for read-only mounts"));
+        return Err(conflict("norecovery", "only allowed for read-only mounts"));
     }
     let exclusive = [
         MountFlags::RELATIME,
@@ -463,7 +511,7 @@ pub fn parse_mount_options(
         MountFlags::NOATIME,
     ];
     if exclusive.iter().filter(|f| flags.contains(**f)).count() > 1 {
-        return Err(reject(
+        return Err(conflict(
             "atime",
             "noatime, relatime and strictatime are mutually exclusive",
         ));
@@ -780,5 +828,72 @@ mod tests {
         assert!(parse_mount_options(FsType::Ext4, &opts(&["rw"]), true).is_err());
         assert!(parse_mount_options(FsType::Ext4, &opts(&["noatime", "relatime"]), false).is_err());
         assert!(parse_mount_options(FsType::Xfs, &opts(&["norecovery"]), true).is_ok());
+    }
+
+    #[test]
+    fn rejections_name_the_position_never_the_text() {
+        let secret = "s3cr3tV4lue";
+        for (fs, list, position, name) in [
+            // unknown key holding a secret: position only
+            (
+                FsType::Ext4,
+                vec!["noatime", &*format!("nodev,passphrase={secret}")],
+                3,
+                None,
+            ),
+            // known key, secret as its value: the key from our table only
+            (
+                FsType::Ext4,
+                vec![&*format!("commit={secret}")],
+                1,
+                Some("commit"),
+            ),
+            (
+                FsType::Xfs,
+                vec!["nouuid", &*format!("allocsize={secret}")],
+                2,
+                Some("allocsize"),
+            ),
+            // a path (could be anything)
+            (
+                FsType::Ext4,
+                vec![&*format!("journal_path=/dev/{secret}")],
+                1,
+                None,
+            ),
+            (FsType::Ext4, vec![secret], 1, None),
+            (
+                FsType::Ext4,
+                vec!["ro", "errors=panic"],
+                2,
+                Some("errors=panic"),
+            ),
+        ] {
+            let list: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+            let err = parse_mount_options(fs, &list, false).unwrap_err();
+            let MountError::InvalidOption {
+                position: p,
+                name: n,
+                ..
+            } = &err
+            else {
+                panic!("{err}");
+            };
+            assert_eq!((*p, *n), (Some(position), name), "{list:?}: {err}");
+            let msg = err.to_string();
+            assert!(!msg.contains(secret), "{msg}");
+            assert!(msg.contains(&format!("mount option #{position}")), "{msg}");
+            assert!(!format!("{err:?}").contains(secret), "{err:?}");
+        }
+        // conflicts name crust's words only
+        let err = parse_mount_options(FsType::Ext4, &opts(&["rw"]), true).unwrap_err();
+        assert!(matches!(
+            err,
+            MountError::InvalidOption {
+                position: None,
+                name: Some("rw"),
+                ..
+            }
+        ));
     }
 }

@@ -623,3 +623,148 @@ fn usage_of_missing_path_is_an_error() {
     let e = usage(Path::new("/nonexistent/crust/path")).unwrap_err();
     assert_eq!(e.source.kind(), std::io::ErrorKind::NotFound);
 }
+
+/// Plays a guest's QEMU: another process holding `dev` open read-write
+/// without `O_EXCL`, as its stdin. Killed and reaped on drop.
+fn hold_open(dev: &Path) -> crust_testkit::ChildGuard {
+    let f = OpenOptions::new().read(true).write(true).open(dev).unwrap();
+    let child = Command::new("sleep")
+        .arg("600")
+        .stdin(f)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    crust_testkit::ChildGuard::new(child)
+}
+
+/// The ext4 primary superblock (1 KiB at offset 1 KiB), read past the
+/// page cache's staleness by a fresh open.
+fn ext4_superblock(dev: &Path) -> Vec<u8> {
+    let mut sb = vec![0u8; 1024];
+    File::open(dev)
+        .unwrap()
+        .read_exact_at(&mut sb, 1024)
+        .unwrap();
+    assert_eq!(&sb[0x38..0x3a], &[0x53, 0xef], "ext4 magic");
+    sb
+}
+
+fn ext4_blocks(sb: &[u8]) -> u32 {
+    u32::from_le_bytes(sb[4..8].try_into().unwrap())
+}
+
+#[test]
+fn other_openers_are_found_and_block_fsck_grow_mkfs_and_wipe() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "guest.img", 32 * MIB);
+    let blank_img = sparse(dir.path(), "blank.img", 16 * MIB);
+    let lg = LoopGuard::attach(&img, rw()).unwrap();
+    let blank_lg = LoopGuard::attach(&blank_img, rw()).unwrap();
+    let (dev, blank) = (lg.path().to_path_buf(), blank_lg.path().to_path_buf());
+    mkfs(&dev, FsType::Ext4).unwrap();
+
+    // Nobody else: our own descriptors do not count.
+    let own = File::open(&dev).unwrap();
+    assert_eq!(device_openers(&dev).unwrap(), vec![]);
+    assert!(!is_device_in_use(&dev).unwrap());
+    drop(own);
+
+    // The volume grows while a "guest" has it: the host must not fsck or
+    // resize it, although O_EXCL says it is free.
+    let mut qemu = hold_open(&dev);
+    let pid = qemu.child().id();
+    // The blank device is held through another node with its numbers
+    // (found by numbers, not by path).
+    let alias = dir.path().join("alias-node");
+    let (major, minor) = device_major_minor(&blank).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &alias,
+        rustix::fs::FileType::BlockDevice,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        rustix::fs::makedev(major, minor),
+    )
+    .unwrap();
+    let mut blank_holder = hold_open(&alias);
+    let blank_pid = blank_holder.child().id();
+    let sb_before = ext4_superblock(&dev);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    assert_eq!(refresh_capacity(&dev).unwrap(), 64 * MIB);
+
+    assert!(!is_device_held_exclusively(&dev).unwrap(), "no O_EXCL");
+    let openers = device_openers(&dev).unwrap();
+    assert_eq!(
+        openers,
+        vec![Opener {
+            pid,
+            comm: "sleep".into()
+        }]
+    );
+    assert!(is_device_in_use(&dev).unwrap());
+
+    let err = grow_fs_offline(&dev, FsType::Ext4).unwrap_err();
+    match &err {
+        FsError::OpenElsewhere {
+            device,
+            opener,
+            others: 0,
+            ..
+        } => {
+            assert_eq!(device, &dev);
+            assert_eq!(opener.pid, pid);
+        }
+        other => panic!("{other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!("is open by pid {pid} (sleep)"))
+            && msg
+                .contains("refusing to check or grow a filesystem another kernel may have mounted"),
+        "{msg}"
+    );
+    assert_eq!(
+        ext4_superblock(&dev),
+        sb_before,
+        "no e2fsck or resize2fs touched the superblock"
+    );
+
+    // A blank device held open is not formatted.
+    assert_eq!(
+        device_openers(&blank).unwrap(),
+        vec![Opener {
+            pid: blank_pid,
+            comm: "sleep".into()
+        }]
+    );
+    let err = mkfs(&blank, FsType::Ext4).unwrap_err();
+    assert!(
+        matches!(&err, FsError::OpenElsewhere { opener, .. } if opener.pid == blank_pid),
+        "{err}"
+    );
+    assert_eq!(probe_fs(&blank).unwrap(), Probe::Blank, "nothing written");
+
+    // wipe_edges would destroy the guest's data: refused, data kept.
+    let err = wipe_edges(&dev, MIB).unwrap_err();
+    assert!(err.to_string().contains(&format!("pid {pid}")), "{err}");
+    assert_eq!(ext4_superblock(&dev), sb_before);
+
+    // The "guest" stops: now the offline growth runs.
+    drop(qemu);
+    drop(blank_holder);
+    assert_eq!(device_openers(&dev).unwrap(), vec![]);
+    grow_fs_offline(&dev, FsType::Ext4).unwrap();
+    let sb_after = ext4_superblock(&dev);
+    assert!(
+        ext4_blocks(&sb_after) > ext4_blocks(&sb_before),
+        "{} -> {}",
+        ext4_blocks(&sb_before),
+        ext4_blocks(&sb_after)
+    );
+    mkfs(&blank, FsType::Ext4).unwrap();
+}

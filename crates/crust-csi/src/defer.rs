@@ -27,7 +27,10 @@ use crate::caps::Capability;
 use crate::driver::Driver;
 use crate::error::NodeError;
 use crate::health::Condition;
-use crate::node::{mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount};
+use crate::node::DEFER_CONTEXT_KEY;
+use crate::node::{
+    fs_err, mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount,
+};
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -190,6 +193,12 @@ impl Driver {
         if readonly && !mount_flags.iter().any(|f| f == "ro") {
             mount_flags.push("ro".into());
         }
+        // The flags are persisted in the hand-off record and applied by a
+        // guest's kernel: the same allow-list as a host mount, before
+        // anything is written (the record's own check only looks for
+        // credential-like words). The error names a flag by position only.
+        crust_blockdev::parse_mount_options(fs.to_blockdev(), &mount_flags, readonly)
+            .map_err(mount_err)?;
         let stage = StageRequest {
             target_path: target_str.clone(),
             device: utf8("device", &s.device)?.to_string(),
@@ -199,9 +208,10 @@ impl Driver {
             fs_group_change_policy: policy,
         };
         // Everything that can refuse the request is checked before the
-        // staging mount or any record changes: flags that look like
-        // credentials, a target outside the allowed prefixes, a different
-        // record a sandbox still holds.
+        // staging mount or any record changes: flags outside the
+        // allow-list (above) or that look like credentials, a target
+        // outside the allowed prefixes, a different record a sandbox still
+        // holds.
         let mi = stage.mount_info();
         for store in self
             .ops
@@ -265,6 +275,117 @@ impl Driver {
         Ok(())
     }
 
+    /// Why a sandbox's guest may have the volume's filesystem mounted, so
+    /// that the host must not probe, check, grow or mount it: the records
+    /// say so (a deferred publication; a stage deferred by its context or
+    /// unmounted for deferral), or a hand-off record naming the volume's
+    /// device is claimed by a sandbox.
+    pub(crate) fn guest_may_have_fs(
+        &self,
+        rec: &VolumeRecord,
+        attached: Option<&Path>,
+    ) -> Option<String> {
+        if let Some((t, _)) = rec.deferred_publication() {
+            return Some(format!(
+                "it is published with deferred filesystem operations at {} (a sandbox's guest \
+                 may have its filesystem mounted)",
+                t.display()
+            ));
+        }
+        if let Some(s) = &rec.staging {
+            if s.deferred {
+                return Some(format!(
+                    "it is staged with {DEFER_CONTEXT_KEY}=true: its filesystem is mounted only \
+                     in sandboxes' guests"
+                ));
+            }
+            if s.host_mount == HostMount::UnmountedForDeferral {
+                return Some(
+                    "its staging mount was removed for a sandbox's guest (a host publication \
+                     mounts it again once no sandbox has it)"
+                        .to_string(),
+                );
+            }
+        }
+        let device = attached.or(rec.staging.as_ref().map(|s| s.device.as_path()));
+        self.sandbox_claim(rec, device)
+    }
+
+    /// A sandbox's claim on a hand-off record of this volume: the record
+    /// of one of its deferred targets, or any record naming its device
+    /// (also one the volume records lost, e.g. after a crash between
+    /// writing the record and recording the publication). Read-only.
+    pub(crate) fn sandbox_claim(
+        &self,
+        rec: &VolumeRecord,
+        device: Option<&Path>,
+    ) -> Option<String> {
+        let stores: Vec<_> = self
+            .ops
+            .crust_store()
+            .into_iter()
+            .chain(self.ops.kata_store())
+            .collect();
+        for (t, _) in rec.published.iter().filter(|(_, p)| p.deferred) {
+            let Some(ts) = t.to_str() else { continue };
+            for store in &stores {
+                if let Ok(Some(sandbox)) = store.claimant(ts) {
+                    return Some(format!(
+                        "sandbox {sandbox} holds the hand-off record of {}",
+                        t.display()
+                    ));
+                }
+            }
+        }
+        let numbers = crust_blockdev::device_major_minor(device?).ok()?;
+        for store in &stores {
+            let records = match store.list() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(volume = %rec.id, error = %e, "cannot list hand-off records");
+                    continue;
+                }
+            };
+            for r in records {
+                let Ok(state) = r.state else { continue };
+                if let Some(sandbox) = state.claimant
+                    && crust_blockdev::device_major_minor(Path::new(&state.mount_info.device)).ok()
+                        == Some(numbers)
+                {
+                    return Some(format!(
+                        "sandbox {sandbox} holds a hand-off record ({}) for its device {}",
+                        r.target.unwrap_or(r.key),
+                        state.mount_info.device
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// A repeated NodeStageVolume while a guest may have the filesystem:
+    /// the device is attached (again, after a node reboot) and nothing
+    /// else is done.
+    pub(crate) fn restage_for_guest(&self, mut rec: VolumeRecord, why: &str) -> Result<()> {
+        let id = rec.id.clone();
+        let mut s = rec
+            .staging
+            .clone()
+            .ok_or_else(|| NodeError::Internal(format!("volume {id} has no staging")))?;
+        // Idempotent: returns the attached device without touching it.
+        let device = self.backend.attach(&id)?;
+        if device != s.device {
+            tracing::warn!(volume = %id, recorded = %s.device.display(), now = %device.display(),
+                "staged device changed (node rebooted?)");
+            s.device = device;
+            rec.staging = Some(s.clone());
+            self.state.put(rec)?;
+        }
+        tracing::info!(volume = %id, device = %s.device.display(), reason = why,
+            "repeated stage: device attached, filesystem left to the sandbox");
+        Ok(())
+    }
+
     /// Mounts the staging path again for a host publication of a volume
     /// whose mount was left to (or taken away for) a sandbox's guest.
     /// Returns the updated staging, already recorded.
@@ -289,13 +410,22 @@ impl Driver {
         }
         // A remount that crashed before it was recorded is adopted.
         if !mounted_here(&s.device, &s.path)? {
-            if crust_blockdev::is_device_in_use(&s.device).unwrap_or(false) {
+            if let Some(why) = self.sandbox_claim(rec, Some(&s.device)) {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id}: {why}; its filesystem cannot be mounted on the host while \
+                     a sandbox may have it"
+                )));
+            }
+            if crust_blockdev::is_device_held_exclusively(&s.device).unwrap_or(false) {
                 return Err(NodeError::FailedPrecondition(format!(
                     "device {} of volume {id} is still in use (a sandbox that has not \
                      stopped?); it cannot be mounted on the host",
                     s.device.display()
                 )));
             }
+            // QEMU opens a guest's disk without O_EXCL: look for openers.
+            crust_blockdev::ensure_no_other_openers(&s.device, crust_blockdev::fs::MOUNT)
+                .map_err(|e| fs_err("checking for other openers", e))?;
             if cap.flags_digest() != s.flags_digest {
                 return Err(NodeError::FailedPrecondition(format!(
                     "volume {id} must be mounted again at its staging path {} with the mount \

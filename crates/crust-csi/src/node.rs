@@ -26,6 +26,13 @@
 //! for deferral fails with FAILED_PRECONDITION instead of silently
 //! mounting on the host. A volume staged with `deferFsOps=true` in its
 //! volume context is attached and formatted but never mounted on the host.
+//! While a sandbox's guest may have the filesystem mounted (a deferred
+//! publication, a deferred or unmounted-for-deferral stage, or a sandbox's
+//! claim on a hand-off record naming the device), a repeated
+//! NodeStageVolume only checks that the device is attached: no probe,
+//! e2fsck, resize2fs or mount on the host. Formatting, offline growth and
+//! host remounts also refuse (FAILED_PRECONDITION) a device another
+//! process has open (QEMU does not open it `O_EXCL`).
 
 use std::collections::HashMap;
 use std::fs;
@@ -93,6 +100,18 @@ pub(crate) fn mount_err(e: MountError) -> NodeError {
         | MountError::ReadOnlyMismatch { .. }
         | MountError::Busy { .. } => NodeError::FailedPrecondition(e.to_string()),
         other => NodeError::Internal(other.to_string()),
+    }
+}
+
+/// Maps a format/grow error: a device that is mounted or open in another
+/// process (a sandbox's QEMU) is FAILED_PRECONDITION, the rest INTERNAL.
+pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
+    use crust_blockdev::FsError;
+    match e {
+        FsError::InUse { .. } | FsError::OpenElsewhere { .. } => {
+            NodeError::FailedPrecondition(e.to_string())
+        }
+        other => NodeError::Internal(format!("{context}: {other}")),
     }
 }
 
@@ -421,6 +440,19 @@ impl Driver {
                 .map_err(mount_err)?;
         }
         let attached = self.backend.attached_device(&id)?;
+        if !block && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref()) {
+            // kubelet repeats NodeStageVolume on every pod start and after
+            // its own restarts: while a sandbox's guest may have the
+            // filesystem mounted the host neither probes, checks, grows
+            // nor mounts it (QEMU does not hold the device O_EXCL, so
+            // nothing else would stop a host e2fsck).
+            if !repeat {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id}: {why}; the host will not check or mount its filesystem"
+                )));
+            }
+            return self.restage_for_guest(rec, &why);
+        }
         let mut unmount_ours = false;
         if !repeat
             && !block
@@ -443,21 +475,10 @@ impl Driver {
             unmount_ours = deferred;
         }
         // What the host mount should be after this call: a deferred stage
-        // never mounts; a repeated stage of a volume whose mount was taken
-        // away for a deferred publication stays unmounted while that
-        // publication exists (or something still holds the device), and
-        // is repaired otherwise.
+        // never mounts (a repeated stage unmounted for deferral returned
+        // above; a host publication mounts it again, see
+        // remount_staging); a host stage is mounted (or repaired).
         let host_mount = match &rec.staging {
-            Some(s) if repeat && s.host_mount == HostMount::UnmountedForDeferral => {
-                let in_use = attached
-                    .as_deref()
-                    .is_some_and(|d| crust_blockdev::is_device_in_use(d).unwrap_or(true));
-                if deferred || rec.deferred_publication().is_some() || in_use {
-                    HostMount::UnmountedForDeferral
-                } else {
-                    HostMount::Mounted
-                }
-            }
             Some(s) if repeat => s.host_mount,
             _ => wanted.host_mount,
         };
@@ -479,6 +500,13 @@ impl Driver {
             }
             self.ensure_filesystem(&id, &device, fs).map_err(undo)?;
             if host_mount == HostMount::Mounted {
+                // A device that was already attached may be open in a
+                // sandbox's QEMU: never mount it on the host then. (A
+                // device this call attached is open nowhere else.)
+                if was_attached && !mounted_here(&device, &path)? {
+                    crust_blockdev::ensure_no_other_openers(&device, crust_blockdev::fs::MOUNT)
+                        .map_err(|e| fs_err("checking for other openers", e))?;
+                }
                 crust_blockdev::mount_fs(
                     &device,
                     &path,
@@ -517,22 +545,23 @@ impl Driver {
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
         match found {
             Probe::Blank => {
-                crust_blockdev::mkfs(device, fs.to_blockdev()).map_err(|e| {
-                    NodeError::Internal(format!("creating {fs} on {}: {e}", device.display()))
-                })?;
+                crust_blockdev::mkfs(device, fs.to_blockdev())
+                    .map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
                 tracing::info!(volume = %id, device = %device.display(), %fs, "created filesystem on blank volume");
                 Ok(())
             }
             p if p.fs_type() == Some(fs.to_blockdev()) => {
                 // A volume expanded while it was not staged (or while
                 // online ext4 growth was impossible): grow before mounting.
+                // Mounted on the host (our staging mount): NodeExpandVolume
+                // grows it online. Open in another process (a guest's QEMU,
+                // which O_EXCL does not see): grow_fs_offline refuses.
                 if fs == FsType::Ext4
-                    && !crust_blockdev::is_device_in_use(device).unwrap_or(true)
                     && ext4_needs_grow(device)?
+                    && !crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
                 {
-                    crust_blockdev::grow_fs_offline(device, fs.to_blockdev()).map_err(|e| {
-                        NodeError::Internal(format!("growing ext4 on {}: {e}", device.display()))
-                    })?;
+                    crust_blockdev::grow_fs_offline(device, fs.to_blockdev())
+                        .map_err(|e| fs_err(&format!("growing ext4 on {}", device.display()), e))?;
                     tracing::info!(volume = %id, device = %device.display(), "grew ext4 to the device size before mounting");
                 }
                 Ok(())

@@ -1294,3 +1294,463 @@ async fn a_stock_client_sees_the_standard_behaviour_with_deferral_enabled() {
     );
     assert!(loops_under(node.dir.path()).is_empty());
 }
+
+// ---------------------------------------------------------------------
+// The host never checks, grows or mounts a filesystem a guest may have
+// mounted. A sandbox's QEMU opens the device without O_EXCL; the tests
+// play it with a child process holding the loop device open.
+
+/// Plays a sandbox's QEMU: another process holding `dev` open read-write
+/// without `O_EXCL`. Killed and reaped on drop.
+fn qemu_holding(dev: &Path) -> crust_testkit::ChildGuard {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dev)
+        .unwrap();
+    let child = std::process::Command::new("sleep")
+        .arg("600")
+        .stdin(f)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    crust_testkit::ChildGuard::new(child)
+}
+
+/// The ext4 primary superblock (1 KiB at offset 1 KiB): e2fsck stamps its
+/// last-check time there and resize2fs its block count.
+fn ext4_superblock(dev: &Path) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut sb = vec![0u8; 1024];
+    std::fs::File::open(dev)
+        .unwrap()
+        .read_exact_at(&mut sb, 1024)
+        .unwrap();
+    assert_eq!(&sb[0x38..0x3a], &[0x53, 0xef], "ext4 magic");
+    sb
+}
+
+/// The filesystem on `dev` is exactly as it was: resize2fs would change
+/// the block count, e2fsck the last-check time (and both the checksum).
+#[track_caller]
+fn assert_untouched(dev: &Path, before: &[u8]) {
+    let now = ext4_superblock(dev);
+    let le32 = |sb: &[u8], o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap());
+    assert!(
+        now == before,
+        "the host touched the guest's filesystem: blocks {} -> {}, last check {} -> {}, \
+         mount count {} -> {}",
+        le32(before, 0x04),
+        le32(&now, 0x04),
+        le32(before, 0x40),
+        le32(&now, 0x40),
+        u16::from_le_bytes([before[0x34], before[0x35]]),
+        u16::from_le_bytes([now[0x34], now[0x35]]),
+    );
+}
+
+async fn controller_expand(c: &mut Clients, id: &str, bytes: i64, fs: &str) {
+    let r = c
+        .ctl
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: bytes,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(mount(fs)),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.capacity_bytes, bytes);
+}
+
+#[track_caller]
+fn assert_running(holder: &mut crust_testkit::ChildGuard) {
+    assert!(
+        holder.child().try_wait().unwrap().is_none(),
+        "the 'guest' still runs"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_stage_of_a_context_deferred_volume_leaves_the_guests_filesystem_alone() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "held", 64 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/held");
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+    Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount("ext4"),
+        ctx: ctx.clone(),
+        defer: false,
+        readonly: false,
+    }
+    .send(&mut c)
+    .await
+    .unwrap();
+    let lo = the_loop(&node);
+
+    // the sandbox starts: its QEMU opens the device (no O_EXCL)
+    let mut qemu = qemu_holding(&lo.path);
+    let sb = ext4_superblock(&lo.path);
+    // the volume grows: the pool resizes the attached loop device at once,
+    // the filesystem is now smaller than the device until the guest grows it
+    controller_expand(&mut c, &id, 128 * MIB, "ext4").await;
+    assert_eq!(dev_size(&lo.path), 128 * MIB as u64);
+
+    // kubelet repeats NodeStageVolume (pod restart, kubelet restart)
+    for _ in 0..2 {
+        stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+            .await
+            .unwrap();
+    }
+    assert_untouched(&lo.path, &sb);
+    assert_running(&mut qemu);
+    assert!(mounts_under(node.dir.path()).is_empty(), "no host mount");
+    assert_eq!(the_loop(&node).path, lo.path, "same device");
+    let log = node.plugin.as_ref().unwrap().stderr();
+    assert!(
+        log.contains("filesystem left to the sandbox"),
+        "the repeat was recognised: {log}"
+    );
+
+    drop(qemu);
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_a_sandbox_still_holds_is_never_grown_or_mounted_on_the_host() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    // an ordinary volume, handed to a sandbox by a deferred publication
+    let v = c
+        .create(create_req("req-held", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap();
+    let id = v.volume_id;
+    let staging = node.mkdir("staging/rh");
+    let pods = node.mkdir("pods");
+    let (sandbox_t, host_t) = (format!("{pods}/sandbox"), format!("{pods}/host"));
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    std::fs::write(format!("{staging}/from-host"), b"host").unwrap();
+    Pub {
+        id: &id,
+        staging: &staging,
+        target: &sandbox_t,
+        cap: mount("ext4"),
+        ctx: v.volume_context.clone(),
+        defer: true,
+        readonly: false,
+    }
+    .send(&mut c)
+    .await
+    .unwrap();
+    assert!(!is_mountpoint(&staging));
+    let lo = the_loop(&node);
+    let mut qemu = qemu_holding(&lo.path);
+    let qemu_pid = qemu.child().id();
+    let sb = ext4_superblock(&lo.path);
+    controller_expand(&mut c, &id, 128 * MIB, "ext4").await;
+
+    // repeated stage while published to the sandbox: OK, nothing touched
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert_untouched(&lo.path, &sb);
+    assert!(!is_mountpoint(&staging));
+
+    // the pod goes, but its sandbox has not stopped yet (QEMU still has
+    // the device): the records no longer say "deferred", the device does
+    c.unpublish(&id, &sandbox_t).await.unwrap();
+    assert!(!crust_record(&node, &sandbox_t).exists());
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert_untouched(&lo.path, &sb);
+    assert!(!is_mountpoint(&staging), "still unmounted for deferral");
+    // a host publication would mount it next to the guest: refused
+    for _ in 0..2 {
+        let s = assert_code(
+            c.publish(&id, &staging, &host_t, mount("ext4"), false)
+                .await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message()
+                .contains(&format!("is open by pid {qemu_pid} (sleep)")),
+            "{}",
+            s.message()
+        );
+        assert!(
+            s.message()
+                .contains("refusing to mount a filesystem another kernel may have mounted"),
+            "{}",
+            s.message()
+        );
+    }
+    assert!(!is_mountpoint(&staging), "nothing mounted");
+    assert!(!Path::new(&host_t).exists(), "no target created");
+    assert_untouched(&lo.path, &sb);
+    assert_running(&mut qemu);
+
+    // the sandbox stops: the host may have the filesystem again
+    drop(qemu);
+    c.publish(&id, &staging, &host_t, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&staging) && is_mountpoint(&host_t));
+    assert_eq!(
+        std::fs::read(format!("{host_t}/from-host")).unwrap(),
+        b"host"
+    );
+    c.unpublish(&id, &host_t).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+    assert!(mounts_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restage_refuses_to_grow_or_mount_a_device_another_process_holds() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req("lost-held", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/lh");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    std::fs::write(format!("{staging}/on-volume"), b"v").unwrap();
+    let lo = the_loop(&node);
+    // the staging mount is lost (outside the plugin) and some process has
+    // the device open
+    crust_blockdev::unmount(Path::new(&staging)).unwrap();
+    let mut other = qemu_holding(&lo.path);
+    let pid = other.child().id();
+    let sb = ext4_superblock(&lo.path);
+    let refused = |s: tonic::Status, action: &str| {
+        assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
+        assert!(
+            s.message()
+                .contains(&format!("is open by pid {pid} (sleep)"))
+                && s.message().contains(action),
+            "{}",
+            s.message()
+        );
+    };
+    refused(
+        c.stage(&id, &staging, mount("ext4")).await.unwrap_err(),
+        "refusing to mount",
+    );
+    controller_expand(&mut c, &id, 128 * MIB, "ext4").await;
+    refused(
+        c.stage(&id, &staging, mount("ext4")).await.unwrap_err(),
+        "refusing to check or grow a filesystem another kernel may have mounted",
+    );
+    assert_untouched(&lo.path, &sb);
+    assert!(!is_mountpoint(&staging));
+    assert_running(&mut other);
+
+    drop(other);
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert!(is_mountpoint(&staging));
+    assert!(
+        fs_total(Path::new(&staging)) > 100 * MIB as u64,
+        "grown offline before mounting"
+    );
+    assert_eq!(std::fs::read(format!("{staging}/on-volume")).unwrap(), b"v");
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+/// Every regular file under `dir` that contains `needle` (skipping the
+/// pool's backing files, which hold the volumes' filesystems).
+fn files_containing(dir: &Path, needle: &[u8], skip: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let Ok(m) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        if p.starts_with(skip) {
+            continue;
+        }
+        if m.is_dir() {
+            found.extend(files_containing(&p, needle, skip));
+        } else if m.is_file()
+            && std::fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
+        {
+            found.push(p);
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferred_publish_applies_the_mount_option_allow_list_and_never_echoes_a_flag() {
+    let node = TestNode::deferral("both", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "flags", 64 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/f");
+    const SECRET: &str = "Hunter2Zebra";
+    // at stage, the host mount's allow-list: the flag is named by position
+    let s = assert_code(
+        stage_ctx(
+            &mut c,
+            &id,
+            &staging,
+            mount_with(
+                "ext4",
+                "",
+                "",
+                &["noatime", &format!("nodev,passphrase={SECRET}")],
+            ),
+            &ctx,
+        )
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().contains("mount option #3"), "{}", s.message());
+    assert!(!s.message().contains(SECRET), "{}", s.message());
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+    let p = |flags: &[&str]| Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount_with("ext4", "", "", flags),
+        ctx: ctx.clone(),
+        defer: true,
+        readonly: false,
+    };
+    // flags the hand-off record's credential heuristic lets through, or
+    // that the host would never mount: refused before anything is written
+    for (flags, position) in [
+        (
+            vec!["noatime".to_string(), format!("passphrase={SECRET}")],
+            2,
+        ),
+        (vec![format!("commit={SECRET}")], 1),
+        (vec![format!("{SECRET}")], 1),
+        (vec!["ro".to_string(), "errors=panic".to_string()], 2),
+    ] {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let s = assert_code(p(&flags).send(&mut c).await, Code::InvalidArgument);
+        assert!(
+            s.message().contains(&format!("mount option #{position}")),
+            "{flags:?}: {}",
+            s.message()
+        );
+        assert!(!s.message().contains(SECRET), "{}", s.message());
+        assert!(!Path::new(&target).exists(), "no target created");
+        assert!(!crust_record(&node, &target).exists(), "no CRUST record");
+        assert!(!kata_record(&node, &target).exists(), "no Kata record");
+    }
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        state["published"].as_object().is_none_or(|m| m.is_empty()),
+        "{state}"
+    );
+    // nowhere on the node's disk: records, state, the plugin's logs
+    assert_eq!(
+        files_containing(node.dir.path(), SECRET.as_bytes(), &node.pool),
+        Vec::<PathBuf>::new()
+    );
+    // allowed flags go through and land in both records
+    p(&["noatime", "commit=30"]).send(&mut c).await.unwrap();
+    let lo = the_loop(&node);
+    assert_eq!(
+        std::fs::read_to_string(crust_record(&node, &target).join("mountInfo.json")).unwrap(),
+        format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["noatime","commit=30"]}}"#,
+            lo.path.display()
+        )
+    );
+    assert!(kata_record(&node, &target).join("mountInfo.json").exists());
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_claim_on_a_leftover_record_keeps_the_host_off_the_filesystem() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let v = c
+        .create(create_req("claimed", 64 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap();
+    let id = v.volume_id;
+    let staging = node.mkdir("staging/cl");
+    let pods = node.mkdir("pods");
+    let (sandbox_t, host_t) = (format!("{pods}/sandbox"), format!("{pods}/host"));
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    std::fs::write(format!("{staging}/kept"), b"k").unwrap();
+    let deferred = Pub {
+        id: &id,
+        staging: &staging,
+        target: &sandbox_t,
+        cap: mount("ext4"),
+        ctx: v.volume_context.clone(),
+        defer: true,
+        readonly: false,
+    };
+    deferred.send(&mut c).await.unwrap();
+    c.unpublish(&id, &sandbox_t).await.unwrap();
+    let lo = the_loop(&node);
+    let sb = ext4_superblock(&lo.path);
+
+    // a hand-off record the plugin's records do not know (a publish that
+    // crashed before recording it), consumed by a sandbox
+    let store = crust_store(&node.crust_root());
+    let lost = format!("{pods}/lost");
+    store
+        .stage(
+            &lost,
+            &crust_handoff::MountInfo::block(lo.path.to_str().unwrap(), "ext4"),
+        )
+        .unwrap();
+    store.claim(&lost, "sandbox-9", |_| true).unwrap();
+
+    let s = assert_code(
+        c.publish(&id, &staging, &host_t, mount("ext4"), false)
+            .await,
+        Code::FailedPrecondition,
+    );
+    assert!(s.message().contains("sandbox-9"), "{}", s.message());
+    assert!(!is_mountpoint(&staging) && !Path::new(&host_t).exists());
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert!(!is_mountpoint(&staging), "repeated stage mounts nothing");
+    assert_untouched(&lo.path, &sb);
+
+    // the sandbox lets go of it: the host may mount the filesystem again
+    store.release(&lost, "sandbox-9").unwrap();
+    store.remove(&lost).unwrap();
+    c.publish(&id, &staging, &host_t, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(format!("{host_t}/kept")).unwrap(), b"k");
+    c.unpublish(&id, &host_t).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(loops_under(node.dir.path()).is_empty());
+}
