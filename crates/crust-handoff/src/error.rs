@@ -16,6 +16,14 @@ pub enum HandoffError {
     /// Another live sandbox holds the volume (one sandbox at a time).
     #[error("volume {target} is already claimed by sandbox {by}")]
     Claimed { target: String, by: String },
+    /// The record cannot go: a sandbox that may still run holds it (its VM
+    /// could still have the device).
+    #[error("volume at {target} is still claimed by sandbox {by}; stop the sandbox first")]
+    StillClaimed { target: String, by: String },
+    /// The hand-off root is not root-only: whoever else can write there
+    /// could plant or swap records.
+    #[error("hand-off root {path} is unsafe: {reason}")]
+    UnsafeRoot { path: String, reason: String },
     /// What is on disk is not a record this library would have written:
     /// forged, truncated, a symlink, an unexpected entry.
     #[error("refusing hand-off record {path}: {reason}")]
@@ -48,6 +56,8 @@ impl HandoffError {
             HandoffError::NotFound(_) => ErrorKind::NotFound,
             HandoffError::Conflict(_) => ErrorKind::AlreadyExists,
             HandoffError::Claimed { .. }
+            | HandoffError::StillClaimed { .. }
+            | HandoffError::UnsafeRoot { .. }
             | HandoffError::BadRecord { .. }
             | HandoffError::Unsupported(_) => ErrorKind::FailedPrecondition,
             HandoffError::Io { .. } => ErrorKind::Internal,

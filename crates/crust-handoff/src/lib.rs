@@ -11,6 +11,9 @@
 //!
 //! Records are validated when written and again when read, because the
 //! reader (the runtime) must refuse a forged record: see [`Store::read`].
+//! The root must be owned by the caller and writable by nobody else.
+//! A CRUST record a sandbox claims is not removed until the claim is
+//! released or the caller shows the claimant dead ([`Store::remove_with`]).
 
 mod error;
 mod mountinfo;

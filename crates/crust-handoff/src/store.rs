@@ -355,7 +355,26 @@ impl Store {
     /// Removes the whole record directory. Missing: Ok. Anything this
     /// library does not know inside (a directory, a symlink, a stray name):
     /// refused, and nothing is removed.
+    ///
+    /// CRUST layout: while a sandbox claim file exists the record is kept
+    /// and [`HandoffError::StillClaimed`] returned, because that sandbox's
+    /// VM may still have the device (a second publish would hand it to a
+    /// second VM). Our runtime drops its claim when a sandbox is deleted;
+    /// a caller that has established that a claimant is dead uses
+    /// [`Store::remove_with`].
+    ///
+    /// Kata layout: claims do not block removal. Kata leaves its
+    /// `<sandbox-id>` file behind when a sandbox stops, so such a file says
+    /// nothing about liveness; Kata's `direct-volume remove` deletes the
+    /// record whatever it holds, and so does this.
     pub fn remove(&self, target: &str) -> Result<()> {
+        self.remove_with(target, |_| true)
+    }
+
+    /// [`Store::remove`], where a claimant for which `is_alive` returns
+    /// false is stale and goes with the record. `is_alive` is asked under
+    /// the record's lock, for every claimant, only in the CRUST layout.
+    pub fn remove_with(&self, target: &str, is_alive: impl Fn(&str) -> bool) -> Result<()> {
         let key = self.check_target(target)?;
         let Some(root) = self.open_root(false)? else {
             return Ok(());
@@ -365,6 +384,18 @@ impl Store {
         };
         let path = self.display(&key);
         let entries = self.entries(&dir, &path)?;
+        if self.layout == Layout::Crust {
+            for e in &entries {
+                if let Entry::Sandbox(by) = e
+                    && is_alive(by)
+                {
+                    return Err(HandoffError::StillClaimed {
+                        target: target.into(),
+                        by: by.clone(),
+                    });
+                }
+            }
+        }
         // mountInfo.json goes last: a crash midway leaves a record a retry
         // removes, never a claim or a CLI without its record.
         let mut names: Vec<String> = entries
@@ -602,6 +633,8 @@ impl Store {
 
     /// Opens the root (following symlinks in the configured path itself:
     /// `/var/run` is one). With `create`, makes it 0700 (parents 0755).
+    /// An existing root that is not ours or that others may write to is
+    /// refused ([`HandoffError::UnsafeRoot`]), never fixed up.
     fn open_root(&self, create: bool) -> Result<Option<OwnedFd>> {
         let open = || {
             rustix::fs::open(
@@ -611,7 +644,7 @@ impl Store {
             )
         };
         match open() {
-            Ok(fd) => return Ok(Some(fd)),
+            Ok(fd) => return self.check_root(fd).map(Some),
             Err(Errno::NOENT) if create => {}
             Err(Errno::NOENT) => return Ok(None),
             Err(e) => return Err(HandoffError::io(format!("open {}", self.root.display()), e)),
@@ -634,9 +667,34 @@ impl Store {
                 ));
             }
         }
-        open()
-            .map(Some)
-            .map_err(|e| HandoffError::io(format!("open {}", self.root.display()), e))
+        let fd =
+            open().map_err(|e| HandoffError::io(format!("open {}", self.root.display()), e))?;
+        self.check_root(fd).map(Some)
+    }
+
+    /// The root must be ours and writable by nobody else: anyone who can
+    /// write there can plant or swap a record directory.
+    fn check_root(&self, fd: OwnedFd) -> Result<OwnedFd> {
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| HandoffError::io(format!("stat {}", self.root.display()), e))?;
+        let unsafe_root = |reason: String| HandoffError::UnsafeRoot {
+            path: self.root.display().to_string(),
+            reason,
+        };
+        let euid = rustix::process::geteuid().as_raw();
+        if st.st_uid != euid {
+            return Err(unsafe_root(format!(
+                "owned by uid {}, not by uid {euid} that uses it",
+                st.st_uid
+            )));
+        }
+        if st.st_mode & 0o022 != 0 {
+            return Err(unsafe_root(format!(
+                "mode {:o} lets group or others write; make it 0700",
+                st.st_mode & 0o7777
+            )));
+        }
+        Ok(fd)
     }
 
     /// The record directory, refusing a symlink or non-directory in its

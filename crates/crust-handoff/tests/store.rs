@@ -625,7 +625,11 @@ fn remove_is_idempotent_and_refuses_unexpected_content() {
     assert!(f.store.remove(TARGET).is_err());
     assert_eq!(names(&dir).len(), 4);
     fs::remove_file(dir.join("not valid!")).unwrap();
-    f.store.remove(TARGET).unwrap();
+    // sb1 still claims it: kept until the claim goes or is known stale.
+    let e = f.store.remove(TARGET).unwrap_err();
+    assert!(matches!(e, HandoffError::StillClaimed { .. }), "{e}");
+    assert_eq!(names(&dir).len(), 3);
+    f.store.remove_with(TARGET, |id| id != "sb1").unwrap();
     assert!(!dir.exists());
     assert!(f.root.exists(), "the root stays");
     f.store.remove(TARGET).unwrap();
@@ -942,4 +946,130 @@ fn concurrent_stage_and_remove_leave_a_consistent_state() {
         .stage(TARGET, &MountInfo::block(&dev, "ext4"))
         .unwrap();
     assert_eq!(names(&dir), ["mountInfo.json"]);
+}
+
+#[test]
+fn remove_refuses_a_live_claim_and_takes_a_stale_one_along() {
+    let dev = block_dev();
+    let f = fixture(Layout::Crust, Policy::default());
+    f.store
+        .stage(TARGET, &MountInfo::block(&dev, "ext4"))
+        .unwrap();
+    f.store.claim(TARGET, "sb1", |_| true).unwrap();
+    f.store
+        .set_runtime_cli(TARGET, "/usr/bin/crust-runtime")
+        .unwrap();
+    let dir = f.store.record_dir(TARGET).unwrap();
+    let all = ["mountInfo.json", "runtime-cli", "sb1"];
+
+    // A claim is a sandbox whose VM may have the device: refused, kept.
+    let e = f.store.remove(TARGET).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(
+        e.to_string(),
+        format!("volume at {TARGET} is still claimed by sandbox sb1; stop the sandbox first")
+    );
+    assert_eq!(names(&dir), all);
+    // The caller says it still runs: the same.
+    let asked = std::cell::RefCell::new(Vec::new());
+    let e = f
+        .store
+        .remove_with(TARGET, |id| {
+            asked.borrow_mut().push(id.to_string());
+            true
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&e, HandoffError::StillClaimed { by, .. } if by == "sb1"),
+        "{e}"
+    );
+    assert_eq!(asked.into_inner(), ["sb1"]);
+    assert_eq!(names(&dir), all);
+    // A second claimant nobody vouched for keeps it too.
+    fs::write(dir.join("sb2"), "").unwrap();
+    fs::set_permissions(dir.join("sb2"), fs::Permissions::from_mode(0o600)).unwrap();
+    let e = f.store.remove_with(TARGET, |id| id != "sb1").unwrap_err();
+    assert!(
+        matches!(&e, HandoffError::StillClaimed { by, .. } if by == "sb2"),
+        "{e}"
+    );
+    assert_eq!(names(&dir), ["mountInfo.json", "runtime-cli", "sb1", "sb2"]);
+    // Released by its sandbox: removable.
+    f.store.release(TARGET, "sb2").unwrap();
+    f.store.release(TARGET, "sb1").unwrap();
+    f.store.remove(TARGET).unwrap();
+    assert!(!dir.exists());
+
+    // Stale (the caller established that the sandbox is dead): it goes.
+    f.store
+        .stage(TARGET, &MountInfo::block(&dev, "ext4"))
+        .unwrap();
+    f.store.claim(TARGET, "sb1", |_| true).unwrap();
+    f.store.remove_with(TARGET, |_| false).unwrap();
+    assert!(!dir.exists());
+    f.store.remove_with(TARGET, |_| true).unwrap(); // nothing left: Ok
+}
+
+#[test]
+fn kata_layout_removes_despite_a_sandbox_file() {
+    // Kata keeps its <sandbox-id> file after the sandbox stops, so in that
+    // layout a claim says nothing about liveness.
+    let dev = block_dev();
+    let f = fixture(Layout::Kata, Policy::default());
+    f.store
+        .stage(TARGET, &MountInfo::block(&dev, "ext4"))
+        .unwrap();
+    f.store.claim(TARGET, "c9be9e0c63af5a", |_| true).unwrap();
+    let dir = f.store.record_dir(TARGET).unwrap();
+    f.store
+        .remove_with(TARGET, |_| panic!("not asked in the Kata layout"))
+        .unwrap();
+    assert!(!dir.exists());
+}
+
+#[test]
+fn a_root_others_can_write_or_someone_else_owns_is_refused() {
+    let dev = block_dev();
+    let f = fixture(Layout::Crust, Policy::default());
+    f.store
+        .stage(TARGET, &MountInfo::block(&dev, "ext4"))
+        .unwrap();
+    let dir = f.store.record_dir(TARGET).unwrap();
+    let before = fs::read(dir.join("mountInfo.json")).unwrap();
+    let check = |why: &str| {
+        let e = f.store.read(TARGET).unwrap_err();
+        assert!(matches!(e, HandoffError::UnsafeRoot { .. }), "{e}");
+        assert_eq!(e.kind(), ErrorKind::FailedPrecondition);
+        assert!(
+            e.to_string().contains(why) && e.to_string().contains(f.root.to_str().unwrap()),
+            "{e}"
+        );
+        for r in [
+            f.store.stage(TARGET, &MountInfo::block(&dev, "xfs")),
+            f.store.claim(TARGET, "sb", |_| true),
+            f.store.remove(TARGET),
+            f.store
+                .find_for_source(TARGET, "/var/lib/kubelet/pods")
+                .map(|_| ()),
+            f.store.list().map(|_| ()),
+        ] {
+            assert!(matches!(r, Err(HandoffError::UnsafeRoot { .. })), "{r:?}");
+        }
+        assert_eq!(names(&dir), ["mountInfo.json"], "nothing changed");
+        assert_eq!(fs::read(dir.join("mountInfo.json")).unwrap(), before);
+    };
+    for loose in [0o777, 0o1777, 0o720, 0o702] {
+        fs::set_permissions(&f.root, fs::Permissions::from_mode(loose)).unwrap();
+        check("lets group or others write");
+        assert_eq!(mode(&f.root), loose, "refused, not silently fixed");
+    }
+    fs::set_permissions(&f.root, fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(f.store.read(TARGET).unwrap().fstype, "ext4", "0755 is fine");
+    if rustix::process::geteuid().is_root() {
+        std::os::unix::fs::chown(&f.root, Some(65534), None).unwrap();
+        check("owned by uid 65534");
+        std::os::unix::fs::chown(&f.root, Some(0), None).unwrap();
+    }
+    fs::set_permissions(&f.root, fs::Permissions::from_mode(0o700)).unwrap();
+    f.store.remove(TARGET).unwrap();
 }

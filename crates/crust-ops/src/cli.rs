@@ -214,18 +214,23 @@ mod tests {
         );
         let pids = std::fs::read_to_string(&pidfile).unwrap();
         for pid in pids.split_whitespace() {
-            // Dead, or at most an unreaped zombie of init.
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let state = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .next();
-            assert!(
-                matches!(state, None | Some("Z")),
-                "pid {pid} still alive: {stat}"
-            );
+            // Dead, or at most an unreaped zombie of init. SIGKILL was sent
+            // to the whole group; the grandchild may take a moment to go.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                let state = stat
+                    .rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .next();
+                if matches!(state, None | Some("Z")) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "pid {pid} still alive: {stat}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 

@@ -10,6 +10,7 @@ use tonic::{Code, Status};
 /// | bad request field | INVALID_ARGUMENT |
 /// | no record for the target | NOT_FOUND |
 /// | different record staged and claimed | ALREADY_EXISTS |
+/// | unstage while a sandbox that may still run claims the record | FAILED_PRECONDITION |
 /// | record exists, no runtime consumed it yet (no `runtime-cli` / no sandbox file) | FAILED_PRECONDITION |
 /// | recorded CLI not absolute / not an executable regular file | FAILED_PRECONDITION |
 /// | forged or broken record on disk | FAILED_PRECONDITION |
@@ -24,6 +25,15 @@ pub enum OpsError {
     Handoff(#[from] HandoffError),
     #[error("volume {0} is not consumed by a runtime yet")]
     NotConsumed(String),
+    /// Unstage refused: the claimant was not shown to be dead.
+    #[error(
+        "volume at {target} is still claimed by sandbox {by}; stop the sandbox first ({detail})"
+    )]
+    StillClaimed {
+        target: String,
+        by: String,
+        detail: String,
+    },
     #[error("runtime cli {path}: {reason}")]
     BadRuntimeCli { path: String, reason: String },
     #[error("`{cli} {op}` did not finish within {timeout:?} and was killed")]
@@ -64,7 +74,9 @@ impl OpsError {
                 ErrorKind::FailedPrecondition => Code::FailedPrecondition,
                 ErrorKind::Internal => Code::Internal,
             },
-            OpsError::NotConsumed(_) | OpsError::BadRuntimeCli { .. } => Code::FailedPrecondition,
+            OpsError::NotConsumed(_)
+            | OpsError::StillClaimed { .. }
+            | OpsError::BadRuntimeCli { .. } => Code::FailedPrecondition,
             OpsError::CliTimeout { .. } => Code::DeadlineExceeded,
             OpsError::CliFailed { .. } | OpsError::BadOutput { .. } | OpsError::Io { .. } => {
                 Code::Internal
@@ -113,6 +125,22 @@ mod tests {
                 Code::FailedPrecondition,
             ),
             (OpsError::NotConsumed("/t".into()), Code::FailedPrecondition),
+            (
+                OpsError::StillClaimed {
+                    target: "/t".into(),
+                    by: "sb".into(),
+                    detail: "it answers".into(),
+                },
+                Code::FailedPrecondition,
+            ),
+            (
+                HandoffError::StillClaimed {
+                    target: "/t".into(),
+                    by: "sb".into(),
+                }
+                .into(),
+                Code::FailedPrecondition,
+            ),
             (
                 OpsError::BadRuntimeCli {
                     path: "x".into(),

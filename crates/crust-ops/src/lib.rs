@@ -11,6 +11,10 @@
 //! - Kata layout: `<kata-runtime> direct-volume stats --volume-path P` and
 //!   `direct-volume resize --volume-path P --size N`.
 //!
+//! Unstage of a CRUST record that a sandbox claims first asks that
+//! runtime (`crust stats`) whether the sandbox still runs, and keeps the
+//! record unless it says "is not running" (see [`CrustOps::unstage`]).
+//!
 //! Status codes: see [`OpsError`].
 
 pub mod cli;

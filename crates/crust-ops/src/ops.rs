@@ -186,19 +186,130 @@ impl CrustOps {
     }
 
     /// Removes the hand-off record(s). Idempotent.
+    ///
+    /// CRUST layout: a record a sandbox claims is removed only once that
+    /// sandbox is shown to be dead (see [`CrustOps::stale_claimant`]);
+    /// otherwise FAILED_PRECONDITION and nothing changes, because its VM
+    /// may still have the device and the CO's next publish would hand the
+    /// same device to a second VM. Our runtime drops its claim and the
+    /// `runtime-cli` when a sandbox is deleted, so the usual order (stop
+    /// the sandbox, then unpublish) needs no question at all.
+    ///
+    /// Kata layout: removed whatever it holds, as Kata's own `direct-volume
+    /// remove` does; Kata leaves its `<sandbox-id>` file after a stop, so
+    /// that file cannot tell a live sandbox from a dead one.
     pub async fn unstage(&self, target: &str) -> Result<(), OpsError> {
         self.check_target(target)?;
+        let stale = match &self.crust {
+            Some(s) => self.stale_claimant(s, target).await?,
+            None => None,
+        };
         let stores: Vec<Store> = self.stores().cloned().collect();
         let t = target.to_string();
         blocking(move || {
             for s in &stores {
-                s.remove(&t)?;
+                // Any claimant other than the one found dead (one that
+                // appeared meanwhile) keeps the record.
+                s.remove_with(&t, |by| stale.as_deref() != Some(by))?;
             }
             Ok(())
         })
         .await?;
         tracing::info!(target = %target, "unstaged");
         Ok(())
+    }
+
+    /// The CRUST record's claimant, if its runtime says it no longer runs.
+    /// None: nobody claims the record. A claimant that runs, or whose
+    /// liveness cannot be established (no `runtime-cli` recorded, the CLI
+    /// cannot be run, times out, fails otherwise, prints nonsense):
+    /// [`OpsError::StillClaimed`].
+    ///
+    /// The runtime is asked with `<runtime-cli> crust stats <target>`:
+    /// the sandbox is dead when the answer is an abnormal volume condition
+    /// saying it "is not running", or a failure saying so on stderr (the
+    /// wording crust-runtime uses for a sandbox whose VM exited or that
+    /// it does not know). Any normal answer means it still serves the volume.
+    async fn stale_claimant(
+        &self,
+        store: &Store,
+        target: &str,
+    ) -> Result<Option<String>, OpsError> {
+        let s = store.clone();
+        let t = target.to_string();
+        let (claimant, cli) = blocking(move || {
+            let not_found = |e: &crust_handoff::HandoffError| {
+                matches!(e, crust_handoff::HandoffError::NotFound(_))
+            };
+            let claimant = match s.claimant(&t) {
+                Ok(c) => c,
+                Err(e) if not_found(&e) => None,
+                Err(e) => return Err(e.into()),
+            };
+            if claimant.is_none() {
+                return Ok((None, Ok(None)));
+            }
+            // A broken runtime-cli is reported as "cannot ask" below.
+            let cli = match s.runtime_cli(&t) {
+                Err(e) if not_found(&e) => Ok(None),
+                r => r,
+            };
+            Ok((claimant, cli))
+        })
+        .await?;
+        let Some(by) = claimant else {
+            return Ok(None);
+        };
+        let still = |detail: String| OpsError::StillClaimed {
+            target: target.to_string(),
+            by: by.clone(),
+            detail,
+        };
+        let cli = match cli {
+            Ok(Some(cli)) => cli,
+            Ok(None) => {
+                return Err(still(
+                    "no runtime-cli is recorded to ask whether it still runs".into(),
+                ));
+            }
+            Err(e) => {
+                return Err(still(format!(
+                    "cannot ask its runtime whether it still runs: {e}"
+                )));
+            }
+        };
+        if let Err(e) = cli::check_executable(&cli) {
+            return Err(still(format!(
+                "cannot ask its runtime whether it still runs: {e}"
+            )));
+        }
+        let answer = cli::run(&cli, &["crust", "stats", target], self.cli_timeout).await;
+        match answer {
+            Ok(out) => match parse::parse_stats(&out) {
+                Ok(VolumeStats {
+                    condition: Some(c), ..
+                }) if c.abnormal && says_not_running(&c.message) => {
+                    tracing::info!(target = %target, sandbox = %by, condition = %c.message,
+                        "the claiming sandbox is not running: its claim is stale");
+                    Ok(Some(by))
+                }
+                Ok(st) => Err(still(format!(
+                    "`{cli} crust stats` says it serves the volume{}",
+                    st.condition
+                        .map(|c| format!(" ({})", c.message))
+                        .unwrap_or_default()
+                ))),
+                Err(reason) => Err(still(format!(
+                    "`{cli} crust stats` printed unusable output: {reason}"
+                ))),
+            },
+            Err(OpsError::CliFailed { stderr, .. }) if says_not_running(&stderr) => {
+                tracing::info!(target = %target, sandbox = %by, error = %stderr,
+                    "the claiming sandbox is not running: its claim is stale");
+                Ok(Some(by))
+            }
+            Err(e) => Err(still(format!("cannot tell whether it still runs: {e}"))),
+        }
     }
 
     /// Stats from the runtime that consumes the volume.
@@ -313,6 +424,13 @@ impl CrustOps {
         })
         .await
     }
+}
+
+/// crust-runtime's words for a sandbox whose VM is gone or that it does
+/// not know ("sandbox S is not running (QEMU exited)", "... (it is unknown
+/// to runtime root R)").
+fn says_not_running(message: &str) -> bool {
+    message.contains("is not running")
 }
 
 fn bad_output(cli: &str, op: &str, reason: String) -> OpsError {

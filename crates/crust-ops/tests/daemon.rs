@@ -197,6 +197,40 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     // The data is untouched.
     assert_eq!(std::fs::read(mnt.target().join("payload")).unwrap(), data);
 
+    // The sandbox still has the volume: unstage is refused, nothing changes
+    // (the CO's next publish must not hand the device to a second VM).
+    let record = std::fs::read(dir.join("mountInfo.json")).unwrap();
+    let e = c
+        .runtime_unstage_volume(unstage_req(&target))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().starts_with(&format!(
+            "volume at {target} is still claimed by sandbox sandbox-a; stop the sandbox first"
+        )),
+        "{e:?}"
+    );
+    assert_eq!(std::fs::read(dir.join("mountInfo.json")).unwrap(), record);
+    assert!(dir.join("sandbox-a").is_file() && dir.join("runtime-cli").is_file());
+    assert_stats_match(&mut c, &target, mnt.target()).await;
+
+    // The sandbox dies without releasing its claim: its runtime now says
+    // it is not running, so the claim is stale and goes with the record.
+    let guest_view = mnt.target().to_path_buf();
+    mnt.unmount().unwrap();
+    let st = c
+        .runtime_get_volume_stats(stats_req(&target))
+        .await
+        .unwrap()
+        .into_inner();
+    let cond = st.volume_condition.unwrap();
+    assert!(
+        cond.abnormal && cond.message.contains("is not running"),
+        "{cond:?}"
+    );
+    assert!(guest_view.is_dir());
+
     // Unstage twice; afterwards the volume is unknown.
     c.runtime_unstage_volume(unstage_req(&target))
         .await
@@ -341,6 +375,66 @@ async fn misbehaving_runtime_clis() {
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("not absolute"), "{e:?}");
+
+    // Unstage of a claimed record while the claimant's liveness cannot be
+    // established: refused, record and claim kept. Each case says why.
+    for (target, why) in [
+        (hang, "did not finish within"),
+        (garbage, "unusable output"),
+        (fail, "sandbox for /v/fail is gone"),
+        (noexec, "not executable"),
+        (relative, "not absolute"),
+    ] {
+        let e = c
+            .runtime_unstage_volume(unstage_req(target))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{target}: {e:?}");
+        assert!(
+            e.message().contains(&format!(
+                "volume at {target} is still claimed by sandbox sb"
+            )) && e.message().contains(why),
+            "{target}: {e:?}"
+        );
+        let dir = store.record_dir(target).unwrap();
+        assert!(
+            dir.join("mountInfo.json").is_file() && dir.join("sb").is_file(),
+            "{target}: record kept"
+        );
+    }
+
+    // A claim without a runtime-cli: nobody to ask, refused.
+    let orphan = "/v/orphan";
+    c.runtime_stage_volume(stage_req(orphan, img.to_str().unwrap()))
+        .await
+        .unwrap();
+    store.claim(orphan, "sb", |_| true).unwrap();
+    let e = c
+        .runtime_unstage_volume(unstage_req(orphan))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("no runtime-cli is recorded"), "{e:?}");
+    assert!(store.record_dir(orphan).unwrap().join("sb").is_file());
+    // ...until its sandbox releases it.
+    store.release(orphan, "sb").unwrap();
+    c.runtime_unstage_volume(unstage_req(orphan)).await.unwrap();
+    assert!(!store.record_dir(orphan).unwrap().exists());
+
+    // The runtime says the claimant is not running, as an abnormal
+    // condition or as a failure: the claim is stale, the record goes.
+    for (target, behaviour) in [("/v/stopped", "stopped"), ("/v/unknown", "unknown")] {
+        let mut m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&map).unwrap()).unwrap();
+        m[target] = serde_json::json!({ "behaviour": behaviour });
+        write_map(&map, m);
+        c.runtime_stage_volume(stage_req(target, img.to_str().unwrap()))
+            .await
+            .unwrap();
+        consume(&crust_root, target, CLI, "sb");
+        c.runtime_unstage_volume(unstage_req(target)).await.unwrap();
+        assert!(!store.record_dir(target).unwrap().exists(), "{behaviour}");
+    }
 
     assert!(daemon.stop().success());
 }

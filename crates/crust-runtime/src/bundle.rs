@@ -50,6 +50,16 @@ impl BundleMount {
     }
 }
 
+/// Annotations carrying the uid of the pod a container belongs to:
+/// containerd's CRI plugin sets the first; kubelet's pod-uid label, which
+/// CRI-O (inside [`CRIO_LABELS_ANNOTATION`]) and crustctl pass, is the second.
+pub const POD_UID_ANNOTATIONS: [&str; 2] =
+    ["io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"];
+/// CRI-O's JSON map of the container's labels (holds `io.kubernetes.pod.uid`).
+pub const CRIO_LABELS_ANNOTATION: &str = "io.kubernetes.cri-o.Labels";
+/// Longest pod uid accepted (kubelet's are 36-character UUIDs).
+const MAX_POD_UID: usize = 128;
+
 /// The process and mounts of an OCI bundle.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Bundle {
@@ -62,6 +72,11 @@ pub struct Bundle {
     pub gid: u32,
     pub additional_gids: Vec<u32>,
     pub mounts: Vec<BundleMount>,
+    /// The pod's uid from the annotations (see [`POD_UID_ANNOTATIONS`]),
+    /// when the bundle names one: its deferred volumes must then lie in
+    /// that pod's kubelet volumes directory.
+    #[serde(default)]
+    pub pod_uid: Option<String>,
 }
 
 impl Bundle {
@@ -160,6 +175,7 @@ impl Bundle {
             }
             mounts.push(mount);
         }
+        let pod_uid = pod_uid(spec.annotations().as_ref()).map_err(invalid)?;
         Ok(Bundle {
             dir: dir.to_path_buf(),
             args,
@@ -169,8 +185,60 @@ impl Bundle {
             gid: user.gid(),
             additional_gids: user.additional_gids().clone().unwrap_or_default(),
             mounts,
+            pod_uid,
         })
     }
+}
+
+/// The pod uid every annotation naming one agrees on. Two that disagree
+/// are refused: one of them was not set by the container manager.
+fn pod_uid(
+    annotations: Option<&std::collections::HashMap<String, String>>,
+) -> Result<Option<String>, String> {
+    let Some(a) = annotations else {
+        return Ok(None);
+    };
+    let mut found: Vec<(String, String)> = POD_UID_ANNOTATIONS
+        .iter()
+        .filter_map(|k| a.get(*k).map(|v| (k.to_string(), v.clone())))
+        .collect();
+    if let Some(labels) = a.get(CRIO_LABELS_ANNOTATION) {
+        let labels: std::collections::HashMap<String, serde_json::Value> =
+            serde_json::from_str(labels).map_err(|e| {
+                format!("annotation {CRIO_LABELS_ANNOTATION} is not a JSON object: {e}")
+            })?;
+        if let Some(v) = labels.get(POD_UID_ANNOTATIONS[1]) {
+            let v = v.as_str().ok_or_else(|| {
+                format!(
+                    "annotation {CRIO_LABELS_ANNOTATION}: {} is not a string",
+                    POD_UID_ANNOTATIONS[1]
+                )
+            })?;
+            found.push((
+                format!("{CRIO_LABELS_ANNOTATION}[{}]", POD_UID_ANNOTATIONS[1]),
+                v.to_string(),
+            ));
+        }
+    }
+    let Some((key, uid)) = found.first().cloned() else {
+        return Ok(None);
+    };
+    let valid = !uid.is_empty()
+        && uid.len() <= MAX_POD_UID
+        && uid != "."
+        && uid != ".."
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(format!("annotation {key}: {uid:?} is not a pod uid"));
+    }
+    if let Some((other_key, other)) = found.iter().find(|(_, v)| *v != uid) {
+        return Err(format!(
+            "annotations disagree on the pod uid: {key} says {uid:?}, {other_key} says {other:?}"
+        ));
+    }
+    Ok(Some(uid))
 }
 
 #[cfg(test)]
@@ -210,6 +278,58 @@ mod tests {
         assert!(!b.mounts[0].source_is_path());
         assert!(b.mounts[1].source_is_path());
         assert!(b.mounts[1].readonly());
+    }
+
+    #[test]
+    fn pod_uid_from_annotations() {
+        let with = |a: serde_json::Value| {
+            let mut s = spec(json!([]));
+            s["annotations"] = a;
+            parse(s)
+        };
+        assert_eq!(parse(spec(json!([]))).unwrap().pod_uid, None);
+        assert_eq!(with(json!({"other": "x"})).unwrap().pod_uid, None);
+        let uid = "0b5d2c3e-1f4a-4b6c-9d7e-8f9a0b1c2d3e";
+        for a in [
+            json!({"io.kubernetes.cri.sandbox-uid": uid}),
+            json!({"io.kubernetes.pod.uid": uid}),
+            json!({"io.kubernetes.cri.sandbox-uid": uid, "io.kubernetes.pod.uid": uid}),
+            json!({"io.kubernetes.cri-o.Labels":
+                format!(r#"{{"io.kubernetes.pod.uid":"{uid}","app":"x"}}"#)}),
+        ] {
+            assert_eq!(
+                with(a.clone()).unwrap().pod_uid.as_deref(),
+                Some(uid),
+                "{a}"
+            );
+        }
+        for (a, why) in [
+            (
+                json!({"io.kubernetes.cri.sandbox-uid": uid, "io.kubernetes.pod.uid": "victim"}),
+                "disagree",
+            ),
+            (
+                json!({"io.kubernetes.pod.uid": uid,
+                       "io.kubernetes.cri-o.Labels": r#"{"io.kubernetes.pod.uid":"victim"}"#}),
+                "disagree",
+            ),
+            (
+                json!({"io.kubernetes.pod.uid": "../victim"}),
+                "not a pod uid",
+            ),
+            (json!({"io.kubernetes.pod.uid": ".."}), "not a pod uid"),
+            (
+                json!({"io.kubernetes.cri.sandbox-uid": ""}),
+                "not a pod uid",
+            ),
+            (
+                json!({"io.kubernetes.cri-o.Labels": "{"}),
+                "not a JSON object",
+            ),
+        ] {
+            let e = with(a.clone()).unwrap_err().to_string();
+            assert!(e.contains(why), "{a}: {e}");
+        }
     }
 
     #[test]

@@ -3,11 +3,18 @@
 //! layout), probing parents down to the kubelet `pods/<uid>/volumes` layer
 //! so that a subPath appended by kubelet is found too. Nothing else is ever
 //! consulted: a `mountInfo.json` planted inside a volume is just a file.
+//!
+//! When the bundle names its pod (a pod-uid annotation, see
+//! [`crate::bundle::POD_UID_ANNOTATIONS`]), every deferred volume must lie
+//! in that pod's `<pods>/<uid>/volumes/`: a hostPath naming another pod's
+//! volume directory would otherwise take that pod's device whenever its
+//! claim is missing or stale. A bundle without such an annotation (our
+//! own demo and tests, a bare OCI runtime) is matched by path alone.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crust_handoff::validate::check_abs_path;
+use crust_handoff::validate::{check_abs_path, is_within};
 use crust_handoff::{
     FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SourceMatch, Store,
 };
@@ -241,6 +248,30 @@ impl Discovery {
         Ok(None)
     }
 
+    /// A deferred volume of pod `uid` lies in `<pods>/<uid>/volumes/`.
+    fn check_owner(&self, uid: &str, source: &str, target: &str) -> Result<(), String> {
+        let own = format!("{}/{uid}/volumes", self.pods_dir);
+        let inside = |p: &str| p.len() > own.len() && is_within(p, &own);
+        if inside(source) && inside(target) {
+            return Ok(());
+        }
+        let owner = source
+            .strip_prefix(&self.pods_dir)
+            .and_then(|r| r.strip_prefix('/'))
+            .and_then(|r| r.split('/').next())
+            .filter(|u| !u.is_empty());
+        Err(match owner {
+            Some(other) if other != uid => format!(
+                "source {source} is a volume of pod {other}, not of this sandbox's pod {uid}; \
+                 refusing to hand it to this sandbox"
+            ),
+            _ => format!(
+                "source {source} (hand-off record for {target}) is not in pod {uid}'s volumes \
+                 directory {own}/; refusing to hand it to this sandbox"
+            ),
+        })
+    }
+
     /// Finds every deferred volume of `bundle`. Reads only; claims nothing.
     pub fn plan(&self, bundle: &Bundle) -> Result<Plan, DiscoveryError> {
         let mut plan = Plan::default();
@@ -262,6 +293,13 @@ impl Discovery {
                 plan.skipped.push(m.destination.clone());
                 continue;
             };
+            if let Some(uid) = &bundle.pod_uid {
+                self.check_owner(uid, source, &found.target)
+                    .map_err(|reason| DiscoveryError::InvalidSource {
+                        destination: m.destination.clone(),
+                        reason,
+                    })?;
+            }
             let ro = m.readonly();
             let id = match by_target.get_mut(&found.target) {
                 Some((idx, all_ro)) => {
@@ -353,6 +391,7 @@ mod tests {
             gid: 0,
             additional_gids: vec![],
             mounts,
+            pod_uid: None,
         }
     }
 
@@ -444,6 +483,71 @@ mod tests {
         // Outside the pods dir only the exact path counts.
         assert!(d.lookup(&format!("{above}/z")).unwrap().is_none());
         assert!(d.lookup(&above).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_pod_uid_annotation_ties_volumes_to_that_pod() {
+        let Some(dev) = some_block_device() else {
+            return;
+        };
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        let mine = format!("{}/me/volumes/kubernetes.io~csi/pv1/mount", r.pods);
+        let victim = format!("{}/victim/volumes/kubernetes.io~csi/pv2/mount", r.pods);
+        let outside = "/srv/crust-test-outside".to_string();
+        for t in [&mine, &victim, &outside] {
+            d.store(LayoutKind::Crust)
+                .stage(t, &MountInfo::block(dev.clone(), "ext4"))
+                .unwrap();
+        }
+        let with_uid = |uid: Option<&str>, mounts| Bundle {
+            pod_uid: uid.map(str::to_string),
+            ..bundle(mounts)
+        };
+        // Its own volume, with a subPath: fine.
+        let plan = d
+            .plan(&with_uid(
+                Some("me"),
+                vec![bind("/a", &format!("{mine}/sub"), false)],
+            ))
+            .unwrap();
+        assert_eq!(plan.volumes[0].target, mine);
+        assert_eq!(plan.mounts[0].subpath, "sub");
+        // Another pod's volume (a hostPath naming it): refused, naming both.
+        let e = d
+            .plan(&with_uid(
+                Some("me"),
+                vec![
+                    bind("/a", &mine, false),
+                    bind("/b", &format!("{victim}/x"), false),
+                ],
+            ))
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, DiscoveryError::InvalidSource { .. }), "{msg}");
+        assert!(
+            msg.contains("/b") && msg.contains("pod victim") && msg.contains("pod me"),
+            "{msg}"
+        );
+        // A record outside the pods dir: not this pod's either.
+        let e = d
+            .plan(&with_uid(Some("me"), vec![bind("/c", &outside, false)]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pod me's volumes directory"), "{e}");
+        // Host paths without a record are skipped as before.
+        let plan = d
+            .plan(&with_uid(Some("me"), vec![bind("/h", "/etc/hosts", true)]))
+            .unwrap();
+        assert_eq!(plan.skipped, ["/h"]);
+        // No annotation (bare OCI, our demo): matched by path alone.
+        let plan = d
+            .plan(&with_uid(
+                None,
+                vec![bind("/b", &victim, false), bind("/c", &outside, false)],
+            ))
+            .unwrap();
+        assert_eq!(plan.volumes.len(), 2);
     }
 
     #[test]

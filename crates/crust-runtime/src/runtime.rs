@@ -365,6 +365,9 @@ impl Runtime {
                     format!("volume {volume_path} is not used by any sandbox"),
                 )
             })?;
+        // "is not running" is what crust_ops takes as a stale claim (it
+        // then lets the record go): say it only when the sandbox cannot
+        // have the device any more, by the claim liveness test.
         let st = match self.sandboxes.load(&claimant) {
             Ok(st) => st,
             Err(crate::sandbox::SandboxError::NotFound(_)) => {
@@ -375,14 +378,30 @@ impl Runtime {
             }
             Err(e) => return Err(e.into()),
         };
-        if !st.qemu.is_some_and(|q| q.alive()) {
+        let qemu_alive = st.qemu.is_some_and(|q| q.alive());
+        let shim_alive = st.shim.is_some_and(|s| s.alive());
+        if !st.holds_volumes() {
+            let why = if st.qemu.is_some() {
+                "QEMU exited"
+            } else if !shim_alive {
+                "its shim exited"
+            } else {
+                "it stopped before its VM started"
+            };
             return Ok(Err(VolumeStats::abnormal(format!(
-                "sandbox {claimant} is not running (QEMU exited)"
+                "sandbox {claimant} is not running ({why})"
             ))));
         }
-        if !st.shim.is_some_and(|s| s.alive()) {
+        if !qemu_alive {
             return Ok(Err(VolumeStats::abnormal(format!(
-                "sandbox {claimant} is not running (its shim exited)"
+                "sandbox {claimant} is starting (its VM is not up yet)"
+            ))));
+        }
+        if !shim_alive {
+            return Ok(Err(VolumeStats::abnormal(format!(
+                "the shim of sandbox {claimant} exited but its QEMU (pid {}) still runs; \
+                 delete the sandbox",
+                st.qemu.map(|q| q.pid).unwrap_or_default()
             ))));
         }
         Ok(Ok(claimant))

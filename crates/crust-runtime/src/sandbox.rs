@@ -159,17 +159,19 @@ impl SandboxState {
     }
 
     /// Whether this sandbox still holds its volumes (the hand-off claim's
-    /// liveness test): its shim runs and so does its QEMU (or, before QEMU
-    /// is launched, it is still being created). A sandbox whose workload
-    /// exited still holds them: the guest keeps them mounted until delete.
+    /// liveness test): its QEMU runs (whether or not its shim does), or,
+    /// before QEMU is launched, its shim runs and is still creating it. A
+    /// sandbox whose workload exited still holds them: the guest keeps them
+    /// mounted until delete.
     pub fn holds_volumes(&self) -> bool {
-        if !self.shim.is_some_and(|s| s.alive()) {
-            return false;
+        // A QEMU that outlived its shim (stuck in the kernel after the
+        // shim died) may still have the devices open.
+        if self.qemu.is_some_and(|q| q.alive()) {
+            return true;
         }
-        match self.qemu {
-            Some(q) => q.alive(),
-            None => self.status != Status::Stopped,
-        }
+        self.qemu.is_none()
+            && self.status != Status::Stopped
+            && self.shim.is_some_and(|s| s.alive())
     }
 
     /// The status as seen from outside: a sandbox whose shim is gone is
@@ -350,6 +352,7 @@ mod tests {
             gid: 0,
             additional_gids: vec![],
             mounts: vec![],
+            pod_uid: None,
         }
     }
 
@@ -403,6 +406,20 @@ mod tests {
         st.status = Status::Running;
         store.save(&st).unwrap();
         assert!(!store.holds_volumes("sb1"), "QEMU gone");
+        // A QEMU that outlived its shim still holds the devices.
+        st.qemu = Some(ProcRef::current());
+        st.shim = Some(ProcRef {
+            pid: i32::MAX,
+            start_time: 1,
+        });
+        store.save(&st).unwrap();
+        assert!(store.holds_volumes("sb1"), "shim gone, VM up");
+        st.shim = Some(ProcRef::current());
+        st.qemu = Some(ProcRef {
+            pid: i32::MAX,
+            start_time: 1,
+        });
+        store.save(&st).unwrap();
         assert!(!store.holds_volumes("unknown"));
         assert_eq!(store.list().unwrap(), ["sb1"]);
         store.remove("sb1").unwrap();

@@ -1,7 +1,8 @@
 //! Bad input gets a clear error and starts or mounts nothing: records
 //! naming a missing device, relative or traversing mount sources, a forged
 //! `mountInfo.json` outside the hand-off roots, a subPath symlink escaping
-//! its volume, a guest that stops answering (SIGSTOP'd QEMU).
+//! its volume, a bundle of one pod naming another pod's volume, a guest
+//! that stops answering (SIGSTOP'd QEMU) and an unpublish meanwhile.
 
 mod common;
 
@@ -38,6 +39,7 @@ fn bad_input_and_hung_guest() {
     let mut env = Env::new();
     // Short agent/shim bound so the hung-guest case answers quickly.
     env.timeout_ms = 3000;
+    env.export_runtime_config();
     {
         // --- refused before anything starts -----------------------------------
         let ghost = env.target("pod-g", "pv-ghost");
@@ -109,6 +111,38 @@ fn bad_input_and_hung_guest() {
             &MountInfo::block(disk.dev_str(), "ext4"),
         );
 
+        // Another pod's sandbox naming pod-v's volume directory (a hostPath
+        // does that): refused before anything starts, naming both pods.
+        for (annotations, why) in [
+            (
+                serde_json::json!({"io.kubernetes.cri.sandbox-uid": "pod-i"}),
+                "is a volume of pod pod-v, not of this sandbox's pod pod-i",
+            ),
+            (
+                serde_json::json!({"io.kubernetes.pod.uid": "pod-i"}),
+                "is a volume of pod pod-v, not of this sandbox's pod pod-i",
+            ),
+            // Two annotations that disagree: one was not set by the runtime.
+            (
+                serde_json::json!({"io.kubernetes.cri.sandbox-uid": "pod-i",
+                                   "io.kubernetes.pod.uid": "pod-v"}),
+                "annotations disagree on the pod uid",
+            ),
+        ] {
+            let b = env.bundle_annotated(
+                "intruder",
+                &["true"],
+                vec![bind("/steal", &format!("{target}/inside"), false)],
+                annotations,
+            );
+            let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "intruder"]);
+            eprintln!("another pod's volume: {err}");
+            assert!(err.contains(why), "{err}");
+            no_sandbox_left(&env, "intruder");
+            let rec = env.store(Layout::Crust).inspect(&target).unwrap();
+            assert_eq!((rec.claimant, rec.runtime_cli), (None, None));
+        }
+
         // The attacker's disk and a record for it planted in a directory the
         // workload controls (an emptyDir), under the names old designs read.
         let victim = env.disk("victim.img", 32 * MIB, FsType::Ext4);
@@ -119,7 +153,8 @@ fn bad_input_and_hung_guest() {
         std::fs::write(forged_dir.join("mountInfo.json"), &forged).unwrap();
         std::fs::write(forged_dir.join("csiPlugin.json"), &forged).unwrap();
 
-        let bundle = env.bundle(
+        // The pod's own sandbox, named the way containerd names it.
+        let bundle = env.bundle_annotated(
             "v",
             &["sleep", "600"],
             vec![
@@ -127,6 +162,7 @@ fn bad_input_and_hung_guest() {
                 bind("/cache", forged_dir.to_str().unwrap(), false),
                 bind("/escape", &format!("{target}/escape"), false),
             ],
+            serde_json::json!({"io.kubernetes.cri.sandbox-uid": "pod-v"}),
         );
         let _slot = VmSlot::acquire();
 
@@ -198,7 +234,24 @@ fn bad_input_and_hung_guest() {
         );
         signal(qemu, Signal::STOP);
         let out = env.run(&["crust", "stats", &target]);
+        // A stuck VM still has the device: an unpublish now keeps the record.
+        let unstaged = env.unstage(&target);
         signal(qemu, Signal::CONT);
+        let e = unstaged.unwrap_err();
+        eprintln!("unstage while the guest is frozen: {e}");
+        assert!(
+            matches!(e, crust_ops::OpsError::StillClaimed { .. })
+                && e.to_string().contains("still claimed by sandbox v2")
+                && e.to_string().contains("timed out"),
+            "{e}"
+        );
+        assert_eq!(
+            env.store(Layout::Crust)
+                .claimant(&target)
+                .unwrap()
+                .as_deref(),
+            Some("v2")
+        );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success(),

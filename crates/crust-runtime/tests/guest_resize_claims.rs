@@ -1,7 +1,8 @@
 //! One real guest: online expansion (64 MiB → 128 MiB, KEP `crust resize`)
 //! while the workload keeps writing and fsync'ing; one sandbox per volume;
 //! QEMU killed with SIGKILL turning into an abnormal volume condition and
-//! a claim another sandbox can take over.
+//! a claim another sandbox can take over; crust_ops' unstage refused while
+//! the sandbox runs and allowed once the runtime says it is not running.
 
 mod common;
 
@@ -16,6 +17,7 @@ use crust_testkit::VmSlot;
 #[test]
 fn online_resize_claims_and_qemu_death() {
     let env = Env::new();
+    env.export_runtime_config();
     {
         let disk = env.disk("r.img", 64 * MIB, FsType::Ext4);
         let target = env.target("pod-r", "pv-r");
@@ -23,6 +25,14 @@ fn online_resize_claims_and_qemu_death() {
             Layout::Crust,
             &target,
             &MountInfo::block(disk.dev_str(), "ext4"),
+        );
+        // A second volume of the same pod, for crust_ops' unstage.
+        let side = env.disk("s.img", 32 * MIB, FsType::Ext4);
+        let side_target = env.target("pod-r", "pv-s");
+        env.stage(
+            Layout::Crust,
+            &side_target,
+            &MountInfo::block(side.dev_str(), "ext4"),
         );
         // Writes and fsyncs 256 KiB chunks over 40 files until told to
         // stop; any failed write ends it with status 3.
@@ -34,7 +44,10 @@ fn online_resize_claims_and_qemu_death() {
         let bundle = env.bundle(
             "w",
             &["sh", "-c", writer],
-            vec![bind("/data", &target, false)],
+            vec![
+                bind("/data", &target, false),
+                bind("/side", &side_target, false),
+            ],
         );
 
         let _slot = VmSlot::acquire();
@@ -111,6 +124,22 @@ fn online_resize_claims_and_qemu_death() {
                 .as_deref(),
             Some("writer")
         );
+        // An unpublish while the VM still runs: the record stays, so the
+        // next publish cannot hand the device to a second VM.
+        let e = env.unstage(&side_target).unwrap_err();
+        assert!(
+            matches!(e, crust_ops::OpsError::StillClaimed { .. })
+                && e.to_string().contains("still claimed by sandbox writer")
+                && e.to_string().contains("says it serves the volume"),
+            "{e}"
+        );
+        assert_eq!(
+            env.store(Layout::Crust)
+                .claimant(&side_target)
+                .unwrap()
+                .as_deref(),
+            Some("writer")
+        );
 
         // --- QEMU dies --------------------------------------------------------------
         let qemu = sb.qemu_pid();
@@ -135,6 +164,17 @@ fn online_resize_claims_and_qemu_death() {
         assert_eq!(kata_style, stats);
         let err = env.fails(&["crust", "resize", &target, "1", "0"]);
         assert!(err.contains("not running"), "{err}");
+        // The VM is gone but its claim is still there: crust_ops asks the
+        // runtime, which says the sandbox is not running, so the stale
+        // claim goes with the record.
+        let side_store = env.store(Layout::Crust);
+        assert_eq!(
+            side_store.claimant(&side_target).unwrap().as_deref(),
+            Some("writer")
+        );
+        env.unstage(&side_target).unwrap();
+        assert!(!side_store.exists(&side_target).unwrap());
+        assert!(!side_store.record_dir(&side_target).unwrap().exists());
         // The claim is stale: a new claimant takes it over.
         let sandboxes = SandboxStore::new(&env.root);
         assert!(!sandboxes.holds_volumes("writer"));

@@ -75,6 +75,7 @@ fn mount_line<'a>(mounts: &'a str, mountpoint: &str) -> &'a str {
 #[test]
 fn volumes_in_guest() {
     let env = Env::new();
+    env.export_runtime_config();
     {
         // --- disks and records --------------------------------------------
         // a: ext4, CRUST layout, fsGroup 2000 Always, also used via subPath.
@@ -426,6 +427,18 @@ fn volumes_in_guest() {
         assert!(pid_alive(qemu), "the VM must stay up until delete");
         // The stopped workload's VM still holds the volumes.
         assert!(crust_runtime::sandbox::SandboxStore::new(&env.root).holds_volumes("vols"));
+        // So crust_ops (a NodeUnpublishVolume arriving before the sandbox is
+        // deleted) keeps the record: the runtime says the sandbox runs.
+        let e = env.unstage(&td).unwrap_err();
+        assert!(matches!(e, crust_ops::OpsError::StillClaimed { .. }), "{e}");
+        assert!(
+            e.to_string().starts_with(&format!(
+                "volume at {td} is still claimed by sandbox vols; stop the sandbox first"
+            )),
+            "{e}"
+        );
+        assert_eq!(crust.claimant(&td).unwrap().as_deref(), Some("vols"));
+        assert!(crust.runtime_cli(&td).unwrap().is_some());
         env.ok(&["delete", "vols"]);
         assert!(!env.root.join("vols").exists());
         assert!(!pid_alive(qemu));
@@ -449,6 +462,10 @@ fn volumes_in_guest() {
             None,
             "the hot-plugged volume was released too"
         );
+        // The usual order (sandbox deleted, then NodeUnpublishVolume): the
+        // record goes without a question to the runtime.
+        env.unstage(&td).unwrap();
+        assert!(!crust.exists(&td).unwrap());
         env.ok(&["direct-volume", "remove", "--volume-path", &tb]);
         assert!(!kata_dir.exists());
         env.ok(&["direct-volume", "remove", "--volume-path", &tb]);

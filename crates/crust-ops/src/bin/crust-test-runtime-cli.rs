@@ -7,8 +7,12 @@
 //! `CRUST_TEST_CLI_MAP` names a JSON file mapping each target to
 //! `{"mount": dir, "backing": file, "loop": "/dev/loopN"}`; an optional
 //! `"behaviour"` of `hang`, `garbage` or `fail` makes it misbehave on
-//! purpose, and an optional `"pidfile"` receives its pid. Stats come
-//! from statvfs of the mount; resize grows the backing file, tells the
+//! purpose, `stopped` / `unknown` make it answer like crust-runtime for a
+//! sandbox that is not running (an abnormal condition, or a failure whose
+//! stderr says so), and an optional `"pidfile"` receives its pid. Stats
+//! come from statvfs of the mount; when the mount is gone (the "guest"
+//! was unmounted: the sandbox stopped) they are the abnormal condition
+//! crust-runtime reports for a stopped sandbox. Resize grows the backing file, tells the
 //! loop driver (LOOP_SET_CAPACITY), grows the mounted filesystem online
 //! (resize2fs for ext4, xfs_growfs for xfs) and prints its new size (ext4
 //! superblock, XFS geometry ioctl).
@@ -69,10 +73,17 @@ fn run() -> Result<String, String> {
         },
         Some("garbage") => return Ok("this is not json".into()),
         Some("fail") => return Err(format!("sandbox for {target} is gone")),
+        Some("stopped") if op == "stats" => return Ok(not_running(target)),
+        Some("unknown") => {
+            return Err(format!(
+                "sandbox for {target} is not running (unknown to this runtime)"
+            ));
+        }
         _ => {}
     }
     let mount = field("mount")?;
     match op {
+        "stats" if !is_mount_root(mount)? => Ok(not_running(target)),
         "stats" => stats(mount),
         _ => {
             let min: u64 = rest[0]
@@ -83,6 +94,36 @@ fn run() -> Result<String, String> {
                 .map_err(|_| format!("bad max {:?}", rest[1]))?;
             resize(field("backing")?, field("loop")?, mount, min, max)
         }
+    }
+}
+
+/// What crust-runtime prints for a claimant whose VM is gone.
+fn not_running(target: &str) -> String {
+    json!({
+        "usage": [],
+        "volume_condition": {
+            "abnormal": true,
+            "message": format!("sandbox for {target} is not running (its guest mount is gone)"),
+        },
+    })
+    .to_string()
+}
+
+/// Whether `dir` is the root of a mount (the "guest" still has the volume).
+fn is_mount_root(dir: &str) -> Result<bool, String> {
+    use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+    match rustix::fs::statx(
+        rustix::fs::CWD,
+        dir,
+        AtFlags::NO_AUTOMOUNT | AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::empty(),
+    ) {
+        Ok(st) if st.stx_attributes_mask.contains(StatxAttributes::MOUNT_ROOT) => {
+            Ok(st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
+        }
+        Ok(_) => Err(format!("{dir}: the kernel does not report mount roots")),
+        Err(rustix::io::Errno::NOENT) => Ok(false),
+        Err(e) => Err(format!("statx {dir}: {e}")),
     }
 }
 

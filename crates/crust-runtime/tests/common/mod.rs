@@ -156,8 +156,73 @@ impl Env {
         LoopDisk::with_fs(self.files.join(name), size, fstype)
     }
 
+    /// Makes the runtime CLI that crust_ops runs (the binary a sandbox
+    /// records as its `runtime-cli`, started without flags) use this env's
+    /// roots, as a deployment does through `CRUST_RUNTIME_*`. The
+    /// environment is process-wide: call it first thing in a test binary
+    /// with a single test, before any thread or child is started.
+    pub fn export_runtime_config(&self) {
+        let vars = [
+            ("CRUST_RUNTIME_ROOT", self.root.display().to_string()),
+            ("CRUST_RUNTIME_CRUST_ROOT", self.crust.display().to_string()),
+            ("CRUST_RUNTIME_KATA_ROOT", self.kata.display().to_string()),
+            (
+                "CRUST_RUNTIME_PODS_LAYER_STOP",
+                self.pods.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_GUEST_KERNEL",
+                self.kernel.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_GUEST_INITRD",
+                self.initrd.display().to_string(),
+            ),
+            ("CRUST_RUNTIME_ACCEL", "tcg".into()),
+            ("CRUST_RUNTIME_TIMEOUT_MS", self.timeout_ms.to_string()),
+        ];
+        for (k, v) in vars {
+            // SAFETY: see above: no other thread reads the environment yet.
+            unsafe { std::env::set_var(k, v) };
+        }
+    }
+
+    /// crust_ops for this env's CRUST-layout records (what the CSI plugin
+    /// runs in process).
+    pub fn ops(&self) -> crust_ops::CrustOps {
+        crust_ops::CrustOps::new(crust_ops::OpsConfig {
+            crust_root: self.crust.clone(),
+            kata_root: self.kata.clone(),
+            cli_timeout: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    /// `RuntimeUnstageVolume` through crust_ops, as NodeUnpublishVolume of a
+    /// deferred publication does.
+    pub fn unstage(&self, target: &str) -> Result<(), crust_ops::OpsError> {
+        let ops = self.ops();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(ops.unstage(target))
+    }
+
     /// Writes `<dir>/<name>/config.json` and returns the bundle dir.
     pub fn bundle(&self, name: &str, args: &[&str], mounts: Vec<Value>) -> PathBuf {
+        self.bundle_annotated(name, args, mounts, json!({}))
+    }
+
+    /// [`Env::bundle`] with OCI annotations.
+    pub fn bundle_annotated(
+        &self,
+        name: &str,
+        args: &[&str],
+        mounts: Vec<Value>,
+        annotations: Value,
+    ) -> PathBuf {
         let dir = self.dir.path().join("bundles").join(name);
         std::fs::create_dir_all(dir.join("rootfs")).unwrap();
         let spec = json!({
@@ -171,6 +236,7 @@ impl Env {
             },
             "root": {"path": "rootfs"},
             "mounts": mounts,
+            "annotations": annotations,
         });
         std::fs::write(
             dir.join("config.json"),
