@@ -572,26 +572,7 @@ impl Driver {
             NodeError::FailedPrecondition(format!("volume {} is not staged", rec.id))
         })?;
         let device = &s.device;
-        let size = match crust_blockdev::loop_status(device) {
-            Ok(Some(_)) => crust_blockdev::refresh_capacity(device)
-                .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
-            _ => crust_blockdev::block_device_size(device)
-                .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
-        };
-        if required > size {
-            return Err(NodeError::OutOfRange(format!(
-                "device {} of volume {} is {size} bytes, less than the {required} bytes \
-                 requested; expand the volume with ControllerExpandVolume first",
-                device.display(),
-                rec.id
-            )));
-        }
-        if limit != 0 && size > limit {
-            return Err(NodeError::OutOfRange(format!(
-                "device of volume {} is already {size} bytes, above limit_bytes {limit}",
-                rec.id
-            )));
-        }
+        let size = crate::node::refreshed_device_size(&rec.id, device, required, limit)?;
         let capacity = run(self.ops.expand(ExpandRequest {
             target_path: target.to_string(),
             required_bytes: required,

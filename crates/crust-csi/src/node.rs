@@ -178,6 +178,36 @@ fn ext4_needs_grow(dev: &Path) -> Result<bool> {
     Ok(dev_bytes >= fs_bytes + (1 << 20))
 }
 
+/// The device's current size after picking up a grown backing store
+/// (LOOP_SET_CAPACITY for loop devices), checked against the requested
+/// capacity range of a NodeExpandVolume.
+pub(crate) fn refreshed_device_size(
+    id: &str,
+    device: &Path,
+    required: u64,
+    limit: u64,
+) -> Result<u64> {
+    let size = match crust_blockdev::loop_status(device) {
+        Ok(Some(_)) => crust_blockdev::refresh_capacity(device)
+            .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
+        _ => crust_blockdev::block_device_size(device)
+            .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
+    };
+    if required > size {
+        return Err(NodeError::OutOfRange(format!(
+            "device {} of volume {id} is {size} bytes, less than the {required} bytes \
+             requested; expand the volume with ControllerExpandVolume first",
+            device.display()
+        )));
+    }
+    if limit != 0 && size > limit {
+        return Err(NodeError::OutOfRange(format!(
+            "device of volume {id} is already {size} bytes, above limit_bytes {limit}"
+        )));
+    }
+    Ok(size)
+}
+
 /// Checks that `p` is an existing directory (not a symlink).
 pub(crate) fn require_dir(field: &str, p: &Path) -> Result<()> {
     match fs::symlink_metadata(p) {
@@ -1072,26 +1102,7 @@ impl Driver {
             )));
         }
         // Pick up a grown backing store (LOOP_SET_CAPACITY for loop devices).
-        let size = match crust_blockdev::loop_status(&device) {
-            Ok(Some(_)) => crust_blockdev::refresh_capacity(&device)
-                .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
-            _ => crust_blockdev::block_device_size(&device)
-                .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
-        };
-        if required > size {
-            return Err(NodeError::OutOfRange(format!(
-                "device {} of volume {} is {size} bytes, less than the {required} bytes \
-                 requested; expand the volume with ControllerExpandVolume first",
-                device.display(),
-                rec.id
-            )));
-        }
-        if limit != 0 && size > limit {
-            return Err(NodeError::OutOfRange(format!(
-                "device of volume {} is already {size} bytes, above limit_bytes {limit}",
-                rec.id
-            )));
-        }
+        let size = refreshed_device_size(&rec.id, &device, required, limit)?;
         if !block {
             let s = rec.staging.as_ref().expect("resolved above");
             let fs = s.fs_type.unwrap_or(rec.fs_type);

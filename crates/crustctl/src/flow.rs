@@ -569,25 +569,12 @@ impl Flow {
 
     /// Makes `dir` and its missing parents, remembering each for teardown.
     fn make_dirs(&mut self, dir: &Path) -> Result<(), String> {
-        let mut missing = Vec::new();
-        for a in dir.ancestors() {
-            if a.as_os_str().is_empty() || a.exists() {
-                break;
-            }
-            missing.push(a.to_path_buf());
-        }
-        for p in missing.into_iter().rev() {
-            match std::fs::create_dir(&p) {
-                Ok(()) => {
-                    // kubelet's directories are root-only.
-                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o750));
-                    self.undo.push(Undo::Dir(p));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(format!("create {}: {e}", p.display())),
-            }
-        }
-        Ok(())
+        crate::dirs::create_missing(dir, |p| {
+            // kubelet's directories are root-only.
+            let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o750));
+            self.undo.push(Undo::Dir(p.to_path_buf()));
+        })
+        .map_err(|(p, e)| format!("create {}: {e}", p.display()))
     }
 
     /// The capability of stage/expand (`publish = false`) or of the publish

@@ -17,6 +17,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod demo;
+pub mod dirs;
 pub mod flow;
 pub mod fmt;
 pub mod parse;

@@ -1280,32 +1280,18 @@ async fn discover(c: &Csi) -> Result<Discovered, BenchError> {
 /// Makes `dir` and any missing parents, recording each one we made so
 /// cleanup removes exactly those.
 fn make_root(ledger: &mut Ledger, dir: &Path) -> Result<(), BenchError> {
-    let mut missing = Vec::new();
-    for a in dir.ancestors() {
-        if a.as_os_str().is_empty() || a.exists() {
-            break;
-        }
-        missing.push(a.to_path_buf());
-    }
-    for p in missing.into_iter().rev() {
-        match std::fs::create_dir(&p) {
-            Ok(()) => {
-                ledger.add(Item::Dir {
-                    path: p,
-                    child: None,
-                    root: true,
-                });
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(source) => {
-                return Err(BenchError::Io {
-                    what: "create directory",
-                    path: p,
-                    source,
-                });
-            }
-        }
-    }
+    crate::dirs::create_missing(dir, |p| {
+        ledger.add(Item::Dir {
+            path: p.to_path_buf(),
+            child: None,
+            root: true,
+        });
+    })
+    .map_err(|(path, source)| BenchError::Io {
+        what: "create directory",
+        path,
+        source,
+    })?;
     if !dir.is_dir() {
         return Err(BenchError::Io {
             what: "use directory",
