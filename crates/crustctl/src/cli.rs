@@ -822,6 +822,23 @@ fn opt_path(p: &Option<PathBuf>) -> Result<String, CliError> {
 
 /// Prints a response; a response without data prints `done` in text mode so
 /// scripts and humans see the call succeeded.
+/// Prints a bench report; the exit code says whether cleanup left anything
+/// behind or the run was interrupted.
+fn finish_bench(out: OutputFormat, report: &bench::BenchReport) -> ExitCode {
+    emit(out, report, "");
+    if !report.cleanup.leftovers.is_empty() {
+        eprintln!(
+            "error: cleanup left {} item(s) behind (listed in the report)",
+            report.cleanup.leftovers.len()
+        );
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    if report.interrupted {
+        return ExitCode::from(EXIT_INTERRUPTED);
+    }
+    ExitCode::SUCCESS
+}
+
 fn emit<T: Render>(format: OutputFormat, resp: &T, done: &str) {
     let s = render(resp, format);
     if s.is_empty() {
@@ -1323,19 +1340,7 @@ async fn bench_cmd(
     });
     let report = bench::run_bench(&c, config, stop_rx).await;
     signals.abort();
-    let report = report?;
-    emit(out, &report, "");
-    if !report.cleanup.leftovers.is_empty() {
-        eprintln!(
-            "error: cleanup left {} item(s) behind (listed in the report)",
-            report.cleanup.leftovers.len()
-        );
-        return Ok(ExitCode::from(EXIT_FAILURE));
-    }
-    if report.interrupted {
-        return Ok(ExitCode::from(EXIT_INTERRUPTED));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(finish_bench(out, &report?))
 }
 
 /// Step lines as they happen: stdout for text, stderr when stdout is JSON.
@@ -1560,19 +1565,7 @@ async fn bench_deferred_cmd(
     let report = bench::deferred::run_deferred(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);
-    let report = report?;
-    emit(out, &report, "");
-    if !report.cleanup.leftovers.is_empty() {
-        eprintln!(
-            "error: cleanup left {} item(s) behind (listed in the report)",
-            report.cleanup.leftovers.len()
-        );
-        return Ok(ExitCode::from(EXIT_FAILURE));
-    }
-    if report.interrupted {
-        return Ok(ExitCode::from(EXIT_INTERRUPTED));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(finish_bench(out, &report?))
 }
 
 /// Waits for Ctrl-C or SIGTERM.

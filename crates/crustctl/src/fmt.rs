@@ -70,6 +70,31 @@ fn name_text(v: Value) -> String {
     }
 }
 
+/// JSON of a Controller/Node capability list: `{"capabilities":[{"rpc":{"type":…}}]}`.
+fn rpc_caps_json(names: &[Option<Value>]) -> Value {
+    json!({ "capabilities": names.iter().map(|n| match n {
+        Some(name) => json!({ "rpc": { "type": name } }),
+        None => json!({}),
+    }).collect::<Vec<_>>() })
+}
+
+/// Text of a Controller/Node capability list, one `rpc NAME` line each.
+fn rpc_caps_text(names: &[Option<Value>]) -> String {
+    let mut out = String::new();
+    for n in names {
+        match n {
+            Some(name) => {
+                let _ = writeln!(out, "rpc {}", name_text(name.clone()));
+            }
+            None => out.push_str("(empty capability)\n"),
+        }
+    }
+    if out.is_empty() {
+        out.push_str("(no capabilities)\n");
+    }
+    out
+}
+
 /// A string map with sorted keys (HashMap order is random).
 fn map_json(m: &HashMap<String, String>) -> Value {
     let sorted: BTreeMap<_, _> = m.iter().collect();
@@ -536,28 +561,24 @@ impl Render for csi::GetCapacityResponse {
 
 impl Render for csi::ControllerGetCapabilitiesResponse {
     fn to_json(&self) -> Value {
-        use csi::controller_service_capability::Type;
-        json!({ "capabilities": self.capabilities.iter().map(|c| match &c.r#type {
-            Some(Type::Rpc(r)) => json!({ "rpc": { "type": controller_rpc_name(r.r#type) } }),
-            None => json!({}),
-        }).collect::<Vec<_>>() })
+        rpc_caps_json(&controller_rpc_names(self))
     }
     fn to_text(&self) -> String {
-        use csi::controller_service_capability::Type;
-        let mut out = String::new();
-        for c in &self.capabilities {
-            match &c.r#type {
-                Some(Type::Rpc(r)) => {
-                    let _ = writeln!(out, "rpc {}", name_text(controller_rpc_name(r.r#type)));
-                }
-                None => out.push_str("(empty capability)\n"),
-            }
-        }
-        if out.is_empty() {
-            out.push_str("(no capabilities)\n");
-        }
-        out
+        rpc_caps_text(&controller_rpc_names(self))
     }
+}
+
+/// The advertised RPC types by proto name (`None` for an empty entry).
+fn controller_rpc_names(resp: &csi::ControllerGetCapabilitiesResponse) -> Vec<Option<Value>> {
+    use csi::controller_service_capability::Type;
+    resp.capabilities
+        .iter()
+        .map(|c| {
+            c.r#type
+                .as_ref()
+                .map(|Type::Rpc(r)| controller_rpc_name(r.r#type))
+        })
+        .collect()
 }
 
 impl Render for csi::CreateSnapshotResponse {
@@ -731,28 +752,24 @@ impl Render for csi::NodeExpandVolumeResponse {
 
 impl Render for csi::NodeGetCapabilitiesResponse {
     fn to_json(&self) -> Value {
-        use csi::node_service_capability::Type;
-        json!({ "capabilities": self.capabilities.iter().map(|c| match &c.r#type {
-            Some(Type::Rpc(r)) => json!({ "rpc": { "type": node_rpc_name(r.r#type) } }),
-            None => json!({}),
-        }).collect::<Vec<_>>() })
+        rpc_caps_json(&node_rpc_names(self))
     }
     fn to_text(&self) -> String {
-        use csi::node_service_capability::Type;
-        let mut out = String::new();
-        for c in &self.capabilities {
-            match &c.r#type {
-                Some(Type::Rpc(r)) => {
-                    let _ = writeln!(out, "rpc {}", name_text(node_rpc_name(r.r#type)));
-                }
-                None => out.push_str("(empty capability)\n"),
-            }
-        }
-        if out.is_empty() {
-            out.push_str("(no capabilities)\n");
-        }
-        out
+        rpc_caps_text(&node_rpc_names(self))
     }
+}
+
+/// The advertised RPC types by proto name (`None` for an empty entry).
+fn node_rpc_names(resp: &csi::NodeGetCapabilitiesResponse) -> Vec<Option<Value>> {
+    use csi::node_service_capability::Type;
+    resp.capabilities
+        .iter()
+        .map(|c| {
+            c.r#type
+                .as_ref()
+                .map(|Type::Rpc(r)| node_rpc_name(r.r#type))
+        })
+        .collect()
 }
 
 impl Render for csi::NodeGetInfoResponse {
