@@ -63,6 +63,17 @@ pub struct GlobalOpts {
         global = true
     )]
     pub accel: Accel,
+    /// QEMU binary (looked up in PATH unless absolute).
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_QEMU",
+        default_value = "qemu-system-x86_64",
+        global = true
+    )]
+    pub qemu: PathBuf,
+    /// Root-only directory holding the `--accel auto` verdict of this host boot.
+    #[arg(long, env = "CRUST_RUNTIME_ACCEL_CACHE", default_value = crust_vmm::DEFAULT_ACCEL_CACHE, global = true)]
+    pub accel_cache: PathBuf,
     /// Bound on one call into a shim or guest agent, in milliseconds.
     #[arg(
         long,
@@ -113,6 +124,8 @@ impl GlobalOpts {
             guest_kernel,
             guest_initrd,
             accel: self.accel,
+            qemu: self.qemu.clone(),
+            accel_cache: self.accel_cache.clone(),
             timeout: Duration::from_millis(self.timeout_ms.max(1)),
             boot_timeout: Duration::from_millis(self.boot_timeout_ms.max(1)),
             memory_mib: self.memory_mib,

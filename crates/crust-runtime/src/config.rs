@@ -10,7 +10,8 @@ use std::time::Duration;
 pub enum Accel {
     Tcg,
     Kvm,
-    /// KVM when `/dev/kvm` can be opened, else TCG.
+    /// KVM once a probe boot proved it on this host (cached per host
+    /// boot), else TCG; a hanging KVM boot is retried under TCG.
     Auto,
 }
 
@@ -37,6 +38,10 @@ pub struct Config {
     pub guest_kernel: PathBuf,
     pub guest_initrd: PathBuf,
     pub accel: Accel,
+    /// QEMU binary (looked up in PATH unless absolute).
+    pub qemu: PathBuf,
+    /// Where `--accel auto` keeps its per-host-boot verdict.
+    pub accel_cache: PathBuf,
     /// Bound on one call into a shim or the guest agent.
     pub timeout: Duration,
     /// Bound on `create` (guest boot, hot-plug, mounts) and on a resize.
@@ -59,6 +64,19 @@ impl Config {
             .unwrap_or_else(|| PathBuf::from("guest-image"))
     }
 
+    /// Longest a sandbox creation may take: the boot bound, plus what
+    /// `--accel auto` may spend proving KVM on a half-working host.
+    pub fn create_timeout(&self) -> Duration {
+        let extra = match self.accel {
+            Accel::Auto => {
+                let vc = crust_vmm::VmConfig::new("x", "/", "/", "/");
+                crust_vmm::auto_overhead(&vc)
+            }
+            _ => Duration::ZERO,
+        };
+        self.boot_timeout + extra
+    }
+
     /// Flags that recreate this configuration in a child process (the shim).
     pub fn to_args(&self) -> Vec<OsString> {
         let mut a: Vec<OsString> = Vec::new();
@@ -73,6 +91,8 @@ impl Config {
         push("--guest-kernel", self.guest_kernel.clone().into());
         push("--guest-initrd", self.guest_initrd.clone().into());
         push("--accel", self.accel.as_str().into());
+        push("--qemu", self.qemu.clone().into());
+        push("--accel-cache", self.accel_cache.clone().into());
         push("--timeout-ms", self.timeout.as_millis().to_string().into());
         push(
             "--boot-timeout-ms",

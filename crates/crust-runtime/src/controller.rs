@@ -180,6 +180,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         let guest = Guest::launch(&cfg, &store.vm_dir(&id), &id).await?;
         state.qemu = Some(guest.proc_ref());
         state.pid = Some(guest.proc_ref().pid);
+        state.accel = Some(guest.accel_choice());
         store.save(&state)?;
         Ok::<_, RuntimeError>(guest)
     }

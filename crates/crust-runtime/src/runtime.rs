@@ -151,7 +151,7 @@ impl Runtime {
             let mut line = String::new();
             BufReader::new(rd).read_line(&mut line).map(|_| line)
         });
-        let wait = self.cfg.boot_timeout + Duration::from_secs(5);
+        let wait = self.cfg.create_timeout() + Duration::from_secs(5);
         let line = match tokio::time::timeout(wait, reader).await {
             Ok(Ok(Ok(line))) => line,
             Ok(_) => String::new(),

@@ -116,6 +116,10 @@ pub struct SandboxState {
     pub shim: Option<ProcRef>,
     #[serde(default)]
     pub qemu: Option<ProcRef>,
+    /// The guest's accelerator and why it was chosen (a hanging KVM boot
+    /// retried under TCG shows `fallback: true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accel: Option<crust_vmm::AccelChoice>,
     #[serde(default)]
     pub volumes: Vec<Volume>,
     #[serde(default)]
@@ -145,6 +149,7 @@ impl SandboxState {
             bundle: bundle.dir.clone(),
             shim: None,
             qemu: None,
+            accel: None,
             volumes: Vec::new(),
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crust_vmm::{Vm, VmConfig, VmExit};
+use crust_vmm::{AccelChoice, Vm, VmConfig, VmExit};
 use tokio::sync::{Mutex, watch};
 
 use crate::config::{Accel, Config};
@@ -24,11 +24,13 @@ pub struct Guest {
     qmp_socket: PathBuf,
     agent_socket: PathBuf,
     ports: Vec<String>,
+    accel: AccelChoice,
     context: Box<dyn Fn() -> String + Send + Sync>,
 }
 
 impl Guest {
-    /// Starts QEMU (returns once its sockets answer; the guest boots on).
+    /// Starts QEMU and waits (up to the boot bound) for the guest agent;
+    /// under `--accel auto` a hanging KVM boot is retried under TCG.
     /// QEMU dies with the shim, so a crashed shim never leaves a VM behind
     /// holding volumes.
     pub async fn launch(cfg: &Config, run_dir: &Path, id: &str) -> Result<Guest, RuntimeError> {
@@ -41,11 +43,23 @@ impl Guest {
             Accel::Kvm => crust_vmm::Accel::Kvm,
             Accel::Auto => crust_vmm::Accel::Auto,
         };
+        vc.qemu_binary = cfg.qemu.clone();
+        vc.accel_cache = Some(cfg.accel_cache.clone());
         vc.hotplug_ports = HOTPLUG_PORTS;
         vc.die_with_parent = true;
-        let vm = Vm::launch(vc)
-            .await
-            .map_err(|e| RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")))?;
+        let vm = Vm::boot(vc, cfg.boot_timeout).await.map_err(|e| match e {
+            crust_vmm::VmError::NotReady { .. } => RuntimeError::new(
+                Code::DeadlineExceeded,
+                format!("the guest agent did not come up: {e}"),
+            ),
+            e => RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")),
+        })?;
+        let accel = vm.accel_choice();
+        if accel.fallback {
+            tracing::warn!("sandbox {id}: {}", accel.reason);
+        } else {
+            tracing::info!("sandbox {id}: {} ({})", accel.accel.as_str(), accel.reason);
+        }
         let proc = ProcRef {
             pid: vm.pid() as i32,
             start_time: vm.state().start_time,
@@ -56,6 +70,7 @@ impl Guest {
             qmp_socket: vm.qmp_socket().to_path_buf(),
             agent_socket: vm.agent_socket().to_path_buf(),
             ports: vm.hotplug_ports().to_vec(),
+            accel,
             context: Box::new(move || {
                 format!(
                     "qemu.log: {}\nconsole.log: {}",
@@ -65,6 +80,11 @@ impl Guest {
             }),
             vm: Arc::new(Mutex::new(vm)),
         })
+    }
+
+    /// The accelerator the guest runs under and why.
+    pub fn accel_choice(&self) -> AccelChoice {
+        self.accel.clone()
     }
 
     pub fn proc_ref(&self) -> ProcRef {

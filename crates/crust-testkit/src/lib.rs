@@ -8,8 +8,10 @@
 //! guards for tests that need a real formatted block device.
 
 mod disk;
+mod qemu;
 
 pub use disk::{LoopDisk, TempMount};
+pub use qemu::{HangingKvmQemu, QemuStart};
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};

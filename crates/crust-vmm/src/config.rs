@@ -1,6 +1,7 @@
 //! What a guest is launched with, and the QMP arguments for its disks.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -14,7 +15,9 @@ pub enum Accel {
     Tcg,
     /// Hardware virtualization; launch fails if /dev/kvm is unusable.
     Kvm,
-    /// KVM when /dev/kvm opens and can create a VM, TCG otherwise.
+    /// KVM once a probe boot of the guest image reached its agent under
+    /// KVM on this host (cached per host boot), TCG otherwise; a KVM boot
+    /// that hangs is retried under TCG (see [`crate::accel`]).
     #[default]
     Auto,
 }
@@ -167,14 +170,31 @@ pub struct VmConfig {
     /// parent-death signal; meant for tests). Off by default so a VM can
     /// outlive the process that launched it.
     pub die_with_parent: bool,
+    /// Where `Accel::Auto` keeps its per-host-boot verdict (root-only);
+    /// `None` probes on every boot.
+    pub accel_cache: Option<PathBuf>,
+    /// How long a KVM probe boot may take to reach the agent.
+    pub kvm_probe_timeout: Duration,
+    /// How long an `Auto` boot under KVM may take to reach the agent
+    /// before it is retried under TCG ([`crate::Vm::boot`]).
+    pub kvm_boot_timeout: Duration,
 }
+
+/// Default [`VmConfig::accel_cache`].
+pub const DEFAULT_ACCEL_CACHE: &str = "/run/crust-vmm";
+/// Default [`VmConfig::kvm_probe_timeout`]: a KVM guest reaches its agent
+/// in about a second; this is the most a half-working host pays per boot
+/// of the host.
+pub const DEFAULT_KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`VmConfig::kvm_boot_timeout`]: generous for a proven KVM.
+pub const DEFAULT_KVM_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// qboot as packaged by Debian's qemu-system-data.
 pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
 
 impl VmConfig {
-    /// A config with defaults: 256 MiB, 1 vCPU, Auto accel, no disks,
-    /// 8 hot-plug ports.
+    /// A config with defaults: 256 MiB, 1 vCPU, Auto accel (verdicts in
+    /// [`DEFAULT_ACCEL_CACHE`]), no disks, 8 hot-plug ports.
     pub fn new(
         name: impl Into<String>,
         kernel: impl Into<PathBuf>,
@@ -195,6 +215,9 @@ impl VmConfig {
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             firmware: None,
             die_with_parent: false,
+            accel_cache: Some(PathBuf::from(DEFAULT_ACCEL_CACHE)),
+            kvm_probe_timeout: DEFAULT_KVM_PROBE_TIMEOUT,
+            kvm_boot_timeout: DEFAULT_KVM_BOOT_TIMEOUT,
         }
     }
 

@@ -31,22 +31,25 @@
 //! # Lifecycle
 //!
 //! [`Vm::launch`] returns once QEMU's sockets exist; the guest boots in the
-//! background (wait with the agent client's `wait_ready`). A launched `Vm`
+//! background (wait with the agent client's `wait_ready`). [`Vm::boot`]
+//! also waits for the agent and, under `Accel::Auto`, boots again under
+//! TCG when a KVM boot hangs (see [`accel`] for how KVM is proven). A launched `Vm`
 //! kills and reaps QEMU on drop unless [`Vm::detach`]ed; another process
 //! finds it again with [`Vm::attach`]`(run_dir)` (pid + start time +
 //! command line check against `vm.json`).
 
-mod accel;
 mod config;
 mod vm;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use accel::{ResolvedAccel, kvm_usable, kvm_works};
+pub mod accel;
+
+pub use accel::{AccelChoice, ResolvedAccel, auto_overhead, kvm_usable};
 pub use config::{
-    Accel, DiskSpec, MAX_ROOT_PORTS, MAX_SERIAL_LEN, QBOOT, VmConfig, boot_port_id,
-    hotplug_port_id, valid_serial,
+    Accel, DEFAULT_ACCEL_CACHE, DEFAULT_KVM_BOOT_TIMEOUT, DEFAULT_KVM_PROBE_TIMEOUT, DiskSpec,
+    MAX_ROOT_PORTS, MAX_SERIAL_LEN, QBOOT, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
 pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 
@@ -78,6 +81,13 @@ pub enum VmError {
     EarlyExit { status: String, log_tail: String },
     #[error("QEMU did not create its sockets within {after:?}; qemu.log ends with:\n{log_tail}")]
     StartTimeout { after: Duration, log_tail: String },
+    #[error("the guest agent did not come up within {after:?} under {accel}: {reason}\n{context}")]
+    NotReady {
+        after: Duration,
+        accel: &'static str,
+        reason: String,
+        context: String,
+    },
     #[error("no VM running from {run_dir}: {reason}")]
     NotRunning { run_dir: PathBuf, reason: String },
 }

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 
-use crate::accel::{self, ResolvedAccel};
-use crate::config::{DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
+use crate::accel::{self, AccelChoice, ResolvedAccel};
+use crate::config::{Accel, DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
 use crate::{AGENT_PORT_NAME, VmError};
 
 /// How long QEMU gets to create its sockets before launch gives up.
-const START_TIMEOUT: Duration = Duration::from_secs(15);
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Files in a VM's run directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +59,12 @@ pub struct VmState {
     /// 22): tells a reused pid apart.
     pub start_time: u64,
     pub accel: ResolvedAccel,
+    /// Why `accel` was chosen (see [`AccelChoice`]).
+    #[serde(default)]
+    pub accel_reason: String,
+    /// The guest was booted again under TCG after a KVM boot hung.
+    #[serde(default)]
+    pub accel_fallback: bool,
     /// Boot disks and the root port each sits on.
     pub boot_disks: Vec<(DiskSpec, String)>,
     /// Root ports left empty for hot-plug.
@@ -210,6 +216,45 @@ pub(crate) async fn qmp_ready(path: &Path) -> bool {
     )
 }
 
+/// Waits until the guest agent answers a ping, watching QEMU meanwhile
+/// (an exited QEMU fails at once instead of at the deadline).
+pub(crate) async fn wait_agent(vm: &mut Vm, timeout: Duration) -> Result<(), String> {
+    let agent = crust_agent_proto::AgentClient::new(vm.agent_socket());
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(exit) = vm.poll_exit() {
+            return Err(format!("QEMU exited ({exit:?})"));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("no answer to ping".into());
+        }
+        match agent.wait_ready(left.min(Duration::from_secs(1))).await {
+            Ok(_) => return Ok(()),
+            Err(crust_agent_proto::ClientError::NotReady { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// What a guest that did not come up left behind, in one line: QEMU's
+/// first complaint, else the console's last words.
+pub(crate) fn boot_context(paths: &RunPaths) -> Option<String> {
+    let line = |path: &Path, last: bool| -> Option<String> {
+        let text = std::fs::read_to_string(path).ok()?;
+        let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+        let l = if last {
+            lines.next_back()
+        } else {
+            lines.next()
+        }?;
+        Some(l.chars().take(160).collect())
+    };
+    line(&paths.qemu_log, false)
+        .map(|l| format!("qemu.log: {l}"))
+        .or_else(|| line(&paths.console_log, true).map(|l| format!("console: {l}")))
+}
+
 const BASE_CMDLINE: &[&str] = &[
     "console=ttyS0",
     "panic=-1",
@@ -308,6 +353,77 @@ impl Vm {
     /// `qemu.log`) if QEMU dies while starting.
     pub async fn launch(cfg: VmConfig) -> Result<Vm, VmError> {
         cfg.validate()?;
+        let choice = accel::choose(&cfg).await?;
+        Vm::launch_with(cfg, choice).await
+    }
+
+    /// Launches the guest and waits until its agent answers a ping. With
+    /// `Accel::Auto`, a KVM boot that does not reach the agent within
+    /// `cfg.kvm_boot_timeout` is killed, recorded (later boots on this
+    /// host boot use TCG) and booted again under TCG with the full
+    /// `ready_timeout`; the VM's [`Vm::accel_choice`] tells what happened.
+    pub async fn boot(cfg: VmConfig, ready_timeout: Duration) -> Result<Vm, VmError> {
+        cfg.validate()?;
+        let choice = accel::choose(&cfg).await?;
+        let auto_kvm = cfg.accel == Accel::Auto && choice.accel == ResolvedAccel::Kvm;
+        let first_wait = if auto_kvm {
+            cfg.kvm_boot_timeout.min(ready_timeout)
+        } else {
+            ready_timeout
+        };
+        let mut vm = Vm::launch_with(cfg.clone(), choice.clone()).await?;
+        let why = match wait_agent(&mut vm, first_wait).await {
+            Ok(()) => return Ok(vm),
+            Err(why) => why,
+        };
+        let context = boot_context(&vm.paths);
+        if !auto_kvm {
+            let e = VmError::NotReady {
+                after: first_wait,
+                accel: choice.accel.as_str(),
+                reason: why,
+                context: vm.failure_context(),
+            };
+            let _ = vm.kill();
+            if cfg.accel == Accel::Auto {
+                // Not even TCG boots it: a negative KVM verdict built on
+                // this image proves nothing.
+                accel::forget_failure(&cfg).await;
+            }
+            return Err(e);
+        }
+        let reason = format!(
+            "a KVM boot did not reach the guest agent within {first_wait:?} ({why}{}); booted again under TCG",
+            context.map(|c| format!("; {c}")).unwrap_or_default()
+        );
+        tracing::warn!(vm = %cfg.name, "{reason}");
+        vm.kill()?;
+        drop(vm);
+        accel::record_failure(&cfg, &reason).await;
+        let tcg = AccelChoice {
+            accel: ResolvedAccel::Tcg,
+            reason,
+            fallback: true,
+        };
+        let mut vm = Vm::launch_with(cfg, tcg).await?;
+        match wait_agent(&mut vm, ready_timeout).await {
+            Ok(()) => Ok(vm),
+            Err(why) => {
+                let e = VmError::NotReady {
+                    after: ready_timeout,
+                    accel: "tcg",
+                    reason: why,
+                    context: vm.failure_context(),
+                };
+                let _ = vm.kill();
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Vm::launch`] with the accelerator already chosen.
+    pub(crate) async fn launch_with(cfg: VmConfig, choice: AccelChoice) -> Result<Vm, VmError> {
+        cfg.validate()?;
         let paths = RunPaths::new(&cfg.run_dir);
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -336,7 +452,7 @@ impl Vm {
                 Err(e) => return Err(io_err("remove", stale, e)),
             }
         }
-        let accel = accel::resolve(cfg.accel, &cfg.qemu_binary).await?;
+        let accel = choice.accel;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -372,6 +488,8 @@ impl Vm {
             pid,
             start_time,
             accel,
+            accel_reason: choice.reason,
+            accel_fallback: choice.fallback,
             boot_disks: cfg
                 .disks
                 .iter()
@@ -469,6 +587,15 @@ impl Vm {
 
     pub fn accel(&self) -> ResolvedAccel {
         self.state.accel
+    }
+
+    /// The accelerator and why it was chosen.
+    pub fn accel_choice(&self) -> AccelChoice {
+        AccelChoice {
+            accel: self.state.accel,
+            reason: self.state.accel_reason.clone(),
+            fallback: self.state.accel_fallback,
+        }
     }
 
     /// The recorded launch state.

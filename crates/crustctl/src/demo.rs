@@ -162,6 +162,13 @@ impl Render for DemoReport {
                         .unwrap_or_else(|| "?".into())
                 );
             }
+            if let Some(a) = &f.accel {
+                let _ = writeln!(
+                    o,
+                    "accel:      {a}: {}",
+                    f.accel_reason.as_deref().unwrap_or("no reason given")
+                );
+            }
             for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
                 if let Some(df) = &obs.df {
                     let _ = writeln!(

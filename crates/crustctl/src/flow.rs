@@ -312,6 +312,10 @@ pub struct FlowReport {
     pub bundle: String,
     pub sandbox_id: String,
     pub qemu_pid: Option<i32>,
+    /// The guest's accelerator (`kvm`/`tcg`) as the runtime reports it.
+    pub accel: Option<String>,
+    /// Why the runtime chose it (a hanging KVM retried under TCG says so).
+    pub accel_reason: Option<String>,
     /// Where the runtime mounted the volume in the guest.
     pub guest_volume_path: Option<String>,
     pub before_expand: Observation,
@@ -911,6 +915,8 @@ impl Flow {
             Err(e) => return self.record("runtime create", t0, Err(e)),
         };
         self.report.qemu_pid = st["qemu"]["pid"].as_i64().map(|p| p as i32);
+        self.report.accel = st["accel"]["accel"].as_str().map(str::to_string);
+        self.report.accel_reason = st["accel"]["reason"].as_str().map(str::to_string);
         let vol_entry = st["volumes"]
             .as_array()
             .and_then(|vs| vs.iter().find(|v| v["target"] == self.target.as_str()))
@@ -923,11 +929,12 @@ impl Flow {
                 );
                 self.report.guest_volume_path = Some(gp.clone());
                 Ok(format!(
-                    "sandbox {id}: QEMU pid {}, {} ({} {}) mounted at {gp} in the guest",
+                    "sandbox {id}: QEMU pid {} ({}), {} ({} {}) mounted at {gp} in the guest",
                     self.report
                         .qemu_pid
                         .map(|p| p.to_string())
                         .unwrap_or_else(|| "?".into()),
+                    self.report.accel.as_deref().unwrap_or("?"),
                     v["device"].as_str().unwrap_or("?"),
                     v["fstype"].as_str().unwrap_or("?"),
                     v["layout"].as_str().unwrap_or("?"),

@@ -36,6 +36,11 @@ pub struct Env {
     pub initrd: PathBuf,
     /// `--timeout-ms` given to every command (and so to the shims).
     pub timeout_ms: u64,
+    /// `--accel` given to every command (`tcg` unless a test proves the
+    /// accelerator choice).
+    pub accel: String,
+    /// More global flags given to every command.
+    pub extra_args: Vec<String>,
 }
 
 impl Env {
@@ -61,12 +66,14 @@ impl Env {
             kernel,
             initrd,
             timeout_ms: 20_000,
+            accel: "tcg".into(),
+            extra_args: Vec::new(),
             dir,
         }
     }
 
     pub fn global_args(&self) -> Vec<String> {
-        let a: Vec<String> = vec![
+        let mut a: Vec<String> = vec![
             "--root".into(),
             self.root.display().to_string(),
             "--crust-root".into(),
@@ -80,10 +87,11 @@ impl Env {
             "--guest-initrd".into(),
             self.initrd.display().to_string(),
             "--accel".into(),
-            "tcg".into(),
+            self.accel.clone(),
             "--timeout-ms".into(),
             self.timeout_ms.to_string(),
         ];
+        a.extend(self.extra_args.iter().cloned());
         a
     }
 

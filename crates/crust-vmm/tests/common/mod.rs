@@ -124,13 +124,18 @@ impl Guest {
         cfg.hotplug_ports = 2;
         cfg.die_with_parent = true;
         let t0 = Instant::now();
-        let vm = Vm::launch(cfg).await.expect("launch");
+        // Auto: KVM only where a probe boot proved it (else TCG).
+        let vm = Vm::boot(cfg, Duration::from_secs(120))
+            .await
+            .unwrap_or_else(|e| panic!("guest {name} did not boot: {e}"));
         let agent = AgentClient::new(vm.agent_socket());
-        if let Err(e) = agent.wait_ready(Duration::from_secs(120)).await {
-            panic!("agent not ready: {e}\n{}", vm.failure_context());
-        }
         let boot_time = t0.elapsed();
-        eprintln!("guest {name}: launch -> agent ping in {boot_time:?}");
+        let accel = vm.accel_choice();
+        eprintln!(
+            "guest {name}: launch -> agent ping in {boot_time:?} under {} ({})",
+            accel.accel.as_str(),
+            accel.reason
+        );
         Guest {
             agent,
             vm,
