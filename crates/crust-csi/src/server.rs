@@ -4,7 +4,9 @@
 //! renamed into place, so the final path never exists with looser
 //! permissions; a missing parent directory is created 0700. A stale
 //! socket (nobody accepting on it) is replaced; a live one or any other
-//! kind of file is refused. On shutdown in-flight RPCs finish (bounded by
+//! kind of file is refused. Connections pass crust_proto's authority front
+//! (grpc-core/grpc-java clients send a %-encoded path as `:authority`).
+//! On shutdown in-flight RPCs finish (bounded by
 //! [`SHUTDOWN_GRACE`]) and the socket is removed.
 //!
 //! With `--metrics-address`, Prometheus metrics are served at
@@ -22,7 +24,6 @@ use crust_backend::Backend;
 use crust_proto::csi::v1::controller_server::ControllerServer;
 use crust_proto::csi::v1::identity_server::IdentityServer;
 use crust_proto::csi::v1::node_server::NodeServer;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::{BackendConfig, Config};
 use crate::controller::ControllerService;
@@ -130,7 +131,7 @@ where
             driver.clone(),
         )))
         .add_service(NodeServer::new(NodeService::new(driver.clone())))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+        .serve_with_incoming_shutdown(crust_proto::server::incoming(listener), signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(ServeError::from),

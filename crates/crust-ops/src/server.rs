@@ -6,8 +6,6 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokio_stream::wrappers::UnixListenerStream;
-
 use crate::ops::CrustOps;
 use crate::service::RuntimeService;
 
@@ -129,7 +127,7 @@ pub async fn serve(
     let listener = tokio::net::UnixListener::from_std(listener).map_err(io("register socket"))?;
     tonic::transport::Server::builder()
         .add_service(RuntimeService::new(ops).into_server())
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(crust_proto::server::incoming(listener), shutdown)
         .await?;
     Ok(())
 }

@@ -3,6 +3,9 @@
 //! - [`csi::v1`]: the CSI v1.12 wire format plus the KEP-2857 extension
 //!   (`defer_fs_ops`, supplemental group fields, DEFER_FS_OPS capabilities).
 //! - [`runtime::v1alpha1`]: the KEP-2857 `Runtime` service of crust_ops.
+//! - [`server::incoming`]: how every crust gRPC server accepts
+//!   connections (the unix-socket `:authority` of non-Go clients is
+//!   rewritten before h2 sees it, see [`authority`]).
 
 pub mod csi {
     pub mod v1 {
@@ -18,4 +21,6 @@ pub mod runtime {
     }
 }
 
+pub mod authority;
 pub mod endpoint;
+pub mod server;

@@ -8,9 +8,11 @@
 //! guards for tests that need a real formatted block device.
 
 mod disk;
+mod python;
 mod qemu;
 
 pub use disk::{LoopDisk, TempMount};
+pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls};
 pub use qemu::{HangingKvmQemu, QemuStart};
 
 use std::fs::{File, OpenOptions};
