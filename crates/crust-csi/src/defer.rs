@@ -519,6 +519,14 @@ impl Driver {
         let target = utf8("volume_path", path)?;
         let host = self.health.condition(self, rec);
         let stats = run(self.ops.stats(target))?;
+        let reported_abnormal = stats.condition.as_ref().is_some_and(|c| c.abnormal);
+        if stats.usage.is_empty() && !reported_abnormal {
+            // No figures and no abnormal condition is no answer at all: a
+            // failure must never read as a healthy volume.
+            return Err(NodeError::Internal(format!(
+                "the runtime reported no usage for {target}"
+            )));
+        }
         let usage = stats
             .usage
             .iter()
@@ -538,7 +546,8 @@ impl Driver {
                 abnormal: c.abnormal,
                 message: c.message,
             },
-            None => Condition::normal("the runtime reported no volume condition"),
+            // Figures without a condition: the runtime served the volume.
+            None => Condition::normal("the runtime reported usage and no volume condition"),
         };
         if host.abnormal {
             cond = if cond.abnormal {

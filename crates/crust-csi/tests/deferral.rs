@@ -642,6 +642,21 @@ async fn stats_and_expansion_go_through_crust_ops_and_the_runtime_cli() {
         assert_eq!(cond.message, "mounted", "the runtime's condition");
     }
 
+    // An error object printed with exit status 0 (Kata's CLI when its
+    // shim fails or a claim is wrong) or an empty answer is an error,
+    // never a healthy volume without figures.
+    for (behaviour, why) in [
+        ("kata-error", "answered an error: NOT_FOUND"),
+        ("empty", "no usage"),
+    ] {
+        let mut m = map.clone();
+        m[&target]["behaviour"] = behaviour.into();
+        std::fs::write(node.cli_map(), m.to_string()).unwrap();
+        let s = assert_code(stats_flag(&mut c, &id, &target, true).await, Code::Internal);
+        assert!(s.message().contains(why), "{behaviour}: {}", s.message());
+    }
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+
     // grow: the controller grows the backing file, the node refreshes the
     // loop device, the runtime grows the filesystem in its guest
     let r = c

@@ -22,7 +22,8 @@ pub mod validate;
 
 pub use error::{ErrorKind, HandoffError, Result};
 pub use mountinfo::{
-    FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK,
+    CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
+    FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL,
 };
 pub use store::{
     DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT, Layout, ListedRecord, MAX_RECORD_SIZE, MOUNT_INFO_FILE,

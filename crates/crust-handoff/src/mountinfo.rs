@@ -9,9 +9,15 @@ use serde::{Deserialize, Deserializer};
 
 pub const FS_GROUP_KEY: &str = "fsGroup";
 pub const FS_GROUP_CHANGE_POLICY_KEY: &str = "fsGroupChangePolicy";
+/// Kata: format the device when it holds no filesystem yet.
+pub const CREATE_FILESYSTEM_KEY: &str = "createFilesystem";
+/// Kata: encrypt the volume with this key. crust refuses it.
+pub const ENCRYPTION_KEY_KEY: &str = "encryptionKey";
 
-/// The only volume type crust hands off.
+/// The only volume type crust writes.
 pub const VOLUME_TYPE_BLOCK: &str = "block";
+/// What Kata's Rust runtime and the Azure Disk driver write for the same.
+pub const VOLUME_TYPE_DIRECTVOL: &str = "directvol";
 
 /// What the runtime needs to mount a volume inside the guest.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -127,9 +133,14 @@ impl MountInfo {
         out
     }
 
-    /// Parses any JSON spelling of a record (Kata stores whatever its
-    /// caller passed, so whitespace and key order may differ). Unknown or
-    /// duplicate keys are refused; field values are checked separately.
+    /// Parses a record the way Kata's Go runtime decodes it
+    /// (`encoding/json` into its `MountInfo`): keys match case-insensitively
+    /// (`"Device"` is `device`), unknown keys are ignored, `null` is the
+    /// zero value (a missing `volume-type` is "", which validation reads as
+    /// `block`, as Kata does). Stricter than Go
+    /// where leniency would be ambiguous: a key given twice (in any case)
+    /// is refused rather than "last one wins", and so is a record without
+    /// `device` or `fstype`. Field values are checked separately.
     pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
         // serde would also take a struct as a JSON array; Go would not.
         if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
@@ -138,26 +149,89 @@ impl MountInfo {
         let raw: RawMountInfo =
             serde_json::from_slice(bytes).map_err(|e| format!("malformed mountInfo.json: {e}"))?;
         Ok(MountInfo {
-            volume_type: raw.volume_type,
-            device: raw.device,
-            fstype: raw.fstype,
-            metadata: raw.metadata.map(|m| m.0).unwrap_or_default(),
-            options: raw.options.unwrap_or_default(),
+            // Missing or null stays "": validation reads it as block.
+            volume_type: raw.volume_type.flatten().unwrap_or_default(),
+            device: raw
+                .device
+                .ok_or_else(|| "malformed mountInfo.json: missing field `device`".to_string())?
+                .unwrap_or_default(),
+            fstype: raw
+                .fstype
+                .ok_or_else(|| "malformed mountInfo.json: missing field `fstype`".to_string())?
+                .unwrap_or_default(),
+            metadata: raw.metadata.flatten().map(|m| m.0).unwrap_or_default(),
+            options: raw.options.flatten().unwrap_or_default(),
         })
+    }
+
+    /// Kata's `createFilesystem` metadata, read like Go's
+    /// `strconv.ParseBool`: `Some(true)` asks the runtime to format a blank
+    /// device. `Err` for a value ParseBool refuses.
+    pub fn create_filesystem(&self) -> Result<Option<bool>, String> {
+        match self.metadata.get(CREATE_FILESYSTEM_KEY).map(String::as_str) {
+            None => Ok(None),
+            Some("1" | "t" | "T" | "TRUE" | "true" | "True") => Ok(Some(true)),
+            Some("0" | "f" | "F" | "FALSE" | "false" | "False") => Ok(Some(false)),
+            Some(v) => Err(format!(
+                "metadata {CREATE_FILESYSTEM_KEY}={v:?} is not a boolean"
+            )),
+        }
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The record's keys as Kata declares them; Go matches them ignoring case.
+const KEYS: [&str; 5] = ["volume-type", "device", "fstype", "metadata", "options"];
+
+/// Each field: absent (`None`), `null` (`Some(None)`), or a value.
+#[derive(Default)]
 struct RawMountInfo {
-    #[serde(rename = "volume-type")]
-    volume_type: String,
-    device: String,
-    fstype: String,
-    #[serde(default)]
-    metadata: Option<UniqueMap>,
-    #[serde(default)]
-    options: Option<Vec<String>>,
+    volume_type: Option<Option<String>>,
+    device: Option<Option<String>>,
+    fstype: Option<Option<String>>,
+    metadata: Option<Option<UniqueMap>>,
+    options: Option<Option<Vec<String>>>,
+}
+
+impl<'de> Deserialize<'de> for RawMountInfo {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawMountInfo;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a mountInfo object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<RawMountInfo, A::Error> {
+                let mut raw = RawMountInfo::default();
+                while let Some(key) = a.next_key::<String>()? {
+                    let Some(canon) = KEYS.iter().find(|k| k.eq_ignore_ascii_case(&key)) else {
+                        if key.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY) {
+                            // Ignored by Kata, but a key on disk is never fine.
+                            return Err(de::Error::custom(format!(
+                                "unknown field {key:?} refused: a key must never be stored in a hand-off record"
+                            )));
+                        }
+                        a.next_value::<de::IgnoredAny>()?;
+                        continue;
+                    };
+                    let dup = || de::Error::custom(format!("duplicate field `{canon}` ({key:?})"));
+                    match *canon {
+                        "volume-type" if raw.volume_type.is_none() => {
+                            raw.volume_type = Some(a.next_value()?)
+                        }
+                        "device" if raw.device.is_none() => raw.device = Some(a.next_value()?),
+                        "fstype" if raw.fstype.is_none() => raw.fstype = Some(a.next_value()?),
+                        "metadata" if raw.metadata.is_none() => {
+                            raw.metadata = Some(a.next_value()?)
+                        }
+                        "options" if raw.options.is_none() => raw.options = Some(a.next_value()?),
+                        _ => return Err(dup()),
+                    }
+                }
+                Ok(raw)
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// A string map that refuses duplicate keys instead of keeping the last.
@@ -285,12 +359,66 @@ mod tests {
         );
     }
 
+    /// What Kata's Go decoder takes: keys in any case (Kata's own design
+    /// doc writes `"Device"`), unknown keys ignored, no `volume-type`,
+    /// `directvol`, nulls.
+    #[test]
+    fn parse_reads_what_kata_reads() {
+        let mi = MountInfo::from_json(br#"{"Device":"/dev/loop3","fstype":"ext4"}"#).unwrap();
+        assert_eq!(
+            (
+                mi.volume_type.as_str(),
+                mi.device.as_str(),
+                mi.fstype.as_str()
+            ),
+            ("", "/dev/loop3", "ext4")
+        );
+        assert_eq!(crate::validate::check_volume_type(&mi.volume_type), Ok(()));
+        let mi = MountInfo::from_json(
+            br#"{"VOLUME-TYPE":"directvol","device":"/dev/sdf","FsType":"xfs","Metadata":{"fsGroup":"7","createFilesystem":"true"},"Options":["noatime"],"extra":{"x":[1]},"nodeName":"n1"}"#,
+        )
+        .unwrap();
+        assert_eq!(mi.volume_type, VOLUME_TYPE_DIRECTVOL);
+        assert_eq!(
+            (mi.device.as_str(), mi.fstype.as_str()),
+            ("/dev/sdf", "xfs")
+        );
+        assert_eq!(mi.fs_group(), Some(7));
+        assert_eq!(mi.create_filesystem(), Ok(Some(true)));
+        assert_eq!(mi.options, ["noatime"]);
+        let mi =
+            MountInfo::from_json(br#"{"volume-type":null,"device":"/dev/sdf","fstype":"xfs"}"#)
+                .unwrap();
+        assert_eq!(mi.volume_type, "");
+        for (v, want) in [
+            ("1", Ok(Some(true))),
+            ("False", Ok(Some(false))),
+            ("t", Ok(Some(true))),
+        ] {
+            let mut mi = MountInfo::block("/dev/x", "ext4");
+            mi.metadata.insert(CREATE_FILESYSTEM_KEY.into(), v.into());
+            assert_eq!(mi.create_filesystem(), want, "{v}");
+        }
+        let mut mi = MountInfo::block("/dev/x", "ext4");
+        mi.metadata
+            .insert(CREATE_FILESYSTEM_KEY.into(), "yes".into());
+        assert!(mi.create_filesystem().is_err());
+        // Writing is unchanged: Go's bytes, canonical keys.
+        let read = MountInfo::from_json(
+            br#"{"volume-type":"block","Device":"/dev/loop3","FSTYPE":"ext4","Options":["ro"]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            read.to_json(),
+            r#"{"volume-type":"block","device":"/dev/loop3","fstype":"ext4","options":["ro"]}"#
+        );
+    }
+
     #[test]
     fn parse_rejects() {
         for (bad, why) in [
-            (&br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","extra":1}"#[..], "unknown field"),
-            (br#"{"volume-type":"block","Device":"/dev/sdf","fstype":"xfs"}"#, "unknown field"),
-            (br#"{"volume-type":"block","device":"/dev/sdf","device":"/dev/sdg","fstype":"xfs"}"#, "duplicate field"),
+            (&br#"{"volume-type":"block","device":"/dev/sdf","device":"/dev/sdg","fstype":"xfs"}"#[..], "duplicate field"),
+            (br#"{"volume-type":"block","device":"/dev/sdf","DEVICE":"/dev/sdg","fstype":"xfs"}"#, "duplicate field"),
             (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs","metadata":{"fsGroup":"1","fsGroup":"2"}}"#, "duplicate metadata key"),
             (br#"{"volume-type":"block","device":"/dev/sdf"}"#, "missing field"),
             (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xf"#, "EOF"),

@@ -250,12 +250,21 @@ impl Store {
         Ok(self.root.join(self.check_target(target)?))
     }
 
-    /// Checks every field of a record against format and policy, including
-    /// that the device exists and is acceptable now.
+    /// Checks every field of a record to be written against format and
+    /// policy, including that the device exists and is acceptable now.
     pub fn check_mount_info(&self, mi: &MountInfo) -> std::result::Result<(), String> {
+        validate::check_metadata(&mi.metadata)?;
+        self.check_record(mi)
+    }
+
+    /// The checks of a record being read: those of [`Store::check_mount_info`]
+    /// but with metadata read as Kata reads it (unknown keys ignored,
+    /// `createFilesystem` understood, `encryptionKey` refused; see
+    /// [`validate::check_metadata_read`]).
+    pub fn check_record(&self, mi: &MountInfo) -> std::result::Result<(), String> {
         validate::check_volume_type(&mi.volume_type)?;
         validate::check_fstype(&mi.fstype, &self.policy.allowed_fstypes)?;
-        validate::check_metadata(&mi.metadata)?;
+        validate::check_metadata_read(mi)?;
         validate::check_options(&mi.options)?;
         validate::check_device(&mi.device, &self.policy.file_device_roots)?;
         Ok(())
@@ -826,7 +835,7 @@ impl Store {
             return Ok(None);
         };
         let mi = MountInfo::from_json(&bytes).map_err(|r| HandoffError::bad(path, r))?;
-        self.check_mount_info(&mi)
+        self.check_record(&mi)
             .map_err(|r| HandoffError::bad(path, r))?;
         Ok(Some(mi))
     }

@@ -6,7 +6,10 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
-use crate::mountinfo::{FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy};
+use crate::mountinfo::{
+    CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
+    FsGroupChangePolicy, MountInfo,
+};
 
 /// Longest path accepted anywhere (PATH_MAX).
 pub const MAX_PATH_LEN: usize = 4096;
@@ -101,14 +104,16 @@ pub fn check_sandbox_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `block`, `directvol` (Kata's Rust runtime, Azure Disk: the same), or
+/// none at all (Kata's Go runtime does not look at it).
 pub fn check_volume_type(t: &str) -> Result<(), String> {
     match t {
-        "block" => Ok(()),
+        "block" | "directvol" | "" => Ok(()),
         "network" => Err(
             "volume-type \"network\" is not supported: crust hands off block devices only".into(),
         ),
         other => Err(format!(
-            "volume-type {other:?} is unknown (only \"block\" is supported)"
+            "volume-type {other:?} is unknown (only \"block\" or \"directvol\" is supported)"
         )),
     }
 }
@@ -170,12 +175,49 @@ pub fn check_metadata(md: &BTreeMap<String, String>) -> Result<(), String> {
             FS_GROUP_CHANGE_POLICY_KEY => {
                 FsGroupChangePolicy::parse(v)?;
             }
+            ENCRYPTION_KEY_KEY => return Err(encryption_refused()),
             other => {
                 return Err(format!(
                     "metadata key {other:?} is not allowed (allowed: {FS_GROUP_KEY}, {FS_GROUP_CHANGE_POLICY_KEY})"
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+fn encryption_refused() -> String {
+    format!(
+        "metadata key {ENCRYPTION_KEY_KEY:?} is not allowed: crust does not encrypt volumes, and \
+         a key must never be stored in a hand-off record; refusing the record"
+    )
+}
+
+/// The metadata of a record being read, as Kata reads it: `fsGroup` and
+/// `fsGroupChangePolicy` checked as on write, `createFilesystem` a Go
+/// boolean, unknown keys ignored (Kata logs and skips them). An
+/// `encryptionKey` is refused: crust cannot honour it, and mounting the
+/// volume unencrypted instead would be a silent downgrade.
+pub fn check_metadata_read(mi: &MountInfo) -> Result<(), String> {
+    for (k, v) in &mi.metadata {
+        match k.as_str() {
+            FS_GROUP_KEY => {
+                parse_fs_group(v)?;
+            }
+            FS_GROUP_CHANGE_POLICY_KEY => {
+                FsGroupChangePolicy::parse(v)?;
+            }
+            ENCRYPTION_KEY_KEY => return Err(encryption_refused()),
+            _ => {}
+        }
+    }
+    mi.create_filesystem()?;
+    if mi
+        .metadata
+        .keys()
+        .any(|k| k != CREATE_FILESYSTEM_KEY && k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY))
+    {
+        return Err(encryption_refused());
     }
     Ok(())
 }
@@ -340,7 +382,40 @@ mod tests {
     }
 
     #[test]
+    fn metadata_as_kata_reads_it() {
+        let rec = |pairs: &[(&str, &str)]| {
+            let mut mi = MountInfo::block("/dev/x", "ext4");
+            for (k, v) in pairs {
+                mi.metadata.insert(k.to_string(), v.to_string());
+            }
+            mi
+        };
+        for ok in [
+            &[("fsGroup", "100"), ("fsGroupChangePolicy", "Always")][..],
+            &[("createFilesystem", "true")],
+            &[("createFilesystem", "0")],
+            &[("someDriverKey", "x"), ("fsGroup", "1")],
+        ] {
+            assert_eq!(check_metadata_read(&rec(ok)), Ok(()), "{ok:?}");
+        }
+        for (bad, why) in [
+            (&[("encryptionKey", "ephemeral")][..], "must never"),
+            (&[("EncryptionKey", "x")], "must never"),
+            (&[("createFilesystem", "yes")], "not a boolean"),
+            (&[("fsGroup", "wheel")], "decimal"),
+            (&[("fsGroupChangePolicy", "Never")], "Always"),
+        ] {
+            let e = check_metadata_read(&rec(bad)).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        // The write side keeps its allow-list, and says why for a key.
+        let md = BTreeMap::from([("encryptionKey".to_string(), "k".to_string())]);
+        assert!(check_metadata(&md).unwrap_err().contains("must never"));
+    }
+
+    #[test]
     fn volume_types_and_fstypes() {
+        assert_eq!(check_volume_type("directvol"), Ok(()));
         assert_eq!(check_volume_type("block"), Ok(()));
         assert!(
             check_volume_type("network")

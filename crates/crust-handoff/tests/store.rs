@@ -1073,3 +1073,63 @@ fn a_root_others_can_write_or_someone_else_owns_is_refused() {
     fs::set_permissions(&f.root, fs::Permissions::from_mode(0o700)).unwrap();
     f.store.remove(TARGET).unwrap();
 }
+
+/// Records Kata accepts are read as Kata reads them: keys in any case,
+/// unknown keys ignored, no volume-type, `directvol`, `createFilesystem`;
+/// an `encryptionKey` is refused, never acted on or passed along.
+#[test]
+fn kata_valid_records_are_read() {
+    let dev = block_dev();
+    let f = fixture(Layout::Kata, Policy::default());
+    for (record, create_fs) in [
+        (format!(r#"{{"Device":"{dev}","fstype":"ext4"}}"#), None),
+        (
+            format!(
+                r#"{{"volume-type":"directvol","device":"{dev}","FsType":"ext4","metadata":{{"createFilesystem":"true","fsGroup":"5"}},"nodeName":"n"}}"#
+            ),
+            Some(true),
+        ),
+        (
+            format!(
+                r#"{{"volume-type":"block","device":"{dev}","fstype":"ext4","metadata":{{"createFilesystem":"false","driverHint":"x"}}}}"#
+            ),
+            Some(false),
+        ),
+    ] {
+        plant(&f, TARGET, record.as_bytes());
+        let mi = f
+            .store
+            .read(TARGET)
+            .unwrap_or_else(|e| panic!("{record}: {e}"));
+        assert_eq!(
+            (mi.device.as_str(), mi.fstype.as_str()),
+            (dev.as_str(), "ext4")
+        );
+        assert_eq!(mi.create_filesystem(), Ok(create_fs), "{record}");
+    }
+    for (record, why) in [
+        (
+            format!(
+                r#"{{"device":"{dev}","fstype":"ext4","metadata":{{"encryptionKey":"ephemeral"}}}}"#
+            ),
+            "must never",
+        ),
+        (
+            format!(
+                r#"{{"device":"{dev}","fstype":"ext4","metadata":{{"createFilesystem":"maybe"}}}}"#
+            ),
+            "not a boolean",
+        ),
+        (
+            format!(r#"{{"volume-type":"blk","device":"{dev}","fstype":"ext4"}}"#),
+            "unknown",
+        ),
+        (
+            format!(r#"{{"device":"{dev}","Device":"/dev/null","fstype":"ext4"}}"#),
+            "duplicate",
+        ),
+    ] {
+        plant(&f, TARGET, record.as_bytes());
+        assert_bad(f.store.read(TARGET), why);
+    }
+}

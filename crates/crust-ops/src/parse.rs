@@ -47,8 +47,33 @@ impl VolumeStats {
 /// Longest condition message kept (the rest is cut).
 const MAX_MESSAGE: usize = 1024;
 
+/// Parses stats output. What is not a stats answer is an error, never a
+/// healthy volume: an error object (`{"code": "NOT_FOUND", ...}`, which
+/// Kata's CLI prints with exit status 0 when its shim fails), and output
+/// without usage, unless it reports an abnormal condition (a runtime
+/// saying the sandbox is gone has no figures to give).
 pub fn parse_stats(out: &[u8]) -> Result<VolumeStats, String> {
     let obj = parse_object(out)?;
+    if let Some(code) = obj.get("code") {
+        let code = match code {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        let message = obj
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("no message");
+        return Err(format!("the runtime answered an error: {code}: {message}"));
+    }
+    let stats = parse_stats_fields(&obj)?;
+    let abnormal = stats.condition.as_ref().is_some_and(|c| c.abnormal);
+    if stats.usage.is_empty() && !abnormal {
+        return Err("no usage and no abnormal condition: not a stats answer".into());
+    }
+    Ok(stats)
+}
+
+fn parse_stats_fields(obj: &Map<String, Value>) -> Result<VolumeStats, String> {
     let usage = match obj.get("usage") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(items)) => items
@@ -58,7 +83,7 @@ pub fn parse_stats(out: &[u8]) -> Result<VolumeStats, String> {
             .collect::<Result<_, _>>()?,
         Some(_) => return Err("\"usage\" is not an array".into()),
     };
-    let condition = match field(&obj, "volume_condition", "volumeCondition") {
+    let condition = match field(obj, "volume_condition", "volumeCondition") {
         None | Some(Value::Null) => None,
         Some(Value::Object(c)) => {
             let abnormal = match c.get("abnormal") {
@@ -206,7 +231,12 @@ mod tests {
         let s = parse_stats(out).unwrap();
         assert_eq!(s.usage[0].available, 7);
         assert!(s.condition.unwrap().abnormal);
-        assert_eq!(parse_stats(b"{}").unwrap(), VolumeStats::default());
+        // Abnormal without figures is an answer (the sandbox is gone).
+        let s = parse_stats(
+            br#"{"volume_condition":{"abnormal":true,"message":"sandbox x is not running"}}"#,
+        )
+        .unwrap();
+        assert!(s.usage.is_empty() && s.condition.unwrap().abnormal);
     }
 
     #[test]
@@ -259,6 +289,38 @@ mod tests {
                 .total,
             i64::MAX as u64
         );
+    }
+
+    /// What Kata's CLI prints, exit status 0, when the shim fails or the
+    /// claim is wrong: never a healthy volume.
+    #[test]
+    fn error_answers_and_empty_stats_are_errors() {
+        for (out, why) in [
+            (
+                &br#"{"code":"NOT_FOUND","message":"no volume /dev/loop9 in sandbox s1"}"#[..],
+                "answered an error: NOT_FOUND: no volume /dev/loop9",
+            ),
+            (
+                br#"{"code":5,"message":"not found"}"#,
+                "answered an error: 5",
+            ),
+            (
+                br#"{"code":"INTERNAL","message":"x","usage":[{"total":1,"unit":1}]}"#,
+                "INTERNAL",
+            ),
+            (b"{}", "no usage"),
+            (br#"{"usage":[]}"#, "no usage"),
+            (br#"{"volume_condition":{"message":"OK"}}"#, "no usage"),
+            (
+                br#"{"usage":null,"volume_condition":{"abnormal":false}}"#,
+                "no usage",
+            ),
+            // Kata's Go shim answers plain text on errors.
+            (b"stat /dev/loop9: no such file or directory", "not JSON"),
+        ] {
+            let e = parse_stats(out).unwrap_err();
+            assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(out));
+        }
     }
 
     #[test]

@@ -41,6 +41,16 @@ pub struct GlobalOpts {
     /// Kata direct-volumes hand-off root.
     #[arg(long, env = "CRUST_RUNTIME_KATA_ROOT", default_value = DEFAULT_KATA_ROOT, global = true)]
     pub kata_root: PathBuf,
+    /// Where Kata's CLI looks for a sandbox's shim: the shim socket is linked
+    /// as `<dir>/<id>/shim-monitor.sock` in each (comma-separated; empty: none).
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_KATA_SHIM_DIRS",
+        default_value = crate::katashim::DEFAULT_DIRS,
+        value_delimiter = ',',
+        global = true
+    )]
+    pub kata_shim_dirs: Vec<String>,
     /// kubelet pods dir: subPath probing stops at `<this>/<uid>/volumes`.
     #[arg(
         long,
@@ -120,6 +130,12 @@ impl GlobalOpts {
             root: self.root.clone(),
             crust_root: self.crust_root.clone(),
             kata_root: self.kata_root.clone(),
+            kata_shim_dirs: self
+                .kata_shim_dirs
+                .iter()
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .collect(),
             pods_layer_stop: self.pods_layer_stop.clone(),
             guest_kernel,
             guest_initrd,
@@ -375,7 +391,12 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             .direct_volume_remove(&volume_path)
             .map(|()| Outcome::default()),
         Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
-            Ok(Outcome::json(&rt.volume_stats(&volume_path).await?))
+            // What `kata-runtime direct-volume stats` prints: the shim's body.
+            let s = rt.volume_stats(&volume_path).await?;
+            Ok(Outcome {
+                stdout: s.to_kata_json() + "\n",
+                ..Default::default()
+            })
         }
         Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => Ok(
             Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?),

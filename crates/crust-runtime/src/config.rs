@@ -33,6 +33,9 @@ pub struct Config {
     pub crust_root: PathBuf,
     /// Kata direct-volumes hand-off root.
     pub kata_root: PathBuf,
+    /// Where each sandbox's shim socket is linked for Kata's CLI
+    /// (`<dir>/<id>/shim-monitor.sock`); see [`crate::katashim`].
+    pub kata_shim_dirs: Vec<PathBuf>,
     /// kubelet's pods directory; parent probing stops at `<pods>/<uid>/volumes`.
     pub pods_layer_stop: String,
     pub guest_kernel: PathBuf,
@@ -87,6 +90,12 @@ impl Config {
         push("--root", self.root.clone().into());
         push("--crust-root", self.crust_root.clone().into());
         push("--kata-root", self.kata_root.clone().into());
+        let dirs: Vec<String> = self
+            .kata_shim_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        push("--kata-shim-dirs", dirs.join(",").into());
         push("--pods-layer-stop", self.pods_layer_stop.clone().into());
         push("--guest-kernel", self.guest_kernel.clone().into());
         push("--guest-initrd", self.guest_initrd.clone().into());

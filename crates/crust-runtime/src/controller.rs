@@ -67,6 +67,7 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
         }
     };
     let store = SandboxStore::new(cfg.root.clone());
+    let cfg_kata_dirs = cfg.kata_shim_dirs.clone();
     let ctrl = match setup(cfg, id.clone(), store.clone()).await {
         Ok(c) => Arc::new(c),
         Err(e) => {
@@ -101,6 +102,22 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
             return 1;
         }
     };
+    // Where Kata's CLI looks for it, too (a drop-in for kata-runtime).
+    if let Err(msg) = crate::katashim::link(&cfg_kata_dirs, &id, &store.socket(&id)) {
+        let msg = format!("linking the shim socket for Kata's CLI: {msg}");
+        ctrl.teardown(Some(msg.clone())).await;
+        let _ = std::fs::remove_file(store.socket(&id));
+        let line = ReadyLine {
+            ok: false,
+            error: Some(ApiError::new(Code::Internal, msg)),
+        };
+        let _ = writeln!(
+            ready,
+            "{}",
+            serde_json::to_string(&line).expect("serializable")
+        );
+        return 1;
+    }
     let (stop_tx, mut stop_rx) = watch::channel(false);
     ctrl.spawn_qemu_watch();
     ctrl.spawn_workload_watch();
@@ -134,6 +151,7 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
         }
     }
     let _ = server.await;
+    crate::katashim::unlink(&cfg_kata_dirs, &id, &store.socket(&id));
     let _ = std::fs::remove_file(store.socket(&id));
     tracing::info!("shim of sandbox {id} exits");
     0

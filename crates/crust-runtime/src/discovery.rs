@@ -79,6 +79,10 @@ pub struct Volume {
     pub fs_group_policy: Option<String>,
     /// Attached read-only (record option `ro`, or every OCI mount of it is `ro`).
     pub readonly: bool,
+    /// Kata's `createFilesystem=true`: format the device before attaching
+    /// it, only if it is blank.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub create_fs: bool,
     /// virtio-blk serial the guest sees (`crust` + id, 17 bytes).
     pub serial: String,
     /// QMP block node name.
@@ -108,6 +112,8 @@ impl Volume {
             fs_group: mi.fs_group(),
             fs_group_policy: mi.fs_group_change_policy().map(|p| p.as_str().to_string()),
             readonly: oci_readonly || mi.options.iter().any(|o| o == "ro"),
+            // Records are validated on read; an unreadable value is false.
+            create_fs: mi.create_filesystem().ok().flatten().unwrap_or(false),
         }
     }
 

@@ -28,6 +28,7 @@ pub mod config;
 pub mod controller;
 pub mod discovery;
 pub mod error;
+pub mod katashim;
 pub mod runtime;
 pub mod sandbox;
 pub mod shim;

@@ -204,6 +204,7 @@ impl Runtime {
                 }
             }
         }
+        crate::katashim::unlink(&self.cfg.kata_shim_dirs, id, &self.sandboxes.socket(id));
         if let Err(e) = self.sandboxes.remove(id) {
             tracing::warn!("removing sandbox {id}: {e}");
         }
@@ -498,29 +499,16 @@ impl Runtime {
     }
 }
 
-/// Kata's `mountInfo` as callers pass it: Go's JSON decoder matches keys
-/// case-insensitively (the seed's own example says `"Device"`), and
-/// `volume-type` may be left out (block is the only type).
+/// Kata's `mountInfo` as callers pass it, read as Kata's Go decoder reads
+/// it (keys in any case, unknown keys ignored; see
+/// [`MountInfo::from_json`]); a missing `volume-type` is written as block.
 pub fn parse_kata_mount_info(s: &str) -> Result<MountInfo> {
     let bad = |m: String| RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {m}"));
-    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| bad(e.to_string()))?;
-    let serde_json::Value::Object(obj) = v else {
-        return Err(bad("not a JSON object".into()));
-    };
-    let mut out = serde_json::Map::new();
-    for (k, v) in obj {
-        let canon = ["volume-type", "device", "fstype", "metadata", "options"]
-            .into_iter()
-            .find(|c| c.eq_ignore_ascii_case(&k))
-            .ok_or_else(|| bad(format!("unknown key {k:?}")))?;
-        if out.insert(canon.to_string(), v).is_some() {
-            return Err(bad(format!("key {canon:?} given twice")));
-        }
+    let mut mi = MountInfo::from_json(s.as_bytes()).map_err(bad)?;
+    if mi.volume_type.is_empty() {
+        mi.volume_type = VOLUME_TYPE_BLOCK.into();
     }
-    out.entry("volume-type")
-        .or_insert_with(|| serde_json::Value::String(VOLUME_TYPE_BLOCK.into()));
-    let bytes = serde_json::to_vec(&out).expect("serializable");
-    MountInfo::from_json(&bytes).map_err(bad)
+    Ok(mi)
 }
 
 fn wait_child(
@@ -582,10 +570,12 @@ mod tests {
         .unwrap();
         assert_eq!(mi.fs_group(), Some(7));
         assert_eq!(mi.options, ["noatime"]);
+        // Unknown keys are ignored, as Kata does.
+        let mi = parse_kata_mount_info(r#"{"device":"/dev/x","fstype":"ext4","extra":1}"#).unwrap();
+        assert_eq!(mi.device, "/dev/x");
         for bad in [
             "[]",
             "{",
-            r#"{"device":"/dev/x","fstype":"ext4","extra":1}"#,
             r#"{"device":"/dev/x","Device":"/dev/y","fstype":"ext4"}"#,
             r#"{"fstype":"ext4"}"#,
         ] {

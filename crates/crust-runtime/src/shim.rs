@@ -1,10 +1,12 @@
 //! The shim API: HTTP/1.1 over the sandbox's unix socket
-//! (`<root>/<id>/shim.sock`, 0600). Seed 000's `/direct-volume/stats` and
-//! `/direct-volume/resize`, plus the lifecycle endpoints the CLI uses.
+//! (`<root>/<id>/shim.sock`, 0600, also reachable where Kata's CLI looks:
+//! `<kata shim dir>/<id>/shim-monitor.sock`, see [`crate::katashim`]).
+//! Seed 000's `/direct-volume/stats` and `/direct-volume/resize`, plus the
+//! lifecycle endpoints the CLI uses.
 //!
 //! | method | path | body | answer |
 //! |---|---|---|---|
-//! | GET  | `/direct-volume/stats?path=<escaped>` (or `/direct-volume/stats/<escaped>`) | | [`VolumeStats`] |
+//! | GET (or POST) | `/direct-volume/stats?path=<escaped>` (or `/direct-volume/stats/<escaped>`) | | [`VolumeStats`] in Kata's spelling ([`VolumeStats::to_kata_json`]: units 1/2, zero fields left out) |
 //! | POST | `/direct-volume/resize` | [`ResizeRequest`] | [`ResizeResponse`] |
 //! | GET  | `/state` | | [`SandboxState`] |
 //! | POST | `/start` | | [`SandboxState`] |
@@ -201,6 +203,19 @@ fn reply<T: Serialize>(res: ApiResult<T>) -> Response<Full<Bytes>> {
     }
 }
 
+/// Stats in Kata's shim spelling ([`VolumeStats::to_kata_json`]), so a
+/// client built on Kata's types decodes them; errors as everywhere.
+fn reply_stats(res: ApiResult<VolumeStats>) -> Response<Full<Bytes>> {
+    match res {
+        Ok(s) => Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(s.to_kata_json())))
+            .expect("valid response"),
+        Err(e) => json_response(e.code.http_status(), &e),
+    }
+}
+
 async fn body_json<T: DeserializeOwned>(req: Request<Incoming>) -> ApiResult<T> {
     let bytes = Limited::new(req.into_body(), MAX_BODY)
         .collect()
@@ -230,7 +245,8 @@ async fn route<H: ShimHandler>(
     let query = req.uri().query().map(str::to_string);
     tracing::debug!(%method, %path, "shim API request");
     match (method, path.as_str()) {
-        (Method::GET, "/direct-volume/stats") => {
+        // GET is what Kata's Go CLI sends; Kata's Rust shim routes POST.
+        (Method::GET | Method::POST, "/direct-volume/stats") => {
             let p = query
                 .as_deref()
                 .and_then(|q| query_param(q, "path"))
@@ -238,14 +254,14 @@ async fn route<H: ShimHandler>(
                     ApiError::new(Code::InvalidArgument, "missing query parameter path")
                 });
             match p.and_then(|p| percent_decode(&p)) {
-                Ok(p) => reply(h.stats(p).await),
+                Ok(p) => reply_stats(h.stats(p).await),
                 Err(e) => reply::<Empty>(Err(e)),
             }
         }
         (Method::GET, p) if p.starts_with("/direct-volume/stats/") => {
             // Seed 000's curl example puts the escaped path in the URL path.
             match percent_decode(&p["/direct-volume/stats/".len()..]) {
-                Ok(p) => reply(h.stats(p).await),
+                Ok(p) => reply_stats(h.stats(p).await),
                 Err(e) => reply::<Empty>(Err(e)),
             }
         }

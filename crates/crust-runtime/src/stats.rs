@@ -5,9 +5,13 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// CSI `VolumeUsage.Unit`. Written by name (`"BYTES"`, the KEP CLI's
+/// output); read by name or by Kata's number (1 = BYTES, 2 = INODES).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(try_from = "UnitRepr")]
 pub enum Unit {
     #[serde(rename = "UNKNOWN")]
+    #[default]
     Unknown,
     #[serde(rename = "BYTES")]
     Bytes,
@@ -15,24 +19,68 @@ pub enum Unit {
     Inodes,
 }
 
+impl Unit {
+    /// The protobuf enum number Kata's Go shim writes.
+    pub fn number(self) -> u8 {
+        match self {
+            Unit::Unknown => 0,
+            Unit::Bytes => 1,
+            Unit::Inodes => 2,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum UnitRepr {
+    Num(u64),
+    Name(String),
+}
+
+impl TryFrom<UnitRepr> for Unit {
+    type Error = String;
+    fn try_from(r: UnitRepr) -> Result<Unit, String> {
+        match r {
+            UnitRepr::Num(0) => Ok(Unit::Unknown),
+            UnitRepr::Num(1) => Ok(Unit::Bytes),
+            UnitRepr::Num(2) => Ok(Unit::Inodes),
+            UnitRepr::Name(n) if n == "UNKNOWN" => Ok(Unit::Unknown),
+            UnitRepr::Name(n) if n == "BYTES" => Ok(Unit::Bytes),
+            UnitRepr::Name(n) if n == "INODES" => Ok(Unit::Inodes),
+            UnitRepr::Num(n) => Err(format!("unit {n} is not 0, 1 or 2")),
+            UnitRepr::Name(n) => Err(format!("unit {n:?} is not UNKNOWN, BYTES or INODES")),
+        }
+    }
+}
+
+/// Fields Kata's Go shim leaves out when zero are optional on input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeUsage {
+    #[serde(default)]
     pub available: u64,
+    #[serde(default)]
     pub total: u64,
+    #[serde(default)]
     pub used: u64,
+    #[serde(default)]
     pub unit: Unit,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct VolumeCondition {
+    #[serde(default)]
     pub abnormal: bool,
+    #[serde(default)]
     pub message: String,
 }
 
-/// `NodeGetVolumeStatsResponse` as JSON.
+/// `NodeGetVolumeStatsResponse` as JSON: the KEP CLI's spelling on output
+/// (every field, units by name); Kata's spelling too on input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeStats {
+    #[serde(default)]
     pub usage: Vec<VolumeUsage>,
+    #[serde(default)]
     pub volume_condition: VolumeCondition,
 }
 
@@ -87,6 +135,52 @@ impl VolumeStats {
 
     pub fn usage(&self, unit: Unit) -> Option<&VolumeUsage> {
         self.usage.iter().find(|u| u.unit == unit)
+    }
+
+    /// The bytes Kata's Go shim answers `/direct-volume/stats` with: Go's
+    /// `json.Marshal` of the agent's `VolumeStatsResponse` (protobuf
+    /// struct tags with `omitempty`): units as numbers, zero counts, a false
+    /// `abnormal` and an empty message left out, declaration order.
+    pub fn to_kata_json(&self) -> String {
+        let mut o = String::from("{");
+        if !self.usage.is_empty() {
+            o.push_str("\"usage\":[");
+            for (i, u) in self.usage.iter().enumerate() {
+                if i > 0 {
+                    o.push(',');
+                }
+                let mut fields = Vec::new();
+                for (k, v) in [
+                    ("available", u.available),
+                    ("total", u.total),
+                    ("used", u.used),
+                    ("unit", u64::from(u.unit.number())),
+                ] {
+                    if v != 0 {
+                        fields.push(format!("\"{k}\":{v}"));
+                    }
+                }
+                o.push('{');
+                o.push_str(&fields.join(","));
+                o.push('}');
+            }
+            o.push_str("],");
+        }
+        let c = &self.volume_condition;
+        let mut fields = Vec::new();
+        if c.abnormal {
+            fields.push("\"abnormal\":true".to_string());
+        }
+        if !c.message.is_empty() {
+            fields.push(format!(
+                "\"message\":{}",
+                serde_json::to_string(&c.message).expect("a string serializes")
+            ));
+        }
+        o.push_str("\"volume_condition\":{");
+        o.push_str(&fields.join(","));
+        o.push_str("}}");
+        o
     }
 }
 
@@ -176,6 +270,42 @@ mod tests {
         );
         assert_eq!(serde_json::from_value::<VolumeStats>(v).unwrap(), s);
         assert_eq!(s.usage(Unit::Inodes).unwrap().used, 14);
+    }
+
+    #[test]
+    fn kata_shim_spelling_out_and_both_spellings_in() {
+        let f = FsFigures {
+            frsize: 4096,
+            blocks: 100,
+            bfree: 100,
+            bavail: 90,
+            files: 64,
+            ffree: 64,
+        };
+        let s = VolumeStats::from_figures(&f, "OK");
+        // What Kata's Go shim writes for the same figures (used 0 omitted).
+        let kata = s.to_kata_json();
+        assert_eq!(
+            kata,
+            r#"{"usage":[{"available":368640,"total":409600,"unit":1},{"available":64,"total":64,"unit":2}],"volume_condition":{"message":"OK"}}"#
+        );
+        let back: VolumeStats = serde_json::from_str(&kata).unwrap();
+        assert_eq!(back, s);
+        let ab = VolumeStats::abnormal("sandbox x is not running");
+        assert_eq!(
+            ab.to_kata_json(),
+            r#"{"volume_condition":{"abnormal":true,"message":"sandbox x is not running"}}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<VolumeStats>(&ab.to_kata_json()).unwrap(),
+            ab
+        );
+        for bad in [
+            r#"{"usage":[{"unit":3}]}"#,
+            r#"{"usage":[{"unit":"bytes"}]}"#,
+        ] {
+            assert!(serde_json::from_str::<VolumeStats>(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

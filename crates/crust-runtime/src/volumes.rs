@@ -137,9 +137,47 @@ pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
     }
 }
 
+/// Kata's `createFilesystem=true`: a blank device (crust-blockdev's probe:
+/// zeros at both ends, so no filesystem, partition table or RAID/LUKS
+/// header) gets the record's filesystem before the guest sees it; a device
+/// holding anything is left as is. Without the flag nothing is formatted.
+/// The host may do this: nothing can have a blank device mounted.
+pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
+    if !v.create_fs || v.readonly {
+        return Ok(());
+    }
+    let host = |reason: String| VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason,
+    };
+    let fstype: crust_blockdev::FsType = v
+        .fstype
+        .parse()
+        .map_err(|e| host(format!("createFilesystem: {e}")))?;
+    let dev = std::path::PathBuf::from(&v.device);
+    tokio::task::spawn_blocking(move || match crust_blockdev::probe_fs(&dev) {
+        Ok(crust_blockdev::Probe::Blank) => crust_blockdev::mkfs(&dev, fstype)
+            .map(|()| true)
+            .map_err(|e| e.to_string()),
+        Ok(_) => Ok(false),
+        Err(e) => Err(e.to_string()),
+    })
+    .await
+    .map_err(|e| host(format!("createFilesystem: {e}")))?
+    .map(|formatted| {
+        if formatted {
+            tracing::info!(target = %v.target, device = %v.device, fstype = %v.fstype,
+                "createFilesystem: formatted the blank device");
+        }
+    })
+    .map_err(|e| host(format!("createFilesystem: {e}")))
+}
+
 /// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
 pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
     check_host_device(v)?;
+    format_if_requested(v).await?;
     qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
         .await
         .map_err(qmp_err(v, "blockdev-add"))?;

@@ -161,7 +161,13 @@ fn online_resize_claims_and_qemu_death() {
             "sandbox writer is not running (QEMU exited)"
         );
         let kata_style = env.json(&["direct-volume", "stats", "--volume-path", &target]);
-        assert_eq!(kata_style, stats);
+        assert_eq!(
+            kata_style,
+            serde_json::json!({"volume_condition": {
+                "abnormal": true,
+                "message": "sandbox writer is not running (QEMU exited)"
+            }})
+        );
         let err = env.fails(&["crust", "resize", &target, "1", "0"]);
         assert!(err.contains("not running"), "{err}");
         // The VM is gone but its claim is still there: crust_ops asks the

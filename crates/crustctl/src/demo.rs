@@ -877,6 +877,12 @@ async fn demo_body(
     runtime.root = Some(lay.runtime.clone());
     runtime.crust_root = Some(lay.crust.clone());
     runtime.kata_root = Some(lay.kata.clone());
+    // Kata's CLI paths for the shim, inside the work dir like everything.
+    runtime.kata_shim_dirs = Some(format!(
+        "{},{}",
+        lay.work.join("kata-shim/vc-sbs").display(),
+        lay.work.join("kata-shim/kata").display()
+    ));
     runtime.pods_layer_stop = Some(lay.work.join("kubelet/pods"));
     runtime.guest_kernel = Some(guest.join("vmlinuz"));
     runtime.guest_initrd = Some(guest.join("initramfs.cpio.gz"));

@@ -56,6 +56,9 @@ pub struct RuntimeCli {
     pub kata_root: Option<PathBuf>,
     /// kubelet pods dir for subPath probing (`CRUST_RUNTIME_PODS_LAYER_STOP`).
     pub pods_layer_stop: Option<PathBuf>,
+    /// Where shim sockets are linked for Kata's CLI, comma-separated
+    /// (`CRUST_RUNTIME_KATA_SHIM_DIRS`).
+    pub kata_shim_dirs: Option<String>,
     pub guest_kernel: Option<PathBuf>,
     pub guest_initrd: Option<PathBuf>,
     /// `tcg`, `kvm` or `auto`.
@@ -72,6 +75,7 @@ impl RuntimeCli {
             crust_root: None,
             kata_root: None,
             pods_layer_stop: None,
+            kata_shim_dirs: None,
             guest_kernel: None,
             guest_initrd: None,
             accel: None,
@@ -101,6 +105,9 @@ impl RuntimeCli {
         put("CRUST_RUNTIME_GUEST_INITRD", &self.guest_initrd);
         if let Some(a) = &self.accel {
             v.push(("CRUST_RUNTIME_ACCEL", a.into()));
+        }
+        if let Some(d) = &self.kata_shim_dirs {
+            v.push(("CRUST_RUNTIME_KATA_SHIM_DIRS", d.into()));
         }
         v
     }

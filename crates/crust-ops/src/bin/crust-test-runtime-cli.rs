@@ -6,8 +6,9 @@
 //!
 //! `CRUST_TEST_CLI_MAP` names a JSON file mapping each target to
 //! `{"mount": dir, "backing": file, "loop": "/dev/loopN"}`; an optional
-//! `"behaviour"` of `hang`, `garbage` or `fail` makes it misbehave on
-//! purpose, `stopped` / `unknown` make it answer like crust-runtime for a
+//! `"behaviour"` of `hang`, `garbage`, `fail`, `kata-error` (an error
+//! object, exit 0, as Kata's CLI prints it) or `empty` (`{}`) makes it
+//! misbehave on purpose, `stopped` / `unknown` make it answer like crust-runtime for a
 //! sandbox that is not running (an abnormal condition, or a failure whose
 //! stderr says so), and an optional `"pidfile"` receives its pid. Stats
 //! come from statvfs of the mount; when the mount is gone (the "guest"
@@ -72,6 +73,14 @@ fn run() -> Result<String, String> {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         },
         Some("garbage") => return Ok("this is not json".into()),
+        // What Kata's CLI prints (exit status 0) when its shim answered an
+        // error, and a JSON object that says nothing.
+        Some("kata-error") => {
+            return Ok(
+                json!({"code": "NOT_FOUND", "message": format!("no volume {target}")}).to_string(),
+            );
+        }
+        Some("empty") => return Ok("{}".into()),
         Some("fail") => return Err(format!("sandbox for {target} is gone")),
         Some("stopped") if op == "stats" => return Ok(not_running(target)),
         Some("unknown") => {

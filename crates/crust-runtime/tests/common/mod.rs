@@ -86,6 +86,8 @@ impl Env {
             self.kernel.display().to_string(),
             "--guest-initrd".into(),
             self.initrd.display().to_string(),
+            "--kata-shim-dirs".into(),
+            self.kata_shim_dirs(),
             "--accel".into(),
             self.accel.clone(),
             "--timeout-ms".into(),
@@ -93,6 +95,16 @@ impl Env {
         ];
         a.extend(self.extra_args.iter().cloned());
         a
+    }
+
+    /// Where this env's sandboxes link their shim for Kata's CLI (in the
+    /// order Kata's Go CLI looks): `<tmp>/vc-sbs,<tmp>/kata-run`.
+    pub fn kata_shim_dirs(&self) -> String {
+        format!(
+            "{},{}",
+            self.dir.path().join("vc-sbs").display(),
+            self.dir.path().join("kata-run").display()
+        )
     }
 
     /// Runs the runtime with this env's roots; killed after [`CMD_LIMIT`].
@@ -187,6 +199,7 @@ impl Env {
                 self.initrd.display().to_string(),
             ),
             ("CRUST_RUNTIME_ACCEL", "tcg".into()),
+            ("CRUST_RUNTIME_KATA_SHIM_DIRS", self.kata_shim_dirs()),
             ("CRUST_RUNTIME_TIMEOUT_MS", self.timeout_ms.to_string()),
         ];
         for (k, v) in vars {

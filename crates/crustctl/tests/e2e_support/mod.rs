@@ -88,6 +88,11 @@ impl Stack {
         runtime.root = Some(root.join("runtime"));
         runtime.crust_root = Some(root.join("crust"));
         runtime.kata_root = Some(root.join("kata"));
+        runtime.kata_shim_dirs = Some(format!(
+            "{},{}",
+            root.join("kata-shim/vc-sbs").display(),
+            root.join("kata-shim/kata").display()
+        ));
         runtime.pods_layer_stop = Some(root.join("work/kubelet/pods"));
         runtime.guest_kernel = Some(kernel);
         runtime.guest_initrd = Some(initrd);

@@ -1,0 +1,323 @@
+//! crust-runtime as a drop-in for Kata, replayed with the exact exchange
+//! of Kata's own tools (facts taken from kata-containers: the Go CLI's
+//! `kata-volume.go`, `pkg/direct-volume`, `shimclient`, the Go shim's
+//! `shim_management.go`, runtime-rs' `shim_mgmt` handlers):
+//!
+//! * a record as Kata accepts it (keys in any case, unknown keys,
+//!   `directvol`, `createFilesystem=true` on a blank device) is consumed;
+//! * the sandbox id is the first entry of the record directory that is not
+//!   `mountInfo.json`; the shim socket is `/run/vc/sbs/<id>/shim-monitor.sock`,
+//!   else `/run/kata/<id>/shim-monitor.sock` (temp dirs here);
+//! * `GET /direct-volume/stats?path=<url.PathEscape(device)>` with Go's
+//!   client headers answers Kata's JSON (units 1/2, zero fields left out);
+//!   runtime-rs' POST is served too;
+//! * `POST /direct-volume/resize` with `{"VolumePath":…,"Size":…}` (Go)
+//!   and `{"volume_guest_path":…,"size":…}` (runtime-rs) grow the volume;
+//! * an error answer is a JSON error object that crust_ops refuses as
+//!   stats (Kata's CLI prints it with exit status 0);
+//! * the links are gone after teardown.
+//!
+//! Time budget: about 15 s (one TCG boot).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use crust_testkit::{LoopDisk, VmSlot};
+use serde_json::Value;
+
+/// Go's `url.PathEscape`: unreserved characters and `$&+:=@` stay, the
+/// rest (including `/`) becomes `%XX` in upper-case hex.
+fn go_path_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~$&+:=@".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Kata's `GetSandboxIDForVolume`: the first directory entry that is not
+/// `mountInfo.json` (Go's os.ReadDir sorts by name).
+fn kata_sandbox_id(record_dir: &Path) -> String {
+    let mut names: Vec<String> = std::fs::read_dir(record_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .find(|n| n != "mountInfo.json")
+        .expect("a sandbox file")
+}
+
+/// Kata's `ClientSocketAddress`: the Go runtime's path, else the Rust one.
+fn kata_socket(go_dir: &Path, rust_dir: &Path, id: &str) -> PathBuf {
+    let go = go_dir.join(id).join("shim-monitor.sock");
+    if std::fs::metadata(&go).is_ok() {
+        return go;
+    }
+    let rust = rust_dir.join(id).join("shim-monitor.sock");
+    std::fs::metadata(&rust).unwrap_or_else(|e| {
+        panic!(
+            "it fails to stat both {} and {}: {e}",
+            go.display(),
+            rust.display()
+        )
+    });
+    rust
+}
+
+/// One request as Go's net/http client writes it for Kata's shimclient
+/// (`http://shim<path>`, DisableKeepAlives); returns (status, body).
+fn go_request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nHost: shim\r\nUser-Agent: Go-http-client/1.1\r\n");
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Length: {}\r\nContent-Type: application/json\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("Connection: close\r\nAccept-Encoding: gzip\r\n\r\n");
+    req.push_str(body.unwrap_or(""));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    (status, body.to_string())
+}
+
+fn plant_kata_record(kata_root: &Path, target: &str, json: &str) -> PathBuf {
+    let dir = kata_root.join(crust_handoff::kata_key(target));
+    std::fs::create_dir_all(&dir).unwrap();
+    for d in [kata_root, dir.as_path()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    let f = dir.join("mountInfo.json");
+    std::fs::write(&f, json).unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    dir
+}
+
+fn usage_of(stats: &Value, unit: u64) -> (u64, u64, u64) {
+    let u = stats["usage"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["unit"] == unit)
+        .unwrap_or_else(|| panic!("no unit {unit} in {stats}"));
+    let n = |k: &str| u[k].as_u64().unwrap_or(0);
+    (n("total"), n("used"), n("available"))
+}
+
+#[test]
+fn kata_cli_and_shim_exchange_replayed() {
+    let env = Env::new();
+    let go_dir = env.dir.path().join("vc-sbs");
+    let rust_dir = env.dir.path().join("kata-run");
+    // A blank device: only createFilesystem may (and must) format it.
+    let disk = LoopDisk::new(env.files.join("kata.img"), 256 * MIB);
+    let dev = disk.dev_str().to_string();
+    let target = env.target("pod-k", "pv-kata");
+    // Kata-valid, crust-hostile until now: key case, directvol, unknown key.
+    let record_dir = plant_kata_record(
+        &env.kata,
+        &target,
+        &format!(
+            r#"{{"volume-type":"directvol","Device":"{dev}","FsType":"ext4","metadata":{{"createFilesystem":"true","fsGroup":"2000"}},"nodeName":"node-1"}}"#
+        ),
+    );
+    {
+        let _slot = VmSlot::acquire();
+        let b = env.bundle(
+            "kata",
+            &["sleep", "600"],
+            vec![bind("/data", &target, false)],
+        );
+        env.ok(&["create", "--bundle", b.to_str().unwrap(), "kata1"]);
+        let sb = env.sandbox("kata1");
+        let st = sb.state();
+        let vid = st["volumes"][0]["id"].as_str().unwrap().to_string();
+        let gp = format!("/run/crust/volumes/{vid}");
+        // createFilesystem formatted the blank device, fsGroup applied.
+        let mounts = sb.sh("cat /proc/mounts");
+        assert!(
+            mounts.lines().any(|l| l.contains(&format!(" {gp} ext4 "))),
+            "{mounts}"
+        );
+        assert_eq!(sb.sh(&format!("stat -c %g {gp}")).trim(), "2000");
+        assert_eq!(
+            crust_blockdev::probe_fs(Path::new(&dev)).unwrap(),
+            crust_blockdev::Probe::Ext4
+        );
+        sb.sh(&format!("echo from-kata > {gp}/f && sync"));
+
+        // --- what `kata-runtime direct-volume stats --volume-path T` does ---
+        let id = kata_sandbox_id(&record_dir);
+        assert_eq!(id, "kata1");
+        let sock = kata_socket(&go_dir, &rust_dir, &id);
+        assert_eq!(sock, go_dir.join("kata1/shim-monitor.sock"));
+        assert!(std::fs::metadata(&sock).unwrap().file_type().is_socket());
+        assert!(
+            std::fs::metadata(rust_dir.join("kata1/shim-monitor.sock"))
+                .unwrap()
+                .file_type()
+                .is_socket()
+        );
+        let escaped = go_path_escape(&dev);
+        assert!(escaped.starts_with("%2Fdev%2Floop"), "{escaped}");
+        let (status, body) = go_request(
+            &sock,
+            "GET",
+            &format!("/direct-volume/stats?path={escaped}"),
+            None,
+        );
+        assert_eq!(status, 200, "{body}");
+        let stats: Value = serde_json::from_str(&body).unwrap();
+        // Kata's numeric units and Go's omitempty.
+        assert!(
+            !body.contains("BYTES") && !body.contains("\"abnormal\""),
+            "{body}"
+        );
+        let (total, used, avail) = usage_of(&stats, 1);
+        let (df_total, df_used, df_avail) = parse_df(&sb.sh(&format!("df -P -B1 {gp}")));
+        assert_eq!(
+            (total, used, avail),
+            (df_total, df_used, df_avail),
+            "{body}"
+        );
+        let (it, iu, ia) = usage_of(&stats, 2);
+        assert_eq!((it, iu, ia), parse_df_i(&sb.sh(&format!("df -P -i {gp}"))));
+        // crust_ops reads it as the runtime's stats.
+        let parsed = crust_ops::parse::parse_stats(body.as_bytes()).unwrap();
+        assert_eq!(parsed.usage.len(), 2);
+
+        // runtime-rs routes stats as POST.
+        let (status, post_body) = go_request(
+            &sock,
+            "POST",
+            &format!("/direct-volume/stats?path={escaped}"),
+            Some(""),
+        );
+        assert_eq!(status, 200, "{post_body}");
+
+        // --- `direct-volume resize --size N`: Go's ResizeRequest ---
+        let mut size = 256 * MIB;
+        for body in [
+            r#"{"VolumePath":"DEV","Size":SIZE}"#,
+            r#"{"volume_guest_path":"DEV","size":SIZE}"#,
+        ] {
+            size += 64 * MIB;
+            disk.grow_file(size);
+            let body = body.replace("DEV", &dev).replace("SIZE", &size.to_string());
+            let (status, resp) = go_request(&sock, "POST", "/direct-volume/resize", Some(&body));
+            assert_eq!(status, 200, "{body}: {resp}");
+            let (t, _, _) = parse_df(&sb.sh(&format!("df -P -B1 {gp}")));
+            assert!(t > df_total, "{body}: ext4 grew online ({df_total} -> {t})");
+        }
+
+        // --- an error answer: what Kata's CLI prints with exit status 0 ---
+        let (status, err) = go_request(
+            &sock,
+            "GET",
+            &format!(
+                "/direct-volume/stats?path={}",
+                go_path_escape("/dev/crust-none")
+            ),
+            None,
+        );
+        assert_eq!(status, 404, "{err}");
+        let e: Value = serde_json::from_str(&err).unwrap();
+        assert_eq!(e["code"], "NOT_FOUND", "{err}");
+        let refused = crust_ops::parse::parse_stats(err.as_bytes()).unwrap_err();
+        assert!(
+            refused.contains("answered an error: NOT_FOUND"),
+            "{refused}"
+        );
+
+        // --- Kata's lookup order: without the Go path, the Rust one ---
+        std::fs::remove_file(go_dir.join("kata1/shim-monitor.sock")).unwrap();
+        let sock = kata_socket(&go_dir, &rust_dir, &id);
+        assert_eq!(sock, rust_dir.join("kata1/shim-monitor.sock"));
+        let (status, _) = go_request(
+            &sock,
+            "GET",
+            &format!("/direct-volume/stats?path={escaped}"),
+            None,
+        );
+        assert_eq!(status, 200);
+
+        env.ok(&["delete", "--force", "kata1"]);
+        for d in [&go_dir, &rust_dir] {
+            assert!(!d.join("kata1").exists(), "{} left", d.display());
+        }
+    }
+    // The data survived; nothing was formatted twice.
+    let m = disk.mount_temp(&[], true);
+    assert_eq!(
+        std::fs::read_to_string(m.path().join("f")).unwrap(),
+        "from-kata\n"
+    );
+    drop(m);
+    drop(disk);
+    assert_clean(&env);
+}
+
+/// Without `createFilesystem` a blank device is never formatted: the
+/// sandbox fails to mount it, saying so, and the device stays blank.
+/// With `encryptionKey` the record is refused before anything starts.
+#[test]
+fn blank_without_create_filesystem_and_encryption_keys_are_refused() {
+    let env = Env::new();
+    let disk = LoopDisk::new(env.files.join("blank.img"), 64 * MIB);
+    let dev = disk.dev_str().to_string();
+    let t1 = env.target("pod-b", "pv-blank");
+    plant_kata_record(
+        &env.kata,
+        &t1,
+        &format!(
+            r#"{{"device":"{dev}","fstype":"ext4","metadata":{{"createFilesystem":"false"}}}}"#
+        ),
+    );
+    let t2 = env.target("pod-e", "pv-enc");
+    plant_kata_record(
+        &env.kata,
+        &t2,
+        &format!(
+            r#"{{"device":"{dev}","fstype":"ext4","metadata":{{"encryptionKey":"ephemeral"}}}}"#
+        ),
+    );
+    let b = env.bundle("enc", &["true"], vec![bind("/data", &t2, false)]);
+    let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "enc"]);
+    assert!(
+        err.contains("encryptionKey") && err.contains("must never"),
+        "{err}"
+    );
+    assert!(!env.root.join("enc").exists());
+    {
+        let _slot = VmSlot::acquire();
+        let b = env.bundle("blank", &["true"], vec![bind("/data", &t1, false)]);
+        let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "blank"]);
+        eprintln!("blank device, createFilesystem=false: {err}");
+        assert!(!env.root.join("blank").exists());
+    }
+    assert_eq!(
+        crust_blockdev::probe_fs(Path::new(&dev)).unwrap(),
+        crust_blockdev::Probe::Blank,
+        "never formatted"
+    );
+    drop(disk);
+    assert_clean(&env);
+}
