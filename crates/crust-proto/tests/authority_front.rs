@@ -211,3 +211,91 @@ async fn tonic_clients_keep_working() {
     let e = c.probe(csi::ProbeRequest {}).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unimplemented);
 }
+
+/// What the front costs: unary calls through a fronted and a plain
+/// server (same tonic client, valid authority), and the rewriter alone on
+/// a grpc-core request stream. Prints figures, asserts nothing about speed.
+///
+/// `cargo test --release -p crust-proto --test authority_front -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn front_overhead() {
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let mut socks = Vec::new();
+    for (name, fronted) in [("front", true), ("plain", false)] {
+        let sock = dir.path().join(format!("{name}.sock"));
+        let l = tokio::net::UnixListener::bind(&sock).unwrap();
+        let server = tonic::transport::Server::builder().add_service(IdentityServer::new(Id));
+        if fronted {
+            tokio::spawn(server.serve_with_incoming(crust_proto::server::incoming(l)));
+        } else {
+            tokio::spawn(
+                server.serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(l)),
+            );
+        }
+        socks.push((name, sock));
+    }
+    const N: usize = 5000;
+    for round in 0..2 {
+        for (name, sock) in &socks {
+            let ep = crust_proto::endpoint::Endpoint::parse(&format!("unix://{}", sock.display()))
+                .unwrap();
+            let mut c = csi::identity_client::IdentityClient::new(ep.connect().await.unwrap());
+            let mut lat = Vec::with_capacity(N);
+            let t0 = Instant::now();
+            for _ in 0..N {
+                let t = Instant::now();
+                c.get_plugin_info(csi::GetPluginInfoRequest {})
+                    .await
+                    .unwrap();
+                lat.push(t.elapsed());
+            }
+            let total = t0.elapsed();
+            lat.sort();
+            if round == 1 {
+                println!(
+                    "{name}: {N} GetPluginInfo in {total:?}: mean {:?}, p50 {:?}, p99 {:?}",
+                    total / N as u32,
+                    lat[N / 2],
+                    lat[N * 99 / 100]
+                );
+            }
+        }
+    }
+    // The rewriter alone: one grpc-core request (HEADERS + DATA) repeated.
+    let mut enc = loona_hpack::Encoder::new();
+    let headers: [(&[u8], &[u8]); 7] = [
+        (b":path", b"/csi.v1.Node/NodeGetVolumeStats"),
+        (b":authority", b"var%2Flib%2Fkubelet%2Fplugins%2Fcsi.sock"),
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+        (
+            b"user-agent",
+            b"grpc-python/1.85.1 grpc-c/58.0.0 (linux; chttp2)",
+        ),
+    ];
+    let mut input = crust_proto::authority::PREFACE.to_vec();
+    let reqs = 100_000u32;
+    for i in 0..reqs {
+        let block = enc.encode(headers);
+        input.extend(frame(0x1, 0x4, 2 * i + 1, &block));
+        input.extend(frame(0x0, 0x1, 2 * i + 1, &[0u8; 100]));
+    }
+    let mut rw = crust_proto::authority::Rewriter::new();
+    let t0 = Instant::now();
+    for chunk in input.chunks(16 * 1024) {
+        rw.feed(chunk).unwrap();
+        let n = rw.output().len();
+        rw.consume(n);
+    }
+    let took = t0.elapsed();
+    assert_eq!(rw.rewritten(), u64::from(reqs));
+    println!(
+        "rewriter: {reqs} requests ({} bytes) in {took:?}: {:?} per request",
+        input.len(),
+        took / reqs
+    );
+}
