@@ -7,8 +7,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use crate::mountinfo::{
-    CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
-    FsGroupChangePolicy, MountInfo,
+    ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy, MountInfo,
 };
 
 /// Longest path accepted anywhere (PATH_MAX).
@@ -207,18 +206,12 @@ pub fn check_metadata_read(mi: &MountInfo) -> Result<(), String> {
             FS_GROUP_CHANGE_POLICY_KEY => {
                 FsGroupChangePolicy::parse(v)?;
             }
-            ENCRYPTION_KEY_KEY => return Err(encryption_refused()),
+            // Any spelling: a key in a record is refused, never ignored.
+            k if k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY) => return Err(encryption_refused()),
             _ => {}
         }
     }
     mi.create_filesystem()?;
-    if mi
-        .metadata
-        .keys()
-        .any(|k| k != CREATE_FILESYSTEM_KEY && k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY))
-    {
-        return Err(encryption_refused());
-    }
     Ok(())
 }
 
