@@ -43,6 +43,12 @@ impl Guest {
         };
         vc.hotplug_ports = HOTPLUG_PORTS;
         vc.die_with_parent = true;
+        // A self-contained install (/opt/crust) brings its own QEMU and
+        // firmware; never mix it with the host's.
+        if let Some(qemu) = Config::bundled("qemu-system-x86_64") {
+            vc.qemu_binary = qemu;
+            vc.firmware = Config::bundled("../share/qemu/qboot.rom");
+        }
         let vm = Vm::launch(vc)
             .await
             .map_err(|e| RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")))?;
