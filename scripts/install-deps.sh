@@ -11,10 +11,13 @@ pkgs=(
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
   util-linux              # losetup/mount used by test guards
+  umoci jq patchelf binutils # scripts/build-images.sh: OCI images, self-contained node payload
+  containerd              # the node installer's config is checked with `containerd config dump`
 )
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
-  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup; do
+  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
+    umoci jq patchelf strip containerd; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1
