@@ -12,6 +12,7 @@
 
 pub mod containerd;
 pub mod install;
+pub mod label;
 
 pub use containerd::Version;
 pub use install::{Manifest, Options, PayloadInfo, Report, RootAction, install, uninstall};

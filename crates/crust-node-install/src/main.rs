@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use crust_node_install::{Options, install};
+use crust_node_install::{Options, install, label};
 
 #[derive(Parser)]
 #[command(
@@ -47,6 +47,17 @@ struct Cli {
     /// changed, e.g. `nsenter -t 1 -m -u -i -n -p -- systemctl restart containerd`.
     #[arg(long, env = "CRUST_INSTALL_RELOAD_COMMAND")]
     reload_command: Option<String>,
+    /// This node's name (the DaemonSet passes spec.nodeName): after an
+    /// install the node gets the label `crust.dev/runtime=installed`, and
+    /// loses it before an uninstall. Unset: no label is touched.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// API server URL (default: the in-cluster one).
+    #[arg(long, env = "CRUST_INSTALL_API_SERVER")]
+    api_server: Option<String>,
+    /// Bearer token file (default: the pod's service account token).
+    #[arg(long, env = "CRUST_INSTALL_API_TOKEN_FILE")]
+    api_token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -95,9 +106,28 @@ fn main() -> anyhow::Result<()> {
             .reload_command
             .map(|c| c.split_whitespace().map(str::to_string).collect()),
     };
+    let api = || -> anyhow::Result<label::ApiServer> {
+        let mut a = label::ApiServer::in_cluster(cli.api_server.clone())?;
+        if let Some(t) = &cli.api_token_file {
+            a.token_file = t.clone();
+        }
+        Ok(a)
+    };
     let (report, wait) = match cli.command {
-        Cmd::Install { wait } => (install::install(&opts).context("install")?, wait),
-        Cmd::Uninstall { wait } => (install::uninstall(&opts).context("uninstall")?, wait),
+        Cmd::Install { wait } => {
+            let r = install::install(&opts).context("install")?;
+            if let Some(node) = &cli.node_name {
+                label::set_label(&api()?, node, label::LABEL, Some(label::LABEL_VALUE))?;
+            }
+            (r, wait)
+        }
+        Cmd::Uninstall { wait } => {
+            // First stop the scheduler from sending crust pods here.
+            if let Some(node) = &cli.node_name {
+                label::set_label(&api()?, node, label::LABEL, None)?;
+            }
+            (install::uninstall(&opts).context("uninstall")?, wait)
+        }
         Cmd::Status => {
             let m = install::read_manifest(&opts)?;
             println!("{}", serde_json::to_string_pretty(&m)?);
