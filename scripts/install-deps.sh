@@ -14,8 +14,12 @@ pkgs=(
   umoci jq patchelf binutils # scripts/build-images.sh: OCI images, self-contained node payload
   containerd              # the node installer's config is checked with `containerd config dump`
 )
+# PyPI: the Kubernetes schemas for validating deploy/kubernetes offline
+# (they ship inside the package; no download at validation time).
+py_pkgs=(kubernetes-validate==1.37.0)
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
+  python3 -c 'import kubernetes_validate' 2>/dev/null || missing=1
   for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
     umoci jq patchelf strip containerd; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
@@ -31,3 +35,4 @@ if [ "$(id -u)" != 0 ]; then
 fi
 apt-get update
 apt-get install -y --no-install-recommends "${pkgs[@]}"
+python3 -m pip install --quiet --disable-pip-version-check "${py_pkgs[@]}"
