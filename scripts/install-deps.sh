@@ -12,12 +12,18 @@ pkgs=(
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
   util-linux              # losetup/mount used by test guards
+  umoci jq patchelf binutils # scripts/build-images.sh: OCI images, self-contained node payload
+  containerd              # the node installer's config is checked with `containerd config dump`
 )
-# Python's grpcio (grpc-core) calls crust's gRPC servers in the tests; the
-# tests find it at $CRUST_TEST_PYTHON or $VENV/bin/python.
+# Python packages of the tests, in one virtualenv (the tests find it at
+# $CRUST_TEST_PYTHON or $VENV/bin/python): grpcio (grpc-core) calls crust's
+# gRPC servers; kubernetes-validate checks deploy/kubernetes offline (its
+# schemas ship inside the package).
 VENV="${CRUST_TEST_VENV:-/opt/crust-test-venv}"
-PY_PKGS=(grpcio==1.85.1 grpcio-tools==1.85.1)
-have_grpcio() { "$VENV/bin/python" -c "import grpc, grpc_tools" >/dev/null 2>&1; }
+PY_PKGS=(grpcio==1.85.1 grpcio-tools==1.85.1 kubernetes-validate==1.37.0)
+have_grpcio() {
+  "$VENV/bin/python" -c "import grpc, grpc_tools, kubernetes_validate" >/dev/null 2>&1
+}
 install_grpcio() {
   have_grpcio && return 0
   echo "install-deps: installing ${PY_PKGS[*]} into $VENV"
@@ -35,7 +41,8 @@ install_grpcio() {
 
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
-  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup; do
+  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
+    umoci jq patchelf strip containerd; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

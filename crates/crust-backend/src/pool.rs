@@ -581,11 +581,18 @@ impl Backend for PoolBackend {
                 self.dir.display()
             ))
         })?;
-        if !Path::new("/dev/loop-control").exists() {
-            return Err(BackendError::Device(
-                "/dev/loop-control is missing: load the loop module".into(),
-            ));
-        }
+        // Opened, not just looked up: a container whose device cgroup or
+        // /dev mount withholds it sees the node but cannot use it.
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/loop-control")
+            .map_err(|e| {
+                BackendError::Device(format!(
+                    "/dev/loop-control cannot be opened ({e}): load the loop module, or give \
+                     the plugin the host's /dev"
+                ))
+            })?;
         Ok(())
     }
 

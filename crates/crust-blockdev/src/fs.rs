@@ -165,6 +165,18 @@ pub fn ensure_no_other_openers(dev: &Path, action: &'static str) -> Result<(), F
     }
 }
 
+/// Every filesystem tool this module runs; a host or container image
+/// without one of them cannot serve every volume.
+pub const FS_TOOLS: [&str; 5] = ["mkfs.ext4", "mkfs.xfs", "e2fsck", "resize2fs", "xfs_growfs"];
+
+/// The tools of [`FS_TOOLS`] that cannot be found (readiness checks).
+pub fn missing_fs_tools() -> Vec<&'static str> {
+    FS_TOOLS
+        .into_iter()
+        .filter(|t| find_tool(t).is_err())
+        .collect()
+}
+
 /// Finds an admin tool even when PATH lacks the sbin directories (systemd
 /// units and test harnesses often run with a short PATH).
 fn find_tool(name: &'static str) -> Result<PathBuf, FsError> {

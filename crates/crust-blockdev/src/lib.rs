@@ -43,7 +43,8 @@ pub use device::{
     is_block_device, is_device_held_exclusively, is_device_in_use, sysfs_name, wipe_edges,
 };
 pub use fs::{
-    FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs, grow_fs_offline, mkfs,
+    FS_TOOLS, FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs,
+    grow_fs_offline, missing_fs_tools, mkfs,
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,

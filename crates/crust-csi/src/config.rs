@@ -109,6 +109,8 @@ pub struct Config {
     pub deferral: DeferralConfig,
     /// Where `/metrics` is served (Prometheus text format); None: not served.
     pub metrics_address: Option<SocketAddr>,
+    /// Which service grows a volume's backing store.
+    pub expansion: Expansion,
     pub hooks: Hooks,
 }
 
@@ -155,6 +157,7 @@ impl Config {
             health_timeout: Duration::from_secs(3),
             deferral: DeferralConfig::default(),
             metrics_address: None,
+            expansion: Expansion::Controller,
             hooks: Hooks::default(),
         }
     }
@@ -284,6 +287,15 @@ pub struct Cli {
     #[arg(long, env = "CRUST_CSI_METRICS_ADDRESS")]
     pub metrics_address: Option<SocketAddr>,
 
+    /// Who grows a volume's backing store: `controller` (ControllerExpandVolume,
+    /// then NodeExpandVolume grows the filesystem) or `node` (EXPAND_VOLUME
+    /// is not advertised by the controller; NodeExpandVolume grows the
+    /// backing store and then the filesystem). Kubernetes deployments use
+    /// `node`: the external-resizer runs centrally and cannot reach a file
+    /// that lives on one node.
+    #[arg(long, env = "CRUST_CSI_EXPANSION", value_enum, default_value_t = Expansion::Controller)]
+    pub expansion: Expansion,
+
     /// Log level: error, warn, info, debug, trace, a klog-style number
     /// (0-2 info, 3-4 debug, 5+ trace) or a tracing filter directive.
     #[arg(
@@ -305,6 +317,16 @@ pub enum BackendKind {
 pub enum Deferral {
     Enabled,
     Disabled,
+}
+
+/// Which service grows a volume's backing store (see `--expansion`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Expansion {
+    /// ControllerExpandVolume grows it; NodeExpandVolume grows the filesystem.
+    Controller,
+    /// NodeExpandVolume grows both; the controller does not advertise
+    /// EXPAND_VOLUME, so the external-resizer leaves the work to kubelet.
+    Node,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -429,6 +451,7 @@ impl Cli {
                 ops,
             },
             metrics_address: self.metrics_address,
+            expansion: self.expansion,
             hooks: Hooks::default(),
         })
     }

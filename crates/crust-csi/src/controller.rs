@@ -35,7 +35,7 @@ use csi::controller_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, CapSpec, Capability, FsType};
-use crate::config::DEFAULT_VOLUME_SIZE;
+use crate::config::{DEFAULT_VOLUME_SIZE, Expansion};
 use crate::driver::{Driver, blocking};
 use crate::error::ControllerError;
 use crate::state::{Phase, RECORD_VERSION, VolumeRecord, is_valid_volume_id, volume_id_for};
@@ -201,7 +201,7 @@ fn choose_size(required: u64, limit: u64, min: u64) -> Result<u64> {
 
 /// Rounds `size` up to 4 KiB, or at least to the 512-byte sector size a
 /// block device needs, without exceeding `limit` (0 = none).
-fn align(size: u64, limit: u64) -> Result<u64> {
+pub(crate) fn align(size: u64, limit: u64) -> Result<u64> {
     for unit in [SIZE_ALIGN, SECTOR] {
         let aligned = size.div_ceil(unit) * unit;
         if limit == 0 || aligned <= limit {
@@ -232,6 +232,10 @@ impl Driver {
     pub(crate) fn volume_proto(&self, rec: &VolumeRecord) -> csi::Volume {
         let mut ctx = std::collections::HashMap::new();
         ctx.insert("fsType".to_string(), rec.fs_type.to_string());
+        // The owning node travels with the volume (kubelet passes the
+        // context to NodeStage/NodePublish), so another node's plugin can
+        // name it instead of answering a bare NOT_FOUND.
+        ctx.insert(self.cfg.topology_key(), rec.node_id.clone());
         if let Some(v) = rec.parameters.get(crate::node::DEFER_CONTEXT_KEY) {
             ctx.insert(crate::node::DEFER_CONTEXT_KEY.to_string(), v.clone());
         }
@@ -670,7 +674,9 @@ fn decode_token(token: &str) -> Result<String> {
     Ok(id)
 }
 
-fn ctl_caps() -> Vec<csi::ControllerServiceCapability> {
+/// The controller's capabilities; EXPAND_VOLUME only when the controller
+/// grows volumes (`--expansion controller`).
+fn ctl_caps(expansion: Expansion) -> Vec<csi::ControllerServiceCapability> {
     [
         RpcType::CreateDeleteVolume,
         RpcType::ListVolumes,
@@ -682,6 +688,7 @@ fn ctl_caps() -> Vec<csi::ControllerServiceCapability> {
         RpcType::SingleNodeMultiWriter,
     ]
     .into_iter()
+    .filter(|t| *t != RpcType::ExpandVolume || expansion == Expansion::Controller)
     .map(|t| csi::ControllerServiceCapability {
         r#type: Some(csi::controller_service_capability::Type::Rpc(
             csi::controller_service_capability::Rpc { r#type: t as i32 },
@@ -774,7 +781,7 @@ impl Controller for ControllerService {
         _request: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: ctl_caps(),
+            capabilities: ctl_caps(self.driver.cfg.expansion),
         }))
     }
 
@@ -810,6 +817,12 @@ impl Controller for ControllerService {
         &self,
         request: Request<csi::ControllerExpandVolumeRequest>,
     ) -> std::result::Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        if self.driver.cfg.expansion == Expansion::Node {
+            return Err(Status::unimplemented(
+                "ControllerExpandVolume is not offered (--expansion node): NodeExpandVolume grows \
+                 the volume on its node",
+            ));
+        }
         let req = request.into_inner();
         let resp = blocking(&self.driver, move |d| d.controller_expand_volume(&req)).await?;
         Ok(Response::new(resp))

@@ -30,7 +30,7 @@ use crate::state::StateError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
-    #[error("backend is not usable: {0}")]
+    #[error("plugin is not ready: {0}")]
     NotReady(String),
 }
 

@@ -35,12 +35,29 @@ impl Driver {
         }
     }
 
-    /// Ready only when the backend really works (pool directory writable,
-    /// loop control reachable, static devices present...).
+    /// Ready only when every volume operation could run: the backend
+    /// works (pool directory writable, loop control openable, static
+    /// devices present...), the volume records can be written, and the
+    /// filesystem tools are installed. A liveness probe built on this
+    /// restarts a plugin whose host mounts went away or read-only.
     pub fn probe(&self) -> Result<csi::ProbeResponse, IdentityError> {
         self.backend
             .probe()
             .map_err(|e| IdentityError::NotReady(e.to_string()))?;
+        let records = &self.cfg.state_dir;
+        rustix::fs::access(records, rustix::fs::Access::WRITE_OK).map_err(|e| {
+            IdentityError::NotReady(format!(
+                "state directory {} is not writable: {e}",
+                records.display()
+            ))
+        })?;
+        let missing = crust_blockdev::missing_fs_tools();
+        if !missing.is_empty() {
+            return Err(IdentityError::NotReady(format!(
+                "filesystem tools not installed: {}",
+                missing.join(", ")
+            )));
+        }
         Ok(csi::ProbeResponse { ready: Some(true) })
     }
 }

@@ -34,8 +34,8 @@ pub mod server;
 pub mod state;
 
 pub use config::{
-    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig, Gate,
-    Hooks,
+    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,
+    Expansion, Gate, Hooks,
 };
 pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};

@@ -48,6 +48,7 @@ use csi::node_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, Capability, FsType};
+use crate::config::Expansion;
 use crate::driver::{Driver, blocking};
 use crate::error::NodeError;
 use crate::state::{HostMount, Phase, Publication, Staging, VolumeRecord};
@@ -365,6 +366,57 @@ impl Driver {
         }
     }
 
+    /// [`Driver::node_record`] for NodeStage/NodePublish, which carry the
+    /// volume context: a volume of another node (named by the record or
+    /// by the context's `<driver>/node`) is FAILED_PRECONDITION naming
+    /// that node, the spec's code for a CO exceeding a volume's
+    /// single-node capability, rather than NOT_FOUND: the volume exists,
+    /// just not here.
+    pub(crate) fn node_record_here(
+        &self,
+        id: &str,
+        volume_context: &HashMap<String, String>,
+    ) -> Result<VolumeRecord> {
+        let owner = match self.state.get(id) {
+            Some(r) if r.phase == Phase::Ready && r.node_id == self.cfg.node_id => return Ok(r),
+            Some(r) if r.phase == Phase::Ready => Some(r.node_id),
+            _ => volume_context
+                .get(&self.cfg.topology_key())
+                .filter(|n| **n != self.cfg.node_id)
+                .cloned(),
+        };
+        match owner {
+            Some(node) => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} lives on node {node:?}, this is node {:?}: a local volume can only \
+                 be staged and published on its own node",
+                self.cfg.node_id
+            ))),
+            None => Err(NodeError::NotFound(id.to_string())),
+        }
+    }
+
+    /// `--expansion node`: grows the backing store to the requested size
+    /// (the controller does not, since it does not advertise EXPAND_VOLUME)
+    /// and records the new capacity. A request within the current size
+    /// changes nothing.
+    fn grow_backing_on_node(
+        &self,
+        rec: &mut VolumeRecord,
+        required: u64,
+        limit: u64,
+    ) -> Result<()> {
+        if self.cfg.expansion != Expansion::Node || required <= rec.capacity_bytes {
+            return Ok(());
+        }
+        let target = crate::controller::align(required, limit)
+            .map_err(|e| NodeError::OutOfRange(e.to_string()))?;
+        let grown = self.backend.expand(&rec.id, target)?;
+        rec.capacity_bytes = grown;
+        self.state.put(rec.clone())?;
+        tracing::info!(volume = %rec.id, size = grown, "backing store grown by NodeExpandVolume");
+        Ok(())
+    }
+
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
             gate.pass();
@@ -387,7 +439,7 @@ impl Driver {
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
         self.stage_gate();
-        let mut rec = self.node_record(&req.volume_id)?;
+        let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
         let id = rec.id.clone();
         let block = cap.access.is_block();
         if block && !rec.allows_block() {
@@ -710,7 +762,7 @@ impl Driver {
         }
         let route = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
-        let mut rec = self.node_record(&req.volume_id)?;
+        let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
         let id = rec.id.clone();
         let mut s = match &rec.staging {
             Some(s) if s.path == staging => s.clone(),
@@ -1062,13 +1114,14 @@ impl Driver {
             return Err(NodeError::DeferralUnsupported);
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
-        let rec = self.node_record(&req.volume_id)?;
+        let mut rec = self.node_record(&req.volume_id)?;
         if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
             if cap.as_ref().is_some_and(|c| c.access.is_block()) {
                 return Err(NodeError::InvalidArgument(
                     "deferred filesystem operations cannot expand a raw block volume".into(),
                 ));
             }
+            self.grow_backing_on_node(&mut rec, required, limit)?;
             return self.expand_deferred(&rec, &path, required, limit);
         }
         let (recorded_block, device) = self.resolve_volume_path(&rec, &path)?;
@@ -1101,6 +1154,7 @@ impl Driver {
                 if block { "raw block" } else { "a filesystem" }
             )));
         }
+        self.grow_backing_on_node(&mut rec, required, limit)?;
         // Pick up a grown backing store (LOOP_SET_CAPACITY for loop devices).
         let size = refreshed_device_size(&rec.id, &device, required, limit)?;
         if !block {

@@ -1263,7 +1263,10 @@ async fn a_stock_client_sees_the_standard_behaviour_with_deferral_enabled() {
         .unwrap();
     assert_eq!(
         v.volume_context,
-        HashMap::from([("fsType".to_string(), "xfs".to_string())])
+        HashMap::from([
+            ("fsType".to_string(), "xfs".to_string()),
+            (TOPO_KEY.to_string(), NODE.to_string())
+        ])
     );
     let id = v.volume_id;
     let staging = node.mkdir("staging/s");

@@ -12,6 +12,9 @@ use crate::error::RuntimeError;
 use crate::runtime::Runtime;
 use crate::shim::Code;
 
+/// The QEMU looked up on PATH unless --qemu says otherwise.
+pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "crust-runtime",
@@ -77,7 +80,7 @@ pub struct GlobalOpts {
     #[arg(
         long,
         env = "CRUST_RUNTIME_QEMU",
-        default_value = "qemu-system-x86_64",
+        default_value = DEFAULT_QEMU,
         global = true
     )]
     pub qemu: PathBuf,

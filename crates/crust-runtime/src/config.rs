@@ -80,6 +80,16 @@ impl Config {
         self.boot_timeout + extra
     }
 
+    /// A file installed next to this executable's directory, as the node
+    /// installer lays out `/opt/crust` (`bin/qemu-system-x86_64`,
+    /// `share/qemu/qboot.rom`): `rel` is relative to the executable's
+    /// directory. None when absent (a development build uses the host's).
+    pub fn bundled(rel: &str) -> Option<PathBuf> {
+        let exe = std::env::current_exe().ok()?;
+        let p = exe.parent()?.join(rel);
+        p.is_file().then_some(p)
+    }
+
     /// Flags that recreate this configuration in a child process (the shim).
     pub fn to_args(&self) -> Vec<OsString> {
         let mut a: Vec<OsString> = Vec::new();

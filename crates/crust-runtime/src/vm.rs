@@ -47,6 +47,14 @@ impl Guest {
         vc.accel_cache = Some(cfg.accel_cache.clone());
         vc.hotplug_ports = HOTPLUG_PORTS;
         vc.die_with_parent = true;
+        // A self-contained install (/opt/crust) brings its own QEMU and
+        // firmware; never mix it with the host's. An explicit --qemu wins.
+        if cfg.qemu == std::path::Path::new(crate::cli::DEFAULT_QEMU)
+            && let Some(qemu) = Config::bundled("qemu-system-x86_64")
+        {
+            vc.qemu_binary = qemu;
+            vc.firmware = Config::bundled("../share/qemu/qboot.rom");
+        }
         let vm = Vm::boot(vc, cfg.boot_timeout).await.map_err(|e| match e {
             crust_vmm::VmError::NotReady { .. } => RuntimeError::new(
                 Code::DeadlineExceeded,

@@ -12,7 +12,7 @@ mod python;
 mod qemu;
 
 pub use disk::{LoopDisk, TempMount};
-pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls};
+pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls, venv_python_with};
 pub use qemu::{HangingKvmQemu, QemuStart};
 
 use std::fs::{File, OpenOptions};

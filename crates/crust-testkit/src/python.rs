@@ -12,17 +12,23 @@ pub const DEFAULT_VENV: &str = "/opt/crust-test-venv";
 /// `$CRUST_TEST_PYTHON`, else the virtualenv's python; panics with the
 /// command to run when grpcio is not installed.
 pub fn grpc_python() -> PathBuf {
+    venv_python_with("grpc, grpc_tools")
+}
+
+/// The tests' python (see [`grpc_python`]) able to import `modules` (a
+/// comma-separated `import` list); panics with the command to run if not.
+pub fn venv_python_with(modules: &str) -> PathBuf {
     let py = std::env::var_os("CRUST_TEST_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(DEFAULT_VENV).join("bin/python"));
     let ok = Command::new(&py)
-        .args(["-c", "import grpc, grpc_tools"])
+        .args(["-c", &format!("import {modules}")])
         .stdin(Stdio::null())
         .output()
         .is_ok_and(|o| o.status.success());
     assert!(
         ok,
-        "{} cannot import grpc and grpc_tools: run scripts/install-deps.sh",
+        "{} cannot import {modules}: run scripts/install-deps.sh",
         py.display()
     );
     py

@@ -142,6 +142,8 @@ pub struct TestNode {
     pub env: Vec<(String, String)>,
     /// `--health-ttl`; tests use 0s so every condition is fresh.
     pub health_ttl: String,
+    /// `--node-id` ([`NODE`] unless a test simulates several nodes).
+    pub node_id: String,
     starts: usize,
 }
 
@@ -179,6 +181,7 @@ impl TestNode {
             extra: extra.iter().map(|s| s.to_string()).collect(),
             env: Vec::new(),
             health_ttl: health_ttl.to_string(),
+            node_id: NODE.to_string(),
             starts: 0,
         }
     }
@@ -255,7 +258,7 @@ impl TestNode {
         cmd.arg("--endpoint")
             .arg(format!("unix://{}", self.socket.display()))
             .arg("--node-id")
-            .arg(NODE)
+            .arg(&self.node_id)
             .arg("--state-dir")
             .arg(&self.state)
             .arg("--pool-dir")

@@ -1,0 +1,219 @@
+//! `scripts/build-images.sh`: two builds from the same inputs give the same
+//! image digests and byte-identical archives; each image holds what it
+//! needs at run time; and the node payload, installed by the real
+//! `crust-node-install` into an empty root, runs there under `chroot`:
+//! nothing from the host's libraries, loader or firmware is needed.
+//!
+//! Time budget: about 2 x 40 s of image builds on a loaded 2-core machine.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const SOURCE_DATE_EPOCH: &str = "1767225600"; // 2026-01-01T00:00:00Z
+
+fn profile() -> String {
+    // target/<profile>/deps/images-xxxx
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    dir.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+fn build(out: &Path) -> String {
+    for bin in [
+        "crust-csi",
+        "crustctl",
+        "crust-runtime",
+        "crust-node-install",
+    ] {
+        crust_testkit::workspace_bin(bin);
+    }
+    crust_testkit::ensure_guest_image();
+    let root = crust_testkit::workspace_root();
+    let status = Command::new("bash")
+        .arg(root.join("scripts/build-images.sh"))
+        .args(["--profile", &profile(), "--no-build"])
+        .current_dir(&root)
+        .env("CRUST_IMAGES_OUT", out)
+        .env("CRUST_GUEST_DIR", crust_testkit::guest_image_dir())
+        .env("SOURCE_DATE_EPOCH", SOURCE_DATE_EPOCH)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "build-images.sh failed");
+    fs::read_to_string(out.join("images.txt")).unwrap()
+}
+
+fn sha256_file(p: &Path) -> String {
+    let out = Command::new("sha256sum").arg(p).output().unwrap();
+    String::from_utf8(out.stdout).unwrap()[..64].to_string()
+}
+
+/// Paths in the (single) layer of an image in an OCI layout.
+fn layer_paths(layout: &Path) -> Vec<String> {
+    let blob = |digest: &str| layout.join("blobs/sha256").join(&digest[7..]);
+    let index: serde_json::Value =
+        serde_json::from_slice(&fs::read(layout.join("index.json")).unwrap()).unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &fs::read(blob(index["manifests"][0]["digest"].as_str().unwrap())).unwrap(),
+    )
+    .unwrap();
+    let layers = manifest["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 1);
+    let out = Command::new("tar")
+        .arg("tzf")
+        .arg(blob(layers[0]["digest"].as_str().unwrap()))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.trim_start_matches('/').trim_end_matches('/').to_string())
+        .collect()
+}
+
+fn run_in(root: &Path, args: &[&str]) -> std::process::Output {
+    Command::new("timeout")
+        .arg("10")
+        .arg("chroot")
+        .arg(root)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
+    crust_testkit::require_root();
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let first = build(a.path());
+    let second = build(b.path());
+    assert_eq!(first, second, "same inputs, same digests");
+    let version = env!("CARGO_PKG_VERSION");
+    let tag = if profile() == "debug" {
+        format!("{version}-dev")
+    } else {
+        version.to_string()
+    };
+    for name in ["crust-csi", "crust-node-installer"] {
+        let tar = format!("{name}-{tag}.oci.tar");
+        assert_eq!(
+            sha256_file(&a.path().join(&tar)),
+            sha256_file(&b.path().join(&tar)),
+            "{tar} byte-identical"
+        );
+        assert!(
+            first.contains(&format!("localhost/crust/{name}:{tag} sha256:")),
+            "{first}"
+        );
+    }
+
+    // The plugin image: the plugin, crustctl for probes, the filesystem
+    // tools it runs, their libraries and the loader.
+    let csi = layer_paths(&a.path().join("stage/crust-csi/oci"));
+    for p in [
+        "usr/bin/crust-csi",
+        "usr/bin/crustctl",
+        "usr/sbin/mkfs.ext4",
+        "usr/sbin/e2fsck",
+        "usr/sbin/resize2fs",
+        "usr/sbin/mkfs.xfs",
+        "usr/sbin/xfs_growfs",
+        "usr/sbin/losetup",
+        "etc/mke2fs.conf",
+        "lib64/ld-linux-x86-64.so.2",
+        "lib/x86_64-linux-gnu/libc.so.6",
+        "lib/x86_64-linux-gnu/libext2fs.so.2",
+        "usr/share/crust/packages.txt",
+    ] {
+        assert!(csi.iter().any(|x| x == p), "crust-csi image lacks {p}");
+    }
+    let inst = layer_paths(&a.path().join("stage/crust-node-installer/oci"));
+    for p in [
+        "usr/bin/crust-node-install",
+        "usr/bin/nsenter",
+        "usr/share/crust/payload/bin/crust-runtime",
+        "usr/share/crust/payload/bin/qemu-system-x86_64",
+        "usr/share/crust/payload/lib/ld-linux-x86-64.so.2",
+        "usr/share/crust/payload/share/seabios/bios-256k.bin",
+        "usr/share/crust/payload/guest-image/vmlinuz",
+        "usr/share/crust/payload/guest-image/initramfs.cpio.gz",
+        "usr/share/crust/payload/share/crust/payload.json",
+    ] {
+        assert!(inst.iter().any(|x| x == p), "installer image lacks {p}");
+    }
+
+    // Install the staged payload into an empty host root and run it there.
+    let host = tempfile::tempdir().unwrap();
+    let payload: PathBuf = a
+        .path()
+        .join("stage/crust-node-installer/rootfs/usr/share/crust/payload");
+    let out = Command::new(env!("CARGO_BIN_EXE_crust-node-install"))
+        .arg("--host-root")
+        .arg(host.path())
+        .arg("--payload")
+        .arg(&payload)
+        .arg("install")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let info: serde_json::Value = serde_json::from_slice(
+        &fs::read(host.path().join("opt/crust/share/crust/payload.json")).unwrap(),
+    )
+    .unwrap();
+    let components: Vec<&str> = info["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    let r = run_in(host.path(), &["/opt/crust/bin/crust-runtime", "--version"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(String::from_utf8_lossy(&r.stdout).contains(version));
+    let r = run_in(
+        host.path(),
+        &["/opt/crust/bin/qemu-system-x86_64", "--version"],
+    );
+    assert!(String::from_utf8_lossy(&r.stdout).starts_with("QEMU emulator version"));
+    // Firmware and the TCG module come from /opt/crust too: QEMU builds
+    // the q35 machine (loading SeaBIOS) and waits, stopped, until killed.
+    let r = Command::new("timeout")
+        .args(["3", "chroot"])
+        .arg(host.path())
+        .args([
+            "/opt/crust/bin/qemu-system-x86_64",
+            "-machine",
+            "q35",
+            "-accel",
+            "tcg",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-S",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        r.status.code(),
+        Some(124),
+        "QEMU should still be running when timeout stops it: {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    for c in ["virtiofsd", "containerd-shim-crust-v2"] {
+        if components.contains(&c) {
+            let r = run_in(host.path(), &[&format!("/opt/crust/bin/{c}"), "--version"]);
+            assert!(
+                r.status.success(),
+                "{c}: {}",
+                String::from_utf8_lossy(&r.stderr)
+            );
+        }
+    }
+}
