@@ -42,6 +42,36 @@ pub enum BackingState {
     Degraded(String),
 }
 
+/// A condition of the backend itself, affecting every volume it serves
+/// (CSI v1.13 NodeGetStorageHealth).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageProblem {
+    /// True when volumes of this backend are expected to be unusable;
+    /// false when they work with reduced guarantees (degraded).
+    pub unreachable: bool,
+    /// CamelCase, stable for machines.
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl StorageProblem {
+    pub fn degraded(reason: &'static str, message: impl Into<String>) -> Self {
+        StorageProblem {
+            unreachable: false,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn unreachable(reason: &'static str, message: impl Into<String>) -> Self {
+        StorageProblem {
+            unreachable: true,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("volume {0} not found in backend")]
@@ -120,6 +150,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Health of the backing store for VolumeCondition.
     fn backing_state(&self, volume_id: &str) -> BackingState;
+    /// Conditions of the backend as a whole (pool directory, its
+    /// filesystem, configured devices); empty when none. May block on a
+    /// hung filesystem: callers bound it.
+    fn storage_health(&self) -> Vec<StorageProblem>;
 }
 
 mod pool;

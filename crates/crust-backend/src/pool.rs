@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::util::{self, IdLocks, io_err, lock};
-use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result};
+use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result, StorageProblem};
 
 /// Smallest volume the pool creates unless configured otherwise.
 pub const DEFAULT_MINIMUM_VOLUME_SIZE: u64 = 1 << 20;
@@ -654,6 +654,94 @@ impl Backend for PoolBackend {
             ));
         }
         BackingState::Healthy
+    }
+
+    fn storage_health(&self) -> Vec<StorageProblem> {
+        let d = self.dir.display();
+        if !self.dir.is_dir() {
+            return vec![StorageProblem::unreachable(
+                "PoolUnavailable",
+                format!("pool directory {d} is missing or not a directory"),
+            )];
+        }
+        let mut problems = Vec::new();
+        if !Path::new("/dev/loop-control").exists() {
+            problems.push(StorageProblem::unreachable(
+                "LoopDevicesUnavailable",
+                "/dev/loop-control is missing: no volume can be attached (load the loop module)",
+            ));
+        }
+        if let crust_blockdev::Health::Abnormal(s) = crust_blockdev::containing_fs_health(&self.dir)
+        {
+            use crust_blockdev::SymptomKind as K;
+            problems.push(match s.kind {
+                K::FilesystemReadOnly | K::MountReadOnly => StorageProblem::degraded(
+                    "PoolReadOnly",
+                    format!(
+                        "{}: volumes cannot be created or expanded, and writes to volumes fail",
+                        s.message
+                    ),
+                ),
+                K::FilesystemErrors => StorageProblem::degraded("PoolFilesystemErrors", s.message),
+                K::FilesystemIoErrors => {
+                    StorageProblem::unreachable("PoolFilesystemIoErrors", s.message)
+                }
+                _ => StorageProblem::degraded(s.kind.reason(), s.message),
+            });
+            return problems;
+        }
+        if let Err(e) = rustix::fs::access(&self.dir, rustix::fs::Access::WRITE_OK) {
+            problems.push(StorageProblem::degraded(
+                "PoolNotWritable",
+                format!("pool directory {d} is not writable: {e}"),
+            ));
+        }
+        match crust_blockdev::usage(&self.dir) {
+            Ok(u) if u.bytes_available == 0 => problems.push(StorageProblem::degraded(
+                "PoolFilesystemFull",
+                format!(
+                    "the filesystem holding pool directory {d} is full: writes to volumes that \
+                     need new blocks fail"
+                ),
+            )),
+            Ok(u) => {
+                // Sparse files: space promised to volumes but not written
+                // yet must still fit, or a volume's writes fail later.
+                let promised = self.unwritten_bytes();
+                if promised > u.bytes_available {
+                    problems.push(StorageProblem::degraded(
+                        "PoolOvercommitted",
+                        format!(
+                            "volumes in pool {d} may still write {promised} bytes but its \
+                             filesystem has {} bytes available: writes may fail with ENOSPC",
+                            u.bytes_available
+                        ),
+                    ));
+                }
+            }
+            Err(e) => problems.push(StorageProblem::degraded(
+                "HealthProbeFailed",
+                format!("statfs on pool directory {d} failed: {e}"),
+            )),
+        }
+        problems
+    }
+}
+
+impl PoolBackend {
+    /// Bytes the pool's volumes may still write before their sparse files
+    /// are fully allocated.
+    fn unwritten_bytes(&self) -> u64 {
+        let entries: Vec<Entry> = lock(&self.state).index.volumes.values().cloned().collect();
+        entries
+            .iter()
+            .map(|e| {
+                let allocated = std::fs::metadata(self.dir.join(&e.file))
+                    .map(|m| m.blocks() * 512)
+                    .unwrap_or(0);
+                e.size_bytes.saturating_sub(allocated)
+            })
+            .sum()
     }
 }
 

@@ -46,7 +46,8 @@ pub use fs::{
     FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs, grow_fs_offline, mkfs,
 };
 pub use health::{
-    DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,
+    DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
+    fs_health, fs_health_with_timeout, with_timeout,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,

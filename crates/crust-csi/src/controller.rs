@@ -31,7 +31,6 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use crust_backend::BackendError;
 use crust_proto::csi::v1 as csi;
 use csi::controller_server::Controller;
-use csi::controller_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, CapSpec, Capability, FsType};
@@ -526,7 +525,13 @@ impl Driver {
             Some(decode_token(&req.starting_token)?)
         };
         let (page, more) = self.state.page(after.as_deref(), req.max_entries as usize);
-        let conditions = self.health.conditions(self, &page);
+        // v1.13 removed the condition field: skip the checks too.
+        let serves_condition = self.cfg.csi_spec.serves_condition();
+        let conditions = if serves_condition {
+            self.health.conditions(self, &page)
+        } else {
+            vec![crate::health::Condition::normal(""); page.len()]
+        };
         let next_token = match (more, page.last()) {
             (true, Some(last)) => encode_token(&last.id),
             _ => String::new(),
@@ -538,7 +543,7 @@ impl Driver {
                 volume: Some(self.volume_proto(rec)),
                 status: Some(csi::list_volumes_response::VolumeStatus {
                     published_node_ids: self.published_nodes(rec),
-                    volume_condition: Some(cond.into()),
+                    volume_condition: serves_condition.then(|| cond.into()),
                 }),
             })
             .collect();
@@ -553,12 +558,16 @@ impl Driver {
             return Err(ControllerError::Missing("volume_id"));
         }
         let rec = self.ready_record(id)?;
-        let cond = self.health.condition(self, &rec);
+        let volume_condition = self
+            .cfg
+            .csi_spec
+            .serves_condition()
+            .then(|| self.health.condition(self, &rec).into());
         Ok(csi::ControllerGetVolumeResponse {
             volume: Some(self.volume_proto(&rec)),
             status: Some(csi::controller_get_volume_response::VolumeStatus {
                 published_node_ids: self.published_nodes(&rec),
-                volume_condition: Some(cond.into()),
+                volume_condition,
             }),
         })
     }
@@ -660,7 +669,7 @@ pub(crate) fn encode_token(id: &str) -> String {
     URL_SAFE_NO_PAD.encode(id.as_bytes())
 }
 
-fn decode_token(token: &str) -> Result<String> {
+pub(crate) fn decode_token(token: &str) -> Result<String> {
     let bad = || ControllerError::BadToken(token.to_string());
     let bytes = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
     let id = String::from_utf8(bytes).map_err(|_| bad())?;
@@ -668,26 +677,6 @@ fn decode_token(token: &str) -> Result<String> {
         return Err(bad());
     }
     Ok(id)
-}
-
-fn ctl_caps() -> Vec<csi::ControllerServiceCapability> {
-    [
-        RpcType::CreateDeleteVolume,
-        RpcType::ListVolumes,
-        RpcType::GetCapacity,
-        RpcType::ExpandVolume,
-        RpcType::ListVolumesPublishedNodes,
-        RpcType::VolumeCondition,
-        RpcType::GetVolume,
-        RpcType::SingleNodeMultiWriter,
-    ]
-    .into_iter()
-    .map(|t| csi::ControllerServiceCapability {
-        r#type: Some(csi::controller_service_capability::Type::Rpc(
-            csi::controller_service_capability::Rpc { r#type: t as i32 },
-        )),
-    })
-    .collect()
 }
 
 /// The tonic Controller service.
@@ -704,6 +693,13 @@ impl ControllerService {
 
 fn unimplemented(rpc: &str) -> Status {
     Status::unimplemented(format!("{rpc} is not supported by this plugin"))
+}
+
+/// The v1.13 health RPCs in a plugin started with `--csi-spec 1.12`.
+pub(crate) fn health_api_off(rpc: &str) -> Status {
+    Status::unimplemented(format!(
+        "{rpc} is a CSI v1.13 RPC; this plugin serves the v1.12 surface (--csi-spec 1.12)"
+    ))
 }
 
 #[tonic::async_trait]
@@ -774,7 +770,7 @@ impl Controller for ControllerService {
         _request: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: ctl_caps(),
+            capabilities: crate::surface::controller_capabilities(self.driver.cfg.csi_spec),
         }))
     }
 
@@ -829,6 +825,30 @@ impl Controller for ControllerService {
         _request: Request<csi::ControllerModifyVolumeRequest>,
     ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
         Err(unimplemented("ControllerModifyVolume"))
+    }
+
+    async fn controller_get_volume_health(
+        &self,
+        request: Request<csi::ControllerGetVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::ControllerGetVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(health_api_off("ControllerGetVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.controller_get_volume_health(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_list_volume_health(
+        &self,
+        request: Request<csi::ControllerListVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::ControllerListVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(health_api_off("ControllerListVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.controller_list_volume_health(&req)).await?;
+        Ok(Response::new(resp))
     }
 }
 

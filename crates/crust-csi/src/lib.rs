@@ -32,10 +32,12 @@ pub mod metrics;
 pub mod node;
 pub mod server;
 pub mod state;
+pub mod surface;
+mod volume_health;
 
 pub use config::{
-    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig, Gate,
-    Hooks,
+    BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,
+    Gate, Hooks,
 };
 pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};

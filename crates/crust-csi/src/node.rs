@@ -44,7 +44,6 @@ use std::sync::Arc;
 use crust_blockdev::{MountError, Probe};
 use crust_proto::csi::v1 as csi;
 use csi::node_server::Node;
-use csi::node_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, Capability, FsType};
@@ -957,6 +956,9 @@ impl Driver {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
         }
+        // The spec's table first: an unknown volume is NOT_FOUND whatever
+        // the paths look like.
+        let rec = self.node_record(&req.volume_id)?;
         let path = abs_path("volume_path", &req.volume_path)?;
         if !req.staging_target_path.is_empty() {
             abs_path("staging_target_path", &req.staging_target_path)?;
@@ -964,7 +966,6 @@ impl Driver {
         if req.defer_fs_ops && !self.deferral_enabled() {
             return Err(NodeError::DeferralUnsupported);
         }
-        let rec = self.node_record(&req.volume_id)?;
         if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
             return self.stats_deferred(&rec, &path);
         }
@@ -1024,7 +1025,7 @@ impl Driver {
         self.metrics.observe_condition(&rec.id, cond.abnormal);
         Ok(csi::NodeGetVolumeStatsResponse {
             usage,
-            volume_condition: Some(cond.into()),
+            volume_condition: self.cfg.csi_spec.serves_condition().then(|| cond.into()),
         })
     }
 
@@ -1035,6 +1036,8 @@ impl Driver {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
         }
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record(&req.volume_id)?;
         let path = abs_path("volume_path", &req.volume_path)?;
         if !req.staging_target_path.is_empty() {
             abs_path("staging_target_path", &req.staging_target_path)?;
@@ -1132,32 +1135,12 @@ impl Driver {
             node_id: self.cfg.node_id.clone(),
             max_volumes_per_node: self.cfg.max_volumes_per_node,
             accessible_topology: Some(self.topology()),
+            supported_file_systems: [FsType::Ext4, FsType::Xfs]
+                .iter()
+                .map(|f| f.as_str().to_string())
+                .collect(),
         }
     }
-}
-
-fn node_caps(deferral: bool) -> Vec<csi::NodeServiceCapability> {
-    let mut caps = vec![
-        RpcType::StageUnstageVolume,
-        RpcType::GetVolumeStats,
-        RpcType::ExpandVolume,
-        RpcType::VolumeCondition,
-        RpcType::SingleNodeMultiWriter,
-    ];
-    if deferral {
-        caps.extend([
-            RpcType::DeferFsOps,
-            RpcType::DeferFsOpsWithSupplementalGroup,
-            RpcType::DeferFsOpsWithSupplementalGroupChangePolicy,
-        ]);
-    }
-    caps.into_iter()
-        .map(|t| csi::NodeServiceCapability {
-            r#type: Some(csi::node_service_capability::Type::Rpc(
-                csi::node_service_capability::Rpc { r#type: t as i32 },
-            )),
-        })
-        .collect()
 }
 
 /// The tonic Node service.
@@ -1233,7 +1216,10 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities: node_caps(self.driver.deferral_enabled()),
+            capabilities: crate::surface::node_capabilities(
+                self.driver.cfg.csi_spec,
+                self.driver.deferral_enabled(),
+            ),
         }))
     }
 
@@ -1242,5 +1228,28 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetInfoRequest>,
     ) -> std::result::Result<Response<csi::NodeGetInfoResponse>, Status> {
         Ok(Response::new(self.driver.node_get_info()))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        request: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(crate::controller::health_api_off("NodeGetVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.node_get_volume_health(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _request: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(crate::controller::health_api_off("NodeGetStorageHealth"));
+        }
+        let resp = blocking(&self.driver, |d| d.node_get_storage_health()).await?;
+        Ok(Response::new(resp))
     }
 }

@@ -127,11 +127,13 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         C::VolumeCondition,
         C::GetVolume,
         C::SingleNodeMultiWriter,
+        C::GetVolumeHealth,
+        C::ListVolumeHealth,
     ]
     .into_iter()
     .map(|t| t as i32)
     .collect();
-    assert_eq!(ctl, want);
+    assert_eq!(ctl, want, "--csi-spec both: both generations' health");
 
     use csi::node_service_capability::rpc::Type as N;
     let nodecaps: BTreeSet<i32> = c
@@ -153,6 +155,8 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         N::ExpandVolume,
         N::VolumeCondition,
         N::SingleNodeMultiWriter,
+        N::GetVolumeHealth,
+        N::GetStorageHealth,
     ]
     .into_iter()
     .map(|t| t as i32)

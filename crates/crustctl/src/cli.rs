@@ -471,6 +471,19 @@ pub enum ControllerCmd {
     },
     /// ControllerGetVolume.
     Get { volume_id: String },
+    /// ControllerGetVolumeHealth (CSI v1.13).
+    VolumeHealth { volume_id: String },
+    /// ControllerListVolumeHealth (CSI v1.13): volumes with an adverse
+    /// condition.
+    ListVolumeHealth {
+        #[arg(long)]
+        max_entries: Option<i32>,
+        #[arg(long)]
+        starting_token: Option<String>,
+        /// Follow next_token through every page.
+        #[arg(long)]
+        all: bool,
+    },
     /// ListVolumes.
     List {
         #[arg(long)]
@@ -644,6 +657,17 @@ pub enum NodeCmd {
         #[arg(long)]
         defer_fs_ops: bool,
     },
+    /// NodeGetVolumeHealth (CSI v1.13).
+    VolumeHealth {
+        volume_id: String,
+        /// volume_publish_path (optional).
+        #[arg(long)]
+        volume_path: Option<PathBuf>,
+        #[arg(long)]
+        staging_path: Option<PathBuf>,
+    },
+    /// NodeGetStorageHealth (CSI v1.13): the node's storage backend.
+    StorageHealth,
     /// NodeGetVolumeStats.
     Stats {
         volume_id: String,
@@ -896,6 +920,8 @@ async fn controller(
         Create(csi::CreateVolumeRequest),
         Delete(csi::DeleteVolumeRequest),
         Get(csi::ControllerGetVolumeRequest),
+        Health(csi::ControllerGetVolumeHealthRequest),
+        ListHealth(csi::ControllerListVolumeHealthRequest, bool),
         List(csi::ListVolumesRequest, bool),
         Capacity(csi::GetCapacityRequest),
         Expand(csi::ControllerExpandVolumeRequest),
@@ -948,6 +974,27 @@ async fn controller(
             secrets: map(&secrets, "--secret")?,
         }),
         C::Get { volume_id } => Req::Get(csi::ControllerGetVolumeRequest { volume_id }),
+        C::VolumeHealth { volume_id } => Req::Health(csi::ControllerGetVolumeHealthRequest {
+            volume_id,
+            secrets: Default::default(),
+        }),
+        C::ListVolumeHealth {
+            max_entries,
+            starting_token,
+            all,
+        } => {
+            if max_entries.is_some_and(|m| m < 0) {
+                return Err(CliError::Usage("--max-entries must not be negative".into()));
+            }
+            Req::ListHealth(
+                csi::ControllerListVolumeHealthRequest {
+                    max_entries: max_entries.unwrap_or(0),
+                    starting_token: starting_token.unwrap_or_default(),
+                    secrets: Default::default(),
+                },
+                all,
+            )
+        }
         C::List {
             max_entries,
             starting_token,
@@ -1040,6 +1087,7 @@ async fn controller(
             params,
             secrets,
         } => Req::SnapCreate(csi::CreateSnapshotRequest {
+            accessibility_requirements: None,
             source_volume_id: source_volume,
             name,
             secrets: map(&secrets, "--secret")?,
@@ -1095,6 +1143,9 @@ async fn controller(
             )
         }
         Req::Get(r) => emit(out, &c.controller_get_volume(r).await?, ""),
+        Req::Health(r) => emit(out, &c.controller_get_volume_health(r).await?, ""),
+        Req::ListHealth(r, true) => emit(out, &c.list_all_volume_health(r).await?, ""),
+        Req::ListHealth(r, false) => emit(out, &c.controller_list_volume_health(r).await?, ""),
         Req::List(r, true) => emit(
             out,
             &c.list_all_volumes(r.max_entries, r.starting_token).await?,
@@ -1155,6 +1206,8 @@ async fn node(
         Publish(csi::NodePublishVolumeRequest),
         Unpublish(csi::NodeUnpublishVolumeRequest),
         Stats(csi::NodeGetVolumeStatsRequest),
+        Health(csi::NodeGetVolumeHealthRequest),
+        StorageHealth,
         Expand(csi::NodeExpandVolumeRequest),
         Capabilities,
         Info,
@@ -1212,6 +1265,16 @@ async fn node(
             target_path: path_str(&target_path)?,
             defer_fs_ops,
         }),
+        N::VolumeHealth {
+            volume_id,
+            volume_path,
+            staging_path,
+        } => Req::Health(csi::NodeGetVolumeHealthRequest {
+            volume_id,
+            volume_publish_path: opt_path(&volume_path)?,
+            staging_target_path: opt_path(&staging_path)?,
+        }),
+        N::StorageHealth => Req::StorageHealth,
         N::Stats {
             volume_id,
             volume_path,
@@ -1277,6 +1340,12 @@ async fn node(
             emit(out, &c.node_unpublish_volume(r).await?, &msg)
         }
         Req::Stats(r) => emit(out, &c.node_get_volume_stats(r).await?, ""),
+        Req::Health(r) => emit(out, &c.node_get_volume_health(r).await?, ""),
+        Req::StorageHealth => emit(
+            out,
+            &c.node_get_storage_health(Default::default()).await?,
+            "",
+        ),
         Req::Expand(r) => emit(out, &c.node_expand_volume(r).await?, ""),
         Req::Capabilities => emit(out, &c.node_get_capabilities(Default::default()).await?, ""),
         Req::Info => emit(out, &c.node_get_info(Default::default()).await?, ""),
