@@ -706,7 +706,8 @@ pub enum NodeCmd {
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats.
+    /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats,
+    /// volume-health (CSI v1.13 NodeGetVolumeHealth).
     #[arg(
         long,
         value_delimiter = ',',
