@@ -287,6 +287,14 @@ async fn host_faults_in_both_generations() {
         "{:?}",
         entries(&h)
     );
+    // The gauge follows the v1.13 call alone...
+    let metrics = http_get(metrics_address(&node), "/metrics").1;
+    assert_eq!(
+        sample(&metrics, "volume_stats_health_status_abnormal"),
+        Some(1.0),
+        "{metrics}"
+    );
+    // ...and the v1.12 condition says the same.
     let cond = c
         .stats(&id, &target)
         .await
@@ -296,12 +304,6 @@ async fn host_faults_in_both_generations() {
     assert!(
         cond.abnormal && cond.message.contains("read-only"),
         "{cond:?}"
-    );
-    let metrics = http_get(metrics_address(&node), "/metrics").1;
-    assert_eq!(
-        sample(&metrics, "volume_stats_health_status_abnormal"),
-        Some(1.0),
-        "{metrics}"
     );
     let st = Command::new("mount")
         .args(["-o", "remount,rw", &staging])
