@@ -113,6 +113,18 @@ pub fn freeze(
     }
 }
 
+/// Thaws `mountpoint` if it is frozen (a process that froze it died before
+/// thawing: a freeze outlives its process). Ok(true) if it was frozen.
+pub fn thaw_if_frozen(mountpoint: &Path) -> io::Result<bool> {
+    let dir = File::open(mountpoint)?;
+    match sys::ioctl_int(&dir, linux_raw_sys::ioctl::FITHAW, 0) {
+        Ok(_) => Ok(true),
+        // Not frozen.
+        Err(e) if sys::errno(&e) == Some(rustix::io::Errno::INVAL) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 impl Frozen {
     /// Thaws; Ok only if the filesystem stayed frozen until now.
     pub fn thaw(mut self) -> Result<(), FreezeError> {

@@ -189,7 +189,7 @@ impl Driver {
                 )));
             }
         }
-        let mut mount_flags = cap.mount_flags.clone();
+        let mut mount_flags = crate::node::mount_flags_of(&rec, fs, &cap.mount_flags);
         if readonly && !mount_flags.iter().any(|f| f == "ro") {
             mount_flags.push("ro".into());
         }

@@ -646,6 +646,7 @@ mod tests {
             node_id: "n".into(),
             staging: None,
             published: BTreeMap::new(),
+            content_source: None,
         }
     }
 

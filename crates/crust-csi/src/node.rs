@@ -163,6 +163,51 @@ fn ext4_fs_bytes(dev: &Path) -> io::Result<u64> {
     Ok(blocks * (1024 << log))
 }
 
+/// Bytes an xfs filesystem's data section spans, from its superblock
+/// (`sb_dblocks` x `sb_blocksize`, big-endian).
+fn xfs_fs_bytes(dev: &Path) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut sb = [0u8; 16];
+    fs::File::open(dev)?.read_exact_at(&mut sb, 0)?;
+    if &sb[0..4] != b"XFSB" {
+        return Err(io::Error::other("no xfs superblock"));
+    }
+    let block = u32::from_be_bytes(sb[4..8].try_into().expect("4 bytes")) as u64;
+    let blocks = u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes"));
+    Ok(blocks * block)
+}
+
+/// Grows a freshly mounted xfs that is at least 1 MiB smaller than its
+/// device (a volume restored or cloned into a larger size; xfs grows only
+/// while mounted).
+fn grow_xfs_to_device(id: &str, device: &Path, mountpoint: &Path) -> Result<()> {
+    let fs_bytes = xfs_fs_bytes(device).map_err(|e| {
+        NodeError::Internal(format!(
+            "reading the xfs superblock of {}: {e}",
+            device.display()
+        ))
+    })?;
+    let dev_bytes = crust_blockdev::block_device_size(device)
+        .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?;
+    if dev_bytes >= fs_bytes + (1 << 20) {
+        crust_blockdev::grow_fs(device, mountpoint, crust_blockdev::FsType::Xfs)
+            .map_err(|e| fs_err(&format!("growing xfs on {}", device.display()), e))?;
+        tracing::info!(volume = %id, device = %device.display(), "grew xfs to the device size after mounting");
+    }
+    Ok(())
+}
+
+/// The mount flags for `rec`'s filesystem: the capability's, plus
+/// `nouuid` for an xfs copied from a snapshot or volume (it shares its
+/// source's UUID, and the kernel refuses a second xfs with one).
+pub(crate) fn mount_flags_of(rec: &VolumeRecord, fs: FsType, flags: &[String]) -> Vec<String> {
+    let mut flags = flags.to_vec();
+    if fs == FsType::Xfs && rec.content_source.is_some() && !flags.iter().any(|f| f == "nouuid") {
+        flags.push("nouuid".into());
+    }
+    flags
+}
+
 /// Whether the ext4 on `dev` is at least 1 MiB smaller than the device
 /// (a grown volume whose filesystem was not grown yet).
 fn ext4_needs_grow(dev: &Path) -> Result<bool> {
@@ -540,11 +585,14 @@ impl Driver {
                     &device,
                     &path,
                     fs.to_blockdev(),
-                    &cap.mount_flags,
+                    &mount_flags_of(&rec, fs, &cap.mount_flags),
                     readonly,
                 )
                 .map_err(mount_err)
                 .map_err(undo)?;
+                if fs == FsType::Xfs && !readonly {
+                    grow_xfs_to_device(&id, &device, &path)?;
+                }
             }
         } else if readonly {
             set_device_read_only(&device, true)

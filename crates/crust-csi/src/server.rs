@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use crust_backend::Backend;
 use crust_proto::csi::v1::controller_server::ControllerServer;
+use crust_proto::csi::v1::group_controller_server::GroupControllerServer;
 use crust_proto::csi::v1::identity_server::IdentityServer;
 use crust_proto::csi::v1::node_server::NodeServer;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -28,6 +29,7 @@ use crate::config::{BackendConfig, Config};
 use crate::controller::ControllerService;
 use crate::driver::Driver;
 use crate::error::ServeError;
+use crate::group_controller::GroupControllerService;
 use crate::identity::IdentityService;
 use crate::metrics::RpcMetricsLayer;
 use crate::node::NodeService;
@@ -130,6 +132,9 @@ where
             driver.clone(),
         )))
         .add_service(NodeServer::new(NodeService::new(driver.clone())))
+        .add_service(GroupControllerServer::new(GroupControllerService::new(
+            driver.clone(),
+        )))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
     tokio::pin!(server);
     let result = tokio::select! {

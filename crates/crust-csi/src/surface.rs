@@ -19,8 +19,12 @@ use csi::node_service_capability::rpc::Type as NodeRpc;
 
 use crate::config::CsiSpec;
 
-/// The Controller service's capabilities.
-pub fn controller_capabilities(spec: CsiSpec) -> Vec<csi::ControllerServiceCapability> {
+/// The Controller service's capabilities; `snapshots`: the backend copies
+/// (snapshots and clones).
+pub fn controller_capabilities(
+    spec: CsiSpec,
+    snapshots: bool,
+) -> Vec<csi::ControllerServiceCapability> {
     let mut caps = vec![
         CtlRpc::CreateDeleteVolume,
         CtlRpc::ListVolumes,
@@ -36,6 +40,14 @@ pub fn controller_capabilities(spec: CsiSpec) -> Vec<csi::ControllerServiceCapab
     if spec.serves_health_api() {
         caps.extend([CtlRpc::GetVolumeHealth, CtlRpc::ListVolumeHealth]);
     }
+    if snapshots {
+        caps.extend([
+            CtlRpc::CreateDeleteSnapshot,
+            CtlRpc::ListSnapshots,
+            CtlRpc::GetSnapshot,
+            CtlRpc::CloneVolume,
+        ]);
+    }
     caps.into_iter()
         .map(|t| csi::ControllerServiceCapability {
             r#type: Some(csi::controller_service_capability::Type::Rpc(
@@ -43,6 +55,48 @@ pub fn controller_capabilities(spec: CsiSpec) -> Vec<csi::ControllerServiceCapab
             )),
         })
         .collect()
+}
+
+/// The plugin's capabilities (Identity).
+pub fn plugin_capabilities(spec: CsiSpec, snapshots: bool) -> Vec<csi::PluginCapability> {
+    use csi::plugin_capability::service::Type as Svc;
+    use csi::plugin_capability::volume_expansion::Type as Expansion;
+    use csi::plugin_capability::{Service, Type, VolumeExpansion};
+    let svc = |t: Svc| csi::PluginCapability {
+        r#type: Some(Type::Service(Service { r#type: t as i32 })),
+    };
+    let mut caps = vec![
+        svc(Svc::ControllerService),
+        svc(Svc::VolumeAccessibilityConstraints),
+        csi::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                r#type: Expansion::Online as i32,
+            })),
+        },
+    ];
+    if snapshots {
+        caps.push(svc(Svc::GroupControllerService));
+        // Snapshots stay on their volume's node (v1.13's value 5).
+        if spec.serves_health_api() {
+            caps.push(svc(Svc::SnapshotAccessibilityConstraints));
+        }
+    }
+    caps
+}
+
+/// The GroupController service's capabilities.
+pub fn group_controller_capabilities(
+    snapshots: bool,
+) -> Vec<csi::GroupControllerServiceCapability> {
+    use csi::group_controller_service_capability::{Rpc, Type, rpc::Type as G};
+    if !snapshots {
+        return Vec::new();
+    }
+    vec![csi::GroupControllerServiceCapability {
+        r#type: Some(Type::Rpc(Rpc {
+            r#type: G::CreateDeleteGetVolumeGroupSnapshot as i32,
+        })),
+    }]
 }
 
 /// The Node service's capabilities.
@@ -80,7 +134,7 @@ mod tests {
     use super::*;
 
     fn ctl(spec: CsiSpec) -> Vec<i32> {
-        controller_capabilities(spec)
+        controller_capabilities(spec, false)
             .into_iter()
             .map(|c| match c.r#type {
                 Some(csi::controller_service_capability::Type::Rpc(r)) => r.r#type,
