@@ -311,3 +311,51 @@ fn static_backend_does_not_snapshot() {
     ));
     assert!(b.list_snapshots().unwrap().is_empty());
 }
+
+/// `cargo test --release -p crust-backend --test snapshots -- --ignored --nocapture`:
+/// snapshot latency of a 1 GiB volume with 10 % and 90 % written, reflink
+/// (xfs pool) against sparse copy (ext4 pool). Not a pass/fail test.
+#[test]
+#[ignore]
+fn snapshot_latency_bench() {
+    const GIB: u64 = 1 << 30;
+    for (fs, label) in [(FsType::Xfs, "xfs (reflink)"), (FsType::Ext4, "ext4 (copy)")] {
+        for percent in [10u64, 90] {
+            let fp = FsPool::new(fs, 3 * GIB);
+            let p = fp.open(3 * GIB);
+            let v = p.create("vol-bench", GIB, 0).unwrap();
+            let chunk = vec![0xC3u8; 4 << 20];
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&v.backing)
+                .unwrap();
+            // Written extents spread over the volume, like a used filesystem.
+            let chunks = GIB / chunk.len() as u64;
+            for i in 0..chunks {
+                if (i * 7919) % 100 < percent {
+                    f.write_all_at(&chunk, i * chunk.len() as u64).unwrap();
+                }
+            }
+            f.sync_all().unwrap();
+            let written = std::fs::metadata(&v.backing).unwrap().blocks() * 512;
+            let mut times = Vec::new();
+            for round in 0..3 {
+                let id = format!("snap-bench-{round}");
+                let t0 = std::time::Instant::now();
+                let s = p.create_snapshot(&id, "vol-bench", None).unwrap();
+                times.push(t0.elapsed());
+                assert!(s.allocated_bytes > 0);
+                p.delete_snapshot(&id).unwrap();
+            }
+            times.sort();
+            println!(
+                "{label:<14} {percent:>2}% written ({:>4} MiB): snapshot p50 {:?} (min {:?}, max {:?})",
+                written >> 20,
+                times[1],
+                times[0],
+                times[2]
+            );
+            p.delete("vol-bench").unwrap();
+        }
+    }
+}

@@ -581,6 +581,7 @@ impl Driver {
                     crust_blockdev::ensure_no_other_openers(&device, crust_blockdev::fs::MOUNT)
                         .map_err(|e| fs_err("checking for other openers", e))?;
                 }
+                let fresh_mount = !mounted_here(&device, &path)?;
                 crust_blockdev::mount_fs(
                     &device,
                     &path,
@@ -590,7 +591,9 @@ impl Driver {
                 )
                 .map_err(mount_err)
                 .map_err(undo)?;
-                if fs == FsType::Xfs && !readonly {
+                // Only when this call mounted it: growing a mounted volume
+                // is NodeExpandVolume's job, a repeated stage changes nothing.
+                if fresh_mount && fs == FsType::Xfs && !readonly {
                     grow_xfs_to_device(&id, &device, &path)?;
                 }
             }

@@ -74,6 +74,9 @@ pub enum Command {
     /// Node service RPCs (including the KEP-2857 deferral fields).
     #[command(subcommand)]
     Node(NodeCmd),
+    /// GroupController service RPCs (volume group snapshots).
+    #[command(subcommand)]
+    Group(GroupCmd),
     /// Load-test a CSI endpoint with standard CSI calls (or, with
     /// --deferred, the deferred stats/expand paths of one running pod).
     Bench(BenchArgs),
@@ -604,6 +607,37 @@ pub enum ControllerCmd {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum GroupCmd {
+    /// GroupControllerGetCapabilities.
+    Capabilities,
+    /// CreateVolumeGroupSnapshot: one crash-consistent snapshot of every
+    /// volume.
+    Create {
+        /// Group snapshot name (the idempotency key).
+        #[arg(long)]
+        name: String,
+        /// A source volume (repeat for each).
+        #[arg(long = "volume", value_name = "VOLUME_ID", required = true)]
+        volumes: Vec<String>,
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+    },
+    /// DeleteVolumeGroupSnapshot (with its member snapshots).
+    Delete {
+        group_snapshot_id: String,
+        /// Member snapshot ids, checked against the group (repeatable).
+        #[arg(long = "snapshot-id")]
+        snapshot_ids: Vec<String>,
+    },
+    /// GetVolumeGroupSnapshot.
+    Get {
+        group_snapshot_id: String,
+        #[arg(long = "snapshot-id")]
+        snapshot_ids: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum NodeCmd {
     /// NodeStageVolume.
     Stage {
@@ -886,6 +920,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Controller(cmd) => controller(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Node(cmd) => node(&cli.endpoint, cli.timeout, cmd, out).await?,
+        Command::Group(cmd) => group(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Bench(args) if args.deferred => {
             return bench_deferred_cmd(&cli.endpoint, cli.timeout, args, out).await;
         }
@@ -1190,6 +1225,66 @@ async fn controller(
         Req::SnapList(r, true) => emit(out, &c.list_all_snapshots(r).await?, ""),
         Req::SnapList(r, false) => emit(out, &c.list_snapshots(r).await?, ""),
         Req::SnapGet(r) => emit(out, &c.get_snapshot(r).await?, ""),
+    }
+    Ok(())
+}
+
+async fn group(
+    ep: &Endpoint,
+    timeout: Duration,
+    cmd: GroupCmd,
+    out: OutputFormat,
+) -> Result<(), CliError> {
+    use GroupCmd as G;
+    enum Req {
+        Capabilities,
+        Create(csi::CreateVolumeGroupSnapshotRequest),
+        Delete(csi::DeleteVolumeGroupSnapshotRequest),
+        Get(csi::GetVolumeGroupSnapshotRequest),
+    }
+    let req = match cmd {
+        G::Capabilities => Req::Capabilities,
+        G::Create {
+            name,
+            volumes,
+            params,
+        } => Req::Create(csi::CreateVolumeGroupSnapshotRequest {
+            name,
+            source_volume_ids: volumes,
+            secrets: Default::default(),
+            parameters: map(&params, "--param")?,
+        }),
+        G::Delete {
+            group_snapshot_id,
+            snapshot_ids,
+        } => Req::Delete(csi::DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id,
+            snapshot_ids,
+            secrets: Default::default(),
+        }),
+        G::Get {
+            group_snapshot_id,
+            snapshot_ids,
+        } => Req::Get(csi::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id,
+            snapshot_ids,
+            secrets: Default::default(),
+        }),
+    };
+    let c = Csi::connect(ep, timeout).await?;
+    match req {
+        Req::Capabilities => emit(
+            out,
+            &c.group_controller_get_capabilities(Default::default())
+                .await?,
+            "",
+        ),
+        Req::Create(r) => emit(out, &c.create_volume_group_snapshot(r).await?, ""),
+        Req::Delete(r) => {
+            let msg = format!("group snapshot {} deleted", r.group_snapshot_id);
+            emit(out, &c.delete_volume_group_snapshot(r).await?, &msg)
+        }
+        Req::Get(r) => emit(out, &c.get_volume_group_snapshot(r).await?, ""),
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use crust_proto::csi::v1 as csi;
 use crust_proto::endpoint::{Endpoint, EndpointError};
 use csi::controller_client::ControllerClient;
+use csi::group_controller_client::GroupControllerClient;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use tonic::transport::Channel;
@@ -31,6 +32,7 @@ pub struct Csi {
     identity: IdentityClient<Channel>,
     controller: ControllerClient<Channel>,
     node: NodeClient<Channel>,
+    group: GroupControllerClient<Channel>,
     timeout: Duration,
 }
 
@@ -63,7 +65,8 @@ impl Csi {
         Csi {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
+            node: NodeClient::new(channel.clone()),
+            group: GroupControllerClient::new(channel),
             timeout,
         }
     }
@@ -142,6 +145,11 @@ impl Csi {
         node.node_expand_volume(NodeExpandVolumeRequest) -> NodeExpandVolumeResponse;
         node.node_get_capabilities(NodeGetCapabilitiesRequest) -> NodeGetCapabilitiesResponse;
         node.node_get_info(NodeGetInfoRequest) -> NodeGetInfoResponse;
+
+        group.group_controller_get_capabilities(GroupControllerGetCapabilitiesRequest) -> GroupControllerGetCapabilitiesResponse;
+        group.create_volume_group_snapshot(CreateVolumeGroupSnapshotRequest) -> CreateVolumeGroupSnapshotResponse;
+        group.delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest) -> DeleteVolumeGroupSnapshotResponse;
+        group.get_volume_group_snapshot(GetVolumeGroupSnapshotRequest) -> GetVolumeGroupSnapshotResponse;
         node.node_get_volume_health(NodeGetVolumeHealthRequest) -> NodeGetVolumeHealthResponse;
         node.node_get_storage_health(NodeGetStorageHealthRequest) -> NodeGetStorageHealthResponse;
     }

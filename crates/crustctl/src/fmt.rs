@@ -61,6 +61,10 @@ enum_name!(
     csi::controller_service_capability::rpc::Type
 );
 enum_name!(node_rpc_name, csi::node_service_capability::rpc::Type);
+enum_name!(
+    group_rpc_name,
+    csi::group_controller_service_capability::rpc::Type
+);
 enum_name!(usage_unit_name, csi::volume_usage::Unit);
 enum_name!(volume_health_status_name, csi::VolumeHealthErrorType);
 enum_name!(storage_health_status_name, csi::StorageHealthErrorType);
@@ -608,6 +612,90 @@ impl Render for csi::GetSnapshotResponse {
             None => out.push_str("(no snapshot in response)\n"),
         }
         out
+    }
+}
+
+fn group_snapshot_json(g: &csi::VolumeGroupSnapshot) -> Value {
+    json!({
+        "group_snapshot_id": g.group_snapshot_id,
+        "snapshots": g.snapshots.iter().map(snapshot_json).collect::<Vec<_>>(),
+        "creation_time": opt(&g.creation_time, |t| Value::String(t.to_string())),
+        "ready_to_use": g.ready_to_use,
+    })
+}
+
+fn group_snapshot_text(g: &Option<csi::VolumeGroupSnapshot>) -> String {
+    let Some(g) = g else {
+        return "(no group snapshot in response)\n".into();
+    };
+    let mut out = format!(
+        "group_snapshot_id: {}\nready_to_use:      {}\nmembers:           {}\n",
+        g.group_snapshot_id,
+        g.ready_to_use,
+        g.snapshots.len()
+    );
+    for s in &g.snapshots {
+        out.push('\n');
+        snapshot_text(&mut out, s);
+    }
+    out
+}
+
+impl Render for csi::CreateVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        json!({ "group_snapshot": opt(&self.group_snapshot, group_snapshot_json) })
+    }
+    fn to_text(&self) -> String {
+        group_snapshot_text(&self.group_snapshot)
+    }
+}
+
+impl Render for csi::GetVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        json!({ "group_snapshot": opt(&self.group_snapshot, group_snapshot_json) })
+    }
+    fn to_text(&self) -> String {
+        group_snapshot_text(&self.group_snapshot)
+    }
+}
+
+impl Render for csi::DeleteVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        empty_json()
+    }
+    fn to_text(&self) -> String {
+        String::new()
+    }
+}
+
+impl Render for csi::GroupControllerGetCapabilitiesResponse {
+    fn to_json(&self) -> Value {
+        use csi::group_controller_service_capability::Type;
+        rpc_caps_json(
+            &self
+                .capabilities
+                .iter()
+                .map(|c| {
+                    c.r#type
+                        .as_ref()
+                        .map(|Type::Rpc(r)| group_rpc_name(r.r#type))
+                })
+                .collect::<Vec<_>>(),
+        )
+    }
+    fn to_text(&self) -> String {
+        use csi::group_controller_service_capability::Type;
+        rpc_caps_text(
+            &self
+                .capabilities
+                .iter()
+                .map(|c| {
+                    c.r#type
+                        .as_ref()
+                        .map(|Type::Rpc(r)| group_rpc_name(r.r#type))
+                })
+                .collect::<Vec<_>>(),
+        )
     }
 }
 
