@@ -42,6 +42,71 @@ pub enum BackingState {
     Degraded(String),
 }
 
+/// A condition of the backend itself, affecting every volume it serves
+/// (CSI v1.13 NodeGetStorageHealth).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageProblem {
+    /// True when volumes of this backend are expected to be unusable;
+    /// false when they work with reduced guarantees (degraded).
+    pub unreachable: bool,
+    /// CamelCase, stable for machines.
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl StorageProblem {
+    pub fn degraded(reason: &'static str, message: impl Into<String>) -> Self {
+        StorageProblem {
+            unreachable: false,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn unreachable(reason: &'static str, message: impl Into<String>) -> Self {
+        StorageProblem {
+            unreachable: true,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// A point-in-time copy of a volume, held by the backend independently of
+/// its source (deleting the source keeps it usable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub snapshot_id: String,
+    pub source_volume_id: String,
+    /// Size of the source volume when the snapshot was cut: the smallest
+    /// volume it can be restored into.
+    pub size_bytes: u64,
+    /// Bytes of the pool it occupies (counted against capacity).
+    pub allocated_bytes: u64,
+    /// Wall-clock time of the copy, milliseconds since the epoch.
+    pub created_unix_ms: i64,
+    /// `reflink` or `sparse-copy`.
+    pub method: String,
+    /// Set for members of a volume group snapshot.
+    pub group_id: Option<String>,
+}
+
+/// A group of snapshots cut together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupInfo {
+    pub group_id: String,
+    pub source_volume_ids: Vec<String>,
+    pub snapshot_ids: Vec<String>,
+    pub created_unix_ms: i64,
+}
+
+/// What a new volume is filled from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentSource {
+    Snapshot(String),
+    Volume(String),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("volume {0} not found in backend")]
@@ -64,6 +129,19 @@ pub enum BackendError {
     },
     #[error("invalid argument: {0}")]
     Invalid(String),
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        backend: &'static str,
+        what: &'static str,
+    },
+    #[error("snapshot {0} not found")]
+    SnapshotNotFound(String),
+    #[error("snapshot {id} already exists for volume {existing_source}, not {requested_source}")]
+    SnapshotConflict {
+        id: String,
+        existing_source: String,
+        requested_source: String,
+    },
     #[error("block device error: {0}")]
     Device(String),
     #[error("I/O error on {path}: {source}")]
@@ -120,6 +198,88 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Health of the backing store for VolumeCondition.
     fn backing_state(&self, volume_id: &str) -> BackingState;
+    /// Conditions of the backend as a whole (pool directory, its
+    /// filesystem, configured devices); empty when none. May block on a
+    /// hung filesystem: callers bound it.
+    fn storage_health(&self) -> Vec<StorageProblem>;
+
+    // ---- snapshots and clones (optional) ----
+    //
+    // The caller makes the source consistent first (freezes a mounted
+    // filesystem, flushes an attached device) and keeps it so until the
+    // call returns. Every call is idempotent; a snapshot is reported only
+    // once its copy is complete and durable.
+
+    /// Whether the snapshot and clone calls below are implemented.
+    fn supports_snapshots(&self) -> bool {
+        false
+    }
+
+    /// Copies volume `source_volume_id` into snapshot `snapshot_id` (a
+    /// member of group `group` if given). Same id and source again: the
+    /// existing snapshot; same id, other source: [`BackendError::SnapshotConflict`].
+    fn create_snapshot(
+        &self,
+        _snapshot_id: &str,
+        _source_volume_id: &str,
+        _group: Option<&str>,
+    ) -> Result<SnapshotInfo> {
+        Err(unsupported(self.kind(), "snapshots"))
+    }
+
+    /// Removes a snapshot and its data. Idempotent.
+    fn delete_snapshot(&self, _snapshot_id: &str) -> Result<()> {
+        Err(unsupported(self.kind(), "snapshots"))
+    }
+
+    /// Every complete snapshot, sorted by id.
+    fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        Ok(Vec::new())
+    }
+
+    /// A complete snapshot, if it exists.
+    fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>> {
+        Ok(self
+            .list_snapshots()?
+            .into_iter()
+            .find(|s| s.snapshot_id == snapshot_id))
+    }
+
+    /// Creates volume `volume_id` of `size_bytes` (at least the source's
+    /// size) holding a copy of `source`. Idempotent like [`Backend::create`].
+    fn create_from(
+        &self,
+        _volume_id: &str,
+        _size_bytes: u64,
+        _source: &ContentSource,
+    ) -> Result<Allocation> {
+        Err(unsupported(self.kind(), "cloning"))
+    }
+
+    /// Records that a group of snapshots is being cut (its members not
+    /// yet complete): a crash leaves it pending, never reported.
+    fn begin_group(&self, _group_id: &str, _source_volume_ids: &[String]) -> Result<()> {
+        Err(unsupported(self.kind(), "group snapshots"))
+    }
+
+    /// Marks a group complete once every member snapshot exists.
+    fn complete_group(&self, _group_id: &str, _snapshot_ids: &[String]) -> Result<GroupInfo> {
+        Err(unsupported(self.kind(), "group snapshots"))
+    }
+
+    /// A group and whether it is complete (`None`: no such group).
+    fn get_group(&self, _group_id: &str) -> Result<Option<(GroupInfo, bool)>> {
+        Ok(None)
+    }
+
+    /// Removes a group record and its member snapshots. Idempotent.
+    fn delete_group(&self, _group_id: &str) -> Result<()> {
+        Err(unsupported(self.kind(), "group snapshots"))
+    }
+}
+
+fn unsupported(backend: &'static str, what: &'static str) -> BackendError {
+    BackendError::Unsupported { backend, what }
 }
 
 mod pool;

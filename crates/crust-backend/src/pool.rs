@@ -49,7 +49,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::util::{self, IdLocks, io_err, lock};
-use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result};
+use crate::{
+    Allocation, Backend, BackendError, BackingState, Capacity, ContentSource, GroupInfo, Result,
+    SnapshotInfo, StorageProblem,
+};
 
 /// Smallest volume the pool creates unless configured otherwise.
 pub const DEFAULT_MINIMUM_VOLUME_SIZE: u64 = 1 << 20;
@@ -57,7 +60,10 @@ pub const DEFAULT_MINIMUM_VOLUME_SIZE: u64 = 1 << 20;
 const INDEX: &str = "index.json";
 const LOCK: &str = ".lock";
 const QUARANTINE: &str = "quarantine";
-const INDEX_VERSION: u32 = 1;
+const SNAPSHOTS: &str = "snapshots";
+/// Version 2 added snapshots, groups and pending entries; version 1
+/// indexes are read as version 2 with none of them.
+const INDEX_VERSION: u32 = 2;
 
 /// Configuration of a [`PoolBackend`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,12 +92,45 @@ struct Entry {
     /// File name inside the pool directory.
     file: String,
     size_bytes: u64,
+    /// A volume being filled from a snapshot or another volume: its file
+    /// is written under a temp name and renamed when complete (see
+    /// [`PoolBackend::reconcile`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pending: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct SnapEntry {
+    /// File name inside `snapshots/`.
+    file: String,
+    source_volume_id: String,
+    size_bytes: u64,
+    allocated_bytes: u64,
+    created_unix_ms: i64,
+    method: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    group_id: Option<String>,
+    /// Being copied; never reported (see [`PoolBackend::reconcile`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pending: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct GroupEntry {
+    source_volume_ids: Vec<String>,
+    snapshot_ids: Vec<String>,
+    created_unix_ms: i64,
+    complete: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Index {
     version: u32,
     volumes: BTreeMap<String, Entry>,
+    #[serde(default)]
+    snapshots: BTreeMap<String, SnapEntry>,
+    #[serde(default)]
+    groups: BTreeMap<String, GroupEntry>,
 }
 
 #[derive(Debug, Default)]
@@ -109,6 +148,13 @@ pub struct PoolBackend {
     state: Mutex<State>,
     ids: IdLocks,
     _lock: util::DirLock,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// File name for a new volume's image.
@@ -164,7 +210,7 @@ impl PoolBackend {
                         index_path.display()
                     ))
                 })?;
-                if index.version != INDEX_VERSION {
+                if index.version != INDEX_VERSION && index.version != 1 {
                     return Err(BackendError::Invalid(format!(
                         "pool index {} has version {}, this build understands {INDEX_VERSION}",
                         index_path.display(),
@@ -175,7 +221,7 @@ impl PoolBackend {
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Index {
                 version: INDEX_VERSION,
-                volumes: BTreeMap::new(),
+                ..Index::default()
             },
             Err(e) => return Err(io_err(&index_path)(e)),
         };
@@ -211,7 +257,9 @@ impl PoolBackend {
 
     fn reconcile(&self) -> Result<()> {
         let mut st = lock(&self.state);
-        let mut changed = false;
+        let mut changed = st.index.version != INDEX_VERSION;
+        st.index.version = INDEX_VERSION;
+        changed |= self.settle_pending(&mut st)?;
         for (id, entry) in st.index.volumes.iter_mut() {
             let path = self.dir.join(&entry.file);
             match std::fs::metadata(&path) {
@@ -231,6 +279,7 @@ impl PoolBackend {
                 Err(e) => return Err(io_err(&path)(e)),
             }
         }
+        self.remove_unindexed_snapshots(&st)?;
         let known: std::collections::HashSet<&str> =
             st.index.volumes.values().map(|e| e.file.as_str()).collect();
         let entries = std::fs::read_dir(&self.dir).map_err(io_err(&self.dir))?;
@@ -276,7 +325,12 @@ impl PoolBackend {
     }
 
     fn available(&self, st: &State) -> Result<u64> {
-        let allocated: u64 = st.index.volumes.values().map(|e| e.size_bytes).sum();
+        let allocated: u64 = st.index.volumes.values().map(|e| e.size_bytes).sum::<u64>()
+            + st.index
+                .snapshots
+                .values()
+                .map(|e| e.allocated_bytes)
+                .sum::<u64>();
         let by_config = self
             .config
             .capacity_bytes
@@ -293,7 +347,12 @@ impl PoolBackend {
     }
 
     fn entry(&self, id: &str) -> Option<Entry> {
-        lock(&self.state).index.volumes.get(id).cloned()
+        lock(&self.state)
+            .index
+            .volumes
+            .get(id)
+            .filter(|e| !e.pending)
+            .cloned()
     }
 
     /// Detaches the given loop devices, turning "busy" into a clear error.
@@ -389,6 +448,7 @@ impl Backend for PoolBackend {
         let entry = Entry {
             file: name,
             size_bytes,
+            pending: false,
         };
         st.index.volumes.insert(volume_id.to_owned(), entry.clone());
         if let Err(e) = util::fsync_dir(&self.dir).and_then(|_| self.persist(&st)) {
@@ -442,6 +502,7 @@ impl Backend for PoolBackend {
             .index
             .volumes
             .iter()
+            .filter(|(_, e)| !e.pending)
             .map(|(id, e)| self.allocation(id, e))
             .collect())
     }
@@ -661,6 +722,592 @@ impl Backend for PoolBackend {
             ));
         }
         BackingState::Healthy
+    }
+
+    fn supports_snapshots(&self) -> bool {
+        true
+    }
+
+    fn create_snapshot(
+        &self,
+        snapshot_id: &str,
+        source_volume_id: &str,
+        group: Option<&str>,
+    ) -> Result<SnapshotInfo> {
+        util::validate_id(snapshot_id)?;
+        // Source first, then the snapshot: the same order everywhere.
+        let _src = self.ids.lock(source_volume_id);
+        let _snap = self.ids.lock(snapshot_id);
+        let (file, src_path, src_size) = {
+            let mut st = lock(&self.state);
+            if let Some(e) = st.index.snapshots.get(snapshot_id) {
+                if e.source_volume_id != source_volume_id || e.group_id.as_deref() != group {
+                    return Err(BackendError::SnapshotConflict {
+                        id: snapshot_id.to_owned(),
+                        existing_source: e.source_volume_id.clone(),
+                        requested_source: source_volume_id.to_owned(),
+                    });
+                }
+                if !e.pending {
+                    return Ok(Self::snapshot_info(snapshot_id, e));
+                }
+            }
+            let src = st
+                .index
+                .volumes
+                .get(source_volume_id)
+                .filter(|e| !e.pending)
+                .cloned()
+                .ok_or_else(|| BackendError::NotFound(source_volume_id.to_owned()))?;
+            let src_path = self.dir.join(&src.file);
+            // A snapshot holds at most what its source holds now.
+            let estimate = std::fs::metadata(&src_path)
+                .map(|m| m.blocks() * 512)
+                .map_err(io_err(&src_path))?;
+            let available = self.available(&st)?;
+            if estimate > available {
+                return Err(BackendError::Exhausted {
+                    requested: estimate,
+                    available,
+                });
+            }
+            let file = image_name(snapshot_id);
+            st.index.snapshots.insert(
+                snapshot_id.to_owned(),
+                SnapEntry {
+                    file: file.clone(),
+                    source_volume_id: source_volume_id.to_owned(),
+                    size_bytes: src.size_bytes,
+                    allocated_bytes: estimate,
+                    created_unix_ms: now_ms(),
+                    method: String::new(),
+                    group_id: group.map(str::to_owned),
+                    pending: true,
+                },
+            );
+            st.reserved += estimate;
+            if let Err(e) = self.persist(&st) {
+                st.reserved -= estimate;
+                st.index.snapshots.remove(snapshot_id);
+                return Err(e);
+            }
+            (file, src_path, src.size_bytes)
+        };
+        let sdir = self.snapshots_dir();
+        let copied = util::ensure_private_dir(&sdir)
+            .and_then(|_| Self::copy_into_place(&src_path, &sdir.join(&file)));
+        let mut st = lock(&self.state);
+        let estimate = st
+            .index
+            .snapshots
+            .get(snapshot_id)
+            .map(|e| e.allocated_bytes)
+            .unwrap_or(0);
+        st.reserved -= estimate;
+        let outcome = match copied {
+            Ok(o) => o,
+            Err(e) => {
+                st.index.snapshots.remove(snapshot_id);
+                let _ = self.persist(&st);
+                return Err(e);
+            }
+        };
+        let allocated = std::fs::metadata(sdir.join(&file))
+            .map(|m| m.blocks() * 512)
+            .unwrap_or(estimate);
+        let entry = st
+            .index
+            .snapshots
+            .get_mut(snapshot_id)
+            .expect("inserted above, under the id lock");
+        entry.pending = false;
+        entry.allocated_bytes = allocated;
+        entry.method = outcome.method.as_str().to_owned();
+        entry.size_bytes = src_size;
+        let info = Self::snapshot_info(snapshot_id, entry);
+        // If this write fails the entry stays pending on disk and the next
+        // open completes it (the file is in place).
+        self.persist(&st)?;
+        tracing::info!(snapshot = %snapshot_id, volume = %source_volume_id, method = outcome.method.as_str(),
+            copied = outcome.bytes_copied, "snapshot cut");
+        Ok(info)
+    }
+
+    fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        let _snap = self.ids.lock(snapshot_id);
+        let Some(entry) = lock(&self.state).index.snapshots.get(snapshot_id).cloned() else {
+            return Ok(());
+        };
+        let path = self.snapshots_dir().join(&entry.file);
+        match std::fs::remove_file(&path) {
+            Ok(()) => util::fsync_dir(&self.snapshots_dir())?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&path)(e)),
+        }
+        let mut st = lock(&self.state);
+        st.index.snapshots.remove(snapshot_id);
+        self.persist(&st)?;
+        tracing::info!(snapshot = %snapshot_id, "snapshot deleted");
+        Ok(())
+    }
+
+    fn list_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        let st = lock(&self.state);
+        let complete_group = |g: &Option<String>| match g {
+            None => true,
+            Some(g) => st.index.groups.get(g).is_some_and(|g| g.complete),
+        };
+        Ok(st
+            .index
+            .snapshots
+            .iter()
+            .filter(|(_, e)| !e.pending && complete_group(&e.group_id))
+            .map(|(id, e)| Self::snapshot_info(id, e))
+            .collect())
+    }
+
+    fn create_from(
+        &self,
+        volume_id: &str,
+        size_bytes: u64,
+        source: &ContentSource,
+    ) -> Result<Allocation> {
+        util::validate_id(volume_id)?;
+        // The source cannot be deleted or grown while it is copied; locked
+        // before the new volume, the order every two-id call uses.
+        let _src = self.ids.lock(match source {
+            ContentSource::Snapshot(id) | ContentSource::Volume(id) => id,
+        });
+        let _id = self.ids.lock(volume_id);
+        let (name, src_path, src_size) = {
+            let mut st = lock(&self.state);
+            if let Some(e) = st.index.volumes.get(volume_id).filter(|e| !e.pending) {
+                return if e.size_bytes == size_bytes {
+                    Ok(self.allocation(volume_id, e))
+                } else {
+                    Err(BackendError::SizeMismatch {
+                        id: volume_id.to_owned(),
+                        existing: e.size_bytes,
+                        requested: size_bytes,
+                    })
+                };
+            }
+            let (src_path, src_size) = match source {
+                ContentSource::Snapshot(id) => {
+                    let e = st
+                        .index
+                        .snapshots
+                        .get(id)
+                        .filter(|e| !e.pending)
+                        .ok_or_else(|| BackendError::SnapshotNotFound(id.clone()))?;
+                    (self.snapshots_dir().join(&e.file), e.size_bytes)
+                }
+                ContentSource::Volume(id) => {
+                    let e = st
+                        .index
+                        .volumes
+                        .get(id)
+                        .filter(|e| !e.pending)
+                        .ok_or_else(|| BackendError::NotFound(id.clone()))?;
+                    (self.dir.join(&e.file), e.size_bytes)
+                }
+            };
+            if size_bytes < src_size {
+                return Err(BackendError::OutOfRange(
+                    size_bytes,
+                    format!("smaller than its source ({src_size} bytes)"),
+                ));
+            }
+            let available = self.available(&st)?;
+            if size_bytes > available {
+                return Err(BackendError::Exhausted {
+                    requested: size_bytes,
+                    available,
+                });
+            }
+            let name = image_name(volume_id);
+            if st.index.volumes.values().any(|e| e.file == name) {
+                return Err(BackendError::Device(format!(
+                    "image name {name} for volume {volume_id} collides with another volume"
+                )));
+            }
+            st.index.volumes.insert(
+                volume_id.to_owned(),
+                Entry {
+                    file: name.clone(),
+                    size_bytes,
+                    pending: true,
+                },
+            );
+            st.reserved += size_bytes;
+            if let Err(e) = self.persist(&st) {
+                st.reserved -= size_bytes;
+                st.index.volumes.remove(volume_id);
+                return Err(e);
+            }
+            (name, src_path, src_size)
+        };
+        let path = self.dir.join(&name);
+        let copied = (|| -> Result<()> {
+            // The copy keeps the temp name until it has the new size too.
+            let tmp = self.dir.join(format!("{}{name}", util::TMP_PREFIX));
+            let _ = std::fs::remove_file(&tmp);
+            crust_blockdev::clone_file(&src_path, &tmp, 0o600)
+                .map_err(|e| io_err(&e.dst.clone())(e.source))?;
+            if size_bytes > src_size {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(&tmp)
+                    .map_err(io_err(&tmp))?;
+                f.set_len(size_bytes).map_err(io_err(&tmp))?;
+                f.sync_all().map_err(io_err(&tmp))?;
+            }
+            std::fs::rename(&tmp, &path).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                io_err(&path)(e)
+            })?;
+            util::fsync_dir(&self.dir)
+        })();
+        let mut st = lock(&self.state);
+        st.reserved -= size_bytes;
+        if let Err(e) = copied {
+            st.index.volumes.remove(volume_id);
+            let _ = self.persist(&st);
+            return Err(e);
+        }
+        let entry = st
+            .index
+            .volumes
+            .get_mut(volume_id)
+            .expect("inserted above, under the id lock");
+        entry.pending = false;
+        let alloc = self.allocation(volume_id, entry);
+        self.persist(&st)?;
+        tracing::info!(volume = %volume_id, size = size_bytes, source = ?source, "pool volume created from a copy");
+        Ok(alloc)
+    }
+
+    fn begin_group(&self, group_id: &str, source_volume_ids: &[String]) -> Result<()> {
+        util::validate_id(group_id)?;
+        let mut st = lock(&self.state);
+        if let Some(g) = st.index.groups.get(group_id) {
+            if g.source_volume_ids != source_volume_ids {
+                return Err(BackendError::SnapshotConflict {
+                    id: group_id.to_owned(),
+                    existing_source: g.source_volume_ids.join(","),
+                    requested_source: source_volume_ids.join(","),
+                });
+            }
+            return Ok(());
+        }
+        st.index.groups.insert(
+            group_id.to_owned(),
+            GroupEntry {
+                source_volume_ids: source_volume_ids.to_vec(),
+                snapshot_ids: Vec::new(),
+                created_unix_ms: now_ms(),
+                complete: false,
+            },
+        );
+        self.persist(&st)
+    }
+
+    fn complete_group(&self, group_id: &str, snapshot_ids: &[String]) -> Result<GroupInfo> {
+        let mut st = lock(&self.state);
+        let complete = snapshot_ids.iter().all(|id| {
+            st.index
+                .snapshots
+                .get(id)
+                .is_some_and(|e| !e.pending && e.group_id.as_deref() == Some(group_id))
+        });
+        let g = st
+            .index
+            .groups
+            .get_mut(group_id)
+            .ok_or_else(|| BackendError::SnapshotNotFound(group_id.to_owned()))?;
+        if !complete {
+            return Err(BackendError::Device(format!(
+                "group snapshot {group_id} is missing members"
+            )));
+        }
+        g.snapshot_ids = snapshot_ids.to_vec();
+        g.complete = true;
+        let info = GroupInfo {
+            group_id: group_id.to_owned(),
+            source_volume_ids: g.source_volume_ids.clone(),
+            snapshot_ids: g.snapshot_ids.clone(),
+            created_unix_ms: g.created_unix_ms,
+        };
+        self.persist(&st)?;
+        Ok(info)
+    }
+
+    fn get_group(&self, group_id: &str) -> Result<Option<(GroupInfo, bool)>> {
+        let st = lock(&self.state);
+        Ok(st.index.groups.get(group_id).map(|g| {
+            (
+                GroupInfo {
+                    group_id: group_id.to_owned(),
+                    source_volume_ids: g.source_volume_ids.clone(),
+                    snapshot_ids: g.snapshot_ids.clone(),
+                    created_unix_ms: g.created_unix_ms,
+                },
+                g.complete,
+            )
+        }))
+    }
+
+    fn delete_group(&self, group_id: &str) -> Result<()> {
+        let members: Vec<String> = {
+            let st = lock(&self.state);
+            st.index
+                .snapshots
+                .iter()
+                .filter(|(_, e)| e.group_id.as_deref() == Some(group_id))
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in members {
+            self.delete_snapshot(&id)?;
+        }
+        let mut st = lock(&self.state);
+        if st.index.groups.remove(group_id).is_some() {
+            self.persist(&st)?;
+        }
+        Ok(())
+    }
+
+    fn storage_health(&self) -> Vec<StorageProblem> {
+        let d = self.dir.display();
+        if !self.dir.is_dir() {
+            return vec![StorageProblem::unreachable(
+                "PoolUnavailable",
+                format!("pool directory {d} is missing or not a directory"),
+            )];
+        }
+        let mut problems = Vec::new();
+        if !Path::new("/dev/loop-control").exists() {
+            problems.push(StorageProblem::unreachable(
+                "LoopDevicesUnavailable",
+                "/dev/loop-control is missing: no volume can be attached (load the loop module)",
+            ));
+        }
+        if let crust_blockdev::Health::Abnormal(s) = crust_blockdev::containing_fs_health(&self.dir)
+        {
+            use crust_blockdev::SymptomKind as K;
+            problems.push(match s.kind {
+                K::FilesystemReadOnly | K::MountReadOnly => StorageProblem::degraded(
+                    "PoolReadOnly",
+                    format!(
+                        "{}: volumes cannot be created or expanded, and writes to volumes fail",
+                        s.message
+                    ),
+                ),
+                K::FilesystemErrors => StorageProblem::degraded("PoolFilesystemErrors", s.message),
+                K::FilesystemIoErrors => {
+                    StorageProblem::unreachable("PoolFilesystemIoErrors", s.message)
+                }
+                _ => StorageProblem::degraded(s.kind.reason(), s.message),
+            });
+            return problems;
+        }
+        if let Err(e) = rustix::fs::access(&self.dir, rustix::fs::Access::WRITE_OK) {
+            problems.push(StorageProblem::degraded(
+                "PoolNotWritable",
+                format!("pool directory {d} is not writable: {e}"),
+            ));
+        }
+        match crust_blockdev::usage(&self.dir) {
+            Ok(u) if u.bytes_available == 0 => problems.push(StorageProblem::degraded(
+                "PoolFilesystemFull",
+                format!(
+                    "the filesystem holding pool directory {d} is full: writes to volumes that \
+                     need new blocks fail"
+                ),
+            )),
+            Ok(u) => {
+                // Sparse files: space promised to volumes but not written
+                // yet must still fit, or a volume's writes fail later.
+                let promised = self.unwritten_bytes();
+                if promised > u.bytes_available {
+                    problems.push(StorageProblem::degraded(
+                        "PoolOvercommitted",
+                        format!(
+                            "volumes in pool {d} may still write {promised} bytes but its \
+                             filesystem has {} bytes available: writes may fail with ENOSPC",
+                            u.bytes_available
+                        ),
+                    ));
+                }
+            }
+            Err(e) => problems.push(StorageProblem::degraded(
+                "HealthProbeFailed",
+                format!("statfs on pool directory {d} failed: {e}"),
+            )),
+        }
+        problems
+    }
+}
+
+impl PoolBackend {
+    fn snapshots_dir(&self) -> PathBuf {
+        self.dir.join(SNAPSHOTS)
+    }
+
+    /// Finishes or forgets what a crash interrupted (run at open): an
+    /// entry still pending whose final file exists was renamed into place
+    /// after its data was synced, so it is complete; one without its file
+    /// never finished and goes (its temp file was removed with the other
+    /// stale temps). A group still pending is forgotten with its members:
+    /// members cut in another freeze than their siblings would not be
+    /// write-order consistent, so a retry cuts them all again.
+    fn settle_pending(&self, st: &mut State) -> Result<bool> {
+        let mut changed = false;
+        util::remove_stale_temps(&self.snapshots_dir());
+        let pending: Vec<String> = st
+            .index
+            .volumes
+            .iter()
+            .filter(|(_, e)| e.pending)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in pending {
+            changed = true;
+            let e = st.index.volumes.get_mut(&id).expect("listed above");
+            if self.dir.join(&e.file).is_file() {
+                tracing::info!(volume = %id, "completing a volume clone interrupted after its copy");
+                e.pending = false;
+            } else {
+                tracing::info!(volume = %id, "dropping a volume clone that did not finish");
+                st.index.volumes.remove(&id);
+            }
+        }
+        let pending_groups: Vec<String> = st
+            .index
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.complete)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut doomed: Vec<String> = Vec::new();
+        for g in pending_groups {
+            changed = true;
+            tracing::info!(group = %g, "dropping a group snapshot that did not finish");
+            st.index.groups.remove(&g);
+            doomed.extend(
+                st.index
+                    .snapshots
+                    .iter()
+                    .filter(|(_, e)| e.group_id.as_deref() == Some(g.as_str()))
+                    .map(|(id, _)| id.clone()),
+            );
+        }
+        let pending_snaps: Vec<String> = st
+            .index
+            .snapshots
+            .iter()
+            .filter(|(_, e)| e.pending)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in pending_snaps {
+            changed = true;
+            let e = st.index.snapshots.get_mut(&id).expect("listed above");
+            if self.snapshots_dir().join(&e.file).is_file() {
+                tracing::info!(snapshot = %id, "completing a snapshot interrupted after its copy");
+                e.pending = false;
+            } else {
+                tracing::info!(snapshot = %id, "dropping a snapshot whose copy did not finish");
+                st.index.snapshots.remove(&id);
+            }
+        }
+        for id in doomed {
+            if let Some(e) = st.index.snapshots.remove(&id) {
+                let path = self.snapshots_dir().join(&e.file);
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(err) => return Err(io_err(&path)(err)),
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Snapshot files the index does not know are copies whose creation
+    /// was never acknowledged: removed, so a crash leaks no space.
+    fn remove_unindexed_snapshots(&self, st: &State) -> Result<()> {
+        let dir = self.snapshots_dir();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Ok(());
+        };
+        let known: std::collections::HashSet<&str> = st
+            .index
+            .snapshots
+            .values()
+            .map(|e| e.file.as_str())
+            .collect();
+        let mut removed = false;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".img") && !known.contains(name.as_str()) {
+                tracing::info!(file = %e.path().display(), "removing a snapshot file no index entry owns (interrupted create)");
+                std::fs::remove_file(e.path()).map_err(io_err(&e.path()))?;
+                removed = true;
+            }
+        }
+        if removed {
+            util::fsync_dir(&dir)?;
+        }
+        Ok(())
+    }
+
+    fn snapshot_info(id: &str, e: &SnapEntry) -> SnapshotInfo {
+        SnapshotInfo {
+            snapshot_id: id.to_owned(),
+            source_volume_id: e.source_volume_id.clone(),
+            size_bytes: e.size_bytes,
+            allocated_bytes: e.allocated_bytes,
+            created_unix_ms: e.created_unix_ms,
+            method: e.method.clone(),
+            group_id: e.group_id.clone(),
+        }
+    }
+
+    /// Copies `src` to `final_path` through a temp file in the same
+    /// directory: copy, fsync, rename, fsync the directory.
+    fn copy_into_place(src: &Path, final_path: &Path) -> Result<crust_blockdev::CopyOutcome> {
+        let dir = final_path.parent().unwrap_or(Path::new("."));
+        let name = final_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dir.join(format!("{}{name}", util::TMP_PREFIX));
+        let _ = std::fs::remove_file(&tmp);
+        let outcome = crust_blockdev::clone_file(src, &tmp, 0o600).map_err(|e| {
+            let path = e.dst.clone();
+            io_err(&path)(e.source)
+        })?;
+        std::fs::rename(&tmp, final_path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io_err(final_path)(e)
+        })?;
+        util::fsync_dir(dir)?;
+        Ok(outcome)
+    }
+
+    /// Bytes the pool's volumes may still write before their sparse files
+    /// are fully allocated.
+    fn unwritten_bytes(&self) -> u64 {
+        let entries: Vec<Entry> = lock(&self.state).index.volumes.values().cloned().collect();
+        entries
+            .iter()
+            .map(|e| {
+                let allocated = std::fs::metadata(self.dir.join(&e.file))
+                    .map(|m| m.blocks() * 512)
+                    .unwrap_or(0);
+                e.size_bytes.saturating_sub(allocated)
+            })
+            .sum()
     }
 }
 

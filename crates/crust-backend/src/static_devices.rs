@@ -29,7 +29,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::util::{self, IdLocks, io_err, lock};
-use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result};
+use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result, StorageProblem};
 
 /// How much is wiped at each end of a released device.
 pub const WIPE_BYTES: u64 = 1 << 20;
@@ -399,5 +399,31 @@ impl Backend for StaticBackend {
             Ok(_) => BackingState::Healthy,
             Err(e) => BackingState::Degraded(format!("device {d} is not usable: {e}")),
         }
+    }
+
+    fn storage_health(&self) -> Vec<StorageProblem> {
+        let mut problems = Vec::new();
+        let missing: Vec<PathBuf> = self
+            .devices
+            .iter()
+            .filter(|d| !crust_blockdev::is_block_device(d))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            let all = missing.len() == self.devices.len();
+            let msg = format!(
+                "configured block device(s) missing or not block devices: {}",
+                util::display_list(&missing)
+            );
+            problems.push(if all {
+                StorageProblem::unreachable("DeviceMissing", msg)
+            } else {
+                StorageProblem::degraded("DeviceMissing", msg)
+            });
+        }
+        if let Err(e) = self.probe() {
+            problems.push(StorageProblem::degraded("StateNotWritable", e.to_string()));
+        }
+        problems
     }
 }

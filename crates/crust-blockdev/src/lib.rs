@@ -21,6 +21,10 @@
 //! * [`mount`]: [`mount_fs`], [`bind_mount`], [`unmount`], [`mount_info`],
 //!   [`find_mount`], [`is_mountpoint`], [`MountGuard`].
 //! * [`mod@usage`]: [`usage()`] from `statvfs`.
+//! * [`copy`]: [`clone_file`], a reflink or hole-preserving copy of a
+//!   backing file (snapshots, clones).
+//! * [`freeze`]: [`freeze`] a mounted filesystem around such a copy, with a
+//!   guaranteed thaw.
 //! * [`health`]: [`fs_health`], [`device_health`], [`with_timeout`].
 //! * [`path`]: [`validate_abs_path`] for paths that come from a CO.
 //!
@@ -28,7 +32,9 @@
 //! `tokio::task::spawn_blocking` in async code. Health probes should be
 //! wrapped in [`with_timeout`] (see [`fs_health_with_timeout`]).
 
+pub mod copy;
 pub mod device;
+pub mod freeze;
 pub mod fs;
 pub mod health;
 pub mod loopdev;
@@ -38,16 +44,19 @@ pub mod probe;
 mod sys;
 pub mod usage;
 
+pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
     is_block_device, is_device_held_exclusively, is_device_in_use, sysfs_name, wipe_edges,
 };
+pub use freeze::{FreezeError, Frozen, freeze, thaw_if_frozen};
 pub use fs::{
     FS_TOOLS, FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs,
     grow_fs_offline, missing_fs_tools, mkfs,
 };
 pub use health::{
-    DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,
+    DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
+    fs_health, fs_health_with_timeout, with_timeout,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,

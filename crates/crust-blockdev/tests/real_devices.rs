@@ -562,9 +562,17 @@ fn health_ok_then_remounted_read_only() {
     assert!(st.success());
     let h = fs_health(&dev, &mnt, false);
     match &h {
-        Health::Abnormal(m) => {
+        Health::Abnormal(s) => {
+            let m = &s.message;
             assert!(m.contains("read-only"), "{m}");
             assert!(m.contains(&dev.display().to_string()), "{m}");
+            assert!(
+                matches!(
+                    s.kind,
+                    SymptomKind::FilesystemReadOnly | SymptomKind::MountReadOnly
+                ),
+                "{s:?}"
+            );
         }
         Health::Ok => panic!("read-only remount not detected"),
     }
@@ -574,7 +582,8 @@ fn health_ok_then_remounted_read_only() {
     mg.unmount().unwrap();
     let h = fs_health(&dev, &mnt, false);
     assert!(
-        matches!(&h, Health::Abnormal(m) if m.contains("not mounted")),
+        matches!(&h, Health::Abnormal(s) if s.message.contains("not mounted")
+            && s.kind == SymptomKind::NotMounted),
         "{h:?}"
     );
     drop(lg);
@@ -584,12 +593,14 @@ fn health_ok_then_remounted_read_only() {
     let eg = LoopGuard::attach(&empty, rw()).unwrap();
     let h = device_health(eg.path());
     assert!(
-        matches!(&h, Health::Abnormal(m) if m.contains("size 0")),
+        matches!(&h, Health::Abnormal(s) if s.message.contains("size 0")
+            && s.kind == SymptomKind::DeviceEmpty),
         "{h:?}"
     );
     let h = device_health(&dir.path().join("no-such-dev"));
     assert!(
-        matches!(&h, Health::Abnormal(m) if m.contains("no longer exists")),
+        matches!(&h, Health::Abnormal(s) if s.message.contains("no longer exists")
+            && s.kind == SymptomKind::DeviceMissing),
         "{h:?}"
     );
 }
@@ -613,7 +624,9 @@ fn health_detects_xfs_shutdown() {
     assert!(st.success());
     let h = fs_health_with_timeout(&dev, &mnt, false, DEFAULT_HEALTH_TIMEOUT);
     assert!(
-        matches!(&h, Health::Abnormal(m) if m.contains("I/O error") && m.contains("xfs_repair")),
+        matches!(&h, Health::Abnormal(s) if s.message.contains("I/O error")
+            && s.message.contains("xfs_repair")
+            && s.kind == SymptomKind::FilesystemIoErrors),
         "{h:?}"
     );
 }

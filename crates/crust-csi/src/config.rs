@@ -107,6 +107,8 @@ pub struct Config {
     pub health_timeout: Duration,
     /// Deferred filesystem operations (KEP-2857).
     pub deferral: DeferralConfig,
+    /// Which CSI generation's surface is advertised and served.
+    pub csi_spec: CsiSpec,
     /// Where `/metrics` is served (Prometheus text format); None: not served.
     pub metrics_address: Option<SocketAddr>,
     /// Which service grows a volume's backing store.
@@ -156,10 +158,41 @@ impl Config {
             health_ttl: Duration::from_secs(5),
             health_timeout: Duration::from_secs(3),
             deferral: DeferralConfig::default(),
+            csi_spec: CsiSpec::Both,
             metrics_address: None,
             expansion: Expansion::Controller,
             hooks: Hooks::default(),
         }
+    }
+}
+
+/// The CSI generation(s) whose surface the plugin presents. CSI has no
+/// version negotiation, and strict conformance clients reject capability
+/// values they do not know, so an operator can pick one generation
+/// exactly; real COs ignore values they do not know and are served best by
+/// `both`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CsiSpec {
+    /// v1.12: VOLUME_CONDITION capabilities and condition fields; the
+    /// v1.13 health RPCs answer UNIMPLEMENTED.
+    #[value(name = "1.12")]
+    V1_12,
+    /// v1.13: the health RPCs and their capabilities; no condition fields.
+    #[value(name = "1.13")]
+    V1_13,
+    /// Everything of both.
+    Both,
+}
+
+impl CsiSpec {
+    /// Whether the v1.12 VolumeCondition surface is served.
+    pub fn serves_condition(self) -> bool {
+        self != CsiSpec::V1_13
+    }
+
+    /// Whether the v1.13 volume-health surface is served.
+    pub fn serves_health_api(self) -> bool {
+        self != CsiSpec::V1_12
     }
 }
 
@@ -281,6 +314,13 @@ pub struct Cli {
         value_delimiter = ','
     )]
     pub allowed_target_prefixes: Vec<String>,
+
+    /// CSI surface to present: `1.12` (VOLUME_CONDITION in stats,
+    /// ListVolumes and ControllerGetVolume), `1.13` (the volume-health
+    /// RPCs), or `both` (what Kubernetes' kubelet and sidecars of either
+    /// generation handle: they ignore what they do not know).
+    #[arg(long, env = "CRUST_CSI_SPEC", value_enum, default_value_t = CsiSpec::Both)]
+    pub csi_spec: CsiSpec,
 
     /// Serve Prometheus metrics at http://<address>/metrics (e.g.
     /// 127.0.0.1:9808; port 0 picks a free port, logged at start).
@@ -450,6 +490,7 @@ impl Cli {
                 enabled: self.deferral == Deferral::Enabled,
                 ops,
             },
+            csi_spec: self.csi_spec,
             metrics_address: self.metrics_address,
             expansion: self.expansion,
             hooks: Hooks::default(),

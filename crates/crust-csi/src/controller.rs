@@ -28,17 +28,18 @@ use std::sync::Arc;
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use crust_backend::BackendError;
+use crust_backend::{BackendError, ContentSource};
 use crust_proto::csi::v1 as csi;
 use csi::controller_server::Controller;
-use csi::controller_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, CapSpec, Capability, FsType};
 use crate::config::{DEFAULT_VOLUME_SIZE, Expansion};
 use crate::driver::{Driver, blocking};
 use crate::error::ControllerError;
-use crate::state::{Phase, RECORD_VERSION, VolumeRecord, is_valid_volume_id, volume_id_for};
+use crate::state::{
+    Phase, RECORD_VERSION, SourceRecord, VolumeRecord, is_valid_volume_id, volume_id_for,
+};
 
 /// Longest accepted CreateVolume name (bytes).
 pub const MAX_NAME_LEN: usize = 128;
@@ -243,7 +244,7 @@ impl Driver {
             capacity_bytes: rec.capacity_bytes as i64,
             volume_id: rec.id.clone(),
             volume_context: ctx,
-            content_source: None,
+            content_source: rec.content_source.as_ref().map(SourceRecord::to_proto),
             accessible_topology: vec![csi::Topology {
                 segments: std::collections::HashMap::from([(
                     self.cfg.topology_key(),
@@ -268,17 +269,7 @@ impl Driver {
                     .into(),
             ));
         }
-        if let Some(src) = &req.volume_content_source {
-            let what = match &src.r#type {
-                Some(csi::volume_content_source::Type::Snapshot(_)) => "a snapshot",
-                Some(csi::volume_content_source::Type::Volume(_)) => "another volume (clone)",
-                None => "an empty content source",
-            };
-            return Err(ControllerError::InvalidArgument(format!(
-                "creating a volume from {what} is not supported: this plugin has no snapshots \
-                 or clones (CREATE_DELETE_SNAPSHOT and CLONE_VOLUME are not advertised)"
-            )));
-        }
+        let source = content_source(req.volume_content_source.as_ref())?;
         if !req.mutable_parameters.is_empty() {
             return Err(ControllerError::InvalidArgument(
                 "mutable_parameters are not supported (MODIFY_VOLUME is not advertised)".into(),
@@ -306,6 +297,27 @@ impl Driver {
             .backend_min_size()
             .max(if wants_fs { fs_type.min_size() } else { 0 });
 
+        // The source's size is the least the new volume can have.
+        let (required, limit) = match &source {
+            Some(src) => {
+                let (src_size, src_fs) = self.content_source_facts(src)?;
+                if let Some(f) = src_fs
+                    && wants_fs
+                    && f != fs_type
+                {
+                    return Err(ControllerError::InvalidArgument(format!(
+                        "the source holds {f}, not the requested {fs_type}"
+                    )));
+                }
+                if limit != 0 && limit < src_size {
+                    return Err(ControllerError::OutOfRange(format!(
+                        "limit_bytes {limit} is smaller than the source ({src_size} bytes)"
+                    )));
+                }
+                (required.max(src_size), limit)
+            }
+            None => (required, limit),
+        };
         let id = volume_id_for(&req.name);
         let _guard = self.guards.try_begin(&id, "CreateVolume")?;
 
@@ -319,13 +331,14 @@ impl Driver {
             }
             let same_args = rec.fs_type == fs_type
                 && rec.parameters == params.kept
-                && cap_set(&rec.capabilities) == cap_set(&specs);
+                && cap_set(&rec.capabilities) == cap_set(&specs)
+                && rec.content_source == source.as_ref().map(SourceRecord::from);
             match rec.phase {
                 Phase::Ready => {
                     if !same_args {
                         return Err(ControllerError::AlreadyExists(format!(
-                            "volume {:?} already exists with different fsType, parameters or \
-                             capabilities (fsType {}, parameters {:?})",
+                            "volume {:?} already exists with different fsType, parameters, \
+                             capabilities or content source (fsType {}, parameters {:?})",
                             req.name, rec.fs_type, rec.parameters
                         )));
                     }
@@ -364,9 +377,23 @@ impl Driver {
             node_id: self.cfg.node_id.clone(),
             staging: None,
             published: BTreeMap::new(),
+            content_source: source.as_ref().map(SourceRecord::from),
         };
         self.state.put(rec.clone())?;
-        let alloc = match self.backend.create(&id, size, limit) {
+        let created = match &source {
+            None => self.backend.create(&id, size, limit).map(|a| a.size_bytes),
+            Some(src) => match self.fill_from(&id, size, src) {
+                Ok(n) => Ok(n),
+                Err(ControllerError::Backend(b)) => Err(b),
+                Err(other) => {
+                    if let Err(re) = self.state.remove(&id) {
+                        tracing::error!(volume = %id, error = %re, "cannot remove record of failed create");
+                    }
+                    return Err(other);
+                }
+            },
+        };
+        let alloc_size = match created {
             Ok(a) => a,
             Err(e) => {
                 // Leave nothing behind for a request that failed.
@@ -382,7 +409,7 @@ impl Driver {
                 });
             }
         };
-        rec.capacity_bytes = alloc.size_bytes;
+        rec.capacity_bytes = alloc_size;
         rec.phase = Phase::Ready;
         self.state.put(rec.clone())?;
         tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %fs_type, "volume created");
@@ -530,7 +557,13 @@ impl Driver {
             Some(decode_token(&req.starting_token)?)
         };
         let (page, more) = self.state.page(after.as_deref(), req.max_entries as usize);
-        let conditions = self.health.conditions(self, &page);
+        // v1.13 removed the condition field: skip the checks too.
+        let serves_condition = self.cfg.csi_spec.serves_condition();
+        let conditions = if serves_condition {
+            self.health.conditions(self, &page)
+        } else {
+            vec![crate::health::Condition::normal(""); page.len()]
+        };
         let next_token = match (more, page.last()) {
             (true, Some(last)) => encode_token(&last.id),
             _ => String::new(),
@@ -542,7 +575,7 @@ impl Driver {
                 volume: Some(self.volume_proto(rec)),
                 status: Some(csi::list_volumes_response::VolumeStatus {
                     published_node_ids: self.published_nodes(rec),
-                    volume_condition: Some(cond.into()),
+                    volume_condition: serves_condition.then(|| cond.into()),
                 }),
             })
             .collect();
@@ -557,12 +590,16 @@ impl Driver {
             return Err(ControllerError::Missing("volume_id"));
         }
         let rec = self.ready_record(id)?;
-        let cond = self.health.condition(self, &rec);
+        let volume_condition = self
+            .cfg
+            .csi_spec
+            .serves_condition()
+            .then(|| self.health.condition(self, &rec).into());
         Ok(csi::ControllerGetVolumeResponse {
             volume: Some(self.volume_proto(&rec)),
             status: Some(csi::controller_get_volume_response::VolumeStatus {
                 published_node_ids: self.published_nodes(&rec),
-                volume_condition: Some(cond.into()),
+                volume_condition,
             }),
         })
     }
@@ -660,41 +697,56 @@ impl Driver {
     }
 }
 
+/// The content source of a CreateVolume request.
+fn content_source(src: Option<&csi::VolumeContentSource>) -> Result<Option<ContentSource>> {
+    use csi::volume_content_source::Type;
+    let Some(src) = src else { return Ok(None) };
+    match &src.r#type {
+        Some(Type::Snapshot(s)) if !s.snapshot_id.is_empty() => {
+            Ok(Some(ContentSource::Snapshot(s.snapshot_id.clone())))
+        }
+        Some(Type::Volume(v)) if !v.volume_id.is_empty() => {
+            Ok(Some(ContentSource::Volume(v.volume_id.clone())))
+        }
+        Some(Type::Snapshot(_)) => Err(ControllerError::Missing(
+            "volume_content_source.snapshot.snapshot_id",
+        )),
+        Some(Type::Volume(_)) => Err(ControllerError::Missing(
+            "volume_content_source.volume.volume_id",
+        )),
+        None => Err(ControllerError::InvalidArgument(
+            "volume_content_source names neither a snapshot nor a volume".into(),
+        )),
+    }
+}
+
+/// A caller's string as error messages show it: control characters
+/// escaped, at most 128 characters.
+pub(crate) fn shown(s: &str) -> String {
+    let mut out: String = s.chars().take(128).flat_map(char::escape_debug).collect();
+    if s.chars().count() > 128 {
+        out.push('…');
+    }
+    out
+}
+
 pub(crate) fn encode_token(id: &str) -> String {
     URL_SAFE_NO_PAD.encode(id.as_bytes())
 }
 
-fn decode_token(token: &str) -> Result<String> {
+pub(crate) fn decode_token(token: &str) -> Result<String> {
+    decode_token_of(token, is_valid_volume_id)
+}
+
+/// A paging token carrying an id `valid` accepts, or ABORTED.
+pub(crate) fn decode_token_of(token: &str, valid: fn(&str) -> bool) -> Result<String> {
     let bad = || ControllerError::BadToken(token.to_string());
     let bytes = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
     let id = String::from_utf8(bytes).map_err(|_| bad())?;
-    if !is_valid_volume_id(&id) {
+    if !valid(&id) {
         return Err(bad());
     }
     Ok(id)
-}
-
-/// The controller's capabilities; EXPAND_VOLUME only when the controller
-/// grows volumes (`--expansion controller`).
-fn ctl_caps(expansion: Expansion) -> Vec<csi::ControllerServiceCapability> {
-    [
-        RpcType::CreateDeleteVolume,
-        RpcType::ListVolumes,
-        RpcType::GetCapacity,
-        RpcType::ExpandVolume,
-        RpcType::ListVolumesPublishedNodes,
-        RpcType::VolumeCondition,
-        RpcType::GetVolume,
-        RpcType::SingleNodeMultiWriter,
-    ]
-    .into_iter()
-    .filter(|t| *t != RpcType::ExpandVolume || expansion == Expansion::Controller)
-    .map(|t| csi::ControllerServiceCapability {
-        r#type: Some(csi::controller_service_capability::Type::Rpc(
-            csi::controller_service_capability::Rpc { r#type: t as i32 },
-        )),
-    })
-    .collect()
 }
 
 /// The tonic Controller service.
@@ -711,6 +763,13 @@ impl ControllerService {
 
 fn unimplemented(rpc: &str) -> Status {
     Status::unimplemented(format!("{rpc} is not supported by this plugin"))
+}
+
+/// The v1.13 health RPCs in a plugin started with `--csi-spec 1.12`.
+pub(crate) fn health_api_off(rpc: &str) -> Status {
+    Status::unimplemented(format!(
+        "{rpc} is a CSI v1.13 RPC; this plugin serves the v1.12 surface (--csi-spec 1.12)"
+    ))
 }
 
 #[tonic::async_trait]
@@ -781,36 +840,52 @@ impl Controller for ControllerService {
         _request: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: ctl_caps(self.driver.cfg.expansion),
+            capabilities: crate::surface::controller_capabilities(
+                self.driver.cfg.csi_spec,
+                self.driver.backend.supports_snapshots(),
+                self.driver.cfg.expansion,
+            ),
         }))
     }
 
     async fn create_snapshot(
         &self,
-        _request: Request<csi::CreateSnapshotRequest>,
+        request: Request<csi::CreateSnapshotRequest>,
     ) -> std::result::Result<Response<csi::CreateSnapshotResponse>, Status> {
-        Err(unimplemented("CreateSnapshot"))
+        let req = request.into_inner();
+        let snapshot = blocking(&self.driver, move |d| d.create_snapshot(&req)).await?;
+        Ok(Response::new(csi::CreateSnapshotResponse {
+            snapshot: Some(snapshot),
+        }))
     }
 
     async fn delete_snapshot(
         &self,
-        _request: Request<csi::DeleteSnapshotRequest>,
+        request: Request<csi::DeleteSnapshotRequest>,
     ) -> std::result::Result<Response<csi::DeleteSnapshotResponse>, Status> {
-        Err(unimplemented("DeleteSnapshot"))
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.delete_snapshot(&req)).await?;
+        Ok(Response::new(csi::DeleteSnapshotResponse {}))
     }
 
     async fn list_snapshots(
         &self,
-        _request: Request<csi::ListSnapshotsRequest>,
+        request: Request<csi::ListSnapshotsRequest>,
     ) -> std::result::Result<Response<csi::ListSnapshotsResponse>, Status> {
-        Err(unimplemented("ListSnapshots"))
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.list_snapshots(&req)).await?;
+        Ok(Response::new(resp))
     }
 
     async fn get_snapshot(
         &self,
-        _request: Request<csi::GetSnapshotRequest>,
+        request: Request<csi::GetSnapshotRequest>,
     ) -> std::result::Result<Response<csi::GetSnapshotResponse>, Status> {
-        Err(unimplemented("GetSnapshot"))
+        let req = request.into_inner();
+        let snapshot = blocking(&self.driver, move |d| d.get_snapshot(&req)).await?;
+        Ok(Response::new(csi::GetSnapshotResponse {
+            snapshot: Some(snapshot),
+        }))
     }
 
     async fn controller_expand_volume(
@@ -842,6 +917,30 @@ impl Controller for ControllerService {
         _request: Request<csi::ControllerModifyVolumeRequest>,
     ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
         Err(unimplemented("ControllerModifyVolume"))
+    }
+
+    async fn controller_get_volume_health(
+        &self,
+        request: Request<csi::ControllerGetVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::ControllerGetVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(health_api_off("ControllerGetVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.controller_get_volume_health(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_list_volume_health(
+        &self,
+        request: Request<csi::ControllerListVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::ControllerListVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(health_api_off("ControllerListVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.controller_list_volume_health(&req)).await?;
+        Ok(Response::new(resp))
     }
 }
 

@@ -189,7 +189,7 @@ impl Driver {
                 )));
             }
         }
-        let mut mount_flags = cap.mount_flags.clone();
+        let mut mount_flags = crate::node::mount_flags_of(&rec, fs, &cap.mount_flags);
         if readonly && !mount_flags.iter().any(|f| f == "ro") {
             mount_flags.push("ro".into());
         }
@@ -506,6 +506,19 @@ impl Driver {
         Ok(())
     }
 
+    /// The condition the runtime consuming a deferred target reports; None
+    /// while no runtime consumed the record yet (no guest has the volume).
+    pub(crate) fn deferred_condition(
+        &self,
+        target: &str,
+    ) -> std::result::Result<Option<crust_ops::VolumeCondition>, crust_ops::OpsError> {
+        match run(self.ops.stats(target)) {
+            Ok(stats) => Ok(stats.condition),
+            Err(crust_ops::OpsError::NotConsumed(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// NodeGetVolumeStats of a deferred publication: usage and condition
     /// from the runtime, plus what the host can tell about the device.
     pub(crate) fn stats_deferred(
@@ -559,7 +572,7 @@ impl Driver {
         self.metrics.observe_condition(&rec.id, cond.abnormal);
         Ok(csi::NodeGetVolumeStatsResponse {
             usage,
-            volume_condition: Some(cond.into()),
+            volume_condition: self.cfg.csi_spec.serves_condition().then(|| cond.into()),
         })
     }
 

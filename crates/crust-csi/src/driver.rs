@@ -90,6 +90,21 @@ impl Driver {
         }
         for r in records.iter().filter(|r| r.staging.is_some()) {
             let s = r.staging.as_ref().expect("filtered");
+            // A plugin killed while a snapshot had the filesystem frozen
+            // leaves it frozen (a freeze outlives its process): thaw.
+            if !s.block
+                && s.host_mount == crate::state::HostMount::Mounted
+                && crate::node::mounted_here(&s.device, &s.path).unwrap_or(false)
+            {
+                match crust_blockdev::thaw_if_frozen(&s.path) {
+                    Ok(true) => tracing::warn!(volume = %r.id, path = %s.path.display(),
+                        "thawed a filesystem left frozen by an interrupted snapshot"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(volume = %r.id, error = %e, "cannot check whether the filesystem is frozen")
+                    }
+                }
+            }
             match self.backend.attached_device(&r.id) {
                 Ok(Some(dev)) if dev == s.device => {
                     tracing::info!(volume = %r.id, device = %dev.display(), "staged volume still attached")

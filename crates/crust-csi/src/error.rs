@@ -150,6 +150,9 @@ fn backend_code(e: &BackendError) -> Code {
         BackendError::Exhausted { .. } => Code::ResourceExhausted,
         BackendError::OutOfRange(..) | BackendError::Shrink { .. } => Code::OutOfRange,
         BackendError::Invalid(_) => Code::InvalidArgument,
+        BackendError::Unsupported { .. } => Code::Unimplemented,
+        BackendError::SnapshotNotFound(_) => Code::NotFound,
+        BackendError::SnapshotConflict { .. } => Code::AlreadyExists,
         BackendError::Device(_) | BackendError::Io { .. } => Code::Internal,
     }
 }

@@ -1,5 +1,7 @@
-//! Volume health for `VolumeCondition` (NodeGetVolumeStats, ListVolumes,
-//! ControllerGetVolume), computed from real signals:
+//! Volume health from real signals, served in both CSI generations:
+//! `VolumeCondition` (v1.12: NodeGetVolumeStats, ListVolumes,
+//! ControllerGetVolume) and `VolumeHealth` (v1.13: NodeGetVolumeHealth,
+//! ControllerGetVolumeHealth, ControllerListVolumeHealth). Signals:
 //!
 //! * the backend's view of the backing store (file or device present,
 //!   right size);
@@ -16,6 +18,25 @@
 //!   its deferred publication (an empty directory by design) is not
 //!   checked here: its condition comes from the runtime.
 //!
+//! Each problem found is a [`Problem`]: a v1.13 status (degraded,
+//! inaccessible, data loss), a CamelCase reason and a message; the v1.12
+//! condition is derived from the same list, so both generations always
+//! agree. How each cause is classified:
+//!
+//! | cause | status | reason |
+//! |---|---|---|
+//! | backing store missing | INACCESSIBLE | `BackingStoreMissing` |
+//! | backing store wrong size / unreadable metadata | DEGRADED | `BackingStoreDegraded` |
+//! | staged device detached | INACCESSIBLE | `DeviceDetached` |
+//! | backing store now attached as another device | DEGRADED | `DeviceChanged` |
+//! | mount gone / something mounted over it | INACCESSIBLE | `NotMounted` / `MountedOver` |
+//! | device node gone, size 0, unreadable | INACCESSIBLE | `DeviceMissing` / `DeviceEmpty` / `DeviceUnreadable` |
+//! | filesystem or mount read-only although read-write was expected | DEGRADED | `FilesystemReadOnly` / `MountReadOnly` |
+//! | ext4 recorded errors (corruption found) | DATA_LOSS | `FilesystemErrors` |
+//! | filesystem answers EIO (XFS shutdown, failed device) | INACCESSIBLE | `FilesystemIoErrors` |
+//! | a probe hung past its bound | INACCESSIBLE | `Unresponsive` |
+//! | a probe could not run | DEGRADED | `HealthProbeFailed` |
+//!
 //! Checks that touch the volume can hang on a dead device, so they run on
 //! worker threads with a time bound, and results are cached per volume for
 //! a short TTL. A check still running when its bound expires is reported as
@@ -28,13 +49,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crust_backend::{Backend, BackingState};
-use crust_blockdev::Health;
+use crust_blockdev::{Health, SymptomKind};
 use crust_proto::csi::v1 as csi;
 
 use crate::driver::Driver;
 use crate::state::VolumeRecord;
 
-/// A computed VolumeCondition.
+/// A computed VolumeCondition (CSI v1.12).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Condition {
     pub abnormal: bool,
@@ -66,9 +87,135 @@ impl From<Condition> for csi::VolumeCondition {
     }
 }
 
+/// CSI v1.13's volume health status categories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Usable, not operating optimally.
+    Degraded,
+    /// Not accessible.
+    Inaccessible,
+    /// Data loss known or strongly suspected.
+    DataLoss,
+}
+
+impl From<Status> for csi::VolumeHealthErrorType {
+    fn from(s: Status) -> Self {
+        match s {
+            Status::Degraded => csi::VolumeHealthErrorType::Degraded,
+            Status::Inaccessible => csi::VolumeHealthErrorType::Inaccessible,
+            Status::DataLoss => csi::VolumeHealthErrorType::DataLoss,
+        }
+    }
+}
+
+/// One thing wrong with a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub status: Status,
+    /// CamelCase, stable for machines.
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Problem {
+    pub fn new(status: Status, reason: &'static str, message: impl Into<String>) -> Self {
+        Problem {
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// A host probe's finding, classified (see the module table).
+    pub fn from_symptom(s: crust_blockdev::Symptom) -> Self {
+        use SymptomKind as K;
+        let status = match s.kind {
+            K::NotMounted
+            | K::MountedOver
+            | K::DeviceMissing
+            | K::DeviceEmpty
+            | K::DeviceUnreadable
+            | K::FilesystemIoErrors
+            | K::Unresponsive => Status::Inaccessible,
+            K::FilesystemReadOnly | K::MountReadOnly | K::ProbeFailed => Status::Degraded,
+            K::FilesystemErrors => Status::DataLoss,
+        };
+        Problem::new(status, s.kind.reason(), s.message)
+    }
+}
+
+/// Everything known to be wrong with one volume, plus the message to give
+/// when nothing is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assessment {
+    pub problems: Vec<Problem>,
+    pub normal_message: String,
+}
+
+impl Assessment {
+    pub fn healthy(msg: impl Into<String>) -> Self {
+        Assessment {
+            problems: Vec::new(),
+            normal_message: msg.into(),
+        }
+    }
+
+    pub fn of(problems: Vec<Problem>) -> Self {
+        Assessment {
+            problems,
+            normal_message: "volume is healthy".into(),
+        }
+    }
+
+    pub fn is_abnormal(&self) -> bool {
+        !self.problems.is_empty()
+    }
+
+    pub fn push(&mut self, p: Problem) {
+        self.problems.push(p);
+    }
+
+    /// The v1.12 condition: abnormal with every message, or normal.
+    pub fn condition(&self) -> Condition {
+        if self.problems.is_empty() {
+            Condition::normal(self.normal_message.clone())
+        } else {
+            let msgs: Vec<&str> = self.problems.iter().map(|p| p.message.as_str()).collect();
+            Condition::abnormal(msgs.join("; "))
+        }
+    }
+
+    /// The v1.13 answer. The spec forbids two entries with the same
+    /// (status, reason): their messages are joined.
+    pub fn volume_health(&self, volume_id: &str) -> csi::VolumeHealth {
+        let mut entries: Vec<csi::volume_health::VolumeHealthEntry> = Vec::new();
+        let mut keys: Vec<(Status, &str)> = Vec::new();
+        for p in &self.problems {
+            match keys.iter().position(|k| *k == (p.status, p.reason)) {
+                Some(i) => {
+                    let e = &mut entries[i];
+                    e.message = format!("{}; {}", e.message, p.message);
+                }
+                None => {
+                    keys.push((p.status, p.reason));
+                    entries.push(csi::volume_health::VolumeHealthEntry {
+                        status: csi::VolumeHealthErrorType::from(p.status) as i32,
+                        reason: p.reason.to_string(),
+                        message: p.message.clone(),
+                    });
+                }
+            }
+        }
+        csi::VolumeHealth {
+            volume_id: volume_id.to_string(),
+            health_statuses: entries,
+        }
+    }
+}
+
 /// Where a pending check leaves its result.
 struct Slot {
-    result: Mutex<Option<Condition>>,
+    result: Mutex<Option<Assessment>>,
     cv: Condvar,
     started: Instant,
 }
@@ -82,7 +229,7 @@ impl Slot {
         })
     }
 
-    fn wait_until(&self, deadline: Instant) -> Option<Condition> {
+    fn wait_until(&self, deadline: Instant) -> Option<Assessment> {
         let mut g = self.result.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(c) = g.as_ref() {
@@ -103,8 +250,8 @@ impl Slot {
 
 #[derive(Default)]
 struct Inner {
-    /// id -> (computed at, generation, condition)
-    cache: HashMap<String, (Instant, u64, Condition)>,
+    /// id -> (computed at, generation, assessment)
+    cache: HashMap<String, (Instant, u64, Assessment)>,
     /// Bumped by `forget` so results of checks started before a state
     /// change are not cached as current.
     generation: HashMap<String, u64>,
@@ -146,15 +293,27 @@ impl HealthMonitor {
     }
 
     pub fn condition(&self, d: &Driver, rec: &VolumeRecord) -> Condition {
-        self.conditions(d, std::slice::from_ref(rec))
-            .pop()
-            .expect("one record in, one condition out")
+        self.assess(d, rec).condition()
     }
 
     /// Conditions of `recs`, in order, within one time bound overall.
     pub fn conditions(&self, d: &Driver, recs: &[VolumeRecord]) -> Vec<Condition> {
+        self.assessments(d, recs)
+            .iter()
+            .map(Assessment::condition)
+            .collect()
+    }
+
+    pub fn assess(&self, d: &Driver, rec: &VolumeRecord) -> Assessment {
+        self.assessments(d, std::slice::from_ref(rec))
+            .pop()
+            .expect("one record in, one assessment out")
+    }
+
+    /// Assessments of `recs`, in order, within one time bound overall.
+    pub fn assessments(&self, d: &Driver, recs: &[VolumeRecord]) -> Vec<Assessment> {
         enum Pending {
-            Done(Condition),
+            Done(Assessment),
             Wait(Arc<Slot>),
         }
         let mut pending = Vec::with_capacity(recs.len());
@@ -198,12 +357,16 @@ impl HealthMonitor {
             .map(|p| match p {
                 Pending::Done(c) => c,
                 Pending::Wait(slot) => slot.wait_until(deadline).unwrap_or_else(|| {
-                    Condition::abnormal(format!(
-                        "health check has not finished after {:.1}s: the volume's filesystem \
-                         or device is not responding (hung I/O?); check the kernel log for \
-                         errors on its device",
-                        slot.started.elapsed().as_secs_f64()
-                    ))
+                    Assessment::of(vec![Problem::new(
+                        Status::Inaccessible,
+                        SymptomKind::Unresponsive.reason(),
+                        format!(
+                            "health check has not finished after {:.1}s: the volume's \
+                             filesystem or device is not responding (hung I/O?); check the \
+                             kernel log for errors on its device",
+                            slot.started.elapsed().as_secs_f64()
+                        ),
+                    )])
                 }),
             })
             .collect()
@@ -281,31 +444,51 @@ impl HealthMonitor {
 
 /// Every signal for one volume; may block on a hung device (runs on a
 /// worker thread).
-pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
-    let mut problems: Vec<String> = Vec::new();
+pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Assessment {
+    let mut problems: Vec<Problem> = Vec::new();
     match backend.backing_state(&rec.id) {
         BackingState::Healthy => {}
-        BackingState::Missing(m) => problems.push(format!(
-            "backing store is missing ({m}): the volume's data is gone or was moved outside \
-             the plugin; restore it, or delete the volume"
+        BackingState::Missing(m) => problems.push(Problem::new(
+            Status::Inaccessible,
+            "BackingStoreMissing",
+            format!(
+                "backing store is missing ({m}): the volume's data is gone or was moved outside \
+                 the plugin; restore it, or delete the volume"
+            ),
         )),
-        BackingState::Degraded(m) => problems.push(format!("backing store is degraded: {m}")),
+        BackingState::Degraded(m) => problems.push(Problem::new(
+            Status::Degraded,
+            "BackingStoreDegraded",
+            format!("backing store is degraded: {m}"),
+        )),
     }
     if let Some(s) = &rec.staging {
         match backend.attached_device(&rec.id) {
             Ok(Some(dev)) if dev == s.device => {}
-            Ok(Some(dev)) => problems.push(format!(
-                "volume is staged on {} but its backing store is now attached as {}; \
-                 unstage and stage it again",
-                s.device.display(),
-                dev.display()
+            Ok(Some(dev)) => problems.push(Problem::new(
+                Status::Degraded,
+                "DeviceChanged",
+                format!(
+                    "volume is staged on {} but its backing store is now attached as {}; \
+                     unstage and stage it again",
+                    s.device.display(),
+                    dev.display()
+                ),
             )),
-            Ok(None) => problems.push(format!(
-                "volume is staged but its block device {} is no longer attached; \
-                 unstage and stage it again (restart the pod)",
-                s.device.display()
+            Ok(None) => problems.push(Problem::new(
+                Status::Inaccessible,
+                "DeviceDetached",
+                format!(
+                    "volume is staged but its block device {} is no longer attached; \
+                     unstage and stage it again (restart the pod)",
+                    s.device.display()
+                ),
             )),
-            Err(e) => problems.push(format!("cannot tell whether the device is attached: {e}")),
+            Err(e) => problems.push(Problem::new(
+                Status::Degraded,
+                SymptomKind::ProbeFailed.reason(),
+                format!("cannot tell whether the device is attached: {e}"),
+            )),
         }
         if problems.is_empty() {
             let h = if s.block || s.host_mount != crate::state::HostMount::Mounted {
@@ -313,8 +496,8 @@ pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
             } else {
                 crust_blockdev::fs_health(&s.device, &s.path, s.readonly)
             };
-            if let Health::Abnormal(m) = h {
-                problems.push(m);
+            if let Health::Abnormal(symptom) = h {
+                problems.push(Problem::from_symptom(symptom));
             }
         }
         for (target, p) in rec.host_publications() {
@@ -323,15 +506,11 @@ pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Condition {
             }
         }
     }
-    if problems.is_empty() {
-        Condition::normal("volume is healthy")
-    } else {
-        Condition::abnormal(problems.join("; "))
-    }
+    Assessment::of(problems)
 }
 
 /// Whether a publish target still shows the volume.
-fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<String> {
+fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<Problem> {
     let t = target.display();
     if block {
         let same = match (rustix::fs::stat(device), rustix::fs::stat(target)) {
@@ -342,10 +521,14 @@ fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<Stri
             _ => false,
         };
         return (!same).then(|| {
-            format!(
-                "publish target {t} no longer exposes the block device {} (unmounted outside \
-                 the plugin?); unpublish and publish again",
-                device.display()
+            Problem::new(
+                Status::Inaccessible,
+                SymptomKind::NotMounted.reason(),
+                format!(
+                    "publish target {t} no longer exposes the block device {} (unmounted \
+                     outside the plugin?); unpublish and publish again",
+                    device.display()
+                ),
             )
         });
     }
@@ -355,18 +538,30 @@ fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<Stri
                 .map(|mm| mm == (m.major, m.minor))
                 .unwrap_or(false);
             (!ok).then(|| {
-                format!(
-                    "publish target {t} shows {} instead of the volume's filesystem; \
-                     unpublish and publish again",
-                    m.source
+                Problem::new(
+                    Status::Inaccessible,
+                    SymptomKind::MountedOver.reason(),
+                    format!(
+                        "publish target {t} shows {} instead of the volume's filesystem; \
+                         unpublish and publish again",
+                        m.source
+                    ),
                 )
             })
         }
-        Ok(None) => Some(format!(
-            "publish target {t} is no longer mounted (unmounted outside the plugin); \
-             unpublish and publish again"
+        Ok(None) => Some(Problem::new(
+            Status::Inaccessible,
+            SymptomKind::NotMounted.reason(),
+            format!(
+                "publish target {t} is no longer mounted (unmounted outside the plugin); \
+                 unpublish and publish again"
+            ),
         )),
-        Err(e) => Some(format!("cannot read the mount table: {e}")),
+        Err(e) => Some(Problem::new(
+            Status::Degraded,
+            SymptomKind::ProbeFailed.reason(),
+            format!("cannot read the mount table: {e}"),
+        )),
     }
 }
 
@@ -431,6 +626,9 @@ mod tests {
             std::thread::sleep(d);
             self.state.lock().unwrap().clone()
         }
+        fn storage_health(&self) -> Vec<crust_backend::StorageProblem> {
+            vec![]
+        }
     }
 
     fn rec(id: &str) -> VolumeRecord {
@@ -448,6 +646,7 @@ mod tests {
             node_id: "n".into(),
             staging: None,
             published: BTreeMap::new(),
+            content_source: None,
         }
     }
 

@@ -5,8 +5,6 @@ use std::sync::Arc;
 
 use crust_proto::csi::v1 as csi;
 use csi::identity_server::Identity;
-use csi::plugin_capability::service::Type as ServiceType;
-use csi::plugin_capability::volume_expansion::Type as ExpansionType;
 use tonic::{Request, Response, Status};
 
 use crate::driver::{Driver, blocking};
@@ -62,22 +60,6 @@ impl Driver {
     }
 }
 
-fn plugin_caps() -> Vec<csi::PluginCapability> {
-    use csi::plugin_capability::{Service, Type, VolumeExpansion};
-    let svc = |t: ServiceType| csi::PluginCapability {
-        r#type: Some(Type::Service(Service { r#type: t as i32 })),
-    };
-    vec![
-        svc(ServiceType::ControllerService),
-        svc(ServiceType::VolumeAccessibilityConstraints),
-        csi::PluginCapability {
-            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
-                r#type: ExpansionType::Online as i32,
-            })),
-        },
-    ]
-}
-
 /// The tonic Identity service.
 #[derive(Clone)]
 pub struct IdentityService {
@@ -104,7 +86,10 @@ impl Identity for IdentityService {
         _request: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: plugin_caps(),
+            capabilities: crate::surface::plugin_capabilities(
+                self.driver.cfg.csi_spec,
+                self.driver.backend.supports_snapshots(),
+            ),
         }))
     }
 

@@ -25,16 +25,20 @@ pub mod controller;
 mod defer;
 mod driver;
 pub mod error;
+pub mod group_controller;
 pub mod guard;
 pub mod health;
 pub mod identity;
 pub mod metrics;
 pub mod node;
 pub mod server;
+pub mod snapshot;
 pub mod state;
+pub mod surface;
+mod volume_health;
 
 pub use config::{
-    BackendConfig, Cli, Config, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,
+    BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,
     Expansion, Gate, Hooks,
 };
 pub use driver::Driver;

@@ -44,7 +44,6 @@ use std::sync::Arc;
 use crust_blockdev::{MountError, Probe};
 use crust_proto::csi::v1 as csi;
 use csi::node_server::Node;
-use csi::node_service_capability::rpc::Type as RpcType;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, Capability, FsType};
@@ -163,6 +162,51 @@ fn ext4_fs_bytes(dev: &Path) -> io::Result<u64> {
         blocks |= le32(0x150) << 32;
     }
     Ok(blocks * (1024 << log))
+}
+
+/// Bytes an xfs filesystem's data section spans, from its superblock
+/// (`sb_dblocks` x `sb_blocksize`, big-endian).
+fn xfs_fs_bytes(dev: &Path) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut sb = [0u8; 16];
+    fs::File::open(dev)?.read_exact_at(&mut sb, 0)?;
+    if &sb[0..4] != b"XFSB" {
+        return Err(io::Error::other("no xfs superblock"));
+    }
+    let block = u32::from_be_bytes(sb[4..8].try_into().expect("4 bytes")) as u64;
+    let blocks = u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes"));
+    Ok(blocks * block)
+}
+
+/// Grows a freshly mounted xfs that is at least 1 MiB smaller than its
+/// device (a volume restored or cloned into a larger size; xfs grows only
+/// while mounted).
+fn grow_xfs_to_device(id: &str, device: &Path, mountpoint: &Path) -> Result<()> {
+    let fs_bytes = xfs_fs_bytes(device).map_err(|e| {
+        NodeError::Internal(format!(
+            "reading the xfs superblock of {}: {e}",
+            device.display()
+        ))
+    })?;
+    let dev_bytes = crust_blockdev::block_device_size(device)
+        .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?;
+    if dev_bytes >= fs_bytes + (1 << 20) {
+        crust_blockdev::grow_fs(device, mountpoint, crust_blockdev::FsType::Xfs)
+            .map_err(|e| fs_err(&format!("growing xfs on {}", device.display()), e))?;
+        tracing::info!(volume = %id, device = %device.display(), "grew xfs to the device size after mounting");
+    }
+    Ok(())
+}
+
+/// The mount flags for `rec`'s filesystem: the capability's, plus
+/// `nouuid` for an xfs copied from a snapshot or volume (it shares its
+/// source's UUID, and the kernel refuses a second xfs with one).
+pub(crate) fn mount_flags_of(rec: &VolumeRecord, fs: FsType, flags: &[String]) -> Vec<String> {
+    let mut flags = flags.to_vec();
+    if fs == FsType::Xfs && rec.content_source.is_some() && !flags.iter().any(|f| f == "nouuid") {
+        flags.push("nouuid".into());
+    }
+    flags
 }
 
 /// Whether the ext4 on `dev` is at least 1 MiB smaller than the device
@@ -589,15 +633,21 @@ impl Driver {
                     crust_blockdev::ensure_no_other_openers(&device, crust_blockdev::fs::MOUNT)
                         .map_err(|e| fs_err("checking for other openers", e))?;
                 }
+                let fresh_mount = !mounted_here(&device, &path)?;
                 crust_blockdev::mount_fs(
                     &device,
                     &path,
                     fs.to_blockdev(),
-                    &cap.mount_flags,
+                    &mount_flags_of(&rec, fs, &cap.mount_flags),
                     readonly,
                 )
                 .map_err(mount_err)
                 .map_err(undo)?;
+                // Only when this call mounted it: growing a mounted volume
+                // is NodeExpandVolume's job, a repeated stage changes nothing.
+                if fresh_mount && fs == FsType::Xfs && !readonly {
+                    grow_xfs_to_device(&id, &device, &path)?;
+                }
             }
         } else if readonly {
             set_device_read_only(&device, true)
@@ -1009,6 +1059,9 @@ impl Driver {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
         }
+        // The spec's table first: an unknown volume is NOT_FOUND whatever
+        // the paths look like.
+        let rec = self.node_record(&req.volume_id)?;
         let path = abs_path("volume_path", &req.volume_path)?;
         if !req.staging_target_path.is_empty() {
             abs_path("staging_target_path", &req.staging_target_path)?;
@@ -1016,7 +1069,6 @@ impl Driver {
         if req.defer_fs_ops && !self.deferral_enabled() {
             return Err(NodeError::DeferralUnsupported);
         }
-        let rec = self.node_record(&req.volume_id)?;
         if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
             return self.stats_deferred(&rec, &path);
         }
@@ -1076,7 +1128,7 @@ impl Driver {
         self.metrics.observe_condition(&rec.id, cond.abnormal);
         Ok(csi::NodeGetVolumeStatsResponse {
             usage,
-            volume_condition: Some(cond.into()),
+            volume_condition: self.cfg.csi_spec.serves_condition().then(|| cond.into()),
         })
     }
 
@@ -1087,6 +1139,8 @@ impl Driver {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
         }
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record(&req.volume_id)?;
         let path = abs_path("volume_path", &req.volume_path)?;
         if !req.staging_target_path.is_empty() {
             abs_path("staging_target_path", &req.staging_target_path)?;
@@ -1186,32 +1240,12 @@ impl Driver {
             node_id: self.cfg.node_id.clone(),
             max_volumes_per_node: self.cfg.max_volumes_per_node,
             accessible_topology: Some(self.topology()),
+            supported_file_systems: [FsType::Ext4, FsType::Xfs]
+                .iter()
+                .map(|f| f.as_str().to_string())
+                .collect(),
         }
     }
-}
-
-fn node_caps(deferral: bool) -> Vec<csi::NodeServiceCapability> {
-    let mut caps = vec![
-        RpcType::StageUnstageVolume,
-        RpcType::GetVolumeStats,
-        RpcType::ExpandVolume,
-        RpcType::VolumeCondition,
-        RpcType::SingleNodeMultiWriter,
-    ];
-    if deferral {
-        caps.extend([
-            RpcType::DeferFsOps,
-            RpcType::DeferFsOpsWithSupplementalGroup,
-            RpcType::DeferFsOpsWithSupplementalGroupChangePolicy,
-        ]);
-    }
-    caps.into_iter()
-        .map(|t| csi::NodeServiceCapability {
-            r#type: Some(csi::node_service_capability::Type::Rpc(
-                csi::node_service_capability::Rpc { r#type: t as i32 },
-            )),
-        })
-        .collect()
 }
 
 /// The tonic Node service.
@@ -1287,7 +1321,10 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
-            capabilities: node_caps(self.driver.deferral_enabled()),
+            capabilities: crate::surface::node_capabilities(
+                self.driver.cfg.csi_spec,
+                self.driver.deferral_enabled(),
+            ),
         }))
     }
 
@@ -1296,5 +1333,28 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetInfoRequest>,
     ) -> std::result::Result<Response<csi::NodeGetInfoResponse>, Status> {
         Ok(Response::new(self.driver.node_get_info()))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        request: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(crate::controller::health_api_off("NodeGetVolumeHealth"));
+        }
+        let req = request.into_inner();
+        let resp = blocking(&self.driver, move |d| d.node_get_volume_health(&req)).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _request: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> std::result::Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
+        if !self.driver.cfg.csi_spec.serves_health_api() {
+            return Err(crate::controller::health_api_off("NodeGetStorageHealth"));
+        }
+        let resp = blocking(&self.driver, |d| d.node_get_storage_health()).await?;
+        Ok(Response::new(resp))
     }
 }

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use crust_backend::Backend;
 use crust_proto::csi::v1::controller_server::ControllerServer;
+use crust_proto::csi::v1::group_controller_server::GroupControllerServer;
 use crust_proto::csi::v1::identity_server::IdentityServer;
 use crust_proto::csi::v1::node_server::NodeServer;
 
@@ -29,6 +30,7 @@ use crate::config::{BackendConfig, Config};
 use crate::controller::ControllerService;
 use crate::driver::Driver;
 use crate::error::ServeError;
+use crate::group_controller::GroupControllerService;
 use crate::identity::IdentityService;
 use crate::metrics::RpcMetricsLayer;
 use crate::node::NodeService;
@@ -131,6 +133,9 @@ where
             driver.clone(),
         )))
         .add_service(NodeServer::new(NodeService::new(driver.clone())))
+        .add_service(GroupControllerServer::new(GroupControllerService::new(
+            driver.clone(),
+        )))
         .serve_with_incoming_shutdown(crust_proto::server::incoming(listener), signal);
     tokio::pin!(server);
     let result = tokio::select! {

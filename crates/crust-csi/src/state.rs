@@ -166,6 +166,42 @@ pub struct VolumeRecord {
     pub staging: Option<Staging>,
     /// Publish targets, by path.
     pub published: BTreeMap<PathBuf, Publication>,
+    /// What the volume was filled from (CreateVolume's content source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<SourceRecord>,
+}
+
+/// A volume's content source, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceRecord {
+    Snapshot(String),
+    Volume(String),
+}
+
+impl From<&crust_backend::ContentSource> for SourceRecord {
+    fn from(s: &crust_backend::ContentSource) -> Self {
+        match s {
+            crust_backend::ContentSource::Snapshot(id) => SourceRecord::Snapshot(id.clone()),
+            crust_backend::ContentSource::Volume(id) => SourceRecord::Volume(id.clone()),
+        }
+    }
+}
+
+impl SourceRecord {
+    pub fn to_proto(&self) -> crust_proto::csi::v1::VolumeContentSource {
+        use crust_proto::csi::v1::volume_content_source::{SnapshotSource, Type, VolumeSource};
+        crust_proto::csi::v1::VolumeContentSource {
+            r#type: Some(match self {
+                SourceRecord::Snapshot(id) => Type::Snapshot(SnapshotSource {
+                    snapshot_id: id.clone(),
+                }),
+                SourceRecord::Volume(id) => Type::Volume(VolumeSource {
+                    volume_id: id.clone(),
+                }),
+            }),
+        }
+    }
 }
 
 impl VolumeRecord {
@@ -416,6 +452,7 @@ mod tests {
             node_id: "n1".into(),
             staging: None,
             published: BTreeMap::new(),
+            content_source: None,
         }
     }
 

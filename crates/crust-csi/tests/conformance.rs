@@ -71,7 +71,10 @@ async fn identity_info_capabilities_and_probe() {
             services,
             BTreeSet::from([
                 service::Type::ControllerService as i32,
-                service::Type::VolumeAccessibilityConstraints as i32
+                service::Type::VolumeAccessibilityConstraints as i32,
+                // the pool snapshots: group snapshots, node-local snapshots
+                service::Type::GroupControllerService as i32,
+                service::Type::SnapshotAccessibilityConstraints as i32,
             ])
         );
         assert!(caps.iter().any(|c| matches!(&c.r#type,
@@ -127,11 +130,20 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         C::VolumeCondition,
         C::GetVolume,
         C::SingleNodeMultiWriter,
+        C::GetVolumeHealth,
+        C::ListVolumeHealth,
+        C::CreateDeleteSnapshot,
+        C::ListSnapshots,
+        C::GetSnapshot,
+        C::CloneVolume,
     ]
     .into_iter()
     .map(|t| t as i32)
     .collect();
-    assert_eq!(ctl, want);
+    assert_eq!(
+        ctl, want,
+        "--csi-spec both: both generations' health; the pool snapshots and clones"
+    );
 
     use csi::node_service_capability::rpc::Type as N;
     let nodecaps: BTreeSet<i32> = c
@@ -153,6 +165,8 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         N::ExpandVolume,
         N::VolumeCondition,
         N::SingleNodeMultiWriter,
+        N::GetVolumeHealth,
+        N::GetStorageHealth,
     ]
     .into_iter()
     .map(|t| t as i32)
@@ -185,27 +199,33 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
             .await,
         u,
     );
+    // Snapshots are served (the pool copies): empty requests are refused
+    // as the spec says, not UNIMPLEMENTED.
+    let ia = Code::InvalidArgument;
     assert_code(
         c.ctl
             .create_snapshot(csi::CreateSnapshotRequest::default())
             .await,
-        u,
+        ia,
     );
     assert_code(
         c.ctl
             .delete_snapshot(csi::DeleteSnapshotRequest::default())
             .await,
-        u,
+        ia,
     );
-    assert_code(
+    assert!(
         c.ctl
             .list_snapshots(csi::ListSnapshotsRequest::default())
-            .await,
-        u,
+            .await
+            .unwrap()
+            .into_inner()
+            .entries
+            .is_empty()
     );
     assert_code(
         c.ctl.get_snapshot(csi::GetSnapshotRequest::default()).await,
-        u,
+        ia,
     );
     assert_code(
         c.ctl
@@ -222,12 +242,18 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         .await
         .unwrap();
     let mut group = csi::group_controller_client::GroupControllerClient::new(ch);
-    assert_code(
-        group
-            .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
-            .await,
-        u,
-    );
+    let caps = group
+        .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities;
+    use csi::group_controller_service_capability::{Type as G, rpc::Type as GR};
+    assert!(matches!(
+        caps.as_slice(),
+        [csi::GroupControllerServiceCapability { r#type: Some(G::Rpc(r)) }]
+            if r.r#type == GR::CreateDeleteGetVolumeGroupSnapshot as i32
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +315,8 @@ async fn create_volume_arguments_sizes_and_idempotency() {
             },
         )),
     });
-    let s = assert_code(c.create(r).await, ia);
+    // An unknown source: NOT_FOUND (the spec's "source does not exist").
+    let s = assert_code(c.create(r).await, Code::NotFound);
     assert!(s.message().contains("snapshot"), "{}", s.message());
     let mut r = create_req("range", 10 * MIB, ext4());
     r.capacity_range.as_mut().unwrap().limit_bytes = 5 * MIB;

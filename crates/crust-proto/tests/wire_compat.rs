@@ -111,10 +111,11 @@ fn stock_publish_request_decodes_without_deferral() {
 }
 
 #[test]
-fn kep_capability_values_are_the_kep_numbers() {
+fn kep_capability_values_are_the_documented_numbers() {
     use ours::node_service_capability::rpc::Type;
-    assert_eq!(Type::DeferFsOps as i32, 7);
-    assert_eq!(Type::DeferFsOpsWithSupplementalGroup as i32, 8);
-    assert_eq!(Type::DeferFsOpsWithSupplementalGroupChangePolicy as i32, 9);
+    for (name, _, value) in crust_proto::kep2857::NODE_CAPABILITIES {
+        let t = Type::from_str_name(name).unwrap_or_else(|| panic!("{name} not in csi.proto"));
+        assert_eq!(t as i32, *value, "{name}");
+    }
     assert_eq!(Type::VolumeMountGroup as i32, 6);
 }

@@ -74,6 +74,9 @@ pub enum Command {
     /// Node service RPCs (including the KEP-2857 deferral fields).
     #[command(subcommand)]
     Node(NodeCmd),
+    /// GroupController service RPCs (volume group snapshots).
+    #[command(subcommand)]
+    Group(GroupCmd),
     /// Load-test a CSI endpoint with standard CSI calls (or, with
     /// --deferred, the deferred stats/expand paths of one running pod).
     Bench(BenchArgs),
@@ -471,6 +474,19 @@ pub enum ControllerCmd {
     },
     /// ControllerGetVolume.
     Get { volume_id: String },
+    /// ControllerGetVolumeHealth (CSI v1.13).
+    VolumeHealth { volume_id: String },
+    /// ControllerListVolumeHealth (CSI v1.13): volumes with an adverse
+    /// condition.
+    ListVolumeHealth {
+        #[arg(long)]
+        max_entries: Option<i32>,
+        #[arg(long)]
+        starting_token: Option<String>,
+        /// Follow next_token through every page.
+        #[arg(long)]
+        all: bool,
+    },
     /// ListVolumes.
     List {
         #[arg(long)]
@@ -591,6 +607,37 @@ pub enum ControllerCmd {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum GroupCmd {
+    /// GroupControllerGetCapabilities.
+    Capabilities,
+    /// CreateVolumeGroupSnapshot: one crash-consistent snapshot of every
+    /// volume.
+    Create {
+        /// Group snapshot name (the idempotency key).
+        #[arg(long)]
+        name: String,
+        /// A source volume (repeat for each).
+        #[arg(long = "volume", value_name = "VOLUME_ID", required = true)]
+        volumes: Vec<String>,
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        params: Vec<KeyValue>,
+    },
+    /// DeleteVolumeGroupSnapshot (with its member snapshots).
+    Delete {
+        group_snapshot_id: String,
+        /// Member snapshot ids, checked against the group (repeatable).
+        #[arg(long = "snapshot-id")]
+        snapshot_ids: Vec<String>,
+    },
+    /// GetVolumeGroupSnapshot.
+    Get {
+        group_snapshot_id: String,
+        #[arg(long = "snapshot-id")]
+        snapshot_ids: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum NodeCmd {
     /// NodeStageVolume.
     Stage {
@@ -644,6 +691,17 @@ pub enum NodeCmd {
         #[arg(long)]
         defer_fs_ops: bool,
     },
+    /// NodeGetVolumeHealth (CSI v1.13).
+    VolumeHealth {
+        volume_id: String,
+        /// volume_publish_path (optional).
+        #[arg(long)]
+        volume_path: Option<PathBuf>,
+        #[arg(long)]
+        staging_path: Option<PathBuf>,
+    },
+    /// NodeGetStorageHealth (CSI v1.13): the node's storage backend.
+    StorageHealth,
     /// NodeGetVolumeStats.
     Stats {
         volume_id: String,
@@ -682,7 +740,8 @@ pub enum NodeCmd {
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats.
+    /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats,
+    /// volume-health (CSI v1.13 NodeGetVolumeHealth).
     #[arg(
         long,
         value_delimiter = ',',
@@ -861,6 +920,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Controller(cmd) => controller(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Node(cmd) => node(&cli.endpoint, cli.timeout, cmd, out).await?,
+        Command::Group(cmd) => group(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Bench(args) if args.deferred => {
             return bench_deferred_cmd(&cli.endpoint, cli.timeout, args, out).await;
         }
@@ -896,6 +956,8 @@ async fn controller(
         Create(csi::CreateVolumeRequest),
         Delete(csi::DeleteVolumeRequest),
         Get(csi::ControllerGetVolumeRequest),
+        Health(csi::ControllerGetVolumeHealthRequest),
+        ListHealth(csi::ControllerListVolumeHealthRequest, bool),
         List(csi::ListVolumesRequest, bool),
         Capacity(csi::GetCapacityRequest),
         Expand(csi::ControllerExpandVolumeRequest),
@@ -948,6 +1010,27 @@ async fn controller(
             secrets: map(&secrets, "--secret")?,
         }),
         C::Get { volume_id } => Req::Get(csi::ControllerGetVolumeRequest { volume_id }),
+        C::VolumeHealth { volume_id } => Req::Health(csi::ControllerGetVolumeHealthRequest {
+            volume_id,
+            secrets: Default::default(),
+        }),
+        C::ListVolumeHealth {
+            max_entries,
+            starting_token,
+            all,
+        } => {
+            if max_entries.is_some_and(|m| m < 0) {
+                return Err(CliError::Usage("--max-entries must not be negative".into()));
+            }
+            Req::ListHealth(
+                csi::ControllerListVolumeHealthRequest {
+                    max_entries: max_entries.unwrap_or(0),
+                    starting_token: starting_token.unwrap_or_default(),
+                    secrets: Default::default(),
+                },
+                all,
+            )
+        }
         C::List {
             max_entries,
             starting_token,
@@ -1040,6 +1123,7 @@ async fn controller(
             params,
             secrets,
         } => Req::SnapCreate(csi::CreateSnapshotRequest {
+            accessibility_requirements: None,
             source_volume_id: source_volume,
             name,
             secrets: map(&secrets, "--secret")?,
@@ -1095,6 +1179,9 @@ async fn controller(
             )
         }
         Req::Get(r) => emit(out, &c.controller_get_volume(r).await?, ""),
+        Req::Health(r) => emit(out, &c.controller_get_volume_health(r).await?, ""),
+        Req::ListHealth(r, true) => emit(out, &c.list_all_volume_health(r).await?, ""),
+        Req::ListHealth(r, false) => emit(out, &c.controller_list_volume_health(r).await?, ""),
         Req::List(r, true) => emit(
             out,
             &c.list_all_volumes(r.max_entries, r.starting_token).await?,
@@ -1142,6 +1229,66 @@ async fn controller(
     Ok(())
 }
 
+async fn group(
+    ep: &Endpoint,
+    timeout: Duration,
+    cmd: GroupCmd,
+    out: OutputFormat,
+) -> Result<(), CliError> {
+    use GroupCmd as G;
+    enum Req {
+        Capabilities,
+        Create(csi::CreateVolumeGroupSnapshotRequest),
+        Delete(csi::DeleteVolumeGroupSnapshotRequest),
+        Get(csi::GetVolumeGroupSnapshotRequest),
+    }
+    let req = match cmd {
+        G::Capabilities => Req::Capabilities,
+        G::Create {
+            name,
+            volumes,
+            params,
+        } => Req::Create(csi::CreateVolumeGroupSnapshotRequest {
+            name,
+            source_volume_ids: volumes,
+            secrets: Default::default(),
+            parameters: map(&params, "--param")?,
+        }),
+        G::Delete {
+            group_snapshot_id,
+            snapshot_ids,
+        } => Req::Delete(csi::DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id,
+            snapshot_ids,
+            secrets: Default::default(),
+        }),
+        G::Get {
+            group_snapshot_id,
+            snapshot_ids,
+        } => Req::Get(csi::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id,
+            snapshot_ids,
+            secrets: Default::default(),
+        }),
+    };
+    let c = Csi::connect(ep, timeout).await?;
+    match req {
+        Req::Capabilities => emit(
+            out,
+            &c.group_controller_get_capabilities(Default::default())
+                .await?,
+            "",
+        ),
+        Req::Create(r) => emit(out, &c.create_volume_group_snapshot(r).await?, ""),
+        Req::Delete(r) => {
+            let msg = format!("group snapshot {} deleted", r.group_snapshot_id);
+            emit(out, &c.delete_volume_group_snapshot(r).await?, &msg)
+        }
+        Req::Get(r) => emit(out, &c.get_volume_group_snapshot(r).await?, ""),
+    }
+    Ok(())
+}
+
 async fn node(
     ep: &Endpoint,
     timeout: Duration,
@@ -1155,6 +1302,8 @@ async fn node(
         Publish(csi::NodePublishVolumeRequest),
         Unpublish(csi::NodeUnpublishVolumeRequest),
         Stats(csi::NodeGetVolumeStatsRequest),
+        Health(csi::NodeGetVolumeHealthRequest),
+        StorageHealth,
         Expand(csi::NodeExpandVolumeRequest),
         Capabilities,
         Info,
@@ -1212,6 +1361,16 @@ async fn node(
             target_path: path_str(&target_path)?,
             defer_fs_ops,
         }),
+        N::VolumeHealth {
+            volume_id,
+            volume_path,
+            staging_path,
+        } => Req::Health(csi::NodeGetVolumeHealthRequest {
+            volume_id,
+            volume_publish_path: opt_path(&volume_path)?,
+            staging_target_path: opt_path(&staging_path)?,
+        }),
+        N::StorageHealth => Req::StorageHealth,
         N::Stats {
             volume_id,
             volume_path,
@@ -1277,6 +1436,12 @@ async fn node(
             emit(out, &c.node_unpublish_volume(r).await?, &msg)
         }
         Req::Stats(r) => emit(out, &c.node_get_volume_stats(r).await?, ""),
+        Req::Health(r) => emit(out, &c.node_get_volume_health(r).await?, ""),
+        Req::StorageHealth => emit(
+            out,
+            &c.node_get_storage_health(Default::default()).await?,
+            "",
+        ),
         Req::Expand(r) => emit(out, &c.node_expand_volume(r).await?, ""),
         Req::Capabilities => emit(out, &c.node_get_capabilities(Default::default()).await?, ""),
         Req::Info => emit(out, &c.node_get_info(Default::default()).await?, ""),

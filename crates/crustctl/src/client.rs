@@ -7,6 +7,7 @@ use std::time::Duration;
 use crust_proto::csi::v1 as csi;
 use crust_proto::endpoint::{Endpoint, EndpointError};
 use csi::controller_client::ControllerClient;
+use csi::group_controller_client::GroupControllerClient;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use tonic::transport::Channel;
@@ -31,6 +32,7 @@ pub struct Csi {
     identity: IdentityClient<Channel>,
     controller: ControllerClient<Channel>,
     node: NodeClient<Channel>,
+    group: GroupControllerClient<Channel>,
     timeout: Duration,
 }
 
@@ -63,7 +65,8 @@ impl Csi {
         Csi {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
+            node: NodeClient::new(channel.clone()),
+            group: GroupControllerClient::new(channel),
             timeout,
         }
     }
@@ -131,6 +134,8 @@ impl Csi {
         controller.controller_expand_volume(ControllerExpandVolumeRequest) -> ControllerExpandVolumeResponse;
         controller.controller_get_volume(ControllerGetVolumeRequest) -> ControllerGetVolumeResponse;
         controller.controller_modify_volume(ControllerModifyVolumeRequest) -> ControllerModifyVolumeResponse;
+        controller.controller_get_volume_health(ControllerGetVolumeHealthRequest) -> ControllerGetVolumeHealthResponse;
+        controller.controller_list_volume_health(ControllerListVolumeHealthRequest) -> ControllerListVolumeHealthResponse;
 
         node.node_stage_volume(NodeStageVolumeRequest) -> NodeStageVolumeResponse;
         node.node_unstage_volume(NodeUnstageVolumeRequest) -> NodeUnstageVolumeResponse;
@@ -140,6 +145,13 @@ impl Csi {
         node.node_expand_volume(NodeExpandVolumeRequest) -> NodeExpandVolumeResponse;
         node.node_get_capabilities(NodeGetCapabilitiesRequest) -> NodeGetCapabilitiesResponse;
         node.node_get_info(NodeGetInfoRequest) -> NodeGetInfoResponse;
+
+        group.group_controller_get_capabilities(GroupControllerGetCapabilitiesRequest) -> GroupControllerGetCapabilitiesResponse;
+        group.create_volume_group_snapshot(CreateVolumeGroupSnapshotRequest) -> CreateVolumeGroupSnapshotResponse;
+        group.delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest) -> DeleteVolumeGroupSnapshotResponse;
+        group.get_volume_group_snapshot(GetVolumeGroupSnapshotRequest) -> GetVolumeGroupSnapshotResponse;
+        node.node_get_volume_health(NodeGetVolumeHealthRequest) -> NodeGetVolumeHealthResponse;
+        node.node_get_storage_health(NodeGetStorageHealthRequest) -> NodeGetStorageHealthResponse;
     }
 
     /// Every page of `ListVolumes`, following `next_token` until it is empty.
@@ -171,6 +183,29 @@ impl Csi {
                 )));
             }
             token = page.next_token;
+        }
+    }
+
+    /// Every page of `ControllerListVolumeHealth`.
+    pub async fn list_all_volume_health(
+        &self,
+        mut req: csi::ControllerListVolumeHealthRequest,
+    ) -> Result<csi::ControllerListVolumeHealthResponse, Status> {
+        let mut all = csi::ControllerListVolumeHealthResponse::default();
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let page = self.controller_list_volume_health(req.clone()).await?;
+            all.entries.extend(page.entries);
+            if page.next_token.is_empty() {
+                return Ok(all);
+            }
+            if !seen.insert(page.next_token.clone()) {
+                return Err(Status::internal(format!(
+                    "ControllerListVolumeHealth returned next_token {:?} twice",
+                    page.next_token
+                )));
+            }
+            req.starting_token = page.next_token;
         }
     }
 

@@ -215,6 +215,15 @@ impl Render for DemoReport {
                     );
                 }
             }
+            for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
+                if let Some(h) = &obs.health {
+                    let _ = writeln!(
+                        o,
+                        "CSI health: {label:<6} expansion  {} (NodeGetVolumeHealth, CSI v1.13)",
+                        h.text()
+                    );
+                }
+            }
             if f.before_expand.stats.is_some() {
                 let _ = writeln!(
                     o,
@@ -1046,9 +1055,23 @@ fn verify(r: &FlowReport) -> Result<String, String> {
                 st.health()
             ));
         }
+        match &o.health {
+            Some(h) if h.entries.is_empty() => {}
+            Some(h) => {
+                return Err(format!(
+                    "NodeGetVolumeHealth {label} the expansion: {}",
+                    h.text()
+                ));
+            }
+            None => {
+                return Err(format!(
+                    "no NodeGetVolumeHealth answer {label} the expansion"
+                ));
+            }
+        }
     }
     Ok(format!(
-        "guest df grew {} -> {}; CSI stats totals = guest df; health normal",
+        "guest df grew {} -> {}; CSI stats totals = guest df; health normal (v1.12 condition and v1.13 NodeGetVolumeHealth)",
         human_size(b.bytes.total as i64),
         human_size(a.bytes.total as i64)
     ))

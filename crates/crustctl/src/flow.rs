@@ -295,6 +295,43 @@ pub struct VolumeInfo {
 pub struct Observation {
     pub df: Option<DfView>,
     pub stats: Option<StatsView>,
+    /// NodeGetVolumeHealth (CSI v1.13); None when the plugin does not serve it.
+    pub health: Option<HealthView>,
+}
+
+/// NodeGetVolumeHealth (CSI v1.13), summarised.
+#[derive(Debug, Clone, Serialize)]
+pub struct HealthView {
+    /// `(status, reason, message)` of each adverse condition; empty: healthy.
+    pub entries: Vec<(String, String, String)>,
+}
+
+impl HealthView {
+    fn from_proto(h: &csi::VolumeHealth) -> HealthView {
+        HealthView {
+            entries: h
+                .health_statuses
+                .iter()
+                .map(|e| {
+                    let status = csi::VolumeHealthErrorType::try_from(e.status)
+                        .map(|s| s.as_str_name().to_string())
+                        .unwrap_or_else(|_| e.status.to_string());
+                    (status, e.reason.clone(), e.message.clone())
+                })
+                .collect(),
+        }
+    }
+
+    pub fn text(&self) -> String {
+        if self.entries.is_empty() {
+            return "healthy (no adverse condition)".into();
+        }
+        self.entries
+            .iter()
+            .map(|(s, r, m)| format!("{s} {r}: {m}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -1100,7 +1137,38 @@ impl Flow {
             self.observation(after).stats = Some(v);
             t
         });
-        self.record("NodeGetVolumeStats", t0, r)
+        self.record("NodeGetVolumeStats", t0, r)?;
+        self.observe_health(after).await
+    }
+
+    /// NodeGetVolumeHealth (CSI v1.13) for this pod's paths; a plugin
+    /// that does not serve it (UNIMPLEMENTED) is noted, not a failure.
+    async fn observe_health(&mut self, after: bool) -> Result<(), FlowError> {
+        let stop = self.stop.clone();
+        let t0 = Instant::now();
+        let req = csi::NodeGetVolumeHealthRequest {
+            volume_id: self.volume_id.clone().unwrap_or_default(),
+            volume_publish_path: self.target.clone(),
+            staging_target_path: self.staging.clone().unwrap_or_default(),
+        };
+        let csi = self.csi.clone();
+        let r = guarded(&stop, async {
+            match csi.node_get_volume_health(req).await {
+                Ok(resp) => Ok(resp.volume_health.map(|h| HealthView::from_proto(&h))),
+                Err(s) if s.code() == tonic::Code::Unimplemented => Ok(None),
+                Err(s) => Err(status_text(&s)),
+            }
+        })
+        .await;
+        let r = r.map(|view| match view {
+            Some(v) => {
+                let t = v.text();
+                self.observation(after).health = Some(v);
+                t
+            }
+            None => "not served by this plugin (CSI v1.12 surface)".to_string(),
+        });
+        self.record("NodeGetVolumeHealth", t0, r)
     }
 
     fn observation(&mut self, after: bool) -> &mut Observation {

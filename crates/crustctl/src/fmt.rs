@@ -61,7 +61,13 @@ enum_name!(
     csi::controller_service_capability::rpc::Type
 );
 enum_name!(node_rpc_name, csi::node_service_capability::rpc::Type);
+enum_name!(
+    group_rpc_name,
+    csi::group_controller_service_capability::rpc::Type
+);
 enum_name!(usage_unit_name, csi::volume_usage::Unit);
+enum_name!(volume_health_status_name, csi::VolumeHealthErrorType);
+enum_name!(storage_health_status_name, csi::StorageHealthErrorType);
 
 fn name_text(v: Value) -> String {
     match v {
@@ -609,6 +615,90 @@ impl Render for csi::GetSnapshotResponse {
     }
 }
 
+fn group_snapshot_json(g: &csi::VolumeGroupSnapshot) -> Value {
+    json!({
+        "group_snapshot_id": g.group_snapshot_id,
+        "snapshots": g.snapshots.iter().map(snapshot_json).collect::<Vec<_>>(),
+        "creation_time": opt(&g.creation_time, |t| Value::String(t.to_string())),
+        "ready_to_use": g.ready_to_use,
+    })
+}
+
+fn group_snapshot_text(g: &Option<csi::VolumeGroupSnapshot>) -> String {
+    let Some(g) = g else {
+        return "(no group snapshot in response)\n".into();
+    };
+    let mut out = format!(
+        "group_snapshot_id: {}\nready_to_use:      {}\nmembers:           {}\n",
+        g.group_snapshot_id,
+        g.ready_to_use,
+        g.snapshots.len()
+    );
+    for s in &g.snapshots {
+        out.push('\n');
+        snapshot_text(&mut out, s);
+    }
+    out
+}
+
+impl Render for csi::CreateVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        json!({ "group_snapshot": opt(&self.group_snapshot, group_snapshot_json) })
+    }
+    fn to_text(&self) -> String {
+        group_snapshot_text(&self.group_snapshot)
+    }
+}
+
+impl Render for csi::GetVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        json!({ "group_snapshot": opt(&self.group_snapshot, group_snapshot_json) })
+    }
+    fn to_text(&self) -> String {
+        group_snapshot_text(&self.group_snapshot)
+    }
+}
+
+impl Render for csi::DeleteVolumeGroupSnapshotResponse {
+    fn to_json(&self) -> Value {
+        empty_json()
+    }
+    fn to_text(&self) -> String {
+        String::new()
+    }
+}
+
+impl Render for csi::GroupControllerGetCapabilitiesResponse {
+    fn to_json(&self) -> Value {
+        use csi::group_controller_service_capability::Type;
+        rpc_caps_json(
+            &self
+                .capabilities
+                .iter()
+                .map(|c| {
+                    c.r#type
+                        .as_ref()
+                        .map(|Type::Rpc(r)| group_rpc_name(r.r#type))
+                })
+                .collect::<Vec<_>>(),
+        )
+    }
+    fn to_text(&self) -> String {
+        use csi::group_controller_service_capability::Type;
+        rpc_caps_text(
+            &self
+                .capabilities
+                .iter()
+                .map(|c| {
+                    c.r#type
+                        .as_ref()
+                        .map(|Type::Rpc(r)| group_rpc_name(r.r#type))
+                })
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
 impl Render for csi::ListSnapshotsResponse {
     fn to_json(&self) -> Value {
         json!({
@@ -778,10 +868,19 @@ impl Render for csi::NodeGetInfoResponse {
             "node_id": self.node_id,
             "max_volumes_per_node": self.max_volumes_per_node,
             "accessible_topology": opt(&self.accessible_topology, topology_json),
+            "supported_file_systems": self.supported_file_systems,
         })
     }
     fn to_text(&self) -> String {
-        format!(
+        let fs = if self.supported_file_systems.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "supported_file_systems: {}\n",
+                self.supported_file_systems.join(",")
+            )
+        };
+        fs + &format!(
             "node_id:              {}\nmax_volumes_per_node: {}\naccessible_topology:  {}\n",
             self.node_id,
             if self.max_volumes_per_node == 0 {
@@ -794,6 +893,114 @@ impl Render for csi::NodeGetInfoResponse {
                 .map(|t| topologies_text(std::slice::from_ref(t)))
                 .unwrap_or_else(|| "-".into())
         )
+    }
+}
+
+/// JSON of a v1.13 `VolumeHealth`.
+pub fn volume_health_json(h: &csi::VolumeHealth) -> Value {
+    json!({
+        "volume_id": h.volume_id,
+        "health_statuses": h.health_statuses.iter().map(|e| json!({
+            "status": volume_health_status_name(e.status),
+            "reason": e.reason,
+            "message": e.message,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// One line per health entry, or `healthy`.
+fn volume_health_text(out: &mut String, h: &csi::VolumeHealth) {
+    if h.health_statuses.is_empty() {
+        let _ = writeln!(out, "{}: healthy", h.volume_id);
+    }
+    for e in &h.health_statuses {
+        let _ = writeln!(
+            out,
+            "{}: {} {}: {}",
+            h.volume_id,
+            name_text(volume_health_status_name(e.status)),
+            e.reason,
+            e.message
+        );
+    }
+}
+
+impl Render for csi::NodeGetVolumeHealthResponse {
+    fn to_json(&self) -> Value {
+        json!({ "volume_health": opt(&self.volume_health, volume_health_json) })
+    }
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        match &self.volume_health {
+            Some(h) => volume_health_text(&mut out, h),
+            None => out.push_str("(no volume_health in the answer)\n"),
+        }
+        out
+    }
+}
+
+impl Render for csi::ControllerGetVolumeHealthResponse {
+    fn to_json(&self) -> Value {
+        json!({ "volume_health": opt(&self.volume_health, volume_health_json) })
+    }
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        match &self.volume_health {
+            Some(h) => volume_health_text(&mut out, h),
+            None => out.push_str("(no volume_health in the answer)\n"),
+        }
+        out
+    }
+}
+
+impl Render for csi::ControllerListVolumeHealthResponse {
+    fn to_json(&self) -> Value {
+        json!({
+            "entries": self.entries.iter().map(volume_health_json).collect::<Vec<_>>(),
+            "next_token": self.next_token,
+        })
+    }
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        for h in &self.entries {
+            volume_health_text(&mut out, h);
+        }
+        if self.entries.is_empty() {
+            out.push_str("(no volume with an adverse condition)\n");
+        }
+        if !self.next_token.is_empty() {
+            let _ = writeln!(out, "next_token: {}", self.next_token);
+        }
+        out
+    }
+}
+
+impl Render for csi::NodeGetStorageHealthResponse {
+    fn to_json(&self) -> Value {
+        json!({
+            "backend_health": self.backend_health.iter().map(|b| json!({
+                "status": storage_health_status_name(b.status),
+                "reason": b.reason,
+                "message": b.message,
+                "volume_capability": opt(&b.volume_capability, volume_capability_json),
+            })).collect::<Vec<_>>(),
+        })
+    }
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        for b in &self.backend_health {
+            let _ = writeln!(
+                out,
+                "{} {}: {}",
+                name_text(storage_health_status_name(b.status)),
+                b.reason,
+                b.message
+            );
+        }
+        if out.is_empty() {
+            out.push_str("storage healthy (no adverse condition)\n");
+        }
+        out
     }
 }
 
@@ -1056,6 +1263,7 @@ mod tests {
             }),
             ready_to_use: true,
             group_snapshot_id: String::new(),
+            accessible_topology: vec![],
         };
         let j = csi::CreateSnapshotResponse {
             snapshot: Some(s.clone()),
@@ -1139,12 +1347,15 @@ mod tests {
             node_id: "n1".into(),
             max_volumes_per_node: 0,
             accessible_topology: Some(topo("zone", "a")),
+            supported_file_systems: vec!["ext4".into(), "xfs".into()],
         };
         assert_eq!(
             info.to_json(),
             json!({"node_id": "n1", "max_volumes_per_node": 0,
-                   "accessible_topology": {"segments": {"zone": "a"}}})
+                   "accessible_topology": {"segments": {"zone": "a"}},
+                   "supported_file_systems": ["ext4", "xfs"]})
         );
+        assert!(info.to_text().contains("supported_file_systems: ext4,xfs"));
         assert!(info.to_text().contains("unlimited"));
         assert_eq!(
             csi::NodeExpandVolumeResponse { capacity_bytes: 9 }.to_json(),

@@ -660,10 +660,80 @@ fn node_commands_carry_the_kep_fields() {
     assert_eq!(
         j,
         json!({"node_id": NODE_ID, "max_volumes_per_node": 0,
-               "accessible_topology": {"segments": {TOPOLOGY_KEY: NODE_ID}}})
+               "accessible_topology": {"segments": {TOPOLOGY_KEY: NODE_ID}},
+               "supported_file_systems": ["ext4"]})
     );
     let text = ok(&crustctl(&fake, &["node", "info"]));
     assert!(text.contains(NODE_ID) && text.contains("unlimited"));
+}
+
+#[test]
+fn volume_health_commands_send_the_v1_13_requests() {
+    let fake = Fake::start(Options::default());
+    fake.add_volume("v1", 1 << 30);
+    let j = json_out(&crustctl(
+        &fake,
+        &[
+            "node",
+            "volume-health",
+            "v1",
+            "--volume-path",
+            "/pods/p/mount",
+            "--staging-path",
+            "/staging/g",
+            "-o",
+            "json",
+        ],
+    ));
+    let r = fake.last::<csi::NodeGetVolumeHealthRequest>("NodeGetVolumeHealth");
+    assert_eq!(
+        (
+            r.volume_id.as_str(),
+            r.volume_publish_path.as_str(),
+            r.staging_target_path.as_str()
+        ),
+        ("v1", "/pods/p/mount", "/staging/g")
+    );
+    assert_eq!(
+        j,
+        json!({"volume_health": {"volume_id": "v1", "health_statuses": [
+            {"status": "DEGRADED", "reason": "FilesystemReadOnly", "message": "read-only"}
+        ]}})
+    );
+    let text = ok(&crustctl(&fake, &["node", "volume-health", "v1"]));
+    assert_eq!(text, "v1: DEGRADED FilesystemReadOnly: read-only\n");
+
+    let text = ok(&crustctl(&fake, &["node", "storage-health"]));
+    assert_eq!(text, "storage healthy (no adverse condition)\n");
+    fake.last::<csi::NodeGetStorageHealthRequest>("NodeGetStorageHealth");
+
+    let text = ok(&crustctl(&fake, &["controller", "volume-health", "v1"]));
+    assert_eq!(text, "v1: healthy\n");
+    assert_eq!(
+        fake.last::<csi::ControllerGetVolumeHealthRequest>("ControllerGetVolumeHealth")
+            .volume_id,
+        "v1"
+    );
+    let j = json_out(&crustctl(
+        &fake,
+        &[
+            "controller",
+            "list-volume-health",
+            "--max-entries",
+            "5",
+            "--starting-token",
+            "t0",
+            "-o",
+            "json",
+        ],
+    ));
+    assert_eq!(j, json!({"entries": [], "next_token": ""}));
+    let r = fake.last::<csi::ControllerListVolumeHealthRequest>("ControllerListVolumeHealth");
+    assert_eq!((r.max_entries, r.starting_token.as_str()), (5, "t0"));
+    // unknown volume: the server's NOT_FOUND, exit 1
+    let o = crustctl(&fake, &["controller", "volume-health", "nope"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("NotFound"), "{}", stderr(&o));
 }
 
 #[test]

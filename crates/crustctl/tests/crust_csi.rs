@@ -221,6 +221,137 @@ fn bench_against_crust_csi_leaves_nothing_behind() {
         String::from_utf8_lossy(&o.stderr)
     );
 
+    // Snapshots, a restore, a clone and a group snapshot through crustctl.
+    let mk = |name: &str| {
+        json(&crustctl(
+            &endpoint,
+            &[
+                "controller",
+                "create",
+                "--name",
+                name,
+                "--size",
+                "16Mi",
+                "-o",
+                "json",
+            ],
+        ))["volume"]["volume_id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (a, b) = (mk("snap-src-a"), mk("snap-src-b"));
+    let s = json(&crustctl(
+        &endpoint,
+        &[
+            "controller",
+            "snapshot-create",
+            "--name",
+            "s-a",
+            "--source-volume",
+            &a,
+            "-o",
+            "json",
+        ],
+    ));
+    let sid = s["snapshot"]["snapshot_id"].as_str().unwrap().to_string();
+    assert_eq!(s["snapshot"]["source_volume_id"], a.as_str());
+    assert_eq!(s["snapshot"]["ready_to_use"], true);
+    let listed = json(&crustctl(
+        &endpoint,
+        &[
+            "controller",
+            "snapshot-list",
+            "--source-volume",
+            &a,
+            "-o",
+            "json",
+        ],
+    ));
+    assert_eq!(listed["entries"].as_array().unwrap().len(), 1);
+    let restored = json(&crustctl(
+        &endpoint,
+        &[
+            "controller",
+            "create",
+            "--name",
+            "restored",
+            "--size",
+            "16Mi",
+            "--source-snapshot",
+            &sid,
+            "-o",
+            "json",
+        ],
+    ));
+    assert_eq!(
+        restored["volume"]["content_source"]["snapshot"]["snapshot_id"],
+        sid.as_str()
+    );
+    let clone = json(&crustctl(
+        &endpoint,
+        &[
+            "controller",
+            "create",
+            "--name",
+            "clone",
+            "--size",
+            "16Mi",
+            "--source-volume",
+            &b,
+            "-o",
+            "json",
+        ],
+    ));
+    assert_eq!(
+        clone["volume"]["content_source"]["volume"]["volume_id"],
+        b.as_str()
+    );
+    let caps = json(&crustctl(
+        &endpoint,
+        &["group", "capabilities", "-o", "json"],
+    ));
+    assert_eq!(
+        caps["capabilities"][0]["rpc"]["type"],
+        "CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT"
+    );
+    let g = json(&crustctl(
+        &endpoint,
+        &[
+            "group", "create", "--name", "g", "--volume", &a, "--volume", &b, "-o", "json",
+        ],
+    ));
+    let gid = g["group_snapshot"]["group_snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(g["group_snapshot"]["ready_to_use"], true);
+    assert_eq!(
+        g["group_snapshot"]["snapshots"].as_array().unwrap().len(),
+        2
+    );
+    let got = json(&crustctl(&endpoint, &["group", "get", &gid, "-o", "json"]));
+    assert_eq!(got["group_snapshot"], g["group_snapshot"]);
+    let o = crustctl(&endpoint, &["group", "delete", &gid]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = crustctl(&endpoint, &["group", "get", &gid]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).starts_with("error: NotFound: "),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for v in [
+        &a,
+        &b,
+        restored["volume"]["volume_id"].as_str().unwrap(),
+        clone["volume"]["volume_id"].as_str().unwrap(),
+    ] {
+        let o = crustctl(&endpoint, &["controller", "delete", v]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let o = crustctl(&endpoint, &["controller", "snapshot-delete", &sid]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
     drop(plugin);
     drop(cleanup);
     assert!(mounts_under(&root).is_empty() && loops_under(&root).is_empty());

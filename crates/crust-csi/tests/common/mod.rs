@@ -38,8 +38,11 @@ impl NodeCleanup {
     }
 
     pub fn run(&self) {
-        // Deepest (latest) mounts first.
-        for _ in 0..8 {
+        // Unmount what can be unmounted, detach loop devices on files under
+        // the root, repeat: a filesystem holding a loop device's backing
+        // file (a test's own pool filesystem) unmounts only once the loop
+        // device is gone. Lazy unmounts only as a last resort.
+        for round in 0..8 {
             let mounts: Vec<PathBuf> = crust_blockdev::mount_info()
                 .unwrap_or_default()
                 .into_iter()
@@ -47,11 +50,16 @@ impl NodeCleanup {
                 .map(|m| m.mount_point)
                 .filter(|p| p.starts_with(&self.root))
                 .collect();
+            for l in crust_blockdev::list_loops().unwrap_or_default() {
+                if l.backing_file.starts_with(&self.root) {
+                    let _ = crust_blockdev::detach(&l.path);
+                }
+            }
             if mounts.is_empty() {
                 break;
             }
             for m in mounts {
-                if crust_blockdev::unmount(&m).is_err() {
+                if crust_blockdev::unmount(&m).is_err() && round == 7 {
                     // Last resort so the machine is not left dirty.
                     let _ = rustix::mount::unmount(&m, rustix::mount::UnmountFlags::DETACH);
                 }

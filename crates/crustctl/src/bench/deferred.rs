@@ -228,6 +228,57 @@ pub async fn measure(
         scenarios.push(rec.report(Scenario::DeferredStats, t0.elapsed()));
     }
 
+    // --- deferred-health ---------------------------------------------------
+    let health_req = csi::NodeGetVolumeHealthRequest {
+        volume_id: stats_req.volume_id.clone(),
+        volume_publish_path: stats_req.volume_path.clone(),
+        staging_target_path: stats_req.staging_target_path.clone(),
+    };
+    if !*stop.borrow() {
+        let rec = Arc::new(Recorder::default());
+        let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
+        let t0 = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..cfg.concurrency {
+            let (c, rec, budget, req) =
+                (csi.clone(), rec.clone(), budget.clone(), health_req.clone());
+            set.spawn(async move {
+                while budget.claim() {
+                    match rec
+                        .timed("NodeGetVolumeHealth", c.node_get_volume_health(req.clone()))
+                        .await
+                    {
+                        Ok(r)
+                            if r.volume_health
+                                .as_ref()
+                                .is_some_and(|h| !h.health_statuses.is_empty()) =>
+                        {
+                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                            rec.sample(format!(
+                                "NodeGetVolumeHealth: adverse condition: {:?}",
+                                r.volume_health
+                                    .map(|h| h.health_statuses)
+                                    .unwrap_or_default()
+                            ));
+                        }
+                        Ok(_) => {
+                            rec.ops.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            if let Err(e) = r {
+                rec.sample(format!("worker failed: {e}"));
+            }
+        }
+        scenarios.push(rec.report(Scenario::DeferredHealth, t0.elapsed()));
+    }
+
     // --- deferred-expand ---------------------------------------------------
     if !*stop.borrow() {
         if cfg.concurrency > 1 {

@@ -52,10 +52,15 @@ pub enum Scenario {
     StagePublishCycle,
     /// NodeGetVolumeStats round robin over published volumes.
     Stats,
+    /// NodeGetVolumeHealth (CSI v1.13) round robin over published volumes.
+    VolumeHealth,
     /// `--deferred`: NodeGetVolumeStats with defer_fs_ops on a volume a
     /// running sandbox holds (answered by the guest).
     #[value(skip)]
     DeferredStats,
+    /// `--deferred`: NodeGetVolumeHealth of that volume (the guest's view).
+    #[value(skip)]
+    DeferredHealth,
     /// `--deferred`: ControllerExpandVolume + NodeExpandVolume with
     /// defer_fs_ops in small steps (grown online in the guest).
     #[value(skip)]
@@ -68,7 +73,9 @@ impl Scenario {
             Scenario::CreateDelete => "create-delete",
             Scenario::StagePublishCycle => "stage-publish-cycle",
             Scenario::Stats => "stats",
+            Scenario::VolumeHealth => "volume-health",
             Scenario::DeferredStats => "deferred-stats",
+            Scenario::DeferredHealth => "deferred-health",
             Scenario::DeferredExpand => "deferred-expand",
         }
     }
@@ -1083,34 +1090,45 @@ async fn stage_publish_cycle(ctx: Arc<Ctx>, claims: Arc<Claims>, rec: Arc<Record
     }
 }
 
+/// NodeGetVolumeStats, or NodeGetVolumeHealth for [`Scenario::VolumeHealth`],
+/// round robin over `vols`.
 async fn stats_worker(
     ctx: Arc<Ctx>,
     claims: Arc<Claims>,
     rec: Arc<Recorder>,
     vols: Arc<Vec<(Vol, Mount)>>,
+    scenario: Scenario,
 ) {
     while let Some(i) = claims.claim(&ctx) {
         let (vol, m) = &vols[(i % vols.len() as u64) as usize];
-        let r = rec
-            .timed(
-                "NodeGetVolumeStats",
-                ctx.csi
-                    .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                        volume_id: vol.id.clone(),
-                        volume_path: m.target.clone(),
-                        staging_target_path: m.staging.clone(),
-                        defer_fs_ops: ctx.cfg.defer_fs_ops,
-                    }),
-            )
-            .await;
-        let counter = if r.is_ok() { &rec.ops } else { &rec.failed_ops };
+        let ok = if scenario == Scenario::VolumeHealth {
+            let req = csi::NodeGetVolumeHealthRequest {
+                volume_id: vol.id.clone(),
+                volume_publish_path: m.target.clone(),
+                staging_target_path: m.staging.clone(),
+            };
+            rec.timed("NodeGetVolumeHealth", ctx.csi.node_get_volume_health(req))
+                .await
+                .is_ok()
+        } else {
+            let req = csi::NodeGetVolumeStatsRequest {
+                volume_id: vol.id.clone(),
+                volume_path: m.target.clone(),
+                staging_target_path: m.staging.clone(),
+                defer_fs_ops: ctx.cfg.defer_fs_ops,
+            };
+            rec.timed("NodeGetVolumeStats", ctx.csi.node_get_volume_stats(req))
+                .await
+                .is_ok()
+        };
+        let counter = if ok { &rec.ops } else { &rec.failed_ops };
         counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 /// Stages and publishes `stats_volumes` volumes (not timed), then runs the
-/// stats workers over them.
-async fn stats(ctx: Arc<Ctx>, rec: Arc<Recorder>) -> Duration {
+/// stats (or volume-health) workers over them.
+async fn stats(ctx: Arc<Ctx>, rec: Arc<Recorder>, scenario: Scenario) -> Duration {
     let mut setup = tokio::task::JoinSet::new();
     let sem = Arc::new(tokio::sync::Semaphore::new(ctx.cfg.concurrency));
     for _ in 0..ctx.cfg.stats_volumes {
@@ -1160,6 +1178,7 @@ async fn stats(ctx: Arc<Ctx>, rec: Arc<Recorder>) -> Duration {
                 claims.clone(),
                 rec.clone(),
                 vols.clone(),
+                scenario,
             ));
         }
         join_all(&mut set, &rec).await;
@@ -1316,17 +1335,23 @@ pub async fn run_bench(
     if cfg.concurrency == 0 {
         return Err(BenchError::Config("concurrency must be at least 1".into()));
     }
-    if cfg.stats_volumes == 0 && cfg.scenarios.contains(&Scenario::Stats) {
+    if cfg.stats_volumes == 0
+        && cfg
+            .scenarios
+            .iter()
+            .any(|s| matches!(s, Scenario::Stats | Scenario::VolumeHealth))
+    {
         return Err(BenchError::Config("stats needs at least 1 volume".into()));
     }
     if matches!(cfg.limit, Limit::Ops(0)) {
         return Err(BenchError::Config("ops must be at least 1".into()));
     }
-    if let Some(s) = cfg
-        .scenarios
-        .iter()
-        .find(|s| matches!(s, Scenario::DeferredStats | Scenario::DeferredExpand))
-    {
+    if let Some(s) = cfg.scenarios.iter().find(|s| {
+        matches!(
+            s,
+            Scenario::DeferredStats | Scenario::DeferredExpand | Scenario::DeferredHealth
+        )
+    }) {
         return Err(BenchError::Config(format!(
             "{} runs only in deferred mode (bench::deferred)",
             s.name()
@@ -1357,6 +1382,9 @@ pub async fn run_bench(
             _ if d.node.is_none() => Some("no node service on this endpoint".to_string()),
             Scenario::Stats if !has_node(NT::GetVolumeStats) => {
                 Some("node does not advertise GET_VOLUME_STATS".to_string())
+            }
+            Scenario::VolumeHealth if !has_node(NT::GetVolumeHealth) => {
+                Some("node does not advertise GET_VOLUME_HEALTH (CSI v1.13)".to_string())
             }
             _ => None,
         };
@@ -1442,7 +1470,7 @@ pub async fn run_bench(
         let rec = Arc::new(Recorder::default());
         let t0 = Instant::now();
         let elapsed = match s {
-            Scenario::Stats => stats(ctx.clone(), rec.clone()).await,
+            Scenario::Stats | Scenario::VolumeHealth => stats(ctx.clone(), rec.clone(), s).await,
             _ => {
                 let claims = Arc::new(Claims::new(ctx.cfg.limit));
                 let mut set = tokio::task::JoinSet::new();

@@ -541,6 +541,7 @@ impl Controller for Svc {
             }),
             ready_to_use: true,
             group_snapshot_id: String::new(),
+            accessible_topology: vec![],
         };
         s.snapshots.insert(snap.snapshot_id.clone(), snap.clone());
         Ok(Response::new(csi::CreateSnapshotResponse {
@@ -644,6 +645,32 @@ impl Controller for Svc {
         self.rec("ControllerModifyVolume", &r)?;
         Svc::need_volume(&self.state.lock().unwrap(), &r.volume_id)?;
         Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
+    }
+
+    async fn controller_get_volume_health(
+        &self,
+        r: Request<csi::ControllerGetVolumeHealthRequest>,
+    ) -> R<csi::ControllerGetVolumeHealthResponse> {
+        let r = r.into_inner();
+        self.rec("ControllerGetVolumeHealth", &r)?;
+        Svc::need_volume(&self.state.lock().unwrap(), &r.volume_id)?;
+        Ok(Response::new(csi::ControllerGetVolumeHealthResponse {
+            volume_health: Some(csi::VolumeHealth {
+                volume_id: r.volume_id,
+                health_statuses: vec![],
+            }),
+        }))
+    }
+
+    async fn controller_list_volume_health(
+        &self,
+        r: Request<csi::ControllerListVolumeHealthRequest>,
+    ) -> R<csi::ControllerListVolumeHealthResponse> {
+        let r = r.into_inner();
+        self.rec("ControllerListVolumeHealth", &r)?;
+        Ok(Response::new(
+            csi::ControllerListVolumeHealthResponse::default(),
+        ))
     }
 }
 
@@ -859,6 +886,36 @@ impl Node for Svc {
             node_id: NODE_ID.into(),
             max_volumes_per_node: 0,
             accessible_topology: Some(node_topology()),
+            supported_file_systems: vec!["ext4".into()],
+        }))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        r: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> R<csi::NodeGetVolumeHealthResponse> {
+        let r = r.into_inner();
+        self.rec("NodeGetVolumeHealth", &r)?;
+        Svc::need_volume(&self.state.lock().unwrap(), &r.volume_id)?;
+        Ok(Response::new(csi::NodeGetVolumeHealthResponse {
+            volume_health: Some(csi::VolumeHealth {
+                volume_id: r.volume_id,
+                health_statuses: vec![csi::volume_health::VolumeHealthEntry {
+                    status: csi::VolumeHealthErrorType::Degraded as i32,
+                    reason: "FilesystemReadOnly".into(),
+                    message: "read-only".into(),
+                }],
+            }),
+        }))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        r: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> R<csi::NodeGetStorageHealthResponse> {
+        self.rec("NodeGetStorageHealth", r.get_ref())?;
+        Ok(Response::new(csi::NodeGetStorageHealthResponse {
+            backend_health: vec![],
         }))
     }
 }
