@@ -605,7 +605,18 @@ async fn list_volume_health_pages_through_a_thousand_volumes_under_churn() {
     churn.await.unwrap();
     let unique: BTreeSet<String> = seen.iter().cloned().collect();
     assert_eq!(unique.len(), seen.len(), "a volume appeared twice");
-    assert_eq!(unique, broken, "exactly the broken volumes are listed");
+    // Every broken volume, once; beyond them only churned volumes, which a
+    // page can catch between DeleteVolume removing the backing file and
+    // the record (the spec allows anything for volumes changing meanwhile).
+    assert!(unique.is_superset(&broken), "a broken volume is missing");
+    let churned: BTreeSet<String> = (0..40)
+        .map(|i| crust_csi::volume_id_for(&format!("churn-{i}")))
+        .collect();
+    let extra: BTreeSet<&String> = unique.difference(&broken).collect();
+    assert!(
+        extra.iter().all(|id| churned.contains(*id)),
+        "healthy volumes listed: {extra:?}"
+    );
     assert!(pages >= N / 37, "{pages} pages");
     assert_code(
         c.ctl
