@@ -4,51 +4,12 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::str::FromStr;
 
 use crate::device::{self, DeviceError};
 use crate::probe::{Probe, ProbeError, probe_fs};
 use crate::usage::{UsageError, usage};
 
-/// Filesystems crust formats and mounts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FsType {
-    Ext4,
-    Xfs,
-}
-
-impl FsType {
-    /// Name as `mount(2)` and CSI use it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsType::Ext4 => "ext4",
-            FsType::Xfs => "xfs",
-        }
-    }
-
-    /// Every supported type, for capability reporting.
-    pub const ALL: [FsType; 2] = [FsType::Ext4, FsType::Xfs];
-}
-
-impl std::fmt::Display for FsType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for FsType {
-    type Err = FsError;
-
-    /// `"ext4"` or `"xfs"` (exact, lower case). An empty string is NOT
-    /// accepted: choosing a default is the caller's policy.
-    fn from_str(s: &str) -> Result<Self, FsError> {
-        match s {
-            "ext4" => Ok(FsType::Ext4),
-            "xfs" => Ok(FsType::Xfs),
-            other => Err(FsError::UnsupportedFsType(other.to_owned())),
-        }
-    }
-}
+pub use crust_fs::FsType;
 
 /// Errors from formatting or growing a filesystem.
 #[derive(Debug, thiserror::Error)]

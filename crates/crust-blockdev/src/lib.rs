@@ -10,6 +10,10 @@
 //!   [`device_major_minor`], [`is_device_in_use`] (an `O_EXCL` test,
 //!   [`is_device_held_exclusively`], plus other processes' descriptors from
 //!   `/proc/*/fd`, [`device_openers`]), [`wipe_edges`].
+//! * [`holder`]: [`claim_exclusive`] / [`ensure_device_free`]: nobody
+//!   else has the device (an `O_EXCL` open plus sysfs holders; the holder
+//!   named from `/proc` only after a refusal), and the [`ExclusiveDevice`]
+//!   the runtime keeps while a guest may use a device.
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted.
 //! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
@@ -31,6 +35,7 @@
 pub mod device;
 pub mod fs;
 pub mod health;
+pub mod holder;
 pub mod loopdev;
 pub mod mount;
 pub mod path;
@@ -47,6 +52,10 @@ pub use fs::{
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,
+};
+pub use holder::{
+    ClaimError, ExclusiveDevice, HAND_TO_GUEST, Holder, claim_exclusive, ensure_device_free,
+    name_holders,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,

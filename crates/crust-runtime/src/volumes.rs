@@ -137,6 +137,24 @@ pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
     }
 }
 
+/// Takes the exclusive hold on `v`'s host device that the sandbox keeps
+/// while its guest may use the device: refused (FAILED_PRECONDITION,
+/// naming the holder) when the device is mounted anywhere or held. QEMU
+/// opens the device without `O_EXCL`; this hold is what keeps the host
+/// (mkfs, fsck, mount) and other sandboxes away meanwhile.
+pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, VolumeError> {
+    crust_blockdev::claim_exclusive(
+        Path::new(&v.device),
+        !v.readonly,
+        crust_blockdev::HAND_TO_GUEST,
+    )
+    .map_err(|e| VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason: e.to_string(),
+    })
+}
+
 /// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
 pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
     check_host_device(v)?;
