@@ -63,7 +63,7 @@ pub use loopdev::{
 };
 pub use mount::{
     MountEntry, MountError, MountGuard, ParsedOptions, bind_mount, find_mount, is_mountpoint,
-    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount,
+    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount, unmount_top,
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, probe_fs};

@@ -491,6 +491,21 @@ pub fn unmount(target: &Path) -> Result<(), MountError> {
     })
 }
 
+/// Unmounts the topmost mount at `target` only (a caller that checked
+/// which mount that is). Not mounted: Ok. Busy: [`MountError::Busy`].
+pub fn unmount_top(target: &Path) -> Result<(), MountError> {
+    match rustix::mount::unmount(target, UnmountFlags::NOFOLLOW) {
+        Ok(()) | Err(Errno::INVAL) | Err(Errno::NOENT) => Ok(()),
+        Err(Errno::BUSY) => Err(MountError::Busy {
+            target: target.to_path_buf(),
+        }),
+        Err(e) => Err(MountError::Unmount {
+            target: target.to_path_buf(),
+            source: e.into(),
+        }),
+    }
+}
+
 /// Unmounts its target when dropped (tests and error paths).
 #[derive(Debug)]
 pub struct MountGuard {

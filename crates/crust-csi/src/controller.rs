@@ -372,6 +372,8 @@ impl Driver {
             node_id: self.cfg.node_id.clone(),
             staging: None,
             published: BTreeMap::new(),
+            raw_block_used: false,
+            formatted: None,
         };
         self.state.put(rec.clone())?;
         let alloc = match self.backend.create(&id, size, limit) {

@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-pub use options::{MountFlag, OptionError, ParsedOptions, QUOTE_MAX, quote};
+pub use options::{MountFlag, OptionError, ParsedOptions};
 
 /// Filesystems crust formats and mounts (on the host or in a guest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -69,7 +69,7 @@ pub struct UnknownFsType(pub String);
 impl FromStr for FsType {
     type Err = UnknownFsType;
     fn from_str(s: &str) -> Result<Self, UnknownFsType> {
-        FsType::parse(s).ok_or_else(|| UnknownFsType(options::quote_short(s)))
+        FsType::parse(s).ok_or_else(|| UnknownFsType(quote_short(s)))
     }
 }
 
@@ -112,6 +112,51 @@ static XFS: FsSpec = FsSpec {
     min_bytes: 300 * MIB,
 };
 
+/// The one sanitizer for caller text in messages (ids, names, paths, and
+/// as a last guard whole error messages): control characters escaped, at
+/// most `max` characters kept (then `…`). An error never carries raw
+/// control bytes or kilobytes of a caller's input.
+pub fn sanitize(s: &str, max: usize) -> String {
+    let mut out = String::with_capacity(s.len().min(max) + 4);
+    for (n, c) in s.chars().enumerate() {
+        if n == max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() && c != '\n' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A caller's string in double quotes, [`sanitize`]d to [`QUOTE_MAX`]
+/// characters (and its newlines escaped too): for every echo site.
+pub fn quote(s: &str) -> String {
+    quote_bounded(s, QUOTE_MAX)
+}
+
+/// Longest prefix of a caller's string [`quote`] keeps, in characters.
+pub const QUOTE_MAX: usize = 256;
+
+/// Longest error message sent to a client ([`sanitize`] bound).
+pub const MESSAGE_MAX: usize = 8192;
+
+/// [`quote`] with a shorter bound, for words such as fstypes.
+pub fn quote_short(s: &str) -> String {
+    quote_bounded(s, 32)
+}
+
+fn quote_bounded(s: &str, max: usize) -> String {
+    let inner = sanitize(s, max)
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    format!("\"{inner}\"")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +173,18 @@ mod tests {
         let e = "btrfs\0x".repeat(100).parse::<FsType>().unwrap_err();
         assert!(!e.to_string().contains('\0'), "{e}");
         assert!(e.to_string().len() < 200, "{e}");
+    }
+
+    #[test]
+    fn quoting_bounds_and_escapes() {
+        assert_eq!(quote("vol-1"), "\"vol-1\"");
+        let q = quote("a\0b\nc\"d");
+        assert!(!q.contains('\0') && !q.contains('\n'), "{q}");
+        let long = quote(&"x".repeat(10_000));
+        assert!(long.chars().count() <= QUOTE_MAX + 3, "{}", long.len());
+        assert!(long.ends_with("…\""));
+        let m = sanitize("line1\nline2\u{1b}[31m", 100);
+        assert_eq!(m, "line1\nline2\\u{1b}[31m");
     }
 
     #[test]

@@ -500,43 +500,6 @@ fn check_stripe(data: &[&str]) -> Result<(), OptionError> {
     }
 }
 
-/// The one way crust quotes a caller's text into a message: control bytes
-/// escaped, at most [`QUOTE_MAX`] characters (then `…`), in double quotes.
-/// Every echo site of caller-provided strings (ids, names, paths) uses it,
-/// so an error never carries raw control bytes or kilobytes of input.
-pub fn quote(s: &str) -> String {
-    quote_bounded(s, QUOTE_MAX)
-}
-
-/// Longest prefix of a caller's string [`quote`] keeps, in characters.
-pub const QUOTE_MAX: usize = 256;
-
-/// [`quote`] with a shorter bound, for words such as fstypes.
-pub fn quote_short(s: &str) -> String {
-    quote_bounded(s, 32)
-}
-
-fn quote_bounded(s: &str, max: usize) -> String {
-    let mut out = String::with_capacity(s.len().min(max) + 8);
-    out.push('"');
-    for (n, c) in s.chars().enumerate() {
-        if n == max {
-            out.push('…');
-            break;
-        }
-        if c == '"' || c == '\\' {
-            out.push('\\');
-            out.push(c);
-        } else if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out.push('"');
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -712,17 +675,6 @@ mod tests {
                 "{e}"
             );
         }
-    }
-
-    #[test]
-    fn quoting_bounds_and_escapes() {
-        assert_eq!(quote("vol-1"), "\"vol-1\"");
-        let q = quote("a\0b\nc\"d");
-        assert!(!q.contains('\0') && !q.contains('\n'), "{q}");
-        assert_eq!(q, "\"a\\u{0}b\\nc\\\"d\"");
-        let long = quote(&"x".repeat(10_000));
-        assert!(long.chars().count() <= QUOTE_MAX + 3, "{}", long.len());
-        assert!(long.ends_with("…\""));
     }
 
     proptest::proptest! {

@@ -92,7 +92,10 @@ impl OpsError {
 
 impl From<OpsError> for Status {
     fn from(e: OpsError) -> Status {
-        Status::new(e.code(), e.to_string())
+        Status::new(
+            e.code(),
+            crust_fs::sanitize(&e.to_string(), crust_fs::MESSAGE_MAX),
+        )
     }
 }
 

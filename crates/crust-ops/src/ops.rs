@@ -113,6 +113,24 @@ pub struct ExpandRequest {
     pub limit_bytes: u64,
 }
 
+/// A record's claimant and its state ([`CrustOps::claimant_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimantState {
+    pub sandbox: String,
+    pub state: SandboxState,
+    pub detail: String,
+}
+
+impl ClaimantState {
+    fn unknown(sandbox: &str, detail: impl Into<String>) -> Self {
+        ClaimantState {
+            sandbox: sandbox.to_string(),
+            state: SandboxState::Unknown,
+            detail: detail.into(),
+        }
+    }
+}
+
 /// Who serves stats/expand for a target.
 enum Route {
     CrustCli(String),
@@ -285,6 +303,62 @@ impl CrustOps {
             .expect("cache")
             .insert(key, caps.clone());
         caps
+    }
+
+    /// Who claims `target`'s record and whether that sandbox runs, as the
+    /// host establishes it (CRUST layout: `crust sandbox-state` of the
+    /// recorded runtime CLI; Kata: whether a Kata shim answers for it).
+    /// None when nobody claims a record. For health reporting: a claim is
+    /// released only by [`CrustOps::unstage`], which also wants the device
+    /// free.
+    pub async fn claimant_state(&self, target: &str) -> Option<ClaimantState> {
+        if let Some(s) = &self.crust
+            && let Ok(Some(by)) = s.claimant(target)
+        {
+            let cli = match s.runtime_cli(target) {
+                Ok(Some(cli)) => cli,
+                _ => return Some(ClaimantState::unknown(&by, "no runtime-cli is recorded")),
+            };
+            if cli::check_executable(&cli).is_err()
+                || !self.capabilities(&cli).await.supports(VERB_SANDBOX_STATE)
+            {
+                return Some(ClaimantState::unknown(
+                    &by,
+                    format!("its runtime CLI {cli} cannot report sandbox state"),
+                ));
+            }
+            let answer =
+                cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout).await;
+            return Some(match answer.map(|out| SandboxLiveness::parse(&out, &by)) {
+                Ok(Ok(l)) => ClaimantState {
+                    sandbox: by,
+                    state: l.state,
+                    detail: l.detail,
+                },
+                Ok(Err(e)) => ClaimantState::unknown(&by, e),
+                Err(e) => ClaimantState::unknown(&by, e.to_string()),
+            });
+        }
+        if let Some(s) = &self.kata
+            && let Ok(Some(by)) = s.claimant(target)
+        {
+            let answering = self.kata_shim_dirs.iter().find(|d| {
+                std::os::unix::net::UnixStream::connect(d.join(&by).join(KATA_SHIM_SOCKET)).is_ok()
+            });
+            return Some(match answering {
+                Some(d) => ClaimantState {
+                    sandbox: by,
+                    state: SandboxState::Running,
+                    detail: format!("Kata's shim answers under {}", d.display()),
+                },
+                None => ClaimantState {
+                    sandbox: by,
+                    state: SandboxState::Stopped,
+                    detail: "no Kata shim answers for it".into(),
+                },
+            });
+        }
+        None
     }
 
     /// The CRUST record's claimant, once shown gone (see
