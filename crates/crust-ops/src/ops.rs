@@ -438,7 +438,7 @@ impl CrustOps {
         })?;
         match liveness.state {
             SandboxState::Running => Err(still(format!(
-                "its runtime says it is running ({})",
+                "its runtime says it serves the volume: it runs ({})",
                 liveness.detail
             ))),
             SandboxState::Unknown => Err(still(format!(
