@@ -10,11 +10,12 @@ pkgs=(
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
-  util-linux              # losetup/mount used by test guards
+  util-linux              # losetup/mount used by test guards; wipefs (libblkid signatures
+                          # before a format), unshare (a mount in another namespace)
 )
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
-  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup; do
+  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup wipefs unshare e2fsck; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

@@ -234,12 +234,25 @@ pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::Prob
 /// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
 ///   filesystems smaller than 300 MiB; the tool's message is returned.
 pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    make_fs(dev, fstype, true)
+}
+
+/// [`mkfs`] over what an interrupted [`mkfs`] of the same caller left
+/// (a half-written filesystem is not blank). Only for a caller that
+/// recorded, before its first attempt, that the device was blank and that
+/// it started formatting it, and that nothing used the device since.
+pub fn mkfs_again(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    make_fs(dev, fstype, false)
+}
+
+fn make_fs(dev: &Path, fstype: FsType, must_be_blank: bool) -> Result<(), FsError> {
     if !device::is_block_device(dev) {
         return Err(DeviceError::NotBlockDevice(dev.to_path_buf()).into());
     }
     require_unused(dev, "formatting", FORMAT)?;
     match probe_fs(dev)? {
         Probe::Blank => {}
+        _ if !must_be_blank => {}
         found => {
             return Err(FsError::NotBlank {
                 device: dev.to_path_buf(),

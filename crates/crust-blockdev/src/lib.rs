@@ -49,6 +49,7 @@ pub use device::{
 };
 pub use fs::{
     FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs, grow_fs_offline, mkfs,
+    mkfs_again,
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, device_health, fs_health, fs_health_with_timeout, with_timeout,

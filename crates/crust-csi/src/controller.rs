@@ -374,6 +374,7 @@ impl Driver {
             published: BTreeMap::new(),
             raw_block_used: false,
             formatted: None,
+            format_started: None,
         };
         self.state.put(rec.clone())?;
         let alloc = match self.backend.create(&id, size, limit) {

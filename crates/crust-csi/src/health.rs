@@ -486,6 +486,7 @@ mod tests {
             published: BTreeMap::new(),
             raw_block_used: false,
             formatted: None,
+            format_started: None,
         }
     }
 

@@ -583,9 +583,8 @@ impl Driver {
             if unmount_ours {
                 sync_and_unmount(&path).map_err(undo)?;
             }
-            if self.ensure_filesystem(&rec, &device, fs).map_err(undo)? {
-                rec.formatted = Some(fs);
-            }
+            self.ensure_filesystem(&mut rec, &device, fs)
+                .map_err(undo)?;
             if host_mount == HostMount::Mounted {
                 // A device that was already attached may be open in a
                 // sandbox's QEMU: never mount it on the host then. (A
@@ -616,12 +615,11 @@ impl Driver {
             host_mount,
             ..wanted
         };
-        let first_raw_use = block && !rec.raw_block_used;
         // Raw use is recorded before the device can reach a workload (the
         // publish comes after this call): its data may carry no signature.
         rec.raw_block_used |= block;
-        if rec.staging.as_ref() != Some(&staging) || first_raw_use || rec.formatted.is_some() {
-            rec.staging = Some(staging.clone());
+        rec.staging = Some(staging.clone());
+        if self.state.get(&id).as_ref() != Some(&rec) {
             self.state.put(rec)?;
         }
         self.health.forget(&id);
@@ -630,14 +628,37 @@ impl Driver {
     }
 
     /// Makes sure `device` holds a filesystem of type `fs`, creating it on
-    /// a blank device only; returns whether it created one. Blank means:
-    /// no signature libblkid knows and zero edges ([`Probe::Blank`]), AND
-    /// the volume's record says it was never used as raw block (such data
-    /// has no signature) and crust never formatted it before.
-    fn ensure_filesystem(&self, rec: &VolumeRecord, device: &Path, fs: FsType) -> Result<bool> {
-        let id = &rec.id;
+    /// a blank device only. Blank means: no signature libblkid knows and
+    /// zero edges ([`Probe::Blank`]), AND the volume's record says it was
+    /// never used as raw block (such data has no signature) and crust never
+    /// formatted it before. The start of a format is recorded first, so a
+    /// stage killed mid-format redoes its own half-made filesystem (and
+    /// waits while the orphaned tool still holds the device).
+    fn ensure_filesystem(&self, rec: &mut VolumeRecord, device: &Path, fs: FsType) -> Result<()> {
+        let id = rec.id.clone();
+        let interrupted = rec.format_started == Some(fs) && rec.formatted.is_none();
+        if interrupted && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id}: a format started by an earlier plugin process is still running \
+                 on {} (the device is in use); retry",
+                device.display()
+            )));
+        }
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
+        let mkfs = |rec: &mut VolumeRecord, again: bool| -> Result<()> {
+            rec.format_started = Some(fs);
+            self.state.put(rec.clone())?;
+            let r = if again {
+                crust_blockdev::mkfs_again(device, fs.to_blockdev())
+            } else {
+                crust_blockdev::mkfs(device, fs.to_blockdev())
+            };
+            r.map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
+            rec.formatted = Some(fs);
+            tracing::info!(volume = %id, device = %device.display(), %fs, again, "created filesystem on blank volume");
+            Ok(())
+        };
         match found {
             Probe::Blank if rec.raw_block_used => Err(NodeError::FailedPrecondition(format!(
                 "volume {id} was used as a raw block device: its data need not carry any \
@@ -648,13 +669,11 @@ impl Driver {
                  (wiped or replaced behind the plugin's back?); refusing to format it again",
                 rec.formatted.map(|f| f.as_str()).unwrap_or_default()
             ))),
-            Probe::Blank => {
-                crust_blockdev::mkfs(device, fs.to_blockdev())
-                    .map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
-                tracing::info!(volume = %id, device = %device.display(), %fs, "created filesystem on blank volume");
-                Ok(true)
-            }
+            Probe::Blank => mkfs(rec, false),
             p if p.fs_type() == Some(fs.to_blockdev()) => {
+                if interrupted {
+                    rec.formatted = Some(fs);
+                }
                 // A volume expanded while it was not staged (or while
                 // online ext4 growth was impossible): grow before mounting.
                 // Mounted on the host (our staging mount): NodeExpandVolume
@@ -668,8 +687,11 @@ impl Driver {
                         .map_err(|e| fs_err(&format!("growing ext4 on {}", device.display()), e))?;
                     tracing::info!(volume = %id, device = %device.display(), "grew ext4 to the device size before mounting");
                 }
-                Ok(false)
+                Ok(())
             }
+            // Our own format, interrupted: never published, so nothing but
+            // the half-made filesystem can be there.
+            _ if interrupted && !rec.raw_block_used => mkfs(rec, true),
             p => Err(NodeError::FailedPrecondition(format!(
                 "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
             ))),

@@ -186,6 +186,10 @@ pub struct VolumeRecord {
     /// formatted is never formatted again, even if it looks blank now).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub formatted: Option<FsType>,
+    /// Recorded before crust runs mkfs on the (blank) volume: a stage
+    /// killed mid-format finds its own half-made filesystem and redoes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format_started: Option<FsType>,
 }
 
 impl VolumeRecord {
@@ -482,6 +486,7 @@ mod tests {
             published: BTreeMap::new(),
             raw_block_used: false,
             formatted: None,
+            format_started: None,
         }
     }
 
