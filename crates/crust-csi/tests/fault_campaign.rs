@@ -304,7 +304,7 @@ async fn lifecycle_cycles_with_the_plugin_sigkilled_at_random_points() {
         .collect();
     assert_eq!(
         ids,
-        [keeper_id.clone()],
+        std::slice::from_ref(&keeper_id),
         "only the long-lived volume is left"
     );
     assert!(
