@@ -137,14 +137,6 @@ async fn unpublish_and_unstage_unmount_only_this_volumes_mounts() {
     c.publish(&id, &staging, &target, mount("ext4"), false)
         .await
         .unwrap();
-    // Host mounts are nosuid,nodev (bind included) unless asked otherwise.
-    for p in [&staging, &target] {
-        let o = mount_options(p);
-        assert!(
-            o.iter().any(|x| x == "nosuid") && o.iter().any(|x| x == "nodev"),
-            "{p}: {o:?}"
-        );
-    }
 
     // Someone else's filesystem now sits on the target.
     crust_blockdev::unmount(Path::new(&target)).unwrap();
@@ -184,6 +176,22 @@ async fn unpublish_and_unstage_unmount_only_this_volumes_mounts() {
     crust_blockdev::unmount(Path::new(&staging)).unwrap();
     c.unstage(&id, &staging).await.unwrap();
     assert!(loops_under(node.dir.path()).is_empty());
+
+    // Also noted: host mounts are nosuid,nodev (bind included) unless the
+    // flags ask otherwise.
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    for p in [&staging, &target] {
+        let o = mount_options(p);
+        assert!(
+            o.iter().any(|x| x == "nosuid") && o.iter().any(|x| x == "nodev"),
+            "{p}: {o:?}"
+        );
+    }
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
     c.delete(&id).await.unwrap();
 }
 
@@ -273,7 +281,6 @@ async fn a_volume_used_as_raw_block_is_never_formatted() {
     let staging = node.mkdir("staging/both");
     let target = format!("{}/dev", node.mkdir("pods/b"));
     c.stage(&id, &staging, block()).await.unwrap();
-    assert_eq!(record(&node, &id)["raw_block_used"], true);
     c.publish(&id, &staging, &target, block(), false)
         .await
         .unwrap();
@@ -315,6 +322,7 @@ async fn a_volume_used_as_raw_block_is_never_formatted() {
         .read_exact_at(&mut sb, 1080)
         .unwrap();
     assert_ne!(sb, [0x53, 0xEF], "no ext4 superblock was written");
+    assert_eq!(record(&node, &id)["raw_block_used"], true);
     c.delete(&id).await.unwrap();
 }
 
@@ -336,12 +344,27 @@ async fn one_plugin_per_state_dir_and_bounded_echoes() {
         .arg(node.path("other-pool"))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null());
-    let out = second
-        .stderr(std::process::Stdio::piped())
-        .output()
+    // It must refuse to start (an old plugin would serve forever: bounded).
+    let log = node.path("second.log");
+    let child = second
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let mut guard = crust_testkit::ChildGuard::new(child);
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = guard.child().try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "a second plugin started on the same state directory"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    drop(guard);
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&log).unwrap();
     assert!(
         err.contains("in use by another crust-csi") && err.contains(&format!("pid {first_pid}")),
         "{err}"
@@ -472,8 +495,13 @@ fn abnormal_in_list(entries: &[csi::list_volumes_response::Entry], id: &str) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_are_released_only_on_proof_that_the_sandbox_stopped() {
     let mut node = TestNode::deferral_unstarted("crust", &[]);
+    // The runtime finds the records (right hand-off root) but its sandbox
+    // root is the wrong one.
     let wrong_root = node.mkdir("wrong-runtime-root");
     node.env.push(("CRUST_RUNTIME_ROOT".into(), wrong_root));
+    let crust_root = node.crust_root().to_str().unwrap().to_string();
+    node.env
+        .push(("CRUST_RUNTIME_CRUST_ROOT".into(), crust_root));
     node.start();
     let mut c = node.clients().await;
     let id = c
