@@ -11,7 +11,8 @@ pkgs=(
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
-  util-linux              # losetup/mount used by test guards
+  util-linux              # losetup/mount used by test guards; wipefs (libblkid signatures
+                          # before a format), unshare (a mount in another namespace)
   umoci jq patchelf binutils # scripts/build-images.sh: OCI images, self-contained node payload
   containerd              # the node installer's config is checked with `containerd config dump`
 )
@@ -42,7 +43,7 @@ install_grpcio() {
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
   for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
-    umoci jq patchelf strip containerd; do
+    wipefs unshare e2fsck umoci jq patchelf strip containerd; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

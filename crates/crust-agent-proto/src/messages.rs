@@ -218,28 +218,8 @@ pub struct PingReply {
     pub uptime_ms: u64,
 }
 
-/// Filesystems the agent mounts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FsType {
-    Ext4,
-    Xfs,
-}
-
-impl FsType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsType::Ext4 => "ext4",
-            FsType::Xfs => "xfs",
-        }
-    }
-}
-
-impl fmt::Display for FsType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Filesystems the agent mounts (crust's one definition).
+pub use crust_fs::FsType;
 
 /// Kubernetes `fsGroupChangePolicy`, spelled as in the pod spec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -107,7 +107,7 @@ pub fn is_device_in_use(path: &Path) -> Result<bool, DeviceError> {
 }
 
 /// A process with an open descriptor on a block device.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Opener {
     pub pid: u32,
     /// `/proc/PID/comm` ("qemu-system-x86" is truncated by the kernel to
@@ -141,7 +141,7 @@ pub fn device_openers(path: &Path) -> Result<Vec<Opener>, DeviceError> {
         .map_err(|e| DeviceError::io(path, e))
 }
 
-fn openers_of(major: u32, minor: u32, deadline: Instant) -> io::Result<Vec<Opener>> {
+pub(crate) fn openers_of(major: u32, minor: u32, deadline: Instant) -> io::Result<Vec<Opener>> {
     let me = std::process::id();
     let mut found = Vec::new();
     for ent in std::fs::read_dir("/proc")? {

@@ -4,51 +4,12 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::str::FromStr;
 
 use crate::device::{self, DeviceError};
 use crate::probe::{Probe, ProbeError, probe_fs};
 use crate::usage::{UsageError, usage};
 
-/// Filesystems crust formats and mounts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FsType {
-    Ext4,
-    Xfs,
-}
-
-impl FsType {
-    /// Name as `mount(2)` and CSI use it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsType::Ext4 => "ext4",
-            FsType::Xfs => "xfs",
-        }
-    }
-
-    /// Every supported type, for capability reporting.
-    pub const ALL: [FsType; 2] = [FsType::Ext4, FsType::Xfs];
-}
-
-impl std::fmt::Display for FsType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for FsType {
-    type Err = FsError;
-
-    /// `"ext4"` or `"xfs"` (exact, lower case). An empty string is NOT
-    /// accepted: choosing a default is the caller's policy.
-    fn from_str(s: &str) -> Result<Self, FsError> {
-        match s {
-            "ext4" => Ok(FsType::Ext4),
-            "xfs" => Ok(FsType::Xfs),
-            other => Err(FsError::UnsupportedFsType(other.to_owned())),
-        }
-    }
-}
+pub use crust_fs::FsType;
 
 /// Errors from formatting or growing a filesystem.
 #[derive(Debug, thiserror::Error)]
@@ -223,6 +184,53 @@ fn run_accepting(
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A signature libblkid found on a device.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct Signature {
+    /// What it is (`ext4`, `xfs`, `dos`, `gpt`, `linux_raid_member`...).
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(deserialize_with = "hex_offset")]
+    pub offset: u64,
+}
+
+fn hex_offset<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    u64::from_str_radix(s.trim_start_matches("0x"), 16).map_err(serde::de::Error::custom)
+}
+
+/// Parses `wipefs --json` output; empty output is no signature.
+pub fn parse_wipefs_json(out: &str) -> Result<Vec<Signature>, String> {
+    #[derive(serde::Deserialize)]
+    struct Out {
+        signatures: Vec<Signature>,
+    }
+    if out.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    serde_json::from_str::<Out>(out)
+        .map(|o| o.signatures)
+        .map_err(|e| format!("unexpected wipefs output: {e}"))
+}
+
+/// Every signature libblkid's database knows on `dev` (filesystems, RAID
+/// and volume-manager members, partition tables), from
+/// `wipefs --no-act --json` (read-only). A failure is an error, never
+/// "no signature".
+pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::ProbeError> {
+    let err = |e: String| crate::probe::ProbeError {
+        path: dev.to_path_buf(),
+        source: io::Error::other(e),
+    };
+    let out = run(
+        "wipefs",
+        &["--no-act".as_ref(), "--json".as_ref(), dev.as_os_str()],
+        dev,
+    )
+    .map_err(|e| err(e.to_string()))?;
+    parse_wipefs_json(&out).map_err(err)
+}
+
 /// Creates a filesystem on a block device.
 ///
 /// Re-probes the device first and refuses with [`FsError::NotBlank`]
@@ -238,12 +246,25 @@ fn run_accepting(
 /// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
 ///   filesystems smaller than 300 MiB; the tool's message is returned.
 pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    make_fs(dev, fstype, true)
+}
+
+/// [`mkfs`] over what an interrupted [`mkfs`] of the same caller left
+/// (a half-written filesystem is not blank). Only for a caller that
+/// recorded, before its first attempt, that the device was blank and that
+/// it started formatting it, and that nothing used the device since.
+pub fn mkfs_again(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    make_fs(dev, fstype, false)
+}
+
+fn make_fs(dev: &Path, fstype: FsType, must_be_blank: bool) -> Result<(), FsError> {
     if !device::is_block_device(dev) {
         return Err(DeviceError::NotBlockDevice(dev.to_path_buf()).into());
     }
     require_unused(dev, "formatting", FORMAT)?;
     match probe_fs(dev)? {
         Probe::Blank => {}
+        _ if !must_be_blank => {}
         found => {
             return Err(FsError::NotBlank {
                 device: dev.to_path_buf(),
@@ -358,4 +379,35 @@ pub fn grow_fs_offline(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     run("resize2fs", &[dev.as_os_str()], dev)?;
     tracing::info!(device = %dev.display(), %fstype, "filesystem grown offline");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wipefs_json() {
+        assert_eq!(parse_wipefs_json("").unwrap(), vec![]);
+        assert_eq!(
+            parse_wipefs_json("{\"signatures\": [\n\n]}").unwrap(),
+            vec![]
+        );
+        let out = r#"{"signatures": [{"device":"loop0","offset":"0x438","type":"ext4","uuid":"a8","label":null},
+            {"device":"loop0","offset":"0x1fe","type":"dos","uuid":null,"label":null}]}"#;
+        assert_eq!(
+            parse_wipefs_json(out).unwrap(),
+            vec![
+                Signature {
+                    kind: "ext4".into(),
+                    offset: 0x438
+                },
+                Signature {
+                    kind: "dos".into(),
+                    offset: 0x1fe
+                }
+            ]
+        );
+        assert!(parse_wipefs_json("garbage").is_err());
+        assert!(parse_wipefs_json(r#"{"signatures":[{"type":"x","offset":"zz"}]}"#).is_err());
+    }
 }

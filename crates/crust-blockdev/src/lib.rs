@@ -10,6 +10,10 @@
 //!   [`device_major_minor`], [`is_device_in_use`] (an `O_EXCL` test,
 //!   [`is_device_held_exclusively`], plus other processes' descriptors from
 //!   `/proc/*/fd`, [`device_openers`]), [`wipe_edges`].
+//! * [`holder`]: [`claim_exclusive`] / [`ensure_device_free`]: nobody
+//!   else has the device (an `O_EXCL` open plus sysfs holders; the holder
+//!   named from `/proc` only after a refusal), and the [`ExclusiveDevice`]
+//!   the runtime keeps while a guest may use a device.
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted.
 //! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
@@ -37,6 +41,7 @@ pub mod device;
 pub mod freeze;
 pub mod fs;
 pub mod health;
+pub mod holder;
 pub mod loopdev;
 pub mod mount;
 pub mod path;
@@ -52,11 +57,15 @@ pub use device::{
 pub use freeze::{FreezeError, Frozen, freeze, thaw_if_frozen};
 pub use fs::{
     FS_TOOLS, FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs,
-    grow_fs_offline, missing_fs_tools, mkfs,
+    grow_fs_offline, known_signatures, missing_fs_tools, mkfs, mkfs_again,
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
     fs_health, fs_health_with_timeout, with_timeout,
+};
+pub use holder::{
+    ClaimError, ExclusiveDevice, HAND_TO_GUEST, Holder, claim_exclusive, ensure_device_free,
+    name_holders,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,
@@ -64,7 +73,7 @@ pub use loopdev::{
 };
 pub use mount::{
     MountEntry, MountError, MountGuard, ParsedOptions, bind_mount, find_mount, is_mountpoint,
-    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount,
+    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount, unmount_top,
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, probe_fs};

@@ -261,265 +261,65 @@ pub struct ParsedOptions {
     /// Comma-separated filesystem-specific options (may be empty).
     pub data: String,
     pub read_only: bool,
+    /// The caller asked for `suid` / `dev` (host mounts get `nosuid` /
+    /// `nodev` otherwise, see [`mount_fs`]).
+    pub suid: bool,
+    pub dev: bool,
 }
 
-const FLAG_OPTS: &[(&str, MountFlags)] = &[
-    ("ro", MountFlags::RDONLY),
-    ("nosuid", MountFlags::NOSUID),
-    ("nodev", MountFlags::NODEV),
-    ("noexec", MountFlags::NOEXEC),
-    ("noatime", MountFlags::NOATIME),
-    ("nodiratime", MountFlags::NODIRATIME),
-    ("relatime", MountFlags::RELATIME),
-    ("strictatime", MountFlags::STRICTATIME),
-    ("lazytime", MountFlags::LAZYTIME),
-    ("sync", MountFlags::SYNCHRONOUS),
-    ("dirsync", MountFlags::DIRSYNC),
-    ("nosymfollow", MountFlags::NOSYMFOLLOW),
-];
-
-/// Kernel defaults; accepted and ignored.
-const NOOP_OPTS: &[&str] = &[
-    "defaults", "rw", "async", "dev", "suid", "exec", "atime", "diratime",
-];
-
-const COMMON_DATA_WORDS: &[&str] = &[
-    "discard",
-    "nodiscard",
-    "usrquota",
-    "grpquota",
-    "prjquota",
-    "quota",
-    "noquota",
-    "grpid",
-    "bsdgroups",
-    "nogrpid",
-    "sysvgroups",
-    "norecovery",
-];
-
-const EXT4_DATA_WORDS: &[&str] = &[
-    "barrier",
-    "nobarrier",
-    "delalloc",
-    "nodelalloc",
-    "auto_da_alloc",
-    "noauto_da_alloc",
-    "user_xattr",
-    "nouser_xattr",
-    "acl",
-    "noacl",
-    "journal_checksum",
-    "nojournal_checksum",
-    "journal_async_commit",
-    "init_itable",
-    "noinit_itable",
-    "block_validity",
-    "noblock_validity",
-    "dioread_lock",
-    "dioread_nolock",
-    "i_version",
-    "nombcache",
-    "noload",
-];
-
-const EXT4_NUMERIC: &[&str] = &[
-    "barrier",
-    "commit",
-    "stripe",
-    "init_itable",
-    "inode_readahead_blks",
-    "max_batch_time",
-    "min_batch_time",
-    "journal_ioprio",
-    "max_dir_size_kb",
-    "resuid",
-    "resgid",
-];
-
-const XFS_DATA_WORDS: &[&str] = &[
-    "inode32",
-    "inode64",
-    "largeio",
-    "nolargeio",
-    "noalign",
-    "swalloc",
-    "wsync",
-    "nouuid",
-    "attr2",
-    "noattr2",
-    "ikeep",
-    "noikeep",
-    "uquota",
-    "gquota",
-    "pquota",
-    "uqnoenforce",
-    "gqnoenforce",
-    "pqnoenforce",
-    "qnoenforce",
-    "filestreams",
-];
-
-const XFS_NUMERIC: &[&str] = &["logbufs", "sunit", "swidth"];
-const XFS_SIZE: &[&str] = &["allocsize", "logbsize"];
-
-/// Options that change what mount(2) does or point outside the volume.
-const UNSAFE: &[(&str, &str)] = &[
-    ("bind", "bind mounts are made by crust itself"),
-    ("rbind", "bind mounts are made by crust itself"),
-    ("remount", "remounting is not a volume option"),
-    ("move", "moving mounts is not a volume option"),
-    ("loop", "crust attaches loop devices itself"),
-    ("errors=panic", "a volume error must not crash the node"),
-    ("dax", "DAX needs persistent memory"),
-    ("user", "fstab-only option"),
-    ("users", "fstab-only option"),
-    ("owner", "fstab-only option"),
-    ("nofail", "fstab-only option"),
-    ("auto", "fstab-only option"),
-    ("noauto", "fstab-only option"),
-    ("_netdev", "fstab-only option"),
-];
-
-fn is_number(v: &str) -> bool {
-    !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())
-}
-
-fn is_size(v: &str) -> bool {
-    let digits = v.trim_end_matches(['k', 'K', 'm', 'M', 'g', 'G']);
-    is_number(digits) && v.len() - digits.len() <= 1
-}
-
-fn data_option_ok(fstype: FsType, opt: &str) -> bool {
-    if COMMON_DATA_WORDS.contains(&opt) {
-        return true;
+fn mount_flag(f: crust_fs::MountFlag) -> MountFlags {
+    use crust_fs::MountFlag as F;
+    match f {
+        F::ReadOnly => MountFlags::RDONLY,
+        F::NoSuid => MountFlags::NOSUID,
+        F::NoDev => MountFlags::NODEV,
+        F::NoExec => MountFlags::NOEXEC,
+        F::NoAtime => MountFlags::NOATIME,
+        F::NoDirAtime => MountFlags::NODIRATIME,
+        F::RelAtime => MountFlags::RELATIME,
+        F::StrictAtime => MountFlags::STRICTATIME,
+        F::LazyTime => MountFlags::LAZYTIME,
+        F::Synchronous => MountFlags::SYNCHRONOUS,
+        F::DirSync => MountFlags::DIRSYNC,
+        F::NoSymFollow => MountFlags::NOSYMFOLLOW,
     }
-    let (key, value) = match opt.split_once('=') {
-        Some((k, v)) => (k, Some(v)),
-        None => (opt, None),
-    };
-    match (fstype, value) {
-        (FsType::Ext4, None) => EXT4_DATA_WORDS.contains(&key),
-        (FsType::Ext4, Some(v)) => match key {
-            "errors" => matches!(v, "remount-ro" | "continue"),
-            "data" => matches!(v, "ordered" | "writeback" | "journal"),
-            k => EXT4_NUMERIC.contains(&k) && is_number(v),
-        },
-        (FsType::Xfs, None) => XFS_DATA_WORDS.contains(&key),
-        (FsType::Xfs, Some(v)) => {
-            (XFS_NUMERIC.contains(&key) && is_number(v)) || (XFS_SIZE.contains(&key) && is_size(v))
+}
+
+impl From<crust_fs::OptionError> for MountError {
+    fn from(e: crust_fs::OptionError) -> MountError {
+        MountError::InvalidOption {
+            position: e.position(),
+            name: e.name(),
+            reason: match &e {
+                crust_fs::OptionError::NotAllowed { fstype, reason, .. } => {
+                    format!("{reason} (for {fstype})")
+                }
+                other => other.reason().to_string(),
+            },
         }
     }
 }
 
-/// The name of a rejected option as crust's own tables spell it: the whole
-/// option if it is a listed unsafe one, else its key if crust knows that
-/// key. Returns only `'static` table entries, so a caller's text (which may
-/// be a credential) can never come back through it.
-fn known_name(opt: &str) -> Option<&'static str> {
-    if let Some((o, _)) = UNSAFE.iter().find(|(o, _)| *o == opt) {
-        return Some(o);
-    }
-    let key = opt.split_once('=').map_or(opt, |(k, _)| k);
-    FLAG_OPTS
-        .iter()
-        .map(|(o, _)| o)
-        .chain(NOOP_OPTS)
-        .chain(COMMON_DATA_WORDS)
-        .chain(EXT4_DATA_WORDS)
-        .chain(EXT4_NUMERIC)
-        .chain(XFS_DATA_WORDS)
-        .chain(XFS_NUMERIC)
-        .chain(XFS_SIZE)
-        .chain(&["errors", "data"])
-        .find(|k| **k == key)
-        .copied()
-}
-
-/// Validates mount options for `fstype` and splits them into flags and a
-/// data string. Each element may itself hold comma-separated options.
-///
-/// Accepted: the generic flags (`ro`, `nosuid`, `nodev`, `noexec`,
-/// `noatime`, `nodiratime`, `relatime`, `strictatime`, `lazytime`, `sync`,
-/// `dirsync`, `nosymfollow`), the kernel defaults (`defaults`, `rw`,
-/// `async`, `dev`, `suid`, `exec`, `atime`, `diratime`; ignored), and an
-/// allowlist of ext4/xfs data options with validated values (e.g.
-/// `errors=remount-ro|continue`, `data=ordered|writeback|journal`,
-/// `commit=N`, `discard`, `nouuid`, `allocsize=64k`, quota options).
-/// Rejected: anything else, including `bind`, `remount`, `loop`,
-/// `errors=panic`, options naming paths or devices (`journal_path=`,
-/// `logdev=`, `rtdev=`), SELinux contexts, and `rw` together with a
-/// read-only request. `norecovery` is only allowed read-only. An error
-/// names the option by position (and by crust's name for it, if it has
-/// one), never by its text.
+/// Validates mount options for `fstype` with crust's one allow-list
+/// ([`crust_fs::options::parse`], the same the guest agent applies) and
+/// splits them into flags and a data string. Each element may itself hold
+/// comma-separated options. An error names the option by position (and by
+/// crust's name for it, if it has one), never by its text.
 pub fn parse_mount_options(
     fstype: FsType,
     options: &[String],
     readonly: bool,
 ) -> Result<ParsedOptions, MountError> {
-    let mut flags = MountFlags::empty();
-    let mut data: Vec<&str> = Vec::new();
-    let mut rw_requested = false;
-    let reject = |position: usize, opt: &str, reason: &str| MountError::InvalidOption {
-        position: Some(position),
-        name: known_name(opt),
-        reason: reason.to_owned(),
-    };
-    let conflict = |name: &'static str, reason: &str| MountError::InvalidOption {
-        position: None,
-        name: Some(name),
-        reason: reason.to_owned(),
-    };
-    let opts = options
-        .iter()
-        .flat_map(|o| o.split(','))
-        .map(str::trim)
-        .filter(|o| !o.is_empty());
-    for (i, opt) in opts.enumerate() {
-        let reject = |reason: &str| reject(i + 1, opt, reason);
-        if opt.contains('\0') || opt.contains('/') {
-            return Err(reject("options may not contain paths or NUL bytes"));
-        }
-        if let Some((_, reason)) = UNSAFE.iter().find(|(o, _)| *o == opt) {
-            return Err(reject(reason));
-        }
-        if let Some((_, f)) = FLAG_OPTS.iter().find(|(o, _)| *o == opt) {
-            flags |= *f;
-        } else if NOOP_OPTS.contains(&opt) {
-            rw_requested |= opt == "rw";
-        } else if data_option_ok(fstype, opt) {
-            data.push(opt);
-        } else {
-            return Err(reject(&format!(
-                "not a supported {fstype} mount option, or not with this value"
-            )));
-        }
-    }
-    if readonly {
-        flags |= MountFlags::RDONLY;
-    }
-    let read_only = flags.contains(MountFlags::RDONLY);
-    if read_only && rw_requested {
-        return Err(conflict("rw", "conflicts with a read-only mount"));
-    }
-    if !read_only && data.contains(&"norecovery") {
-        return Err(conflict("norecovery", "only allowed for read-only mounts"));
-    }
-    let exclusive = [
-        MountFlags::RELATIME,
-        MountFlags::STRICTATIME,
-        MountFlags::NOATIME,
-    ];
-    if exclusive.iter().filter(|f| flags.contains(**f)).count() > 1 {
-        return Err(conflict(
-            "atime",
-            "noatime, relatime and strictatime are mutually exclusive",
-        ));
-    }
+    let p = crust_fs::options::parse(fstype, options, readonly)?;
     Ok(ParsedOptions {
-        flags,
-        data: data.join(","),
-        read_only,
+        flags: p
+            .flags
+            .iter()
+            .fold(MountFlags::empty(), |acc, f| acc | mount_flag(*f)),
+        data: p.data,
+        read_only: p.read_only,
+        suid: p.suid,
+        dev: p.dev,
     })
 }
 
@@ -569,18 +369,22 @@ pub fn mount_fs(
     }
     ensure_dir(target)?;
     let data = CString::new(parsed.data).expect("NUL rejected above");
-    rustix::mount::mount(
-        dev,
-        target,
-        fstype.as_str(),
-        parsed.flags,
-        Some(data.as_c_str()),
-    )
-    .map_err(|e| MountError::Mount {
-        source_path: dev.to_path_buf(),
-        target: target.to_path_buf(),
-        source: e.into(),
-    })?;
+    // A volume's content is the workload's: no setuid programs or device
+    // nodes from it on the host unless the caller asks (`suid`, `dev`).
+    let mut flags = parsed.flags;
+    if !parsed.suid {
+        flags |= MountFlags::NOSUID;
+    }
+    if !parsed.dev {
+        flags |= MountFlags::NODEV;
+    }
+    rustix::mount::mount(dev, target, fstype.as_str(), flags, Some(data.as_c_str())).map_err(
+        |e| MountError::Mount {
+            source_path: dev.to_path_buf(),
+            target: target.to_path_buf(),
+            source: e.into(),
+        },
+    )?;
     tracing::debug!(device = %dev.display(), target = %target.display(), "mounted");
     Ok(())
 }
@@ -626,9 +430,28 @@ pub fn bind_mount(src: &Path, target: &Path, readonly: bool) -> Result<(), Mount
         source: e.into(),
     };
     rustix::mount::mount_bind(src, target).map_err(map)?;
+    // A bind remount replaces the per-mount flags: keep the ones the bind
+    // inherited (nosuid, nodev, noexec) and add read-only.
+    let inherited = find_mount(target)
+        .ok()
+        .flatten()
+        .map(|m| {
+            [
+                ("nosuid", MountFlags::NOSUID),
+                ("nodev", MountFlags::NODEV),
+                ("noexec", MountFlags::NOEXEC),
+            ]
+            .into_iter()
+            .filter(|(o, _)| m.mount_options.iter().any(|x| x == o))
+            .fold(MountFlags::empty(), |acc, (_, f)| acc | f)
+        })
+        .unwrap_or_else(MountFlags::empty);
     if readonly
-        && let Err(e) =
-            rustix::mount::mount_remount(target, MountFlags::BIND | MountFlags::RDONLY, c"")
+        && let Err(e) = rustix::mount::mount_remount(
+            target,
+            MountFlags::BIND | MountFlags::RDONLY | inherited,
+            c"",
+        )
     {
         let _ = rustix::mount::unmount(target, UnmountFlags::NOFOLLOW);
         return Err(map(e));
@@ -666,6 +489,21 @@ pub fn unmount(target: &Path) -> Result<(), MountError> {
         target: target.to_path_buf(),
         source: io::Error::other("more than 64 mounts stacked on the target"),
     })
+}
+
+/// Unmounts the topmost mount at `target` only (a caller that checked
+/// which mount that is). Not mounted: Ok. Busy: [`MountError::Busy`].
+pub fn unmount_top(target: &Path) -> Result<(), MountError> {
+    match rustix::mount::unmount(target, UnmountFlags::NOFOLLOW) {
+        Ok(()) | Err(Errno::INVAL) | Err(Errno::NOENT) => Ok(()),
+        Err(Errno::BUSY) => Err(MountError::Busy {
+            target: target.to_path_buf(),
+        }),
+        Err(e) => Err(MountError::Unmount {
+            target: target.to_path_buf(),
+            source: e.into(),
+        }),
+    }
 }
 
 /// Unmounts its target when dropped (tests and error paths).

@@ -19,11 +19,11 @@ pub enum PathError {
     NameTooLong(usize),
     #[error("path contains a NUL byte")]
     Nul,
-    #[error("path {0:?} is not absolute")]
+    #[error("path {} is not absolute", crust_fs::quote(.0))]
     NotAbsolute(String),
-    #[error("path {0:?} contains a \"..\" component")]
+    #[error("path {} contains a \"..\" component", crust_fs::quote(.0))]
     ParentComponent(String),
-    #[error("path {0:?} is not normalized (\".\" component, repeated or trailing \"/\")")]
+    #[error("path {} is not normalized (\".\" component, repeated or trailing \"/\")", crust_fs::quote(.0))]
     NotNormalized(String),
 }
 

@@ -20,11 +20,11 @@ pub const BLANK_EDGE_BYTES: u64 = 128 * 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Probe {
     /// Every byte in the first and the last [`BLANK_EDGE_BYTES`] (the whole
-    /// device if it is smaller than twice that) is zero. That covers every
-    /// signature we know of: ext2/3/4 superblock (1024..2048, magic 0xEF53
-    /// at 1080), XFS ("XFSB" at 0), MBR/GPT (sectors 0-1, backup GPT in the
-    /// last sector), LUKS, LVM2 ("LABELONE" in sectors 0-3), swap (4086),
-    /// iso9660 (32769), btrfs (65600), md 0.90/1.x superblocks.
+    /// device if it is smaller than twice that) is zero, AND libblkid's
+    /// signature database (`wipefs --no-act --json`) finds no filesystem,
+    /// RAID member or partition table. Data without any signature (a raw
+    /// block volume written in the middle) cannot be seen by any probe:
+    /// callers keep a record of raw use and of their own formatting.
     Blank,
     /// An ext4 filesystem (ext superblock with ext4-only features).
     Ext4,
@@ -112,6 +112,14 @@ pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
         return Ok(Probe::Unknown(
             "unrecognised non-zero data in the first or last 128 KiB".into(),
         ));
+    }
+    // Zero edges are not enough: libblkid's signature database knows
+    // filesystems, RAID members and partition tables anywhere it looks.
+    if let Some(sig) = crate::fs::known_signatures(dev)?.first() {
+        return Ok(Probe::Unknown(format!(
+            "a {} signature at offset {:#x}",
+            sig.kind, sig.offset
+        )));
     }
     Ok(Probe::Blank)
 }

@@ -781,3 +781,117 @@ fn other_openers_are_found_and_block_fsck_grow_mkfs_and_wipe() {
     );
     mkfs(&blank, FsType::Ext4).unwrap();
 }
+
+/// The hand-to-guest check: a mounted device (in this or another mount
+/// namespace), a device another claim holds, a mounted partition's disk
+/// are refused with the holder named; while crust holds a device the
+/// kernel refuses host mounts and mkfs; after the hold it is free again.
+#[test]
+fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "held.img", 32 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = guard.path().to_path_buf();
+    mkfs(&dev, FsType::Ext4).unwrap();
+    let mnt = mkdir(dir.path(), "mnt");
+
+    // Mounted on the host: refused, the mount named.
+    let m = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+    let e = claim_exclusive(&dev, true, HAND_TO_GUEST).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, ClaimError::InUse { .. }), "{msg}");
+    assert!(
+        msg.contains(mnt.to_str().unwrap()) && msg.contains("hand it to a guest"),
+        "{msg}"
+    );
+    // Host mounts are nosuid,nodev unless asked otherwise.
+    let entry = find_mount(&mnt).unwrap().unwrap();
+    assert!(
+        entry.mount_options.iter().any(|o| o == "nosuid"),
+        "{entry:?}"
+    );
+    assert!(
+        entry.mount_options.iter().any(|o| o == "nodev"),
+        "{entry:?}"
+    );
+    m.unmount().unwrap();
+    MountGuard::mount_fs(
+        &dev,
+        &mnt,
+        FsType::Ext4,
+        &["suid".into(), "dev".into()],
+        false,
+    )
+    .map(|m| {
+        let entry = find_mount(&mnt).unwrap().unwrap();
+        assert!(
+            !entry
+                .mount_options
+                .iter()
+                .any(|o| o == "nosuid" || o == "nodev"),
+            "{entry:?}"
+        );
+        m.unmount().unwrap();
+    })
+    .unwrap();
+
+    // Mounted only in another mount namespace: still refused.
+    let script = format!(
+        "mount -t ext4 {} {} && echo up && exec sleep 30",
+        dev.display(),
+        mnt.display()
+    );
+    let mut child = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "up");
+    assert!(
+        find_mount(&mnt).unwrap().is_none(),
+        "not mounted in our namespace"
+    );
+    let msg = claim_exclusive(&dev, false, HAND_TO_GUEST)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("mount namespace of pid"), "{msg}");
+    let _ = child.kill();
+    let _ = child.wait();
+    // The namespace goes with its last process; the kernel lets go of
+    // the mount right after.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ensure_device_free(&dev, HAND_TO_GUEST).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "mount namespace lingers"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    // Held by a claim (a guest's): a second claim, a host mount and mkfs
+    // are refused by the kernel; the data stays.
+    let hold = claim_exclusive(&dev, true, HAND_TO_GUEST).unwrap();
+    assert!(claim_exclusive(&dev, false, HAND_TO_GUEST).is_err());
+    assert!(mount_fs(&dev, &mnt, FsType::Ext4, &[], false).is_err());
+    assert!(find_mount(&mnt).unwrap().is_none());
+    let mkfs_status = Command::new("mkfs.ext4")
+        .args(["-F", "-q"])
+        .arg(&dev)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(
+        !mkfs_status.success(),
+        "mkfs must fail while the device is held"
+    );
+    drop(hold);
+    assert_eq!(probe_fs(&dev).unwrap(), Probe::Ext4);
+    ensure_device_free(&dev, HAND_TO_GUEST).unwrap();
+}

@@ -126,6 +126,17 @@ fn parse_caps(caps: &[csi::VolumeCapability]) -> Result<Vec<Capability>> {
         .collect()
 }
 
+/// Mount flags of every mount capability pass crust's one allow-list
+/// (the one NodeStageVolume, NodePublishVolume and the guest apply), so a
+/// flag that would fail later fails now, before anything is allocated.
+fn check_mount_flags(fs: FsType, caps: &[Capability]) -> Result<()> {
+    for c in caps.iter().filter(|c| !c.access.is_block()) {
+        crust_blockdev::parse_mount_options(fs.to_blockdev(), &c.mount_flags, c.mode.read_only())
+            .map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// The fsType a volume gets: the parameter, else the one the mount
 /// capabilities name, else ext4. Conflicts are INVALID_ARGUMENT.
 fn effective_fs(params: &Params, caps: &[Capability]) -> Result<FsType> {
@@ -262,6 +273,7 @@ impl Driver {
         let caps = parse_caps(&req.volume_capabilities)?;
         let params = parse_params_with(&req.parameters, self.deferral_enabled())?;
         let fs_type = effective_fs(&params, &caps)?;
+        check_mount_flags(fs_type, &caps)?;
         if params.defer && caps.iter().all(|c| c.access.is_block()) {
             return Err(ControllerError::InvalidArgument(
                 "parameter deferFsOps=true needs a filesystem (mount) capability: deferral \
@@ -378,6 +390,9 @@ impl Driver {
             staging: None,
             published: BTreeMap::new(),
             content_source: source.as_ref().map(SourceRecord::from),
+            raw_block_used: false,
+            formatted: None,
+            format_started: None,
         };
         self.state.put(rec.clone())?;
         let created = match &source {
@@ -504,6 +519,9 @@ impl Driver {
                     )));
                 }
                 _ => {}
+            }
+            if let Err(e) = check_mount_flags(rec.fs_type, std::slice::from_ref(&cap)) {
+                return Ok(unconfirmed(e.to_string()));
             }
         }
         if !req.parameters.is_empty() {

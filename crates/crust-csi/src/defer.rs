@@ -258,7 +258,7 @@ impl Driver {
             keep_staging(&mut rec, &s);
             return Err(e.into());
         }
-        if let Err(e) = prepare_target(&target, false) {
+        if let Err(e) = prepare_target(&target, false, None) {
             if !repeat && let Err(ue) = run(self.ops.unstage(&target_str)) {
                 tracing::warn!(volume = %id, error = %ue, "could not remove the hand-off record after a failed publish");
             }
@@ -462,7 +462,7 @@ impl Driver {
             tracing::warn!(volume = %id, target = %target_str,
                 "something is mounted on a deferred publish target; left in place");
         } else {
-            remove_target(target);
+            remove_target(target, false);
         }
         rec.published.remove(target);
         self.state.put(rec)?;
@@ -500,7 +500,7 @@ impl Driver {
         }
         run(self.ops.unstage(t))?;
         if !crust_blockdev::is_mountpoint(target).unwrap_or(true) {
-            remove_target(target);
+            remove_target(target, false);
         }
         tracing::info!(volume = %rec.id, target = %t, "removed the hand-off record of an unrecorded deferred publish");
         Ok(())

@@ -29,7 +29,7 @@ pub struct Driver {
     /// crust_ops in process. Present even with deferral disabled, so
     /// records of volumes published with deferral before a downgrade can
     /// still be removed on unpublish.
-    pub(crate) ops: CrustOps,
+    pub(crate) ops: Arc<CrustOps>,
     pub(crate) metrics: Arc<Metrics>,
 }
 
@@ -39,7 +39,7 @@ impl Driver {
     pub fn new(cfg: Config, backend: Arc<dyn Backend>) -> Result<Arc<Driver>, ServeError> {
         let state = StateStore::open(&cfg.state_dir)?;
         let health = HealthMonitor::new(cfg.health_ttl, cfg.health_timeout);
-        let ops = CrustOps::new(cfg.deferral.ops.clone())?;
+        let ops = Arc::new(CrustOps::new(cfg.deferral.ops.clone())?);
         let driver = Driver {
             cfg,
             backend,

@@ -37,7 +37,7 @@ pub enum IdentityError {
 impl From<IdentityError> for Status {
     fn from(e: IdentityError) -> Status {
         match e {
-            IdentityError::NotReady(_) => Status::failed_precondition(e.to_string()),
+            IdentityError::NotReady(_) => status(Code::FailedPrecondition, &e),
         }
     }
 }
@@ -48,7 +48,7 @@ pub enum ControllerError {
     Missing(&'static str),
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("volume {0} not found")]
+    #[error("volume {} not found", crust_fs::quote(.0))]
     NotFound(String),
     #[error("{0}")]
     AlreadyExists(String),
@@ -58,7 +58,7 @@ pub enum ControllerError {
     OutOfRange(String),
     #[error("{0}")]
     ResourceExhausted(String),
-    #[error("starting_token {0:?} is not a token this plugin issued")]
+    #[error("starting_token {} is not a token this plugin issued", crust_fs::quote(.0))]
     BadToken(String),
     #[error(transparent)]
     Busy(#[from] Busy),
@@ -85,7 +85,7 @@ impl From<ControllerError> for Status {
             ControllerError::Backend(b) => backend_code(b),
             ControllerError::State(_) | ControllerError::Internal(_) => Code::Internal,
         };
-        Status::new(code, e.to_string())
+        status(code, &e)
     }
 }
 
@@ -95,7 +95,7 @@ pub enum NodeError {
     Missing(&'static str),
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("volume {0} not found")]
+    #[error("volume {} not found", crust_fs::quote(.0))]
     NotFound(String),
     #[error("{0}")]
     PathNotFound(String),
@@ -139,8 +139,18 @@ impl From<NodeError> for Status {
             NodeError::Backend(b) => backend_code(b),
             NodeError::State(_) | NodeError::Internal(_) => Code::Internal,
         };
-        Status::new(code, e.to_string())
+        status(code, &e)
     }
+}
+
+/// Every message leaves through the one sanitizer (control characters
+/// escaped, bounded): a caller's string that an echo site forgot to quote
+/// still cannot carry raw bytes or kilobytes back.
+fn status(code: Code, e: &dyn std::fmt::Display) -> Status {
+    Status::new(
+        code,
+        crust_fs::sanitize(&e.to_string(), crust_fs::MESSAGE_MAX),
+    )
 }
 
 fn backend_code(e: &BackendError) -> Code {

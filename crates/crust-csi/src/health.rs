@@ -344,12 +344,12 @@ impl HealthMonitor {
                 if rec.staging.is_none() && rec.published.is_empty() {
                     light.push((rec.clone(), gen_, slot));
                 } else {
-                    self.spawn(d.backend.clone(), vec![(rec.clone(), gen_, slot)]);
+                    self.spawn(d, vec![(rec.clone(), gen_, slot)]);
                 }
             }
         }
         if !light.is_empty() {
-            self.spawn(d.backend.clone(), light);
+            self.spawn(d, light);
         }
         let deadline = Instant::now() + self.timeout;
         pending
@@ -372,11 +372,20 @@ impl HealthMonitor {
             .collect()
     }
 
-    fn spawn(&self, backend: Arc<dyn Backend>, jobs: Vec<(VolumeRecord, u64, Arc<Slot>)>) {
+    fn spawn(&self, d: &Driver, jobs: Vec<(VolumeRecord, u64, Arc<Slot>)>) {
         let inner = self.inner.clone();
+        let backend = d.backend.clone();
+        let ops = d.ops.clone();
+        let handle = tokio::runtime::Handle::try_current().ok();
         let run = move || {
+            // The sandbox holding a deferred publication, as its runtime
+            // establishes it (never what a guest says).
+            let claimant = |target: &str| {
+                let h = handle.as_ref()?;
+                h.block_on(ops.claimant_state(target))
+            };
             for (rec, gen_, slot) in jobs {
-                let c = evaluate(&*backend, &rec);
+                let c = evaluate(&*backend, &rec, &claimant);
                 {
                     let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
                     g.inflight.remove(&(rec.id.clone(), gen_));
@@ -444,7 +453,11 @@ impl HealthMonitor {
 
 /// Every signal for one volume; may block on a hung device (runs on a
 /// worker thread).
-pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Assessment {
+pub(crate) fn evaluate(
+    backend: &dyn Backend,
+    rec: &VolumeRecord,
+    claimant: &dyn Fn(&str) -> Option<crust_ops::ClaimantState>,
+) -> Assessment {
     let mut problems: Vec<Problem> = Vec::new();
     match backend.backing_state(&rec.id) {
         BackingState::Healthy => {}
@@ -504,6 +517,37 @@ pub(crate) fn evaluate(backend: &dyn Backend, rec: &VolumeRecord) -> Assessment 
             if let Some(m) = publication_problem(&s.device, target, p.block) {
                 problems.push(m);
             }
+        }
+    }
+    for (target, _) in rec.published.iter().filter(|(_, p)| p.deferred) {
+        use crust_handoff::SandboxState;
+        let Some(c) = target.to_str().and_then(claimant) else {
+            continue;
+        };
+        match c.state {
+            SandboxState::Running => {}
+            SandboxState::Stopped => problems.push(Problem::new(
+                Status::Inaccessible,
+                "SandboxNotRunning",
+                format!(
+                    "sandbox {} that holds the volume (published at {}) is stopped: {}; the \
+                     pod's VM is gone",
+                    c.sandbox,
+                    target.display(),
+                    c.detail
+                ),
+            )),
+            SandboxState::Unknown => problems.push(Problem::new(
+                Status::Inaccessible,
+                "SandboxUnknown",
+                format!(
+                    "sandbox {} that holds the volume (published at {}) is unknown to its \
+                     runtime: {}",
+                    c.sandbox,
+                    target.display(),
+                    c.detail
+                ),
+            )),
         }
     }
     Assessment::of(problems)
@@ -647,6 +691,9 @@ mod tests {
             staging: None,
             published: BTreeMap::new(),
             content_source: None,
+            raw_block_used: false,
+            formatted: None,
+            format_started: None,
         }
     }
 

@@ -276,7 +276,17 @@ pub(crate) fn require_dir(field: &str, p: &Path) -> Result<()> {
 }
 
 /// Creates the publish target if missing; returns whether it was created.
-pub(crate) fn prepare_target(target: &Path, block: bool) -> Result<bool> {
+///
+/// A raw block target must be missing (created here, and recorded so that
+/// unpublish removes only what the plugin created), an empty regular file,
+/// or this volume's own earlier bind (`staged_device`): an existing device
+/// node or a file with data is refused, because a bind over it would hide
+/// it and an unpublish would delete it.
+pub(crate) fn prepare_target(
+    target: &Path,
+    block: bool,
+    staged_device: Option<&Path>,
+) -> Result<bool> {
     let t = target.display();
     if let Some(parent) = target.parent() {
         match fs::metadata(parent) {
@@ -296,13 +306,25 @@ pub(crate) fn prepare_target(target: &Path, block: bool) -> Result<bool> {
         Ok(m) if block && m.is_dir() => Err(NodeError::FailedPrecondition(format!(
             "target_path {t} is a directory; a raw block volume is published as a file"
         ))),
-        // A block device node here is an earlier bind of ours (checked by
-        // bind_mount, which only accepts the same device).
-        Ok(m) if block && !m.is_file() && !m.file_type().is_block_device() => {
-            Err(NodeError::FailedPrecondition(format!(
-                "target_path {t} exists and is not a regular file"
-            )))
+        // A device node here is acceptable only as this volume's own bind.
+        Ok(m) if block && m.file_type().is_block_device() => {
+            if staged_device.is_some_and(|d| is_bind_of_device(d, target)) {
+                Ok(false)
+            } else {
+                Err(NodeError::FailedPrecondition(format!(
+                    "target_path {t} is an existing device node and not this volume's \
+                     publication; refusing to publish over it"
+                )))
+            }
         }
+        Ok(m) if block && !m.is_file() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a regular file"
+        ))),
+        Ok(m) if block && m.len() > 0 => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a file with data ({} bytes); a raw block volume is published \
+             on a new or empty file only",
+            m.len()
+        ))),
         Ok(m) if !block && !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
             "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
         ))),
@@ -325,19 +347,42 @@ pub(crate) fn prepare_target(target: &Path, block: bool) -> Result<bool> {
     }
 }
 
-/// Whether `target` is a mount showing the staged volume: a bind of its
-/// filesystem or of its device node.
+/// Whether `target` is a mount whose object is the device node `device`
+/// (a raw block publication).
+fn is_bind_of_device(device: &Path, target: &Path) -> bool {
+    if !crust_blockdev::is_mountpoint(target).unwrap_or(false) {
+        return false;
+    }
+    match (rustix::fs::stat(device), rustix::fs::stat(target)) {
+        (Ok(d), Ok(t)) => {
+            rustix::fs::FileType::from_raw_mode(t.st_mode) == rustix::fs::FileType::BlockDevice
+                && d.st_rdev == t.st_rdev
+        }
+        _ => false,
+    }
+}
+
+/// Whether the topmost mount at `target` is provably the staged volume's:
+/// for raw block a bind of its device node; for a filesystem a mount of
+/// its device's filesystem showing the filesystem's root (the staging
+/// mount, or a bind of it).
 fn publication_of(s: &Staging, target: &Path) -> bool {
+    if s.block {
+        return is_bind_of_device(&s.device, target);
+    }
     let Ok(Some(m)) = crust_blockdev::find_mount(target) else {
         return false;
     };
-    if s.block {
-        return match (rustix::fs::stat(&s.device), rustix::fs::stat(target)) {
-            (Ok(d), Ok(t)) => d.st_rdev == t.st_rdev && t.st_rdev != 0,
-            _ => false,
-        };
-    }
     crust_blockdev::device_major_minor(&s.device).ok() == Some((m.major, m.minor))
+        && m.root == Path::new("/")
+}
+
+/// What is mounted at `path`, if anything, for an error message.
+fn mounted_source(path: &Path) -> Option<String> {
+    crust_blockdev::find_mount(path)
+        .ok()
+        .flatten()
+        .map(|m| format!("{} ({})", m.source, m.fs_type))
 }
 
 /// Whether `path` is a mount of the filesystem on `device`.
@@ -345,7 +390,10 @@ pub(crate) fn mounted_here(device: &Path, path: &Path) -> Result<bool> {
     let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
         return Ok(false);
     };
-    Ok(crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor)))
+    Ok(
+        crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor))
+            && m.root == Path::new("/"),
+    )
 }
 
 /// Flushes the filesystem mounted at `path`, then unmounts it. A busy
@@ -370,11 +418,18 @@ pub(crate) fn sync_and_unmount(path: &Path) -> Result<()> {
     crust_blockdev::unmount(path).map_err(mount_err)
 }
 
-/// Removes a publish target after unmounting (empty dir or our file).
-pub(crate) fn remove_target(target: &Path) {
+/// Removes a publish target after unmounting: an empty directory, or an
+/// empty regular file the plugin created (`created_file`). Anything else
+/// (a device node, a file with data, a file the plugin did not create) is
+/// left where it is.
+pub(crate) fn remove_target(target: &Path, created_file: bool) {
     let r = match fs::symlink_metadata(target) {
         Ok(m) if m.is_dir() => fs::remove_dir(target),
-        Ok(_) => fs::remove_file(target),
+        Ok(m) if created_file && m.is_file() && m.len() == 0 => fs::remove_file(target),
+        Ok(_) => {
+            tracing::info!(target = %target.display(), "publish target left in place (not created by the plugin, or not empty)");
+            Ok(())
+        }
         Err(_) => Ok(()),
     };
     if let Err(e) = r {
@@ -624,7 +679,8 @@ impl Driver {
             if unmount_ours {
                 sync_and_unmount(&path).map_err(undo)?;
             }
-            self.ensure_filesystem(&id, &device, fs).map_err(undo)?;
+            self.ensure_filesystem(&mut rec, &device, fs)
+                .map_err(undo)?;
             if host_mount == HostMount::Mounted {
                 // A device that was already attached may be open in a
                 // sandbox's QEMU: never mount it on the host then. (A
@@ -661,8 +717,11 @@ impl Driver {
             host_mount,
             ..wanted
         };
-        if rec.staging.as_ref() != Some(&staging) {
-            rec.staging = Some(staging.clone());
+        // Raw use is recorded before the device can reach a workload (the
+        // publish comes after this call): its data may carry no signature.
+        rec.raw_block_used |= block;
+        rec.staging = Some(staging.clone());
+        if self.state.get(&id).as_ref() != Some(&rec) {
             self.state.put(rec)?;
         }
         self.health.forget(&id);
@@ -671,18 +730,52 @@ impl Driver {
     }
 
     /// Makes sure `device` holds a filesystem of type `fs`, creating it on
-    /// a blank device only.
-    fn ensure_filesystem(&self, id: &str, device: &Path, fs: FsType) -> Result<()> {
+    /// a blank device only. Blank means: no signature libblkid knows and
+    /// zero edges ([`Probe::Blank`]), AND the volume's record says it was
+    /// never used as raw block (such data has no signature) and crust never
+    /// formatted it before. The start of a format is recorded first, so a
+    /// stage killed mid-format redoes its own half-made filesystem (and
+    /// waits while the orphaned tool still holds the device).
+    fn ensure_filesystem(&self, rec: &mut VolumeRecord, device: &Path, fs: FsType) -> Result<()> {
+        let id = rec.id.clone();
+        let interrupted = rec.format_started == Some(fs) && rec.formatted.is_none();
+        if interrupted && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id}: a format started by an earlier plugin process is still running \
+                 on {} (the device is in use); retry",
+                device.display()
+            )));
+        }
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
-        match found {
-            Probe::Blank => {
+        let mkfs = |rec: &mut VolumeRecord, again: bool| -> Result<()> {
+            rec.format_started = Some(fs);
+            self.state.put(rec.clone())?;
+            let r = if again {
+                crust_blockdev::mkfs_again(device, fs.to_blockdev())
+            } else {
                 crust_blockdev::mkfs(device, fs.to_blockdev())
-                    .map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
-                tracing::info!(volume = %id, device = %device.display(), %fs, "created filesystem on blank volume");
-                Ok(())
-            }
+            };
+            r.map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
+            rec.formatted = Some(fs);
+            tracing::info!(volume = %id, device = %device.display(), %fs, again, "created filesystem on blank volume");
+            Ok(())
+        };
+        match found {
+            Probe::Blank if rec.raw_block_used => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was used as a raw block device: its data need not carry any \
+                 signature, so it is never formatted; refusing to create {fs} on it"
+            ))),
+            Probe::Blank if rec.formatted.is_some() => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was formatted with {} by this plugin before and now looks blank \
+                 (wiped or replaced behind the plugin's back?); refusing to format it again",
+                rec.formatted.map(|f| f.as_str()).unwrap_or_default()
+            ))),
+            Probe::Blank => mkfs(rec, false),
             p if p.fs_type() == Some(fs.to_blockdev()) => {
+                if interrupted {
+                    rec.formatted = Some(fs);
+                }
                 // A volume expanded while it was not staged (or while
                 // online ext4 growth was impossible): grow before mounting.
                 // Mounted on the host (our staging mount): NodeExpandVolume
@@ -698,6 +791,9 @@ impl Driver {
                 }
                 Ok(())
             }
+            // Our own format, interrupted: never published, so nothing but
+            // the half-made filesystem can be there.
+            _ if interrupted && !rec.raw_block_used => mkfs(rec, true),
             p => Err(NodeError::FailedPrecondition(format!(
                 "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
             ))),
@@ -728,16 +824,22 @@ impl Driver {
                 rec.published.keys().collect::<Vec<_>>()
             )));
         }
-        if s.block {
-            if s.readonly && s.device.exists() {
-                let _ = set_device_read_only(&s.device, false);
+        if !s.block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
+            // Only this volume's own staging mount is removed (a host
+            // publication that crashed after remounting the staging path
+            // may have left one although the records say unmounted).
+            if !mounted_here(&s.device, &path)? {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "staging_target_path {} has {} mounted on it, which is not volume {id}'s \
+                     filesystem; nothing was unmounted",
+                    path.display(),
+                    mounted_source(&path).unwrap_or_else(|| "something".into())
+                )));
             }
-        } else if s.host_mount == HostMount::Mounted {
-            crust_blockdev::unmount(&path).map_err(mount_err)?;
-        } else if mounted_here(&s.device, &path)? {
-            // Not mounted by the records, but a host publication that
-            // crashed after remounting the staging path left it mounted.
-            crust_blockdev::unmount(&path).map_err(mount_err)?;
+            crust_blockdev::unmount_top(&path).map_err(mount_err)?;
+        }
+        if s.block && s.readonly && s.device.exists() {
+            let _ = set_device_read_only(&s.device, false);
         }
         self.backend.detach(&id).map_err(|e| {
             NodeError::FailedPrecondition(format!(
@@ -888,7 +990,14 @@ impl Driver {
         let readonly = req.readonly || cap.mode.read_only() || s.readonly;
         let wanted = Publication::host(block, readonly, cap.mode, cap.flags_digest());
         let repeat = match rec.published.get(&target) {
-            Some(p) if *p == wanted => true,
+            Some(p)
+                if Publication {
+                    created_target: false,
+                    ..p.clone()
+                } == wanted =>
+            {
+                true
+            }
             Some(p) => {
                 return Err(NodeError::AlreadyExists(format!(
                     "volume {id} is already published at {} with readonly={} and access mode {:?}",
@@ -930,7 +1039,7 @@ impl Driver {
                 )));
             }
         }
-        let created = prepare_target(&target, block)?;
+        let created = prepare_target(&target, block, Some(&s.device))?;
         let source: &Path = if block { &s.device } else { &s.path };
         let result = crust_blockdev::bind_mount(source, &target, readonly)
             .map_err(mount_err)
@@ -949,12 +1058,18 @@ impl Driver {
             });
         if let Err(e) = result {
             if created {
-                remove_target(&target);
+                remove_target(&target, true);
             }
             return Err(e);
         }
         if !repeat {
-            rec.published.insert(target.clone(), wanted);
+            rec.published.insert(
+                target.clone(),
+                Publication {
+                    created_target: created,
+                    ..wanted
+                },
+            );
             self.state.put(rec)?;
         }
         self.health.forget(&id);
@@ -981,8 +1096,10 @@ impl Driver {
             if let Some(s) = &rec.staging
                 && publication_of(s, &target)
             {
-                crust_blockdev::unmount(&target).map_err(mount_err)?;
-                remove_target(&target);
+                crust_blockdev::unmount_top(&target).map_err(mount_err)?;
+                // Whether the plugin created it is not recorded: only an
+                // empty file or directory goes.
+                remove_target(&target, true);
             }
             self.unpublish_unrecorded_deferred(&rec, &target)?;
             return Ok(());
@@ -1004,8 +1121,24 @@ impl Driver {
                 NodeError::DeferralUnsupported
             });
         }
-        crust_blockdev::unmount(&target).map_err(mount_err)?;
-        remove_target(&target);
+        if crust_blockdev::is_mountpoint(&target).map_err(mount_err)? {
+            // Only this volume's own bind is removed: whatever else was
+            // mounted there since stays, and so do the records.
+            let ours = rec
+                .staging
+                .as_ref()
+                .is_some_and(|s| publication_of(s, &target));
+            if !ours {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "target_path {} has {} mounted on it, which is not volume {id}'s \
+                     publication; nothing was unmounted or removed",
+                    target.display(),
+                    mounted_source(&target).unwrap_or_else(|| "something".into())
+                )));
+            }
+            crust_blockdev::unmount_top(&target).map_err(mount_err)?;
+        }
+        remove_target(&target, !p.block || p.created_target);
         rec.published.remove(&target);
         if p.block
             && p.readonly

@@ -43,6 +43,13 @@ pub enum StateError {
         #[source]
         source: io::Error,
     },
+    /// Another plugin serves this state directory.
+    #[error(
+        "state directory {} is in use by another crust-csi{}; one plugin per state directory",
+        dir.display(),
+        holder.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    Locked { dir: PathBuf, holder: Option<u32> },
     #[error("encoding volume record {id}: {source}")]
     Encode {
         id: String,
@@ -128,6 +135,10 @@ pub struct Publication {
     /// fsGroupChangePolicy handed to the runtime (`Always` | `OnRootMismatch`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supplemental_group_change_policy: Option<String>,
+    /// The plugin created the target (a raw block target file): unpublish
+    /// removes only what the plugin created.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub created_target: bool,
 }
 
 impl Publication {
@@ -141,6 +152,7 @@ impl Publication {
             deferred: false,
             supplemental_group: None,
             supplemental_group_change_policy: None,
+            created_target: false,
         }
     }
 }
@@ -166,6 +178,18 @@ pub struct VolumeRecord {
     pub staging: Option<Staging>,
     /// Publish targets, by path.
     pub published: BTreeMap<PathBuf, Publication>,
+    /// The volume was staged as raw block at least once: its data may have
+    /// no signature any probe can see, so it is never formatted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw_block_used: bool,
+    /// The filesystem crust created on the volume (a volume crust already
+    /// formatted is never formatted again, even if it looks blank now).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub formatted: Option<FsType>,
+    /// Recorded before crust runs mkfs on the (blank) volume: a stage
+    /// killed mid-format finds its own half-made filesystem and redoes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format_started: Option<FsType>,
     /// What the volume was filled from (CreateVolume's content source).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<SourceRecord>,
@@ -251,6 +275,48 @@ pub fn is_valid_volume_id(id: &str) -> bool {
 pub struct StateStore {
     dir: PathBuf,
     records: Mutex<BTreeMap<String, VolumeRecord>>,
+    /// `<state-dir>/lock`, flock'ed for as long as the store lives: two
+    /// plugins on one state (with different pools, say) would each act on
+    /// records the other changes.
+    _lock: File,
+}
+
+/// Name of the lock file in the state directory (holds the owner's pid).
+pub const LOCK_FILE: &str = "lock";
+
+/// Takes `<state_dir>/lock` exclusively (non-blocking) and writes our pid
+/// into it; a held lock is [`StateError::Locked`] naming the holder's pid.
+fn lock_state_dir(state_dir: &Path) -> Result<File, StateError> {
+    use std::io::{Read, Seek};
+    let path = state_dir.join(LOCK_FILE);
+    let dir_err = |source| StateError::Dir {
+        path: path.clone(),
+        source,
+    };
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(dir_err)?;
+    match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut pid = String::new();
+            let _ = f.read_to_string(&mut pid);
+            return Err(StateError::Locked {
+                dir: state_dir.to_path_buf(),
+                holder: pid.trim().parse().ok(),
+            });
+        }
+        Err(e) => return Err(dir_err(e.into())),
+    }
+    f.set_len(0).map_err(dir_err)?;
+    f.rewind().map_err(dir_err)?;
+    writeln!(f, "{}", std::process::id()).map_err(dir_err)?;
+    Ok(f)
 }
 
 impl StateStore {
@@ -265,6 +331,7 @@ impl StateStore {
                 source,
             })?;
         }
+        let lock = lock_state_dir(state_dir)?;
         let mut records = BTreeMap::new();
         let entries = fs::read_dir(&dir).map_err(|source| StateError::Dir {
             path: dir.clone(),
@@ -305,6 +372,7 @@ impl StateStore {
         Ok(StateStore {
             dir,
             records: Mutex::new(records),
+            _lock: lock,
         })
     }
 
@@ -453,6 +521,9 @@ mod tests {
             staging: None,
             published: BTreeMap::new(),
             content_source: None,
+            raw_block_used: false,
+            formatted: None,
+            format_started: None,
         }
     }
 
@@ -505,6 +576,13 @@ mod tests {
             .join(format!("{}.json", volume_id_for("c")));
         fs::write(&bad, b"not json").unwrap();
 
+        // One store per state directory at a time.
+        let e = StateStore::open(&state).unwrap_err();
+        assert!(
+            matches!(e, StateError::Locked { holder: Some(p), .. } if p == std::process::id()),
+            "{e}"
+        );
+        drop(store);
         let again = StateStore::open(&state).unwrap();
         assert_eq!(again.get(&r.id), Some(r.clone()));
         assert_eq!(again.all().len(), 2);
@@ -514,6 +592,7 @@ mod tests {
         again.remove(&r.id).unwrap();
         again.remove(&r.id).unwrap();
         assert!(!file.exists());
+        drop(again);
         assert_eq!(StateStore::open(&state).unwrap().all().len(), 1);
     }
 
@@ -572,6 +651,7 @@ mod tests {
             },
         );
         store.put(r.clone()).unwrap();
+        drop(store);
         assert_eq!(
             StateStore::open(tmp.path()).unwrap().get(&r.id),
             Some(r.clone())

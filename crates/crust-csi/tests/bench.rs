@@ -211,7 +211,7 @@ async fn deferral_bench() {
     c.node.node_publish_volume(publish.clone()).await.unwrap();
     let lo = loops_under(node.dir.path()).remove(0);
     let mut guest = GuestMount::new(&lo.path, &node.path("guest"), "ext4");
-    let map = serde_json::json!({ &target: { "mount": guest.dir } });
+    let map = serde_json::json!({ &target: { "mount": guest.dir, "sandbox": "bench-sandbox" } });
     std::fs::write(node.cli_map(), map.to_string()).unwrap();
     consume(&node.crust_root(), &target, "bench-sandbox", &cli);
     let req = csi::NodeGetVolumeStatsRequest {

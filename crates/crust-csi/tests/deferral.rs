@@ -610,6 +610,7 @@ async fn stats_and_expansion_go_through_crust_ops_and_the_runtime_cli() {
             "mount": guest.dir,
             "backing": lo.backing_file,
             "loop": lo.path,
+            "sandbox": "sandbox-1",
         }
     });
     std::fs::write(node.cli_map(), map.to_string()).unwrap();

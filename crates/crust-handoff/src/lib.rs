@@ -16,11 +16,13 @@
 //! released or the caller shows the claimant dead ([`Store::remove_with`]).
 
 mod error;
+pub mod liveness;
 mod mountinfo;
 mod store;
 pub mod validate;
 
 pub use error::{ErrorKind, HandoffError, Result};
+pub use liveness::{Capabilities, SandboxLiveness, SandboxState};
 pub use mountinfo::{
     CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
     FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL,

@@ -226,10 +226,17 @@ impl Store {
     pub fn check_target(&self, target: &str) -> Result<String> {
         validate::check_abs_path("target path", target).map_err(HandoffError::InvalidArgument)?;
         let prefixes = &self.policy.allowed_target_prefixes;
+        // Lexically inside, and still inside once the parts of both that
+        // exist are resolved: a symlinked component must not lead out.
+        let real_target = validate::resolve_existing(target);
         if !prefixes.is_empty()
-            && !prefixes
-                .iter()
-                .any(|p| validate::is_within(target, p) && target != p)
+            && !prefixes.iter().any(|p| {
+                let real_prefix = validate::resolve_existing(p);
+                validate::is_within(target, p)
+                    && target != p
+                    && validate::is_within(&real_target, &real_prefix)
+                    && real_target != real_prefix
+            })
         {
             return Err(HandoffError::InvalidArgument(format!(
                 "target path {target:?} is outside the allowed prefixes ({})",
@@ -384,6 +391,27 @@ impl Store {
     /// false is stale and goes with the record. `is_alive` is asked under
     /// the record's lock, for every claimant, only in the CRUST layout.
     pub fn remove_with(&self, target: &str, is_alive: impl Fn(&str) -> bool) -> Result<()> {
+        self.remove_checked(target, is_alive, self.layout == Layout::Crust)
+    }
+
+    /// [`Store::remove_with`] in either layout: any claimant for which
+    /// `is_alive` returns true keeps the record ([`HandoffError::StillClaimed`]).
+    /// For callers that established each claimant's liveness themselves
+    /// (crust_ops: its runtime's `sandbox-state`, Kata's shim socket).
+    pub fn remove_unless_claimed(
+        &self,
+        target: &str,
+        is_alive: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        self.remove_checked(target, is_alive, true)
+    }
+
+    fn remove_checked(
+        &self,
+        target: &str,
+        is_alive: impl Fn(&str) -> bool,
+        check_claims: bool,
+    ) -> Result<()> {
         let key = self.check_target(target)?;
         let Some(root) = self.open_root(false)? else {
             return Ok(());
@@ -393,7 +421,7 @@ impl Store {
         };
         let path = self.display(&key);
         let entries = self.entries(&dir, &path)?;
-        if self.layout == Layout::Crust {
+        if check_claims {
             for e in &entries {
                 if let Entry::Sandbox(by) = e
                     && is_alive(by)

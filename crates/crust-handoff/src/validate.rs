@@ -84,6 +84,34 @@ pub fn is_within(path: &str, prefix: &str) -> bool {
     Path::new(path).starts_with(Path::new(prefix))
 }
 
+/// `path` with its longest existing ancestor resolved (symlinks
+/// followed) and the rest appended as written. A path whose existing part
+/// cannot be resolved is returned unchanged.
+pub fn resolve_existing(path: &str) -> String {
+    let p = Path::new(path);
+    let mut existing = p;
+    let mut rest: Vec<&std::ffi::OsStr> = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            let mut out = real;
+            for c in rest.iter().rev() {
+                out.push(c);
+            }
+            return out
+                .to_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| path.to_string());
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name);
+                existing = parent;
+            }
+            _ => return path.to_string(),
+        }
+    }
+}
+
 /// Sandbox ids become file names: `[A-Za-z0-9][A-Za-z0-9_.-]{0,127}`,
 /// never one of the record's own file names.
 pub fn check_sandbox_id(id: &str) -> Result<(), String> {

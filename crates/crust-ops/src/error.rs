@@ -10,8 +10,9 @@ use tonic::{Code, Status};
 /// | bad request field | INVALID_ARGUMENT |
 /// | no record for the target | NOT_FOUND |
 /// | different record staged and claimed | ALREADY_EXISTS |
-/// | unstage while a sandbox that may still run claims the record | FAILED_PRECONDITION |
+/// | unstage while a claimant is not shown gone (`running`, `unknown`, no answer, device still held) | FAILED_PRECONDITION |
 /// | record exists, no runtime consumed it yet (no `runtime-cli` / no sandbox file) | FAILED_PRECONDITION |
+/// | stage of a device that is mounted (any namespace) or held | FAILED_PRECONDITION |
 /// | recorded CLI not absolute / not an executable regular file | FAILED_PRECONDITION |
 /// | forged or broken record on disk | FAILED_PRECONDITION |
 /// | CLI did not finish within the timeout (it is killed) | DEADLINE_EXCEEDED |
@@ -34,6 +35,9 @@ pub enum OpsError {
         by: String,
         detail: String,
     },
+    /// The device to hand over is mounted or held (named in `detail`).
+    #[error("{detail}")]
+    DeviceInUse { device: String, detail: String },
     #[error("runtime cli {path}: {reason}")]
     BadRuntimeCli { path: String, reason: String },
     #[error("`{cli} {op}` did not finish within {timeout:?} and was killed")]
@@ -76,6 +80,7 @@ impl OpsError {
             },
             OpsError::NotConsumed(_)
             | OpsError::StillClaimed { .. }
+            | OpsError::DeviceInUse { .. }
             | OpsError::BadRuntimeCli { .. } => Code::FailedPrecondition,
             OpsError::CliTimeout { .. } => Code::DeadlineExceeded,
             OpsError::CliFailed { .. } | OpsError::BadOutput { .. } | OpsError::Io { .. } => {
@@ -87,7 +92,10 @@ impl OpsError {
 
 impl From<OpsError> for Status {
     fn from(e: OpsError) -> Status {
-        Status::new(e.code(), e.to_string())
+        Status::new(
+            e.code(),
+            crust_fs::sanitize(&e.to_string(), crust_fs::MESSAGE_MAX),
+        )
     }
 }
 

@@ -11,9 +11,13 @@
 //! - Kata layout: `<kata-runtime> direct-volume stats --volume-path P` and
 //!   `direct-volume resize --volume-path P --size N`.
 //!
-//! Unstage of a CRUST record that a sandbox claims first asks that
-//! runtime (`crust stats`) whether the sandbox still runs, and keeps the
-//! record unless it says "is not running" (see [`CrustOps::unstage`]).
+//! Stage refuses a device that is mounted or held ([`crust_blockdev::ensure_device_free`])
+//! and flags outside crust's one allow-list ([`crust_fs::options`]).
+//! Unstage of a record that a sandbox claims needs positive proof that the
+//! sandbox is gone: its runtime's typed `crust sandbox-state` answer
+//! ([`crust_handoff::liveness`]) or, for Kata, no shim answering, and in
+//! both cases a free device (see [`CrustOps::unstage`]). Nothing a guest
+//! can write (stats messages) decides a claim.
 //!
 //! Status codes: see [`OpsError`].
 
@@ -26,8 +30,8 @@ pub mod service;
 
 pub use error::OpsError;
 pub use ops::{
-    CrustOps, DEFAULT_CLI_TIMEOUT, DEFAULT_KATA_RUNTIME, ExpandRequest, LayoutMode, OpsConfig,
-    StageRequest,
+    ClaimantState, CrustOps, DEFAULT_CLI_TIMEOUT, DEFAULT_KATA_RUNTIME, DEFAULT_KATA_SHIM_DIRS,
+    ExpandRequest, KATA_SHIM_SOCKET, LayoutMode, OpsConfig, StageRequest,
 };
 pub use parse::{UsageUnit, VolumeCondition, VolumeStats, VolumeUsage};
 pub use service::RuntimeService;

@@ -45,6 +45,15 @@ struct Args {
         value_delimiter = ','
     )]
     file_device_roots: Vec<PathBuf>,
+    /// Where Kata's shims listen (`<dir>/<sandbox-id>/shim-monitor.sock`;
+    /// repeatable). A Kata claim is released only when none answers.
+    #[arg(
+        long = "kata-shim-dir",
+        env = "CRUST_OPS_KATA_SHIM_DIRS",
+        value_delimiter = ',',
+        default_values_t = crust_ops::DEFAULT_KATA_SHIM_DIRS.map(String::from)
+    )]
+    kata_shim_dirs: Vec<String>,
     /// tracing filter, e.g. info or crust_ops=debug
     #[arg(long, env = "CRUST_OPS_LOG_LEVEL", default_value = "info")]
     log_level: String,
@@ -78,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
         cli_timeout: Duration::from_secs_f64(args.cli_timeout),
         allowed_target_prefixes: args.allowed_target_prefixes,
         file_device_roots: args.file_device_roots,
+        kata_shim_dirs: args.kata_shim_dirs.iter().map(Into::into).collect(),
         ..OpsConfig::default()
     })?;
     let shutdown = shutdown_signal()?;

@@ -1,11 +1,17 @@
 //! [`CrustOps`]: the Runtime operations, usable in-process (the CSI plugin)
 //! or behind the gRPC service (the daemon).
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
 
-use crust_handoff::{FsGroupChangePolicy, Layout, MountInfo, Policy, Store};
+use crust_handoff::liveness::{UNSUPPORTED_EXIT, VERB_SANDBOX_STATE};
+use crust_handoff::{
+    Capabilities, FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SandboxLiveness,
+    SandboxState, Store,
+};
 
 use crate::cli;
 use crate::error::OpsError;
@@ -48,7 +54,15 @@ pub struct OpsConfig {
     /// Regular files beneath these are accepted as devices (tests, images).
     pub file_device_roots: Vec<PathBuf>,
     pub allowed_fstypes: Vec<String>,
+    /// Where Kata's shims listen: `<dir>/<sandbox-id>/shim-monitor.sock`.
+    /// A Kata claim is released only when none of these answers.
+    pub kata_shim_dirs: Vec<PathBuf>,
 }
+
+/// Kata's shim socket directories, in the order Kata's CLI tries them.
+pub const DEFAULT_KATA_SHIM_DIRS: [&str; 2] = ["/run/vc/sbs", "/run/kata"];
+/// File name of Kata's shim socket in its sandbox directory.
+pub const KATA_SHIM_SOCKET: &str = "shim-monitor.sock";
 
 pub const DEFAULT_KATA_RUNTIME: &str = "/usr/bin/kata-runtime";
 pub const DEFAULT_CLI_TIMEOUT: Duration = Duration::from_secs(30);
@@ -64,6 +78,7 @@ impl Default for OpsConfig {
             allowed_target_prefixes: Vec::new(),
             file_device_roots: Vec::new(),
             allowed_fstypes: Policy::default().allowed_fstypes,
+            kata_shim_dirs: DEFAULT_KATA_SHIM_DIRS.iter().map(PathBuf::from).collect(),
         }
     }
 }
@@ -98,6 +113,24 @@ pub struct ExpandRequest {
     pub limit_bytes: u64,
 }
 
+/// A record's claimant and its state ([`CrustOps::claimant_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimantState {
+    pub sandbox: String,
+    pub state: SandboxState,
+    pub detail: String,
+}
+
+impl ClaimantState {
+    fn unknown(sandbox: &str, detail: impl Into<String>) -> Self {
+        ClaimantState {
+            sandbox: sandbox.to_string(),
+            state: SandboxState::Unknown,
+            detail: detail.into(),
+        }
+    }
+}
+
 /// Who serves stats/expand for a target.
 enum Route {
     CrustCli(String),
@@ -109,6 +142,9 @@ pub struct CrustOps {
     kata: Option<Store>,
     kata_runtime: String,
     cli_timeout: Duration,
+    kata_shim_dirs: Vec<PathBuf>,
+    /// `crust capabilities` answers, per CLI path and modification time.
+    capabilities: Mutex<HashMap<(String, Option<SystemTime>), Capabilities>>,
 }
 
 impl CrustOps {
@@ -140,6 +176,8 @@ impl CrustOps {
             kata,
             kata_runtime,
             cli_timeout: cfg.cli_timeout,
+            kata_shim_dirs: cfg.kata_shim_dirs,
+            capabilities: Mutex::new(HashMap::new()),
         })
     }
 
@@ -165,8 +203,16 @@ impl CrustOps {
     }
 
     /// Writes the hand-off record(s). Idempotent.
-    pub async fn stage(&self, req: StageRequest) -> Result<(), OpsError> {
+    ///
+    /// The mount flags must pass crust's one allow-list ([`crust_fs`], the
+    /// list the guest applies) and are stored one option per entry. A new
+    /// or changed record is written only for a device that nobody holds
+    /// (not mounted in any namespace, no exclusive or kernel holder:
+    /// [`crust_blockdev::ensure_device_free`]); repeating an identical
+    /// record does not look at the device (its sandbox may hold it).
+    pub async fn stage(&self, mut req: StageRequest) -> Result<(), OpsError> {
         self.check_target(&req.target_path)?;
+        normalize_flags(&mut req)?;
         let mi = req.mount_info();
         let stores: Vec<Store> = self.stores().cloned().collect();
         let target = req.target_path.clone();
@@ -174,6 +220,12 @@ impl CrustOps {
             // All layouts are checked before any is written.
             for s in &stores {
                 s.check_stage(&target, &mi)?;
+            }
+            let unchanged = stores
+                .iter()
+                .all(|s| s.read(&target).is_ok_and(|old| old == mi));
+            if !unchanged {
+                check_device_free(&mi.device)?;
             }
             for s in &stores {
                 s.stage(&target, &mi)?;
@@ -187,30 +239,41 @@ impl CrustOps {
 
     /// Removes the hand-off record(s). Idempotent.
     ///
-    /// CRUST layout: a record a sandbox claims is removed only once that
-    /// sandbox is shown to be dead (see [`CrustOps::stale_claimant`]);
-    /// otherwise FAILED_PRECONDITION and nothing changes, because its VM
-    /// may still have the device and the CO's next publish would hand the
-    /// same device to a second VM. Our runtime drops its claim and the
-    /// `runtime-cli` when a sandbox is deleted, so the usual order (stop
-    /// the sandbox, then unpublish) needs no question at all.
+    /// A record a sandbox claims is removed only on positive proof that
+    /// the sandbox can no longer use the device (otherwise
+    /// FAILED_PRECONDITION and nothing changes: the CO's next publish
+    /// would hand the same device to a second VM):
     ///
-    /// Kata layout: removed whatever it holds, as Kata's own `direct-volume
-    /// remove` does; Kata leaves its `<sandbox-id>` file after a stop, so
-    /// that file cannot tell a live sandbox from a dead one.
+    /// * CRUST layout: its runtime CLI says `stopped` (`crust
+    ///   sandbox-state`, see [`crust_handoff::liveness`]) AND the device is
+    ///   free ([`device_released`]). `running`, `unknown`, a failing CLI or
+    ///   one without the verb keep the claim. Our runtime drops its claim
+    ///   when a sandbox is deleted, so the usual order (stop the sandbox,
+    ///   then unpublish) needs no question at all.
+    /// * Kata layout (Kata leaves its `<sandbox-id>` file behind after a
+    ///   stop and its CLI exits 0 on errors): Kata's shim socket for that
+    ///   sandbox is absent or refuses connections AND the device is free.
     pub async fn unstage(&self, target: &str) -> Result<(), OpsError> {
         self.check_target(target)?;
-        let stale = match &self.crust {
+        let crust_stale = match &self.crust {
             Some(s) => self.stale_claimant(s, target).await?,
+            None => None,
+        };
+        let kata_stale = match &self.kata {
+            Some(s) => self.stale_kata_claimant(s, target).await?,
             None => None,
         };
         let stores: Vec<Store> = self.stores().cloned().collect();
         let t = target.to_string();
         blocking(move || {
             for s in &stores {
-                // Any claimant other than the one found dead (one that
+                let stale = match s.layout() {
+                    Layout::Crust => &crust_stale,
+                    Layout::Kata => &kata_stale,
+                };
+                // Any claimant other than the one shown gone (one that
                 // appeared meanwhile) keeps the record.
-                s.remove_with(&t, |by| stale.as_deref() != Some(by))?;
+                s.remove_unless_claimed(&t, |by| stale.as_deref() != Some(by))?;
             }
             Ok(())
         })
@@ -219,17 +282,87 @@ impl CrustOps {
         Ok(())
     }
 
-    /// The CRUST record's claimant, if its runtime says it no longer runs.
-    /// None: nobody claims the record. A claimant that runs, or whose
-    /// liveness cannot be established (no `runtime-cli` recorded, the CLI
-    /// cannot be run, times out, fails otherwise, prints nonsense):
-    /// [`OpsError::StillClaimed`].
-    ///
-    /// The runtime is asked with `<runtime-cli> crust stats <target>`:
-    /// the sandbox is dead when the answer is an abnormal volume condition
-    /// saying it "is not running", or a failure saying so on stderr (the
-    /// wording crust-runtime uses for a sandbox whose VM exited or that
-    /// it does not know). Any normal answer means it still serves the volume.
+    /// What `cli` answers to `crust capabilities`, asked once per CLI
+    /// (path and modification time). A CLI that fails the query supports
+    /// only `stats` and `resize`.
+    pub async fn capabilities(&self, cli: &str) -> Capabilities {
+        let mtime = std::fs::metadata(cli).and_then(|m| m.modified()).ok();
+        let key = (cli.to_string(), mtime);
+        if let Some(c) = self.capabilities.lock().expect("cache").get(&key) {
+            return c.clone();
+        }
+        let answer = cli::run(cli, &["crust", "capabilities"], self.cli_timeout).await;
+        let caps = match answer {
+            Ok(out) => Capabilities::parse(&out).unwrap_or_else(|_| Capabilities::minimal()),
+            // Not cached: a slow CLI may answer next time.
+            Err(OpsError::CliTimeout { .. }) => return Capabilities::minimal(),
+            Err(_) => Capabilities::minimal(),
+        };
+        self.capabilities
+            .lock()
+            .expect("cache")
+            .insert(key, caps.clone());
+        caps
+    }
+
+    /// Who claims `target`'s record and whether that sandbox runs, as the
+    /// host establishes it (CRUST layout: `crust sandbox-state` of the
+    /// recorded runtime CLI; Kata: whether a Kata shim answers for it).
+    /// None when nobody claims a record. For health reporting: a claim is
+    /// released only by [`CrustOps::unstage`], which also wants the device
+    /// free.
+    pub async fn claimant_state(&self, target: &str) -> Option<ClaimantState> {
+        if let Some(s) = &self.crust
+            && let Ok(Some(by)) = s.claimant(target)
+        {
+            let cli = match s.runtime_cli(target) {
+                Ok(Some(cli)) => cli,
+                _ => return Some(ClaimantState::unknown(&by, "no runtime-cli is recorded")),
+            };
+            if cli::check_executable(&cli).is_err()
+                || !self.capabilities(&cli).await.supports(VERB_SANDBOX_STATE)
+            {
+                return Some(ClaimantState::unknown(
+                    &by,
+                    format!("its runtime CLI {cli} cannot report sandbox state"),
+                ));
+            }
+            let answer =
+                cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout).await;
+            return Some(match answer.map(|out| SandboxLiveness::parse(&out, &by)) {
+                Ok(Ok(l)) => ClaimantState {
+                    sandbox: by,
+                    state: l.state,
+                    detail: l.detail,
+                },
+                Ok(Err(e)) => ClaimantState::unknown(&by, e),
+                Err(e) => ClaimantState::unknown(&by, e.to_string()),
+            });
+        }
+        if let Some(s) = &self.kata
+            && let Ok(Some(by)) = s.claimant(target)
+        {
+            let answering = self.kata_shim_dirs.iter().find(|d| {
+                std::os::unix::net::UnixStream::connect(d.join(&by).join(KATA_SHIM_SOCKET)).is_ok()
+            });
+            return Some(match answering {
+                Some(d) => ClaimantState {
+                    sandbox: by,
+                    state: SandboxState::Running,
+                    detail: format!("Kata's shim answers under {}", d.display()),
+                },
+                None => ClaimantState {
+                    sandbox: by,
+                    state: SandboxState::Stopped,
+                    detail: "no Kata shim answers for it".into(),
+                },
+            });
+        }
+        None
+    }
+
+    /// The CRUST record's claimant, once shown gone (see
+    /// [`CrustOps::unstage`]). None: nobody claims the record.
     async fn stale_claimant(
         &self,
         store: &Store,
@@ -237,24 +370,22 @@ impl CrustOps {
     ) -> Result<Option<String>, OpsError> {
         let s = store.clone();
         let t = target.to_string();
-        let (claimant, cli) = blocking(move || {
-            let not_found = |e: &crust_handoff::HandoffError| {
-                matches!(e, crust_handoff::HandoffError::NotFound(_))
-            };
+        let (claimant, cli, device) = blocking(move || {
             let claimant = match s.claimant(&t) {
                 Ok(c) => c,
-                Err(e) if not_found(&e) => None,
+                Err(HandoffError::NotFound(_)) => None,
                 Err(e) => return Err(e.into()),
             };
             if claimant.is_none() {
-                return Ok((None, Ok(None)));
+                return Ok((None, Ok(None), String::new()));
             }
+            let device = s.read(&t)?.device;
             // A broken runtime-cli is reported as "cannot ask" below.
             let cli = match s.runtime_cli(&t) {
-                Err(e) if not_found(&e) => Ok(None),
+                Err(HandoffError::NotFound(_)) => Ok(None),
                 r => r,
             };
-            Ok((claimant, cli))
+            Ok((claimant, cli, device))
         })
         .await?;
         let Some(by) = claimant else {
@@ -283,33 +414,96 @@ impl CrustOps {
                 "cannot ask its runtime whether it still runs: {e}"
             )));
         }
-        let answer = cli::run(&cli, &["crust", "stats", target], self.cli_timeout).await;
-        match answer {
-            Ok(out) => match parse::parse_stats(&out) {
-                Ok(VolumeStats {
-                    condition: Some(c), ..
-                }) if c.abnormal && says_not_running(&c.message) => {
-                    tracing::info!(target = %target, sandbox = %by, condition = %c.message,
-                        "the claiming sandbox is not running: its claim is stale");
-                    Ok(Some(by))
-                }
-                Ok(st) => Err(still(format!(
-                    "`{cli} crust stats` says it serves the volume{}",
-                    st.condition
-                        .map(|c| format!(" ({})", c.message))
-                        .unwrap_or_default()
-                ))),
-                Err(reason) => Err(still(format!(
-                    "`{cli} crust stats` printed unusable output: {reason}"
-                ))),
-            },
-            Err(OpsError::CliFailed { stderr, .. }) if says_not_running(&stderr) => {
-                tracing::info!(target = %target, sandbox = %by, error = %stderr,
-                    "the claiming sandbox is not running: its claim is stale");
+        if !self.capabilities(&cli).await.supports(VERB_SANDBOX_STATE) {
+            return Err(still(format!(
+                "its runtime CLI {cli} cannot report sandbox state (no `crust {VERB_SANDBOX_STATE}`)"
+            )));
+        }
+        let out = match cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout).await
+        {
+            Ok(out) => out,
+            Err(OpsError::CliFailed { status, .. })
+                if status == format!("exit code {UNSUPPORTED_EXIT}") =>
+            {
+                return Err(still(format!(
+                    "its runtime CLI {cli} does not support `crust {VERB_SANDBOX_STATE}`"
+                )));
+            }
+            Err(e) => return Err(still(format!("cannot tell whether it still runs: {e}"))),
+        };
+        let liveness = SandboxLiveness::parse(&out, &by).map_err(|reason| {
+            still(format!(
+                "`{cli} crust {VERB_SANDBOX_STATE}` printed unusable output: {reason}"
+            ))
+        })?;
+        match liveness.state {
+            SandboxState::Running => Err(still(format!(
+                "its runtime says it serves the volume: it runs ({})",
+                liveness.detail
+            ))),
+            SandboxState::Unknown => Err(still(format!(
+                "its runtime ({cli}) does not know it ({}); a claim is released only on proof                  that its sandbox stopped",
+                liveness.detail
+            ))),
+            SandboxState::Stopped => {
+                let dev = device.clone();
+                blocking(move || Ok(device_released(&dev)))
+                    .await?
+                    .map_err(|why| still(format!("its runtime says it stopped, but {why}")))?;
+                tracing::info!(target = %target, sandbox = %by, detail = %liveness.detail,
+                    "the claiming sandbox stopped and its device is free: the claim is stale");
                 Ok(Some(by))
             }
-            Err(e) => Err(still(format!("cannot tell whether it still runs: {e}"))),
         }
+    }
+
+    /// The Kata record's claimant, once shown gone: none of Kata's shim
+    /// sockets for it answers, and the device is free.
+    async fn stale_kata_claimant(
+        &self,
+        store: &Store,
+        target: &str,
+    ) -> Result<Option<String>, OpsError> {
+        let s = store.clone();
+        let t = target.to_string();
+        let dirs = self.kata_shim_dirs.clone();
+        let target = target.to_string();
+        blocking(move || {
+            let by = match s.claimant(&t) {
+                Ok(Some(by)) => by,
+                Ok(None) | Err(HandoffError::NotFound(_)) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            let device = s.read(&t)?.device;
+            let still = |detail: String| OpsError::StillClaimed {
+                target: target.clone(),
+                by: by.clone(),
+                detail,
+            };
+            for d in &dirs {
+                let sock = d.join(&by).join(KATA_SHIM_SOCKET);
+                match std::os::unix::net::UnixStream::connect(&sock) {
+                    Ok(_) => {
+                        return Err(still(format!("Kata's shim answers at {}", sock.display())));
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                        ) => {}
+                    Err(e) => {
+                        return Err(still(format!(
+                            "cannot tell whether Kata's shim at {} runs: {e}",
+                            sock.display()
+                        )));
+                    }
+                }
+            }
+            device_released(&device)
+                .map_err(|why| still(format!("no Kata shim answers for it, but {why}")))?;
+            Ok(Some(by))
+        })
+        .await
     }
 
     /// Stats from the runtime that consumes the volume.
@@ -426,11 +620,46 @@ impl CrustOps {
     }
 }
 
-/// crust-runtime's words for a sandbox whose VM is gone or that it does
-/// not know ("sandbox S is not running (QEMU exited)", "... (it is unknown
-/// to runtime root R)").
-fn says_not_running(message: &str) -> bool {
-    message.contains("is not running")
+/// Flags through crust's one allow-list, stored one option per entry.
+/// An fstype crust does not know is left to the record's own check.
+fn normalize_flags(req: &mut StageRequest) -> Result<(), OpsError> {
+    let Some(fs) = crust_fs::FsType::parse(&req.fs_type) else {
+        return Ok(());
+    };
+    let parsed = crust_fs::options::parse(fs, &req.mount_flags, false)
+        .map_err(|e| OpsError::InvalidArgument(e.to_string()))?;
+    req.mount_flags = parsed.words;
+    Ok(())
+}
+
+/// Before a record hands `device` to a guest: nobody holds it.
+fn check_device_free(device: &str) -> Result<(), OpsError> {
+    match crust_blockdev::ensure_device_free(Path::new(device), crust_blockdev::HAND_TO_GUEST) {
+        Ok(()) => Ok(()),
+        Err(e @ crust_blockdev::ClaimError::InUse { .. }) => Err(OpsError::DeviceInUse {
+            device: device.to_string(),
+            detail: e.to_string(),
+        }),
+        Err(e) => Err(OpsError::Io {
+            context: format!("checking device {device}"),
+            source: std::io::Error::other(e.to_string()),
+        }),
+    }
+}
+
+/// Positive proof that no VM can still use `device`: its exclusive open
+/// succeeds (no crust sandbox, mount or exclusive holder) and no process
+/// has it open (a QEMU whose runtime died).
+fn device_released(device: &str) -> Result<(), String> {
+    let path = Path::new(device);
+    crust_blockdev::ensure_device_free(path, "release its claim").map_err(|e| e.to_string())?;
+    if crust_blockdev::is_block_device(path) {
+        let openers = crust_blockdev::device_openers(path).map_err(|e| e.to_string())?;
+        if let Some(o) = openers.first() {
+            return Err(format!("device {device} is still open by {o}"));
+        }
+    }
+    Ok(())
 }
 
 fn bad_output(cli: &str, op: &str, reason: String) -> OpsError {

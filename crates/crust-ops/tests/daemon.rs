@@ -68,7 +68,10 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let lo = LoopDisk::with_fs(t.join("vol.img"), size as u64, fs.parse().unwrap());
-    let mnt = lo.mount(&t.join("guest-view"), &[], false);
+    // The "guest" (a host mount the test CLI answers from) mounts the
+    // volume after it was handed over: a mounted device is never staged.
+    let guest_view = t.join("guest-view");
+    std::fs::create_dir(&guest_view).unwrap();
     let crust_root = t.join("crust");
     let pods = t.join("kubelet/pods");
     let target = format!(
@@ -78,7 +81,7 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     let map = t.join("cli-map.json");
     write_map(
         &map,
-        serde_json::json!({ &target: {"mount": mnt.target(), "backing": lo.file(), "loop": lo.dev()} }),
+        serde_json::json!({ &target: {"mount": &guest_view, "backing": lo.file(), "loop": lo.dev(), "sandbox": "sandbox-a"} }),
     );
     let daemon = Daemon::start(
         &t.join("run/ops.sock"),
@@ -98,6 +101,27 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     c.runtime_stage_volume(stage_req_fs(&target, lo.dev_str(), fs))
         .await
         .unwrap();
+    let mnt = lo.mount(&guest_view, &[], false);
+    // Staging it again (same record) does not look at the device.
+    c.runtime_stage_volume(stage_req_fs(&target, lo.dev_str(), fs))
+        .await
+        .unwrap();
+    // Issue 10, defect 1: a device mounted on the host is never handed to
+    // a guest: FAILED_PRECONDITION naming the mount, no record written.
+    let second = format!(
+        "{}/uid-2/volumes/kubernetes.io~csi/pv-9/mount",
+        pods.display()
+    );
+    let e = c
+        .runtime_stage_volume(stage_req_fs(&second, lo.dev_str(), fs))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("in use") && e.message().contains(guest_view.to_str().unwrap()),
+        "{e:?}"
+    );
+    assert!(!crust_root.join(crust_key(&second)).exists());
     let dir = crust_root.join(crust_key(&target));
     let expected = format!(
         r#"{{"volume-type":"block","device":"{}","fstype":"{fs}","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
@@ -216,7 +240,8 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     assert_stats_match(&mut c, &target, mnt.target()).await;
 
     // The sandbox dies without releasing its claim: its runtime now says
-    // it is not running, so the claim is stale and goes with the record.
+    // `stopped` (crust sandbox-state) and the device is free, so the claim
+    // is stale and goes with the record.
     let guest_view = mnt.target().to_path_buf();
     mnt.unmount().unwrap();
     let st = c
@@ -274,9 +299,9 @@ async fn misbehaving_runtime_clis() {
     write_map(
         &map,
         serde_json::json!({
-            hang: {"behaviour": "hang", "pidfile": pidfile},
-            garbage: {"behaviour": "garbage"},
-            fail: {"behaviour": "fail"},
+            hang: {"behaviour": "hang", "pidfile": pidfile, "sandbox": "sb-hang"},
+            garbage: {"behaviour": "garbage", "sandbox": "sb-garbage"},
+            fail: {"behaviour": "fail", "sandbox": "sb-fail"},
         }),
     );
     let daemon = Daemon::start(
@@ -296,7 +321,7 @@ async fn misbehaving_runtime_clis() {
         c.runtime_stage_volume(stage_req(target, img.to_str().unwrap()))
             .await
             .unwrap();
-        consume(&crust_root, target, CLI, "sb");
+        consume(&crust_root, target, CLI, &format!("sb-{}", &target[3..]));
     }
 
     // Hangs: DEADLINE_EXCEEDED within the timeout, and the CLI is killed.
@@ -381,7 +406,7 @@ async fn misbehaving_runtime_clis() {
     for (target, why) in [
         (hang, "did not finish within"),
         (garbage, "unusable output"),
-        (fail, "sandbox for /v/fail is gone"),
+        (fail, "sandbox sb-fail is gone"),
         (noexec, "not executable"),
         (relative, "not absolute"),
     ] {
@@ -398,7 +423,8 @@ async fn misbehaving_runtime_clis() {
         );
         let dir = store.record_dir(target).unwrap();
         assert!(
-            dir.join("mountInfo.json").is_file() && dir.join("sb").is_file(),
+            dir.join("mountInfo.json").is_file()
+                && dir.join(format!("sb-{}", &target[3..])).is_file(),
             "{target}: record kept"
         );
     }
@@ -421,19 +447,38 @@ async fn misbehaving_runtime_clis() {
     c.runtime_unstage_volume(unstage_req(orphan)).await.unwrap();
     assert!(!store.record_dir(orphan).unwrap().exists());
 
-    // The runtime says the claimant is not running, as an abnormal
-    // condition or as a failure: the claim is stale, the record goes.
-    for (target, behaviour) in [("/v/stopped", "stopped"), ("/v/unknown", "unknown")] {
+    // Only `stopped` (with a free device) releases a claim. `running`,
+    // `unknown` (issue 10: a runtime root that does not know the id), a
+    // CLI without the verb, and stats text saying "is not running" (what a
+    // guest can make stats say) all keep it.
+    for (target, behaviour, released) in [
+        ("/v/stopped", "stopped", true),
+        ("/v/unknown", "unknown", false),
+        ("/v/running", "running", false),
+        ("/v/no-verb", "unsupported", false),
+    ] {
+        let sb = format!("sb-{behaviour}");
         let mut m: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&map).unwrap()).unwrap();
-        m[target] = serde_json::json!({ "behaviour": behaviour });
+        m[target] = serde_json::json!({ "behaviour": behaviour, "sandbox": sb });
         write_map(&map, m);
         c.runtime_stage_volume(stage_req(target, img.to_str().unwrap()))
             .await
             .unwrap();
-        consume(&crust_root, target, CLI, "sb");
-        c.runtime_unstage_volume(unstage_req(target)).await.unwrap();
-        assert!(!store.record_dir(target).unwrap().exists(), "{behaviour}");
+        consume(&crust_root, target, CLI, &sb);
+        let r = c.runtime_unstage_volume(unstage_req(target)).await;
+        let dir = store.record_dir(target).unwrap();
+        if released {
+            r.unwrap();
+            assert!(!dir.exists(), "{behaviour}");
+        } else {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), Code::FailedPrecondition, "{behaviour}: {e:?}");
+            assert!(e.message().contains("still claimed by sandbox"), "{e:?}");
+            assert!(dir.join(&sb).is_file() && dir.join("mountInfo.json").is_file());
+            store.release(target, &sb).unwrap();
+            c.runtime_unstage_volume(unstage_req(target)).await.unwrap();
+        }
     }
 
     assert!(daemon.stop().success());
@@ -654,6 +699,8 @@ esac
             fake.to_str().unwrap(),
             "--allow-file-devices-under",
             devs.to_str().unwrap(),
+            "--kata-shim-dir",
+            t.join("vc-sbs").to_str().unwrap(),
         ],
         &[],
     );
@@ -721,6 +768,21 @@ esac
             6u64 << 30
         )
     );
+    // Kata's shim for the claimant still answers: its VM may have the
+    // device, so the record and claim stay (Kata's CLI would exit 0).
+    let shim_dir = t.join("vc-sbs/c9be9e0c63af5a");
+    std::fs::create_dir_all(&shim_dir).unwrap();
+    let listener =
+        std::os::unix::net::UnixListener::bind(shim_dir.join("shim-monitor.sock")).unwrap();
+    let e = c
+        .runtime_unstage_volume(unstage_req(target))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("Kata's shim answers"), "{e:?}");
+    assert!(dir.join("c9be9e0c63af5a").is_file() && dir.join("mountInfo.json").is_file());
+    // The shim is gone (its socket file left behind, refusing): released.
+    drop(listener);
     c.runtime_unstage_volume(unstage_req(target)).await.unwrap();
     assert!(!dir.exists());
     assert!(daemon.stop().success());

@@ -222,6 +222,11 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum CrustCommand {
+    /// Print the extension verbs this CLI answers (`{"verbs":[…]}`).
+    Capabilities,
+    /// Print whether sandbox ID runs (`running` | `stopped` | `unknown`),
+    /// as established from this runtime root's own records.
+    SandboxState { sandbox_id: String },
     /// Print NodeGetVolumeStatsResponse-shaped JSON for the volume at TARGET.
     Stats { target_path: String },
     /// Expand the volume to at least MIN (at most MAX when > 0) bytes.
@@ -291,6 +296,33 @@ pub fn parse_signal(s: &str) -> Result<i32, RuntimeError> {
         Code::InvalidArgument,
         format!("unknown signal {s:?}"),
     ))
+}
+
+/// The `crust` verbs this CLI answers (cross-team contract 1).
+pub fn capabilities() -> crust_handoff::Capabilities {
+    use crust_handoff::liveness::*;
+    crust_handoff::Capabilities {
+        verbs: [
+            VERB_CAPABILITIES,
+            VERB_RESIZE,
+            VERB_SANDBOX_STATE,
+            VERB_STATS,
+        ]
+        .map(String::from)
+        .to_vec(),
+    }
+}
+
+/// For a command line clap refused: `Some(verb)` when it is `crust <verb>`
+/// with a verb this CLI does not know (answered with exit status 2 and
+/// `unsupported:`, so a caller can tell it from a failure).
+pub fn unsupported_crust_verb(args: &[String]) -> Option<String> {
+    let pos = args.iter().position(|a| a == "crust")?;
+    let verb = args.get(pos + 1)?;
+    if verb.starts_with('-') || capabilities().supports(verb) {
+        return None;
+    }
+    Some(verb.clone())
 }
 
 /// What a command leaves for the binary to print and exit with.
@@ -374,6 +406,14 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
         Command::AddVolume { id, volume_path } => {
             Ok(Outcome::json(&rt.add_volume(&id, &volume_path).await?))
         }
+        Command::Crust(CrustCommand::Capabilities) => Ok(Outcome {
+            stdout: capabilities().to_json() + "\n",
+            ..Default::default()
+        }),
+        Command::Crust(CrustCommand::SandboxState { sandbox_id }) => Ok(Outcome {
+            stdout: rt.sandboxes.liveness(&sandbox_id).to_json() + "\n",
+            ..Default::default()
+        }),
         Command::Crust(CrustCommand::Stats { target_path }) => {
             Ok(Outcome::json(&rt.volume_stats(&target_path).await?))
         }

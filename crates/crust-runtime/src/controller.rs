@@ -47,6 +47,9 @@ pub struct Controller {
     buses: Mutex<Vec<String>>,
     /// Volume id -> bus it sits on.
     bus_of: Mutex<HashMap<String, String>>,
+    /// Volume id -> the exclusive hold on its host device, kept while the
+    /// guest may use it (until unplug or QEMU's exit).
+    holds: Mutex<HashMap<String, crust_blockdev::ExclusiveDevice>>,
     /// One resize / hot-plug at a time per volume.
     volume_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     hotplug: tokio::sync::Mutex<()>,
@@ -231,6 +234,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             state: Mutex::new(state.clone()),
             buses: Mutex::new(buses),
             bus_of: Mutex::new(HashMap::new()),
+            holds: Mutex::new(HashMap::new()),
             volume_locks: Mutex::new(HashMap::new()),
             hotplug: tokio::sync::Mutex::new(()),
             teardown: tokio::sync::Mutex::new(false),
@@ -396,6 +400,8 @@ impl Controller {
             if me.stopping.load(Ordering::SeqCst) {
                 return;
             }
+            // QEMU is gone: its guest cannot use the devices any more.
+            me.holds.lock().expect("holds").clear();
             let reason = reason.unwrap_or_default();
             tracing::error!("QEMU exited unexpectedly: {reason}");
             me.update(|s| {
@@ -449,20 +455,23 @@ impl Controller {
             buses.remove(0)
         };
         let res = async {
+            volumes::format_if_requested(v).await?;
+            let hold = volumes::hold_host_device(v)?;
             volumes::attach(&self.qmp, v, Some(&bus)).await?;
             if let Err(e) = volumes::mount(&self.agent, v, self.cfg.boot_timeout).await {
                 let _ = volumes::detach(&self.qmp, v).await;
                 return Err(e);
             }
-            Ok(())
+            Ok(hold)
         }
         .await;
         match res {
-            Ok(()) => {
+            Ok(hold) => {
                 self.bus_of
                     .lock()
                     .expect("bus_of")
                     .insert(v.id.clone(), bus);
+                self.holds.lock().expect("holds").insert(v.id.clone(), hold);
                 Ok(())
             }
             Err(e) => {
@@ -526,6 +535,9 @@ impl Controller {
         } else {
             self.guest.kill().await;
         }
+        // QEMU has exited (or was killed): let go of the devices before
+        // the claims, so a claim never goes while a hold remains.
+        self.holds.lock().expect("holds").clear();
         release_all(&self.discovery, &self.id, &st.volumes);
         self.update(|s| {
             s.status = Status::Stopped;

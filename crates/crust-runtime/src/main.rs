@@ -6,7 +6,23 @@ use clap::Parser;
 use crust_runtime::cli::{Cli, Command, dispatch};
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let args: Vec<String> = std::env::args().collect();
+            if let Some(verb) = crust_runtime::cli::unsupported_crust_verb(&args) {
+                eprintln!(
+                    "{} crust {}",
+                    crust_handoff::liveness::UNSUPPORTED_PREFIX,
+                    crust_fs::quote(&verb)
+                );
+                return std::process::ExitCode::from(
+                    crust_handoff::liveness::UNSUPPORTED_EXIT as u8,
+                );
+            }
+            e.exit()
+        }
+    };
     let is_shim = matches!(cli.command, Command::Shim { .. });
     let default_level = if is_shim { "info" } else { "warn" };
     tracing_subscriber::fmt()

@@ -366,14 +366,13 @@ impl Runtime {
                     format!("volume {volume_path} is not used by any sandbox"),
                 )
             })?;
-        // "is not running" is what crust_ops takes as a stale claim (it
-        // then lets the record go): say it only when the sandbox cannot
-        // have the device any more, by the claim liveness test.
+        // These words are for people; whether a claim may go is decided
+        // by `crust sandbox-state` (SandboxStore::liveness), never by them.
         let st = match self.sandboxes.load(&claimant) {
             Ok(st) => st,
             Err(crate::sandbox::SandboxError::NotFound(_)) => {
                 return Ok(Err(VolumeStats::abnormal(format!(
-                    "sandbox {claimant} is not running (it is unknown to runtime root {})",
+                    "sandbox {claimant} is unknown to runtime root {} (state unknown)",
                     self.cfg.root.display()
                 ))));
             }
@@ -473,12 +472,30 @@ impl Runtime {
 
     /// `direct-volume add`: validates `mount_info` and writes the Kata
     /// layout record (0600 in a 0700 dir).
+    ///
+    /// The options must pass crust's one allow-list (stored one per
+    /// entry), and a new or changed record needs a device nobody holds
+    /// (not mounted in any namespace, no exclusive holder): the host's own
+    /// disk, or a volume mounted on the host, is refused.
     pub fn direct_volume_add(&self, volume_path: &str, mount_info: &str) -> Result<()> {
-        let mi = parse_kata_mount_info(mount_info)?;
-        Ok(self
-            .discovery
-            .store(LayoutKind::Kata)
-            .stage(volume_path, &mi)?)
+        let mut mi = parse_kata_mount_info(mount_info)?;
+        if let Some(fs) = crust_fs::FsType::parse(&mi.fstype) {
+            mi.options = crust_fs::options::parse(fs, &mi.options, false)
+                .map_err(|e| {
+                    RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {e}"))
+                })?
+                .words;
+        }
+        let store = self.discovery.store(LayoutKind::Kata);
+        store.check_stage(volume_path, &mi)?;
+        if !store.read(volume_path).is_ok_and(|old| old == mi) {
+            crust_blockdev::ensure_device_free(
+                Path::new(&mi.device),
+                crust_blockdev::HAND_TO_GUEST,
+            )
+            .map_err(|e| RuntimeError::new(Code::FailedPrecondition, e.to_string()))?;
+        }
+        Ok(store.stage(volume_path, &mi)?)
     }
 
     /// `direct-volume remove`: drops the Kata record, refused while a live

@@ -6,6 +6,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crust_handoff::SandboxLiveness;
 use serde::{Deserialize, Serialize};
 
 use crate::bundle::Bundle;
@@ -334,6 +335,47 @@ impl SandboxStore {
     /// its volumes. An id unknown to this root is a stale claim.
     pub fn holds_volumes(&self, id: &str) -> bool {
         self.load(id).is_ok_and(|s| s.holds_volumes())
+    }
+
+    /// The sandbox's liveness as the host establishes it, for `crust
+    /// sandbox-state` (the one place this typed answer is built; see
+    /// [`crust_handoff::liveness`]). `stopped` only when this root's own
+    /// record shows its QEMU (or, before QEMU, its shim) dead by pid and
+    /// start time; an id this root does not know, or whose record cannot
+    /// be read, is `unknown`.
+    pub fn liveness(&self, id: &str) -> SandboxLiveness {
+        use crust_handoff::SandboxState as S;
+        if Self::check_id(id).is_err() {
+            return SandboxLiveness::new(id, S::Unknown, "not a valid sandbox id");
+        }
+        let st = match self.load(id) {
+            Ok(st) => st,
+            Err(SandboxError::NotFound(_)) => {
+                return SandboxLiveness::new(
+                    id,
+                    S::Unknown,
+                    format!("runtime root {} has no record of it", self.root.display()),
+                );
+            }
+            Err(e) => return SandboxLiveness::new(id, S::Unknown, e.to_string()),
+        };
+        let proc_desc =
+            |what: &str, p: &ProcRef| format!("{what} pid {} (start time {})", p.pid, p.start_time);
+        if st.holds_volumes() {
+            let who = match (st.qemu, st.shim) {
+                (Some(q), _) => format!("{} runs", proc_desc("QEMU", &q)),
+                (None, Some(s)) => format!("{} is starting its VM", proc_desc("shim", &s)),
+                (None, None) => "it is being created".into(),
+            };
+            return SandboxLiveness::new(id, S::Running, who);
+        }
+        let why = match (st.qemu, st.shim) {
+            (Some(q), _) => format!("{} exited", proc_desc("QEMU", &q)),
+            (None, Some(s)) if s.alive() => "it stopped before its VM started".to_string(),
+            (None, Some(s)) => format!("{} exited before its VM started", proc_desc("shim", &s)),
+            (None, None) => "it stopped before its shim started".to_string(),
+        };
+        SandboxLiveness::new(id, S::Stopped, why)
     }
 }
 

@@ -138,10 +138,11 @@ pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
 }
 
 /// Kata's `createFilesystem=true`: a blank device (crust-blockdev's probe:
-/// zeros at both ends, so no filesystem, partition table or RAID/LUKS
-/// header) gets the record's filesystem before the guest sees it; a device
-/// holding anything is left as is. Without the flag nothing is formatted.
-/// The host may do this: nothing can have a blank device mounted.
+/// zeros at both ends, and no signature libblkid's database knows) gets the
+/// record's filesystem before the guest sees it; a device holding anything
+/// is left as is. Without the flag nothing is formatted. The host may do
+/// this: nothing can have a blank device mounted. Runs before the sandbox
+/// takes its exclusive hold (mkfs needs the device to itself).
 pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
     if !v.create_fs || v.readonly {
         return Ok(());
@@ -157,9 +158,13 @@ pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
         .map_err(|e| host(format!("createFilesystem: {e}")))?;
     let dev = std::path::PathBuf::from(&v.device);
     tokio::task::spawn_blocking(move || match crust_blockdev::probe_fs(&dev) {
-        Ok(crust_blockdev::Probe::Blank) => crust_blockdev::mkfs(&dev, fstype)
-            .map(|()| true)
-            .map_err(|e| e.to_string()),
+        Ok(crust_blockdev::Probe::Blank) => match crust_blockdev::known_signatures(&dev) {
+            Ok(sigs) if sigs.is_empty() => crust_blockdev::mkfs(&dev, fstype)
+                .map(|()| true)
+                .map_err(|e| e.to_string()),
+            Ok(_) => Ok(false),
+            Err(e) => Err(e.to_string()),
+        },
         Ok(_) => Ok(false),
         Err(e) => Err(e.to_string()),
     })
@@ -174,10 +179,27 @@ pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
     .map_err(|e| host(format!("createFilesystem: {e}")))
 }
 
+/// Takes the exclusive hold on `v`'s host device that the sandbox keeps
+/// while its guest may use the device: refused (FAILED_PRECONDITION,
+/// naming the holder) when the device is mounted anywhere or held. QEMU
+/// opens the device without `O_EXCL`; this hold is what keeps the host
+/// (mkfs, fsck, mount) and other sandboxes away meanwhile.
+pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, VolumeError> {
+    crust_blockdev::claim_exclusive(
+        Path::new(&v.device),
+        !v.readonly,
+        crust_blockdev::HAND_TO_GUEST,
+    )
+    .map_err(|e| VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason: e.to_string(),
+    })
+}
+
 /// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
 pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
     check_host_device(v)?;
-    format_if_requested(v).await?;
     qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
         .await
         .map_err(qmp_err(v, "blockdev-add"))?;

@@ -3,6 +3,8 @@
 //!
 //!   crust-test-runtime-cli crust stats <target>
 //!   crust-test-runtime-cli crust resize <target> <min> <max>
+//!   crust-test-runtime-cli crust capabilities
+//!   crust-test-runtime-cli crust sandbox-state <sandbox-id>
 //!
 //! `CRUST_TEST_CLI_MAP` names a JSON file mapping each target to
 //! `{"mount": dir, "backing": file, "loop": "/dev/loopN"}`; an optional
@@ -40,6 +42,19 @@ fn main() -> ExitCode {
 fn run() -> Result<String, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["crust", "capabilities"] => {
+            return Ok(
+                json!({"verbs": ["capabilities", "resize", "sandbox-state", "stats"]}).to_string(),
+            );
+        }
+        ["crust", "sandbox-state", id] => return sandbox_state(id),
+        ["crust", verb, ..] if !matches!(*verb, "stats" | "resize") => {
+            eprintln!("unsupported: crust {verb}");
+            std::process::exit(2);
+        }
+        _ => {}
+    }
     let (op, target, rest) = match args.as_slice() {
         ["crust", "stats", target] => ("stats", *target, &[][..]),
         ["crust", "resize", target, rest @ ..] if rest.len() == 2 => ("resize", *target, rest),
@@ -103,6 +118,53 @@ fn run() -> Result<String, String> {
                 .map_err(|_| format!("bad max {:?}", rest[1]))?;
             resize(field("backing")?, field("loop")?, mount, min, max)
         }
+    }
+}
+
+/// `crust sandbox-state ID`: the map entry whose `"sandbox"` is ID
+/// decides: its `behaviour` (`hang`, `garbage`, `fail`, `stopped`,
+/// `unknown`, `running`, `unsupported`), else running while its mount is
+/// mounted and stopped once it is gone. No entry: unknown.
+fn sandbox_state(id: &str) -> Result<String, String> {
+    let map_path = std::env::var("CRUST_TEST_CLI_MAP")
+        .map_err(|_| "CRUST_TEST_CLI_MAP is not set".to_string())?;
+    let map: Value = serde_json::from_str(
+        &std::fs::read_to_string(&map_path).map_err(|e| format!("{map_path}: {e}"))?,
+    )
+    .map_err(|e| format!("{map_path}: {e}"))?;
+    let entry = map
+        .as_object()
+        .and_then(|m| {
+            m.values()
+                .find(|e| e.get("sandbox").and_then(Value::as_str) == Some(id))
+        })
+        .cloned();
+    let answer = |state: &str, detail: &str| {
+        Ok(json!({"sandbox_id": id, "state": state, "detail": detail}).to_string())
+    };
+    let Some(entry) = entry else {
+        return answer("unknown", "no such sandbox in the map");
+    };
+    if let Some(pidfile) = entry.get("pidfile").and_then(Value::as_str) {
+        std::fs::write(pidfile, std::process::id().to_string())
+            .map_err(|e| format!("{pidfile}: {e}"))?;
+    }
+    match entry.get("behaviour").and_then(Value::as_str) {
+        Some("hang") => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        Some("garbage") => Ok("this is not json".into()),
+        Some("fail") => Err(format!("sandbox {id} is gone")),
+        Some("unsupported") => {
+            eprintln!("unsupported: crust sandbox-state");
+            std::process::exit(2);
+        }
+        Some(s @ ("stopped" | "unknown" | "running")) => answer(s, "as the map says"),
+        _ => match entry.get("mount").and_then(Value::as_str) {
+            Some(m) if is_mount_root(m)? => answer("running", "its guest mount is there"),
+            Some(_) => answer("stopped", "its guest mount is gone"),
+            None => answer("unknown", "no mount in the map"),
+        },
     }
 }
 

@@ -176,6 +176,21 @@ impl Stack {
         assert!(r.is_ok(), "{r:?}\n{}", p.log_tail(4000));
     }
 
+    /// SIGKILL, like a crash or an OOM kill: nothing gets to clean up.
+    pub async fn crash_plugin(&mut self) {
+        let mut p = self.plugin.take().expect("plugin running");
+        let pid = rustix::process::Pid::from_raw(p.pid().unwrap() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+        let t0 = std::time::Instant::now();
+        while p.exited().is_none() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "plugin survived SIGKILL"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn plugin_log(&self) -> String {
         crustctl::demo::log_tail(&self.root.join("crust-csi.log"), 6000)
     }

@@ -1,0 +1,210 @@
+//! Issue 10, a node reboot simulated against the real `crust-csi`: the
+//! plugin dies (SIGKILL), every mount and loop device goes, the hand-off
+//! root (`/var/run/crust` in production, a tmpfs) is cleared, other loop
+//! devices take the old numbers; then kubelet replays NodeStageVolume and
+//! NodePublishVolume. Every volume comes back with its data (a host
+//! filesystem publication, a raw block publication, a deferred one), the
+//! stale device paths in the records are repaired, and nothing is
+//! formatted (the filesystems' UUIDs are unchanged). Budget ~5 s.
+
+mod common;
+
+use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use common::*;
+use crust_proto::csi::v1 as csi;
+use tonic::Code;
+
+fn record(node: &TestNode, id: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap())
+        .unwrap()
+}
+
+/// The ext4 UUID from the superblock of the volume's backing file.
+fn ext4_uuid(node: &TestNode, id: &str) -> [u8; 16] {
+    let f = std::fs::File::open(backing(node, id)).unwrap();
+    let mut u = [0u8; 16];
+    f.read_exact_at(&mut u, 1024 + 0x68).unwrap();
+    u
+}
+
+fn backing(node: &TestNode, id: &str) -> std::path::PathBuf {
+    std::fs::read_dir(&node.pool)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().contains(id))
+        .unwrap()
+}
+
+async fn publish(
+    c: &mut Clients,
+    id: &str,
+    staging: &str,
+    target: &str,
+    cap: csi::VolumeCapability,
+    defer: bool,
+) {
+    c.node
+        .node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            target_path: target.into(),
+            volume_capability: Some(cap),
+            defer_fs_ops: defer,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_replay_after_a_reboot_brings_every_volume_back_unformatted() {
+    let mut node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mk = |name: &str, cap| create_req(name, 32 * MIB, vec![cap]);
+    let fs_id = c.create(mk("fs", mount("ext4"))).await.unwrap().volume_id;
+    let raw_id = c.create(mk("raw", block())).await.unwrap().volume_id;
+    let def_id = c.create(mk("def", mount("ext4"))).await.unwrap().volume_id;
+    let (s_fs, s_raw, s_def) = (
+        node.mkdir("staging/fs"),
+        node.mkdir("staging/raw"),
+        node.mkdir("staging/def"),
+    );
+    let pods = node.mkdir("pods/uid/volumes");
+    let (t_fs, t_raw, t_def, t_tmp) = (
+        format!("{pods}/fs"),
+        format!("{pods}/raw"),
+        format!("{pods}/def"),
+        format!("{pods}/tmp"),
+    );
+
+    // Before the reboot: data on each volume.
+    c.stage(&fs_id, &s_fs, mount("ext4")).await.unwrap();
+    publish(&mut c, &fs_id, &s_fs, &t_fs, mount("ext4"), false).await;
+    std::fs::write(format!("{t_fs}/a"), b"host data").unwrap();
+    c.stage(&raw_id, &s_raw, block()).await.unwrap();
+    publish(&mut c, &raw_id, &s_raw, &t_raw, block(), false).await;
+    let payload: Vec<u8> = (0..256 * 1024).map(|i| (i % 251) as u8).collect();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t_raw)
+        .unwrap();
+    f.write_all_at(&payload, 16 * MIB as u64).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    // The deferred volume: written through a host publication first, then
+    // handed to a "sandbox" (request deferral unmounts the staging path).
+    c.stage(&def_id, &s_def, mount("ext4")).await.unwrap();
+    publish(&mut c, &def_id, &s_def, &t_tmp, mount("ext4"), false).await;
+    std::fs::write(format!("{t_tmp}/c"), b"guest data").unwrap();
+    c.unpublish(&def_id, &t_tmp).await.unwrap();
+    publish(&mut c, &def_id, &s_def, &t_def, mount("ext4"), true).await;
+    let rec_dir = node.crust_root().join(crust_handoff::crust_key(&t_def));
+    assert!(rec_dir.join("mountInfo.json").is_file());
+    let uuids = (ext4_uuid(&node, &fs_id), ext4_uuid(&node, &def_id));
+    let devices_before: HashMap<String, String> = [&fs_id, &raw_id, &def_id]
+        .iter()
+        .map(|id| {
+            (
+                id.to_string(),
+                record(&node, id)["staging"]["device"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            )
+        })
+        .collect();
+
+    // --- the reboot ----------------------------------------------------------
+    node.crash();
+    node.cleanup.run(); // every mount and loop device of the node goes
+    std::fs::remove_dir_all(node.crust_root()).unwrap();
+    assert!(loops_under(node.dir.path()).is_empty() && mounts_under(node.dir.path()).is_empty());
+    // Other devices come up first and take the old loop numbers.
+    let others = tempfile::tempdir().unwrap();
+    let _squatters: Vec<_> = (0..3)
+        .map(|i| {
+            crust_testkit::LoopDisk::new(others.path().join(format!("{i}.img")), 4 * MIB as u64)
+        })
+        .collect();
+    node.start();
+    let mut c = node.clients().await;
+    // Before the replay the plugin refuses to bind a stale device.
+    let e = c
+        .publish(&fs_id, &s_fs, &t_fs, mount("ext4"), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+
+    // --- kubelet's replay ------------------------------------------------------
+    c.stage(&fs_id, &s_fs, mount("ext4")).await.unwrap();
+    publish(&mut c, &fs_id, &s_fs, &t_fs, mount("ext4"), false).await;
+    c.stage(&raw_id, &s_raw, block()).await.unwrap();
+    publish(&mut c, &raw_id, &s_raw, &t_raw, block(), false).await;
+    c.stage(&def_id, &s_def, mount("ext4")).await.unwrap();
+    publish(&mut c, &def_id, &s_def, &t_def, mount("ext4"), true).await;
+
+    // Every volume is back with its data; nothing was formatted.
+    assert_eq!(std::fs::read(format!("{t_fs}/a")).unwrap(), b"host data");
+    let mut got = vec![0u8; payload.len()];
+    std::fs::File::open(&t_raw)
+        .unwrap()
+        .read_exact_at(&mut got, 16 * MIB as u64)
+        .unwrap();
+    assert_eq!(got, payload);
+    assert_eq!(
+        (ext4_uuid(&node, &fs_id), ext4_uuid(&node, &def_id)),
+        uuids,
+        "not formatted"
+    );
+    // Stale records repaired: the records name today's devices.
+    for id in [&fs_id, &raw_id, &def_id] {
+        let now = record(&node, id)["staging"]["device"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let attached = loops_under(node.dir.path())
+            .into_iter()
+            .find(|l| l.backing_file.to_string_lossy().contains(id.as_str()))
+            .unwrap();
+        assert_eq!(Path::new(&now), attached.path, "{id}");
+        assert_ne!(now, devices_before[id], "{id}: the device number changed");
+    }
+    let mi: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(rec_dir.join("mountInfo.json")).unwrap()).unwrap();
+    let def_dev = record(&node, &def_id)["staging"]["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        mi["device"],
+        def_dev.as_str(),
+        "hand-off record rewritten with today's device"
+    );
+    // The deferred volume is not mounted on the host; a "guest" finds the data.
+    assert!(!crust_blockdev::is_mountpoint(Path::new(&s_def)).unwrap());
+    {
+        let guest = GuestMount::new(Path::new(&def_dev), &node.path("guest"), "ext4");
+        assert_eq!(std::fs::read(guest.dir.join("c")).unwrap(), b"guest data");
+    }
+    for e in c.list_all().await {
+        let cond = e.status.unwrap().volume_condition.unwrap();
+        assert!(!cond.abnormal, "{cond:?}");
+    }
+
+    // Teardown.
+    for (id, s, t) in [
+        (&fs_id, &s_fs, &t_fs),
+        (&raw_id, &s_raw, &t_raw),
+        (&def_id, &s_def, &t_def),
+    ] {
+        c.unpublish(id, t).await.unwrap();
+        c.unstage(id, s).await.unwrap();
+        c.delete(id).await.unwrap();
+    }
+    assert!(loops_under(node.dir.path()).is_empty());
+    assert!(mounts_under(node.dir.path()).is_empty());
+}
