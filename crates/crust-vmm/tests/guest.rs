@@ -95,7 +95,9 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
 
     // --- bad input changes nothing -------------------------------------------
     let mut bad = mount_req("ext", "crust-ext", FsType::Ext4);
-    bad.options = vec!["noatime".into(), "suid,dev".into()];
+    // One allow-list for host and guest (crust-fs): a comma splits options
+    // as mount(8) does, and `errors=panic` is refused everywhere.
+    bad.options = vec!["noatime".into(), "nodev,errors=panic".into()];
     assert_eq!(
         code_of(a.mount_volume(bad).await),
         ErrorCode::InvalidArgument
