@@ -264,7 +264,7 @@ state = "{state}"
     pub fn import_images(&self, namespace: &str, tars: &[&Path]) {
         for t in tars {
             let t = t.to_str().expect("utf-8 path");
-            self.ctr_ok(namespace, &["images", "import", "--no-unpack", t]);
+            self.ctr_ok(namespace, &["images", "import", t]);
         }
     }
 
