@@ -13,7 +13,13 @@
 //! * each boot disk as `-blockdev` (raw over `host_device`/`file`,
 //!   `cache.direct=off`, `aio=threads`) + `virtio-blk-pci` with its serial,
 //!   on its own `pcie-root-port` `crust-boot<i>`;
-//! * `hotplug_ports` empty `pcie-root-port`s `crust-hp0..` for hot-plug.
+//! * `hotplug_ports` empty `pcie-root-port`s `crust-hp0..` for hot-plug;
+//! * each [`ShareSpec`] as a `vhost-user-fs-pci` device served by its own
+//!   `virtiofsd` (socket `fs<i>.sock`, log `virtiofsd<i>.log`), with guest
+//!   RAM from a shared memfd (`memory-backend-memfd,share=on` + one NUMA
+//!   node). The daemons belong to the VM: started before QEMU, killed with
+//!   it, and a daemon that dies takes QEMU down (a guest whose virtio-fs
+//!   stops answering would hang rather than fail).
 //!
 //! # Hot-plug contract (for the runtime, over QMP)
 //!
@@ -45,8 +51,8 @@ use std::time::Duration;
 
 pub use accel::{ResolvedAccel, kvm_usable, kvm_works};
 pub use config::{
-    Accel, DiskSpec, MAX_ROOT_PORTS, MAX_SERIAL_LEN, QBOOT, VmConfig, boot_port_id,
-    hotplug_port_id, valid_serial,
+    Accel, DiskSpec, MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, QBOOT, ShareSpec,
+    VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
 pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 
@@ -78,6 +84,8 @@ pub enum VmError {
     EarlyExit { status: String, log_tail: String },
     #[error("QEMU did not create its sockets within {after:?}; qemu.log ends with:\n{log_tail}")]
     StartTimeout { after: Duration, log_tail: String },
+    #[error("cannot start virtiofsd for share {tag:?}: {reason}")]
+    Virtiofsd { tag: String, reason: String },
     #[error("no VM running from {run_dir}: {reason}")]
     NotRunning { run_dir: PathBuf, reason: String },
 }

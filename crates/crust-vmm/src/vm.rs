@@ -11,11 +11,13 @@ use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 
 use crate::accel::{self, ResolvedAccel};
-use crate::config::{DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
+use crate::config::{DiskSpec, ShareSpec, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id};
 use crate::{AGENT_PORT_NAME, VmError};
 
 /// How long QEMU gets to create its sockets before launch gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a virtiofsd gets to create its socket.
+const VIRTIOFSD_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Files in a VM's run directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +38,16 @@ pub struct RunPaths {
 }
 
 impl RunPaths {
+    /// vhost-user socket of share `i`'s virtiofsd.
+    pub fn fs_socket(&self, i: usize) -> PathBuf {
+        self.run_dir.join(format!("fs{i}.sock"))
+    }
+
+    /// Log of share `i`'s virtiofsd.
+    pub fn fs_log(&self, i: usize) -> PathBuf {
+        self.run_dir.join(format!("virtiofsd{i}.log"))
+    }
+
     pub fn new(run_dir: impl Into<PathBuf>) -> Self {
         let d: PathBuf = run_dir.into();
         RunPaths {
@@ -63,6 +75,25 @@ pub struct VmState {
     pub boot_disks: Vec<(DiskSpec, String)>,
     /// Root ports left empty for hot-plug.
     pub hotplug_ports: Vec<String>,
+    /// The virtiofsd of each share (same order as the shares).
+    #[serde(default)]
+    pub virtiofsd: Vec<DaemonRef>,
+    #[serde(default)]
+    pub shares: Vec<ShareSpec>,
+}
+
+/// A helper process of the VM, identified by pid and start time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonRef {
+    pub pid: u32,
+    pub start_time: u64,
+}
+
+impl DaemonRef {
+    /// Still the same live (non-zombie) process.
+    pub fn alive(&self) -> bool {
+        matches!(proc_start_time(self.pid), Some((t, false)) if t == self.start_time)
+    }
 }
 
 /// How QEMU ended.
@@ -71,6 +102,8 @@ pub struct VmExit {
     /// Exit status, when known (only for a VM this process launched).
     pub code: Option<i32>,
     pub signal: Option<i32>,
+    /// QEMU was killed because a virtiofsd of the VM died.
+    pub virtiofsd_died: bool,
 }
 
 impl VmExit {
@@ -89,6 +122,8 @@ pub struct Vm {
     state: VmState,
     paths: RunPaths,
     child: Option<Child>,
+    /// virtiofsd children (launched VMs only).
+    daemons: Vec<Child>,
     owned: bool,
     exit: Option<VmExit>,
 }
@@ -245,6 +280,18 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         "-smp",
         &cfg.cpus.to_string(),
     ]);
+    if !cfg.shares.is_empty() {
+        // vhost-user devices map guest RAM: it must be shareable memory.
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-memfd,id=crust-mem,size={}M,share=on",
+                cfg.memory_mib
+            ),
+            "-numa",
+            "node,memdev=crust-mem",
+        ]);
+    }
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-msg", "timestamp=on"]);
     if let Some(fw) = cfg.firmware_path() {
@@ -276,6 +323,14 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         "-device",
         &format!("virtserialport,bus=crust-vser.0,chardev=crust-agent,name={AGENT_PORT_NAME}"),
     ]);
+    for (i, sh) in cfg.shares.iter().enumerate() {
+        push(&[
+            "-chardev",
+            &format!("socket,id=crust-fs{i},path={}", esc(&paths.fs_socket(i))),
+            "-device",
+            &format!("vhost-user-fs-pci,chardev=crust-fs{i},tag={}", sh.tag),
+        ]);
+    }
     let mut chassis = 1;
     for (i, d) in cfg.disks.iter().enumerate() {
         let port = boot_port_id(i);
@@ -296,6 +351,88 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         chassis += 1;
     }
     a
+}
+
+/// Kills daemons started for a launch that then failed.
+struct DaemonGuard(Vec<Child>);
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        for d in &mut self.0 {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+/// Starts the virtiofsd of share `i` and waits for its socket.
+async fn start_virtiofsd(
+    cfg: &VmConfig,
+    paths: &RunPaths,
+    i: usize,
+    sh: &ShareSpec,
+) -> Result<Child, VmError> {
+    let sock = paths.fs_socket(i);
+    match std::fs::remove_file(&sock) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("remove", &sock, e)),
+    }
+    let log_path = paths.fs_log(i);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(&log_path)
+        .map_err(|e| io_err("create", &log_path, e))?;
+    let log2 = log.try_clone().map_err(|e| io_err("dup", &log_path, e))?;
+    let mut cmd = Command::new(&cfg.virtiofsd_binary);
+    cmd.arg("--socket-path")
+        .arg(&sock)
+        .arg("--shared-dir")
+        .arg(&sh.dir)
+        .args(VIRTIOFSD_ARGS)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0);
+    if cfg.die_with_parent {
+        // SAFETY: a single raw prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                Ok(())
+            });
+        }
+    }
+    let failed = |reason: String| VmError::Virtiofsd {
+        tag: sh.tag.clone(),
+        reason,
+    };
+    let mut child = cmd.spawn().map_err(|e| {
+        failed(format!(
+            "{}: {e} (install it: cargo install virtiofsd)",
+            cfg.virtiofsd_binary.display()
+        ))
+    })?;
+    let deadline = Instant::now() + VIRTIOFSD_TIMEOUT;
+    loop {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(failed(format!("exited ({st}): {}", tail(&log_path, 2048))));
+        }
+        if sock.exists() {
+            return Ok(child);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(failed(format!(
+                "no socket after {VIRTIOFSD_TIMEOUT:?}: {}",
+                tail(&log_path, 2048)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 impl Vm {
@@ -337,6 +474,10 @@ impl Vm {
             }
         }
         let accel = accel::resolve(cfg.accel, &cfg.qemu_binary).await?;
+        let mut daemons = DaemonGuard(Vec::new());
+        for (i, sh) in cfg.shares.iter().enumerate() {
+            daemons.0.push(start_virtiofsd(&cfg, &paths, i, sh).await?);
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -365,6 +506,7 @@ impl Vm {
             binary: cfg.qemu_binary.clone(),
             source,
         })?;
+        let daemons = std::mem::take(&mut daemons.0);
         let pid = child.id();
         let start_time = proc_start_time(pid).map(|(t, _)| t).unwrap_or(0);
         let state = VmState {
@@ -379,11 +521,20 @@ impl Vm {
                 .map(|(i, d)| (d.clone(), boot_port_id(i)))
                 .collect(),
             hotplug_ports: (0..cfg.hotplug_ports).map(hotplug_port_id).collect(),
+            virtiofsd: daemons
+                .iter()
+                .map(|d| DaemonRef {
+                    pid: d.id(),
+                    start_time: proc_start_time(d.id()).map(|(t, _)| t).unwrap_or(0),
+                })
+                .collect(),
+            shares: cfg.shares.clone(),
         };
         let mut vm = Vm {
             state,
             paths,
             child: Some(child),
+            daemons,
             owned: true,
             exit: None,
         };
@@ -438,6 +589,7 @@ impl Vm {
             state,
             paths,
             child: None,
+            daemons: Vec::new(),
             owned: false,
             exit: None,
         })
@@ -504,28 +656,92 @@ impl Vm {
         if self.exit.is_some() {
             return self.exit;
         }
-        let exit = match &mut self.child {
+        let mut exit = match &mut self.child {
             Some(c) => match c.try_wait() {
                 Ok(Some(st)) => Some(VmExit {
                     code: st.code(),
                     signal: st.signal(),
+                    virtiofsd_died: false,
                 }),
                 Ok(None) => None,
                 Err(_) => Some(VmExit {
                     code: None,
                     signal: None,
+                    virtiofsd_died: false,
                 }),
             },
             None => (!is_our_qemu(&self.state, &self.paths)).then_some(VmExit {
                 code: None,
                 signal: None,
+                virtiofsd_died: false,
             }),
         };
+        if exit.is_none() && self.virtiofsd_gone() {
+            // The guest's shares no longer answer: end the VM rather than
+            // leave its file accesses hanging.
+            self.kill_qemu();
+            exit = Some(VmExit {
+                code: None,
+                signal: Some(Signal::KILL.as_raw()),
+                virtiofsd_died: true,
+            });
+        }
         if exit.is_some() {
             self.exit = exit;
+            self.stop_daemons();
             self.cleanup_files();
         }
         exit
+    }
+
+    /// Whether a virtiofsd of this VM has exited.
+    fn virtiofsd_gone(&mut self) -> bool {
+        if !self.daemons.is_empty() {
+            return self
+                .daemons
+                .iter_mut()
+                .any(|d| !matches!(d.try_wait(), Ok(None)));
+        }
+        self.state.virtiofsd.iter().any(|d| !d.alive())
+    }
+
+    /// SIGKILLs QEMU (no waiting; poll_exit/kill reap it).
+    fn kill_qemu(&mut self) {
+        match &mut self.child {
+            Some(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            None => {
+                if is_our_qemu(&self.state, &self.paths)
+                    && let Some(pid) = Pid::from_raw(self.state.pid as i32)
+                {
+                    let _ = rustix::process::kill_process(pid, Signal::KILL);
+                }
+            }
+        }
+    }
+
+    /// Kills and reaps the virtiofsd daemons (they also exit by themselves
+    /// once QEMU closes their socket).
+    fn stop_daemons(&mut self) {
+        for d in &mut self.daemons {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        self.daemons.clear();
+        for d in &self.state.virtiofsd {
+            if d.alive()
+                && let Some(pid) = Pid::from_raw(d.pid as i32)
+            {
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+        }
+    }
+
+    /// Pids of the VM's virtiofsd daemons.
+    pub fn virtiofsd_pids(&self) -> Vec<u32> {
+        self.state.virtiofsd.iter().map(|d| d.pid).collect()
     }
 
     /// Whether QEMU is still running.
@@ -561,6 +777,7 @@ impl Vm {
             self.exit = Some(VmExit {
                 code: st.code(),
                 signal: st.signal(),
+                virtiofsd_died: false,
             });
         } else {
             if let Some(pid) = Pid::from_raw(self.state.pid as i32) {
@@ -579,8 +796,10 @@ impl Vm {
             self.exit = Some(VmExit {
                 code: None,
                 signal: Some(Signal::KILL.as_raw()),
+                virtiofsd_died: false,
             });
         }
+        self.stop_daemons();
         self.cleanup_files();
         Ok(())
     }
@@ -591,6 +810,7 @@ impl Vm {
         self.owned = false;
         // Dropping a std Child neither kills nor waits.
         self.child = None;
+        self.daemons.clear();
         self.state.pid
     }
 
@@ -603,6 +823,9 @@ impl Vm {
             &self.paths.state_file,
         ] {
             let _ = std::fs::remove_file(f);
+        }
+        for i in 0..self.state.shares.len() {
+            let _ = std::fs::remove_file(self.paths.fs_socket(i));
         }
     }
 }
@@ -631,6 +854,10 @@ mod tests {
         });
         cfg.hotplug_ports = 2;
         cfg.kernel_cmdline_extra = vec!["foo=bar".into()];
+        cfg.shares.push(ShareSpec {
+            tag: "pod".into(),
+            dir: "/srv".into(),
+        });
         let paths = RunPaths::new(&cfg.run_dir);
         let a = qemu_args(&cfg, ResolvedAccel::Tcg, &paths);
         let joined = a.join(" ");
@@ -645,6 +872,10 @@ mod tests {
             "pcie-root-port,id=crust-hp0,chassis=2",
             "pcie-root-port,id=crust-hp1,chassis=3",
             "foo=bar",
+            "memory-backend-memfd,id=crust-mem,size=256M,share=on",
+            "-numa node,memdev=crust-mem",
+            "socket,id=crust-fs0,path=/run/x,,y/fs0.sock",
+            "vhost-user-fs-pci,chardev=crust-fs0,tag=pod",
         ] {
             assert!(joined.contains(want), "missing {want:?} in {joined}");
         }
