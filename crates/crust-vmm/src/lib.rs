@@ -9,7 +9,8 @@
 //!   `qemu.log`;
 //! * QMP on `<run_dir>/qmp.sock` (server, no wait);
 //! * a `virtserialport` named `org.crust.agent` on `<run_dir>/agent.sock`
-//!   (server, no wait), for `crust_agent_proto::AgentClient`;
+//!   (server, no wait), for `crust_agent_proto::AgentClient`, and one named
+//!   `org.crust.stdio` on `stdio.sock` for container stdio;
 //! * each boot disk as `-blockdev` (raw over `host_device`/`file`,
 //!   `cache.direct=off`, `aio=threads`) + `virtio-blk-pci` with its serial,
 //!   on its own `pcie-root-port` `crust-boot<i>`;
@@ -59,6 +60,10 @@ pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 /// Name of the agent's virtio-serial port (matches
 /// `crust_agent_proto::AGENT_PORT_NAME`).
 pub const AGENT_PORT_NAME: &str = "org.crust.agent";
+
+/// Name of the container stdio port (matches
+/// `crust_agent_proto::STDIO_PORT_NAME`).
+pub const STDIO_PORT_NAME: &str = "org.crust.stdio";
 
 /// Errors launching, finding or stopping a VM.
 #[derive(Debug, thiserror::Error)]

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::accel::{self, ResolvedAccel};
 use crate::config::{DiskSpec, ShareSpec, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id};
-use crate::{AGENT_PORT_NAME, VmError};
+use crate::{AGENT_PORT_NAME, STDIO_PORT_NAME, VmError};
 
 /// How long QEMU gets to create its sockets before launch gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
@@ -27,6 +27,8 @@ pub struct RunPaths {
     pub qmp_socket: PathBuf,
     /// The agent's virtio-serial port (`org.crust.agent`).
     pub agent_socket: PathBuf,
+    /// The stdio port of container processes (`org.crust.stdio`).
+    pub stdio_socket: PathBuf,
     /// Guest serial console.
     pub console_log: PathBuf,
     /// QEMU's own stdout/stderr.
@@ -53,6 +55,7 @@ impl RunPaths {
         RunPaths {
             qmp_socket: d.join("qmp.sock"),
             agent_socket: d.join("agent.sock"),
+            stdio_socket: d.join("stdio.sock"),
             console_log: d.join("console.log"),
             qemu_log: d.join("qemu.log"),
             pid_file: d.join("qemu.pid"),
@@ -322,6 +325,13 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         ),
         "-device",
         &format!("virtserialport,bus=crust-vser.0,chardev=crust-agent,name={AGENT_PORT_NAME}"),
+        "-chardev",
+        &format!(
+            "socket,id=crust-stdio,path={},server=on,wait=off",
+            esc(&paths.stdio_socket)
+        ),
+        "-device",
+        &format!("virtserialport,bus=crust-vser.0,chardev=crust-stdio,name={STDIO_PORT_NAME}"),
     ]);
     for (i, sh) in cfg.shares.iter().enumerate() {
         push(&[
@@ -464,6 +474,7 @@ impl Vm {
         for stale in [
             &paths.qmp_socket,
             &paths.agent_socket,
+            &paths.stdio_socket,
             &paths.pid_file,
             &paths.state_file,
         ] {
@@ -613,6 +624,10 @@ impl Vm {
 
     pub fn agent_socket(&self) -> &Path {
         &self.paths.agent_socket
+    }
+
+    pub fn stdio_socket(&self) -> &Path {
+        &self.paths.stdio_socket
     }
 
     pub fn console_log(&self) -> &Path {
@@ -819,6 +834,7 @@ impl Vm {
         for f in [
             &self.paths.qmp_socket,
             &self.paths.agent_socket,
+            &self.paths.stdio_socket,
             &self.paths.pid_file,
             &self.paths.state_file,
         ] {
