@@ -8,11 +8,25 @@ use crate::error::RuntimeError;
 use crate::sandbox::SandboxStore;
 use crate::shim::Code;
 
+/// The runtime CLI recorded in claims: the `crust-runtime` executable that
+/// is running (its own front door), found through /proc/self/exe.
+pub fn this_executable() -> Result<String, RuntimeError> {
+    let exe = std::env::current_exe()
+        .and_then(|p| p.canonicalize())
+        .map_err(RuntimeError::io("locating this executable"))?;
+    exe.to_str()
+        .map(str::to_owned)
+        .ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))
+}
+
+/// Claims `v` for sandbox `id` and, in the CRUST layout, records
+/// `runtime_cli` (an absolute path answering `crust stats|resize`).
 pub fn claim(
     discovery: &Discovery,
     store: &SandboxStore,
     id: &str,
     v: &Volume,
+    runtime_cli: &str,
 ) -> Result<(), RuntimeError> {
     let s = discovery.store(v.layout);
     s.claim(&v.target, id, |other| store.holds_volumes(other))?;
@@ -34,13 +48,7 @@ pub fn claim(
         ));
     }
     if v.layout == LayoutKind::Crust {
-        let exe = std::env::current_exe()
-            .and_then(|p| p.canonicalize())
-            .map_err(RuntimeError::io("locating this executable"))?;
-        let exe = exe
-            .to_str()
-            .ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))?;
-        if let Err(e) = s.set_runtime_cli(&v.target, exe) {
+        if let Err(e) = s.set_runtime_cli(&v.target, runtime_cli) {
             let _ = s.release(&v.target, id);
             return Err(e.into());
         }
@@ -115,7 +123,14 @@ mod tests {
             let planned = Volume::from_record(layout, &target, &planned_mi, false);
 
             // Unchanged: claimed (and, CRUST layout, the CLI recorded).
-            claim(&discovery, &sandboxes, "sb1", &planned).unwrap();
+            claim(
+                &discovery,
+                &sandboxes,
+                "sb1",
+                &planned,
+                &this_executable().unwrap(),
+            )
+            .unwrap();
             let st = store.inspect(&target).unwrap();
             assert_eq!(st.claimant.as_deref(), Some("sb1"));
             assert_eq!(st.runtime_cli.is_some(), layout == LayoutKind::Crust);
@@ -131,7 +146,14 @@ mod tests {
                 let mut swapped = planned_mi.clone();
                 change(&mut swapped);
                 store.stage(&target, &swapped).unwrap();
-                let e = claim(&discovery, &sandboxes, "sb2", &planned).unwrap_err();
+                let e = claim(
+                    &discovery,
+                    &sandboxes,
+                    "sb2",
+                    &planned,
+                    &this_executable().unwrap(),
+                )
+                .unwrap_err();
                 assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
                 assert!(e.to_string().contains("changed while sandbox sb2"), "{e}");
                 let st = store.inspect(&target).unwrap();

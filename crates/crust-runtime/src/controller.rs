@@ -14,7 +14,7 @@ use crust_qmp::QmpClient;
 use tokio::sync::watch;
 
 use crate::bundle::Bundle;
-use crate::claims::{claim, release_all};
+use crate::claims::{claim, release_all, this_executable};
 use crate::config::Config;
 use crate::discovery::{Discovery, Volume, WorkloadMount};
 use crate::error::RuntimeError;
@@ -175,7 +175,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     let mut claimed: Vec<Volume> = Vec::new();
     let res = async {
         for v in &plan.volumes {
-            claim(&discovery, &store, &id, v)?;
+            claim(&discovery, &store, &id, v, &this_executable()?)?;
             claimed.push(v.clone());
         }
         let guest = Guest::launch(&cfg, &store.vm_dir(&id), &id).await?;
@@ -573,7 +573,9 @@ impl ShimHandler for Controller {
         }
         // Record before claiming so a crash leaves the claim releasable.
         self.update(|s| s.volumes.push(v.clone()));
-        let res = match claim(&self.discovery, &self.store, &self.id, &v) {
+        let res = match this_executable()
+            .and_then(|cli| claim(&self.discovery, &self.store, &self.id, &v, &cli))
+        {
             Ok(()) => self.plug(&v).await.map_err(RuntimeError::from),
             Err(e) => Err(e),
         };
