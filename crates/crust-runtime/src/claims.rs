@@ -47,11 +47,11 @@ pub fn claim(
             ),
         ));
     }
-    if v.layout == LayoutKind::Crust {
-        if let Err(e) = s.set_runtime_cli(&v.target, runtime_cli) {
-            let _ = s.release(&v.target, id);
-            return Err(e.into());
-        }
+    if v.layout == LayoutKind::Crust
+        && let Err(e) = s.set_runtime_cli(&v.target, runtime_cli)
+    {
+        let _ = s.release(&v.target, id);
+        return Err(e.into());
     }
     Ok(())
 }
