@@ -23,6 +23,8 @@ pub struct Guest {
     proc: ProcRef,
     qmp_socket: PathBuf,
     agent_socket: PathBuf,
+    stdio_socket: PathBuf,
+    virtiofsd: Vec<ProcRef>,
     ports: Vec<String>,
     context: Box<dyn Fn() -> String + Send + Sync>,
 }
@@ -32,6 +34,12 @@ impl Guest {
     /// QEMU dies with the shim, so a crashed shim never leaves a VM behind
     /// holding volumes.
     pub async fn launch(cfg: &Config, run_dir: &Path, id: &str) -> Result<Guest, RuntimeError> {
+        Guest::launch_config(Guest::config(cfg, run_dir, id)).await
+    }
+
+    /// The VM configuration [`Guest::launch`] uses, for callers that add
+    /// to it (shares, memory) before [`Guest::launch_config`].
+    pub fn config(cfg: &Config, run_dir: &Path, id: &str) -> VmConfig {
         let name: String = format!("crust-{id}").chars().take(64).collect();
         let mut vc = VmConfig::new(name, &cfg.guest_kernel, &cfg.guest_initrd, run_dir);
         vc.memory_mib = cfg.memory_mib;
@@ -43,6 +51,11 @@ impl Guest {
         };
         vc.hotplug_ports = HOTPLUG_PORTS;
         vc.die_with_parent = true;
+        vc
+    }
+
+    /// Starts QEMU (and the virtiofsd of each share) for `vc`.
+    pub async fn launch_config(vc: VmConfig) -> Result<Guest, RuntimeError> {
         let vm = Vm::launch(vc)
             .await
             .map_err(|e| RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")))?;
@@ -55,6 +68,16 @@ impl Guest {
             proc,
             qmp_socket: vm.qmp_socket().to_path_buf(),
             agent_socket: vm.agent_socket().to_path_buf(),
+            stdio_socket: vm.stdio_socket().to_path_buf(),
+            virtiofsd: vm
+                .state()
+                .virtiofsd
+                .iter()
+                .map(|d| ProcRef {
+                    pid: d.pid as i32,
+                    start_time: d.start_time,
+                })
+                .collect(),
             ports: vm.hotplug_ports().to_vec(),
             context: Box::new(move || {
                 format!(
@@ -65,6 +88,16 @@ impl Guest {
             }),
             vm: Arc::new(Mutex::new(vm)),
         })
+    }
+
+    /// The stdio port's socket (container stdio).
+    pub fn stdio_socket(&self) -> &Path {
+        &self.stdio_socket
+    }
+
+    /// The virtiofsd daemons of the VM's shares.
+    pub fn virtiofsd(&self) -> &[ProcRef] {
+        &self.virtiofsd
     }
 
     pub fn proc_ref(&self) -> ProcRef {
@@ -136,6 +169,9 @@ impl Guest {
 }
 
 fn describe(e: &VmExit) -> String {
+    if e.virtiofsd_died {
+        return "killed because its virtiofsd exited".into();
+    }
     match (e.code, e.signal) {
         (_, Some(s)) => format!("killed by signal {s}"),
         (Some(c), None) => format!("exit status {c}"),

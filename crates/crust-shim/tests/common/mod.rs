@@ -1,0 +1,143 @@
+//! A private containerd with the crust shim on its PATH and crust's roots
+//! in a temp dir, plus helpers shared by the shim's tests.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use crust_testkit::{Containerd, ContainerdOptions};
+
+/// Everything one test needs: the guest slot, containerd, crust's roots.
+pub struct Env {
+    pub ctrd: Containerd,
+    pub dir: tempfile::TempDir,
+    pub runtime_root: PathBuf,
+    pub crust_root: PathBuf,
+    pub kata_root: PathBuf,
+    // Released last: covers every guest the test boots.
+    pub _slot: crust_testkit::VmSlot,
+}
+
+pub fn shim_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_containerd-shim-crust-v2"))
+}
+
+fn root_only(p: &Path) {
+    std::fs::create_dir_all(p).unwrap();
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700)).unwrap();
+}
+
+impl Env {
+    pub fn start(namespace: &str) -> Env {
+        Env::start_with(namespace, Vec::new())
+    }
+
+    pub fn start_with(namespace: &str, extra_env: Vec<(String, String)>) -> Env {
+        crust_testkit::require_root();
+        crust_testkit::ensure_guest_image();
+        let (busybox, pause) = crust_testkit::ensure_test_images();
+        let slot = crust_testkit::VmSlot::acquire();
+        // Short: the pod's VM sockets live below the runtime root.
+        let dir = tempfile::Builder::new()
+            .prefix("cs-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        root_only(dir.path());
+        let runtime_root = dir.path().join("rt");
+        let crust_root = dir.path().join("crust");
+        let kata_root = dir.path().join("kata");
+        for d in [&runtime_root, &crust_root, &kata_root] {
+            root_only(d);
+        }
+        let mut env = vec![
+            (
+                "CRUST_RUNTIME_ROOT".to_string(),
+                runtime_root.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_CRUST_ROOT".into(),
+                crust_root.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_KATA_ROOT".into(),
+                kata_root.display().to_string(),
+            ),
+            ("CRUST_RUNTIME_ACCEL".into(), "tcg".into()),
+            (
+                "CRUST_GUEST_DIR".into(),
+                crust_testkit::guest_image_dir().display().to_string(),
+            ),
+            (
+                "CRUST_SHIM_RUNTIME_CLI".into(),
+                crust_testkit::workspace_bin("crust-runtime")
+                    .display()
+                    .to_string(),
+            ),
+            (
+                "CRUST_SHIM_LOG".into(),
+                dir.path().join("shim.log").display().to_string(),
+            ),
+        ];
+        env.extend(extra_env);
+        let ctrd = Containerd::start(ContainerdOptions {
+            shim_dir: Some(shim_bin().parent().unwrap().to_path_buf()),
+            env,
+            parent_dir: None,
+        });
+        ctrd.import_images(namespace, &[&busybox, &pause]);
+        Env {
+            ctrd,
+            dir,
+            runtime_root,
+            crust_root,
+            kata_root,
+            _slot: slot,
+        }
+    }
+
+    /// The shim's log (for failure messages).
+    pub fn shim_log(&self) -> String {
+        let s = std::fs::read_to_string(self.dir.path().join("shim.log")).unwrap_or_default();
+        let cut = s.len().saturating_sub(6000);
+        let mut c = cut;
+        while !s.is_char_boundary(c) {
+            c += 1;
+        }
+        s[c..].to_string()
+    }
+
+    pub fn logs(&self) -> String {
+        format!(
+            "--- shim.log\n{}\n--- containerd.log\n{}",
+            self.shim_log(),
+            self.ctrd.log_tail(4000)
+        )
+    }
+}
+
+/// QEMU processes whose command line names `needle` (a run dir).
+pub fn qemus_under(needle: &Path) -> Vec<i32> {
+    let n = needle.display().to_string();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if cmd.starts_with("qemu-system") && cmd.contains(&n) && crust_testkit::pid_alive(pid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// `uname -r` of the host.
+pub fn host_release() -> String {
+    rustix::system::uname()
+        .release()
+        .to_string_lossy()
+        .into_owned()
+}

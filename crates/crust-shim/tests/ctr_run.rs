@@ -1,0 +1,135 @@
+//! Must-show 1: `ctr run --runtime io.containerd.crust.v2` of the busybox
+//! image runs inside a VM (the guest kernel's `uname -r`), prints to
+//! stdout and returns the exit code; `ctr task exec` and `ctr task kill`
+//! work; nothing is left afterwards. Budget: two TCG guests, ~40 s.
+
+mod common;
+
+use common::{Env, host_release, qemus_under};
+use crust_testkit::BUSYBOX_IMAGE;
+
+const RUNTIME: &str = "io.containerd.crust.v2";
+
+#[test]
+fn ctr_run_exec_kill_in_a_vm() {
+    let env = Env::start("default");
+    let ctrd = &env.ctrd;
+
+    // A foreground run: output and exit code come back through containerd.
+    let o = ctrd.ctr_in(
+        "default",
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            BUSYBOX_IMAGE,
+            "once",
+            "sh",
+            "-c",
+            "uname -r; echo hello from the guest; echo to-stderr >&2; exit 3",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    let mut lines = out.lines();
+    let release = lines.next().unwrap_or_default().to_string();
+    assert!(
+        release.ends_with("-cloud-amd64") && release != host_release(),
+        "uname -r {release:?} is the guest kernel's, not the host's {:?}\nstderr: {err}\n{}",
+        host_release(),
+        env.logs()
+    );
+    assert_eq!(
+        lines.collect::<Vec<_>>(),
+        vec!["hello from the guest"],
+        "{}",
+        env.logs()
+    );
+    assert!(err.contains("to-stderr"), "stderr: {err}");
+    assert_eq!(o.status.code(), Some(3), "exit code; {}", env.logs());
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "the VM of a finished --rm run is gone"
+    );
+
+    // A detached container: exec into it, then kill it.
+    ctrd.ctr_ok(
+        "default",
+        &[
+            "run",
+            "-d",
+            "--runtime",
+            RUNTIME,
+            BUSYBOX_IMAGE,
+            "bg",
+            "sh",
+            "-c",
+            "echo started; exec sleep 600",
+        ],
+    );
+    assert_eq!(
+        qemus_under(&env.runtime_root).len(),
+        1,
+        "one VM for the container"
+    );
+    let o = ctrd.ctr_in(
+        "default",
+        &[
+            "task",
+            "exec",
+            "--exec-id",
+            "x1",
+            "bg",
+            "sh",
+            "-c",
+            "cat /proc/1/comm >/dev/null; echo from-exec; id -u; exit 4",
+        ],
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "from-exec\n0\n",
+        "stderr: {}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        env.logs()
+    );
+    assert_eq!(o.status.code(), Some(4));
+    let ps = ctrd.ctr_ok("default", &["task", "ps", "bg"]);
+    assert!(ps.lines().count() >= 2, "guest pids listed: {ps}");
+
+    ctrd.ctr_ok("default", &["task", "kill", "-s", "SIGKILL", "bg"]);
+    let mut status = String::new();
+    for _ in 0..100 {
+        status = ctrd.ctr_ok("default", &["task", "ls"]);
+        if status
+            .lines()
+            .any(|l| l.starts_with("bg") && l.contains("STOPPED"))
+        {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("bg") && l.contains("STOPPED")),
+        "{status}\n{}",
+        env.logs()
+    );
+    // Killed by SIGKILL: 128 + 9, as with runc.
+    let info = ctrd.ctr_ok("default", &["task", "delete", "bg"]);
+    assert!(info.is_empty() || info.contains("137"), "{info}");
+    ctrd.ctr_ok("default", &["containers", "rm", "bg"]);
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "the VM is gone after delete"
+    );
+    assert!(
+        std::fs::read_dir(&env.runtime_root)
+            .unwrap()
+            .next()
+            .is_none(),
+        "no sandbox record left in {}",
+        env.runtime_root.display()
+    );
+}
