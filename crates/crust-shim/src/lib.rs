@@ -10,6 +10,7 @@
 //!   1.x, 2.0–2.2, 2.3+).
 //! - [`task`]: the task service.
 //! - [`pod`]: the pod's VM, share, volumes; shared code with crust-runtime.
+//! - [`shimapi`]: the crust shim API of the pod (`crust stats|resize`).
 //! - [`spec`]: OCI spec → guest container request, mount by mount.
 //! - [`io`]: stdio FIFOs ↔ the guest's stdio port.
 //! - [`cgroup`]: the VM in the sandbox's cgroup.
@@ -20,6 +21,7 @@ pub mod cgroup;
 pub mod config;
 pub mod io;
 pub mod pod;
+pub mod shimapi;
 pub mod spec;
 pub mod start_reply;
 pub mod task;

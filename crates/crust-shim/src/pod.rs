@@ -89,6 +89,8 @@ pub struct Pod {
     buses: Mutex<Vec<String>>,
     /// Volume id -> the volume, once plugged and mounted in the guest.
     plugged: tokio::sync::Mutex<HashMap<String, Volume>>,
+    /// Stops the crust shim API server.
+    api_stop: Mutex<Option<watch::Sender<bool>>>,
 }
 
 impl Pod {
@@ -110,6 +112,7 @@ impl Pod {
             next_stream: AtomicU32::new(1),
             buses: Mutex::new(Vec::new()),
             plugged: Default::default(),
+            api_stop: Mutex::new(None),
         })
     }
 
@@ -161,7 +164,7 @@ impl Pod {
     /// Boots the pod's VM (once): sandbox record, share, virtiofsd, QEMU,
     /// agent. `memory_mib` is the guest's memory.
     pub async fn boot(
-        &self,
+        self: &Arc<Self>,
         bundle: &Path,
         memory_mib: u32,
         cgroup: Option<&crate::cgroup::Placement>,
@@ -171,6 +174,7 @@ impl Pod {
             return Ok(v);
         }
         self.create_record(bundle)?;
+        self.serve_api()?;
         let res = self.launch(memory_mib, cgroup).await;
         match res {
             Ok(vm) => {
@@ -182,10 +186,31 @@ impl Pod {
                     s.status = Status::Stopped;
                     s.reason = Some(e.to_string());
                 });
+                self.stop_api();
                 self.remove_share();
                 let _ = self.store.remove(&self.id);
                 Err(e)
             }
+        }
+    }
+
+    /// Serves the crust shim API on the pod's `shim.sock`.
+    fn serve_api(self: &Arc<Self>) -> Result<(), PodError> {
+        let listener = crust_runtime::shim::bind(&self.store.socket(&self.id))
+            .map_err(|e| PodError::host("binding the crust shim API socket", e))?;
+        let (tx, _) = watch::channel(false);
+        *self.api_stop.lock().expect("api") = Some(tx.clone());
+        tokio::spawn(crust_runtime::shim::serve(
+            listener,
+            Arc::new(crate::shimapi::PodApi(self.clone())),
+            tx,
+        ));
+        Ok(())
+    }
+
+    fn stop_api(&self) {
+        if let Some(tx) = self.api_stop.lock().expect("api").take() {
+            let _ = tx.send(true);
         }
     }
 
@@ -339,7 +364,14 @@ impl Pod {
         rootfs: &[containerd_shim_protos::api::Mount],
     ) -> Result<CreateContainer, PodError> {
         // Deferred volumes first: reads records only, claims nothing yet.
-        let b = Bundle::load(bundle).map_err(RuntimeError::from)?;
+        let mut b = Bundle::load(bundle).map_err(RuntimeError::from)?;
+        // A later mount on the same destination covers an earlier one.
+        let dests: Vec<String> = b.mounts.iter().map(|m| m.destination.clone()).collect();
+        let mut i = 0;
+        b.mounts.retain(|_| {
+            i += 1;
+            !dests[i..].contains(&dests[i - 1])
+        });
         let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
         std::fs::create_dir_all(dir.join("rootfs")).map_err(|e| PodError::host("share dir", e))?;
         mount_rootfs(&dir.join("rootfs"), rootfs, &plan.root_path)?;
@@ -490,6 +522,7 @@ impl Pod {
         release_all(&self.discovery, &self.id, &vols);
         self.plugged.lock().await.clear();
         self.update(|s| s.status = Status::Stopped);
+        self.stop_api();
         self.remove_share();
         let _ = self.store.remove(&self.id);
         *self.state.lock().expect("state") = None;

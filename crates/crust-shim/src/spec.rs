@@ -205,7 +205,16 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         return Err(invalid("process.args is empty".into()));
     }
     let mut mounts = Vec::new();
-    for m in spec.mounts().as_deref().unwrap_or_default() {
+    let all = spec.mounts().as_deref().unwrap_or_default();
+    for (i, m) in all.iter().enumerate() {
+        // OCI: a later mount on the same destination covers an earlier
+        // one (containerd's default /dev/shm tmpfs, then CRI's bind).
+        if all[i + 1..]
+            .iter()
+            .any(|l| l.destination() == m.destination())
+        {
+            continue;
+        }
         let destination = m.destination().to_string_lossy().into_owned();
         let options = m.options().clone().unwrap_or_default();
         let readonly = options.iter().any(|o| o == "ro");

@@ -462,6 +462,9 @@ impl Service {
     async fn fail_create(&self, owner: bool, e: ttrpc::Error) -> ttrpc::Error {
         if owner {
             self.pod.teardown().await;
+            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
+                cg.remove();
+            }
         }
         e
     }

@@ -14,6 +14,8 @@ pub struct Env {
     pub runtime_root: PathBuf,
     pub crust_root: PathBuf,
     pub kata_root: PathBuf,
+    /// kubelet's pods dir (volume targets go below it).
+    pub pods_dir: PathBuf,
     // Released last: covers every guest the test boots.
     pub _slot: crust_testkit::VmSlot,
 }
@@ -46,7 +48,8 @@ impl Env {
         let runtime_root = dir.path().join("rt");
         let crust_root = dir.path().join("crust");
         let kata_root = dir.path().join("kata");
-        for d in [&runtime_root, &crust_root, &kata_root] {
+        let pods_dir = dir.path().join("kubelet/pods");
+        for d in [&runtime_root, &crust_root, &kata_root, &pods_dir] {
             root_only(d);
         }
         let mut env = vec![
@@ -63,6 +66,10 @@ impl Env {
                 kata_root.display().to_string(),
             ),
             ("CRUST_RUNTIME_ACCEL".into(), "tcg".into()),
+            (
+                "CRUST_RUNTIME_PODS_LAYER_STOP".into(),
+                pods_dir.display().to_string(),
+            ),
             (
                 "CRUST_GUEST_DIR".into(),
                 crust_testkit::guest_image_dir().display().to_string(),
@@ -91,6 +98,7 @@ impl Env {
             runtime_root,
             crust_root,
             kata_root,
+            pods_dir,
             _slot: slot,
         }
     }
@@ -113,6 +121,68 @@ impl Env {
             self.ctrd.log_tail(4000)
         )
     }
+}
+
+/// Detaches, on drop, loop devices whose backing file lies below a dir
+/// (a crust-csi pool), and removes test cgroup parents: what a failed test
+/// would leave behind.
+pub struct Leftovers {
+    pub pool: PathBuf,
+    pub cgroup_parent: Option<String>,
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        if let Ok(loops) = crust_blockdev::list_loops() {
+            for l in loops
+                .into_iter()
+                .filter(|l| l.backing_file.starts_with(&self.pool))
+            {
+                let _ = std::process::Command::new("losetup")
+                    .arg("-d")
+                    .arg(&l.path)
+                    .status();
+            }
+        }
+        if let Some(parent) = &self.cgroup_parent {
+            remove_cgroup_tree(parent);
+        }
+    }
+}
+
+/// Removes `/sys/fs/cgroup/<controller>/<parent>` (and its empty children)
+/// in every hierarchy.
+pub fn remove_cgroup_tree(parent: &str) {
+    let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    for c in rd.flatten() {
+        let base = c.path().join(parent.trim_start_matches('/'));
+        if let Ok(children) = std::fs::read_dir(&base) {
+            for ch in children.flatten() {
+                if ch.path().is_dir() {
+                    let _ = std::fs::remove_dir(ch.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(&base);
+    }
+}
+
+/// Whether `pid` is in the cgroup `path` of the v1 `memory` hierarchy (or
+/// v2's unified tree).
+pub fn in_cgroup(pid: i32, path: &str) -> bool {
+    let rel = path.trim_start_matches('/');
+    [
+        Path::new("/sys/fs/cgroup/memory").join(rel),
+        Path::new("/sys/fs/cgroup").join(rel),
+    ]
+    .iter()
+    .any(|d| {
+        std::fs::read_to_string(d.join("cgroup.procs"))
+            .map(|s| s.lines().any(|l| l.trim() == pid.to_string()))
+            .unwrap_or(false)
+    })
 }
 
 /// QEMU processes whose command line names `needle` (a run dir).
