@@ -95,6 +95,8 @@ fn start(flags: &Flags) -> anyhow::Result<()> {
     if !alive(&address) {
         spawn_shim(flags, &pod, &address)?;
     }
+    // containerd 1.x finds the shim again after a restart by this file.
+    std::fs::write(bundle.join("address"), &address).context("writing the address file")?;
     let out = start_reply::encode(&caller, &address);
     let mut stdout = std::io::stdout();
     stdout.write_all(&out)?;

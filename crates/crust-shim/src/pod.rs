@@ -528,11 +528,10 @@ impl Pod {
         *self.state.lock().expect("state") = None;
     }
 
-    /// After QEMU died on its own: release what the VM held (the claims),
-    /// record why, keep the rest for Delete.
+    /// After QEMU died on its own: the record says so, which makes the
+    /// claims stale (another pod may take the volumes; stats answer
+    /// "not running"); Delete releases them for good.
     pub async fn vm_died(&self, reason: &str) {
-        let vols: Vec<Volume> = self.snapshot().map(|s| s.volumes).unwrap_or_default();
-        release_all(&self.discovery, &self.id, &vols);
         self.update(|s| {
             s.status = Status::Stopped;
             s.reason = Some(format!("QEMU exited ({reason})"));

@@ -12,84 +12,13 @@
 mod common;
 
 use std::collections::HashMap;
-use std::ffi::OsString;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use common::{Env, qemus_under};
+use common::{Env, MIB, mount_cap, qemus_under, start_plugin};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 use crust_proto::csi::v1 as csi;
-use crust_proto::endpoint::Endpoint;
-use crustctl::client::Csi;
-use crustctl::demo::PluginProcess;
-
-const MIB: u64 = 1 << 20;
 const POD_UID: &str = "9f8a1c2e-0000-4000-8000-00000000c0de";
-
-/// crust-csi with a loop-file pool in the test's dir; its environment
-/// names the runtime's roots for the `crust-runtime` CLI crust_ops runs.
-struct Plugin {
-    proc: PluginProcess,
-    socket: PathBuf,
-}
-
-async fn start_plugin(env: &Env, pods: &Path) -> Plugin {
-    let d = env.dir.path();
-    let socket = d.join("csi/csi.sock");
-    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
-    let args: Vec<OsString> = [
-        "--endpoint".into(),
-        format!("unix://{}", socket.display()),
-        "--node-id".into(),
-        "shim-node".into(),
-        "--state-dir".into(),
-        d.join("csi-state").display().to_string(),
-        "--pool-dir".into(),
-        d.join("pool").display().to_string(),
-        "--pool-capacity".into(),
-        "1Gi".into(),
-        "--health-ttl".into(),
-        "0s".into(),
-        "--handoff-layout".into(),
-        "crust".into(),
-        "--crust-root".into(),
-        env.crust_root.display().to_string(),
-        "--kata-root".into(),
-        env.kata_root.display().to_string(),
-        "--allowed-target-prefix".into(),
-        pods.display().to_string(),
-    ]
-    .into_iter()
-    .map(OsString::from)
-    .collect();
-    let rt_env: Vec<(&str, OsString)> = vec![
-        ("CRUST_RUNTIME_ROOT", env.runtime_root.clone().into()),
-        ("CRUST_RUNTIME_CRUST_ROOT", env.crust_root.clone().into()),
-        ("CRUST_RUNTIME_KATA_ROOT", env.kata_root.clone().into()),
-        ("CRUST_RUNTIME_PODS_LAYER_STOP", pods.into()),
-    ];
-    let bin = crust_testkit::workspace_bin("crust-csi");
-    let mut p = PluginProcess::spawn(&bin, &args, &rt_env, &d.join("crust-csi.log")).unwrap();
-    if let Err(e) = p.wait_ready(&socket, Duration::from_secs(30)).await {
-        panic!("{e}\n{}", p.log_tail(4000));
-    }
-    Plugin { proc: p, socket }
-}
-
-fn mount_cap(fs_group: Option<u32>) -> csi::VolumeCapability {
-    use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-    csi::VolumeCapability {
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: "ext4".into(),
-            volume_supplemental_group: fs_group.map(|g| g.to_string()).unwrap_or_default(),
-            ..Default::default()
-        })),
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-    }
-}
 
 async fn exec_sync(cri: &mut Cri, cid: &str, script: &str) -> String {
     let r = cri
@@ -178,13 +107,8 @@ async fn kubelet_sequence_with_a_deferred_volume() {
     };
     let pods_dir = env.pods_dir.clone();
     let pods = pods_dir.clone();
-    let plugin = start_plugin(&env, &pods_dir).await;
-    let csi = Csi::connect(
-        &Endpoint::parse(&format!("unix://{}", plugin.socket.display())).unwrap(),
-        Duration::from_secs(180),
-    )
-    .await
-    .unwrap();
+    let plugin = start_plugin(&env).await;
+    let csi = plugin.csi().await;
 
     // --- CSI: create, stage, deferred publish -------------------------------
     let vol = csi

@@ -5,7 +5,16 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crust_proto::csi::v1 as csi;
+use crust_proto::endpoint::Endpoint;
 use crust_testkit::{Containerd, ContainerdOptions};
+use crustctl::client::Csi;
+use crustctl::demo::PluginProcess;
+
+pub const MIB: u64 = 1 << 20;
 
 /// Everything one test needs: the guest slot, containerd, crust's roots.
 pub struct Env {
@@ -210,4 +219,80 @@ pub fn host_release() -> String {
         .release()
         .to_string_lossy()
         .into_owned()
+}
+
+/// crust-csi with a loop-file pool in the test's dir; its environment
+/// names the runtime's roots for the `crust-runtime` CLI crust_ops runs.
+pub struct Plugin {
+    pub proc: PluginProcess,
+    pub socket: PathBuf,
+}
+
+impl Plugin {
+    pub async fn csi(&self) -> Csi {
+        Csi::connect(
+            &Endpoint::parse(&format!("unix://{}", self.socket.display())).unwrap(),
+            Duration::from_secs(180),
+        )
+        .await
+        .unwrap()
+    }
+}
+
+pub async fn start_plugin(env: &Env) -> Plugin {
+    let pods = env.pods_dir.as_path();
+    let d = env.dir.path();
+    let socket = d.join("csi/csi.sock");
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    let args: Vec<OsString> = [
+        "--endpoint".into(),
+        format!("unix://{}", socket.display()),
+        "--node-id".into(),
+        "shim-node".into(),
+        "--state-dir".into(),
+        d.join("csi-state").display().to_string(),
+        "--pool-dir".into(),
+        d.join("pool").display().to_string(),
+        "--pool-capacity".into(),
+        "1Gi".into(),
+        "--health-ttl".into(),
+        "0s".into(),
+        "--handoff-layout".into(),
+        "crust".into(),
+        "--crust-root".into(),
+        env.crust_root.display().to_string(),
+        "--kata-root".into(),
+        env.kata_root.display().to_string(),
+        "--allowed-target-prefix".into(),
+        pods.display().to_string(),
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect();
+    let rt_env: Vec<(&str, OsString)> = vec![
+        ("CRUST_RUNTIME_ROOT", env.runtime_root.clone().into()),
+        ("CRUST_RUNTIME_CRUST_ROOT", env.crust_root.clone().into()),
+        ("CRUST_RUNTIME_KATA_ROOT", env.kata_root.clone().into()),
+        ("CRUST_RUNTIME_PODS_LAYER_STOP", pods.into()),
+    ];
+    let bin = crust_testkit::workspace_bin("crust-csi");
+    let mut p = PluginProcess::spawn(&bin, &args, &rt_env, &d.join("crust-csi.log")).unwrap();
+    if let Err(e) = p.wait_ready(&socket, Duration::from_secs(30)).await {
+        panic!("{e}\n{}", p.log_tail(4000));
+    }
+    Plugin { proc: p, socket }
+}
+
+pub fn mount_cap(fs_group: Option<u32>) -> csi::VolumeCapability {
+    use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+    csi::VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            volume_supplemental_group: fs_group.map(|g| g.to_string()).unwrap_or_default(),
+            ..Default::default()
+        })),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+    }
 }
