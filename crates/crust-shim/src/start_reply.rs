@@ -108,17 +108,29 @@ pub fn bootstrap_params(stdin: &[u8], id: &str) -> Option<BootstrapParams> {
         .then_some(p)
 }
 
-/// Decides the reply format (see the module doc).
+/// Decides the reply format (see the module doc); asks containerd its
+/// version only when the other signs leave 1.7 and 2.0–2.2 open.
 pub fn detect(stdin: &[u8], flags: &Flags) -> Caller {
-    if let Some(p) = bootstrap_params(stdin, &flags.id) {
+    let params = bootstrap_params(stdin, &flags.id);
+    let max_version = std::env::var_os(MAX_SHIM_VERSION_ENV).is_some();
+    decide(params, max_version, || containerd_version(&flags.address))
+}
+
+/// The decision of [`detect`], from what the shim saw.
+pub fn decide(
+    params: Option<BootstrapParams>,
+    max_version_env: bool,
+    version: impl FnOnce() -> Option<String>,
+) -> Caller {
+    if let Some(p) = params {
         return Caller::Protobuf {
             socket_dir: p.socket_dir,
         };
     }
-    if std::env::var_os(MAX_SHIM_VERSION_ENV).is_none() {
+    if !max_version_env {
         return Caller::Plain;
     }
-    match containerd_version(&flags.address) {
+    match version() {
         Some(v) if major(&v) >= Some(2) => Caller::Json,
         _ => Caller::Plain,
     }
@@ -220,6 +232,32 @@ mod tests {
         assert!(bootstrap_params(&any.encode_to_vec(), "c1").is_none());
         assert!(bootstrap_params(b"", "c1").is_none());
         assert!(bootstrap_params(&p.encode_to_vec(), "other").is_none());
+    }
+
+    #[test]
+    fn each_containerd_gets_its_format() {
+        let p = BootstrapParams {
+            instance_id: "c".into(),
+            containerd_version: "v2.3.1".into(),
+            ..Default::default()
+        };
+        let never = || -> Option<String> { panic!("no version query needed") };
+        // 2.3+: the params on stdin decide, whatever else.
+        assert!(matches!(
+            decide(Some(p), true, never),
+            Caller::Protobuf { .. }
+        ));
+        // 1.6: no MAX_SHIM_VERSION.
+        assert_eq!(decide(None, false, never), Caller::Plain);
+        // 1.7 and 2.0-2.2 look alike: the Version service tells.
+        assert_eq!(decide(None, true, || Some("1.7.13".into())), Caller::Plain);
+        assert_eq!(decide(None, true, || Some("v2.1.4".into())), Caller::Json);
+        assert_eq!(
+            decide(None, true, || Some("2.2.0-rc.1".into())),
+            Caller::Json
+        );
+        // Unknown: the plain address, which every containerd accepts.
+        assert_eq!(decide(None, true, || None), Caller::Plain);
     }
 
     #[test]
