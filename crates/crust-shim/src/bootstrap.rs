@@ -291,6 +291,12 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     let pod = pod_id(&bundle, &flags.id).unwrap_or_else(|_| flags.id.clone());
     let store = SandboxStore::new(cfg.runtime.root.clone());
     let share = store.dir(&pod).join("share");
+    // The dead shim's socket (its address file is in the bundle).
+    if let Ok(address) = std::fs::read_to_string(bundle.join("address"))
+        && !alive(address.trim())
+    {
+        let _ = std::fs::remove_file(socket_path(address.trim()));
+    }
     if pod == flags.id {
         cleanup_pod(&cfg, &store, &pod);
     } else {

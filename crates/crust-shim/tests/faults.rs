@@ -469,6 +469,15 @@ async fn memory_restart_faults_and_bad_input() {
     std::fs::remove_dir_all(&dir).unwrap();
 
     phase("bad input");
+    // No shim socket left, not even the killed shim's.
+    for id in ["f-qemu", "f-virtiofsd", "f-shim", "survivor"] {
+        let addr =
+            containerd_shim::socket_address(&env.ctrd.address().display().to_string(), NS, id);
+        assert!(
+            !Path::new(addr.trim_start_matches("unix://")).exists(),
+            "{id}: {addr} left"
+        );
+    }
     // --- cleanup of the volume ---------------------------------------------------
     csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
         volume_id: vol.volume_id.clone(),
