@@ -19,5 +19,12 @@ if pgrep -x qemu-system-x86_64 >/dev/null 2>&1; then
   pgrep -a -x qemu-system-x86_64 >&2
   status=1
 fi
-[ $status = 0 ] && echo "no leftovers: no loop device, test mount or QEMU process"
+for pat in 'virtiofsd' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
+  if pgrep -f -- "$pat" >/dev/null 2>&1; then
+    echo "leak: processes matching '$pat' still running:" >&2
+    pgrep -a -f -- "$pat" >&2
+    status=1
+  fi
+done
+[ $status = 0 ] && echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim or test containerd"
 exit $status

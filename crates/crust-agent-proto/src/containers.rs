@@ -134,6 +134,25 @@ pub struct CreateContainer {
     /// The container's memory limit in the guest (cgroup `memory.max`).
     #[serde(default)]
     pub memory_limit_bytes: Option<u64>,
+    /// Raw block devices (Kubernetes `volumeDevices`), hot-plugged first.
+    #[serde(default)]
+    pub devices: Vec<BlockDevice>,
+}
+
+/// A hot-plugged virtio-blk disk made a device node in the container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockDevice {
+    /// virtio-blk serial of the disk.
+    pub serial: String,
+    /// Absolute path of the node in the container (e.g. `/dev/xvda`).
+    pub path: String,
+    /// Permission bits of the node (OCI `fileMode`), default 0660.
+    #[serde(default)]
+    pub mode: Option<u32>,
+    #[serde(default)]
+    pub uid: Option<u32>,
+    #[serde(default)]
+    pub gid: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

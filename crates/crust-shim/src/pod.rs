@@ -89,6 +89,8 @@ pub struct Pod {
     buses: Mutex<Vec<String>>,
     /// Volume id -> the volume, once plugged and mounted in the guest.
     plugged: tokio::sync::Mutex<HashMap<String, Volume>>,
+    /// Serials of hot-plugged raw block devices.
+    devices: tokio::sync::Mutex<Vec<String>>,
     /// Stops the crust shim API server.
     api_stop: Mutex<Option<watch::Sender<bool>>>,
 }
@@ -112,6 +114,7 @@ impl Pod {
             next_stream: AtomicU32::new(1),
             buses: Mutex::new(Vec::new()),
             plugged: Default::default(),
+            devices: Default::default(),
             api_stop: Mutex::new(None),
         })
     }
@@ -414,6 +417,17 @@ impl Pod {
         for v in &vplan.volumes {
             self.plug(vm, v).await?;
         }
+        let mut devices = Vec::new();
+        for d in &plan.devices {
+            let serial = self.plug_device(vm, d).await?;
+            devices.push(crust_agent_proto::BlockDevice {
+                serial,
+                path: d.path.clone(),
+                mode: d.mode,
+                uid: d.uid,
+                gid: d.gid,
+            });
+        }
         Ok(CreateContainer {
             id: cid.to_string(),
             rootfs: ShareRef {
@@ -426,6 +440,7 @@ impl Pod {
             masked_paths: plan.masked_paths.clone(),
             readonly_paths: plan.readonly_paths.clone(),
             memory_limit_bytes: plan.memory_limit,
+            devices,
         })
     }
 
@@ -479,6 +494,59 @@ impl Pod {
         }
         plugged.insert(v.id.clone(), v.clone());
         Ok(())
+    }
+
+    /// Hot-plugs the host block device `d` names (by major:minor, as the
+    /// OCI spec gives it) once per pod; returns its virtio-blk serial.
+    async fn plug_device(
+        &self,
+        vm: &PodVm,
+        d: &crate::spec::HostDevice,
+    ) -> Result<String, PodError> {
+        let host = host_block_device(d.major, d.minor)?;
+        let key = format!("dev:{}", host.display());
+        let id: String = {
+            use sha2::Digest;
+            sha2::Sha256::digest(key.as_bytes())
+                .iter()
+                .take(6)
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let serial = format!("crustd{id}");
+        let mut plugged = self.devices.lock().await;
+        if plugged.contains(&serial) {
+            return Ok(serial);
+        }
+        let bus = self.buses.lock().expect("buses").pop().ok_or_else(|| {
+            PodError::from(RuntimeError::new(
+                Code::FailedPrecondition,
+                "no free hot-plug slot left in the pod's VM",
+            ))
+        })?;
+        let node = format!("crustd-{id}");
+        let res = async {
+            vm.qmp.blockdev_add_file(&node, &host, false).await?;
+            if let Err(e) = vm
+                .qmp
+                .device_add_virtio_blk(&format!("vblkd-{id}"), &node, &serial, Some(&bus))
+                .await
+            {
+                let _ = vm.qmp.blockdev_del(&node).await;
+                return Err(e);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = res {
+            self.buses.lock().expect("buses").push(bus);
+            return Err(PodError::host(
+                format!("hot-plugging {}", host.display()),
+                e,
+            ));
+        }
+        plugged.push(serial.clone());
+        Ok(serial)
     }
 
     /// Undoes a container's host side (its rootfs and binds in the share).
@@ -537,6 +605,32 @@ impl Pod {
             s.reason = Some(format!("QEMU exited ({reason})"));
         });
     }
+}
+
+/// The host block device node with number `major:minor`.
+fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
+    let uevent = format!("/sys/dev/block/{major}:{minor}/uevent");
+    let name = std::fs::read_to_string(&uevent)
+        .ok()
+        .and_then(|u| {
+            u.lines()
+                .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_owned))
+        })
+        .ok_or_else(|| {
+            PodError::from(RuntimeError::new(
+                Code::InvalidArgument,
+                format!("no host block device {major}:{minor}"),
+            ))
+        })?;
+    let path = Path::new("/dev").join(name);
+    if !crust_blockdev::is_block_device(&path) {
+        return Err(RuntimeError::new(
+            Code::InvalidArgument,
+            format!("{} is not a block device", path.display()),
+        )
+        .into());
+    }
+    Ok(path)
 }
 
 /// Mounts the container's rootfs (the snapshotter's mounts, usually one

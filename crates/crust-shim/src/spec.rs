@@ -71,6 +71,19 @@ pub struct ContainerPlan {
     /// The pod's memory when the spec says (sandbox annotations).
     pub pod_memory: Option<u64>,
     pub cgroups_path: Option<String>,
+    /// Raw block devices (`linux.devices` of type b: volumeDevices).
+    pub devices: Vec<HostDevice>,
+}
+
+/// A host block device the container gets as a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostDevice {
+    pub path: String,
+    pub major: i64,
+    pub minor: i64,
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
 }
 
 pub fn role(spec: &Spec) -> Role {
@@ -147,10 +160,14 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
                 return un("a pod network namespace (CNI); crust pods use hostNetwork");
             }
         }
-        if let Some(devs) = l.devices()
-            && !devs.is_empty()
-        {
-            return un("device nodes (linux.devices, volumeDevices)");
+        for d in l.devices().as_deref().unwrap_or_default() {
+            if d.typ() != oci_spec::runtime::LinuxDeviceType::B {
+                return un(&format!(
+                    "device {} of type {:?} (only block devices, Kubernetes volumeDevices, go into a VM)",
+                    d.path().display(),
+                    d.typ()
+                ));
+            }
         }
     }
     Ok(())
@@ -296,6 +313,20 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             .cgroups_path()
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned()),
+        devices: linux
+            .devices()
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .map(|d| HostDevice {
+                path: d.path().to_string_lossy().into_owned(),
+                major: d.major(),
+                minor: d.minor(),
+                mode: d.file_mode(),
+                uid: d.uid(),
+                gid: d.gid(),
+            })
+            .collect(),
     })
 }
 
@@ -390,7 +421,7 @@ mod tests {
                 "network",
             ),
             (
-                json!({"linux": {"devices": [{"path": "/dev/xvda", "type": "b", "major": 8, "minor": 0}]}}),
+                json!({"linux": {"devices": [{"path": "/dev/ttyS9", "type": "c", "major": 4, "minor": 73}]}}),
                 "device",
             ),
             (

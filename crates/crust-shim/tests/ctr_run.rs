@@ -1,7 +1,8 @@
 //! Must-show 1: `ctr run --runtime io.containerd.crust.v2` of the busybox
 //! image runs inside a VM (the guest kernel's `uname -r`), prints to
 //! stdout and returns the exit code; `ctr task exec` and `ctr task kill`
-//! work; nothing is left afterwards. Budget: two TCG guests, ~40 s.
+//! work; a raw block device (`--device`, what Kubernetes volumeDevices
+//! become) appears as a node in the container; nothing is left afterwards. Budget: three TCG guests, ~20 s.
 
 mod common;
 

@@ -213,6 +213,7 @@ async fn containers_in_a_guest() {
             masked_paths: vec![],
             readonly_paths: vec![],
             memory_limit_bytes: Some(64 << 20),
+            devices: vec![],
         })
         .await
         .unwrap();
@@ -247,6 +248,7 @@ async fn containers_in_a_guest() {
             masked_paths: vec![],
             readonly_paths: vec![],
             memory_limit_bytes: None,
+            devices: vec![],
         })
         .await
         .unwrap();
@@ -312,6 +314,7 @@ async fn containers_in_a_guest() {
             masked_paths: vec![],
             readonly_paths: vec![],
             memory_limit_bytes: None,
+            devices: vec![],
         })
         .await
         .unwrap();
@@ -351,6 +354,7 @@ async fn containers_in_a_guest() {
         masked_paths: vec![],
         readonly_paths: vec![],
         memory_limit_bytes: None,
+        devices: vec![],
     };
     let (c, m) = code(agent.call(bad("b1", "c/missing", &["sh"])).await);
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");

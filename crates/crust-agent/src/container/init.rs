@@ -59,9 +59,23 @@ pub enum InitMode {
         mounts: Vec<ContainerMount>,
         masked_paths: Vec<String>,
         readonly_paths: Vec<String>,
+        /// (guest device node, container path, mode, uid, gid).
+        #[serde(default)]
+        devices: Vec<DeviceNode>,
     },
     /// Join the container whose init runs as `init_pid`.
     Exec { init_pid: u32 },
+}
+
+/// A block device node to create in the container.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceNode {
+    /// The guest's node, e.g. `/dev/vdc` (its device number is copied).
+    pub source: PathBuf,
+    pub path: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// Devices every container's `/dev` gets when it is a fresh tmpfs.
@@ -147,6 +161,7 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             mounts,
             masked_paths,
             readonly_paths,
+            devices,
         } => {
             // SAFETY: single-threaded process; no fd table is unshared.
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
@@ -161,6 +176,9 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             let root = open_dir(mountpoint)?;
             for m in mounts {
                 mount_one(&root, m).map_err(|e| format!("mount {}: {e}", m.destination))?;
+            }
+            for d in devices {
+                make_device(&root, d).map_err(|e| format!("device {}: {e}", d.path))?;
             }
             for p in masked_paths {
                 mask(&root, p)?;
@@ -414,6 +432,32 @@ fn populate_dev(root: &OwnedFd) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Creates a block device node with the guest disk's device number.
+fn make_device(root: &OwnedFd, d: &DeviceNode) -> Result<(), String> {
+    let st = rustix::fs::stat(&d.source).map_err(err(format!("{}", d.source.display())))?;
+    let comps = rootfs::components(&d.path)?;
+    let (name, dirs) = comps.split_last().ok_or("empty device path")?;
+    let parent = rootfs::open(root, &format!("/{}", dirs.join("/")), Leaf::Directory)?;
+    let parent = open_dir(&proc_fd(&parent))?;
+    let _ = rustix::fs::unlinkat(&parent, name.as_str(), rustix::fs::AtFlags::empty());
+    rustix::fs::mknodat(
+        &parent,
+        name.as_str(),
+        rustix::fs::FileType::BlockDevice,
+        Mode::from_raw_mode(d.mode & 0o7777),
+        st.st_rdev,
+    )
+    .map_err(err("mknod"))?;
+    rustix::fs::chownat(
+        &parent,
+        name.as_str(),
+        Some(Uid::from_raw(d.uid)),
+        Some(Gid::from_raw(d.gid)),
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .map_err(err("chown"))
 }
 
 /// OCI maskedPaths: a directory gets an empty read-only tmpfs, a file

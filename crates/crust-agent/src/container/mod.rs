@@ -254,6 +254,28 @@ impl Containers {
                 share_path(s).map_err(ContainerError::Invalid)?;
             }
         }
+        let mut devices = Vec::new();
+        for d in &req.devices {
+            rootfs::components(&d.path).map_err(ContainerError::Invalid)?;
+            let until = std::time::Instant::now() + Duration::from_secs(30);
+            let disk = crate::sys::wait_for_disk(&d.serial, until).map_err(|seen| {
+                ContainerError::Invalid(format!(
+                    "no disk with serial {:?} in the guest (disks: {})",
+                    d.serial,
+                    seen.iter()
+                        .map(|x| x.serial.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            devices.push(init::DeviceNode {
+                source: disk.dev_path(),
+                path: d.path.clone(),
+                mode: d.mode.unwrap_or(0o660),
+                uid: d.uid.unwrap_or(0),
+                gid: d.gid.unwrap_or(0),
+            });
+        }
         let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
         std::fs::create_dir_all(&mountpoint)
             .map_err(io(format!("mkdir {}", mountpoint.display())))?;
@@ -267,6 +289,7 @@ impl Containers {
                 mounts: req.mounts.clone(),
                 masked_paths: req.masked_paths.clone(),
                 readonly_paths: req.readonly_paths.clone(),
+                devices,
             },
             cgroup: Some(cg),
             process: req.process.clone(),
