@@ -29,6 +29,9 @@ struct EnvOpts {
     /// virtiofsd binary.
     #[arg(long, env = "CRUST_SHIM_VIRTIOFSD", default_value = "virtiofsd")]
     virtiofsd: PathBuf,
+    /// Ceiling of a pod's guest memory with hot-added DIMMs.
+    #[arg(long, env = "CRUST_SHIM_MAX_MEMORY_MIB", default_value_t = 8192)]
+    max_memory_mib: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -37,6 +40,7 @@ pub struct ShimConfig {
     pub runtime_cli: String,
     pub overhead_mib: u32,
     pub virtiofsd: PathBuf,
+    pub max_memory_mib: u32,
 }
 
 impl ShimConfig {
@@ -72,6 +76,7 @@ impl ShimConfig {
             runtime_cli: runtime_cli.to_string_lossy().into_owned(),
             overhead_mib: o.overhead_mib,
             virtiofsd: o.virtiofsd,
+            max_memory_mib: o.max_memory_mib,
         })
     }
 
@@ -102,6 +107,7 @@ mod tests {
             runtime_cli: "/x".into(),
             overhead_mib: 160,
             virtiofsd: "virtiofsd".into(),
+            max_memory_mib: 8192,
         };
         c.runtime.memory_mib = 256;
         assert_eq!(c.guest_memory_mib(0), 256);

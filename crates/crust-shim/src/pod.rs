@@ -66,6 +66,15 @@ impl PodError {
     }
 }
 
+/// The guest's memory bookkeeping.
+#[derive(Debug, Default)]
+struct Memory {
+    current_mib: u32,
+    dimms: u32,
+    pod_limit: u64,
+    limits: HashMap<String, u64>,
+}
+
 /// A booted pod VM.
 pub struct PodVm {
     pub guest: Guest,
@@ -89,6 +98,8 @@ pub struct Pod {
     buses: Mutex<Vec<String>>,
     /// Volume id -> the volume, once plugged and mounted in the guest.
     plugged: tokio::sync::Mutex<HashMap<String, Volume>>,
+    /// The guest's memory and what the containers ask of it.
+    memory: tokio::sync::Mutex<Memory>,
     /// Serials of hot-plugged raw block devices.
     devices: tokio::sync::Mutex<Vec<String>>,
     /// Stops the crust shim API server.
@@ -114,6 +125,7 @@ impl Pod {
             next_stream: AtomicU32::new(1),
             buses: Mutex::new(Vec::new()),
             plugged: Default::default(),
+            memory: Default::default(),
             devices: Default::default(),
             api_stop: Mutex::new(None),
         })
@@ -287,6 +299,11 @@ impl Pod {
         let rt = &self.cfg.runtime;
         let mut vc = Guest::config(rt, &self.store.vm_dir(&self.id), &self.id);
         vc.memory_mib = memory_mib;
+        vc.max_memory_mib = self.cfg.max_memory_mib.max(memory_mib);
+        {
+            let mut m = self.memory.lock().await;
+            m.current_mib = memory_mib;
+        }
         vc.shares = vec![crust_vmm::ShareSpec {
             tag: SHARE_TAG.into(),
             dir: share,
@@ -494,6 +511,80 @@ impl Pod {
         }
         plugged.insert(v.id.clone(), v.clone());
         Ok(())
+    }
+
+    /// Makes the guest's memory cover the pod's: the overhead plus the
+    /// larger of the pod's own limit and its containers' limits, adding a
+    /// DIMM (memfd, shared with virtiofsd) when it does not. Never shrinks.
+    pub async fn reserve_memory(
+        &self,
+        vm: &PodVm,
+        cid: &str,
+        limit: Option<u64>,
+        pod_limit: Option<u64>,
+    ) -> Result<(), PodError> {
+        let mut m = self.memory.lock().await;
+        if let Some(l) = limit {
+            m.limits.insert(cid.to_string(), l);
+        }
+        if let Some(p) = pod_limit {
+            m.pod_limit = m.pod_limit.max(p);
+        }
+        let wanted = m.limits.values().sum::<u64>().max(m.pod_limit);
+        let needed = (wanted.div_ceil(1 << 20) as u32).saturating_add(self.cfg.overhead_mib);
+        if needed <= m.current_mib {
+            return Ok(());
+        }
+        // Hot-plugged memory comes in 128 MiB blocks on x86-64.
+        let add = (needed - m.current_mib).div_ceil(128) * 128;
+        if m.dimms >= crust_vmm::MEMORY_SLOTS || m.current_mib + add > self.cfg.max_memory_mib {
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                format!(
+                    "pod {} needs {needed} MiB of guest memory; it has {} MiB and can grow to {} MiB",
+                    self.id, m.current_mib, self.cfg.max_memory_mib
+                ),
+            )
+            .into());
+        }
+        let n = m.dimms;
+        let mem_id = format!("crust-dimm-mem{n}");
+        vm.qmp
+            .execute(
+                "object-add",
+                serde_json::json!({
+                    "qom-type": "memory-backend-memfd",
+                    "id": mem_id,
+                    "size": (add as u64) << 20,
+                    "share": true,
+                }),
+            )
+            .await
+            .map_err(|e| PodError::host("adding guest memory", e))?;
+        if let Err(e) = vm
+            .qmp
+            .execute(
+                "device_add",
+                serde_json::json!({"driver": "pc-dimm", "id": format!("crust-dimm{n}"), "memdev": mem_id}),
+            )
+            .await
+        {
+            let _ = vm.qmp.execute("object-del", serde_json::json!({"id": mem_id})).await;
+            return Err(PodError::host("plugging a memory DIMM", e));
+        }
+        m.dimms += 1;
+        m.current_mib += add;
+        tracing::info!(
+            "pod {}: guest memory {} MiB (+{add} MiB)",
+            self.id,
+            m.current_mib
+        );
+        Ok(())
+    }
+
+    /// A container left: its limit no longer counts (memory stays).
+    pub async fn forget_memory(&self, cid: &str) {
+        self.memory.lock().await.limits.remove(cid);
     }
 
     /// Hot-plugs the host block device `d` names (by major:minor, as the

@@ -394,6 +394,13 @@ impl Service {
         } else {
             self.pod.vm().await?
         };
+        if let Err(e) = self
+            .pod
+            .reserve_memory(&vm, &req.id, plan.memory_limit, plan.pod_memory)
+            .await
+        {
+            return Err(self.fail_create(owner, e.into()).await);
+        }
         let stream = self.pod.stream();
         let relay = match io::start(&vm.stdio, stream, &paths) {
             Ok(r) => r,
@@ -564,6 +571,7 @@ impl Service {
             tracing::warn!("removing container {} in the guest: {e}", req.id);
         }
         self.pod.release_container(&req.id);
+        self.pod.forget_memory(&req.id).await;
         self.containers.lock().expect("containers").remove(&req.id);
         if c.owner {
             self.pod.teardown().await;

@@ -319,6 +319,20 @@ async fn kubelet_sequence_with_a_deferred_volume() {
         "df after expansion: {total2} vs {total}"
     );
 
+    let mem_total = |out: String| -> u64 {
+        out.split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap()
+            * 1024
+    };
+    let before = mem_total(exec_sync(&mut cri, &app, "grep MemTotal /proc/meminfo").await);
+    assert!(
+        before < 256 * MIB,
+        "the pod starts with the default guest ({} MiB)",
+        before / MIB
+    );
+
     // A second container of the pod sees the same /data, in the same VM.
     let side = cri
         .runtime

@@ -15,6 +15,16 @@ const RUNTIME: &str = "io.containerd.crust.v2";
 fn ctr_run_exec_kill_in_a_vm() {
     let env = Env::start("default");
     let ctrd = &env.ctrd;
+    // Every task event containerd receives, for the checks below.
+    let events_log = env.dir.path().join("events.log");
+    let events = ctrd
+        .ctr_cmd("default", &["events"])
+        .stdout(std::fs::File::create(&events_log).unwrap())
+        .stderr(std::process::Stdio::null())
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut events = crust_testkit::ChildGuard::new(events);
 
     // A foreground run: output and exit code come back through containerd.
     let o = ctrd.ctr_in(
@@ -121,6 +131,24 @@ fn ctr_run_exec_kill_in_a_vm() {
     let info = ctrd.ctr_ok("default", &["task", "delete", "bg"]);
     assert!(info.is_empty() || info.contains("137"), "{info}");
     ctrd.ctr_ok("default", &["containers", "rm", "bg"]);
+    // The shim told containerd about each step of "bg" and its exec.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let _ = events.child().kill();
+    let seen = std::fs::read_to_string(&events_log).unwrap();
+    for topic in [
+        "/tasks/create",
+        "/tasks/start",
+        "/tasks/exec-added",
+        "/tasks/exec-started",
+        "/tasks/exit",
+        "/tasks/delete",
+    ] {
+        assert!(
+            seen.lines()
+                .any(|l| l.contains(topic) && l.contains("\"bg\"")),
+            "no {topic} event for bg in:\n{seen}"
+        );
+    }
     assert!(
         qemus_under(&env.runtime_root).is_empty(),
         "the VM is gone after delete"

@@ -199,6 +199,9 @@ pub struct VmConfig {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub memory_mib: u32,
+    /// Room for memory hot-add (`-m M,slots=…,maxmem=…`, DIMMs onlined by
+    /// the guest kernel as they arrive); 0 or not above `memory_mib`: none.
+    pub max_memory_mib: u32,
     pub cpus: u32,
     /// Holds `qmp.sock`, `agent.sock`, `console.log`, `qemu.log`,
     /// `qemu.pid` and `vm.json`. Created (0700) if missing.
@@ -245,6 +248,7 @@ impl VmConfig {
             kernel: kernel.into(),
             initrd: initrd.into(),
             memory_mib: 256,
+            max_memory_mib: 0,
             cpus: 1,
             run_dir: run_dir.into(),
             accel: Accel::Auto,
@@ -314,6 +318,12 @@ impl VmConfig {
         if !(16..=65536).contains(&self.memory_mib) {
             return bad(format!("memory_mib {} out of 16..=65536", self.memory_mib));
         }
+        if self.max_memory_mib > 65536 {
+            return bad(format!(
+                "max_memory_mib {} above 65536",
+                self.max_memory_mib
+            ));
+        }
         if !(1..=64).contains(&self.cpus) {
             return bad(format!("cpus {} out of 1..=64", self.cpus));
         }
@@ -361,6 +371,16 @@ impl VmConfig {
             let q = Path::new(QBOOT);
             q.is_file().then(|| q.to_path_buf())
         })
+    }
+}
+
+/// DIMM slots for memory hot-add.
+pub const MEMORY_SLOTS: u32 = 8;
+
+impl VmConfig {
+    /// Whether memory can be hot-added.
+    pub fn memory_hotplug(&self) -> bool {
+        self.max_memory_mib > self.memory_mib
     }
 }
 

@@ -52,8 +52,8 @@ use std::time::Duration;
 
 pub use accel::{ResolvedAccel, kvm_usable, kvm_works};
 pub use config::{
-    Accel, DiskSpec, MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, QBOOT, ShareSpec,
-    VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
+    Accel, DiskSpec, MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, QBOOT,
+    ShareSpec, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
 pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 

@@ -277,12 +277,17 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
         ResolvedAccel::Tcg => push(&["-accel", "tcg"]),
     }
-    push(&[
-        "-m",
-        &cfg.memory_mib.to_string(),
-        "-smp",
-        &cfg.cpus.to_string(),
-    ]);
+    let mem = if cfg.memory_hotplug() {
+        format!(
+            "{}M,slots={},maxmem={}M",
+            cfg.memory_mib,
+            crate::config::MEMORY_SLOTS,
+            cfg.max_memory_mib
+        )
+    } else {
+        cfg.memory_mib.to_string()
+    };
+    push(&["-m", &mem, "-smp", &cfg.cpus.to_string()]);
     if !cfg.shares.is_empty() {
         // vhost-user devices map guest RAM: it must be shareable memory.
         push(&[
@@ -301,6 +306,10 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         push(&["-bios", &fw.to_string_lossy()]);
     }
     let mut cmdline: Vec<String> = BASE_CMDLINE.iter().map(|s| s.to_string()).collect();
+    if cfg.memory_hotplug() {
+        // Hot-added DIMMs come online by themselves.
+        cmdline.push("memhp_default_state=online".into());
+    }
     cmdline.extend(cfg.kernel_cmdline_extra.iter().cloned());
     push(&["-kernel", &cfg.kernel.to_string_lossy()]);
     push(&["-initrd", &cfg.initrd.to_string_lossy()]);
@@ -869,6 +878,7 @@ mod tests {
             readonly: true,
         });
         cfg.hotplug_ports = 2;
+        cfg.max_memory_mib = 2048;
         cfg.kernel_cmdline_extra = vec!["foo=bar".into()];
         cfg.shares.push(ShareSpec {
             tag: "pod".into(),
@@ -890,6 +900,8 @@ mod tests {
             "foo=bar",
             "memory-backend-memfd,id=crust-mem,size=256M,share=on",
             "-numa node,memdev=crust-mem",
+            "-m 256M,slots=8,maxmem=2048M",
+            "memhp_default_state=online",
             "socket,id=crust-fs0,path=/run/x,,y/fs0.sock",
             "vhost-user-fs-pci,chardev=crust-fs0,tag=pod",
         ] {
