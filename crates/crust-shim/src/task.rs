@@ -888,7 +888,12 @@ impl Task for Service {
             return Ok(api::Empty::new());
         }
         self.pod.teardown().await;
-        self.exit.signal();
+        // Answer first: the server stops once the exit is signalled.
+        let exit = self.exit.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            exit.signal();
+        });
         Ok(api::Empty::new())
     }
 
