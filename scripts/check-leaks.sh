@@ -14,9 +14,10 @@ if [ -n "$mnts" ]; then
   echo "$mnts" >&2
   status=1
 fi
-if pgrep -x qemu-system-x86_64 >/dev/null 2>&1; then
+# -f: the process name pgrep -x sees is cut at 15 characters.
+if pgrep -f '^qemu-system-x86_64 ' >/dev/null 2>&1; then
   echo "leak: QEMU processes still running:" >&2
-  pgrep -a -x qemu-system-x86_64 >&2
+  pgrep -a -f '^qemu-system-x86_64 ' >&2
   status=1
 fi
 for pat in 'virtiofsd' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do

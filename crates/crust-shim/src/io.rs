@@ -64,12 +64,24 @@ pub struct Relay {
     pub done: watch::Receiver<bool>,
     stdin_task: Option<JoinHandle<()>>,
     stdin_close: Option<oneshot::Sender<()>>,
+    output_task: Option<JoinHandle<()>>,
 }
 
 impl Relay {
     /// Waits (bounded) until the output is all delivered.
     pub async fn drained(&mut self, limit: Duration) {
         let _ = tokio::time::timeout(limit, self.done.wait_for(|d| *d)).await;
+    }
+
+    /// Ends the relay now (a process that never ran): the FIFOs close,
+    /// so whoever reads them sees EOF.
+    pub fn abort(&mut self) {
+        for t in [self.stdin_task.take(), self.output_task.take()]
+            .into_iter()
+            .flatten()
+        {
+            t.abort();
+        }
     }
 
     /// CloseIO: no more stdin.
@@ -82,9 +94,7 @@ impl Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        if let Some(t) = self.stdin_task.take() {
-            t.abort();
-        }
+        self.abort();
     }
 }
 
@@ -129,7 +139,7 @@ pub fn start(mux: &StdioMux, stream: u32, paths: &StdioPaths) -> Result<Relay, I
     let mut rx = mux.register(stream);
     let (done_tx, done) = watch::channel(!spec.stdout && !spec.stderr);
     let mux2 = mux.clone();
-    tokio::spawn(async move {
+    let output_task = tokio::spawn(async move {
         let (mut want_out, mut want_err) = (stdout.is_some(), stderr.is_some());
         while want_out || want_err {
             let Some(msg) = rx.recv().await else { break };
@@ -191,6 +201,7 @@ pub fn start(mux: &StdioMux, stream: u32, paths: &StdioPaths) -> Result<Relay, I
         done,
         stdin_close: Some(close_tx),
         stdin_task,
+        output_task: Some(output_task),
     })
 }
 

@@ -182,6 +182,7 @@ impl Pod {
         self: &Arc<Self>,
         bundle: &Path,
         memory_mib: u32,
+        cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
     ) -> Result<Arc<PodVm>, PodError> {
         let _g = self.boot.lock().await;
@@ -190,7 +191,7 @@ impl Pod {
         }
         self.create_record(bundle)?;
         self.serve_api()?;
-        let res = self.launch(memory_mib, cgroup).await;
+        let res = self.launch(memory_mib, cpus, cgroup).await;
         match res {
             Ok(vm) => {
                 *self.vm.write().await = Some(vm.clone());
@@ -293,12 +294,14 @@ impl Pod {
     async fn launch(
         &self,
         memory_mib: u32,
+        cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
     ) -> Result<Arc<PodVm>, PodError> {
         let share = self.make_share()?;
         let rt = &self.cfg.runtime;
         let mut vc = Guest::config(rt, &self.store.vm_dir(&self.id), &self.id);
         vc.memory_mib = memory_mib;
+        vc.cpus = cpus;
         vc.max_memory_mib = self.cfg.max_memory_mib.max(memory_mib);
         {
             let mut m = self.memory.lock().await;

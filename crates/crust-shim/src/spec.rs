@@ -24,6 +24,9 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// `io.crust.*` pod annotations through `pod_annotations`).
 pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 pub const CRUST_MEMORY: &str = "io.crust.memory-bytes";
+/// The pod's CPU limit (containerd 1.7+) as a CFS quota and period.
+pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
@@ -70,6 +73,9 @@ pub struct ContainerPlan {
     pub memory_limit: Option<u64>,
     /// The pod's memory when the spec says (sandbox annotations).
     pub pod_memory: Option<u64>,
+    /// vCPUs the CPU limit asks for (the pod's, else the container's own):
+    /// the CFS quota over the period, rounded up.
+    pub cpus: Option<u32>,
     pub cgroups_path: Option<String>,
     /// Raw block devices (`linux.devices` of type b: volumeDevices).
     pub devices: Vec<HostDevice>,
@@ -299,7 +305,21 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         .iter()
         .find_map(|k| a.get(*k)?.parse::<u64>().ok())
         .filter(|m| *m > 0);
+    let cfs = |quota: Option<i64>, period: Option<u64>| match (quota, period) {
+        (Some(q), Some(p)) if q > 0 && p > 0 => Some((q as u64).div_ceil(p) as u32),
+        _ => None,
+    };
+    let pod_cpus = cfs(
+        a.get(SANDBOX_CPU_QUOTA).and_then(|v| v.parse().ok()),
+        a.get(SANDBOX_CPU_PERIOD).and_then(|v| v.parse().ok()),
+    );
+    let own_cpus = linux
+        .resources()
+        .as_ref()
+        .and_then(|r| r.cpu().as_ref())
+        .and_then(|c| cfs(c.quota(), c.period()));
     Ok(ContainerPlan {
+        cpus: pod_cpus.or(own_cpus),
         role: role(spec),
         process,
         mounts,
@@ -372,6 +392,16 @@ mod tests {
         assert_eq!(p.root_path, PathBuf::from("/b/rootfs"));
         assert_eq!(p.memory_limit, Some(256 << 20));
         assert_eq!(p.pod_memory, Some(512 << 20));
+        assert_eq!(p.cpus, None);
+        let mut v = base();
+        v["linux"]["resources"]["cpu"] = json!({"quota": 150000, "period": 100000});
+        assert_eq!(
+            plan(&spec(v.clone()), Path::new("/b")).unwrap().cpus,
+            Some(2)
+        );
+        v["annotations"][SANDBOX_CPU_QUOTA] = json!("400000");
+        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
+        assert_eq!(plan(&spec(v), Path::new("/b")).unwrap().cpus, Some(4));
         assert_eq!(p.cgroups_path.as_deref(), Some("/kubepods/pod1/c1"));
         assert_eq!(p.process.rlimits[0].kind, "RLIMIT_NOFILE");
         assert!(matches!(&p.mounts[0], Planned::Guest(m) if m.source == MountSource::Proc));

@@ -384,11 +384,23 @@ impl Service {
                 ),
                 None => None,
             };
-            let vm = self
+            *self.cgroup.lock().expect("cgroup") = placement.clone();
+            // vCPUs follow the CPU limit, within the host's cores.
+            let host = std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1);
+            let cpus = plan
+                .cpus
+                .unwrap_or(self.pod.cfg.runtime.cpus)
+                .clamp(1, host.max(self.pod.cfg.runtime.cpus));
+            let boot = self
                 .pod
-                .boot(&bundle, self.memory_mib(&plan), placement.as_ref())
-                .await?;
-            *self.cgroup.lock().expect("cgroup") = placement;
+                .boot(&bundle, self.memory_mib(&plan), cpus, placement.as_ref())
+                .await;
+            let vm = match boot {
+                Ok(vm) => vm,
+                Err(e) => return Err(self.fail_create(true, e.into()).await),
+            };
             self.spawn_vm_watch(vm.clone());
             vm
         } else {
@@ -486,14 +498,15 @@ impl Service {
                 format!("{} {} was already started", req.id, req.exec_id),
             ));
         }
-        if req.exec_id.is_empty() {
+        let started = if req.exec_id.is_empty() {
             vm.agent
                 .call_with_timeout(
                     StartContainer { id: req.id.clone() },
                     self.pod.cfg.runtime.boot_timeout,
                 )
                 .await
-                .map_err(agent_err("starting the container"))?;
+                .map(drop)
+                .map_err(agent_err("starting the container"))
         } else {
             let mut process = p.spec.clone().expect("exec has a spec");
             process.terminal = p.paths.terminal;
@@ -508,7 +521,21 @@ impl Service {
                     self.pod.cfg.runtime.boot_timeout,
                 )
                 .await
-                .map_err(agent_err("starting the exec"))?;
+                .map(drop)
+                .map_err(agent_err("starting the exec"))
+        };
+        if let Err(e) = started {
+            // It never ran: its FIFOs close and Wait answers, so nobody
+            // hangs on a process that does not exist.
+            if let Some(r) = p.relay.lock().await.as_mut() {
+                r.abort();
+            }
+            *p.state.lock().expect("state") = State::Stopped;
+            p.exit.send_replace(Some(Exit {
+                code: 255,
+                at: SystemTime::now(),
+            }));
+            return Err(e);
         }
         *p.state.lock().expect("state") = State::Running;
         self.spawn_waiter(vm, c.id.clone(), p.clone(), pid);

@@ -105,6 +105,30 @@ fn ctr_run_exec_kill_in_a_vm() {
         env.logs()
     );
     assert_eq!(o.status.code(), Some(4));
+    // An exec id can be used again once the last one is gone; an exec
+    // that cannot start fails at once (and leaves nothing waiting).
+    let o = ctrd.ctr_in(
+        "default",
+        &["task", "exec", "--exec-id", "x1", "bg", "echo", "again"],
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "again\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let t = std::time::Instant::now();
+    let o = ctrd.ctr_in(
+        "default",
+        &["task", "exec", "--exec-id", "bad", "bg", "/no/such/binary"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("/no/such/binary"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
     let ps = ctrd.ctr_ok("default", &["task", "ps", "bg"]);
     assert!(ps.lines().count() >= 2, "guest pids listed: {ps}");
 

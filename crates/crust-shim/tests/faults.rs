@@ -1,4 +1,4 @@
-//! Must-show 3: the VM's memory follows the container's limit; containerd
+//! Must-show 3: the VM's memory and vCPUs follow the container's limits; containerd
 //! restarted under a running crust container reconnects and later stop
 //! and delete work; kill -9 of QEMU, of virtiofsd and of the shim each end
 //! in a task exit containerd sees, abnormal CSI stats, and the deferred

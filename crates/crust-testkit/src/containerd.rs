@@ -34,6 +34,9 @@ pub const PAUSE_IMAGE: &str = "crust.test/pause:latest";
 /// containerd's CRI namespace.
 pub const CRI_NAMESPACE: &str = "k8s.io";
 
+/// Bound on one `ctr` command in tests.
+pub const CTR_TIMEOUT: Duration = Duration::from_secs(240);
+
 /// How long containerd gets to answer `ctr version` after starting.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -227,12 +230,50 @@ state = "{state}"
         }
     }
 
-    /// `ctr --address <sock> -n <ns> <args>`, output captured.
+    /// `ctr --address <sock> -n <ns> <args>`, output captured. A `ctr`
+    /// that has not finished after [`CTR_TIMEOUT`] is killed and the test
+    /// fails there, with containerd's log, rather than hanging the suite.
     pub fn ctr_in(&self, namespace: &str, args: &[&str]) -> Output {
-        self.ctr_cmd(namespace, args)
+        use std::io::Read;
+        let mut child = self
+            .ctr_cmd(namespace, args)
             .stdin(Stdio::null())
-            .output()
-            .expect("run ctr")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run ctr");
+        let mut out = child.stdout.take().expect("piped");
+        let mut err = child.stderr.take().expect("piped");
+        let o = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = out.read_to_end(&mut v);
+            v
+        });
+        let e = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = err.read_to_end(&mut v);
+            v
+        });
+        let deadline = Instant::now() + CTR_TIMEOUT;
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("wait ctr") {
+                break st;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ctr {args:?} did not finish within {CTR_TIMEOUT:?}; containerd log:\n{}",
+                    self.log_tail(4000)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Output {
+            status,
+            stdout: o.join().unwrap_or_default(),
+            stderr: e.join().unwrap_or_default(),
+        }
     }
 
     /// The `ctr` command for `args`, ready to run (callers pick the stdio).

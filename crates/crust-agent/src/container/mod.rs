@@ -380,9 +380,13 @@ impl Containers {
                 req.container
             )));
         }
-        if c.execs.lock().expect("execs").contains_key(&req.exec_id) {
+        // An exec id may be used again once its process has exited (the
+        // container manager deletes execs and reuses ids).
+        if let Some(old) = c.execs.lock().expect("execs").get(&req.exec_id)
+            && old.exited().is_none()
+        {
             return Err(ContainerError::Exists(format!(
-                "exec {:?} in container {:?}",
+                "exec {:?} in container {:?} is still running",
                 req.exec_id, req.container
             )));
         }
