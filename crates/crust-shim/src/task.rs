@@ -616,7 +616,6 @@ impl Service {
         };
         self.publish(topics::TASK_DELETE_EVENT_TOPIC, Box::new(ev))
             .await;
-        let _ = c.bundle;
         Ok(resp)
     }
 
