@@ -20,10 +20,18 @@ if pgrep -f '^qemu-system-x86_64 ' >/dev/null 2>&1; then
   pgrep -a -f '^qemu-system-x86_64 ' >&2
   status=1
 fi
-for pat in 'virtiofsd' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
-  if pgrep -f -- "$pat" >/dev/null 2>&1; then
+# Live (not zombie) processes whose command line matches $1.
+live() {
+  local p
+  for p in $(pgrep -f -- "$1" 2>/dev/null); do
+    case $(ps -o stat= -p "$p" 2>/dev/null) in Z* | "") ;; *) echo "$p" ;; esac
+  done
+}
+for pat in '^virtiofsd ' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
+  pids=$(live "$pat")
+  if [ -n "$pids" ]; then
     echo "leak: processes matching '$pat' still running:" >&2
-    pgrep -a -f -- "$pat" >&2
+    ps -o pid=,args= -p $pids >&2
     status=1
   fi
 done
