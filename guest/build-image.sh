@@ -123,7 +123,7 @@ BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console"
 HOTPLUG_MODULES="pciehp acpiphp"
 # Filesystems, loaded by the agent on first mount (xfs.ko alone costs over a
 # second of boot under TCG). Built-in ones need nothing.
-FS_MODULES="ext4 xfs"
+FS_MODULES="ext4 xfs virtiofs"
 
 norm() { echo "$1" | tr '-' '_'; }
 declare -A MODPATH MODDEPS BUILTIN

@@ -14,10 +14,26 @@ if [ -n "$mnts" ]; then
   echo "$mnts" >&2
   status=1
 fi
-if pgrep -x qemu-system-x86_64 >/dev/null 2>&1; then
+# -f: the process name pgrep -x sees is cut at 15 characters.
+if pgrep -f '^qemu-system-x86_64 ' >/dev/null 2>&1; then
   echo "leak: QEMU processes still running:" >&2
-  pgrep -a -x qemu-system-x86_64 >&2
+  pgrep -a -f '^qemu-system-x86_64 ' >&2
   status=1
 fi
-[ $status = 0 ] && echo "no leftovers: no loop device, test mount or QEMU process"
+# Live (not zombie) processes whose command line matches $1.
+live() {
+  local p
+  for p in $(pgrep -f -- "$1" 2>/dev/null); do
+    case $(ps -o stat= -p "$p" 2>/dev/null) in Z* | "") ;; *) echo "$p" ;; esac
+  done
+}
+for pat in '^virtiofsd ' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
+  pids=$(live "$pat")
+  if [ -n "$pids" ]; then
+    echo "leak: processes matching '$pat' still running:" >&2
+    ps -o pid=,args= -p $pids >&2
+    status=1
+  fi
+done
+[ $status = 0 ] && echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim or test containerd"
 exit $status

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Debian packages crust's tests, demo and guest image need, and the Python
-# gRPC client (grpcio, from PyPI) of the interop tests, in a virtualenv.
-# --if-missing: do nothing when every tool is already there.
+# What crust's tests, demo, benchmarks and guest image need on a fresh
+# Debian machine: Debian packages, virtiofsd (crates.io) and the tests'
+# Python packages (PyPI) in one virtualenv.
+# --if-missing: only install what is missing (quiet when nothing is).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
@@ -13,20 +14,34 @@ pkgs=(
   libc6-dev               # libc.a for the static guest agent
   util-linux              # losetup/mount used by test guards; wipefs (libblkid signatures
                           # before a format), unshare (a mount in another namespace)
-  umoci jq patchelf binutils # scripts/build-images.sh: OCI images, self-contained node payload
-  containerd              # the node installer's config is checked with `containerd config dump`
+  containerd runc         # the private containerd of the shim tests (ctr, CRI plugin); the
+                          # node installer's config is checked with `containerd config dump`
+  umoci                   # OCI images (scripts/build-test-images.sh, scripts/build-images.sh)
+  jq patchelf binutils    # scripts/build-images.sh: self-contained node payload
+  libseccomp-dev libcap-ng-dev pkg-config  # building virtiofsd
 )
+# virtiofsd (virtio-fs daemon, Rust) from crates.io, into /usr/local/bin.
+VIRTIOFSD_VERSION=1.14.0
+have_virtiofsd() {
+  command -v virtiofsd >/dev/null 2>&1 &&
+    virtiofsd --version 2>/dev/null | grep -q "^virtiofsd $VIRTIOFSD_VERSION"
+}
+install_virtiofsd() {
+  have_virtiofsd && return 0
+  echo "install-deps: building virtiofsd $VIRTIOFSD_VERSION (cargo install, a few minutes)"
+  cargo install --locked --root /usr/local --version "$VIRTIOFSD_VERSION" virtiofsd
+}
 # Python packages of the tests, in one virtualenv (the tests find it at
 # $CRUST_TEST_PYTHON or $VENV/bin/python): grpcio (grpc-core) calls crust's
 # gRPC servers; kubernetes-validate checks deploy/kubernetes offline (its
 # schemas ship inside the package).
 VENV="${CRUST_TEST_VENV:-/opt/crust-test-venv}"
 PY_PKGS=(grpcio==1.85.1 grpcio-tools==1.85.1 kubernetes-validate==1.37.0)
-have_grpcio() {
+have_python_pkgs() {
   "$VENV/bin/python" -c "import grpc, grpc_tools, kubernetes_validate" >/dev/null 2>&1
 }
-install_grpcio() {
-  have_grpcio && return 0
+install_python_pkgs() {
+  have_python_pkgs && return 0
   echo "install-deps: installing ${PY_PKGS[*]} into $VENV"
   local py
   py="$(command -v python3 || true)"
@@ -37,21 +52,23 @@ install_grpcio() {
     /usr/bin/python3 -m venv --clear "$VENV"
   fi
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_PKGS[@]}"
-  have_grpcio
+  have_python_pkgs
 }
 
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
   for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
-    wipefs unshare e2fsck umoci jq patchelf strip containerd; do
+    wipefs unshare e2fsck containerd ctr runc umoci jq patchelf strip pkg-config; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1
   [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || missing=1
+  [ -f /usr/include/seccomp.h ] && [ -f /usr/include/cap-ng.h ] || missing=1
   if [ $missing = 0 ]; then
-    have_grpcio && exit 0
+    have_virtiofsd && have_python_pkgs && exit 0
     [ "$(id -u)" = 0 ] || { echo "install-deps.sh must run as root" >&2; exit 1; }
-    install_grpcio
+    install_virtiofsd
+    install_python_pkgs
     exit 0
   fi
   echo "install-deps: installing missing Debian packages: ${pkgs[*]}"
@@ -62,4 +79,5 @@ if [ "$(id -u)" != 0 ]; then
 fi
 apt-get update
 apt-get install -y --no-install-recommends "${pkgs[@]}"
-install_grpcio
+install_virtiofsd
+install_python_pkgs

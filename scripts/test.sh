@@ -13,6 +13,7 @@ bash scripts/install-deps.sh --if-missing
 export CI="${CI:-true}"
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
+bash scripts/build-test-images.sh
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast --test-threads 2

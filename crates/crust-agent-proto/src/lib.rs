@@ -8,25 +8,31 @@
 //! * Messages ([`messages`]): every [`Request`] carries an id and a relative
 //!   deadline; every [`Response`] echoes the id with a result or an
 //!   [`AgentError`] whose [`ErrorCode`] maps onto gRPC codes.
+//! * Containers ([`containers`]): several per guest, rootfs over virtio-fs,
+//!   their stdio multiplexed on a second port ([`stdio`]).
 //! * Host client ([`AgentClient`], feature `client`, on by default): tokio,
 //!   concurrent calls multiplexed by id, per-call timeouts, reconnects.
 
+pub mod containers;
 pub mod frame;
 pub mod messages;
+pub mod stdio;
 
 #[cfg(feature = "client")]
 mod client;
 
 #[cfg(feature = "client")]
 pub use client::{AgentClient, ClientError, DEFAULT_TIMEOUT};
+pub use containers::*;
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use messages::*;
+pub use stdio::STDIO_PORT_NAME;
 
 /// Name of the virtio-serial port (`virtserialport,name=...`).
 pub const AGENT_PORT_NAME: &str = "org.crust.agent";
 
 /// Bumped on incompatible wire changes; reported by [`PingReply`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Where the agent mounts volume `<v>`: `/run/crust/volumes/<v>`.
 pub const GUEST_VOLUME_ROOT: &str = "/run/crust/volumes";

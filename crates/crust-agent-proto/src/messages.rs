@@ -12,6 +12,8 @@ use std::fmt;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::containers::*;
+
 /// One request. `deadline_ms` is relative to when the agent reads it (host
 /// and guest clocks are unrelated); 0 means no deadline.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +41,17 @@ pub enum Operation {
     StopWorkload(StopWorkload),
     Exec(Exec),
     Shutdown(Shutdown),
+    CreateContainer(CreateContainer),
+    StartContainer(StartContainer),
+    ExecProcess(ExecProcess),
+    SignalProcess(SignalProcess),
+    WaitProcess(WaitProcess),
+    CloseStdin(CloseStdin),
+    ResizePty(ResizePty),
+    ContainerPids(ContainerPids),
+    ContainerStats(ContainerStats),
+    RemoveContainer(RemoveContainer),
+    GuestInfo(GuestInfo),
 }
 
 /// Wire names of every operation, for telling "unknown op" apart from
@@ -56,6 +69,17 @@ pub const OPERATION_NAMES: &[&str] = &[
     "stop_workload",
     "exec",
     "shutdown",
+    "create_container",
+    "start_container",
+    "exec_process",
+    "signal_process",
+    "wait_process",
+    "close_stdin",
+    "resize_pty",
+    "container_pids",
+    "container_stats",
+    "remove_container",
+    "guest_info",
 ];
 
 impl Operation {
@@ -74,6 +98,17 @@ impl Operation {
             Operation::StopWorkload(_) => StopWorkload::NAME,
             Operation::Exec(_) => Exec::NAME,
             Operation::Shutdown(_) => Shutdown::NAME,
+            Operation::CreateContainer(_) => CreateContainer::NAME,
+            Operation::StartContainer(_) => StartContainer::NAME,
+            Operation::ExecProcess(_) => ExecProcess::NAME,
+            Operation::SignalProcess(_) => SignalProcess::NAME,
+            Operation::WaitProcess(_) => WaitProcess::NAME,
+            Operation::CloseStdin(_) => CloseStdin::NAME,
+            Operation::ResizePty(_) => ResizePty::NAME,
+            Operation::ContainerPids(_) => ContainerPids::NAME,
+            Operation::ContainerStats(_) => ContainerStats::NAME,
+            Operation::RemoveContainer(_) => RemoveContainer::NAME,
+            Operation::GuestInfo(_) => GuestInfo::NAME,
         }
     }
 }
@@ -199,6 +234,17 @@ call!(SignalWorkload => Empty, "signal_workload");
 call!(StopWorkload => WorkloadState, "stop_workload");
 call!(Exec => ExecReply, "exec");
 call!(Shutdown => Empty, "shutdown");
+call!(CreateContainer => ProcessReply, "create_container");
+call!(StartContainer => ProcessReply, "start_container");
+call!(ExecProcess => ProcessReply, "exec_process");
+call!(SignalProcess => Empty, "signal_process");
+call!(WaitProcess => WaitReply, "wait_process");
+call!(CloseStdin => Empty, "close_stdin");
+call!(ResizePty => Empty, "resize_pty");
+call!(ContainerPids => PidsReply, "container_pids");
+call!(ContainerStats => ContainerStatsReply, "container_stats");
+call!(RemoveContainer => Empty, "remove_container");
+call!(GuestInfo => GuestInfoReply, "guest_info");
 
 /// Reply with no data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,12 +11,16 @@
 //!   openat2 ([`subpath`]), mounted on destinations opened without
 //!   following any symlink ([`destination`]), and logs to `/run/crust/workload.log`
 //!   ([`workload`]).
+//! * Containers ([`container`]): the pod's containers, each in its own
+//!   mount namespace over a rootfs shared with virtio-fs, with a cgroup,
+//!   exec processes, terminals and stdio over the second port.
 //! * Every request runs on its own thread, so a slow Exec never holds up a
 //!   Ping; mount-changing operations are serialized.
 //!
 //! The agent is not PID 1: the initramfs `/init` (busybox sh) sets up the
 //! guest, reaps orphans and restarts the agent if it dies.
 
+pub mod container;
 pub mod destination;
 pub mod fsgroup;
 pub mod options;

@@ -19,6 +19,12 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The agent re-executes itself as a container's init helper.
+    if std::env::args_os().nth(1).as_deref()
+        == Some(std::ffi::OsStr::new(crust_agent::container::init::INIT_ARG))
+    {
+        crust_agent::container::init::main();
+    }
     let args = Args::parse();
     crust_agent::run(crust_agent::Config {
         port_name: args.port_name,

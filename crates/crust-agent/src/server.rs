@@ -15,6 +15,7 @@ use crust_agent_proto::{
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
+use crate::container::Containers;
 use crate::process::{self, RunError};
 use crate::volume::Volumes;
 use crate::workload::Workloads;
@@ -49,16 +50,18 @@ struct Outgoing {
 pub struct Agent {
     volumes: Volumes,
     workloads: Workloads,
+    containers: Containers,
     /// Serializes operations that change mounts.
     mutate: Mutex<()>,
     started: Instant,
 }
 
-impl Default for Agent {
-    fn default() -> Self {
+impl Agent {
+    fn new(containers: Containers) -> Self {
         Agent {
             volumes: Volumes::default(),
             workloads: Workloads::default(),
+            containers,
             mutate: Mutex::new(()),
             started: Instant::now(),
         }
@@ -130,6 +133,17 @@ impl Agent {
                             ),
                         ));
                     }
+                    let users = self.containers.using_volume(&u.volume);
+                    if !users.is_empty() {
+                        return Err(AgentError::new(
+                            ErrorCode::FailedPrecondition,
+                            format!(
+                                "volume {:?} is in use by container(s) {}; remove them first",
+                                u.volume,
+                                users.join(", ")
+                            ),
+                        ));
+                    }
                     self.workloads.release_binds(Some(&u.volume));
                     self.volumes.unmount(&u.volume)?;
                     serde_json::to_value(Empty {})
@@ -158,6 +172,39 @@ impl Agent {
                     after = After::PowerOff;
                     serde_json::to_value(Empty {})
                 }
+                Operation::CreateContainer(c) => serde_json::to_value(self.containers.create(&c)?),
+                Operation::StartContainer(c) => serde_json::to_value(self.containers.start(&c.id)?),
+                Operation::ExecProcess(e) => serde_json::to_value(self.containers.exec(&e)?),
+                Operation::SignalProcess(s) => {
+                    self.containers.signal(&s)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::WaitProcess(w) => {
+                    let mut t = Duration::from_millis(w.timeout_ms);
+                    if let Some(d) = deadline {
+                        // Answer before the caller gives up.
+                        t = t.min(
+                            d.saturating_duration_since(Instant::now())
+                                .saturating_sub(Duration::from_millis(500)),
+                        );
+                    }
+                    serde_json::to_value(self.containers.wait(&w.process, t)?)
+                }
+                Operation::CloseStdin(c) => {
+                    self.containers.close_stdin(&c.process)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::ResizePty(r) => {
+                    self.containers.resize(&r)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::ContainerPids(p) => serde_json::to_value(self.containers.pids(&p.id)?),
+                Operation::ContainerStats(p) => serde_json::to_value(self.containers.stats(&p.id)?),
+                Operation::RemoveContainer(r) => {
+                    self.containers.remove(&r.id)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::GuestInfo(_) => serde_json::to_value(guest_info()),
             };
             v.map_err(|e| AgentError::new(ErrorCode::Internal, e.to_string()))
         })();
@@ -212,6 +259,9 @@ impl Agent {
     /// fatal, since the guest is going away either way.
     fn shutdown_prepare(&self) {
         log!("shutdown requested");
+        for id in self.containers.ids() {
+            let _ = self.containers.remove(&id);
+        }
         let _g = self.lock();
         let state = self.workloads.stop(Duration::from_secs(5));
         log!("workload: {state:?}");
@@ -223,6 +273,35 @@ impl Agent {
             }
         }
         rustix::fs::sync();
+    }
+}
+
+/// Memory, CPUs and kernel of the guest.
+fn guest_info() -> crust_agent_proto::GuestInfoReply {
+    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:")?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .unwrap_or(0);
+    let cpus = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count() as u32;
+    crust_agent_proto::GuestInfoReply {
+        mem_total_bytes: mem_kib * 1024,
+        cpus,
+        kernel_release: rustix::system::uname()
+            .release()
+            .to_string_lossy()
+            .into_owned(),
     }
 }
 
@@ -365,7 +444,12 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
         let connection = connection.clone();
         std::thread::spawn(move || writer_loop(port, rx, connection));
     }
-    let agent = Arc::new(Agent::default());
+    if let Err(e) = Containers::init_guest() {
+        log!("container support incomplete: {e}");
+    }
+    let agent = Arc::new(Agent::new(Containers::new(
+        crate::container::stdio::StdioPort::open(),
+    )));
     let in_flight = Arc::new(AtomicUsize::new(0));
 
     let send = |tx: &mpsc::Sender<Outgoing>,

@@ -228,7 +228,11 @@ pub fn filesystem_registered(name: &str) -> bool {
 /// `/etc/modules.d/<fs>` (dependency order) on first use: they are not
 /// loaded at boot because loading xfs costs more than a second under TCG.
 pub fn ensure_filesystem(fs: FsType) -> Result<(), String> {
-    let name = fs.as_str();
+    ensure_filesystem_named(fs.as_str())
+}
+
+/// [`ensure_filesystem`] by the name `/proc/filesystems` shows (`virtiofs`).
+pub fn ensure_filesystem_named(name: &str) -> Result<(), String> {
     if filesystem_registered(name) {
         return Ok(());
     }

@@ -15,6 +15,7 @@
 //!   parent probing bounded by kubelet's `pods/<uid>/volumes`).
 //! - [`sandbox`]: the on-disk sandbox state store and claim liveness.
 //! - [`shim`]: the shim's HTTP API (server and client, error codes).
+//! - [`claims`]: claiming and releasing hand-off records for a sandbox.
 //! - [`controller`]: the shim process itself.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm).
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
@@ -23,6 +24,7 @@
 //! - [`cli`], [`config`], [`error`]: flags, settings, error classes.
 
 pub mod bundle;
+pub mod claims;
 pub mod cli;
 pub mod config;
 pub mod controller;

@@ -23,6 +23,8 @@ pub struct Guest {
     proc: ProcRef,
     qmp_socket: PathBuf,
     agent_socket: PathBuf,
+    stdio_socket: PathBuf,
+    virtiofsd: Vec<ProcRef>,
     ports: Vec<String>,
     accel: AccelChoice,
     context: Box<dyn Fn() -> String + Send + Sync>,
@@ -34,6 +36,12 @@ impl Guest {
     /// QEMU dies with the shim, so a crashed shim never leaves a VM behind
     /// holding volumes.
     pub async fn launch(cfg: &Config, run_dir: &Path, id: &str) -> Result<Guest, RuntimeError> {
+        Guest::launch_config(Guest::config(cfg, run_dir, id), cfg.boot_timeout).await
+    }
+
+    /// The VM configuration [`Guest::launch`] uses, for callers that add
+    /// to it (shares, memory) before [`Guest::launch_config`].
+    pub fn config(cfg: &Config, run_dir: &Path, id: &str) -> VmConfig {
         let name: String = format!("crust-{id}").chars().take(64).collect();
         let mut vc = VmConfig::new(name, &cfg.guest_kernel, &cfg.guest_initrd, run_dir);
         vc.memory_mib = cfg.memory_mib;
@@ -55,7 +63,18 @@ impl Guest {
             vc.qemu_binary = qemu;
             vc.firmware = Config::bundled("../share/qemu/qboot.rom");
         }
-        let vm = Vm::boot(vc, cfg.boot_timeout).await.map_err(|e| match e {
+        vc
+    }
+
+    /// Starts QEMU (and the virtiofsd of each share) for `vc` and waits up
+    /// to `ready_timeout` for the guest agent (with the KVM-to-TCG retry of
+    /// `--accel auto`).
+    pub async fn launch_config(
+        vc: VmConfig,
+        ready_timeout: Duration,
+    ) -> Result<Guest, RuntimeError> {
+        let id = vc.name.clone();
+        let vm = Vm::boot(vc, ready_timeout).await.map_err(|e| match e {
             crust_vmm::VmError::NotReady { .. } => RuntimeError::new(
                 Code::DeadlineExceeded,
                 format!("the guest agent did not come up: {e}"),
@@ -64,9 +83,9 @@ impl Guest {
         })?;
         let accel = vm.accel_choice();
         if accel.fallback {
-            tracing::warn!("sandbox {id}: {}", accel.reason);
+            tracing::warn!("{id}: {}", accel.reason);
         } else {
-            tracing::info!("sandbox {id}: {} ({})", accel.accel.as_str(), accel.reason);
+            tracing::info!("{id}: {} ({})", accel.accel.as_str(), accel.reason);
         }
         let proc = ProcRef {
             pid: vm.pid() as i32,
@@ -77,6 +96,16 @@ impl Guest {
             proc,
             qmp_socket: vm.qmp_socket().to_path_buf(),
             agent_socket: vm.agent_socket().to_path_buf(),
+            stdio_socket: vm.stdio_socket().to_path_buf(),
+            virtiofsd: vm
+                .state()
+                .virtiofsd
+                .iter()
+                .map(|d| ProcRef {
+                    pid: d.pid as i32,
+                    start_time: d.start_time,
+                })
+                .collect(),
             ports: vm.hotplug_ports().to_vec(),
             accel,
             context: Box::new(move || {
@@ -93,6 +122,16 @@ impl Guest {
     /// The accelerator the guest runs under and why.
     pub fn accel_choice(&self) -> AccelChoice {
         self.accel.clone()
+    }
+
+    /// The stdio port's socket (container stdio).
+    pub fn stdio_socket(&self) -> &Path {
+        &self.stdio_socket
+    }
+
+    /// The virtiofsd daemons of the VM's shares.
+    pub fn virtiofsd(&self) -> &[ProcRef] {
+        &self.virtiofsd
     }
 
     pub fn proc_ref(&self) -> ProcRef {
@@ -164,6 +203,9 @@ impl Guest {
 }
 
 fn describe(e: &VmExit) -> String {
+    if e.virtiofsd_died {
+        return "killed because its virtiofsd exited".into();
+    }
     match (e.code, e.signal) {
         (_, Some(s)) => format!("killed by signal {s}"),
         (Some(c), None) => format!("exit status {c}"),

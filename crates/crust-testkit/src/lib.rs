@@ -7,10 +7,15 @@
 //! [`LoopDisk`] and [`TempMount`] wrap crust-blockdev's loop and mount
 //! guards for tests that need a real formatted block device.
 
+mod containerd;
 mod disk;
 mod python;
 mod qemu;
 
+pub use containerd::{
+    BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
+    PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
+};
 pub use disk::{LoopDisk, TempMount};
 pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls, venv_python_with};
 pub use qemu::{HangingKvmQemu, QemuStart};
@@ -25,7 +30,7 @@ use rustix::fs::{FlockOperation, flock};
 /// How many guests may run at once across every test process on the machine.
 pub const VM_SLOTS: usize = 2;
 
-const SLOT_DIR: &str = "/tmp/crust-test-vm-slots";
+pub(crate) const SLOT_DIR: &str = "/tmp/crust-test-vm-slots";
 
 /// One of the machine-wide guest slots; released when dropped.
 pub struct VmSlot {

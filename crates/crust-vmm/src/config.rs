@@ -140,6 +140,60 @@ pub fn valid_serial(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A host directory shared into the guest over virtio-fs: one `virtiofsd`
+/// per share ([`VIRTIOFSD_ARGS`]), a `vhost-user-fs-pci` device with `tag`.
+/// In the guest: `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShareSpec {
+    /// `[A-Za-z0-9._-]`, 1..=36 bytes (the virtio-fs tag limit).
+    pub tag: String,
+    /// Absolute path of an existing directory.
+    pub dir: PathBuf,
+}
+
+/// Longest virtio-fs tag.
+pub const MAX_TAG_LEN: usize = 36;
+
+/// How virtiofsd serves every share (besides its socket and directory):
+/// the guest's page cache follows the host's (`cache=auto`), extended
+/// attributes pass through (file capabilities of image binaries), the
+/// daemon runs in its own namespaces (`sandbox=namespace`, the default) and
+/// host mount points below the share are announced as submounts.
+pub const VIRTIOFSD_ARGS: &[&str] = &[
+    "--cache",
+    "auto",
+    "--xattr",
+    "--announce-submounts",
+    "--sandbox",
+    "namespace",
+];
+
+impl ShareSpec {
+    pub fn validate(&self) -> Result<(), VmError> {
+        let bad = |m: String| Err(VmError::InvalidConfig(m));
+        let tag_ok = !self.tag.is_empty()
+            && self.tag.len() <= MAX_TAG_LEN
+            && self
+                .tag
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !tag_ok {
+            return bad(format!(
+                "share tag {:?}: use 1-{MAX_TAG_LEN} characters [A-Za-z0-9._-]",
+                self.tag
+            ));
+        }
+        if !self.dir.is_absolute() || !self.dir.is_dir() {
+            return bad(format!(
+                "share {:?}: {} is not an existing absolute directory",
+                self.tag,
+                self.dir.display()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Everything needed to launch one guest.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -148,6 +202,9 @@ pub struct VmConfig {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub memory_mib: u32,
+    /// Room for memory hot-add (`-m M,slots=…,maxmem=…`, DIMMs onlined by
+    /// the guest kernel as they arrive); 0 or not above `memory_mib`: none.
+    pub max_memory_mib: u32,
     pub cpus: u32,
     /// Holds `qmp.sock`, `agent.sock`, `console.log`, `qemu.log`,
     /// `qemu.pid` and `vm.json`. Created (0700) if missing.
@@ -158,6 +215,11 @@ pub struct VmConfig {
     pub disks: Vec<DiskSpec>,
     /// Appended to the kernel command line.
     pub kernel_cmdline_extra: Vec<String>,
+    /// Directories shared over virtio-fs (guest RAM then comes from a
+    /// shared memfd, as vhost-user requires).
+    pub shares: Vec<ShareSpec>,
+    /// virtiofsd binary (looked up in PATH unless absolute).
+    pub virtiofsd_binary: PathBuf,
     /// Empty `pcie-root-port`s reserved for hot-plug
     /// (`crust-hp0`..`crust-hp<N-1>`).
     pub hotplug_ports: u32,
@@ -206,11 +268,14 @@ impl VmConfig {
             kernel: kernel.into(),
             initrd: initrd.into(),
             memory_mib: 256,
+            max_memory_mib: 0,
             cpus: 1,
             run_dir: run_dir.into(),
             accel: Accel::Auto,
             disks: Vec::new(),
             kernel_cmdline_extra: Vec::new(),
+            shares: Vec::new(),
+            virtiofsd_binary: PathBuf::from("virtiofsd"),
             hotplug_ports: 8,
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             firmware: None,
@@ -276,6 +341,12 @@ impl VmConfig {
         if !(16..=65536).contains(&self.memory_mib) {
             return bad(format!("memory_mib {} out of 16..=65536", self.memory_mib));
         }
+        if self.max_memory_mib > 65536 {
+            return bad(format!(
+                "max_memory_mib {} above 65536",
+                self.max_memory_mib
+            ));
+        }
         if !(1..=64).contains(&self.cpus) {
             return bad(format!("cpus {} out of 1..=64", self.cpus));
         }
@@ -292,6 +363,16 @@ impl VmConfig {
                 return bad(format!(
                     "kernel_cmdline_extra entry {a:?} must be one word without spaces"
                 ));
+            }
+        }
+        if self.shares.len() > MAX_SHARES {
+            return bad(format!("at most {MAX_SHARES} shares"));
+        }
+        let mut tags = std::collections::HashSet::new();
+        for sh in &self.shares {
+            sh.validate()?;
+            if !tags.insert(&sh.tag) {
+                return bad(format!("share tag {:?} used twice", sh.tag));
             }
         }
         let mut ids = std::collections::HashSet::new();
@@ -315,6 +396,19 @@ impl VmConfig {
         })
     }
 }
+
+/// DIMM slots for memory hot-add.
+pub const MEMORY_SLOTS: u32 = 8;
+
+impl VmConfig {
+    /// Whether memory can be hot-added.
+    pub fn memory_hotplug(&self) -> bool {
+        self.max_memory_mib > self.memory_mib
+    }
+}
+
+/// Shares per VM (each is a PCI device and a daemon).
+pub const MAX_SHARES: usize = 4;
 
 /// Root ports fit on pcie.0 next to the fixed devices.
 pub const MAX_ROOT_PORTS: u32 = 24;

@@ -9,11 +9,18 @@
 //!   `qemu.log`;
 //! * QMP on `<run_dir>/qmp.sock` (server, no wait);
 //! * a `virtserialport` named `org.crust.agent` on `<run_dir>/agent.sock`
-//!   (server, no wait), for `crust_agent_proto::AgentClient`;
+//!   (server, no wait), for `crust_agent_proto::AgentClient`, and one named
+//!   `org.crust.stdio` on `stdio.sock` for container stdio;
 //! * each boot disk as `-blockdev` (raw over `host_device`/`file`,
 //!   `cache.direct=off`, `aio=threads`) + `virtio-blk-pci` with its serial,
 //!   on its own `pcie-root-port` `crust-boot<i>`;
-//! * `hotplug_ports` empty `pcie-root-port`s `crust-hp0..` for hot-plug.
+//! * `hotplug_ports` empty `pcie-root-port`s `crust-hp0..` for hot-plug;
+//! * each [`ShareSpec`] as a `vhost-user-fs-pci` device served by its own
+//!   `virtiofsd` (socket `fs<i>.sock`, log `virtiofsd<i>.log`), with guest
+//!   RAM from a shared memfd (`memory-backend-memfd,share=on` + one NUMA
+//!   node). The daemons belong to the VM: started before QEMU, killed with
+//!   it, and a daemon that dies takes QEMU down (a guest whose virtio-fs
+//!   stops answering would hang rather than fail).
 //!
 //! # Hot-plug contract (for the runtime, over QMP)
 //!
@@ -49,13 +56,18 @@ pub mod accel;
 pub use accel::{AccelChoice, ResolvedAccel, auto_overhead, kvm_usable};
 pub use config::{
     Accel, DEFAULT_ACCEL_CACHE, DEFAULT_KVM_BOOT_TIMEOUT, DEFAULT_KVM_PROBE_TIMEOUT, DiskSpec,
-    MAX_ROOT_PORTS, MAX_SERIAL_LEN, QBOOT, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
+    MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, QBOOT, ShareSpec,
+    VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
 pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 
 /// Name of the agent's virtio-serial port (matches
 /// `crust_agent_proto::AGENT_PORT_NAME`).
 pub const AGENT_PORT_NAME: &str = "org.crust.agent";
+
+/// Name of the container stdio port (matches
+/// `crust_agent_proto::STDIO_PORT_NAME`).
+pub const STDIO_PORT_NAME: &str = "org.crust.stdio";
 
 /// Errors launching, finding or stopping a VM.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +100,8 @@ pub enum VmError {
         reason: String,
         context: String,
     },
+    #[error("cannot start virtiofsd for share {tag:?}: {reason}")]
+    Virtiofsd { tag: String, reason: String },
     #[error("no VM running from {run_dir}: {reason}")]
     NotRunning { run_dir: PathBuf, reason: String },
 }

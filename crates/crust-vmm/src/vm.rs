@@ -11,11 +11,15 @@ use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 
 use crate::accel::{self, AccelChoice, ResolvedAccel};
-use crate::config::{Accel, DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
-use crate::{AGENT_PORT_NAME, VmError};
+use crate::config::{
+    Accel, DiskSpec, ShareSpec, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id,
+};
+use crate::{AGENT_PORT_NAME, STDIO_PORT_NAME, VmError};
 
 /// How long QEMU gets to create its sockets before launch gives up.
 pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a virtiofsd gets to create its socket.
+const VIRTIOFSD_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Files in a VM's run directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +29,8 @@ pub struct RunPaths {
     pub qmp_socket: PathBuf,
     /// The agent's virtio-serial port (`org.crust.agent`).
     pub agent_socket: PathBuf,
+    /// The stdio port of container processes (`org.crust.stdio`).
+    pub stdio_socket: PathBuf,
     /// Guest serial console.
     pub console_log: PathBuf,
     /// QEMU's own stdout/stderr.
@@ -36,11 +42,22 @@ pub struct RunPaths {
 }
 
 impl RunPaths {
+    /// vhost-user socket of share `i`'s virtiofsd.
+    pub fn fs_socket(&self, i: usize) -> PathBuf {
+        self.run_dir.join(format!("fs{i}.sock"))
+    }
+
+    /// Log of share `i`'s virtiofsd.
+    pub fn fs_log(&self, i: usize) -> PathBuf {
+        self.run_dir.join(format!("virtiofsd{i}.log"))
+    }
+
     pub fn new(run_dir: impl Into<PathBuf>) -> Self {
         let d: PathBuf = run_dir.into();
         RunPaths {
             qmp_socket: d.join("qmp.sock"),
             agent_socket: d.join("agent.sock"),
+            stdio_socket: d.join("stdio.sock"),
             console_log: d.join("console.log"),
             qemu_log: d.join("qemu.log"),
             pid_file: d.join("qemu.pid"),
@@ -69,6 +86,25 @@ pub struct VmState {
     pub boot_disks: Vec<(DiskSpec, String)>,
     /// Root ports left empty for hot-plug.
     pub hotplug_ports: Vec<String>,
+    /// The virtiofsd of each share (same order as the shares).
+    #[serde(default)]
+    pub virtiofsd: Vec<DaemonRef>,
+    #[serde(default)]
+    pub shares: Vec<ShareSpec>,
+}
+
+/// A helper process of the VM, identified by pid and start time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonRef {
+    pub pid: u32,
+    pub start_time: u64,
+}
+
+impl DaemonRef {
+    /// Still the same live (non-zombie) process.
+    pub fn alive(&self) -> bool {
+        matches!(proc_start_time(self.pid), Some((t, false)) if t == self.start_time)
+    }
 }
 
 /// How QEMU ended.
@@ -77,6 +113,8 @@ pub struct VmExit {
     /// Exit status, when known (only for a VM this process launched).
     pub code: Option<i32>,
     pub signal: Option<i32>,
+    /// QEMU was killed because a virtiofsd of the VM died.
+    pub virtiofsd_died: bool,
 }
 
 impl VmExit {
@@ -95,6 +133,8 @@ pub struct Vm {
     state: VmState,
     paths: RunPaths,
     child: Option<Child>,
+    /// virtiofsd children (launched VMs only).
+    daemons: Vec<Child>,
     owned: bool,
     exit: Option<VmExit>,
 }
@@ -284,18 +324,39 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
         ResolvedAccel::Tcg => push(&["-accel", "tcg"]),
     }
-    push(&[
-        "-m",
-        &cfg.memory_mib.to_string(),
-        "-smp",
-        &cfg.cpus.to_string(),
-    ]);
+    let mem = if cfg.memory_hotplug() {
+        format!(
+            "{}M,slots={},maxmem={}M",
+            cfg.memory_mib,
+            crate::config::MEMORY_SLOTS,
+            cfg.max_memory_mib
+        )
+    } else {
+        cfg.memory_mib.to_string()
+    };
+    push(&["-m", &mem, "-smp", &cfg.cpus.to_string()]);
+    if !cfg.shares.is_empty() {
+        // vhost-user devices map guest RAM: it must be shareable memory.
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-memfd,id=crust-mem,size={}M,share=on",
+                cfg.memory_mib
+            ),
+            "-numa",
+            "node,memdev=crust-mem",
+        ]);
+    }
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-msg", "timestamp=on"]);
     if let Some(fw) = cfg.firmware_path() {
         push(&["-bios", &fw.to_string_lossy()]);
     }
     let mut cmdline: Vec<String> = BASE_CMDLINE.iter().map(|s| s.to_string()).collect();
+    if cfg.memory_hotplug() {
+        // Hot-added DIMMs come online by themselves.
+        cmdline.push("memhp_default_state=online".into());
+    }
     cmdline.extend(cfg.kernel_cmdline_extra.iter().cloned());
     push(&["-kernel", &cfg.kernel.to_string_lossy()]);
     push(&["-initrd", &cfg.initrd.to_string_lossy()]);
@@ -320,7 +381,22 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         ),
         "-device",
         &format!("virtserialport,bus=crust-vser.0,chardev=crust-agent,name={AGENT_PORT_NAME}"),
+        "-chardev",
+        &format!(
+            "socket,id=crust-stdio,path={},server=on,wait=off",
+            esc(&paths.stdio_socket)
+        ),
+        "-device",
+        &format!("virtserialport,bus=crust-vser.0,chardev=crust-stdio,name={STDIO_PORT_NAME}"),
     ]);
+    for (i, sh) in cfg.shares.iter().enumerate() {
+        push(&[
+            "-chardev",
+            &format!("socket,id=crust-fs{i},path={}", esc(&paths.fs_socket(i))),
+            "-device",
+            &format!("vhost-user-fs-pci,chardev=crust-fs{i},tag={}", sh.tag),
+        ]);
+    }
     let mut chassis = 1;
     for (i, d) in cfg.disks.iter().enumerate() {
         let port = boot_port_id(i);
@@ -341,6 +417,88 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         chassis += 1;
     }
     a
+}
+
+/// Kills daemons started for a launch that then failed.
+struct DaemonGuard(Vec<Child>);
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        for d in &mut self.0 {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+/// Starts the virtiofsd of share `i` and waits for its socket.
+async fn start_virtiofsd(
+    cfg: &VmConfig,
+    paths: &RunPaths,
+    i: usize,
+    sh: &ShareSpec,
+) -> Result<Child, VmError> {
+    let sock = paths.fs_socket(i);
+    match std::fs::remove_file(&sock) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("remove", &sock, e)),
+    }
+    let log_path = paths.fs_log(i);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(&log_path)
+        .map_err(|e| io_err("create", &log_path, e))?;
+    let log2 = log.try_clone().map_err(|e| io_err("dup", &log_path, e))?;
+    let mut cmd = Command::new(&cfg.virtiofsd_binary);
+    cmd.arg("--socket-path")
+        .arg(&sock)
+        .arg("--shared-dir")
+        .arg(&sh.dir)
+        .args(VIRTIOFSD_ARGS)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0);
+    if cfg.die_with_parent {
+        // SAFETY: a single raw prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                Ok(())
+            });
+        }
+    }
+    let failed = |reason: String| VmError::Virtiofsd {
+        tag: sh.tag.clone(),
+        reason,
+    };
+    let mut child = cmd.spawn().map_err(|e| {
+        failed(format!(
+            "{}: {e} (install it: cargo install virtiofsd)",
+            cfg.virtiofsd_binary.display()
+        ))
+    })?;
+    let deadline = Instant::now() + VIRTIOFSD_TIMEOUT;
+    loop {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(failed(format!("exited ({st}): {}", tail(&log_path, 2048))));
+        }
+        if sock.exists() {
+            return Ok(child);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(failed(format!(
+                "no socket after {VIRTIOFSD_TIMEOUT:?}: {}",
+                tail(&log_path, 2048)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 impl Vm {
@@ -443,6 +601,7 @@ impl Vm {
         for stale in [
             &paths.qmp_socket,
             &paths.agent_socket,
+            &paths.stdio_socket,
             &paths.pid_file,
             &paths.state_file,
         ] {
@@ -453,6 +612,10 @@ impl Vm {
             }
         }
         let accel = choice.accel;
+        let mut daemons = DaemonGuard(Vec::new());
+        for (i, sh) in cfg.shares.iter().enumerate() {
+            daemons.0.push(start_virtiofsd(&cfg, &paths, i, sh).await?);
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -481,6 +644,7 @@ impl Vm {
             binary: cfg.qemu_binary.clone(),
             source,
         })?;
+        let daemons = std::mem::take(&mut daemons.0);
         let pid = child.id();
         let start_time = proc_start_time(pid).map(|(t, _)| t).unwrap_or(0);
         let state = VmState {
@@ -497,11 +661,20 @@ impl Vm {
                 .map(|(i, d)| (d.clone(), boot_port_id(i)))
                 .collect(),
             hotplug_ports: (0..cfg.hotplug_ports).map(hotplug_port_id).collect(),
+            virtiofsd: daemons
+                .iter()
+                .map(|d| DaemonRef {
+                    pid: d.id(),
+                    start_time: proc_start_time(d.id()).map(|(t, _)| t).unwrap_or(0),
+                })
+                .collect(),
+            shares: cfg.shares.clone(),
         };
         let mut vm = Vm {
             state,
             paths,
             child: Some(child),
+            daemons,
             owned: true,
             exit: None,
         };
@@ -556,6 +729,7 @@ impl Vm {
             state,
             paths,
             child: None,
+            daemons: Vec::new(),
             owned: false,
             exit: None,
         })
@@ -579,6 +753,10 @@ impl Vm {
 
     pub fn agent_socket(&self) -> &Path {
         &self.paths.agent_socket
+    }
+
+    pub fn stdio_socket(&self) -> &Path {
+        &self.paths.stdio_socket
     }
 
     pub fn console_log(&self) -> &Path {
@@ -631,28 +809,92 @@ impl Vm {
         if self.exit.is_some() {
             return self.exit;
         }
-        let exit = match &mut self.child {
+        let mut exit = match &mut self.child {
             Some(c) => match c.try_wait() {
                 Ok(Some(st)) => Some(VmExit {
                     code: st.code(),
                     signal: st.signal(),
+                    virtiofsd_died: false,
                 }),
                 Ok(None) => None,
                 Err(_) => Some(VmExit {
                     code: None,
                     signal: None,
+                    virtiofsd_died: false,
                 }),
             },
             None => (!is_our_qemu(&self.state, &self.paths)).then_some(VmExit {
                 code: None,
                 signal: None,
+                virtiofsd_died: false,
             }),
         };
+        if exit.is_none() && self.virtiofsd_gone() {
+            // The guest's shares no longer answer: end the VM rather than
+            // leave its file accesses hanging.
+            self.kill_qemu();
+            exit = Some(VmExit {
+                code: None,
+                signal: Some(Signal::KILL.as_raw()),
+                virtiofsd_died: true,
+            });
+        }
         if exit.is_some() {
             self.exit = exit;
+            self.stop_daemons();
             self.cleanup_files();
         }
         exit
+    }
+
+    /// Whether a virtiofsd of this VM has exited.
+    fn virtiofsd_gone(&mut self) -> bool {
+        if !self.daemons.is_empty() {
+            return self
+                .daemons
+                .iter_mut()
+                .any(|d| !matches!(d.try_wait(), Ok(None)));
+        }
+        self.state.virtiofsd.iter().any(|d| !d.alive())
+    }
+
+    /// SIGKILLs QEMU (no waiting; poll_exit/kill reap it).
+    fn kill_qemu(&mut self) {
+        match &mut self.child {
+            Some(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            None => {
+                if is_our_qemu(&self.state, &self.paths)
+                    && let Some(pid) = Pid::from_raw(self.state.pid as i32)
+                {
+                    let _ = rustix::process::kill_process(pid, Signal::KILL);
+                }
+            }
+        }
+    }
+
+    /// Kills and reaps the virtiofsd daemons (they also exit by themselves
+    /// once QEMU closes their socket).
+    fn stop_daemons(&mut self) {
+        for d in &mut self.daemons {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        self.daemons.clear();
+        for d in &self.state.virtiofsd {
+            if d.alive()
+                && let Some(pid) = Pid::from_raw(d.pid as i32)
+            {
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+        }
+    }
+
+    /// Pids of the VM's virtiofsd daemons.
+    pub fn virtiofsd_pids(&self) -> Vec<u32> {
+        self.state.virtiofsd.iter().map(|d| d.pid).collect()
     }
 
     /// Whether QEMU is still running.
@@ -688,6 +930,7 @@ impl Vm {
             self.exit = Some(VmExit {
                 code: st.code(),
                 signal: st.signal(),
+                virtiofsd_died: false,
             });
         } else {
             if let Some(pid) = Pid::from_raw(self.state.pid as i32) {
@@ -706,8 +949,10 @@ impl Vm {
             self.exit = Some(VmExit {
                 code: None,
                 signal: Some(Signal::KILL.as_raw()),
+                virtiofsd_died: false,
             });
         }
+        self.stop_daemons();
         self.cleanup_files();
         Ok(())
     }
@@ -718,6 +963,7 @@ impl Vm {
         self.owned = false;
         // Dropping a std Child neither kills nor waits.
         self.child = None;
+        self.daemons.clear();
         self.state.pid
     }
 
@@ -726,10 +972,14 @@ impl Vm {
         for f in [
             &self.paths.qmp_socket,
             &self.paths.agent_socket,
+            &self.paths.stdio_socket,
             &self.paths.pid_file,
             &self.paths.state_file,
         ] {
             let _ = std::fs::remove_file(f);
+        }
+        for i in 0..self.state.shares.len() {
+            let _ = std::fs::remove_file(self.paths.fs_socket(i));
         }
     }
 }
@@ -757,7 +1007,12 @@ mod tests {
             readonly: true,
         });
         cfg.hotplug_ports = 2;
+        cfg.max_memory_mib = 2048;
         cfg.kernel_cmdline_extra = vec!["foo=bar".into()];
+        cfg.shares.push(ShareSpec {
+            tag: "pod".into(),
+            dir: "/srv".into(),
+        });
         let paths = RunPaths::new(&cfg.run_dir);
         let a = qemu_args(&cfg, ResolvedAccel::Tcg, &paths);
         let joined = a.join(" ");
@@ -772,6 +1027,12 @@ mod tests {
             "pcie-root-port,id=crust-hp0,chassis=2",
             "pcie-root-port,id=crust-hp1,chassis=3",
             "foo=bar",
+            "memory-backend-memfd,id=crust-mem,size=256M,share=on",
+            "-numa node,memdev=crust-mem",
+            "-m 256M,slots=8,maxmem=2048M",
+            "memhp_default_state=online",
+            "socket,id=crust-fs0,path=/run/x,,y/fs0.sock",
+            "vhost-user-fs-pci,chardev=crust-fs0,tag=pod",
         ] {
             assert!(joined.contains(want), "missing {want:?} in {joined}");
         }

@@ -1,0 +1,351 @@
+//! Containers in the guest: several per guest (the containers of one pod),
+//! each in its own root filesystem (a virtio-fs share) and mount
+//! namespace, with processes whose stdio travels over the stdio port
+//! ([`crate::stdio`]).
+//!
+//! Lifecycle, as the OCI runtime spec has it: [`CreateContainer`] sets up
+//! the rootfs and mounts and leaves the init process waiting before
+//! `exec`; [`StartContainer`] lets it run; [`ExecProcess`] adds a process
+//! to a running container; [`WaitProcess`] reports an exit; once nothing
+//! runs [`RemoveContainer`] frees everything.
+//!
+//! Wire example: `{"id": 4, "op": "create_container", "args": {"id": "c1",
+//! "rootfs": {"tag": "pod", "path": "c1/rootfs"}, "process": {"args":
+//! ["sh"], "stdio": {"stream": 3, "stdout": true}}, "mounts": [{"destination":
+//! "/proc", "source": {"kind": "proc"}}]}}`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::messages::WorkloadUser;
+
+/// Where the virtio-fs share `<tag>` is mounted in the guest:
+/// `/run/crust/shares/<tag>`.
+pub const GUEST_SHARE_ROOT: &str = "/run/crust/shares";
+
+/// A path inside a virtio-fs share: relative, normalized, no `..`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShareRef {
+    pub tag: String,
+    pub path: String,
+}
+
+/// Which streams of a process travel over the stdio port, and under which
+/// stream id (chosen by the host, unique per guest, never 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdioSpec {
+    /// 0: no stdio at all (everything on /dev/null).
+    #[serde(default)]
+    pub stream: u32,
+    #[serde(default)]
+    pub stdin: bool,
+    #[serde(default)]
+    pub stdout: bool,
+    #[serde(default)]
+    pub stderr: bool,
+}
+
+/// An OCI `process.rlimits` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rlimit {
+    /// `RLIMIT_NOFILE`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub soft: u64,
+    pub hard: u64,
+}
+
+/// What runs: the OCI `process` of a container or an exec.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ProcessSpec {
+    /// argv; `args[0]` is looked up in the process's `PATH`.
+    pub args: Vec<String>,
+    /// `KEY=VALUE`; exactly the environment of the process.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory inside the container (created if missing); `/`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub user: Option<WorkloadUser>,
+    #[serde(default)]
+    pub rlimits: Vec<Rlimit>,
+    /// A pseudo-terminal as stdin/stdout/stderr (stderr merges into stdout).
+    #[serde(default)]
+    pub terminal: bool,
+    #[serde(default)]
+    pub no_new_privileges: bool,
+    #[serde(default)]
+    pub stdio: StdioSpec,
+}
+
+/// The source of a container mount.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MountSource {
+    /// A file or directory of a virtio-fs share (bind mount).
+    Share(ShareRef),
+    /// A deferred volume mounted by MountVolume, or a subPath of it.
+    Volume {
+        volume: String,
+        #[serde(default)]
+        subpath: Option<String>,
+    },
+    /// The pod's shared memory (one tmpfs per guest, for `/dev/shm`).
+    PodShm,
+    Tmpfs,
+    Proc,
+    Sysfs,
+    Devpts,
+    Mqueue,
+    Cgroup,
+}
+
+/// One mount of the container, in OCI order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerMount {
+    /// Absolute path in the container.
+    pub destination: String,
+    pub source: MountSource,
+    #[serde(default)]
+    pub readonly: bool,
+    /// Other OCI options: `nosuid`, `nodev`, `noexec`, and for tmpfs,
+    /// devpts and mqueue their data options (`size=`, `mode=`, ...).
+    #[serde(default)]
+    pub options: Vec<String>,
+}
+
+/// Create a container: mount namespace, rootfs, mounts; the init process
+/// waits before `exec` until [`StartContainer`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateContainer {
+    /// `[A-Za-z0-9._-]`, at most 128 bytes.
+    pub id: String,
+    pub rootfs: ShareRef,
+    #[serde(default)]
+    pub rootfs_readonly: bool,
+    pub process: ProcessSpec,
+    #[serde(default)]
+    pub mounts: Vec<ContainerMount>,
+    /// OCI `linux.maskedPaths` / `linux.readonlyPaths`.
+    #[serde(default)]
+    pub masked_paths: Vec<String>,
+    #[serde(default)]
+    pub readonly_paths: Vec<String>,
+    /// The container's memory limit in the guest (cgroup `memory.max`).
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    /// Raw block devices (Kubernetes `volumeDevices`), hot-plugged first.
+    #[serde(default)]
+    pub devices: Vec<BlockDevice>,
+}
+
+/// A hot-plugged virtio-blk disk made a device node in the container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockDevice {
+    /// virtio-blk serial of the disk.
+    pub serial: String,
+    /// Absolute path of the node in the container (e.g. `/dev/xvda`).
+    pub path: String,
+    /// Permission bits of the node (OCI `fileMode`), default 0660.
+    #[serde(default)]
+    pub mode: Option<u32>,
+    #[serde(default)]
+    pub uid: Option<u32>,
+    #[serde(default)]
+    pub gid: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessReply {
+    /// Guest pid.
+    pub pid: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartContainer {
+    pub id: String,
+}
+
+/// Start one more process in a running container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecProcess {
+    pub container: String,
+    /// `[A-Za-z0-9._-]`, at most 128 bytes, unique in the container.
+    pub exec_id: String,
+    pub process: ProcessSpec,
+}
+
+/// Names a process: the container's init (`exec_id` none) or an exec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessRef {
+    pub container: String,
+    #[serde(default)]
+    pub exec_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalProcess {
+    #[serde(flatten)]
+    pub process: ProcessRef,
+    pub signal: i32,
+    /// Every process of the container (init only).
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// Waits up to `timeout_ms` for the process to exit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaitProcess {
+    #[serde(flatten)]
+    pub process: ProcessRef,
+    pub timeout_ms: u64,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessExit {
+    pub pid: u32,
+    /// Exit status, or 128+signal when killed (what containerd reports).
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaitReply {
+    /// None: still running when the timeout passed.
+    pub exited: Option<ProcessExit>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloseStdin {
+    #[serde(flatten)]
+    pub process: ProcessRef,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResizePty {
+    #[serde(flatten)]
+    pub process: ProcessRef,
+    pub width: u16,
+    pub height: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerPids {
+    pub id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PidsReply {
+    pub pids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerStats {
+    pub id: String,
+}
+
+/// From the container's cgroup in the guest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerStatsReply {
+    pub memory_bytes: u64,
+    pub memory_limit_bytes: Option<u64>,
+    pub cpu_usage_ns: u64,
+    pub pids: u64,
+}
+
+/// Kill whatever still runs, undo the mounts, forget the container.
+/// Unknown ids are a success (idempotent).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoveContainer {
+    pub id: String,
+}
+
+/// The guest's memory as its kernel sees it (`/proc/meminfo`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestInfo {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestInfoReply {
+    pub mem_total_bytes: u64,
+    pub cpus: u32,
+    pub kernel_release: String,
+}
+
+/// Checks a container or exec id.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Checks a share-relative path: relative, no empty, `.` or `..` component.
+pub fn valid_share_path(p: &str) -> bool {
+    !p.is_empty()
+        && !p.starts_with('/')
+        && !p.contains('\0')
+        && p.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn create_container_wire_shape() {
+        let v = json!({
+            "id": "c1",
+            "rootfs": {"tag": "pod", "path": "c1/rootfs"},
+            "process": {"args": ["sh"], "stdio": {"stream": 3, "stdout": true}},
+            "mounts": [
+                {"destination": "/proc", "source": {"kind": "proc"}},
+                {"destination": "/data", "source": {"kind": "volume", "volume": "v1", "subpath": "a"}, "readonly": true},
+                {"destination": "/etc/hosts", "source": {"kind": "share", "tag": "pod", "path": "c1/m0"}}
+            ]
+        });
+        let c: CreateContainer = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(c.process.stdio.stream, 3);
+        assert!(!c.process.terminal);
+        assert_eq!(c.mounts[0].source, MountSource::Proc);
+        assert_eq!(
+            c.mounts[1].source,
+            MountSource::Volume {
+                volume: "v1".into(),
+                subpath: Some("a".into())
+            }
+        );
+        let back = serde_json::to_value(&c).unwrap();
+        assert_eq!(back["mounts"][2]["source"]["kind"], "share");
+        let sig = SignalProcess {
+            process: ProcessRef {
+                container: "c".into(),
+                exec_id: Some("e".into()),
+            },
+            signal: 9,
+            all: false,
+        };
+        assert_eq!(
+            serde_json::to_value(&sig).unwrap(),
+            json!({"container": "c", "exec_id": "e", "signal": 9, "all": false})
+        );
+    }
+
+    #[test]
+    fn ids_and_paths() {
+        for ok in ["c1", "a.b_c-d", &"x".repeat(128)] {
+            assert!(valid_id(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(!valid_id(bad), "{bad}");
+        }
+        assert!(valid_share_path("c1/rootfs"));
+        for bad in ["", "/abs", "a/../b", "a//b", "./a", "a/."] {
+            assert!(!valid_share_path(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! One cgroup v2 group per container in the guest (`/sys/fs/cgroup/<id>`):
+//! memory limit, the process list (Pids), usage (Stats), and killing every
+//! process of a container at once (`cgroup.kill`), which stands in for the
+//! end of a PID namespace when the container's init exits.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crust_agent_proto::ContainerStatsReply;
+
+pub const ROOT: &str = "/sys/fs/cgroup";
+
+/// Mounts cgroup2 on [`ROOT`] and enables the controllers the containers
+/// use. Idempotent.
+pub fn init_root() -> Result<(), String> {
+    let root = Path::new(ROOT);
+    if !root.join("cgroup.controllers").exists() {
+        std::fs::create_dir_all(root).map_err(|e| format!("mkdir {ROOT}: {e}"))?;
+        rustix::mount::mount(
+            "cgroup2",
+            ROOT,
+            "cgroup2",
+            rustix::mount::MountFlags::NOSUID
+                | rustix::mount::MountFlags::NODEV
+                | rustix::mount::MountFlags::NOEXEC,
+            None,
+        )
+        .map_err(|e| format!("mount cgroup2 on {ROOT}: {e}"))?;
+    }
+    let available = std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+    let wanted: Vec<String> = ["memory", "pids", "cpu"]
+        .iter()
+        .filter(|c| available.split_whitespace().any(|a| a == **c))
+        .map(|c| format!("+{c}"))
+        .collect();
+    if !wanted.is_empty() {
+        std::fs::write(root.join("cgroup.subtree_control"), wanted.join(" "))
+            .map_err(|e| format!("enabling controllers {wanted:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+pub fn path(id: &str) -> PathBuf {
+    Path::new(ROOT).join(id)
+}
+
+/// Creates the group of container `id`, with `memory.max` when given.
+pub fn create(id: &str, memory_limit: Option<u64>) -> Result<PathBuf, String> {
+    let p = path(id);
+    match std::fs::create_dir(&p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("mkdir {}: {e}", p.display())),
+    }
+    if let Some(limit) = memory_limit {
+        std::fs::write(p.join("memory.max"), limit.to_string())
+            .map_err(|e| format!("memory.max of {id}: {e}"))?;
+    }
+    Ok(p)
+}
+
+/// Pids in the group.
+pub fn pids(id: &str) -> Vec<u32> {
+    std::fs::read_to_string(path(id).join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// SIGKILLs every process of the group.
+pub fn kill_all(id: &str) {
+    let p = path(id);
+    if std::fs::write(p.join("cgroup.kill"), "1").is_err() {
+        // Kernels before 5.14: signal one by one.
+        for pid in pids(id) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+/// Kills what is left and removes the group (waits up to `wait` for the
+/// processes to be gone).
+pub fn remove(id: &str, wait: Duration) {
+    let p = path(id);
+    if !p.exists() {
+        return;
+    }
+    kill_all(id);
+    let until = Instant::now() + wait;
+    while !pids(id).is_empty() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = std::fs::remove_dir(&p);
+}
+
+fn read_u64(p: &Path) -> Option<u64> {
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+pub fn stats(id: &str) -> ContainerStatsReply {
+    let p = path(id);
+    let cpu_usec = std::fs::read_to_string(p.join("cpu.stat"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("usage_usec ")?.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    ContainerStatsReply {
+        memory_bytes: read_u64(&p.join("memory.current")).unwrap_or(0),
+        memory_limit_bytes: read_u64(&p.join("memory.max")),
+        cpu_usage_ns: cpu_usec * 1000,
+        pids: read_u64(&p.join("pids.current")).unwrap_or(pids(id).len() as u64),
+    }
+}

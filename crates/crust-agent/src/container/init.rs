@@ -1,0 +1,500 @@
+//! The container init helper: the agent binary re-executed as
+//! `crust-agent __container-init` becomes the container's process. It
+//! reads its [`InitSpec`] from the sync socket (fd number in
+//! `CRUST_INIT_SYNC`), builds the container's view (a private mount
+//! namespace, the rootfs bind, the OCI mounts, masked and read-only paths,
+//! the cgroup), chroots into it, takes on the user, rlimits and terminal,
+//! and `exec`s the process.
+//!
+//! Why chroot and not pivot_root: the guest runs from its initramfs
+//! (rootfs), which cannot be pivoted away from. The VM is the pod's
+//! isolation boundary; inside it, each container gets its own mount
+//! namespace so its mounts are its own.
+//!
+//! Sync protocol (a socketpair, close-on-exec in the helper):
+//! agent → helper: the spec as one JSON line. A new container then answers
+//! `ready\n` (or an error line) and waits for one byte from the agent
+//! before `exec`; an exec process goes straight on. A successful `exec`
+//! closes the socket (EOF); a failure writes `{"error": "..."}` first.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit};
+use rustix::fs::{Mode, OFlags};
+use rustix::mount::{MountFlags, MountPropagationFlags};
+use rustix::process::{Gid, Resource, Uid};
+use serde::{Deserialize, Serialize};
+
+use super::rootfs::{self, Leaf};
+use crate::destination::proc_fd;
+
+/// argv[1] that selects the helper.
+pub const INIT_ARG: &str = "__container-init";
+/// Environment variable naming the sync socket's fd.
+pub const SYNC_ENV: &str = "CRUST_INIT_SYNC";
+
+/// What the helper does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InitSpec {
+    pub mode: InitMode,
+    /// Cgroup directory to join.
+    pub cgroup: Option<PathBuf>,
+    pub process: ProcessSpec,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InitMode {
+    /// A new container.
+    Create {
+        /// Guest path of the rootfs source (inside a share).
+        rootfs: PathBuf,
+        /// Empty directory the rootfs is bound on (in the new namespace).
+        mountpoint: PathBuf,
+        rootfs_readonly: bool,
+        mounts: Vec<ContainerMount>,
+        masked_paths: Vec<String>,
+        readonly_paths: Vec<String>,
+        /// (guest device node, container path, mode, uid, gid).
+        #[serde(default)]
+        devices: Vec<DeviceNode>,
+    },
+    /// Join the container whose init runs as `init_pid`.
+    Exec { init_pid: u32 },
+}
+
+/// A block device node to create in the container.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceNode {
+    /// The guest's node, e.g. `/dev/vdc` (its device number is copied).
+    pub source: PathBuf,
+    pub path: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Devices every container's `/dev` gets when it is a fresh tmpfs.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+fn err<E: std::fmt::Display>(what: impl std::fmt::Display) -> impl FnOnce(E) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// The helper's `main`. Never returns.
+pub fn main() -> ! {
+    let fd: i32 = match std::env::var(SYNC_ENV).ok().and_then(|v| v.parse().ok()) {
+        Some(fd) if fd > 2 => fd,
+        _ => {
+            eprintln!("{INIT_ARG}: {SYNC_ENV} is not set");
+            std::process::exit(125);
+        }
+    };
+    // SAFETY: the agent passed this fd to us and nothing else owns it.
+    let sync = unsafe { OwnedFd::from_raw_fd(fd) };
+    let _ = rustix::io::fcntl_setfd(&sync, rustix::io::FdFlags::CLOEXEC);
+    let mut sync = UnixStream::from(sync);
+    let fail = |sync: &mut UnixStream, msg: String| -> ! {
+        let line = serde_json::json!({ "error": msg }).to_string();
+        let _ = sync.write_all(format!("{line}\n").as_bytes());
+        std::process::exit(126);
+    };
+    let mut line = String::new();
+    let read = BufReader::new(&mut sync).read_line(&mut line);
+    let spec: InitSpec = match read
+        .map_err(|e| e.to_string())
+        .and_then(|_| serde_json::from_str(&line).map_err(|e| e.to_string()))
+    {
+        Ok(s) => s,
+        Err(e) => fail(&mut sync, format!("reading the init spec: {e}")),
+    };
+    let wait_start = matches!(spec.mode, InitMode::Create { .. });
+    if let Err(e) = setup(&spec) {
+        fail(&mut sync, e);
+    }
+    if wait_start {
+        if sync.write_all(b"ready\n").is_err() {
+            std::process::exit(126);
+        }
+        let mut b = [0u8; 1];
+        match sync.read(&mut b) {
+            Ok(1) => {}
+            // The agent gave up on this container.
+            _ => std::process::exit(126),
+        }
+    }
+    let e = command(&spec.process).exec();
+    fail(
+        &mut sync,
+        format!(
+            "exec {:?}: {e}",
+            spec.process.args.first().cloned().unwrap_or_default()
+        ),
+    )
+}
+
+fn command(p: &ProcessSpec) -> std::process::Command {
+    let mut cmd = std::process::Command::new(&p.args[0]);
+    cmd.args(&p.args[1..]).env_clear();
+    if !p.env.iter().any(|kv| kv.starts_with("PATH=")) {
+        cmd.env("PATH", crate::process::PATH);
+    }
+    for kv in &p.env {
+        if let Some((k, v)) = kv.split_once('=') {
+            cmd.env(k, v);
+        }
+    }
+    cmd
+}
+
+/// Everything between the agent's fork and the process's `exec`.
+fn setup(spec: &InitSpec) -> Result<(), String> {
+    let root: OwnedFd = match &spec.mode {
+        InitMode::Create {
+            rootfs,
+            mountpoint,
+            rootfs_readonly,
+            mounts,
+            masked_paths,
+            readonly_paths,
+            devices,
+        } => {
+            // SAFETY: single-threaded process; no fd table is unshared.
+            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
+                .map_err(err("unshare(CLONE_NEWNS)"))?;
+            rustix::mount::mount_change(
+                "/",
+                MountPropagationFlags::PRIVATE | MountPropagationFlags::REC,
+            )
+            .map_err(err("making / private"))?;
+            rustix::mount::mount_bind_recursive(rootfs, mountpoint)
+                .map_err(err(format!("binding the rootfs {}", rootfs.display())))?;
+            let root = open_dir(mountpoint)?;
+            for m in mounts {
+                mount_one(&root, m).map_err(|e| format!("mount {}: {e}", m.destination))?;
+            }
+            for d in devices {
+                make_device(&root, d).map_err(|e| format!("device {}: {e}", d.path))?;
+            }
+            for p in masked_paths {
+                mask(&root, p)?;
+            }
+            for p in readonly_paths {
+                readonly(&root, p)?;
+            }
+            if *rootfs_readonly {
+                rustix::mount::mount_remount(
+                    mountpoint.as_path(),
+                    MountFlags::BIND | MountFlags::RDONLY,
+                    "",
+                )
+                .map_err(err("read-only rootfs"))?;
+            }
+            open_dir(mountpoint)?
+        }
+        InitMode::Exec { init_pid } => {
+            let ns = rustix::fs::open(
+                format!("/proc/{init_pid}/ns/mnt").as_str(),
+                OFlags::RDONLY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(err("the container's mount namespace"))?;
+            let root = open_dir(Path::new(&format!("/proc/{init_pid}/root")))?;
+            rustix::thread::move_into_link_name_space(
+                ns.as_fd(),
+                Some(rustix::thread::LinkNameSpaceType::Mount),
+            )
+            .map_err(err("setns into the container"))?;
+            root
+        }
+    };
+    if let Some(cg) = &spec.cgroup {
+        std::fs::write(cg.join("cgroup.procs"), "0")
+            .map_err(err(format!("joining cgroup {}", cg.display())))?;
+    }
+    rustix::process::fchdir(&root).map_err(err("chdir to the rootfs"))?;
+    rustix::process::chroot(".").map_err(err("chroot"))?;
+    drop(root);
+    enter_process(&spec.process)
+}
+
+fn open_dir(p: &Path) -> Result<OwnedFd, String> {
+    rustix::fs::open(
+        p,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(err(format!("open {}", p.display())))
+}
+
+/// cwd, terminal, rlimits, user, no_new_privs: inside the root, before
+/// `exec`.
+fn enter_process(p: &ProcessSpec) -> Result<(), String> {
+    let cwd = p.cwd.as_deref().unwrap_or("/");
+    if !cwd.starts_with('/') {
+        return Err(format!("cwd {cwd:?} must be absolute"));
+    }
+    // runc creates a missing cwd; so do we (as root, before the user switch).
+    std::fs::create_dir_all(cwd).map_err(err(format!("creating cwd {cwd}")))?;
+    std::env::set_current_dir(cwd).map_err(err(format!("chdir {cwd}")))?;
+    if p.terminal {
+        rustix::process::setsid().map_err(err("setsid"))?;
+        rustix::process::ioctl_tiocsctty(std::io::stdin()).map_err(err("TIOCSCTTY"))?;
+    }
+    for r in &p.rlimits {
+        set_rlimit(r)?;
+    }
+    if let Some(u) = &p.user {
+        let groups: Vec<Gid> = u
+            .supplemental_gids
+            .iter()
+            .map(|g| Gid::from_raw(*g))
+            .collect();
+        rustix::thread::set_thread_groups(&groups).map_err(err("setgroups"))?;
+        rustix::thread::set_thread_gid(Gid::from_raw(u.gid)).map_err(err("setgid"))?;
+        rustix::thread::set_thread_uid(Uid::from_raw(u.uid)).map_err(err("setuid"))?;
+    }
+    if p.no_new_privileges {
+        rustix::thread::set_no_new_privs(true).map_err(err("no_new_privs"))?;
+    }
+    Ok(())
+}
+
+pub fn resource(name: &str) -> Option<Resource> {
+    Some(match name {
+        "RLIMIT_CPU" => Resource::Cpu,
+        "RLIMIT_FSIZE" => Resource::Fsize,
+        "RLIMIT_DATA" => Resource::Data,
+        "RLIMIT_STACK" => Resource::Stack,
+        "RLIMIT_CORE" => Resource::Core,
+        "RLIMIT_RSS" => Resource::Rss,
+        "RLIMIT_NPROC" => Resource::Nproc,
+        "RLIMIT_NOFILE" => Resource::Nofile,
+        "RLIMIT_MEMLOCK" => Resource::Memlock,
+        "RLIMIT_AS" => Resource::As,
+        "RLIMIT_LOCKS" => Resource::Locks,
+        "RLIMIT_SIGPENDING" => Resource::Sigpending,
+        "RLIMIT_MSGQUEUE" => Resource::Msgqueue,
+        "RLIMIT_NICE" => Resource::Nice,
+        "RLIMIT_RTPRIO" => Resource::Rtprio,
+        "RLIMIT_RTTIME" => Resource::Rttime,
+        _ => return None,
+    })
+}
+
+fn set_rlimit(r: &Rlimit) -> Result<(), String> {
+    let res = resource(&r.kind).ok_or_else(|| format!("unknown rlimit {:?}", r.kind))?;
+    let lim = |v: u64| (v != u64::MAX).then_some(v);
+    rustix::process::setrlimit(
+        res,
+        rustix::process::Rlimit {
+            current: lim(r.soft),
+            maximum: lim(r.hard),
+        },
+    )
+    .map_err(err(format!("setrlimit {}", r.kind)))
+}
+
+/// Splits OCI mount options into flags and the data string.
+pub fn split_options(readonly: bool, options: &[String]) -> (MountFlags, String) {
+    let mut flags = MountFlags::empty();
+    if readonly {
+        flags |= MountFlags::RDONLY;
+    }
+    let mut data = Vec::new();
+    for o in options {
+        match o.as_str() {
+            "ro" => flags |= MountFlags::RDONLY,
+            "nosuid" => flags |= MountFlags::NOSUID,
+            "nodev" => flags |= MountFlags::NODEV,
+            "noexec" => flags |= MountFlags::NOEXEC,
+            "rw" | "suid" | "dev" | "exec" | "bind" | "rbind" | "private" | "rprivate"
+            | "slave" | "rslave" | "shared" | "rshared" | "relatime" | "norelatime"
+            | "strictatime" | "noatime" | "nosymfollow" => {}
+            other => data.push(other.to_string()),
+        }
+    }
+    (flags, data.join(","))
+}
+
+fn mount_one(root: &OwnedFd, m: &ContainerMount) -> Result<(), String> {
+    let (flags, data) = split_options(m.readonly, &m.options);
+    let fs = |root: &OwnedFd, fstype: &str, source: &str| -> Result<(), String> {
+        let target = rootfs::open(root, &m.destination, Leaf::Directory)?;
+        let data_c = std::ffi::CString::new(data.clone()).map_err(err("mount options"))?;
+        rustix::mount::mount(
+            source,
+            proc_fd(&target).as_path(),
+            fstype,
+            flags,
+            (!data.is_empty()).then_some(data_c.as_c_str()),
+        )
+        .map_err(err(format!("mount -t {fstype}")))
+    };
+    match &m.source {
+        MountSource::Share(s) => {
+            let src = crate::container::share_path(s)?;
+            bind(root, &src, &m.destination, flags)
+        }
+        MountSource::Volume { volume, subpath } => {
+            let vroot = crate::volume::mount_path(volume);
+            let vfd = open_dir(&vroot)
+                .map_err(|e| format!("volume {volume:?} is not mounted in the guest ({e})"))?;
+            let mode = rustix::fs::fstat(&vfd)
+                .map(|s| s.st_mode & 0o7777)
+                .unwrap_or(0o755);
+            let src = crate::subpath::open_beneath(
+                &vfd,
+                subpath.as_deref().unwrap_or(""),
+                true,
+                Mode::from_raw_mode(mode),
+            )
+            .map_err(|e| e.to_string())?;
+            bind(root, &proc_fd(&src), &m.destination, flags)
+        }
+        MountSource::PodShm => bind(root, Path::new(super::POD_SHM), &m.destination, flags),
+        MountSource::Tmpfs => {
+            fs(root, "tmpfs", "tmpfs")?;
+            if m.destination.trim_end_matches('/') == "/dev" {
+                populate_dev(root)?;
+            }
+            Ok(())
+        }
+        MountSource::Proc => fs(root, "proc", "proc"),
+        MountSource::Sysfs => fs(root, "sysfs", "sysfs"),
+        MountSource::Devpts => fs(root, "devpts", "devpts"),
+        MountSource::Mqueue => fs(root, "mqueue", "mqueue"),
+        MountSource::Cgroup => {
+            let target = rootfs::open(root, &m.destination, Leaf::Directory)?;
+            rustix::mount::mount(
+                "cgroup2",
+                proc_fd(&target).as_path(),
+                "cgroup2",
+                flags | MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+                None,
+            )
+            .map_err(err("mount -t cgroup2"))
+        }
+    }
+}
+
+/// Binds `src` (a path in the guest, or `/proc/self/fd/N`) on `dest` in the
+/// container; read-only (and nosuid/nodev/noexec) by a remount.
+fn bind(root: &OwnedFd, src: &Path, dest: &str, flags: MountFlags) -> Result<(), String> {
+    let st = std::fs::metadata(src).map_err(err(format!("source {}", src.display())))?;
+    let leaf = if st.is_dir() {
+        Leaf::Directory
+    } else {
+        Leaf::File
+    };
+    let target = rootfs::open(root, dest, leaf)?;
+    rustix::mount::mount_bind_recursive(src, proc_fd(&target).as_path())
+        .map_err(err("bind mount"))?;
+    let extra =
+        flags & (MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC);
+    if !extra.is_empty() {
+        // Reopen: the fd still names the directory under the new mount.
+        let mounted = rootfs::open_existing(root, dest)?
+            .ok_or_else(|| format!("{dest} vanished after the bind"))?;
+        rustix::mount::mount_remount(proc_fd(&mounted).as_path(), MountFlags::BIND | extra, "")
+            .map_err(err("remounting the bind with its options"))?;
+    }
+    Ok(())
+}
+
+/// A fresh `/dev` tmpfs gets the standard devices (bound from the guest's
+/// devtmpfs) and the `/proc/self/fd` links.
+fn populate_dev(root: &OwnedFd) -> Result<(), String> {
+    for d in DEVICES {
+        bind(
+            root,
+            &Path::new("/dev").join(d),
+            &format!("/dev/{d}"),
+            MountFlags::empty(),
+        )?;
+    }
+    let dev = rootfs::open(root, "/dev", Leaf::Directory)?;
+    let dev = open_dir(&proc_fd(&dev))?;
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        match rustix::fs::symlinkat(target, &dev, name) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("/dev/{name}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Creates a block device node with the guest disk's device number.
+fn make_device(root: &OwnedFd, d: &DeviceNode) -> Result<(), String> {
+    let st = rustix::fs::stat(&d.source).map_err(err(format!("{}", d.source.display())))?;
+    let comps = rootfs::components(&d.path)?;
+    let (name, dirs) = comps.split_last().ok_or("empty device path")?;
+    let parent = rootfs::open(root, &format!("/{}", dirs.join("/")), Leaf::Directory)?;
+    let parent = open_dir(&proc_fd(&parent))?;
+    let _ = rustix::fs::unlinkat(&parent, name.as_str(), rustix::fs::AtFlags::empty());
+    rustix::fs::mknodat(
+        &parent,
+        name.as_str(),
+        rustix::fs::FileType::BlockDevice,
+        Mode::from_raw_mode(d.mode & 0o7777),
+        st.st_rdev,
+    )
+    .map_err(err("mknod"))?;
+    rustix::fs::chownat(
+        &parent,
+        name.as_str(),
+        Some(Uid::from_raw(d.uid)),
+        Some(Gid::from_raw(d.gid)),
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .map_err(err("chown"))
+}
+
+/// OCI maskedPaths: a directory gets an empty read-only tmpfs, a file
+/// `/dev/null`; a missing path is left alone (as runc does).
+fn mask(root: &OwnedFd, p: &str) -> Result<(), String> {
+    let Some(fd) = rootfs::open_existing(root, p)? else {
+        return Ok(());
+    };
+    let st = rustix::fs::fstat(&fd).map_err(err(format!("masked path {p}")))?;
+    let target = proc_fd(&fd);
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory {
+        rustix::mount::mount("tmpfs", target.as_path(), "tmpfs", MountFlags::RDONLY, None)
+    } else {
+        rustix::mount::mount_bind(Path::new("/dev/null"), target.as_path())
+    }
+    .map_err(err(format!("masking {p}")))
+}
+
+/// OCI readonlyPaths: bound on themselves, then remounted read-only.
+fn readonly(root: &OwnedFd, p: &str) -> Result<(), String> {
+    let Some(fd) = rootfs::open_existing(root, p)? else {
+        return Ok(());
+    };
+    let target = proc_fd(&fd);
+    rustix::mount::mount_bind_recursive(target.as_path(), target.as_path())
+        .map_err(err(format!("read-only path {p}")))?;
+    let Some(fd) = rootfs::open_existing(root, p)? else {
+        return Ok(());
+    };
+    rustix::mount::mount_remount(
+        proc_fd(&fd).as_path(),
+        MountFlags::BIND
+            | MountFlags::RDONLY
+            | MountFlags::NOSUID
+            | MountFlags::NODEV
+            | MountFlags::NOEXEC,
+        "",
+    )
+    .map_err(err(format!("read-only path {p}")))
+}

@@ -1,0 +1,177 @@
+//! Container mount destinations, resolved as the container will see them.
+//!
+//! Unlike the single-workload binds (`crate::destination`, which refuse
+//! every symlink), a container's destination is looked up inside its own
+//! root with `openat2(RESOLVE_IN_ROOT)`: images carry symlinks such as
+//! `/var/run -> /run` that kubelet's mounts (the service-account token at
+//! `/var/run/secrets/...`) must go through, and the kernel keeps every
+//! step, `..` and absolute symlinks included, inside the container's root.
+//! Nothing outside that root (the guest's own tools, other containers) can
+//! be reached.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Component, Path};
+
+use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+
+/// What the mounted thing is, and so what the destination must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leaf {
+    Directory,
+    File,
+}
+
+fn open_in(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
+    let path = if path.is_empty() { "." } else { path };
+    loop {
+        match rustix::fs::openat2(
+            root,
+            path,
+            flags | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Err(Errno::AGAIN) | Err(Errno::INTR) => continue,
+            other => return other,
+        }
+    }
+}
+
+/// The normal components of an absolute destination (`..` refused).
+pub fn components(dest: &str) -> Result<Vec<String>, String> {
+    let p = Path::new(dest);
+    if !p.is_absolute() {
+        return Err(format!("destination {dest:?} must be absolute"));
+    }
+    let mut out = Vec::new();
+    for c in p.components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(n) => out.push(
+                n.to_str()
+                    .ok_or_else(|| format!("destination {dest:?} is not UTF-8"))?
+                    .to_string(),
+            ),
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(format!("destination {dest:?} must not contain '..'"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Opens (`O_PATH`) `dest` below `root` as the container sees it, creating
+/// missing directories (0755) and, for a file leaf, an empty file.
+pub fn open(root: &impl AsFd, dest: &str, leaf: Leaf) -> Result<OwnedFd, String> {
+    let comps = components(dest)?;
+    let err = |op: &str, e: Errno| format!("destination {dest}: {op}: {e}");
+    for i in 0..comps.len() {
+        let prefix = comps[..=i].join("/");
+        let last = i + 1 == comps.len();
+        match open_in(root, &prefix, OFlags::PATH) {
+            Ok(fd) if !last => {
+                let st = rustix::fs::fstat(&fd).map_err(|e| err("stat", e))?;
+                if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+                    return Err(format!(
+                        "destination {dest}: /{prefix} is not a directory in the container"
+                    ));
+                }
+            }
+            Ok(_) => {}
+            Err(Errno::NOENT) => {
+                let parent = open_in(
+                    root,
+                    &comps[..i].join("/"),
+                    OFlags::PATH | OFlags::DIRECTORY,
+                )
+                .map_err(|e| err("open parent", e))?;
+                let name = &comps[i];
+                let made = if last && leaf == Leaf::File {
+                    rustix::fs::openat(
+                        &parent,
+                        name.as_str(),
+                        OFlags::CREATE | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                        Mode::from_raw_mode(0o644),
+                    )
+                    .map(drop)
+                } else {
+                    rustix::fs::mkdirat(&parent, name.as_str(), Mode::from_raw_mode(0o755))
+                };
+                match made {
+                    Ok(()) | Err(Errno::EXIST) => {}
+                    // A dangling symlink in the way: creating through it
+                    // is refused by NOFOLLOW/mkdirat.
+                    Err(e) => return Err(err("create", e)),
+                }
+            }
+            Err(e) => return Err(err("open", e)),
+        }
+    }
+    let fd = open_in(root, &comps.join("/"), OFlags::PATH).map_err(|e| err("open", e))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| err("stat", e))?;
+    let is_dir = FileType::from_raw_mode(st.st_mode) == FileType::Directory;
+    match (leaf, is_dir) {
+        (Leaf::Directory, false) => Err(format!(
+            "destination {dest} is a file, but a directory is mounted there"
+        )),
+        (Leaf::File, true) => Err(format!(
+            "destination {dest} is a directory, but a file is mounted there"
+        )),
+        _ => Ok(fd),
+    }
+}
+
+/// Opens an existing `dest` below `root` without creating anything.
+pub fn open_existing(root: &impl AsFd, dest: &str) -> Result<Option<OwnedFd>, String> {
+    let comps = components(dest)?;
+    match open_in(root, &comps.join("/"), OFlags::PATH) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::NOENT) => Ok(None),
+        Err(e) => Err(format!("{dest}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn root(dir: &Path) -> OwnedFd {
+        rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap()
+    }
+
+    fn path_of(fd: &OwnedFd) -> std::path::PathBuf {
+        std::fs::read_link(crate::destination::proc_fd(fd)).unwrap()
+    }
+
+    #[test]
+    fn symlinks_are_followed_inside_the_root_only() {
+        let t = tempfile::tempdir().unwrap();
+        let r = t.path().join("root");
+        std::fs::create_dir_all(r.join("run")).unwrap();
+        std::fs::create_dir_all(r.join("var")).unwrap();
+        symlink("/run", r.join("var/run")).unwrap();
+        symlink("/", r.join("up")).unwrap();
+        symlink("../../../..", r.join("dots")).unwrap();
+        let outside = t.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let rfd = root(&r);
+
+        // /var/run/secrets lands in the root's /run, created on the way.
+        let fd = open(&rfd, "/var/run/secrets/token", Leaf::Directory).unwrap();
+        assert_eq!(path_of(&fd), r.join("run/secrets/token"));
+        // Absolute and climbing symlinks stay in the root.
+        let fd = open(&rfd, "/up/outside", Leaf::Directory).unwrap();
+        assert_eq!(path_of(&fd), r.join("outside"));
+        let fd = open(&rfd, "/dots/x", Leaf::File).unwrap();
+        assert_eq!(path_of(&fd), r.join("x"));
+        assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+        // Kinds must match.
+        assert!(open(&rfd, "/x", Leaf::Directory).is_err());
+        assert!(open(&rfd, "/run", Leaf::File).is_err());
+        assert!(open(&rfd, "relative", Leaf::File).is_err());
+        assert!(open(&rfd, "/a/../b", Leaf::File).is_err());
+        assert!(open_existing(&rfd, "/nope").unwrap().is_none());
+    }
+}

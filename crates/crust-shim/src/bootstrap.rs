@@ -1,0 +1,349 @@
+//! The shim binary's three lives, as containerd runs it:
+//!
+//! * `start` (cwd = the bundle): finds the pod the container belongs to
+//!   (CRI annotations), returns the address of that pod's running shim, or
+//!   starts one and returns its address, in the caller's format
+//!   ([`crate::start_reply`]);
+//! * no action, `-socket ADDR`: the long-lived shim serving the task API
+//!   (v2 and v3) on ADDR until Shutdown;
+//! * `delete` (after the shim died): releases what the dead shim held and
+//!   prints a `DeleteResponse`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, anyhow, bail};
+use containerd_shim::Flags;
+use containerd_shim::asynchronous::ExitSignal;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim::protos::protobuf::{Message, MessageField};
+use containerd_shim::protos::shim_async::create_task;
+use containerd_shim::protos::ttrpc::r#async::Server;
+use crust_runtime::discovery::Discovery;
+use crust_runtime::sandbox::SandboxStore;
+
+use crate::config::ShimConfig;
+use crate::pod::{Pod, unmount_tree};
+use crate::spec::{self, Role};
+use crate::start_reply;
+use crate::task::Service;
+
+/// The ttrpc service names the task service answers under: containerd 1.x
+/// speaks v2, containerd 2.x v3 (same messages, another package name).
+pub const TASK_SERVICES: [&str; 2] = ["containerd.task.v2.Task", "containerd.task.v3.Task"];
+
+/// Runs the action `argv` names; the process exit code.
+pub fn main() -> i32 {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let flags = match containerd_shim::parse(&args) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("containerd-shim-crust-v2: {e}");
+            return 2;
+        }
+    };
+    if flags.version {
+        println!("containerd-shim-crust-v2 {}", env!("CARGO_PKG_VERSION"));
+        return 0;
+    }
+    let res = match flags.action.as_str() {
+        "start" => start(&flags),
+        "delete" => delete(&flags),
+        "" => serve(&flags),
+        other => Err(anyhow!("unknown action {other:?}")),
+    };
+    match res {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("containerd-shim-crust-v2: {e:#}");
+            1
+        }
+    }
+}
+
+/// The pod (grouping) id of the container whose bundle is `bundle`.
+pub fn pod_id(bundle: &Path, id: &str) -> anyhow::Result<String> {
+    let oci = spec::load(bundle)?;
+    Ok(match spec::role(&oci) {
+        Role::Member { sandbox_id } => sandbox_id,
+        Role::PodOwner => id.to_string(),
+    })
+}
+
+fn socket_path(address: &str) -> &str {
+    address.strip_prefix("unix://").unwrap_or(address)
+}
+
+fn alive(address: &str) -> bool {
+    std::os::unix::net::UnixStream::connect(socket_path(address)).is_ok()
+}
+
+fn start(flags: &Flags) -> anyhow::Result<()> {
+    let mut stdin = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut stdin);
+    let caller = start_reply::detect(&stdin, flags);
+    let bundle = std::env::current_dir()?;
+    let pod = pod_id(&bundle, &flags.id)?;
+    let address = match caller.socket_dir() {
+        Some(dir) => start_reply::address_in(dir, &flags.address, &flags.namespace, &pod),
+        None => containerd_shim::socket_address(&flags.address, &flags.namespace, &pod),
+    };
+    if !alive(&address) {
+        spawn_shim(flags, &pod, &address)?;
+    }
+    // containerd 1.x finds the shim again after a restart by this file.
+    std::fs::write(bundle.join("address"), &address).context("writing the address file")?;
+    let out = start_reply::encode(&caller, &address);
+    let mut stdout = std::io::stdout();
+    stdout.write_all(&out)?;
+    stdout.flush()?;
+    Ok(())
+}
+
+/// Starts the serving shim for `pod` in its own session and waits until
+/// it listens on `address`.
+fn spawn_shim(flags: &Flags, pod: &str, address: &str) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "-namespace",
+        &flags.namespace,
+        "-id",
+        pod,
+        "-address",
+        &flags.address,
+        "-publish-binary",
+        &flags.publish_binary,
+        "-socket",
+        address,
+    ]);
+    if flags.debug {
+        cmd.arg("-debug");
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    // SAFETY: setsid only, between fork and exec: the shim outlives this
+    // process and containerd restarts.
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::setsid()?;
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("spawning the shim")?;
+    let out = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    if line.trim() != "ok" {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!(
+            "the shim for pod {pod} failed to start: {}",
+            if line.trim().is_empty() {
+                "no word (see the containerd log)"
+            } else {
+                line.trim()
+            }
+        );
+    }
+    // The shim runs on; its parent (this process) exits and init reaps it.
+    Ok(())
+}
+
+/// Tracing to containerd's shim log FIFO (`log` in the bundle), which
+/// containerd copies into its own log; `CRUST_SHIM_LOG` names a file
+/// instead.
+fn init_logging(debug: bool) {
+    let level = if debug { "debug" } else { "info" };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CRUST_SHIM_LOG_LEVEL")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let file = std::env::var_os("CRUST_SHIM_LOG")
+        .map(PathBuf::from)
+        .and_then(|p| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .ok()
+        })
+        .or_else(|| {
+            // Read-write: the open never blocks on a missing reader.
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("log")
+                .ok()
+        });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false);
+    match file {
+        Some(f) => builder.with_writer(std::sync::Mutex::new(f)).init(),
+        None => builder.with_writer(std::io::sink).init(),
+    }
+}
+
+fn serve(flags: &Flags) -> anyhow::Result<()> {
+    if flags.socket.is_empty() {
+        bail!("no -socket given and no action: nothing to do");
+    }
+    init_logging(flags.debug);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let res = rt.block_on(serve_async(flags));
+    if let Err(e) = &res {
+        tracing::error!("shim: {e:#}");
+    }
+    // Leftover tasks (relays, waiters) must not hold the exit.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    res
+}
+
+/// Tells the parent (`start`) the shim is up, then detaches stdout.
+fn signal_ready() {
+    let mut out = std::io::stdout();
+    let _ = out.write_all(b"ok\n");
+    let _ = out.flush();
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        let _ = rustix::stdio::dup2_stdout(&null);
+    }
+}
+
+async fn serve_async(flags: &Flags) -> anyhow::Result<()> {
+    let cfg = ShimConfig::from_env()?;
+    let ttrpc_address = std::env::var("TTRPC_ADDRESS").context("TTRPC_ADDRESS is not set")?;
+    let path = socket_path(&flags.socket).to_string();
+    if let Some(dir) = Path::new(&path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let listener = match std::os::unix::net::UnixListener::bind(&path) {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            if alive(&path) {
+                // Another shim of this pod won the race; it serves.
+                signal_ready();
+                return Ok(());
+            }
+            std::fs::remove_file(&path)?;
+            std::os::unix::net::UnixListener::bind(&path)?
+        }
+        Err(e) => return Err(e).context(format!("binding {path}")),
+    };
+    rustix::fs::chmod(path.as_str(), rustix::fs::Mode::from_raw_mode(0o600))?;
+    let pod = Arc::new(Pod::new(&flags.id, cfg)?);
+    let publisher = Arc::new(
+        RemotePublisher::new(&ttrpc_address)
+            .await
+            .map_err(|e| anyhow!("connecting to containerd's events at {ttrpc_address}: {e}"))?,
+    );
+    let exit = Arc::new(ExitSignal::default());
+    let service = Arc::new(Service::new(
+        pod.clone(),
+        flags.namespace.clone(),
+        publisher,
+        exit.clone(),
+    ));
+    let mut services = std::collections::HashMap::new();
+    for name in TASK_SERVICES {
+        let mut s = create_task(service.clone());
+        let (_, svc) = s.drain().next().expect("one service");
+        services.insert(name.to_string(), svc);
+    }
+    use std::os::fd::IntoRawFd;
+    let mut server = Server::new()
+        .add_listener(listener.into_raw_fd())?
+        .set_domain_unix()
+        .register_service(services);
+    server.start().await?;
+    signal_ready();
+    tracing::info!("serving pod {} on {}", flags.id, flags.socket);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = exit.wait() => {}
+        _ = term.recv() => {
+            tracing::info!("SIGTERM: ending the pod");
+            pod.teardown().await;
+        }
+    }
+    let _ = server.shutdown().await;
+    let _ = std::fs::remove_file(&path);
+    tracing::info!("shim of pod {} exits", flags.id);
+    Ok(())
+}
+
+/// containerd's cleanup after a shim died: whatever the dead shim's pod
+/// held is released (QEMU killed, claims dropped, share unmounted).
+fn delete(flags: &Flags) -> anyhow::Result<()> {
+    let bundle = if flags.bundle.is_empty() {
+        std::env::current_dir()?
+    } else {
+        PathBuf::from(&flags.bundle)
+    };
+    let cfg = ShimConfig::from_env()?;
+    // The bundle may already be gone; then the container is its own pod.
+    let pod = pod_id(&bundle, &flags.id).unwrap_or_else(|_| flags.id.clone());
+    let store = SandboxStore::new(cfg.runtime.root.clone());
+    let share = store.dir(&pod).join("share");
+    // The dead shim's socket (its address file is in the bundle).
+    if let Ok(address) = std::fs::read_to_string(bundle.join("address"))
+        && !alive(address.trim())
+    {
+        let _ = std::fs::remove_file(socket_path(address.trim()));
+    }
+    if pod == flags.id {
+        cleanup_pod(&cfg, &store, &pod);
+    } else {
+        unmount_tree(&share.join(&flags.id));
+        let _ = std::fs::remove_dir_all(share.join(&flags.id));
+    }
+    let d = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut ts = containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp::new();
+    ts.seconds = d.as_secs() as i64;
+    ts.nanos = d.subsec_nanos() as i32;
+    let resp = containerd_shim::api::DeleteResponse {
+        pid: 0,
+        exit_status: 137,
+        exited_at: MessageField::some(ts),
+        ..Default::default()
+    };
+    std::io::stdout().write_all(&resp.write_to_bytes()?)?;
+    Ok(())
+}
+
+/// Releases a dead shim's pod: kills its QEMU if it still runs, drops its
+/// claims, undoes the share, removes the record.
+pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
+    let Ok(st) = store.load(pod) else {
+        return;
+    };
+    if st
+        .shim
+        .is_some_and(|s| s.alive() && s.pid != std::process::id() as i32)
+    {
+        // Not dead: the serving shim does its own teardown.
+        return;
+    }
+    if let Some(q) = st.qemu.filter(|q| q.alive()) {
+        crust_runtime::runtime::kill_and_wait(q);
+    }
+    if let Ok(d) = Discovery::new(
+        cfg.runtime.crust_root.clone(),
+        cfg.runtime.kata_root.clone(),
+        &cfg.runtime.pods_layer_stop,
+    ) {
+        crust_runtime::claims::release_all(&d, pod, &st.volumes);
+    }
+    let share = store.dir(pod).join("share");
+    unmount_tree(&share);
+    let _ = rustix::mount::unmount(&share, rustix::mount::UnmountFlags::DETACH);
+    let _ = store.remove(pod);
+}

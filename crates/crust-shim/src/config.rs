@@ -1,0 +1,117 @@
+//! The shim's settings: the same `CRUST_RUNTIME_*` variables as
+//! `crust-runtime` (roots, guest image, accelerator, timeouts), inherited
+//! from containerd's environment, plus a few of its own.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use crust_runtime::cli::GlobalOpts;
+use crust_runtime::config::Config;
+
+/// Memory the guest gets on top of its containers' limits: kernel, agent,
+/// page cache for the shares. A RuntimeClass `overhead.podFixed.memory`
+/// should state at least this plus QEMU's and virtiofsd's own RSS (see
+/// the README's benchmark).
+pub const DEFAULT_OVERHEAD_MIB: u32 = 160;
+
+#[derive(Debug, Parser)]
+#[command(name = "containerd-shim-crust-v2", no_binary_name = true)]
+struct EnvOpts {
+    #[command(flatten)]
+    global: GlobalOpts,
+    /// The runtime CLI recorded in hand-off claims (crust_ops runs
+    /// `<cli> crust stats|resize`); default: `crust-runtime` next to the shim.
+    #[arg(long, env = "CRUST_SHIM_RUNTIME_CLI")]
+    runtime_cli: Option<PathBuf>,
+    /// Guest memory beyond the containers' limits.
+    #[arg(long, env = "CRUST_SHIM_MEMORY_OVERHEAD_MIB", default_value_t = DEFAULT_OVERHEAD_MIB)]
+    overhead_mib: u32,
+    /// virtiofsd binary.
+    #[arg(long, env = "CRUST_SHIM_VIRTIOFSD", default_value = "virtiofsd")]
+    virtiofsd: PathBuf,
+    /// Ceiling of a pod's guest memory with hot-added DIMMs.
+    #[arg(long, env = "CRUST_SHIM_MAX_MEMORY_MIB", default_value_t = 8192)]
+    max_memory_mib: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct ShimConfig {
+    pub runtime: Config,
+    pub runtime_cli: String,
+    pub overhead_mib: u32,
+    pub virtiofsd: PathBuf,
+    pub max_memory_mib: u32,
+}
+
+impl ShimConfig {
+    pub fn from_env() -> anyhow::Result<ShimConfig> {
+        let o = EnvOpts::try_parse_from(Vec::<String>::new())?;
+        let runtime_cli = match o.runtime_cli {
+            Some(p) => p,
+            None => std::env::current_exe()?
+                .parent()
+                .map(|d| d.join("crust-runtime"))
+                .unwrap_or_else(|| PathBuf::from("/usr/local/bin/crust-runtime")),
+        };
+        let mut runtime = o.global.config();
+        if std::env::var_os("CRUST_RUNTIME_GUEST_KERNEL").is_none()
+            && std::env::var_os("CRUST_GUEST_DIR").is_none()
+            && let Ok(exe) = std::env::current_exe()
+            && let Some(dir) = exe.parent()
+        {
+            // Installed next to the binaries: <dir>/../guest-image or /usr/share.
+            for d in [
+                dir.join("../guest-image"),
+                PathBuf::from("/usr/share/crust/guest-image"),
+            ] {
+                if d.join("vmlinuz").is_file() {
+                    runtime.guest_kernel = d.join("vmlinuz");
+                    runtime.guest_initrd = d.join("initramfs.cpio.gz");
+                    break;
+                }
+            }
+        }
+        Ok(ShimConfig {
+            runtime,
+            runtime_cli: runtime_cli.to_string_lossy().into_owned(),
+            overhead_mib: o.overhead_mib,
+            virtiofsd: o.virtiofsd,
+            max_memory_mib: o.max_memory_mib,
+        })
+    }
+
+    /// Guest memory for a pod whose containers ask for `limits` bytes in
+    /// total (0: unknown): the limits plus the overhead, at least the
+    /// configured default.
+    pub fn guest_memory_mib(&self, limits: u64) -> u32 {
+        let want = (limits.div_ceil(1 << 20) as u32).saturating_add(self.overhead_mib);
+        if limits == 0 {
+            self.runtime.memory_mib.max(self.overhead_mib)
+        } else {
+            want
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_follows_the_limits() {
+        let mut c = ShimConfig {
+            runtime: EnvOpts::try_parse_from(Vec::<String>::new())
+                .unwrap()
+                .global
+                .config(),
+            runtime_cli: "/x".into(),
+            overhead_mib: 160,
+            virtiofsd: "virtiofsd".into(),
+            max_memory_mib: 8192,
+        };
+        c.runtime.memory_mib = 256;
+        assert_eq!(c.guest_memory_mib(0), 256);
+        assert_eq!(c.guest_memory_mib(512 << 20), 672);
+        assert_eq!(c.guest_memory_mib((512 << 20) + 1), 673);
+    }
+}

@@ -1,0 +1,811 @@
+//! The pod's VM, shared by every container of the pod: booted by the first
+//! container (the CRI sandbox, or a lone `ctr run` container), with one
+//! virtio-fs share for the containers' rootfs and binds, deferred volumes
+//! hot-plugged as virtio-blk, and torn down with the pod.
+//!
+//! The pod is also a crust-runtime sandbox: its `state.json` (shim and
+//! QEMU pids, volumes) lives in the same store and its shim API socket
+//! answers `crust stats|resize`, so the `crust-runtime` CLI that the claim
+//! names serves crust_ops for containerd pods exactly as for its own.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crust_agent_proto::stdio::StdioMux;
+use crust_agent_proto::{AgentClient, ContainerMount, CreateContainer, MountSource, ShareRef};
+use crust_qmp::QmpClient;
+use crust_runtime::bundle::Bundle;
+use crust_runtime::claims::{claim, release_all};
+use crust_runtime::discovery::{Discovery, Volume};
+use crust_runtime::error::RuntimeError;
+use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crust_runtime::shim::Code;
+use crust_runtime::vm::Guest;
+use crust_runtime::volumes;
+use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
+use tokio::sync::watch;
+
+use crate::config::ShimConfig;
+use crate::spec::{ContainerPlan, Planned};
+
+/// The virtio-fs tag of the pod's share.
+pub const SHARE_TAG: &str = "crust-pod";
+/// Grace for the guest to power off after the agent's Shutdown.
+const POWEROFF_WAIT: Duration = Duration::from_secs(15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("{what}: {reason}")]
+    Host { what: String, reason: String },
+    #[error("the pod's VM is not running ({0})")]
+    VmGone(String),
+    #[error("guest agent: {0}")]
+    Agent(#[from] crust_agent_proto::ClientError),
+}
+
+impl PodError {
+    pub fn host(what: impl Into<String>, reason: impl std::fmt::Display) -> PodError {
+        PodError::Host {
+            what: what.into(),
+            reason: reason.to_string(),
+        }
+    }
+
+    pub fn code(&self) -> Code {
+        match self {
+            PodError::Runtime(e) => e.code(),
+            PodError::Host { .. } => Code::Internal,
+            PodError::VmGone(_) => Code::Unavailable,
+            PodError::Agent(e) => volumes::agent_code(e),
+        }
+    }
+}
+
+/// The guest's memory bookkeeping.
+#[derive(Debug, Default)]
+struct Memory {
+    current_mib: u32,
+    dimms: u32,
+    pod_limit: u64,
+    limits: HashMap<String, u64>,
+}
+
+/// A booted pod VM.
+pub struct PodVm {
+    pub guest: Guest,
+    pub qmp: QmpClient,
+    pub agent: AgentClient,
+    pub stdio: StdioMux,
+    /// Some(reason) once QEMU has exited.
+    pub exit: watch::Receiver<Option<String>>,
+}
+
+/// One pod: the VM, its share, its volumes, its sandbox state.
+pub struct Pod {
+    pub id: String,
+    pub cfg: ShimConfig,
+    store: SandboxStore,
+    discovery: Discovery,
+    vm: tokio::sync::RwLock<Option<Arc<PodVm>>>,
+    boot: tokio::sync::Mutex<()>,
+    state: Mutex<Option<SandboxState>>,
+    next_stream: AtomicU32,
+    buses: Mutex<Vec<String>>,
+    /// Volume id -> the volume, once plugged and mounted in the guest.
+    plugged: tokio::sync::Mutex<HashMap<String, Volume>>,
+    /// The guest's memory and what the containers ask of it.
+    memory: tokio::sync::Mutex<Memory>,
+    /// Serials of hot-plugged raw block devices.
+    devices: tokio::sync::Mutex<Vec<String>>,
+    /// Stops the crust shim API server.
+    api_stop: Mutex<Option<watch::Sender<bool>>>,
+}
+
+impl Pod {
+    pub fn new(id: &str, cfg: ShimConfig) -> Result<Pod, PodError> {
+        let discovery = Discovery::new(
+            cfg.runtime.crust_root.clone(),
+            cfg.runtime.kata_root.clone(),
+            &cfg.runtime.pods_layer_stop,
+        )
+        .map_err(RuntimeError::from)?;
+        Ok(Pod {
+            id: id.to_string(),
+            store: SandboxStore::new(cfg.runtime.root.clone()),
+            discovery,
+            cfg,
+            vm: Default::default(),
+            boot: Default::default(),
+            state: Mutex::new(None),
+            next_stream: AtomicU32::new(1),
+            buses: Mutex::new(Vec::new()),
+            plugged: Default::default(),
+            memory: Default::default(),
+            devices: Default::default(),
+            api_stop: Mutex::new(None),
+        })
+    }
+
+    pub fn store(&self) -> &SandboxStore {
+        &self.store
+    }
+
+    pub fn share_dir(&self) -> PathBuf {
+        self.store.dir(&self.id).join("share")
+    }
+
+    /// A fresh stdio stream id.
+    pub fn stream(&self) -> u32 {
+        self.next_stream.fetch_add(1, Ordering::SeqCst)
+    }
+
+    pub async fn vm(&self) -> Result<Arc<PodVm>, PodError> {
+        let vm = self.vm.read().await.clone();
+        match vm {
+            Some(v) => {
+                let gone = v.exit.borrow().clone();
+                match gone {
+                    Some(r) => Err(PodError::VmGone(r)),
+                    None => Ok(v),
+                }
+            }
+            None => Err(PodError::VmGone("not booted".into())),
+        }
+    }
+
+    pub async fn booted(&self) -> Option<Arc<PodVm>> {
+        self.vm.read().await.clone()
+    }
+
+    pub fn snapshot(&self) -> Option<SandboxState> {
+        self.state.lock().expect("state").clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut SandboxState)) {
+        let mut g = self.state.lock().expect("state");
+        if let Some(st) = g.as_mut() {
+            f(st);
+            if let Err(e) = self.store.save(st) {
+                tracing::error!("saving the pod state: {e}");
+            }
+        }
+    }
+
+    /// Boots the pod's VM (once): sandbox record, share, virtiofsd, QEMU,
+    /// agent. `memory_mib` is the guest's memory.
+    pub async fn boot(
+        self: &Arc<Self>,
+        bundle: &Path,
+        memory_mib: u32,
+        cpus: u32,
+        cgroup: Option<&crate::cgroup::Placement>,
+    ) -> Result<Arc<PodVm>, PodError> {
+        let _g = self.boot.lock().await;
+        if let Some(v) = self.vm.read().await.clone() {
+            return Ok(v);
+        }
+        self.create_record(bundle)?;
+        self.serve_api()?;
+        let res = self.launch(memory_mib, cpus, cgroup).await;
+        match res {
+            Ok(vm) => {
+                *self.vm.write().await = Some(vm.clone());
+                Ok(vm)
+            }
+            Err(e) => {
+                self.update(|s| {
+                    s.status = Status::Stopped;
+                    s.reason = Some(e.to_string());
+                });
+                self.stop_api();
+                self.remove_share();
+                let _ = self.store.remove(&self.id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Serves the crust shim API on the pod's `shim.sock`.
+    fn serve_api(self: &Arc<Self>) -> Result<(), PodError> {
+        let listener = crust_runtime::shim::bind(&self.store.socket(&self.id))
+            .map_err(|e| PodError::host("binding the crust shim API socket", e))?;
+        let (tx, _) = watch::channel(false);
+        *self.api_stop.lock().expect("api") = Some(tx.clone());
+        tokio::spawn(crust_runtime::shim::serve(
+            listener,
+            Arc::new(crate::shimapi::PodApi(self.clone())),
+            tx,
+        ));
+        Ok(())
+    }
+
+    fn stop_api(&self) {
+        if let Some(tx) = self.api_stop.lock().expect("api").take() {
+            let _ = tx.send(true);
+        }
+    }
+
+    fn create_record(&self, bundle: &Path) -> Result<(), PodError> {
+        // A record left by a shim of this pod that died is ours to replace.
+        if self.store.exists(&self.id) {
+            let old = self.store.load(&self.id).ok();
+            if old.as_ref().is_some_and(|s| s.holds_volumes()) {
+                return Err(RuntimeError::new(
+                    Code::AlreadyExists,
+                    format!("pod {} already runs a VM", self.id),
+                )
+                .into());
+            }
+            let _ = self.store.remove(&self.id);
+        }
+        self.store.create(&self.id).map_err(RuntimeError::from)?;
+        let mut st = SandboxState {
+            oci_version: crust_runtime::sandbox::OCI_VERSION.into(),
+            id: self.id.clone(),
+            status: Status::Creating,
+            pid: None,
+            bundle: bundle.to_path_buf(),
+            shim: Some(ProcRef::current()),
+            qemu: None,
+            accel: None,
+            volumes: Vec::new(),
+            mounts: Vec::new(),
+            skipped_mounts: Vec::new(),
+            exit_status: None,
+            reason: None,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            annotations: Default::default(),
+        };
+        st.annotations.insert(
+            "io.crust.front-door".into(),
+            "containerd-shim-crust-v2".into(),
+        );
+        self.store.save(&st).map_err(RuntimeError::from)?;
+        *self.state.lock().expect("state") = Some(st);
+        Ok(())
+    }
+
+    /// The share directory: a shared mount point, so binds made below it
+    /// later reach virtiofsd's own mount namespace.
+    fn make_share(&self) -> Result<PathBuf, PodError> {
+        let share = self.share_dir();
+        std::fs::create_dir_all(&share).map_err(|e| PodError::host("creating the share", e))?;
+        rustix::mount::mount_bind(&share, &share)
+            .map_err(|e| PodError::host("binding the share", e))?;
+        rustix::mount::mount_change(&share, MountPropagationFlags::SHARED)
+            .map_err(|e| PodError::host("making the share shared", e))?;
+        Ok(share)
+    }
+
+    fn remove_share(&self) {
+        let share = self.share_dir();
+        unmount_tree(&share);
+        let _ = rustix::mount::unmount(&share, UnmountFlags::DETACH);
+        let _ = std::fs::remove_dir_all(&share);
+    }
+
+    async fn launch(
+        &self,
+        memory_mib: u32,
+        cpus: u32,
+        cgroup: Option<&crate::cgroup::Placement>,
+    ) -> Result<Arc<PodVm>, PodError> {
+        let share = self.make_share()?;
+        let rt = &self.cfg.runtime;
+        let mut vc = Guest::config(rt, &self.store.vm_dir(&self.id), &self.id);
+        vc.memory_mib = memory_mib;
+        vc.cpus = cpus;
+        vc.max_memory_mib = self.cfg.max_memory_mib.max(memory_mib);
+        {
+            let mut m = self.memory.lock().await;
+            m.current_mib = memory_mib;
+        }
+        vc.shares = vec![crust_vmm::ShareSpec {
+            tag: SHARE_TAG.into(),
+            dir: share,
+        }];
+        vc.virtiofsd_binary = self.cfg.virtiofsd.clone();
+        let guest = Guest::launch_config(vc, rt.boot_timeout).await?;
+        if let Some(cg) = cgroup {
+            let mut pids = vec![guest.proc_ref().pid];
+            pids.extend(guest.virtiofsd().iter().map(|d| d.pid));
+            if let Err(e) = cg.enter(&pids) {
+                guest.kill().await;
+                return Err(PodError::host("placing QEMU in the pod's cgroup", e));
+            }
+        }
+        self.update(|s| {
+            s.qemu = Some(guest.proc_ref());
+            s.pid = Some(guest.proc_ref().pid);
+            s.accel = Some(guest.accel_choice());
+        });
+        let qmp = match QmpClient::connect(guest.qmp_socket(), rt.timeout).await {
+            Ok(q) => q,
+            Err(e) => {
+                guest.kill().await;
+                return Err(PodError::host("QMP", e));
+            }
+        };
+        let agent = AgentClient::with_timeout(guest.agent_socket(), rt.timeout);
+        if let Err(e) = agent.wait_ready(rt.boot_timeout).await {
+            let ctx = guest.console_tail();
+            guest.kill().await;
+            return Err(PodError::host(
+                "the guest agent did not come up",
+                format!("{e} ({ctx})"),
+            ));
+        }
+        let (exit_tx, exit) = watch::channel(None);
+        guest.set_exit_notifier(exit_tx);
+        *self.buses.lock().expect("buses") = guest.hotplug_buses();
+        let stdio = StdioMux::new(guest.stdio_socket());
+        self.update(|s| s.status = Status::Running);
+        Ok(Arc::new(PodVm {
+            guest,
+            qmp,
+            agent,
+            stdio,
+            exit,
+        }))
+    }
+
+    /// Prepares the host side of one container (rootfs and binds in the
+    /// share, deferred volumes plugged) and returns the guest request.
+    /// On failure undoes its own host changes.
+    pub async fn prepare(
+        &self,
+        vm: &PodVm,
+        cid: &str,
+        bundle: &Path,
+        plan: &ContainerPlan,
+        rootfs: &[containerd_shim_protos::api::Mount],
+    ) -> Result<CreateContainer, PodError> {
+        let dir = self.share_dir().join(cid);
+        let res = self
+            .prepare_inner(vm, cid, &dir, bundle, plan, rootfs)
+            .await;
+        if res.is_err() {
+            unmount_tree(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        res
+    }
+
+    async fn prepare_inner(
+        &self,
+        vm: &PodVm,
+        cid: &str,
+        dir: &Path,
+        bundle: &Path,
+        plan: &ContainerPlan,
+        rootfs: &[containerd_shim_protos::api::Mount],
+    ) -> Result<CreateContainer, PodError> {
+        // Deferred volumes first: reads records only, claims nothing yet.
+        let mut b = Bundle::load(bundle).map_err(RuntimeError::from)?;
+        // A later mount on the same destination covers an earlier one.
+        let dests: Vec<String> = b.mounts.iter().map(|m| m.destination.clone()).collect();
+        let mut i = 0;
+        b.mounts.retain(|_| {
+            i += 1;
+            !dests[i..].contains(&dests[i - 1])
+        });
+        let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
+        std::fs::create_dir_all(dir.join("rootfs")).map_err(|e| PodError::host("share dir", e))?;
+        mount_rootfs(&dir.join("rootfs"), rootfs, &plan.root_path)?;
+        let mut mounts = Vec::new();
+        for (i, m) in plan.mounts.iter().enumerate() {
+            match m {
+                Planned::Guest(g) => mounts.push(g.clone()),
+                Planned::HostBind {
+                    destination,
+                    source,
+                    readonly,
+                    options,
+                } => {
+                    if let Some(w) = vplan.mounts.iter().find(|w| &w.destination == destination) {
+                        mounts.push(ContainerMount {
+                            destination: destination.clone(),
+                            source: MountSource::Volume {
+                                volume: w.volume.clone(),
+                                subpath: (!w.subpath.is_empty()).then(|| w.subpath.clone()),
+                            },
+                            readonly: *readonly || w.readonly,
+                            options: options.clone(),
+                        });
+                        continue;
+                    }
+                    let name = format!("m{i}");
+                    bind_into_share(source, &dir.join(&name))?;
+                    mounts.push(ContainerMount {
+                        destination: destination.clone(),
+                        source: MountSource::Share(ShareRef {
+                            tag: SHARE_TAG.into(),
+                            path: format!("{cid}/{name}"),
+                        }),
+                        readonly: *readonly,
+                        options: options.clone(),
+                    });
+                }
+            }
+        }
+        for v in &vplan.volumes {
+            self.plug(vm, v).await?;
+        }
+        let mut devices = Vec::new();
+        for d in &plan.devices {
+            let serial = self.plug_device(vm, d).await?;
+            devices.push(crust_agent_proto::BlockDevice {
+                serial,
+                path: d.path.clone(),
+                mode: d.mode,
+                uid: d.uid,
+                gid: d.gid,
+            });
+        }
+        Ok(CreateContainer {
+            id: cid.to_string(),
+            rootfs: ShareRef {
+                tag: SHARE_TAG.into(),
+                path: format!("{cid}/rootfs"),
+            },
+            rootfs_readonly: plan.rootfs_readonly,
+            process: plan.process.clone(),
+            mounts,
+            masked_paths: plan.masked_paths.clone(),
+            readonly_paths: plan.readonly_paths.clone(),
+            memory_limit_bytes: plan.memory_limit,
+            devices,
+        })
+    }
+
+    /// Claims, hot-plugs and mounts a deferred volume once per pod.
+    async fn plug(&self, vm: &PodVm, v: &Volume) -> Result<(), PodError> {
+        let mut plugged = self.plugged.lock().await;
+        if plugged.contains_key(&v.id) {
+            return Ok(());
+        }
+        // Recorded before the claim, so a crash leaves it releasable.
+        self.update(|s| {
+            if !s.volumes.iter().any(|o| o.id == v.id) {
+                s.volumes.push(v.clone());
+            }
+        });
+        let forget = |me: &Pod| me.update(|s| s.volumes.retain(|o| o.id != v.id));
+        if let Err(e) = claim(
+            &self.discovery,
+            &self.store,
+            &self.id,
+            v,
+            &self.cfg.runtime_cli,
+        ) {
+            forget(self);
+            return Err(e.into());
+        }
+        let bus = self.buses.lock().expect("buses").pop();
+        let Some(bus) = bus else {
+            release_all(&self.discovery, &self.id, std::slice::from_ref(v));
+            forget(self);
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                "no free hot-plug slot left in the pod's VM",
+            )
+            .into());
+        };
+        let res = async {
+            volumes::attach(&vm.qmp, v, Some(&bus)).await?;
+            if let Err(e) = volumes::mount(&vm.agent, v, self.cfg.runtime.boot_timeout).await {
+                let _ = volumes::detach(&vm.qmp, v).await;
+                return Err(e);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = res {
+            self.buses.lock().expect("buses").push(bus);
+            release_all(&self.discovery, &self.id, std::slice::from_ref(v));
+            forget(self);
+            return Err(RuntimeError::from(e).into());
+        }
+        plugged.insert(v.id.clone(), v.clone());
+        Ok(())
+    }
+
+    /// Makes the guest's memory cover the pod's: the overhead plus the
+    /// larger of the pod's own limit and its containers' limits, adding a
+    /// DIMM (memfd, shared with virtiofsd) when it does not. Never shrinks.
+    pub async fn reserve_memory(
+        &self,
+        vm: &PodVm,
+        cid: &str,
+        limit: Option<u64>,
+        pod_limit: Option<u64>,
+    ) -> Result<(), PodError> {
+        let mut m = self.memory.lock().await;
+        if let Some(l) = limit {
+            m.limits.insert(cid.to_string(), l);
+        }
+        if let Some(p) = pod_limit {
+            m.pod_limit = m.pod_limit.max(p);
+        }
+        let wanted = m.limits.values().sum::<u64>().max(m.pod_limit);
+        let needed = (wanted.div_ceil(1 << 20) as u32).saturating_add(self.cfg.overhead_mib);
+        if needed <= m.current_mib {
+            return Ok(());
+        }
+        // Hot-plugged memory comes in 128 MiB blocks on x86-64.
+        let add = (needed - m.current_mib).div_ceil(128) * 128;
+        if m.dimms >= crust_vmm::MEMORY_SLOTS || m.current_mib + add > self.cfg.max_memory_mib {
+            return Err(RuntimeError::new(
+                Code::FailedPrecondition,
+                format!(
+                    "pod {} needs {needed} MiB of guest memory; it has {} MiB and can grow to {} MiB",
+                    self.id, m.current_mib, self.cfg.max_memory_mib
+                ),
+            )
+            .into());
+        }
+        let n = m.dimms;
+        let mem_id = format!("crust-dimm-mem{n}");
+        vm.qmp
+            .execute(
+                "object-add",
+                serde_json::json!({
+                    "qom-type": "memory-backend-memfd",
+                    "id": mem_id,
+                    "size": (add as u64) << 20,
+                    "share": true,
+                }),
+            )
+            .await
+            .map_err(|e| PodError::host("adding guest memory", e))?;
+        if let Err(e) = vm
+            .qmp
+            .execute(
+                "device_add",
+                serde_json::json!({"driver": "pc-dimm", "id": format!("crust-dimm{n}"), "memdev": mem_id}),
+            )
+            .await
+        {
+            let _ = vm.qmp.execute("object-del", serde_json::json!({"id": mem_id})).await;
+            return Err(PodError::host("plugging a memory DIMM", e));
+        }
+        m.dimms += 1;
+        m.current_mib += add;
+        tracing::info!(
+            "pod {}: guest memory {} MiB (+{add} MiB)",
+            self.id,
+            m.current_mib
+        );
+        Ok(())
+    }
+
+    /// A container left: its limit no longer counts (memory stays).
+    pub async fn forget_memory(&self, cid: &str) {
+        self.memory.lock().await.limits.remove(cid);
+    }
+
+    /// Hot-plugs the host block device `d` names (by major:minor, as the
+    /// OCI spec gives it) once per pod; returns its virtio-blk serial.
+    async fn plug_device(
+        &self,
+        vm: &PodVm,
+        d: &crate::spec::HostDevice,
+    ) -> Result<String, PodError> {
+        let host = host_block_device(d.major, d.minor)?;
+        let key = format!("dev:{}", host.display());
+        let id: String = {
+            use sha2::Digest;
+            sha2::Sha256::digest(key.as_bytes())
+                .iter()
+                .take(6)
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let serial = format!("crustd{id}");
+        let mut plugged = self.devices.lock().await;
+        if plugged.contains(&serial) {
+            return Ok(serial);
+        }
+        let bus = self.buses.lock().expect("buses").pop().ok_or_else(|| {
+            PodError::from(RuntimeError::new(
+                Code::FailedPrecondition,
+                "no free hot-plug slot left in the pod's VM",
+            ))
+        })?;
+        let node = format!("crustd-{id}");
+        let res = async {
+            vm.qmp.blockdev_add_file(&node, &host, false).await?;
+            if let Err(e) = vm
+                .qmp
+                .device_add_virtio_blk(&format!("vblkd-{id}"), &node, &serial, Some(&bus))
+                .await
+            {
+                let _ = vm.qmp.blockdev_del(&node).await;
+                return Err(e);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = res {
+            self.buses.lock().expect("buses").push(bus);
+            return Err(PodError::host(
+                format!("hot-plugging {}", host.display()),
+                e,
+            ));
+        }
+        plugged.push(serial.clone());
+        Ok(serial)
+    }
+
+    /// Undoes a container's host side (its rootfs and binds in the share).
+    pub fn release_container(&self, cid: &str) {
+        let dir = self.share_dir().join(cid);
+        unmount_tree(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    pub async fn volumes(&self) -> Vec<Volume> {
+        self.plugged.lock().await.values().cloned().collect()
+    }
+
+    /// Unmounts the volumes in the guest, powers it off (or kills it),
+    /// releases the claims, removes the share and the sandbox record.
+    /// Idempotent.
+    pub async fn teardown(&self) {
+        let _g = self.boot.lock().await;
+        let vm = self.vm.write().await.take();
+        let vols: Vec<Volume> = self.snapshot().map(|s| s.volumes).unwrap_or_default();
+        if let Some(vm) = &vm {
+            if vm.exit.borrow().is_none() {
+                for v in &vols {
+                    if let Err(e) = volumes::unmount(&vm.agent, v, self.cfg.runtime.timeout).await {
+                        tracing::warn!("{e}");
+                    }
+                }
+                if let Err(e) = vm.agent.shutdown().await {
+                    tracing::warn!("agent shutdown: {e}");
+                }
+                if !vm.guest.wait_exit(POWEROFF_WAIT).await {
+                    let _ = tokio::time::timeout(self.cfg.runtime.timeout, vm.qmp.quit()).await;
+                    if !vm.guest.wait_exit(Duration::from_secs(5)).await {
+                        vm.guest.kill().await;
+                    }
+                }
+            } else {
+                vm.guest.kill().await;
+            }
+        }
+        release_all(&self.discovery, &self.id, &vols);
+        self.plugged.lock().await.clear();
+        self.update(|s| s.status = Status::Stopped);
+        self.stop_api();
+        self.remove_share();
+        let _ = self.store.remove(&self.id);
+        *self.state.lock().expect("state") = None;
+    }
+
+    /// After QEMU died on its own: the record says so, which makes the
+    /// claims stale (another pod may take the volumes; stats answer
+    /// "not running"); Delete releases them for good.
+    pub async fn vm_died(&self, reason: &str) {
+        self.update(|s| {
+            s.status = Status::Stopped;
+            s.reason = Some(format!("QEMU exited ({reason})"));
+        });
+    }
+}
+
+/// The host block device node with number `major:minor`.
+fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
+    let uevent = format!("/sys/dev/block/{major}:{minor}/uevent");
+    let name = std::fs::read_to_string(&uevent)
+        .ok()
+        .and_then(|u| {
+            u.lines()
+                .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_owned))
+        })
+        .ok_or_else(|| {
+            PodError::from(RuntimeError::new(
+                Code::InvalidArgument,
+                format!("no host block device {major}:{minor}"),
+            ))
+        })?;
+    let path = Path::new("/dev").join(name);
+    if !crust_blockdev::is_block_device(&path) {
+        return Err(RuntimeError::new(
+            Code::InvalidArgument,
+            format!("{} is not a block device", path.display()),
+        )
+        .into());
+    }
+    Ok(path)
+}
+
+/// Mounts the container's rootfs (the snapshotter's mounts, usually one
+/// overlay) at `target`; with no mounts, binds `root_path`.
+fn mount_rootfs(
+    target: &Path,
+    rootfs: &[containerd_shim_protos::api::Mount],
+    root_path: &Path,
+) -> Result<(), PodError> {
+    if rootfs.is_empty() {
+        return rustix::mount::mount_bind_recursive(root_path, target)
+            .map_err(|e| PodError::host(format!("binding rootfs {}", root_path.display()), e));
+    }
+    if rootfs.len() > 1 {
+        return Err(PodError::host(
+            "rootfs",
+            format!("{} rootfs mounts; one is supported", rootfs.len()),
+        ));
+    }
+    let m = &rootfs[0];
+    let (flags, data) = split_mount_options(&m.options);
+    match m.type_.as_str() {
+        "bind" | "rbind" => rustix::mount::mount_bind_recursive(m.source.as_str(), target)
+            .map_err(|e| PodError::host("binding the rootfs", e)),
+        typ => {
+            let data =
+                std::ffi::CString::new(data).map_err(|e| PodError::host("rootfs options", e))?;
+            rustix::mount::mount(m.source.as_str(), target, typ, flags, Some(data.as_c_str()))
+                .map_err(|e| PodError::host(format!("mounting the {typ} rootfs"), e))
+        }
+    }
+}
+
+fn split_mount_options(opts: &[String]) -> (MountFlags, String) {
+    let mut flags = MountFlags::empty();
+    let mut data = Vec::new();
+    for o in opts {
+        match o.as_str() {
+            "ro" => flags |= MountFlags::RDONLY,
+            "nosuid" => flags |= MountFlags::NOSUID,
+            "nodev" => flags |= MountFlags::NODEV,
+            "noexec" => flags |= MountFlags::NOEXEC,
+            "rw" => {}
+            other => data.push(other.to_string()),
+        }
+    }
+    (flags, data.join(","))
+}
+
+/// Binds host `source` (file or directory) at `target` in the share.
+fn bind_into_share(source: &Path, target: &Path) -> Result<(), PodError> {
+    let meta = std::fs::metadata(source)
+        .map_err(|e| PodError::host(format!("bind mount source {}", source.display()), e))?;
+    if meta.is_dir() {
+        std::fs::create_dir_all(target).map_err(|e| PodError::host("share dir", e))?;
+    } else {
+        std::fs::File::create(target).map_err(|e| PodError::host("share file", e))?;
+    }
+    rustix::mount::mount_bind_recursive(source, target)
+        .map_err(|e| PodError::host(format!("binding {} into the share", source.display()), e))
+}
+
+/// Lazily unmounts every mount at or below `dir`, deepest first.
+pub fn unmount_tree(dir: &Path) {
+    for _ in 0..3 {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<PathBuf> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(|p| PathBuf::from(p.replace("\\040", " ")))
+            .filter(|p| p.starts_with(dir) && p != dir)
+            .collect();
+        if points.is_empty() {
+            return;
+        }
+        points.sort();
+        points.dedup();
+        for p in points.iter().rev() {
+            let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The pod's crust shim API (`<runtime root>/<pod>/shim.sock`), the same
+//! HTTP surface as crust-runtime's own shim: the `crust-runtime` CLI that a
+//! hand-off claim names (`crust stats|resize`, Kata's `direct-volume
+//! stats|resize`) reaches containerd pods through it. Lifecycle endpoints
+//! belong to containerd here and are refused.
+
+use std::sync::Arc;
+
+use crust_runtime::discovery::Volume;
+use crust_runtime::sandbox::SandboxState;
+use crust_runtime::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
+use crust_runtime::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crust_runtime::volumes;
+
+use crate::pod::Pod;
+
+type ApiResult<T> = Result<T, ApiError>;
+
+pub struct PodApi(pub Arc<Pod>);
+
+impl PodApi {
+    fn managed(&self) -> ApiError {
+        ApiError::new(
+            Code::FailedPrecondition,
+            format!(
+                "pod {} is run by containerd: use the container manager for its lifecycle",
+                self.0.id
+            ),
+        )
+    }
+
+    async fn volume(&self, path: &str) -> ApiResult<Volume> {
+        let vols = self.0.snapshot().map(|s| s.volumes).unwrap_or_default();
+        vols.iter()
+            .find(|v| v.target == path)
+            .or_else(|| {
+                vols.iter()
+                    .find(|v| v.device == path || volumes::guest_path(v) == path)
+            })
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::new(
+                    Code::NotFound,
+                    format!("pod {} has no volume {path}", self.0.id),
+                )
+            })
+    }
+}
+
+impl ShimHandler for PodApi {
+    async fn state(&self) -> ApiResult<SandboxState> {
+        self.0.snapshot().ok_or_else(|| {
+            ApiError::new(Code::NotFound, format!("pod {} has no sandbox", self.0.id))
+        })
+    }
+
+    async fn start(&self) -> ApiResult<SandboxState> {
+        Err(self.managed())
+    }
+
+    async fn kill(&self, _signal: i32) -> ApiResult<()> {
+        Err(self.managed())
+    }
+
+    async fn shutdown(&self) -> ApiResult<()> {
+        Err(self.managed())
+    }
+
+    async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
+        let v = self.volume(&path).await?;
+        let vm = match self.0.vm().await {
+            Ok(vm) => vm,
+            Err(e) => {
+                return Ok(VolumeStats::abnormal(format!(
+                    "pod {} is not running ({e})",
+                    self.0.id
+                )));
+            }
+        };
+        Ok(volumes::stats(&vm.agent, &v, self.0.cfg.runtime.timeout).await?)
+    }
+
+    async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
+        let v = self.volume(&req.volume_path).await?;
+        let vm = self
+            .0
+            .vm()
+            .await
+            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
+        let capacity_bytes = volumes::resize(
+            &vm.qmp,
+            &vm.agent,
+            &v,
+            req.size,
+            req.max_bytes,
+            self.0.cfg.runtime.boot_timeout,
+        )
+        .await?;
+        Ok(ResizeResponse { capacity_bytes })
+    }
+
+    async fn add_volume(&self, _volume_path: String) -> ApiResult<Volume> {
+        Err(self.managed())
+    }
+
+    async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
+        let vm = self
+            .0
+            .vm()
+            .await
+            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
+        let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
+        let r = vm
+            .agent
+            .call_with_timeout(
+                crust_agent_proto::Exec {
+                    args: req.args,
+                    env: req.env,
+                    timeout_ms: timeout.as_millis() as u64,
+                },
+                timeout + self.0.cfg.runtime.timeout,
+            )
+            .await
+            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("exec: {e}")))?;
+        Ok(ExecResponse {
+            exit_code: r.exit_code,
+            stdout: r.stdout,
+            stderr: r.stderr,
+        })
+    }
+
+    async fn logs(&self) -> ApiResult<LogsResponse> {
+        Err(self.managed())
+    }
+}

@@ -1,0 +1,480 @@
+//! From a container's OCI spec to what the guest runs: the process, and
+//! every mount sorted into where it comes from.
+//!
+//! | OCI mount | in the guest |
+//! |---|---|
+//! | `proc`, `sysfs`, `tmpfs`, `devpts`, `mqueue`, `cgroup(2)` | mounted by the agent in the container's namespace |
+//! | `/dev/shm` (tmpfs, or CRI's bind of the sandbox shm) | the pod's shm tmpfs in the guest |
+//! | bind whose source has a hand-off record (either layout) | the deferred volume, hot-plugged as virtio-blk, with fsGroup/subPath |
+//! | any other bind (`/etc/hosts`, `resolv.conf`, termination-log, configMap, secret, token, emptyDir) | bound into the pod's virtio-fs share, then into the container with the spec's ro/rw |
+//!
+//! Nothing is skipped: an unknown mount type or an OCI feature a VM cannot
+//! honour is an error before anything changes.
+
+use std::path::{Path, PathBuf};
+
+use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit, WorkloadUser};
+use oci_spec::runtime::Spec;
+
+/// CRI annotations naming a container's role and pod.
+pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+/// Pod memory hints: containerd 1.7+ passes the pod's memory limit; crust's
+/// own pod annotation works with every containerd (the CRI config passes
+/// `io.crust.*` pod annotations through `pod_annotations`).
+pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
+pub const CRUST_MEMORY: &str = "io.crust.memory-bytes";
+/// The pod's CPU limit (containerd 1.7+) as a CFS quota and period.
+pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("config.json of {bundle}: {reason}")]
+    Invalid { bundle: String, reason: String },
+    #[error("unsupported in a crust VM: {0}")]
+    Unsupported(String),
+}
+
+/// Which pod a container belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Owns the pod's VM: the CRI sandbox, or a lone container (`ctr run`).
+    PodOwner,
+    /// A container of pod `sandbox_id`, run in that pod's VM.
+    Member { sandbox_id: String },
+}
+
+/// A mount before the host side is prepared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Planned {
+    /// Handled entirely in the guest.
+    Guest(ContainerMount),
+    /// A host path to share into the guest.
+    HostBind {
+        destination: String,
+        source: PathBuf,
+        readonly: bool,
+        options: Vec<String>,
+    },
+}
+
+/// What the guest is asked to run for one container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerPlan {
+    pub role: Role,
+    pub process: ProcessSpec,
+    pub mounts: Vec<Planned>,
+    pub masked_paths: Vec<String>,
+    pub readonly_paths: Vec<String>,
+    pub rootfs_readonly: bool,
+    /// `root.path`, absolute (used when containerd passes no rootfs mounts).
+    pub root_path: PathBuf,
+    pub memory_limit: Option<u64>,
+    /// The pod's memory when the spec says (sandbox annotations).
+    pub pod_memory: Option<u64>,
+    /// vCPUs the CPU limit asks for (the pod's, else the container's own):
+    /// the CFS quota over the period, rounded up.
+    pub cpus: Option<u32>,
+    pub cgroups_path: Option<String>,
+    /// Raw block devices (`linux.devices` of type b: volumeDevices).
+    pub devices: Vec<HostDevice>,
+}
+
+/// A host block device the container gets as a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostDevice {
+    pub path: String,
+    pub major: i64,
+    pub minor: i64,
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+pub fn role(spec: &Spec) -> Role {
+    let a = spec.annotations().clone().unwrap_or_default();
+    match (a.get(CONTAINER_TYPE).map(String::as_str), a.get(SANDBOX_ID)) {
+        (Some("container"), Some(sb)) if !sb.is_empty() => Role::Member {
+            sandbox_id: sb.clone(),
+        },
+        _ => Role::PodOwner,
+    }
+}
+
+/// Reads `<bundle>/config.json`.
+pub fn load(bundle: &Path) -> Result<Spec, SpecError> {
+    let invalid = |reason: String| SpecError::Invalid {
+        bundle: bundle.display().to_string(),
+        reason,
+    };
+    let bytes = std::fs::read(bundle.join("config.json")).map_err(|e| invalid(e.to_string()))?;
+    serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))
+}
+
+fn guest_kind(typ: &str) -> Option<MountSource> {
+    Some(match typ {
+        "proc" => MountSource::Proc,
+        "sysfs" => MountSource::Sysfs,
+        "tmpfs" => MountSource::Tmpfs,
+        "devpts" => MountSource::Devpts,
+        "mqueue" => MountSource::Mqueue,
+        "cgroup" | "cgroup2" => MountSource::Cgroup,
+        _ => return None,
+    })
+}
+
+/// Refuses what a VM runtime cannot honour, naming it.
+fn check_supported(spec: &Spec) -> Result<(), SpecError> {
+    let un = |what: &str| Err(SpecError::Unsupported(what.into()));
+    if let Some(h) = spec.hooks() {
+        let any = [
+            h.prestart().as_ref().is_some_and(|v| !v.is_empty()),
+            h.create_runtime().as_ref().is_some_and(|v| !v.is_empty()),
+            h.create_container().as_ref().is_some_and(|v| !v.is_empty()),
+            h.start_container().as_ref().is_some_and(|v| !v.is_empty()),
+            h.poststart().as_ref().is_some_and(|v| !v.is_empty()),
+            h.poststop().as_ref().is_some_and(|v| !v.is_empty()),
+        ];
+        if any.iter().any(|b| *b) {
+            return un("OCI hooks (they would run on the host, outside the pod's VM)");
+        }
+    }
+    if let Some(p) = spec.process() {
+        if p.apparmor_profile().as_ref().is_some_and(|s| !s.is_empty()) {
+            return un("an AppArmor profile (the guest kernel has no AppArmor)");
+        }
+        if p.selinux_label().as_ref().is_some_and(|s| !s.is_empty()) {
+            return un("an SELinux label (the guest kernel has no SELinux)");
+        }
+    }
+    if let Some(l) = spec.linux() {
+        if l.seccomp().is_some() {
+            return un("a seccomp profile (not enforced in crust guests; the VM is the boundary)");
+        }
+        for ns in l.namespaces().as_deref().unwrap_or_default() {
+            if ns.typ() == oci_spec::runtime::LinuxNamespaceType::User {
+                return un("a user namespace");
+            }
+            if ns.typ() == oci_spec::runtime::LinuxNamespaceType::Network
+                && ns.path().as_ref().is_some_and(|p| {
+                    p.to_str().is_some_and(|s| {
+                        s.starts_with("/var/run/netns") || s.starts_with("/run/netns")
+                    })
+                })
+            {
+                return un("a pod network namespace (CNI); crust pods use hostNetwork");
+            }
+        }
+        for d in l.devices().as_deref().unwrap_or_default() {
+            if d.typ() != oci_spec::runtime::LinuxDeviceType::B {
+                return un(&format!(
+                    "device {} of type {:?} (only block devices, Kubernetes volumeDevices, go into a VM)",
+                    d.path().display(),
+                    d.typ()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The guest's view of an OCI `process` (containers and execs).
+pub fn process_spec(p: &oci_spec::runtime::Process) -> ProcessSpec {
+    let user = p.user();
+    let rlimits = p
+        .rlimits()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|r| Rlimit {
+            kind: serde_json::to_value(r.typ())
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+            soft: r.soft(),
+            hard: r.hard(),
+        })
+        .collect();
+    ProcessSpec {
+        args: p.args().clone().unwrap_or_default(),
+        env: p.env().clone().unwrap_or_default(),
+        cwd: Some(p.cwd().to_string_lossy().into_owned()).filter(|c| !c.is_empty()),
+        user: Some(WorkloadUser {
+            uid: user.uid(),
+            gid: user.gid(),
+            supplemental_gids: user.additional_gids().clone().unwrap_or_default(),
+        }),
+        rlimits,
+        terminal: p.terminal().unwrap_or(false),
+        no_new_privileges: p.no_new_privileges().unwrap_or(false),
+        stdio: Default::default(),
+    }
+}
+
+/// Builds the plan for `spec`; `bundle` resolves a relative `root.path`.
+pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
+    check_supported(spec)?;
+    let invalid = |reason: String| SpecError::Invalid {
+        bundle: bundle.display().to_string(),
+        reason,
+    };
+    let p = spec
+        .process()
+        .as_ref()
+        .ok_or_else(|| invalid("no process".into()))?;
+    let process = process_spec(p);
+    if process.args.is_empty() {
+        return Err(invalid("process.args is empty".into()));
+    }
+    let mut mounts = Vec::new();
+    let all = spec.mounts().as_deref().unwrap_or_default();
+    for (i, m) in all.iter().enumerate() {
+        // OCI: a later mount on the same destination covers an earlier
+        // one (containerd's default /dev/shm tmpfs, then CRI's bind).
+        if all[i + 1..]
+            .iter()
+            .any(|l| l.destination() == m.destination())
+        {
+            continue;
+        }
+        let destination = m.destination().to_string_lossy().into_owned();
+        let options = m.options().clone().unwrap_or_default();
+        let readonly = options.iter().any(|o| o == "ro");
+        let typ = m.typ().clone().unwrap_or_default();
+        let is_bind = typ == "bind" || options.iter().any(|o| o == "bind" || o == "rbind");
+        let rest: Vec<String> = options
+            .iter()
+            .filter(|o| !matches!(o.as_str(), "ro" | "rw" | "bind" | "rbind"))
+            .cloned()
+            .collect();
+        if destination == "/dev/shm" {
+            mounts.push(Planned::Guest(ContainerMount {
+                destination,
+                source: MountSource::PodShm,
+                readonly,
+                options: Vec::new(),
+            }));
+            continue;
+        }
+        if is_bind {
+            let source = m
+                .source()
+                .clone()
+                .ok_or_else(|| invalid(format!("bind mount {destination} has no source")))?;
+            if !source.is_absolute() {
+                return Err(invalid(format!(
+                    "bind mount {destination}: source {} is not absolute",
+                    source.display()
+                )));
+            }
+            mounts.push(Planned::HostBind {
+                destination,
+                source,
+                readonly,
+                options: rest,
+            });
+            continue;
+        }
+        let kind = guest_kind(&typ).ok_or_else(|| {
+            SpecError::Unsupported(format!("mount {destination} of type {typ:?}"))
+        })?;
+        mounts.push(Planned::Guest(ContainerMount {
+            destination,
+            source: kind,
+            readonly,
+            options: rest,
+        }));
+    }
+    let linux = spec.linux().clone().unwrap_or_default();
+    let root = spec.root().clone().unwrap_or_default();
+    let root_path = if root.path().is_absolute() {
+        root.path().clone()
+    } else {
+        bundle.join(root.path())
+    };
+    let memory_limit = linux
+        .resources()
+        .as_ref()
+        .and_then(|r| r.memory().as_ref())
+        .and_then(|m| m.limit())
+        .filter(|l| *l > 0)
+        .map(|l| l as u64);
+    let a = spec.annotations().clone().unwrap_or_default();
+    let pod_memory = [CRUST_MEMORY, SANDBOX_MEMORY]
+        .iter()
+        .find_map(|k| a.get(*k)?.parse::<u64>().ok())
+        .filter(|m| *m > 0);
+    let cfs = |quota: Option<i64>, period: Option<u64>| match (quota, period) {
+        (Some(q), Some(p)) if q > 0 && p > 0 => Some((q as u64).div_ceil(p) as u32),
+        _ => None,
+    };
+    let pod_cpus = cfs(
+        a.get(SANDBOX_CPU_QUOTA).and_then(|v| v.parse().ok()),
+        a.get(SANDBOX_CPU_PERIOD).and_then(|v| v.parse().ok()),
+    );
+    let own_cpus = linux
+        .resources()
+        .as_ref()
+        .and_then(|r| r.cpu().as_ref())
+        .and_then(|c| cfs(c.quota(), c.period()));
+    Ok(ContainerPlan {
+        cpus: pod_cpus.or(own_cpus),
+        role: role(spec),
+        process,
+        mounts,
+        masked_paths: linux.masked_paths().clone().unwrap_or_default(),
+        readonly_paths: linux.readonly_paths().clone().unwrap_or_default(),
+        rootfs_readonly: root.readonly().unwrap_or(false),
+        root_path,
+        memory_limit,
+        pod_memory,
+        cgroups_path: linux
+            .cgroups_path()
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned()),
+        devices: linux
+            .devices()
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .map(|d| HostDevice {
+                path: d.path().to_string_lossy().into_owned(),
+                major: d.major(),
+                minor: d.minor(),
+                mode: d.file_mode(),
+                uid: d.uid(),
+                gid: d.gid(),
+            })
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(v: serde_json::Value) -> Spec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn base() -> serde_json::Value {
+        json!({
+            "ociVersion": "1.0.2",
+            "process": {"args": ["sh"], "cwd": "/", "user": {"uid": 0, "gid": 0},
+                        "env": ["PATH=/bin"], "terminal": false,
+                        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]},
+            "root": {"path": "rootfs"},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+                {"destination": "/dev/shm", "type": "bind", "source": "/run/containerd/x/shm", "options": ["rbind", "ro"]},
+                {"destination": "/etc/hosts", "type": "bind", "source": "/var/lib/x/hosts", "options": ["rbind", "rprivate", "ro"]},
+                {"destination": "/data", "type": "bind", "source": "/var/lib/kubelet/pods/u/volumes/v/mount", "options": ["rbind", "rw"]}
+            ],
+            "annotations": {CONTAINER_TYPE: "container", SANDBOX_ID: "sb1", CRUST_MEMORY: "536870912"},
+            "linux": {"resources": {"memory": {"limit": 268435456}}, "cgroupsPath": "/kubepods/pod1/c1",
+                      "maskedPaths": ["/proc/kcore"], "readonlyPaths": ["/proc/sys"],
+                      "namespaces": [{"type": "pid"}, {"type": "ipc", "path": "/proc/42/ns/ipc"}]}
+        })
+    }
+
+    #[test]
+    fn mounts_are_sorted_by_source() {
+        let p = plan(&spec(base()), Path::new("/b")).unwrap();
+        assert_eq!(
+            p.role,
+            Role::Member {
+                sandbox_id: "sb1".into()
+            }
+        );
+        assert_eq!(p.root_path, PathBuf::from("/b/rootfs"));
+        assert_eq!(p.memory_limit, Some(256 << 20));
+        assert_eq!(p.pod_memory, Some(512 << 20));
+        assert_eq!(p.cpus, None);
+        let mut v = base();
+        v["linux"]["resources"]["cpu"] = json!({"quota": 150000, "period": 100000});
+        assert_eq!(
+            plan(&spec(v.clone()), Path::new("/b")).unwrap().cpus,
+            Some(2)
+        );
+        v["annotations"][SANDBOX_CPU_QUOTA] = json!("400000");
+        v["annotations"][SANDBOX_CPU_PERIOD] = json!("100000");
+        assert_eq!(plan(&spec(v), Path::new("/b")).unwrap().cpus, Some(4));
+        assert_eq!(p.cgroups_path.as_deref(), Some("/kubepods/pod1/c1"));
+        assert_eq!(p.process.rlimits[0].kind, "RLIMIT_NOFILE");
+        assert!(matches!(&p.mounts[0], Planned::Guest(m) if m.source == MountSource::Proc));
+        assert!(
+            matches!(&p.mounts[1], Planned::Guest(m) if m.source == MountSource::Tmpfs && m.options == vec!["nosuid", "mode=755"])
+        );
+        assert!(matches!(&p.mounts[2], Planned::Guest(m) if m.source == MountSource::PodShm));
+        match &p.mounts[3] {
+            Planned::HostBind {
+                destination,
+                readonly,
+                options,
+                ..
+            } => {
+                assert_eq!(destination, "/etc/hosts");
+                assert!(readonly);
+                assert_eq!(options, &vec!["rprivate".to_string()]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            &p.mounts[4],
+            Planned::HostBind {
+                readonly: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn unsupported_features_are_named() {
+        for (patch, needle) in [
+            (
+                json!({"hooks": {"prestart": [{"path": "/bin/true"}]}}),
+                "hooks",
+            ),
+            (
+                json!({"linux": {"seccomp": {"defaultAction": "SCMP_ACT_ALLOW"}}}),
+                "seccomp",
+            ),
+            (
+                json!({"linux": {"namespaces": [{"type": "user"}]}}),
+                "user namespace",
+            ),
+            (
+                json!({"linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]}}),
+                "network",
+            ),
+            (
+                json!({"linux": {"devices": [{"path": "/dev/ttyS9", "type": "c", "major": 4, "minor": 73}]}}),
+                "device",
+            ),
+            (
+                json!({"mounts": [{"destination": "/x", "type": "nfs", "source": "srv:/x"}]}),
+                "nfs",
+            ),
+        ] {
+            let mut v = base();
+            for (k, val) in patch.as_object().unwrap() {
+                if k == "linux" {
+                    for (lk, lv) in val.as_object().unwrap() {
+                        v["linux"][lk] = lv.clone();
+                    }
+                } else {
+                    v[k] = val.clone();
+                }
+            }
+            let e = plan(&spec(v), Path::new("/b")).unwrap_err();
+            assert!(matches!(e, SpecError::Unsupported(_)), "{e}");
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        let mut v = base();
+        v["annotations"] = json!({});
+        assert_eq!(role(&spec(v)), Role::PodOwner);
+    }
+}

@@ -1,0 +1,957 @@
+//! The task service containerd calls (task API v2, served as v3 too):
+//! each RPC is a short pipeline over the pod ([`crate::pod`]), the guest
+//! agent and the stdio relays, with events published to containerd.
+//!
+//! | RPC | what happens |
+//! |---|---|
+//! | Create | first container boots the pod's VM; rootfs + binds into the share, deferred volumes plugged; agent CreateContainer; `/tasks/create` |
+//! | Start | agent StartContainer (or ExecProcess); waiter started; `/tasks/start` / `/tasks/exec-started` |
+//! | Exec | process recorded, stdio relay opened; `/tasks/exec-added` |
+//! | Kill | agent SignalProcess (`all`: every process of the container) |
+//! | Wait | until the waiter saw the exit |
+//! | Delete | agent RemoveContainer, share entries undone; the pod's owner also ends the VM; `/tasks/delete` |
+//! | State, Pids, Stats, ResizePty, CloseIO, Connect, Shutdown | as named |
+//! | Pause, Resume, Checkpoint, Update | UNIMPLEMENTED |
+//!
+//! Every process reports the pid of the pod's QEMU: the host process that
+//! runs it (guest pids mean nothing on the host; Pids lists them).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::ExitSignal;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::{Message, MessageDyn, MessageField};
+use containerd_shim::protos::shim_async::Task;
+use containerd_shim::protos::ttrpc;
+use containerd_shim::protos::ttrpc::r#async::TtrpcContext;
+use containerd_shim_protos::api;
+use containerd_shim_protos::cgroups::metrics::{
+    CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
+};
+use containerd_shim_protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskStart,
+};
+use containerd_shim_protos::topics;
+use crust_agent_proto::{
+    ContainerPids, ContainerStats, ExecProcess, ProcessRef, ProcessSpec, RemoveContainer,
+    ResizePty, SignalProcess, StartContainer, WaitProcess,
+};
+use crust_runtime::shim::Code;
+use tokio::sync::watch;
+
+use crate::cgroup::Placement;
+use crate::io::{self, Relay, StdioPaths};
+use crate::pod::{Pod, PodError, PodVm};
+use crate::spec::{self, Role};
+
+type TtResult<T> = ttrpc::Result<T>;
+
+/// How long the output of an exited process gets to drain.
+const DRAIN: Duration = Duration::from_secs(3);
+
+fn status(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg.into()))
+}
+
+/// One place where error classes become ttrpc codes.
+fn code_of(c: Code) -> ttrpc::Code {
+    match c {
+        Code::InvalidArgument => ttrpc::Code::INVALID_ARGUMENT,
+        Code::NotFound => ttrpc::Code::NOT_FOUND,
+        Code::AlreadyExists => ttrpc::Code::ALREADY_EXISTS,
+        Code::FailedPrecondition => ttrpc::Code::FAILED_PRECONDITION,
+        Code::OutOfRange => ttrpc::Code::OUT_OF_RANGE,
+        Code::Unavailable => ttrpc::Code::UNAVAILABLE,
+        Code::DeadlineExceeded => ttrpc::Code::DEADLINE_EXCEEDED,
+        Code::Internal => ttrpc::Code::INTERNAL,
+    }
+}
+
+impl From<PodError> for ttrpc::Error {
+    fn from(e: PodError) -> ttrpc::Error {
+        status(code_of(e.code()), e.to_string())
+    }
+}
+
+impl From<spec::SpecError> for ttrpc::Error {
+    fn from(e: spec::SpecError) -> ttrpc::Error {
+        let c = match e {
+            spec::SpecError::Invalid { .. } => ttrpc::Code::INVALID_ARGUMENT,
+            spec::SpecError::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,
+        };
+        status(c, e.to_string())
+    }
+}
+
+fn agent_err(what: &str) -> impl FnOnce(crust_agent_proto::ClientError) -> ttrpc::Error + '_ {
+    move |e| {
+        status(
+            code_of(crust_runtime::volumes::agent_code(&e)),
+            format!("{what}: {e}"),
+        )
+    }
+}
+
+fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let mut ts = Timestamp::new();
+    ts.seconds = d.as_secs() as i64;
+    ts.nanos = d.subsec_nanos() as i32;
+    ts
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Created,
+    Running,
+    Stopped,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Exit {
+    code: u32,
+    at: SystemTime,
+}
+
+/// A container's init or exec process.
+struct Proc {
+    exec_id: String,
+    stream: u32,
+    paths: StdioPaths,
+    /// For an exec: what to run at Start.
+    spec: Option<ProcessSpec>,
+    state: Mutex<State>,
+    exit: watch::Sender<Option<Exit>>,
+    relay: tokio::sync::Mutex<Option<Relay>>,
+}
+
+impl Proc {
+    fn new(
+        exec_id: &str,
+        stream: u32,
+        paths: StdioPaths,
+        spec: Option<ProcessSpec>,
+        relay: Relay,
+    ) -> Arc<Proc> {
+        Arc::new(Proc {
+            exec_id: exec_id.to_string(),
+            stream,
+            paths,
+            spec,
+            state: Mutex::new(State::Created),
+            exit: watch::channel(None).0,
+            relay: tokio::sync::Mutex::new(Some(relay)),
+        })
+    }
+
+    fn state(&self) -> State {
+        *self.state.lock().expect("state")
+    }
+
+    fn exited(&self) -> Option<Exit> {
+        *self.exit.borrow()
+    }
+}
+
+struct Ctr {
+    id: String,
+    bundle: PathBuf,
+    owner: bool,
+    init: Arc<Proc>,
+    execs: Mutex<HashMap<String, Arc<Proc>>>,
+}
+
+/// The task service of one shim (one pod).
+pub struct Service {
+    pub pod: Arc<Pod>,
+    namespace: String,
+    publisher: Arc<RemotePublisher>,
+    containers: Mutex<HashMap<String, Arc<Ctr>>>,
+    exit: Arc<ExitSignal>,
+    cgroup: Mutex<Option<Placement>>,
+}
+
+impl Service {
+    pub fn new(
+        pod: Arc<Pod>,
+        namespace: String,
+        publisher: Arc<RemotePublisher>,
+        exit: Arc<ExitSignal>,
+    ) -> Service {
+        Service {
+            pod,
+            namespace,
+            publisher,
+            containers: Mutex::new(HashMap::new()),
+            exit,
+            cgroup: Mutex::new(None),
+        }
+    }
+
+    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        if let Err(e) = self
+            .publisher
+            .publish(
+                ttrpc::context::Context::default(),
+                topic,
+                &self.namespace,
+                event,
+            )
+            .await
+        {
+            tracing::warn!("publishing {topic}: {e}");
+        }
+    }
+
+    fn ctr(&self, id: &str) -> TtResult<Arc<Ctr>> {
+        self.containers
+            .lock()
+            .expect("containers")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| status(ttrpc::Code::NOT_FOUND, format!("container {id} not found")))
+    }
+
+    fn proc(&self, id: &str, exec_id: &str) -> TtResult<(Arc<Ctr>, Arc<Proc>)> {
+        let c = self.ctr(id)?;
+        if exec_id.is_empty() {
+            let p = c.init.clone();
+            return Ok((c, p));
+        }
+        let p = c
+            .execs
+            .lock()
+            .expect("execs")
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| {
+                status(
+                    ttrpc::Code::NOT_FOUND,
+                    format!("exec {exec_id} of container {id} not found"),
+                )
+            })?;
+        Ok((c, p))
+    }
+
+    async fn task_pid(&self) -> u32 {
+        match self.pod.booted().await {
+            Some(vm) => vm.guest.proc_ref().pid as u32,
+            None => 0,
+        }
+    }
+
+    /// Memory for the pod's VM: the pod's annotation when there is one,
+    /// else the first container's own limit.
+    fn memory_mib(&self, plan: &spec::ContainerPlan) -> u32 {
+        let limits = plan.pod_memory.or(plan.memory_limit).unwrap_or(0);
+        self.pod.cfg.guest_memory_mib(limits)
+    }
+
+    /// Waits for a started process to exit, lets its output drain,
+    /// records the exit and tells containerd.
+    fn spawn_waiter(&self, vm: Arc<PodVm>, cid: String, p: Arc<Proc>, pid: u32) {
+        let publisher = self.publisher.clone();
+        let ns = self.namespace.clone();
+        tokio::spawn(async move {
+            let r = ProcessRef {
+                container: cid.clone(),
+                exec_id: (!p.exec_id.is_empty()).then(|| p.exec_id.clone()),
+            };
+            let code = loop {
+                if vm.exit.borrow().is_some() {
+                    break 137;
+                }
+                let w = vm
+                    .agent
+                    .call_with_timeout(
+                        WaitProcess {
+                            process: r.clone(),
+                            timeout_ms: 20_000,
+                        },
+                        Duration::from_secs(30),
+                    )
+                    .await;
+                match w {
+                    Ok(w) => {
+                        if let Some(e) = w.exited {
+                            break e.exit_code.clamp(0, 255) as u32;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!("waiting for {cid}/{}: {e}", p.exec_id);
+                        let mut exit = vm.exit.clone();
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            exit.wait_for(|x| x.is_some()),
+                        )
+                        .await;
+                    }
+                }
+            };
+            if let Some(relay) = p.relay.lock().await.as_mut() {
+                relay.drained(DRAIN).await;
+            }
+            let at = SystemTime::now();
+            *p.state.lock().expect("state") = State::Stopped;
+            p.exit.send_replace(Some(Exit { code, at }));
+            let ev = TaskExit {
+                container_id: cid.clone(),
+                id: if p.exec_id.is_empty() {
+                    cid.clone()
+                } else {
+                    p.exec_id.clone()
+                },
+                pid,
+                exit_status: code,
+                exited_at: MessageField::some(timestamp(at)),
+                ..Default::default()
+            };
+            if let Err(e) = publisher
+                .publish(
+                    ttrpc::context::Context::default(),
+                    topics::TASK_EXIT_EVENT_TOPIC,
+                    &ns,
+                    Box::new(ev),
+                )
+                .await
+            {
+                tracing::warn!("publishing the exit of {cid}: {e}");
+            }
+        });
+    }
+
+    /// When the VM dies on its own, what it held is released at once.
+    fn spawn_vm_watch(&self, vm: Arc<PodVm>) {
+        let pod = self.pod.clone();
+        tokio::spawn(async move {
+            let mut rx = vm.exit.clone();
+            let Ok(reason) = rx.wait_for(|r| r.is_some()).await.map(|r| r.clone()) else {
+                return;
+            };
+            let reason = reason.unwrap_or_default();
+            if pod.booted().await.is_some() {
+                tracing::error!("the pod's VM exited: {reason}");
+                pod.vm_died(&reason).await;
+            }
+        });
+    }
+
+    async fn create_task(&self, req: api::CreateTaskRequest) -> TtResult<api::CreateTaskResponse> {
+        if self
+            .containers
+            .lock()
+            .expect("containers")
+            .contains_key(&req.id)
+        {
+            return Err(status(
+                ttrpc::Code::ALREADY_EXISTS,
+                format!("container {} exists", req.id),
+            ));
+        }
+        let bundle = PathBuf::from(&req.bundle);
+        let oci = spec::load(&bundle)?;
+        let mut plan = spec::plan(&oci, &bundle)?;
+        let owner = match &plan.role {
+            Role::PodOwner if req.id == self.pod.id => true,
+            Role::Member { sandbox_id } if *sandbox_id == self.pod.id => false,
+            _ => {
+                return Err(status(
+                    ttrpc::Code::FAILED_PRECONDITION,
+                    format!(
+                        "container {} does not belong to pod {}",
+                        req.id, self.pod.id
+                    ),
+                ));
+            }
+        };
+        let paths = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let vm = if owner {
+            let placement = match &plan.cgroups_path {
+                Some(p) => Some(
+                    Placement::resolve(p)
+                        .map_err(|e| status(ttrpc::Code::FAILED_PRECONDITION, e))?,
+                ),
+                None => None,
+            };
+            *self.cgroup.lock().expect("cgroup") = placement.clone();
+            // vCPUs follow the CPU limit, within the host's cores.
+            let host = std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1);
+            let cpus = plan
+                .cpus
+                .unwrap_or(self.pod.cfg.runtime.cpus)
+                .clamp(1, host.max(self.pod.cfg.runtime.cpus));
+            let boot = self
+                .pod
+                .boot(&bundle, self.memory_mib(&plan), cpus, placement.as_ref())
+                .await;
+            let vm = match boot {
+                Ok(vm) => vm,
+                Err(e) => return Err(self.fail_create(true, e.into()).await),
+            };
+            self.spawn_vm_watch(vm.clone());
+            vm
+        } else {
+            self.pod.vm().await?
+        };
+        if let Err(e) = self
+            .pod
+            .reserve_memory(&vm, &req.id, plan.memory_limit, plan.pod_memory)
+            .await
+        {
+            return Err(self.fail_create(owner, e.into()).await);
+        }
+        let stream = self.pod.stream();
+        let relay = match io::start(&vm.stdio, stream, &paths) {
+            Ok(r) => r,
+            Err(e) => {
+                return Err(self
+                    .fail_create(owner, status(ttrpc::Code::INVALID_ARGUMENT, e.to_string()))
+                    .await);
+            }
+        };
+        let mut guest = match self
+            .pod
+            .prepare(&vm, &req.id, &bundle, &plan, &req.rootfs)
+            .await
+        {
+            Ok(g) => g,
+            Err(e) => return Err(self.fail_create(owner, e.into()).await),
+        };
+        plan.process.terminal = req.terminal;
+        guest.process.terminal = req.terminal;
+        guest.process.stdio = paths.spec(stream);
+        if let Err(e) = vm
+            .agent
+            .call_with_timeout(guest, self.pod.cfg.runtime.boot_timeout)
+            .await
+        {
+            self.pod.release_container(&req.id);
+            return Err(self
+                .fail_create(owner, agent_err("creating the container in the guest")(e))
+                .await);
+        }
+        let pid = vm.guest.proc_ref().pid as u32;
+        let ctr = Arc::new(Ctr {
+            id: req.id.clone(),
+            bundle: bundle.clone(),
+            owner,
+            init: Proc::new("", stream, paths.clone(), None, relay),
+            execs: Mutex::new(HashMap::new()),
+        });
+        self.containers
+            .lock()
+            .expect("containers")
+            .insert(req.id.clone(), ctr);
+        let ev = TaskCreate {
+            container_id: req.id.clone(),
+            bundle: req.bundle.clone(),
+            rootfs: req.rootfs.clone(),
+            io: MessageField::some(TaskIO {
+                stdin: paths.stdin,
+                stdout: paths.stdout,
+                stderr: paths.stderr,
+                terminal: paths.terminal,
+                ..Default::default()
+            }),
+            pid,
+            ..Default::default()
+        };
+        self.publish(topics::TASK_CREATE_EVENT_TOPIC, Box::new(ev))
+            .await;
+        Ok(api::CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    /// A failed Create of the pod's owner ends the VM it booted.
+    async fn fail_create(&self, owner: bool, e: ttrpc::Error) -> ttrpc::Error {
+        if owner {
+            self.pod.teardown().await;
+            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
+                cg.remove();
+            }
+        }
+        e
+    }
+
+    async fn start_task(&self, req: api::StartRequest) -> TtResult<api::StartResponse> {
+        let (c, p) = self.proc(&req.id, &req.exec_id)?;
+        let vm = self.pod.vm().await?;
+        let pid = vm.guest.proc_ref().pid as u32;
+        if p.state() != State::Created {
+            return Err(status(
+                ttrpc::Code::FAILED_PRECONDITION,
+                format!("{} {} was already started", req.id, req.exec_id),
+            ));
+        }
+        let started = if req.exec_id.is_empty() {
+            vm.agent
+                .call_with_timeout(
+                    StartContainer { id: req.id.clone() },
+                    self.pod.cfg.runtime.boot_timeout,
+                )
+                .await
+                .map(drop)
+                .map_err(agent_err("starting the container"))
+        } else {
+            let mut process = p.spec.clone().expect("exec has a spec");
+            process.terminal = p.paths.terminal;
+            process.stdio = p.paths.spec(p.stream);
+            vm.agent
+                .call_with_timeout(
+                    ExecProcess {
+                        container: c.id.clone(),
+                        exec_id: req.exec_id.clone(),
+                        process,
+                    },
+                    self.pod.cfg.runtime.boot_timeout,
+                )
+                .await
+                .map(drop)
+                .map_err(agent_err("starting the exec"))
+        };
+        if let Err(e) = started {
+            // It never ran: its FIFOs close and Wait answers, so nobody
+            // hangs on a process that does not exist.
+            if let Some(r) = p.relay.lock().await.as_mut() {
+                r.abort();
+            }
+            *p.state.lock().expect("state") = State::Stopped;
+            p.exit.send_replace(Some(Exit {
+                code: 255,
+                at: SystemTime::now(),
+            }));
+            return Err(e);
+        }
+        *p.state.lock().expect("state") = State::Running;
+        self.spawn_waiter(vm, c.id.clone(), p.clone(), pid);
+        if req.exec_id.is_empty() {
+            let ev = TaskStart {
+                container_id: req.id.clone(),
+                pid,
+                ..Default::default()
+            };
+            self.publish(topics::TASK_START_EVENT_TOPIC, Box::new(ev))
+                .await;
+        } else {
+            let ev = TaskExecStarted {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                pid,
+                ..Default::default()
+            };
+            self.publish(topics::TASK_EXEC_STARTED_EVENT_TOPIC, Box::new(ev))
+                .await;
+        }
+        Ok(api::StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    async fn delete_task(&self, req: api::DeleteRequest) -> TtResult<api::DeleteResponse> {
+        let (c, p) = self.proc(&req.id, &req.exec_id)?;
+        let pid = self.task_pid().await;
+        if p.state() == State::Running {
+            return Err(status(
+                ttrpc::Code::FAILED_PRECONDITION,
+                format!("{} {} is still running; kill it first", req.id, req.exec_id),
+            ));
+        }
+        let exit = p.exited().unwrap_or(Exit {
+            code: 0,
+            at: SystemTime::now(),
+        });
+        let resp = api::DeleteResponse {
+            pid,
+            exit_status: exit.code,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        };
+        if !req.exec_id.is_empty() {
+            c.execs.lock().expect("execs").remove(&req.exec_id);
+            return Ok(resp);
+        }
+        if let Ok(vm) = self.pod.vm().await
+            && let Err(e) = vm
+                .agent
+                .call_with_timeout(
+                    RemoveContainer { id: req.id.clone() },
+                    self.pod.cfg.runtime.boot_timeout,
+                )
+                .await
+        {
+            tracing::warn!("removing container {} in the guest: {e}", req.id);
+        }
+        self.pod.release_container(&req.id);
+        self.pod.forget_memory(&req.id).await;
+        self.containers.lock().expect("containers").remove(&req.id);
+        if c.owner {
+            self.pod.teardown().await;
+            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
+                cg.remove();
+            }
+        }
+        let ev = TaskDelete {
+            container_id: req.id.clone(),
+            id: req.id.clone(),
+            pid,
+            exit_status: exit.code,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        };
+        self.publish(topics::TASK_DELETE_EVENT_TOPIC, Box::new(ev))
+            .await;
+        Ok(resp)
+    }
+
+    async fn exec_task(&self, req: api::ExecProcessRequest) -> TtResult<()> {
+        let c = self.ctr(&req.id)?;
+        if c.execs.lock().expect("execs").contains_key(&req.exec_id) {
+            return Err(status(
+                ttrpc::Code::ALREADY_EXISTS,
+                format!("exec {} exists", req.exec_id),
+            ));
+        }
+        if c.init.state() != State::Running {
+            return Err(status(
+                ttrpc::Code::FAILED_PRECONDITION,
+                format!("container {} is not running", req.id),
+            ));
+        }
+        let any = req
+            .spec
+            .as_ref()
+            .ok_or_else(|| status(ttrpc::Code::INVALID_ARGUMENT, "exec without a process spec"))?;
+        let process: oci_spec::runtime::Process =
+            serde_json::from_slice(&any.value).map_err(|e| {
+                status(
+                    ttrpc::Code::INVALID_ARGUMENT,
+                    format!("exec process spec: {e}"),
+                )
+            })?;
+        let spec = spec::process_spec(&process);
+        if spec.args.is_empty() {
+            return Err(status(
+                ttrpc::Code::INVALID_ARGUMENT,
+                "exec with empty args",
+            ));
+        }
+        let vm = self.pod.vm().await?;
+        let paths = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let stream = self.pod.stream();
+        let relay = io::start(&vm.stdio, stream, &paths)
+            .map_err(|e| status(ttrpc::Code::INVALID_ARGUMENT, e.to_string()))?;
+        let p = Proc::new(&req.exec_id, stream, paths, Some(spec), relay);
+        c.execs
+            .lock()
+            .expect("execs")
+            .insert(req.exec_id.clone(), p);
+        let ev = TaskExecAdded {
+            container_id: req.id.clone(),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        };
+        self.publish(topics::TASK_EXEC_ADDED_EVENT_TOPIC, Box::new(ev))
+            .await;
+        Ok(())
+    }
+
+    async fn kill_task(&self, req: api::KillRequest) -> TtResult<()> {
+        let (_, p) = self.proc(&req.id, &req.exec_id)?;
+        if p.state() == State::Stopped {
+            return Err(status(ttrpc::Code::NOT_FOUND, "process already finished"));
+        }
+        let vm = self.pod.vm().await?;
+        vm.agent
+            .call(SignalProcess {
+                process: ProcessRef {
+                    container: req.id.clone(),
+                    exec_id: (!req.exec_id.is_empty()).then(|| req.exec_id.clone()),
+                },
+                signal: req.signal as i32,
+                all: req.all,
+            })
+            .await
+            .map_err(agent_err("signalling"))?;
+        Ok(())
+    }
+
+    async fn state_task(&self, req: api::StateRequest) -> TtResult<api::StateResponse> {
+        let (c, p) = self.proc(&req.id, &req.exec_id)?;
+        let st = match p.state() {
+            State::Created => api::Status::CREATED,
+            State::Running => api::Status::RUNNING,
+            State::Stopped => api::Status::STOPPED,
+        };
+        let exit = p.exited();
+        Ok(api::StateResponse {
+            id: req.id.clone(),
+            bundle: c.bundle.to_string_lossy().into_owned(),
+            pid: self.task_pid().await,
+            status: st.into(),
+            stdin: p.paths.stdin.clone(),
+            stdout: p.paths.stdout.clone(),
+            stderr: p.paths.stderr.clone(),
+            terminal: p.paths.terminal,
+            exit_status: exit.map(|e| e.code).unwrap_or(0),
+            exited_at: match exit {
+                Some(e) => MessageField::some(timestamp(e.at)),
+                None => MessageField::none(),
+            },
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+}
+
+/// Forwarding from the generated trait to the pipelines above.
+#[async_trait]
+impl Task for Service {
+    async fn create(
+        &self,
+        _: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtResult<api::CreateTaskResponse> {
+        tracing::info!("Create {} (bundle {})", req.id, req.bundle);
+        let r = self.create_task(req).await;
+        if let Err(e) = &r {
+            tracing::error!("Create: {e:?}");
+        }
+        r
+    }
+
+    async fn start(
+        &self,
+        _: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtResult<api::StartResponse> {
+        tracing::info!("Start {} {}", req.id, req.exec_id);
+        self.start_task(req).await
+    }
+
+    async fn delete(
+        &self,
+        _: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtResult<api::DeleteResponse> {
+        tracing::info!("Delete {} {}", req.id, req.exec_id);
+        self.delete_task(req).await
+    }
+
+    async fn state(
+        &self,
+        _: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtResult<api::StateResponse> {
+        self.state_task(req).await
+    }
+
+    async fn kill(&self, _: &TtrpcContext, req: api::KillRequest) -> TtResult<api::Empty> {
+        tracing::info!(
+            "Kill {} {} signal {} all {}",
+            req.id,
+            req.exec_id,
+            req.signal,
+            req.all
+        );
+        self.kill_task(req).await.map(|_| api::Empty::new())
+    }
+
+    async fn exec(&self, _: &TtrpcContext, req: api::ExecProcessRequest) -> TtResult<api::Empty> {
+        tracing::info!("Exec {} {}", req.id, req.exec_id);
+        self.exec_task(req).await.map(|_| api::Empty::new())
+    }
+
+    async fn wait(&self, _: &TtrpcContext, req: api::WaitRequest) -> TtResult<api::WaitResponse> {
+        let (_, p) = self.proc(&req.id, &req.exec_id)?;
+        let mut rx = p.exit.subscribe();
+        let e = rx
+            .wait_for(|e| e.is_some())
+            .await
+            .map_err(|_| status(ttrpc::Code::INTERNAL, "process record dropped"))?
+            .expect("waited for some");
+        Ok(api::WaitResponse {
+            exit_status: e.code,
+            exited_at: MessageField::some(timestamp(e.at)),
+            ..Default::default()
+        })
+    }
+
+    async fn pids(&self, _: &TtrpcContext, req: api::PidsRequest) -> TtResult<api::PidsResponse> {
+        self.ctr(&req.id)?;
+        let vm = self.pod.vm().await?;
+        let r = vm
+            .agent
+            .call(ContainerPids { id: req.id.clone() })
+            .await
+            .map_err(agent_err("listing processes"))?;
+        Ok(api::PidsResponse {
+            processes: r
+                .pids
+                .into_iter()
+                .map(|pid| api::ProcessInfo {
+                    pid,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+    }
+
+    async fn stats(
+        &self,
+        _: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtResult<api::StatsResponse> {
+        self.ctr(&req.id)?;
+        let vm = self.pod.vm().await?;
+        let s = vm
+            .agent
+            .call(ContainerStats { id: req.id.clone() })
+            .await
+            .map_err(agent_err("container stats"))?;
+        let m = Metrics {
+            memory: MessageField::some(MemoryStat {
+                usage: MessageField::some(MemoryEntry {
+                    usage: s.memory_bytes,
+                    limit: s.memory_limit_bytes.unwrap_or(u64::MAX),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            cpu: MessageField::some(CPUStat {
+                usage: MessageField::some(CPUUsage {
+                    total: s.cpu_usage_ns,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            pids: MessageField::some(PidsStat {
+                current: s.pids,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let value = m
+            .write_to_bytes()
+            .map_err(|e| status(ttrpc::Code::INTERNAL, e.to_string()))?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(Any {
+                type_url: "io.containerd.cgroups.v1.Metrics".into(),
+                value,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    }
+
+    async fn resize_pty(
+        &self,
+        _: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtResult<api::Empty> {
+        self.proc(&req.id, &req.exec_id)?;
+        let vm = self.pod.vm().await?;
+        vm.agent
+            .call(ResizePty {
+                process: ProcessRef {
+                    container: req.id.clone(),
+                    exec_id: (!req.exec_id.is_empty()).then(|| req.exec_id.clone()),
+                },
+                width: req.width.min(u16::MAX as u32) as u16,
+                height: req.height.min(u16::MAX as u32) as u16,
+            })
+            .await
+            .map_err(agent_err("resizing the terminal"))?;
+        Ok(api::Empty::new())
+    }
+
+    async fn close_io(&self, _: &TtrpcContext, req: api::CloseIORequest) -> TtResult<api::Empty> {
+        let (_, p) = self.proc(&req.id, &req.exec_id)?;
+        if req.stdin
+            && let Some(r) = p.relay.lock().await.as_mut()
+        {
+            r.close_stdin();
+        }
+        Ok(api::Empty::new())
+    }
+
+    async fn connect(
+        &self,
+        _: &TtrpcContext,
+        _req: api::ConnectRequest,
+    ) -> TtResult<api::ConnectResponse> {
+        Ok(api::ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid: self.task_pid().await,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _: &TtrpcContext, _req: api::ShutdownRequest) -> TtResult<api::Empty> {
+        if !self.containers.lock().expect("containers").is_empty() {
+            return Ok(api::Empty::new());
+        }
+        self.pod.teardown().await;
+        // Answer first: the server stops once the exit is signalled.
+        let exit = self.exit.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            exit.signal();
+        });
+        Ok(api::Empty::new())
+    }
+
+    async fn pause(&self, _: &TtrpcContext, _: api::PauseRequest) -> TtResult<api::Empty> {
+        Err(status(
+            ttrpc::Code::UNIMPLEMENTED,
+            "pause is not supported by crust",
+        ))
+    }
+
+    async fn resume(&self, _: &TtrpcContext, _: api::ResumeRequest) -> TtResult<api::Empty> {
+        Err(status(
+            ttrpc::Code::UNIMPLEMENTED,
+            "resume is not supported by crust",
+        ))
+    }
+
+    async fn checkpoint(
+        &self,
+        _: &TtrpcContext,
+        _: api::CheckpointTaskRequest,
+    ) -> TtResult<api::Empty> {
+        Err(status(
+            ttrpc::Code::UNIMPLEMENTED,
+            "checkpoint is not supported by crust",
+        ))
+    }
+
+    async fn update(&self, _: &TtrpcContext, _: api::UpdateTaskRequest) -> TtResult<api::Empty> {
+        Err(status(
+            ttrpc::Code::UNIMPLEMENTED,
+            "updating a running container's resources is not supported by crust",
+        ))
+    }
+}

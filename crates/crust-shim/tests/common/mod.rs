@@ -1,0 +1,298 @@
+//! A private containerd with the crust shim on its PATH and crust's roots
+//! in a temp dir, plus helpers shared by the shim's tests.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crust_proto::csi::v1 as csi;
+use crust_proto::endpoint::Endpoint;
+use crust_testkit::{Containerd, ContainerdOptions};
+use crustctl::client::Csi;
+use crustctl::demo::PluginProcess;
+
+pub const MIB: u64 = 1 << 20;
+
+/// Everything one test needs: the guest slot, containerd, crust's roots.
+pub struct Env {
+    pub ctrd: Containerd,
+    pub dir: tempfile::TempDir,
+    pub runtime_root: PathBuf,
+    pub crust_root: PathBuf,
+    pub kata_root: PathBuf,
+    /// kubelet's pods dir (volume targets go below it).
+    pub pods_dir: PathBuf,
+    // Released last: covers every guest the test boots.
+    pub _slot: crust_testkit::VmSlot,
+}
+
+pub fn shim_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_containerd-shim-crust-v2"))
+}
+
+fn root_only(p: &Path) {
+    std::fs::create_dir_all(p).unwrap();
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700)).unwrap();
+}
+
+impl Env {
+    pub fn start(namespace: &str) -> Env {
+        Env::start_with(namespace, Vec::new())
+    }
+
+    pub fn start_with(namespace: &str, extra_env: Vec<(String, String)>) -> Env {
+        crust_testkit::require_root();
+        crust_testkit::ensure_guest_image();
+        let (busybox, pause) = crust_testkit::ensure_test_images();
+        let slot = crust_testkit::VmSlot::acquire();
+        // Short: the pod's VM sockets live below the runtime root.
+        let dir = tempfile::Builder::new()
+            .prefix("cs-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        root_only(dir.path());
+        let runtime_root = dir.path().join("rt");
+        let crust_root = dir.path().join("crust");
+        let kata_root = dir.path().join("kata");
+        let pods_dir = dir.path().join("kubelet/pods");
+        for d in [&runtime_root, &crust_root, &kata_root, &pods_dir] {
+            root_only(d);
+        }
+        let mut env = vec![
+            (
+                "CRUST_RUNTIME_ROOT".to_string(),
+                runtime_root.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_CRUST_ROOT".into(),
+                crust_root.display().to_string(),
+            ),
+            (
+                "CRUST_RUNTIME_KATA_ROOT".into(),
+                kata_root.display().to_string(),
+            ),
+            ("CRUST_RUNTIME_ACCEL".into(), "tcg".into()),
+            (
+                "CRUST_RUNTIME_PODS_LAYER_STOP".into(),
+                pods_dir.display().to_string(),
+            ),
+            (
+                "CRUST_GUEST_DIR".into(),
+                crust_testkit::guest_image_dir().display().to_string(),
+            ),
+            (
+                "CRUST_SHIM_RUNTIME_CLI".into(),
+                crust_testkit::workspace_bin("crust-runtime")
+                    .display()
+                    .to_string(),
+            ),
+            (
+                "CRUST_SHIM_LOG".into(),
+                dir.path().join("shim.log").display().to_string(),
+            ),
+        ];
+        env.extend(extra_env);
+        let ctrd = Containerd::start(ContainerdOptions {
+            shim_dir: Some(shim_bin().parent().unwrap().to_path_buf()),
+            env,
+            parent_dir: None,
+        });
+        ctrd.import_images(namespace, &[&busybox, &pause]);
+        Env {
+            ctrd,
+            dir,
+            runtime_root,
+            crust_root,
+            kata_root,
+            pods_dir,
+            _slot: slot,
+        }
+    }
+
+    /// The shim's log (for failure messages).
+    pub fn shim_log(&self) -> String {
+        let s = std::fs::read_to_string(self.dir.path().join("shim.log")).unwrap_or_default();
+        let cut = s.len().saturating_sub(6000);
+        let mut c = cut;
+        while !s.is_char_boundary(c) {
+            c += 1;
+        }
+        s[c..].to_string()
+    }
+
+    pub fn logs(&self) -> String {
+        format!(
+            "--- shim.log\n{}\n--- containerd.log\n{}",
+            self.shim_log(),
+            self.ctrd.log_tail(4000)
+        )
+    }
+}
+
+/// Detaches, on drop, loop devices whose backing file lies below a dir
+/// (a crust-csi pool), and removes test cgroup parents: what a failed test
+/// would leave behind.
+pub struct Leftovers {
+    pub pool: PathBuf,
+    pub cgroup_parent: Option<String>,
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        if let Ok(loops) = crust_blockdev::list_loops() {
+            for l in loops
+                .into_iter()
+                .filter(|l| l.backing_file.starts_with(&self.pool))
+            {
+                let _ = std::process::Command::new("losetup")
+                    .arg("-d")
+                    .arg(&l.path)
+                    .status();
+            }
+        }
+        if let Some(parent) = &self.cgroup_parent {
+            remove_cgroup_tree(parent);
+        }
+    }
+}
+
+/// Removes `/sys/fs/cgroup/<controller>/<parent>` (and its empty children)
+/// in every hierarchy.
+pub fn remove_cgroup_tree(parent: &str) {
+    let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    for c in rd.flatten() {
+        let base = c.path().join(parent.trim_start_matches('/'));
+        if let Ok(children) = std::fs::read_dir(&base) {
+            for ch in children.flatten() {
+                if ch.path().is_dir() {
+                    let _ = std::fs::remove_dir(ch.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(&base);
+    }
+}
+
+/// Whether `pid` is in the cgroup `path` of the v1 `memory` hierarchy (or
+/// v2's unified tree).
+pub fn in_cgroup(pid: i32, path: &str) -> bool {
+    let rel = path.trim_start_matches('/');
+    [
+        Path::new("/sys/fs/cgroup/memory").join(rel),
+        Path::new("/sys/fs/cgroup").join(rel),
+    ]
+    .iter()
+    .any(|d| {
+        std::fs::read_to_string(d.join("cgroup.procs"))
+            .map(|s| s.lines().any(|l| l.trim() == pid.to_string()))
+            .unwrap_or(false)
+    })
+}
+
+/// QEMU processes whose command line names `needle` (a run dir).
+pub fn qemus_under(needle: &Path) -> Vec<i32> {
+    let n = needle.display().to_string();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if cmd.starts_with("qemu-system") && cmd.contains(&n) && crust_testkit::pid_alive(pid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// `uname -r` of the host.
+pub fn host_release() -> String {
+    rustix::system::uname()
+        .release()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// crust-csi with a loop-file pool in the test's dir; its environment
+/// names the runtime's roots for the `crust-runtime` CLI crust_ops runs.
+pub struct Plugin {
+    pub proc: PluginProcess,
+    pub socket: PathBuf,
+}
+
+impl Plugin {
+    pub async fn csi(&self) -> Csi {
+        Csi::connect(
+            &Endpoint::parse(&format!("unix://{}", self.socket.display())).unwrap(),
+            Duration::from_secs(180),
+        )
+        .await
+        .unwrap()
+    }
+}
+
+pub async fn start_plugin(env: &Env) -> Plugin {
+    let pods = env.pods_dir.as_path();
+    let d = env.dir.path();
+    let socket = d.join("csi/csi.sock");
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    let args: Vec<OsString> = [
+        "--endpoint".into(),
+        format!("unix://{}", socket.display()),
+        "--node-id".into(),
+        "shim-node".into(),
+        "--state-dir".into(),
+        d.join("csi-state").display().to_string(),
+        "--pool-dir".into(),
+        d.join("pool").display().to_string(),
+        "--pool-capacity".into(),
+        "1Gi".into(),
+        "--health-ttl".into(),
+        "0s".into(),
+        "--handoff-layout".into(),
+        "crust".into(),
+        "--crust-root".into(),
+        env.crust_root.display().to_string(),
+        "--kata-root".into(),
+        env.kata_root.display().to_string(),
+        "--allowed-target-prefix".into(),
+        pods.display().to_string(),
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect();
+    let rt_env: Vec<(&str, OsString)> = vec![
+        ("CRUST_RUNTIME_ROOT", env.runtime_root.clone().into()),
+        ("CRUST_RUNTIME_CRUST_ROOT", env.crust_root.clone().into()),
+        ("CRUST_RUNTIME_KATA_ROOT", env.kata_root.clone().into()),
+        ("CRUST_RUNTIME_PODS_LAYER_STOP", pods.into()),
+    ];
+    let bin = crust_testkit::workspace_bin("crust-csi");
+    let mut p = PluginProcess::spawn(&bin, &args, &rt_env, &d.join("crust-csi.log")).unwrap();
+    if let Err(e) = p.wait_ready(&socket, Duration::from_secs(30)).await {
+        panic!("{e}\n{}", p.log_tail(4000));
+    }
+    Plugin { proc: p, socket }
+}
+
+pub fn mount_cap(fs_group: Option<u32>) -> csi::VolumeCapability {
+    use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+    csi::VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            volume_supplemental_group: fs_group.map(|g| g.to_string()).unwrap_or_default(),
+            ..Default::default()
+        })),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+    }
+}

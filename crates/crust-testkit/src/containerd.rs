@@ -1,0 +1,502 @@
+//! A private containerd for tests: Debian's `containerd` started with its
+//! own `config.toml`, root, state, gRPC and ttrpc sockets in a temp dir,
+//! never the machine's own instance.
+//!
+//! The config (version 2) enables the CRI plugin with `runc` as the default
+//! runtime (the CRI plugin refuses to load without one) and a `crust`
+//! handler of type `io.containerd.crust.v2`; it has no CNI configuration, so
+//! only host-network pods run. The directory of the crust shim binary is put
+//! first on containerd's `PATH`, which is where containerd looks for
+//! `containerd-shim-crust-v2`.
+//!
+//! Drop stops everything the instance started: containerd, every shim it
+//! spawned (found by the `-address <our socket>` on their command lines;
+//! SIGTERM, then SIGKILL after a grace), and every mount left below the
+//! temp dir (snapshots, rootfs mounts).
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use rustix::mount::UnmountFlags;
+use rustix::process::{Pid, Signal};
+use tempfile::TempDir;
+
+/// The CRI runtime handler name of the crust shim in the generated config.
+pub const CRUST_HANDLER: &str = "crust";
+/// The shim's runtime type (`containerd-shim-crust-v2` on PATH).
+pub const CRUST_RUNTIME_TYPE: &str = "io.containerd.crust.v2";
+/// Image refs built by `scripts/build-test-images.sh`.
+pub const BUSYBOX_IMAGE: &str = "crust.test/busybox:latest";
+pub const PAUSE_IMAGE: &str = "crust.test/pause:latest";
+/// containerd's CRI namespace.
+pub const CRI_NAMESPACE: &str = "k8s.io";
+
+/// Bound on one `ctr` command in tests.
+pub const CTR_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// How long containerd gets to answer `ctr version` after starting.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options for [`Containerd::start`].
+#[derive(Debug, Clone, Default)]
+pub struct ContainerdOptions {
+    /// Directory holding `containerd-shim-crust-v2` (put first on PATH).
+    pub shim_dir: Option<PathBuf>,
+    /// Extra environment for containerd (inherited by the shims it starts).
+    pub env: Vec<(String, String)>,
+    /// Make the temp dir under this directory (short paths: unix sockets).
+    pub parent_dir: Option<PathBuf>,
+}
+
+/// A running private containerd; everything is stopped on drop.
+pub struct Containerd {
+    dir: TempDir,
+    child: Option<Child>,
+    opts: ContainerdOptions,
+}
+
+impl Containerd {
+    /// Writes the config and starts containerd; returns once it answers.
+    pub fn start(opts: ContainerdOptions) -> Containerd {
+        let parent = opts
+            .parent_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/tmp"));
+        let dir = tempfile::Builder::new()
+            .prefix("ctrd-")
+            .tempdir_in(parent)
+            .expect("containerd temp dir");
+        let mut c = Containerd {
+            dir,
+            child: None,
+            opts,
+        };
+        std::fs::write(c.config_path(), c.config_toml()).expect("write config.toml");
+        c.spawn();
+        c
+    }
+
+    /// The temp dir holding everything of this instance.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir().join("config.toml")
+    }
+
+    /// gRPC socket (what `ctr --address` and the CRI client use).
+    pub fn address(&self) -> PathBuf {
+        self.dir().join("c.sock")
+    }
+
+    /// `unix://` form of [`Containerd::address`] for gRPC clients.
+    pub fn endpoint(&self) -> String {
+        format!("unix://{}", self.address().display())
+    }
+
+    /// runc's state root for containers of this instance (runc's default,
+    /// `/run/containerd/runc`, is machine-wide): pass it as `ctr run
+    /// --runc-root`; the CRI runc handler is configured with it.
+    pub fn runc_root(&self) -> PathBuf {
+        self.dir().join("runc")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir().join("containerd.log")
+    }
+
+    /// The last `max` bytes of containerd's log (for failure messages).
+    pub fn log_tail(&self, max: usize) -> String {
+        let s = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let mut cut = s.len().saturating_sub(max);
+        while !s.is_char_boundary(cut) {
+            cut += 1;
+        }
+        s[cut..].to_string()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    fn config_toml(&self) -> String {
+        let d = self.dir();
+        format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{grpc}"
+[ttrpc]
+  address = "{grpc}.ttrpc"
+[debug]
+  level = "info"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{opt}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause}"
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "{runc}"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}]
+      runtime_type = "{rtype}"
+      pod_annotations = ["io.crust.*"]
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni}/bin"
+    conf_dir = "{cni}/conf"
+"#,
+            root = d.join("root").display(),
+            state = d.join("state").display(),
+            grpc = self.address().display(),
+            opt = d.join("opt").display(),
+            pause = PAUSE_IMAGE,
+            handler = CRUST_HANDLER,
+            rtype = CRUST_RUNTIME_TYPE,
+            cni = d.join("cni").display(),
+            runc = self.runc_root().display(),
+        )
+    }
+
+    fn spawn(&mut self) {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("containerd log");
+        let log2 = log.try_clone().expect("dup log");
+        // runc lives in /usr/sbin, not on every user's PATH.
+        let mut path = format!(
+            "{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            std::env::var("PATH").unwrap_or_default()
+        );
+        if let Some(d) = &self.opts.shim_dir {
+            path = format!("{}:{path}", d.display());
+        }
+        let mut cmd = Command::new("containerd");
+        cmd.arg("--config")
+            .arg(self.config_path())
+            .env("PATH", path)
+            .envs(self.opts.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .process_group(0);
+        // SAFETY: one raw prctl between fork and exec. A test that dies
+        // takes its containerd along.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .expect("start containerd (apt-get install containerd)");
+        self.child = Some(child);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "containerd exited while starting ({st}); log:\n{}",
+                    self.log_tail(4000)
+                );
+            }
+            if self.address().exists() && self.ctr_in("default", &["version"]).status.success() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "containerd did not answer within {READY_TIMEOUT:?}; log:\n{}",
+                self.log_tail(4000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `ctr --address <sock> -n <ns> <args>`, output captured. A `ctr`
+    /// that has not finished after [`CTR_TIMEOUT`] is killed and the test
+    /// fails there, with containerd's log, rather than hanging the suite.
+    pub fn ctr_in(&self, namespace: &str, args: &[&str]) -> Output {
+        use std::io::Read;
+        let mut child = self
+            .ctr_cmd(namespace, args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run ctr");
+        let mut out = child.stdout.take().expect("piped");
+        let mut err = child.stderr.take().expect("piped");
+        let o = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = out.read_to_end(&mut v);
+            v
+        });
+        let e = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = err.read_to_end(&mut v);
+            v
+        });
+        let deadline = Instant::now() + CTR_TIMEOUT;
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("wait ctr") {
+                break st;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ctr {args:?} did not finish within {CTR_TIMEOUT:?}; containerd log:\n{}",
+                    self.log_tail(4000)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Output {
+            status,
+            stdout: o.join().unwrap_or_default(),
+            stderr: e.join().unwrap_or_default(),
+        }
+    }
+
+    /// The `ctr` command for `args`, ready to run (callers pick the stdio).
+    pub fn ctr_cmd(&self, namespace: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(self.address())
+            .arg("-n")
+            .arg(namespace)
+            .args(args);
+        cmd
+    }
+
+    /// `ctr` that must succeed; returns stdout.
+    pub fn ctr_ok(&self, namespace: &str, args: &[&str]) -> String {
+        let o = self.ctr_in(namespace, args);
+        assert!(
+            o.status.success(),
+            "ctr {args:?} failed ({}): {}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Imports OCI archives (from `scripts/build-test-images.sh`) into
+    /// `namespace`.
+    pub fn import_images(&self, namespace: &str, tars: &[&Path]) {
+        for t in tars {
+            let t = t.to_str().expect("utf-8 path");
+            self.ctr_ok(namespace, &["images", "import", t]);
+        }
+    }
+
+    /// Kills containerd (SIGKILL) and starts it again with the same
+    /// config, root and state: running shims stay, as after a crash or an
+    /// upgrade of the daemon.
+    pub fn restart(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.spawn();
+    }
+
+    /// Pids of the shims this instance started (their command lines name
+    /// our gRPC socket).
+    pub fn shim_pids(&self) -> Vec<i32> {
+        let addr = self.address().display().to_string();
+        let me = std::process::id() as i32;
+        let mut out = Vec::new();
+        let Ok(rd) = std::fs::read_dir("/proc") else {
+            return out;
+        };
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            if pid == me || Some(pid as u32) == self.pid() {
+                continue;
+            }
+            let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+            let is_shim = args
+                .first()
+                .is_some_and(|a| String::from_utf8_lossy(a).contains("containerd-shim"));
+            if is_shim
+                && args
+                    .windows(2)
+                    .any(|w| w[0] == b"-address" && w[1] == addr.as_bytes())
+            {
+                out.push(pid);
+            }
+        }
+        out
+    }
+
+    fn stop_all(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Shims: TERM lets the crust shim take its VM down; KILL after a
+        // grace, with every process below them (runc's containers outlive
+        // a stopped runc shim).
+        let shims = self.shim_pids();
+        let below = descendants(&shims);
+        for pid in shims {
+            if let Some(p) = Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, Signal::TERM);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.shim_pids().into_iter().any(pid_alive) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for pid in self.shim_pids().into_iter().chain(below) {
+            if let Some(p) = Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, Signal::KILL);
+            }
+        }
+        unmount_below(self.dir());
+    }
+}
+
+/// Whether `pid` exists and is not a zombie.
+pub fn pid_alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 1..].trim_start().to_string()))
+        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
+}
+
+/// Every live process below `roots` in the process tree.
+fn descendants(roots: &[i32]) -> Vec<i32> {
+    let mut parent_of = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().nth(1)?.parse::<i32>().ok());
+            if let Some(ppid) = ppid {
+                parent_of.push((pid, ppid));
+            }
+        }
+    }
+    let mut out: Vec<i32> = Vec::new();
+    let mut frontier: Vec<i32> = roots.to_vec();
+    while let Some(p) = frontier.pop() {
+        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
+            if !out.contains(child) {
+                out.push(*child);
+                frontier.push(*child);
+            }
+        }
+    }
+    out
+}
+
+/// Lazily unmounts every mount point below `dir`, deepest first.
+pub fn unmount_below(dir: &Path) {
+    for _ in 0..3 {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<PathBuf> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(unescape_mountinfo)
+            .filter(|p| p.starts_with(dir) && p != dir)
+            .collect();
+        if points.is_empty() {
+            return;
+        }
+        points.sort();
+        points.dedup();
+        for p in points.iter().rev() {
+            let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
+        }
+    }
+}
+
+fn unescape_mountinfo(s: &str) -> PathBuf {
+    // mountinfo escapes space, tab, newline and backslash as \ooo.
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = (b[i] == b'\\' && i + 4 <= b.len())
+            .then(|| std::str::from_utf8(&b[i + 1..i + 4]).ok())
+            .flatten()
+            .and_then(|o| u8::from_str_radix(o, 8).ok());
+        if let Some(v) = octal {
+            out.push(v);
+            i += 4;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    use std::os::unix::ffi::OsStringExt;
+    PathBuf::from(std::ffi::OsString::from_vec(out))
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// Where `scripts/build-test-images.sh` leaves the OCI archives.
+/// `CRUST_TEST_IMAGES_DIR` overrides `<workspace>/target/test-images`.
+pub fn test_images_dir() -> PathBuf {
+    std::env::var_os("CRUST_TEST_IMAGES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::workspace_root().join("target/test-images"))
+}
+
+/// Builds the test images when missing or stale (the script keeps a stamp)
+/// and returns (busybox.tar, pause.tar). One build at a time machine-wide.
+pub fn ensure_test_images() -> (PathBuf, PathBuf) {
+    let dir = test_images_dir();
+    std::fs::create_dir_all(crate::SLOT_DIR).expect("create slot dir");
+    let lock = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(Path::new(crate::SLOT_DIR).join("test-images.lock"))
+        .expect("open image lock");
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).expect("lock");
+    let status = Command::new(crate::workspace_root().join("scripts/build-test-images.sh"))
+        .arg("--out")
+        .arg(&dir)
+        .stdin(Stdio::null())
+        .status()
+        .expect("run scripts/build-test-images.sh");
+    assert!(status.success(), "scripts/build-test-images.sh failed");
+    (dir.join("busybox.tar"), dir.join("pause.tar"))
+}
