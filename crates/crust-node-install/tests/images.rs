@@ -206,9 +206,13 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
         "QEMU should still be running when timeout stops it: {}",
         String::from_utf8_lossy(&r.stderr)
     );
-    for c in ["virtiofsd", "containerd-shim-crust-v2"] {
+    // A containerd shim takes Go-style flags: `-v` prints its version.
+    for (c, flag) in [
+        ("virtiofsd", "--version"),
+        ("containerd-shim-crust-v2", "-v"),
+    ] {
         if components.contains(&c) {
-            let r = run_in(host.path(), &[&format!("/opt/crust/bin/{c}"), "--version"]);
+            let r = run_in(host.path(), &[&format!("/opt/crust/bin/{c}"), flag]);
             assert!(
                 r.status.success(),
                 "{c}: {}",
