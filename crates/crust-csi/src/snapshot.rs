@@ -234,8 +234,14 @@ impl Driver {
     }
 
     /// Quiesces every volume, runs `copy`, releases every volume; the
-    /// result fails if any release says the copy is not consistent.
-    fn consistent<T>(&self, recs: &[VolumeRecord], copy: impl FnOnce() -> Result<T>) -> Result<T> {
+    /// result fails if any release says the copy is not consistent, and
+    /// `discard` then removes the copy (a retry must not find it).
+    fn consistent<T>(
+        &self,
+        recs: &[VolumeRecord],
+        copy: impl FnOnce() -> Result<T>,
+        discard: impl FnOnce(&T) -> std::result::Result<(), BackendError>,
+    ) -> Result<T> {
         let mut held = Vec::with_capacity(recs.len());
         for rec in recs {
             match self.quiesce(rec) {
@@ -257,7 +263,12 @@ impl Driver {
             }
         }
         let out = out?;
-        released?;
+        if let Err(e) = released {
+            if let Err(de) = discard(&out) {
+                tracing::error!(error = %de, "cannot remove an inconsistent copy");
+            }
+            return Err(e);
+        }
         Ok(out)
     }
 
@@ -290,9 +301,11 @@ impl Driver {
             std::slice::from_ref(&req.source_volume_id),
             "CreateSnapshot",
         )?;
-        let info = self.consistent(&recs, || {
-            Ok(self.backend.create_snapshot(&id, &recs[0].id, None)?)
-        })?;
+        let info = self.consistent(
+            &recs,
+            || Ok(self.backend.create_snapshot(&id, &recs[0].id, None)?),
+            |_| self.backend.delete_snapshot(&id),
+        )?;
         tracing::info!(snapshot = %id, name = %req.name, volume = %req.source_volume_id,
             method = %info.method, "snapshot created");
         Ok(self.snapshot_proto(&info))
@@ -397,7 +410,11 @@ impl Driver {
             ContentSource::Volume(src) => {
                 let (_guards, recs) =
                     self.begin_on(std::slice::from_ref(src), "CreateVolume (clone source)")?;
-                self.consistent(&recs, || Ok(self.backend.create_from(id, size, source)?))?
+                self.consistent(
+                    &recs,
+                    || Ok(self.backend.create_from(id, size, source)?),
+                    |_| self.backend.delete(id),
+                )?
             }
         };
         Ok(alloc.size_bytes)
@@ -472,12 +489,17 @@ impl Driver {
         let (_guards, recs) = self.begin_on(&sources, "CreateVolumeGroupSnapshot")?;
         self.backend.begin_group(&gid, &sources)?;
         let members: Vec<String> = sources.iter().map(|v| member_id(&gid, v)).collect();
-        let cut = self.consistent(&recs, || {
-            for (m, v) in members.iter().zip(&sources) {
-                self.backend.create_snapshot(m, v, Some(&gid))?;
-            }
-            Ok(())
-        });
+        // (a failed cut removes the whole group below)
+        let cut = self.consistent(
+            &recs,
+            || {
+                for (m, v) in members.iter().zip(&sources) {
+                    self.backend.create_snapshot(m, v, Some(&gid))?;
+                }
+                Ok(())
+            },
+            |_| Ok(()),
+        );
         if let Err(e) = cut {
             if let Err(de) = self.backend.delete_group(&gid) {
                 tracing::warn!(group = %gid, error = %de, "could not remove a failed group snapshot");
