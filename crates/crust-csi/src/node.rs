@@ -679,7 +679,10 @@ impl Driver {
             if unmount_ours {
                 sync_and_unmount(&path).map_err(undo)?;
             }
-            self.ensure_filesystem(&mut rec, &device, fs)
+            // A mount of ours still here (adopted above) proves a format
+            // that finished before the plugin died: it holds the device.
+            let ours_mounted = mounted_here(&device, &path).map_err(undo)?;
+            self.ensure_filesystem(&mut rec, &device, fs, ours_mounted)
                 .map_err(undo)?;
             if host_mount == HostMount::Mounted {
                 // A device that was already attached may be open in a
@@ -736,10 +739,19 @@ impl Driver {
     /// formatted it before. The start of a format is recorded first, so a
     /// stage killed mid-format redoes its own half-made filesystem (and
     /// waits while the orphaned tool still holds the device).
-    fn ensure_filesystem(&self, rec: &mut VolumeRecord, device: &Path, fs: FsType) -> Result<()> {
+    fn ensure_filesystem(
+        &self,
+        rec: &mut VolumeRecord,
+        device: &Path,
+        fs: FsType,
+        ours_mounted: bool,
+    ) -> Result<()> {
         let id = rec.id.clone();
         let interrupted = rec.format_started == Some(fs) && rec.formatted.is_none();
-        if interrupted && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true) {
+        if interrupted
+            && !ours_mounted
+            && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
+        {
             return Err(NodeError::FailedPrecondition(format!(
                 "volume {id}: a format started by an earlier plugin process is still running \
                  on {} (the device is in use); retry",

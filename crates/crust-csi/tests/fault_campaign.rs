@@ -66,12 +66,14 @@ impl Campaign {
         Fut: Future<Output = Result<T, tonic::Status>> + Send + 'static,
         T: Send + 'static,
     {
-        let mut attempts = 0;
+        // Bounded by time, not attempts: a tool the killed plugin started
+        // (mkfs) may hold the device for a while on a loaded machine.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut last = String::new();
         loop {
-            attempts += 1;
             assert!(
-                attempts < 50,
-                "{what}: no success after 50 attempts: {:?}",
+                std::time::Instant::now() < deadline,
+                "{what}: no success within 60 s; last answer: {last}; anomalies: {:?}",
                 self.anomalies
             );
             let c = self.node.clients().await;
@@ -86,11 +88,13 @@ impl Campaign {
             }
             match f(c).await {
                 Ok(v) => return v,
-                Err(s) if retryable(&s) => self.retries += 1,
                 Err(s) => {
-                    self.anomalies
-                        .push(format!("{what}: {:?}: {}", s.code(), s.message()));
+                    last = format!("{:?}: {}", s.code(), s.message());
+                    if !retryable(&s) {
+                        self.anomalies.push(format!("{what}: {last}"));
+                    }
                     self.retries += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
         }

@@ -208,3 +208,51 @@ async fn kubelet_replay_after_a_reboot_brings_every_volume_back_unformatted() {
     assert!(loops_under(node.dir.path()).is_empty());
     assert!(mounts_under(node.dir.path()).is_empty());
 }
+
+/// Found by the fault campaign (seed 1795473414149315591): a first stage
+/// killed after its mkfs and its mount but before it recorded them left
+/// "format started, not finished" in the record and the device mounted at
+/// the staging path; every retry then took the mount for an orphaned mkfs
+/// and answered FAILED_PRECONDITION forever. The retry adopts the mount
+/// (it proves the format finished), keeps the data and formats nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_killed_between_its_mount_and_its_record_is_adopted() {
+    let mut node = TestNode::new();
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req("adopt", 32 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/adopt");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    std::fs::write(format!("{staging}/a"), b"kept").unwrap();
+    let uuid = ext4_uuid(&node, &id);
+
+    // The record as the killed stage left it: format started, neither its
+    // end nor the staging recorded.
+    node.crash();
+    let path = node.state.join(format!("volumes/{id}.json"));
+    let mut rec = record(&node, &id);
+    assert_eq!(rec["format_started"], "ext4", "{rec}");
+    rec["formatted"] = serde_json::Value::Null;
+    rec["staging"] = serde_json::Value::Null;
+    std::fs::write(&path, serde_json::to_vec(&rec).unwrap()).unwrap();
+    node.start();
+
+    let mut c = node.clients().await;
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert_eq!(
+        std::fs::read(format!("{staging}/a")).unwrap(),
+        b"kept",
+        "the data written before the crash"
+    );
+    assert_eq!(ext4_uuid(&node, &id), uuid, "not formatted again");
+    let rec = record(&node, &id);
+    assert_eq!(rec["formatted"], "ext4", "{rec}");
+    assert!(rec["staging"].is_object(), "{rec}");
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(loops_under(&node.pool).is_empty());
+}
