@@ -128,7 +128,14 @@ pub fn ensure_no_other_openers(dev: &Path, action: &'static str) -> Result<(), F
 
 /// Every filesystem tool this module runs; a host or container image
 /// without one of them cannot serve every volume.
-pub const FS_TOOLS: [&str; 5] = ["mkfs.ext4", "mkfs.xfs", "e2fsck", "resize2fs", "xfs_growfs"];
+pub const FS_TOOLS: [&str; 6] = [
+    "mkfs.ext4",
+    "mkfs.xfs",
+    "e2fsck",
+    "resize2fs",
+    "xfs_growfs",
+    "wipefs",
+];
 
 /// The tools of [`FS_TOOLS`] that cannot be found (readiness checks).
 pub fn missing_fs_tools() -> Vec<&'static str> {

@@ -122,6 +122,7 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
         "usr/sbin/mkfs.xfs",
         "usr/sbin/xfs_growfs",
         "usr/sbin/losetup",
+        "usr/sbin/wipefs",
         "etc/mke2fs.conf",
         "lib64/ld-linux-x86-64.so.2",
         "lib/x86_64-linux-gnu/libc.so.6",
