@@ -44,7 +44,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use crust_blockdev::{AttachOptions, LoopDevice, LoopError};
+use crust_blockdev::{AttachOptions, LoopDevice, LoopError, LoopStatus};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -147,7 +147,76 @@ pub struct PoolBackend {
     dir: PathBuf,
     state: Mutex<State>,
     ids: IdLocks,
+    loops: LoopIndex,
     _lock: util::DirLock,
+}
+
+/// Loop devices bound to this pool's files, by backing path. The pool
+/// directory is locked to one process and its files are attached only by
+/// [`PoolBackend::attach`], so the index is read from sysfs once at open
+/// and kept from then on; each entry is checked on use against that one
+/// device's status. A lookup costs the same whether the node has ten loop
+/// devices or thousands (scanning every `/sys/block/loop*` per call made
+/// every RPC slower with each volume and each foreign loop device).
+#[derive(Debug, Default)]
+struct LoopIndex(Mutex<BTreeMap<PathBuf, Vec<PathBuf>>>);
+
+impl LoopIndex {
+    fn read(dir: &Path) -> Result<LoopIndex> {
+        let mut map: BTreeMap<PathBuf, Vec<PathBuf>> = BTreeMap::new();
+        for s in crust_blockdev::list_loops().map_err(loop_err)? {
+            if s.backing_file.parent() == Some(dir) {
+                map.entry(s.backing_file).or_default().push(s.path);
+            }
+        }
+        Ok(LoopIndex(Mutex::new(map)))
+    }
+
+    /// Every device bound to `file` (also to a deleted earlier copy at the
+    /// same path), lowest number first; entries gone stale are dropped.
+    fn devices(&self, file: &Path) -> Result<Vec<LoopStatus>> {
+        let mut map = lock(&self.0);
+        let Some(devs) = map.get_mut(file) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for d in devs.iter() {
+            match crust_blockdev::loop_status(d) {
+                Ok(Some(s)) if s.backing_file == file => out.push(s),
+                Ok(_) => {}
+                Err(LoopError::Device(e)) if e.is_not_found() => {}
+                Err(e) => return Err(loop_err(e)),
+            }
+        }
+        devs.retain(|d| out.iter().any(|s| &s.path == d));
+        if devs.is_empty() {
+            map.remove(file);
+        }
+        out.sort_by_key(|s| s.number);
+        Ok(out)
+    }
+
+    /// The device bound to the current `file`, if any.
+    fn live(&self, file: &Path) -> Result<Option<PathBuf>> {
+        Ok(self
+            .devices(file)?
+            .into_iter()
+            .find(|s| !s.backing_deleted)
+            .map(|s| s.path))
+    }
+
+    /// Drops what is known of a deleted volume's file.
+    fn forget(&self, file: &Path) {
+        lock(&self.0).remove(file);
+    }
+
+    fn add(&self, file: &Path, dev: &Path) {
+        let mut map = lock(&self.0);
+        let devs = map.entry(file.to_path_buf()).or_default();
+        if !devs.iter().any(|d| d == dev) {
+            devs.push(dev.to_path_buf());
+        }
+    }
 }
 
 fn now_ms() -> i64 {
@@ -225,11 +294,13 @@ impl PoolBackend {
             },
             Err(e) => return Err(io_err(&index_path)(e)),
         };
+        let loops = LoopIndex::read(&dir)?;
         let pool = PoolBackend {
             config,
             dir,
             state: Mutex::new(State { index, reserved: 0 }),
             ids: IdLocks::default(),
+            loops,
             _lock: lock_file,
         };
         pool.reconcile()?;
@@ -467,12 +538,14 @@ impl Backend for PoolBackend {
         };
         let path = self.dir.join(&entry.file);
         // The data is going away, so stale devices on a deleted copy go too.
-        let devices: Vec<PathBuf> = crust_blockdev::find_all_by_backing(&path)
-            .map_err(loop_err)?
+        let devices: Vec<PathBuf> = self
+            .loops
+            .devices(&path)?
             .into_iter()
             .map(|s| s.path)
             .collect();
         self.detach_all(volume_id, &devices)?;
+        self.loops.forget(&path);
         match std::fs::remove_file(&path) {
             Ok(()) => util::fsync_dir(&self.dir)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -558,7 +631,7 @@ impl Backend for PoolBackend {
         }
         // Also on the idempotent path: a previous call may have grown the
         // file and crashed before refreshing the device.
-        if let Some(dev) = crust_blockdev::find_by_backing(&path).map_err(loop_err)? {
+        if let Some(dev) = self.loops.live(&path)? {
             let dev_size = crust_blockdev::refresh_capacity(&dev).map_err(loop_err)?;
             if dev_size != size {
                 return Err(BackendError::Device(format!(
@@ -582,7 +655,7 @@ impl Backend for PoolBackend {
                 path.display()
             )));
         }
-        if let Some(dev) = crust_blockdev::find_by_backing(&path).map_err(loop_err)? {
+        if let Some(dev) = self.loops.live(&path)? {
             // Found again (e.g. after a restart); catch up on an expand
             // that grew the file but never refreshed the device.
             let file_len = std::fs::metadata(&path).map_err(io_err(&path))?.len();
@@ -595,6 +668,7 @@ impl Backend for PoolBackend {
             return Ok(dev);
         }
         let info = LoopDevice::attach(&path, AttachOptions::default()).map_err(loop_err)?;
+        self.loops.add(&path, &info.path);
         tracing::info!(volume = %volume_id, device = %info.path.display(), "pool volume attached");
         Ok(info.path)
     }
@@ -603,7 +677,7 @@ impl Backend for PoolBackend {
         let Some(entry) = self.entry(volume_id) else {
             return Ok(None);
         };
-        crust_blockdev::find_by_backing(&self.dir.join(&entry.file)).map_err(loop_err)
+        self.loops.live(&self.dir.join(&entry.file))
     }
 
     fn detach(&self, volume_id: &str) -> Result<()> {
@@ -613,7 +687,7 @@ impl Backend for PoolBackend {
         };
         let path = self.dir.join(&entry.file);
         let mut live = Vec::new();
-        for s in crust_blockdev::find_all_by_backing(&path).map_err(loop_err)? {
+        for s in self.loops.devices(&path)? {
             if s.backing_deleted {
                 // That device holds the only remaining copy of the data.
                 tracing::warn!(volume = %volume_id, device = %s.path.display(),
@@ -663,7 +737,7 @@ impl Backend for PoolBackend {
         };
         let path = self.dir.join(&entry.file);
         let p = path.display();
-        let loops = match crust_blockdev::find_all_by_backing(&path) {
+        let loops = match self.loops.devices(&path) {
             Ok(l) => l,
             Err(e) => return BackingState::Degraded(format!("cannot list loop devices: {e}")),
         };

@@ -206,10 +206,78 @@ pub fn parse_mountinfo(text: &[u8]) -> Result<Vec<MountEntry>, MountError> {
 }
 
 /// Every mount visible to this process, in mount order (later entries are
-/// stacked on top of earlier ones at the same path).
+/// stacked on top of earlier ones at the same path). From the cached table
+/// (see [`MountTable`]): no parsing unless the mounts changed.
 pub fn mount_info() -> Result<Vec<MountEntry>, MountError> {
+    Ok(current_table()?.entries.clone())
+}
+
+/// The parsed mount table with an index by mount point. A node with
+/// hundreds of volumes has thousands of mounts: parsing the whole table
+/// for every lookup made each RPC cost time in the number of volumes.
+/// The table is parsed again only after the kernel says it changed: a
+/// descriptor of `/proc/self/mountinfo` polls `POLLPRI` after any mount or
+/// unmount in the namespace (`proc(5)`), and polling consumes the event,
+/// so the read that follows the poll is at least as new as the event.
+struct MountTable {
+    entries: Vec<MountEntry>,
+    /// Mount point -> index of the topmost entry there.
+    top: std::collections::HashMap<PathBuf, usize>,
+}
+
+struct MountCache {
+    watch: std::os::fd::OwnedFd,
+    table: std::sync::Arc<MountTable>,
+}
+
+static MOUNT_CACHE: std::sync::Mutex<Option<MountCache>> = std::sync::Mutex::new(None);
+
+fn read_table() -> Result<MountTable, MountError> {
     let text = std::fs::read("/proc/self/mountinfo").map_err(MountError::MountInfo)?;
-    parse_mountinfo(&text)
+    let entries = parse_mountinfo(&text)?;
+    let top = entries
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.mount_point.clone(), i))
+        .collect();
+    Ok(MountTable { entries, top })
+}
+
+/// Whether the mounts changed since the last call on `watch`.
+fn mounts_changed(watch: &std::os::fd::OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut fds = [PollFd::new(watch, PollFlags::PRI)];
+    match poll(&mut fds, Some(&rustix::event::Timespec::default())) {
+        Ok(0) => false,
+        Ok(_) => !(fds[0].revents() & (PollFlags::PRI | PollFlags::ERR)).is_empty(),
+        // Cannot tell: assume it changed.
+        Err(_) => true,
+    }
+}
+
+fn current_table() -> Result<std::sync::Arc<MountTable>, MountError> {
+    let mut cache = MOUNT_CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = cache.as_ref()
+        && !mounts_changed(&c.watch)
+    {
+        return Ok(c.table.clone());
+    }
+    let watch = match cache.take() {
+        Some(c) => c.watch,
+        // Opened before the first read: a change after the open is seen.
+        None => rustix::fs::open(
+            "/proc/self/mountinfo",
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(|e| MountError::MountInfo(e.into()))?,
+    };
+    let table = std::sync::Arc::new(read_table()?);
+    *cache = Some(MountCache {
+        watch,
+        table: table.clone(),
+    });
+    Ok(table)
 }
 
 /// `path` as mountinfo would print it, without touching the (maybe hung)
@@ -228,10 +296,8 @@ fn mountinfo_form(path: &Path) -> PathBuf {
 /// access the filesystem mounted there, so it is safe on a hung mount.
 pub fn find_mount(target: &Path) -> Result<Option<MountEntry>, MountError> {
     let want = mountinfo_form(target);
-    Ok(mount_info()?
-        .into_iter()
-        .rev()
-        .find(|m| m.mount_point == want))
+    let t = current_table()?;
+    Ok(t.top.get(&want).map(|&i| t.entries[i].clone()))
 }
 
 /// Whether `path` is the root of a mount (also for file bind mounts).
@@ -606,6 +672,35 @@ mod tests {
             parse_mountinfo(b"1 2 3-4 / /x rw - ext4 /dev/x rw\n"),
             Err(MountError::Parse { .. })
         ));
+    }
+
+    /// The cached table follows mounts and unmounts at once (the poll
+    /// event), and a lookup finds the topmost of stacked mounts.
+    #[test]
+    fn cached_table_sees_every_change() {
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        assert!(find_mount(p).unwrap().is_none());
+        let tmpfs = |size: &str| {
+            let opts = CString::new(format!("size={size}")).unwrap();
+            rustix::mount::mount("tmpfs", p, "tmpfs", MountFlags::empty(), opts.as_c_str())
+                .unwrap();
+        };
+        tmpfs("1m");
+        let first = find_mount(p).unwrap().expect("mounted");
+        assert_eq!(first.fs_type, "tmpfs");
+        tmpfs("2m");
+        let second = find_mount(p).unwrap().expect("stacked");
+        assert_ne!(second.mount_id, first.mount_id, "the topmost mount");
+        assert!(second.super_options.iter().any(|o| o == "size=2048k"));
+        rustix::mount::unmount(p, UnmountFlags::empty()).unwrap();
+        assert_eq!(find_mount(p).unwrap().unwrap().mount_id, first.mount_id);
+        rustix::mount::unmount(p, UnmountFlags::empty()).unwrap();
+        assert!(find_mount(p).unwrap().is_none());
+        assert!(!mount_info().unwrap().iter().any(|m| m.mount_point == p));
     }
 
     #[test]
