@@ -774,9 +774,16 @@ pub struct BenchArgs {
     /// Root under which per-op target parent directories are made (default: a temp dir).
     #[arg(long)]
     pub target_dir: Option<PathBuf>,
-    /// How many published volumes the stats scenario queries round robin.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub stats_volumes: u32,
+    /// How many published volumes the stats scenario queries round robin;
+    /// a comma-separated list (16,256,1024) runs once per value and prints
+    /// the cost against the number of volumes.
+    #[arg(long, value_delimiter = ',', default_value = "4", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub stats_volumes: Vec<u32>,
+    /// Hold this many unrelated loop devices (sparse files under /var/tmp)
+    /// for the whole run, as other software on a node would; released
+    /// afterwards.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096))]
+    pub idle_loops: u32,
     /// Set the KEP-2857 defer_fs_ops field (needs DEFER_FS_OPS).
     #[arg(long)]
     pub defer_fs_ops: bool,
@@ -1475,6 +1482,12 @@ async fn bench_cmd(
             scenarios.push(s);
         }
     }
+    let mut sweep: Vec<usize> = Vec::new();
+    for n in a.stats_volumes {
+        if !sweep.contains(&(n as usize)) {
+            sweep.push(n as usize);
+        }
+    }
     let config = BenchConfig {
         scenarios,
         concurrency: a.concurrency as usize,
@@ -1485,27 +1498,62 @@ async fn bench_cmd(
         secrets: map(&a.secrets, "--secret")?,
         staging_dir: a.staging_dir,
         target_dir: a.target_dir,
-        stats_volumes: a.stats_volumes as usize,
+        stats_volumes: sweep[0],
         defer_fs_ops: a.defer_fs_ops,
         cleanup_retries: a.cleanup_retries,
         run_id: None,
     };
     let c = Csi::connect(ep, timeout).await?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    // First Ctrl-C/SIGTERM: stop starting work and clean up. Second: leave now.
-    let signals = tokio::spawn(async move {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        interrupted(&mut term).await;
-        eprintln!("interrupted: cleaning up (interrupt again to abort cleanup)");
-        let _ = stop_tx.send(true);
-        interrupted(&mut term).await;
-        eprintln!("cleanup aborted; resources may be left behind");
-        std::process::exit(EXIT_INTERRUPTED as i32);
-    });
-    let report = bench::run_bench(&c, config, stop_rx).await;
+    let idle = match a.idle_loops {
+        0 => None,
+        n => Some(bench::scale::IdleLoops::hold(n)?),
+    };
+    let (stop_rx, signals) = stop_on_signals();
+    let mut runs = Vec::new();
+    for &n in &sweep {
+        let cfg = BenchConfig {
+            stats_volumes: n,
+            ..config.clone()
+        };
+        let mut report = match bench::run_bench(&c, cfg, stop_rx.clone()).await {
+            Ok(r) => r,
+            Err(e) => {
+                signals.abort();
+                return Err(e.into());
+            }
+        };
+        if let Some(idle) = &idle {
+            report.notes.push(format!(
+                "{} idle loop devices held during the run (files in {})",
+                idle.len(),
+                idle.dir().display()
+            ));
+        }
+        let stop = report.interrupted || !report.cleanup.leftovers.is_empty();
+        runs.push((n, report));
+        if stop {
+            break;
+        }
+    }
     signals.abort();
-    Ok(finish_bench(out, &report?))
+    drop(idle);
+    if sweep.len() == 1 {
+        let (_, report) = runs.pop().expect("one run");
+        return Ok(finish_bench(out, &report));
+    }
+    let sweep = bench::scale::Sweep { runs };
+    emit(out, &sweep, "");
+    let mut code = ExitCode::SUCCESS;
+    for (_, r) in &sweep.runs {
+        if r.interrupted {
+            code = ExitCode::from(EXIT_INTERRUPTED);
+        }
+        if !r.cleanup.leftovers.is_empty() {
+            eprintln!("error: cleanup left item(s) behind (listed in the report)");
+            return Ok(ExitCode::from(EXIT_FAILURE));
+        }
+    }
+    Ok(code)
 }
 
 /// Step lines as they happen: stdout for text, stderr when stdout is JSON.

@@ -594,3 +594,105 @@ fn interrupt_stops_and_cleans_up() {
     assert_eq!(fake.held(), (0, 0, 0, 0));
     assert_empty_dir(work.path());
 }
+
+/// `--stats-volumes 1,3` runs the stats scenario once per value, with
+/// that many published volumes each time, and prints cost against N;
+/// `--idle-loops 3` holds three foreign loop devices for the whole run
+/// (seen attached while the plugin serves the calls) and releases them.
+#[test]
+fn stats_sweep_and_idle_loops() {
+    crust_testkit::require_root();
+    let fake = Fake::start(Options::default());
+    let loops_now = || {
+        crust_blockdev::list_loops()
+            .unwrap()
+            .into_iter()
+            .filter(|l| {
+                l.backing_file
+                    .to_string_lossy()
+                    .starts_with("/var/tmp/crust-bench-idle-loops.")
+            })
+            .count()
+    };
+    let before = loops_now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_crustctl"))
+        .arg("--endpoint")
+        .arg(fake.endpoint())
+        .args([
+            "bench",
+            "--scenarios",
+            "stats",
+            "--duration",
+            "1s",
+            "--stats-volumes",
+            "1,3",
+            "--idle-loops",
+            "3",
+            "-o",
+            "json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // While the first run measures: the idle devices are attached.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = 0;
+    while Instant::now() < deadline && seen < before + 3 {
+        seen = loops_now();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(seen, before + 3, "three idle loop devices held");
+    let o = child.wait_with_output().unwrap();
+    let r = report(&o);
+    let runs = r["sweep"].as_array().expect("a sweep");
+    let ns: Vec<u64> = runs
+        .iter()
+        .map(|x| x["stats_volumes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ns, [1, 3]);
+    for x in runs {
+        let s = scenario(&x["report"], "stats");
+        assert!(count(s, "NodeGetVolumeStats") > 0, "{x:#}");
+        assert!(
+            x["report"]["notes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|n| n.as_str().unwrap().starts_with("3 idle loop devices")),
+            "{x:#}"
+        );
+    }
+    assert_eq!(loops_now(), before, "idle loop devices released");
+    assert_eq!(fake.held(), (0, 0, 0, 0));
+
+    // Text: one table per N, then the cost against N.
+    let o = bench(
+        &fake,
+        &[
+            "--scenarios",
+            "stats",
+            "--ops",
+            "20",
+            "--stats-volumes",
+            "1,2",
+        ],
+    );
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("== 1 published volumes =="), "{text}");
+    assert!(text.contains("== 2 published volumes =="), "{text}");
+    let cost = text
+        .split("== stats cost against published volumes ==")
+        .nth(1)
+        .expect("cost table");
+    let rows: Vec<Vec<&str>> = cost
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .filter(|r: &Vec<&str>| !r.is_empty())
+        .collect();
+    assert_eq!(rows.len(), 2, "{cost}");
+    assert_eq!((rows[0][0], rows[1][0]), ("1", "2"), "{cost}");
+    assert_eq!(rows[0][5], "1.00x", "{cost}");
+}

@@ -22,6 +22,7 @@
 
 pub mod deferred;
 pub mod hist;
+pub mod scale;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
