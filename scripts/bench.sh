@@ -2,6 +2,10 @@
 # Benchmarks crust-csi with crustctl's driver-agnostic CSI load generator.
 #   scripts/bench.sh             standard CSI calls against a fresh plugin
 #   scripts/bench.sh --deferred  stats/resize through crust_ops and a guest
+#   scripts/bench.sh --scale     node scale: uncached stats (health cache
+#                                off) at 16, 256 and 1024 published volumes,
+#                                then every scenario with 256 idle foreign
+#                                loop devices held
 # Extra arguments go to `crustctl bench`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +28,12 @@ trap cleanup EXIT INT TERM
 mkdir -p "$work/pool" "$work/state" "$work/stage" "$work/target" "$work/crust" "$work/runtime"
 
 export CRUST_RUNTIME_ROOT="$work/runtime" CRUST_RUNTIME_CRUST_ROOT="$work/crust"
+plugin_extra=(--pool-capacity 8Gi)
+# Uncached figures: every stats call does the real work.
+[ "${1:-}" = "--scale" ] && plugin_extra=(--pool-capacity 64Gi --health-ttl 0s)
 target/release/crust-csi --endpoint "unix://$work/csi.sock" --node-id bench \
-  --state-dir "$work/state" --backend pool --pool-dir "$work/pool" --pool-capacity 8Gi \
-  --crust-root "$work/crust" --log-level warn &
+  --state-dir "$work/state" --backend pool --pool-dir "$work/pool" \
+  --crust-root "$work/crust" --log-level warn "${plugin_extra[@]}" &
 csi_pid=$!
 for _ in $(seq 50); do [ -S "$work/csi.sock" ] && break; sleep 0.1; done
 
@@ -36,6 +43,13 @@ if [ "${1:-}" = "--deferred" ]; then
   # One pod in a guest; deferred stats and expansions through crust_ops.
   "${ctl[@]}" --deferred --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
     --crust-root "$work/crust" --duration 10s --concurrency 2 "$@"
+elif [ "${1:-}" = "--scale" ]; then
+  shift
+  "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
+    --scenarios stats --stats-volumes 16,256,1024 --size 16Mi \
+    --duration 10s --concurrency 4 "$@"
+  "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
+    --idle-loops 256 --size 16Mi --duration 10s --concurrency 4 "$@"
 else
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
     --duration 10s --concurrency 4 "$@"
