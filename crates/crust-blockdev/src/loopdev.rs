@@ -424,15 +424,34 @@ pub fn detach(dev: &Path) -> Result<(), LoopError> {
             reason: format!("held by {}", holders.join(", ")),
         });
     }
-    let fd = match device::open_block(dev, OFlags::RDONLY | OFlags::EXCL) {
-        Ok(fd) => fd,
-        Err(DeviceError::Io { source, .. }) if sys::errno(&source) == Some(Errno::BUSY) => {
-            return Err(LoopError::Busy {
-                device: dev.to_path_buf(),
-                reason: "opened exclusively, probably mounted in another mount namespace".into(),
-            });
+    // An exclusive holder that is not a mount here may be on its way out
+    // (a tool a killed plugin started, finishing): give it a moment.
+    let deadline = Instant::now() + DETACH_WAIT;
+    let fd = loop {
+        match device::open_block(dev, OFlags::RDONLY | OFlags::EXCL) {
+            Ok(fd) => break fd,
+            Err(DeviceError::Io { source, .. })
+                if sys::errno(&source) == Some(Errno::BUSY) && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(DeviceError::Io { source, .. }) if sys::errno(&source) == Some(Errno::BUSY) => {
+                let who: Vec<String> = crate::holder::name_holders(major, minor)
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect();
+                let reason = if who.is_empty() {
+                    "opened exclusively, probably mounted in another mount namespace".into()
+                } else {
+                    format!("opened exclusively: {}", who.join(", "))
+                };
+                return Err(LoopError::Busy {
+                    device: dev.to_path_buf(),
+                    reason,
+                });
+            }
+            Err(e) => return Err(e.into()),
         }
-        Err(e) => return Err(e.into()),
     };
     match sys::ioctl_int(&fd, ld::LOOP_CLR_FD, 0) {
         Ok(_) => {}

@@ -13,31 +13,18 @@
 //! ~10 s of containerd. `CRUST_IMAGES_PREBUILT=<dir>` reuses the archives
 //! of an earlier `scripts/build-images.sh` run (for iterating by hand).
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::tag;
 use crust_testkit::{Containerd, ContainerdOptions};
 
 const NAMESPACE: &str = "crust-image-test";
 const CONTAINER: &str = "crust-csi-node";
-
-fn profile() -> String {
-    // target/<profile>/deps/containerd_image-xxxx
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    dir.file_name().unwrap().to_string_lossy().into_owned()
-}
-
-fn tag() -> String {
-    let version = env!("CARGO_PKG_VERSION");
-    if profile() == "debug" {
-        format!("{version}-dev")
-    } else {
-        version.to_string()
-    }
-}
 
 /// The plugin's image archive: built into `out`, or the prebuilt one.
 fn plugin_image(out: &Path) -> PathBuf {
@@ -45,26 +32,7 @@ fn plugin_image(out: &Path) -> PathBuf {
     if let Some(dir) = std::env::var_os("CRUST_IMAGES_PREBUILT") {
         return PathBuf::from(dir).join(name);
     }
-    for bin in [
-        "crust-csi",
-        "crustctl",
-        "crust-runtime",
-        "crust-node-install",
-    ] {
-        crust_testkit::workspace_bin(bin);
-    }
-    crust_testkit::ensure_guest_image();
-    let root = crust_testkit::workspace_root();
-    let status = Command::new("bash")
-        .arg(root.join("scripts/build-images.sh"))
-        .args(["--profile", &profile(), "--no-build"])
-        .current_dir(&root)
-        .env("CRUST_IMAGES_OUT", out)
-        .env("CRUST_GUEST_DIR", crust_testkit::guest_image_dir())
-        .stdin(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "build-images.sh failed");
+    common::build_images(out, None);
     out.join(name)
 }
 

@@ -6,42 +6,16 @@
 //!
 //! Time budget: about 2 x 40 s of image builds on a loaded 2-core machine.
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SOURCE_DATE_EPOCH: &str = "1767225600"; // 2026-01-01T00:00:00Z
 
-fn profile() -> String {
-    // target/<profile>/deps/images-xxxx
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    dir.file_name().unwrap().to_string_lossy().into_owned()
-}
-
 fn build(out: &Path) -> String {
-    for bin in [
-        "crust-csi",
-        "crustctl",
-        "crust-runtime",
-        "crust-node-install",
-    ] {
-        crust_testkit::workspace_bin(bin);
-    }
-    crust_testkit::ensure_guest_image();
-    let root = crust_testkit::workspace_root();
-    let status = Command::new("bash")
-        .arg(root.join("scripts/build-images.sh"))
-        .args(["--profile", &profile(), "--no-build"])
-        .current_dir(&root)
-        .env("CRUST_IMAGES_OUT", out)
-        .env("CRUST_GUEST_DIR", crust_testkit::guest_image_dir())
-        .env("SOURCE_DATE_EPOCH", SOURCE_DATE_EPOCH)
-        .stdin(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "build-images.sh failed");
-    fs::read_to_string(out.join("images.txt")).unwrap()
+    common::build_images(out, Some(SOURCE_DATE_EPOCH))
 }
 
 fn sha256_file(p: &Path) -> String {
@@ -92,11 +66,7 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
     let second = build(b.path());
     assert_eq!(first, second, "same inputs, same digests");
     let version = env!("CARGO_PKG_VERSION");
-    let tag = if profile() == "debug" {
-        format!("{version}-dev")
-    } else {
-        version.to_string()
-    };
+    let tag = common::tag();
     for name in ["crust-csi", "crust-node-installer"] {
         let tar = format!("{name}-{tag}.oci.tar");
         assert_eq!(
