@@ -226,6 +226,9 @@ struct MountTable {
 }
 
 struct MountCache {
+    /// The mount namespace the watch belongs to (its inode): a process
+    /// that moved to another namespace starts over.
+    ns: u64,
     watch: std::os::fd::OwnedFd,
     table: std::sync::Arc<MountTable>,
 }
@@ -256,16 +259,21 @@ fn mounts_changed(watch: &std::os::fd::OwnedFd) -> bool {
 }
 
 fn current_table() -> Result<std::sync::Arc<MountTable>, MountError> {
+    // 0 where the kernel has no namespace files: the watch alone decides.
+    let ns = std::fs::metadata("/proc/self/ns/mnt")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap_or(0);
     let mut cache = MOUNT_CACHE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(c) = cache.as_ref()
+        && c.ns == ns
         && !mounts_changed(&c.watch)
     {
         return Ok(c.table.clone());
     }
     let watch = match cache.take() {
-        Some(c) => c.watch,
-        // Opened before the first read: a change after the open is seen.
-        None => rustix::fs::open(
+        Some(c) if c.ns == ns => c.watch,
+        // Opened before the read: a change after the open is seen.
+        _ => rustix::fs::open(
             "/proc/self/mountinfo",
             rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::empty(),
@@ -274,6 +282,7 @@ fn current_table() -> Result<std::sync::Arc<MountTable>, MountError> {
     };
     let table = std::sync::Arc::new(read_table()?);
     *cache = Some(MountCache {
+        ns,
         watch,
         table: table.clone(),
     });
