@@ -615,7 +615,7 @@ fn stats_sweep_and_idle_loops() {
             .count()
     };
     let before = loops_now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_crustctl"))
+    let child = Command::new(env!("CARGO_BIN_EXE_crustctl"))
         .arg("--endpoint")
         .arg(fake.endpoint())
         .args([
