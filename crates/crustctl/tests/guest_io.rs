@@ -1,0 +1,258 @@
+//! `crustctl bench --guest-io` in its short (CI) form, run as the binary
+//! against the real crust-csi and crust-runtime: both volumes reach one
+//! guest (virtio-blk at /data, the host mount over virtio-fs at
+//! /data-virtiofs), fio and the metadata workloads run on both, the
+//! native-feature table is produced (with the failure virtio-fs really
+//! has: no POSIX ACLs), every number of the JSON report parses, and
+//! nothing is left behind.
+//!
+//! Budget: one repetition, 16 MiB / 32 MiB files, 1 s per random run, 200
+//! files, a 2,000-entry tree: about 1 minute here (debug build, TCG), one
+//! guest. The long form is the documented command (README, "Guest I/O").
+
+mod e2e_support;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use e2e_support::*;
+use serde_json::Value;
+
+/// A hang guard, not a speed assertion.
+const LIMIT: Duration = Duration::from_secs(600);
+
+/// `guest/build-image.sh --bench` when the bench image is missing (once
+/// across concurrently running test binaries; CI builds it beforehand).
+fn ensure_bench_image() -> (PathBuf, PathBuf) {
+    let dir = crust_testkit::workspace_root().join("target/guest-image-bench");
+    let ready = || dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file();
+    if !ready() {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open("/tmp/crust-guest-image-bench-build.lock")
+            .unwrap();
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+        if !ready() {
+            let root = crust_testkit::workspace_root();
+            let st = Command::new("bash")
+                .arg(root.join("guest/build-image.sh"))
+                .args(["--bench", "--out"])
+                .arg(&dir)
+                // The outer cargo may hold the usual target dir's lock.
+                .env("CARGO_TARGET_DIR", root.join("target/guest-agent-build"))
+                .stdin(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(st.success(), "guest/build-image.sh --bench failed");
+        }
+    }
+    (dir.join("vmlinuz"), dir.join("initramfs.cpio.gz"))
+}
+
+/// Runs `cmd`, killing it after `limit`; (exit code, stdout, stderr).
+fn run_limited(mut cmd: Command, limit: Duration) -> (Option<i32>, String, String) {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => {
+            let out = out.unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+        Err(_) => {
+            // SIGINT: crustctl tears down before it exits.
+            let p = rustix::process::Pid::from_raw(pid).unwrap();
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::INT);
+            let _ = rx.recv_timeout(Duration::from_secs(120));
+            panic!("crustctl bench --guest-io did not finish within {LIMIT:?}");
+        }
+    }
+}
+
+fn num(v: &Value, what: &str) -> f64 {
+    v.as_f64()
+        .unwrap_or_else(|| panic!("{what} is not a number: {v}"))
+}
+
+#[test]
+fn guest_io_short_form_end_to_end() {
+    let mut st = Stack::new(Layout::Crust);
+    let (kernel, initrd) = ensure_bench_image();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(st.start_plugin(true));
+
+    let _slot = crust_testkit::VmSlot::acquire();
+    let t0 = Instant::now();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_crustctl"));
+    cmd.args([
+        "--endpoint",
+        &st.endpoint(),
+        "--timeout",
+        "120s",
+        "-o",
+        "json",
+    ])
+    .args(["bench", "--guest-io", "--short", "--repeat", "1"])
+    .args(["--guest-memory", "768Mi", "--guest-cpus", "1"])
+    .arg("--work-dir")
+    .arg(&st.work)
+    .arg("--runtime")
+    .arg(&st.runtime.bin)
+    .arg("--runtime-root")
+    .arg(&st.runtime_root)
+    .arg("--crust-root")
+    .arg(&st.crust_root)
+    .arg("--kata-root")
+    .arg(&st.kata_root)
+    .args(["--accel", "tcg"])
+    .arg("--guest-kernel")
+    .arg(&kernel)
+    .arg("--guest-initrd")
+    .arg(&initrd);
+    let (code, out, err) = run_limited(cmd, LIMIT);
+    eprintln!("{err}");
+    eprintln!("bench --guest-io --short took {:.0?}", t0.elapsed());
+    assert_eq!(
+        code,
+        Some(0),
+        "crustctl failed:\n{out}\n{err}\nplugin log:\n{}",
+        st.plugin_log()
+    );
+    let r: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("no JSON ({e}):\n{out}"));
+
+    // --- the set-up the report describes -----------------------------------
+    assert_eq!(r["errors"], serde_json::json!([]), "{r:#}");
+    assert_eq!(r["interrupted"], false);
+    assert_eq!(r["cleanup"]["leftovers"], serde_json::json!([]));
+    assert_eq!(r["cleanup"]["volumes_deleted"], 2);
+    assert_eq!(r["block"]["destination"], "/data");
+    assert_eq!(r["virtiofs"]["destination"], "/data-virtiofs");
+    assert!(
+        r["block"]["path"]
+            .as_str()
+            .unwrap()
+            .contains("virtio-blk /dev/vd"),
+        "{}",
+        r["block"]
+    );
+    assert_eq!(
+        r["block"]["capacity_bytes"],
+        r["virtiofs"]["capacity_bytes"]
+    );
+    assert_eq!(r["block"]["fs_type"], r["virtiofs"]["fs_type"]);
+    let vargs: Vec<&str> = crust_vmm::VIRTIOFSD_ARGS.to_vec();
+    assert_eq!(r["virtiofsd_args"], serde_json::json!(vargs));
+    assert_eq!(r["accel"], "tcg");
+
+    // --- every workload ran once on each mount, and its numbers parse ----------
+    let sizes = &r["sizes"];
+    let ws = r["workloads"].as_array().unwrap();
+    let names: Vec<&str> = ws.iter().map(|w| w["workload"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "randwrite-fsync-4k-qd1",
+            "randwrite-fsync-4k-qd16",
+            "randread-4k-qd1",
+            "randread-4k-qd16",
+            "seqwrite-1m-qd1",
+            "seqwrite-1m-qd16",
+            "seqread-1m-qd1",
+            "seqread-1m-qd16",
+            "meta-create-fsync-stat-unlink",
+            "walk-tree",
+        ]
+    );
+    for w in ws {
+        let name = w["workload"].as_str().unwrap();
+        let fio = !name.starts_with("meta") && !name.starts_with("walk");
+        for side in ["block", "virtiofs"] {
+            let s = &w[side];
+            assert_eq!(s["runs"], 1, "{name} {side}");
+            let v = num(&s["median"], name);
+            assert!(v.is_finite() && v > 0.0, "{name} {side}: {v}");
+            if name != "walk-tree" {
+                let (p50, p99) = (num(&s["p50_us"], name), num(&s["p99_us"], name));
+                assert!(
+                    p50 > 0.0 && p99 >= p50,
+                    "{name} {side}: p50 {p50} p99 {p99}"
+                );
+            }
+            if fio {
+                assert!(num(&s["cpu_s_per_gib"], name) > 0.0, "{name} {side}");
+            }
+        }
+        assert!(num(&w["ratio"], name) > 0.0, "{name}");
+        let run = w["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["side"] == "virtiofs")
+            .unwrap();
+        let bytes = run["bytes"].as_u64().unwrap();
+        match name {
+            // Whole files, once.
+            n if n.starts_with("seq") => {
+                assert_eq!(bytes, sizes["seq_file"].as_u64().unwrap(), "{n}")
+            }
+            // Each block at most once.
+            n if n.starts_with("randread") => {
+                assert!(
+                    bytes > 0 && bytes <= sizes["rand_file"].as_u64().unwrap(),
+                    "{n}: {bytes}"
+                )
+            }
+            n if n.starts_with("meta") => assert_eq!(bytes, 200 * 4096),
+            _ => {}
+        }
+        // The counted CPU is QEMU's and virtiofsd's: something ran.
+        assert!(num(&run["host_cpu_s"], name) >= 0.0);
+    }
+
+    // --- the feature table: all on the block volume; ACLs fail on virtio-fs ----
+    let fs = r["features"].as_array().unwrap();
+    let names: Vec<&str> = fs.iter().map(|f| f["feature"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "O_DIRECT",
+            "xattrs (user.*)",
+            "POSIX ACLs",
+            "fallocate + punch hole",
+            "flock, two processes",
+            "fcntl locks, two processes",
+            "inotify",
+            "mmap shared writes",
+            "statfs = CSI stats",
+        ]
+    );
+    for f in fs {
+        assert_eq!(f["block"]["works"], true, "block: {f}");
+    }
+    let acl = &fs[2]["virtiofs"];
+    assert_eq!(acl["works"], false, "{acl}");
+    assert!(
+        acl["detail"].as_str().unwrap().contains("not supported"),
+        "{acl}"
+    );
+    assert_eq!(fs[8]["virtiofs"]["works"], true, "{}", fs[8]);
+
+    // --- and the machine agrees: nothing left ------------------------------------
+    st.assert_clean();
+    drop(rt);
+}
