@@ -1,25 +1,20 @@
 #!/usr/bin/env bash
-# Fails when a test run left loop devices, test mounts or QEMU processes.
+# Fails when a test run left loop devices, test mounts, QEMU, virtiofsd, a
+# crust shim or a test containerd behind.
+#   check-leaks.sh                    everything present now is a leak
+#   check-leaks.sh --record FILE      note what is present before a run
+#   check-leaks.sh --since FILE       only what appeared after --record is
+#                                     a leak (an interrupted earlier run's
+#                                     leftovers are reported, not failed on)
 set -uo pipefail
-status=0
-loops=$(losetup -a 2>/dev/null || true)
-if [ -n "$loops" ]; then
-  echo "leak: loop devices still attached:" >&2
-  echo "$loops" >&2
-  status=1
-fi
-mnts=$(grep -E ' /(tmp|run/crust|var/run/crust|var/lib/kubelet)' /proc/mounts || true)
-if [ -n "$mnts" ]; then
-  echo "leak: test mounts still present:" >&2
-  echo "$mnts" >&2
-  status=1
-fi
-# -f: the process name pgrep -x sees is cut at 15 characters.
-if pgrep -f '^qemu-system-x86_64 ' >/dev/null 2>&1; then
-  echo "leak: QEMU processes still running:" >&2
-  pgrep -a -f '^qemu-system-x86_64 ' >&2
-  status=1
-fi
+mode=all base=
+case "${1:-}" in
+  --record) mode=record base=$2 ;;
+  --since) mode=since base=$2 ;;
+  "") ;;
+  *) echo "usage: $0 [--record FILE | --since FILE]" >&2; exit 2 ;;
+esac
+
 # Live (not zombie) processes whose command line matches $1.
 live() {
   local p
@@ -27,13 +22,38 @@ live() {
     case $(ps -o stat= -p "$p" 2>/dev/null) in Z* | "") ;; *) echo "$p" ;; esac
   done
 }
-for pat in '^virtiofsd ' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
-  pids=$(live "$pat")
-  if [ -n "$pids" ]; then
-    echo "leak: processes matching '$pat' still running:" >&2
-    ps -o pid=,args= -p $pids >&2
-    status=1
+
+# One line per resource, prefixed by its kind.
+inventory() {
+  losetup -a 2>/dev/null | sed 's/^/loop device: /'
+  grep -E ' /(tmp|run/crust|var/run/crust|var/lib/kubelet)' /proc/mounts | sed 's/^/mount: /'
+  # -f: the process name pgrep -x sees is cut at 15 characters.
+  local pat p
+  for pat in '^qemu-system-x86_64 ' '^virtiofsd ' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
+    for p in $(live "$pat"); do
+      echo "process: $p $(ps -o args= -p "$p" 2>/dev/null | cut -c1-200)"
+    done
+  done
+}
+
+now=$(inventory | sort)
+if [ $mode = record ]; then
+  printf '%s\n' "$now" >"$base"
+  exit 0
+fi
+if [ $mode = since ]; then
+  old=$(sort "$base")
+  before=$(comm -12 <(printf '%s\n' "$old") <(printf '%s\n' "$now") | sed '/^$/d')
+  if [ -n "$before" ]; then
+    echo "note: present before this run started (not counted):" >&2
+    printf '%s\n' "$before" >&2
   fi
-done
-[ $status = 0 ] && echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim or test containerd"
-exit $status
+  now=$(comm -13 <(printf '%s\n' "$old") <(printf '%s\n' "$now") | sed '/^$/d')
+fi
+now=$(printf '%s\n' "$now" | sed '/^$/d')
+if [ -n "$now" ]; then
+  echo "leak: left behind by the tests:" >&2
+  printf '%s\n' "$now" >&2
+  exit 1
+fi
+echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim or test containerd"

@@ -11,6 +11,10 @@ fi
 bash scripts/install-deps.sh --if-missing
 
 export CI="${CI:-true}"
+# What an interrupted earlier run left is not this run's leak.
+leaks_before=$(mktemp)
+trap 'rm -f "$leaks_before"' EXIT
+bash scripts/check-leaks.sh --record "$leaks_before"
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
 bash scripts/build-test-images.sh
@@ -21,4 +25,4 @@ else
   cargo test --workspace --locked --no-fail-fast -- --test-threads 2
 fi
 
-bash scripts/check-leaks.sh
+bash scripts/check-leaks.sh --since "$leaks_before"

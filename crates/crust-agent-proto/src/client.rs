@@ -360,6 +360,27 @@ impl AgentClient {
         .await
     }
 
+    /// FIFREEZE in the guest; the agent thaws by itself after `max_frozen`.
+    pub async fn freeze_volume(
+        &self,
+        volume: &str,
+        max_frozen: Duration,
+    ) -> Result<(), ClientError> {
+        self.call(FreezeVolume {
+            volume: volume.into(),
+            max_frozen_ms: max_frozen.as_millis() as u64,
+        })
+        .await
+        .map(drop)
+    }
+
+    pub async fn thaw_volume(&self, volume: &str) -> Result<ThawVolumeReply, ClientError> {
+        self.call(ThawVolume {
+            volume: volume.into(),
+        })
+        .await
+    }
+
     pub async fn unmount_volume(&self, volume: &str) -> Result<(), ClientError> {
         self.call(UnmountVolume {
             volume: volume.into(),

@@ -52,6 +52,8 @@ pub enum Operation {
     ContainerStats(ContainerStats),
     RemoveContainer(RemoveContainer),
     GuestInfo(GuestInfo),
+    FreezeVolume(FreezeVolume),
+    ThawVolume(ThawVolume),
 }
 
 /// Wire names of every operation, for telling "unknown op" apart from
@@ -80,6 +82,8 @@ pub const OPERATION_NAMES: &[&str] = &[
     "container_stats",
     "remove_container",
     "guest_info",
+    "freeze_volume",
+    "thaw_volume",
 ];
 
 impl Operation {
@@ -109,6 +113,8 @@ impl Operation {
             Operation::ContainerStats(_) => ContainerStats::NAME,
             Operation::RemoveContainer(_) => RemoveContainer::NAME,
             Operation::GuestInfo(_) => GuestInfo::NAME,
+            Operation::FreezeVolume(_) => FreezeVolume::NAME,
+            Operation::ThawVolume(_) => ThawVolume::NAME,
         }
     }
 }
@@ -226,6 +232,8 @@ call!(Ping => PingReply, "ping");
 call!(MountVolume => MountVolumeReply, "mount_volume");
 call!(StatVolume => VolumeStats, "stat_volume");
 call!(GrowVolume => GrowVolumeReply, "grow_volume");
+call!(FreezeVolume => Empty, "freeze_volume");
+call!(ThawVolume => ThawVolumeReply, "thaw_volume");
 call!(UnmountVolume => Empty, "unmount_volume");
 call!(StartWorkload => StartWorkloadReply, "start_workload");
 call!(WorkloadStatus => WorkloadState, "workload_status");
@@ -357,6 +365,33 @@ pub struct GrowVolumeReply {
     pub device_bytes: u64,
     /// Filesystem size after growing (f_blocks·f_frsize).
     pub fs_total_bytes: u64,
+}
+
+/// Freeze the volume's filesystem (FIFREEZE) for a point-in-time copy of
+/// its disk on the host. The agent thaws it by itself after
+/// `max_frozen_ms`, so a host that goes away never leaves the guest's
+/// writers blocked. Freezing a frozen volume is refused (FailedPrecondition):
+/// one copy at a time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeVolume {
+    pub volume: String,
+    pub max_frozen_ms: u64,
+}
+
+/// Thaw the volume (FITHAW). Not frozen (never, or already thawed by the
+/// time limit) is a success whose reply says so.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThawVolume {
+    pub volume: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThawVolumeReply {
+    /// True when the volume was still frozen from this freeze until this
+    /// thaw: a copy made meanwhile is consistent.
+    pub was_frozen: bool,
+    /// True when the time limit thawed it first.
+    pub expired: bool,
 }
 
 /// Sync and unmount; a volume that is not mounted is a success. Refused

@@ -111,6 +111,14 @@ impl Agent {
                     serde_json::to_value(self.volumes.mount(&m, deadline)?)
                 }
                 Operation::StatVolume(s) => serde_json::to_value(self.volumes.stat(&s.volume)?),
+                // Not under the mount lock: a frozen volume must not hold up
+                // the other operations while the host copies it.
+                Operation::FreezeVolume(f) => {
+                    self.volumes
+                        .freeze(&f.volume, Duration::from_millis(f.max_frozen_ms))?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::ThawVolume(t) => serde_json::to_value(self.volumes.thaw(&t.volume)?),
                 Operation::GrowVolume(g) => {
                     let _g = self.lock();
                     serde_json::to_value(self.volumes.grow(&g.volume, deadline)?)

@@ -268,6 +268,24 @@ pub fn read_attr(path: impl AsRef<Path>) -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
+/// `FIFREEZE` (`_IOWR('X', 119, int)`; the argument is unused).
+const FIFREEZE: rustix::ioctl::Opcode = 0xC004_5877;
+/// `FITHAW` (`_IOWR('X', 120, int)`).
+const FITHAW: rustix::ioctl::Opcode = 0xC004_5878;
+
+/// Freezes the filesystem `dir` (an open directory on it) belongs to:
+/// flushes it and blocks new writes until [`thaw_fs`].
+pub fn freeze_fs(dir: &rustix::fd::OwnedFd) -> rustix::io::Result<()> {
+    // SAFETY: FIFREEZE takes no argument the kernel reads.
+    unsafe { rustix::ioctl::ioctl(dir, rustix::ioctl::NoArg::<FIFREEZE>::new()) }
+}
+
+/// Thaws the filesystem `dir` belongs to; EINVAL when it is not frozen.
+pub fn thaw_fs(dir: &rustix::fd::OwnedFd) -> rustix::io::Result<()> {
+    // SAFETY: FITHAW takes no argument the kernel reads.
+    unsafe { rustix::ioctl::ioctl(dir, rustix::ioctl::NoArg::<FITHAW>::new()) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

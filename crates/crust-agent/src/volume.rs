@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crust_agent_proto::{
     AgentError, ErrorCode, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, GrowVolumeReply, MountVolume,
-    MountVolumeReply, Usage, VolumeCondition, VolumeStats,
+    MountVolumeReply, ThawVolumeReply, Usage, VolumeCondition, VolumeStats,
 };
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
@@ -187,9 +187,19 @@ fn disk_of_source(source: &str) -> Option<String> {
     source.strip_prefix("/dev/").map(str::to_owned)
 }
 
+/// One freeze: its number and the watchdog's wake-up.
+type Freeze = (u64, std::sync::mpsc::Sender<()>);
+
 #[derive(Default)]
 pub struct Volumes {
     records: Mutex<HashMap<String, VolumeRecord>>,
+    /// Volumes frozen for a host-side copy: the freeze's number (a
+    /// time-limit thaw of an old freeze never undoes a newer one) and how
+    /// to wake its watchdog when the host thaws first.
+    frozen: Arc<Mutex<HashMap<String, Freeze>>>,
+    freezes: std::sync::atomic::AtomicU64,
+    /// Freezes the time limit ended (reported by the next thaw).
+    expired: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Volumes {
@@ -565,6 +575,92 @@ impl Volumes {
         Ok(GrowVolumeReply {
             device_bytes,
             fs_total_bytes: s.f_blocks * s.f_frsize,
+        })
+    }
+
+    /// FIFREEZE of a mounted volume, thawed by a watchdog thread after
+    /// `max_frozen` unless [`Volumes::thaw`] comes first.
+    pub fn freeze(&self, volume: &str, max_frozen: Duration) -> Result<(), VolumeError> {
+        validate_name(volume)?;
+        self.lookup(volume)
+            .ok_or_else(|| VolumeError::NotMounted(volume.into()))?;
+        let target = mount_path(volume);
+        let mut frozen = self.frozen.lock().expect("frozen");
+        if frozen.contains_key(volume) {
+            return Err(VolumeError::Busy {
+                volume: volume.into(),
+                errno: Errno::BUSY,
+                detail: "it is already frozen for another copy".into(),
+            });
+        }
+        let dir = rustix::fs::open(
+            target.as_path(),
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io("open", &target, e))?;
+        sys::freeze_fs(&dir).map_err(|e| io("FIFREEZE", &target, e))?;
+        // No descriptor stays open on the volume (it would block unmount).
+        drop(dir);
+        let n = self
+            .freezes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (wake, woken) = std::sync::mpsc::channel::<()>();
+        frozen.insert(volume.to_string(), (n, wake));
+        self.expired.lock().expect("expired").remove(volume);
+        drop(frozen);
+        let (frozen, expired, name) = (
+            self.frozen.clone(),
+            self.expired.clone(),
+            volume.to_string(),
+        );
+        std::thread::spawn(move || {
+            if woken.recv_timeout(max_frozen) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                return;
+            }
+            let mut f = frozen.lock().expect("frozen");
+            if f.get(&name).map(|(m, _)| *m) != Some(n) {
+                return;
+            }
+            f.remove(&name);
+            let target = mount_path(&name);
+            let thawed = rustix::fs::open(
+                target.as_path(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .and_then(|dir| sys::thaw_fs(&dir));
+            if let Err(e) = thawed {
+                eprintln!("crust-agent: thawing {name} after the time limit: {e}");
+            }
+            expired.lock().expect("expired").insert(name);
+        });
+        Ok(())
+    }
+
+    /// FITHAW of a volume [`Volumes::freeze`] froze.
+    pub fn thaw(&self, volume: &str) -> Result<ThawVolumeReply, VolumeError> {
+        validate_name(volume)?;
+        let mut frozen = self.frozen.lock().expect("frozen");
+        let Some((_, wake)) = frozen.remove(volume) else {
+            let expired = self.expired.lock().expect("expired").remove(volume);
+            return Ok(ThawVolumeReply {
+                was_frozen: false,
+                expired,
+            });
+        };
+        let _ = wake.send(());
+        let target = mount_path(volume);
+        let dir = rustix::fs::open(
+            target.as_path(),
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io("open", &target, e))?;
+        sys::thaw_fs(&dir).map_err(|e| io("FITHAW", &target, e))?;
+        Ok(ThawVolumeReply {
+            was_frozen: true,
+            expired: false,
         })
     }
 

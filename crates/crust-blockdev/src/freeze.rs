@@ -113,6 +113,14 @@ pub fn freeze(
     }
 }
 
+/// FIFREEZE of `mountpoint` with no guard: the caller owns the thaw
+/// ([`thaw_if_frozen`]). For a process that freezes on behalf of another
+/// and exits (a runtime CLI); in-process copies use [`freeze`].
+pub fn freeze_unguarded(mountpoint: &Path) -> io::Result<()> {
+    let dir = File::open(mountpoint)?;
+    sys::ioctl_int(&dir, linux_raw_sys::ioctl::FIFREEZE, 0).map(drop)
+}
+
 /// Thaws `mountpoint` if it is frozen (a process that froze it died before
 /// thawing: a freeze outlives its process). Ok(true) if it was frozen.
 pub fn thaw_if_frozen(mountpoint: &Path) -> io::Result<bool> {

@@ -54,7 +54,7 @@ pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
     is_block_device, is_device_held_exclusively, is_device_in_use, sysfs_name, wipe_edges,
 };
-pub use freeze::{FreezeError, Frozen, freeze, thaw_if_frozen};
+pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
     FS_TOOLS, FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs,
     grow_fs_offline, known_signatures, missing_fs_tools, mkfs, mkfs_again,

@@ -37,7 +37,7 @@ type Result<T> = std::result::Result<T, NodeError>;
 
 /// Runs one crust_ops call from a blocking-pool thread (the node
 /// operations are synchronous; crust_ops is async).
-fn run<F: Future>(f: F) -> F::Output {
+pub(crate) fn run<F: Future>(f: F) -> F::Output {
     tokio::runtime::Handle::current().block_on(f)
 }
 

@@ -11,8 +11,13 @@
 //!   never fails because of them.
 //! * Consistency ([`Driver::quiesce`]): a filesystem mounted on the host is
 //!   frozen (FIFREEZE) around the copy, with a deadline and a guaranteed
-//!   thaw; a volume a sandbox's guest may have mounted must be frozen by
-//!   that guest (through crust_ops and the runtime); an attached raw device
+//!   thaw; a volume published with deferral and consumed by a sandbox is
+//!   frozen inside that guest (crust_ops → `<runtime-cli> crust freeze`
+//!   → shim → agent FIFREEZE, thawed by the agent itself after the same
+//!   time limit; a runtime without `crust freeze`, e.g. Kata's, is
+//!   FAILED_PRECONDITION), and the copy counts only if the thaw confirms
+//!   the volume stayed frozen (a guest that died meanwhile fails the
+//!   snapshot); an attached raw device
 //!   is flushed and copied as is (crash-consistent at best, like pulling
 //!   the plug); a volume used by nobody needs nothing. A group's members
 //!   are all quiesced before the first copy and released after the last,
@@ -99,22 +104,16 @@ fn timestamp(ms: i64) -> prost_types::Timestamp {
     }
 }
 
-/// What makes one volume consistent while it is copied; released on drop.
+/// What makes one volume consistent while it is copied; released on drop
+/// (a host freeze) or by [`Driver::release`] (a guest freeze).
 enum Quiesced {
     Frozen(crust_blockdev::Frozen),
+    /// Frozen inside the pod's guest, through crust_ops and its runtime.
+    GuestFrozen {
+        volume: String,
+        target: String,
+    },
     Nothing,
-}
-
-impl Quiesced {
-    /// Releases; an error means the copy may not be consistent.
-    fn release(self) -> Result<()> {
-        match self {
-            Quiesced::Frozen(f) => f
-                .thaw()
-                .map_err(|e| ControllerError::Internal(format!("snapshot not consistent: {e}"))),
-            Quiesced::Nothing => Ok(()),
-        }
-    }
 }
 
 impl Driver {
@@ -144,10 +143,34 @@ impl Driver {
 
     /// Makes `rec` consistent for a copy (see the module docs).
     fn quiesce(&self, rec: &VolumeRecord) -> Result<Quiesced> {
-        if let Some(why) = self.guest_may_have_fs(rec, None) {
+        if let Some((target, _)) = rec.deferred_publication() {
+            let t = target.to_str().unwrap_or_default().to_string();
+            match crate::defer::run(self.ops.freeze(&t, MAX_FROZEN)) {
+                Ok(()) => {
+                    if let Some(s) = &rec.staging {
+                        // The guest's flush reached QEMU; push it to the
+                        // backing store too.
+                        let _ = flush_device(&s.device);
+                    }
+                    return Ok(Quiesced::GuestFrozen {
+                        volume: rec.id.clone(),
+                        target: t,
+                    });
+                }
+                // No runtime consumed the record: no guest has it mounted.
+                Err(crust_ops::OpsError::NotConsumed(_)) => {}
+                Err(e) => {
+                    return Err(ControllerError::FailedPrecondition(format!(
+                        "volume {} cannot be copied consistently: it is used by a pod's guest \
+                         and freezing it there failed: {e}",
+                        rec.id
+                    )));
+                }
+            }
+        } else if let Some(why) = self.sandbox_claim(rec, None) {
             return Err(ControllerError::FailedPrecondition(format!(
-                "volume {} cannot be copied consistently: {why}; its filesystem must be \
-                 frozen inside the pod's guest, which this runtime does not offer",
+                "volume {} cannot be copied consistently: {why}, and no deferred publication \
+                 of this plugin names the target to freeze it through",
                 rec.id
             )));
         }
@@ -159,8 +182,8 @@ impl Driver {
                 .map_err(|e| ControllerError::Internal(format!("volume {}: {e}", rec.id)))?;
             return Ok(Quiesced::Frozen(frozen));
         }
-        // A raw or read-only device: push what sits in the device's page
-        // cache to the backing store before it is copied.
+        // A raw, read-only or unmounted device: push what sits in the
+        // device's page cache to the backing store before it is copied.
         flush_device(&s.device).map_err(|e| {
             ControllerError::Internal(format!(
                 "flushing {} of volume {}: {e}",
@@ -169,6 +192,29 @@ impl Driver {
             ))
         })?;
         Ok(Quiesced::Nothing)
+    }
+
+    /// Ends a quiesce; an error means the copy may not be consistent.
+    fn release(&self, q: Quiesced) -> Result<()> {
+        match q {
+            Quiesced::Frozen(f) => f
+                .thaw()
+                .map_err(|e| ControllerError::Internal(format!("snapshot not consistent: {e}"))),
+            Quiesced::GuestFrozen { volume, target } => {
+                match crate::defer::run(self.ops.thaw(&target)) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(ControllerError::Internal(format!(
+                        "snapshot of volume {volume} not consistent: the guest thawed it \
+                         (time limit {MAX_FROZEN:?}) before the copy finished"
+                    ))),
+                    Err(e) => Err(ControllerError::Internal(format!(
+                        "snapshot of volume {volume} not consistent: cannot confirm the guest \
+                         kept it frozen until the copy finished: {e}"
+                    ))),
+                }
+            }
+            Quiesced::Nothing => Ok(()),
+        }
     }
 
     /// Guards and records of `ids`, or ABORTED/NOT_FOUND.
@@ -188,21 +234,41 @@ impl Driver {
     }
 
     /// Quiesces every volume, runs `copy`, releases every volume; the
-    /// result fails if any release says the copy is not consistent.
-    fn consistent<T>(&self, recs: &[VolumeRecord], copy: impl FnOnce() -> Result<T>) -> Result<T> {
+    /// result fails if any release says the copy is not consistent, and
+    /// `discard` then removes the copy (a retry must not find it).
+    fn consistent<T>(
+        &self,
+        recs: &[VolumeRecord],
+        copy: impl FnOnce() -> Result<T>,
+        discard: impl FnOnce(&T) -> std::result::Result<(), BackendError>,
+    ) -> Result<T> {
         let mut held = Vec::with_capacity(recs.len());
         for rec in recs {
-            held.push(self.quiesce(rec)?);
+            match self.quiesce(rec) {
+                Ok(q) => held.push(q),
+                Err(e) => {
+                    // Release what is already held (in any case).
+                    for q in held {
+                        let _ = self.release(q);
+                    }
+                    return Err(e);
+                }
+            }
         }
         let out = copy();
         let mut released = Ok(());
         for q in held {
-            if let Err(e) = q.release() {
+            if let Err(e) = self.release(q) {
                 released = Err(e);
             }
         }
         let out = out?;
-        released?;
+        if let Err(e) = released {
+            if let Err(de) = discard(&out) {
+                tracing::error!(error = %de, "cannot remove an inconsistent copy");
+            }
+            return Err(e);
+        }
         Ok(out)
     }
 
@@ -235,9 +301,11 @@ impl Driver {
             std::slice::from_ref(&req.source_volume_id),
             "CreateSnapshot",
         )?;
-        let info = self.consistent(&recs, || {
-            Ok(self.backend.create_snapshot(&id, &recs[0].id, None)?)
-        })?;
+        let info = self.consistent(
+            &recs,
+            || Ok(self.backend.create_snapshot(&id, &recs[0].id, None)?),
+            |_| self.backend.delete_snapshot(&id),
+        )?;
         tracing::info!(snapshot = %id, name = %req.name, volume = %req.source_volume_id,
             method = %info.method, "snapshot created");
         Ok(self.snapshot_proto(&info))
@@ -342,7 +410,11 @@ impl Driver {
             ContentSource::Volume(src) => {
                 let (_guards, recs) =
                     self.begin_on(std::slice::from_ref(src), "CreateVolume (clone source)")?;
-                self.consistent(&recs, || Ok(self.backend.create_from(id, size, source)?))?
+                self.consistent(
+                    &recs,
+                    || Ok(self.backend.create_from(id, size, source)?),
+                    |_| self.backend.delete(id),
+                )?
             }
         };
         Ok(alloc.size_bytes)
@@ -417,12 +489,17 @@ impl Driver {
         let (_guards, recs) = self.begin_on(&sources, "CreateVolumeGroupSnapshot")?;
         self.backend.begin_group(&gid, &sources)?;
         let members: Vec<String> = sources.iter().map(|v| member_id(&gid, v)).collect();
-        let cut = self.consistent(&recs, || {
-            for (m, v) in members.iter().zip(&sources) {
-                self.backend.create_snapshot(m, v, Some(&gid))?;
-            }
-            Ok(())
-        });
+        // (a failed cut removes the whole group below)
+        let cut = self.consistent(
+            &recs,
+            || {
+                for (m, v) in members.iter().zip(&sources) {
+                    self.backend.create_snapshot(m, v, Some(&gid))?;
+                }
+                Ok(())
+            },
+            |_| Ok(()),
+        );
         if let Err(e) = cut {
             if let Err(de) = self.backend.delete_group(&gid) {
                 tracing::warn!(group = %gid, error = %de, "could not remove a failed group snapshot");

@@ -1774,3 +1774,219 @@ async fn a_sandbox_claim_on_a_leftover_record_keeps_the_host_off_the_filesystem(
     c.delete(&id).await.unwrap();
     assert!(loops_under(node.dir.path()).is_empty());
 }
+
+fn snapshot_req(name: &str, source: &str) -> csi::CreateSnapshotRequest {
+    csi::CreateSnapshotRequest {
+        source_volume_id: source.into(),
+        name: name.into(),
+        ..Default::default()
+    }
+}
+
+async fn snapshot_names(c: &mut Clients) -> BTreeSet<String> {
+    c.ctl
+        .list_snapshots(csi::ListSnapshotsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .map(|e| e.snapshot.unwrap().snapshot_id)
+        .collect()
+}
+
+fn with_source(
+    name: &str,
+    fs: &str,
+    source: csi::volume_content_source::Type,
+) -> csi::CreateVolumeRequest {
+    let mut r = create_req(name, 320 * MIB, vec![mount(fs)]);
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(source),
+    });
+    r
+}
+
+/// A snapshot of a volume a pod's guest has mounted freezes it there
+/// (`crust freeze` through crust_ops): data the guest has not synced yet
+/// is in the snapshot. A thaw that cannot confirm the freeze held fails
+/// the snapshot and leaves none behind; a runtime that cannot freeze
+/// refuses it with FAILED_PRECONDITION.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_a_consumed_deferred_volume_freezes_it_in_the_guest() {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    let cli = runtime_cli();
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let (id, ctx) = create_deferred(&mut c, "snapsrc", 320 * MIB, "ext4").await;
+    let staging = node.mkdir("staging/s");
+    stage_ctx(&mut c, &id, &staging, mount("ext4"), &ctx)
+        .await
+        .unwrap();
+    let target = format!("{}/pv", node.mkdir("pods/uid/volumes"));
+    Pub {
+        id: &id,
+        staging: &staging,
+        target: &target,
+        cap: mount("ext4"),
+        ctx: ctx.clone(),
+        defer: true,
+        readonly: false,
+    }
+    .send(&mut c)
+    .await
+    .unwrap();
+
+    // Not consumed yet: nothing has it mounted, the copy needs no freeze.
+    let early = c
+        .ctl
+        .create_snapshot(snapshot_req("early", &id))
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert!(early.ready_to_use);
+
+    let lo = the_loop(&node);
+    let guest = GuestMount::new(&lo.path, &node.path("guest/s"), "ext4");
+    let map = serde_json::json!({
+        &target: {
+            "mount": guest.dir,
+            "backing": lo.backing_file,
+            "loop": lo.path,
+            "sandbox": "sandbox-1",
+        }
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    consume(&node.crust_root(), &target, "sandbox-1", &cli);
+    // Written by the "guest" and never synced: only its freeze flushes it.
+    let data: Vec<u8> = (0..6u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(guest.dir.join("unsynced.bin"), &data).unwrap();
+
+    let snap = c
+        .ctl
+        .create_snapshot(snapshot_req("frozen", &id))
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert!(snap.ready_to_use);
+    assert!(
+        !crust_blockdev::thaw_if_frozen(&guest.dir).unwrap(),
+        "the guest's filesystem is thawed after the snapshot"
+    );
+    std::fs::write(guest.dir.join("after.txt"), b"written after").unwrap();
+
+    // Restored on the host: the unsynced bytes are there, the later file
+    // is not, and the filesystem is clean.
+    let restored = c
+        .create(with_source(
+            "restored",
+            "ext4",
+            Type::Snapshot(SnapshotSource {
+                snapshot_id: snap.snapshot_id.clone(),
+            }),
+        ))
+        .await
+        .unwrap();
+    let rs = node.mkdir("staging/r");
+    let rt = node.path("restored-target");
+    let rt = rt.to_str().unwrap();
+    c.stage(&restored.volume_id, &rs, mount("ext4"))
+        .await
+        .unwrap();
+    c.publish(&restored.volume_id, &rs, rt, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert!(std::fs::read(Path::new(rt).join("unsynced.bin")).unwrap() == data);
+    assert!(!Path::new(rt).join("after.txt").exists());
+    c.unpublish(&restored.volume_id, rt).await.unwrap();
+    c.unstage(&restored.volume_id, &rs).await.unwrap();
+
+    // The runtime cannot confirm the freeze held until the copy ended:
+    // INTERNAL, and no snapshot (a retry must not find an inconsistent
+    // one); a clone the same way leaves no volume.
+    let volumes_before = c.list_all().await.len();
+    for (how, why) in [
+        ("expired", "the guest thawed it"),
+        ("fail", "cannot confirm the guest kept it frozen"),
+    ] {
+        let mut m = map.clone();
+        m[&target]["thaw"] = how.into();
+        std::fs::write(node.cli_map(), m.to_string()).unwrap();
+        let before = snapshot_names(&mut c).await;
+        let s = assert_code(
+            c.ctl
+                .create_snapshot(snapshot_req(&format!("thaw-{how}"), &id))
+                .await,
+            Code::Internal,
+        );
+        assert!(s.message().contains(why), "{how}: {}", s.message());
+        assert_eq!(snapshot_names(&mut c).await, before, "{how}");
+        let s = assert_code(
+            c.create(with_source(
+                &format!("clone-{how}"),
+                "ext4",
+                Type::Volume(VolumeSource {
+                    volume_id: id.clone(),
+                }),
+            ))
+            .await,
+            Code::Internal,
+        );
+        assert!(s.message().contains(why), "{how}: {}", s.message());
+        assert_eq!(c.list_all().await.len(), volumes_before, "{how}");
+        assert!(
+            !crust_blockdev::thaw_if_frozen(&guest.dir).unwrap(),
+            "{how}"
+        );
+    }
+
+    // A runtime that cannot freeze: FAILED_PRECONDITION, nothing created.
+    let mut m = map.clone();
+    m[&target]["freeze"] = "fail".into();
+    std::fs::write(node.cli_map(), m.to_string()).unwrap();
+    let before = snapshot_names(&mut c).await;
+    let s = assert_code(
+        c.ctl
+            .create_snapshot(snapshot_req("freeze-fail", &id))
+            .await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message().contains("freezing it there failed"),
+        "{}",
+        s.message()
+    );
+    assert_eq!(snapshot_names(&mut c).await, before);
+
+    // The runtime behaves again: the failed names can be retried.
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    for name in ["thaw-expired", "freeze-fail"] {
+        c.ctl
+            .create_snapshot(snapshot_req(name, &id))
+            .await
+            .unwrap();
+    }
+    assert_eq!(snapshot_names(&mut c).await.len(), 4);
+
+    let mut guest = guest;
+    guest.unmount();
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    for snap in snapshot_names(&mut c).await {
+        c.ctl
+            .delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id: snap,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    for v in [&id, &restored.volume_id] {
+        c.delete(v).await.unwrap();
+    }
+    assert!(loops_under(node.dir.path()).is_empty());
+}

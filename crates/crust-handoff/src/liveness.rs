@@ -23,6 +23,12 @@ pub const VERB_CAPABILITIES: &str = "capabilities";
 pub const VERB_RESIZE: &str = "resize";
 pub const VERB_SANDBOX_STATE: &str = "sandbox-state";
 pub const VERB_STATS: &str = "stats";
+/// `<cli> crust freeze <target> <max-frozen-ms>`: freeze the volume's
+/// filesystem where it is mounted (the guest) for a point-in-time copy;
+/// the runtime thaws it by itself after the time given.
+pub const VERB_FREEZE: &str = "freeze";
+/// `<cli> crust thaw <target>` → `{"was_frozen":bool,"expired":bool}`.
+pub const VERB_THAW: &str = "thaw";
 /// Exit status of a runtime CLI asked for a verb it does not know.
 pub const UNSUPPORTED_EXIT: i32 = 2;
 /// Start of its stderr line.

@@ -26,6 +26,16 @@ pub enum OpsError {
     Handoff(#[from] HandoffError),
     #[error("volume {0} is not consumed by a runtime yet")]
     NotConsumed(String),
+    /// The runtime consuming the volume does not offer the verb (its CLI's
+    /// `crust capabilities` does not list it, or it is Kata's).
+    #[error(
+        "the runtime of volume {target} cannot {verb} it ({runtime} does not offer `crust {verb}`)"
+    )]
+    Unsupported {
+        target: String,
+        verb: &'static str,
+        runtime: String,
+    },
     /// Unstage refused: the claimant was not shown to be dead.
     #[error(
         "volume at {target} is still claimed by sandbox {by}; stop the sandbox first ({detail})"
@@ -79,6 +89,7 @@ impl OpsError {
                 ErrorKind::Internal => Code::Internal,
             },
             OpsError::NotConsumed(_)
+            | OpsError::Unsupported { .. }
             | OpsError::StillClaimed { .. }
             | OpsError::DeviceInUse { .. }
             | OpsError::BadRuntimeCli { .. } => Code::FailedPrecondition,

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use crust_handoff::liveness::{UNSUPPORTED_EXIT, VERB_SANDBOX_STATE};
+use crust_handoff::liveness::{UNSUPPORTED_EXIT, VERB_FREEZE, VERB_SANDBOX_STATE, VERB_THAW};
 use crust_handoff::{
     Capabilities, FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SandboxLiveness,
     SandboxState, Store,
@@ -519,6 +519,60 @@ impl CrustOps {
                 parse::parse_stats(&out)
                     .map_err(|reason| bad_output(&kata, "direct-volume stats", reason))
             }
+        }
+    }
+
+    /// Freezes the volume's filesystem where its runtime mounted it (the
+    /// guest), for a point-in-time copy of its device; the runtime thaws it
+    /// by itself after `max_frozen`. FAILED_PRECONDITION when that runtime
+    /// does not offer `crust freeze` (Kata's, the KEP's minimal CLI).
+    pub async fn freeze(&self, target: &str, max_frozen: Duration) -> Result<(), OpsError> {
+        let cli = self.cli_offering(target, VERB_FREEZE).await?;
+        let ms = max_frozen.as_millis().max(1).to_string();
+        cli::run(
+            &cli,
+            &["crust", "freeze", target, ms.as_str()],
+            self.cli_timeout,
+        )
+        .await?;
+        tracing::info!(target = %target, "frozen in the guest");
+        Ok(())
+    }
+
+    /// Thaws what [`CrustOps::freeze`] froze; Ok(true) when the volume
+    /// stayed frozen from the freeze until now (a copy made meanwhile is
+    /// consistent), Ok(false) when the runtime's time limit thawed it first.
+    pub async fn thaw(&self, target: &str) -> Result<bool, OpsError> {
+        let cli = self.cli_offering(target, VERB_THAW).await?;
+        let out = cli::run(&cli, &["crust", "thaw", target], self.cli_timeout).await?;
+        let v: serde_json::Value = serde_json::from_slice(&out)
+            .map_err(|e| bad_output(&cli, "crust thaw", e.to_string()))?;
+        let was_frozen = v.get("was_frozen").and_then(|b| b.as_bool());
+        let expired = v.get("expired").and_then(|b| b.as_bool());
+        match (was_frozen, expired) {
+            (Some(w), Some(e)) => Ok(w && !e),
+            _ => Err(bad_output(
+                &cli,
+                "crust thaw",
+                "expected {\"was_frozen\":bool,\"expired\":bool}".into(),
+            )),
+        }
+    }
+
+    /// The CRUST runtime CLI consuming `target`, if it offers `verb`.
+    async fn cli_offering(&self, target: &str, verb: &'static str) -> Result<String, OpsError> {
+        match self.route(target).await? {
+            Route::CrustCli(cli) if self.capabilities(&cli).await.supports(verb) => Ok(cli),
+            Route::CrustCli(cli) => Err(OpsError::Unsupported {
+                target: target.to_string(),
+                verb,
+                runtime: cli,
+            }),
+            Route::Kata(kata) => Err(OpsError::Unsupported {
+                target: target.to_string(),
+                verb,
+                runtime: kata,
+            }),
         }
     }
 

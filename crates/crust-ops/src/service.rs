@@ -1,6 +1,7 @@
 //! The gRPC edge: proto <-> typed requests, [`OpsError`] -> `Status`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crust_handoff::FsGroupChangePolicy;
 use crust_proto::runtime::v1alpha1 as pb;
@@ -125,6 +126,25 @@ pub fn stats_to_proto(s: VolumeStats) -> pb::RuntimeGetVolumeStatsResponse {
     }
 }
 
+/// Longest freeze a caller may ask for: a guest's writers block meanwhile.
+pub const MAX_FREEZE: Duration = Duration::from_secs(600);
+
+/// Checks a wire freeze request: (target, time limit).
+pub fn freeze_request_from_proto(
+    r: pb::RuntimeFreezeVolumeRequest,
+) -> Result<(String, Duration), OpsError> {
+    required(&r.volume_target_path)?;
+    let limit = Duration::from_millis(r.max_frozen_ms);
+    if limit.is_zero() || limit > MAX_FREEZE {
+        return Err(OpsError::InvalidArgument(format!(
+            "max_frozen_ms must be between 1 and {}, not {}",
+            MAX_FREEZE.as_millis(),
+            r.max_frozen_ms
+        )));
+    }
+    Ok((r.volume_target_path, limit))
+}
+
 fn required(path: &str) -> Result<(), OpsError> {
     if path.is_empty() {
         return Err(OpsError::InvalidArgument(
@@ -207,6 +227,35 @@ impl Runtime for RuntimeService {
             .map_err(|e| log_err("expand", e))?;
         Ok(Response::new(pb::RuntimeExpandVolumeResponse {
             capacity_bytes: capacity as i64,
+        }))
+    }
+
+    async fn runtime_freeze_volume(
+        &self,
+        request: Request<pb::RuntimeFreezeVolumeRequest>,
+    ) -> Result<Response<pb::RuntimeFreezeVolumeResponse>, Status> {
+        let (target, limit) =
+            freeze_request_from_proto(request.into_inner()).map_err(|e| log_err("freeze", e))?;
+        self.ops
+            .freeze(&target, limit)
+            .await
+            .map_err(|e| log_err("freeze", e))?;
+        Ok(Response::new(pb::RuntimeFreezeVolumeResponse {}))
+    }
+
+    async fn runtime_thaw_volume(
+        &self,
+        request: Request<pb::RuntimeThawVolumeRequest>,
+    ) -> Result<Response<pb::RuntimeThawVolumeResponse>, Status> {
+        let target = request.into_inner().volume_target_path;
+        required(&target).map_err(|e| log_err("thaw", e))?;
+        let stayed_frozen = self
+            .ops
+            .thaw(&target)
+            .await
+            .map_err(|e| log_err("thaw", e))?;
+        Ok(Response::new(pb::RuntimeThawVolumeResponse {
+            stayed_frozen,
         }))
     }
 }

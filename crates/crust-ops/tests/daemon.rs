@@ -15,6 +15,19 @@ use tonic::Code;
 const CLI: &str = env!("CARGO_BIN_EXE_crust-test-runtime-cli");
 const MIB: i64 = 1024 * 1024;
 
+fn freeze_req(target: &str, ms: u64) -> pb::RuntimeFreezeVolumeRequest {
+    pb::RuntimeFreezeVolumeRequest {
+        volume_target_path: target.into(),
+        max_frozen_ms: ms,
+    }
+}
+
+fn thaw_req(target: &str) -> pb::RuntimeThawVolumeRequest {
+    pb::RuntimeThawVolumeRequest {
+        volume_target_path: target.into(),
+    }
+}
+
 fn write_map(path: &Path, map: serde_json::Value) {
     std::fs::write(path, map.to_string()).unwrap();
 }
@@ -158,6 +171,11 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let e = c
+        .runtime_freeze_volume(freeze_req(&target, 1000))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     // Unknown volume.
     let other = format!(
         "{}/uid-1/volumes/kubernetes.io~csi/pv-2/mount",
@@ -168,6 +186,19 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = c
+        .runtime_freeze_volume(freeze_req(&other, 1000))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // A freeze needs a time limit, and not an unbounded one.
+    for ms in [0, 600_001] {
+        let e = c
+            .runtime_freeze_volume(freeze_req(&target, ms))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{ms}: {e:?}");
+    }
 
     // The runtime takes the volume and records its CLI.
     consume(&crust_root, &target, CLI, "sandbox-a");
@@ -220,6 +251,21 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     }
     // The data is untouched.
     assert_eq!(std::fs::read(mnt.target().join("payload")).unwrap(), data);
+
+    // Freeze and thaw through the runtime (the test CLI FIFREEZEs its
+    // mount): the thaw finds it frozen, a second thaw does not.
+    std::fs::write(mnt.target().join("unsynced"), b"flushed by the freeze").unwrap();
+    c.runtime_freeze_volume(freeze_req(&target, 30_000))
+        .await
+        .unwrap();
+    let thawed = |r: tonic::Response<pb::RuntimeThawVolumeResponse>| r.into_inner().stayed_frozen;
+    assert!(thawed(
+        c.runtime_thaw_volume(thaw_req(&target)).await.unwrap()
+    ));
+    assert!(!thawed(
+        c.runtime_thaw_volume(thaw_req(&target)).await.unwrap()
+    ));
+    std::fs::write(mnt.target().join("after"), b"writable again").unwrap();
 
     // The sandbox still has the volume: unstage is refused, nothing changes
     // (the CO's next publish must not hand the device to a second VM).
@@ -758,6 +804,16 @@ esac
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
+    // Kata's runtime cannot freeze a guest's filesystem: a snapshot of this
+    // volume is FAILED_PRECONDITION, and kata-runtime is not even asked.
+    for e in [
+        c.runtime_freeze_volume(freeze_req(target, 1000))
+            .await
+            .unwrap_err(),
+        c.runtime_thaw_volume(thaw_req(target)).await.unwrap_err(),
+    ] {
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    }
     assert_eq!(
         std::fs::read_to_string(&log).unwrap(),
         format!(

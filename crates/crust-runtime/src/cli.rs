@@ -250,6 +250,14 @@ pub enum CrustCommand {
         min: u64,
         max: u64,
     },
+    /// Freeze the volume's filesystem in the guest for a point-in-time copy
+    /// of its device; the guest thaws it by itself after MAX_FROZEN_MS.
+    Freeze {
+        target_path: String,
+        max_frozen_ms: u64,
+    },
+    /// Thaw it; prints `{"was_frozen":…,"expired":…}`.
+    Thaw { target_path: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -319,9 +327,11 @@ pub fn capabilities() -> crust_handoff::Capabilities {
     crust_handoff::Capabilities {
         verbs: [
             VERB_CAPABILITIES,
+            VERB_FREEZE,
             VERB_RESIZE,
             VERB_SANDBOX_STATE,
             VERB_STATS,
+            VERB_THAW,
         ]
         .map(String::from)
         .to_vec(),
@@ -439,6 +449,16 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
         }) => Ok(Outcome::json(
             &rt.volume_resize(&target_path, min, max).await?,
         )),
+        Command::Crust(CrustCommand::Freeze {
+            target_path,
+            max_frozen_ms,
+        }) => rt
+            .volume_freeze(&target_path, max_frozen_ms)
+            .await
+            .map(|()| Outcome::json(&serde_json::json!({}))),
+        Command::Crust(CrustCommand::Thaw { target_path }) => {
+            Ok(Outcome::json(&rt.volume_thaw(&target_path).await?))
+        }
         Command::DirectVolume(DirectVolumeCommand::Add {
             volume_path,
             mount_info,

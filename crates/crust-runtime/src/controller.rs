@@ -25,7 +25,9 @@ use crate::runtime::ReadyLine;
 use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
 use crate::share;
 use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
-use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crate::stats::{
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+};
 use crate::vm::Guest;
 use crate::volumes::{self, VolumeError};
 
@@ -647,6 +649,28 @@ impl ShimHandler for Controller {
         )
         .await?;
         Ok(ResizeResponse { capacity_bytes })
+    }
+
+    async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
+        let v = self.find_volume(&req.volume_path)?;
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        Ok(volumes::freeze(
+            &self.agent,
+            &v,
+            Duration::from_millis(req.max_frozen_ms),
+            self.cfg.timeout,
+        )
+        .await?)
+    }
+
+    async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
+        let v = self.find_volume(&req.volume_path)?;
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        Ok(volumes::thaw(&self.agent, &v, self.cfg.timeout).await?)
     }
 
     async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {

@@ -422,6 +422,42 @@ impl Runtime {
         }
     }
 
+    /// `crust freeze`: the sandbox serving `volume_path` freezes it.
+    pub async fn volume_freeze(&self, volume_path: &str, max_frozen_ms: u64) -> Result<()> {
+        if max_frozen_ms == 0 {
+            return Err(RuntimeError::new(
+                Code::InvalidArgument,
+                "max-frozen-ms must be positive",
+            ));
+        }
+        let id = self.serving(volume_path)?;
+        let req = crate::stats::FreezeRequest {
+            volume_path: volume_path.to_string(),
+            max_frozen_ms,
+        };
+        Ok(self.client(&id).freeze(&req).await?)
+    }
+
+    /// `crust thaw`.
+    pub async fn volume_thaw(&self, volume_path: &str) -> Result<crate::stats::ThawResponse> {
+        let id = self.serving(volume_path)?;
+        let req = crate::stats::ThawRequest {
+            volume_path: volume_path.to_string(),
+        };
+        Ok(self.client(&id).thaw(&req).await?)
+    }
+
+    /// The sandbox serving `volume_path`, or UNAVAILABLE saying why not.
+    fn serving(&self, volume_path: &str) -> Result<String> {
+        match self.serving_sandbox(volume_path)? {
+            Ok(id) => Ok(id),
+            Err(abnormal) => Err(RuntimeError::new(
+                Code::Unavailable,
+                abnormal.volume_condition.message,
+            )),
+        }
+    }
+
     /// KEP `crust resize` (min, max) / Kata `direct-volume resize` (size).
     pub async fn volume_resize(
         &self,

@@ -8,6 +8,8 @@
 //! |---|---|---|---|
 //! | GET (or POST) | `/direct-volume/stats?path=<escaped>` (or `/direct-volume/stats/<escaped>`) | | [`VolumeStats`] in Kata's spelling ([`VolumeStats::to_kata_json`]: units 1/2, zero fields left out) |
 //! | POST | `/direct-volume/resize` | [`ResizeRequest`] | [`ResizeResponse`] |
+//! | POST | `/volume/freeze` | [`FreezeRequest`] | `{}` |
+//! | POST | `/volume/thaw` | [`ThawRequest`] | [`ThawResponse`] |
 //! | GET  | `/state` | | [`SandboxState`] |
 //! | POST | `/start` | | [`SandboxState`] |
 //! | POST | `/kill` | [`KillRequest`] | `{}` |
@@ -37,7 +39,9 @@ use tokio::sync::watch;
 
 use crate::discovery::Volume;
 use crate::sandbox::SandboxState;
-use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crate::stats::{
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 1 << 20;
@@ -136,6 +140,10 @@ pub trait ShimHandler: Send + Sync + 'static {
     /// `path` is a volume path (target), its host device, or its guest path.
     fn stats(&self, path: String) -> impl Future<Output = ApiResult<VolumeStats>> + Send;
     fn resize(&self, req: ResizeRequest) -> impl Future<Output = ApiResult<ResizeResponse>> + Send;
+    /// Freezes the volume's filesystem in the guest (thawed by the guest
+    /// after `max_frozen_ms` at the latest).
+    fn freeze(&self, req: FreezeRequest) -> impl Future<Output = ApiResult<()>> + Send;
+    fn thaw(&self, req: ThawRequest) -> impl Future<Output = ApiResult<ThawResponse>> + Send;
     fn add_volume(&self, volume_path: String) -> impl Future<Output = ApiResult<Volume>> + Send;
     fn exec(&self, req: ExecRequest) -> impl Future<Output = ApiResult<ExecResponse>> + Send;
     fn logs(&self) -> impl Future<Output = ApiResult<LogsResponse>> + Send;
@@ -267,6 +275,14 @@ async fn route<H: ShimHandler>(
         }
         (Method::POST, "/direct-volume/resize") => match body_json::<ResizeRequest>(req).await {
             Ok(r) => reply(h.resize(r).await),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::POST, "/volume/freeze") => match body_json::<FreezeRequest>(req).await {
+            Ok(r) => reply(h.freeze(r).await.map(|()| Empty {})),
+            Err(e) => reply::<Empty>(Err(e)),
+        },
+        (Method::POST, "/volume/thaw") => match body_json::<ThawRequest>(req).await {
+            Ok(r) => reply(h.thaw(r).await),
             Err(e) => reply::<Empty>(Err(e)),
         },
         (Method::GET, "/state") => reply(h.state().await),
@@ -486,6 +502,18 @@ impl ShimClient {
             .await
     }
 
+    pub async fn freeze(&self, req: &FreezeRequest) -> Result<(), ShimError> {
+        let body = serde_json::to_vec(req).expect("serializable");
+        self.call::<Empty>(Method::POST, "/volume/freeze", Some(body))
+            .await
+            .map(drop)
+    }
+
+    pub async fn thaw(&self, req: &ThawRequest) -> Result<ThawResponse, ShimError> {
+        let body = serde_json::to_vec(req).expect("serializable");
+        self.call(Method::POST, "/volume/thaw", Some(body)).await
+    }
+
     pub async fn add_volume(&self, volume_path: &str) -> Result<Volume, ShimError> {
         let body = serde_json::to_vec(&AddVolumeRequest {
             volume_path: volume_path.into(),
@@ -553,6 +581,23 @@ mod tests {
                 .push(format!("resize {} {}", req.volume_path, req.size));
             Ok(ResizeResponse {
                 capacity_bytes: req.size,
+            })
+        }
+        async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
+            self.seen
+                .lock()
+                .unwrap()
+                .push(format!("freeze {} {}", req.volume_path, req.max_frozen_ms));
+            Ok(())
+        }
+        async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
+            self.seen
+                .lock()
+                .unwrap()
+                .push(format!("thaw {}", req.volume_path));
+            Ok(ThawResponse {
+                was_frozen: true,
+                expired: false,
             })
         }
         async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {

@@ -184,6 +184,30 @@ impl VolumeStats {
     }
 }
 
+/// The shim's freeze request (`POST /volume/freeze`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FreezeRequest {
+    pub volume_path: String,
+    /// The guest thaws by itself after this long.
+    pub max_frozen_ms: u64,
+}
+
+/// The shim's thaw request (`POST /volume/thaw`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ThawRequest {
+    pub volume_path: String,
+}
+
+/// What `crust thaw` prints: whether the volume stayed frozen from the
+/// freeze until this thaw (then a copy made meanwhile is consistent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThawResponse {
+    pub was_frozen: bool,
+    pub expired: bool,
+}
+
 /// `{"capacity_bytes": N}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResizeResponse {

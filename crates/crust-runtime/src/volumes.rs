@@ -300,6 +300,48 @@ pub async fn stats(
     })
 }
 
+/// Freezes the volume's filesystem in the guest (the agent thaws it by
+/// itself after `max_frozen`).
+pub async fn freeze(
+    agent: &AgentClient,
+    v: &Volume,
+    max_frozen: Duration,
+    timeout: Duration,
+) -> Result<(), VolumeError> {
+    agent
+        .call_with_timeout(
+            crust_agent_proto::FreezeVolume {
+                volume: v.id.clone(),
+                max_frozen_ms: max_frozen.as_millis() as u64,
+            },
+            timeout,
+        )
+        .await
+        .map(drop)
+        .map_err(agent_err(v, "freeze"))
+}
+
+/// Thaws what [`freeze`] froze.
+pub async fn thaw(
+    agent: &AgentClient,
+    v: &Volume,
+    timeout: Duration,
+) -> Result<crate::stats::ThawResponse, VolumeError> {
+    let r = agent
+        .call_with_timeout(
+            crust_agent_proto::ThawVolume {
+                volume: v.id.clone(),
+            },
+            timeout,
+        )
+        .await
+        .map_err(agent_err(v, "thaw"))?;
+    Ok(crate::stats::ThawResponse {
+        was_frozen: r.was_frozen,
+        expired: r.expired,
+    })
+}
+
 /// The host device's size, after making a loop device re-read its
 /// backing file (the CSI plugin grows the file, we propagate it).
 pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use crust_runtime::discovery::Volume;
 use crust_runtime::sandbox::SandboxState;
 use crust_runtime::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
-use crust_runtime::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crust_runtime::stats::{
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+};
 use crust_runtime::volumes;
 
 use crate::pod::Pod;
@@ -97,6 +99,32 @@ impl ShimHandler for PodApi {
         )
         .await?;
         Ok(ResizeResponse { capacity_bytes })
+    }
+
+    async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
+        let v = self.volume(&req.volume_path).await?;
+        let vm = self
+            .0
+            .vm()
+            .await
+            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
+        Ok(volumes::freeze(
+            &vm.agent,
+            &v,
+            std::time::Duration::from_millis(req.max_frozen_ms),
+            self.0.cfg.runtime.timeout,
+        )
+        .await?)
+    }
+
+    async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
+        let v = self.volume(&req.volume_path).await?;
+        let vm = self
+            .0
+            .vm()
+            .await
+            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
+        Ok(volumes::thaw(&vm.agent, &v, self.0.cfg.runtime.timeout).await?)
     }
 
     async fn add_volume(&self, _volume_path: String) -> ApiResult<Volume> {

@@ -3,9 +3,11 @@
 //! volume of the real `crust-csi` plugin published with `defer_fs_ops`.
 //! The guest shows the subPath at /data with the fsGroup applied, the
 //! plugin's deferred stats equal the guest's `df`, the online expansion
-//! shows in the guest, `bench --deferred`'s measurement runs on the same
-//! pod, and after teardown a host publication (no deferral) reads the
-//! bytes the workload wrote.
+//! shows in the guest, a snapshot taken while the pod runs freezes the
+//! volume in the guest (unsynced bytes are in it), `bench --deferred`'s
+//! measurement runs on the same pod, and after teardown a host
+//! publication (no deferral) reads the bytes the workload wrote, and the
+//! snapshot restores on the host.
 
 mod e2e_support;
 
@@ -13,11 +15,109 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crust_proto::csi::v1 as csi;
 use crustctl::bench::deferred::{DeferredConfig, measure};
 use crustctl::bench::{Limit, Scenario};
 use crustctl::cli::ChangePolicy;
 use crustctl::flow::{DeferVia, Flow};
 use e2e_support::*;
+
+struct Restored {
+    snap: String,
+    log: String,
+    count: u64,
+    hello: String,
+    later: bool,
+}
+
+/// A new volume from `snapshot`, staged and published on the host; what
+/// it holds, then everything undone.
+async fn restore_on_host(st: &Stack, c: &crustctl::client::Csi, snapshot: &str) -> Restored {
+    use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+    let cap = csi::VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+    };
+    let v = c
+        .create_volume(csi::CreateVolumeRequest {
+            name: "pvc-restored".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: (128 * MIB) as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            volume_content_source: Some(csi::VolumeContentSource {
+                r#type: Some(csi::volume_content_source::Type::Snapshot(
+                    csi::volume_content_source::SnapshotSource {
+                        snapshot_id: snapshot.into(),
+                    },
+                )),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .volume
+        .unwrap();
+    let staging = st.root.join("restore/staging");
+    let target = st.root.join("restore/target");
+    std::fs::create_dir_all(&staging).unwrap();
+    c.node_stage_volume(csi::NodeStageVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        staging_target_path: staging.to_str().unwrap().into(),
+        volume_capability: Some(cap.clone()),
+        volume_context: v.volume_context.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    c.node_publish_volume(csi::NodePublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        staging_target_path: staging.to_str().unwrap().into(),
+        target_path: target.to_str().unwrap().into(),
+        volume_capability: Some(cap),
+        volume_context: v.volume_context.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let data = target.join("app/data");
+    let got = Restored {
+        snap: std::fs::read_to_string(target.join("snap.txt")).unwrap_or_default(),
+        log: std::fs::read_to_string(target.join("log")).unwrap_or_default(),
+        count: std::fs::read_to_string(target.join("count"))
+            .ok()
+            .and_then(|c| c.trim().parse().ok())
+            .unwrap_or(0),
+        hello: std::fs::read_to_string(data.join("hello.txt")).unwrap_or_default(),
+        later: target.join("later.txt").exists(),
+    };
+    c.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        target_path: target.to_str().unwrap().into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    c.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        staging_target_path: staging.to_str().unwrap().into(),
+    })
+    .await
+    .unwrap();
+    c.delete_volume(csi::DeleteVolumeRequest {
+        volume_id: v.volume_id,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    got
+}
 
 async fn guest(flow: &Flow, script: &str) -> String {
     let id = flow.sandbox().expect("sandbox running");
@@ -143,6 +243,79 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         "{mounts}"
     );
 
+    // --- a snapshot while the pod runs: frozen in the guest ---------------
+    // Written by the workload's guest and never synced: only the guest's
+    // freeze (crust_ops -> `crust freeze`) puts it in the snapshot.
+    guest(&flow, &format!("seq 1 200000 > {gv}/snap.txt")).await;
+    // ...while another writer appends a numbered line and syncs, then
+    // records the count and syncs, over and over (in its own session, and
+    // the exec returns once it has written: the agent ends an exec's
+    // process group when the exec returns).
+    let writer = guest(
+        &flow,
+        &format!(
+            "setsid sh -c 'i=0; while true; do i=$((i + 1)); echo line $i >> {gv}/log; \
+             sync; echo $i > {gv}/count; sync; done' </dev/null >/dev/null 2>&1 & \
+             while [ ! -e {gv}/count ]; do sleep 0.05; done; echo $!"
+        ),
+    )
+    .await;
+    let count = async || -> u64 {
+        guest(&flow, &format!("cat {gv}/count 2>/dev/null || echo 0"))
+            .await
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    };
+    let t0 = Instant::now();
+    while count().await < 5 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the writer never got going"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let synced_before = count().await;
+    let snap = csi
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: flow.volume_id().unwrap().into(),
+            name: "snap-story1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("snapshot: {e}\nplugin log:\n{}", st.plugin_log()))
+        .snapshot
+        .unwrap();
+    assert!(snap.ready_to_use);
+    guest(&flow, &format!("kill {}", writer.trim())).await;
+    // The snapshot's filesystem is clean as it stands (the freeze made it
+    // so; no journal replay needed): e2fsck reads the pool's file.
+    let file = std::fs::read_dir(st.pool.join("snapshots"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains(&snap.snapshot_id))
+        .expect("the snapshot's file in the pool");
+    let fsck = std::process::Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn of the snapshot: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
+    assert_eq!(
+        guest(
+            &flow,
+            &format!("echo later > {gv}/later.txt && cat {gv}/later.txt")
+        )
+        .await,
+        "later\n",
+        "the guest writes again after the thaw"
+    );
+
     // --- stats and expansion through the plugin ---------------------------
     if let Err(e) = flow.exercise().await {
         panic!("exercise: {e}\nplugin log:\n{}", st.plugin_log());
@@ -262,6 +435,38 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     assert!(hr.steps.iter().any(|s| s.step == "DeleteVolume" && s.ok));
     let list = csi.list_all_volumes(0, String::new()).await.unwrap();
     assert_eq!(list.entries, vec![], "volume deleted");
+
+    // --- the snapshot outlives its volume: restored on the host -----------
+    let seq: String = (1..=200000).map(|i| format!("{i}\n")).collect();
+    let restored = restore_on_host(&st, &csi, &snap.snapshot_id).await;
+    assert_eq!(
+        restored.snap, seq,
+        "the guest's unsynced file is in the snapshot"
+    );
+    assert_eq!(restored.hello, "story1\n");
+    assert!(!restored.later, "written after the snapshot");
+    // Every write synced before the snapshot is in it, in order, and the
+    // log holds at least as many lines as the count it recorded.
+    assert!(
+        restored.count >= synced_before,
+        "count {} < {synced_before} synced before the snapshot",
+        restored.count
+    );
+    let lines: Vec<&str> = restored.log.lines().collect();
+    assert!(
+        lines.len() as u64 >= restored.count,
+        "{} lines",
+        lines.len()
+    );
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(*l, format!("line {}", i + 1));
+    }
+    csi.delete_snapshot(csi::DeleteSnapshotRequest {
+        snapshot_id: snap.snapshot_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     st.assert_clean();
     assert!(
         !st.work.exists(),

@@ -5,6 +5,8 @@
 //!   crust-test-runtime-cli crust resize <target> <min> <max>
 //!   crust-test-runtime-cli crust capabilities
 //!   crust-test-runtime-cli crust sandbox-state <sandbox-id>
+//!   crust-test-runtime-cli crust freeze <target> <max-frozen-ms>
+//!   crust-test-runtime-cli crust thaw <target>
 //!
 //! `CRUST_TEST_CLI_MAP` names a JSON file mapping each target to
 //! `{"mount": dir, "backing": file, "loop": "/dev/loopN"}`; an optional
@@ -18,7 +20,11 @@
 //! crust-runtime reports for a stopped sandbox. Resize grows the backing file, tells the
 //! loop driver (LOOP_SET_CAPACITY), grows the mounted filesystem online
 //! (resize2fs for ext4, xfs_growfs for xfs) and prints its new size (ext4
-//! superblock, XFS geometry ioctl).
+//! superblock, XFS geometry ioctl). Freeze and thaw FIFREEZE/FITHAW the
+//! mount (playing the guest); `"freeze": "fail"` makes the freeze fail,
+//! `"thaw": "fail"` (the guest died while frozen: the mount is thawed all
+//! the same, and the failure reported) or `"thaw": "expired"` (the guest's
+//! time limit thawed it first) the thaw.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -45,10 +51,13 @@ fn run() -> Result<String, String> {
     match args.as_slice() {
         ["crust", "capabilities"] => {
             return Ok(
-                json!({"verbs": ["capabilities", "resize", "sandbox-state", "stats"]}).to_string(),
+                json!({"verbs": ["capabilities", "freeze", "resize", "sandbox-state", "stats", "thaw"]})
+                    .to_string(),
             );
         }
         ["crust", "sandbox-state", id] => return sandbox_state(id),
+        ["crust", "freeze", target, _ms] => return freeze_thaw(target, true),
+        ["crust", "thaw", target] => return freeze_thaw(target, false),
         ["crust", verb, ..] if !matches!(*verb, "stats" | "resize") => {
             eprintln!("unsupported: crust {verb}");
             std::process::exit(2);
@@ -118,6 +127,40 @@ fn run() -> Result<String, String> {
                 .map_err(|_| format!("bad max {:?}", rest[1]))?;
             resize(field("backing")?, field("loop")?, mount, min, max)
         }
+    }
+}
+
+/// `crust freeze` / `crust thaw` of the target's mount (see the module
+/// doc for the misbehaviours).
+fn freeze_thaw(target: &str, freeze: bool) -> Result<String, String> {
+    let map_path = std::env::var("CRUST_TEST_CLI_MAP")
+        .map_err(|_| "CRUST_TEST_CLI_MAP is not set".to_string())?;
+    let map: Value = serde_json::from_str(
+        &std::fs::read_to_string(&map_path).map_err(|e| format!("{map_path}: {e}"))?,
+    )
+    .map_err(|e| format!("{map_path}: {e}"))?;
+    let entry = map
+        .get(target)
+        .ok_or_else(|| format!("no volume for target {target}"))?;
+    let mount = entry
+        .get("mount")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("map entry for {target} lacks mount"))?;
+    let how = |k: &str| entry.get(k).and_then(Value::as_str).unwrap_or("");
+    let mount = std::path::Path::new(mount);
+    if freeze {
+        if how("freeze") == "fail" {
+            return Err(format!("sandbox for {target} is not running"));
+        }
+        crust_blockdev::freeze_unguarded(mount).map_err(|e| format!("{}: {e}", mount.display()))?;
+        return Ok("{}".into());
+    }
+    let was =
+        crust_blockdev::thaw_if_frozen(mount).map_err(|e| format!("{}: {e}", mount.display()))?;
+    match how("thaw") {
+        "fail" => Err(format!("sandbox for {target} is not running (QEMU exited)")),
+        "expired" => Ok(json!({"was_frozen": false, "expired": true}).to_string()),
+        _ => Ok(json!({"was_frozen": was, "expired": false}).to_string()),
     }
 }
 
