@@ -1797,18 +1797,19 @@ async fn bench_guest_io_cmd(
     drop_work_dir(&work, made);
     let report = report?;
     emit(out, &report, "");
-    if !report.cleanup.leftovers.is_empty() || !report.errors.is_empty() {
+    let failed = !report.cleanup.leftovers.is_empty() || !report.errors.is_empty();
+    if failed {
         eprintln!(
             "error: {} failed run(s)/probe(s), {} item(s) left behind (listed in the report)",
             report.errors.len(),
             report.cleanup.leftovers.len()
         );
-        return Ok(ExitCode::from(EXIT_FAILURE));
     }
-    if report.interrupted {
-        return Ok(ExitCode::from(EXIT_INTERRUPTED));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(ExitCode::from(match (failed, report.interrupted) {
+        (true, _) => EXIT_FAILURE,
+        (false, true) => EXIT_INTERRUPTED,
+        (false, false) => 0,
+    }))
 }
 
 /// Waits for Ctrl-C or SIGTERM.

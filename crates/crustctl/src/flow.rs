@@ -575,6 +575,10 @@ impl Flow {
     pub fn note(&mut self, n: impl Into<String>) {
         self.report.notes.push(n.into());
     }
+    /// Whether something is left for [`Flow::tear_down`] to undo.
+    pub fn holds_resources(&self) -> bool {
+        !self.undo.is_empty()
+    }
 
     /// Records a step; a failure becomes the flow's error (the first one
     /// wins).

@@ -273,7 +273,13 @@ pub fn default_volume_size(s: &Sizes, short: bool) -> u64 {
 struct Guest {
     rt: RuntimeCli,
     id: String,
+    /// Ctrl-C/SIGTERM: the running command is abandoned (the runtime CLI
+    /// child is killed) so teardown starts at once.
+    stop: watch::Receiver<bool>,
 }
+
+/// The error of a guest command cut short by an interruption.
+const INTERRUPTED: &str = "interrupted";
 
 impl Guest {
     /// `args` in the guest, bounded by `limit`; stdout when it exits 0.
@@ -281,11 +287,17 @@ impl Guest {
         let ms = limit.as_millis().to_string();
         let mut a: Vec<&str> = vec!["exec", &self.id, "--timeout-ms", &ms, "--"];
         a.extend(args.iter().map(String::as_str));
-        let out = self
-            .rt
-            .run_for(&a, limit + EXEC_SLACK)
-            .await
-            .map_err(|e| e.to_string())?;
+        let mut stop = self.stop.clone();
+        let stopped = async move {
+            // A dropped sender never stops the run.
+            if stop.wait_for(|s| *s).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        let out = tokio::select! {
+            out = self.rt.run_for(&a, limit + EXEC_SLACK) => out.map_err(|e| e.to_string())?,
+            () = stopped => return Err(INTERRUPTED.into()),
+        };
         if out.code != Some(0) {
             let err = out.stderr.trim();
             return Err(format!(
@@ -461,6 +473,7 @@ impl Bench<'_> {
                             failures = 0;
                             runs[i].push(run);
                         }
+                        Err(_) if *self.stop.borrow() => break 'all,
                         Err(e) => {
                             failures += 1;
                             errors.push(format!(
@@ -640,29 +653,33 @@ pub async fn run_guest_io(
     }
 
     // --- set-up: the virtio-fs volume, then the pod with both ----------------
-    let mut vfs =
-        Flow::new(cfg.virtiofs_flow(), csi.clone(), progress.clone()).with_stop(stop.clone());
-    if let Err(e) = vfs.bring_up().await {
-        vfs.tear_down().await;
+    // From here on `pods` undoes what was set up, also on a panic.
+    let mut pods = Pods {
+        vfs: Flow::new(cfg.virtiofs_flow(), csi.clone(), progress.clone()).with_stop(stop.clone()),
+        blk: None,
+    };
+    if let Err(e) = pods.vfs.bring_up().await {
+        pods.tear_down().await;
         return Err(BenchError::Setup(e.to_string()));
     }
-    let vfs_target = vfs.target_path().to_string();
-    let mut blk = Flow::new(cfg.block_flow(&vfs_target), csi.clone(), progress.clone())
+    let vfs_target = pods.vfs.target_path().to_string();
+    let blk_flow = Flow::new(cfg.block_flow(&vfs_target), csi.clone(), progress.clone())
         .with_stop(stop.clone());
+    let blk = pods.blk.insert(blk_flow);
     let up = blk.bring_up().await.map_err(|e| e.to_string());
     let checked = match up {
-        Ok(()) => check_sandbox(&blk, &cfg).await,
+        Ok(()) => check_sandbox(blk, &cfg, stop.clone()).await,
         Err(e) => Err(e),
     };
-    let (guest, pids, mounts) = match checked {
+    let (guest, pids, seen) = match checked {
         Ok(v) => v,
         Err(e) => {
-            blk.tear_down().await;
-            vfs.tear_down().await;
+            pods.tear_down().await;
             return Err(BenchError::Setup(e));
         }
     };
-    let volume = |f: &Flow, dest: &str, path: String| MountReport {
+    let (blk, vfs) = (pods.blk.as_ref().expect("set up above"), &pods.vfs);
+    let volume = |f: &Flow, dest: &str, path: String, guest: &(String, String)| MountReport {
         destination: dest.into(),
         volume_id: f.volume_id().unwrap_or_default().to_string(),
         capacity_bytes: f
@@ -678,20 +695,29 @@ pub async fn run_guest_io(
             .map(|v| v.fs_type.clone())
             .unwrap_or_default(),
         path,
+        guest_source: guest.0.clone(),
+        guest_fs_type: guest.1.clone(),
+        host_target: f.target_path().to_string(),
+        host_sees_bench_files: false,
     };
     rep.block = volume(
-        &blk,
+        blk,
         MOUNT_DESTINATION,
-        format!("{}, mounted in the guest (deferred publish)", mounts.0),
+        format!(
+            "virtio-blk {}, {}, mounted in the guest (deferred publish)",
+            seen.block.0, seen.block.1
+        ),
+        &seen.block,
     );
     rep.virtiofs = volume(
-        &vfs,
+        vfs,
         VIRTIOFS_DESTINATION,
         format!(
             "host mount {} shared by virtiofsd {} (the containerd shim's settings)",
             vfs_target,
             rep.virtiofsd_args.join(" ")
         ),
+        &seen.virtiofs,
     );
     rep.accel = blk.report().accel.clone();
     rep.accel_reason = blk.report().accel_reason.clone();
@@ -714,18 +740,28 @@ pub async fn run_guest_io(
         bench.step(format!("prepare {}", side.name()), t0, &r);
         match r {
             Ok(n) => rep.notes.push(format!("{}: {n}", side.name())),
+            Err(_) if *stop.borrow() => prepared = false,
             Err(e) => {
                 rep.errors.push(format!("preparing {}: {e}", side.name()));
                 prepared = false;
             }
         }
     }
+    // Where the bytes land: the host sees the virtio-fs volume's files
+    // through its host mount, and nothing of the block volume (not
+    // mounted on the host at all).
+    for (m, f) in [(&mut rep.block, blk), (&mut rep.virtiofs, vfs)] {
+        m.host_sees_bench_files = std::path::Path::new(f.target_path())
+            .join(BENCH_DIR)
+            .join("seq.dat")
+            .is_file();
+    }
     if prepared {
         rep.workloads = bench.measure(&mut rep.errors).await;
     }
     if !*stop.borrow() {
         let t0 = Instant::now();
-        let r = feature_table(&bench, &blk, &vfs).await;
+        let r = feature_table(&bench, blk, vfs).await;
         bench.step(
             "features".into(),
             t0,
@@ -735,13 +771,15 @@ pub async fn run_guest_io(
         );
         match r {
             Ok(f) => rep.features = f,
+            Err(_) if *stop.borrow() => {}
             Err(e) => rep.errors.push(format!("feature probes: {e}")),
         }
     }
 
     // --- teardown: the pod first (it holds the share of the other) -------------
+    drop(bench);
     let mut cleanup = CleanupReport::default();
-    for f in [&mut blk, &mut vfs] {
+    for f in pods.in_teardown_order() {
         let before = f.report().steps.len();
         f.tear_down().await;
         for s in &f.report().steps[before..] {
@@ -771,6 +809,45 @@ pub async fn run_guest_io(
     Ok(rep)
 }
 
+/// The two flows of the bench. [`Pods::tear_down`] undoes them in order
+/// (the pod first: it holds the share of the other volume's target); when
+/// a panic or a dropped future skipped that, `Drop` does it.
+struct Pods {
+    vfs: Flow,
+    blk: Option<Flow>,
+}
+
+impl Pods {
+    fn in_teardown_order(&mut self) -> impl Iterator<Item = &mut Flow> {
+        self.blk.iter_mut().chain(std::iter::once(&mut self.vfs))
+    }
+
+    async fn tear_down(&mut self) {
+        for f in self.in_teardown_order() {
+            f.tear_down().await;
+        }
+    }
+}
+
+impl Drop for Pods {
+    fn drop(&mut self) {
+        if !self.in_teardown_order().any(|f| f.holds_resources()) {
+            return;
+        }
+        // block_in_place needs a multi-thread runtime (crustctl's is one).
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                eprintln!("bench --guest-io: stopped unexpectedly, tearing down");
+                tokio::task::block_in_place(|| h.block_on(self.tear_down()));
+            }
+            _ => eprintln!(
+                "bench --guest-io: dropped outside a multi-thread tokio runtime: \
+                 the sandbox and volumes of this run are left behind"
+            ),
+        }
+    }
+}
+
 fn crust_vmm_args() -> Vec<String> {
     crust_vmm::VIRTIOFSD_ARGS
         .iter()
@@ -778,13 +855,20 @@ fn crust_vmm_args() -> Vec<String> {
         .collect()
 }
 
+/// What the guest's /proc/mounts says of each mount: (source, fs type).
+struct Seen {
+    block: (String, String),
+    virtiofs: (String, String),
+}
+
 /// Both mounts are where they should be in the guest and the bench tools
-/// are there. Returns the guest, the pids whose CPU is counted, and the
-/// block mount's device/fs text.
+/// are there. Returns the guest, the pids whose CPU is counted, and what
+/// the guest's /proc/mounts shows.
 async fn check_sandbox(
     blk: &Flow,
     cfg: &GuestIoConfig,
-) -> Result<(Guest, Vec<i32>, (String,)), String> {
+    stop: watch::Receiver<bool>,
+) -> Result<(Guest, Vec<i32>, Seen), String> {
     let id = blk.sandbox().ok_or("no sandbox runs")?.to_string();
     let rt = blk.runtime().clone();
     let st = rt.json(&["state", &id]).await.map_err(|e| e.to_string())?;
@@ -816,7 +900,7 @@ async fn check_sandbox(
             "no virtiofsd found below the sandbox's shim (pid {shim})"
         ));
     }
-    let guest = Guest { rt, id };
+    let guest = Guest { rt, id, stop };
     let mounts = guest
         .sh("cat /proc/mounts", Duration::from_secs(60))
         .await?;
@@ -826,10 +910,8 @@ async fn check_sandbox(
             (f.len() > 2 && f[1] == dest).then(|| (f[0].to_string(), f[2].to_string()))
         })
     };
-    let blk_mount = match find(MOUNT_DESTINATION) {
-        Some((dev, fs)) if dev.starts_with("/dev/vd") && fs == cfg.fs_type => {
-            format!("virtio-blk {dev}, {fs}")
-        }
+    let block = match find(MOUNT_DESTINATION) {
+        Some((dev, fs)) if dev.starts_with("/dev/vd") && fs == cfg.fs_type => (dev, fs),
         other => {
             return Err(format!(
                 "{MOUNT_DESTINATION} in the guest is {other:?}, not a {} virtio-blk disk",
@@ -837,14 +919,14 @@ async fn check_sandbox(
             ));
         }
     };
-    match find(VIRTIOFS_DESTINATION) {
-        Some((_, fs)) if fs == "virtiofs" => {}
+    let virtiofs = match find(VIRTIOFS_DESTINATION) {
+        Some((tag, fs)) if fs == "virtiofs" => (tag, fs),
         other => {
             return Err(format!(
                 "{VIRTIOFS_DESTINATION} in the guest is {other:?}, not virtio-fs"
             ));
         }
-    }
+    };
     guest
         .sh(
             &format!("command -v fio && command -v {HELPER} && fio --version"),
@@ -857,7 +939,7 @@ async fn check_sandbox(
                  `guest/build-image.sh --bench` and pass it with --guest-kernel/--guest-initrd"
             )
         })?;
-    Ok((guest, pids, (blk_mount,)))
+    Ok((guest, pids, Seen { block, virtiofs }))
 }
 
 /// Human names of the helper's probes.

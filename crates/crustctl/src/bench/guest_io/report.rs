@@ -105,6 +105,16 @@ pub struct MountReport {
     pub fs_type: String,
     /// How it reaches the guest.
     pub path: String,
+    /// The mount's source and type in the guest's /proc/mounts (a
+    /// `/dev/vd*` disk, or the virtio-fs tag and `virtiofs`).
+    pub guest_source: String,
+    pub guest_fs_type: String,
+    /// The volume's publish target on the host.
+    pub host_target: String,
+    /// Whether the host saw the bench's files under `host_target` after
+    /// the guest laid them out (virtio-fs: yes; block: nothing is mounted
+    /// on the host).
+    pub host_sees_bench_files: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
