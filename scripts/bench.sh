@@ -2,6 +2,7 @@
 # Benchmarks crust-csi with crustctl's driver-agnostic CSI load generator.
 #   scripts/bench.sh             standard CSI calls against a fresh plugin
 #   scripts/bench.sh --deferred  stats/resize through crust_ops and a guest
+#   scripts/bench.sh --guest-io  in-guest fio: virtio-blk volume vs virtio-fs
 # Extra arguments go to `crustctl bench`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +14,14 @@ fi
 bash scripts/install-deps.sh --if-missing
 cargo build --release --workspace --bins --locked
 bash guest/build-image.sh
+if [ "${1:-}" = "--guest-io" ]; then bash guest/build-image.sh --bench; fi
 
 work=$(mktemp -d /var/tmp/crust-bench.XXXXXX)
 csi_pid=
 cleanup() {
   if [ -n "$csi_pid" ]; then kill "$csi_pid" 2>/dev/null || true; wait "$csi_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
+  # Never through a mount point a failed teardown may have left.
+  rm -rf --one-file-system "$work"
 }
 trap cleanup EXIT INT TERM
 mkdir -p "$work/pool" "$work/state" "$work/stage" "$work/target" "$work/crust" "$work/runtime"
@@ -36,6 +39,12 @@ if [ "${1:-}" = "--deferred" ]; then
   # One pod in a guest; deferred stats and expansions through crust_ops.
   "${ctl[@]}" --deferred --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
     --crust-root "$work/crust" --duration 10s --concurrency 2 "$@"
+elif [ "${1:-}" = "--guest-io" ]; then
+  shift
+  # One guest, a deferred volume and a virtio-fs shared one; the bench
+  # image is found next to the binaries (target/guest-image-bench).
+  "${ctl[@]}" --guest-io --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
+    --crust-root "$work/crust" "$@"
 else
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
     --duration 10s --concurrency 4 "$@"
