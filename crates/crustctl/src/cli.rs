@@ -902,14 +902,16 @@ fn finish_bench(out: OutputFormat, report: &bench::BenchReport) -> ExitCode {
 }
 
 fn emit<T: Render>(format: OutputFormat, resp: &T, done: &str) {
+    use std::io::Write;
     let s = render(resp, format);
-    if s.is_empty() {
-        println!("{done}");
+    // Nobody reading stdout any more is not a reason to panic.
+    let _ = if s.is_empty() {
+        writeln!(std::io::stdout(), "{done}")
     } else if s.ends_with('\n') {
-        print!("{s}");
+        write!(std::io::stdout(), "{s}")
     } else {
-        println!("{s}");
-    }
+        writeln!(std::io::stdout(), "{s}")
+    };
 }
 
 /// Runs a parsed command line.
@@ -1503,10 +1505,10 @@ async fn bench_cmd(
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         interrupted(&mut term).await;
-        eprintln!("interrupted: cleaning up (interrupt again to abort cleanup)");
         let _ = stop_tx.send(true);
+        say("interrupted: cleaning up (interrupt again to abort cleanup)");
         interrupted(&mut term).await;
-        eprintln!("cleanup aborted; resources may be left behind");
+        say("cleanup aborted; resources may be left behind");
         std::process::exit(EXIT_INTERRUPTED as i32);
     });
     let report = bench::run_bench(&c, config, stop_rx).await;
@@ -1514,11 +1516,22 @@ async fn bench_cmd(
     Ok(finish_bench(out, &report?))
 }
 
-/// Step lines as they happen: stdout for text, stderr when stdout is JSON.
+/// A line on stderr that never panics: when whoever read our output is
+/// gone (EPIPE), teardown must still run to its end.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Step lines as they happen: stdout for text, stderr when stdout is JSON
+/// (write errors ignored, see [`say`]).
 fn progress_printer(out: OutputFormat) -> crate::flow::Progress {
     std::sync::Arc::new(move |s: &StepReport| match out {
-        OutputFormat::Text => println!("{}", s.line()),
-        OutputFormat::Json => eprintln!("{}", s.line()),
+        OutputFormat::Text => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout(), "{}", s.line());
+        }
+        OutputFormat::Json => say(&s.line()),
     })
 }
 
@@ -1532,10 +1545,10 @@ fn stop_on_signals() -> (
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         interrupted(&mut term).await;
-        eprintln!("interrupted: tearing down (interrupt again to abort the teardown)");
         let _ = stop_tx.send(true);
+        say("interrupted: tearing down (interrupt again to abort the teardown)");
         interrupted(&mut term).await;
-        eprintln!("teardown aborted; resources may be left behind");
+        say("teardown aborted; resources may be left behind");
         std::process::exit(EXIT_INTERRUPTED as i32);
     });
     (stop_rx, signals)
@@ -1731,8 +1744,7 @@ async fn bench_deferred_cmd(
     };
     let (stop, signals) = stop_on_signals();
     // Set-up and teardown steps go to stderr: stdout is the table.
-    let progress: crate::flow::Progress =
-        std::sync::Arc::new(|s: &StepReport| eprintln!("{}", s.line()));
+    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
     let report = bench::deferred::run_deferred(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);
@@ -1790,8 +1802,7 @@ async fn bench_guest_io_cmd(
     };
     let (stop, signals) = stop_on_signals();
     // Steps go to stderr: stdout is the report.
-    let progress: crate::flow::Progress =
-        std::sync::Arc::new(|s: &StepReport| eprintln!("{}", s.line()));
+    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
     let report = run_guest_io(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);

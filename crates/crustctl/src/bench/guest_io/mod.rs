@@ -837,12 +837,12 @@ impl Drop for Pods {
         // block_in_place needs a multi-thread runtime (crustctl's is one).
         match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                eprintln!("bench --guest-io: stopped unexpectedly, tearing down");
+                crate::cli::say("bench --guest-io: stopped unexpectedly, tearing down");
                 tokio::task::block_in_place(|| h.block_on(self.tear_down()));
             }
-            _ => eprintln!(
+            _ => crate::cli::say(
                 "bench --guest-io: dropped outside a multi-thread tokio runtime: \
-                 the sandbox and volumes of this run are left behind"
+                 the sandbox and volumes of this run are left behind",
             ),
         }
     }
