@@ -3,16 +3,22 @@
 #   <out>/vmlinuz            the linux-image-cloud-amd64 kernel
 #   <out>/initramfs.cpio.gz  busybox, fs tools, kernel modules, crust-agent
 # <out> is target/guest-image (or $CRUST_GUEST_DIR, or --out DIR).
+# --bench builds the bench image instead (target/guest-image-bench, or
+# $CRUST_GUEST_BENCH_DIR): the same plus Debian's fio with its libraries and
+# the static crust-guest-bench helper (for `crustctl bench --guest-io`).
 # Skips the rebuild when a sha256 over every input matches the stamp.
 set -euo pipefail
 
 usage() {
 	cat <<'EOF'
-usage: guest/build-image.sh [--out DIR] [--force]
+usage: guest/build-image.sh [--bench] [--out DIR] [--force]
+  --bench     the bench image: also fio (Debian's, with its libraries) and
+              crust-guest-bench (default out: $CRUST_GUEST_BENCH_DIR or
+              <repo>/target/guest-image-bench)
   --out DIR   output directory (default: $CRUST_GUEST_DIR or <repo>/target/guest-image)
   --force     rebuild even when the stamp matches
 Needs the Debian packages linux-image-cloud-amd64 busybox-static e2fsprogs
-xfsprogs cpio (and gzip), plus cargo. Honours CARGO_TARGET_DIR.
+xfsprogs cpio (and gzip), fio for --bench, plus cargo. Honours CARGO_TARGET_DIR.
 EOF
 }
 
@@ -23,10 +29,15 @@ die() {
 say() { echo "build-image: $*"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${CRUST_GUEST_DIR:-$ROOT/target/guest-image}
+OUT=
 FORCE=0
+BENCH=0
 while [ $# -gt 0 ]; do
 	case $1 in
+	--bench)
+		BENCH=1
+		shift
+		;;
 	--out)
 		[ $# -ge 2 ] || die "--out needs a directory"
 		OUT=$2
@@ -50,6 +61,13 @@ while [ $# -gt 0 ]; do
 		;;
 	esac
 done
+if [ -z "$OUT" ]; then
+	if [ "$BENCH" = 1 ]; then
+		OUT=${CRUST_GUEST_BENCH_DIR:-$ROOT/target/guest-image-bench}
+	else
+		OUT=${CRUST_GUEST_DIR:-$ROOT/target/guest-image}
+	fi
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
@@ -99,22 +117,32 @@ fi
 E2FSCK=$(tool e2fsck e2fsprogs)
 RESIZE2FS=$(tool resize2fs e2fsprogs)
 XFS_GROWFS=$(tool xfs_growfs xfsprogs)
+FIO=
+if [ "$BENCH" = 1 ]; then
+	FIO=$(tool fio fio)
+fi
 
 # --- agent --------------------------------------------------------------------
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 TRIPLE=x86_64-unknown-linux-gnu
-say "building crust-agent (static glibc, profile agent)"
+PACKAGES=(-p crust-agent)
+[ "$BENCH" = 1 ] && PACKAGES+=(-p crust-guest-bench)
+say "building ${PACKAGES[*]} (static glibc, profile agent)"
 (
 	cd "$ROOT"
 	# --target keeps build scripts and proc macros off the static flag.
 	RUSTFLAGS="-C target-feature=+crt-static" \
-		cargo build --quiet --profile agent -p crust-agent --target "$TRIPLE"
+		cargo build --quiet --profile agent "${PACKAGES[@]}" --target "$TRIPLE"
 )
 AGENT=$TARGET_DIR/$TRIPLE/agent/crust-agent
-[ -x "$AGENT" ] || die "cargo did not produce $AGENT"
-if ldd "$AGENT" 2>&1 | grep -q '=>'; then
-	die "$AGENT is dynamically linked (is libc6-dev installed? it provides libc.a)"
-fi
+HELPER=
+[ "$BENCH" = 1 ] && HELPER=$TARGET_DIR/$TRIPLE/agent/crust-guest-bench
+for b in "$AGENT" $HELPER; do
+	[ -x "$b" ] || die "cargo did not produce $b"
+	if ldd "$b" 2>&1 | grep -q '=>'; then
+		die "$b is dynamically linked (is libc6-dev installed? it provides libc.a)"
+	fi
+done
 
 # --- kernel modules -------------------------------------------------------------
 # Loaded by /init: the disk, console and hot-plug drivers.
@@ -189,6 +217,11 @@ KEY=$(
 		sha256sum "${BASH_SOURCE[0]}" "$AGENT" "$VMLINUZ" | cut -d' ' -f1
 		echo "kernel $KVER $(pkg_version "linux-image-$KVER")"
 		for p in busybox-static e2fsprogs xfsprogs libc6 liburcu8; do echo "$p $(pkg_version $p)"; done
+		if [ "$BENCH" = 1 ]; then
+			# fio's libraries come from many packages: hash what ldd resolves.
+			echo "bench $(pkg_version fio)"
+			sha256sum "$HELPER" "$FIO" $(ldd "$FIO" | awk '/=> \//{print $3}') | cut -d' ' -f1
+		fi
 		echo "modules ${BOOT_ORDER[*]} | ${ALL_MODULES}"
 	} | sha256sum | cut -d' ' -f1
 )
@@ -227,6 +260,13 @@ add_prog "$E2FSCK" /usr/sbin/e2fsck
 add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
 cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
+if [ "$BENCH" = 1 ]; then
+	add_prog "$FIO" /usr/bin/fio
+	cp "$HELPER" "$STAGE/usr/sbin/crust-guest-bench"
+	# Proof that fio runs on the image's libraries alone (same loader paths).
+	chroot "$STAGE" /usr/bin/fio --version >/dev/null 2>&1 ||
+		die "fio does not start on the image's libraries: $(chroot "$STAGE" /usr/bin/fio --version 2>&1 | head -n 3)"
+fi
 
 # Decompressed here so the guest needs no xz/zstd.
 add_module() {
@@ -301,5 +341,8 @@ say "built $OUT (key ${KEY:0:12})"
 say "  kernel   $KVER  $(du -h "$OUT/vmlinuz" | cut -f1)"
 say "  initrd   $(du -h "$OUT/initramfs.cpio.gz" | cut -f1) compressed, $(du -sh "$STAGE" | cut -f1) unpacked"
 say "  agent    $(du -h "$AGENT" | cut -f1) ($AGENT)"
+if [ "$BENCH" = 1 ]; then
+	say "  bench    $("$FIO" --version) with $(ldd "$FIO" | grep -c '=> /') libraries, crust-guest-bench $(du -h "$HELPER" | cut -f1)"
+fi
 say "  modules  boot: ${BOOT_ORDER[*]}"
 for fs in $FS_MODULES; do say "           on first $fs mount: ${FS_ORDER[$fs]:-(built in)}"; done

@@ -6,6 +6,7 @@
 #                                off) at 16, 256 and 1024 published volumes,
 #                                then every scenario with 256 idle foreign
 #                                loop devices held
+#   scripts/bench.sh --guest-io  in-guest fio: virtio-blk volume vs virtio-fs
 # Extra arguments go to `crustctl bench`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,12 +18,14 @@ fi
 bash scripts/install-deps.sh --if-missing
 cargo build --release --workspace --bins --locked
 bash guest/build-image.sh
+if [ "${1:-}" = "--guest-io" ]; then bash guest/build-image.sh --bench; fi
 
 work=$(mktemp -d /var/tmp/crust-bench.XXXXXX)
 csi_pid=
 cleanup() {
   if [ -n "$csi_pid" ]; then kill "$csi_pid" 2>/dev/null || true; wait "$csi_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
+  # Never through a mount point a failed teardown may have left.
+  rm -rf --one-file-system "$work"
 }
 trap cleanup EXIT INT TERM
 mkdir -p "$work/pool" "$work/state" "$work/stage" "$work/target" "$work/crust" "$work/runtime"
@@ -50,6 +53,12 @@ elif [ "${1:-}" = "--scale" ]; then
     --duration 10s --concurrency 4 "$@"
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
     --idle-loops 256 --size 16Mi --duration 10s --concurrency 4 "$@"
+elif [ "${1:-}" = "--guest-io" ]; then
+  shift
+  # One guest, a deferred volume and a virtio-fs shared one; the bench
+  # image is found next to the binaries (target/guest-image-bench).
+  "${ctl[@]}" --guest-io --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
+    --crust-root "$work/crust" "$@"
 else
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
     --duration 10s --concurrency 4 "$@"

@@ -19,6 +19,8 @@ pkgs=(
   umoci                   # OCI images (scripts/build-test-images.sh, scripts/build-images.sh)
   jq patchelf binutils    # scripts/build-images.sh: self-contained node payload
   libseccomp-dev libcap-ng-dev pkg-config  # building virtiofsd
+  fio                     # the bench guest image (guest/build-image.sh --bench copies it
+                          # and its libraries): crustctl bench --guest-io
 )
 # virtiofsd (virtio-fs daemon, Rust) from crates.io, into /usr/local/bin.
 VIRTIOFSD_VERSION=1.14.0
@@ -58,7 +60,7 @@ install_python_pkgs() {
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
   for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
-    wipefs unshare e2fsck containerd ctr runc umoci jq patchelf strip pkg-config; do
+    wipefs unshare e2fsck containerd ctr runc umoci jq patchelf strip pkg-config fio; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

@@ -17,6 +17,9 @@ trap 'rm -f "$leaks_before"' EXIT
 bash scripts/check-leaks.sh --record "$leaks_before"
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
+# The bench image (fio + crust-guest-bench) for crustctl's guest_io test;
+# cached by its stamp like the test image (~45 s when it must be built).
+bash guest/build-image.sh --bench
 bash scripts/build-test-images.sh
 
 if cargo nextest --version >/dev/null 2>&1; then

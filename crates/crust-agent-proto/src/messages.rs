@@ -421,6 +421,20 @@ pub struct StartWorkload {
     /// Run as this user instead of root.
     #[serde(default)]
     pub user: Option<WorkloadUser>,
+    /// Files or directories of virtio-fs shares bound for the workload
+    /// (host binds the runtime shares instead of skipping them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<WorkloadShare>,
+}
+
+/// A path of a virtio-fs share made visible at `destination`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadShare {
+    pub share: crate::containers::ShareRef,
+    /// Absolute guest path; created if missing.
+    pub destination: String,
+    #[serde(default)]
+    pub readonly: bool,
 }
 
 /// A volume (or a subdirectory/file of it) made visible at `destination`.
@@ -606,6 +620,14 @@ mod tests {
                     readonly: true,
                 }],
                 user: None,
+                shares: vec![WorkloadShare {
+                    share: crate::containers::ShareRef {
+                        tag: "crust-pod".into(),
+                        path: "m1".into(),
+                    },
+                    destination: "/shared".into(),
+                    readonly: false,
+                }],
             }
             .into(),
             WorkloadStatus {}.into(),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crust_agent_proto::{
     AgentError, ErrorCode, MAX_LOG_TAIL, StartWorkload, StartWorkloadReply, WorkloadLogReply,
-    WorkloadMount, WorkloadState,
+    WorkloadMount, WorkloadShare, WorkloadState,
 };
 use rustix::fs::{FileType, Gid, Mode, OFlags, Uid};
 use rustix::io::Errno;
@@ -92,7 +92,8 @@ fn errno_of(e: &std::io::Error) -> Errno {
 /// A bind mount made for the workload.
 #[derive(Debug, Clone)]
 struct Bind {
-    volume: String,
+    /// The volume it comes from; `None` for a share path.
+    volume: Option<String>,
     destination: PathBuf,
 }
 
@@ -175,6 +176,24 @@ fn validate(spec: &StartWorkload) -> Result<Vec<PathBuf>, WorkloadError> {
         }
         dests.push(d);
     }
+    for s in &spec.shares {
+        if !crust_agent_proto::valid_id(&s.share.tag)
+            || !crust_agent_proto::valid_share_path(&s.share.path)
+        {
+            return Err(WorkloadError::Invalid(format!(
+                "share {:?} path {:?} is invalid",
+                s.share.tag, s.share.path
+            )));
+        }
+        let d = validate_destination(&s.destination)?;
+        if dests.contains(&d) {
+            return Err(WorkloadError::Invalid(format!(
+                "destination {} is used twice",
+                d.display()
+            )));
+        }
+        dests.push(d);
+    }
     Ok(dests)
 }
 
@@ -247,6 +266,26 @@ fn bind_one(m: &WorkloadMount, dest: &Path, volumes: &Volumes) -> Result<(), Wor
         source,
     })?;
     bind_at(&open_root()?, &src, dest, m.readonly)
+}
+
+/// Binds a path of a virtio-fs share (mounting the share on first use)
+/// at `dest`. The path is resolved beneath the share's root, so a symlink
+/// in host content cannot point the bind elsewhere in the guest.
+fn bind_share(s: &WorkloadShare, dest: &Path) -> Result<(), WorkloadError> {
+    let root_path = crate::container::share_root(&s.share.tag).map_err(WorkloadError::Invalid)?;
+    let root = rustix::fs::open(
+        root_path.as_path(),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err("open", &root_path, e))?;
+    let src = subpath::open_beneath(&root, &s.share.path, false, Mode::from_raw_mode(0o755))
+        .map_err(|source| WorkloadError::Subpath {
+            volume: format!("share {}", s.share.tag),
+            destination: s.destination.clone(),
+            source,
+        })?;
+    bind_at(&open_root()?, &src, dest, s.readonly)
 }
 
 /// Bind-mounts `src` (an `O_PATH` descriptor) on `dest` below `root`
@@ -359,7 +398,17 @@ impl Workloads {
                 return Err(e);
             }
             binds.push(Bind {
-                volume: m.volume.clone(),
+                volume: Some(m.volume.clone()),
+                destination: dest.clone(),
+            });
+        }
+        for (sh, dest) in spec.shares.iter().zip(&dests[spec.mounts.len()..]) {
+            if let Err(e) = bind_share(sh, dest) {
+                unmount_binds(&binds);
+                return Err(e);
+            }
+            binds.push(Bind {
+                volume: None,
                 destination: dest.clone(),
             });
         }
@@ -509,7 +558,7 @@ impl Workloads {
                 matches!(c.state, WorkloadState::Running { .. }),
                 c.binds
                     .iter()
-                    .filter(|b| b.volume == volume)
+                    .filter(|b| b.volume.as_deref() == Some(volume))
                     .map(|b| b.destination.clone())
                     .collect(),
             ),
@@ -524,7 +573,7 @@ impl Workloads {
             let (drop, keep): (Vec<Bind>, Vec<Bind>) = c
                 .binds
                 .drain(..)
-                .partition(|b| volume.is_none_or(|v| b.volume == v));
+                .partition(|b| volume.is_none_or(|v| b.volume.as_deref() == Some(v)));
             unmount_binds(&drop);
             c.binds = keep;
         }
@@ -544,6 +593,7 @@ mod tests {
             cwd: None,
             mounts,
             user: None,
+            shares: Vec::new(),
         }
     }
 

@@ -114,6 +114,19 @@ pub struct GlobalOpts {
     /// Guest vCPUs.
     #[arg(long, env = "CRUST_RUNTIME_CPUS", default_value = "1", global = true)]
     pub cpus: u32,
+    /// Share the bundle's binds that have no hand-off record into the
+    /// guest over virtio-fs (as the containerd shim does) instead of
+    /// skipping them.
+    #[arg(long, env = "CRUST_RUNTIME_SHARE_BINDS", global = true)]
+    pub share_binds: bool,
+    /// virtiofsd binary for --share-binds (looked up in PATH unless absolute).
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_VIRTIOFSD",
+        default_value = "virtiofsd",
+        global = true
+    )]
+    pub virtiofsd_binary: PathBuf,
 }
 
 impl GlobalOpts {
@@ -149,6 +162,8 @@ impl GlobalOpts {
             boot_timeout: Duration::from_millis(self.boot_timeout_ms.max(1)),
             memory_mib: self.memory_mib,
             cpus: self.cpus.max(1),
+            share_binds: self.share_binds,
+            virtiofsd: self.virtiofsd_binary.clone(),
         }
     }
 }
@@ -520,11 +535,15 @@ mod tests {
             "/k/vmlinuz",
             "--accel",
             "tcg",
+            "--share-binds",
+            "--virtiofsd-binary",
+            "/v/virtiofsd",
             "list",
         ])
         .unwrap();
         let cfg = c.global.config();
         assert_eq!(cfg.guest_initrd, PathBuf::from("/k/initramfs.cpio.gz"));
+        assert!(cfg.share_binds);
         let mut args = vec!["crust-runtime".into()];
         args.extend(cfg.to_args());
         args.extend(["shim".into(), "--id".into(), "a".into()]);

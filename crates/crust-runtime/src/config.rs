@@ -51,6 +51,11 @@ pub struct Config {
     pub boot_timeout: Duration,
     pub memory_mib: u32,
     pub cpus: u32,
+    /// Share bundle binds without a hand-off record into the guest over
+    /// virtio-fs (the containerd shim always does); off: they are skipped.
+    pub share_binds: bool,
+    /// virtiofsd binary for `share_binds` (looked up in PATH unless absolute).
+    pub virtiofsd: PathBuf,
 }
 
 impl Config {
@@ -119,6 +124,10 @@ impl Config {
         );
         push("--memory-mib", self.memory_mib.to_string().into());
         push("--cpus", self.cpus.to_string().into());
+        push("--virtiofsd-binary", self.virtiofsd.clone().into());
+        if self.share_binds {
+            a.push("--share-binds".into());
+        }
         a
     }
 }

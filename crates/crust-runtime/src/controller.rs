@@ -5,21 +5,25 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crust_agent_proto::{AgentClient, MAX_LOG_TAIL, StartWorkload, WorkloadState, WorkloadUser};
+use crust_agent_proto::{
+    AgentClient, MAX_LOG_TAIL, ShareRef, StartWorkload, WorkloadShare, WorkloadState, WorkloadUser,
+};
 use crust_qmp::QmpClient;
 use tokio::sync::watch;
 
 use crate::bundle::Bundle;
 use crate::claims::{claim, release_all, this_executable};
 use crate::config::Config;
-use crate::discovery::{Discovery, Volume, WorkloadMount};
+use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
 use crate::error::RuntimeError;
 use crate::runtime::ReadyLine;
-use crate::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
+use crate::share;
 use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crate::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
@@ -187,11 +191,18 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     state.shim = Some(ProcRef::current());
     state.volumes = plan.volumes.clone();
     state.mounts = plan.mounts.clone();
-    state.skipped_mounts = plan.skipped.clone();
+    let share_dir =
+        (cfg.share_binds && !plan.binds.is_empty()).then(|| store.dir(&id).join(share::SHARE_DIR));
+    if share_dir.is_some() {
+        state.shared_mounts = shared_mounts(&plan.binds);
+    } else {
+        state.skipped_mounts = plan.skipped.clone();
+    }
     store.save(&state)?;
-    for m in &plan.skipped {
+    for m in &state.skipped_mounts {
         tracing::warn!(
-            "mount {m} has no hand-off record; the guest cannot see host paths, skipping it"
+            "mount {m} has no hand-off record; the guest cannot see host paths, skipping it \
+             (--share-binds shares them over virtio-fs)"
         );
     }
 
@@ -201,7 +212,16 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             claim(&discovery, &store, &id, v, &this_executable()?)?;
             claimed.push(v.clone());
         }
-        let guest = Guest::launch(&cfg, &store.vm_dir(&id), &id).await?;
+        let mut vc = Guest::config(&cfg, &store.vm_dir(&id), &id);
+        if let Some(dir) = &share_dir {
+            make_share(dir, &state.shared_mounts)?;
+            vc.shares = vec![crust_vmm::ShareSpec {
+                tag: share::SHARE_TAG.into(),
+                dir: dir.clone(),
+            }];
+            vc.virtiofsd_binary = cfg.virtiofsd.clone();
+        }
+        let guest = Guest::launch_config(vc, cfg.boot_timeout).await?;
         state.qemu = Some(guest.proc_ref());
         state.pid = Some(guest.proc_ref().pid);
         state.accel = Some(guest.accel_choice());
@@ -213,6 +233,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Ok(g) => g,
         Err(e) => {
             release_all(&discovery, &id, &claimed);
+            remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
         }
@@ -259,6 +280,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Err(e) => {
             // The guest is dropped (killed) by the failed future.
             release_all(&discovery, &id, &claimed);
+            remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
         }
@@ -272,6 +294,46 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
     }
     Ok(ctrl)
+}
+
+/// Where each bind goes in the share: `m<i>` in bundle order.
+fn shared_mounts(binds: &[HostBind]) -> Vec<SharedMount> {
+    binds
+        .iter()
+        .enumerate()
+        .map(|(i, b)| SharedMount {
+            destination: b.destination.clone(),
+            source: b.source.clone(),
+            path: format!("m{i}"),
+            readonly: b.readonly,
+        })
+        .collect()
+}
+
+/// The share with every bind in place; on failure nothing is left.
+fn make_share(dir: &Path, mounts: &[SharedMount]) -> Result<(), RuntimeError> {
+    let res = share::make(dir).and_then(|()| {
+        mounts
+            .iter()
+            .try_for_each(|m| share::bind_into(Path::new(&m.source), &dir.join(&m.path)))
+    });
+    res.map_err(|e| {
+        remove_share(Some(dir));
+        let code = if e.source.kind() == std::io::ErrorKind::NotFound {
+            Code::InvalidArgument
+        } else {
+            Code::Internal
+        };
+        RuntimeError::new(code, e.to_string())
+    })
+}
+
+fn remove_share(dir: Option<&Path>) {
+    if let Some(dir) = dir
+        && let Err(e) = share::remove(dir)
+    {
+        tracing::error!("{e}");
+    }
 }
 
 fn mark_failed(store: &SandboxStore, state: &mut SandboxState, e: &RuntimeError) {
@@ -469,6 +531,9 @@ impl Controller {
         // the claims, so a claim never goes while a hold remains.
         self.holds.lock().expect("holds").clear();
         release_all(&self.discovery, &self.id, &st.volumes);
+        if !st.shared_mounts.is_empty() {
+            remove_share(Some(&self.store.dir(&self.id).join(share::SHARE_DIR)));
+        }
         self.update(|s| {
             s.status = Status::Stopped;
             if let Some(f) = failure {
@@ -508,6 +573,18 @@ impl ShimHandler for Controller {
             cwd: Some(b.cwd.clone()),
             mounts: st.mounts.iter().map(agent_mount).collect(),
             user,
+            shares: st
+                .shared_mounts
+                .iter()
+                .map(|m| WorkloadShare {
+                    share: ShareRef {
+                        tag: share::SHARE_TAG.into(),
+                        path: m.path.clone(),
+                    },
+                    destination: m.destination.clone(),
+                    readonly: m.readonly,
+                })
+                .collect(),
         };
         self.agent
             .call_with_timeout(req, self.cfg.boot_timeout)

@@ -149,6 +149,18 @@ pub struct Plan {
     /// Host-path mounts with no hand-off record: without a shared
     /// filesystem the guest cannot see them.
     pub skipped: Vec<String>,
+    /// The same mounts with their sources, in bundle order (what
+    /// `--share-binds` shares over virtio-fs).
+    #[serde(default)]
+    pub binds: Vec<HostBind>,
+}
+
+/// A bundle bind whose source has no hand-off record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostBind {
+    pub destination: String,
+    pub source: String,
+    pub readonly: bool,
 }
 
 /// The two hand-off roots and the kubelet pods directory that bounds
@@ -297,6 +309,11 @@ impl Discovery {
             })?;
             let Some((layout, found)) = found else {
                 plan.skipped.push(m.destination.clone());
+                plan.binds.push(HostBind {
+                    destination: m.destination.clone(),
+                    source: source.to_string(),
+                    readonly: m.readonly(),
+                });
                 continue;
             };
             if let Some(uid) = &bundle.pod_uid {
@@ -470,6 +487,14 @@ mod tests {
         assert_eq!(plan.mounts[1].subpath, "");
         assert_eq!(plan.mounts[2].volume, v2.id);
         assert_eq!(plan.skipped, ["/etc/hosts"]);
+        assert_eq!(
+            plan.binds,
+            [HostBind {
+                destination: "/etc/hosts".into(),
+                source: "/etc/hosts".into(),
+                readonly: true,
+            }]
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! - [`claims`]: claiming and releasing hand-off records for a sandbox.
 //! - [`controller`]: the shim process itself.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm).
+//! - [`share`]: the sandbox's virtio-fs share directory on the host.
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`runtime`]: the CLI side of every command.
 //! - [`stats`]: JSON shapes of stats and resize.
@@ -33,6 +34,7 @@ pub mod error;
 pub mod katashim;
 pub mod runtime;
 pub mod sandbox;
+pub mod share;
 pub mod shim;
 pub mod stats;
 pub mod vm;

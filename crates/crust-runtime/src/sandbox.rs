@@ -102,6 +102,17 @@ pub fn proc_start_time(pid: i32) -> Option<u64> {
     fields.get(19)?.parse().ok()
 }
 
+/// A host path bound into the sandbox's virtio-fs share.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedMount {
+    pub destination: String,
+    pub source: String,
+    /// Path inside the share (`m<i>`).
+    pub path: String,
+    pub readonly: bool,
+}
+
 /// Everything persisted about one sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -128,6 +139,10 @@ pub struct SandboxState {
     /// Host-path mounts without a hand-off record (not visible in the guest).
     #[serde(default)]
     pub skipped_mounts: Vec<String>,
+    /// Host-path mounts without a hand-off record shared into the guest
+    /// over virtio-fs (`--share-binds`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shared_mounts: Vec<SharedMount>,
     /// The workload's exit code once it has exited.
     #[serde(default)]
     pub exit_status: Option<i32>,
@@ -154,6 +169,7 @@ impl SandboxState {
             volumes: Vec::new(),
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),
+            shared_mounts: Vec::new(),
             exit_status: None,
             reason: None,
             created: std::time::SystemTime::now()
@@ -306,6 +322,14 @@ impl SandboxStore {
     pub fn remove(&self, id: &str) -> Result<(), SandboxError> {
         Self::check_id(id)?;
         let dir = self.dir(id);
+        // A share's binds (volume data) must never be deleted through.
+        crate::share::unmount_tree(&dir);
+        let left = crate::share::mounts_below(&dir);
+        if !left.is_empty() {
+            return Err(io(format!("remove {}", dir.display()))(
+                std::io::Error::other(format!("still mounted below it: {}", left[0].display())),
+            ));
+        }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),

@@ -22,17 +22,17 @@ use crust_runtime::claims::{claim, release_all};
 use crust_runtime::discovery::{Discovery, Volume};
 use crust_runtime::error::RuntimeError;
 use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crust_runtime::share;
 use crust_runtime::shim::Code;
 use crust_runtime::vm::Guest;
 use crust_runtime::volumes;
-use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
+use rustix::mount::MountFlags;
 use tokio::sync::watch;
 
 use crate::config::ShimConfig;
 use crate::spec::{ContainerPlan, Planned};
 
-/// The virtio-fs tag of the pod's share.
-pub const SHARE_TAG: &str = "crust-pod";
+pub use crust_runtime::share::{SHARE_TAG, unmount_tree};
 /// Grace for the guest to power off after the agent's Shutdown.
 const POWEROFF_WAIT: Duration = Duration::from_secs(15);
 
@@ -136,7 +136,7 @@ impl Pod {
     }
 
     pub fn share_dir(&self) -> PathBuf {
-        self.store.dir(&self.id).join("share")
+        self.store.dir(&self.id).join(share::SHARE_DIR)
     }
 
     /// A fresh stdio stream id.
@@ -256,6 +256,7 @@ impl Pod {
             volumes: Vec::new(),
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),
+            shared_mounts: Vec::new(),
             exit_status: None,
             reason: None,
             created: std::time::SystemTime::now()
@@ -277,19 +278,14 @@ impl Pod {
     /// later reach virtiofsd's own mount namespace.
     fn make_share(&self) -> Result<PathBuf, PodError> {
         let share = self.share_dir();
-        std::fs::create_dir_all(&share).map_err(|e| PodError::host("creating the share", e))?;
-        rustix::mount::mount_bind(&share, &share)
-            .map_err(|e| PodError::host("binding the share", e))?;
-        rustix::mount::mount_change(&share, MountPropagationFlags::SHARED)
-            .map_err(|e| PodError::host("making the share shared", e))?;
+        share::make(&share).map_err(share_err)?;
         Ok(share)
     }
 
     fn remove_share(&self) {
-        let share = self.share_dir();
-        unmount_tree(&share);
-        let _ = rustix::mount::unmount(&share, UnmountFlags::DETACH);
-        let _ = std::fs::remove_dir_all(&share);
+        if let Err(e) = share::remove(&self.share_dir()) {
+            tracing::warn!("{e}");
+        }
     }
 
     async fn launch(
@@ -423,7 +419,7 @@ impl Pod {
                         continue;
                     }
                     let name = format!("m{i}");
-                    bind_into_share(source, &dir.join(&name))?;
+                    share::bind_into(source, &dir.join(&name)).map_err(share_err)?;
                     mounts.push(ContainerMount {
                         destination: destination.clone(),
                         source: MountSource::Share(ShareRef {
@@ -776,36 +772,6 @@ fn split_mount_options(opts: &[String]) -> (MountFlags, String) {
     (flags, data.join(","))
 }
 
-/// Binds host `source` (file or directory) at `target` in the share.
-fn bind_into_share(source: &Path, target: &Path) -> Result<(), PodError> {
-    let meta = std::fs::metadata(source)
-        .map_err(|e| PodError::host(format!("bind mount source {}", source.display()), e))?;
-    if meta.is_dir() {
-        std::fs::create_dir_all(target).map_err(|e| PodError::host("share dir", e))?;
-    } else {
-        std::fs::File::create(target).map_err(|e| PodError::host("share file", e))?;
-    }
-    rustix::mount::mount_bind_recursive(source, target)
-        .map_err(|e| PodError::host(format!("binding {} into the share", source.display()), e))
-}
-
-/// Lazily unmounts every mount at or below `dir`, deepest first.
-pub fn unmount_tree(dir: &Path) {
-    for _ in 0..3 {
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let mut points: Vec<PathBuf> = info
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .map(|p| PathBuf::from(p.replace("\\040", " ")))
-            .filter(|p| p.starts_with(dir) && p != dir)
-            .collect();
-        if points.is_empty() {
-            return;
-        }
-        points.sort();
-        points.dedup();
-        for p in points.iter().rev() {
-            let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
-        }
-    }
+fn share_err(e: share::ShareError) -> PodError {
+    PodError::host(e.what, e.source)
 }

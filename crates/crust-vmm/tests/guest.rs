@@ -273,6 +273,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
                     readonly: false,
                 }],
                 user: None,
+                shares: Vec::new(),
             })
             .await;
         assert_eq!(code_of(r), ErrorCode::InvalidArgument, "subPath {sp}");
@@ -308,6 +309,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
                     },
                 ],
                 user: None,
+                shares: Vec::new(),
             })
             .await;
         match r {
@@ -369,6 +371,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
             gid: 1000,
             supplemental_gids: vec![2000, 3001],
         }),
+        shares: Vec::new(),
     };
     let started = a.start_workload(spec.clone()).await.unwrap();
     assert_eq!(

@@ -739,6 +739,7 @@ pub enum NodeCmd {
 }
 
 #[derive(Debug, Clone, Args)]
+#[command(group(clap::ArgGroup::new("pod_mode").args(["deferred", "guest_io"]).multiple(true)))]
 pub struct BenchArgs {
     /// Comma-separated scenarios: create-delete, stage-publish-cycle, stats,
     /// volume-health (CSI v1.13 NodeGetVolumeHealth).
@@ -798,10 +799,12 @@ pub struct BenchArgs {
     /// Deferred mode: bytes added by each expansion.
     #[arg(long, default_value = "4Mi", value_parser = parse_size, requires = "deferred")]
     pub expand_step: u64,
-    /// Deferred mode: work dir (kubelet root, bundles) [default: a fresh
-    /// /var/tmp/crust-bench-<pid>, removed afterwards].
-    #[arg(long, value_name = "DIR", requires = "deferred")]
+    /// Deferred and guest I/O modes: work dir (kubelet root, bundles)
+    /// [default: a fresh /var/tmp/crust-bench-<pid>, removed afterwards].
+    #[arg(long, value_name = "DIR", requires = "pod_mode")]
     pub work_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub guest_io: crate::bench::guest_io::GuestIoArgs,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
 }
@@ -906,14 +909,16 @@ fn finish_bench(out: OutputFormat, report: &bench::BenchReport) -> ExitCode {
 }
 
 fn emit<T: Render>(format: OutputFormat, resp: &T, done: &str) {
+    use std::io::Write;
     let s = render(resp, format);
-    if s.is_empty() {
-        println!("{done}");
+    // Nobody reading stdout any more is not a reason to panic.
+    let _ = if s.is_empty() {
+        writeln!(std::io::stdout(), "{done}")
     } else if s.ends_with('\n') {
-        print!("{s}");
+        write!(std::io::stdout(), "{s}")
     } else {
-        println!("{s}");
-    }
+        writeln!(std::io::stdout(), "{s}")
+    };
 }
 
 /// Runs a parsed command line.
@@ -930,6 +935,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Group(cmd) => group(&cli.endpoint, cli.timeout, cmd, out).await?,
         Command::Bench(args) if args.deferred => {
             return bench_deferred_cmd(&cli.endpoint, cli.timeout, args, out).await;
+        }
+        Command::Bench(args) if args.guest_io.guest_io => {
+            return bench_guest_io_cmd(&cli.endpoint, cli.timeout, args, out).await;
         }
         Command::Bench(args) => return bench_cmd(&cli.endpoint, cli.timeout, args, out).await,
         Command::Flow(args) => return flow_cmd(&cli.endpoint, cli.timeout, args, out).await,
@@ -1549,18 +1557,29 @@ async fn bench_cmd(
             code = ExitCode::from(EXIT_INTERRUPTED);
         }
         if !r.cleanup.leftovers.is_empty() {
-            eprintln!("error: cleanup left item(s) behind (listed in the report)");
+            say("error: cleanup left item(s) behind (listed in the report)");
             return Ok(ExitCode::from(EXIT_FAILURE));
         }
     }
     Ok(code)
 }
 
-/// Step lines as they happen: stdout for text, stderr when stdout is JSON.
+/// A line on stderr that never panics: when whoever read our output is
+/// gone (EPIPE), teardown must still run to its end.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Step lines as they happen: stdout for text, stderr when stdout is JSON
+/// (write errors ignored, see [`say`]).
 fn progress_printer(out: OutputFormat) -> crate::flow::Progress {
     std::sync::Arc::new(move |s: &StepReport| match out {
-        OutputFormat::Text => println!("{}", s.line()),
-        OutputFormat::Json => eprintln!("{}", s.line()),
+        OutputFormat::Text => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout(), "{}", s.line());
+        }
+        OutputFormat::Json => say(&s.line()),
     })
 }
 
@@ -1574,10 +1593,10 @@ fn stop_on_signals() -> (
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         interrupted(&mut term).await;
-        eprintln!("interrupted: tearing down (interrupt again to abort the teardown)");
         let _ = stop_tx.send(true);
+        say("interrupted: tearing down (interrupt again to abort the teardown)");
         interrupted(&mut term).await;
-        eprintln!("teardown aborted; resources may be left behind");
+        say("teardown aborted; resources may be left behind");
         std::process::exit(EXIT_INTERRUPTED as i32);
     });
     (stop_rx, signals)
@@ -1773,12 +1792,83 @@ async fn bench_deferred_cmd(
     };
     let (stop, signals) = stop_on_signals();
     // Set-up and teardown steps go to stderr: stdout is the table.
-    let progress: crate::flow::Progress =
-        std::sync::Arc::new(|s: &StepReport| eprintln!("{}", s.line()));
+    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
     let report = bench::deferred::run_deferred(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);
     Ok(finish_bench(out, &report?))
+}
+
+async fn bench_guest_io_cmd(
+    ep: &Endpoint,
+    timeout: Duration,
+    a: BenchArgs,
+    out: OutputFormat,
+) -> Result<ExitCode, CliError> {
+    use crate::bench::guest_io::{GuestIoConfig, run_guest_io};
+    if a.cap.block {
+        return Err(CliError::Usage(
+            "--guest-io mounts filesystems; --block does not apply".into(),
+        ));
+    }
+    let mut rt = a.runtime.build();
+    if rt.guest_kernel.is_none() {
+        // The bench image next to the binaries (target/guest-image-bench).
+        let dir = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|d| d.join("../guest-image-bench")))
+            .filter(|d| d.join("vmlinuz").is_file())
+            .ok_or_else(|| {
+                CliError::Usage(
+                    "no bench guest image next to crustctl: build it with `guest/build-image.sh --bench` \
+                     or pass --guest-kernel/--guest-initrd of one"
+                        .into(),
+                )
+            })?;
+        rt.guest_kernel = Some(dir.join("vmlinuz"));
+        rt.guest_initrd = Some(dir.join("initramfs.cpio.gz"));
+    }
+    let run = bench::new_run_id();
+    let (work, made) = work_dir(a.work_dir.clone(), "crust-bench")?;
+    let mut cfg = GuestIoConfig::new(work.clone(), rt, &run);
+    cfg.fs_type = a.cap.fs_type.clone().unwrap_or_else(|| "ext4".into());
+    cfg.mount_flags = a.cap.mount_flags.clone();
+    let prepared = map(&a.params, "--param").and_then(|p| {
+        cfg.params = p;
+        cfg.apply(&a.guest_io).map_err(CliError::Usage)
+    });
+    if let Err(e) = prepared {
+        drop_work_dir(&work, made);
+        return Err(e);
+    }
+    let c = match Csi::connect(ep, timeout).await {
+        Ok(c) => c,
+        Err(e) => {
+            drop_work_dir(&work, made);
+            return Err(e.into());
+        }
+    };
+    let (stop, signals) = stop_on_signals();
+    // Steps go to stderr: stdout is the report.
+    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
+    let report = run_guest_io(&c, cfg, progress, stop).await;
+    signals.abort();
+    drop_work_dir(&work, made);
+    let report = report?;
+    emit(out, &report, "");
+    let failed = !report.cleanup.leftovers.is_empty() || !report.errors.is_empty();
+    if failed {
+        eprintln!(
+            "error: {} failed run(s)/probe(s), {} item(s) left behind (listed in the report)",
+            report.errors.len(),
+            report.cleanup.leftovers.len()
+        );
+    }
+    Ok(ExitCode::from(match (failed, report.interrupted) {
+        (true, _) => EXIT_FAILURE,
+        (false, true) => EXIT_INTERRUPTED,
+        (false, false) => 0,
+    }))
 }
 
 /// Waits for Ctrl-C or SIGTERM.

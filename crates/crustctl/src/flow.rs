@@ -112,6 +112,8 @@ pub struct FlowConfig {
     /// it the flow stops at the hand-off record (nobody consumes it, so
     /// stats and expansion are skipped).
     pub start_sandbox: bool,
+    /// More bind mounts of the container: (destination, host source).
+    pub extra_mounts: Vec<(String, String)>,
 }
 
 impl FlowConfig {
@@ -140,6 +142,7 @@ impl FlowConfig {
             keep_volume: false,
             collect: None,
             start_sandbox: true,
+            extra_mounts: Vec::new(),
         }
     }
 
@@ -571,6 +574,10 @@ impl Flow {
     }
     pub fn note(&mut self, n: impl Into<String>) {
         self.report.notes.push(n.into());
+    }
+    /// Whether something is left for [`Flow::tear_down`] to undo.
+    pub fn holds_resources(&self) -> bool {
+        !self.undo.is_empty()
     }
 
     /// Records a step; a failure becomes the flow's error (the first one
@@ -1435,6 +1442,20 @@ pub fn bundle_spec(cfg: &FlowConfig, source: &str) -> Value {
         // kubelet adds the fsGroup to the container's groups.
         user["additionalGids"] = json!([g]);
     }
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({
+            "destination": MOUNT_DESTINATION,
+            "type": "bind",
+            "source": source,
+            "options": ["rbind", "rw"],
+        }),
+    ];
+    for (dest, src) in &cfg.extra_mounts {
+        mounts.push(
+            json!({"destination": dest, "type": "bind", "source": src, "options": ["rbind", "rw"]}),
+        );
+    }
     json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -1446,15 +1467,7 @@ pub fn bundle_spec(cfg: &FlowConfig, source: &str) -> Value {
         },
         "root": {"path": "rootfs"},
         "hostname": cfg.sandbox_id,
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {
-                "destination": MOUNT_DESTINATION,
-                "type": "bind",
-                "source": source,
-                "options": ["rbind", "rw"],
-            },
-        ],
+        "mounts": mounts,
         "annotations": {
             "io.kubernetes.pod.uid": cfg.pod_uid,
         },

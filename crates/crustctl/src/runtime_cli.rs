@@ -63,6 +63,13 @@ pub struct RuntimeCli {
     pub guest_initrd: Option<PathBuf>,
     /// `tcg`, `kvm` or `auto`.
     pub accel: Option<String>,
+    /// Guest memory (`CRUST_RUNTIME_MEMORY_MIB`).
+    pub memory_mib: Option<u32>,
+    /// Guest vCPUs (`CRUST_RUNTIME_CPUS`).
+    pub cpus: Option<u32>,
+    /// Share binds without a hand-off record over virtio-fs
+    /// (`CRUST_RUNTIME_SHARE_BINDS=true`).
+    pub share_binds: bool,
     /// Bound on each command.
     pub timeout: Duration,
 }
@@ -79,6 +86,9 @@ impl RuntimeCli {
             guest_kernel: None,
             guest_initrd: None,
             accel: None,
+            memory_mib: None,
+            cpus: None,
+            share_binds: false,
             timeout: DEFAULT_RUNTIME_TIMEOUT,
         }
     }
@@ -108,6 +118,15 @@ impl RuntimeCli {
         }
         if let Some(d) = &self.kata_shim_dirs {
             v.push(("CRUST_RUNTIME_KATA_SHIM_DIRS", d.into()));
+        }
+        if let Some(m) = self.memory_mib {
+            v.push(("CRUST_RUNTIME_MEMORY_MIB", m.to_string().into()));
+        }
+        if let Some(c) = self.cpus {
+            v.push(("CRUST_RUNTIME_CPUS", c.to_string().into()));
+        }
+        if self.share_binds {
+            v.push(("CRUST_RUNTIME_SHARE_BINDS", "true".into()));
         }
         v
     }

@@ -120,29 +120,34 @@ fn io<E: std::fmt::Display>(what: impl std::fmt::Display) -> impl FnOnce(E) -> C
 
 /// Guest path of a share path, mounting the share on first use.
 pub fn share_path(s: &ShareRef) -> std::result::Result<PathBuf, String> {
-    if !valid_id(&s.tag) {
-        return Err(format!("share tag {:?} is invalid", s.tag));
-    }
     if !valid_share_path(&s.path) {
         return Err(format!(
             "share path {:?} must be relative without '.' or '..'",
             s.path
         ));
     }
-    let root = Path::new(GUEST_SHARE_ROOT).join(&s.tag);
+    Ok(share_root(&s.tag)?.join(&s.path))
+}
+
+/// Guest path where share `tag` is mounted, mounting it on first use.
+pub fn share_root(tag: &str) -> std::result::Result<PathBuf, String> {
+    if !valid_id(tag) {
+        return Err(format!("share tag {tag:?} is invalid"));
+    }
+    let root = Path::new(GUEST_SHARE_ROOT).join(tag);
     if crate::sys::mount_at(&root).is_none() {
         crate::sys::ensure_filesystem_named("virtiofs")?;
         std::fs::create_dir_all(&root).map_err(|e| format!("mkdir {}: {e}", root.display()))?;
         rustix::mount::mount(
-            s.tag.as_str(),
+            tag,
             root.as_path(),
             "virtiofs",
             rustix::mount::MountFlags::NODEV,
             None,
         )
-        .map_err(|e| format!("mounting virtio-fs share {:?}: {e}", s.tag))?;
+        .map_err(|e| format!("mounting virtio-fs share {tag:?}: {e}"))?;
     }
-    Ok(root.join(&s.path))
+    Ok(root)
 }
 
 impl Containers {

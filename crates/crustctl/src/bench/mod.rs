@@ -21,6 +21,7 @@
 //! failed calls, ops/s is successful calls over the scenario's wall time.
 
 pub mod deferred;
+pub mod guest_io;
 pub mod hist;
 pub mod scale;
 

@@ -64,7 +64,10 @@ impl Drop for IdleLoops {
         // Detach first: the files are busy until then.
         self.loops.clear();
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            eprintln!("warning: could not remove {}: {e}", self.dir.display());
+            crate::cli::say(&format!(
+                "warning: could not remove {}: {e}",
+                self.dir.display()
+            ));
         }
     }
 }

@@ -4,6 +4,11 @@
 //! guest image. [`Stack`] undoes everything on drop, also when a test
 //! fails: the plugin is stopped, sandboxes deleted (QEMU killed), mounts
 //! under the temp dir unmounted, loop devices on the pool detached.
+//!
+//! A test process killed outright (SIGKILL, a stopped CI job) runs no
+//! Drop: each stack holds a lock file for its lifetime, and the next
+//! [`Stack::new`] on the machine releases whatever a stack whose lock is
+//! free left behind (see [`reap_abandoned_stacks`]).
 
 #![allow(dead_code)]
 
@@ -69,18 +74,103 @@ pub struct Stack {
     plugin: Option<PluginProcess>,
     /// Steps of every flow, for failure messages.
     pub steps: Arc<Mutex<Vec<StepReport>>>,
+    /// Held (flock) while this stack lives: a free lock means abandoned.
+    _owner: std::fs::File,
     // Dropped last: the temp dir itself.
     _dir: tempfile::TempDir,
+}
+
+/// Prefix of every stack's temp dir (in /tmp).
+const STACK_PREFIX: &str = "crust-e2e-";
+/// The owner lock in a stack's root.
+const OWNER_LOCK: &str = ".owner.lock";
+
+/// Creates `root/OWNER_LOCK` already locked: made under a temporary name,
+/// locked, then renamed, so a reaper never sees it unlocked.
+fn take_ownership(root: &Path) -> std::fs::File {
+    let tmp = root.join(".owner.lock.new");
+    let f = std::fs::File::create(&tmp).unwrap();
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+    std::fs::rename(&tmp, root.join(OWNER_LOCK)).unwrap();
+    f
+}
+
+/// Releases what stacks of killed test processes left: for every
+/// /tmp/crust-e2e-* whose owner lock can be taken (its process is gone),
+/// the processes naming it are killed (QEMU, virtiofsd, shim, plugin),
+/// mounts under it unmounted, loop devices on its pool detached, and the
+/// dir removed once nothing is mounted below it. Live stacks hold their
+/// lock; a dir without a lock file is not ours to judge and is left.
+pub fn reap_abandoned_stacks() {
+    let Ok(rd) = std::fs::read_dir("/tmp") else {
+        return;
+    };
+    for e in rd.flatten() {
+        if !e.file_name().to_string_lossy().starts_with(STACK_PREFIX) {
+            continue;
+        }
+        let root = e.path();
+        let Ok(lock) = std::fs::File::open(root.join(OWNER_LOCK)) else {
+            continue;
+        };
+        if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+            continue;
+        }
+        eprintln!(
+            "reaping {}: left by a test process that was killed",
+            root.display()
+        );
+        release(&root);
+        if mounts_under(&root).is_empty() {
+            let _ = std::fs::remove_dir_all(&root);
+        }
+    }
+}
+
+/// Kills the processes naming `root`, unmounts what is mounted under it
+/// and detaches the loop devices backed by files in `root/pool`.
+fn release(root: &Path) {
+    let pids = pids_naming(root);
+    for pid in &pids {
+        if let Some(p) = rustix::process::Pid::from_raw(*pid) {
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+        }
+    }
+    if !pids.is_empty() {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    for _ in 0..8 {
+        let ms = mounts_under(root);
+        if ms.is_empty() {
+            break;
+        }
+        for m in ms.into_iter().rev() {
+            if crust_blockdev::unmount(&m).is_err() {
+                let _ = rustix::mount::unmount(&m, rustix::mount::UnmountFlags::DETACH);
+            }
+        }
+    }
+    let pool = root.join("pool");
+    if let Ok(loops) = crust_blockdev::list_loops() {
+        for l in loops
+            .into_iter()
+            .filter(|l| l.backing_file.starts_with(&pool))
+        {
+            let _ = crust_blockdev::detach(&l.path);
+        }
+    }
 }
 
 impl Stack {
     pub fn new(layout: Layout) -> Stack {
         crust_testkit::require_root();
+        reap_abandoned_stacks();
         let dir = tempfile::Builder::new()
-            .prefix("crust-e2e-")
+            .prefix(STACK_PREFIX)
             .tempdir_in("/tmp")
             .unwrap();
         let root = std::fs::canonicalize(dir.path()).unwrap();
+        let owner = take_ownership(&root);
         let (kernel, initrd) = ensure_guest_image();
         let rt_bin = std::fs::canonicalize(crust_testkit::workspace_bin("crust-runtime")).unwrap();
         let csi_bin = crust_testkit::workspace_bin("crust-csi");
@@ -112,6 +202,7 @@ impl Stack {
             csi_bin,
             plugin: None,
             steps: Arc::new(Mutex::new(Vec::new())),
+            _owner: owner,
             _dir: dir,
         }
     }
@@ -332,32 +423,8 @@ impl Drop for Stack {
                     .status();
             }
         }
-        for pid in pids_naming(&self.root) {
-            if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        // 3. mounts, then loop devices
-        for _ in 0..8 {
-            let ms = mounts_under(&self.root);
-            if ms.is_empty() {
-                break;
-            }
-            for m in ms.into_iter().rev() {
-                if crust_blockdev::unmount(&m).is_err() {
-                    let _ = rustix::mount::unmount(&m, rustix::mount::UnmountFlags::DETACH);
-                }
-            }
-        }
-        if let Ok(loops) = crust_blockdev::list_loops() {
-            for l in loops
-                .into_iter()
-                .filter(|l| l.backing_file.starts_with(&self.pool))
-            {
-                let _ = crust_blockdev::detach(&l.path);
-            }
-        }
+        // 3. what is left by force: processes, mounts, then loop devices
+        release(&self.root);
     }
 }
 
