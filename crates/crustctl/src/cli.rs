@@ -896,10 +896,10 @@ fn opt_path(p: &Option<PathBuf>) -> Result<String, CliError> {
 fn finish_bench(out: OutputFormat, report: &bench::BenchReport) -> ExitCode {
     emit(out, report, "");
     if !report.cleanup.leftovers.is_empty() {
-        eprintln!(
+        say(&format!(
             "error: cleanup left {} item(s) behind (listed in the report)",
             report.cleanup.leftovers.len()
-        );
+        ));
         return ExitCode::from(EXIT_FAILURE);
     }
     if report.interrupted {
@@ -1626,7 +1626,7 @@ fn work_dir(given: Option<PathBuf>, prefix: &str) -> Result<(PathBuf, bool), Cli
 /// Removes a work dir we created, if the flow left it empty.
 fn drop_work_dir(dir: &std::path::Path, made: bool) {
     if made && let Err(e) = std::fs::remove_dir(dir) {
-        eprintln!("warning: work dir {} not removed: {e}", dir.display());
+        say(&format!("warning: work dir {} not removed: {e}", dir.display()));
     }
 }
 
@@ -1689,7 +1689,7 @@ async fn flow_cmd(
     }
     if !report.ok {
         if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
-            eprintln!("error: {s} failed: {e}");
+            say(&format!("error: {s} failed: {e}"));
         }
         return Ok(ExitCode::from(EXIT_FAILURE));
     }
@@ -1725,7 +1725,11 @@ async fn demo_cmd(timeout: Duration, a: DemoArgs, out: OutputFormat) -> Result<E
     };
     let (stop, signals) = stop_on_signals();
     if out == OutputFormat::Text {
-        println!("crust demo: one pod with a deferred volume, end to end\n");
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stdout(),
+            "crust demo: one pod with a deferred volume, end to end\n"
+        );
     }
     let report = run_demo(cfg, progress_printer(out), stop.clone()).await;
     signals.abort();
@@ -1735,7 +1739,7 @@ async fn demo_cmd(timeout: Duration, a: DemoArgs, out: OutputFormat) -> Result<E
     }
     if !report.ok {
         if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
-            eprintln!("error: {s} failed: {e}");
+            say(&format!("error: {s} failed: {e}"));
         }
         return Ok(ExitCode::from(EXIT_FAILURE));
     }
@@ -1858,11 +1862,11 @@ async fn bench_guest_io_cmd(
     emit(out, &report, "");
     let failed = !report.cleanup.leftovers.is_empty() || !report.errors.is_empty();
     if failed {
-        eprintln!(
+        say(&format!(
             "error: {} failed run(s)/probe(s), {} item(s) left behind (listed in the report)",
             report.errors.len(),
             report.cleanup.leftovers.len()
-        );
+        ));
     }
     Ok(ExitCode::from(match (failed, report.interrupted) {
         (true, _) => EXIT_FAILURE,

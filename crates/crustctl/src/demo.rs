@@ -490,10 +490,10 @@ pub async fn ensure_guest_image(explicit: Option<&Path>) -> Result<(PathBuf, boo
         .or(env_dir)
         .unwrap_or_else(|| root.join("target/guest-image"));
     let script = root.join("guest/build-image.sh");
-    eprintln!(
+    crate::cli::say(&format!(
         "building the guest image with {} (first run only)...",
         script.display()
-    );
+    ));
     let st = tokio::process::Command::new("bash")
         .arg(&script)
         .arg("--out")
