@@ -28,11 +28,11 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
-use crate::cli::ChangePolicy;
 use crate::client::Csi;
 use crate::fmt::Render;
 use crate::parse::{human_duration, human_size};
 use crate::runtime_cli::{RuntimeCli, parse_df};
+use crust_handoff::FsGroupChangePolicy;
 
 /// Where the workload sees the volume.
 pub const MOUNT_DESTINATION: &str = "/data";
@@ -97,7 +97,7 @@ pub struct FlowConfig {
     pub mount_flags: Vec<String>,
     /// The pod's fsGroup (`volume_supplemental_group`).
     pub fs_group: Option<u32>,
-    pub change_policy: Option<ChangePolicy>,
+    pub change_policy: Option<FsGroupChangePolicy>,
     pub sub_path: Option<String>,
     pub defer_via: DeferVia,
     /// Extra CreateVolume parameters.
@@ -1594,7 +1594,7 @@ mod tests {
         use csi::volume_capability::AccessType;
         let mut cfg = FlowConfig::new("/w", RuntimeCli::new("/bin/true"));
         cfg.fs_group = Some(2000);
-        cfg.change_policy = Some(ChangePolicy::OnRootMismatch);
+        cfg.change_policy = Some(FsGroupChangePolicy::OnRootMismatch);
         let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
         let csi = Csi::from_channel(ch, Duration::from_secs(1));
         let f = Flow::new(cfg.clone(), csi.clone(), Arc::new(|_| {}));
