@@ -196,6 +196,10 @@ impl ControllerReq {
     pub(super) fn build(cmd: ControllerCmd) -> Result<Self, CliError> {
         use ControllerCmd as C;
         Ok(match cmd {
+            cmd @ (C::SnapshotCreate { .. }
+            | C::SnapshotDelete { .. }
+            | C::SnapshotList { .. }
+            | C::SnapshotGet { .. }) => Self::snapshot(cmd)?,
             C::Create {
                 name,
                 size,
@@ -244,35 +248,25 @@ impl ControllerReq {
                 max_entries,
                 starting_token,
                 all,
-            } => {
-                if max_entries.is_some_and(|m| m < 0) {
-                    return Err(CliError::Usage("--max-entries must not be negative".into()));
-                }
-                Self::ListHealth(
-                    csi::ControllerListVolumeHealthRequest {
-                        max_entries: max_entries.unwrap_or(0),
-                        starting_token: starting_token.unwrap_or_default(),
-                        secrets: Default::default(),
-                    },
-                    all,
-                )
-            }
+            } => Self::ListHealth(
+                csi::ControllerListVolumeHealthRequest {
+                    max_entries: page_size(max_entries)?,
+                    starting_token: starting_token.unwrap_or_default(),
+                    secrets: Default::default(),
+                },
+                all,
+            ),
             C::List {
                 max_entries,
                 starting_token,
                 all,
-            } => {
-                if max_entries.is_some_and(|m| m < 0) {
-                    return Err(CliError::Usage("--max-entries must not be negative".into()));
-                }
-                Self::List(
-                    csi::ListVolumesRequest {
-                        max_entries: max_entries.unwrap_or(0),
-                        starting_token: starting_token.unwrap_or_default(),
-                    },
-                    all,
-                )
-            }
+            } => Self::List(
+                csi::ListVolumesRequest {
+                    max_entries: page_size(max_entries)?,
+                    starting_token: starting_token.unwrap_or_default(),
+                },
+                all,
+            ),
             C::Capacity {
                 cap,
                 params,
@@ -343,6 +337,13 @@ impl ControllerReq {
                 secrets: map(&secrets, "--secret")?,
                 mutable_parameters: map(&mutable_params, "--mutable-param")?,
             }),
+        })
+    }
+
+    /// The snapshot subcommands of `controller`.
+    fn snapshot(cmd: ControllerCmd) -> Result<Self, CliError> {
+        use ControllerCmd as C;
+        Ok(match cmd {
             C::SnapshotCreate {
                 source_volume,
                 name,
@@ -369,21 +370,16 @@ impl ControllerReq {
                 snapshot_id,
                 secrets,
                 all,
-            } => {
-                if max_entries.is_some_and(|m| m < 0) {
-                    return Err(CliError::Usage("--max-entries must not be negative".into()));
-                }
-                Self::SnapList(
-                    csi::ListSnapshotsRequest {
-                        max_entries: max_entries.unwrap_or(0),
-                        starting_token: starting_token.unwrap_or_default(),
-                        source_volume_id: source_volume.unwrap_or_default(),
-                        snapshot_id: snapshot_id.unwrap_or_default(),
-                        secrets: map(&secrets, "--secret")?,
-                    },
-                    all,
-                )
-            }
+            } => Self::SnapList(
+                csi::ListSnapshotsRequest {
+                    max_entries: page_size(max_entries)?,
+                    starting_token: starting_token.unwrap_or_default(),
+                    source_volume_id: source_volume.unwrap_or_default(),
+                    snapshot_id: snapshot_id.unwrap_or_default(),
+                    secrets: map(&secrets, "--secret")?,
+                },
+                all,
+            ),
             C::SnapshotGet {
                 snapshot_id,
                 secrets,
@@ -391,7 +387,16 @@ impl ControllerReq {
                 snapshot_id,
                 secrets: map(&secrets, "--secret")?,
             }),
+            _ => unreachable!("only snapshot subcommands come here"),
         })
+    }
+}
+
+/// `--max-entries` (0, CSI's "no limit", when absent).
+fn page_size(max_entries: Option<i32>) -> Result<i32, CliError> {
+    match max_entries {
+        Some(m) if m < 0 => Err(CliError::Usage("--max-entries must not be negative".into())),
+        m => Ok(m.unwrap_or(0)),
     }
 }
 
