@@ -247,6 +247,56 @@ impl Volumes {
         out
     }
 
+    /// A retry of a mount that happened: the same disk and mode are
+    /// success (fsGroup re-applied so a failed walk completes), anything
+    /// else is refused.
+    fn mounted_already(
+        &self,
+        req: &MountVolume,
+        entry: sys::MountEntry,
+        opts: &options::ParsedOptions,
+        target: &Path,
+        deadline: Option<Instant>,
+    ) -> Result<MountVolumeReply, VolumeError> {
+        let policy = req.fs_group_policy.unwrap_or(FsGroupPolicy::Always);
+        let disk = disk_of_source(&entry.source).unwrap_or_default();
+        let mounted = sys::disk_serial(&disk).unwrap_or_default();
+        if mounted != req.serial {
+            return Err(VolumeError::SerialMismatch {
+                volume: req.volume.clone(),
+                mounted,
+                serial: req.serial.clone(),
+            });
+        }
+        let was_readonly = self
+            .lookup(&req.volume)
+            .map_or(entry.is_readonly(), |r| r.readonly);
+        if was_readonly != opts.readonly {
+            return Err(VolumeError::ModeMismatch {
+                volume: req.volume.clone(),
+                mounted: if was_readonly {
+                    "read-only"
+                } else {
+                    "read-write"
+                },
+            });
+        }
+        // Same volume, same disk: done already. fsGroup is re-applied
+        // so a retry after a failed walk completes it.
+        let mut applied = false;
+        if let Some(gid) = req.fs_group
+            && !entry.is_readonly()
+        {
+            applied = fsgroup::apply(target, gid, policy, deadline)?;
+        }
+        self.lookup(&req.volume);
+        Ok(MountVolumeReply {
+            mount_path: target.display().to_string(),
+            device: entry.source,
+            fs_group_applied: applied,
+        })
+    }
+
     pub fn mount(
         &self,
         req: &MountVolume,
@@ -259,42 +309,7 @@ impl Volumes {
         let policy = req.fs_group_policy.unwrap_or(FsGroupPolicy::Always);
 
         if let Some(entry) = sys::mount_at(&target) {
-            let disk = disk_of_source(&entry.source).unwrap_or_default();
-            let mounted = sys::disk_serial(&disk).unwrap_or_default();
-            if mounted != req.serial {
-                return Err(VolumeError::SerialMismatch {
-                    volume: req.volume.clone(),
-                    mounted,
-                    serial: req.serial.clone(),
-                });
-            }
-            let was_readonly = self
-                .lookup(&req.volume)
-                .map_or(entry.is_readonly(), |r| r.readonly);
-            if was_readonly != opts.readonly {
-                return Err(VolumeError::ModeMismatch {
-                    volume: req.volume.clone(),
-                    mounted: if was_readonly {
-                        "read-only"
-                    } else {
-                        "read-write"
-                    },
-                });
-            }
-            // Same volume, same disk: done already. fsGroup is re-applied
-            // so a retry after a failed walk completes it.
-            let mut applied = false;
-            if let Some(gid) = req.fs_group
-                && !entry.is_readonly()
-            {
-                applied = fsgroup::apply(&target, gid, policy, deadline)?;
-            }
-            self.lookup(&req.volume);
-            return Ok(MountVolumeReply {
-                mount_path: target.display().to_string(),
-                device: entry.source,
-                fs_group_applied: applied,
-            });
+            return self.mounted_already(req, entry, &opts, &target, deadline);
         }
 
         // Give up a little before the caller's deadline so the NotFound

@@ -522,6 +522,10 @@ impl Driver {
         }
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
     pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
@@ -891,6 +895,10 @@ impl Driver {
         Ok(())
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
     pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));

@@ -3,6 +3,11 @@
 //! Needs root and the guest image: run `guest/build-image.sh` first (CI
 //! does). Each test boots one guest and holds a `VmSlot` throughout.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};

@@ -10,6 +10,11 @@
 //!   disabled`: FAILED_PRECONDITION, no mount, no record, and `crustctl
 //!   flow` reports the failed step and still tears down.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::fs::PermissionsExt;

@@ -9,6 +9,11 @@
 //! publication (no deferral) reads the bytes the workload wrote, and the
 //! snapshot restores on the host.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
