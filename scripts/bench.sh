@@ -41,18 +41,28 @@ csi_pid=$!
 for _ in $(seq 50); do [ -S "$work/csi.sock" ] && break; sleep 0.1; done
 
 ctl=(target/release/crustctl --endpoint "unix://$work/csi.sock" bench)
+# Defaults the caller's own --duration/--ops/--concurrency replace.
+limits() {
+  local d=$1 c=$2 a
+  for a in "${@:3}"; do
+    case $a in --duration|--duration=*|--ops|--ops=*) d=;; --concurrency|--concurrency=*) c=;; esac
+  done
+  [ -n "$d" ] && printf '%s\n' --duration "$d"
+  [ -n "$c" ] && printf '%s\n' --concurrency "$c"
+  return 0
+}
 if [ "${1:-}" = "--deferred" ]; then
   shift
   # One pod in a guest; deferred stats and expansions through crust_ops.
   "${ctl[@]}" --deferred --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
-    --crust-root "$work/crust" --duration 10s --concurrency 2 "$@"
+    --crust-root "$work/crust" $(limits 10s 2 "$@") "$@"
 elif [ "${1:-}" = "--scale" ]; then
   shift
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
     --scenarios stats --stats-volumes 16,256,1024 --size 16Mi \
-    --duration 10s --concurrency 4 "$@"
+    $(limits 10s 4 "$@") "$@"
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
-    --idle-loops 256 --size 16Mi --duration 10s --concurrency 4 "$@"
+    --idle-loops 256 --size 16Mi $(limits 10s 4 "$@") "$@"
 elif [ "${1:-}" = "--guest-io" ]; then
   shift
   # One guest, a deferred volume and a virtio-fs shared one; the bench
@@ -61,5 +71,5 @@ elif [ "${1:-}" = "--guest-io" ]; then
     --crust-root "$work/crust" "$@"
 else
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \
-    --duration 10s --concurrency 4 "$@"
+    $(limits 10s 4 "$@") "$@"
 fi

@@ -15,6 +15,14 @@ export CI="${CI:-true}"
 leaks_before=$(mktemp)
 trap 'rm -f "$leaks_before"' EXIT
 bash scripts/check-leaks.sh --record "$leaks_before"
+# The shape the code keeps: formatting and the workspace lints
+# ([workspace.lints], clippy.toml), as errors.
+if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
+  cargo fmt --all --check
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+else
+  echo "test.sh: cargo fmt/clippy not installed: lint step skipped" >&2
+fi
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
 # The bench image (fio + crust-guest-bench) for crustctl's guest_io test;

@@ -353,9 +353,15 @@ impl AgentClient {
         .await
     }
 
-    pub async fn grow_volume(&self, volume: &str) -> Result<GrowVolumeReply, ClientError> {
+    /// Grows once the guest sees `device_bytes` (when given).
+    pub async fn grow_volume(
+        &self,
+        volume: &str,
+        device_bytes: Option<u64>,
+    ) -> Result<GrowVolumeReply, ClientError> {
         self.call(GrowVolume {
             volume: volume.into(),
+            device_bytes,
         })
         .await
     }

@@ -357,6 +357,12 @@ pub struct VolumeCondition {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GrowVolume {
     pub volume: String,
+    /// The size the host resized the disk to. The guest kernel learns of a
+    /// new capacity asynchronously (a virtio config interrupt): the agent
+    /// waits, within the request's deadline, until it sees at least this
+    /// many bytes before growing, instead of growing to the old size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -607,7 +613,11 @@ mod tests {
         let ops: Vec<Operation> = vec![
             Ping {}.into(),
             StatVolume { volume: "a".into() }.into(),
-            GrowVolume { volume: "a".into() }.into(),
+            GrowVolume {
+                volume: "a".into(),
+                device_bytes: Some(1 << 30),
+            }
+            .into(),
             UnmountVolume { volume: "a".into() }.into(),
             StartWorkload {
                 args: vec!["sh".into()],

@@ -23,6 +23,10 @@ use crate::workload::Workloads;
 /// Requests handled at once; more get ResourceExhausted.
 const MAX_IN_FLIGHT: usize = 64;
 
+/// Handler threads kept waiting for requests: starting a thread per
+/// request costs more than the request itself in an emulated (TCG) guest.
+const SPARE_HANDLERS: usize = 4;
+
 /// How often a disconnected port is polled for the host coming back.
 const RECONNECT_POLL: Duration = Duration::from_millis(25);
 
@@ -121,7 +125,7 @@ impl Agent {
                 Operation::ThawVolume(t) => serde_json::to_value(self.volumes.thaw(&t.volume)?),
                 Operation::GrowVolume(g) => {
                     let _g = self.lock();
-                    serde_json::to_value(self.volumes.grow(&g.volume, deadline)?)
+                    serde_json::to_value(self.volumes.grow(&g.volume, g.device_bytes, deadline)?)
                 }
                 Operation::UnmountVolume(u) => {
                     let _g = self.lock();
@@ -399,15 +403,24 @@ fn power_off() -> ! {
     std::process::exit(0)
 }
 
-fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<AtomicU64>) {
-    for out in rx {
-        if out.connection != connection.load(Ordering::SeqCst) && out.written.is_none() {
+/// The port's write side, shared by the writer thread (replies the read
+/// loop makes) and the handlers (which write their own replies: one thread
+/// hop less per request).
+struct Writer {
+    port: Mutex<OwnedFd>,
+    connection: Arc<AtomicU64>,
+}
+
+impl Writer {
+    fn write(&self, out: Outgoing) {
+        if out.connection != self.connection.load(Ordering::SeqCst) && out.written.is_none() {
             log!("dropping a reply for a host connection that has gone");
-            continue;
+            return;
         }
+        let port = self.port.lock().expect("port");
         let mut buf = &out.frame[..];
         while !buf.is_empty() {
-            match rustix::io::write(&port, buf) {
+            match rustix::io::write(&*port, buf) {
                 Ok(n) => buf = &buf[n..],
                 Err(Errno::INTR) | Err(Errno::AGAIN) => {}
                 Err(e) => {
@@ -419,15 +432,97 @@ fn writer_loop(port: OwnedFd, rx: mpsc::Receiver<Outgoing>, connection: Arc<Atom
                 }
             }
         }
+        drop(port);
         if let Some(w) = out.written {
             let _ = w.send(());
         }
     }
 }
 
+/// Writes what the read loop cannot wait to write itself.
+fn writer_loop(writer: Arc<Writer>, rx: mpsc::Receiver<Outgoing>) {
+    for out in rx {
+        writer.write(out);
+    }
+}
+
 /// Serves the agent protocol on the virtio-serial port until the process
 /// ends. Survives the host disconnecting: reads then return EOF, the
 /// partial frame is dropped and the port is polled until the host is back.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Spare handler threads. A request goes to a waiting one; when none
+/// waits (all busy, some maybe stuck on a hung filesystem) the caller
+/// starts a thread for it, as before.
+struct Handlers {
+    queue: Mutex<(std::collections::VecDeque<Job>, usize)>,
+    ready: std::sync::Condvar,
+}
+
+impl Handlers {
+    fn start(n: usize) -> Arc<Handlers> {
+        let h = Arc::new(Handlers {
+            queue: Mutex::new((std::collections::VecDeque::new(), 0)),
+            ready: std::sync::Condvar::new(),
+        });
+        for i in 0..n {
+            let h2 = h.clone();
+            let started = std::thread::Builder::new()
+                .name(format!("handler-{i}"))
+                .spawn(move || h2.serve());
+            if let Err(e) = started {
+                log!("cannot start spare handler {i}: {e}");
+            }
+        }
+        h
+    }
+
+    fn serve(&self) {
+        loop {
+            let job = {
+                let mut q = self.queue.lock().expect("handler queue");
+                q.1 += 1;
+                loop {
+                    if let Some(j) = q.0.pop_front() {
+                        break j;
+                    }
+                    q = self.ready.wait(q).expect("handler queue");
+                }
+            };
+            job();
+        }
+    }
+
+    /// Hands `job` to a waiting handler; gives it back when none waits.
+    fn offer(&self, job: Job) -> Result<(), Job> {
+        let mut q = self.queue.lock().expect("handler queue");
+        if q.1 == 0 {
+            return Err(job);
+        }
+        // Each queued job has a waiting handler reserved for it.
+        q.1 -= 1;
+        q.0.push_back(job);
+        self.ready.notify_one();
+        Ok(())
+    }
+}
+
+/// A reply framed for the port; an oversized one becomes an error reply.
+fn outgoing(resp: &Response, written: Option<mpsc::Sender<()>>, conn: u64) -> Option<Outgoing> {
+    let f = frame::encode(resp).or_else(|e| {
+        let msg = format!("reply not sent: {e}");
+        frame::encode(&Response::err(
+            resp.id,
+            AgentError::new(ErrorCode::Internal, msg),
+        ))
+    });
+    f.ok().map(|frame| Outgoing {
+        frame,
+        written,
+        connection: conn,
+    })
+}
+
 pub fn run(cfg: Config) -> Result<(), RunFailure> {
     log!("version {} starting", env!("CARGO_PKG_VERSION"));
     if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {
@@ -448,9 +543,13 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
 
     let (tx, rx) = mpsc::channel::<Outgoing>();
     let connection = Arc::new(AtomicU64::new(0));
+    let writer = Arc::new(Writer {
+        port: Mutex::new(port),
+        connection: connection.clone(),
+    });
     {
-        let connection = connection.clone();
-        std::thread::spawn(move || writer_loop(port, rx, connection));
+        let writer = writer.clone();
+        std::thread::spawn(move || writer_loop(writer, rx));
     }
     if let Err(e) = Containers::init_guest() {
         log!("container support incomplete: {e}");
@@ -459,25 +558,14 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
         crate::container::stdio::StdioPort::open(),
     )));
     let in_flight = Arc::new(AtomicUsize::new(0));
+    let handlers = Handlers::start(SPARE_HANDLERS);
 
     let send = |tx: &mpsc::Sender<Outgoing>,
                 resp: &Response,
                 written: Option<mpsc::Sender<()>>,
                 conn: u64| {
-        let f = frame::encode(resp).or_else(|e| {
-            // Only an oversized reply can fail; tell the caller instead.
-            let msg = format!("reply not sent: {e}");
-            frame::encode(&Response::err(
-                resp.id,
-                AgentError::new(ErrorCode::Internal, msg),
-            ))
-        });
-        if let Ok(frame) = f {
-            let _ = tx.send(Outgoing {
-                frame,
-                written,
-                connection: conn,
-            });
+        if let Some(out) = outgoing(resp, written, conn) {
+            let _ = tx.send(out);
         }
     };
 
@@ -538,25 +626,34 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                         send(&tx, &Response::err(req.id, e), None, conn);
                         continue;
                     }
-                    let (agent, tx2, busy) = (agent.clone(), tx.clone(), in_flight.clone());
+                    let (agent, w, busy) = (agent.clone(), writer.clone(), in_flight.clone());
                     let id = req.id;
-                    let spawned =
-                        std::thread::Builder::new()
+                    let tx2 = tx.clone();
+                    let job: Job = Box::new(move || {
+                        let (resp, after) = agent.handle(req, received);
+                        if after == After::PowerOff {
+                            // Reply first, but a vanished host (write
+                            // blocked) must not keep the VM up.
+                            // Through the writer thread, so a blocked write
+                            // cannot hold this one past its timeout.
+                            let (wtx, wrx) = mpsc::channel();
+                            send(&tx2, &resp, Some(wtx), conn);
+                            let _ = wrx.recv_timeout(Duration::from_secs(3));
+                            std::thread::sleep(Duration::from_millis(200));
+                            power_off();
+                        }
+                        if let Some(out) = outgoing(&resp, None, conn) {
+                            w.write(out);
+                        }
+                        busy.fetch_sub(1, Ordering::SeqCst);
+                    });
+                    let spawned = match handlers.offer(job) {
+                        Ok(()) => Ok(()),
+                        Err(job) => std::thread::Builder::new()
                             .name(format!("req-{id}"))
-                            .spawn(move || {
-                                let (resp, after) = agent.handle(req, received);
-                                if after == After::PowerOff {
-                                    // Reply first, but a vanished host (write
-                                    // blocked) must not keep the VM up.
-                                    let (wtx, wrx) = mpsc::channel();
-                                    send(&tx2, &resp, Some(wtx), conn);
-                                    let _ = wrx.recv_timeout(Duration::from_secs(3));
-                                    std::thread::sleep(Duration::from_millis(200));
-                                    power_off();
-                                }
-                                send(&tx2, &resp, None, conn);
-                                busy.fetch_sub(1, Ordering::SeqCst);
-                            });
+                            .spawn(job)
+                            .map(drop),
+                    };
                     if let Err(e) = spawned {
                         in_flight.fetch_sub(1, Ordering::SeqCst);
                         let e = AgentError::new(

@@ -22,6 +22,11 @@ use crate::sys::{self, Detected};
 /// How long MountVolume waits for a disk that is not there yet (hot-plug).
 const DISK_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a grow waits for the guest kernel to see the host's new disk
+/// size before growing to whatever it sees (the host then reports the
+/// shortfall).
+const RESIZE_WAIT: Duration = Duration::from_secs(5);
+
 #[derive(Debug, thiserror::Error)]
 pub enum VolumeError {
     #[error("invalid volume name {0:?}: use 1-128 characters from [A-Za-z0-9._-], not '.' or '..'")]
@@ -171,6 +176,22 @@ fn validate_serial(serial: &str) -> Result<(), VolumeError> {
 }
 
 /// `/run/crust/volumes/<volume>`.
+/// The disk's size once the guest kernel sees at least `want` bytes (a
+/// resize reaches the guest as an asynchronous config change), or what it
+/// sees when the wait runs out (at most [`RESIZE_WAIT`], or the deadline);
+/// None when the size cannot be read.
+fn wait_for_size(disk: &str, want: Option<u64>, deadline: Option<Instant>) -> Option<u64> {
+    let until = Instant::now() + RESIZE_WAIT;
+    let until = deadline.map_or(until, |d| d.min(until));
+    loop {
+        let seen = sys::disk_bytes(disk)?;
+        if want.is_none_or(|w| seen >= w) || Instant::now() >= until {
+            return Some(seen);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 pub fn mount_path(volume: &str) -> PathBuf {
     Path::new(GUEST_VOLUME_ROOT).join(volume)
 }
@@ -247,6 +268,56 @@ impl Volumes {
         out
     }
 
+    /// A retry of a mount that happened: the same disk and mode are
+    /// success (fsGroup re-applied so a failed walk completes), anything
+    /// else is refused.
+    fn mounted_already(
+        &self,
+        req: &MountVolume,
+        entry: sys::MountEntry,
+        opts: &options::ParsedOptions,
+        target: &Path,
+        deadline: Option<Instant>,
+    ) -> Result<MountVolumeReply, VolumeError> {
+        let policy = req.fs_group_policy.unwrap_or(FsGroupPolicy::Always);
+        let disk = disk_of_source(&entry.source).unwrap_or_default();
+        let mounted = sys::disk_serial(&disk).unwrap_or_default();
+        if mounted != req.serial {
+            return Err(VolumeError::SerialMismatch {
+                volume: req.volume.clone(),
+                mounted,
+                serial: req.serial.clone(),
+            });
+        }
+        let was_readonly = self
+            .lookup(&req.volume)
+            .map_or(entry.is_readonly(), |r| r.readonly);
+        if was_readonly != opts.readonly {
+            return Err(VolumeError::ModeMismatch {
+                volume: req.volume.clone(),
+                mounted: if was_readonly {
+                    "read-only"
+                } else {
+                    "read-write"
+                },
+            });
+        }
+        // Same volume, same disk: done already. fsGroup is re-applied
+        // so a retry after a failed walk completes it.
+        let mut applied = false;
+        if let Some(gid) = req.fs_group
+            && !entry.is_readonly()
+        {
+            applied = fsgroup::apply(target, gid, policy, deadline)?;
+        }
+        self.lookup(&req.volume);
+        Ok(MountVolumeReply {
+            mount_path: target.display().to_string(),
+            device: entry.source,
+            fs_group_applied: applied,
+        })
+    }
+
     pub fn mount(
         &self,
         req: &MountVolume,
@@ -259,42 +330,7 @@ impl Volumes {
         let policy = req.fs_group_policy.unwrap_or(FsGroupPolicy::Always);
 
         if let Some(entry) = sys::mount_at(&target) {
-            let disk = disk_of_source(&entry.source).unwrap_or_default();
-            let mounted = sys::disk_serial(&disk).unwrap_or_default();
-            if mounted != req.serial {
-                return Err(VolumeError::SerialMismatch {
-                    volume: req.volume.clone(),
-                    mounted,
-                    serial: req.serial.clone(),
-                });
-            }
-            let was_readonly = self
-                .lookup(&req.volume)
-                .map_or(entry.is_readonly(), |r| r.readonly);
-            if was_readonly != opts.readonly {
-                return Err(VolumeError::ModeMismatch {
-                    volume: req.volume.clone(),
-                    mounted: if was_readonly {
-                        "read-only"
-                    } else {
-                        "read-write"
-                    },
-                });
-            }
-            // Same volume, same disk: done already. fsGroup is re-applied
-            // so a retry after a failed walk completes it.
-            let mut applied = false;
-            if let Some(gid) = req.fs_group
-                && !entry.is_readonly()
-            {
-                applied = fsgroup::apply(&target, gid, policy, deadline)?;
-            }
-            self.lookup(&req.volume);
-            return Ok(MountVolumeReply {
-                mount_path: target.display().to_string(),
-                device: entry.source,
-                fs_group_applied: applied,
-            });
+            return self.mounted_already(req, entry, &opts, &target, deadline);
         }
 
         // Give up a little before the caller's deadline so the NotFound
@@ -524,6 +560,7 @@ impl Volumes {
     pub fn grow(
         &self,
         volume: &str,
+        want_bytes: Option<u64>,
         deadline: Option<Instant>,
     ) -> Result<GrowVolumeReply, VolumeError> {
         validate_name(volume)?;
@@ -534,11 +571,12 @@ impl Volumes {
         if sys::mount_at(&target).is_some_and(|m| m.is_readonly()) {
             return Err(VolumeError::ReadOnly(volume.into()));
         }
-        let device_bytes = sys::disk_bytes(&rec.disk).ok_or_else(|| VolumeError::Grow {
-            volume: volume.into(),
-            tool: "sysfs",
-            detail: format!("cannot read the size of /dev/{} (disk detached?)", rec.disk),
-        })?;
+        let device_bytes =
+            wait_for_size(&rec.disk, want_bytes, deadline).ok_or_else(|| VolumeError::Grow {
+                volume: volume.into(),
+                tool: "sysfs",
+                detail: format!("cannot read the size of /dev/{} (disk detached?)", rec.disk),
+            })?;
         let (tool, args): (&'static str, Vec<String>) = match rec.fstype {
             FsType::Ext4 => (
                 "resize2fs",

@@ -13,6 +13,9 @@ struct Raw {
     arg: *mut c_void,
 }
 
+// SAFETY: `ioctl` (the only constructor) takes `arg` under a contract that
+// it is what the kernel expects for `opcode`; the output is the syscall's
+// return value, not read through `arg`.
 unsafe impl Ioctl for Raw {
     type Output = IoctlOutput;
     const IS_MUTATING: bool = true;
@@ -36,6 +39,7 @@ unsafe impl Ioctl for Raw {
 /// `arg` must be what the kernel expects for `opcode`: a valid pointer to a
 /// correctly sized, initialised struct, or an integer cast to a pointer.
 pub(crate) unsafe fn ioctl<Fd: AsFd>(fd: Fd, opcode: u32, arg: *mut c_void) -> io::Result<i32> {
+    // SAFETY: the caller guarantees `arg` matches `opcode` (see above).
     unsafe { rustix::ioctl::ioctl(fd, Raw { opcode, arg }) }.map_err(io::Error::from)
 }
 
@@ -50,6 +54,8 @@ pub(crate) fn ioctl_int<Fd: AsFd>(fd: Fd, opcode: u32, value: usize) -> io::Resu
 /// # Safety
 /// `T` must be the exact type the kernel expects for `opcode`.
 pub(crate) unsafe fn ioctl_ptr<Fd: AsFd, T>(fd: Fd, opcode: u32, value: &mut T) -> io::Result<i32> {
+    // SAFETY: `value` is a live, exclusively borrowed `T`, and the caller
+    // guarantees `T` is what the kernel expects for `opcode`.
     unsafe { ioctl(fd, opcode, (value as *mut T).cast()) }
 }
 

@@ -1,60 +1,14 @@
 //! Volume capabilities: validation of the CSI `VolumeCapability` messages
 //! and the normalized form kept in volume records.
-
-use std::fmt;
-
 use crust_handoff::FsGroupChangePolicy;
 use crust_proto::csi::v1 as csi;
 use csi::volume_capability::access_mode::Mode;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Filesystems this plugin creates and mounts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FsType {
-    Ext4,
-    Xfs,
-}
-
-impl FsType {
-    pub fn parse(s: &str) -> Option<FsType> {
-        match s {
-            "ext4" => Some(FsType::Ext4),
-            "xfs" => Some(FsType::Xfs),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsType::Ext4 => "ext4",
-            FsType::Xfs => "xfs",
-        }
-    }
-
-    /// Smallest volume this filesystem can be created on (mkfs.xfs refuses
-    /// filesystems under 300 MiB).
-    pub fn min_size(self) -> u64 {
-        match self {
-            FsType::Ext4 => 1 << 20,
-            FsType::Xfs => 300 << 20,
-        }
-    }
-
-    pub fn to_blockdev(self) -> crust_blockdev::FsType {
-        match self {
-            FsType::Ext4 => crust_blockdev::FsType::Ext4,
-            FsType::Xfs => crust_blockdev::FsType::Xfs,
-        }
-    }
-}
-
-impl fmt::Display for FsType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Filesystems this plugin creates and mounts: crust-fs's, the one
+/// definition shared with the runtime, the agent and the hand-off store.
+pub use crust_fs::FsType;
 
 /// Supported access modes (all single-node: volumes are local).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -197,8 +197,7 @@ impl Driver {
         // guest's kernel: the same allow-list as a host mount, before
         // anything is written (the record's own check only looks for
         // credential-like words). The error names a flag by position only.
-        crust_blockdev::parse_mount_options(fs.to_blockdev(), &mount_flags, readonly)
-            .map_err(mount_err)?;
+        crust_blockdev::parse_mount_options(fs, &mount_flags, readonly).map_err(mount_err)?;
         let stage = StageRequest {
             target_path: target_str.clone(),
             device: utf8("device", &s.device)?.to_string(),
@@ -435,14 +434,8 @@ impl Driver {
                 )));
             }
             let fs = s.fs_type.unwrap_or(rec.fs_type);
-            crust_blockdev::mount_fs(
-                &s.device,
-                &s.path,
-                fs.to_blockdev(),
-                &cap.mount_flags,
-                s.readonly,
-            )
-            .map_err(mount_err)?;
+            crust_blockdev::mount_fs(&s.device, &s.path, fs, &cap.mount_flags, s.readonly)
+                .map_err(mount_err)?;
         }
         s.host_mount = HostMount::Mounted;
         rec.staging = Some(s.clone());

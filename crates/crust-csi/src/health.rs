@@ -266,6 +266,7 @@ pub struct HealthMonitor {
     ttl: Duration,
     timeout: Duration,
     inner: Arc<Mutex<Inner>>,
+    workers: Arc<crate::workers::Workers>,
 }
 
 impl HealthMonitor {
@@ -274,6 +275,7 @@ impl HealthMonitor {
             ttl,
             timeout,
             inner: Arc::default(),
+            workers: crate::workers::Workers::new(),
         }
     }
 
@@ -398,10 +400,7 @@ impl HealthMonitor {
                 slot.cv.notify_all();
             }
         };
-        if let Err(e) = std::thread::Builder::new()
-            .name("crust-csi-health".into())
-            .spawn(run)
-        {
+        if let Err(e) = self.workers.run("crust-csi-health", run) {
             tracing::error!(error = %e, "cannot start health check thread");
         }
     }
@@ -427,17 +426,15 @@ impl HealthMonitor {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let inner = self.inner.clone();
         let k = key.to_string();
-        let spawned = std::thread::Builder::new()
-            .name("crust-csi-bounded".into())
-            .spawn(move || {
-                let r = f();
-                inner
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .ops
-                    .remove(&k);
-                let _ = tx.send(r);
-            });
+        let spawned = self.workers.run("crust-csi-bounded", move || {
+            let r = f();
+            inner
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .ops
+                .remove(&k);
+            let _ = tx.send(r);
+        });
         if let Err(e) = spawned {
             self.lock().ops.remove(key);
             return Err(format!("cannot start worker thread: {e}"));

@@ -36,6 +36,7 @@ pub mod snapshot;
 pub mod state;
 pub mod surface;
 mod volume_health;
+mod workers;
 
 pub use config::{
     BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,

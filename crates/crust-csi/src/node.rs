@@ -522,6 +522,10 @@ impl Driver {
         }
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
     pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
@@ -617,7 +621,7 @@ impl Driver {
         require_dir("staging_target_path", &path)?;
         if let Some(fs) = fs_type {
             // Reject bad mount flags before touching anything.
-            crust_blockdev::parse_mount_options(fs.to_blockdev(), &cap.mount_flags, readonly)
+            crust_blockdev::parse_mount_options(fs, &cap.mount_flags, readonly)
                 .map_err(mount_err)?;
         }
         let attached = self.backend.attached_device(&id)?;
@@ -696,7 +700,7 @@ impl Driver {
                 crust_blockdev::mount_fs(
                     &device,
                     &path,
-                    fs.to_blockdev(),
+                    fs,
                     &mount_flags_of(&rec, fs, &cap.mount_flags),
                     readonly,
                 )
@@ -764,9 +768,9 @@ impl Driver {
             rec.format_started = Some(fs);
             self.state.put(rec.clone())?;
             let r = if again {
-                crust_blockdev::mkfs_again(device, fs.to_blockdev())
+                crust_blockdev::mkfs_again(device, fs)
             } else {
-                crust_blockdev::mkfs(device, fs.to_blockdev())
+                crust_blockdev::mkfs(device, fs)
             };
             r.map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
             rec.formatted = Some(fs);
@@ -784,7 +788,7 @@ impl Driver {
                 rec.formatted.map(|f| f.as_str()).unwrap_or_default()
             ))),
             Probe::Blank => mkfs(rec, false),
-            p if p.fs_type() == Some(fs.to_blockdev()) => {
+            p if p.fs_type() == Some(fs) => {
                 if interrupted {
                     rec.formatted = Some(fs);
                 }
@@ -797,7 +801,7 @@ impl Driver {
                     && ext4_needs_grow(device)?
                     && !crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
                 {
-                    crust_blockdev::grow_fs_offline(device, fs.to_blockdev())
+                    crust_blockdev::grow_fs_offline(device, fs)
                         .map_err(|e| fs_err(&format!("growing ext4 on {}", device.display()), e))?;
                     tracing::info!(volume = %id, device = %device.display(), "grew ext4 to the device size before mounting");
                 }
@@ -891,6 +895,10 @@ impl Driver {
         Ok(())
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
     pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
@@ -1368,7 +1376,7 @@ impl Driver {
                     )));
                 }
             } else {
-                crust_blockdev::grow_fs(&device, &s.path, fs.to_blockdev()).map_err(|e| {
+                crust_blockdev::grow_fs(&device, &s.path, fs).map_err(|e| {
                     NodeError::Internal(format!("growing {fs} on {}: {e}", device.display()))
                 })?;
             }

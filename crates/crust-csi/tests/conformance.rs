@@ -3,6 +3,11 @@
 //! mounts and a unix socket). Every call is repeated to prove idempotency;
 //! every error path checks that nothing on the node changed.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::{BTreeSet, HashMap};

@@ -5,6 +5,11 @@
 //! a record with crust-handoff, record `crust-test-runtime-cli` as its
 //! `runtime-cli`, and mount the device themselves where the guest would.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::{BTreeSet, HashMap};

@@ -11,6 +11,11 @@
 //! `CRUST_FAULT_CYCLES=2000 cargo test -p crust-csi --test fault_campaign -- --nocapture`
 //! (`CRUST_FAULT_SEED` replays a run).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::future::Future;

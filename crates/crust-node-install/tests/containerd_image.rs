@@ -13,6 +13,11 @@
 //! ~10 s of containerd. `CRUST_IMAGES_PREBUILT=<dir>` reuses the archives
 //! of an earlier `scripts/build-images.sh` run (for iterating by hand).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::fs;

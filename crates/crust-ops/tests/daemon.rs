@@ -1,6 +1,11 @@
 //! The real `crust-ops` daemon on a real unix socket, driven by the tonic
 //! client, with a real runtime CLI answering from a real loop-backed ext4.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod support;
 
 use std::path::Path;

@@ -34,11 +34,19 @@ fn main() -> std::process::ExitCode {
         .with_ansi(false)
         .init();
     let cfg = cli.global.config();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    // The volume verbs crust_ops runs on every kubelet poll do one
+    // request each: no worker threads to start and join for them.
+    let rt = if matches!(cli.command, Command::Crust(_) | Command::DirectVolume(_)) {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    };
+    let rt = match rt {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: tokio runtime: {e}");

@@ -412,6 +412,7 @@ pub async fn resize(
         .call_with_timeout(
             crust_agent_proto::GrowVolume {
                 volume: v.id.clone(),
+                device_bytes: Some(size),
             },
             timeout,
         )

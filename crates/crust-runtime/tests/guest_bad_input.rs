@@ -4,6 +4,11 @@
 //! its volume, a bundle of one pod naming another pod's volume, a guest
 //! that stops answering (SIGSTOP'd QEMU) and an unpublish meanwhile.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

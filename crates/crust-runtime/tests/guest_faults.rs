@@ -12,6 +12,11 @@
 //!   again, `e2fsck -fn` is clean after the journal replay, and the next
 //!   sandbox takes the volume and finds the data.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::Path;

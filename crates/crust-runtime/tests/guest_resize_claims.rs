@@ -4,6 +4,11 @@
 //! a claim another sandbox can take over; crust_ops' unstage refused while
 //! the sandbox runs and allowed once the runtime says it is not running.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -4,6 +4,11 @@
 //! (stats, resize in every body spelling), teardown, and the bytes the
 //! workload wrote, read back from the devices on the host afterwards.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::io::{Read, Write};

@@ -9,6 +9,11 @@
 //!
 //! `CRUST_BENCH_PODS` sets the number of pods per front door (default 5).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -9,6 +9,11 @@
 //! StopPodSandbox → RemovePodSandbox → NodeUnpublish → NodeUnstage → the
 //! data is intact on a host mount. Budget: one TCG guest, ~60 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::HashMap;

@@ -4,6 +4,11 @@
 //! work; a raw block device (`--device`, what Kubernetes volumeDevices
 //! become) appears as a node in the container; nothing is left afterwards. Budget: three TCG guests, ~20 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use common::{Env, host_release, qemus_under};

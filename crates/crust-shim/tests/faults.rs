@@ -7,6 +7,11 @@
 //! missing paths) is a clear error that changes nothing.
 //! Budget: ~9 TCG boots, ~90 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::Path;

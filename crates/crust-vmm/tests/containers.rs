@@ -5,6 +5,11 @@
 //! container, signals, a terminal with a window size, and bad input.
 //! Budget: one TCG guest, ~30 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 use std::time::Duration;
 
 use crust_agent_proto::stdio::{Output, StdioMux};

@@ -3,6 +3,11 @@
 //! Needs root and the guest image: run `guest/build-image.sh` first (CI
 //! does). Each test boots one guest and holds a `VmSlot` throughout.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
@@ -251,7 +256,7 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     )
     .await
     .unwrap();
-    let grown = a.grow_volume("ext").await.unwrap();
+    let grown = a.grow_volume("ext", Some(384 * MIB)).await.unwrap();
     assert_eq!(grown.device_bytes, 384 * MIB);
     assert!(
         grown.fs_total_bytes > before + 100 * MIB,
@@ -538,7 +543,7 @@ async fn hotplug_health_and_channel_robustness() {
     )
     .await
     .unwrap();
-    let grown = a.grow_volume("x").await.unwrap();
+    let grown = a.grow_volume("x", Some(600 * MIB)).await.unwrap();
     assert_eq!(grown.device_bytes, 600 * MIB);
     assert!(
         grown.fs_total_bytes > before + 150 * MIB,

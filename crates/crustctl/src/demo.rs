@@ -490,10 +490,10 @@ pub async fn ensure_guest_image(explicit: Option<&Path>) -> Result<(PathBuf, boo
         .or(env_dir)
         .unwrap_or_else(|| root.join("target/guest-image"));
     let script = root.join("guest/build-image.sh");
-    eprintln!(
+    crate::cli::say(&format!(
         "building the guest image with {} (first run only)...",
         script.display()
-    );
+    ));
     let st = tokio::process::Command::new("bash")
         .arg(&script)
         .arg("--out")
@@ -829,154 +829,14 @@ async fn demo_body(
     s: &mut Steps,
     stop: watch::Receiver<bool>,
 ) -> Option<PluginProcess> {
-    // --- binaries and guest image ------------------------------------------
-    let t0 = Instant::now();
-    let csi_bin = cfg.crust_csi.clone().or_else(|| sibling_bin("crust-csi"));
-    let rt_bin = cfg
-        .runtime_bin
-        .clone()
-        .or_else(|| sibling_bin("crust-runtime"));
-    let (csi_bin, rt_bin) = match (csi_bin, rt_bin) {
-        (Some(a), Some(b)) if a.is_file() && b.is_file() => (a, b),
-        (a, b) => {
-            let missing: Vec<&str> = [("crust-csi", a), ("crust-runtime", b)]
-                .into_iter()
-                .filter(|(_, p)| !p.as_ref().is_some_and(|p| p.is_file()))
-                .map(|(n, _)| n)
-                .collect();
-            let _ = s.record(
-                "binaries",
-                t0,
-                Err(format!(
-                    "{} not found next to crustctl; build them with `cargo build --release --workspace --bins` \
-                     (or pass --crust-csi / --runtime)",
-                    missing.join(" and ")
-                )),
-            );
-            return None;
-        }
+    let (csi_bin, rt_bin) = find_binaries(cfg, s)?;
+    let guest = guest_image(cfg, s).await?;
+    let runtime = runtime_cli(cfg, lay, &rt_bin, &guest);
+    let (plugin, csi) = match start_plugin(cfg, lay, &csi_bin, &rt_bin, &runtime, s).await {
+        Ok(p) => p,
+        Err(started) => return started,
     };
-    let rt_bin = std::fs::canonicalize(&rt_bin).unwrap_or(rt_bin);
-    let _ = s.record(
-        "binaries",
-        t0,
-        Ok(format!("{} and {}", csi_bin.display(), rt_bin.display())),
-    );
-    let t0 = Instant::now();
-    let guest = match ensure_guest_image(cfg.guest_dir.as_deref()).await {
-        Ok((d, built)) => {
-            let _ = s.record(
-                "guest image",
-                t0,
-                Ok(format!(
-                    "{}{}",
-                    d.display(),
-                    if built { " (built now)" } else { "" }
-                )),
-            );
-            d
-        }
-        Err(e) => {
-            let _ = s.record("guest image", t0, Err(e));
-            return None;
-        }
-    };
-
-    let mut runtime = RuntimeCli::new(&rt_bin);
-    runtime.root = Some(lay.runtime.clone());
-    runtime.crust_root = Some(lay.crust.clone());
-    runtime.kata_root = Some(lay.kata.clone());
-    // Kata's CLI paths for the shim, inside the work dir like everything.
-    runtime.kata_shim_dirs = Some(format!(
-        "{},{}",
-        lay.work.join("kata-shim/vc-sbs").display(),
-        lay.work.join("kata-shim/kata").display()
-    ));
-    runtime.pods_layer_stop = Some(lay.work.join("kubelet/pods"));
-    runtime.guest_kernel = Some(guest.join("vmlinuz"));
-    runtime.guest_initrd = Some(guest.join("initramfs.cpio.gz"));
-    runtime.accel = cfg.accel.clone();
-
-    // --- the plugin ----------------------------------------------------------
-    let t0 = Instant::now();
-    let endpoint = format!("unix://{}", lay.socket.display());
-    let args: Vec<OsString> = [
-        "--endpoint".into(),
-        OsString::from(&endpoint),
-        "--node-id".into(),
-        "crust-demo".into(),
-        "--state-dir".into(),
-        lay.state.clone().into(),
-        "--backend".into(),
-        "pool".into(),
-        "--pool-dir".into(),
-        lay.pool.clone().into(),
-        "--pool-capacity".into(),
-        cfg.pool_capacity.to_string().into(),
-        "--deferral".into(),
-        "enabled".into(),
-        "--handoff-layout".into(),
-        "crust".into(),
-        "--crust-root".into(),
-        lay.crust.clone().into(),
-        "--kata-root".into(),
-        lay.kata.clone().into(),
-        "--kata-runtime".into(),
-        rt_bin.clone().into(),
-        "--allowed-target-prefix".into(),
-        lay.work.join("kubelet/pods").into(),
-    ]
-    .to_vec();
-    let mut env = runtime.env();
-    // Plain text in the log we may quote.
-    env.push(("NO_COLOR", "1".into()));
-    let mut plugin =
-        match PluginProcess::spawn(&csi_bin, &args, &env, &lay.logs.join("crust-csi.log")) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = s.record(
-                    "start crust-csi",
-                    t0,
-                    Err(format!("spawn {}: {e}", csi_bin.display())),
-                );
-                return None;
-            }
-        };
-    let ready = plugin
-        .wait_ready(&lay.socket, Duration::from_secs(30))
-        .await;
-    let csi = match ready {
-        Ok(()) => {
-            let ep = crust_proto::endpoint::Endpoint::parse(&endpoint);
-            match ep {
-                Ok(ep) => Csi::connect(&ep, cfg.rpc_timeout)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            }
-        }
-        Err(e) => Err(e),
-    };
-    let csi = match csi {
-        Ok(c) => c,
-        Err(e) => {
-            s.report.plugin_log_tail = Some(plugin.log_tail(2000));
-            let _ = s.record("start crust-csi", t0, Err(e));
-            return Some(plugin);
-        }
-    };
-    let _ = s.record(
-        "start crust-csi",
-        t0,
-        Ok(format!(
-            "pid {}, {endpoint}, pool of {} in {}, deferral enabled (CRUST layout)",
-            plugin.pid().unwrap_or_default(),
-            human_size(cfg.pool_capacity as i64),
-            lay.pool.display()
-        )),
-    );
-
-    // --- the pod -------------------------------------------------------------
+    // The pod, through the flow, and what the demo claims of it.
     let mut fc = FlowConfig::new(&lay.work, runtime.clone());
     fc.volume_name = "pvc-crust-demo".into();
     fc.sandbox_id = "crust-demo-pod".into();
@@ -1021,6 +881,175 @@ async fn demo_body(
             .collect();
     }
     Some(plugin)
+}
+
+/// crust-csi and crust-runtime: given, or next to crustctl.
+fn find_binaries(cfg: &DemoConfig, s: &mut Steps) -> Option<(PathBuf, PathBuf)> {
+    let t0 = Instant::now();
+    let csi_bin = cfg.crust_csi.clone().or_else(|| sibling_bin("crust-csi"));
+    let rt_bin = cfg
+        .runtime_bin
+        .clone()
+        .or_else(|| sibling_bin("crust-runtime"));
+    let (csi_bin, rt_bin) = match (csi_bin, rt_bin) {
+        (Some(a), Some(b)) if a.is_file() && b.is_file() => (a, b),
+        (a, b) => {
+            let missing: Vec<&str> = [("crust-csi", a), ("crust-runtime", b)]
+                .into_iter()
+                .filter(|(_, p)| !p.as_ref().is_some_and(|p| p.is_file()))
+                .map(|(n, _)| n)
+                .collect();
+            let _ = s.record(
+                "binaries",
+                t0,
+                Err(format!(
+                    "{} not found next to crustctl; build them with `cargo build --release --workspace --bins` \
+                     (or pass --crust-csi / --runtime)",
+                    missing.join(" and ")
+                )),
+            );
+            return None;
+        }
+    };
+    let rt_bin = std::fs::canonicalize(&rt_bin).unwrap_or(rt_bin);
+    let _ = s.record(
+        "binaries",
+        t0,
+        Ok(format!("{} and {}", csi_bin.display(), rt_bin.display())),
+    );
+    Some((csi_bin, rt_bin))
+}
+
+/// The guest image, built now when missing.
+async fn guest_image(cfg: &DemoConfig, s: &mut Steps) -> Option<PathBuf> {
+    let t0 = Instant::now();
+    match ensure_guest_image(cfg.guest_dir.as_deref()).await {
+        Ok((d, built)) => {
+            let _ = s.record(
+                "guest image",
+                t0,
+                Ok(format!(
+                    "{}{}",
+                    d.display(),
+                    if built { " (built now)" } else { "" }
+                )),
+            );
+            Some(d)
+        }
+        Err(e) => {
+            let _ = s.record("guest image", t0, Err(e));
+            None
+        }
+    }
+}
+
+/// The runtime CLI with every root inside the demo's work dir.
+fn runtime_cli(cfg: &DemoConfig, lay: &Layout, rt_bin: &Path, guest: &Path) -> RuntimeCli {
+    let mut runtime = RuntimeCli::new(rt_bin);
+    runtime.root = Some(lay.runtime.clone());
+    runtime.crust_root = Some(lay.crust.clone());
+    runtime.kata_root = Some(lay.kata.clone());
+    // Kata's CLI paths for the shim, inside the work dir like everything.
+    runtime.kata_shim_dirs = Some(format!(
+        "{},{}",
+        lay.work.join("kata-shim/vc-sbs").display(),
+        lay.work.join("kata-shim/kata").display()
+    ));
+    runtime.pods_layer_stop = Some(lay.work.join("kubelet/pods"));
+    runtime.guest_kernel = Some(guest.join("vmlinuz"));
+    runtime.guest_initrd = Some(guest.join("initramfs.cpio.gz"));
+    runtime.accel = cfg.accel.clone();
+    runtime
+}
+
+/// Starts crust-csi on the demo's pool and connects to it; on failure the
+/// plugin, if it was started, is handed back for the caller to stop.
+async fn start_plugin(
+    cfg: &DemoConfig,
+    lay: &Layout,
+    csi_bin: &Path,
+    rt_bin: &Path,
+    runtime: &RuntimeCli,
+    s: &mut Steps,
+) -> Result<(PluginProcess, Csi), Option<PluginProcess>> {
+    let t0 = Instant::now();
+    let endpoint = format!("unix://{}", lay.socket.display());
+    let args: Vec<OsString> = [
+        "--endpoint".into(),
+        OsString::from(&endpoint),
+        "--node-id".into(),
+        "crust-demo".into(),
+        "--state-dir".into(),
+        lay.state.clone().into(),
+        "--backend".into(),
+        "pool".into(),
+        "--pool-dir".into(),
+        lay.pool.clone().into(),
+        "--pool-capacity".into(),
+        cfg.pool_capacity.to_string().into(),
+        "--deferral".into(),
+        "enabled".into(),
+        "--handoff-layout".into(),
+        "crust".into(),
+        "--crust-root".into(),
+        lay.crust.clone().into(),
+        "--kata-root".into(),
+        lay.kata.clone().into(),
+        "--kata-runtime".into(),
+        rt_bin.into(),
+        "--allowed-target-prefix".into(),
+        lay.work.join("kubelet/pods").into(),
+    ]
+    .to_vec();
+    let mut env = runtime.env();
+    // Plain text in the log we may quote.
+    env.push(("NO_COLOR", "1".into()));
+    let mut plugin =
+        match PluginProcess::spawn(csi_bin, &args, &env, &lay.logs.join("crust-csi.log")) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = s.record(
+                    "start crust-csi",
+                    t0,
+                    Err(format!("spawn {}: {e}", csi_bin.display())),
+                );
+                return Err(None);
+            }
+        };
+    let ready = plugin
+        .wait_ready(&lay.socket, Duration::from_secs(30))
+        .await;
+    let csi = match ready {
+        Ok(()) => {
+            let ep = crust_proto::endpoint::Endpoint::parse(&endpoint);
+            match ep {
+                Ok(ep) => Csi::connect(&ep, cfg.rpc_timeout)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+        Err(e) => Err(e),
+    };
+    let csi = match csi {
+        Ok(c) => c,
+        Err(e) => {
+            s.report.plugin_log_tail = Some(plugin.log_tail(2000));
+            let _ = s.record("start crust-csi", t0, Err(e));
+            return Err(Some(plugin));
+        }
+    };
+    let _ = s.record(
+        "start crust-csi",
+        t0,
+        Ok(format!(
+            "pid {}, {endpoint}, pool of {} in {}, deferral enabled (CRUST layout)",
+            plugin.pid().unwrap_or_default(),
+            human_size(cfg.pool_capacity as i64),
+            lay.pool.display()
+        )),
+    );
+    Ok((plugin, csi))
 }
 
 /// What the demo claims: the guest saw the filesystem grow online, the

@@ -28,11 +28,11 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
-use crate::cli::ChangePolicy;
 use crate::client::Csi;
 use crate::fmt::Render;
 use crate::parse::{human_duration, human_size};
 use crate::runtime_cli::{RuntimeCli, parse_df};
+use crust_handoff::FsGroupChangePolicy;
 
 /// Where the workload sees the volume.
 pub const MOUNT_DESTINATION: &str = "/data";
@@ -97,7 +97,7 @@ pub struct FlowConfig {
     pub mount_flags: Vec<String>,
     /// The pod's fsGroup (`volume_supplemental_group`).
     pub fs_group: Option<u32>,
-    pub change_policy: Option<ChangePolicy>,
+    pub change_policy: Option<FsGroupChangePolicy>,
     pub sub_path: Option<String>,
     pub defer_via: DeferVia,
     /// Extra CreateVolume parameters.
@@ -666,13 +666,44 @@ impl Flow {
     }
 
     /// Plugin discovery, CreateVolume, NodeStageVolume, NodePublishVolume,
-    /// the OCI bundle, runtime create and start.
+    /// the OCI bundle, runtime create and start: each a named step.
     pub async fn bring_up(&mut self) -> Result<(), FlowError> {
+        let (driver, topology) = self.discover_plugin().await?;
+        let vol = self.create_volume(topology).await?;
+        let staging = self.stage(&driver, &vol).await?;
+        self.publish(&vol, &staging).await?;
+        let source = match &self.cfg.sub_path {
+            Some(s) => format!("{}/{}", self.target, s.trim_start_matches('/')),
+            None => self.target.clone(),
+        };
+        self.report.mount_source = source.clone();
+        if !self.cfg.deferred() {
+            self.note("no deferral: the volume stays on the host and no sandbox is started");
+            return Ok(());
+        }
+        if !self.cfg.start_sandbox {
+            self.note("no sandbox started: the hand-off record stays unconsumed");
+            return Ok(());
+        }
+
+        let bundle = self.bundle(&source)?;
+        self.start_sandbox(&bundle).await
+    }
+
+    /// Records a failed step and returns its error.
+    fn fail<T>(&mut self, step: &str, t0: Instant, e: String) -> Result<T, FlowError> {
+        match self.record(step, t0, Err(e)) {
+            Err(e) => Err(e),
+            Ok(()) => unreachable!("a failed step records an error"),
+        }
+    }
+
+    /// GetPluginInfo, NodeGetInfo, NodeGetCapabilities: the driver name for
+    /// kubelet's paths and the node's topology.
+    async fn discover_plugin(&mut self) -> Result<(String, Option<csi::Topology>), FlowError> {
         use csi::node_service_capability::{Type, rpc::Type as T};
         let stop = self.stop.clone();
         let c = self.csi.clone();
-
-        // --- the plugin --------------------------------------------------
         let t0 = Instant::now();
         let r = guarded(&stop, async {
             let info = c
@@ -697,7 +728,7 @@ impl Flow {
         .await;
         let (info, node, has) = match r {
             Ok(v) => v,
-            Err(e) => return self.record("plugin", t0, Err(e)),
+            Err(e) => return self.fail("plugin", t0, e),
         };
         let defer_cap = has.contains(&(T::DeferFsOps as i32));
         self.report.driver = info.name.clone();
@@ -719,14 +750,24 @@ impl Flow {
             }
         );
         self.record("plugin", t0, Ok(detail))?;
-        let driver = self.cfg.driver_name.clone().unwrap_or(info.name);
+        Ok((
+            self.cfg.driver_name.clone().unwrap_or(info.name),
+            node.accessible_topology,
+        ))
+    }
 
-        // --- CreateVolume ------------------------------------------------
+    /// CreateVolume with the flow's parameters (and deferFsOps=true when
+    /// deferral goes through the StorageClass).
+    async fn create_volume(
+        &mut self,
+        topology: Option<csi::Topology>,
+    ) -> Result<csi::Volume, FlowError> {
+        let stop = self.stop.clone();
+        let c = self.csi.clone();
         let mut params = self.cfg.params.clone();
         if self.cfg.defer_via == DeferVia::StorageClass {
             params.insert(DEFER_PARAM.into(), "true".into());
         }
-        let topology = node.accessible_topology.clone();
         let req = csi::CreateVolumeRequest {
             name: self.cfg.volume_name.clone(),
             capacity_range: Some(csi::CapacityRange {
@@ -753,7 +794,7 @@ impl Flow {
         .await;
         let vol = match r {
             Ok(v) => v,
-            Err(e) => return self.record("CreateVolume", t0, Err(e)),
+            Err(e) => return self.fail("CreateVolume", t0, e),
         };
         self.undo.push(Undo::Volume(vol.volume_id.clone()));
         self.volume_id = Some(vol.volume_id.clone());
@@ -797,12 +838,17 @@ impl Flow {
                 "the driver did not carry {DEFER_PARAM}=true into the volume context"
             ));
         }
+        Ok(vol)
+    }
 
-        // --- NodeStageVolume ---------------------------------------------
-        let staging = self.cfg.staging_path(&driver, &vol.volume_id);
+    /// NodeStageVolume at kubelet's staging path.
+    async fn stage(&mut self, driver: &str, vol: &csi::Volume) -> Result<PathBuf, FlowError> {
+        let stop = self.stop.clone();
+        let c = self.csi.clone();
+        let staging = self.cfg.staging_path(driver, &vol.volume_id);
         let t0 = Instant::now();
         if let Err(e) = self.make_dirs(&staging) {
-            return self.record("NodeStageVolume", t0, Err(e));
+            return self.fail("NodeStageVolume", t0, e);
         }
         let staging_s = staging.display().to_string();
         self.staging = Some(staging_s.clone());
@@ -820,7 +866,7 @@ impl Flow {
         })
         .await;
         if let Err(e) = r {
-            return self.record("NodeStageVolume", t0, Err(e));
+            return self.fail("NodeStageVolume", t0, e);
         }
         self.undo.push(Undo::Staged {
             volume: vol.volume_id.clone(),
@@ -839,12 +885,19 @@ impl Flow {
                 }
             )),
         )?;
+        Ok(staging)
+    }
 
-        // --- NodePublishVolume -------------------------------------------
+    /// NodePublishVolume at kubelet's target, and a check that the host
+    /// mounts are what deferral (or its absence) promises.
+    async fn publish(&mut self, vol: &csi::Volume, staging: &Path) -> Result<(), FlowError> {
+        let stop = self.stop.clone();
+        let c = self.csi.clone();
+        let staging_s = staging.display().to_string();
         let target = PathBuf::from(&self.target);
         let t0 = Instant::now();
         if let Err(e) = self.make_dirs(target.parent().expect("target has a parent")) {
-            return self.record("NodePublishVolume", t0, Err(e));
+            return self.fail("NodePublishVolume", t0, e);
         }
         let req = csi::NodePublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
@@ -864,14 +917,14 @@ impl Flow {
         })
         .await;
         if let Err(e) = r {
-            return self.record("NodePublishVolume", t0, Err(e));
+            return self.fail("NodePublishVolume", t0, e);
         }
         self.undo.push(Undo::Published {
             volume: vol.volume_id.clone(),
             target: self.target.clone(),
         });
         let mounted = is_mountpoint(&target);
-        let staging_mounted = is_mountpoint(&staging);
+        let staging_mounted = is_mountpoint(staging);
         let r = match (self.cfg.deferred(), mounted) {
             // The guest will mount it: a host mount too would corrupt it.
             (true, false) if staging_mounted => Err(format!(
@@ -896,26 +949,14 @@ impl Flow {
                 self.target
             )),
         };
-        self.record("NodePublishVolume", t0, r)?;
+        self.record("NodePublishVolume", t0, r)
+    }
 
-        let source = match &self.cfg.sub_path {
-            Some(s) => format!("{}/{}", self.target, s.trim_start_matches('/')),
-            None => self.target.clone(),
-        };
-        self.report.mount_source = source.clone();
-        if !self.cfg.deferred() {
-            self.note("no deferral: the volume stays on the host and no sandbox is started");
-            return Ok(());
-        }
-        if !self.cfg.start_sandbox {
-            self.note("no sandbox started: the hand-off record stays unconsumed");
-            return Ok(());
-        }
-
-        // --- OCI bundle ----------------------------------------------------
+    /// The pod's OCI bundle, with the volume's target as a mount source.
+    fn bundle(&mut self, source: &str) -> Result<PathBuf, FlowError> {
         let t0 = Instant::now();
         let bundle = self.cfg.bundle_dir();
-        let r = self.write_bundle(&bundle, &source);
+        let r = self.write_bundle(&bundle, source);
         let r = r.map(|()| {
             format!(
                 "{}: {} with {} <- {}",
@@ -931,8 +972,12 @@ impl Flow {
             )
         });
         self.record("OCI bundle", t0, r)?;
+        Ok(bundle)
+    }
 
-        // --- runtime create / start ----------------------------------------
+    /// Runtime create (the guest boots and mounts the volume) and start.
+    async fn start_sandbox(&mut self, bundle: &Path) -> Result<(), FlowError> {
+        let stop = self.stop.clone();
         let rt = self.cfg.runtime.clone();
         let id = self.cfg.sandbox_id.clone();
         let pods = self.cfg.pods_dir().display().to_string();
@@ -1594,7 +1639,7 @@ mod tests {
         use csi::volume_capability::AccessType;
         let mut cfg = FlowConfig::new("/w", RuntimeCli::new("/bin/true"));
         cfg.fs_group = Some(2000);
-        cfg.change_policy = Some(ChangePolicy::OnRootMismatch);
+        cfg.change_policy = Some(FsGroupChangePolicy::OnRootMismatch);
         let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
         let csi = Csi::from_channel(ch, Duration::from_secs(1));
         let f = Flow::new(cfg.clone(), csi.clone(), Arc::new(|_| {}));

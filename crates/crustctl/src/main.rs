@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use crustctl::cli::{Cli, EXIT_FAILURE, run};
+use crustctl::cli::{Cli, EXIT_FAILURE, run, say};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -11,14 +11,14 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            say(&format!("error: cannot start the async runtime: {e}"));
             return ExitCode::from(EXIT_FAILURE);
         }
     };
     match rt.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            say(&format!("error: {e}"));
             e.exit_code()
         }
     }

@@ -1,8 +1,11 @@
-//! Parsers for command-line values: sizes, `key=value` pairs, durations.
-//! They return plain `String` errors so clap can show them as usage errors.
+//! Parsers for command-line values: sizes, `key=value` pairs, durations,
+//! fsGroupChangePolicy. They return plain `String` errors so clap shows them
+//! as usage errors.
 
 use std::collections::HashMap;
 use std::time::Duration;
+
+use crust_handoff::FsGroupChangePolicy;
 
 /// Parses a byte size the way Kubernetes quantities are written:
 /// `1048576`, `1Gi`, `512Mi`, `1G`, `1.5Gi`, `100k`. Binary suffixes
@@ -116,6 +119,18 @@ pub fn to_map(pairs: &[KeyValue], what: &str) -> Result<HashMap<String, String>,
     Ok(m)
 }
 
+/// Parses Kubernetes' fsGroupChangePolicy (`Always`, `OnRootMismatch`),
+/// in any letter case as kubectl users type it.
+pub fn parse_change_policy(s: &str) -> Result<FsGroupChangePolicy, String> {
+    [
+        FsGroupChangePolicy::Always,
+        FsGroupChangePolicy::OnRootMismatch,
+    ]
+    .into_iter()
+    .find(|p| p.as_str().eq_ignore_ascii_case(s))
+    .ok_or_else(|| format!("{s:?}: expected Always or OnRootMismatch"))
+}
+
 /// Parses `60s`, `500ms`, `2m`, `1h`, `1.5s`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
@@ -196,6 +211,21 @@ mod tests {
             assert!(parse_size(bad).is_err(), "{bad:?} should be rejected");
         }
         assert!(parse_size("8Ei").unwrap_err().contains("int64"));
+    }
+
+    #[test]
+    fn change_policies() {
+        for (s, p) in [
+            ("Always", FsGroupChangePolicy::Always),
+            ("onrootmismatch", FsGroupChangePolicy::OnRootMismatch),
+            ("OnRootMismatch", FsGroupChangePolicy::OnRootMismatch),
+        ] {
+            assert_eq!(parse_change_policy(s).unwrap(), p, "{s}");
+        }
+        for bad in ["", "Never", "OnRoot"] {
+            let e = parse_change_policy(bad).unwrap_err();
+            assert!(e.contains("Always or OnRootMismatch"), "{bad}: {e}");
+        }
     }
 
     #[test]

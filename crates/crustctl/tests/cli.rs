@@ -2,6 +2,11 @@
 //! every subcommand's request reaches the server with the right fields,
 //! output parses, errors map to the documented exit codes.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod support;
 
 use std::process::{Command, Output};

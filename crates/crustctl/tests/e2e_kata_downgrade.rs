@@ -13,6 +13,11 @@
 //! deferred stats call, and after the pod stops a NodeUnpublishVolume
 //! without `defer_fs_ops` succeeds and leaves no record behind.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::fs::PermissionsExt;

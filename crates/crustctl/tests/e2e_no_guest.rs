@@ -10,12 +10,17 @@
 //!   disabled`: FAILED_PRECONDITION, no mount, no record, and `crustctl
 //!   flow` reports the failed step and still tears down.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crustctl::cli::ChangePolicy;
+use crust_handoff::FsGroupChangePolicy;
 use crustctl::flow::{DeferVia, Flow, is_mountpoint};
 use e2e_support::*;
 use serde_json::Value;
@@ -87,7 +92,7 @@ async fn host_mounts_storage_class_records_and_refused_deferral() {
     cfg.size = 64 * MIB;
     cfg.defer_via = DeferVia::StorageClass;
     cfg.fs_group = Some(3000);
-    cfg.change_policy = Some(ChangePolicy::Always);
+    cfg.change_policy = Some(FsGroupChangePolicy::Always);
     cfg.start_sandbox = false;
     let mut sc = Flow::new(cfg, csi.clone(), st.progress());
     sc.bring_up().await.unwrap();

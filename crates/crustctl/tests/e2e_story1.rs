@@ -9,16 +9,21 @@
 //! publication (no deferral) reads the bytes the workload wrote, and the
 //! snapshot restores on the host.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crust_handoff::FsGroupChangePolicy;
 use crust_proto::csi::v1 as csi;
 use crustctl::bench::deferred::{DeferredConfig, measure};
 use crustctl::bench::{Limit, Scenario};
-use crustctl::cli::ChangePolicy;
 use crustctl::flow::{DeferVia, Flow};
 use e2e_support::*;
 
@@ -150,7 +155,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     cfg.size = 128 * MIB;
     cfg.expand_to = Some(192 * MIB);
     cfg.fs_group = Some(2000);
-    cfg.change_policy = Some(ChangePolicy::OnRootMismatch);
+    cfg.change_policy = Some(FsGroupChangePolicy::OnRootMismatch);
     cfg.sub_path = Some("app/data".into());
     cfg.defer_via = DeferVia::Request;
     cfg.keep_volume = true;

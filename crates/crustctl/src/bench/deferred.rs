@@ -181,7 +181,6 @@ pub async fn measure(
 ) -> (Vec<ScenarioReport>, Vec<String>) {
     let mut scenarios = Vec::new();
     let mut notes = Vec::new();
-    // --- deferred-stats ----------------------------------------------------
     let defer = flow.config().defer_via == DeferVia::Request;
     let stats_req = csi::NodeGetVolumeStatsRequest {
         volume_id: flow.volume_id().unwrap_or_default().to_string(),
@@ -190,178 +189,208 @@ pub async fn measure(
         defer_fs_ops: defer,
     };
     if !*stop.borrow() {
-        let rec = Arc::new(Recorder::default());
-        let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
-        let t0 = Instant::now();
-        let mut set = tokio::task::JoinSet::new();
-        for _ in 0..cfg.concurrency {
-            let (c, rec, budget, req) =
-                (csi.clone(), rec.clone(), budget.clone(), stats_req.clone());
-            set.spawn(async move {
-                while budget.claim() {
-                    match rec
-                        .timed("NodeGetVolumeStats", c.node_get_volume_stats(req.clone()))
-                        .await
-                    {
-                        Ok(r) if r.volume_condition.as_ref().is_some_and(|c| c.abnormal) => {
-                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                            rec.sample(format!(
-                                "NodeGetVolumeStats: volume reported abnormal: {}",
-                                r.volume_condition.map(|c| c.message).unwrap_or_default()
-                            ));
-                        }
-                        Ok(_) => {
-                            rec.ops.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(_) => {
-                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            });
-        }
-        while let Some(r) = set.join_next().await {
-            if let Err(e) = r {
-                rec.sample(format!("worker failed: {e}"));
-            }
-        }
-        scenarios.push(rec.report(Scenario::DeferredStats, t0.elapsed()));
+        scenarios.push(deferred_stats(csi, &stats_req, cfg, stop).await);
+    }
+    if !*stop.borrow() {
+        scenarios.push(deferred_health(csi, &stats_req, cfg, stop).await);
+    }
+    if !*stop.borrow() {
+        scenarios.push(deferred_expand(csi, flow, &stats_req, cfg, stop, &mut notes).await);
     }
 
-    // --- deferred-health ---------------------------------------------------
+    (scenarios, notes)
+}
+
+/// deferred-stats: NodeGetVolumeStats of the pod's volume, answered by the
+/// guest; an abnormal condition counts as a failed call.
+async fn deferred_stats(
+    csi: &Csi,
+    stats_req: &csi::NodeGetVolumeStatsRequest,
+    cfg: &DeferredConfig,
+    stop: &watch::Receiver<bool>,
+) -> ScenarioReport {
+    let rec = Arc::new(Recorder::default());
+    let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
+    let t0 = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..cfg.concurrency {
+        let (c, rec, budget, req) = (csi.clone(), rec.clone(), budget.clone(), stats_req.clone());
+        set.spawn(async move {
+            while budget.claim() {
+                match rec
+                    .timed("NodeGetVolumeStats", c.node_get_volume_stats(req.clone()))
+                    .await
+                {
+                    Ok(r) if r.volume_condition.as_ref().is_some_and(|c| c.abnormal) => {
+                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                        rec.sample(format!(
+                            "NodeGetVolumeStats: volume reported abnormal: {}",
+                            r.volume_condition.map(|c| c.message).unwrap_or_default()
+                        ));
+                    }
+                    Ok(_) => {
+                        rec.ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        if let Err(e) = r {
+            rec.sample(format!("worker failed: {e}"));
+        }
+    }
+    rec.report(Scenario::DeferredStats, t0.elapsed())
+}
+
+/// deferred-health: NodeGetVolumeHealth of the pod's volume; an adverse
+/// condition counts as a failed call.
+async fn deferred_health(
+    csi: &Csi,
+    stats_req: &csi::NodeGetVolumeStatsRequest,
+    cfg: &DeferredConfig,
+    stop: &watch::Receiver<bool>,
+) -> ScenarioReport {
     let health_req = csi::NodeGetVolumeHealthRequest {
         volume_id: stats_req.volume_id.clone(),
         volume_publish_path: stats_req.volume_path.clone(),
         staging_target_path: stats_req.staging_target_path.clone(),
     };
-    if !*stop.borrow() {
-        let rec = Arc::new(Recorder::default());
-        let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
-        let t0 = Instant::now();
-        let mut set = tokio::task::JoinSet::new();
-        for _ in 0..cfg.concurrency {
-            let (c, rec, budget, req) =
-                (csi.clone(), rec.clone(), budget.clone(), health_req.clone());
-            set.spawn(async move {
-                while budget.claim() {
-                    match rec
-                        .timed("NodeGetVolumeHealth", c.node_get_volume_health(req.clone()))
-                        .await
+    let rec = Arc::new(Recorder::default());
+    let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
+    let t0 = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..cfg.concurrency {
+        let (c, rec, budget, req) = (csi.clone(), rec.clone(), budget.clone(), health_req.clone());
+        set.spawn(async move {
+            while budget.claim() {
+                match rec
+                    .timed("NodeGetVolumeHealth", c.node_get_volume_health(req.clone()))
+                    .await
+                {
+                    Ok(r)
+                        if r.volume_health
+                            .as_ref()
+                            .is_some_and(|h| !h.health_statuses.is_empty()) =>
                     {
-                        Ok(r)
-                            if r.volume_health
-                                .as_ref()
-                                .is_some_and(|h| !h.health_statuses.is_empty()) =>
-                        {
-                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                            rec.sample(format!(
-                                "NodeGetVolumeHealth: adverse condition: {:?}",
-                                r.volume_health
-                                    .map(|h| h.health_statuses)
-                                    .unwrap_or_default()
-                            ));
-                        }
-                        Ok(_) => {
-                            rec.ops.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(_) => {
-                            rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                        }
+                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                        rec.sample(format!(
+                            "NodeGetVolumeHealth: adverse condition: {:?}",
+                            r.volume_health
+                                .map(|h| h.health_statuses)
+                                .unwrap_or_default()
+                        ));
+                    }
+                    Ok(_) => {
+                        rec.ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-            });
-        }
-        while let Some(r) = set.join_next().await {
-            if let Err(e) = r {
-                rec.sample(format!("worker failed: {e}"));
             }
-        }
-        scenarios.push(rec.report(Scenario::DeferredHealth, t0.elapsed()));
+        });
     }
-
-    // --- deferred-expand ---------------------------------------------------
-    if !*stop.borrow() {
-        if cfg.concurrency > 1 {
-            notes.push("deferred-expand runs one worker: expansions of a volume are serial".into());
+    while let Some(r) = set.join_next().await {
+        if let Err(e) = r {
+            rec.sample(format!("worker failed: {e}"));
         }
-        let rec = Recorder::default();
-        let budget = Budget::new(cfg.limit, stop.clone());
-        let mut size = flow
-            .report()
-            .volume
-            .as_ref()
-            .map(|v| v.capacity_bytes.max(0) as u64)
-            .unwrap_or(flow.config().size);
-        let cap = flow.capability(false);
-        let mut consecutive_errors = 0;
-        let t0 = Instant::now();
-        while budget.claim() {
-            let want = size + cfg.expand_step;
-            let range = Some(csi::CapacityRange {
-                required_bytes: want as i64,
-                limit_bytes: 0,
-            });
+    }
+    rec.report(Scenario::DeferredHealth, t0.elapsed())
+}
+
+/// deferred-expand: ControllerExpandVolume then NodeExpandVolume in steps,
+/// one worker (expansions of one volume are serial).
+async fn deferred_expand(
+    csi: &Csi,
+    flow: &Flow,
+    target: &csi::NodeGetVolumeStatsRequest,
+    cfg: &DeferredConfig,
+    stop: &watch::Receiver<bool>,
+    notes: &mut Vec<String>,
+) -> ScenarioReport {
+    let defer = target.defer_fs_ops;
+    if cfg.concurrency > 1 {
+        notes.push("deferred-expand runs one worker: expansions of a volume are serial".into());
+    }
+    let rec = Recorder::default();
+    let budget = Budget::new(cfg.limit, stop.clone());
+    let mut size = flow
+        .report()
+        .volume
+        .as_ref()
+        .map(|v| v.capacity_bytes.max(0) as u64)
+        .unwrap_or(flow.config().size);
+    let cap = flow.capability(false);
+    let mut consecutive_errors = 0;
+    let t0 = Instant::now();
+    while budget.claim() {
+        let want = size + cfg.expand_step;
+        let range = Some(csi::CapacityRange {
+            required_bytes: want as i64,
+            limit_bytes: 0,
+        });
+        let r = rec
+            .timed(
+                "ControllerExpandVolume",
+                csi.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: target.volume_id.clone(),
+                    capacity_range: range,
+                    secrets: HashMap::new(),
+                    volume_capability: Some(flow.capability(false)),
+                }),
+            )
+            .await;
+        let needs_node = match r {
+            Ok(resp) => resp.node_expansion_required,
+            Err(s) => {
+                rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                if matches!(s.code(), Code::OutOfRange | Code::ResourceExhausted) {
+                    rec.sample(format!("stopped growing: {}", status_text(&s)));
+                    break;
+                }
+                consecutive_errors += 1;
+                if consecutive_errors >= 3 {
+                    break;
+                }
+                continue;
+            }
+        };
+        if needs_node {
             let r = rec
                 .timed(
-                    "ControllerExpandVolume",
-                    csi.controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                        volume_id: stats_req.volume_id.clone(),
+                    "NodeExpandVolume",
+                    csi.node_expand_volume(csi::NodeExpandVolumeRequest {
+                        volume_id: target.volume_id.clone(),
+                        volume_path: target.volume_path.clone(),
                         capacity_range: range,
+                        staging_target_path: target.staging_target_path.clone(),
+                        volume_capability: Some(cap.clone()),
                         secrets: HashMap::new(),
-                        volume_capability: Some(flow.capability(false)),
+                        defer_fs_ops: defer,
                     }),
                 )
                 .await;
-            let needs_node = match r {
-                Ok(resp) => resp.node_expansion_required,
-                Err(s) => {
-                    rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                    if matches!(s.code(), Code::OutOfRange | Code::ResourceExhausted) {
-                        rec.sample(format!("stopped growing: {}", status_text(&s)));
-                        break;
-                    }
-                    consecutive_errors += 1;
-                    if consecutive_errors >= 3 {
-                        break;
-                    }
-                    continue;
+            if let Err(s) = r {
+                rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                consecutive_errors += 1;
+                if consecutive_errors >= 3 || s.code() == Code::OutOfRange {
+                    break;
                 }
-            };
-            if needs_node {
-                let r = rec
-                    .timed(
-                        "NodeExpandVolume",
-                        csi.node_expand_volume(csi::NodeExpandVolumeRequest {
-                            volume_id: stats_req.volume_id.clone(),
-                            volume_path: stats_req.volume_path.clone(),
-                            capacity_range: range,
-                            staging_target_path: stats_req.staging_target_path.clone(),
-                            volume_capability: Some(cap.clone()),
-                            secrets: HashMap::new(),
-                            defer_fs_ops: defer,
-                        }),
-                    )
-                    .await;
-                if let Err(s) = r {
-                    rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                    consecutive_errors += 1;
-                    if consecutive_errors >= 3 || s.code() == Code::OutOfRange {
-                        break;
-                    }
-                    continue;
-                }
+                continue;
             }
-            consecutive_errors = 0;
-            size = want;
-            rec.ops.fetch_add(1, Ordering::Relaxed);
         }
-        let report = rec.report(Scenario::DeferredExpand, t0.elapsed());
-        notes.push(format!(
-            "deferred-expand grew the volume to {} bytes in steps of {}",
-            size, cfg.expand_step
-        ));
-        scenarios.push(report);
+        consecutive_errors = 0;
+        size = want;
+        rec.ops.fetch_add(1, Ordering::Relaxed);
     }
-
-    (scenarios, notes)
+    let report = rec.report(Scenario::DeferredExpand, t0.elapsed());
+    notes.push(format!(
+        "deferred-expand grew the volume to {} bytes in steps of {}",
+        size, cfg.expand_step
+    ));
+    report
 }

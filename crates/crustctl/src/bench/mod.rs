@@ -1323,17 +1323,8 @@ fn make_root(ledger: &mut Ledger, dir: &Path) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// Runs the configured scenarios against `csi`. Sending `true` on `stop`
-/// (Ctrl-C) stops new work; cleanup still runs. Errors of individual calls
-/// are counted in the report; `Err` means the run could not start.
-pub async fn run_bench(
-    csi: &Csi,
-    cfg: BenchConfig,
-    stop: watch::Receiver<bool>,
-) -> Result<BenchReport, BenchError> {
-    use csi::controller_service_capability::rpc::Type as CT;
-    use csi::node_service_capability::rpc::Type as NT;
-
+/// Refuses a configuration no run could honour, before any call.
+fn check_config(cfg: &BenchConfig) -> Result<(), BenchError> {
     if cfg.concurrency == 0 {
         return Err(BenchError::Config("concurrency must be at least 1".into()));
     }
@@ -1364,6 +1355,21 @@ pub async fn run_bench(
             "the volume capability needs an access type and mode".into(),
         ));
     }
+    Ok(())
+}
+
+/// Runs the configured scenarios against `csi`. Sending `true` on `stop`
+/// (Ctrl-C) stops new work; cleanup still runs. Errors of individual calls
+/// are counted in the report; `Err` means the run could not start.
+pub async fn run_bench(
+    csi: &Csi,
+    cfg: BenchConfig,
+    stop: watch::Receiver<bool>,
+) -> Result<BenchReport, BenchError> {
+    use csi::controller_service_capability::rpc::Type as CT;
+    use csi::node_service_capability::rpc::Type as NT;
+
+    check_config(&cfg)?;
     let run_id = cfg.run_id.clone().unwrap_or_else(new_run_id);
     let d = discover(csi).await?;
     let mut notes = d.notes.clone();

@@ -609,6 +609,50 @@ async fn statfs_vs_csi(bench: &Bench<'_>, side: Side, flow: &Flow) -> Outcome {
     }
 }
 
+/// What the report says of each volume: where it is, how the guest sees it.
+fn describe_mounts(rep: &mut GuestIoReport, blk: &Flow, vfs: &Flow, vfs_target: &str, seen: &Seen) {
+    let volume = |f: &Flow, dest: &str, path: String, guest: &(String, String)| MountReport {
+        destination: dest.into(),
+        volume_id: f.volume_id().unwrap_or_default().to_string(),
+        capacity_bytes: f
+            .report()
+            .volume
+            .as_ref()
+            .map(|v| v.capacity_bytes)
+            .unwrap_or(0),
+        fs_type: f
+            .report()
+            .volume
+            .as_ref()
+            .map(|v| v.fs_type.clone())
+            .unwrap_or_default(),
+        path,
+        guest_source: guest.0.clone(),
+        guest_fs_type: guest.1.clone(),
+        host_target: f.target_path().to_string(),
+        host_sees_bench_files: false,
+    };
+    rep.block = volume(
+        blk,
+        MOUNT_DESTINATION,
+        format!(
+            "virtio-blk {}, {}, mounted in the guest (deferred publish)",
+            seen.block.0, seen.block.1
+        ),
+        &seen.block,
+    );
+    rep.virtiofs = volume(
+        vfs,
+        VIRTIOFS_DESTINATION,
+        format!(
+            "host mount {} shared by virtiofsd {} (the containerd shim's settings)",
+            vfs_target,
+            rep.virtiofsd_args.join(" ")
+        ),
+        &seen.virtiofs,
+    );
+}
+
 /// Sets up, measures, tears down. `Err` only when the run could not start
 /// (bad config, set-up failure — already torn down).
 pub async fn run_guest_io(
@@ -679,46 +723,7 @@ pub async fn run_guest_io(
         }
     };
     let (blk, vfs) = (pods.blk.as_ref().expect("set up above"), &pods.vfs);
-    let volume = |f: &Flow, dest: &str, path: String, guest: &(String, String)| MountReport {
-        destination: dest.into(),
-        volume_id: f.volume_id().unwrap_or_default().to_string(),
-        capacity_bytes: f
-            .report()
-            .volume
-            .as_ref()
-            .map(|v| v.capacity_bytes)
-            .unwrap_or(0),
-        fs_type: f
-            .report()
-            .volume
-            .as_ref()
-            .map(|v| v.fs_type.clone())
-            .unwrap_or_default(),
-        path,
-        guest_source: guest.0.clone(),
-        guest_fs_type: guest.1.clone(),
-        host_target: f.target_path().to_string(),
-        host_sees_bench_files: false,
-    };
-    rep.block = volume(
-        blk,
-        MOUNT_DESTINATION,
-        format!(
-            "virtio-blk {}, {}, mounted in the guest (deferred publish)",
-            seen.block.0, seen.block.1
-        ),
-        &seen.block,
-    );
-    rep.virtiofs = volume(
-        vfs,
-        VIRTIOFS_DESTINATION,
-        format!(
-            "host mount {} shared by virtiofsd {} (the containerd shim's settings)",
-            vfs_target,
-            rep.virtiofsd_args.join(" ")
-        ),
-        &seen.virtiofs,
-    );
+    describe_mounts(&mut rep, blk, vfs, &vfs_target, &seen);
     rep.accel = blk.report().accel.clone();
     rep.accel_reason = blk.report().accel_reason.clone();
 
