@@ -46,3 +46,23 @@ pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};
 pub use server::{build_backend, serve, serve_with_backend};
 pub use state::volume_id_for;
+
+/// Caps glibc's malloc at two arenas. With one arena per busy thread
+/// (tokio workers, blocking pool, health workers) the plugin's resident
+/// memory at 1,024 volumes was 73 MiB instead of 20; the plugin is not
+/// allocation-bound. Call first thing in `main`, before any thread starts.
+pub fn limit_malloc_arenas() {
+    #[cfg(target_env = "gnu")]
+    {
+        // glibc's M_ARENA_MAX (malloc.h).
+        const M_ARENA_MAX: std::ffi::c_int = -8;
+        unsafe extern "C" {
+            fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
+        }
+        // SAFETY: mallopt only sets an allocator tunable; M_ARENA_MAX takes
+        // any positive count and is safe to set at any time.
+        unsafe {
+            mallopt(M_ARENA_MAX, 2);
+        }
+    }
+}

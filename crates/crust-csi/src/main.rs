@@ -5,6 +5,7 @@ use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
 
 fn main() -> anyhow::Result<()> {
+    crust_csi::limit_malloc_arenas();
     let cli = crust_csi::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -209,41 +209,22 @@ async fn deferred_stats(
     cfg: &DeferredConfig,
     stop: &watch::Receiver<bool>,
 ) -> ScenarioReport {
-    let rec = Arc::new(Recorder::default());
-    let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
-    let t0 = Instant::now();
-    let mut set = tokio::task::JoinSet::new();
-    for _ in 0..cfg.concurrency {
-        let (c, rec, budget, req) = (csi.clone(), rec.clone(), budget.clone(), stats_req.clone());
-        set.spawn(async move {
-            while budget.claim() {
-                match rec
-                    .timed("NodeGetVolumeStats", c.node_get_volume_stats(req.clone()))
-                    .await
-                {
-                    Ok(r) if r.volume_condition.as_ref().is_some_and(|c| c.abnormal) => {
-                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                        rec.sample(format!(
-                            "NodeGetVolumeStats: volume reported abnormal: {}",
-                            r.volume_condition.map(|c| c.message).unwrap_or_default()
-                        ));
-                    }
-                    Ok(_) => {
-                        rec.ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(_) => {
-                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        });
-    }
-    while let Some(r) = set.join_next().await {
-        if let Err(e) = r {
-            rec.sample(format!("worker failed: {e}"));
-        }
-    }
-    rec.report(Scenario::DeferredStats, t0.elapsed())
+    let call = |c: Csi, req: csi::NodeGetVolumeStatsRequest| async move {
+        let r = c.node_get_volume_stats(req).await?;
+        Ok(r.volume_condition
+            .filter(|c| c.abnormal)
+            .map(|c| format!("volume reported abnormal: {}", c.message)))
+    };
+    let (rec, elapsed) = repeat(
+        csi,
+        "NodeGetVolumeStats",
+        stats_req.clone(),
+        call,
+        cfg,
+        stop,
+    )
+    .await;
+    rec.report(Scenario::DeferredStats, elapsed)
 }
 
 /// deferred-health: NodeGetVolumeHealth of the pod's volume; an adverse
@@ -259,33 +240,54 @@ async fn deferred_health(
         volume_publish_path: stats_req.volume_path.clone(),
         staging_target_path: stats_req.staging_target_path.clone(),
     };
+    let call = |c: Csi, req: csi::NodeGetVolumeHealthRequest| async move {
+        let r = c.node_get_volume_health(req).await?;
+        Ok(r.volume_health
+            .map(|h| h.health_statuses)
+            .filter(|s| !s.is_empty())
+            .map(|s| format!("adverse condition: {s:?}")))
+    };
+    let (rec, elapsed) = repeat(csi, "NodeGetVolumeHealth", health_req, call, cfg, stop).await;
+    rec.report(Scenario::DeferredHealth, elapsed)
+}
+
+/// One request, repeated by `cfg.concurrency` workers until the budget is
+/// spent. `call` answers Ok(Some(why)) for a reply that must count as a
+/// failure (an abnormal volume), Ok(None) for a good one.
+async fn repeat<Req, F, Fut>(
+    csi: &Csi,
+    rpc: &'static str,
+    req: Req,
+    call: F,
+    cfg: &DeferredConfig,
+    stop: &watch::Receiver<bool>,
+) -> (Arc<Recorder>, std::time::Duration)
+where
+    Req: Clone + Send + 'static,
+    F: Fn(Csi, Req) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<Option<String>, tonic::Status>> + Send,
+{
     let rec = Arc::new(Recorder::default());
     let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
     let t0 = Instant::now();
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..cfg.concurrency {
-        let (c, rec, budget, req) = (csi.clone(), rec.clone(), budget.clone(), health_req.clone());
+        let (c, rec, budget, req, call) = (
+            csi.clone(),
+            rec.clone(),
+            budget.clone(),
+            req.clone(),
+            call.clone(),
+        );
         set.spawn(async move {
             while budget.claim() {
-                match rec
-                    .timed("NodeGetVolumeHealth", c.node_get_volume_health(req.clone()))
-                    .await
-                {
-                    Ok(r)
-                        if r.volume_health
-                            .as_ref()
-                            .is_some_and(|h| !h.health_statuses.is_empty()) =>
-                    {
-                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
-                        rec.sample(format!(
-                            "NodeGetVolumeHealth: adverse condition: {:?}",
-                            r.volume_health
-                                .map(|h| h.health_statuses)
-                                .unwrap_or_default()
-                        ));
-                    }
-                    Ok(_) => {
+                match rec.timed(rpc, call(c.clone(), req.clone())).await {
+                    Ok(None) => {
                         rec.ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Some(why)) => {
+                        rec.failed_ops.fetch_add(1, Ordering::Relaxed);
+                        rec.sample(format!("{rpc}: {why}"));
                     }
                     Err(_) => {
                         rec.failed_ops.fetch_add(1, Ordering::Relaxed);
@@ -299,7 +301,7 @@ async fn deferred_health(
             rec.sample(format!("worker failed: {e}"));
         }
     }
-    rec.report(Scenario::DeferredHealth, t0.elapsed())
+    (rec, t0.elapsed())
 }
 
 /// deferred-expand: ControllerExpandVolume then NodeExpandVolume in steps,

@@ -188,16 +188,12 @@ pub(super) async fn flow_cmd(
     signals.abort();
     drop_work_dir(&work, made);
     emit(out, &report, "");
-    if *stop.borrow() {
-        return Ok(ExitCode::from(EXIT_INTERRUPTED));
-    }
-    if !report.ok {
-        if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
-            say(&format!("error: {s} failed: {e}"));
-        }
-        return Ok(ExitCode::from(EXIT_FAILURE));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(step_exit(
+        *stop.borrow(),
+        report.ok,
+        report.failed_step.as_deref(),
+        report.error.as_deref(),
+    ))
 }
 
 pub(super) async fn demo_cmd(
@@ -242,16 +238,27 @@ pub(super) async fn demo_cmd(
     let report = run_demo(cfg, progress_printer(out), stop.clone()).await;
     signals.abort();
     emit(out, &report, "");
-    if *stop.borrow() {
-        return Ok(ExitCode::from(EXIT_INTERRUPTED));
+    Ok(step_exit(
+        *stop.borrow(),
+        report.ok,
+        report.failed_step.as_deref(),
+        report.error.as_deref(),
+    ))
+}
+
+/// The exit code of a job reported step by step (flow, demo), saying on
+/// stderr which step failed.
+fn step_exit(stopped: bool, ok: bool, failed_step: Option<&str>, error: Option<&str>) -> ExitCode {
+    if stopped {
+        return ExitCode::from(EXIT_INTERRUPTED);
     }
-    if !report.ok {
-        if let (Some(s), Some(e)) = (&report.failed_step, &report.error) {
-            say(&format!("error: {s} failed: {e}"));
-        }
-        return Ok(ExitCode::from(EXIT_FAILURE));
+    if ok {
+        return ExitCode::SUCCESS;
     }
-    Ok(ExitCode::SUCCESS)
+    if let (Some(s), Some(e)) = (failed_step, error) {
+        say(&format!("error: {s} failed: {e}"));
+    }
+    ExitCode::from(EXIT_FAILURE)
 }
 
 pub(super) async fn bench_deferred_cmd(
