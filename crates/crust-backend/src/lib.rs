@@ -184,6 +184,14 @@ pub trait Backend: Send + Sync + 'static {
     /// after a plugin restart (found again, never attached twice).
     fn attach(&self, volume_id: &str) -> Result<PathBuf>;
 
+    /// Whether the volume's backing store may hold data (anything ever
+    /// written to it). A store that never did can be dropped or made again
+    /// without loss; callers settling after a crash use this. Unknown:
+    /// true.
+    fn may_hold_data(&self, _volume_id: &str) -> bool {
+        true
+    }
+
     /// The device path if currently attached.
     fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>>;
 
@@ -286,6 +294,6 @@ mod pool;
 mod static_devices;
 mod util;
 
-pub use pool::{DEFAULT_MINIMUM_VOLUME_SIZE, PoolBackend, PoolConfig};
+pub use pool::{DEFAULT_MINIMUM_VOLUME_SIZE, IndexSync, PoolBackend, PoolConfig};
 pub use static_devices::{StaticBackend, StaticConfig, WIPE_BYTES};
 pub use util::MAX_VOLUME_ID_LEN;

@@ -29,7 +29,25 @@
 //!   DeleteVolume removes the entry;
 //! * file larger than its entry: an expand that did not finish: the
 //!   entry adopts the file's size (growing never loses data); a file
-//!   smaller than its entry is left alone and reported `Degraded`.
+//!   smaller than its entry is left alone and reported `Degraded`, unless
+//!   it never held data (no blocks): a create whose size did not reach the
+//!   disk, grown to its entry's size.
+//!
+//! ## Deferred index ([`IndexSync::Deferred`])
+//! For a caller that keeps its own durable record of every volume and
+//! settles the pool against it at start (crust-csi), plain creates and
+//! deletes cost no index write: a create makes the sparse file (no fsync:
+//! it holds nothing yet) and changes the index in memory; a delete unlinks
+//! the file, fsyncs the directory (skipped when the volume's creation was
+//! itself never written: nothing can have reached its file) and changes the
+//! index in memory. The index is written, every deferred change at once
+//! (group commit), before a loop attach (so a volume's entry and file are
+//! durable before any data can reach the file), with any other index
+//! change (expand, snapshots, clones), by [`PoolBackend::flush`] and on
+//! drop. After a crash the disk then holds one of the states listed above,
+//! and the caller's records decide: an entry or empty file whose volume has
+//! no record is deleted, a record whose never-used volume is missing is
+//! created again (see crust-csi's `Driver::settle`).
 //!
 //! ## Concurrency
 //! One mutex guards the in-memory index (and the index write, a small
@@ -75,6 +93,20 @@ pub struct PoolConfig {
     pub capacity_bytes: u64,
     /// Smallest volume size accepted.
     pub minimum_volume_size: u64,
+    /// When plain creates and deletes write the index.
+    pub index_sync: IndexSync,
+}
+
+/// When the pool writes its index for plain creates and deletes (module
+/// docs, "Deferred index").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IndexSync {
+    /// Every change is durable when the call returns.
+    #[default]
+    EveryChange,
+    /// Written before an attach, with other index changes, by `flush` and
+    /// on drop; for a caller that records volumes durably itself.
+    Deferred,
 }
 
 impl PoolConfig {
@@ -83,6 +115,7 @@ impl PoolConfig {
             dir: dir.into(),
             capacity_bytes,
             minimum_volume_size: DEFAULT_MINIMUM_VOLUME_SIZE,
+            index_sync: IndexSync::EveryChange,
         }
     }
 }
@@ -138,6 +171,12 @@ struct State {
     index: Index,
     /// Bytes promised to creates/expands still writing their files.
     reserved: u64,
+    /// The in-memory index has changes the file on disk lacks
+    /// ([`IndexSync::Deferred`]).
+    dirty: bool,
+    /// Volumes created since the index was last written: neither their
+    /// entry nor their file is known durable, and nothing was attached.
+    unwritten: std::collections::HashSet<String>,
 }
 
 /// Sparse-file pool backend; see the module docs.
@@ -298,7 +337,10 @@ impl PoolBackend {
         let pool = PoolBackend {
             config,
             dir,
-            state: Mutex::new(State { index, reserved: 0 }),
+            state: Mutex::new(State {
+                index,
+                ..State::default()
+            }),
             ids: IdLocks::default(),
             loops,
             _lock: lock_file,
@@ -339,6 +381,14 @@ impl PoolBackend {
                         "backing file larger than the index (interrupted expand); adopting the file size");
                     entry.size_bytes = m.len();
                     changed = true;
+                }
+                Ok(m) if m.len() < entry.size_bytes && m.blocks() == 0 && m.is_file() => {
+                    tracing::warn!(volume = %id, file = %path.display(), "backing file smaller than the index and never written (a create whose size did not reach the disk); growing it");
+                    let grown = OpenOptions::new()
+                        .write(true)
+                        .open(&path)
+                        .and_then(|f| f.set_len(entry.size_bytes).and_then(|_| f.sync_all()));
+                    grown.map_err(io_err(&path))?;
                 }
                 Ok(m) if m.len() < entry.size_bytes => {
                     tracing::warn!(volume = %id, file = %path.display(), "backing file smaller than the index; reporting it degraded");
@@ -384,15 +434,41 @@ impl PoolBackend {
             util::fsync_dir(&self.dir)?;
         }
         if changed {
-            self.persist(&st)?;
+            self.persist(&mut st)?;
         }
         Ok(())
     }
 
-    fn persist(&self, st: &State) -> Result<()> {
+    /// Writes the whole index (and with it every deferred change).
+    fn persist(&self, st: &mut State) -> Result<()> {
         let bytes = serde_json::to_vec_pretty(&st.index)
             .map_err(|e| BackendError::Invalid(format!("serialising pool index: {e}")))?;
-        util::atomic_write(&self.dir.join(INDEX), &bytes)
+        util::atomic_write(&self.dir.join(INDEX), &bytes)?;
+        st.dirty = false;
+        st.unwritten.clear();
+        Ok(())
+    }
+
+    /// A plain create's or delete's index change: written now, or left
+    /// for the next write ([`IndexSync::Deferred`]).
+    fn commit(&self, st: &mut State) -> Result<()> {
+        match self.config.index_sync {
+            IndexSync::EveryChange => self.persist(st),
+            IndexSync::Deferred => {
+                st.dirty = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes deferred index changes, if any ([`IndexSync::Deferred`]).
+    pub fn flush(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        if st.dirty {
+            self.persist(&mut st)
+        } else {
+            Ok(())
+        }
     }
 
     fn available(&self, st: &State) -> Result<u64> {
@@ -437,6 +513,15 @@ impl PoolBackend {
             })?;
         }
         Ok(())
+    }
+}
+
+impl Drop for PoolBackend {
+    fn drop(&mut self) {
+        if let Err(e) = self.flush() {
+            tracing::error!(dir = %self.dir.display(), error = %e,
+                "cannot write the pool index on close; the next open settles from the files");
+        }
     }
 }
 
@@ -495,6 +580,7 @@ impl Backend for PoolBackend {
             name
         };
         let path = self.dir.join(&name);
+        let deferred = self.config.index_sync == IndexSync::Deferred;
         let written = (|| -> std::io::Result<()> {
             let f = OpenOptions::new()
                 .write(true)
@@ -502,7 +588,9 @@ impl Backend for PoolBackend {
                 .mode(0o600)
                 .open(&path)?;
             f.set_len(size_bytes)?;
-            f.sync_all()
+            // Deferred: nothing is in the file; the index write before
+            // its first attach makes it durable (module docs).
+            if deferred { Ok(()) } else { f.sync_all() }
         })();
         let mut st = lock(&self.state);
         st.reserved -= size_bytes;
@@ -522,7 +610,13 @@ impl Backend for PoolBackend {
             pending: false,
         };
         st.index.volumes.insert(volume_id.to_owned(), entry.clone());
-        if let Err(e) = util::fsync_dir(&self.dir).and_then(|_| self.persist(&st)) {
+        let synced = if deferred {
+            st.unwritten.insert(volume_id.to_owned());
+            self.commit(&mut st)
+        } else {
+            util::fsync_dir(&self.dir).and_then(|_| self.persist(&mut st))
+        };
+        if let Err(e) = synced {
             st.index.volumes.remove(volume_id);
             let _ = std::fs::remove_file(&path);
             return Err(e);
@@ -546,14 +640,20 @@ impl Backend for PoolBackend {
             .collect();
         self.detach_all(volume_id, &devices)?;
         self.loops.forget(&path);
+        // A volume whose creation was never written was never attached
+        // either: its file holds nothing, and a crash that brings it back
+        // leaves an empty orphan that open() removes.
+        let never_written = lock(&self.state).unwritten.contains(volume_id);
         match std::fs::remove_file(&path) {
+            Ok(()) if never_written => {}
             Ok(()) => util::fsync_dir(&self.dir)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err(&path)(e)),
         }
         let mut st = lock(&self.state);
         let removed = st.index.volumes.remove(volume_id);
-        if let Err(e) = self.persist(&st) {
+        st.unwritten.remove(volume_id);
+        if let Err(e) = self.commit(&mut st) {
             if let Some(r) = removed {
                 st.index.volumes.insert(volume_id.to_owned(), r);
             }
@@ -619,7 +719,7 @@ impl Backend for PoolBackend {
             if let Some(e) = st.index.volumes.get_mut(volume_id) {
                 e.size_bytes = new_size_bytes;
             }
-            if let Err(e) = self.persist(&st) {
+            if let Err(e) = self.persist(&mut st) {
                 // The file stays larger; open() adopts that size later.
                 if let Some(e) = st.index.volumes.get_mut(volume_id) {
                     e.size_bytes = size;
@@ -655,6 +755,8 @@ impl Backend for PoolBackend {
                 path.display()
             )));
         }
+        // Entry and file durable before any data can reach the file.
+        self.flush()?;
         if let Some(dev) = self.loops.live(&path)? {
             // Found again (e.g. after a restart); catch up on an expand
             // that grew the file but never refreshed the device.
@@ -671,6 +773,24 @@ impl Backend for PoolBackend {
         self.loops.add(&path, &info.path);
         tracing::info!(volume = %volume_id, device = %info.path.display(), "pool volume attached");
         Ok(info.path)
+    }
+
+    fn may_hold_data(&self, volume_id: &str) -> bool {
+        let Some(entry) = lock(&self.state).index.volumes.get(volume_id).cloned() else {
+            return false;
+        };
+        if entry.pending {
+            return true;
+        }
+        let path = self.dir.join(&entry.file);
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            // Attached: writes may still sit in the page cache.
+            Ok(m) if m.is_file() && m.blocks() == 0 => {
+                !matches!(self.loops.devices(&path).as_deref(), Ok([]))
+            }
+            _ => true,
+        }
     }
 
     fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>> {
@@ -860,7 +980,7 @@ impl Backend for PoolBackend {
                 },
             );
             st.reserved += estimate;
-            if let Err(e) = self.persist(&st) {
+            if let Err(e) = self.persist(&mut st) {
                 st.reserved -= estimate;
                 st.index.snapshots.remove(snapshot_id);
                 return Err(e);
@@ -882,7 +1002,7 @@ impl Backend for PoolBackend {
             Ok(o) => o,
             Err(e) => {
                 st.index.snapshots.remove(snapshot_id);
-                let _ = self.persist(&st);
+                let _ = self.persist(&mut st);
                 return Err(e);
             }
         };
@@ -901,7 +1021,7 @@ impl Backend for PoolBackend {
         let info = Self::snapshot_info(snapshot_id, entry);
         // If this write fails the entry stays pending on disk and the next
         // open completes it (the file is in place).
-        self.persist(&st)?;
+        self.persist(&mut st)?;
         tracing::info!(snapshot = %snapshot_id, volume = %source_volume_id, method = outcome.method.as_str(),
             copied = outcome.bytes_copied, "snapshot cut");
         Ok(info)
@@ -920,7 +1040,7 @@ impl Backend for PoolBackend {
         }
         let mut st = lock(&self.state);
         st.index.snapshots.remove(snapshot_id);
-        self.persist(&st)?;
+        self.persist(&mut st)?;
         tracing::info!(snapshot = %snapshot_id, "snapshot deleted");
         Ok(())
     }
@@ -1014,7 +1134,7 @@ impl Backend for PoolBackend {
                 },
             );
             st.reserved += size_bytes;
-            if let Err(e) = self.persist(&st) {
+            if let Err(e) = self.persist(&mut st) {
                 st.reserved -= size_bytes;
                 st.index.volumes.remove(volume_id);
                 return Err(e);
@@ -1046,7 +1166,7 @@ impl Backend for PoolBackend {
         st.reserved -= size_bytes;
         if let Err(e) = copied {
             st.index.volumes.remove(volume_id);
-            let _ = self.persist(&st);
+            let _ = self.persist(&mut st);
             return Err(e);
         }
         let entry = st
@@ -1056,7 +1176,7 @@ impl Backend for PoolBackend {
             .expect("inserted above, under the id lock");
         entry.pending = false;
         let alloc = self.allocation(volume_id, entry);
-        self.persist(&st)?;
+        self.persist(&mut st)?;
         tracing::info!(volume = %volume_id, size = size_bytes, source = ?source, "pool volume created from a copy");
         Ok(alloc)
     }
@@ -1083,7 +1203,7 @@ impl Backend for PoolBackend {
                 complete: false,
             },
         );
-        self.persist(&st)
+        self.persist(&mut st)
     }
 
     fn complete_group(&self, group_id: &str, snapshot_ids: &[String]) -> Result<GroupInfo> {
@@ -1112,7 +1232,7 @@ impl Backend for PoolBackend {
             snapshot_ids: g.snapshot_ids.clone(),
             created_unix_ms: g.created_unix_ms,
         };
-        self.persist(&st)?;
+        self.persist(&mut st)?;
         Ok(info)
     }
 
@@ -1146,7 +1266,7 @@ impl Backend for PoolBackend {
         }
         let mut st = lock(&self.state);
         if st.index.groups.remove(group_id).is_some() {
-            self.persist(&st)?;
+            self.persist(&mut st)?;
         }
         Ok(())
     }

@@ -416,3 +416,115 @@ fn startup_reconciles_index_and_files() {
         "{err}"
     );
 }
+
+/// What the disk holds after a crash of a pool opened at `pool_dir`: its
+/// files copied (sparse) to a fresh directory, without the close that
+/// writes the deferred index.
+fn crash_copy(pool_dir: &Path, to: &Path) -> PathBuf {
+    let dest = to.join("pool");
+    std::fs::create_dir_all(&dest).unwrap();
+    for e in std::fs::read_dir(pool_dir).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == ".lock" || !e.file_type().unwrap().is_file() {
+            continue;
+        }
+        let st = std::process::Command::new("cp")
+            .arg("--sparse=always")
+            .arg(e.path())
+            .arg(dest.join(&name))
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    dest
+}
+
+fn deferred(dir: &Path, capacity: u64) -> PoolBackend {
+    PoolBackend::open(PoolConfig {
+        index_sync: IndexSync::Deferred,
+        ..PoolConfig::new(dir, capacity)
+    })
+    .unwrap()
+}
+
+fn indexed(pool_dir: &Path) -> Vec<String> {
+    match std::fs::read(pool_dir.join("index.json")) {
+        Ok(b) => {
+            let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+            v["volumes"].as_object().unwrap().keys().cloned().collect()
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Issue 16: with the deferred index a plain create or delete writes no
+/// index; the index reaches the disk before an attach and on close, and a
+/// pool opened on what a crash left holds no leaked image and says what
+/// the caller settles (an entry without file, never holding data).
+#[test]
+fn deferred_index_is_written_before_attach_and_a_crash_is_settled_at_open() {
+    let (dir, _c) = setup();
+    let pool_dir = dir.path().join("pool");
+    let p = deferred(&pool_dir, 64 * MIB);
+    let a = p.create("a", 2 * MIB, 0).unwrap();
+    let b = p.create("b", 2 * MIB, 0).unwrap();
+    assert!(indexed(&pool_dir).is_empty(), "no index write per create");
+    assert!(!p.may_hold_data("a"));
+
+    // Crash after the creates: empty images without entries are removed.
+    let crash1 = tempfile::tempdir().unwrap();
+    let c1 = crash_copy(&pool_dir, crash1.path());
+    let p1 = deferred(&c1, 64 * MIB);
+    assert!(p1.list().unwrap().is_empty());
+    assert!(!c1.join("a.img").exists() && !c1.join("b.img").exists());
+    assert!(!p1.quarantine_dir().exists(), "nothing held data");
+    drop(p1);
+
+    // An attach writes the index first (every deferred change at once).
+    let dev = p.attach("a").unwrap();
+    assert_eq!(indexed(&pool_dir), ["a", "b"]);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&dev)
+        .unwrap()
+        .write_all_at(b"data", 0)
+        .unwrap();
+    p.detach("a").unwrap();
+    assert!(p.may_hold_data("a"));
+    p.delete("b").unwrap();
+    assert!(!b.backing.exists());
+    assert_eq!(indexed(&pool_dir), ["a", "b"], "no index write per delete");
+
+    // Crash after the delete: the entry without file is reported and a
+    // retried delete (what crust-csi's settle does) clears it.
+    let crash2 = tempfile::tempdir().unwrap();
+    let c2 = crash_copy(&pool_dir, crash2.path());
+    // And a create whose size never reached the disk.
+    std::fs::write(c2.join("a.img"), b"").unwrap();
+    let p2 = deferred(&c2, 64 * MIB);
+    let ids: Vec<String> = p2
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|a| a.volume_id)
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert!(matches!(p2.backing_state("b"), BackingState::Missing(_)));
+    assert!(!p2.may_hold_data("b"));
+    p2.delete("b").unwrap();
+    assert_eq!(std::fs::metadata(c2.join("a.img")).unwrap().len(), 2 * MIB);
+    assert_eq!(p2.backing_state("a"), BackingState::Healthy);
+    drop(p2);
+    assert_eq!(indexed(&c2), ["a"], "written on close");
+
+    drop(p);
+    assert_eq!(indexed(&pool_dir), ["a"], "written on close");
+    let p = deferred(&pool_dir, 64 * MIB);
+    assert_eq!(p.get("a").unwrap().unwrap().backing, a.backing);
+    let mut buf = [0u8; 4];
+    File::open(&a.backing)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    assert_eq!(&buf, b"data");
+}

@@ -400,9 +400,15 @@ impl Driver {
             formatted: None,
             format_started: None,
         };
-        self.state.put(rec.clone())?;
+        // A copy writes a Creating record first so a retry can find and
+        // finish it. A plain create writes one record, once allocated: the
+        // backend store of a create that crashed before it holds nothing,
+        // and the next start (Driver::settle) or a retry removes it.
+        if source.is_some() {
+            self.state.put(rec.clone())?;
+        }
         let created = match &source {
-            None => self.backend.create(&id, size, limit).map(|a| a.size_bytes),
+            None => self.create_plain(&id, size, limit, existing.is_none()),
             Some(src) => match self.fill_from(&id, size, src) {
                 Ok(n) => Ok(n),
                 Err(ControllerError::Backend(b)) => Err(b),
@@ -432,9 +438,40 @@ impl Driver {
         };
         rec.capacity_bytes = alloc_size;
         rec.phase = Phase::Ready;
-        self.state.put(rec.clone())?;
+        if let Err(e) = self.state.put(rec.clone()) {
+            if source.is_none() && !self.backend.may_hold_data(&id) {
+                // Nothing records the new store: release it.
+                if let Err(be) = self.backend.delete(&id) {
+                    tracing::error!(volume = %id, error = %be, "cannot release the store of a failed create");
+                }
+            }
+            return Err(e.into());
+        }
         tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %fs_type, "volume created");
         Ok(self.volume_proto(&rec))
+    }
+
+    /// Allocates a plain volume. Without a record of `id`, a store the
+    /// backend already holds under it is what a create that crashed before
+    /// writing its record left (never answered to the CO): reused when the
+    /// size fits, replaced when it never held data.
+    fn create_plain(
+        &self,
+        id: &str,
+        size: u64,
+        limit: u64,
+        no_record: bool,
+    ) -> std::result::Result<u64, BackendError> {
+        match self.backend.create(id, size, limit) {
+            Err(BackendError::SizeMismatch { .. })
+                if no_record && !self.backend.may_hold_data(id) =>
+            {
+                tracing::info!(volume = %id, "replacing the unused store of an interrupted create");
+                self.backend.delete(id)?;
+                self.backend.create(id, size, limit).map(|a| a.size_bytes)
+            }
+            other => other.map(|a| a.size_bytes),
+        }
     }
 
     pub fn delete_volume(&self, id: &str) -> Result<()> {

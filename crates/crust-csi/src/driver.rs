@@ -59,28 +59,11 @@ impl Driver {
         Ok(Arc::new(driver))
     }
 
-    /// Reports records whose backing store vanished and backing stores
-    /// without a record. Never deletes: an orphan may be the data of a
-    /// record that could not be read.
+    /// Settles the backend against the records, reports what it cannot
+    /// settle, and thaws filesystems an interrupted snapshot left frozen.
     fn reconcile(&self) {
+        self.settle();
         let records = self.state.all();
-        match self.backend.list() {
-            Ok(allocs) => {
-                for a in &allocs {
-                    if self.state.get(&a.volume_id).is_none() {
-                        tracing::warn!(volume = %a.volume_id, backing = %a.backing.display(),
-                            "backing store without a volume record (left untouched)");
-                    }
-                }
-                for r in &records {
-                    if !allocs.iter().any(|a| a.volume_id == r.id) {
-                        tracing::warn!(volume = %r.id, name = %r.name,
-                            "volume record without backing store; it will report an abnormal condition");
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot list backend allocations"),
-        }
         for r in records
             .iter()
             .filter(|r| r.phase == crate::state::Phase::Creating)
@@ -115,6 +98,87 @@ impl Driver {
                     tracing::warn!(volume = %r.id, error = %e, "cannot query attached device")
                 }
             }
+        }
+    }
+
+    /// The records are the durable truth of which volumes exist; a crash
+    /// between a record change and the backend's (which the pool writes
+    /// lazily, see crust_backend's "Deferred index") is settled here:
+    /// - a store without a record that never held data is what a create
+    ///   that crashed before its record, or a delete that crashed after
+    ///   removing it, left: deleted;
+    /// - a Ready record of a plain volume that never held data (never
+    ///   staged, formatted or used raw) whose store or its file is
+    ///   missing: created again (the create did not reach the disk).
+    ///
+    /// Never deletes a store that may hold data: it may be the volume of a
+    /// record that could not be read (moved aside as `*.corrupt`), or of a
+    /// state directory that was lost. Those are logged and left alone.
+    pub(crate) fn settle(&self) {
+        let allocs = match self.backend.list() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list backend allocations");
+                return;
+            }
+        };
+        for a in &allocs {
+            if self.state.get(&a.volume_id).is_some() {
+                continue;
+            }
+            if self.backend.may_hold_data(&a.volume_id) {
+                tracing::warn!(volume = %a.volume_id, backing = %a.backing.display(),
+                    "backing store without a volume record holds data (left untouched)");
+                continue;
+            }
+            match self.backend.delete(&a.volume_id) {
+                Ok(()) => tracing::info!(volume = %a.volume_id,
+                    "removed the unused backing store of an interrupted create or delete"),
+                Err(e) => tracing::warn!(volume = %a.volume_id, error = %e,
+                    "cannot remove a backing store without a volume record"),
+            }
+        }
+        for r in self.state.all() {
+            let present = allocs.iter().any(|a| a.volume_id == r.id)
+                && !matches!(
+                    self.backend.backing_state(&r.id),
+                    crust_backend::BackingState::Missing(_)
+                );
+            if present {
+                continue;
+            }
+            let never_used = r.phase == crate::state::Phase::Ready
+                && r.content_source.is_none()
+                && r.staging.is_none()
+                && r.published.is_empty()
+                && r.formatted.is_none()
+                && r.format_started.is_none()
+                && !r.raw_block_used;
+            if never_used && !self.backend.may_hold_data(&r.id) {
+                // An entry whose file is gone goes first.
+                if let Err(e) = self.backend.delete(&r.id) {
+                    tracing::warn!(volume = %r.id, error = %e, "cannot clear the entry of a missing store");
+                }
+                match self
+                    .backend
+                    .create(&r.id, r.capacity_bytes, r.capacity_bytes)
+                {
+                    Ok(a) if a.size_bytes == r.capacity_bytes => {
+                        tracing::info!(volume = %r.id, "made again the never-used backing store of a create interrupted before it reached the disk");
+                        continue;
+                    }
+                    Ok(a) => {
+                        tracing::warn!(volume = %r.id, got = a.size_bytes, want = r.capacity_bytes,
+                            "re-created store has another size; released");
+                        let _ = self.backend.delete(&r.id);
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume = %r.id, error = %e, "cannot re-create the store of a never-used volume")
+                    }
+                }
+            }
+            tracing::warn!(volume = %r.id, name = %r.name,
+                "volume record without backing store; it will report an abnormal condition");
         }
     }
 

@@ -45,10 +45,12 @@ pub fn build_backend(cfg: &Config) -> Result<Arc<dyn Backend>, ServeError> {
         BackendConfig::Pool {
             dir,
             capacity_bytes,
-        } => crust_backend::PoolBackend::open(crust_backend::PoolConfig::new(
-            dir.clone(),
-            *capacity_bytes,
-        ))
+        } => crust_backend::PoolBackend::open(crust_backend::PoolConfig {
+            // The plugin's volume records are the durable truth; the pool
+            // is settled against them at start (Driver::settle).
+            index_sync: crust_backend::IndexSync::Deferred,
+            ..crust_backend::PoolConfig::new(dir.clone(), *capacity_bytes)
+        })
         .map(|b| Arc::new(b) as Arc<dyn Backend>)
         .map_err(|e| ServeError::Backend(format!("pool {}: {e}", dir.display()))),
         BackendConfig::Static { devices } => {
