@@ -1,6 +1,10 @@
 // Compiles the protos with protox (pure Rust), so no `protoc` is needed.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/csi.proto", "proto/runtime.proto"];
+    let files = [
+        "proto/csi.proto",
+        "proto/runtime.proto",
+        "proto/handover.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -4,7 +4,7 @@
 //!
 //! * Volumes are found by virtio-blk serial, mounted at
 //!   `/run/crust/volumes/<volume>` with allow-listed options
-//!   ([`options`]), and given Kubernetes fsGroup semantics ([`fsgroup`]).
+//!   ([`options`]), and given Kubernetes fsGroup semantics (`crust_fsgroup`).
 //! * Stats come from statvfs; health from the mount table, ext4's error
 //!   counter, disk presence and a read probe ([`volume`]).
 //! * The workload gets bind mounts resolved beneath the volume root with
@@ -22,7 +22,6 @@
 
 pub mod container;
 pub mod destination;
-pub mod fsgroup;
 pub mod options;
 pub mod process;
 pub mod server;

@@ -14,10 +14,10 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 use rustix::mount::UnmountFlags;
 
-use crate::fsgroup::{self, FsGroupError};
 use crate::options::{self, OptionError};
 use crate::process;
 use crate::sys::{self, Detected};
+use crust_fsgroup::FsGroupError;
 
 /// How long MountVolume waits for a disk that is not there yet (hot-plug).
 const DISK_WAIT: Duration = Duration::from_secs(10);
@@ -308,7 +308,7 @@ impl Volumes {
         if let Some(gid) = req.fs_group
             && !entry.is_readonly()
         {
-            applied = fsgroup::apply(target, gid, policy, deadline)?;
+            applied = crust_fsgroup::apply(target, gid, fsgroup_policy(policy), deadline)?;
         }
         self.lookup(&req.volume);
         Ok(MountVolumeReply {
@@ -454,7 +454,7 @@ impl Volumes {
         if let Some(gid) = req.fs_group
             && !opts.readonly
         {
-            applied = fsgroup::apply(&target, gid, policy, deadline)?;
+            applied = crust_fsgroup::apply(&target, gid, fsgroup_policy(policy), deadline)?;
         }
         Ok(MountVolumeReply {
             mount_path: target.display().to_string(),
@@ -738,6 +738,14 @@ impl Volumes {
                 Errno::from_io_error(&e).unwrap_or(Errno::IO),
             )),
         }
+    }
+}
+
+/// The wire policy as the ownership walk spells it.
+fn fsgroup_policy(p: FsGroupPolicy) -> crust_fsgroup::FsGroupPolicy {
+    match p {
+        FsGroupPolicy::Always => crust_fsgroup::FsGroupPolicy::Always,
+        FsGroupPolicy::OnRootMismatch => crust_fsgroup::FsGroupPolicy::OnRootMismatch,
     }
 }
 

@@ -50,6 +50,16 @@ pub enum FsError {
         others: usize,
         action: &'static str,
     },
+    /// The userspace check of [`check_unmounted`] found problems (or a
+    /// dirty xfs log it cannot replay): the host must not mount it.
+    #[error("{tool} found problems in the {fstype} filesystem on {} ({status}); the host will not mount it: {output}", device.display())]
+    CheckFailed {
+        tool: &'static str,
+        fstype: FsType,
+        device: PathBuf,
+        status: String,
+        output: String,
+    },
     #[error("{0} cannot be grown offline (xfs_growfs needs a mounted filesystem)")]
     OfflineGrowUnsupported(FsType),
     #[error("{device} is not the filesystem mounted at {mountpoint}")]
@@ -128,13 +138,14 @@ pub fn ensure_no_other_openers(dev: &Path, action: &'static str) -> Result<(), F
 
 /// Every filesystem tool this module runs; a host or container image
 /// without one of them cannot serve every volume.
-pub const FS_TOOLS: [&str; 6] = [
+pub const FS_TOOLS: [&str; 7] = [
     "mkfs.ext4",
     "mkfs.xfs",
     "e2fsck",
     "resize2fs",
     "xfs_growfs",
     "wipefs",
+    "xfs_repair",
 ];
 
 /// The tools of [`FS_TOOLS`] that cannot be found (readiness checks).
@@ -386,6 +397,66 @@ pub fn grow_fs_offline(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     run("resize2fs", &[dev.as_os_str()], dev)?;
     tracing::info!(device = %dev.display(), %fstype, "filesystem grown offline");
     Ok(())
+}
+
+/// What [`check_unmounted`] refuses to do while the device is in use.
+pub const CHECK: &str = "check a filesystem another kernel may have mounted";
+
+/// Checks an unmounted filesystem in userspace before the host kernel
+/// mounts it, for a volume whose filesystem a guest had raw access to (the
+/// host kernel must not parse what a workload may have crafted):
+///
+/// * ext4: a journal left by a guest that did not unmount is replayed by
+///   `e2fsck -E journal_only -p` (userspace), then `e2fsck -f -n` must
+///   exit 0;
+/// * xfs: `xfs_repair -n` must exit 0. A dirty log cannot be replayed in
+///   userspace (only a mount does that, and `xfs_repair -L` discards it),
+///   so it fails the check: mount the volume in a guest again, or decide
+///   by hand.
+///
+/// The device must not be mounted or open elsewhere ([`FsError::InUse`],
+/// [`FsError::OpenElsewhere`]). A failed check is [`FsError::CheckFailed`]
+/// with the tool's output.
+pub fn check_unmounted(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    require_unused(dev, "a filesystem check", CHECK)?;
+    let d = dev.as_os_str();
+    let failed = |tool, e: FsError| match e {
+        FsError::Tool { status, stderr, .. } => FsError::CheckFailed {
+            tool,
+            fstype,
+            device: dev.to_path_buf(),
+            status,
+            output: tail(&stderr, 600),
+        },
+        e => e,
+    };
+    match fstype {
+        FsType::Ext4 => {
+            run_accepting(
+                "e2fsck",
+                &["-E".as_ref(), "journal_only".as_ref(), "-p".as_ref(), d],
+                dev,
+                &[0, 1],
+            )
+            .map_err(|e| failed("e2fsck", e))?;
+            run("e2fsck", &["-f".as_ref(), "-n".as_ref(), d], dev)
+                .map_err(|e| failed("e2fsck", e))?;
+        }
+        FsType::Xfs => {
+            run("xfs_repair", &["-n".as_ref(), d], dev).map_err(|e| failed("xfs_repair", e))?;
+        }
+    }
+    tracing::info!(device = %dev.display(), %fstype, "userspace filesystem check passed");
+    Ok(())
+}
+
+/// The last `max` bytes of `s` (on a character boundary).
+fn tail(s: &str, max: usize) -> String {
+    let mut cut = s.len().saturating_sub(max);
+    while !s.is_char_boundary(cut) {
+        cut += 1;
+    }
+    s[cut..].to_string()
 }
 
 #[cfg(test)]

@@ -198,6 +198,21 @@ pub fn name_holders(major: u32, minor: u32) -> Vec<Holder> {
     out.into_iter().collect()
 }
 
+/// Where `major:minor` is mounted, in every mount namespace this process
+/// can see (`(mount point, a pid of that namespace)`), bounded by
+/// [`OPENERS_SCAN_LIMIT`]. For a caller that must know that a device is
+/// mounted only where it put it before taking it away (a handover).
+pub fn mounts_everywhere_of(major: u32, minor: u32) -> Vec<(PathBuf, u32)> {
+    let deadline = Instant::now() + OPENERS_SCAN_LIMIT;
+    mounts_everywhere(major, minor, deadline)
+        .into_iter()
+        .filter_map(|h| match h {
+            Holder::Mount { mount_point, pid } => Some((mount_point, pid)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Mounts of `major:minor` in every mount namespace: one
 /// `/proc/PID/mountinfo` per namespace (namespaces are told apart by the
 /// inode of `/proc/PID/ns/mnt`).

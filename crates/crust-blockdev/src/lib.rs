@@ -56,8 +56,9 @@ pub use device::{
 };
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
-    FS_TOOLS, FsError, FsType, can_grow_ext4_online, ensure_no_other_openers, grow_fs,
-    grow_fs_offline, known_signatures, missing_fs_tools, mkfs, mkfs_again,
+    CHECK, FS_TOOLS, FsError, FsType, can_grow_ext4_online, check_unmounted,
+    ensure_no_other_openers, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs,
+    mkfs_again,
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
@@ -65,7 +66,7 @@ pub use health::{
 };
 pub use holder::{
     ClaimError, ExclusiveDevice, HAND_TO_GUEST, Holder, claim_exclusive, ensure_device_free,
-    name_holders,
+    mounts_everywhere_of, name_holders,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,

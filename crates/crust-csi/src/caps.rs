@@ -88,6 +88,10 @@ pub struct Capability {
     /// KEP-2857 `volume_supplemental_group` (+ change policy): only
     /// accepted with deferred filesystem operations.
     pub supplemental: Option<SupplementalGroup>,
+    /// kubelet's `volume_mount_group` (VOLUME_MOUNT_GROUP: kubelet leaves
+    /// fsGroup to the driver): applied to a host publication, or handed to
+    /// the runtime with a deferred or handed-over volume.
+    pub mount_group: Option<u32>,
 }
 
 /// The fsGroup a runtime applies after mounting a deferred volume.
@@ -124,8 +128,8 @@ impl Capability {
             Some(m) => AccessMode::from_proto(m.mode)?,
             None => return Err("volume capability has no access_mode".to_string()),
         };
-        let (access, mount_flags, supplemental) = match &cap.access_type {
-            Some(AccessType::Block(_)) => (Access::Block, Vec::new(), None),
+        let (access, mount_flags, supplemental, mount_group) = match &cap.access_type {
+            Some(AccessType::Block(_)) => (Access::Block, Vec::new(), None, None),
             Some(AccessType::Mount(m)) => {
                 let fs_type = if m.fs_type.is_empty() {
                     None
@@ -137,17 +141,26 @@ impl Capability {
                         )
                     })?)
                 };
-                if !m.volume_mount_group.is_empty() {
-                    return Err(
-                        "volume_mount_group is not supported (VOLUME_MOUNT_GROUP is not advertised)"
-                            .to_string(),
-                    );
-                }
+                let mount_group = match m.volume_mount_group.as_str() {
+                    "" => None,
+                    g => Some(
+                        crust_handoff::validate::parse_fs_group(g)
+                            .map_err(|e| format!("volume_mount_group: {e}"))?,
+                    ),
+                };
                 let supplemental = parse_supplemental(
                     &m.volume_supplemental_group,
                     &m.volume_supplemental_group_change_policy,
                     deferred,
                 )?;
+                if let (Some(g), Some(s)) = (mount_group, supplemental)
+                    && g != s.gid
+                {
+                    return Err(format!(
+                        "volume_mount_group {g} and volume_supplemental_group {} differ",
+                        s.gid
+                    ));
+                }
                 for f in &m.mount_flags {
                     // Flags go into the mount data string, which is
                     // comma separated; say which flag without echoing it
@@ -160,6 +173,7 @@ impl Capability {
                     Access::Mount { fs_type },
                     m.mount_flags.clone(),
                     supplemental,
+                    mount_group,
                 )
             }
             None => {
@@ -171,6 +185,7 @@ impl Capability {
             mode,
             mount_flags,
             supplemental,
+            mount_group,
         })
     }
 
@@ -184,6 +199,12 @@ impl Capability {
     /// A digest of the mount flags (empty string when there are none).
     pub fn flags_digest(&self) -> String {
         flags_digest(&self.mount_flags)
+    }
+
+    /// The fsGroup to apply: KEP-2857's supplemental group, else kubelet's
+    /// `volume_mount_group`.
+    pub fn fs_group(&self) -> Option<u32> {
+        self.supplemental.map(|g| g.gid).or(self.mount_group)
     }
 }
 

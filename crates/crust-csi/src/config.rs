@@ -3,7 +3,7 @@
 //! [`Config`] that [`crate::serve`] runs with.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +12,10 @@ use crust_proto::endpoint::Endpoint;
 
 /// Default size of a volume whose CreateVolume request sets no capacity.
 pub const DEFAULT_VOLUME_SIZE: u64 = 1 << 30;
+
+/// Where the Handover service listens by default (the VM runtime's
+/// default too).
+pub const DEFAULT_HANDOVER_ENDPOINT: &str = "unix:///run/crust/handover.sock";
 
 /// Default plugin name (`GetPluginInfo.name`, topology key prefix).
 pub const DEFAULT_DRIVER_NAME: &str = "blk.crust.dev";
@@ -52,12 +56,24 @@ pub struct Hooks {
     /// NodeStageVolume waits on this gate after taking the volume's
     /// operation guard, so a test can race a second call deterministically.
     pub stage_gate: Option<Arc<Gate>>,
+    /// The plugin SIGKILLs itself at this step of a handover (the crash
+    /// tests; the binary reads `CRUST_CSI_TEST_HANDOVER_CRASH`).
+    pub handover_crash: Option<crate::handover::Step>,
+    /// HandOver waits on this gate after taking the volume's operation
+    /// guard (races against NodeUnpublish/NodeExpand).
+    pub handover_gate: Option<Arc<Gate>>,
 }
+
+/// Test-only: the handover step at which the `crust-csi` binary kills
+/// itself (see [`Hooks::handover_crash`]).
+pub const HANDOVER_CRASH_ENV: &str = "CRUST_CSI_TEST_HANDOVER_CRASH";
 
 impl std::fmt::Debug for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hooks")
             .field("stage_gate", &self.stage_gate.is_some())
+            .field("handover_crash", &self.handover_crash)
+            .field("handover_gate", &self.handover_gate.is_some())
             .finish()
     }
 }
@@ -93,6 +109,9 @@ impl Gate {
 pub struct Config {
     /// Unix socket to serve on.
     pub socket: PathBuf,
+    /// Root-only unix socket of the Handover service (runtime-driven
+    /// deferral); None: not served.
+    pub handover_socket: Option<PathBuf>,
     pub node_id: String,
     pub driver_name: String,
     /// Per-volume records live in `<state_dir>/volumes`.
@@ -147,6 +166,7 @@ impl Config {
     pub fn pool(socket: PathBuf, state_dir: PathBuf, pool_dir: PathBuf, capacity: u64) -> Config {
         Config {
             socket,
+            handover_socket: None,
             node_id: default_node_id(),
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
             state_dir,
@@ -218,6 +238,17 @@ pub struct Cli {
         default_value = "unix:///run/crust-csi/csi.sock"
     )]
     pub endpoint: String,
+
+    /// Root-only unix socket of the Handover service, through which the
+    /// crust VM runtime takes a host-published volume into its guest
+    /// (runtime-driven deferral, StorageClass deferFsOps=auto) and gives
+    /// it back. Empty: not served (runtimes then share host mounts).
+    #[arg(
+        long,
+        env = "CRUST_CSI_HANDOVER_ENDPOINT",
+        default_value = DEFAULT_HANDOVER_ENDPOINT
+    )]
+    pub handover_endpoint: String,
 
     /// Node id reported by NodeGetInfo and used as the topology segment
     /// (default: the host name).
@@ -400,6 +431,20 @@ impl Cli {
                 )
             })?
             .to_path_buf();
+        let handover_socket = match self.handover_endpoint.as_str() {
+            "" => None,
+            e => Some(
+                Endpoint::parse(e)
+                    .ok()
+                    .and_then(|ep| ep.unix_path().map(Path::to_path_buf))
+                    .ok_or_else(|| {
+                        ConfigError::Endpoint(
+                            e.to_string(),
+                            "--handover-endpoint must be a unix:// socket path (or empty)".into(),
+                        )
+                    })?,
+            ),
+        };
         validate_driver_name(&self.driver_name)?;
         let node_id = match self.node_id {
             Some(n) => n,
@@ -477,8 +522,15 @@ impl Cli {
         // bad prefix as a flag error, not a start-up failure.
         crust_ops::CrustOps::new(ops.clone())
             .map_err(|e| ConfigError::Deferral(format!("hand-off settings: {e}")))?;
+        let hooks = Hooks {
+            handover_crash: std::env::var(HANDOVER_CRASH_ENV)
+                .ok()
+                .and_then(|s| crate::handover::Step::parse(&s)),
+            ..Hooks::default()
+        };
         Ok(Config {
             socket,
+            handover_socket,
             node_id,
             driver_name: self.driver_name,
             state_dir: self.state_dir,
@@ -493,7 +545,7 @@ impl Cli {
             csi_spec: self.csi_spec,
             metrics_address: self.metrics_address,
             expansion: self.expansion,
-            hooks: Hooks::default(),
+            hooks,
         })
     }
 

@@ -10,11 +10,12 @@
 //!   (1 GiB), or the limit if that is smaller. Sizes are rounded up to a
 //!   multiple of 4 KiB when the range allows it.
 //! * Parameters: `fsType` (ext4 | xfs, default ext4); `deferFsOps`
-//!   ("true" | "false": a StorageClass asking for deferred filesystem
-//!   operations, copied into the volume context so NodeStage/NodePublish
-//!   defer even when the CO sends no `defer_fs_ops`; "true" is refused
-//!   with `--deferral disabled`, and for a volume with only raw block
-//!   capabilities); the `csi.storage.k8s.io/*` keys added by the
+//!   (copied into the volume context: "auto", the default, hands the
+//!   volume to a VM runtime that asks for it (`handover.rs`); "true"
+//!   defers at NodeStage/NodePublish even when the CO sends no
+//!   `defer_fs_ops`, and is refused with `--deferral disabled` and for a
+//!   volume with only raw block capabilities; "false" never hands it
+//!   over); the `csi.storage.k8s.io/*` keys added by the
 //!   external-provisioner's --extra-create-metadata are accepted and
 //!   ignored; anything else is INVALID_ARGUMENT.
 //! * ListVolumes tokens are the URL-safe base64 of the last volume id of
@@ -94,7 +95,7 @@ pub(crate) fn parse_params_with<'a>(
                 out.fs_type = Some(fs);
             }
             "deferFsOps" => match v.as_str() {
-                "false" => {}
+                "false" | "auto" => {}
                 "true" if deferral_enabled => out.defer = true,
                 "true" => {
                     return Err(ControllerError::InvalidArgument(
@@ -104,7 +105,7 @@ pub(crate) fn parse_params_with<'a>(
                 }
                 _ => {
                     return Err(ControllerError::InvalidArgument(format!(
-                        "parameter deferFsOps={v:?}: expected \"true\" or \"false\""
+                        "parameter deferFsOps={v:?}: expected \"auto\", \"true\" or \"false\""
                     )));
                 }
             },
@@ -399,6 +400,8 @@ impl Driver {
             raw_block_used: false,
             formatted: None,
             format_started: None,
+            handover: None,
+            returned: None,
         };
         // A copy writes a Creating record first so a retry can find and
         // finish it. A plain create writes one record, once allocated: the
@@ -1068,6 +1071,9 @@ mod tests {
         assert_eq!(p.kept.get("deferFsOps").map(String::as_str), Some("true"));
         m.insert("deferFsOps".to_string(), "false".to_string());
         assert!(!parse_params_with(&m, true).unwrap().defer);
+        m.insert("deferFsOps".to_string(), "auto".to_string());
+        assert!(!parse_params_with(&m, true).unwrap().defer);
+        assert!(!parse_params_with(&m, false).unwrap().defer);
         m.insert("deferFsOps".to_string(), "yes".to_string());
         assert!(parse_params_with(&m, true).is_err());
     }

@@ -66,6 +66,7 @@ fn check_deferred_target(target: &Path) -> Result<()> {
         Ok(m) if !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
             "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
         ))),
+        Ok(_) if crate::placeholder::is_mounted(target) => Ok(()),
         Ok(_) if crust_blockdev::is_mountpoint(target).map_err(mount_err)? => {
             Err(NodeError::FailedPrecondition(format!(
                 "target_path {t} has a filesystem mounted on it; a deferred publication leaves \
@@ -144,7 +145,7 @@ impl Driver {
         let target_str = utf8("target_path", &target)?.to_string();
         let readonly = req.readonly || cap.mode.read_only() || s.readonly;
         let fs = s.fs_type.unwrap_or(rec.fs_type);
-        let gid = cap.supplemental.map(|g| g.gid);
+        let gid = cap.fs_group();
         let policy = cap.supplemental.and_then(|g| g.change_policy);
         let wanted = Publication {
             deferred: true,
@@ -257,7 +258,20 @@ impl Driver {
             keep_staging(&mut rec, &s);
             return Err(e.into());
         }
-        if let Err(e) = prepare_target(&target, false, None) {
+        // The target is never an empty writable directory for a runtime
+        // that is not a VM runtime: a read-only placeholder says where
+        // the volume went (placeholder.rs).
+        let placed = prepare_target(&target, false, None).and_then(|_| {
+            crate::placeholder::mount(
+                &target,
+                &id,
+                "It is mounted only inside a VM runtime's guest (deferred filesystem \
+                 operations: the StorageClass says deferFsOps=true, or the CO asked with \
+                 defer_fs_ops).",
+            )
+            .map_err(|e| NodeError::Internal(e.to_string()))
+        });
+        if let Err(e) = placed {
             if !repeat && let Err(ue) = run(self.ops.unstage(&target_str)) {
                 tracing::warn!(volume = %id, error = %ue, "could not remove the hand-off record after a failed publish");
             }
@@ -398,6 +412,14 @@ impl Driver {
             .staging
             .clone()
             .ok_or_else(|| NodeError::Internal(format!("volume {id} has no staging")))?;
+        if rec.handover.is_some() {
+            // A handover whose sandbox is gone comes back first (a live
+            // one keeps the volume: refused below).
+            match self.take_back(rec, None) {
+                Ok(()) | Err(crate::handover::HandoverError::HeldBySandbox { .. }) => {}
+                Err(e) => tracing::warn!(volume = %id, error = %e, "cannot check the handover"),
+            }
+        }
         if let Some((t, _)) = rec.deferred_publication() {
             return Err(NodeError::FailedPrecondition(format!(
                 "volume {id} is published with deferred filesystem operations at {}: a \
@@ -434,8 +456,12 @@ impl Driver {
                 )));
             }
             let fs = s.fs_type.unwrap_or(rec.fs_type);
-            crust_blockdev::mount_fs(&s.device, &s.path, fs, &cap.mount_flags, s.readonly)
+            let flags = self.check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
+            crust_blockdev::mount_fs(&s.device, &s.path, fs, &flags, s.readonly)
                 .map_err(mount_err)?;
+            if rec.returned.take().is_some() {
+                tracing::info!(volume = %id, "filesystem back from a guest passed its check and is mounted on the host");
+            }
         }
         s.host_mount = HostMount::Mounted;
         rec.staging = Some(s.clone());
@@ -450,7 +476,18 @@ impl Driver {
     pub(crate) fn unpublish_deferred(&self, mut rec: VolumeRecord, target: &Path) -> Result<()> {
         let id = rec.id.clone();
         let target_str = utf8("target_path", target)?;
+        let claimant = self
+            .ops
+            .crust_store()
+            .into_iter()
+            .chain(self.ops.kata_store())
+            .find_map(|st| st.claimant(target_str).ok().flatten());
         run(self.ops.unstage(target_str))?;
+        // A guest may have had raw access: the host checks before mounting.
+        rec.returned = Some(crate::handover::Returned::now(
+            claimant.as_deref().unwrap_or_default(),
+        ));
+        crate::placeholder::remove(target).map_err(|e| NodeError::Internal(e.to_string()))?;
         if crust_blockdev::is_mountpoint(target).unwrap_or(false) {
             tracing::warn!(volume = %id, target = %target_str,
                 "something is mounted on a deferred publish target; left in place");
@@ -492,6 +529,7 @@ impl Driver {
             return Ok(());
         }
         run(self.ops.unstage(t))?;
+        let _ = crate::placeholder::remove(target);
         if !crust_blockdev::is_mountpoint(target).unwrap_or(true) {
             remove_target(target, false);
         }

@@ -50,6 +50,7 @@ impl Driver {
             metrics: Arc::new(Metrics::new()),
         };
         driver.reconcile();
+        driver.repair_handovers();
         if !crust_blockdev::can_grow_ext4_online() {
             tracing::warn!(
                 "no CAP_SYS_RESOURCE: mounted ext4 volumes cannot be grown online; they are \

@@ -691,6 +691,8 @@ mod tests {
             raw_block_used: false,
             formatted: None,
             format_started: None,
+            handover: None,
+            returned: None,
         }
     }
 

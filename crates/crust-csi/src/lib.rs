@@ -3,7 +3,9 @@
 //! pre-provisioned block devices), ext4/xfs or raw block, with online
 //! expansion, capacity, node topology and volume health; KEP-2857
 //! deferred filesystem operations (the volume's device is handed to the
-//! pod's VM runtime through crust_ops, in process) and Prometheus metrics.
+//! pod's VM runtime through crust_ops, in process), runtime-driven
+//! deferral (the `Handover` service: a VM runtime takes a host-published
+//! volume into its guest, see [`handover`]) and Prometheus metrics.
 //!
 //! Run it with [`serve`] (the `crust-csi` binary is a thin wrapper):
 //!
@@ -27,10 +29,12 @@ mod driver;
 pub mod error;
 pub mod group_controller;
 pub mod guard;
+pub mod handover;
 pub mod health;
 pub mod identity;
 pub mod metrics;
 pub mod node;
+mod placeholder;
 pub mod server;
 pub mod snapshot;
 pub mod state;
@@ -39,8 +43,8 @@ mod volume_health;
 mod workers;
 
 pub use config::{
-    BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_VOLUME_SIZE, DeferralConfig,
-    Expansion, Gate, Hooks,
+    BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_HANDOVER_ENDPOINT,
+    DEFAULT_VOLUME_SIZE, DeferralConfig, Expansion, Gate, HANDOVER_CRASH_ENV, Hooks,
 };
 pub use driver::Driver;
 pub use error::{ControllerError, IdentityError, NodeError, ServeError};

@@ -67,16 +67,47 @@ pub enum FsOps {
     Deferred,
 }
 
-/// Whether a volume context asks for deferral (`deferFsOps`).
-pub(crate) fn context_defers(volume_context: Option<&HashMap<String, String>>) -> Result<bool> {
-    match volume_context.and_then(|c| c.get(DEFER_CONTEXT_KEY)) {
-        None => Ok(false),
-        Some(v) if v == "false" => Ok(false),
-        Some(v) if v == "true" => Ok(true),
-        Some(v) => Err(NodeError::InvalidArgument(format!(
-            "volume_context {DEFER_CONTEXT_KEY}={v:?}: expected \"true\" or \"false\""
-        ))),
+/// A StorageClass's `deferFsOps` (copied into the volume context).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeferMode {
+    /// Host mounts; a VM runtime that asks gets the volume by handover
+    /// (the default).
+    Auto,
+    /// Deferred at NodeStage/NodePublish, as KEP-2857 `defer_fs_ops`
+    /// (for runtimes that only read hand-off records, e.g. Kata).
+    Always,
+    /// Host mounts only; never handed over.
+    Never,
+}
+
+impl DeferMode {
+    /// `auto` (or absent), `true`, `false`.
+    pub fn parse(v: Option<&str>) -> std::result::Result<DeferMode, String> {
+        match v {
+            None | Some("auto") => Ok(DeferMode::Auto),
+            Some("true") => Ok(DeferMode::Always),
+            Some("false") => Ok(DeferMode::Never),
+            Some(v) => Err(format!(
+                "{DEFER_CONTEXT_KEY}={}: expected \"auto\", \"true\" or \"false\"",
+                crust_fs::quote(v)
+            )),
+        }
     }
+
+    /// The mode a volume was created with (its parameters).
+    pub fn of(rec: &VolumeRecord) -> DeferMode {
+        DeferMode::parse(rec.parameters.get(DEFER_CONTEXT_KEY).map(String::as_str))
+            .unwrap_or(DeferMode::Auto)
+    }
+}
+
+/// Whether a volume context asks for deferral at stage/publish
+/// (`deferFsOps=true`).
+pub(crate) fn context_defers(volume_context: Option<&HashMap<String, String>>) -> Result<bool> {
+    let v = volume_context.and_then(|c| c.get(DEFER_CONTEXT_KEY));
+    DeferMode::parse(v.map(String::as_str))
+        .map(|m| m == DeferMode::Always)
+        .map_err(|e| NodeError::InvalidArgument(format!("volume_context {e}")))
 }
 
 pub(crate) fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
@@ -138,6 +169,33 @@ fn set_device_read_only(dev: &Path, ro: bool) -> io::Result<()> {
             ),
         )
     }?;
+    Ok(())
+}
+
+/// Mount flags as the one allow-list normalizes them (one option per
+/// entry), as recorded for a handover.
+fn normalized_options(fs: FsType, flags: &[String]) -> Result<Vec<String>> {
+    crust_fs::options::parse(fs, flags, false)
+        .map(|p| p.words)
+        .map_err(|e| NodeError::InvalidArgument(e.to_string()))
+}
+
+/// kubelet delegated fsGroup (VOLUME_MOUNT_GROUP): its group on the
+/// volume, as kubelet's own SetVolumeOwnership would with
+/// fsGroupChangePolicy OnRootMismatch (kubelet passes no policy to a
+/// driver; a full walk on every publish would make pod starts
+/// proportional to the volume's file count).
+fn apply_fs_group(id: &str, root: &Path, gid: u32) -> Result<()> {
+    let walked = crust_fsgroup::apply(
+        root,
+        gid,
+        crust_fsgroup::FsGroupPolicy::OnRootMismatch,
+        None,
+    )
+    .map_err(|e| NodeError::Internal(format!("volume {id}: {e}")))?;
+    if walked {
+        tracing::info!(volume = %id, gid, "applied fsGroup (volume_mount_group) on the host mount");
+    }
     Ok(())
 }
 
@@ -366,7 +424,7 @@ fn is_bind_of_device(device: &Path, target: &Path) -> bool {
 /// for raw block a bind of its device node; for a filesystem a mount of
 /// its device's filesystem showing the filesystem's root (the staging
 /// mount, or a bind of it).
-fn publication_of(s: &Staging, target: &Path) -> bool {
+pub(crate) fn publication_of(s: &Staging, target: &Path) -> bool {
     if s.block {
         return is_bind_of_device(&s.device, target);
     }
@@ -583,6 +641,10 @@ impl Driver {
             } else {
                 HostMount::Mounted
             },
+            mount_options: match fs_type {
+                Some(fs) => normalized_options(fs, &mount_flags_of(&rec, fs, &cap.mount_flags))?,
+                None => Vec::new(),
+            },
         };
         let repeat = match &rec.staging {
             Some(s) if s.path != path => {
@@ -697,15 +759,19 @@ impl Driver {
                         .map_err(|e| fs_err("checking for other openers", e))?;
                 }
                 let fresh_mount = !mounted_here(&device, &path)?;
-                crust_blockdev::mount_fs(
-                    &device,
-                    &path,
-                    fs,
-                    &mount_flags_of(&rec, fs, &cap.mount_flags),
-                    readonly,
-                )
-                .map_err(mount_err)
-                .map_err(undo)?;
+                let mut flags = mount_flags_of(&rec, fs, &cap.mount_flags);
+                if fresh_mount {
+                    // A filesystem a guest had: checked in userspace first.
+                    flags = self
+                        .check_after_guest(&rec, &device, fs, flags)
+                        .map_err(undo)?;
+                }
+                crust_blockdev::mount_fs(&device, &path, fs, &flags, readonly)
+                    .map_err(mount_err)
+                    .map_err(undo)?;
+                if fresh_mount && rec.returned.take().is_some() {
+                    tracing::info!(volume = %id, "filesystem back from a guest passed its check and is mounted on the host");
+                }
                 // Only when this call mounted it: growing a mounted volume
                 // is NodeExpandVolume's job, a repeated stage changes nothing.
                 if fresh_mount && fs == FsType::Xfs && !readonly {
@@ -981,6 +1047,13 @@ impl Driver {
         if route == FsOps::Deferred {
             return self.publish_deferred(req, rec, s, target, cap);
         }
+        if rec.published.get(&target).is_some_and(|p| p.handed_over) {
+            // kubelet repeating the publication a VM runtime took by
+            // handover: it is there, in the sandbox (or returned from it).
+            tracing::info!(volume = %id, target = %target.display(),
+                "repeated publish of a handed-over target: nothing to do");
+            return Ok(());
+        }
         if let Some(p) = rec.published.get(&target)
             && p.deferred
         {
@@ -1008,7 +1081,10 @@ impl Driver {
             }
         }
         let readonly = req.readonly || cap.mode.read_only() || s.readonly;
-        let wanted = Publication::host(block, readonly, cap.mode, cap.flags_digest());
+        let wanted = Publication {
+            supplemental_group: cap.fs_group(),
+            ..Publication::host(block, readonly, cap.mode, cap.flags_digest())
+        };
         let repeat = match rec.published.get(&target) {
             Some(p)
                 if Publication {
@@ -1058,6 +1134,12 @@ impl Driver {
                     t.display()
                 )));
             }
+        }
+        if !block
+            && !readonly
+            && let Some(gid) = cap.fs_group()
+        {
+            apply_fs_group(&id, &s.path, gid)?;
         }
         let created = prepare_target(&target, block, Some(&s.device))?;
         let source: &Path = if block { &s.device } else { &s.path };
@@ -1124,6 +1206,9 @@ impl Driver {
             self.unpublish_unrecorded_deferred(&rec, &target)?;
             return Ok(());
         };
+        if p.handed_over {
+            return self.unpublish_handed_over(rec, &target);
+        }
         if p.deferred {
             // Whatever the request says (a kubelet that lost track of the
             // deferral, or a plugin downgraded to --deferral disabled: KEP
@@ -1185,6 +1270,14 @@ impl Driver {
             )));
         };
         if let Some(p) = rec.published.get(path) {
+            if p.handed_over {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {} at {} was handed to a VM sandbox and returned: it is mounted \
+                     nowhere until a host publication needs it",
+                    rec.id,
+                    path.display()
+                )));
+            }
             return Ok((p.block, s.device.clone()));
         }
         if s.path == path {

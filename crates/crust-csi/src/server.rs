@@ -1,4 +1,6 @@
-//! The gRPC server: Identity, Controller and Node on one unix socket.
+//! The gRPC server: Identity, Controller and Node on one unix socket, and
+//! the Handover service (runtime-driven deferral) on its own root-only
+//! socket when configured.
 //!
 //! The socket is private: bound under a temporary name, chmod 0600, then
 //! renamed into place, so the final path never exists with looser
@@ -31,10 +33,12 @@ use crate::controller::ControllerService;
 use crate::driver::Driver;
 use crate::error::ServeError;
 use crate::group_controller::GroupControllerService;
+use crate::handover::HandoverService;
 use crate::identity::IdentityService;
 use crate::metrics::RpcMetricsLayer;
 use crate::node::NodeService;
 use crate::state::create_private_dir;
+use crust_proto::handover::v1alpha1::handover_server::HandoverServer;
 
 /// How long in-flight RPCs may run after the shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -116,7 +120,38 @@ where
         "serving CSI"
     );
 
+    let handover = match &driver.config().handover_socket {
+        Some(path) => match bind_socket(path) {
+            Ok(bound) => {
+                tracing::info!(socket = %path.display(), "serving the Handover service");
+                Some(bound)
+            }
+            // The CSI service still runs: runtimes that cannot reach it
+            // share host mounts instead, and say so.
+            Err(e) => {
+                tracing::error!("not serving the Handover service: {e}");
+                None
+            }
+        },
+        None => None,
+    };
     let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
+    if let Some((listener, guard)) = handover {
+        let mut stop = fired_rx.clone();
+        let svc = HandoverServer::new(HandoverService::new(driver.clone()));
+        tokio::spawn(async move {
+            let _guard = guard;
+            let r = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(crust_proto::server::incoming(listener), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!("Handover service: {e}");
+            }
+        });
+    }
     if let Some(l) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             l,

@@ -91,6 +91,14 @@ pub struct Staging {
     /// written before deferral existed say nothing: mounted).
     #[serde(default, skip_serializing_if = "HostMount::is_mounted")]
     pub host_mount: HostMount,
+    /// The mount options of the filesystem, as the one allow-list
+    /// (`crust-fs`) normalized them (one option per entry). Only options
+    /// that passed the list are kept, and the list has none that carries a
+    /// secret; a handover gives them to the guest. Empty for records
+    /// written before handovers existed (then only `flags_digest` says
+    /// whether there were any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mount_options: Vec<String>,
 }
 
 /// Whether a staged filesystem is mounted on the host. A filesystem
@@ -129,7 +137,9 @@ pub struct Publication {
     /// to mount the volume in its guest.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deferred: bool,
-    /// fsGroup handed to the runtime (deferred publications only).
+    /// fsGroup: KEP-2857's `volume_supplemental_group` (deferred
+    /// publications), or kubelet's `volume_mount_group` (VOLUME_MOUNT_GROUP:
+    /// applied on the host mount, or handed to the runtime with the volume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supplemental_group: Option<u32>,
     /// fsGroupChangePolicy handed to the runtime (`Always` | `OnRootMismatch`).
@@ -139,6 +149,13 @@ pub struct Publication {
     /// removes only what the plugin created.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub created_target: bool,
+    /// A host publication whose filesystem a VM runtime took by handover
+    /// (see `handover.rs`): its bind is gone and the target holds the
+    /// read-only placeholder. While the guest has the volume the
+    /// publication is also `deferred`; after the hand-back only this flag
+    /// stays, until NodeUnpublishVolume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub handed_over: bool,
 }
 
 impl Publication {
@@ -153,6 +170,7 @@ impl Publication {
             supplemental_group: None,
             supplemental_group_change_policy: None,
             created_target: false,
+            handed_over: false,
         }
     }
 }
@@ -193,6 +211,15 @@ pub struct VolumeRecord {
     /// What the volume was filled from (CreateVolume's content source).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<SourceRecord>,
+    /// A handover to a VM runtime in progress or in force (`handover.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover: Option<crate::handover::HandoverRecord>,
+    /// A guest had raw access to the filesystem (a handover, or a deferred
+    /// publication, ended): the host mounts it again only for a host
+    /// publication, only after a userspace check passes, and with
+    /// `nosuid,nodev`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub returned: Option<crate::handover::Returned>,
 }
 
 /// A volume's content source, as recorded.
@@ -247,9 +274,12 @@ impl VolumeRecord {
         self.published.iter().find(|(_, p)| p.deferred)
     }
 
-    /// Publications bind-mounted on the host.
+    /// Publications bind-mounted on the host (a handed-over one is not:
+    /// its target holds the placeholder).
     pub fn host_publications(&self) -> impl Iterator<Item = (&PathBuf, &Publication)> {
-        self.published.iter().filter(|(_, p)| !p.deferred)
+        self.published
+            .iter()
+            .filter(|(_, p)| !p.deferred && !p.handed_over)
     }
 }
 
@@ -524,6 +554,8 @@ mod tests {
             raw_block_used: false,
             formatted: None,
             format_started: None,
+            handover: None,
+            returned: None,
         }
     }
 
@@ -561,6 +593,7 @@ mod tests {
             flags_digest: String::new(),
             deferred: false,
             host_mount: HostMount::Mounted,
+            mount_options: vec!["noatime".into()],
         });
         store.put(r.clone()).unwrap();
         store.put(rec("b")).unwrap();
@@ -640,6 +673,7 @@ mod tests {
             flags_digest: String::new(),
             deferred: true,
             host_mount: HostMount::UnmountedForDeferral,
+            mount_options: Vec::new(),
         });
         r.published.insert(
             "/pods/p".into(),
@@ -668,6 +702,7 @@ mod tests {
         old.staging = Some(Staging {
             deferred: false,
             host_mount: HostMount::Mounted,
+            mount_options: Vec::new(),
             ..r.staging.clone().unwrap()
         });
         old.published.insert(
@@ -675,7 +710,15 @@ mod tests {
             Publication::host(false, false, AccessMode::SingleNodeWriter, String::new()),
         );
         let json = serde_json::to_string(&old).unwrap();
-        for key in ["deferred", "host_mount", "supplemental_group"] {
+        for key in [
+            "deferred",
+            "host_mount",
+            "supplemental_group",
+            "handed_over",
+            "handover",
+            "returned",
+            "mount_options",
+        ] {
             assert!(!json.contains(key), "{key} in {json}");
         }
         let back: VolumeRecord = serde_json::from_str(&json).unwrap();

@@ -8,6 +8,7 @@
 //! | node GET_VOLUME_HEALTH (7), GET_STORAGE_HEALTH (8) | – | yes | yes |
 //! | node DEFER_FS_OPS* (KEP-2857: 2857–2859) | with `--deferral enabled`, in every mode |||
 //! | controller EXPAND_VOLUME | with `--expansion controller` (the default), in every mode |||
+//! | node VOLUME_MOUNT_GROUP (6) | in every mode |||
 //! | snapshot and clone capabilities, GroupController | with a backend that copies (the pool) |||
 //!
 //! Everything else is the same in every mode. The condition fields of
@@ -112,6 +113,10 @@ pub fn node_capabilities(spec: CsiSpec, deferral: bool) -> Vec<csi::NodeServiceC
         NodeRpc::GetVolumeStats,
         NodeRpc::ExpandVolume,
         NodeRpc::SingleNodeMultiWriter,
+        // kubelet then passes the pod's fsGroup as volume_mount_group and
+        // leaves it to the driver: the host publication applies it, a
+        // handover carries it to the guest (no KEP field needed).
+        NodeRpc::VolumeMountGroup,
     ];
     if spec.serves_condition() {
         caps.push(NodeRpc::VolumeCondition);

@@ -172,6 +172,7 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         N::SingleNodeMultiWriter,
         N::GetVolumeHealth,
         N::GetStorageHealth,
+        N::VolumeMountGroup,
     ]
     .into_iter()
     .map(|t| t as i32)

@@ -178,17 +178,44 @@ fn is_mountpoint(p: &str) -> bool {
     crust_blockdev::is_mountpoint(Path::new(p)).unwrap()
 }
 
-/// The target of a deferred publication: an empty directory, not a mount.
+/// The target of a deferred publication: the plugin's read-only
+/// placeholder (a tiny tmpfs named `crust-volume-elsewhere` holding only a
+/// README), never a writable host directory nor the volume.
 #[track_caller]
 fn assert_empty_target(target: &str) {
     let m = std::fs::symlink_metadata(target).unwrap();
     assert!(m.is_dir(), "{target} is a directory");
-    assert!(!is_mountpoint(target), "nothing mounted on {target}");
+    let top = crust_blockdev::find_mount(Path::new(target))
+        .unwrap()
+        .unwrap_or_else(|| panic!("the placeholder is mounted on {target}"));
     assert_eq!(
-        std::fs::read_dir(target).unwrap().count(),
-        0,
-        "{target} is empty"
+        (top.fs_type.as_str(), top.source.as_str()),
+        ("tmpfs", PLACEHOLDER),
+        "{target} shows the placeholder"
     );
+    let names: Vec<_> = std::fs::read_dir(target)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["README"], "{target} holds only the README");
+    let e = std::fs::write(Path::new(target).join("x"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{target} is read-only");
+}
+
+/// The tmpfs source name of the plugin's placeholder.
+const PLACEHOLDER: &str = "crust-volume-elsewhere";
+
+/// Mounts under the node other than placeholders (host mounts of volumes).
+fn host_mounts_under(dir: &Path) -> Vec<PathBuf> {
+    mounts_under(dir)
+        .into_iter()
+        .filter(|p| {
+            crust_blockdev::find_mount(p)
+                .ok()
+                .flatten()
+                .is_none_or(|m| m.source != PLACEHOLDER)
+        })
+        .collect()
 }
 
 /// The single loop device of the node's pool.
@@ -320,7 +347,7 @@ async fn context_deferral_stages_without_mounting_and_publish_writes_the_crust_r
     assert_eq!(std::fs::read_dir(node.crust_root()).unwrap().count(), 1);
     assert_empty_target(&target);
     assert!(
-        mounts_under(node.dir.path()).is_empty(),
+        host_mounts_under(node.dir.path()).is_empty(),
         "nothing mounted on the host"
     );
     assert_code(c.unstage(&id, &staging).await, Code::FailedPrecondition);
@@ -438,7 +465,7 @@ async fn request_deferral_unmounts_the_staging_mount_and_a_host_publish_remounts
         deferred.send(&mut c).await.unwrap();
     }
     assert!(!is_mountpoint(&staging), "staging unmounted for deferral");
-    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(host_mounts_under(node.dir.path()).is_empty());
     assert_empty_target(&t2);
     assert_eq!(
         std::fs::read_to_string(crust_record(&node, &t2).join("mountInfo.json")).unwrap(),
@@ -789,7 +816,7 @@ async fn story5_unpublish_after_a_downgrade_cleans_up_the_record() {
         s.message()
     );
     assert!(!Path::new(&other).exists());
-    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(host_mounts_under(node.dir.path()).is_empty());
 
     // kubelet unpublishes without defer_fs_ops: success, record cleaned up
     for _ in 0..2 {
@@ -1440,7 +1467,10 @@ async fn repeated_stage_of_a_context_deferred_volume_leaves_the_guests_filesyste
     }
     assert_untouched(&lo.path, &sb);
     assert_running(&mut qemu);
-    assert!(mounts_under(node.dir.path()).is_empty(), "no host mount");
+    assert!(
+        host_mounts_under(node.dir.path()).is_empty(),
+        "no host mount"
+    );
     assert_eq!(the_loop(&node).path, lo.path, "same device");
     let log = node.plugin.as_ref().unwrap().stderr();
     assert!(

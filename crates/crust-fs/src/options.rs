@@ -477,6 +477,24 @@ pub fn parse(
     Ok(out)
 }
 
+/// Every option name the allow-list accepts for `fstype` (the part
+/// before `=`), in table order: what a guest built with this list can
+/// mount, as a runtime declares it in a handover request.
+pub fn option_names(fstype: FsType) -> Vec<&'static str> {
+    GENERIC
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(COMMON.iter().map(|(n, _)| *n))
+        .chain(fs_table(fstype).iter().map(|(n, _)| *n))
+        .collect()
+}
+
+/// The name of one option word (`commit=5` → `commit`), as
+/// [`option_names`] lists it.
+pub fn option_key(word: &str) -> &str {
+    word.split_once('=').map_or(word, |(k, _)| k)
+}
+
 /// xfs: `sunit` and `swidth` come together, and swidth is a multiple of
 /// sunit (the kernel refuses the mount otherwise).
 fn check_stripe(data: &[&str]) -> Result<(), OptionError> {
@@ -507,6 +525,23 @@ mod tests {
     fn p(fs: FsType, opts: &[&str], ro: bool) -> Result<ParsedOptions, OptionError> {
         let v: Vec<String> = opts.iter().map(|s| s.to_string()).collect();
         parse(fs, &v, ro)
+    }
+
+    #[test]
+    fn option_names_cover_what_parse_accepts() {
+        let ext4 = option_names(FsType::Ext4);
+        for w in ["ro", "noatime", "discard", "commit", "data", "nosuid"] {
+            assert!(ext4.contains(&w), "{w}");
+        }
+        assert!(!ext4.contains(&"logbufs") && !ext4.contains(&"bind"));
+        assert!(option_names(FsType::Xfs).contains(&"logbufs"));
+        assert_eq!(option_key("commit=5"), "commit");
+        assert_eq!(option_key("noatime"), "noatime");
+        // Every accepted word's key is listed.
+        for w in ["commit=5", "data=ordered", "errors=remount-ro", "lazytime"] {
+            p(FsType::Ext4, &[w], false).unwrap();
+            assert!(ext4.contains(&option_key(w)), "{w}");
+        }
     }
 
     #[test]

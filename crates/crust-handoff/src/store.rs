@@ -306,6 +306,123 @@ impl Store {
         write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)
     }
 
+    /// Writes the record for `target` already claimed by `sandbox_id`
+    /// (and, CRUST layout, with its `runtime_cli`): the claim and the CLI
+    /// are written first and `mountInfo.json` last, so a reader sees
+    /// either no record or one that `sandbox_id` holds; no other runtime
+    /// can claim it in between (a handover: the plugin hands a volume to
+    /// the sandbox that asked). Idempotent for the same sandbox and record.
+    /// Another claimant: [`HandoffError::Claimed`]; a different record an
+    /// unclaimed directory holds is replaced. A directory left without
+    /// `mountInfo.json` by a crash is completed.
+    pub fn stage_claimed(
+        &self,
+        target: &str,
+        mi: &MountInfo,
+        sandbox_id: &str,
+        runtime_cli: Option<&str>,
+    ) -> Result<()> {
+        let key = self.check_target(target)?;
+        self.check_mount_info(mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
+        if let Some(cli) = runtime_cli {
+            if self.layout == Layout::Kata {
+                return Err(HandoffError::Unsupported(
+                    "the Kata layout has no runtime-cli file".into(),
+                ));
+            }
+            validate::check_abs_path("runtime cli", cli).map_err(HandoffError::InvalidArgument)?;
+        }
+        let json = mi.to_json();
+        if json.len() as u64 > MAX_RECORD_SIZE {
+            return Err(HandoffError::InvalidArgument(
+                "the record would exceed 64 KiB".into(),
+            ));
+        }
+        let root = self.open_root(true)?.expect("root created");
+        let dir = self
+            .lock_record_dir(&root, &key, true)?
+            .expect("dir created");
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        let staged = entries.iter().any(|e| matches!(e, Entry::MountInfo));
+        if staged && let Some(other) = first_sandbox(&entries).filter(|o| *o != sandbox_id) {
+            return Err(HandoffError::Claimed {
+                target: target.into(),
+                by: other.to_string(),
+            });
+        }
+        // A claim file left without its record by a crash names nobody who
+        // could have used the record: it goes.
+        for e in &entries {
+            if let Entry::Sandbox(other) = e
+                && other != sandbox_id
+            {
+                unlink_ignore_missing(&dir, other, &path)?;
+            }
+        }
+        if !entries
+            .iter()
+            .any(|e| matches!(e, Entry::Sandbox(n) if n == sandbox_id))
+        {
+            match rustix::fs::openat(
+                &dir,
+                sandbox_id,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            ) {
+                Ok(fd) => rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o600))
+                    .map_err(|e| HandoffError::io("chmod claim", e))?,
+                Err(Errno::EXIST) => {}
+                Err(e) => return Err(HandoffError::io(format!("claim {path}"), e)),
+            }
+        }
+        match runtime_cli {
+            Some(cli) if read_runtime_cli(&dir, &path)?.as_deref() != Some(cli) => {
+                write_atomic(&dir, RUNTIME_CLI_FILE, cli.as_bytes(), &path)?
+            }
+            _ => rustix::fs::fsync(&dir).map_err(|e| HandoffError::io("fsync record dir", e))?,
+        }
+        let same = staged
+            && read_bounded(&dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, &path)?
+                .and_then(|b| MountInfo::from_json(&b).ok())
+                .as_ref()
+                == Some(mi);
+        if same {
+            return Ok(());
+        }
+        write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)
+    }
+
+    /// Removes the directory of `target` if it holds no `mountInfo.json`
+    /// (what a [`Store::stage_claimed`] interrupted before its last write
+    /// leaves: nobody could have read or used that record). A complete
+    /// record is left alone: Ok(false). Removed or nothing there: Ok(true).
+    pub fn discard_partial(&self, target: &str) -> Result<bool> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Ok(true);
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Ok(true);
+        };
+        let path = self.display(&key);
+        let entries = self.entries(&dir, &path)?;
+        if entries.iter().any(|e| matches!(e, Entry::MountInfo)) {
+            return Ok(false);
+        }
+        for e in &entries {
+            unlink_ignore_missing(&dir, entry_name(e), &path)?;
+        }
+        match rustix::fs::unlinkat(&root, key.as_str(), AtFlags::REMOVEDIR) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(HandoffError::io(format!("remove {path}"), e)),
+        }
+        rustix::fs::fsync(&root).map_err(|e| HandoffError::io("fsync root", e))?;
+        Ok(true)
+    }
+
     /// Everything [`Store::stage`] would refuse, without writing: lets a
     /// caller staging into several layouts check them all first.
     pub fn check_stage(&self, target: &str, mi: &MountInfo) -> Result<()> {

@@ -1133,3 +1133,76 @@ fn kata_valid_records_are_read() {
         assert_bad(f.store.read(TARGET), why);
     }
 }
+
+#[test]
+fn stage_claimed_writes_the_claim_before_the_record() {
+    let f = fixture(Layout::Crust, Policy::default());
+    let dev = block_dev();
+    let mi = sample(&dev);
+    // A crash after the claim file, before mountInfo.json: invisible to
+    // readers and claimers, completed by a retry.
+    let dir = f.root.join(crust_key(TARGET));
+    fs::create_dir_all(&dir).unwrap();
+    for p in [&f.root, &dir] {
+        fs::set_permissions(p, fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    fs::write(dir.join("sb-old"), b"").unwrap();
+    fs::set_permissions(dir.join("sb-old"), fs::Permissions::from_mode(0o600)).unwrap();
+    assert!(matches!(
+        f.store.read(TARGET),
+        Err(HandoffError::NotFound(_))
+    ));
+    assert!(f.store.find_for_source(TARGET, TARGET).unwrap().is_none());
+    assert!(matches!(
+        f.store.claim(TARGET, "sb-x", |_| true),
+        Err(HandoffError::NotFound(_))
+    ));
+
+    f.store
+        .stage_claimed(TARGET, &mi, "sb-a", Some("/usr/bin/crust-runtime"))
+        .unwrap();
+    assert_eq!(names(&dir), ["mountInfo.json", "runtime-cli", "sb-a"]);
+    let st = f.store.inspect(TARGET).unwrap();
+    assert_eq!(st.mount_info, mi);
+    assert_eq!(st.claimant.as_deref(), Some("sb-a"));
+    assert_eq!(st.runtime_cli.as_deref(), Some("/usr/bin/crust-runtime"));
+    for n in names(&dir) {
+        assert_eq!(mode(&dir.join(n)), 0o600);
+    }
+    // Idempotent for the same sandbox; another sandbox is refused.
+    f.store
+        .stage_claimed(TARGET, &mi, "sb-a", Some("/usr/bin/crust-runtime"))
+        .unwrap();
+    let e = f
+        .store
+        .stage_claimed(TARGET, &mi, "sb-b", Some("/usr/bin/crust-runtime"))
+        .unwrap_err();
+    assert!(
+        matches!(&e, HandoffError::Claimed { by, .. } if by == "sb-a"),
+        "{e}"
+    );
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition);
+    // A complete record is never discarded as partial.
+    assert!(!f.store.discard_partial(TARGET).unwrap());
+    assert_eq!(f.store.claimant(TARGET).unwrap().as_deref(), Some("sb-a"));
+    f.store.release(TARGET, "sb-a").unwrap();
+    f.store.remove(TARGET).unwrap();
+
+    // A partial directory is discarded whole.
+    fs::create_dir_all(&dir).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::write(dir.join("sb-c"), b"").unwrap();
+    fs::set_permissions(dir.join("sb-c"), fs::Permissions::from_mode(0o600)).unwrap();
+    assert!(f.store.discard_partial(TARGET).unwrap());
+    assert!(!dir.exists());
+    assert!(
+        f.store.discard_partial(TARGET).unwrap(),
+        "nothing there: Ok"
+    );
+    // The Kata layout has no runtime-cli.
+    let k = fixture(Layout::Kata, Policy::default());
+    assert!(matches!(
+        k.store.stage_claimed(TARGET, &mi, "sb-a", Some("/x")),
+        Err(HandoffError::Unsupported(_))
+    ));
+}

@@ -237,6 +237,58 @@ impl CrustOps {
         Ok(())
     }
 
+    /// Writes the CRUST-layout record for a handover, already claimed by
+    /// `sandbox` with its `runtime_cli` (see
+    /// [`crust_handoff::Store::stage_claimed`]): a runtime that asked the
+    /// plugin for a host-published volume gets it, and no other runtime
+    /// can claim the record first. Flags pass the one allow-list; a new
+    /// record needs a device nobody holds. Idempotent for the same sandbox.
+    pub async fn stage_claimed(
+        &self,
+        mut req: StageRequest,
+        sandbox: &str,
+        runtime_cli: &str,
+    ) -> Result<(), OpsError> {
+        let store = self.crust.clone().ok_or_else(|| {
+            OpsError::InvalidArgument(
+                "a handover needs the CRUST hand-off layout (--handoff-layout crust or both)"
+                    .into(),
+            )
+        })?;
+        store.check_target(&req.target_path)?;
+        normalize_flags(&mut req)?;
+        let mi = req.mount_info();
+        let (target, sandbox, cli) = (
+            req.target_path.clone(),
+            sandbox.to_string(),
+            runtime_cli.to_string(),
+        );
+        blocking(move || {
+            let mine = store
+                .inspect(&target)
+                .is_ok_and(|st| st.mount_info == mi && st.claimant.as_deref() == Some(&*sandbox));
+            if !mine {
+                check_device_free(&mi.device)?;
+            }
+            store.stage_claimed(&target, &mi, &sandbox, Some(&cli))?;
+            Ok(())
+        })
+        .await?;
+        tracing::info!(target = %req.target_path, device = %req.device, "staged for a handover");
+        Ok(())
+    }
+
+    /// Removes what an interrupted [`CrustOps::stage_claimed`] left (a
+    /// record directory without `mountInfo.json`, which nobody could have
+    /// used). Ok(false): a complete record is there (left alone).
+    pub async fn discard_partial(&self, target: &str) -> Result<bool, OpsError> {
+        let Some(store) = self.crust.clone() else {
+            return Ok(true);
+        };
+        let t = target.to_string();
+        blocking(move || Ok(store.discard_partial(&t)?)).await
+    }
+
     /// Removes the hand-off record(s). Idempotent.
     ///
     /// A record a sandbox claims is removed only on positive proof that

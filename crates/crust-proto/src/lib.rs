@@ -4,6 +4,8 @@
 //!   built on v1.12 still read, and the KEP-2857 extension
 //!   (`defer_fs_ops`, supplemental group fields, DEFER_FS_OPS capabilities).
 //! - [`runtime::v1alpha1`]: the KEP-2857 `Runtime` service of crust_ops.
+//! - [`handover::v1alpha1`]: crust-csi's `Handover` service (runtime-driven
+//!   deferral: a VM runtime takes a host-published volume into its guest).
 //! - [`server::incoming`]: how every crust gRPC server accepts
 //!   connections (the unix-socket `:authority` of non-Go clients is
 //!   rewritten before h2 sees it, see [`authority`]).
@@ -19,6 +21,13 @@ pub mod runtime {
     pub mod v1alpha1 {
         #![allow(clippy::all, clippy::pedantic)]
         tonic::include_proto!("crust.runtime.v1alpha1");
+    }
+}
+
+pub mod handover {
+    pub mod v1alpha1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        tonic::include_proto!("crust.handover.v1alpha1");
     }
 }
 

@@ -245,6 +245,11 @@ impl TestNode {
         self.path("cli-map.json")
     }
 
+    /// The node's Handover service socket.
+    pub fn handover_socket(&self) -> PathBuf {
+        self.path("sock/handover.sock")
+    }
+
     pub fn path(&self, rel: &str) -> PathBuf {
         self.dir.path().join(rel)
     }
@@ -262,6 +267,16 @@ impl TestNode {
         // mode; the deferral suites pass `--deferral enabled` themselves.
         if !self.extra.iter().any(|a| a.starts_with("--deferral")) {
             cmd.args(["--deferral", "disabled"]);
+        }
+        // Each node serves its own Handover socket (never the host's
+        // default /run/crust/handover.sock, shared by parallel tests).
+        if !self
+            .extra
+            .iter()
+            .any(|a| a.starts_with("--handover-endpoint"))
+        {
+            cmd.arg("--handover-endpoint")
+                .arg(format!("unix://{}", self.handover_socket().display()));
         }
         cmd.arg("--endpoint")
             .arg(format!("unix://{}", self.socket.display()))

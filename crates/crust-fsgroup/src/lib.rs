@@ -11,15 +11,29 @@
 //!
 //! The walk is descriptor-based (`openat` with `O_NOFOLLOW`) and stays on
 //! the volume's filesystem.
+//!
+//! Two users: the guest agent (a deferred or handed-over volume mounted in
+//! a guest) and crust-csi (a host publication whose fsGroup kubelet
+//! delegated through VOLUME_MOUNT_GROUP).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Instant;
 
-use crust_agent_proto::FsGroupPolicy;
 use rustix::fs::{AtFlags, FileType, Gid, Mode, OFlags, Stat};
 use rustix::io::Errno;
+
+/// Kubernetes `fsGroupChangePolicy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FsGroupPolicy {
+    /// Walk the whole volume every time.
+    #[default]
+    Always,
+    /// Walk only when the root does not already have the group, setgid
+    /// and group rwx.
+    OnRootMismatch,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FsGroupError {

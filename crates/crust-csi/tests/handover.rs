@@ -1,0 +1,295 @@
+//! The Handover service (runtime-driven deferral) against the real
+//! `crust-csi` binary: pool backend on real loop devices, real mkfs and
+//! mounts, the CSI socket and the node's own Handover socket. The tests
+//! play the VM runtime: they ask for the volume published at a target,
+//! mount the device where the guest would, and hand it back.
+//!
+//! Budget: under 30 s on 2 cores (no guest).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use crust_proto::endpoint::Endpoint;
+use crust_proto::handover::v1alpha1 as hv;
+use hv::declined::Reason;
+use hv::hand_over_response::Outcome;
+use hv::handover_client::HandoverClient;
+use hv::runtime_capability::Type as Cap;
+use tonic::Code;
+use tonic::transport::Channel;
+
+async fn handover_client(node: &TestNode) -> HandoverClient<Channel> {
+    let ch = Endpoint::Unix(node.handover_socket())
+        .connect()
+        .await
+        .unwrap();
+    HandoverClient::new(ch)
+}
+
+fn ask(target: &str, sandbox: &str, fs: &[&str], required: bool) -> hv::HandOverRequest {
+    hv::HandOverRequest {
+        target_path: target.into(),
+        sandbox_id: sandbox.into(),
+        runtime_cli: runtime_cli().to_str().unwrap().into(),
+        capabilities: [
+            Cap::VolumeStats,
+            Cap::VolumeResize,
+            Cap::FsGroupChangePolicyAlways,
+        ]
+        .into_iter()
+        .map(|t| hv::RuntimeCapability { r#type: t as i32 })
+        .collect(),
+        file_systems: fs
+            .iter()
+            .map(|f| hv::FileSystemSupport {
+                fs_type: f.to_string(),
+                mount_options: Vec::new(),
+            })
+            .collect(),
+        required,
+    }
+}
+
+/// The tmpfs source name of the plugin's read-only placeholder.
+const PLACEHOLDER: &str = "crust-volume-elsewhere";
+
+/// (mount point, source) of every mount in this process's namespace
+/// (/proc/self/mountinfo).
+fn mountinfo() -> Vec<(PathBuf, String)> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let sep = f.iter().position(|x| *x == "-")?;
+            Some((PathBuf::from(f[4]), f.get(sep + 2)?.to_string()))
+        })
+        .collect()
+}
+
+/// Anything mounted at `p`.
+fn is_mounted(p: &str) -> bool {
+    mountinfo().iter().any(|(m, _)| m == Path::new(p))
+}
+
+/// A mount at `p` other than the placeholder (a host mount of the volume).
+fn host_mounted(p: &str) -> bool {
+    mountinfo()
+        .iter()
+        .any(|(m, src)| m == Path::new(p) && src != PLACEHOLDER)
+}
+
+/// The device is mounted nowhere in this namespace.
+fn device_unmounted(dev: &str) -> bool {
+    !mountinfo().iter().any(|(_, src)| src == dev)
+}
+
+fn handed_over(r: hv::HandOverResponse) -> hv::HandedOver {
+    match r.outcome {
+        Some(Outcome::HandedOver(h)) => h,
+        other => panic!("expected a handover, got {other:?}"),
+    }
+}
+
+fn declined(r: hv::HandOverResponse) -> hv::Declined {
+    match r.outcome {
+        Some(Outcome::Declined(d)) => d,
+        other => panic!("expected a decline, got {other:?}"),
+    }
+}
+
+/// Host publication → HandOver (no host mount left, the device carries
+/// the host's data, the "guest" writes) → HandBack (still no host mount)
+/// → kubelet's NodeUnpublish/NodeUnstage accept the returned volume → a
+/// later stage+publish checks and mounts it and holds all data →
+/// DeleteVolume; nothing leaked.
+#[tokio::test(flavor = "multi_thread")]
+async fn hand_over_and_back_without_a_host_mount() {
+    let mut node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let id = c
+        .create(create_req("ho-1", 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/ho-1");
+    let target = node.mkdir("pods/p1/ho-1");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    // The runc-side writer (the host mount).
+    std::fs::write(Path::new(&target).join("host.txt"), b"from the host").unwrap();
+
+    let t0 = std::time::Instant::now();
+    let got = handed_over(
+        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    eprintln!("HandOver took {:?}", t0.elapsed());
+    assert_eq!(got.volume_id, id);
+    assert_eq!(got.fs_type, "ext4");
+    assert!(!got.readonly);
+    assert!(!host_mounted(&target), "target still mounted on the host");
+    assert!(is_mounted(&target), "the placeholder shows on the target");
+    assert!(!is_mounted(&staging), "staging still mounted on the host");
+    assert!(
+        device_unmounted(&got.device),
+        "{} still mounted",
+        got.device
+    );
+    // Asking again from the same sandbox is idempotent.
+    let again = handed_over(
+        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(again.device, got.device);
+    // kubelet cannot tear it down under the sandbox's claim: the volume is
+    // in use by the sandbox (and its runtime CLI says it is not stopped).
+
+    let guest_dir = node.path("guest/ho-1");
+    // The runtime CLI's view of the sandbox: running while its guest
+    // mount is there, stopped once it is gone (HandBack checks it).
+    let map = serde_json::json!({
+        target.as_str(): {"sandbox": "sb-1", "mount": guest_dir.to_str().unwrap()}
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    {
+        let mut g = GuestMount::new(Path::new(&got.device), &guest_dir, &got.fs_type);
+        assert_eq!(
+            std::fs::read(guest_dir.join("host.txt")).unwrap(),
+            b"from the host"
+        );
+        std::fs::write(guest_dir.join("guest.txt"), b"from the guest").unwrap();
+        g.unmount();
+    }
+
+    h.hand_back(hv::HandBackRequest {
+        target_path: target.clone(),
+        sandbox_id: "sb-1".into(),
+    })
+    .await
+    .unwrap();
+    assert!(!host_mounted(&target), "hand back mounted the target");
+    assert!(!is_mounted(&staging), "hand back mounted the staging path");
+    assert!(
+        device_unmounted(&got.device),
+        "hand back mounted the device"
+    );
+    // Idempotent.
+    h.hand_back(hv::HandBackRequest {
+        target_path: target.clone(),
+        sandbox_id: "sb-1".into(),
+    })
+    .await
+    .unwrap();
+
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    assert!(!is_mounted(&target) && !is_mounted(&staging));
+
+    // A later host publication checks the returned filesystem and mounts it.
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    assert!(host_mounted(&target));
+    let log = node.plugin.as_ref().unwrap().stderr();
+    assert!(
+        log.contains("filesystem back from a guest passed its check and is mounted on the host"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read(Path::new(&target).join("host.txt")).unwrap(),
+        b"from the host"
+    );
+    assert_eq!(
+        std::fs::read(Path::new(&target).join("guest.txt")).unwrap(),
+        b"from the guest"
+    );
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(loops_under(node.dir.path()).is_empty());
+    let st = node.stop();
+    assert!(st.success(), "{st}");
+}
+
+/// What cannot be handed over is declined (auto: the runtime shares the
+/// host mount) or FAILED_PRECONDITION when deferral was required; the host
+/// mount stays untouched either way.
+#[tokio::test(flavor = "multi_thread")]
+async fn declines_leave_the_host_mount() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let id = c
+        .create(create_req("ho-2", 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/ho-2");
+    let t1 = node.mkdir("pods/p1/ho-2");
+    let t2 = node.mkdir("pods/p2/ho-2");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &t1, mount("ext4"), false)
+        .await
+        .unwrap();
+
+    // Not ours.
+    let other = node.mkdir("pods/p3/none");
+    let d = declined(
+        h.hand_over(ask(&other, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(d.reason, Reason::NotPublished as i32);
+
+    // The guest cannot mount ext4.
+    let d = declined(
+        h.hand_over(ask(&t1, "sb-1", &["xfs"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(
+        d.reason,
+        Reason::UnsupportedFilesystem as i32,
+        "{}",
+        d.message
+    );
+    let e = h
+        .hand_over(ask(&t1, "sb-1", &["xfs"], true))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(host_mounted(&t1));
+
+    // Published twice: never handed over.
+    c.publish(&id, &staging, &t2, mount("ext4"), false)
+        .await
+        .unwrap();
+    let d = declined(
+        h.hand_over(ask(&t1, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(d.reason, Reason::MultipleTargets as i32, "{}", d.message);
+    assert!(host_mounted(&t1) && host_mounted(&t2));
+
+    c.unpublish(&id, &t2).await.unwrap();
+    c.unpublish(&id, &t1).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+}
