@@ -79,6 +79,18 @@ pub fn block_device_size(path: &Path) -> Result<u64, DeviceError> {
     size_of_fd(&fd, path)
 }
 
+/// Sets or clears the kernel's read-only flag of a block device
+/// (`BLKROSET`): a read-only bind of a device node does not stop writes
+/// through it, this does.
+pub fn set_read_only(path: &Path, read_only: bool) -> Result<(), DeviceError> {
+    let fd = open_block(path, OFlags::RDONLY)?;
+    let mut v: i32 = read_only.into();
+    // SAFETY: BLKROSET reads one int through the pointer.
+    unsafe { sys::ioctl_ptr(&fd, linux_raw_sys::ioctl::BLKROSET, &mut v) }
+        .map_err(|e| DeviceError::io(path, e))?;
+    Ok(())
+}
+
 /// Whether something holds the device exclusively: a mounted filesystem (in
 /// any mount namespace), a device-mapper or md holder, or another
 /// `O_EXCL` opener. Implemented by trying an `O_EXCL` open, which the

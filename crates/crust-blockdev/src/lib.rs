@@ -7,7 +7,7 @@
 //!   [`LoopDevice::attach`], [`find_by_backing`], [`detach`],
 //!   [`refresh_capacity`], [`list_loops`], and [`LoopGuard`] for tests.
 //! * [`device`]: [`block_device_size`], [`is_block_device`],
-//!   [`device_major_minor`], [`is_device_in_use`] (an `O_EXCL` test,
+//!   [`device_major_minor`], [`set_read_only`], [`is_device_in_use`] (an `O_EXCL` test,
 //!   [`is_device_held_exclusively`], plus other processes' descriptors from
 //!   `/proc/*/fd`, [`device_openers`]), [`wipe_edges`].
 //! * [`holder`]: [`claim_exclusive`] / [`ensure_device_free`]: nobody
@@ -15,7 +15,8 @@
 //!   named from `/proc` only after a refusal), and the [`ExclusiveDevice`]
 //!   the runtime keeps while a guest may use a device.
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
-//!   never formatted.
+//!   never formatted; [`fs_bytes`] / [`fs_needs_grow`] compare a
+//!   filesystem's size with its device's.
 //! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
 //!   [`grow_fs_offline`] (the only places that exec tools: `mkfs.ext4`,
 //!   `mkfs.xfs`, `resize2fs`, `xfs_growfs`, `e2fsck`). Online ext4 growth
@@ -52,7 +53,8 @@ pub mod usage;
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
-    is_block_device, is_device_held_exclusively, is_device_in_use, sysfs_name, wipe_edges,
+    is_block_device, is_device_held_exclusively, is_device_in_use, set_read_only, sysfs_name,
+    wipe_edges,
 };
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
@@ -77,5 +79,5 @@ pub use mount::{
     mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount, unmount_top,
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
-pub use probe::{Probe, ProbeError, probe_fs};
+pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};
 pub use usage::{Usage, UsageError, usage};

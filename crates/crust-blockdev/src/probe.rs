@@ -124,6 +124,59 @@ pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
     Ok(Probe::Blank)
 }
 
+/// Bytes the filesystem `fs` on `dev` spans, from its superblock: ext4's
+/// blocks count (with the 64-bit high half) times its block size; xfs's
+/// data blocks (`sb_dblocks`) times `sb_blocksize`, big-endian.
+pub fn fs_bytes(dev: &Path, fs: FsType) -> Result<u64, ProbeError> {
+    let err = |source: io::Error| ProbeError {
+        path: dev.to_path_buf(),
+        source,
+    };
+    let bad = |what: &str| err(io::Error::new(io::ErrorKind::InvalidData, what.to_string()));
+    // Buffered, unlike probe_fs: a mounted filesystem's newest superblock
+    // may be in the page cache, not on the disk yet.
+    let fd = rustix::fs::open(dev, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| err(e.into()))?;
+    let head = read_region(&fd, 0, 4096).map_err(err)?;
+    match fs {
+        FsType::Ext4 => {
+            let sb = head.get(1024..2048).unwrap_or_default();
+            if sb.len() < 0x154 || sb[0x38..0x3a] != [0x53, 0xEF] {
+                return Err(bad("no ext4 superblock"));
+            }
+            let log = le32(sb, 0x18);
+            if log > 6 {
+                return Err(bad("implausible ext4 block size"));
+            }
+            let mut blocks = u64::from(le32(sb, 0x04));
+            const INCOMPAT_64BIT: u32 = 0x80;
+            if le32(sb, 0x60) & INCOMPAT_64BIT != 0 {
+                blocks |= u64::from(le32(sb, 0x150)) << 32;
+            }
+            Ok(blocks * (1024 << log))
+        }
+        FsType::Xfs => {
+            let sb = &head;
+            if sb.len() < 16 || &sb[0..4] != b"XFSB" {
+                return Err(bad("no xfs superblock"));
+            }
+            let block = u64::from(u32::from_be_bytes(sb[4..8].try_into().expect("4 bytes")));
+            Ok(u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes")) * block)
+        }
+    }
+}
+
+/// Whether the filesystem `fs` on the block device `dev` is at least
+/// 1 MiB smaller than the device (grown while the filesystem was not).
+pub fn fs_needs_grow(dev: &Path, fs: FsType) -> Result<bool, ProbeError> {
+    let fs_size = fs_bytes(dev, fs)?;
+    let dev_size = device::block_device_size(dev).map_err(|e| ProbeError {
+        path: dev.to_path_buf(),
+        source: io::Error::other(e),
+    })?;
+    Ok(dev_size >= fs_size + (1 << 20))
+}
+
 fn open_for_probe(dev: &Path) -> io::Result<(std::os::fd::OwnedFd, bool)> {
     let base = OFlags::RDONLY | OFlags::CLOEXEC;
     match rustix::fs::open(dev, base | OFlags::DIRECT, Mode::empty()) {

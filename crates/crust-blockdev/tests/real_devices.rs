@@ -468,6 +468,15 @@ fn grow_fs_online_ext4_and_xfs() {
         let lg = LoopGuard::attach(&img, rw()).unwrap();
         let dev = lg.path().to_path_buf();
         mkfs(&dev, fstype).unwrap();
+        // The superblock spans the whole new device.
+        assert_eq!(fs_bytes(&dev, fstype).unwrap(), small, "{fstype}");
+        assert!(!fs_needs_grow(&dev, fstype).unwrap());
+        let other = if fstype == FsType::Ext4 {
+            FsType::Xfs
+        } else {
+            FsType::Ext4
+        };
+        assert!(fs_bytes(&dev, other).is_err(), "{fstype} read as {other}");
         let mg = MountGuard::mount_fs(&dev, &mnt, fstype, &[], false).unwrap();
         std::fs::write(mnt.join("keep"), b"still here").unwrap();
         let before = usage(&mnt).unwrap().bytes_total;
@@ -479,6 +488,7 @@ fn grow_fs_online_ext4_and_xfs() {
             .set_len(big)
             .unwrap();
         assert_eq!(refresh_capacity(&dev).unwrap(), big);
+        assert!(fs_needs_grow(&dev, fstype).unwrap());
         // Wrong mount point is refused.
         assert!(matches!(
             grow_fs(&dev, dir.path(), fstype),
@@ -523,6 +533,7 @@ fn grow_fs_online_ext4_and_xfs() {
             after > before + (big - small) / 2,
             "{fstype}: {before} -> {after}"
         );
+        assert!(!fs_needs_grow(&dev, fstype).unwrap(), "{fstype} grown");
         assert!(after <= big);
         if fstype == FsType::Xfs {
             assert!(matches!(

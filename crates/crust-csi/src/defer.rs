@@ -25,12 +25,10 @@ use crust_proto::csi::v1 as csi;
 
 use crate::caps::Capability;
 use crate::driver::Driver;
-use crate::error::NodeError;
+use crate::error::{NodeError, fs_err, mount_err};
 use crate::health::Condition;
 use crate::node::DEFER_CONTEXT_KEY;
-use crate::node::{
-    fs_err, mount_err, mounted_here, prepare_target, remove_target, sync_and_unmount,
-};
+use crate::node::{mounted_here, prepare_target, remove_target, sync_and_unmount};
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;

@@ -143,6 +143,32 @@ impl From<NodeError> for Status {
     }
 }
 
+/// Maps a mount error: a bad option is INVALID_ARGUMENT, a target in the
+/// wrong state FAILED_PRECONDITION, the rest INTERNAL.
+pub(crate) fn mount_err(e: crust_blockdev::MountError) -> NodeError {
+    use crust_blockdev::MountError;
+    match e {
+        MountError::InvalidOption { .. } => NodeError::InvalidArgument(e.to_string()),
+        MountError::BadTarget(_)
+        | MountError::TargetInUse { .. }
+        | MountError::ReadOnlyMismatch { .. }
+        | MountError::Busy { .. } => NodeError::FailedPrecondition(e.to_string()),
+        other => NodeError::Internal(other.to_string()),
+    }
+}
+
+/// Maps a format/grow error: a device that is mounted or open in another
+/// process (a sandbox's QEMU) is FAILED_PRECONDITION, the rest INTERNAL.
+pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
+    use crust_blockdev::FsError;
+    match e {
+        FsError::InUse { .. } | FsError::OpenElsewhere { .. } => {
+            NodeError::FailedPrecondition(e.to_string())
+        }
+        other => NodeError::Internal(format!("{context}: {other}")),
+    }
+}
+
 /// Every message leaves through the one sanitizer (control characters
 /// escaped, bounded): a caller's string that an echo site forgot to quote
 /// still cannot carry raw bytes or kilobytes back.

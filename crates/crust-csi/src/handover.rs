@@ -56,8 +56,9 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::driver::Driver;
 use crate::error::NodeError;
+use crate::error::mount_err;
 use crate::guard::Busy;
-use crate::node::{DeferMode, mount_err, mounted_here, publication_of, sync_and_unmount};
+use crate::node::{DeferMode, mounted_here, publication_of, sync_and_unmount};
 use crate::state::{HostMount, Publication, StateError, VolumeRecord};
 
 /// A handover in progress or in force, as the volume record keeps it.
@@ -622,7 +623,7 @@ impl Driver {
         if h.host_mounted {
             if !mounted_here(&s.device, &s.path)? {
                 crust_blockdev::ensure_no_other_openers(&s.device, crust_blockdev::fs::MOUNT)
-                    .map_err(|e| crate::node::fs_err("checking for other openers", e))?;
+                    .map_err(|e| crate::error::fs_err("checking for other openers", e))?;
                 let fs = s.fs_type.unwrap_or(rec.fs_type);
                 crust_blockdev::mount_fs(&s.device, &s.path, fs, &s.mount_options, s.readonly)
                     .map_err(mount_err)?;
@@ -843,7 +844,7 @@ impl Driver {
                     }
                 ))
             }
-            e => crate::node::fs_err("checking the filesystem", e),
+            e => crate::error::fs_err("checking the filesystem", e),
         })?;
         let mut words = crust_fs::options::parse(fs, &flags, false)
             .map(|p| p.words)

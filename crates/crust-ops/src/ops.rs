@@ -494,7 +494,8 @@ impl CrustOps {
                 liveness.detail
             ))),
             SandboxState::Unknown => Err(still(format!(
-                "its runtime ({cli}) does not know it ({}); a claim is released only on proof                  that its sandbox stopped",
+                "its runtime ({cli}) does not know it ({}); a claim is released only on proof \
+                 that its sandbox stopped",
                 liveness.detail
             ))),
             SandboxState::Stopped => {

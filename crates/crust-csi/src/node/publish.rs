@@ -1,0 +1,337 @@
+//! NodePublishVolume and NodeUnpublishVolume on the host: a bind of the
+//! staging mount (filesystem) or of the device node (raw block) onto the
+//! target; deferred publications go to `crate::defer`, handed-over ones
+//! to `crate::handover`.
+
+use std::path::Path;
+
+use crust_proto::csi::v1 as csi;
+
+use super::target::{mounted_source, prepare_target, publication_of, remove_target};
+use super::{FsOps, abs_path, context_defers};
+use crate::caps::{Access, Capability};
+use crate::driver::Driver;
+use crate::error::{NodeError, mount_err};
+use crate::state::{HostMount, Publication};
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// kubelet delegated fsGroup (VOLUME_MOUNT_GROUP): its group on the
+/// volume, as kubelet's own SetVolumeOwnership would with
+/// fsGroupChangePolicy OnRootMismatch (kubelet passes no policy to a
+/// driver; a full walk on every publish would make pod starts
+/// proportional to the volume's file count).
+fn apply_fs_group(id: &str, root: &Path, gid: u32) -> Result<()> {
+    let walked = crust_fsgroup::apply(
+        root,
+        gid,
+        crust_fsgroup::FsGroupPolicy::OnRootMismatch,
+        None,
+    )
+    .map_err(|e| NodeError::Internal(format!("volume {id}: {e}")))?;
+    if walked {
+        tracing::info!(volume = %id, gid, "applied fsGroup (volume_mount_group) on the host mount");
+    }
+    Ok(())
+}
+
+impl Driver {
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
+    pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let staging = abs_path("staging_target_path", &req.staging_target_path)?;
+        let target = abs_path("target_path", &req.target_path)?;
+        let wants_deferral = req.defer_fs_ops || context_defers(Some(&req.volume_context))?;
+        let cap = {
+            let c = req
+                .volume_capability
+                .as_ref()
+                .ok_or(NodeError::Missing("volume_capability"))?;
+            if wants_deferral {
+                Capability::from_proto_deferred(c)
+            } else {
+                Capability::from_proto(c)
+            }
+            .map_err(NodeError::InvalidArgument)?
+        };
+        if target.starts_with(&staging) || staging.starts_with(&target) {
+            return Err(NodeError::InvalidArgument(format!(
+                "target_path {} and staging_target_path {} must not contain each other",
+                target.display(),
+                staging.display()
+            )));
+        }
+        if wants_deferral && cap.access.is_block() {
+            return Err(NodeError::InvalidArgument(
+                "deferred filesystem operations were requested for a raw block volume: \
+                 deferral hands a filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
+        }
+        let route = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
+        let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
+        let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
+        let id = rec.id.clone();
+        let mut s = match &rec.staging {
+            Some(s) if s.path == staging => s.clone(),
+            Some(s) => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is staged at {}, not at {}",
+                    s.path.display(),
+                    staging.display()
+                )));
+            }
+            None => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is not staged; call NodeStageVolume first"
+                )));
+            }
+        };
+        let block = cap.access.is_block();
+        if block != s.block {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged for {} access; it cannot be published for {} access",
+                if s.block { "raw block" } else { "filesystem" },
+                if block { "raw block" } else { "filesystem" }
+            )));
+        }
+        if let Access::Mount { fs_type: Some(f) } = cap.access
+            && Some(f) != s.fs_type
+        {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged with {}; the capability asks for {f}",
+                s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
+            )));
+        }
+        // Never bind an empty staging directory or a device number that
+        // now belongs to something else (e.g. after a reboot): the staged
+        // device must still be this volume's, and mounted at the staging path.
+        let attached = self.backend.attached_device(&id)?;
+        if attached.as_deref() != Some(s.device.as_path()) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was staged on {} but that device is no longer attached to it \
+                 (node rebooted?); call NodeStageVolume again",
+                s.device.display()
+            )));
+        }
+        if route == FsOps::Deferred {
+            return self.publish_deferred(req, rec, s, target, cap);
+        }
+        if rec.published.get(&target).is_some_and(|p| p.handed_over) {
+            // kubelet repeating the publication a VM runtime took by
+            // handover: it is there, in the sandbox (or returned from it).
+            tracing::info!(volume = %id, target = %target.display(),
+                "repeated publish of a handed-over target: nothing to do");
+            return Ok(());
+        }
+        if let Some(p) = rec.published.get(&target)
+            && p.deferred
+        {
+            return Err(NodeError::AlreadyExists(format!(
+                "volume {id} is already published at {} with deferred filesystem operations; \
+                 a host publication there would differ",
+                target.display()
+            )));
+        }
+        if !block && s.host_mount != HostMount::Mounted {
+            s = self.remount_staging(&mut rec, &cap)?;
+        }
+        if !block {
+            let numbers = crust_blockdev::device_major_minor(&s.device)
+                .map_err(|e| NodeError::Internal(e.to_string()))?;
+            match crust_blockdev::find_mount(&staging).map_err(mount_err)? {
+                Some(m) if (m.major, m.minor) == numbers => {}
+                _ => {
+                    return Err(NodeError::FailedPrecondition(format!(
+                        "volume {id} is not mounted at its staging path {} (unmounted outside \
+                         the plugin, or the node rebooted); call NodeStageVolume again",
+                        staging.display()
+                    )));
+                }
+            }
+        }
+        let readonly = req.readonly || cap.mode.read_only() || s.readonly;
+        let wanted = Publication {
+            supplemental_group: cap.fs_group(),
+            ..Publication::host(block, readonly, cap.mode, cap.flags_digest())
+        };
+        let repeat = match rec.published.get(&target) {
+            Some(p)
+                if Publication {
+                    created_target: false,
+                    ..p.clone()
+                } == wanted =>
+            {
+                true
+            }
+            Some(p) => {
+                return Err(NodeError::AlreadyExists(format!(
+                    "volume {id} is already published at {} with readonly={} and access mode {:?}",
+                    target.display(),
+                    p.readonly,
+                    p.mode
+                )));
+            }
+            None => false,
+        };
+        if !repeat {
+            let others: Vec<_> = rec
+                .published
+                .iter()
+                .filter(|(t, _)| **t != target)
+                .collect();
+            if let Some((t, p)) = others
+                .iter()
+                .find(|(_, p)| p.mode.single_target() || cap.mode.single_target())
+            {
+                let mode = if p.mode.single_target() {
+                    p.mode
+                } else {
+                    cap.mode
+                };
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is already published at {} and access mode {mode:?} allows \
+                     only one publish target",
+                    t.display()
+                )));
+            }
+            if block && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != readonly) {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "raw block volume {id} is already published {} at {}; read-only raw block \
+                     access makes the whole device read-only, so read-only and read-write \
+                     publications cannot be mixed",
+                    if readonly { "read-write" } else { "read-only" },
+                    t.display()
+                )));
+            }
+        }
+        if !block
+            && !readonly
+            && let Some(gid) = cap.fs_group()
+        {
+            apply_fs_group(&id, &s.path, gid)?;
+        }
+        let created = prepare_target(&target, block, Some(&s.device))?;
+        let source: &Path = if block { &s.device } else { &s.path };
+        let result = crust_blockdev::bind_mount(source, &target, readonly)
+            .map_err(mount_err)
+            .and_then(|()| {
+                if block && readonly {
+                    crust_blockdev::set_read_only(&s.device, true).map_err(|e| {
+                        let _ = crust_blockdev::unmount(&target);
+                        NodeError::Internal(format!(
+                            "setting {} read-only: {e}",
+                            s.device.display()
+                        ))
+                    })
+                } else {
+                    Ok(())
+                }
+            });
+        if let Err(e) = result {
+            if created {
+                remove_target(&target, true);
+            }
+            return Err(e);
+        }
+        if !repeat {
+            rec.published.insert(
+                target.clone(),
+                Publication {
+                    created_target: created,
+                    ..wanted
+                },
+            );
+            self.state.put(rec)?;
+        }
+        self.health.forget(&id);
+        tracing::info!(volume = %id, target = %target.display(), readonly, block, "volume published");
+        Ok(())
+    }
+
+    pub fn node_unpublish_volume(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let target = abs_path("target_path", &req.target_path)?;
+        let _guard = self
+            .guards
+            .try_begin(&req.volume_id, "NodeUnpublishVolume")?;
+        let Some(mut rec) = self.state.get(&req.volume_id) else {
+            return Ok(());
+        };
+        let id = rec.id.clone();
+        let Some(p) = rec.published.get(&target).cloned() else {
+            // Not recorded: only a bind of this volume left by a publish
+            // that crashed before recording it is undone, or the hand-off
+            // record of a deferred publish that crashed the same way.
+            if let Some(s) = &rec.staging
+                && publication_of(s, &target)
+            {
+                crust_blockdev::unmount_top(&target).map_err(mount_err)?;
+                // Whether the plugin created it is not recorded: only an
+                // empty file or directory goes.
+                remove_target(&target, true);
+            }
+            self.unpublish_unrecorded_deferred(&rec, &target)?;
+            return Ok(());
+        };
+        if p.handed_over {
+            return self.unpublish_handed_over(rec, &target);
+        }
+        if p.deferred {
+            // Whatever the request says (a kubelet that lost track of the
+            // deferral, or a plugin downgraded to --deferral disabled: KEP
+            // story 5), the records know the volume was handed to a runtime.
+            return self.unpublish_deferred(rec, &target);
+        }
+        if req.defer_fs_ops {
+            return Err(if self.deferral_enabled() {
+                NodeError::FailedPrecondition(format!(
+                    "volume {id} is published at {} on the host, not with deferred filesystem \
+                     operations; call NodeUnpublishVolume without defer_fs_ops",
+                    target.display()
+                ))
+            } else {
+                NodeError::DeferralUnsupported
+            });
+        }
+        if crust_blockdev::is_mountpoint(&target).map_err(mount_err)? {
+            // Only this volume's own bind is removed: whatever else was
+            // mounted there since stays, and so do the records.
+            let ours = rec
+                .staging
+                .as_ref()
+                .is_some_and(|s| publication_of(s, &target));
+            if !ours {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "target_path {} has {} mounted on it, which is not volume {id}'s \
+                     publication; nothing was unmounted or removed",
+                    target.display(),
+                    mounted_source(&target).unwrap_or_else(|| "something".into())
+                )));
+            }
+            crust_blockdev::unmount_top(&target).map_err(mount_err)?;
+        }
+        remove_target(&target, !p.block || p.created_target);
+        rec.published.remove(&target);
+        if p.block
+            && p.readonly
+            && let Some(s) = &rec.staging
+            && !s.readonly
+            && !rec.published.values().any(|o| o.block && o.readonly)
+            && let Err(e) = crust_blockdev::set_read_only(&s.device, false)
+        {
+            tracing::warn!(volume = %id, error = %e, "could not make the device writable again");
+        }
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, target = %target.display(), "volume unpublished");
+        Ok(())
+    }
+}

@@ -1,0 +1,447 @@
+//! NodeStageVolume and NodeUnstageVolume: attach, make sure of the
+//! filesystem (created on a blank device only), mount at the staging path
+//! (or not, for a deferred stage); undo in reverse.
+
+use std::path::{Path, PathBuf};
+
+use crust_blockdev::Probe;
+use crust_proto::csi::v1 as csi;
+
+use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
+use super::{DEFER_CONTEXT_KEY, FsOps, abs_path, node_cap};
+use crate::caps::{Access, FsType};
+use crate::driver::Driver;
+use crate::error::{NodeError, fs_err, mount_err};
+use crate::state::{HostMount, Staging, VolumeRecord};
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// Mount flags as the one allow-list normalizes them (one option per
+/// entry), as recorded for a handover.
+fn normalized_options(fs: FsType, flags: &[String]) -> Result<Vec<String>> {
+    crust_fs::options::parse(fs, flags, false)
+        .map(|p| p.words)
+        .map_err(|e| NodeError::InvalidArgument(e.to_string()))
+}
+
+/// Grows a freshly mounted xfs that is at least 1 MiB smaller than its
+/// device (a volume restored or cloned into a larger size; xfs grows only
+/// while mounted).
+fn grow_xfs_to_device(id: &str, device: &Path, mountpoint: &Path) -> Result<()> {
+    if fs_needs_grow(device, FsType::Xfs)? {
+        crust_blockdev::grow_fs(device, mountpoint, FsType::Xfs)
+            .map_err(|e| fs_err(&format!("growing xfs on {}", device.display()), e))?;
+        tracing::info!(volume = %id, device = %device.display(), "grew xfs to the device size after mounting");
+    }
+    Ok(())
+}
+
+/// Whether the filesystem on `device` is at least 1 MiB smaller than the
+/// device (grown while its filesystem was not).
+pub(super) fn fs_needs_grow(device: &Path, fs: FsType) -> Result<bool> {
+    crust_blockdev::fs_needs_grow(device, fs).map_err(|e| {
+        NodeError::Internal(format!(
+            "comparing the {fs} superblock with its device: {e}"
+        ))
+    })
+}
+
+/// The mount flags for `rec`'s filesystem: the capability's, plus
+/// `nouuid` for an xfs copied from a snapshot or volume (it shares its
+/// source's UUID, and the kernel refuses a second xfs with one).
+pub(crate) fn mount_flags_of(rec: &VolumeRecord, fs: FsType, flags: &[String]) -> Vec<String> {
+    let mut flags = flags.to_vec();
+    if fs == FsType::Xfs && rec.content_source.is_some() && !flags.iter().any(|f| f == "nouuid") {
+        flags.push("nouuid".into());
+    }
+    flags
+}
+
+impl Driver {
+    fn stage_gate(&self) {
+        if let Some(gate) = &self.cfg.hooks.stage_gate {
+            gate.pass();
+        }
+    }
+
+    #[allow(
+        clippy::too_many_lines,
+        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
+    )]
+    pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("staging_target_path", &req.staging_target_path)?;
+        let cap = node_cap(req.volume_capability.as_ref())?;
+        let deferred = self.fs_ops_route(false, Some(&req.volume_context))? == FsOps::Deferred;
+        if deferred && cap.access.is_block() {
+            return Err(NodeError::InvalidArgument(
+                "deferFsOps=true cannot be used with raw block access: deferral hands a \
+                 filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
+        }
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
+        self.stage_gate();
+        let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
+        let id = rec.id.clone();
+        let block = cap.access.is_block();
+        if block && !rec.allows_block() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was created for filesystem access only; it cannot be staged as raw block"
+            )));
+        }
+        if !block && !rec.allows_mount() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was created for raw block access only; staging it as a filesystem would format it"
+            )));
+        }
+        let fs_type: Option<FsType> = match cap.access {
+            Access::Block => None,
+            Access::Mount { fs_type: Some(f) } => Some(f),
+            Access::Mount { fs_type: None } => Some(rec.fs_type),
+        };
+        if let Some(f) = fs_type
+            && f != rec.fs_type
+        {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} has fsType {}; the capability asks for {f}",
+                rec.fs_type
+            )));
+        }
+        let readonly = cap.mode.read_only();
+        let wanted = Staging {
+            path: path.clone(),
+            device: PathBuf::new(),
+            block,
+            fs_type,
+            readonly,
+            mode: cap.mode,
+            flags_digest: cap.flags_digest(),
+            deferred,
+            host_mount: if deferred {
+                HostMount::UnmountedForDeferral
+            } else {
+                HostMount::Mounted
+            },
+            mount_options: match fs_type {
+                Some(fs) => normalized_options(fs, &mount_flags_of(&rec, fs, &cap.mount_flags))?,
+                None => Vec::new(),
+            },
+        };
+        let repeat = match &rec.staging {
+            Some(s) if s.path != path => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} is already staged at {}; unstage it first (one staging path per volume)",
+                    s.path.display()
+                )));
+            }
+            Some(s) => {
+                let same = s.block == wanted.block
+                    && s.fs_type == wanted.fs_type
+                    && s.mode == wanted.mode
+                    && s.flags_digest == wanted.flags_digest;
+                if !same {
+                    return Err(NodeError::AlreadyExists(format!(
+                        "volume {id} is already staged at {} with a different capability \
+                         ({}, {:?})",
+                        path.display(),
+                        if s.block { "block" } else { "mount" },
+                        s.mode
+                    )));
+                }
+                if s.deferred != deferred {
+                    return Err(NodeError::AlreadyExists(format!(
+                        "volume {id} is already staged at {} {} deferred filesystem operations \
+                         ({DEFER_CONTEXT_KEY}={}); unstage it first to change that",
+                        path.display(),
+                        if s.deferred { "with" } else { "without" },
+                        s.deferred
+                    )));
+                }
+                true
+            }
+            None => false,
+        };
+        require_dir("staging_target_path", &path)?;
+        if let Some(fs) = fs_type {
+            // Reject bad mount flags before touching anything.
+            crust_blockdev::parse_mount_options(fs, &cap.mount_flags, readonly)
+                .map_err(mount_err)?;
+        }
+        let attached = self.backend.attached_device(&id)?;
+        if !block && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref()) {
+            // kubelet repeats NodeStageVolume on every pod start and after
+            // its own restarts: while a sandbox's guest may have the
+            // filesystem mounted the host neither probes, checks, grows
+            // nor mounts it (QEMU does not hold the device O_EXCL, so
+            // nothing else would stop a host e2fsck).
+            if !repeat {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id}: {why}; the host will not check or mount its filesystem"
+                )));
+            }
+            return self.restage_for_guest(rec, &why);
+        }
+        let mut unmount_ours = false;
+        if !repeat
+            && !block
+            && let Some(m) = crust_blockdev::find_mount(&path).map_err(mount_err)?
+        {
+            // Our own mount from a stage that crashed before recording it
+            // is adopted (or, for a deferred stage, removed); anything
+            // else there is refused.
+            let ours = attached
+                .as_deref()
+                .and_then(|d| crust_blockdev::device_major_minor(d).ok())
+                == Some((m.major, m.minor));
+            if !ours {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "staging_target_path {} already has {} mounted on it",
+                    path.display(),
+                    m.source
+                )));
+            }
+            unmount_ours = deferred;
+        }
+        // What the host mount should be after this call: a deferred stage
+        // never mounts (a repeated stage unmounted for deferral returned
+        // above; a host publication mounts it again, see
+        // remount_staging); a host stage is mounted (or repaired).
+        let host_mount = match &rec.staging {
+            Some(s) if repeat => s.host_mount,
+            _ => wanted.host_mount,
+        };
+        let was_attached = attached.is_some();
+        let device = self.backend.attach(&id)?;
+        // Undo our attach if the rest fails, so a failed stage changes nothing.
+        let undo = |e: NodeError| {
+            if !repeat
+                && !was_attached
+                && let Err(de) = self.backend.detach(&id)
+            {
+                tracing::warn!(volume = %id, error = %de, "could not detach after failed stage");
+            }
+            e
+        };
+        if let Some(fs) = fs_type {
+            if unmount_ours {
+                sync_and_unmount(&path).map_err(undo)?;
+            }
+            // A mount of ours still here (adopted above) proves a format
+            // that finished before the plugin died: it holds the device.
+            let ours_mounted = mounted_here(&device, &path).map_err(undo)?;
+            self.ensure_filesystem(&mut rec, &device, fs, ours_mounted)
+                .map_err(undo)?;
+            if host_mount == HostMount::Mounted {
+                // A device that was already attached may be open in a
+                // sandbox's QEMU: never mount it on the host then. (A
+                // device this call attached is open nowhere else.)
+                if was_attached && !mounted_here(&device, &path)? {
+                    crust_blockdev::ensure_no_other_openers(&device, crust_blockdev::fs::MOUNT)
+                        .map_err(|e| fs_err("checking for other openers", e))?;
+                }
+                let fresh_mount = !mounted_here(&device, &path)?;
+                let mut flags = mount_flags_of(&rec, fs, &cap.mount_flags);
+                if fresh_mount {
+                    // A filesystem a guest had: checked in userspace first.
+                    flags = self
+                        .check_after_guest(&rec, &device, fs, flags)
+                        .map_err(undo)?;
+                }
+                crust_blockdev::mount_fs(&device, &path, fs, &flags, readonly)
+                    .map_err(mount_err)
+                    .map_err(undo)?;
+                if fresh_mount && rec.returned.take().is_some() {
+                    tracing::info!(volume = %id, "filesystem back from a guest passed its check and is mounted on the host");
+                }
+                // Only when this call mounted it: growing a mounted volume
+                // is NodeExpandVolume's job, a repeated stage changes nothing.
+                if fresh_mount && fs == FsType::Xfs && !readonly {
+                    grow_xfs_to_device(&id, &device, &path)?;
+                }
+            }
+        } else if readonly {
+            crust_blockdev::set_read_only(&device, true)
+                .map_err(|e| {
+                    NodeError::Internal(format!("setting {} read-only: {e}", device.display()))
+                })
+                .map_err(undo)?;
+        }
+        let staging = Staging {
+            device,
+            host_mount,
+            ..wanted
+        };
+        // Raw use is recorded before the device can reach a workload (the
+        // publish comes after this call): its data may carry no signature.
+        rec.raw_block_used |= block;
+        rec.staging = Some(staging.clone());
+        if self.state.get(&id).as_ref() != Some(&rec) {
+            self.state.put(rec)?;
+        }
+        self.health.forget(&id);
+        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(), block, deferred, "volume staged");
+        Ok(())
+    }
+
+    /// Makes sure `device` holds a filesystem of type `fs`, creating it on
+    /// a blank device only. Blank means: no signature libblkid knows and
+    /// zero edges ([`Probe::Blank`]), AND the volume's record says it was
+    /// never used as raw block (such data has no signature) and crust never
+    /// formatted it before. The start of a format is recorded first, so a
+    /// stage killed mid-format redoes its own half-made filesystem (and
+    /// waits while the orphaned tool still holds the device).
+    fn ensure_filesystem(
+        &self,
+        rec: &mut VolumeRecord,
+        device: &Path,
+        fs: FsType,
+        ours_mounted: bool,
+    ) -> Result<()> {
+        let id = rec.id.clone();
+        let interrupted = rec.format_started == Some(fs) && rec.formatted.is_none();
+        if interrupted
+            && !ours_mounted
+            && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
+        {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id}: a format started by an earlier plugin process is still running \
+                 on {} (the device is in use); retry",
+                device.display()
+            )));
+        }
+        let found =
+            crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
+        let mkfs = |rec: &mut VolumeRecord, again: bool| -> Result<()> {
+            rec.format_started = Some(fs);
+            self.state.put(rec.clone())?;
+            let r = if again {
+                crust_blockdev::mkfs_again(device, fs)
+            } else {
+                crust_blockdev::mkfs(device, fs)
+            };
+            r.map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
+            rec.formatted = Some(fs);
+            tracing::info!(volume = %id, device = %device.display(), %fs, again, "created filesystem on blank volume");
+            Ok(())
+        };
+        match found {
+            Probe::Blank if rec.raw_block_used => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was used as a raw block device: its data need not carry any \
+                 signature, so it is never formatted; refusing to create {fs} on it"
+            ))),
+            Probe::Blank if rec.formatted.is_some() => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} was formatted with {} by this plugin before and now looks blank \
+                 (wiped or replaced behind the plugin's back?); refusing to format it again",
+                rec.formatted.map(|f| f.as_str()).unwrap_or_default()
+            ))),
+            Probe::Blank => mkfs(rec, false),
+            p if p.fs_type() == Some(fs) => {
+                if interrupted {
+                    rec.formatted = Some(fs);
+                }
+                // A volume expanded while it was not staged (or while
+                // online ext4 growth was impossible): grow before mounting.
+                // Mounted on the host (our staging mount): NodeExpandVolume
+                // grows it online. Open in another process (a guest's QEMU,
+                // which O_EXCL does not see): grow_fs_offline refuses.
+                if fs == FsType::Ext4
+                    && fs_needs_grow(device, FsType::Ext4)?
+                    && !crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
+                {
+                    crust_blockdev::grow_fs_offline(device, fs)
+                        .map_err(|e| fs_err(&format!("growing ext4 on {}", device.display()), e))?;
+                    tracing::info!(volume = %id, device = %device.display(), "grew ext4 to the device size before mounting");
+                }
+                Ok(())
+            }
+            // Our own format, interrupted: never published, so nothing but
+            // the half-made filesystem can be there.
+            _ if interrupted && !rec.raw_block_used => mkfs(rec, true),
+            p => Err(NodeError::FailedPrecondition(format!(
+                "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
+            ))),
+        }
+    }
+
+    pub fn node_unstage_volume(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("staging_target_path", &req.staging_target_path)?;
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeUnstageVolume")?;
+        let mut rec = self.node_record(&req.volume_id)?;
+        let id = rec.id.clone();
+        let Some(s) = rec.staging.clone() else {
+            return self.unstage_unrecorded(&id, &path);
+        };
+        if s.path != path {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is staged at {}, not at {}",
+                s.path.display(),
+                path.display()
+            )));
+        }
+        if !rec.published.is_empty() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is still published at {:?}; unpublish it first",
+                rec.published.keys().collect::<Vec<_>>()
+            )));
+        }
+        if !s.block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
+            // Only this volume's own staging mount is removed (a host
+            // publication that crashed after remounting the staging path
+            // may have left one although the records say unmounted).
+            if !mounted_here(&s.device, &path)? {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "staging_target_path {} has {} mounted on it, which is not volume {id}'s \
+                     filesystem; nothing was unmounted",
+                    path.display(),
+                    mounted_source(&path).unwrap_or_else(|| "something".into())
+                )));
+            }
+            crust_blockdev::unmount_top(&path).map_err(mount_err)?;
+        }
+        if s.block && s.readonly && s.device.exists() {
+            let _ = crust_blockdev::set_read_only(&s.device, false);
+        }
+        self.backend.detach(&id).map_err(|e| {
+            NodeError::FailedPrecondition(format!(
+                "volume {id}: cannot detach {} (still in use?): {e}",
+                s.device.display()
+            ))
+        })?;
+        rec.staging = None;
+        self.state.put(rec)?;
+        self.health.forget(&id);
+        tracing::info!(volume = %id, path = %path.display(), "volume unstaged");
+        Ok(())
+    }
+
+    /// Unstage of a volume the records say is not staged: undo what a
+    /// stage that crashed before recording may have left (its mount at
+    /// `path`, its attached device); otherwise nothing to do.
+    fn unstage_unrecorded(&self, id: &str, path: &Path) -> Result<()> {
+        let Some(dev) = self.backend.attached_device(id)? else {
+            return Ok(());
+        };
+        let Ok(numbers) = crust_blockdev::device_major_minor(&dev) else {
+            return Ok(());
+        };
+        if let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)?
+            && (m.major, m.minor) == numbers
+        {
+            crust_blockdev::unmount(path).map_err(mount_err)?;
+        }
+        let mounted_elsewhere = crust_blockdev::mount_info()
+            .map_err(mount_err)?
+            .iter()
+            .any(|m| (m.major, m.minor) == numbers);
+        if !mounted_elsewhere {
+            self.backend.detach(id)?;
+        }
+        Ok(())
+    }
+}

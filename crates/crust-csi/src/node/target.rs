@@ -1,0 +1,197 @@
+//! The host paths a CO hands the node service: staging and publish
+//! targets checked, created, recognised as this volume's mounts, synced
+//! and unmounted, removed.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+use crate::error::{NodeError, mount_err};
+use crate::state::Staging;
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// Checks that `p` is an existing directory (not a symlink).
+pub(crate) fn require_dir(field: &str, p: &Path) -> Result<()> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
+            "{field} {} is a symbolic link; a real directory is required",
+            p.display()
+        ))),
+        Ok(_) => Err(NodeError::FailedPrecondition(format!(
+            "{field} {} exists but is not a directory",
+            p.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(NodeError::FailedPrecondition(format!(
+                "{field} {} does not exist; the CO must create it first",
+                p.display()
+            )))
+        }
+        Err(e) => Err(NodeError::Internal(format!("{field} {}: {e}", p.display()))),
+    }
+}
+
+/// Creates the publish target if missing; returns whether it was created.
+///
+/// A raw block target must be missing (created here, and recorded so that
+/// unpublish removes only what the plugin created), an empty regular file,
+/// or this volume's own earlier bind (`staged_device`): an existing device
+/// node or a file with data is refused, because a bind over it would hide
+/// it and an unpublish would delete it.
+pub(crate) fn prepare_target(
+    target: &Path,
+    block: bool,
+    staged_device: Option<&Path>,
+) -> Result<bool> {
+    let t = target.display();
+    if let Some(parent) = target.parent() {
+        match fs::metadata(parent) {
+            Ok(m) if m.is_dir() => {}
+            _ => {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "parent directory {} of target_path does not exist; the CO must create it",
+                    parent.display()
+                )));
+            }
+        }
+    }
+    match fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a symbolic link; refusing to follow it"
+        ))),
+        Ok(m) if block && m.is_dir() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a directory; a raw block volume is published as a file"
+        ))),
+        // A device node here is acceptable only as this volume's own bind.
+        Ok(m) if block && m.file_type().is_block_device() => {
+            if staged_device.is_some_and(|d| is_bind_of_device(d, target)) {
+                Ok(false)
+            } else {
+                Err(NodeError::FailedPrecondition(format!(
+                    "target_path {t} is an existing device node and not this volume's \
+                     publication; refusing to publish over it"
+                )))
+            }
+        }
+        Ok(m) if block && !m.is_file() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a regular file"
+        ))),
+        Ok(m) if block && m.len() > 0 => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} is a file with data ({} bytes); a raw block volume is published \
+             on a new or empty file only",
+            m.len()
+        ))),
+        Ok(m) if !block && !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
+            "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
+        ))),
+        Ok(_) => Ok(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let r = if block {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(target)
+                    .map(drop)
+            } else {
+                fs::DirBuilder::new().mode(0o750).create(target)
+            };
+            r.map_err(|e| NodeError::Internal(format!("creating target_path {t}: {e}")))?;
+            Ok(true)
+        }
+        Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
+    }
+}
+
+/// Whether `target` is a mount whose object is the device node `device`
+/// (a raw block publication).
+fn is_bind_of_device(device: &Path, target: &Path) -> bool {
+    if !crust_blockdev::is_mountpoint(target).unwrap_or(false) {
+        return false;
+    }
+    match (rustix::fs::stat(device), rustix::fs::stat(target)) {
+        (Ok(d), Ok(t)) => {
+            rustix::fs::FileType::from_raw_mode(t.st_mode) == rustix::fs::FileType::BlockDevice
+                && d.st_rdev == t.st_rdev
+        }
+        _ => false,
+    }
+}
+
+/// Whether the topmost mount at `target` is provably the staged volume's:
+/// for raw block a bind of its device node; for a filesystem a mount of
+/// its device's filesystem showing the filesystem's root (the staging
+/// mount, or a bind of it).
+pub(crate) fn publication_of(s: &Staging, target: &Path) -> bool {
+    if s.block {
+        return is_bind_of_device(&s.device, target);
+    }
+    let Ok(Some(m)) = crust_blockdev::find_mount(target) else {
+        return false;
+    };
+    crust_blockdev::device_major_minor(&s.device).ok() == Some((m.major, m.minor))
+        && m.root == Path::new("/")
+}
+
+/// What is mounted at `path`, if anything, for an error message.
+pub(super) fn mounted_source(path: &Path) -> Option<String> {
+    crust_blockdev::find_mount(path)
+        .ok()
+        .flatten()
+        .map(|m| format!("{} ({})", m.source, m.fs_type))
+}
+
+/// Whether `path` is a mount of the filesystem on `device`.
+pub(crate) fn mounted_here(device: &Path, path: &Path) -> Result<bool> {
+    let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
+        return Ok(false);
+    };
+    Ok(
+        crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor))
+            && m.root == Path::new("/"),
+    )
+}
+
+/// Flushes the filesystem mounted at `path`, then unmounts it. A busy
+/// mount (open files) is FAILED_PRECONDITION and stays mounted.
+pub(crate) fn sync_and_unmount(path: &Path) -> Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    // The descriptor must be closed before unmounting (it pins the mount).
+    match rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => {
+            if let Err(e) = rustix::fs::syncfs(&fd) {
+                tracing::warn!(path = %path.display(), error = %e, "syncfs failed before unmount");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot open mount to sync it")
+        }
+    }
+    crust_blockdev::unmount(path).map_err(mount_err)
+}
+
+/// Removes a publish target after unmounting: an empty directory, or an
+/// empty regular file the plugin created (`created_file`). Anything else
+/// (a device node, a file with data, a file the plugin did not create) is
+/// left where it is.
+pub(crate) fn remove_target(target: &Path, created_file: bool) {
+    let r = match fs::symlink_metadata(target) {
+        Ok(m) if m.is_dir() => fs::remove_dir(target),
+        Ok(m) if created_file && m.is_file() && m.len() == 0 => fs::remove_file(target),
+        Ok(_) => {
+            tracing::info!(target = %target.display(), "publish target left in place (not created by the plugin, or not empty)");
+            Ok(())
+        }
+        Err(_) => Ok(()),
+    };
+    if let Err(e) = r {
+        tracing::warn!(target = %target.display(), error = %e, "could not remove publish target");
+    }
+}

@@ -1,0 +1,295 @@
+//! NodeGetVolumeStats and NodeExpandVolume for host publications (the
+//! deferred and handed-over ones are answered from the guest through
+//! crust_ops, `crate::defer`).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crust_proto::csi::v1 as csi;
+
+use super::abs_path;
+use crate::caps::{Capability, FsType};
+use crate::config::Expansion;
+use crate::driver::Driver;
+use crate::error::NodeError;
+use crate::state::{HostMount, VolumeRecord};
+
+type Result<T> = std::result::Result<T, NodeError>;
+
+/// The device's current size after picking up a grown backing store
+/// (LOOP_SET_CAPACITY for loop devices), checked against the requested
+/// capacity range of a NodeExpandVolume.
+pub(crate) fn refreshed_device_size(
+    id: &str,
+    device: &Path,
+    required: u64,
+    limit: u64,
+) -> Result<u64> {
+    let size = match crust_blockdev::loop_status(device) {
+        Ok(Some(_)) => crust_blockdev::refresh_capacity(device)
+            .map_err(|e| NodeError::Internal(format!("refreshing device size: {e}")))?,
+        _ => crust_blockdev::block_device_size(device)
+            .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
+    };
+    if required > size {
+        return Err(NodeError::OutOfRange(format!(
+            "device {} of volume {id} is {size} bytes, less than the {required} bytes \
+             requested; expand the volume with ControllerExpandVolume first",
+            device.display()
+        )));
+    }
+    if limit != 0 && size > limit {
+        return Err(NodeError::OutOfRange(format!(
+            "device of volume {id} is already {size} bytes, above limit_bytes {limit}"
+        )));
+    }
+    Ok(size)
+}
+
+impl Driver {
+    /// `--expansion node`: grows the backing store to the requested size
+    /// (the controller does not, since it does not advertise EXPAND_VOLUME)
+    /// and records the new capacity. A request within the current size
+    /// changes nothing.
+    fn grow_backing_on_node(
+        &self,
+        rec: &mut VolumeRecord,
+        required: u64,
+        limit: u64,
+    ) -> Result<()> {
+        if self.cfg.expansion != Expansion::Node || required <= rec.capacity_bytes {
+            return Ok(());
+        }
+        let target = crate::controller::align(required, limit)
+            .map_err(|e| NodeError::OutOfRange(e.to_string()))?;
+        let grown = self.backend.expand(&rec.id, target)?;
+        rec.capacity_bytes = grown;
+        self.state.put(rec.clone())?;
+        tracing::info!(volume = %rec.id, size = grown, "backing store grown by NodeExpandVolume");
+        Ok(())
+    }
+
+    /// What `volume_path` is for this volume: (is block, device, mount or
+    /// device path to measure).
+    fn resolve_volume_path(&self, rec: &VolumeRecord, path: &Path) -> Result<(bool, PathBuf)> {
+        let Some(s) = &rec.staging else {
+            return Err(NodeError::PathNotFound(format!(
+                "volume {} is not staged or published on this node",
+                rec.id
+            )));
+        };
+        if let Some(p) = rec.published.get(path) {
+            if p.handed_over {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {} at {} was handed to a VM sandbox and returned: it is mounted \
+                     nowhere until a host publication needs it",
+                    rec.id,
+                    path.display()
+                )));
+            }
+            return Ok((p.block, s.device.clone()));
+        }
+        if s.path == path {
+            if !s.block && s.host_mount != HostMount::Mounted {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {} is not mounted at its staging path {}: its filesystem is left \
+                     to a pod's runtime (deferred filesystem operations)",
+                    rec.id,
+                    path.display()
+                )));
+            }
+            return Ok((s.block, s.device.clone()));
+        }
+        Err(NodeError::PathNotFound(format!(
+            "{} is not a staged or published path of volume {}",
+            path.display(),
+            rec.id
+        )))
+    }
+
+    pub fn node_get_volume_stats(
+        &self,
+        req: &csi::NodeGetVolumeStatsRequest,
+    ) -> Result<csi::NodeGetVolumeStatsResponse> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        // The spec's table first: an unknown volume is NOT_FOUND whatever
+        // the paths look like.
+        let rec = self.node_record(&req.volume_id)?;
+        let path = abs_path("volume_path", &req.volume_path)?;
+        if !req.staging_target_path.is_empty() {
+            abs_path("staging_target_path", &req.staging_target_path)?;
+        }
+        if req.defer_fs_ops && !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
+        }
+        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
+            return self.stats_deferred(&rec, &path);
+        }
+        let (block, device) = self.resolve_volume_path(&rec, &path)?;
+        let mut cond = self.health.condition(self, &rec);
+        let mut usage = Vec::new();
+        let mut add_problem = |m: String| {
+            if cond.abnormal {
+                cond.message = format!("{}; {m}", cond.message);
+            } else {
+                cond = crate::health::Condition::abnormal(m);
+            }
+        };
+        if block {
+            // Measure what is published when the path is the device file.
+            let measured = if crust_blockdev::is_block_device(&path) {
+                path.clone()
+            } else {
+                device.clone()
+            };
+            let key = format!("BLKGETSIZE64 {}", measured.display());
+            match self
+                .health
+                .bounded(&key, move || crust_blockdev::block_device_size(&measured))
+            {
+                Ok(Ok(size)) => usage.push(csi::VolumeUsage {
+                    available: 0,
+                    total: size as i64,
+                    used: 0,
+                    unit: csi::volume_usage::Unit::Bytes as i32,
+                }),
+                Ok(Err(e)) => add_problem(format!("cannot read the device size: {e}")),
+                Err(e) => add_problem(e),
+            }
+        } else {
+            let key = format!("statvfs {}", path.display());
+            let p = path.clone();
+            match self.health.bounded(&key, move || crust_blockdev::usage(&p)) {
+                Ok(Ok(u)) => {
+                    usage.push(csi::VolumeUsage {
+                        available: u.bytes_available as i64,
+                        total: u.bytes_total as i64,
+                        used: u.bytes_used as i64,
+                        unit: csi::volume_usage::Unit::Bytes as i32,
+                    });
+                    usage.push(csi::VolumeUsage {
+                        available: u.inodes_free as i64,
+                        total: u.inodes_total as i64,
+                        used: u.inodes_used as i64,
+                        unit: csi::volume_usage::Unit::Inodes as i32,
+                    });
+                }
+                Ok(Err(e)) => add_problem(format!("cannot measure usage: {e}")),
+                Err(e) => add_problem(e),
+            }
+        }
+        self.metrics.observe_condition(&rec.id, cond.abnormal);
+        Ok(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: self.cfg.csi_spec.serves_condition().then(|| cond.into()),
+        })
+    }
+
+    pub fn node_expand_volume(
+        &self,
+        req: &csi::NodeExpandVolumeRequest,
+    ) -> Result<csi::NodeExpandVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record(&req.volume_id)?;
+        let path = abs_path("volume_path", &req.volume_path)?;
+        if !req.staging_target_path.is_empty() {
+            abs_path("staging_target_path", &req.staging_target_path)?;
+        }
+        let (required, limit) = match &req.capacity_range {
+            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => {
+                return Err(NodeError::InvalidArgument(
+                    "capacity range must not be negative".into(),
+                ));
+            }
+            Some(r) if r.limit_bytes != 0 && r.required_bytes > r.limit_bytes => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "required_bytes {} is larger than limit_bytes {}",
+                    r.required_bytes, r.limit_bytes
+                )));
+            }
+            Some(r) => (r.required_bytes as u64, r.limit_bytes as u64),
+            None => (0, 0),
+        };
+        let cap = match &req.volume_capability {
+            Some(c) => Some(Capability::from_proto(c).map_err(NodeError::InvalidArgument)?),
+            None => None,
+        };
+        if req.defer_fs_ops && !self.deferral_enabled() {
+            return Err(NodeError::DeferralUnsupported);
+        }
+        let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
+        let mut rec = self.node_record(&req.volume_id)?;
+        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
+            if cap.as_ref().is_some_and(|c| c.access.is_block()) {
+                return Err(NodeError::InvalidArgument(
+                    "deferred filesystem operations cannot expand a raw block volume".into(),
+                ));
+            }
+            self.grow_backing_on_node(&mut rec, required, limit)?;
+            return self.expand_deferred(&rec, &path, required, limit);
+        }
+        let (recorded_block, device) = self.resolve_volume_path(&rec, &path)?;
+        // Block or filesystem: the capability if given, else what the
+        // path is (a device node, or a directory with a mount).
+        let block = match &cap {
+            Some(c) => c.access.is_block(),
+            None => {
+                let p = path.clone();
+                let key = format!("stat {}", path.display());
+                match self.health.bounded(&key, move || fs::metadata(&p)) {
+                    Ok(Ok(m)) if m.is_dir() => {
+                        recorded_block && !crust_blockdev::is_mountpoint(&path).unwrap_or(false)
+                    }
+                    Ok(Ok(_)) => true,
+                    _ => recorded_block,
+                }
+            }
+        };
+        if block != recorded_block {
+            return Err(NodeError::InvalidArgument(format!(
+                "volume {} is used as {} at {}, not as {}",
+                rec.id,
+                if recorded_block {
+                    "raw block"
+                } else {
+                    "a filesystem"
+                },
+                path.display(),
+                if block { "raw block" } else { "a filesystem" }
+            )));
+        }
+        self.grow_backing_on_node(&mut rec, required, limit)?;
+        // Pick up a grown backing store (LOOP_SET_CAPACITY for loop devices).
+        let size = refreshed_device_size(&rec.id, &device, required, limit)?;
+        if !block {
+            let s = rec.staging.as_ref().expect("resolved above");
+            let fs = s.fs_type.unwrap_or(rec.fs_type);
+            if fs == FsType::Ext4 && !crust_blockdev::can_grow_ext4_online() {
+                // The kernel's online ext4 resize needs CAP_SYS_RESOURCE.
+                if super::stage::fs_needs_grow(&device, FsType::Ext4)? {
+                    return Err(NodeError::FailedPrecondition(format!(
+                        "ext4 on {} cannot be grown while it is mounted: this plugin lacks \
+                         CAP_SYS_RESOURCE, which online ext4 resize needs; the filesystem is \
+                         grown automatically the next time the volume is staged (restart the \
+                         pod using it), or run the plugin with CAP_SYS_RESOURCE",
+                        device.display()
+                    )));
+                }
+            } else {
+                crust_blockdev::grow_fs(&device, &s.path, fs).map_err(|e| {
+                    NodeError::Internal(format!("growing {fs} on {}: {e}", device.display()))
+                })?;
+            }
+        }
+        self.health.forget(&rec.id);
+        tracing::info!(volume = %rec.id, size, block, "node expansion done");
+        Ok(csi::NodeExpandVolumeResponse {
+            capacity_bytes: size as i64,
+        })
+    }
+}
