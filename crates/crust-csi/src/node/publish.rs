@@ -3,7 +3,7 @@
 //! target; deferred publications go to `crate::defer`, handed-over ones
 //! to `crate::handover`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crust_proto::csi::v1 as csi;
 
@@ -12,7 +12,7 @@ use super::{FsOps, abs_path, context_defers};
 use crate::caps::{Access, Capability};
 use crate::driver::Driver;
 use crate::error::{NodeError, mount_err};
-use crate::state::{HostMount, Publication};
+use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -35,30 +35,33 @@ fn apply_fs_group(id: &str, root: &Path, gid: u32) -> Result<()> {
     Ok(())
 }
 
-impl Driver {
-    #[allow(
-        clippy::too_many_lines,
-        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
-    )]
-    pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+/// A NodePublishVolume request, checked before anything is looked up.
+struct PublishAsk {
+    staging: PathBuf,
+    target: PathBuf,
+    cap: Capability,
+    /// The request's `readonly` flag.
+    readonly: bool,
+}
+
+impl PublishAsk {
+    fn from_request(req: &csi::NodePublishVolumeRequest) -> Result<Self> {
         if req.volume_id.is_empty() {
             return Err(NodeError::Missing("volume_id"));
         }
         let staging = abs_path("staging_target_path", &req.staging_target_path)?;
         let target = abs_path("target_path", &req.target_path)?;
         let wants_deferral = req.defer_fs_ops || context_defers(Some(&req.volume_context))?;
-        let cap = {
-            let c = req
-                .volume_capability
-                .as_ref()
-                .ok_or(NodeError::Missing("volume_capability"))?;
-            if wants_deferral {
-                Capability::from_proto_deferred(c)
-            } else {
-                Capability::from_proto(c)
-            }
-            .map_err(NodeError::InvalidArgument)?
-        };
+        let c = req
+            .volume_capability
+            .as_ref()
+            .ok_or(NodeError::Missing("volume_capability"))?;
+        let cap = if wants_deferral {
+            Capability::from_proto_deferred(c)
+        } else {
+            Capability::from_proto(c)
+        }
+        .map_err(NodeError::InvalidArgument)?;
         if target.starts_with(&staging) || staging.starts_with(&target) {
             return Err(NodeError::InvalidArgument(format!(
                 "target_path {} and staging_target_path {} must not contain each other",
@@ -73,169 +76,243 @@ impl Driver {
                     .into(),
             ));
         }
-        let route = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
-        let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
-        let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
-        let id = rec.id.clone();
-        let mut s = match &rec.staging {
-            Some(s) if s.path == staging => s.clone(),
-            Some(s) => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is staged at {}, not at {}",
-                    s.path.display(),
-                    staging.display()
-                )));
-            }
-            None => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is not staged; call NodeStageVolume first"
-                )));
-            }
-        };
-        let block = cap.access.is_block();
-        if block != s.block {
+        Ok(PublishAsk {
+            staging,
+            target,
+            cap,
+            readonly: req.readonly,
+        })
+    }
+
+    fn block(&self) -> bool {
+        self.cap.access.is_block()
+    }
+}
+
+/// Where a publication is carried out, decided once per request.
+enum PublishRoute {
+    /// The pod's runtime mounts it in its guest (`crate::defer`).
+    Deferred,
+    /// A VM runtime took this target by handover: kubelet repeating the
+    /// publication finds it done.
+    HandedOver,
+    /// A bind of the device node on the host.
+    Block,
+    /// A bind of the staging mount on the host.
+    Filesystem,
+}
+
+/// The staging this publication builds on: at the requested staging path,
+/// for the same access type and filesystem.
+fn staged_for(rec: &VolumeRecord, ask: &PublishAsk) -> Result<Staging> {
+    let id = &rec.id;
+    let s = match &rec.staging {
+        Some(s) if s.path == ask.staging => s.clone(),
+        Some(s) => {
             return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is staged for {} access; it cannot be published for {} access",
-                if s.block { "raw block" } else { "filesystem" },
-                if block { "raw block" } else { "filesystem" }
+                "volume {id} is staged at {}, not at {}",
+                s.path.display(),
+                ask.staging.display()
             )));
         }
-        if let Access::Mount { fs_type: Some(f) } = cap.access
-            && Some(f) != s.fs_type
+        None => {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {id} is not staged; call NodeStageVolume first"
+            )));
+        }
+    };
+    let block = ask.block();
+    if block != s.block {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} is staged for {} access; it cannot be published for {} access",
+            if s.block { "raw block" } else { "filesystem" },
+            if block { "raw block" } else { "filesystem" }
+        )));
+    }
+    if let Access::Mount { fs_type: Some(f) } = ask.cap.access
+        && Some(f) != s.fs_type
+    {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} is staged with {}; the capability asks for {f}",
+            s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
+        )));
+    }
+    Ok(s)
+}
+
+/// Whether `wanted` at `target` repeats a recorded publication (true), is
+/// new and compatible with the others (false), or conflicts.
+fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) -> Result<bool> {
+    let id = &rec.id;
+    match rec.published.get(target) {
+        Some(p)
+            if Publication {
+                created_target: false,
+                ..p.clone()
+            } == *wanted =>
         {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is staged with {}; the capability asks for {f}",
-                s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
+            return Ok(true);
+        }
+        Some(p) => {
+            return Err(NodeError::AlreadyExists(format!(
+                "volume {id} is already published at {} with readonly={} and access mode {:?}",
+                target.display(),
+                p.readonly,
+                p.mode
             )));
         }
-        // Never bind an empty staging directory or a device number that
-        // now belongs to something else (e.g. after a reboot): the staged
-        // device must still be this volume's, and mounted at the staging path.
-        let attached = self.backend.attached_device(&id)?;
+        None => {}
+    }
+    let others: Vec<_> = rec.published.iter().filter(|(t, _)| *t != target).collect();
+    if let Some((t, p)) = others
+        .iter()
+        .find(|(_, p)| p.mode.single_target() || wanted.mode.single_target())
+    {
+        let mode = if p.mode.single_target() {
+            p.mode
+        } else {
+            wanted.mode
+        };
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} is already published at {} and access mode {mode:?} allows \
+             only one publish target",
+            t.display()
+        )));
+    }
+    if wanted.block
+        && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != wanted.readonly)
+    {
+        return Err(NodeError::FailedPrecondition(format!(
+            "raw block volume {id} is already published {} at {}; read-only raw block \
+             access makes the whole device read-only, so read-only and read-write \
+             publications cannot be mixed",
+            if wanted.readonly {
+                "read-write"
+            } else {
+                "read-only"
+            },
+            t.display()
+        )));
+    }
+    Ok(false)
+}
+
+/// The route of a publication: deferral as the request or the volume
+/// context asks; a target a VM runtime took by handover; else the host,
+/// by access type.
+fn publish_route(deferral: FsOps, rec: &VolumeRecord, ask: &PublishAsk) -> Result<PublishRoute> {
+    if deferral == FsOps::Deferred {
+        return Ok(PublishRoute::Deferred);
+    }
+    match rec.published.get(&ask.target) {
+        Some(p) if p.handed_over => Ok(PublishRoute::HandedOver),
+        Some(p) if p.deferred => Err(NodeError::AlreadyExists(format!(
+            "volume {} is already published at {} with deferred filesystem operations; \
+             a host publication there would differ",
+            rec.id,
+            ask.target.display()
+        ))),
+        _ if ask.block() => Ok(PublishRoute::Block),
+        _ => Ok(PublishRoute::Filesystem),
+    }
+}
+
+/// The staged filesystem must be mounted at its staging path (not
+/// unmounted outside the plugin, not gone with a reboot).
+fn require_staging_mount(id: &str, s: &Staging) -> Result<()> {
+    let numbers = crust_blockdev::device_major_minor(&s.device)
+        .map_err(|e| NodeError::Internal(e.to_string()))?;
+    match crust_blockdev::find_mount(&s.path).map_err(mount_err)? {
+        Some(m) if (m.major, m.minor) == numbers => Ok(()),
+        _ => Err(NodeError::FailedPrecondition(format!(
+            "volume {id} is not mounted at its staging path {} (unmounted outside \
+             the plugin, or the node rebooted); call NodeStageVolume again",
+            s.path.display()
+        ))),
+    }
+}
+
+/// Binds the staging mount (filesystem) or the device node (raw block)
+/// onto `target`; a read-only raw block publication also sets the device
+/// read-only, since a read-only bind of a device node does not stop writes.
+fn bind(s: &Staging, target: &Path, readonly: bool) -> Result<()> {
+    let source: &Path = if s.block { &s.device } else { &s.path };
+    crust_blockdev::bind_mount(source, target, readonly).map_err(mount_err)?;
+    if s.block && readonly {
+        crust_blockdev::set_read_only(&s.device, true).map_err(|e| {
+            let _ = crust_blockdev::unmount(target);
+            NodeError::Internal(format!("setting {} read-only: {e}", s.device.display()))
+        })?;
+    }
+    Ok(())
+}
+
+impl Driver {
+    pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+        let ask = PublishAsk::from_request(req)?;
+        let deferral = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
+        let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
+        let rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
+        let s = staged_for(&rec, &ask)?;
+        self.require_staged_device(&rec, &s)?;
+        match publish_route(deferral, &rec, &ask)? {
+            PublishRoute::Deferred => self.publish_deferred(req, rec, s, ask.target, ask.cap),
+            PublishRoute::HandedOver => {
+                tracing::info!(volume = %rec.id, target = %ask.target.display(),
+                    "repeated publish of a handed-over target: nothing to do");
+                Ok(())
+            }
+            PublishRoute::Block => self.publish_on_host(rec, s, &ask),
+            PublishRoute::Filesystem => {
+                let mut rec = rec;
+                let s = if s.host_mount == HostMount::Mounted {
+                    s
+                } else {
+                    self.remount_staging(&mut rec, &ask.cap)?
+                };
+                require_staging_mount(&rec.id, &s)?;
+                self.publish_on_host(rec, s, &ask)
+            }
+        }
+    }
+
+    /// Never bind an empty staging directory or a device number that now
+    /// belongs to something else (e.g. after a reboot): the staged device
+    /// must still be this volume's.
+    fn require_staged_device(&self, rec: &VolumeRecord, s: &Staging) -> Result<()> {
+        let attached = self.backend.attached_device(&rec.id)?;
         if attached.as_deref() != Some(s.device.as_path()) {
             return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} was staged on {} but that device is no longer attached to it \
+                "volume {} was staged on {} but that device is no longer attached to it \
                  (node rebooted?); call NodeStageVolume again",
+                rec.id,
                 s.device.display()
             )));
         }
-        if route == FsOps::Deferred {
-            return self.publish_deferred(req, rec, s, target, cap);
-        }
-        if rec.published.get(&target).is_some_and(|p| p.handed_over) {
-            // kubelet repeating the publication a VM runtime took by
-            // handover: it is there, in the sandbox (or returned from it).
-            tracing::info!(volume = %id, target = %target.display(),
-                "repeated publish of a handed-over target: nothing to do");
-            return Ok(());
-        }
-        if let Some(p) = rec.published.get(&target)
-            && p.deferred
-        {
-            return Err(NodeError::AlreadyExists(format!(
-                "volume {id} is already published at {} with deferred filesystem operations; \
-                 a host publication there would differ",
-                target.display()
-            )));
-        }
-        if !block && s.host_mount != HostMount::Mounted {
-            s = self.remount_staging(&mut rec, &cap)?;
-        }
-        if !block {
-            let numbers = crust_blockdev::device_major_minor(&s.device)
-                .map_err(|e| NodeError::Internal(e.to_string()))?;
-            match crust_blockdev::find_mount(&staging).map_err(mount_err)? {
-                Some(m) if (m.major, m.minor) == numbers => {}
-                _ => {
-                    return Err(NodeError::FailedPrecondition(format!(
-                        "volume {id} is not mounted at its staging path {} (unmounted outside \
-                         the plugin, or the node rebooted); call NodeStageVolume again",
-                        staging.display()
-                    )));
-                }
-            }
-        }
-        let readonly = req.readonly || cap.mode.read_only() || s.readonly;
+        Ok(())
+    }
+
+    /// The host bind (filesystem or raw block) of a checked publication.
+    fn publish_on_host(&self, mut rec: VolumeRecord, s: Staging, ask: &PublishAsk) -> Result<()> {
+        let id = rec.id.clone();
+        let block = ask.block();
+        let target = &ask.target;
+        let readonly = ask.readonly || ask.cap.mode.read_only() || s.readonly;
         let wanted = Publication {
-            supplemental_group: cap.fs_group(),
-            ..Publication::host(block, readonly, cap.mode, cap.flags_digest())
+            supplemental_group: ask.cap.fs_group(),
+            ..Publication::host(block, readonly, ask.cap.mode, ask.cap.flags_digest())
         };
-        let repeat = match rec.published.get(&target) {
-            Some(p)
-                if Publication {
-                    created_target: false,
-                    ..p.clone()
-                } == wanted =>
-            {
-                true
-            }
-            Some(p) => {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {id} is already published at {} with readonly={} and access mode {:?}",
-                    target.display(),
-                    p.readonly,
-                    p.mode
-                )));
-            }
-            None => false,
-        };
-        if !repeat {
-            let others: Vec<_> = rec
-                .published
-                .iter()
-                .filter(|(t, _)| **t != target)
-                .collect();
-            if let Some((t, p)) = others
-                .iter()
-                .find(|(_, p)| p.mode.single_target() || cap.mode.single_target())
-            {
-                let mode = if p.mode.single_target() {
-                    p.mode
-                } else {
-                    cap.mode
-                };
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is already published at {} and access mode {mode:?} allows \
-                     only one publish target",
-                    t.display()
-                )));
-            }
-            if block && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != readonly) {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "raw block volume {id} is already published {} at {}; read-only raw block \
-                     access makes the whole device read-only, so read-only and read-write \
-                     publications cannot be mixed",
-                    if readonly { "read-write" } else { "read-only" },
-                    t.display()
-                )));
-            }
-        }
+        let repeat = check_publication(&rec, target, &wanted)?;
         if !block
             && !readonly
-            && let Some(gid) = cap.fs_group()
+            && let Some(gid) = ask.cap.fs_group()
         {
             apply_fs_group(&id, &s.path, gid)?;
         }
-        let created = prepare_target(&target, block, Some(&s.device))?;
-        let source: &Path = if block { &s.device } else { &s.path };
-        let result = crust_blockdev::bind_mount(source, &target, readonly)
-            .map_err(mount_err)
-            .and_then(|()| {
-                if block && readonly {
-                    crust_blockdev::set_read_only(&s.device, true).map_err(|e| {
-                        let _ = crust_blockdev::unmount(&target);
-                        NodeError::Internal(format!(
-                            "setting {} read-only: {e}",
-                            s.device.display()
-                        ))
-                    })
-                } else {
-                    Ok(())
-                }
-            });
-        if let Err(e) = result {
+        let created = prepare_target(target, block, Some(&s.device))?;
+        if let Err(e) = bind(&s, target, readonly) {
             if created {
-                remove_target(&target, true);
+                remove_target(target, true);
             }
             return Err(e);
         }

@@ -9,7 +9,7 @@ use crust_proto::csi::v1 as csi;
 
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
 use super::{DEFER_CONTEXT_KEY, FsOps, abs_path, node_cap};
-use crate::caps::{Access, FsType};
+use crate::caps::{Access, Capability, FsType};
 use crate::driver::Driver;
 use crate::error::{NodeError, fs_err, mount_err};
 use crate::state::{HostMount, Staging, VolumeRecord};
@@ -57,6 +57,94 @@ pub(crate) fn mount_flags_of(rec: &VolumeRecord, fs: FsType, flags: &[String]) -
     flags
 }
 
+/// The filesystem a stage is for (`None`: raw block), checked against
+/// what the volume was created for.
+fn staged_fs_type(rec: &VolumeRecord, cap: &Capability) -> Result<Option<FsType>> {
+    let id = &rec.id;
+    let block = cap.access.is_block();
+    if block && !rec.allows_block() {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} was created for filesystem access only; it cannot be staged as raw block"
+        )));
+    }
+    if !block && !rec.allows_mount() {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} was created for raw block access only; staging it as a filesystem would format it"
+        )));
+    }
+    let fs_type = match cap.access {
+        Access::Block => None,
+        Access::Mount { fs_type: Some(f) } => Some(f),
+        Access::Mount { fs_type: None } => Some(rec.fs_type),
+    };
+    if let Some(f) = fs_type
+        && f != rec.fs_type
+    {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} has fsType {}; the capability asks for {f}",
+            rec.fs_type
+        )));
+    }
+    Ok(fs_type)
+}
+
+/// Whether `wanted` repeats the recorded staging (true), is the first
+/// (false), or conflicts with it.
+fn repeats_staging(rec: &VolumeRecord, wanted: &Staging) -> Result<bool> {
+    let id = &rec.id;
+    let path = &wanted.path;
+    let Some(s) = &rec.staging else {
+        return Ok(false);
+    };
+    if s.path != *path {
+        return Err(NodeError::FailedPrecondition(format!(
+            "volume {id} is already staged at {}; unstage it first (one staging path per volume)",
+            s.path.display()
+        )));
+    }
+    let same = s.block == wanted.block
+        && s.fs_type == wanted.fs_type
+        && s.mode == wanted.mode
+        && s.flags_digest == wanted.flags_digest;
+    if !same {
+        return Err(NodeError::AlreadyExists(format!(
+            "volume {id} is already staged at {} with a different capability ({}, {:?})",
+            path.display(),
+            if s.block { "block" } else { "mount" },
+            s.mode
+        )));
+    }
+    if s.deferred != wanted.deferred {
+        return Err(NodeError::AlreadyExists(format!(
+            "volume {id} is already staged at {} {} deferred filesystem operations \
+             ({DEFER_CONTEXT_KEY}={}); unstage it first to change that",
+            path.display(),
+            if s.deferred { "with" } else { "without" },
+            s.deferred
+        )));
+    }
+    Ok(true)
+}
+
+/// A mount already at a first stage's path: our own, from a stage that
+/// crashed before recording it, is adopted (true: the caller removes it
+/// for a deferred stage); anything else is refused.
+fn adopt_leftover_mount(path: &Path, attached: Option<&Path>) -> Result<bool> {
+    let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
+        return Ok(false);
+    };
+    let ours = attached.and_then(|d| crust_blockdev::device_major_minor(d).ok())
+        == Some((m.major, m.minor));
+    if !ours {
+        return Err(NodeError::FailedPrecondition(format!(
+            "staging_target_path {} already has {} mounted on it",
+            path.display(),
+            m.source
+        )));
+    }
+    Ok(true)
+}
+
 impl Driver {
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
@@ -64,57 +152,18 @@ impl Driver {
         }
     }
 
-    #[allow(
-        clippy::too_many_lines,
-        reason = "to be split by the node service's route dispatch (issue 11), after the handover lands in this file"
-    )]
     pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
-        let path = abs_path("staging_target_path", &req.staging_target_path)?;
-        let cap = node_cap(req.volume_capability.as_ref())?;
-        let deferred = self.fs_ops_route(false, Some(&req.volume_context))? == FsOps::Deferred;
-        if deferred && cap.access.is_block() {
-            return Err(NodeError::InvalidArgument(
-                "deferFsOps=true cannot be used with raw block access: deferral hands a \
-                 filesystem to the pod's runtime, a raw block volume has none"
-                    .into(),
-            ));
-        }
+        let (path, cap, deferred) = self.stage_ask(req)?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
         self.stage_gate();
         let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
         let id = rec.id.clone();
-        let block = cap.access.is_block();
-        if block && !rec.allows_block() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} was created for filesystem access only; it cannot be staged as raw block"
-            )));
-        }
-        if !block && !rec.allows_mount() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} was created for raw block access only; staging it as a filesystem would format it"
-            )));
-        }
-        let fs_type: Option<FsType> = match cap.access {
-            Access::Block => None,
-            Access::Mount { fs_type: Some(f) } => Some(f),
-            Access::Mount { fs_type: None } => Some(rec.fs_type),
-        };
-        if let Some(f) = fs_type
-            && f != rec.fs_type
-        {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} has fsType {}; the capability asks for {f}",
-                rec.fs_type
-            )));
-        }
+        let fs_type = staged_fs_type(&rec, &cap)?;
         let readonly = cap.mode.read_only();
         let wanted = Staging {
             path: path.clone(),
             device: PathBuf::new(),
-            block,
+            block: fs_type.is_none(),
             fs_type,
             readonly,
             mode: cap.mode,
@@ -130,40 +179,7 @@ impl Driver {
                 None => Vec::new(),
             },
         };
-        let repeat = match &rec.staging {
-            Some(s) if s.path != path => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is already staged at {}; unstage it first (one staging path per volume)",
-                    s.path.display()
-                )));
-            }
-            Some(s) => {
-                let same = s.block == wanted.block
-                    && s.fs_type == wanted.fs_type
-                    && s.mode == wanted.mode
-                    && s.flags_digest == wanted.flags_digest;
-                if !same {
-                    return Err(NodeError::AlreadyExists(format!(
-                        "volume {id} is already staged at {} with a different capability \
-                         ({}, {:?})",
-                        path.display(),
-                        if s.block { "block" } else { "mount" },
-                        s.mode
-                    )));
-                }
-                if s.deferred != deferred {
-                    return Err(NodeError::AlreadyExists(format!(
-                        "volume {id} is already staged at {} {} deferred filesystem operations \
-                         ({DEFER_CONTEXT_KEY}={}); unstage it first to change that",
-                        path.display(),
-                        if s.deferred { "with" } else { "without" },
-                        s.deferred
-                    )));
-                }
-                true
-            }
-            None => false,
-        };
+        let repeat = repeats_staging(&rec, &wanted)?;
         require_dir("staging_target_path", &path)?;
         if let Some(fs) = fs_type {
             // Reject bad mount flags before touching anything.
@@ -171,7 +187,9 @@ impl Driver {
                 .map_err(mount_err)?;
         }
         let attached = self.backend.attached_device(&id)?;
-        if !block && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref()) {
+        if fs_type.is_some()
+            && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref())
+        {
             // kubelet repeats NodeStageVolume on every pod start and after
             // its own restarts: while a sandbox's guest may have the
             // filesystem mounted the host neither probes, checks, grows
@@ -184,27 +202,10 @@ impl Driver {
             }
             return self.restage_for_guest(rec, &why);
         }
-        let mut unmount_ours = false;
-        if !repeat
-            && !block
-            && let Some(m) = crust_blockdev::find_mount(&path).map_err(mount_err)?
-        {
-            // Our own mount from a stage that crashed before recording it
-            // is adopted (or, for a deferred stage, removed); anything
-            // else there is refused.
-            let ours = attached
-                .as_deref()
-                .and_then(|d| crust_blockdev::device_major_minor(d).ok())
-                == Some((m.major, m.minor));
-            if !ours {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "staging_target_path {} already has {} mounted on it",
-                    path.display(),
-                    m.source
-                )));
-            }
-            unmount_ours = deferred;
-        }
+        let unmount_ours = !repeat
+            && fs_type.is_some()
+            && adopt_leftover_mount(&path, attached.as_deref())?
+            && deferred;
         // What the host mount should be after this call: a deferred stage
         // never mounts (a repeated stage unmounted for deferral returned
         // above; a host publication mounts it again, see
@@ -235,27 +236,9 @@ impl Driver {
             self.ensure_filesystem(&mut rec, &device, fs, ours_mounted)
                 .map_err(undo)?;
             if host_mount == HostMount::Mounted {
-                // A device that was already attached may be open in a
-                // sandbox's QEMU: never mount it on the host then. (A
-                // device this call attached is open nowhere else.)
-                if was_attached && !mounted_here(&device, &path)? {
-                    crust_blockdev::ensure_no_other_openers(&device, crust_blockdev::fs::MOUNT)
-                        .map_err(|e| fs_err("checking for other openers", e))?;
-                }
-                let fresh_mount = !mounted_here(&device, &path)?;
-                let mut flags = mount_flags_of(&rec, fs, &cap.mount_flags);
-                if fresh_mount {
-                    // A filesystem a guest had: checked in userspace first.
-                    flags = self
-                        .check_after_guest(&rec, &device, fs, flags)
-                        .map_err(undo)?;
-                }
-                crust_blockdev::mount_fs(&device, &path, fs, &flags, readonly)
-                    .map_err(mount_err)
+                let fresh_mount = self
+                    .mount_staging(&mut rec, &device, &path, fs, &cap, was_attached)
                     .map_err(undo)?;
-                if fresh_mount && rec.returned.take().is_some() {
-                    tracing::info!(volume = %id, "filesystem back from a guest passed its check and is mounted on the host");
-                }
                 // Only when this call mounted it: growing a mounted volume
                 // is NodeExpandVolume's job, a repeated stage changes nothing.
                 if fresh_mount && fs == FsType::Xfs && !readonly {
@@ -276,14 +259,68 @@ impl Driver {
         };
         // Raw use is recorded before the device can reach a workload (the
         // publish comes after this call): its data may carry no signature.
-        rec.raw_block_used |= block;
+        rec.raw_block_used |= staging.block;
         rec.staging = Some(staging.clone());
         if self.state.get(&id).as_ref() != Some(&rec) {
             self.state.put(rec)?;
         }
         self.health.forget(&id);
-        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(), block, deferred, "volume staged");
+        tracing::info!(volume = %id, path = %path.display(), device = %staging.device.display(),
+            block = staging.block, deferred, "volume staged");
         Ok(())
+    }
+
+    /// The request's staging path, capability and deferral, checked before
+    /// anything is looked up.
+    fn stage_ask(&self, req: &csi::NodeStageVolumeRequest) -> Result<(PathBuf, Capability, bool)> {
+        if req.volume_id.is_empty() {
+            return Err(NodeError::Missing("volume_id"));
+        }
+        let path = abs_path("staging_target_path", &req.staging_target_path)?;
+        let cap = node_cap(req.volume_capability.as_ref())?;
+        let deferred = self.fs_ops_route(false, Some(&req.volume_context))? == FsOps::Deferred;
+        if deferred && cap.access.is_block() {
+            return Err(NodeError::InvalidArgument(
+                "deferFsOps=true cannot be used with raw block access: deferral hands a \
+                 filesystem to the pod's runtime, a raw block volume has none"
+                    .into(),
+            ));
+        }
+        Ok((path, cap, deferred))
+    }
+
+    /// Mounts the staged filesystem at `path` (or finds it mounted there;
+    /// returns whether this call mounted it): never a device a sandbox's
+    /// QEMU may have open, and a filesystem back from a guest only after
+    /// its userspace check.
+    fn mount_staging(
+        &self,
+        rec: &mut VolumeRecord,
+        device: &Path,
+        path: &Path,
+        fs: FsType,
+        cap: &Capability,
+        was_attached: bool,
+    ) -> Result<bool> {
+        let fresh_mount = !mounted_here(device, path)?;
+        // A device that was already attached may be open in a sandbox's
+        // QEMU: never mount it on the host then. (A device this call
+        // attached is open nowhere else.)
+        if was_attached && fresh_mount {
+            crust_blockdev::ensure_no_other_openers(device, crust_blockdev::fs::MOUNT)
+                .map_err(|e| fs_err("checking for other openers", e))?;
+        }
+        let mut flags = mount_flags_of(rec, fs, &cap.mount_flags);
+        if fresh_mount {
+            // A filesystem a guest had: checked in userspace first.
+            flags = self.check_after_guest(rec, device, fs, flags)?;
+        }
+        let readonly = cap.mode.read_only();
+        crust_blockdev::mount_fs(device, path, fs, &flags, readonly).map_err(mount_err)?;
+        if fresh_mount && rec.returned.take().is_some() {
+            tracing::info!(volume = %rec.id, "filesystem back from a guest passed its check and is mounted on the host");
+        }
+        Ok(fresh_mount)
     }
 
     /// Makes sure `device` holds a filesystem of type `fs`, creating it on
