@@ -624,7 +624,7 @@ impl Driver {
         // v1.13 removed the condition field: skip the checks too.
         let serves_condition = self.cfg.csi_spec.serves_condition();
         let conditions = if serves_condition {
-            self.health.conditions(self, &page)
+            self.health.conditions(&page)
         } else {
             vec![crate::health::Condition::normal(""); page.len()]
         };
@@ -658,7 +658,7 @@ impl Driver {
             .cfg
             .csi_spec
             .serves_condition()
-            .then(|| self.health.condition(self, &rec).into());
+            .then(|| self.health.condition(&rec).into());
         Ok(csi::ControllerGetVolumeResponse {
             volume: Some(self.volume_proto(&rec)),
             status: Some(csi::controller_get_volume_response::VolumeStatus {

@@ -91,44 +91,6 @@ fn host_mounts_of(device: &Path) -> Result<Vec<std::path::PathBuf>> {
 }
 
 impl Driver {
-    /// Whether stats/expansion of `path` go to the runtime: the records
-    /// say the publication there is deferred, or the request asks for it
-    /// (then `path` must be such a publication).
-    pub(crate) fn deferred_path(
-        &self,
-        rec: &VolumeRecord,
-        path: &Path,
-        requested: bool,
-    ) -> Result<bool> {
-        match rec.published.get(path) {
-            Some(p) if p.deferred => Ok(true),
-            Some(_) if requested => Err(NodeError::FailedPrecondition(format!(
-                "volume {} is published at {} on the host, not with deferred filesystem \
-                 operations; call without defer_fs_ops",
-                rec.id,
-                path.display()
-            ))),
-            Some(_) => Ok(false),
-            None if requested => {
-                if rec.staging.as_ref().is_some_and(|s| s.path == path) {
-                    Err(NodeError::FailedPrecondition(format!(
-                        "{} is the staging path of volume {}; with deferred filesystem \
-                         operations, volume_path must be the publish target",
-                        path.display(),
-                        rec.id
-                    )))
-                } else {
-                    Err(NodeError::PathNotFound(format!(
-                        "{} is not a publication of volume {} with deferred filesystem operations",
-                        path.display(),
-                        rec.id
-                    )))
-                }
-            }
-            None => Ok(false),
-        }
-    }
-
     /// NodePublishVolume with deferral; the caller checked the request,
     /// the staging and the attached device, and holds the volume's guard.
     pub(crate) fn publish_deferred(
@@ -559,7 +521,7 @@ impl Driver {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;
-        let host = self.health.condition(self, rec);
+        let host = self.health.condition(rec);
         let stats = run(self.ops.stats(target))?;
         let reported_abnormal = stats.condition.as_ref().is_some_and(|c| c.abnormal);
         if stats.usage.is_empty() && !reported_abnormal {

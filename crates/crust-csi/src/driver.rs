@@ -38,8 +38,13 @@ impl Driver {
     /// backend (logs only: nothing is deleted on start).
     pub fn new(cfg: Config, backend: Arc<dyn Backend>) -> Result<Arc<Driver>, ServeError> {
         let state = StateStore::open(&cfg.state_dir)?;
-        let health = HealthMonitor::new(cfg.health_ttl, cfg.health_timeout);
         let ops = Arc::new(CrustOps::new(cfg.deferral.ops.clone())?);
+        let health = HealthMonitor::new(
+            backend.clone(),
+            ops.clone(),
+            cfg.health_ttl,
+            cfg.health_timeout,
+        );
         let driver = Driver {
             cfg,
             backend,

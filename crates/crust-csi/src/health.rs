@@ -52,7 +52,6 @@ use crust_backend::{Backend, BackingState};
 use crust_blockdev::{Health, SymptomKind};
 use crust_proto::csi::v1 as csi;
 
-use crate::driver::Driver;
 use crate::state::VolumeRecord;
 
 /// A computed VolumeCondition (CSI v1.12).
@@ -263,6 +262,10 @@ struct Inner {
 
 /// Cached, time-bounded health checks.
 pub struct HealthMonitor {
+    /// What a check reads: the backing stores, and crust_ops for the
+    /// sandbox holding a deferred publication.
+    backend: Arc<dyn crust_backend::Backend>,
+    ops: Arc<crust_ops::CrustOps>,
     ttl: Duration,
     timeout: Duration,
     inner: Arc<Mutex<Inner>>,
@@ -270,8 +273,15 @@ pub struct HealthMonitor {
 }
 
 impl HealthMonitor {
-    pub fn new(ttl: Duration, timeout: Duration) -> Self {
+    pub fn new(
+        backend: Arc<dyn crust_backend::Backend>,
+        ops: Arc<crust_ops::CrustOps>,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Self {
         HealthMonitor {
+            backend,
+            ops,
             ttl,
             timeout,
             inner: Arc::default(),
@@ -294,26 +304,26 @@ impl HealthMonitor {
         *g.generation.entry(id.to_string()).or_default() += 1;
     }
 
-    pub fn condition(&self, d: &Driver, rec: &VolumeRecord) -> Condition {
-        self.assess(d, rec).condition()
+    pub fn condition(&self, rec: &VolumeRecord) -> Condition {
+        self.assess(rec).condition()
     }
 
     /// Conditions of `recs`, in order, within one time bound overall.
-    pub fn conditions(&self, d: &Driver, recs: &[VolumeRecord]) -> Vec<Condition> {
-        self.assessments(d, recs)
+    pub fn conditions(&self, recs: &[VolumeRecord]) -> Vec<Condition> {
+        self.assessments(recs)
             .iter()
             .map(Assessment::condition)
             .collect()
     }
 
-    pub fn assess(&self, d: &Driver, rec: &VolumeRecord) -> Assessment {
-        self.assessments(d, std::slice::from_ref(rec))
+    pub fn assess(&self, rec: &VolumeRecord) -> Assessment {
+        self.assessments(std::slice::from_ref(rec))
             .pop()
             .expect("one record in, one assessment out")
     }
 
     /// Assessments of `recs`, in order, within one time bound overall.
-    pub fn assessments(&self, d: &Driver, recs: &[VolumeRecord]) -> Vec<Assessment> {
+    pub fn assessments(&self, recs: &[VolumeRecord]) -> Vec<Assessment> {
         enum Pending {
             Done(Assessment),
             Wait(Arc<Slot>),
@@ -346,12 +356,12 @@ impl HealthMonitor {
                 if rec.staging.is_none() && rec.published.is_empty() {
                     light.push((rec.clone(), gen_, slot));
                 } else {
-                    self.spawn(d, vec![(rec.clone(), gen_, slot)]);
+                    self.spawn(vec![(rec.clone(), gen_, slot)]);
                 }
             }
         }
         if !light.is_empty() {
-            self.spawn(d, light);
+            self.spawn(light);
         }
         let deadline = Instant::now() + self.timeout;
         pending
@@ -374,10 +384,10 @@ impl HealthMonitor {
             .collect()
     }
 
-    fn spawn(&self, d: &Driver, jobs: Vec<(VolumeRecord, u64, Arc<Slot>)>) {
+    fn spawn(&self, jobs: Vec<(VolumeRecord, u64, Arc<Slot>)>) {
         let inner = self.inner.clone();
-        let backend = d.backend.clone();
-        let ops = d.ops.clone();
+        let backend = self.backend.clone();
+        let ops = self.ops.clone();
         let handle = tokio::runtime::Handle::try_current().ok();
         let run = move || {
             // The sandbox holding a deferred publication, as its runtime
@@ -610,6 +620,7 @@ fn publication_problem(device: &Path, target: &Path, block: bool) -> Option<Prob
 mod tests {
     use super::*;
     use crate::caps::FsType;
+    use crate::driver::Driver;
     use crate::state::{Phase, RECORD_VERSION};
     use crust_backend::{Allocation, BackendError, Capacity};
     use std::collections::BTreeMap;
@@ -720,13 +731,13 @@ mod tests {
         });
         let d = driver_with(b.clone(), Duration::from_secs(60), Duration::from_secs(5));
         let r = rec("vol-a");
-        assert!(!d.health.condition(&d, &r).abnormal);
+        assert!(!d.health.condition(&r).abnormal);
         *b.state.lock().unwrap() = BackingState::Missing("file gone".into());
         // cached
-        assert!(!d.health.condition(&d, &r).abnormal);
+        assert!(!d.health.condition(&r).abnormal);
         assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
         d.health.forget("vol-a");
-        let c = d.health.condition(&d, &r);
+        let c = d.health.condition(&r);
         assert!(c.abnormal);
         assert!(c.message.contains("file gone"), "{}", c.message);
     }
@@ -741,11 +752,11 @@ mod tests {
         let d = driver_with(b.clone(), Duration::ZERO, Duration::from_millis(100));
         let r = rec("vol-h");
         let t0 = Instant::now();
-        let c = d.health.condition(&d, &r);
+        let c = d.health.condition(&r);
         assert!(c.abnormal && c.message.contains("not responding"), "{c:?}");
         assert!(t0.elapsed() < Duration::from_millis(1000));
         // second call joins the running check instead of starting another
-        let c = d.health.condition(&d, &r);
+        let c = d.health.condition(&r);
         assert!(c.abnormal);
         assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
         // bounded() refuses to pile up behind a hung op
@@ -762,7 +773,7 @@ mod tests {
         // after the hang clears, checks run again
         std::thread::sleep(Duration::from_millis(1600));
         *b.delay.lock().unwrap() = Duration::ZERO;
-        assert!(!d.health.condition(&d, &r).abnormal);
+        assert!(!d.health.condition(&r).abnormal);
         assert_eq!(hm.bounded("statvfs /x", || 1).unwrap(), 1);
     }
 }

@@ -41,7 +41,7 @@ impl Driver {
         let rec = self.node_record(&req.volume_id)?;
         let publish = optional_path("volume_publish_path", &req.volume_publish_path)?;
         let staging = optional_path("staging_target_path", &req.staging_target_path)?;
-        let mut assessment = self.health.assess(self, &rec);
+        let mut assessment = self.health.assess(&rec);
         if let Some(p) = staging.as_deref() {
             assessment.problems.extend(staging_problem(&rec, p));
         }
@@ -119,7 +119,7 @@ impl Driver {
             (true, Some(last)) => encode_token(&last.id),
             _ => String::new(),
         };
-        let assessments = self.health.assessments(self, &page);
+        let assessments = self.health.assessments(&page);
         let entries = page
             .iter()
             .zip(assessments)
@@ -134,7 +134,7 @@ impl Driver {
 
     /// The volume as the controller sees it: the host's signals.
     fn controller_assessment(&self, rec: &VolumeRecord) -> Assessment {
-        self.health.assess(self, rec)
+        self.health.assess(rec)
     }
 
     /// What `path` (a publish path the CO names) says about the volume:

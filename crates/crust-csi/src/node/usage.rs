@@ -46,6 +46,15 @@ pub(crate) fn refreshed_device_size(
     Ok(size)
 }
 
+/// Where a volume path's stats and expansion are answered.
+enum UsageRoute {
+    /// In the pod's guest, through crust_ops and the runtime CLI.
+    Guest,
+    /// On the host: the staged device, published as raw block or as a
+    /// filesystem.
+    Host { block: bool, device: PathBuf },
+}
+
 impl Driver {
     /// `--expansion node`: grows the backing store to the requested size
     /// (the controller does not, since it does not advertise EXPAND_VOLUME)
@@ -69,41 +78,74 @@ impl Driver {
         Ok(())
     }
 
-    /// What `volume_path` is for this volume: (is block, device, mount or
-    /// device path to measure).
-    fn resolve_volume_path(&self, rec: &VolumeRecord, path: &Path) -> Result<(bool, PathBuf)> {
-        let Some(s) = &rec.staging else {
-            return Err(NodeError::PathNotFound(format!(
-                "volume {} is not staged or published on this node",
-                rec.id
-            )));
-        };
-        if let Some(p) = rec.published.get(path) {
-            if p.handed_over {
+    /// Where stats and expansion of `path` are answered, decided once:
+    /// from the guest when the records say the publication there is
+    /// deferred (or handed over), or the request asks for it (then `path`
+    /// must be such a publication); else on the host, for the staged
+    /// device, as raw block or filesystem.
+    fn usage_route(&self, rec: &VolumeRecord, path: &Path, requested: bool) -> Result<UsageRoute> {
+        let id = &rec.id;
+        let published = rec.published.get(path);
+        match published {
+            Some(p) if p.deferred => return Ok(UsageRoute::Guest),
+            Some(_) if requested => {
                 return Err(NodeError::FailedPrecondition(format!(
-                    "volume {} at {} was handed to a VM sandbox and returned: it is mounted \
-                     nowhere until a host publication needs it",
-                    rec.id,
+                    "volume {id} is published at {} on the host, not with deferred filesystem \
+                     operations; call without defer_fs_ops",
                     path.display()
                 )));
             }
-            return Ok((p.block, s.device.clone()));
+            None if requested => {
+                return Err(if rec.staging.as_ref().is_some_and(|s| s.path == path) {
+                    NodeError::FailedPrecondition(format!(
+                        "{} is the staging path of volume {id}; with deferred filesystem \
+                             operations, volume_path must be the publish target",
+                        path.display()
+                    ))
+                } else {
+                    NodeError::PathNotFound(format!(
+                        "{} is not a publication of volume {id} with deferred filesystem \
+                             operations",
+                        path.display()
+                    ))
+                });
+            }
+            _ => {}
+        }
+        let Some(s) = &rec.staging else {
+            return Err(NodeError::PathNotFound(format!(
+                "volume {id} is not staged or published on this node"
+            )));
+        };
+        if let Some(p) = published {
+            if p.handed_over {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "volume {id} at {} was handed to a VM sandbox and returned: it is mounted \
+                     nowhere until a host publication needs it",
+                    path.display()
+                )));
+            }
+            return Ok(UsageRoute::Host {
+                block: p.block,
+                device: s.device.clone(),
+            });
         }
         if s.path == path {
             if !s.block && s.host_mount != HostMount::Mounted {
                 return Err(NodeError::FailedPrecondition(format!(
-                    "volume {} is not mounted at its staging path {}: its filesystem is left \
+                    "volume {id} is not mounted at its staging path {}: its filesystem is left \
                      to a pod's runtime (deferred filesystem operations)",
-                    rec.id,
                     path.display()
                 )));
             }
-            return Ok((s.block, s.device.clone()));
+            return Ok(UsageRoute::Host {
+                block: s.block,
+                device: s.device.clone(),
+            });
         }
         Err(NodeError::PathNotFound(format!(
-            "{} is not a staged or published path of volume {}",
-            path.display(),
-            rec.id
+            "{} is not a staged or published path of volume {id}",
+            path.display()
         )))
     }
 
@@ -124,11 +166,11 @@ impl Driver {
         if req.defer_fs_ops && !self.deferral_enabled() {
             return Err(NodeError::DeferralUnsupported);
         }
-        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
-            return self.stats_deferred(&rec, &path);
-        }
-        let (block, device) = self.resolve_volume_path(&rec, &path)?;
-        let mut cond = self.health.condition(self, &rec);
+        let (block, device) = match self.usage_route(&rec, &path, req.defer_fs_ops)? {
+            UsageRoute::Guest => return self.stats_deferred(&rec, &path),
+            UsageRoute::Host { block, device } => (block, device),
+        };
+        let mut cond = self.health.condition(&rec);
         let mut usage = Vec::new();
         let mut add_problem = |m: String| {
             if cond.abnormal {
@@ -224,16 +266,18 @@ impl Driver {
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
         let mut rec = self.node_record(&req.volume_id)?;
-        if self.deferred_path(&rec, &path, req.defer_fs_ops)? {
-            if cap.as_ref().is_some_and(|c| c.access.is_block()) {
-                return Err(NodeError::InvalidArgument(
-                    "deferred filesystem operations cannot expand a raw block volume".into(),
-                ));
+        let (recorded_block, device) = match self.usage_route(&rec, &path, req.defer_fs_ops)? {
+            UsageRoute::Guest => {
+                if cap.as_ref().is_some_and(|c| c.access.is_block()) {
+                    return Err(NodeError::InvalidArgument(
+                        "deferred filesystem operations cannot expand a raw block volume".into(),
+                    ));
+                }
+                self.grow_backing_on_node(&mut rec, required, limit)?;
+                return self.expand_deferred(&rec, &path, required, limit);
             }
-            self.grow_backing_on_node(&mut rec, required, limit)?;
-            return self.expand_deferred(&rec, &path, required, limit);
-        }
-        let (recorded_block, device) = self.resolve_volume_path(&rec, &path)?;
+            UsageRoute::Host { block, device } => (block, device),
+        };
         // Block or filesystem: the capability if given, else what the
         // path is (a device node, or a directory with a mount).
         let block = match &cap {
