@@ -22,9 +22,12 @@
 //!   runtime CLI that timed out: DEADLINE_EXCEEDED; one that failed:
 //!   INTERNAL).
 
+use std::path::{Path, PathBuf};
+
 use crust_backend::BackendError;
 use tonic::{Code, Status};
 
+use crate::caps::AccessMode;
 use crate::guard::Busy;
 use crate::state::StateError;
 
@@ -103,6 +106,82 @@ pub enum NodeError {
     AlreadyExists(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    #[error(
+        "volume {volume} lives on node {node:?}, this is node {here:?}: a local volume can only \
+         be staged and published on its own node"
+    )]
+    OtherNode {
+        volume: String,
+        node: String,
+        here: String,
+    },
+    #[error("volume {volume} is not staged; call NodeStageVolume first")]
+    NotStaged { volume: String },
+    #[error("volume {volume} is staged at {}, not at {}", staged.display(), asked.display())]
+    StagedElsewhere {
+        volume: String,
+        staged: PathBuf,
+        asked: PathBuf,
+    },
+    #[error(
+        "volume {volume} is already staged at {}; unstage it first (one staging path per volume)",
+        staged.display()
+    )]
+    AlreadyStagedElsewhere { volume: String, staged: PathBuf },
+    #[error(
+        "volume {volume} is staged for {} access; it cannot be published for {} access",
+        access_name(*staged_block),
+        access_name(!*staged_block)
+    )]
+    StagedForOtherAccess { volume: String, staged_block: bool },
+    #[error(
+        "volume {volume} was staged on {} but that device is no longer attached to it \
+         (node rebooted?); call NodeStageVolume again",
+        device.display()
+    )]
+    DeviceGone { volume: String, device: PathBuf },
+    #[error(
+        "volume {volume} is not mounted at its staging path {} (unmounted outside \
+         the plugin, or the node rebooted); call NodeStageVolume again",
+        path.display()
+    )]
+    StagingNotMounted { volume: String, path: PathBuf },
+    #[error("volume {volume} is still published at {targets:?}; unpublish it first")]
+    StillPublished {
+        volume: String,
+        targets: Vec<PathBuf>,
+    },
+    /// A sandbox's guest may have the filesystem mounted (`why`): the
+    /// host must not probe, check, grow or mount it.
+    #[error("volume {volume}: {why}; the host will not check or mount its filesystem")]
+    GuestMayHaveFs { volume: String, why: String },
+    #[error(
+        "volume {volume} is already published at {} and access mode {mode:?} allows \
+         only one publish target",
+        other.display()
+    )]
+    SingleTarget {
+        volume: String,
+        other: PathBuf,
+        mode: AccessMode,
+    },
+    /// Something that is not this volume's mount is at a CO path.
+    #[error("{}", foreign_mount(field, path, what, volume.as_deref()))]
+    ForeignMount {
+        field: &'static str,
+        path: PathBuf,
+        what: String,
+        /// The volume whose mount was expected; `None` for a first stage.
+        volume: Option<String>,
+    },
+    /// Data crust must not format over: a raw block volume, a volume crust
+    /// formatted that now looks blank, or another filesystem.
+    #[error("volume {volume} {found}; refusing to {refused}")]
+    WouldOverwrite {
+        volume: String,
+        found: String,
+        refused: String,
+    },
     #[error("{0}")]
     OutOfRange(String),
     #[error(
@@ -130,9 +209,20 @@ impl From<NodeError> for Status {
             NodeError::Missing(_) | NodeError::InvalidArgument(_) => Code::InvalidArgument,
             NodeError::NotFound(_) | NodeError::PathNotFound(_) => Code::NotFound,
             NodeError::AlreadyExists(_) => Code::AlreadyExists,
-            NodeError::FailedPrecondition(_) | NodeError::DeferralUnsupported => {
-                Code::FailedPrecondition
-            }
+            NodeError::FailedPrecondition(_)
+            | NodeError::DeferralUnsupported
+            | NodeError::OtherNode { .. }
+            | NodeError::NotStaged { .. }
+            | NodeError::StagedElsewhere { .. }
+            | NodeError::AlreadyStagedElsewhere { .. }
+            | NodeError::StagedForOtherAccess { .. }
+            | NodeError::DeviceGone { .. }
+            | NodeError::StagingNotMounted { .. }
+            | NodeError::StillPublished { .. }
+            | NodeError::GuestMayHaveFs { .. }
+            | NodeError::SingleTarget { .. }
+            | NodeError::ForeignMount { .. }
+            | NodeError::WouldOverwrite { .. } => Code::FailedPrecondition,
             NodeError::OutOfRange(_) => Code::OutOfRange,
             NodeError::Busy(_) => Code::Aborted,
             NodeError::Ops(o) => o.code(),
@@ -166,6 +256,27 @@ pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
             NodeError::FailedPrecondition(e.to_string())
         }
         other => NodeError::Internal(format!("{context}: {other}")),
+    }
+}
+
+fn access_name(block: bool) -> &'static str {
+    if block { "raw block" } else { "filesystem" }
+}
+
+/// The message of [`NodeError::ForeignMount`]: a first stage finds a mount
+/// already there; later calls find one that is not the volume's.
+fn foreign_mount(field: &str, path: &Path, what: &str, volume: Option<&str>) -> String {
+    let path = path.display();
+    match volume {
+        None => format!("{field} {path} already has {what} mounted on it"),
+        Some(v) if field == "target_path" => format!(
+            "{field} {path} has {what} mounted on it, which is not volume {v}'s \
+             publication; nothing was unmounted or removed"
+        ),
+        Some(v) => format!(
+            "{field} {path} has {what} mounted on it, which is not volume {v}'s \
+             filesystem; nothing was unmounted"
+        ),
     }
 }
 
@@ -250,6 +361,57 @@ mod tests {
         let s: Status = NodeError::Ops(crust_ops::OpsError::NotConsumed("/t".into())).into();
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("not consumed by a runtime yet"));
+        // Errors named by cause: one code each, the message a user reads.
+        let s: Status = NodeError::StagedElsewhere {
+            volume: "v".into(),
+            staged: "/s/a".into(),
+            asked: "/s/b".into(),
+        }
+        .into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert_eq!(s.message(), "volume v is staged at /s/a, not at /s/b");
+        let s: Status = NodeError::StagedForOtherAccess {
+            volume: "v".into(),
+            staged_block: true,
+        }
+        .into();
+        assert_eq!(
+            s.message(),
+            "volume v is staged for raw block access; it cannot be published for filesystem access"
+        );
+        let s: Status = NodeError::ForeignMount {
+            field: "target_path",
+            path: "/t".into(),
+            what: "tmpfs (tmpfs)".into(),
+            volume: Some("v".into()),
+        }
+        .into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().starts_with(
+            "target_path /t has tmpfs (tmpfs) mounted on it, which is not volume v's publication"
+        ));
+        let s: Status = NodeError::ForeignMount {
+            field: "staging_target_path",
+            path: "/s".into(),
+            what: "/dev/x".into(),
+            volume: None,
+        }
+        .into();
+        assert_eq!(
+            s.message(),
+            "staging_target_path /s already has /dev/x mounted on it"
+        );
+        let s: Status = NodeError::WouldOverwrite {
+            volume: "v".into(),
+            found: "holds xfs filesystem, not ext4".into(),
+            refused: "format or mount it".into(),
+        }
+        .into();
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert_eq!(
+            s.message(),
+            "volume v holds xfs filesystem, not ext4; refusing to format or mount it"
+        );
         let s: Status = IdentityError::NotReady("pool dir gone".into()).into();
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("pool dir gone"));

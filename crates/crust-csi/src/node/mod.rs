@@ -183,11 +183,11 @@ impl Driver {
                 .cloned(),
         };
         match owner {
-            Some(node) => Err(NodeError::FailedPrecondition(format!(
-                "volume {id} lives on node {node:?}, this is node {:?}: a local volume can only \
-                 be staged and published on its own node",
-                self.cfg.node_id
-            ))),
+            Some(node) => Err(NodeError::OtherNode {
+                volume: id.to_string(),
+                node,
+                here: self.cfg.node_id.clone(),
+            }),
             None => Err(NodeError::NotFound(id.to_string())),
         }
     }

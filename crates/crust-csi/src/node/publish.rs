@@ -109,25 +109,22 @@ fn staged_for(rec: &VolumeRecord, ask: &PublishAsk) -> Result<Staging> {
     let s = match &rec.staging {
         Some(s) if s.path == ask.staging => s.clone(),
         Some(s) => {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is staged at {}, not at {}",
-                s.path.display(),
-                ask.staging.display()
-            )));
+            return Err(NodeError::StagedElsewhere {
+                volume: id.clone(),
+                staged: s.path.clone(),
+                asked: ask.staging.clone(),
+            });
         }
         None => {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is not staged; call NodeStageVolume first"
-            )));
+            return Err(NodeError::NotStaged { volume: id.clone() });
         }
     };
     let block = ask.block();
     if block != s.block {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} is staged for {} access; it cannot be published for {} access",
-            if s.block { "raw block" } else { "filesystem" },
-            if block { "raw block" } else { "filesystem" }
-        )));
+        return Err(NodeError::StagedForOtherAccess {
+            volume: id.clone(),
+            staged_block: s.block,
+        });
     }
     if let Access::Mount { fs_type: Some(f) } = ask.cap.access
         && Some(f) != s.fs_type
@@ -173,11 +170,11 @@ fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) ->
         } else {
             wanted.mode
         };
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} is already published at {} and access mode {mode:?} allows \
-             only one publish target",
-            t.display()
-        )));
+        return Err(NodeError::SingleTarget {
+            volume: id.clone(),
+            other: t.to_path_buf(),
+            mode,
+        });
     }
     if wanted.block
         && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != wanted.readonly)
@@ -224,11 +221,10 @@ fn require_staging_mount(id: &str, s: &Staging) -> Result<()> {
         .map_err(|e| NodeError::Internal(e.to_string()))?;
     match crust_blockdev::find_mount(&s.path).map_err(mount_err)? {
         Some(m) if (m.major, m.minor) == numbers => Ok(()),
-        _ => Err(NodeError::FailedPrecondition(format!(
-            "volume {id} is not mounted at its staging path {} (unmounted outside \
-             the plugin, or the node rebooted); call NodeStageVolume again",
-            s.path.display()
-        ))),
+        _ => Err(NodeError::StagingNotMounted {
+            volume: id.to_string(),
+            path: s.path.clone(),
+        }),
     }
 }
 
@@ -282,12 +278,10 @@ impl Driver {
     fn require_staged_device(&self, rec: &VolumeRecord, s: &Staging) -> Result<()> {
         let attached = self.backend.attached_device(&rec.id)?;
         if attached.as_deref() != Some(s.device.as_path()) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} was staged on {} but that device is no longer attached to it \
-                 (node rebooted?); call NodeStageVolume again",
-                rec.id,
-                s.device.display()
-            )));
+            return Err(NodeError::DeviceGone {
+                volume: rec.id.clone(),
+                device: s.device.clone(),
+            });
         }
         Ok(())
     }
@@ -386,12 +380,12 @@ impl Driver {
                 .as_ref()
                 .is_some_and(|s| publication_of(s, &target));
             if !ours {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "target_path {} has {} mounted on it, which is not volume {id}'s \
-                     publication; nothing was unmounted or removed",
-                    target.display(),
-                    mounted_source(&target).unwrap_or_else(|| "something".into())
-                )));
+                return Err(NodeError::ForeignMount {
+                    field: "target_path",
+                    path: target.clone(),
+                    what: mounted_source(&target).unwrap_or_else(|| "something".into()),
+                    volume: Some(id.clone()),
+                });
             }
             crust_blockdev::unmount_top(&target).map_err(mount_err)?;
         }

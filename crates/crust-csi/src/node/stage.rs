@@ -97,10 +97,10 @@ fn repeats_staging(rec: &VolumeRecord, wanted: &Staging) -> Result<bool> {
         return Ok(false);
     };
     if s.path != *path {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} is already staged at {}; unstage it first (one staging path per volume)",
-            s.path.display()
-        )));
+        return Err(NodeError::AlreadyStagedElsewhere {
+            volume: id.clone(),
+            staged: s.path.clone(),
+        });
     }
     let same = s.block == wanted.block
         && s.fs_type == wanted.fs_type
@@ -136,11 +136,12 @@ fn adopt_leftover_mount(path: &Path, attached: Option<&Path>) -> Result<bool> {
     let ours = attached.and_then(|d| crust_blockdev::device_major_minor(d).ok())
         == Some((m.major, m.minor));
     if !ours {
-        return Err(NodeError::FailedPrecondition(format!(
-            "staging_target_path {} already has {} mounted on it",
-            path.display(),
-            m.source
-        )));
+        return Err(NodeError::ForeignMount {
+            field: "staging_target_path",
+            path: path.to_path_buf(),
+            what: m.source,
+            volume: None,
+        });
     }
     Ok(true)
 }
@@ -196,9 +197,7 @@ impl Driver {
             // nor mounts it (QEMU does not hold the device O_EXCL, so
             // nothing else would stop a host e2fsck).
             if !repeat {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id}: {why}; the host will not check or mount its filesystem"
-                )));
+                return Err(NodeError::GuestMayHaveFs { volume: id, why });
             }
             return self.restage_for_guest(rec, &why);
         }
@@ -365,15 +364,22 @@ impl Driver {
             Ok(())
         };
         match found {
-            Probe::Blank if rec.raw_block_used => Err(NodeError::FailedPrecondition(format!(
-                "volume {id} was used as a raw block device: its data need not carry any \
-                 signature, so it is never formatted; refusing to create {fs} on it"
-            ))),
-            Probe::Blank if rec.formatted.is_some() => Err(NodeError::FailedPrecondition(format!(
-                "volume {id} was formatted with {} by this plugin before and now looks blank \
-                 (wiped or replaced behind the plugin's back?); refusing to format it again",
-                rec.formatted.map(|f| f.as_str()).unwrap_or_default()
-            ))),
+            Probe::Blank if rec.raw_block_used => Err(NodeError::WouldOverwrite {
+                volume: id,
+                found: "was used as a raw block device: its data need not carry any signature, \
+                        so it is never formatted"
+                    .into(),
+                refused: format!("create {fs} on it"),
+            }),
+            Probe::Blank if rec.formatted.is_some() => Err(NodeError::WouldOverwrite {
+                volume: id,
+                found: format!(
+                    "was formatted with {} by this plugin before and now looks blank \
+                     (wiped or replaced behind the plugin's back?)",
+                    rec.formatted.map(|f| f.as_str()).unwrap_or_default()
+                ),
+                refused: "format it again".into(),
+            }),
             Probe::Blank => mkfs(rec, false),
             p if p.fs_type() == Some(fs) => {
                 if interrupted {
@@ -397,9 +403,11 @@ impl Driver {
             // Our own format, interrupted: never published, so nothing but
             // the half-made filesystem can be there.
             _ if interrupted && !rec.raw_block_used => mkfs(rec, true),
-            p => Err(NodeError::FailedPrecondition(format!(
-                "volume {id} holds {p}, not {fs}; refusing to format or mount it (data is never overwritten)"
-            ))),
+            p => Err(NodeError::WouldOverwrite {
+                volume: id,
+                found: format!("holds {p}, not {fs}"),
+                refused: "format or mount it (data is never overwritten)".into(),
+            }),
         }
     }
 
@@ -415,29 +423,29 @@ impl Driver {
             return self.unstage_unrecorded(&id, &path);
         };
         if s.path != path {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is staged at {}, not at {}",
-                s.path.display(),
-                path.display()
-            )));
+            return Err(NodeError::StagedElsewhere {
+                volume: id,
+                staged: s.path,
+                asked: path,
+            });
         }
         if !rec.published.is_empty() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is still published at {:?}; unpublish it first",
-                rec.published.keys().collect::<Vec<_>>()
-            )));
+            return Err(NodeError::StillPublished {
+                volume: id,
+                targets: rec.published.keys().cloned().collect(),
+            });
         }
         if !s.block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
             // Only this volume's own staging mount is removed (a host
             // publication that crashed after remounting the staging path
             // may have left one although the records say unmounted).
             if !mounted_here(&s.device, &path)? {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "staging_target_path {} has {} mounted on it, which is not volume {id}'s \
-                     filesystem; nothing was unmounted",
-                    path.display(),
-                    mounted_source(&path).unwrap_or_else(|| "something".into())
-                )));
+                return Err(NodeError::ForeignMount {
+                    field: "staging_target_path",
+                    path: path.clone(),
+                    what: mounted_source(&path).unwrap_or_else(|| "something".into()),
+                    volume: Some(id),
+                });
             }
             crust_blockdev::unmount_top(&path).map_err(mount_err)?;
         }
