@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use crust_backend::BackendError;
 use tonic::{Code, Status};
 
-use crate::caps::AccessMode;
+use crate::caps::{AccessMode, FsType};
 use crate::guard::Busy;
 use crate::state::StateError;
 
@@ -165,6 +165,56 @@ pub enum NodeError {
         other: PathBuf,
         mode: AccessMode,
     },
+    /// A path from the CO is not what the call needs (nothing changed).
+    #[error("{field} {} {problem}", path.display())]
+    PathState {
+        field: &'static str,
+        path: PathBuf,
+        problem: PathProblem,
+    },
+    #[error(
+        "parent directory {} of target_path does not exist; the CO must create it",
+        path.display()
+    )]
+    MissingParent { path: PathBuf },
+    /// A deferred-operations call (`defer_fs_ops`) names a host
+    /// publication.
+    #[error(
+        "volume {volume} is published at {} on the host, not with deferred filesystem \
+         operations; call {call} without defer_fs_ops",
+        path.display()
+    )]
+    HostPublication {
+        volume: String,
+        path: PathBuf,
+        call: &'static str,
+    },
+    /// The volume's filesystem is not mounted on the host: in a pod's
+    /// guest, or back from one and not yet checked.
+    #[error("volume {volume} is not mounted at {}: {why}", path.display())]
+    NotOnHost {
+        volume: String,
+        path: PathBuf,
+        why: &'static str,
+    },
+    /// The volume was created for the other access type.
+    #[error(
+        "volume {volume} was created for {} access only; {}",
+        access_name(*created_block),
+        if *created_block {
+            "staging it as a filesystem would format it"
+        } else {
+            "it cannot be staged as raw block"
+        }
+    )]
+    CreatedForOtherAccess { volume: String, created_block: bool },
+    /// The capability's fsType is not the volume's.
+    #[error("volume {volume} {has}; the capability asks for {asked}")]
+    OtherFsType {
+        volume: String,
+        has: String,
+        asked: FsType,
+    },
     /// Something that is not this volume's mount is at a CO path.
     #[error("{}", foreign_mount(field, path, what, volume.as_deref()))]
     ForeignMount {
@@ -222,6 +272,12 @@ impl From<NodeError> for Status {
             | NodeError::GuestMayHaveFs { .. }
             | NodeError::SingleTarget { .. }
             | NodeError::ForeignMount { .. }
+            | NodeError::PathState { .. }
+            | NodeError::HostPublication { .. }
+            | NodeError::NotOnHost { .. }
+            | NodeError::CreatedForOtherAccess { .. }
+            | NodeError::OtherFsType { .. }
+            | NodeError::MissingParent { .. }
             | NodeError::WouldOverwrite { .. } => Code::FailedPrecondition,
             NodeError::OutOfRange(_) => Code::OutOfRange,
             NodeError::Busy(_) => Code::Aborted,
@@ -257,6 +313,33 @@ pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
         }
         other => NodeError::Internal(format!("{context}: {other}")),
     }
+}
+
+/// What is wrong with a path the CO named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PathProblem {
+    #[error("does not exist; the CO must create it first")]
+    Missing,
+    #[error("exists but is not a directory")]
+    NotADirectory,
+    #[error("is a symbolic link; a real directory is required")]
+    SymlinkForDirectory,
+    #[error("is a symbolic link; refusing to follow it")]
+    Symlink,
+    #[error("is a directory; a raw block volume is published as a file")]
+    DirectoryForBlock,
+    #[error(
+        "is an existing device node and not this volume's publication; refusing to publish over it"
+    )]
+    ForeignDeviceNode,
+    #[error("exists and is not a regular file")]
+    NotARegularFile,
+    #[error(
+        "is a file with data ({0} bytes); a raw block volume is published on a new or empty file only"
+    )]
+    FileWithData(u64),
+    #[error("exists and is not a directory; a filesystem volume needs a directory")]
+    NotADirectoryForFs,
 }
 
 fn access_name(block: bool) -> &'static str {

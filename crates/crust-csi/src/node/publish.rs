@@ -129,10 +129,14 @@ fn staged_for(rec: &VolumeRecord, ask: &PublishAsk) -> Result<Staging> {
     if let Access::Mount { fs_type: Some(f) } = ask.cap.access
         && Some(f) != s.fs_type
     {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} is staged with {}; the capability asks for {f}",
-            s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
-        )));
+        return Err(NodeError::OtherFsType {
+            volume: id.clone(),
+            has: format!(
+                "is staged with {}",
+                s.fs_type.map(|f| f.as_str()).unwrap_or("no filesystem")
+            ),
+            asked: f,
+        });
     }
     Ok(s)
 }
@@ -363,11 +367,11 @@ impl Driver {
         }
         if req.defer_fs_ops {
             return Err(if self.deferral_enabled() {
-                NodeError::FailedPrecondition(format!(
-                    "volume {id} is published at {} on the host, not with deferred filesystem \
-                     operations; call NodeUnpublishVolume without defer_fs_ops",
-                    target.display()
-                ))
+                NodeError::HostPublication {
+                    volume: id,
+                    path: target,
+                    call: "NodeUnpublishVolume",
+                }
             } else {
                 NodeError::DeferralUnsupported
             });

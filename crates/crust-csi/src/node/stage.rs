@@ -63,14 +63,16 @@ fn staged_fs_type(rec: &VolumeRecord, cap: &Capability) -> Result<Option<FsType>
     let id = &rec.id;
     let block = cap.access.is_block();
     if block && !rec.allows_block() {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} was created for filesystem access only; it cannot be staged as raw block"
-        )));
+        return Err(NodeError::CreatedForOtherAccess {
+            volume: id.clone(),
+            created_block: false,
+        });
     }
     if !block && !rec.allows_mount() {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} was created for raw block access only; staging it as a filesystem would format it"
-        )));
+        return Err(NodeError::CreatedForOtherAccess {
+            volume: id.clone(),
+            created_block: true,
+        });
     }
     let fs_type = match cap.access {
         Access::Block => None,
@@ -80,10 +82,11 @@ fn staged_fs_type(rec: &VolumeRecord, cap: &Capability) -> Result<Option<FsType>
     if let Some(f) = fs_type
         && f != rec.fs_type
     {
-        return Err(NodeError::FailedPrecondition(format!(
-            "volume {id} has fsType {}; the capability asks for {f}",
-            rec.fs_type
-        )));
+        return Err(NodeError::OtherFsType {
+            volume: id.clone(),
+            has: format!("has fsType {}", rec.fs_type),
+            asked: f,
+        });
     }
     Ok(fs_type)
 }

@@ -7,29 +7,23 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::error::{NodeError, mount_err};
+use crate::error::{NodeError, PathProblem, mount_err};
 use crate::state::Staging;
 
 type Result<T> = std::result::Result<T, NodeError>;
 
 /// Checks that `p` is an existing directory (not a symlink).
-pub(crate) fn require_dir(field: &str, p: &Path) -> Result<()> {
+pub(crate) fn require_dir(field: &'static str, p: &Path) -> Result<()> {
+    let bad = |problem| NodeError::PathState {
+        field,
+        path: p.to_path_buf(),
+        problem,
+    };
     match fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
-            "{field} {} is a symbolic link; a real directory is required",
-            p.display()
-        ))),
-        Ok(_) => Err(NodeError::FailedPrecondition(format!(
-            "{field} {} exists but is not a directory",
-            p.display()
-        ))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            Err(NodeError::FailedPrecondition(format!(
-                "{field} {} does not exist; the CO must create it first",
-                p.display()
-            )))
-        }
+        Ok(m) if m.file_type().is_symlink() => Err(bad(PathProblem::SymlinkForDirectory)),
+        Ok(_) => Err(bad(PathProblem::NotADirectory)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(bad(PathProblem::Missing)),
         Err(e) => Err(NodeError::Internal(format!("{field} {}: {e}", p.display()))),
     }
 }
@@ -47,46 +41,32 @@ pub(crate) fn prepare_target(
     staged_device: Option<&Path>,
 ) -> Result<bool> {
     let t = target.display();
-    if let Some(parent) = target.parent() {
-        match fs::metadata(parent) {
-            Ok(m) if m.is_dir() => {}
-            _ => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "parent directory {} of target_path does not exist; the CO must create it",
-                    parent.display()
-                )));
-            }
-        }
+    if let Some(parent) = target.parent()
+        && !fs::metadata(parent).is_ok_and(|m| m.is_dir())
+    {
+        return Err(NodeError::MissingParent {
+            path: parent.to_path_buf(),
+        });
     }
+    let bad = |problem| NodeError::PathState {
+        field: "target_path",
+        path: target.to_path_buf(),
+        problem,
+    };
     match fs::symlink_metadata(target) {
-        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} is a symbolic link; refusing to follow it"
-        ))),
-        Ok(m) if block && m.is_dir() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} is a directory; a raw block volume is published as a file"
-        ))),
+        Ok(m) if m.file_type().is_symlink() => Err(bad(PathProblem::Symlink)),
+        Ok(m) if block && m.is_dir() => Err(bad(PathProblem::DirectoryForBlock)),
         // A device node here is acceptable only as this volume's own bind.
         Ok(m) if block && m.file_type().is_block_device() => {
             if staged_device.is_some_and(|d| is_bind_of_device(d, target)) {
                 Ok(false)
             } else {
-                Err(NodeError::FailedPrecondition(format!(
-                    "target_path {t} is an existing device node and not this volume's \
-                     publication; refusing to publish over it"
-                )))
+                Err(bad(PathProblem::ForeignDeviceNode))
             }
         }
-        Ok(m) if block && !m.is_file() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} exists and is not a regular file"
-        ))),
-        Ok(m) if block && m.len() > 0 => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} is a file with data ({} bytes); a raw block volume is published \
-             on a new or empty file only",
-            m.len()
-        ))),
-        Ok(m) if !block && !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
-        ))),
+        Ok(m) if block && !m.is_file() => Err(bad(PathProblem::NotARegularFile)),
+        Ok(m) if block && m.len() > 0 => Err(bad(PathProblem::FileWithData(m.len()))),
+        Ok(m) if !block && !m.is_dir() => Err(bad(PathProblem::NotADirectoryForFs)),
         Ok(_) => Ok(false),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let r = if block {

@@ -89,11 +89,11 @@ impl Driver {
         match published {
             Some(p) if p.deferred => return Ok(UsageRoute::Guest),
             Some(_) if requested => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is published at {} on the host, not with deferred filesystem \
-                     operations; call without defer_fs_ops",
-                    path.display()
-                )));
+                return Err(NodeError::HostPublication {
+                    volume: id.clone(),
+                    path: path.to_path_buf(),
+                    call: "NodeGetVolumeStats or NodeExpandVolume",
+                });
             }
             None if requested => {
                 return Err(if rec.staging.as_ref().is_some_and(|s| s.path == path) {
@@ -119,11 +119,12 @@ impl Driver {
         };
         if let Some(p) = published {
             if p.handed_over {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} at {} was handed to a VM sandbox and returned: it is mounted \
-                     nowhere until a host publication needs it",
-                    path.display()
-                )));
+                return Err(NodeError::NotOnHost {
+                    volume: id.clone(),
+                    path: path.to_path_buf(),
+                    why: "it was handed to a VM sandbox and returned, and stays unmounted \
+                          until a host publication needs it",
+                });
             }
             return Ok(UsageRoute::Host {
                 block: p.block,
@@ -132,11 +133,12 @@ impl Driver {
         }
         if s.path == path {
             if !s.block && s.host_mount != HostMount::Mounted {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is not mounted at its staging path {}: its filesystem is left \
-                     to a pod's runtime (deferred filesystem operations)",
-                    path.display()
-                )));
+                return Err(NodeError::NotOnHost {
+                    volume: id.clone(),
+                    path: path.to_path_buf(),
+                    why: "its filesystem is left to a pod's runtime (deferred filesystem \
+                          operations)",
+                });
             }
             return Ok(UsageRoute::Host {
                 block: s.block,
