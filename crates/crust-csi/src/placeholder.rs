@@ -17,7 +17,7 @@ use std::path::Path;
 use rustix::mount::{MountFlags, UnmountFlags};
 
 /// The tmpfs source name that marks a placeholder in the mount table.
-pub const SOURCE: &str = "crust-volume-elsewhere";
+pub const SOURCE: &str = crust_handoff::PLACEHOLDER_SOURCE;
 /// The file in the placeholder.
 pub const README: &str = "README";
 

@@ -32,6 +32,12 @@ pub use store::{
     Policy, RUNTIME_CLI_FILE, RecordState, SourceMatch, Store, crust_key, kata_key,
 };
 
+/// The tmpfs source name of the read-only placeholder the plugin mounts on
+/// a publish target while the volume's filesystem is in a guest (a
+/// deferred or handed-over publication): runtimes and tools recognise it
+/// in the mount table by this name.
+pub const PLACEHOLDER_SOURCE: &str = "crust-volume-elsewhere";
+
 /// For a source under kubelet's pod directory
 /// (`<kubelet_root>/pods/<uid>/volumes/...`), the `.../volumes` layer that
 /// bounds [`Store::find_for_source`]. None for any other source.

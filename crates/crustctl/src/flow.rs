@@ -923,7 +923,9 @@ impl Flow {
             volume: vol.volume_id.clone(),
             target: self.target.clone(),
         });
-        let mounted = is_mountpoint(&target);
+        // A deferred target shows the plugin's read-only placeholder, never
+        // the volume's filesystem.
+        let mounted = is_mountpoint(&target) && !is_placeholder(&target);
         let staging_mounted = is_mountpoint(staging);
         let r = match (self.cfg.deferred(), mounted) {
             // The guest will mount it: a host mount too would corrupt it.
@@ -1563,6 +1565,15 @@ pub fn is_mountpoint(p: &Path) -> bool {
     crust_blockdev::mount_info()
         .map(|ms| ms.iter().any(|m| m.mount_point == p))
         .unwrap_or(false)
+}
+
+/// Whether the topmost mount at `p` is the plugin's placeholder for a
+/// volume whose filesystem is in a guest.
+pub fn is_placeholder(p: &Path) -> bool {
+    crust_blockdev::find_mount(p)
+        .ok()
+        .flatten()
+        .is_some_and(|m| m.fs_type == "tmpfs" && m.source == crust_handoff::PLACEHOLDER_SOURCE)
 }
 
 /// Whether `pid` is a live (non-zombie) QEMU process.

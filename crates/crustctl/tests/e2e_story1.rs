@@ -173,8 +173,9 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     let target = flow.target_path().to_string();
     let staging = flow.staging_path().unwrap().to_string();
 
-    // --- the host: nothing mounted, a root-only record -------------------
-    assert!(!crustctl::flow::is_mountpoint(Path::new(&target)));
+    // --- the host: the volume mounted nowhere, a root-only record -------
+    // (the target shows the plugin's read-only placeholder)
+    assert!(crustctl::flow::is_placeholder(Path::new(&target)));
     assert!(
         !crustctl::flow::is_mountpoint(Path::new(&staging)),
         "story 1: the staging path stays empty with deferral"
