@@ -281,21 +281,8 @@ impl Store {
     /// content: refused while a sandbox holds the volume, otherwise replaced
     /// atomically (and a stale `runtime-cli` dropped).
     pub fn stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
-        let key = self.check_target(target)?;
-        self.check_mount_info(mi)
-            .map_err(HandoffError::InvalidArgument)?;
-        let json = mi.to_json();
-        if json.len() as u64 > MAX_RECORD_SIZE {
-            return Err(HandoffError::InvalidArgument(
-                "the record would exceed 64 KiB".into(),
-            ));
-        }
-        let root = self.open_root(true)?.expect("root created");
-        let dir = self
-            .lock_record_dir(&root, &key, true)?
-            .expect("dir created");
-        let path = self.display(&key);
-        let entries = self.entries(&dir, &path)?;
+        let (key, json) = self.checked_record(target, mi)?;
+        let (dir, path, entries) = self.record_dir_for_write(&key)?;
         match compare_staged(&dir, &entries, mi, target, &path)? {
             Staged::Same => return Ok(()),
             Staged::Different if entries.iter().any(|e| matches!(e, Entry::RuntimeCli)) => {
@@ -322,9 +309,7 @@ impl Store {
         sandbox_id: &str,
         runtime_cli: Option<&str>,
     ) -> Result<()> {
-        let key = self.check_target(target)?;
-        self.check_mount_info(mi)
-            .map_err(HandoffError::InvalidArgument)?;
+        let (key, json) = self.checked_record(target, mi)?;
         validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
         if let Some(cli) = runtime_cli {
             if self.layout == Layout::Kata {
@@ -334,18 +319,7 @@ impl Store {
             }
             validate::check_abs_path("runtime cli", cli).map_err(HandoffError::InvalidArgument)?;
         }
-        let json = mi.to_json();
-        if json.len() as u64 > MAX_RECORD_SIZE {
-            return Err(HandoffError::InvalidArgument(
-                "the record would exceed 64 KiB".into(),
-            ));
-        }
-        let root = self.open_root(true)?.expect("root created");
-        let dir = self
-            .lock_record_dir(&root, &key, true)?
-            .expect("dir created");
-        let path = self.display(&key);
-        let entries = self.entries(&dir, &path)?;
+        let (dir, path, entries) = self.record_dir_for_write(&key)?;
         let staged = entries.iter().any(|e| matches!(e, Entry::MountInfo));
         if staged && let Some(other) = first_sandbox(&entries).filter(|o| *o != sandbox_id) {
             return Err(HandoffError::Claimed {
@@ -779,6 +753,32 @@ impl Store {
                 Some(i) => candidate = &candidate[..i],
             }
         }
+    }
+
+    /// The key of `target` and the JSON of `mi`, both checked, for a write.
+    fn checked_record(&self, target: &str, mi: &MountInfo) -> Result<(String, String)> {
+        let key = self.check_target(target)?;
+        self.check_mount_info(mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        let json = mi.to_json();
+        if json.len() as u64 > MAX_RECORD_SIZE {
+            return Err(HandoffError::InvalidArgument(
+                "the record would exceed 64 KiB".into(),
+            ));
+        }
+        Ok((key, json))
+    }
+
+    /// The record directory of `key`, created and locked, with its path
+    /// for messages and what it holds.
+    fn record_dir_for_write(&self, key: &str) -> Result<(OwnedFd, String, Vec<Entry>)> {
+        let root = self.open_root(true)?.expect("root created");
+        let dir = self
+            .lock_record_dir(&root, key, true)?
+            .expect("dir created");
+        let path = self.display(key);
+        let entries = self.entries(&dir, &path)?;
+        Ok((dir, path, entries))
     }
 
     fn display(&self, key: &str) -> String {
