@@ -471,6 +471,25 @@ impl PoolBackend {
         }
     }
 
+    /// The image file name of a new volume, once the pool has room for
+    /// `size_bytes` and no other volume uses that name.
+    fn room_for(&self, st: &State, volume_id: &str, size_bytes: u64) -> Result<String> {
+        let available = self.available(st)?;
+        if size_bytes > available {
+            return Err(BackendError::Exhausted {
+                requested: size_bytes,
+                available,
+            });
+        }
+        let name = image_name(volume_id);
+        if st.index.volumes.values().any(|e| e.file == name) {
+            return Err(BackendError::Device(format!(
+                "image name {name} for volume {volume_id} collides with another volume"
+            )));
+        }
+        Ok(name)
+    }
+
     fn available(&self, st: &State) -> Result<u64> {
         let allocated: u64 = st.index.volumes.values().map(|e| e.size_bytes).sum::<u64>()
             + st.index
@@ -563,19 +582,7 @@ impl Backend for PoolBackend {
                     })
                 };
             }
-            let available = self.available(&st)?;
-            if size_bytes > available {
-                return Err(BackendError::Exhausted {
-                    requested: size_bytes,
-                    available,
-                });
-            }
-            let name = image_name(volume_id);
-            if st.index.volumes.values().any(|e| e.file == name) {
-                return Err(BackendError::Device(format!(
-                    "image name {name} for volume {volume_id} collides with another volume"
-                )));
-            }
+            let name = self.room_for(&st, volume_id, size_bytes)?;
             st.reserved += size_bytes;
             name
         };
@@ -1112,19 +1119,7 @@ impl Backend for PoolBackend {
                     format!("smaller than its source ({src_size} bytes)"),
                 ));
             }
-            let available = self.available(&st)?;
-            if size_bytes > available {
-                return Err(BackendError::Exhausted {
-                    requested: size_bytes,
-                    available,
-                });
-            }
-            let name = image_name(volume_id);
-            if st.index.volumes.values().any(|e| e.file == name) {
-                return Err(BackendError::Device(format!(
-                    "image name {name} for volume {volume_id} collides with another volume"
-                )));
-            }
+            let name = self.room_for(&st, volume_id, size_bytes)?;
             st.index.volumes.insert(
                 volume_id.to_owned(),
                 Entry {

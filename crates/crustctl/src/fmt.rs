@@ -428,19 +428,27 @@ impl Render for csi::ProbeResponse {
     }
 }
 
-impl Render for csi::CreateVolumeResponse {
-    fn to_json(&self) -> Value {
-        json!({ "volume": opt(&self.volume, volume_json) })
-    }
-    fn to_text(&self) -> String {
-        let mut out = String::new();
-        match &self.volume {
-            Some(v) => volume_text(&mut out, v),
-            None => out.push_str("(no volume in response)\n"),
+/// `Render` of a response that carries one optional message: its JSON
+/// under the field's name, its text, or a line saying it is missing.
+macro_rules! render_one {
+    ($ty:ident, $field:ident, $json:path, $text:path) => {
+        impl Render for csi::$ty {
+            fn to_json(&self) -> Value {
+                json!({ stringify!($field): opt(&self.$field, $json) })
+            }
+            fn to_text(&self) -> String {
+                let mut out = String::new();
+                match &self.$field {
+                    Some(v) => $text(&mut out, v),
+                    None => out.push_str(concat!("(no ", stringify!($field), " in the answer)\n")),
+                }
+                out
+            }
         }
-        out
-    }
+    };
 }
+
+render_one!(CreateVolumeResponse, volume, volume_json, volume_text);
 
 impl Render for csi::ControllerPublishVolumeResponse {
     fn to_json(&self) -> Value {
@@ -587,33 +595,14 @@ fn controller_rpc_names(resp: &csi::ControllerGetCapabilitiesResponse) -> Vec<Op
         .collect()
 }
 
-impl Render for csi::CreateSnapshotResponse {
-    fn to_json(&self) -> Value {
-        json!({ "snapshot": opt(&self.snapshot, snapshot_json) })
-    }
-    fn to_text(&self) -> String {
-        let mut out = String::new();
-        match &self.snapshot {
-            Some(s) => snapshot_text(&mut out, s),
-            None => out.push_str("(no snapshot in response)\n"),
-        }
-        out
-    }
-}
+render_one!(
+    CreateSnapshotResponse,
+    snapshot,
+    snapshot_json,
+    snapshot_text
+);
 
-impl Render for csi::GetSnapshotResponse {
-    fn to_json(&self) -> Value {
-        json!({ "snapshot": opt(&self.snapshot, snapshot_json) })
-    }
-    fn to_text(&self) -> String {
-        let mut out = String::new();
-        match &self.snapshot {
-            Some(s) => snapshot_text(&mut out, s),
-            None => out.push_str("(no snapshot in response)\n"),
-        }
-        out
-    }
-}
+render_one!(GetSnapshotResponse, snapshot, snapshot_json, snapshot_text);
 
 fn group_snapshot_json(g: &csi::VolumeGroupSnapshot) -> Value {
     json!({
@@ -626,7 +615,7 @@ fn group_snapshot_json(g: &csi::VolumeGroupSnapshot) -> Value {
 
 fn group_snapshot_text(g: &Option<csi::VolumeGroupSnapshot>) -> String {
     let Some(g) = g else {
-        return "(no group snapshot in response)\n".into();
+        return "(no group snapshot in the answer)\n".into();
     };
     let mut out = format!(
         "group_snapshot_id: {}\nready_to_use:      {}\nmembers:           {}\n",
@@ -765,7 +754,7 @@ impl Render for csi::ControllerGetVolumeResponse {
         let mut out = String::new();
         match &self.volume {
             Some(v) => volume_text(&mut out, v),
-            None => out.push_str("(no volume in response)\n"),
+            None => out.push_str("(no volume in the answer)\n"),
         }
         if let Some(s) = &self.status {
             let nodes = if s.published_node_ids.is_empty() {
@@ -925,33 +914,19 @@ fn volume_health_text(out: &mut String, h: &csi::VolumeHealth) {
     }
 }
 
-impl Render for csi::NodeGetVolumeHealthResponse {
-    fn to_json(&self) -> Value {
-        json!({ "volume_health": opt(&self.volume_health, volume_health_json) })
-    }
-    fn to_text(&self) -> String {
-        let mut out = String::new();
-        match &self.volume_health {
-            Some(h) => volume_health_text(&mut out, h),
-            None => out.push_str("(no volume_health in the answer)\n"),
-        }
-        out
-    }
-}
+render_one!(
+    NodeGetVolumeHealthResponse,
+    volume_health,
+    volume_health_json,
+    volume_health_text
+);
 
-impl Render for csi::ControllerGetVolumeHealthResponse {
-    fn to_json(&self) -> Value {
-        json!({ "volume_health": opt(&self.volume_health, volume_health_json) })
-    }
-    fn to_text(&self) -> String {
-        let mut out = String::new();
-        match &self.volume_health {
-            Some(h) => volume_health_text(&mut out, h),
-            None => out.push_str("(no volume_health in the answer)\n"),
-        }
-        out
-    }
-}
+render_one!(
+    ControllerGetVolumeHealthResponse,
+    volume_health,
+    volume_health_json,
+    volume_health_text
+);
 
 impl Render for csi::ControllerListVolumeHealthResponse {
     fn to_json(&self) -> Value {

@@ -1530,11 +1530,10 @@ mod tests {
         assert_ne!(a, b);
     }
 
-    #[tokio::test]
-    async fn ledger_undo_order() {
-        let (_tx, rx) = watch::channel(false);
+    /// A context whose plugin is never called (a lazy channel to nowhere).
+    fn idle_ctx(stop: watch::Receiver<bool>) -> Ctx {
         let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
-        let ctx = Ctx {
+        Ctx {
             csi: Csi::from_channel(ch, Duration::from_secs(1)),
             cfg: BenchConfig::new(),
             run_id: "r".into(),
@@ -1546,9 +1545,15 @@ mod tests {
             topology: None,
             ledger: Mutex::new(Ledger::default()),
             cleaned: Mutex::new(CleanupReport::default()),
-            stop: rx,
+            stop,
             seq: AtomicU64::new(0),
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn ledger_undo_order() {
+        let (_tx, rx) = watch::channel(false);
+        let ctx = idle_ctx(rx);
         let root = ctx.track(Item::Dir {
             path: "/x".into(),
             child: None,
@@ -1590,22 +1595,7 @@ mod tests {
     #[tokio::test]
     async fn claims_stop_at_ops() {
         let (tx, rx) = watch::channel(false);
-        let ch = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
-        let ctx = Ctx {
-            csi: Csi::from_channel(ch, Duration::from_secs(1)),
-            cfg: BenchConfig::new(),
-            run_id: "r".into(),
-            staging_root: PathBuf::new(),
-            target_root: PathBuf::new(),
-            stage: true,
-            controller_publish: false,
-            node_id: String::new(),
-            topology: None,
-            ledger: Mutex::new(Ledger::default()),
-            cleaned: Mutex::new(CleanupReport::default()),
-            stop: rx,
-            seq: AtomicU64::new(0),
-        };
+        let ctx = idle_ctx(rx);
         let c = Claims::new(Limit::Ops(3));
         assert_eq!(
             (0..5).filter_map(|_| c.claim(&ctx)).collect::<Vec<_>>(),
