@@ -233,11 +233,7 @@ impl Volumes {
             return Some(r.clone());
         }
         let disk = disk_of_source(&entry.source)?;
-        let fstype = match entry.fstype.as_str() {
-            "ext4" => FsType::Ext4,
-            "xfs" => FsType::Xfs,
-            _ => return None,
-        };
+        let fstype = FsType::parse(&entry.fstype)?;
         let rec = VolumeRecord {
             serial: sys::disk_serial(&disk).unwrap_or_default(),
             readonly: entry.is_readonly(),

@@ -113,14 +113,10 @@ pub fn guest_path(v: &Volume) -> String {
 }
 
 pub fn agent_fstype(v: &Volume) -> Result<FsType, VolumeError> {
-    match v.fstype.as_str() {
-        "ext4" => Ok(FsType::Ext4),
-        "xfs" => Ok(FsType::Xfs),
-        other => Err(VolumeError::Precondition {
-            target: v.target.clone(),
-            reason: format!("the guest cannot mount fstype {other:?}"),
-        }),
-    }
+    FsType::parse(&v.fstype).ok_or_else(|| VolumeError::Precondition {
+        target: v.target.clone(),
+        reason: format!("the guest cannot mount fstype {:?}", v.fstype),
+    })
 }
 
 /// Checks the host device right before handing it to QEMU: it must still
