@@ -132,6 +132,14 @@ impl Env {
     }
 }
 
+impl Drop for Env {
+    /// What a failed test leaves mounted below its dir (a staging mount,
+    /// the plugin's placeholder on a target) goes with it.
+    fn drop(&mut self) {
+        crust_testkit::unmount_below(self.dir.path());
+    }
+}
+
 /// Detaches, on drop, loop devices whose backing file lies below a dir
 /// (a crust-csi pool), and removes test cgroup parents: what a failed test
 /// would leave behind.
