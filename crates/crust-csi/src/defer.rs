@@ -173,16 +173,7 @@ impl Driver {
         // outside the allowed prefixes, a different record a sandbox still
         // holds.
         let mi = stage.mount_info();
-        for store in self
-            .ops
-            .crust_store()
-            .into_iter()
-            .chain(self.ops.kata_store())
-        {
-            store
-                .check_stage(&target_str, &mi)
-                .map_err(|e| NodeError::Ops(e.into()))?;
-        }
+        self.ops.check_stage(&target_str, &mi)?;
         check_deferred_target(&target)?;
         let staging_mounted = mounted_here(&s.device, &s.path)?;
         if !repeat {
@@ -293,47 +284,20 @@ impl Driver {
         rec: &VolumeRecord,
         device: Option<&Path>,
     ) -> Option<String> {
-        let stores: Vec<_> = self
-            .ops
-            .crust_store()
-            .into_iter()
-            .chain(self.ops.kata_store())
-            .collect();
         for (t, _) in rec.published.iter().filter(|(_, p)| p.deferred) {
             let Some(ts) = t.to_str() else { continue };
-            for store in &stores {
-                if let Ok(Some(sandbox)) = store.claimant(ts) {
-                    return Some(format!(
-                        "sandbox {sandbox} holds the hand-off record of {}",
-                        t.display()
-                    ));
-                }
+            if let Some(sandbox) = self.ops.claimant(ts) {
+                return Some(format!(
+                    "sandbox {sandbox} holds the hand-off record of {}",
+                    t.display()
+                ));
             }
         }
-        let numbers = crust_blockdev::device_major_minor(device?).ok()?;
-        for store in &stores {
-            let records = match store.list() {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(volume = %rec.id, error = %e, "cannot list hand-off records");
-                    continue;
-                }
-            };
-            for r in records {
-                let Ok(state) = r.state else { continue };
-                if let Some(sandbox) = state.claimant
-                    && crust_blockdev::device_major_minor(Path::new(&state.mount_info.device)).ok()
-                        == Some(numbers)
-                {
-                    return Some(format!(
-                        "sandbox {sandbox} holds a hand-off record ({}) for its device {}",
-                        r.target.unwrap_or(r.key),
-                        state.mount_info.device
-                    ));
-                }
-            }
-        }
-        None
+        let c = self.ops.claim_on_device(device?)?;
+        Some(format!(
+            "sandbox {} holds a hand-off record ({}) for its device {}",
+            c.sandbox, c.record, c.device
+        ))
     }
 
     /// A repeated NodeStageVolume while a guest may have the filesystem:
@@ -436,12 +400,7 @@ impl Driver {
     pub(crate) fn unpublish_deferred(&self, mut rec: VolumeRecord, target: &Path) -> Result<()> {
         let id = rec.id.clone();
         let target_str = utf8("target_path", target)?;
-        let claimant = self
-            .ops
-            .crust_store()
-            .into_iter()
-            .chain(self.ops.kata_store())
-            .find_map(|st| st.claimant(target_str).ok().flatten());
+        let claimant = self.ops.claimant(target_str);
         run(self.ops.unstage(target_str))?;
         // A guest may have had raw access: the host checks before mounting.
         rec.returned = Some(crate::handover::Returned::now(
@@ -477,14 +436,9 @@ impl Driver {
         };
         let ours = self
             .ops
-            .crust_store()
-            .into_iter()
-            .chain(self.ops.kata_store())
-            .any(|store| {
-                store
-                    .read(t)
-                    .is_ok_and(|mi| Path::new(&mi.device) == s.device)
-            });
+            .records(t)
+            .iter()
+            .any(|mi| Path::new(&mi.device) == s.device);
         if !ours {
             return Ok(());
         }

@@ -380,7 +380,7 @@ impl Driver {
                 format!("volume {id}'s StorageClass says deferFsOps=false"),
             ));
         }
-        if self.ops.crust_store().is_none() {
+        if !self.ops.has_crust_layout() {
             return Err(Decline::new(
                 Reason::DeferralDisabled,
                 "a handover needs the CRUST hand-off layout (--handoff-layout crust or both)",
@@ -650,12 +650,8 @@ impl Driver {
     pub(crate) fn settle_handover(&self, rec: &mut VolumeRecord) -> Result<()> {
         match &rec.handover {
             Some(h) if h.phase == HandoverPhase::Preparing => {
-                let claimed = self.ops.crust_store().is_some_and(|store| {
-                    h.target.to_str().is_some_and(|t| {
-                        store
-                            .inspect(t)
-                            .is_ok_and(|st| st.claimant.as_deref() == Some(&h.sandbox))
-                    })
+                let claimed = h.target.to_str().is_some_and(|t| {
+                    self.ops.complete_record_claimant(t).as_deref() == Some(&h.sandbox)
                 });
                 if claimed {
                     tracing::warn!(volume = %rec.id, sandbox = %h.sandbox,
@@ -687,10 +683,7 @@ impl Driver {
             sandbox: h.sandbox.clone(),
             detail,
         };
-        let claimant = self
-            .ops
-            .crust_store()
-            .and_then(|s| s.claimant(&target).ok().flatten());
+        let claimant = self.ops.claimant(&target);
         if claimant.is_none() {
             // Unclaimed: the runtime let go; the device must be free too
             // (a QEMU that outlived its runtime still has it open).
@@ -780,12 +773,10 @@ impl Driver {
         rec: &VolumeRecord,
         target: &Path,
     ) -> Result<pb::HandOverResponse> {
-        let store = self.ops.crust_store().ok_or_else(|| {
-            NodeError::Internal("the CRUST hand-off layout is not configured".into())
-        })?;
-        let mi = store
-            .read(utf8(target)?)
-            .map_err(|e| NodeError::Ops(e.into()))?;
+        let mi = self
+            .ops
+            .crust_record(utf8(target)?)
+            .map_err(NodeError::Ops)?;
         let readonly = mi.options.iter().any(|o| o == "ro");
         Ok(pb::HandOverResponse {
             outcome: Some(pb::hand_over_response::Outcome::HandedOver(

@@ -137,6 +137,16 @@ enum Route {
     Kata(String),
 }
 
+/// A sandbox's claim on a hand-off record naming a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceClaim {
+    pub sandbox: String,
+    /// The record's target (or its directory name when the target is not
+    /// recorded).
+    pub record: String,
+    pub device: String,
+}
+
 pub struct CrustOps {
     crust: Option<Store>,
     kata: Option<Store>,
@@ -181,12 +191,74 @@ impl CrustOps {
         })
     }
 
-    pub fn crust_store(&self) -> Option<&Store> {
-        self.crust.as_ref()
+    /// Whether the CRUST layout, which a handover needs, is configured.
+    pub fn has_crust_layout(&self) -> bool {
+        self.crust.is_some()
     }
 
-    pub fn kata_store(&self) -> Option<&Store> {
-        self.kata.as_ref()
+    /// Checks in every layout, changing nothing, that `mi` could be staged
+    /// at `target` (a different record a sandbox holds is refused).
+    pub fn check_stage(&self, target: &str, mi: &MountInfo) -> Result<(), OpsError> {
+        for s in self.stores() {
+            s.check_stage(target, mi)?;
+        }
+        Ok(())
+    }
+
+    /// The sandbox claiming `target`'s record, in any layout (CRUST first).
+    pub fn claimant(&self, target: &str) -> Option<String> {
+        self.stores()
+            .find_map(|s| s.claimant(target).ok().flatten())
+    }
+
+    /// The sandbox claiming the complete CRUST record of `target` (a
+    /// record directory a crash left without `mountInfo.json` has none).
+    pub fn complete_record_claimant(&self, target: &str) -> Option<String> {
+        self.crust.as_ref()?.inspect(target).ok()?.claimant
+    }
+
+    /// A claimed record, in any layout, whose device is `device` (the same
+    /// device numbers): also one whose target the caller lost track of.
+    /// Lists every record: for a check before the host touches a device,
+    /// not for a hot path.
+    pub fn claim_on_device(&self, device: &Path) -> Option<DeviceClaim> {
+        let numbers = crust_blockdev::device_major_minor(device).ok()?;
+        for store in self.stores() {
+            let records = match store.list() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list hand-off records");
+                    continue;
+                }
+            };
+            for r in records {
+                let Ok(state) = r.state else { continue };
+                if let Some(sandbox) = state.claimant
+                    && crust_blockdev::device_major_minor(Path::new(&state.mount_info.device)).ok()
+                        == Some(numbers)
+                {
+                    return Some(DeviceClaim {
+                        sandbox,
+                        record: r.target.unwrap_or(r.key),
+                        device: state.mount_info.device,
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    /// The records of `target`, one per layout that has one (CRUST first).
+    pub fn records(&self, target: &str) -> Vec<MountInfo> {
+        self.stores().filter_map(|s| s.read(target).ok()).collect()
+    }
+
+    /// The CRUST-layout record of `target` (a handover's).
+    pub fn crust_record(&self, target: &str) -> Result<MountInfo, OpsError> {
+        let store = self.crust.as_ref().ok_or_else(|| {
+            OpsError::InvalidArgument("the CRUST hand-off layout is not configured".into())
+        })?;
+        Ok(store.read(target)?)
     }
 
     fn stores(&self) -> impl Iterator<Item = &Store> {
