@@ -17,7 +17,6 @@
 //! * NodeUnpublishVolume removes the record and the empty target, whether
 //!   or not the request says `defer_fs_ops`: the plugin's records know.
 
-use std::future::Future;
 use std::path::Path;
 
 use crust_ops::{ExpandRequest, StageRequest};
@@ -32,12 +31,6 @@ use crate::node::{mounted_here, prepare_target, remove_target, sync_and_unmount}
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
-
-/// Runs one crust_ops call from a blocking-pool thread (the node
-/// operations are synchronous; crust_ops is async).
-pub(crate) fn run<F: Future>(f: F) -> F::Output {
-    tokio::runtime::Handle::current().block_on(f)
-}
 
 fn utf8<'a>(what: &str, p: &'a Path) -> Result<&'a str> {
     p.to_str()
@@ -205,7 +198,7 @@ impl Driver {
                 }
             }
         };
-        if let Err(e) = run(self.ops.stage(stage)) {
+        if let Err(e) = self.ops.stage(stage) {
             keep_staging(&mut rec, &s);
             return Err(e.into());
         }
@@ -223,7 +216,7 @@ impl Driver {
             .map_err(|e| NodeError::Internal(e.to_string()))
         });
         if let Err(e) = placed {
-            if !repeat && let Err(ue) = run(self.ops.unstage(&target_str)) {
+            if !repeat && let Err(ue) = self.ops.unstage(&target_str) {
                 tracing::warn!(volume = %id, error = %ue, "could not remove the hand-off record after a failed publish");
             }
             keep_staging(&mut rec, &s);
@@ -401,7 +394,7 @@ impl Driver {
         let id = rec.id.clone();
         let target_str = utf8("target_path", target)?;
         let claimant = self.ops.claimant(target_str);
-        run(self.ops.unstage(target_str))?;
+        self.ops.unstage(target_str)?;
         // A guest may have had raw access: the host checks before mounting.
         rec.returned = Some(crate::handover::Returned::now(
             claimant.as_deref().unwrap_or_default(),
@@ -442,7 +435,7 @@ impl Driver {
         if !ours {
             return Ok(());
         }
-        run(self.ops.unstage(t))?;
+        self.ops.unstage(t)?;
         let _ = crate::placeholder::remove(target);
         if !crust_blockdev::is_mountpoint(target).unwrap_or(true) {
             remove_target(target, false);
@@ -457,7 +450,7 @@ impl Driver {
         &self,
         target: &str,
     ) -> std::result::Result<Option<crust_ops::VolumeCondition>, crust_ops::OpsError> {
-        match run(self.ops.stats(target)) {
+        match self.ops.stats(target) {
             Ok(stats) => Ok(stats.condition),
             Err(crust_ops::OpsError::NotConsumed(_)) => Ok(None),
             Err(e) => Err(e),
@@ -476,7 +469,7 @@ impl Driver {
         }
         let target = utf8("volume_path", path)?;
         let host = self.health.condition(rec);
-        let stats = run(self.ops.stats(target))?;
+        let stats = self.ops.stats(target)?;
         let reported_abnormal = stats.condition.as_ref().is_some_and(|c| c.abnormal);
         if stats.usage.is_empty() && !reported_abnormal {
             // No figures and no abnormal condition is no answer at all: a
@@ -540,11 +533,11 @@ impl Driver {
         })?;
         let device = &s.device;
         let size = crate::node::refreshed_device_size(&rec.id, device, required, limit)?;
-        let capacity = run(self.ops.expand(ExpandRequest {
+        let capacity = self.ops.expand(ExpandRequest {
             target_path: target.to_string(),
             required_bytes: required,
             limit_bytes: limit,
-        }))?;
+        })?;
         self.health.forget(&rec.id);
         tracing::info!(volume = %rec.id, device_size = size, capacity, "deferred expansion done");
         Ok(csi::NodeExpandVolumeResponse {

@@ -273,11 +273,6 @@ fn utf8(p: &Path) -> Result<&str> {
         .ok_or_else(|| HandoverError::InvalidArgument(format!("{} is not UTF-8", p.display())))
 }
 
-/// Runs one async crust_ops call from a blocking-pool thread.
-fn run<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Handle::current().block_on(f)
-}
-
 impl Driver {
     /// HandOver: see the module doc.
     pub fn hand_over(&self, req: &pb::HandOverRequest) -> Result<pb::HandOverResponse> {
@@ -571,7 +566,8 @@ impl Driver {
                 .as_deref()
                 .and_then(|v| crust_handoff::FsGroupChangePolicy::parse(v).ok()),
         };
-        run(self.ops.stage_claimed(req, &ask.sandbox, &ask.runtime_cli))
+        self.ops
+            .stage_claimed(req, &ask.sandbox, &ask.runtime_cli)
             .map_err(|e| HandoverError::Node(e.into()))
     }
 
@@ -615,7 +611,11 @@ impl Driver {
             return Ok(());
         };
         let target_str = utf8(&h.target)?.to_string();
-        if !run(self.ops.discard_partial(&target_str)).map_err(NodeError::from)? {
+        if !self
+            .ops
+            .discard_partial(&target_str)
+            .map_err(NodeError::from)?
+        {
             // A complete record: the sandbox has it; never roll back then.
             return self.roll_forward(rec);
         }
@@ -690,7 +690,7 @@ impl Driver {
             let s = rec.staging.as_ref().expect("a staged volume");
             device_released(&s.device).map_err(&held)?;
         }
-        if let Err(e) = run(self.ops.unstage(&target)) {
+        if let Err(e) = self.ops.unstage(&target) {
             return Err(match e {
                 crust_ops::OpsError::StillClaimed { detail, .. } => held(match for_sandbox {
                     Some(other) => format!("{detail}; sandbox {other} cannot have it"),

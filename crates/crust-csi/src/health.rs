@@ -388,14 +388,10 @@ impl HealthMonitor {
         let inner = self.inner.clone();
         let backend = self.backend.clone();
         let ops = self.ops.clone();
-        let handle = tokio::runtime::Handle::try_current().ok();
         let run = move || {
             // The sandbox holding a deferred publication, as its runtime
             // establishes it (never what a guest says).
-            let claimant = |target: &str| {
-                let h = handle.as_ref()?;
-                h.block_on(ops.claimant_state(target))
-            };
+            let claimant = |target: &str| ops.claimant_state(target);
             for (rec, gen_, slot) in jobs {
                 let c = evaluate(&*backend, &rec, &claimant);
                 {

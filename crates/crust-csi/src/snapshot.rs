@@ -145,7 +145,7 @@ impl Driver {
     fn quiesce(&self, rec: &VolumeRecord) -> Result<Quiesced> {
         if let Some((target, _)) = rec.deferred_publication() {
             let t = target.to_str().unwrap_or_default().to_string();
-            match crate::defer::run(self.ops.freeze(&t, MAX_FROZEN)) {
+            match self.ops.freeze(&t, MAX_FROZEN) {
                 Ok(()) => {
                     if let Some(s) = &rec.staging {
                         // The guest's flush reached QEMU; push it to the
@@ -200,19 +200,17 @@ impl Driver {
             Quiesced::Frozen(f) => f
                 .thaw()
                 .map_err(|e| ControllerError::Internal(format!("snapshot not consistent: {e}"))),
-            Quiesced::GuestFrozen { volume, target } => {
-                match crate::defer::run(self.ops.thaw(&target)) {
-                    Ok(true) => Ok(()),
-                    Ok(false) => Err(ControllerError::Internal(format!(
-                        "snapshot of volume {volume} not consistent: the guest thawed it \
+            Quiesced::GuestFrozen { volume, target } => match self.ops.thaw(&target) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(ControllerError::Internal(format!(
+                    "snapshot of volume {volume} not consistent: the guest thawed it \
                          (time limit {MAX_FROZEN:?}) before the copy finished"
-                    ))),
-                    Err(e) => Err(ControllerError::Internal(format!(
-                        "snapshot of volume {volume} not consistent: cannot confirm the guest \
+                ))),
+                Err(e) => Err(ControllerError::Internal(format!(
+                    "snapshot of volume {volume} not consistent: cannot confirm the guest \
                          kept it frozen until the copy finished: {e}"
-                    ))),
-                }
-            }
+                ))),
+            },
             Quiesced::Nothing => Ok(()),
         }
     }

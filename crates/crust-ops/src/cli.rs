@@ -1,11 +1,16 @@
 //! Running a runtime CLI: own process group (so a timeout kills whatever it
-//! spawned too), no stdin, bounded stdout/stderr, hard timeout.
+//! spawned too), no stdin, bounded stdout/stderr, hard timeout; on the
+//! caller's thread, without an async runtime.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
-use std::process::{ExitStatus, Stdio};
-use std::time::Duration;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt};
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::io::Errno;
+use rustix::process::{Pid, PidfdFlags, Signal};
 
 use crate::error::OpsError;
 
@@ -36,59 +41,87 @@ pub fn check_executable(path: &str) -> Result<(), OpsError> {
 }
 
 /// Runs `program args...`, returns its stdout when it exits 0 in time.
-pub async fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, OpsError> {
+///
+/// Synchronous: the calling thread polls the CLI's stdout, stderr and
+/// pidfd until the CLI exits and both pipes are closed, or the timeout
+/// kills its whole process group. No async runtime and no helper thread:
+/// the plugin calls this from the thread already serving the request.
+pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, OpsError> {
     let op = args.join(" ");
-    let mut cmd = tokio::process::Command::new(program);
-    cmd.args(args)
+    let deadline = Instant::now() + timeout;
+    let mut child = Command::new(program)
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|e| OpsError::BadRuntimeCli {
-        path: program.to_string(),
-        reason: format!("cannot run: {e}"),
-    })?;
-    let pid = child.id();
-    let stdout = child.stdout.take().expect("piped stdout");
-    let stderr = child.stderr.take().expect("piped stderr");
-
-    let result = tokio::time::timeout(timeout, async {
-        let (out, err, status) = tokio::join!(
-            read_bounded(stdout, MAX_STDOUT),
-            read_bounded(stderr, MAX_STDERR),
-            child.wait()
-        );
-        (out, err, status)
-    })
-    .await;
-
-    let (out, err, status) = match result {
-        Ok(r) => r,
-        Err(_) => {
-            // The child is not reaped yet, so its pid still names its group.
-            if let Some(pid) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
-                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-            }
-            let _ = child.kill().await;
+        .spawn()
+        .map_err(|e| OpsError::BadRuntimeCli {
+            path: program.to_string(),
+            reason: format!("cannot run: {e}"),
+        })?;
+    let io_err = |context: &str, e: std::io::Error| OpsError::Io {
+        context: format!("{context} {program}"),
+        source: e,
+    };
+    let mut out = Pipe::new(child.stdout.take().map(OwnedFd::from), MAX_STDOUT);
+    let mut err = Pipe::new(child.stderr.take().map(OwnedFd::from), MAX_STDERR);
+    let pidfd = rustix::process::pidfd_open(Pid::from_child(&child), PidfdFlags::empty())
+        .map_err(|e| io_err("pidfd of", e.into()));
+    let pidfd = match pidfd {
+        Ok(fd) => fd,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
+    let mut exited = false;
+    while !(exited && out.fd.is_none() && err.fd.is_none()) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            // Not reaped yet: the pid still names the CLI's group.
+            let _ = rustix::process::kill_process_group(Pid::from_child(&child), Signal::KILL);
+            let _ = child.kill();
+            let _ = child.wait();
             return Err(OpsError::CliTimeout {
                 cli: program.to_string(),
                 op,
                 timeout,
             });
         }
-    };
-    let status = status.map_err(|e| OpsError::Io {
-        context: format!("wait for {program}"),
-        source: e,
-    })?;
-    let (stderr, _) = err.unwrap_or_default();
-    let (stdout, overflow) = out.map_err(|e| OpsError::Io {
-        context: format!("read output of {program}"),
-        source: e,
-    })?;
+        let mut fds = Vec::with_capacity(3);
+        for fd in [out.fd.as_ref(), err.fd.as_ref()].into_iter().flatten() {
+            fds.push(PollFd::new(fd, PollFlags::IN));
+        }
+        if !exited {
+            fds.push(PollFd::new(&pidfd, PollFlags::IN));
+        }
+        let ts = Timespec::try_from(left).unwrap_or(Timespec {
+            tv_sec: i64::MAX,
+            tv_nsec: 0,
+        });
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(_) | Err(Errno::INTR) => {}
+            Err(e) => return Err(io_err("poll", e.into())),
+        }
+        let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+        let mut i = 0;
+        for pipe in [&mut out, &mut err] {
+            if pipe.fd.is_some() {
+                if ready[i] {
+                    pipe.read_some().map_err(|e| io_err("read output of", e))?;
+                }
+                i += 1;
+            }
+        }
+        if !exited && ready[i] {
+            exited = true;
+        }
+    }
+    let status = child.wait().map_err(|e| io_err("wait for", e))?;
     // Checked first: once we stop reading, the CLI dies of EPIPE/SIGPIPE.
-    if overflow {
+    if out.overflow {
         return Err(OpsError::BadOutput {
             cli: program.to_string(),
             op,
@@ -100,25 +133,53 @@ pub async fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<
             cli: program.to_string(),
             op,
             status: describe(status),
-            stderr: quote_stderr(&stderr),
+            stderr: quote_stderr(&err.buf),
         });
     }
-    Ok(stdout)
+    Ok(out.buf)
 }
 
-/// Reads up to `max` bytes; past that it stops reading (the writer gets
-/// EPIPE) and reports the overflow.
-async fn read_bounded(
-    mut r: impl AsyncRead + Unpin,
+/// One output pipe of a CLI, read up to `max` bytes: past that, stdout
+/// is an overflow (the pipe is closed, the writer gets EPIPE) and stderr
+/// is read on and dropped.
+struct Pipe {
+    fd: Option<OwnedFd>,
+    buf: Vec<u8>,
     max: usize,
-) -> std::io::Result<(Vec<u8>, bool)> {
-    let mut buf = Vec::new();
-    let n = (&mut r).take(max as u64 + 1).read_to_end(&mut buf).await?;
-    if n > max {
-        buf.truncate(max);
-        return Ok((buf, true));
+    overflow: bool,
+}
+
+impl Pipe {
+    fn new(fd: Option<OwnedFd>, max: usize) -> Pipe {
+        Pipe {
+            fd,
+            buf: Vec::new(),
+            max,
+            overflow: false,
+        }
     }
-    Ok((buf, false))
+
+    /// One read of what is there; EOF or an overflow closes the pipe.
+    fn read_some(&mut self) -> std::io::Result<()> {
+        let Some(fd) = &self.fd else { return Ok(()) };
+        let mut chunk = [0u8; 16 * 1024];
+        let n = match rustix::io::read(fd, &mut chunk) {
+            Ok(n) => n,
+            Err(Errno::INTR | Errno::AGAIN) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if n == 0 {
+            self.fd = None;
+            return Ok(());
+        }
+        let room = self.max - self.buf.len();
+        self.buf.extend_from_slice(&chunk[..n.min(room)]);
+        if n > room && self.max == MAX_STDOUT {
+            self.overflow = true;
+            self.fd = None;
+        }
+        Ok(())
+    }
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -159,20 +220,16 @@ mod tests {
         p.to_str().unwrap().to_string()
     }
 
-    #[tokio::test]
-    async fn success_failure_and_overflow() {
+    #[test]
+    fn success_failure_and_overflow() {
         let d = tempfile::tempdir().unwrap();
         let ok = script(d.path(), "ok", "echo \"$@\"");
         assert_eq!(
-            run(&ok, &["crust", "stats", "/a b"], Duration::from_secs(10))
-                .await
-                .unwrap(),
+            run(&ok, &["crust", "stats", "/a b"], Duration::from_secs(10)).unwrap(),
             b"crust stats /a b\n"
         );
         let fail = script(d.path(), "fail", "echo 'no such sandbox' >&2; exit 3");
-        let e = run(&fail, &["x"], Duration::from_secs(10))
-            .await
-            .unwrap_err();
+        let e = run(&fail, &["x"], Duration::from_secs(10)).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal);
         let msg = e.to_string();
         assert!(
@@ -180,17 +237,15 @@ mod tests {
             "{msg}"
         );
         let big = script(d.path(), "big", "head -c 2000000 /dev/zero");
-        let e = run(&big, &[], Duration::from_secs(10)).await.unwrap_err();
+        let e = run(&big, &[], Duration::from_secs(10)).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal);
         assert!(e.to_string().contains("exceeds"), "{e}");
-        let e = run("/nonexistent/cli", &[], Duration::from_secs(10))
-            .await
-            .unwrap_err();
+        let e = run("/nonexistent/cli", &[], Duration::from_secs(10)).unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     }
 
-    #[tokio::test]
-    async fn timeout_kills_the_whole_group() {
+    #[test]
+    fn timeout_kills_the_whole_group() {
         let d = tempfile::tempdir().unwrap();
         let pidfile = d.path().join("pids");
         // A grandchild that would outlive a naive kill of the direct child.
@@ -204,9 +259,7 @@ mod tests {
             ),
         );
         let t0 = Instant::now();
-        let e = run(&hang, &[], Duration::from_millis(500))
-            .await
-            .unwrap_err();
+        let e = run(&hang, &[], Duration::from_millis(500)).unwrap_err();
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
         assert!(
             t0.elapsed() < Duration::from_secs(15),

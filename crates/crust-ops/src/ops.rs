@@ -282,29 +282,22 @@ impl CrustOps {
     /// (not mounted in any namespace, no exclusive or kernel holder:
     /// [`crust_blockdev::ensure_device_free`]); repeating an identical
     /// record does not look at the device (its sandbox may hold it).
-    pub async fn stage(&self, mut req: StageRequest) -> Result<(), OpsError> {
+    pub fn stage(&self, mut req: StageRequest) -> Result<(), OpsError> {
         self.check_target(&req.target_path)?;
         normalize_flags(&mut req)?;
         let mi = req.mount_info();
-        let stores: Vec<Store> = self.stores().cloned().collect();
-        let target = req.target_path.clone();
-        blocking(move || {
-            // All layouts are checked before any is written.
-            for s in &stores {
-                s.check_stage(&target, &mi)?;
-            }
-            let unchanged = stores
-                .iter()
-                .all(|s| s.read(&target).is_ok_and(|old| old == mi));
-            if !unchanged {
-                check_device_free(&mi.device)?;
-            }
-            for s in &stores {
-                s.stage(&target, &mi)?;
-            }
-            Ok(())
-        })
-        .await?;
+        let target = &req.target_path;
+        // All layouts are checked before any is written.
+        self.check_stage(target, &mi)?;
+        let unchanged = self
+            .stores()
+            .all(|s| s.read(target).is_ok_and(|old| old == mi));
+        if !unchanged {
+            check_device_free(&mi.device)?;
+        }
+        for s in self.stores() {
+            s.stage(target, &mi)?;
+        }
         tracing::info!(target = %req.target_path, device = %req.device, fstype = %req.fs_type, "staged");
         Ok(())
     }
@@ -315,13 +308,13 @@ impl CrustOps {
     /// plugin for a host-published volume gets it, and no other runtime
     /// can claim the record first. Flags pass the one allow-list; a new
     /// record needs a device nobody holds. Idempotent for the same sandbox.
-    pub async fn stage_claimed(
+    pub fn stage_claimed(
         &self,
         mut req: StageRequest,
         sandbox: &str,
         runtime_cli: &str,
     ) -> Result<(), OpsError> {
-        let store = self.crust.clone().ok_or_else(|| {
+        let store = self.crust.as_ref().ok_or_else(|| {
             OpsError::InvalidArgument(
                 "a handover needs the CRUST hand-off layout (--handoff-layout crust or both)"
                     .into(),
@@ -330,22 +323,14 @@ impl CrustOps {
         store.check_target(&req.target_path)?;
         normalize_flags(&mut req)?;
         let mi = req.mount_info();
-        let (target, sandbox, cli) = (
-            req.target_path.clone(),
-            sandbox.to_string(),
-            runtime_cli.to_string(),
-        );
-        blocking(move || {
-            let mine = store
-                .inspect(&target)
-                .is_ok_and(|st| st.mount_info == mi && st.claimant.as_deref() == Some(&*sandbox));
-            if !mine {
-                check_device_free(&mi.device)?;
-            }
-            store.stage_claimed(&target, &mi, &sandbox, Some(&cli))?;
-            Ok(())
-        })
-        .await?;
+        let target = &req.target_path;
+        let mine = store
+            .inspect(target)
+            .is_ok_and(|st| st.mount_info == mi && st.claimant.as_deref() == Some(sandbox));
+        if !mine {
+            check_device_free(&mi.device)?;
+        }
+        store.stage_claimed(target, &mi, sandbox, Some(runtime_cli))?;
         tracing::info!(target = %req.target_path, device = %req.device, "staged for a handover");
         Ok(())
     }
@@ -353,12 +338,11 @@ impl CrustOps {
     /// Removes what an interrupted [`CrustOps::stage_claimed`] left (a
     /// record directory without `mountInfo.json`, which nobody could have
     /// used). Ok(false): a complete record is there (left alone).
-    pub async fn discard_partial(&self, target: &str) -> Result<bool, OpsError> {
-        let Some(store) = self.crust.clone() else {
+    pub fn discard_partial(&self, target: &str) -> Result<bool, OpsError> {
+        let Some(store) = &self.crust else {
             return Ok(true);
         };
-        let t = target.to_string();
-        blocking(move || Ok(store.discard_partial(&t)?)).await
+        Ok(store.discard_partial(target)?)
     }
 
     /// Removes the hand-off record(s). Idempotent.
@@ -377,31 +361,25 @@ impl CrustOps {
     /// * Kata layout (Kata leaves its `<sandbox-id>` file behind after a
     ///   stop and its CLI exits 0 on errors): Kata's shim socket for that
     ///   sandbox is absent or refuses connections AND the device is free.
-    pub async fn unstage(&self, target: &str) -> Result<(), OpsError> {
+    pub fn unstage(&self, target: &str) -> Result<(), OpsError> {
         self.check_target(target)?;
         let crust_stale = match &self.crust {
-            Some(s) => self.stale_claimant(s, target).await?,
+            Some(s) => self.stale_claimant(s, target)?,
             None => None,
         };
         let kata_stale = match &self.kata {
-            Some(s) => self.stale_kata_claimant(s, target).await?,
+            Some(s) => self.stale_kata_claimant(s, target)?,
             None => None,
         };
-        let stores: Vec<Store> = self.stores().cloned().collect();
-        let t = target.to_string();
-        blocking(move || {
-            for s in &stores {
-                let stale = match s.layout() {
-                    Layout::Crust => &crust_stale,
-                    Layout::Kata => &kata_stale,
-                };
-                // Any claimant other than the one shown gone (one that
-                // appeared meanwhile) keeps the record.
-                s.remove_unless_claimed(&t, |by| stale.as_deref() != Some(by))?;
-            }
-            Ok(())
-        })
-        .await?;
+        for s in self.stores() {
+            let stale = match s.layout() {
+                Layout::Crust => &crust_stale,
+                Layout::Kata => &kata_stale,
+            };
+            // Any claimant other than the one shown gone (one that
+            // appeared meanwhile) keeps the record.
+            s.remove_unless_claimed(target, |by| stale.as_deref() != Some(by))?;
+        }
         tracing::info!(target = %target, "unstaged");
         Ok(())
     }
@@ -409,13 +387,13 @@ impl CrustOps {
     /// What `cli` answers to `crust capabilities`, asked once per CLI
     /// (path and modification time). A CLI that fails the query supports
     /// only `stats` and `resize`.
-    pub async fn capabilities(&self, cli: &str) -> Capabilities {
+    pub fn capabilities(&self, cli: &str) -> Capabilities {
         let mtime = std::fs::metadata(cli).and_then(|m| m.modified()).ok();
         let key = (cli.to_string(), mtime);
         if let Some(c) = self.capabilities.lock().expect("cache").get(&key) {
             return c.clone();
         }
-        let answer = cli::run(cli, &["crust", "capabilities"], self.cli_timeout).await;
+        let answer = cli::run(cli, &["crust", "capabilities"], self.cli_timeout);
         let caps = match answer {
             Ok(out) => Capabilities::parse(&out).unwrap_or_else(|_| Capabilities::minimal()),
             // Not cached: a slow CLI may answer next time.
@@ -435,7 +413,7 @@ impl CrustOps {
     /// None when nobody claims a record. For health reporting: a claim is
     /// released only by [`CrustOps::unstage`], which also wants the device
     /// free.
-    pub async fn claimant_state(&self, target: &str) -> Option<ClaimantState> {
+    pub fn claimant_state(&self, target: &str) -> Option<ClaimantState> {
         if let Some(s) = &self.crust
             && let Ok(Some(by)) = s.claimant(target)
         {
@@ -444,15 +422,14 @@ impl CrustOps {
                 _ => return Some(ClaimantState::unknown(&by, "no runtime-cli is recorded")),
             };
             if cli::check_executable(&cli).is_err()
-                || !self.capabilities(&cli).await.supports(VERB_SANDBOX_STATE)
+                || !self.capabilities(&cli).supports(VERB_SANDBOX_STATE)
             {
                 return Some(ClaimantState::unknown(
                     &by,
                     format!("its runtime CLI {cli} cannot report sandbox state"),
                 ));
             }
-            let answer =
-                cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout).await;
+            let answer = cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout);
             return Some(match answer.map(|out| SandboxLiveness::parse(&out, &by)) {
                 Ok(Ok(l)) => ClaimantState {
                     sandbox: by,
@@ -487,33 +464,17 @@ impl CrustOps {
 
     /// The CRUST record's claimant, once shown gone (see
     /// [`CrustOps::unstage`]). None: nobody claims the record.
-    async fn stale_claimant(
-        &self,
-        store: &Store,
-        target: &str,
-    ) -> Result<Option<String>, OpsError> {
-        let s = store.clone();
-        let t = target.to_string();
-        let (claimant, cli, device) = blocking(move || {
-            let claimant = match s.claimant(&t) {
-                Ok(c) => c,
-                Err(HandoffError::NotFound(_)) => None,
-                Err(e) => return Err(e.into()),
-            };
-            if claimant.is_none() {
-                return Ok((None, Ok(None), String::new()));
-            }
-            let device = s.read(&t)?.device;
-            // A broken runtime-cli is reported as "cannot ask" below.
-            let cli = match s.runtime_cli(&t) {
-                Err(HandoffError::NotFound(_)) => Ok(None),
-                r => r,
-            };
-            Ok((claimant, cli, device))
-        })
-        .await?;
-        let Some(by) = claimant else {
-            return Ok(None);
+    fn stale_claimant(&self, store: &Store, target: &str) -> Result<Option<String>, OpsError> {
+        let by = match store.claimant(target) {
+            Ok(Some(by)) => by,
+            Ok(None) | Err(HandoffError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let device = store.read(target)?.device;
+        // A broken runtime-cli is reported as "cannot ask" below.
+        let cli = match store.runtime_cli(target) {
+            Err(HandoffError::NotFound(_)) => Ok(None),
+            r => r,
         };
         let still = |detail: String| OpsError::StillClaimed {
             target: target.to_string(),
@@ -538,13 +499,12 @@ impl CrustOps {
                 "cannot ask its runtime whether it still runs: {e}"
             )));
         }
-        if !self.capabilities(&cli).await.supports(VERB_SANDBOX_STATE) {
+        if !self.capabilities(&cli).supports(VERB_SANDBOX_STATE) {
             return Err(still(format!(
                 "its runtime CLI {cli} cannot report sandbox state (no `crust {VERB_SANDBOX_STATE}`)"
             )));
         }
-        let out = match cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout).await
-        {
+        let out = match cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout) {
             Ok(out) => out,
             Err(OpsError::CliFailed { status, .. })
                 if status == format!("exit code {UNSUPPORTED_EXIT}") =>
@@ -571,9 +531,7 @@ impl CrustOps {
                 liveness.detail
             ))),
             SandboxState::Stopped => {
-                let dev = device.clone();
-                blocking(move || Ok(device_released(&dev)))
-                    .await?
+                device_released(&device)
                     .map_err(|why| still(format!("its runtime says it stopped, but {why}")))?;
                 tracing::info!(target = %target, sandbox = %by, detail = %liveness.detail,
                     "the claiming sandbox stopped and its device is free: the claim is stale");
@@ -584,63 +542,53 @@ impl CrustOps {
 
     /// The Kata record's claimant, once shown gone: none of Kata's shim
     /// sockets for it answers, and the device is free.
-    async fn stale_kata_claimant(
-        &self,
-        store: &Store,
-        target: &str,
-    ) -> Result<Option<String>, OpsError> {
-        let s = store.clone();
-        let t = target.to_string();
-        let dirs = self.kata_shim_dirs.clone();
-        let target = target.to_string();
-        blocking(move || {
-            let by = match s.claimant(&t) {
-                Ok(Some(by)) => by,
-                Ok(None) | Err(HandoffError::NotFound(_)) => return Ok(None),
-                Err(e) => return Err(e.into()),
-            };
-            let device = s.read(&t)?.device;
-            let still = |detail: String| OpsError::StillClaimed {
-                target: target.clone(),
-                by: by.clone(),
-                detail,
-            };
-            for d in &dirs {
-                let sock = d.join(&by).join(KATA_SHIM_SOCKET);
-                match std::os::unix::net::UnixStream::connect(&sock) {
-                    Ok(_) => {
-                        return Err(still(format!("Kata's shim answers at {}", sock.display())));
-                    }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                        ) => {}
-                    Err(e) => {
-                        return Err(still(format!(
-                            "cannot tell whether Kata's shim at {} runs: {e}",
-                            sock.display()
-                        )));
-                    }
+    fn stale_kata_claimant(&self, store: &Store, target: &str) -> Result<Option<String>, OpsError> {
+        let (s, t) = (store, target);
+        let by = match s.claimant(t) {
+            Ok(Some(by)) => by,
+            Ok(None) | Err(HandoffError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let device = s.read(t)?.device;
+        let still = |detail: String| OpsError::StillClaimed {
+            target: target.to_string(),
+            by: by.clone(),
+            detail,
+        };
+        for d in &self.kata_shim_dirs {
+            let sock = d.join(&by).join(KATA_SHIM_SOCKET);
+            match std::os::unix::net::UnixStream::connect(&sock) {
+                Ok(_) => {
+                    return Err(still(format!("Kata's shim answers at {}", sock.display())));
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                    ) => {}
+                Err(e) => {
+                    return Err(still(format!(
+                        "cannot tell whether Kata's shim at {} runs: {e}",
+                        sock.display()
+                    )));
                 }
             }
-            device_released(&device)
-                .map_err(|why| still(format!("no Kata shim answers for it, but {why}")))?;
-            Ok(Some(by))
-        })
-        .await
+        }
+        device_released(&device)
+            .map_err(|why| still(format!("no Kata shim answers for it, but {why}")))?;
+        Ok(Some(by))
     }
 
     /// Stats from the runtime that consumes the volume.
-    pub async fn stats(&self, target: &str) -> Result<VolumeStats, OpsError> {
-        match self.route(target).await? {
+    pub fn stats(&self, target: &str) -> Result<VolumeStats, OpsError> {
+        match self.route(target)? {
             Route::CrustCli(cli) => {
-                let out = cli::run(&cli, &["crust", "stats", target], self.cli_timeout).await?;
+                let out = cli::run(&cli, &["crust", "stats", target], self.cli_timeout)?;
                 parse::parse_stats(&out).map_err(|reason| bad_output(&cli, "crust stats", reason))
             }
             Route::Kata(kata) => {
                 let args = ["direct-volume", "stats", "--volume-path", target];
-                let out = cli::run(&kata, &args, self.cli_timeout).await?;
+                let out = cli::run(&kata, &args, self.cli_timeout)?;
                 parse::parse_stats(&out)
                     .map_err(|reason| bad_output(&kata, "direct-volume stats", reason))
             }
@@ -651,15 +599,14 @@ impl CrustOps {
     /// guest), for a point-in-time copy of its device; the runtime thaws it
     /// by itself after `max_frozen`. FAILED_PRECONDITION when that runtime
     /// does not offer `crust freeze` (Kata's, the KEP's minimal CLI).
-    pub async fn freeze(&self, target: &str, max_frozen: Duration) -> Result<(), OpsError> {
-        let cli = self.cli_offering(target, VERB_FREEZE).await?;
+    pub fn freeze(&self, target: &str, max_frozen: Duration) -> Result<(), OpsError> {
+        let cli = self.cli_offering(target, VERB_FREEZE)?;
         let ms = max_frozen.as_millis().max(1).to_string();
         cli::run(
             &cli,
             &["crust", "freeze", target, ms.as_str()],
             self.cli_timeout,
-        )
-        .await?;
+        )?;
         tracing::info!(target = %target, "frozen in the guest");
         Ok(())
     }
@@ -667,9 +614,9 @@ impl CrustOps {
     /// Thaws what [`CrustOps::freeze`] froze; Ok(true) when the volume
     /// stayed frozen from the freeze until now (a copy made meanwhile is
     /// consistent), Ok(false) when the runtime's time limit thawed it first.
-    pub async fn thaw(&self, target: &str) -> Result<bool, OpsError> {
-        let cli = self.cli_offering(target, VERB_THAW).await?;
-        let out = cli::run(&cli, &["crust", "thaw", target], self.cli_timeout).await?;
+    pub fn thaw(&self, target: &str) -> Result<bool, OpsError> {
+        let cli = self.cli_offering(target, VERB_THAW)?;
+        let out = cli::run(&cli, &["crust", "thaw", target], self.cli_timeout)?;
         let v: serde_json::Value = serde_json::from_slice(&out)
             .map_err(|e| bad_output(&cli, "crust thaw", e.to_string()))?;
         let was_frozen = v.get("was_frozen").and_then(|b| b.as_bool());
@@ -685,9 +632,9 @@ impl CrustOps {
     }
 
     /// The CRUST runtime CLI consuming `target`, if it offers `verb`.
-    async fn cli_offering(&self, target: &str, verb: &'static str) -> Result<String, OpsError> {
-        match self.route(target).await? {
-            Route::CrustCli(cli) if self.capabilities(&cli).await.supports(verb) => Ok(cli),
+    fn cli_offering(&self, target: &str, verb: &'static str) -> Result<String, OpsError> {
+        match self.route(target)? {
+            Route::CrustCli(cli) if self.capabilities(&cli).supports(verb) => Ok(cli),
             Route::CrustCli(cli) => Err(OpsError::Unsupported {
                 target: target.to_string(),
                 verb,
@@ -704,7 +651,7 @@ impl CrustOps {
     /// Grows the volume through the runtime; returns the new capacity.
     /// Kata's `direct-volume resize` prints nothing on success, so in that
     /// layout the size requested (required, else limit) is reported.
-    pub async fn expand(&self, req: ExpandRequest) -> Result<u64, OpsError> {
+    pub fn expand(&self, req: ExpandRequest) -> Result<u64, OpsError> {
         let (min, max) = (req.required_bytes, req.limit_bytes);
         if max != 0 && min > max {
             return Err(OpsError::InvalidArgument(format!(
@@ -719,11 +666,11 @@ impl CrustOps {
             }
         }
         let target = req.target_path.as_str();
-        let capacity = match self.route(target).await? {
+        let capacity = match self.route(target)? {
             Route::CrustCli(cli) => {
                 let (smin, smax) = (min.to_string(), max.to_string());
                 let args = ["crust", "resize", target, smin.as_str(), smax.as_str()];
-                let out = cli::run(&cli, &args, self.cli_timeout).await?;
+                let out = cli::run(&cli, &args, self.cli_timeout)?;
                 let cap = parse::parse_resize(&out)
                     .map_err(|reason| bad_output(&cli, "crust resize", reason))?;
                 if cap < min || (max != 0 && cap > max) {
@@ -752,7 +699,7 @@ impl CrustOps {
                     "--size",
                     s.as_str(),
                 ];
-                cli::run(&kata, &args, self.cli_timeout).await?;
+                cli::run(&kata, &args, self.cli_timeout)?;
                 size
             }
         };
@@ -763,39 +710,32 @@ impl CrustOps {
     /// CRUST record with a `runtime-cli` first, then a Kata record with a
     /// sandbox file. A record nobody consumed yet: FAILED_PRECONDITION; no
     /// record at all: NOT_FOUND.
-    async fn route(&self, target: &str) -> Result<Route, OpsError> {
-        self.check_target(target)?;
-        let crust = self.crust.clone();
-        let kata = self.kata.clone();
-        let kata_runtime = self.kata_runtime.clone();
-        let t = target.to_string();
-        blocking(move || {
-            let mut staged = false;
-            if let Some(s) = &crust
-                && s.exists(&t)?
-            {
-                staged = true;
-                if let Some(cli) = s.runtime_cli(&t)? {
-                    cli::check_executable(&cli)?;
-                    return Ok(Route::CrustCli(cli));
-                }
+    fn route(&self, t: &str) -> Result<Route, OpsError> {
+        self.check_target(t)?;
+        let mut staged = false;
+        if let Some(s) = &self.crust
+            && s.exists(t)?
+        {
+            staged = true;
+            if let Some(cli) = s.runtime_cli(t)? {
+                cli::check_executable(&cli)?;
+                return Ok(Route::CrustCli(cli));
             }
-            if let Some(s) = &kata
-                && s.exists(&t)?
-            {
-                staged = true;
-                if s.claimant(&t)?.is_some() {
-                    cli::check_executable(&kata_runtime)?;
-                    return Ok(Route::Kata(kata_runtime));
-                }
+        }
+        if let Some(s) = &self.kata
+            && s.exists(t)?
+        {
+            staged = true;
+            if s.claimant(t)?.is_some() {
+                cli::check_executable(&self.kata_runtime)?;
+                return Ok(Route::Kata(self.kata_runtime.clone()));
             }
-            if staged {
-                Err(OpsError::NotConsumed(t))
-            } else {
-                Err(crust_handoff::HandoffError::NotFound(t).into())
-            }
-        })
-        .await
+        }
+        if staged {
+            Err(OpsError::NotConsumed(t.to_string()))
+        } else {
+            Err(crust_handoff::HandoffError::NotFound(t.to_string()).into())
+        }
     }
 }
 
@@ -847,16 +787,4 @@ fn bad_output(cli: &str, op: &str, reason: String) -> OpsError {
         op: op.to_string(),
         reason,
     }
-}
-
-/// The store does small synchronous file I/O; keep it off the async workers.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, OpsError> + Send + 'static,
-) -> Result<T, OpsError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| OpsError::Io {
-            context: "blocking task".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?
 }

@@ -168,6 +168,20 @@ impl RuntimeService {
     pub fn into_server(self) -> RuntimeServer<Self> {
         RuntimeServer::new(self)
     }
+
+    /// Runs one synchronous crust_ops operation (file I/O, a runtime CLI)
+    /// on the blocking pool; its error becomes the status.
+    async fn call<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&CrustOps) -> Result<T, OpsError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let ops = self.ops.clone();
+        tokio::task::spawn_blocking(move || f(&ops))
+            .await
+            .map_err(|e| Status::internal(format!("{op}: {e}")))?
+            .map_err(|e| log_err(op, e))
+    }
 }
 
 fn log_err(op: &str, e: OpsError) -> Status {
@@ -183,7 +197,7 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeStageVolumeResponse>, Status> {
         let req =
             stage_request_from_proto(request.into_inner()).map_err(|e| log_err("stage", e))?;
-        self.ops.stage(req).await.map_err(|e| log_err("stage", e))?;
+        self.call("stage", move |ops| ops.stage(req)).await?;
         Ok(Response::new(pb::RuntimeStageVolumeResponse {}))
     }
 
@@ -193,10 +207,8 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeUnstageVolumeResponse>, Status> {
         let target = request.into_inner().volume_target_path;
         required(&target).map_err(|e| log_err("unstage", e))?;
-        self.ops
-            .unstage(&target)
-            .await
-            .map_err(|e| log_err("unstage", e))?;
+        self.call("unstage", move |ops| ops.unstage(&target))
+            .await?;
         Ok(Response::new(pb::RuntimeUnstageVolumeResponse {}))
     }
 
@@ -206,11 +218,7 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeGetVolumeStatsResponse>, Status> {
         let target = request.into_inner().volume_target_path;
         required(&target).map_err(|e| log_err("stats", e))?;
-        let stats = self
-            .ops
-            .stats(&target)
-            .await
-            .map_err(|e| log_err("stats", e))?;
+        let stats = self.call("stats", move |ops| ops.stats(&target)).await?;
         Ok(Response::new(stats_to_proto(stats)))
     }
 
@@ -220,11 +228,7 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeExpandVolumeResponse>, Status> {
         let req =
             expand_request_from_proto(request.into_inner()).map_err(|e| log_err("expand", e))?;
-        let capacity = self
-            .ops
-            .expand(req)
-            .await
-            .map_err(|e| log_err("expand", e))?;
+        let capacity = self.call("expand", move |ops| ops.expand(req)).await?;
         Ok(Response::new(pb::RuntimeExpandVolumeResponse {
             capacity_bytes: capacity as i64,
         }))
@@ -236,10 +240,8 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeFreezeVolumeResponse>, Status> {
         let (target, limit) =
             freeze_request_from_proto(request.into_inner()).map_err(|e| log_err("freeze", e))?;
-        self.ops
-            .freeze(&target, limit)
-            .await
-            .map_err(|e| log_err("freeze", e))?;
+        self.call("freeze", move |ops| ops.freeze(&target, limit))
+            .await?;
         Ok(Response::new(pb::RuntimeFreezeVolumeResponse {}))
     }
 
@@ -249,11 +251,7 @@ impl Runtime for RuntimeService {
     ) -> Result<Response<pb::RuntimeThawVolumeResponse>, Status> {
         let target = request.into_inner().volume_target_path;
         required(&target).map_err(|e| log_err("thaw", e))?;
-        let stayed_frozen = self
-            .ops
-            .thaw(&target)
-            .await
-            .map_err(|e| log_err("thaw", e))?;
+        let stayed_frozen = self.call("thaw", move |ops| ops.thaw(&target)).await?;
         Ok(Response::new(pb::RuntimeThawVolumeResponse {
             stayed_frozen,
         }))

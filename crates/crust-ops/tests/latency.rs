@@ -96,7 +96,6 @@ async fn latency_figures() {
             fs_group: Some(2000),
             fs_group_change_policy: None,
         })
-        .await
         .unwrap();
         inproc.push(t0.elapsed());
     }

@@ -223,12 +223,7 @@ impl Env {
     /// `RuntimeUnstageVolume` through crust_ops, as NodeUnpublishVolume of a
     /// deferred publication does.
     pub fn unstage(&self, target: &str) -> Result<(), crust_ops::OpsError> {
-        let ops = self.ops();
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(ops.unstage(target))
+        self.ops().unstage(target)
     }
 
     /// Writes `<dir>/<name>/config.json` and returns the bundle dir.
