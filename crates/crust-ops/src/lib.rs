@@ -19,6 +19,10 @@
 //! both cases a free device (see [`CrustOps::unstage`]). Nothing a guest
 //! can write (stats messages) decides a claim.
 //!
+//! [`CrustOps`] is synchronous: record I/O and the runtime CLI run on the
+//! caller's thread (the plugin's request thread; the daemon's blocking
+//! pool), so no call crosses between sync and async code.
+//!
 //! Status codes: see [`OpsError`].
 
 pub mod cli;
