@@ -53,6 +53,20 @@ const K8S_PREFIX: &str = "csi.storage.k8s.io/";
 
 type Result<T> = std::result::Result<T, ControllerError>;
 
+/// A checked CreateVolume request.
+struct CreateAsk {
+    fs_type: FsType,
+    /// The parameters recorded and compared.
+    kept: BTreeMap<String, String>,
+    specs: Vec<CapSpec>,
+    source: Option<ContentSource>,
+    /// At least the source's size.
+    required: u64,
+    limit: u64,
+    /// The smallest volume the backend and filesystem allow.
+    min: u64,
+}
+
 /// Validated CreateVolume parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Params {
@@ -266,11 +280,46 @@ impl Driver {
         }
     }
 
-    #[allow(
-        clippy::too_many_lines,
-        reason = "to be split with the single-record create of issue 16"
-    )]
     pub fn create_volume(&self, req: &csi::CreateVolumeRequest) -> Result<csi::Volume> {
+        let ask = self.create_ask(req)?;
+        let id = volume_id_for(&req.name);
+        let _guard = self.guards.try_begin(&id, "CreateVolume")?;
+        let existing = self.state.get(&id);
+        if let Some(rec) = &existing
+            && let Some(done) = self.existing_volume(rec, req, &ask)?
+        {
+            return Ok(done);
+        }
+        let size = choose_size(ask.required, ask.limit, ask.min)?;
+        let rec = VolumeRecord {
+            version: RECORD_VERSION,
+            id: id.clone(),
+            name: req.name.clone(),
+            phase: Phase::Creating,
+            capacity_bytes: size,
+            required_bytes: ask.required,
+            limit_bytes: ask.limit,
+            fs_type: ask.fs_type,
+            parameters: ask.kept,
+            capabilities: ask.specs,
+            node_id: self.cfg.node_id.clone(),
+            staging: None,
+            published: BTreeMap::new(),
+            content_source: ask.source.as_ref().map(SourceRecord::from),
+            raw_block_used: false,
+            formatted: None,
+            format_started: None,
+            handover: None,
+            returned: None,
+        };
+        let rec = self.allocate(rec, ask.source.as_ref(), existing.is_none())?;
+        tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %rec.fs_type, "volume created");
+        Ok(self.volume_proto(&rec))
+    }
+
+    /// A CreateVolume request checked before anything is looked up, with
+    /// the size range a content source implies.
+    fn create_ask(&self, req: &csi::CreateVolumeRequest) -> Result<CreateAsk> {
         validate_name(&req.name)?;
         if req.volume_capabilities.is_empty() {
             return Err(ControllerError::Missing("volume_capabilities"));
@@ -315,9 +364,8 @@ impl Driver {
         } else {
             0
         });
-
         // The source's size is the least the new volume can have.
-        let (required, limit) = match &source {
+        let required = match &source {
             Some(src) => {
                 let (src_size, src_fs) = self.content_source_facts(src)?;
                 if let Some(f) = src_fs
@@ -333,85 +381,92 @@ impl Driver {
                         "limit_bytes {limit} is smaller than the source ({src_size} bytes)"
                     )));
                 }
-                (required.max(src_size), limit)
+                required.max(src_size)
             }
-            None => (required, limit),
+            None => required,
         };
-        let id = volume_id_for(&req.name);
-        let _guard = self.guards.try_begin(&id, "CreateVolume")?;
+        Ok(CreateAsk {
+            fs_type,
+            kept: params.kept,
+            specs,
+            source,
+            required,
+            limit,
+            min,
+        })
+    }
 
-        let existing = self.state.get(&id);
-        if let Some(rec) = &existing {
-            if rec.name != req.name {
-                return Err(ControllerError::Internal(format!(
-                    "volume id {id} of name {:?} collides with existing volume {:?}",
-                    req.name, rec.name
-                )));
+    /// A volume of the same name recorded already: the answer of a
+    /// repeated CreateVolume (`Some`), a conflict, or (`None`) a create
+    /// that was never answered and is done again.
+    fn existing_volume(
+        &self,
+        rec: &VolumeRecord,
+        req: &csi::CreateVolumeRequest,
+        ask: &CreateAsk,
+    ) -> Result<Option<csi::Volume>> {
+        let id = &rec.id;
+        if rec.name != req.name {
+            return Err(ControllerError::Internal(format!(
+                "volume id {id} of name {:?} collides with existing volume {:?}",
+                req.name, rec.name
+            )));
+        }
+        let same_args = rec.fs_type == ask.fs_type
+            && rec.parameters == ask.kept
+            && cap_set(&rec.capabilities) == cap_set(&ask.specs)
+            && rec.content_source == ask.source.as_ref().map(SourceRecord::from);
+        let (required, limit) = (ask.required, ask.limit);
+        match rec.phase {
+            Phase::Ready => {
+                if !same_args {
+                    return Err(ControllerError::AlreadyExists(format!(
+                        "volume {:?} already exists with different fsType, parameters, \
+                         capabilities or content source (fsType {}, parameters {:?})",
+                        req.name, rec.fs_type, rec.parameters
+                    )));
+                }
+                if !in_range(rec.capacity_bytes, required, limit) {
+                    return Err(ControllerError::AlreadyExists(format!(
+                        "volume {:?} already exists with {} bytes, outside the requested \
+                         range (required {required}, limit {limit})",
+                        req.name, rec.capacity_bytes
+                    )));
+                }
+                Ok(Some(self.volume_proto(rec)))
             }
-            let same_args = rec.fs_type == fs_type
-                && rec.parameters == params.kept
-                && cap_set(&rec.capabilities) == cap_set(&specs)
-                && rec.content_source == source.as_ref().map(SourceRecord::from);
-            match rec.phase {
-                Phase::Ready => {
-                    if !same_args {
-                        return Err(ControllerError::AlreadyExists(format!(
-                            "volume {:?} already exists with different fsType, parameters, \
-                             capabilities or content source (fsType {}, parameters {:?})",
-                            req.name, rec.fs_type, rec.parameters
-                        )));
-                    }
-                    if !in_range(rec.capacity_bytes, required, limit) {
-                        return Err(ControllerError::AlreadyExists(format!(
-                            "volume {:?} already exists with {} bytes, outside the requested \
-                             range (required {required}, limit {limit})",
-                            req.name, rec.capacity_bytes
-                        )));
-                    }
-                    return Ok(self.volume_proto(rec));
+            Phase::Creating => {
+                // Never answered to the CO: a retry with other arguments
+                // replaces it.
+                if !same_args || rec.required_bytes != required || rec.limit_bytes != limit {
+                    self.backend.delete(id)?;
+                    self.state.remove(id)?;
                 }
-                Phase::Creating => {
-                    // Never answered to the CO: a retry with other
-                    // arguments replaces it.
-                    if !same_args || rec.required_bytes != required || rec.limit_bytes != limit {
-                        self.backend.delete(&id)?;
-                        self.state.remove(&id)?;
-                    }
-                }
+                Ok(None)
             }
         }
+    }
 
-        let size = choose_size(required, limit, min)?;
-        let mut rec = VolumeRecord {
-            version: RECORD_VERSION,
-            id: id.clone(),
-            name: req.name.clone(),
-            phase: Phase::Creating,
-            capacity_bytes: size,
-            required_bytes: required,
-            limit_bytes: limit,
-            fs_type,
-            parameters: params.kept,
-            capabilities: specs,
-            node_id: self.cfg.node_id.clone(),
-            staging: None,
-            published: BTreeMap::new(),
-            content_source: source.as_ref().map(SourceRecord::from),
-            raw_block_used: false,
-            formatted: None,
-            format_started: None,
-            handover: None,
-            returned: None,
-        };
-        // A copy writes a Creating record first so a retry can find and
-        // finish it. A plain create writes one record, once allocated: the
-        // backend store of a create that crashed before it holds nothing,
-        // and the next start (Driver::settle) or a retry removes it.
+    /// Allocates the store of `rec` (empty, or a copy of `source`) and
+    /// records the volume Ready; a failure leaves nothing behind.
+    ///
+    /// A copy writes a Creating record first so a retry can find and
+    /// finish it. A plain create writes one record, once allocated: the
+    /// backend store of a create that crashed before it holds nothing,
+    /// and the next start (Driver::settle) or a retry removes it.
+    fn allocate(
+        &self,
+        mut rec: VolumeRecord,
+        source: Option<&ContentSource>,
+        no_record: bool,
+    ) -> Result<VolumeRecord> {
+        let id = rec.id.clone();
+        let size = rec.capacity_bytes;
         if source.is_some() {
             self.state.put(rec.clone())?;
         }
-        let created = match &source {
-            None => self.create_plain(&id, size, limit, existing.is_none()),
+        let created = match source {
+            None => self.create_plain(&id, size, rec.limit_bytes, no_record),
             Some(src) => match self.fill_from(&id, size, src) {
                 Ok(n) => Ok(n),
                 Err(ControllerError::Backend(b)) => Err(b),
@@ -433,7 +488,7 @@ impl Driver {
                 return Err(match e {
                     BackendError::SizeMismatch { .. } => ControllerError::AlreadyExists(format!(
                         "backing store of volume {:?} already exists with another size: {e}",
-                        req.name
+                        rec.name
                     )),
                     other => other.into(),
                 });
@@ -450,8 +505,7 @@ impl Driver {
             }
             return Err(e.into());
         }
-        tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %fs_type, "volume created");
-        Ok(self.volume_proto(&rec))
+        Ok(rec)
     }
 
     /// Allocates a plain volume. Without a record of `id`, a store the
