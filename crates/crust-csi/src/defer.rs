@@ -24,7 +24,7 @@ use crust_proto::csi::v1 as csi;
 
 use crate::caps::Capability;
 use crate::driver::Driver;
-use crate::error::{NodeError, fs_err, mount_err};
+use crate::error::{NodeError, PathProblem, fs_err, mount_err};
 use crate::health::Condition;
 use crate::node::DEFER_CONTEXT_KEY;
 use crate::node::{mounted_here, prepare_target, remove_target, sync_and_unmount};
@@ -41,32 +41,31 @@ fn utf8<'a>(what: &str, p: &'a Path) -> Result<&'a str> {
 /// exists, and it is missing or a real directory with nothing mounted on
 /// it (the runtime mounts in its guest; the host target stays empty).
 fn check_deferred_target(target: &Path) -> Result<()> {
-    let t = target.display();
     if let Some(parent) = target.parent()
         && !std::fs::metadata(parent).is_ok_and(|m| m.is_dir())
     {
-        return Err(NodeError::FailedPrecondition(format!(
-            "parent directory {} of target_path does not exist; the CO must create it",
-            parent.display()
-        )));
+        return Err(NodeError::MissingParent {
+            path: parent.to_path_buf(),
+        });
     }
+    let bad = |problem| NodeError::PathState {
+        field: "target_path",
+        path: target.to_path_buf(),
+        problem,
+    };
     match std::fs::symlink_metadata(target) {
-        Ok(m) if m.file_type().is_symlink() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} is a symbolic link; refusing to follow it"
-        ))),
-        Ok(m) if !m.is_dir() => Err(NodeError::FailedPrecondition(format!(
-            "target_path {t} exists and is not a directory; a filesystem volume needs a directory"
-        ))),
+        Ok(m) if m.file_type().is_symlink() => Err(bad(PathProblem::Symlink)),
+        Ok(m) if !m.is_dir() => Err(bad(PathProblem::NotADirectoryForFs)),
         Ok(_) if crate::placeholder::is_mounted(target) => Ok(()),
         Ok(_) if crust_blockdev::is_mountpoint(target).map_err(mount_err)? => {
-            Err(NodeError::FailedPrecondition(format!(
-                "target_path {t} has a filesystem mounted on it; a deferred publication leaves \
-                 the target empty for the pod's runtime"
-            )))
+            Err(bad(PathProblem::FilesystemMounted))
         }
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
+        Err(e) => Err(NodeError::Internal(format!(
+            "target_path {}: {e}",
+            target.display()
+        ))),
     }
 }
 
@@ -127,20 +126,17 @@ impl Driver {
         };
         if !repeat {
             if let Some((t, _)) = rec.deferred_publication() {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is already published with deferred filesystem operations at \
-                     {}; only one sandbox may use it at a time (ReadWriteOncePod): unpublish \
-                     it first",
-                    t.display()
-                )));
+                return Err(NodeError::InGuest {
+                    volume: id,
+                    target: t.clone(),
+                    why: "only one sandbox may use it at a time (ReadWriteOncePod): unpublish it first",
+                });
             }
             if let Some((t, _)) = rec.host_publications().next() {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} is mounted on the host and published at {}; its filesystem \
-                     cannot also be mounted in a sandbox's guest (two kernels mounting one \
-                     filesystem corrupt it): unpublish the host targets first",
-                    t.display()
-                )));
+                return Err(NodeError::OnHost {
+                    volume: id,
+                    target: t.clone(),
+                });
             }
         }
         let mut mount_flags = crate::node::mount_flags_of(&rec, fs, &cap.mount_flags);
@@ -175,10 +171,10 @@ impl Driver {
                 .filter(|m| *m != s.path)
                 .collect();
             if !elsewhere.is_empty() {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "the filesystem of volume {id} is mounted on the host at {elsewhere:?}; \
-                     it cannot be handed to a sandbox while the host has it mounted"
-                )));
+                return Err(NodeError::MountedElsewhere {
+                    volume: id,
+                    at: elsewhere,
+                });
             }
         }
         let mut unmounted_now = false;
@@ -338,39 +334,32 @@ impl Driver {
             }
         }
         if let Some((t, _)) = rec.deferred_publication() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id} is published with deferred filesystem operations at {}: a \
-                 sandbox's guest may have its filesystem mounted, and mounting it on the host \
-                 as well would corrupt it (two kernels); unpublish {} first",
-                t.display(),
-                t.display()
-            )));
+            return Err(NodeError::InGuest {
+                volume: id,
+                target: t.clone(),
+                why: "a sandbox's guest may have its filesystem mounted, and mounting it on the \
+                      host as well would corrupt it (two kernels); unpublish it first",
+            });
         }
         // A remount that crashed before it was recorded is adopted.
         if !mounted_here(&s.device, &s.path)? {
             if let Some(why) = self.sandbox_claim(rec, Some(&s.device)) {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id}: {why}; its filesystem cannot be mounted on the host while \
-                     a sandbox may have it"
-                )));
+                return Err(NodeError::GuestMayHaveFs { volume: id, why });
             }
             if crust_blockdev::is_device_held_exclusively(&s.device).unwrap_or(false) {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "device {} of volume {id} is still in use (a sandbox that has not \
-                     stopped?); it cannot be mounted on the host",
-                    s.device.display()
-                )));
+                return Err(NodeError::DeviceHeld {
+                    volume: id,
+                    device: s.device.clone(),
+                });
             }
             // QEMU opens a guest's disk without O_EXCL: look for openers.
             crust_blockdev::ensure_no_other_openers(&s.device, crust_blockdev::fs::MOUNT)
                 .map_err(|e| fs_err("checking for other openers", e))?;
             if cap.flags_digest() != s.flags_digest {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {id} must be mounted again at its staging path {} with the mount \
-                     flags NodeStageVolume used, which differ from this request's; call \
-                     NodeStageVolume again",
-                    s.path.display()
-                )));
+                return Err(NodeError::StageFlagsDiffer {
+                    volume: id,
+                    staging: s.path.clone(),
+                });
             }
             let fs = s.fs_type.unwrap_or(rec.fs_type);
             let flags = self.check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
@@ -528,8 +517,8 @@ impl Driver {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;
-        let s = rec.staging.as_ref().ok_or_else(|| {
-            NodeError::FailedPrecondition(format!("volume {} is not staged", rec.id))
+        let s = rec.staging.as_ref().ok_or_else(|| NodeError::NotStaged {
+            volume: rec.id.clone(),
         })?;
         let device = &s.device;
         let size = crate::node::refreshed_device_size(&rec.id, device, required, limit)?;

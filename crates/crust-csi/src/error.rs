@@ -215,6 +215,48 @@ pub enum NodeError {
         has: String,
         asked: FsType,
     },
+    /// The volume is in (or promised to) a sandbox's guest through a
+    /// deferred publication at `target`: one sandbox at a time, and never
+    /// the host as well.
+    #[error(
+        "volume {volume} is published with deferred filesystem operations at {}: {why}",
+        target.display()
+    )]
+    InGuest {
+        volume: String,
+        target: PathBuf,
+        why: &'static str,
+    },
+    /// The host has the filesystem mounted (a host publication at
+    /// `target`), so no guest may mount it.
+    #[error(
+        "volume {volume} is mounted on the host and published at {}; its filesystem \
+         cannot also be mounted in a sandbox's guest (two kernels mounting one \
+         filesystem corrupt it): unpublish the host targets first",
+        target.display()
+    )]
+    OnHost { volume: String, target: PathBuf },
+    /// The filesystem is mounted on the host outside the plugin's records.
+    #[error(
+        "the filesystem of volume {volume} is mounted on the host at {at:?}; \
+         it cannot be handed to a sandbox while the host has it mounted"
+    )]
+    MountedElsewhere { volume: String, at: Vec<PathBuf> },
+    /// Something (a sandbox's QEMU) still holds the device.
+    #[error(
+        "device {} of volume {volume} is still in use (a sandbox that has not \
+         stopped?); it cannot be mounted on the host",
+        device.display()
+    )]
+    DeviceHeld { volume: String, device: PathBuf },
+    /// A host remount of the staging path needs the stage's own flags.
+    #[error(
+        "volume {volume} must be mounted again at its staging path {} with the mount \
+         flags NodeStageVolume used, which differ from this request's; call \
+         NodeStageVolume again",
+        staging.display()
+    )]
+    StageFlagsDiffer { volume: String, staging: PathBuf },
     /// Something that is not this volume's mount is at a CO path.
     #[error("{}", foreign_mount(field, path, what, volume.as_deref()))]
     ForeignMount {
@@ -273,6 +315,11 @@ impl From<NodeError> for Status {
             | NodeError::SingleTarget { .. }
             | NodeError::ForeignMount { .. }
             | NodeError::PathState { .. }
+            | NodeError::InGuest { .. }
+            | NodeError::OnHost { .. }
+            | NodeError::MountedElsewhere { .. }
+            | NodeError::DeviceHeld { .. }
+            | NodeError::StageFlagsDiffer { .. }
             | NodeError::HostPublication { .. }
             | NodeError::NotOnHost { .. }
             | NodeError::CreatedForOtherAccess { .. }
@@ -340,6 +387,11 @@ pub enum PathProblem {
     FileWithData(u64),
     #[error("exists and is not a directory; a filesystem volume needs a directory")]
     NotADirectoryForFs,
+    #[error(
+        "has a filesystem mounted on it; a deferred publication leaves the target empty for \
+         the pod's runtime"
+    )]
+    FilesystemMounted,
 }
 
 fn access_name(block: bool) -> &'static str {
