@@ -544,26 +544,32 @@ impl Driver {
             return Ok(());
         };
         if let Some(s) = &rec.staging {
-            return Err(ControllerError::FailedPrecondition(format!(
-                "volume {id} is still staged at {}; NodeUnstageVolume first",
-                s.path.display()
-            )));
+            return Err(ControllerError::InUse {
+                volume: id.to_string(),
+                use_: format!("staged at {}", s.path.display()),
+                first: "NodeUnstageVolume",
+            });
         }
         if !rec.published.is_empty() {
-            return Err(ControllerError::FailedPrecondition(format!(
-                "volume {id} is still published at {:?}; NodeUnpublishVolume first",
-                rec.published.keys().collect::<Vec<_>>()
-            )));
+            return Err(ControllerError::InUse {
+                volume: id.to_string(),
+                use_: format!(
+                    "published at {:?}",
+                    rec.published.keys().collect::<Vec<_>>()
+                ),
+                first: "NodeUnpublishVolume",
+            });
         }
         // A device left attached by an interrupted stage: detach (refused
         // by the backend while anything mounts it).
         if let Some(dev) = self.backend.attached_device(id)? {
-            self.backend.detach(id).map_err(|e| {
-                ControllerError::FailedPrecondition(format!(
-                    "volume {id} is attached as {} and cannot be detached: {e}",
-                    dev.display()
-                ))
-            })?;
+            self.backend
+                .detach(id)
+                .map_err(|e| ControllerError::Undetachable {
+                    volume: id.to_string(),
+                    device: dev.clone(),
+                    reason: e.to_string(),
+                })?;
         }
         self.backend.delete(id)?;
         self.state.remove(id)?;

@@ -61,6 +61,19 @@ pub enum ControllerError {
     OutOfRange(String),
     #[error("{0}")]
     ResourceExhausted(String),
+    /// DeleteVolume of a volume a node still uses.
+    #[error("volume {volume} is still {use_}; {first} first")]
+    InUse {
+        volume: String,
+        use_: String,
+        first: &'static str,
+    },
+    #[error("volume {volume} is attached as {} and cannot be detached: {reason}", device.display())]
+    Undetachable {
+        volume: String,
+        device: PathBuf,
+        reason: String,
+    },
     #[error("starting_token {} is not a token this plugin issued", crust_fs::quote(.0))]
     BadToken(String),
     #[error(transparent)]
@@ -81,7 +94,9 @@ impl From<ControllerError> for Status {
             }
             ControllerError::NotFound(_) => Code::NotFound,
             ControllerError::AlreadyExists(_) => Code::AlreadyExists,
-            ControllerError::FailedPrecondition(_) => Code::FailedPrecondition,
+            ControllerError::FailedPrecondition(_)
+            | ControllerError::InUse { .. }
+            | ControllerError::Undetachable { .. } => Code::FailedPrecondition,
             ControllerError::OutOfRange(_) => Code::OutOfRange,
             ControllerError::ResourceExhausted(_) => Code::ResourceExhausted,
             ControllerError::BadToken(_) | ControllerError::Busy(_) => Code::Aborted,
@@ -257,6 +272,42 @@ pub enum NodeError {
         staging.display()
     )]
     StageFlagsDiffer { volume: String, staging: PathBuf },
+    /// A stage repeated while an orphaned format of an earlier plugin
+    /// process still runs on the device.
+    #[error(
+        "volume {volume}: a format started by an earlier plugin process is still running \
+         on {} (the device is in use); retry",
+        device.display()
+    )]
+    FormatRunning { volume: String, device: PathBuf },
+    #[error("volume {volume}: cannot detach {} (still in use?): {reason}", device.display())]
+    Undetachable {
+        volume: String,
+        device: PathBuf,
+        reason: String,
+    },
+    /// Read-only raw block makes the whole device read-only.
+    #[error(
+        "raw block volume {volume} is already published {} at {}; read-only raw block \
+         access makes the whole device read-only, so read-only and read-write \
+         publications cannot be mixed",
+        if *other_readonly { "read-only" } else { "read-write" },
+        other.display()
+    )]
+    ReadOnlyMix {
+        volume: String,
+        other: PathBuf,
+        other_readonly: bool,
+    },
+    /// Online ext4 growth needs CAP_SYS_RESOURCE.
+    #[error(
+        "ext4 on {} cannot be grown while it is mounted: this plugin lacks \
+         CAP_SYS_RESOURCE, which online ext4 resize needs; the filesystem is \
+         grown automatically the next time the volume is staged (restart the \
+         pod using it), or run the plugin with CAP_SYS_RESOURCE",
+        device.display()
+    )]
+    CannotGrowOnline { device: PathBuf },
     /// Something that is not this volume's mount is at a CO path.
     #[error("{}", foreign_mount(field, path, what, volume.as_deref()))]
     ForeignMount {
@@ -315,6 +366,10 @@ impl From<NodeError> for Status {
             | NodeError::SingleTarget { .. }
             | NodeError::ForeignMount { .. }
             | NodeError::PathState { .. }
+            | NodeError::FormatRunning { .. }
+            | NodeError::Undetachable { .. }
+            | NodeError::ReadOnlyMix { .. }
+            | NodeError::CannotGrowOnline { .. }
             | NodeError::InGuest { .. }
             | NodeError::OnHost { .. }
             | NodeError::MountedElsewhere { .. }

@@ -183,17 +183,11 @@ fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) ->
     if wanted.block
         && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != wanted.readonly)
     {
-        return Err(NodeError::FailedPrecondition(format!(
-            "raw block volume {id} is already published {} at {}; read-only raw block \
-             access makes the whole device read-only, so read-only and read-write \
-             publications cannot be mixed",
-            if wanted.readonly {
-                "read-write"
-            } else {
-                "read-only"
-            },
-            t.display()
-        )));
+        return Err(NodeError::ReadOnlyMix {
+            volume: id.clone(),
+            other: t.to_path_buf(),
+            other_readonly: !wanted.readonly,
+        });
     }
     Ok(false)
 }

@@ -345,11 +345,10 @@ impl Driver {
             && !ours_mounted
             && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
         {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {id}: a format started by an earlier plugin process is still running \
-                 on {} (the device is in use); retry",
-                device.display()
-            )));
+            return Err(NodeError::FormatRunning {
+                volume: id,
+                device: device.to_path_buf(),
+            });
         }
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
@@ -455,12 +454,13 @@ impl Driver {
         if s.block && s.readonly && s.device.exists() {
             let _ = crust_blockdev::set_read_only(&s.device, false);
         }
-        self.backend.detach(&id).map_err(|e| {
-            NodeError::FailedPrecondition(format!(
-                "volume {id}: cannot detach {} (still in use?): {e}",
-                s.device.display()
-            ))
-        })?;
+        self.backend
+            .detach(&id)
+            .map_err(|e| NodeError::Undetachable {
+                volume: id.clone(),
+                device: s.device.clone(),
+                reason: e.to_string(),
+            })?;
         rec.staging = None;
         self.state.put(rec)?;
         self.health.forget(&id);

@@ -318,13 +318,9 @@ impl Driver {
             if fs == FsType::Ext4 && !crust_blockdev::can_grow_ext4_online() {
                 // The kernel's online ext4 resize needs CAP_SYS_RESOURCE.
                 if super::stage::fs_needs_grow(&device, FsType::Ext4)? {
-                    return Err(NodeError::FailedPrecondition(format!(
-                        "ext4 on {} cannot be grown while it is mounted: this plugin lacks \
-                         CAP_SYS_RESOURCE, which online ext4 resize needs; the filesystem is \
-                         grown automatically the next time the volume is staged (restart the \
-                         pod using it), or run the plugin with CAP_SYS_RESOURCE",
-                        device.display()
-                    )));
+                    return Err(NodeError::CannotGrowOnline {
+                        device: device.clone(),
+                    });
                 }
             } else {
                 crust_blockdev::grow_fs(&device, &s.path, fs).map_err(|e| {
