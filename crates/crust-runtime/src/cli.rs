@@ -127,6 +127,16 @@ pub struct GlobalOpts {
         global = true
     )]
     pub virtiofsd_binary: PathBuf,
+    /// crust-csi's Handover service (root-only unix socket): a container
+    /// mount whose source is a target where crust-csi published a volume
+    /// on the host is taken into the guest; empty: never asked.
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_HANDOVER_ENDPOINT",
+        default_value = crate::handover::DEFAULT_ENDPOINT,
+        global = true
+    )]
+    pub handover_endpoint: String,
 }
 
 impl GlobalOpts {
@@ -164,6 +174,7 @@ impl GlobalOpts {
             cpus: self.cpus.max(1),
             share_binds: self.share_binds,
             virtiofsd: self.virtiofsd_binary.clone(),
+            handover_endpoint: self.handover_endpoint.clone(),
         }
     }
 }

@@ -56,6 +56,8 @@ pub struct Config {
     pub share_binds: bool,
     /// virtiofsd binary for `share_binds` (looked up in PATH unless absolute).
     pub virtiofsd: PathBuf,
+    /// crust-csi's Handover service (`unix://` path; empty: never asked).
+    pub handover_endpoint: String,
 }
 
 impl Config {
@@ -125,6 +127,7 @@ impl Config {
         push("--memory-mib", self.memory_mib.to_string().into());
         push("--cpus", self.cpus.to_string().into());
         push("--virtiofsd-binary", self.virtiofsd.clone().into());
+        push("--handover-endpoint", self.handover_endpoint.clone().into());
         if self.share_binds {
             a.push("--share-binds".into());
         }

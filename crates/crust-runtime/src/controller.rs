@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crust_agent_proto::{
     AgentClient, MAX_LOG_TAIL, ShareRef, StartWorkload, WorkloadShare, WorkloadState, WorkloadUser,
@@ -21,6 +21,7 @@ use crate::claims::{claim, release_all, this_executable};
 use crate::config::Config;
 use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
 use crate::error::RuntimeError;
+use crate::handover::{self, Answer, Handover, VolumeEvent};
 use crate::runtime::ReadyLine;
 use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
 use crate::share;
@@ -185,7 +186,17 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         cfg.kata_root.clone(),
         &cfg.pods_layer_stop,
     )?;
-    let plan = discovery.plan(&bundle)?;
+    let handover = Handover::new(&cfg);
+    let asked_at = take_published_volumes(&handover, &discovery, &bundle, &store, &mut state).await;
+    let plan = match asked_at.and_then(|a| Ok((discovery.plan(&bundle)?, a))) {
+        Ok(p) => p,
+        Err(e) => {
+            give_back(&handover, &discovery, &id, &state.handover_asked).await;
+            mark_failed(&store, &mut state, &e);
+            return Err(e);
+        }
+    };
+    let (plan, asked_at) = plan;
     // Persist who we are and what we are about to claim before claiming,
     // so a crash at any point leaves enough on disk to clean up.
     state.shim = Some(ProcRef::current());
@@ -233,6 +244,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Ok(g) => g,
         Err(e) => {
             release_all(&discovery, &id, &claimed);
+            give_back(&handover, &discovery, &id, &state.handover_asked).await;
             remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
@@ -280,6 +292,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Err(e) => {
             // The guest is dropped (killed) by the failed future.
             release_all(&discovery, &id, &claimed);
+            give_back(&handover, &discovery, &id, &state.handover_asked).await;
             remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
@@ -292,8 +305,104 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             ctrl.teardown(Some(e.to_string())).await;
             return Err(e);
         }
+        if let Some(t0) = asked_at.get(&v.target) {
+            let ms = t0.elapsed().as_millis() as u64;
+            tracing::info!(target = %v.target, elapsed_ms = ms,
+                "handed-over volume mounted in the guest (handover request to mounted)");
+            ctrl.update(|s| {
+                if let Some(ev) = s.events.iter_mut().find(|e| e.target == v.target) {
+                    ev.elapsed_ms = Some(ms);
+                }
+            });
+        }
     }
     Ok(ctrl)
+}
+
+/// Runtime-driven deferral: every bundle mount whose source is a mount
+/// point without a hand-off record is offered to crust-csi's Handover
+/// service. A handed-over volume now has a record claimed by this
+/// sandbox, so the plan that follows treats it as any deferred volume.
+/// Returns when each handed-over target was asked, for the latency log.
+async fn take_published_volumes(
+    handover: &Handover,
+    discovery: &Discovery,
+    bundle: &Bundle,
+    store: &SandboxStore,
+    state: &mut SandboxState,
+) -> Result<HashMap<String, Instant>, RuntimeError> {
+    let mut asked_at = HashMap::new();
+    if !handover.configured() {
+        return Ok(asked_at);
+    }
+    let cli = this_executable()?;
+    for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
+        let source = m.source.as_deref().unwrap_or_default();
+        let has_record = discovery.lookup(source).ok().flatten().is_some();
+        if has_record
+            || state.handover_asked.iter().any(|a| a == source)
+            || !handover::is_candidate(Path::new(source))
+        {
+            continue;
+        }
+        // On disk before asking: the answer may be a record we claim.
+        state.handover_asked.push(source.to_string());
+        store.save(state)?;
+        let t0 = Instant::now();
+        let answer = handover.ask(source, &state.id, &cli, false).await?;
+        let answer_ms = Some(t0.elapsed().as_millis() as u64);
+        let (outcome, message) = match answer {
+            Answer::HandedOver(h) => {
+                asked_at.insert(source.to_string(), t0);
+                tracing::info!(target = %source, volume = %h.volume_id, device = %h.device,
+                    "crust-csi handed the volume over: it is mounted in the guest, not on the host");
+                (
+                    "handed-over",
+                    format!("volume {} ({})", h.volume_id, h.fs_type),
+                )
+            }
+            Answer::NotOurs => {
+                state.handover_asked.retain(|a| a != source);
+                continue;
+            }
+            Answer::Declined { reason, message } => {
+                tracing::warn!(target = %source, reason = %reason,
+                    "crust-csi declined the handover ({message}): the host mount is used instead");
+                ("host", format!("{reason}: {message}"))
+            }
+            Answer::Unreachable(why) => {
+                state.handover_asked.retain(|a| a != source);
+                tracing::info!(target = %source, "no handover ({why}): the host mount is used");
+                continue;
+            }
+        };
+        state.events.push(VolumeEvent {
+            target: source.to_string(),
+            destination: m.destination.clone(),
+            outcome: outcome.into(),
+            message,
+            answer_ms,
+            elapsed_ms: None,
+        });
+        store.save(state)?;
+    }
+    Ok(asked_at)
+}
+
+/// Releases this sandbox's claims on handed-over records and hands the
+/// volumes back to crust-csi (the VM has exited, or never ran). A failure
+/// is logged: crust-csi takes a volume back by itself once the claim is
+/// gone or its sandbox is shown stopped.
+async fn give_back(handover: &Handover, discovery: &Discovery, id: &str, targets: &[String]) {
+    let store = discovery.store(crate::discovery::LayoutKind::Crust);
+    for t in targets {
+        if let Err(e) = store.release(t, id)
+            && !matches!(e, crust_handoff::HandoffError::NotFound(_))
+        {
+            tracing::warn!(target = %t, "releasing the claim: {e}");
+        }
+    }
+    handover.hand_back_all(targets, id).await;
 }
 
 /// Where each bind goes in the share: `m<i>` in bundle order.
@@ -531,6 +640,13 @@ impl Controller {
         // the claims, so a claim never goes while a hold remains.
         self.holds.lock().expect("holds").clear();
         release_all(&self.discovery, &self.id, &st.volumes);
+        give_back(
+            &Handover::new(&self.cfg),
+            &self.discovery,
+            &self.id,
+            &st.handover_asked,
+        )
+        .await;
         if !st.shared_mounts.is_empty() {
             remove_share(Some(&self.store.dir(&self.id).join(share::SHARE_DIR)));
         }

@@ -16,6 +16,8 @@
 //! - [`sandbox`]: the on-disk sandbox state store and claim liveness.
 //! - [`shim`]: the shim's HTTP API (server and client, error codes).
 //! - [`claims`]: claiming and releasing hand-off records for a sandbox.
+//! - [`handover`]: asking crust-csi to hand a host-published volume over
+//!   (and back), with the guest's declared capabilities and filesystems.
 //! - [`controller`]: the shim process itself.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm).
 //! - [`share`]: the sandbox's virtio-fs share directory on the host.
@@ -31,6 +33,7 @@ pub mod config;
 pub mod controller;
 pub mod discovery;
 pub mod error;
+pub mod handover;
 pub mod katashim;
 pub mod runtime;
 pub mod sandbox;

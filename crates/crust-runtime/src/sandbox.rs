@@ -143,6 +143,15 @@ pub struct SandboxState {
     /// over virtio-fs (`--share-binds`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shared_mounts: Vec<SharedMount>,
+    /// Mount sources crust-csi was asked to hand over, recorded before
+    /// asking: the plugin may write a record claimed by this sandbox,
+    /// which teardown releases and hands back.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handover_asked: Vec<String>,
+    /// What became of each handover candidate (handed over with its
+    /// latency, or left on the host and why).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<crate::handover::VolumeEvent>,
     /// The workload's exit code once it has exited.
     #[serde(default)]
     pub exit_status: Option<i32>,
@@ -170,6 +179,8 @@ impl SandboxState {
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),
             shared_mounts: Vec::new(),
+            handover_asked: Vec::new(),
+            events: Vec::new(),
             exit_status: None,
             reason: None,
             created: std::time::SystemTime::now()

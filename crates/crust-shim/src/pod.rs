@@ -257,6 +257,8 @@ impl Pod {
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),
             shared_mounts: Vec::new(),
+            handover_asked: Vec::new(),
+            events: Vec::new(),
             exit_status: None,
             reason: None,
             created: std::time::SystemTime::now()

@@ -70,6 +70,9 @@ pub struct RuntimeCli {
     /// Share binds without a hand-off record over virtio-fs
     /// (`CRUST_RUNTIME_SHARE_BINDS=true`).
     pub share_binds: bool,
+    /// crust-csi's Handover socket (`CRUST_RUNTIME_HANDOVER_ENDPOINT`,
+    /// `unix://…`; empty: never asked).
+    pub handover_endpoint: Option<String>,
     /// Bound on each command.
     pub timeout: Duration,
 }
@@ -89,6 +92,7 @@ impl RuntimeCli {
             memory_mib: None,
             cpus: None,
             share_binds: false,
+            handover_endpoint: None,
             timeout: DEFAULT_RUNTIME_TIMEOUT,
         }
     }
@@ -127,6 +131,9 @@ impl RuntimeCli {
         }
         if self.share_binds {
             v.push(("CRUST_RUNTIME_SHARE_BINDS", "true".into()));
+        }
+        if let Some(e) = &self.handover_endpoint {
+            v.push(("CRUST_RUNTIME_HANDOVER_ENDPOINT", e.into()));
         }
         v
     }

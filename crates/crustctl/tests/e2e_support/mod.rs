@@ -188,6 +188,11 @@ impl Stack {
         runtime.guest_initrd = Some(initrd);
         runtime.accel = Some("tcg".into());
         runtime.timeout = Duration::from_secs(240);
+        // This stack's own Handover socket (the default is node-wide).
+        runtime.handover_endpoint = Some(format!(
+            "unix://{}",
+            root.join("csi/handover.sock").display()
+        ));
         Stack {
             pool: root.join("pool"),
             state: root.join("state"),
@@ -246,6 +251,8 @@ impl Stack {
             rt.into(),
             "--allowed-target-prefix".into(),
             self.work.join("kubelet/pods").into(),
+            "--handover-endpoint".into(),
+            format!("unix://{}", self.root.join("csi/handover.sock").display()).into(),
             "-v".into(),
             "debug".into(),
         ];

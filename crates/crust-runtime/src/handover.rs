@@ -1,0 +1,317 @@
+//! The runtime's side of runtime-driven deferral: a container mount whose
+//! source is a mount point without a hand-off record may be a volume that
+//! crust-csi published on the host; the runtime asks crust-csi's Handover
+//! service (`handover.proto`, root-only unix socket) to hand it over,
+//! declaring what its guest can do (the early CRUST interface's
+//! capabilities and supported filesystems, with every mount option the one
+//! allow-list accepts). Handed over: the hand-off record now exists,
+//! claimed by this sandbox, and the volume is hot-plugged and mounted as
+//! any deferred volume. Declined (auto mode): the runtime shares the host
+//! mount over virtio-fs instead and says so in its log and the sandbox's
+//! `events`. When deferral is required (OCI annotation
+//! `io.crust.defer-fs-ops: required`) nothing falls back: the plugin
+//! answers FAILED_PRECONDITION and the container is not created.
+//!
+//! At sandbox end, once QEMU exited and the claim is released, the runtime
+//! hands the volume back; if it cannot (the plugin is down, the runtime
+//! crashed), the plugin takes it back later on its own (no claim, or the
+//! claimant `stopped`, and the device free).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crust_proto::endpoint::Endpoint;
+use crust_proto::handover::v1alpha1 as pb;
+use pb::handover_client::HandoverClient;
+use pb::runtime_capability::Type as Cap;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::error::RuntimeError;
+use crate::shim::Code;
+
+/// crust-csi's default Handover socket.
+pub const DEFAULT_ENDPOINT: &str = "unix:///run/crust/handover.sock";
+/// OCI annotation (pod or container): `required` refuses any fallback to
+/// a shared host mount; `auto` (default) shares what is not handed over.
+pub const DEFER_ANNOTATION: &str = "io.crust.defer-fs-ops";
+/// How long an ABORTED handover (another operation on the volume) is
+/// retried before the container fails.
+const BUSY_RETRY: Duration = Duration::from_secs(20);
+/// Bound on one call (the plugin syncs and unmounts: seconds on a slow disk).
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What the runtime's guests do with a mounted filesystem.
+pub fn capabilities() -> Vec<pb::RuntimeCapability> {
+    [
+        Cap::FsGroupChangePolicyAlways,
+        Cap::FsGroupChangePolicyRootMismatch,
+        Cap::Subpath,
+        Cap::VolumeStats,
+        Cap::VolumeResize,
+    ]
+    .into_iter()
+    .map(|t| pb::RuntimeCapability { r#type: t as i32 })
+    .collect()
+}
+
+/// The filesystems the guest mounts, each with every option name the one
+/// allow-list (`crust-fs`, which the guest agent applies) accepts.
+pub fn file_systems() -> Vec<pb::FileSystemSupport> {
+    crust_fs::FsType::ALL
+        .into_iter()
+        .map(|fs| pb::FileSystemSupport {
+            fs_type: fs.as_str().to_string(),
+            mount_options: crust_fs::options::option_names(fs)
+                .into_iter()
+                .map(String::from)
+                .collect(),
+        })
+        .collect()
+}
+
+/// A bind source worth asking about: a directory that is a mount point
+/// (a host publication is a bind mount; a returned or handed-over target
+/// holds the plugin's placeholder mount).
+pub fn is_candidate(source: &Path) -> bool {
+    std::fs::symlink_metadata(source).is_ok_and(|m| m.is_dir())
+        && crust_blockdev::is_mountpoint(source).unwrap_or(false)
+}
+
+/// What happened to one candidate mount, kept in the sandbox's state and
+/// logged: the "event" of the handover decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeEvent {
+    /// The mount source (a host publish target).
+    pub target: String,
+    pub destination: String,
+    /// `handed-over`, or `host`: the host mount is used (shared over
+    /// virtio-fs where the sandbox shares binds, else not visible).
+    pub outcome: String,
+    pub message: String,
+    /// HandOver request to the plugin's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_ms: Option<u64>,
+    /// HandOver request to mounted in the guest (includes the guest's boot
+    /// when the volume is asked for at sandbox creation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_ms: Option<u64>,
+}
+
+/// The plugin's answer.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    HandedOver(pb::HandedOver),
+    /// No crust-csi volume is published there: a plain host path.
+    NotOurs,
+    /// Not handed over; the host mount is to be shared (auto mode).
+    Declined {
+        reason: String,
+        message: String,
+    },
+    /// The service cannot be reached: the host mount is to be shared.
+    Unreachable(String),
+}
+
+/// A client of crust-csi's Handover service.
+#[derive(Debug, Clone)]
+pub struct Handover {
+    endpoint: Option<PathBuf>,
+}
+
+impl Handover {
+    pub fn new(cfg: &Config) -> Handover {
+        let endpoint = match cfg.handover_endpoint.as_str() {
+            "" => None,
+            e => Endpoint::parse(e)
+                .ok()
+                .and_then(|ep| ep.unix_path().map(Path::to_path_buf)),
+        };
+        Handover { endpoint }
+    }
+
+    /// Whether a Handover endpoint is configured at all.
+    pub fn configured(&self) -> bool {
+        self.endpoint.is_some()
+    }
+
+    async fn client(&self) -> Result<HandoverClient<tonic::transport::Channel>, String> {
+        let Some(path) = &self.endpoint else {
+            return Err("no handover endpoint is configured".into());
+        };
+        if !path.exists() {
+            return Err(format!(
+                "{} does not exist (is crust-csi running?)",
+                path.display()
+            ));
+        }
+        let ch = tokio::time::timeout(CALL_TIMEOUT, Endpoint::Unix(path.clone()).connect())
+            .await
+            .map_err(|_| format!("connecting to {} timed out", path.display()))?
+            .map_err(|e| e.to_string())?;
+        Ok(HandoverClient::new(ch))
+    }
+
+    /// Asks for the volume published at `target`. `required`: a decline
+    /// comes back as FAILED_PRECONDITION from the plugin, an unreachable
+    /// service as FAILED_PRECONDITION here.
+    pub async fn ask(
+        &self,
+        target: &str,
+        sandbox: &str,
+        runtime_cli: &str,
+        required: bool,
+    ) -> Result<Answer, RuntimeError> {
+        let mut client = match self.client().await {
+            Ok(c) => c,
+            Err(why) if required => {
+                return Err(RuntimeError::new(
+                    Code::FailedPrecondition,
+                    format!(
+                        "deferral is required for {target} but the handover service cannot be reached: {why}"
+                    ),
+                ));
+            }
+            Err(why) => return Ok(Answer::Unreachable(why)),
+        };
+        let req = pb::HandOverRequest {
+            target_path: target.to_string(),
+            sandbox_id: sandbox.to_string(),
+            runtime_cli: runtime_cli.to_string(),
+            capabilities: capabilities(),
+            file_systems: file_systems(),
+            required,
+        };
+        let deadline = Instant::now() + BUSY_RETRY;
+        let resp = loop {
+            match tokio::time::timeout(CALL_TIMEOUT, client.hand_over(req.clone())).await {
+                Ok(Ok(r)) => break r.into_inner(),
+                Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Ok(Err(s)) => return Err(status_error(target, s)),
+                Err(_) => {
+                    return Err(RuntimeError::new(
+                        Code::DeadlineExceeded,
+                        format!("the handover of {target} did not answer within {CALL_TIMEOUT:?}"),
+                    ));
+                }
+            }
+        };
+        use pb::hand_over_response::Outcome;
+        Ok(match resp.outcome {
+            Some(Outcome::HandedOver(h)) => Answer::HandedOver(h),
+            Some(Outcome::Declined(d)) => {
+                let reason = pb::declined::Reason::try_from(d.reason)
+                    .unwrap_or(pb::declined::Reason::Unknown);
+                if reason == pb::declined::Reason::NotPublished {
+                    Answer::NotOurs
+                } else {
+                    Answer::Declined {
+                        reason: reason.as_str_name().to_string(),
+                        message: d.message,
+                    }
+                }
+            }
+            None => {
+                return Err(RuntimeError::new(
+                    Code::Internal,
+                    format!("the handover service answered nothing for {target}"),
+                ));
+            }
+        })
+    }
+
+    /// Gives the volume at `target` back (the sandbox's VM has exited and
+    /// its claim is released).
+    pub async fn hand_back(&self, target: &str, sandbox: &str) -> Result<(), RuntimeError> {
+        let mut client = self
+            .client()
+            .await
+            .map_err(|why| RuntimeError::new(Code::Unavailable, why))?;
+        let req = pb::HandBackRequest {
+            target_path: target.to_string(),
+            sandbox_id: sandbox.to_string(),
+        };
+        let deadline = Instant::now() + BUSY_RETRY;
+        loop {
+            match tokio::time::timeout(CALL_TIMEOUT, client.hand_back(req.clone())).await {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Ok(Err(s)) => return Err(status_error(target, s)),
+                Err(_) => {
+                    return Err(RuntimeError::new(
+                        Code::DeadlineExceeded,
+                        format!("handing {target} back did not answer within {CALL_TIMEOUT:?}"),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Hands back every target in `targets`, logging failures (the plugin
+    /// takes a volume back on its own once it sees the claim gone).
+    pub async fn hand_back_all(&self, targets: &[String], sandbox: &str) {
+        for t in targets {
+            match self.hand_back(t, sandbox).await {
+                Ok(()) => tracing::info!(target = %t, "volume handed back to crust-csi"),
+                Err(e) => {
+                    tracing::warn!(target = %t, "handing the volume back: {e} (crust-csi takes it back once it sees the claim released)")
+                }
+            }
+        }
+    }
+}
+
+fn status_error(target: &str, s: tonic::Status) -> RuntimeError {
+    let code = match s.code() {
+        tonic::Code::InvalidArgument => Code::InvalidArgument,
+        tonic::Code::NotFound => Code::NotFound,
+        tonic::Code::AlreadyExists => Code::AlreadyExists,
+        tonic::Code::FailedPrecondition | tonic::Code::Aborted => Code::FailedPrecondition,
+        tonic::Code::OutOfRange => Code::OutOfRange,
+        tonic::Code::Unavailable => Code::Unavailable,
+        tonic::Code::DeadlineExceeded => Code::DeadlineExceeded,
+        _ => Code::Internal,
+    };
+    RuntimeError::new(
+        code,
+        format!("crust-csi would not hand over {target}: {}", s.message()),
+    )
+}
+
+/// Test-only: the handover step at which a runtime shim kills itself
+/// (`answered`, `attached`, `mounted`), for the crash tests.
+pub const CRASH_ENV: &str = "CRUST_RUNTIME_TEST_HANDOVER_CRASH";
+
+/// SIGKILLs this process if the crash tests asked for it at `step`.
+pub fn crash_point(step: &str) {
+    if std::env::var(CRASH_ENV).is_ok_and(|s| s == step) {
+        tracing::error!(step, "test fault: the runtime dies here");
+        let _ =
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn declared_capabilities_cover_what_the_plugin_needs() {
+        let caps: Vec<i32> = capabilities().iter().map(|c| c.r#type).collect();
+        for c in [
+            Cap::VolumeStats,
+            Cap::VolumeResize,
+            Cap::FsGroupChangePolicyAlways,
+        ] {
+            assert!(caps.contains(&(c as i32)), "{c:?}");
+        }
+        let fs = file_systems();
+        let ext4 = fs.iter().find(|f| f.fs_type == "ext4").unwrap();
+        assert!(ext4.mount_options.iter().any(|o| o == "commit"));
+        assert!(fs.iter().any(|f| f.fs_type == "xfs"));
+    }
+}

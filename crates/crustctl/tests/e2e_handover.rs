@@ -1,0 +1,304 @@
+//! Runtime-driven deferral (issue 14), on one guest boot: a volume of the
+//! default StorageClass mode (`deferFsOps=auto`) is staged and published
+//! on the host like any CSI volume, and the host writes to it. The crust
+//! runtime, creating a sandbox whose bundle mounts that target, asks the
+//! plugin's Handover service for it: the guest mounts the volume (and
+//! sees the host's file), the host target shows only the read-only
+//! placeholder, and kubelet's plain NodeGetVolumeStats and
+//! NodeExpandVolume (no `defer_fs_ops`) are answered from the guest. When
+//! the sandbox is deleted the volume comes back without any host mount;
+//! a new host publication checks it (e2fsck) and mounts it with
+//! nosuid,nodev, holding both files; unpublish, unstage and delete
+//! succeed and nothing is left.
+//!
+//! Budget: one TCG guest boot, about 30 s on 2 cores.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
+mod e2e_support;
+
+use std::path::Path;
+use std::time::Instant;
+
+use crust_proto::csi::v1 as csi;
+use csi::volume_capability::access_mode::Mode;
+use csi::volume_capability::{AccessMode, AccessType, MountVolume};
+use e2e_support::*;
+use serde_json::json;
+
+fn cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+    }
+}
+
+/// (source, fs type, options) of the topmost mount at `p`.
+fn mount_at(p: &Path) -> Option<(String, String, String)> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        (Path::new(f[4]) == p).then(|| {
+            (
+                f[sep + 2].to_string(),
+                f[sep + 1].to_string(),
+                f[5].to_string(),
+            )
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
+    let mut st = Stack::new(Layout::Crust);
+    st.start_plugin(true).await;
+    let csi = st.csi().await;
+    let pods = st.work.join("kubelet/pods");
+    let staging = st
+        .work
+        .join("kubelet/plugins/blk.crust.dev/pv-h/globalmount");
+    let target =
+        pods.join("0b1e5c9e-0000-4000-8000-00000000a11c/volumes/kubernetes.io~csi/pvc-h/mount");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    let (staging_s, target_s) = (
+        staging.to_str().unwrap().to_string(),
+        target.to_str().unwrap().to_string(),
+    );
+
+    // --- the host: an ordinary CSI volume, written by a host workload ---
+    let vol = csi
+        .create_volume(csi::CreateVolumeRequest {
+            name: "pvc-h".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: (96 * MIB) as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .volume
+        .unwrap();
+    let id = vol.volume_id.clone();
+    let stage = csi::NodeStageVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging_s.clone(),
+        volume_capability: Some(cap()),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    };
+    let publish = csi::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging_s.clone(),
+        target_path: target_s.clone(),
+        volume_capability: Some(cap()),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    };
+    csi.node_stage_volume(stage.clone()).await.unwrap();
+    csi.node_publish_volume(publish.clone()).await.unwrap();
+    std::fs::write(target.join("host.txt"), "written on the host\n").unwrap();
+
+    // --- a crust sandbox mounts the target: handover -----------------
+    let bundle = st.work.join("bundles/h");
+    std::fs::create_dir_all(bundle.join("rootfs")).unwrap();
+    let spec = json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["sh", "-c", "exec sleep 100000"],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/"
+        },
+        "root": {"path": "rootfs"},
+        "mounts": [{
+            "destination": "/data",
+            "type": "bind",
+            "source": target_s,
+            "options": ["rbind", "rw"]
+        }],
+    });
+    std::fs::write(
+        bundle.join("config.json"),
+        serde_json::to_vec_pretty(&spec).unwrap(),
+    )
+    .unwrap();
+    let rt = &st.runtime;
+    let t0 = Instant::now();
+    rt.ok(&["create", "-b", bundle.to_str().unwrap(), "h"])
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", st.plugin_log()));
+    let create_ms = t0.elapsed().as_millis();
+    rt.ok(&["start", "h"]).await.unwrap();
+    let state = rt.json(&["state", "h"]).await.unwrap();
+    let ev = &state["events"][0];
+    assert_eq!(ev["outcome"], "handed-over", "{state}");
+    assert_eq!(ev["target"], target_s.as_str(), "{state}");
+    let handover_ms = ev["elapsed_ms"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no latency: {state}"));
+    let answer_ms = ev["answer_ms"].as_u64().unwrap();
+    eprintln!(
+        "handover: plugin answered in {answer_ms} ms; request to mounted in the guest \
+         {handover_ms} ms, with the guest boot (create {create_ms} ms)"
+    );
+
+    // The guest has the volume (ext4, the host's file) and writes to it.
+    let out = rt
+        .sh(
+            "h",
+            "cat /data/host.txt && echo from-guest > /data/guest.txt && sync && \
+             awk '$2==\"/data\"{print $3}' /proc/mounts",
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, "written on the host\next4\n");
+    // The host target is the read-only placeholder, never the volume.
+    let (src, fstype, _) = mount_at(&target).unwrap();
+    assert_eq!(
+        (src.as_str(), fstype.as_str()),
+        ("crust-volume-elsewhere", "tmpfs")
+    );
+    assert!(!target.join("host.txt").exists());
+    assert!(
+        std::fs::write(target.join("x"), "x").is_err(),
+        "the placeholder is read-only"
+    );
+    assert!(
+        mount_at(&staging).is_none(),
+        "the staging mount is gone while handed over"
+    );
+
+    // kubelet's plain stats and expansion are answered from the guest.
+    let df = rt.sh("h", "df -B1 /data | tail -1").await.unwrap();
+    let f: Vec<u64> = df
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let stats = csi
+        .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+            volume_id: id.clone(),
+            volume_path: target_s.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("stats: {e}\n{}", st.plugin_log()));
+    let bytes = stats
+        .usage
+        .iter()
+        .find(|u| u.unit == csi::volume_usage::Unit::Bytes as i32)
+        .unwrap();
+    assert_eq!(
+        bytes.total as u64, f[0],
+        "NodeGetVolumeStats total = guest df: {df}"
+    );
+    csi.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: id.clone(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: (160 * MIB) as i64,
+            limit_bytes: 0,
+        }),
+        volume_capability: Some(cap()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    csi.node_expand_volume(csi::NodeExpandVolumeRequest {
+        volume_id: id.clone(),
+        volume_path: target_s.clone(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: (160 * MIB) as i64,
+            limit_bytes: 0,
+        }),
+        volume_capability: Some(cap()),
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("expand: {e}\n{}", st.plugin_log()));
+    let df2 = rt.sh("h", "df -B1 /data | tail -1").await.unwrap();
+    let total2: u64 = df2.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(
+        total2 > f[0] + 40 * MIB,
+        "grown in the guest: {df} -> {df2}"
+    );
+
+    // --- the sandbox ends: the volume comes back, mounted nowhere -----
+    rt.ok(&["kill", "h", "KILL"]).await.ok();
+    rt.ok(&["delete", "--force", "h"]).await.unwrap();
+    let (src, _, _) = mount_at(&target).unwrap_or_default();
+    assert_eq!(
+        src, "crust-volume-elsewhere",
+        "returned: still the placeholder"
+    );
+    assert!(
+        mount_at(&staging).is_none(),
+        "returned without a host mount"
+    );
+    assert!(st.records().is_empty(), "{:?}", st.records());
+
+    // kubelet: unpublish (nothing to unmount), publish again on the host.
+    csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+        volume_id: id.clone(),
+        target_path: target_s.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(mount_at(&target).is_none());
+    csi.node_stage_volume(stage.clone()).await.unwrap();
+    csi.node_publish_volume(publish.clone())
+        .await
+        .unwrap_or_else(|e| panic!("republish: {e}\n{}", st.plugin_log()));
+    let (_, fstype, opts) = mount_at(&staging).unwrap();
+    assert_eq!(fstype, "ext4");
+    assert!(
+        opts.contains("nosuid") && opts.contains("nodev"),
+        "back from a guest: nosuid,nodev ({opts})"
+    );
+    assert_eq!(
+        std::fs::read_to_string(target.join("host.txt")).unwrap(),
+        "written on the host\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(target.join("guest.txt")).unwrap(),
+        "from-guest\n"
+    );
+    assert!(
+        st.plugin_log().contains("passed its check"),
+        "the plugin checked the filesystem before mounting it"
+    );
+
+    csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+        volume_id: id.clone(),
+        target_path: target_s.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    csi.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging_s.clone(),
+    })
+    .await
+    .unwrap();
+    csi.delete_volume(csi::DeleteVolumeRequest {
+        volume_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    st.stop_plugin().await;
+    st.assert_clean();
+}
