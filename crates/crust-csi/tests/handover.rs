@@ -293,3 +293,108 @@ async fn declines_leave_the_host_mount() {
     c.delete(&id).await.unwrap();
     assert!(mounts_under(node.dir.path()).is_empty());
 }
+
+/// The plugin SIGKILLed at every step of a handover (the test-only crash
+/// point), then restarted: before the hand-off record is complete the
+/// handover is rolled back (host mounts as before, no record); from the
+/// record on it is rolled forward (no host mount, the record claimed by
+/// the asking sandbox). Either way the runtime's retry gets the volume,
+/// hands it back, and kubelet's teardown succeeds with nothing left.
+/// Budget: about 10 s (five plugin starts, no guest).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_killed_at_every_step_of_a_handover_is_repaired_at_start() {
+    let steps = [
+        ("recorded", false),
+        ("target-unmounted", false),
+        ("staging-unmounted", false),
+        ("record-written", true),
+        ("placeholder-mounted", true),
+    ];
+    for (step, forward) in steps {
+        let mut node = TestNode::deferral_unstarted("crust", &[]);
+        node.env
+            .push((crust_csi::HANDOVER_CRASH_ENV.into(), step.into()));
+        node.start();
+        let mut c = node.clients().await;
+        let id = c
+            .create(create_req("ho-k", 1 << 30, vec![mount("ext4")]))
+            .await
+            .unwrap()
+            .volume_id;
+        let staging = node.mkdir("staging/ho-k");
+        let target = node.mkdir("pods/pk/ho-k");
+        c.stage(&id, &staging, mount("ext4")).await.unwrap();
+        c.publish(&id, &staging, &target, mount("ext4"), false)
+            .await
+            .unwrap();
+        std::fs::write(Path::new(&target).join("host.txt"), b"before").unwrap();
+
+        let mut h = handover_client(&node).await;
+        let r = h.hand_over(ask(&target, "sb-k", &["ext4"], false)).await;
+        assert!(r.is_err(), "{step}: the plugin died mid-handover: {r:?}");
+        node.crash();
+        node.env.clear();
+        node.env.push((
+            "CRUST_TEST_CLI_MAP".into(),
+            node.cli_map().to_str().unwrap().into(),
+        ));
+        node.start();
+        let rec = crust_store(&node.crust_root());
+        if forward {
+            assert!(
+                !host_mounted(&target),
+                "{step}: rolled forward, no host mount"
+            );
+            assert!(!is_mounted(&staging), "{step}");
+            assert_eq!(
+                rec.claimant(&target).unwrap().as_deref(),
+                Some("sb-k"),
+                "{step}: the record is the asking sandbox's"
+            );
+        } else {
+            assert!(
+                host_mounted(&target),
+                "{step}: rolled back to the host mount"
+            );
+            assert_eq!(
+                std::fs::read(Path::new(&target).join("host.txt")).unwrap(),
+                b"before",
+                "{step}"
+            );
+            assert!(
+                rec.read(&target).is_err(),
+                "{step}: no record after a roll back"
+            );
+        }
+
+        // The runtime retries: the volume is handed over, then back.
+        let mut h = handover_client(&node).await;
+        let got = handed_over(
+            h.hand_over(ask(&target, "sb-k", &["ext4"], false))
+                .await
+                .unwrap_or_else(|e| panic!("{step}: {e}"))
+                .into_inner(),
+        );
+        assert!(device_unmounted(&got.device), "{step}");
+        // The runtime CLI reports the sandbox stopped (no guest mount).
+        let map = serde_json::json!({
+            target.as_str(): {"sandbox": "sb-k", "mount": node.path("guest/none").to_str().unwrap()}
+        });
+        std::fs::write(node.cli_map(), map.to_string()).unwrap();
+        rec.release(&target, "sb-k").unwrap();
+        h.hand_back(hv::HandBackRequest {
+            target_path: target.clone(),
+            sandbox_id: "sb-k".into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{step}: {e}"));
+        c = node.clients().await;
+        c.unpublish(&id, &target).await.unwrap();
+        c.unstage(&id, &staging).await.unwrap();
+        c.delete(&id).await.unwrap();
+        assert!(mounts_under(node.dir.path()).is_empty(), "{step}");
+        assert!(loops_under(node.dir.path()).is_empty(), "{step}");
+        let st = node.stop();
+        assert!(st.success(), "{step}: {st}");
+    }
+}
