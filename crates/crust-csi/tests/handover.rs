@@ -398,3 +398,66 @@ async fn a_plugin_killed_at_every_step_of_a_handover_is_repaired_at_start() {
         assert!(st.success(), "{step}: {st}");
     }
 }
+
+/// Twenty rounds of HandOver and HandBack of one volume: each round moves
+/// the volume off the host and back (asserted), and the HandOver latency
+/// (request to answer: sync, unmounts, claimed record) is printed as
+/// p50/p99 for the issue's note (a figure, not an assertion).
+/// Budget: about 5 s (no guest).
+#[tokio::test(flavor = "multi_thread")]
+async fn handover_rounds_report_their_latency() {
+    let mut node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let id = c
+        .create(create_req("ho-r", 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/ho-r");
+    let target = node.mkdir("pods/pr/ho-r");
+    let map = serde_json::json!({
+        target.as_str(): {"sandbox": "sb-r", "mount": node.path("guest/none").to_str().unwrap()}
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    let rec = crust_store(&node.crust_root());
+    let mut took = Vec::new();
+    for round in 0..20 {
+        c.stage(&id, &staging, mount("ext4")).await.unwrap();
+        c.publish(&id, &staging, &target, mount("ext4"), false)
+            .await
+            .unwrap();
+        assert!(host_mounted(&target), "round {round}");
+        let t0 = std::time::Instant::now();
+        let got = handed_over(
+            h.hand_over(ask(&target, "sb-r", &["ext4"], false))
+                .await
+                .unwrap()
+                .into_inner(),
+        );
+        took.push(t0.elapsed());
+        assert!(device_unmounted(&got.device), "round {round}");
+        rec.release(&target, "sb-r").unwrap();
+        h.hand_back(hv::HandBackRequest {
+            target_path: target.clone(),
+            sandbox_id: "sb-r".into(),
+        })
+        .await
+        .unwrap();
+        c.unpublish(&id, &target).await.unwrap();
+        c.unstage(&id, &staging).await.unwrap();
+    }
+    took.sort();
+    eprintln!(
+        "HandOver latency over {} rounds: p50 {:?}, p99 {:?}, max {:?}",
+        took.len(),
+        took[took.len() / 2],
+        took[took.len() * 99 / 100],
+        took[took.len() - 1]
+    );
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(loops_under(node.dir.path()).is_empty());
+    let st = node.stop();
+    assert!(st.success(), "{st}");
+}
