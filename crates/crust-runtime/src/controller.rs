@@ -21,7 +21,7 @@ use crate::claims::{claim, release_all, this_executable};
 use crate::config::Config;
 use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
 use crate::error::RuntimeError;
-use crate::handover::{self, Answer, Handover, VolumeEvent};
+use crate::handover::{self, Handover};
 use crate::runtime::ReadyLine;
 use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
 use crate::share;
@@ -191,7 +191,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     let plan = match asked_at.and_then(|a| Ok((discovery.plan(&bundle)?, a))) {
         Ok(p) => p,
         Err(e) => {
-            give_back(&handover, &discovery, &id, &state.handover_asked).await;
+            handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
             mark_failed(&store, &mut state, &e);
             return Err(e);
         }
@@ -244,7 +244,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Ok(g) => g,
         Err(e) => {
             release_all(&discovery, &id, &claimed);
-            give_back(&handover, &discovery, &id, &state.handover_asked).await;
+            handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
             remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
@@ -292,7 +292,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Err(e) => {
             // The guest is dropped (killed) by the failed future.
             release_all(&discovery, &id, &claimed);
-            give_back(&handover, &discovery, &id, &state.handover_asked).await;
+            handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
             remove_share(share_dir.as_deref());
             mark_failed(&store, &mut state, &e);
             return Err(e);
@@ -338,10 +338,8 @@ async fn take_published_volumes(
     let cli = this_executable()?;
     for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
         let source = m.source.as_deref().unwrap_or_default();
-        let has_record = discovery.lookup(source).ok().flatten().is_some();
-        if has_record
-            || state.handover_asked.iter().any(|a| a == source)
-            || !handover::is_candidate(Path::new(source))
+        if state.handover_asked.iter().any(|a| a == source)
+            || !handover::is_offerable(discovery, source)
         {
             continue;
         }
@@ -349,60 +347,21 @@ async fn take_published_volumes(
         state.handover_asked.push(source.to_string());
         store.save(state)?;
         let t0 = Instant::now();
-        let answer = handover.ask(source, &state.id, &cli, false).await?;
-        let answer_ms = Some(t0.elapsed().as_millis() as u64);
-        let (outcome, message) = match answer {
-            Answer::HandedOver(h) => {
-                asked_at.insert(source.to_string(), t0);
-                tracing::info!(target = %source, volume = %h.volume_id, device = %h.device,
-                    "crust-csi handed the volume over: it is mounted in the guest, not on the host");
-                (
-                    "handed-over",
-                    format!("volume {} ({})", h.volume_id, h.fs_type),
-                )
+        match handover
+            .offer(source, &m.destination, &state.id, &cli)
+            .await?
+        {
+            Some(ev) => {
+                if ev.outcome == handover::HANDED_OVER {
+                    asked_at.insert(source.to_string(), t0);
+                }
+                state.events.push(ev);
             }
-            Answer::NotOurs => {
-                state.handover_asked.retain(|a| a != source);
-                continue;
-            }
-            Answer::Declined { reason, message } => {
-                tracing::warn!(target = %source, reason = %reason,
-                    "crust-csi declined the handover ({message}): the host mount is used instead");
-                ("host", format!("{reason}: {message}"))
-            }
-            Answer::Unreachable(why) => {
-                state.handover_asked.retain(|a| a != source);
-                tracing::info!(target = %source, "no handover ({why}): the host mount is used");
-                continue;
-            }
-        };
-        state.events.push(VolumeEvent {
-            target: source.to_string(),
-            destination: m.destination.clone(),
-            outcome: outcome.into(),
-            message,
-            answer_ms,
-            elapsed_ms: None,
-        });
+            None => state.handover_asked.retain(|a| a != source),
+        }
         store.save(state)?;
     }
     Ok(asked_at)
-}
-
-/// Releases this sandbox's claims on handed-over records and hands the
-/// volumes back to crust-csi (the VM has exited, or never ran). A failure
-/// is logged: crust-csi takes a volume back by itself once the claim is
-/// gone or its sandbox is shown stopped.
-async fn give_back(handover: &Handover, discovery: &Discovery, id: &str, targets: &[String]) {
-    let store = discovery.store(crate::discovery::LayoutKind::Crust);
-    for t in targets {
-        if let Err(e) = store.release(t, id)
-            && !matches!(e, crust_handoff::HandoffError::NotFound(_))
-        {
-            tracing::warn!(target = %t, "releasing the claim: {e}");
-        }
-    }
-    handover.hand_back_all(targets, id).await;
 }
 
 /// Where each bind goes in the share: `m<i>` in bundle order.
@@ -640,7 +599,7 @@ impl Controller {
         // the claims, so a claim never goes while a hold remains.
         self.holds.lock().expect("holds").clear();
         release_all(&self.discovery, &self.id, &st.volumes);
-        give_back(
+        handover::give_back(
             &Handover::new(&self.cfg),
             &self.discovery,
             &self.id,

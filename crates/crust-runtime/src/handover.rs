@@ -27,6 +27,7 @@ use pb::runtime_capability::Type as Cap;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
+use crate::discovery::{Discovery, LayoutKind};
 use crate::error::RuntimeError;
 use crate::shim::Code;
 
@@ -263,6 +264,88 @@ impl Handover {
             }
         }
     }
+}
+
+/// [`VolumeEvent::outcome`] of a volume now in the guest.
+pub const HANDED_OVER: &str = "handed-over";
+/// [`VolumeEvent::outcome`] of a volume left on the host.
+pub const ON_HOST: &str = "host";
+
+/// Whether a bundle mount source is worth offering: no hand-off record
+/// (a KEP deferred volume is consumed as is) and a mount point.
+pub fn is_offerable(discovery: &Discovery, source: &str) -> bool {
+    discovery.lookup(source).ok().flatten().is_none() && is_candidate(Path::new(source))
+}
+
+impl Handover {
+    /// Offers the mount source `source` (bound at `destination`) to
+    /// crust-csi for `sandbox`; `runtime_cli` serves its stats and resize.
+    /// The caller has recorded the offer first (the answer may be a
+    /// record this sandbox claims). `None`: not a crust-csi volume, or no
+    /// plugin to ask; the source stays an ordinary host path.
+    pub async fn offer(
+        &self,
+        source: &str,
+        destination: &str,
+        sandbox: &str,
+        runtime_cli: &str,
+    ) -> Result<Option<VolumeEvent>, RuntimeError> {
+        let t0 = Instant::now();
+        let answer = self.ask(source, sandbox, runtime_cli, false).await?;
+        let answer_ms = Some(t0.elapsed().as_millis() as u64);
+        let (outcome, message) = match answer {
+            Answer::HandedOver(h) => {
+                tracing::info!(target = %source, volume = %h.volume_id, device = %h.device,
+                    "crust-csi handed the volume over: it is mounted in the guest, not on the host");
+                (
+                    HANDED_OVER,
+                    format!("volume {} ({})", h.volume_id, h.fs_type),
+                )
+            }
+            Answer::Declined { reason, message } => {
+                tracing::warn!(target = %source, reason = %reason,
+                    "crust-csi declined the handover ({message}): the host mount is used instead");
+                (ON_HOST, format!("{reason}: {message}"))
+            }
+            Answer::NotOurs => return Ok(None),
+            Answer::Unreachable(why) => {
+                tracing::info!(target = %source, "no handover ({why}): the host mount is used");
+                return Ok(None);
+            }
+        };
+        Ok(Some(VolumeEvent {
+            target: source.to_string(),
+            destination: destination.to_string(),
+            outcome: outcome.into(),
+            message,
+            answer_ms,
+            elapsed_ms: None,
+        }))
+    }
+}
+
+/// Releases `sandbox`'s claims on handed-over records and hands the
+/// volumes back to crust-csi (its VM has exited, or never ran). A failure
+/// is logged: crust-csi takes a volume back by itself once the claim is
+/// gone or its sandbox is shown stopped.
+pub async fn give_back(
+    handover: &Handover,
+    discovery: &Discovery,
+    sandbox: &str,
+    targets: &[String],
+) {
+    if targets.is_empty() {
+        return;
+    }
+    let store = discovery.store(LayoutKind::Crust);
+    for t in targets {
+        if let Err(e) = store.release(t, sandbox)
+            && !matches!(e, crust_handoff::HandoffError::NotFound(_))
+        {
+            tracing::warn!(target = %t, "releasing the claim: {e}");
+        }
+    }
+    handover.hand_back_all(targets, sandbox).await;
 }
 
 fn status_error(target: &str, s: tonic::Status) -> RuntimeError {

@@ -21,6 +21,7 @@ use crust_runtime::bundle::Bundle;
 use crust_runtime::claims::{claim, release_all};
 use crust_runtime::discovery::{Discovery, Volume};
 use crust_runtime::error::RuntimeError;
+use crust_runtime::handover::{self, Handover};
 use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crust_runtime::share;
 use crust_runtime::shim::Code;
@@ -395,6 +396,7 @@ impl Pod {
             i += 1;
             !dests[i..].contains(&dests[i - 1])
         });
+        self.take_published_volumes(&b).await?;
         let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
         std::fs::create_dir_all(dir.join("rootfs")).map_err(|e| PodError::host("share dir", e))?;
         mount_rootfs(&dir.join("rootfs"), rootfs, &plan.root_path)?;
@@ -462,6 +464,38 @@ impl Pod {
             memory_limit_bytes: plan.memory_limit,
             devices,
         })
+    }
+
+    /// Runtime-driven deferral: each bind of the container whose source is
+    /// a crust-csi host publication (a mount point without a hand-off
+    /// record) is offered to the plugin's Handover service. Handed over,
+    /// it has a record this pod claims and is plugged like any deferred
+    /// volume; declined, its host mount is shared over virtio-fs, as the
+    /// pod's event says.
+    async fn take_published_volumes(&self, b: &Bundle) -> Result<(), PodError> {
+        let handover = Handover::new(&self.cfg.runtime);
+        if !handover.configured() {
+            return Ok(());
+        }
+        for m in b.mounts.iter().filter(|m| m.source_is_path()) {
+            let source = m.source.as_deref().unwrap_or_default();
+            let asked = self
+                .snapshot()
+                .is_some_and(|s| s.handover_asked.iter().any(|a| a == source));
+            if asked || !handover::is_offerable(&self.discovery, source) {
+                continue;
+            }
+            // Recorded before asking: the answer may be a record we claim.
+            self.update(|s| s.handover_asked.push(source.to_string()));
+            let offered = handover
+                .offer(source, &m.destination, &self.id, &self.cfg.runtime_cli)
+                .await?;
+            self.update(|s| match offered {
+                Some(ev) => s.events.push(ev),
+                None => s.handover_asked.retain(|a| a != source),
+            });
+        }
+        Ok(())
     }
 
     /// Claims, hot-plugs and mounts a deferred volume once per pod.
@@ -682,6 +716,17 @@ impl Pod {
             }
         }
         release_all(&self.discovery, &self.id, &vols);
+        let asked = self
+            .snapshot()
+            .map(|s| s.handover_asked)
+            .unwrap_or_default();
+        handover::give_back(
+            &Handover::new(&self.cfg.runtime),
+            &self.discovery,
+            &self.id,
+            &asked,
+        )
+        .await;
         self.plugged.lock().await.clear();
         self.update(|s| s.status = Status::Stopped);
         self.stop_api();

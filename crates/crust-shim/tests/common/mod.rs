@@ -66,6 +66,11 @@ impl Env {
                 "CRUST_RUNTIME_ROOT".to_string(),
                 runtime_root.display().to_string(),
             ),
+            // This test's own Handover socket (the default is node-wide).
+            (
+                "CRUST_RUNTIME_HANDOVER_ENDPOINT".into(),
+                format!("unix://{}", handover_socket(dir.path()).display()),
+            ),
             (
                 "CRUST_RUNTIME_CRUST_ROOT".into(),
                 crust_root.display().to_string(),
@@ -247,6 +252,11 @@ impl Plugin {
     }
 }
 
+/// The Handover socket of the test's crust-csi.
+pub fn handover_socket(dir: &Path) -> PathBuf {
+    dir.join("csi/handover.sock")
+}
+
 pub async fn start_plugin(env: &Env) -> Plugin {
     let pods = env.pods_dir.as_path();
     let d = env.dir.path();
@@ -273,6 +283,8 @@ pub async fn start_plugin(env: &Env) -> Plugin {
         env.kata_root.display().to_string(),
         "--allowed-target-prefix".into(),
         pods.display().to_string(),
+        "--handover-endpoint".into(),
+        format!("unix://{}", handover_socket(d).display()),
     ]
     .into_iter()
     .map(OsString::from)
