@@ -314,6 +314,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
                     ev.elapsed_ms = Some(ms);
                 }
             });
+            handover::crash_point("mounted");
         }
     }
     Ok(ctrl)
@@ -356,6 +357,8 @@ async fn take_published_volumes(
                     asked_at.insert(source.to_string(), t0);
                 }
                 state.events.push(ev);
+                store.save(state)?;
+                handover::crash_point("answered");
             }
             None => state.handover_asked.retain(|a| a != source),
         }

@@ -203,6 +203,17 @@ impl Runtime {
                     tracing::warn!(target = %v.target, "releasing the claim: {e}");
                 }
             }
+            // Handed-over volumes not planned yet (the shim died right
+            // after the plugin answered): crust-csi takes an unclaimed
+            // volume back at kubelet's next unpublish, or a handover.
+            let crust = self.discovery.store(crate::discovery::LayoutKind::Crust);
+            for t in &st.handover_asked {
+                if let Err(e) = crust.release(t, id)
+                    && !matches!(e, crust_handoff::HandoffError::NotFound(_))
+                {
+                    tracing::warn!(target = %t, "releasing the claim: {e}");
+                }
+            }
         }
         crate::katashim::unlink(&self.cfg.kata_shim_dirs, id, &self.sandboxes.socket(id));
         if let Err(e) = self.sandboxes.remove(id) {

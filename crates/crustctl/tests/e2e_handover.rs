@@ -348,3 +348,134 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
     st.stop_plugin().await;
     st.assert_clean();
 }
+
+/// The runtime (its sandbox shim) SIGKILLed right after crust-csi handed
+/// the volume over (`answered`, before the guest boots) and after the
+/// guest mounted it (`mounted`): `crust-runtime delete --force` clears the
+/// sandbox and its claims, kubelet's NodeUnpublishVolume then takes the
+/// volume back (returned, no host mount), and the next host publication
+/// checks it and holds the data. Nothing is left.
+/// Budget: one TCG guest boot (the `answered` case boots none), ~15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_killed_mid_handover_leaves_a_volume_kubelet_takes_back() {
+    let mut st = Stack::new(Layout::Crust);
+    st.start_plugin(true).await;
+    let csi = st.csi().await;
+    for (n, step) in ["answered", "mounted"].into_iter().enumerate() {
+        let name = format!("pvc-k{n}");
+        let staging = st
+            .work
+            .join(format!("kubelet/plugins/blk.crust.dev/{name}/globalmount"));
+        let target = st.work.join(format!(
+            "kubelet/pods/0b1e5c9e-0000-4000-8000-00000000b00{n}/volumes/kubernetes.io~csi/{name}/mount"
+        ));
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        let (staging_s, target_s) = (
+            staging.to_str().unwrap().to_string(),
+            target.to_str().unwrap().to_string(),
+        );
+        let vol = csi
+            .create_volume(csi::CreateVolumeRequest {
+                name: name.clone(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: (64 * MIB) as i64,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![cap()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        let id = vol.volume_id.clone();
+        let stage = csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging_s.clone(),
+            volume_capability: Some(cap()),
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        };
+        let publish = csi::NodePublishVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging_s.clone(),
+            target_path: target_s.clone(),
+            volume_capability: Some(cap()),
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        };
+        csi.node_stage_volume(stage.clone()).await.unwrap();
+        csi.node_publish_volume(publish.clone()).await.unwrap();
+        std::fs::write(target.join("before.txt"), step).unwrap();
+
+        let bundle = st.work.join(format!("bundles/{name}"));
+        std::fs::create_dir_all(bundle.join("rootfs")).unwrap();
+        let spec = json!({
+            "ociVersion": "1.0.2",
+            "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
+                        "args": ["sh", "-c", "exec sleep 100000"],
+                        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/"},
+            "root": {"path": "rootfs"},
+            "mounts": [{"destination": "/data", "type": "bind", "source": target_s,
+                        "options": ["rbind", "rw"]}],
+        });
+        std::fs::write(bundle.join("config.json"), spec.to_string()).unwrap();
+        let rt = &st.runtime;
+        let o = std::process::Command::new(&rt.bin)
+            .envs(rt.env())
+            .env("CRUST_RUNTIME_TEST_HANDOVER_CRASH", step)
+            .args(["create", "-b", bundle.to_str().unwrap(), &name])
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{step}: the shim died: {o:?}");
+        assert_ne!(
+            mount_at(&staging).map(|m| m.1).as_deref(),
+            Some("ext4"),
+            "{step}: the host never mounts a handed-over volume"
+        );
+        rt.ok(&["delete", "--force", &name])
+            .await
+            .unwrap_or_else(|e| panic!("{step}: delete: {e}"));
+
+        // kubelet: the pod is gone; unpublish takes the volume back.
+        csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target_s.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{step}: unpublish: {e}\n{}", st.plugin_log()));
+        assert!(mount_at(&target).is_none(), "{step}");
+        assert!(st.records().is_empty(), "{step}: {:?}", st.records());
+        csi.node_stage_volume(stage).await.unwrap();
+        csi.node_publish_volume(publish)
+            .await
+            .unwrap_or_else(|e| panic!("{step}: republish: {e}\n{}", st.plugin_log()));
+        assert_eq!(
+            std::fs::read_to_string(target.join("before.txt")).unwrap(),
+            step
+        );
+        csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target_s,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        csi.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging_s,
+        })
+        .await
+        .unwrap();
+        csi.delete_volume(csi::DeleteVolumeRequest {
+            volume_id: id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    st.stop_plugin().await;
+    st.assert_clean();
+}
