@@ -153,7 +153,9 @@ pub fn fs_bytes(dev: &Path, fs: FsType) -> Result<u64, ProbeError> {
             if le32(sb, 0x60) & INCOMPAT_64BIT != 0 {
                 blocks |= u64::from(le32(sb, 0x150)) << 32;
             }
-            Ok(blocks * (1024 << log))
+            blocks
+                .checked_mul(1024 << log)
+                .ok_or_else(|| bad("implausible ext4 size"))
         }
         FsType::Xfs => {
             let sb = &head;
@@ -161,7 +163,12 @@ pub fn fs_bytes(dev: &Path, fs: FsType) -> Result<u64, ProbeError> {
                 return Err(bad("no xfs superblock"));
             }
             let block = u64::from(u32::from_be_bytes(sb[4..8].try_into().expect("4 bytes")));
-            Ok(u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes")) * block)
+            if !block.is_power_of_two() || !(512..=65536).contains(&block) {
+                return Err(bad("implausible xfs block size"));
+            }
+            u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes"))
+                .checked_mul(block)
+                .ok_or_else(|| bad("implausible xfs size"))
         }
     }
 }
@@ -174,7 +181,7 @@ pub fn fs_needs_grow(dev: &Path, fs: FsType) -> Result<bool, ProbeError> {
         path: dev.to_path_buf(),
         source: io::Error::other(e),
     })?;
-    Ok(dev_size >= fs_size + (1 << 20))
+    Ok(dev_size >= fs_size.saturating_add(1 << 20))
 }
 
 fn open_for_probe(dev: &Path) -> io::Result<(std::os::fd::OwnedFd, bool)> {

@@ -683,7 +683,7 @@ impl Driver {
             sandbox: h.sandbox.clone(),
             detail,
         };
-        let claimant = self.ops.claimant(&target);
+        let claimant = self.ops.crust_claimant(&target);
         if claimant.is_none() {
             // Unclaimed: the runtime let go; the device must be free too
             // (a QEMU that outlived its runtime still has it open).
@@ -773,6 +773,11 @@ impl Driver {
         rec: &VolumeRecord,
         target: &Path,
     ) -> Result<pb::HandOverResponse> {
+        if !self.ops.has_crust_layout() {
+            return Err(
+                NodeError::Internal("the CRUST hand-off layout is not configured".into()).into(),
+            );
+        }
         let mi = self
             .ops
             .crust_record(utf8(target)?)

@@ -64,26 +64,26 @@ pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, O
         context: format!("{context} {program}"),
         source: e,
     };
-    let mut out = Pipe::new(child.stdout.take().map(OwnedFd::from), MAX_STDOUT);
-    let mut err = Pipe::new(child.stderr.take().map(OwnedFd::from), MAX_STDERR);
-    let pidfd = rustix::process::pidfd_open(Pid::from_child(&child), PidfdFlags::empty())
-        .map_err(|e| io_err("pidfd of", e.into()));
-    let pidfd = match pidfd {
-        Ok(fd) => fd,
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(e);
+    let mut out = Pipe::new(child.stdout.take().map(OwnedFd::from), MAX_STDOUT, true);
+    let mut err = Pipe::new(child.stderr.take().map(OwnedFd::from), MAX_STDERR, false);
+    // From here on every way out kills the CLI's group and reaps it.
+    let cli = Running(Some(child));
+    let pidfd = rustix::process::pidfd_open(cli.pid(), PidfdFlags::empty())
+        .map_err(|e| io_err("pidfd of", e.into()))?;
+    // Once the CLI exited, what it left running may hold its pipes open:
+    // they get a short grace, not the whole timeout.
+    let mut drain_until: Option<Instant> = None;
+    loop {
+        let done = out.fd.is_none() && err.fd.is_none();
+        if let Some(d) = drain_until
+            && (done || Instant::now() >= d.min(deadline))
+        {
+            break;
         }
-    };
-    let mut exited = false;
-    while !(exited && out.fd.is_none() && err.fd.is_none()) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            // Not reaped yet: the pid still names the CLI's group.
-            let _ = rustix::process::kill_process_group(Pid::from_child(&child), Signal::KILL);
-            let _ = child.kill();
-            let _ = child.wait();
+        let until = drain_until.map_or(deadline, |d| d.min(deadline));
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() && drain_until.is_none() {
+            drop(cli);
             return Err(OpsError::CliTimeout {
                 cli: program.to_string(),
                 op,
@@ -94,7 +94,7 @@ pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, O
         for fd in [out.fd.as_ref(), err.fd.as_ref()].into_iter().flatten() {
             fds.push(PollFd::new(fd, PollFlags::IN));
         }
-        if !exited {
+        if drain_until.is_none() {
             fds.push(PollFd::new(&pidfd, PollFlags::IN));
         }
         let ts = Timespec::try_from(left).unwrap_or(Timespec {
@@ -115,12 +115,14 @@ pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, O
                 i += 1;
             }
         }
-        if !exited && ready[i] {
-            exited = true;
+        if drain_until.is_none() && ready[i] {
+            drain_until = Some(Instant::now() + EXIT_DRAIN);
+        }
+        if out.overflow {
+            break;
         }
     }
-    let status = child.wait().map_err(|e| io_err("wait for", e))?;
-    // Checked first: once we stop reading, the CLI dies of EPIPE/SIGPIPE.
+    let status = cli.finish().map_err(|e| io_err("wait for", e))?;
     if out.overflow {
         return Err(OpsError::BadOutput {
             cli: program.to_string(),
@@ -139,6 +141,38 @@ pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, O
     Ok(out.buf)
 }
 
+/// How long the pipes of an exited CLI are still read (a process it left
+/// behind may hold them open).
+const EXIT_DRAIN: Duration = Duration::from_millis(200);
+
+/// A spawned CLI. Dropped (an error or timeout on the way out) it kills
+/// the CLI's whole process group and reaps the CLI; [`Running::finish`]
+/// does the same after a normal exit, so nothing it started outlives it.
+struct Running(Option<std::process::Child>);
+
+impl Running {
+    fn pid(&self) -> Pid {
+        Pid::from_child(self.0.as_ref().expect("running"))
+    }
+
+    fn finish(mut self) -> std::io::Result<ExitStatus> {
+        let mut child = self.0.take().expect("running");
+        // Not reaped yet: the pid still names the CLI's group.
+        let _ = rustix::process::kill_process_group(Pid::from_child(&child), Signal::KILL);
+        child.wait()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = rustix::process::kill_process_group(Pid::from_child(&child), Signal::KILL);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// One output pipe of a CLI, read up to `max` bytes: past that, stdout
 /// is an overflow (the pipe is closed, the writer gets EPIPE) and stderr
 /// is read on and dropped.
@@ -146,15 +180,18 @@ struct Pipe {
     fd: Option<OwnedFd>,
     buf: Vec<u8>,
     max: usize,
+    /// Output past `max` is an error (stdout), not just dropped (stderr).
+    overflow_is_error: bool,
     overflow: bool,
 }
 
 impl Pipe {
-    fn new(fd: Option<OwnedFd>, max: usize) -> Pipe {
+    fn new(fd: Option<OwnedFd>, max: usize, overflow_is_error: bool) -> Pipe {
         Pipe {
             fd,
             buf: Vec::new(),
             max,
+            overflow_is_error,
             overflow: false,
         }
     }
@@ -174,7 +211,7 @@ impl Pipe {
         }
         let room = self.max - self.buf.len();
         self.buf.extend_from_slice(&chunk[..n.min(room)]);
-        if n > room && self.max == MAX_STDOUT {
+        if n > room && self.overflow_is_error {
             self.overflow = true;
             self.fd = None;
         }
@@ -285,6 +322,16 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
+    }
+
+    #[test]
+    fn an_exited_cli_is_not_held_by_what_it_left_running() {
+        let d = tempfile::tempdir().unwrap();
+        // Exits 0 at once; a background child keeps stdout open for
+        // longer than the timeout: the answer is the exit's, not a timeout.
+        let cli = script(d.path(), "bg", "echo ok; (sleep 30) & exit 0");
+        let out = run(&cli, &[], Duration::from_secs(3)).unwrap();
+        assert_eq!(out, b"ok\n");
     }
 
     #[test]

@@ -211,6 +211,11 @@ impl CrustOps {
             .find_map(|s| s.claimant(target).ok().flatten())
     }
 
+    /// The sandbox claiming `target`'s CRUST-layout record (a handover's).
+    pub fn crust_claimant(&self, target: &str) -> Option<String> {
+        self.crust.as_ref()?.claimant(target).ok().flatten()
+    }
+
     /// The sandbox claiming the complete CRUST record of `target` (a
     /// record directory a crash left without `mountInfo.json` has none).
     pub fn complete_record_claimant(&self, target: &str) -> Option<String> {
