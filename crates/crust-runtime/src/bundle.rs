@@ -77,6 +77,11 @@ pub struct Bundle {
     /// that pod's kubelet volumes directory.
     #[serde(default)]
     pub pod_uid: Option<String>,
+    /// The OCI annotation `io.crust.defer-fs-ops: required`: a volume
+    /// crust-csi published on the host must be handed over; a decline
+    /// fails the container instead of falling back to the host mount.
+    #[serde(default)]
+    pub defer_required: bool,
 }
 
 impl Bundle {
@@ -176,6 +181,9 @@ impl Bundle {
             mounts.push(mount);
         }
         let pod_uid = pod_uid(spec.annotations().as_ref()).map_err(invalid)?;
+        let defer_required = spec.annotations().as_ref().is_some_and(|a| {
+            a.get(crate::handover::DEFER_ANNOTATION).map(String::as_str) == Some("required")
+        });
         Ok(Bundle {
             dir: dir.to_path_buf(),
             args,
@@ -186,6 +194,7 @@ impl Bundle {
             additional_gids: user.additional_gids().clone().unwrap_or_default(),
             mounts,
             pod_uid,
+            defer_required,
         })
     }
 }

@@ -202,8 +202,11 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     state.shim = Some(ProcRef::current());
     state.volumes = plan.volumes.clone();
     state.mounts = plan.mounts.clone();
-    let share_dir =
-        (cfg.share_binds && !plan.binds.is_empty()).then(|| store.dir(&id).join(share::SHARE_DIR));
+    // A declined handover leaves a host mount the workload expects: it is
+    // shared over virtio-fs (auto mode's fallback), never skipped.
+    let declined = state.events.iter().any(|e| e.outcome == handover::ON_HOST);
+    let share_dir = ((cfg.share_binds || declined) && !plan.binds.is_empty())
+        .then(|| store.dir(&id).join(share::SHARE_DIR));
     if share_dir.is_some() {
         state.shared_mounts = shared_mounts(&plan.binds);
     } else {
@@ -349,7 +352,13 @@ async fn take_published_volumes(
         store.save(state)?;
         let t0 = Instant::now();
         match handover
-            .offer(source, &m.destination, &state.id, &cli)
+            .offer(
+                source,
+                &m.destination,
+                &state.id,
+                &cli,
+                bundle.defer_required,
+            )
             .await?
         {
             Some(ev) => {

@@ -415,6 +415,7 @@ mod tests {
             additional_gids: vec![],
             mounts,
             pod_uid: None,
+            defer_required: false,
         }
     }
 

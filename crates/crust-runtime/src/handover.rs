@@ -282,16 +282,19 @@ impl Handover {
     /// crust-csi for `sandbox`; `runtime_cli` serves its stats and resize.
     /// The caller has recorded the offer first (the answer may be a
     /// record this sandbox claims). `None`: not a crust-csi volume, or no
-    /// plugin to ask; the source stays an ordinary host path.
+    /// plugin to ask; the source stays an ordinary host path. `required`
+    /// (the `io.crust.defer-fs-ops: required` annotation): a decline is the
+    /// plugin's FAILED_PRECONDITION, returned as an error.
     pub async fn offer(
         &self,
         source: &str,
         destination: &str,
         sandbox: &str,
         runtime_cli: &str,
+        required: bool,
     ) -> Result<Option<VolumeEvent>, RuntimeError> {
         let t0 = Instant::now();
-        let answer = self.ask(source, sandbox, runtime_cli, false).await?;
+        let answer = self.ask(source, sandbox, runtime_cli, required).await?;
         let answer_ms = Some(t0.elapsed().as_millis() as u64);
         let (outcome, message) = match answer {
             Answer::HandedOver(h) => {

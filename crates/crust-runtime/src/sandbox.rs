@@ -435,6 +435,7 @@ mod tests {
             additional_gids: vec![],
             mounts: vec![],
             pod_uid: None,
+            defer_required: false,
         }
     }
 

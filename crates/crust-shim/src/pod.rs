@@ -488,7 +488,13 @@ impl Pod {
             // Recorded before asking: the answer may be a record we claim.
             self.update(|s| s.handover_asked.push(source.to_string()));
             let offered = handover
-                .offer(source, &m.destination, &self.id, &self.cfg.runtime_cli)
+                .offer(
+                    source,
+                    &m.destination,
+                    &self.id,
+                    &self.cfg.runtime_cli,
+                    false,
+                )
                 .await?;
             self.update(|s| match offered {
                 Some(ev) => s.events.push(ev),
