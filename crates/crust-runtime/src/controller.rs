@@ -530,6 +530,7 @@ impl Controller {
             volumes::format_if_requested(v).await?;
             let hold = volumes::hold_host_device(v)?;
             volumes::attach(&self.qmp, v, Some(&bus)).await?;
+            handover::crash_point("attached");
             if let Err(e) = volumes::mount(&self.agent, v, self.cfg.boot_timeout).await {
                 let _ = volumes::detach(&self.qmp, v).await;
                 return Err(e);

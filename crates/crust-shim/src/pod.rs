@@ -493,9 +493,17 @@ impl Pod {
                     &m.destination,
                     &self.id,
                     &self.cfg.runtime_cli,
-                    false,
+                    b.defer_required,
                 )
-                .await?;
+                .await;
+            let offered = match offered {
+                Ok(o) => o,
+                Err(e) => {
+                    // Refused (deferral required) or failed: nothing claimed.
+                    self.update(|s| s.handover_asked.retain(|a| a != source));
+                    return Err(e.into());
+                }
+            };
             self.update(|s| match offered {
                 Some(ev) => s.events.push(ev),
                 None => s.handover_asked.retain(|a| a != source),

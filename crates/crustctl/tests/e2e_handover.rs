@@ -350,18 +350,18 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
 }
 
 /// The runtime (its sandbox shim) SIGKILLed right after crust-csi handed
-/// the volume over (`answered`, before the guest boots) and after the
-/// guest mounted it (`mounted`): `crust-runtime delete --force` clears the
+/// the volume over (`answered`, before the guest boots), between hot-plug
+/// and mount (`attached`) and after the guest mounted it (`mounted`): `crust-runtime delete --force` clears the
 /// sandbox and its claims, kubelet's NodeUnpublishVolume then takes the
 /// volume back (returned, no host mount), and the next host publication
 /// checks it and holds the data. Nothing is left.
-/// Budget: one TCG guest boot (the `answered` case boots none), ~15 s.
+/// Budget: two TCG guest boots (the `answered` case boots none), ~15 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_killed_mid_handover_leaves_a_volume_kubelet_takes_back() {
     let mut st = Stack::new(Layout::Crust);
     st.start_plugin(true).await;
     let csi = st.csi().await;
-    for (n, step) in ["answered", "mounted"].into_iter().enumerate() {
+    for (n, step) in ["answered", "attached", "mounted"].into_iter().enumerate() {
         let name = format!("pvc-k{n}");
         let staging = st
             .work
