@@ -151,6 +151,11 @@ impl ChildGuard {
         self.0.as_mut().expect("child already taken")
     }
 
+    /// The child's pid (0 once taken).
+    pub fn child_id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
     /// Hands the child back without killing it.
     pub fn into_inner(mut self) -> Child {
         self.0.take().expect("child already taken")

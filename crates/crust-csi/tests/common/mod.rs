@@ -337,14 +337,22 @@ impl TestNode {
     }
 
     pub async fn clients(&self) -> Clients {
-        let ch = self
-            .plugin
-            .as_ref()
-            .expect("running")
-            .endpoint
-            .connect()
-            .await
-            .unwrap();
+        let plugin = self.plugin.as_ref().expect("running");
+        // A connection the plugin's listener queued just as a restart
+        // replaced it can be reset: retry briefly, then say what happened.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut attempt = plugin.endpoint.connect().await;
+        while attempt.is_err() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            attempt = plugin.endpoint.connect().await;
+        }
+        let ch = attempt.unwrap_or_else(|e| {
+            let exited =
+                std::fs::read_to_string(format!("/proc/{}/stat", plugin.guard.child_id())).is_err();
+            let log = plugin.stderr();
+            let tail = &log[log.len().saturating_sub(3000)..];
+            panic!("connecting to the plugin: {e} (plugin gone: {exited})\nplugin log:\n{tail}")
+        });
         Clients::new(ch)
     }
 }
