@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 use crust_proto::endpoint::Endpoint;
@@ -50,35 +50,6 @@ fn ask(target: &str, sandbox: &str, fs: &[&str], required: bool) -> hv::HandOver
             .collect(),
         required,
     }
-}
-
-/// The tmpfs source name of the plugin's read-only placeholder.
-const PLACEHOLDER: &str = "crust-volume-elsewhere";
-
-/// (mount point, source) of every mount in this process's namespace
-/// (/proc/self/mountinfo).
-fn mountinfo() -> Vec<(PathBuf, String)> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            let sep = f.iter().position(|x| *x == "-")?;
-            Some((PathBuf::from(f[4]), f.get(sep + 2)?.to_string()))
-        })
-        .collect()
-}
-
-/// Anything mounted at `p`.
-fn is_mounted(p: &str) -> bool {
-    mountinfo().iter().any(|(m, _)| m == Path::new(p))
-}
-
-/// A mount at `p` other than the placeholder (a host mount of the volume).
-fn host_mounted(p: &str) -> bool {
-    mountinfo()
-        .iter()
-        .any(|(m, src)| m == Path::new(p) && src != PLACEHOLDER)
 }
 
 /// The device is mounted nowhere in this namespace.

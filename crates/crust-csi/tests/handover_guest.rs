@@ -157,26 +157,6 @@ impl Drop for SandboxGuard<'_> {
     }
 }
 
-/// (mount point, source) of every mount in this namespace.
-fn mountinfo() -> Vec<(PathBuf, String)> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            let sep = f.iter().position(|x| *x == "-")?;
-            Some((PathBuf::from(f[4]), f.get(sep + 2)?.to_string()))
-        })
-        .collect()
-}
-
-/// A host mount of the volume's filesystem at `p` (not the placeholder).
-fn host_mounted(p: &str) -> bool {
-    mountinfo()
-        .iter()
-        .any(|(m, src)| m == Path::new(p) && src.starts_with("/dev/"))
-}
-
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]

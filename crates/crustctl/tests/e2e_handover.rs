@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use crust_proto::csi::v1 as csi;
 use crust_testkit::{BUSYBOX_IMAGE, Containerd, ContainerdOptions};
+use crustctl::client::Csi;
 use csi::volume_capability::access_mode::Mode;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use e2e_support::*;
@@ -67,57 +68,161 @@ fn mount_at(p: &Path) -> Option<(String, String, String)> {
     })
 }
 
+/// A volume staged and published on the host as kubelet does it, with the
+/// requests to repeat and undo that.
+struct HostVolume {
+    id: String,
+    staging: std::path::PathBuf,
+    target: std::path::PathBuf,
+    stage: csi::NodeStageVolumeRequest,
+    publish: csi::NodePublishVolumeRequest,
+}
+
+impl HostVolume {
+    /// CreateVolume (the default `deferFsOps=auto`), NodeStage, NodePublish;
+    /// `group`: kubelet's `volume_mount_group` ("" for none).
+    async fn publish(
+        st: &Stack,
+        csi: &Csi,
+        name: &str,
+        pod_uid: &str,
+        size: u64,
+        group: &str,
+    ) -> HostVolume {
+        let staging = st
+            .work
+            .join(format!("kubelet/plugins/blk.crust.dev/{name}/globalmount"));
+        let target = st.work.join(format!(
+            "kubelet/pods/{pod_uid}/volumes/kubernetes.io~csi/{name}/mount"
+        ));
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        let vol = csi
+            .create_volume(csi::CreateVolumeRequest {
+                name: name.into(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: size as i64,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![cap()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        let stage = csi::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: staging.to_str().unwrap().into(),
+            volume_capability: Some(cap_with(group)),
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        };
+        let publish = csi::NodePublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: staging.to_str().unwrap().into(),
+            target_path: target.to_str().unwrap().into(),
+            volume_capability: Some(cap_with(group)),
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        };
+        csi.node_stage_volume(stage.clone()).await.unwrap();
+        csi.node_publish_volume(publish.clone()).await.unwrap();
+        HostVolume {
+            id: vol.volume_id,
+            staging,
+            target,
+            stage,
+            publish,
+        }
+    }
+
+    fn target_s(&self) -> String {
+        self.target.to_str().unwrap().to_string()
+    }
+
+    async fn unpublish(&self, csi: &Csi) -> Result<(), tonic::Status> {
+        csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: self.id.clone(),
+            target_path: self.target_s(),
+            ..Default::default()
+        })
+        .await
+        .map(drop)
+    }
+
+    /// kubelet publishes it on the host again (stage, publish).
+    async fn republish(&self, csi: &Csi) -> Result<(), tonic::Status> {
+        csi.node_stage_volume(self.stage.clone()).await?;
+        csi.node_publish_volume(self.publish.clone())
+            .await
+            .map(drop)
+    }
+
+    /// NodeUnpublish, NodeUnstage, DeleteVolume.
+    async fn remove(self, csi: &Csi) {
+        self.unpublish(csi).await.unwrap();
+        csi.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: self.id.clone(),
+            staging_target_path: self.staging.to_str().unwrap().into(),
+        })
+        .await
+        .unwrap();
+        csi.delete_volume(csi::DeleteVolumeRequest {
+            volume_id: self.id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+}
+
+/// An OCI bundle whose workload sleeps with `source` bound at /data.
+fn bundle(st: &Stack, name: &str, source: &str) -> std::path::PathBuf {
+    let dir = st.work.join(format!("bundles/{name}"));
+    std::fs::create_dir_all(dir.join("rootfs")).unwrap();
+    let spec = json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["sh", "-c", "exec sleep 100000"],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/"
+        },
+        "root": {"path": "rootfs"},
+        "mounts": [{
+            "destination": "/data",
+            "type": "bind",
+            "source": source,
+            "options": ["rbind", "rw"]
+        }],
+    });
+    std::fs::write(dir.join("config.json"), spec.to_string()).unwrap();
+    dir
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
     let mut st = Stack::new(Layout::Crust);
     st.start_plugin(true).await;
     let csi = st.csi().await;
-    let pods = st.work.join("kubelet/pods");
-    let staging = st
-        .work
-        .join("kubelet/plugins/blk.crust.dev/pv-h/globalmount");
-    let target =
-        pods.join("0b1e5c9e-0000-4000-8000-00000000a11c/volumes/kubernetes.io~csi/pvc-h/mount");
-    std::fs::create_dir_all(&staging).unwrap();
-    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-    let (staging_s, target_s) = (
-        staging.to_str().unwrap().to_string(),
-        target.to_str().unwrap().to_string(),
-    );
-
     // --- the host: an ordinary CSI volume, written by a host workload ---
-    let vol = csi
-        .create_volume(csi::CreateVolumeRequest {
-            name: "pvc-h".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: (96 * MIB) as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap()],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .volume
-        .unwrap();
-    let id = vol.volume_id.clone();
-    let stage = csi::NodeStageVolumeRequest {
-        volume_id: id.clone(),
-        staging_target_path: staging_s.clone(),
-        volume_capability: Some(cap_with("2000")),
-        volume_context: vol.volume_context.clone(),
-        ..Default::default()
-    };
-    let publish = csi::NodePublishVolumeRequest {
-        volume_id: id.clone(),
-        staging_target_path: staging_s.clone(),
-        target_path: target_s.clone(),
-        volume_capability: Some(cap_with("2000")),
-        volume_context: vol.volume_context.clone(),
-        ..Default::default()
-    };
-    csi.node_stage_volume(stage.clone()).await.unwrap();
-    csi.node_publish_volume(publish.clone()).await.unwrap();
+    let vol = HostVolume::publish(
+        &st,
+        &csi,
+        "pvc-h",
+        "0b1e5c9e-0000-4000-8000-00000000a11c",
+        96 * MIB,
+        "2000",
+    )
+    .await;
+    let (id, staging, target, target_s) = (
+        vol.id.clone(),
+        vol.staging.clone(),
+        vol.target.clone(),
+        vol.target_s(),
+    );
     // A runc pod (Debian's runc through `ctr run` on a private
     // containerd) uses the host mount and writes; then it ends.
     let (busybox, _pause) = crust_testkit::ensure_test_images();
@@ -149,30 +254,7 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
     );
 
     // --- a crust sandbox mounts the target: handover -----------------
-    let bundle = st.work.join("bundles/h");
-    std::fs::create_dir_all(bundle.join("rootfs")).unwrap();
-    let spec = json!({
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": false,
-            "user": {"uid": 0, "gid": 0},
-            "args": ["sh", "-c", "exec sleep 100000"],
-            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-            "cwd": "/"
-        },
-        "root": {"path": "rootfs"},
-        "mounts": [{
-            "destination": "/data",
-            "type": "bind",
-            "source": target_s,
-            "options": ["rbind", "rw"]
-        }],
-    });
-    std::fs::write(
-        bundle.join("config.json"),
-        serde_json::to_vec_pretty(&spec).unwrap(),
-    )
-    .unwrap();
+    let bundle = bundle(&st, "h", &target_s);
     let rt = &st.runtime;
     let t0 = Instant::now();
     rt.ok(&["create", "-b", bundle.to_str().unwrap(), "h"])
@@ -295,16 +377,9 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
     assert!(st.records().is_empty(), "{:?}", st.records());
 
     // kubelet: unpublish (nothing to unmount), publish again on the host.
-    csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-        volume_id: id.clone(),
-        target_path: target_s.clone(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    vol.unpublish(&csi).await.unwrap();
     assert!(mount_at(&target).is_none());
-    csi.node_stage_volume(stage.clone()).await.unwrap();
-    csi.node_publish_volume(publish.clone())
+    vol.republish(&csi)
         .await
         .unwrap_or_else(|e| panic!("republish: {e}\n{}", st.plugin_log()));
     let (_, fstype, opts) = mount_at(&staging).unwrap();
@@ -325,26 +400,7 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
         st.plugin_log().contains("passed its check"),
         "the plugin checked the filesystem before mounting it"
     );
-
-    csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-        volume_id: id.clone(),
-        target_path: target_s.clone(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    csi.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-        volume_id: id.clone(),
-        staging_target_path: staging_s.clone(),
-    })
-    .await
-    .unwrap();
-    csi.delete_volume(csi::DeleteVolumeRequest {
-        volume_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    vol.remove(&csi).await;
     st.stop_plugin().await;
     st.assert_clean();
 }
@@ -363,64 +419,17 @@ async fn a_runtime_killed_mid_handover_leaves_a_volume_kubelet_takes_back() {
     let csi = st.csi().await;
     for (n, step) in ["answered", "attached", "mounted"].into_iter().enumerate() {
         let name = format!("pvc-k{n}");
-        let staging = st
-            .work
-            .join(format!("kubelet/plugins/blk.crust.dev/{name}/globalmount"));
-        let target = st.work.join(format!(
-            "kubelet/pods/0b1e5c9e-0000-4000-8000-00000000b00{n}/volumes/kubernetes.io~csi/{name}/mount"
-        ));
-        std::fs::create_dir_all(&staging).unwrap();
-        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-        let (staging_s, target_s) = (
-            staging.to_str().unwrap().to_string(),
-            target.to_str().unwrap().to_string(),
-        );
-        let vol = csi
-            .create_volume(csi::CreateVolumeRequest {
-                name: name.clone(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: (64 * MIB) as i64,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap()],
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .volume
-            .unwrap();
-        let id = vol.volume_id.clone();
-        let stage = csi::NodeStageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging_s.clone(),
-            volume_capability: Some(cap()),
-            volume_context: vol.volume_context.clone(),
-            ..Default::default()
-        };
-        let publish = csi::NodePublishVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging_s.clone(),
-            target_path: target_s.clone(),
-            volume_capability: Some(cap()),
-            volume_context: vol.volume_context.clone(),
-            ..Default::default()
-        };
-        csi.node_stage_volume(stage.clone()).await.unwrap();
-        csi.node_publish_volume(publish.clone()).await.unwrap();
-        std::fs::write(target.join("before.txt"), step).unwrap();
-
-        let bundle = st.work.join(format!("bundles/{name}"));
-        std::fs::create_dir_all(bundle.join("rootfs")).unwrap();
-        let spec = json!({
-            "ociVersion": "1.0.2",
-            "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
-                        "args": ["sh", "-c", "exec sleep 100000"],
-                        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/"},
-            "root": {"path": "rootfs"},
-            "mounts": [{"destination": "/data", "type": "bind", "source": target_s,
-                        "options": ["rbind", "rw"]}],
-        });
-        std::fs::write(bundle.join("config.json"), spec.to_string()).unwrap();
+        let vol = HostVolume::publish(
+            &st,
+            &csi,
+            &name,
+            &format!("0b1e5c9e-0000-4000-8000-00000000b00{n}"),
+            64 * MIB,
+            "",
+        )
+        .await;
+        std::fs::write(vol.target.join("before.txt"), step).unwrap();
+        let bundle = bundle(&st, &name, &vol.target_s());
         let rt = &st.runtime;
         let o = std::process::Command::new(&rt.bin)
             .envs(rt.env())
@@ -430,7 +439,7 @@ async fn a_runtime_killed_mid_handover_leaves_a_volume_kubelet_takes_back() {
             .unwrap();
         assert!(!o.status.success(), "{step}: the shim died: {o:?}");
         assert_ne!(
-            mount_at(&staging).map(|m| m.1).as_deref(),
+            mount_at(&vol.staging).map(|m| m.1).as_deref(),
             Some("ext4"),
             "{step}: the host never mounts a handed-over volume"
         );
@@ -439,42 +448,19 @@ async fn a_runtime_killed_mid_handover_leaves_a_volume_kubelet_takes_back() {
             .unwrap_or_else(|e| panic!("{step}: delete: {e}"));
 
         // kubelet: the pod is gone; unpublish takes the volume back.
-        csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target_s.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{step}: unpublish: {e}\n{}", st.plugin_log()));
-        assert!(mount_at(&target).is_none(), "{step}");
+        vol.unpublish(&csi)
+            .await
+            .unwrap_or_else(|e| panic!("{step}: unpublish: {e}\n{}", st.plugin_log()));
+        assert!(mount_at(&vol.target).is_none(), "{step}");
         assert!(st.records().is_empty(), "{step}: {:?}", st.records());
-        csi.node_stage_volume(stage).await.unwrap();
-        csi.node_publish_volume(publish)
+        vol.republish(&csi)
             .await
             .unwrap_or_else(|e| panic!("{step}: republish: {e}\n{}", st.plugin_log()));
         assert_eq!(
-            std::fs::read_to_string(target.join("before.txt")).unwrap(),
+            std::fs::read_to_string(vol.target.join("before.txt")).unwrap(),
             step
         );
-        csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target_s,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        csi.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging_s,
-        })
-        .await
-        .unwrap();
-        csi.delete_volume(csi::DeleteVolumeRequest {
-            volume_id: id,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        vol.remove(&csi).await;
     }
     st.stop_plugin().await;
     st.assert_clean();

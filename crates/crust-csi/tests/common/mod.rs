@@ -700,3 +700,29 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
         .map(|v| v.trim().parse().unwrap())
 }
+
+/// (mount point, source) of every mount in this namespace.
+pub fn mountinfo() -> Vec<(PathBuf, String)> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let sep = f.iter().position(|x| *x == "-")?;
+            Some((PathBuf::from(f[4]), f.get(sep + 2)?.to_string()))
+        })
+        .collect()
+}
+
+/// Anything mounted at `p`.
+pub fn is_mounted(p: &str) -> bool {
+    mountinfo().iter().any(|(m, _)| m == Path::new(p))
+}
+
+/// A mount at `p` other than the plugin's placeholder (a host mount of
+/// the volume).
+pub fn host_mounted(p: &str) -> bool {
+    mountinfo()
+        .iter()
+        .any(|(m, src)| m == Path::new(p) && src != crust_handoff::PLACEHOLDER_SOURCE)
+}
