@@ -336,14 +336,7 @@ impl Driver {
 
     /// The volume published at `target`, or whose handover names it.
     fn volume_at(&self, target: &Path) -> Option<String> {
-        self.state
-            .all()
-            .into_iter()
-            .find(|r| {
-                r.published.contains_key(target)
-                    || r.handover.as_ref().is_some_and(|h| h.target == target)
-            })
-            .map(|r| r.id)
+        self.state.volume_at(target)
     }
 
     /// Everything that decides whether `rec` may go to the asking guest;

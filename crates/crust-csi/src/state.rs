@@ -304,11 +304,46 @@ pub fn is_valid_volume_id(id: &str) -> bool {
 #[derive(Debug)]
 pub struct StateStore {
     dir: PathBuf,
-    records: Mutex<BTreeMap<String, VolumeRecord>>,
+    records: Mutex<Records>,
     /// `<state-dir>/lock`, flock'ed for as long as the store lives: two
     /// plugins on one state (with different pools, say) would each act on
     /// records the other changes.
     _lock: File,
+}
+
+/// The records in memory, with an index of the targets they name (their
+/// publications and a handover's target), so a lookup by target costs the
+/// same with any number of volumes.
+#[derive(Debug, Default)]
+struct Records {
+    by_id: BTreeMap<String, VolumeRecord>,
+    by_target: std::collections::HashMap<PathBuf, String>,
+}
+
+impl Records {
+    fn targets(rec: &VolumeRecord) -> impl Iterator<Item = &PathBuf> {
+        rec.published
+            .keys()
+            .chain(rec.handover.as_ref().map(|h| &h.target))
+    }
+
+    fn insert(&mut self, rec: VolumeRecord) {
+        self.remove(&rec.id);
+        for t in Self::targets(&rec) {
+            self.by_target.insert(t.clone(), rec.id.clone());
+        }
+        self.by_id.insert(rec.id.clone(), rec);
+    }
+
+    fn remove(&mut self, id: &str) {
+        if let Some(old) = self.by_id.remove(id) {
+            for t in Self::targets(&old) {
+                if self.by_target.get(t).is_some_and(|o| o == id) {
+                    self.by_target.remove(t);
+                }
+            }
+        }
+    }
 }
 
 /// Name of the lock file in the state directory (holds the owner's pid).
@@ -362,7 +397,7 @@ impl StateStore {
             })?;
         }
         let lock = lock_state_dir(state_dir)?;
-        let mut records = BTreeMap::new();
+        let mut records = Records::default();
         let entries = fs::read_dir(&dir).map_err(|source| StateError::Dir {
             path: dir.clone(),
             source,
@@ -386,7 +421,7 @@ impl StateStore {
                 .and_then(|b| serde_json::from_slice::<VolumeRecord>(&b).map_err(|e| e.to_string()))
             {
                 Ok(rec) if rec.id == id && is_valid_volume_id(id) => {
-                    records.insert(rec.id.clone(), rec);
+                    records.insert(rec);
                 }
                 Ok(rec) => {
                     tracing::error!(file = %path.display(), record_id = %rec.id, "volume record name does not match its id; moved aside");
@@ -398,7 +433,7 @@ impl StateStore {
                 }
             }
         }
-        tracing::info!(dir = %dir.display(), volumes = records.len(), "loaded volume records");
+        tracing::info!(dir = %dir.display(), volumes = records.by_id.len(), "loaded volume records");
         Ok(StateStore {
             dir,
             records: Mutex::new(records),
@@ -406,12 +441,17 @@ impl StateStore {
         })
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeRecord>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, Records> {
         self.records.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn get(&self, id: &str) -> Option<VolumeRecord> {
-        self.map().get(id).cloned()
+        self.map().by_id.get(id).cloned()
+    }
+
+    /// The volume published at `target`, or whose handover names it.
+    pub fn volume_at(&self, target: &Path) -> Option<String> {
+        self.map().by_target.get(target).cloned()
     }
 
     /// Ready records with id greater than `after`, at most `max` (0 = all),
@@ -419,6 +459,7 @@ impl StateStore {
     pub fn page(&self, after: Option<&str>, max: usize) -> (Vec<VolumeRecord>, bool) {
         use std::ops::Bound;
         let map = self.map();
+        let map = &map.by_id;
         let lower = match after {
             Some(a) => Bound::Excluded(a.to_string()),
             None => Bound::Unbounded,
@@ -439,7 +480,7 @@ impl StateStore {
     }
 
     pub fn all(&self) -> Vec<VolumeRecord> {
-        self.map().values().cloned().collect()
+        self.map().by_id.values().cloned().collect()
     }
 
     /// Persists `rec` atomically, then makes it visible.
@@ -451,7 +492,7 @@ impl StateStore {
         })?;
         write_atomic(&self.dir, &path, &data)
             .map_err(|source| StateError::Write { path, source })?;
-        self.map().insert(rec.id.clone(), rec);
+        self.map().insert(rec);
         Ok(())
     }
 
@@ -557,6 +598,45 @@ mod tests {
             handover: None,
             returned: None,
         }
+    }
+
+    #[test]
+    fn volumes_are_found_by_target_as_records_change_and_after_reload() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let store = StateStore::open(&state).unwrap();
+        let mut r = rec("pvc-t");
+        let t = PathBuf::from("/pods/p/vol");
+        assert_eq!(store.volume_at(&t), None);
+        r.published.insert(
+            t.clone(),
+            Publication::host(false, false, AccessMode::SingleNodeWriter, String::new()),
+        );
+        store.put(r.clone()).unwrap();
+        assert_eq!(store.volume_at(&t).as_deref(), Some(r.id.as_str()));
+        // Unpublished: gone from the index; a handover's target is found.
+        r.published.clear();
+        r.handover = Some(crate::handover::HandoverRecord {
+            target: PathBuf::from("/pods/p/ho"),
+            sandbox: "sb".into(),
+            runtime_cli: "/bin/true".into(),
+            phase: crate::handover::HandoverPhase::HandedOver,
+            host_mounted: false,
+        });
+        store.put(r.clone()).unwrap();
+        assert_eq!(store.volume_at(&t), None);
+        assert_eq!(
+            store.volume_at(Path::new("/pods/p/ho")).as_deref(),
+            Some(r.id.as_str())
+        );
+        drop(store);
+        let store = StateStore::open(&state).unwrap();
+        assert_eq!(
+            store.volume_at(Path::new("/pods/p/ho")).as_deref(),
+            Some(r.id.as_str())
+        );
+        store.remove(&r.id).unwrap();
+        assert_eq!(store.volume_at(Path::new("/pods/p/ho")), None);
     }
 
     #[test]
