@@ -321,7 +321,10 @@ build_image() {
     -C "$layout" -cf "$out/$name-$tag.oci.tar" .
   local digest
   digest="$(jq -r '.manifests[0].digest' "$layout/index.json")"
-  echo "$ref $digest $(du -k "$out/$name-$tag.oci.tar" | cut -f1)KiB" | tee -a "$out/images.txt"
+  # The archive's size, not its disk usage (du varies with the filesystem's
+  # allocation, so two identical archives could report different sizes).
+  local kib=$((($(stat -c %s "$out/$name-$tag.oci.tar") + 1023) / 1024))
+  echo "$ref $digest ${kib}KiB" | tee -a "$out/images.txt"
 }
 
 : >"$out/images.txt"

@@ -379,6 +379,13 @@ fn guest_io_interrupted_mid_run_leaves_nothing() {
 /// free, a loop device on its pool, a mount under its dir, a process
 /// naming it) is released by the next stack's set-up; a live stack next
 /// to it is untouched.
+///
+/// The dir is built while its lock is held, as a real stack's is, so the
+/// reaper of a test running concurrently in another binary cannot take
+/// it half-built (it did once: it removed the dir before `tail` started
+/// and never killed it). Once the lock is dropped, this reaper or a
+/// concurrent one may release it, so the checks wait for the outcome
+/// within a bound instead of blocking on `tail`.
 #[test]
 fn a_killed_runs_leftovers_are_reaped_by_the_next_run() {
     crust_testkit::require_root();
@@ -388,7 +395,7 @@ fn a_killed_runs_leftovers_are_reaped_by_the_next_run() {
         .tempdir_in("/tmp")
         .unwrap()
         .keep();
-    std::fs::write(root.join(".owner.lock"), b"").unwrap();
+    let owner = take_ownership(&root);
     std::fs::create_dir_all(root.join("pool")).unwrap();
     let img = root.join("pool/vol.img");
     std::fs::File::create(&img)
@@ -413,23 +420,49 @@ fn a_killed_runs_leftovers_are_reaped_by_the_next_run() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
+    let tail = format!("{}: ", sleeper.id());
+    assert!(
+        processes_naming(&root).iter().any(|p| p.starts_with(&tail)),
+        "tail is not seen naming {}: {:?}",
+        root.display(),
+        processes_naming(&root)
+    );
+    // The owner dies.
+    drop(owner);
 
     reap_abandoned_stacks();
 
-    let status = sleeper.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = sleeper.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = sleeper.kill();
+            let _ = sleeper.wait();
+            panic!(
+                "tail was not killed within 30s; naming {}: {:?}",
+                root.display(),
+                processes_naming(&root)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9)
     );
-    assert_eq!(mounts_under(&root), Vec::<PathBuf>::new());
-    assert!(
-        !crust_blockdev::list_loops()
+    let attached = || {
+        crust_blockdev::list_loops()
             .unwrap()
             .iter()
-            .any(|l| l.path == dev),
-        "{} still attached",
-        dev.display()
-    );
+            .any(|l| l.path == dev)
+    };
+    while (root.exists() || attached()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(mounts_under(&root), Vec::<PathBuf>::new());
+    assert!(!attached(), "{} still attached", dev.display());
     assert!(!root.exists());
     // The live stack keeps its dir and lock.
     assert!(live.root.join(".owner.lock").is_file());

@@ -87,7 +87,7 @@ const OWNER_LOCK: &str = ".owner.lock";
 
 /// Creates `root/OWNER_LOCK` already locked: made under a temporary name,
 /// locked, then renamed, so a reaper never sees it unlocked.
-fn take_ownership(root: &Path) -> std::fs::File {
+pub fn take_ownership(root: &Path) -> std::fs::File {
     let tmp = root.join(".owner.lock.new");
     let f = std::fs::File::create(&tmp).unwrap();
     rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
