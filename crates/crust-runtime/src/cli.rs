@@ -370,7 +370,7 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    fn json<T: serde::Serialize>(v: &T) -> Outcome {
+    pub(crate) fn json<T: serde::Serialize>(v: &T) -> Outcome {
         Outcome {
             stdout: serde_json::to_string_pretty(v).expect("serializable") + "\n",
             ..Default::default()
@@ -451,7 +451,7 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             ..Default::default()
         }),
         Command::Crust(CrustCommand::Stats { target_path }) => {
-            Ok(Outcome::json(&rt.volume_stats(&target_path).await?))
+            crate::poll::answer(&rt, crate::poll::Poll::CrustStats(&target_path))
         }
         Command::Crust(CrustCommand::Resize {
             target_path,
@@ -480,12 +480,7 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             .direct_volume_remove(&volume_path)
             .map(|()| Outcome::default()),
         Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
-            // What `kata-runtime direct-volume stats` prints: the shim's body.
-            let s = rt.volume_stats(&volume_path).await?;
-            Ok(Outcome {
-                stdout: s.to_kata_json() + "\n",
-                ..Default::default()
-            })
+            crate::poll::answer(&rt, crate::poll::Poll::KataStats(&volume_path))
         }
         Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => Ok(
             Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?),

@@ -35,6 +35,7 @@ pub mod discovery;
 pub mod error;
 pub mod handover;
 pub mod katashim;
+pub mod poll;
 pub mod runtime;
 pub mod sandbox;
 pub mod share;

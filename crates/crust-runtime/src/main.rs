@@ -3,13 +3,21 @@
 use std::io::Write;
 
 use clap::Parser;
-use crust_runtime::cli::{Cli, Command, dispatch};
+use crust_runtime::cli::{Cli, Command, Outcome, dispatch};
+use crust_runtime::error::RuntimeError;
 
 fn main() -> std::process::ExitCode {
+    // Non-UTF-8 arguments are clap's to report.
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.into_string().unwrap_or_default())
+        .collect();
+    // kubelet's stats polls: no clap tree, no tokio (crust_runtime::poll).
+    if let Some(r) = crust_runtime::poll::run_fast(&args) {
+        return finish(r);
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
-            let args: Vec<String> = std::env::args().collect();
             if let Some(verb) = crust_runtime::cli::unsupported_crust_verb(&args) {
                 eprintln!(
                     "{} crust {}",
@@ -57,7 +65,11 @@ fn main() -> std::process::ExitCode {
         let code = rt.block_on(crust_runtime::controller::run_shim(cfg, id));
         return std::process::ExitCode::from(code.clamp(0, 255) as u8);
     }
-    match rt.block_on(dispatch(cfg, cli.command)) {
+    finish(rt.block_on(dispatch(cfg, cli.command)))
+}
+
+fn finish(r: Result<Outcome, RuntimeError>) -> std::process::ExitCode {
+    match r {
         Ok(out) => {
             let _ = std::io::stdout().write_all(out.stdout.as_bytes());
             let _ = std::io::stderr().write_all(out.stderr.as_bytes());

@@ -418,13 +418,14 @@ impl Runtime {
         Ok(Ok(claimant))
     }
 
-    /// KEP `crust stats` / Kata `direct-volume stats`.
-    pub async fn volume_stats(&self, volume_path: &str) -> Result<VolumeStats> {
+    /// KEP `crust stats` / Kata `direct-volume stats`. Blocking: it is the
+    /// whole work of a CLI run on every kubelet poll (see [`crate::poll`]).
+    pub fn volume_stats(&self, volume_path: &str) -> Result<VolumeStats> {
         let id = match self.serving_sandbox(volume_path)? {
             Ok(id) => id,
             Err(abnormal) => return Ok(abnormal),
         };
-        match self.client(&id).stats(volume_path).await {
+        match self.client(&id).stats_blocking(volume_path) {
             Ok(s) => Ok(s),
             Err(ShimError::Unreachable { .. }) if !self.sandboxes.holds_volumes(&id) => Ok(
                 VolumeStats::abnormal(format!("sandbox {id} is not running (QEMU exited)")),

@@ -37,6 +37,8 @@ use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
+mod blocking;
+
 use crate::discovery::Volume;
 use crate::sandbox::SandboxState;
 use crate::stats::{
@@ -377,6 +379,10 @@ pub enum ShimError {
     Protocol(String),
 }
 
+fn stats_uri(path: &str) -> String {
+    format!("/direct-volume/stats?path={}", percent_encode(path))
+}
+
 /// A client of one shim's API. Every call is bounded by a timeout.
 #[derive(Debug, Clone)]
 pub struct ShimClient {
@@ -492,8 +498,12 @@ impl ShimClient {
     }
 
     pub async fn stats(&self, path: &str) -> Result<VolumeStats, ShimError> {
-        let uri = format!("/direct-volume/stats?path={}", percent_encode(path));
-        self.call(Method::GET, &uri, None).await
+        self.call(Method::GET, &stats_uri(path), None).await
+    }
+
+    /// [`ShimClient::stats`] without an async runtime (see [`blocking`]).
+    pub fn stats_blocking(&self, path: &str) -> Result<VolumeStats, ShimError> {
+        self.get_blocking(&stats_uri(path))
     }
 
     pub async fn resize(&self, req: &ResizeRequest) -> Result<ResizeResponse, ShimError> {
@@ -729,6 +739,49 @@ mod tests {
             c.state().await,
             Err(ShimError::Unreachable { .. })
         ));
+    }
+
+    /// The blocking GET the per-poll verbs use reads what the real server
+    /// answers, its error codes, a silent peer and a missing socket.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn blocking_stats_against_the_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("shim.sock");
+        let fake = Arc::new(Fake::default());
+        let (stop, _) = watch::channel(false);
+        let server = tokio::spawn(serve(bind(&sock).unwrap(), fake.clone(), stop));
+        let c = ShimClient::new(&sock, Duration::from_secs(5));
+        let path = "/k/pods/u/volumes/kubernetes.io~csi/pv a&b/mount";
+        let (got, missing) = tokio::task::spawn_blocking({
+            let c = c.clone();
+            move || (c.stats_blocking(path), c.stats_blocking("/missing"))
+        })
+        .await
+        .unwrap();
+        assert_eq!(got.unwrap().volume_condition.message, path);
+        match missing {
+            Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
+            other => panic!("{other:?}"),
+        }
+        c.shutdown().await.unwrap();
+        server.await.unwrap();
+        let gone = tokio::task::spawn_blocking(move || c.stats_blocking("/x"))
+            .await
+            .unwrap();
+        assert!(
+            matches!(gone, Err(ShimError::Unreachable { .. })),
+            "{gone:?}"
+        );
+
+        let silent = dir.path().join("silent.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+        let c = ShimClient::new(&silent, Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        let r = tokio::task::spawn_blocking(move || c.stats_blocking("/x"))
+            .await
+            .unwrap();
+        assert!(matches!(r, Err(ShimError::Timeout { .. })), "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
 
     #[tokio::test]
