@@ -213,6 +213,25 @@ fn kata_cli_and_shim_exchange_replayed() {
         );
         assert_eq!(status, 200, "{post_body}");
 
+        // `crust-runtime direct-volume stats` prints that body, parsed by
+        // clap (flags) or answered before clap (settings from the
+        // environment, as crust_ops runs it: crust_runtime::poll) alike.
+        let args = ["direct-volume", "stats", "--volume-path", target.as_str()];
+        let by_flags = env.ok(&args);
+        let out = env.run_from_env(&args);
+        assert!(out.status.success(), "{out:?}");
+        let by_env = String::from_utf8(out.stdout).unwrap();
+        for printed in [&by_flags, &by_env] {
+            let v: Value = serde_json::from_str(printed).unwrap();
+            assert_eq!(v, stats, "{printed}");
+        }
+        let out = env.run_from_env(&["direct-volume", "stats", "--volume-path=/dev/nothing"]);
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("no hand-off record"),
+            "{out:?}"
+        );
+
         // --- `direct-volume resize --size N`: Go's ResizeRequest ---
         let mut size = 256 * MIB;
         for body in [

@@ -114,6 +114,21 @@ impl Env {
         run_limited(cmd, CMD_LIMIT)
     }
 
+    /// Runs with this env's settings in `CRUST_RUNTIME_*` variables
+    /// instead of flags, as crust_ops runs the CLI (the per-poll verbs then
+    /// take `crust_runtime::poll`'s path). Extra args are not carried.
+    pub fn run_from_env(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(BIN);
+        cmd.env_remove("RUST_LOG").args(args);
+        let g = self.global_args();
+        for pair in g[..g.len() - self.extra_args.len()].chunks(2) {
+            let flag = pair[0].strip_prefix("--").expect("a --flag");
+            let var = format!("CRUST_RUNTIME_{}", flag.replace('-', "_").to_uppercase());
+            cmd.env(var, &pair[1]);
+        }
+        run_limited(cmd, CMD_LIMIT)
+    }
+
     /// Runs and expects success; returns stdout.
     #[track_caller]
     pub fn ok(&self, args: &[&str]) -> String {
