@@ -466,8 +466,13 @@ impl Volumes {
             .ok_or_else(|| VolumeError::NotMounted(volume.into()))?;
         let target = mount_path(volume);
         let mut problems: Vec<String> = Vec::new();
+        // The flags of the same statvfs tell a read-only mount or
+        // superblock (what the kernel sets after an error), so the mount
+        // table is not read (costly in an emulated guest).
+        let mut read_only = false;
         let (bytes, inodes) = match rustix::fs::statvfs(target.as_path()) {
             Ok(s) => {
+                read_only = s.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY);
                 let frsize = s.f_frsize;
                 (
                     Usage {
@@ -498,10 +503,7 @@ impl Volumes {
                 rec.serial, rec.disk
             )),
         }
-        if let Some(entry) = sys::mount_at(&target)
-            && entry.is_readonly()
-            && !rec.readonly
-        {
+        if read_only && !rec.readonly {
             problems.push(format!(
                 "filesystem on /dev/{} was remounted read-only by the kernel although it was mounted \
                  read-write (usually after an I/O or metadata error); check the guest kernel log and \
