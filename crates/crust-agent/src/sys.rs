@@ -105,6 +105,15 @@ pub fn disk_serial(name: &str) -> Option<String> {
     Some(s.trim_end_matches(['\0', '\n', ' ']).to_owned())
 }
 
+/// Identity of the disk's sysfs node (the inode of `/sys/block/<name>`,
+/// unique per device instance: a disk removed and another attached under
+/// the same name get different ones). None when no such disk exists.
+pub fn disk_node(name: &str) -> Option<u64> {
+    rustix::fs::stat(Path::new("/sys/block").join(name))
+        .ok()
+        .map(|st| st.st_ino)
+}
+
 /// Every virtio disk currently present.
 pub fn disks() -> Vec<Disk> {
     let mut out = Vec::new();

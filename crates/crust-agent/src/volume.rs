@@ -142,6 +142,11 @@ pub struct VolumeRecord {
     pub serial: String,
     /// Kernel disk name, e.g. `vdb`.
     pub disk: String,
+    /// The disk's sysfs node (inode of `/sys/block/<disk>`) when the serial
+    /// was read. While it is the same node the disk is the same device, so
+    /// stats need not ask the device for its serial again (a virtio request,
+    /// costly in an emulated guest); a new node, or none, means reading it.
+    pub disk_node: Option<u64>,
     pub fstype: FsType,
     /// Read-only was requested (so a read-only mount is not a fault).
     pub readonly: bool,
@@ -234,8 +239,12 @@ impl Volumes {
         }
         let disk = disk_of_source(&entry.source)?;
         let fstype = FsType::parse(&entry.fstype)?;
+        // The node first: a device replaced in between then fails the
+        // node check, and its serial is read again.
+        let disk_node = sys::disk_node(&disk);
         let rec = VolumeRecord {
             serial: sys::disk_serial(&disk).unwrap_or_default(),
+            disk_node,
             readonly: entry.is_readonly(),
             disk,
             fstype,
@@ -347,6 +356,10 @@ impl Volumes {
                     .join(", ")
             },
         })?;
+        // The node, then the serial once more: a device replaced since
+        // wait_for_disk read it gets no node, so stats read its serial.
+        let disk_node = sys::disk_node(&disk.name)
+            .filter(|_| sys::disk_serial(&disk.name).as_deref() == Some(req.serial.as_str()));
         let dev = disk.dev_path();
         if let Some(m) = sys::mounts()
             .into_iter()
@@ -441,6 +454,7 @@ impl Volumes {
             req.volume.clone(),
             VolumeRecord {
                 serial: req.serial.clone(),
+                disk_node,
                 disk: disk.name.clone(),
                 fstype: req.fstype,
                 readonly: opts.readonly,
@@ -495,13 +509,13 @@ impl Volumes {
                 (Usage::default(), Usage::default())
             }
         };
-        match sys::disk_serial(&rec.disk) {
-            Some(s) if s == rec.serial => {}
-            _ => problems.push(format!(
+        let same_device = rec.disk_node.is_some() && sys::disk_node(&rec.disk) == rec.disk_node;
+        if !same_device && sys::disk_serial(&rec.disk).as_deref() != Some(rec.serial.as_str()) {
+            problems.push(format!(
                 "disk serial {:?} (was /dev/{}) is no longer attached to the VM; the volume cannot be read \
                  or written until it is re-attached and the pod restarted",
                 rec.serial, rec.disk
-            )),
+            ));
         }
         if read_only && !rec.readonly {
             problems.push(format!(

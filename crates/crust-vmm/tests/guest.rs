@@ -615,6 +615,31 @@ async fn hotplug_health_and_channel_robustness() {
         "{}",
         s.condition.message
     );
+    // A disk plugged meanwhile cannot take the vanished one's name while
+    // the mount holds it (so the sysfs node that stats compare before
+    // reading a serial is never another device's), and changes nothing.
+    let d_new = DiskSpec {
+        readonly: true,
+        ..disk("hpnew", xfs.dev(), "crust-hp-new")
+    };
+    qmp.execute("blockdev-add", d_new.blockdev_add_args())
+        .await
+        .unwrap();
+    qmp.execute("device_add", d_new.device_add_args(&ports[0]))
+        .await
+        .unwrap();
+    let new_name = wait_for_guest_disk(&g, "crust-hp-new").await;
+    assert!(
+        !s.condition.message.contains(&format!("/dev/{new_name})")),
+        "{new_name}: {}",
+        s.condition.message
+    );
+    let s = a.stat_volume("e").await.unwrap();
+    assert!(
+        s.condition.abnormal && s.condition.message.contains("no longer attached"),
+        "{}",
+        s.condition.message
+    );
     a.unmount_volume("e").await.unwrap();
     assert!(g.mount_line("/run/crust/volumes/e").await.is_none());
 
@@ -725,4 +750,20 @@ async fn early_exit_reports_qemu_log() {
         !dir.path().join("run2").exists(),
         "invalid config changes nothing"
     );
+}
+
+/// The kernel name of the guest disk with `serial`, once it shows up.
+async fn wait_for_guest_disk(g: &Guest, serial: &str) -> String {
+    for _ in 0..100 {
+        let out = g
+            .sh(&format!(
+                "for d in /sys/block/*; do [ \"$(cat $d/serial 2>/dev/null)\" = {serial} ] && basename $d; done; true"
+            ))
+            .await;
+        if let Some(n) = out.split_whitespace().next() {
+            return n.to_string();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no guest disk with serial {serial}");
 }
