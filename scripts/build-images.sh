@@ -236,6 +236,9 @@ copy_elf_rootfs "$bindir/crust-node-install" "$inst" /usr/bin/crust-node-install
 copy_elf_rootfs "$(find_tool nsenter)" "$inst" /usr/bin/nsenter
 components=(crust-runtime qemu-system-x86_64 guest-image)
 copy_elf_payload "$bindir/crust-runtime" "$pl" bin/crust-runtime
+# The CLI sandboxes record for crust_ops' stats polls (execs crust-runtime
+# next to it for every other verb).
+copy_elf_payload "$bindir/crust-runtime-poll" "$pl" bin/crust-runtime-poll
 if [ "$has_shim" = 1 ]; then
   copy_elf_payload "$bindir/containerd-shim-crust-v2" "$pl" bin/containerd-shim-crust-v2
   components+=(containerd-shim-crust-v2)

@@ -3,13 +3,42 @@
 //! crust_ops will call for stats and resize, and the release. Shared by
 //! both front doors (the `crust-runtime` shim and the containerd shim).
 
+use std::path::{Path, PathBuf};
+
 use crate::discovery::{Discovery, LayoutKind, Volume};
 use crate::error::RuntimeError;
 use crate::sandbox::SandboxStore;
 use crate::shim::Code;
 
-/// The runtime CLI recorded in claims: the `crust-runtime` executable that
-/// is running (its own front door), found through /proc/self/exe.
+/// The full runtime CLI's file name.
+pub const FULL_CLI: &str = "crust-runtime";
+/// The small CLI for kubelet's polls (src/bin/crust-runtime-poll.rs).
+pub const POLL_CLI: &str = "crust-runtime-poll";
+
+/// The runtime CLI to record in `dir` (where the runtime is installed):
+/// `crust-runtime-poll` when it is installed there, else `crust-runtime`.
+pub fn cli_in(dir: &Path) -> PathBuf {
+    let poll = dir.join(POLL_CLI);
+    if poll.is_file() {
+        poll
+    } else {
+        dir.join(FULL_CLI)
+    }
+}
+
+/// The runtime CLI recorded in claims: [`cli_in`] the directory of the
+/// running executable (found through /proc/self/exe).
+pub fn recorded_cli() -> Result<String, RuntimeError> {
+    let exe = this_executable()?;
+    let dir = Path::new(&exe).parent().unwrap_or(Path::new("/"));
+    cli_in(dir)
+        .into_os_string()
+        .into_string()
+        .map_err(|_| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))
+}
+
+/// The `crust-runtime` executable that is running, found through
+/// /proc/self/exe.
 pub fn this_executable() -> Result<String, RuntimeError> {
     let exe = std::env::current_exe()
         .and_then(|p| p.canonicalize())
@@ -91,6 +120,14 @@ pub fn release_all(discovery: &Discovery, id: &str, vols: &[Volume]) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_poll_cli_is_recorded_when_installed_next_to_the_runtime() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(cli_in(d.path()), d.path().join(FULL_CLI));
+        std::fs::write(d.path().join(POLL_CLI), b"").unwrap();
+        assert_eq!(cli_in(d.path()), d.path().join(POLL_CLI));
+    }
+
     use super::*;
     use crust_handoff::MountInfo;
     use std::os::unix::fs::PermissionsExt;

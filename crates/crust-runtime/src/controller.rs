@@ -17,7 +17,7 @@ use crust_qmp::QmpClient;
 use tokio::sync::watch;
 
 use crate::bundle::Bundle;
-use crate::claims::{claim, release_all, this_executable};
+use crate::claims::{claim, recorded_cli, release_all};
 use crate::config::Config;
 use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
 use crate::error::RuntimeError;
@@ -223,7 +223,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     let mut claimed: Vec<Volume> = Vec::new();
     let res = async {
         for v in &plan.volumes {
-            claim(&discovery, &store, &id, v, &this_executable()?)?;
+            claim(&discovery, &store, &id, v, &recorded_cli()?)?;
             claimed.push(v.clone());
         }
         let mut vc = Guest::config(&cfg, &store.vm_dir(&id), &id);
@@ -339,7 +339,7 @@ async fn take_published_volumes(
     if !handover.configured() {
         return Ok(asked_at);
     }
-    let cli = this_executable()?;
+    let cli = recorded_cli()?;
     for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
         let source = m.source.as_deref().unwrap_or_default();
         if state.handover_asked.iter().any(|a| a == source)
@@ -793,7 +793,7 @@ impl ShimHandler for Controller {
         }
         // Record before claiming so a crash leaves the claim releasable.
         self.update(|s| s.volumes.push(v.clone()));
-        let res = match this_executable()
+        let res = match recorded_cli()
             .and_then(|cli| claim(&self.discovery, &self.store, &self.id, &v, &cli))
         {
             Ok(()) => self.plug(&v).await.map_err(RuntimeError::from),

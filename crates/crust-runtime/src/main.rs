@@ -1,10 +1,7 @@
 //! `crust-runtime`: parse flags, run the command, print its outcome.
 
-use std::io::Write;
-
 use clap::Parser;
-use crust_runtime::cli::{Cli, Command, Outcome, dispatch};
-use crust_runtime::error::RuntimeError;
+use crust_runtime::cli::{Cli, Command, dispatch};
 
 fn main() -> std::process::ExitCode {
     // Non-UTF-8 arguments are clap's to report.
@@ -13,7 +10,7 @@ fn main() -> std::process::ExitCode {
         .collect();
     // kubelet's stats polls: no clap tree, no tokio (crust_runtime::poll).
     if let Some(r) = crust_runtime::poll::run_fast(&args) {
-        return finish(r);
+        return crust_runtime::poll::exit_with(r);
     }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -65,20 +62,5 @@ fn main() -> std::process::ExitCode {
         let code = rt.block_on(crust_runtime::controller::run_shim(cfg, id));
         return std::process::ExitCode::from(code.clamp(0, 255) as u8);
     }
-    finish(rt.block_on(dispatch(cfg, cli.command)))
-}
-
-fn finish(r: Result<Outcome, RuntimeError>) -> std::process::ExitCode {
-    match r {
-        Ok(out) => {
-            let _ = std::io::stdout().write_all(out.stdout.as_bytes());
-            let _ = std::io::stderr().write_all(out.stderr.as_bytes());
-            std::process::ExitCode::from(out.exit_code.clamp(0, 255) as u8)
-        }
-        Err(e) => {
-            // Messages already carry their causes.
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    crust_runtime::poll::exit_with(rt.block_on(dispatch(cfg, cli.command)))
 }

@@ -74,6 +74,24 @@ fn env_settings() -> Result<GlobalOpts, RuntimeError> {
         })
 }
 
+/// Prints an outcome (or the error) and gives the exit status: what both
+/// binaries do with a command's result.
+pub fn exit_with(r: Result<Outcome, RuntimeError>) -> std::process::ExitCode {
+    use std::io::Write;
+    match r {
+        Ok(out) => {
+            let _ = std::io::stdout().write_all(out.stdout.as_bytes());
+            let _ = std::io::stderr().write_all(out.stderr.as_bytes());
+            std::process::ExitCode::from(out.exit_code.clamp(0, 255) as u8)
+        }
+        Err(e) => {
+            // Messages already carry their causes.
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// The answer to a per-poll verb (both paths print this).
 pub fn answer(rt: &Runtime, poll: Poll<'_>) -> Result<Outcome, RuntimeError> {
     Ok(match poll {

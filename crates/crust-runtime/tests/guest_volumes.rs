@@ -197,6 +197,16 @@ fn volumes_in_guest() {
             (va["layout"].as_str(), vb["layout"].as_str()),
             (Some("crust"), Some("kata"))
         );
+        // The poll CLI recorded for crust_ops (below) answers stats as the
+        // runtime does.
+        let poll = std::fs::canonicalize(env!("CARGO_BIN_EXE_crust-runtime-poll")).unwrap();
+        let by_poll = env.run_from_env_with(&poll, &["crust", "stats", &ta]);
+        assert!(by_poll.status.success(), "{by_poll:?}");
+        let by_poll: serde_json::Value = serde_json::from_slice(&by_poll.stdout).unwrap();
+        assert_eq!(
+            by_poll["usage"],
+            env.json(&["crust", "stats", &ta])["usage"]
+        );
         assert_eq!(st["skippedMounts"], serde_json::json!(["/etc/hosts"]));
         let id_of = |v: &Value| v["id"].as_str().unwrap().to_string();
         let (ga, gb, gc) = (
@@ -209,8 +219,8 @@ fn volumes_in_guest() {
         let crust = env.store(Layout::Crust);
         let rec = crust.inspect(&ta).unwrap();
         assert_eq!(rec.claimant.as_deref(), Some("vols"));
-        let bin = std::fs::canonicalize(BIN).unwrap();
-        assert_eq!(rec.runtime_cli.as_deref(), bin.to_str());
+        // The small poll CLI installed next to the runtime (see poll_cli.rs).
+        assert_eq!(rec.runtime_cli.as_deref(), poll.to_str());
         assert_eq!(
             env.store(Layout::Kata).claimant(&tb).unwrap().as_deref(),
             Some("vols")

@@ -2,7 +2,7 @@
 //! `crust-runtime` (roots, guest image, accelerator, timeouts), inherited
 //! from containerd's environment, plus a few of its own.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use crust_runtime::cli::GlobalOpts;
@@ -20,7 +20,8 @@ struct EnvOpts {
     #[command(flatten)]
     global: GlobalOpts,
     /// The runtime CLI recorded in hand-off claims (crust_ops runs
-    /// `<cli> crust stats|resize`); default: `crust-runtime` next to the shim.
+    /// `<cli> crust stats|resize`); default: `crust-runtime-poll` next to
+    /// the shim, else `crust-runtime` there.
     #[arg(long, env = "CRUST_SHIM_RUNTIME_CLI")]
     runtime_cli: Option<PathBuf>,
     /// Guest memory beyond the containers' limits.
@@ -48,10 +49,11 @@ impl ShimConfig {
         let o = EnvOpts::try_parse_from(Vec::<String>::new())?;
         let runtime_cli = match o.runtime_cli {
             Some(p) => p,
-            None => std::env::current_exe()?
-                .parent()
-                .map(|d| d.join("crust-runtime"))
-                .unwrap_or_else(|| PathBuf::from("/usr/local/bin/crust-runtime")),
+            None => crust_runtime::claims::cli_in(
+                std::env::current_exe()?
+                    .parent()
+                    .unwrap_or(Path::new("/usr/local/bin")),
+            ),
         };
         let mut runtime = o.global.config();
         if std::env::var_os("CRUST_RUNTIME_GUEST_KERNEL").is_none()

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -118,7 +118,12 @@ impl Env {
     /// instead of flags, as crust_ops runs the CLI (the per-poll verbs then
     /// take `crust_runtime::poll`'s path). Extra args are not carried.
     pub fn run_from_env(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(BIN);
+        self.run_from_env_with(Path::new(BIN), args)
+    }
+
+    /// [`Env::run_from_env`] with another runtime CLI binary.
+    pub fn run_from_env_with(&self, bin: &Path, args: &[&str]) -> Output {
+        let mut cmd = Command::new(bin);
         cmd.env_remove("RUST_LOG").args(args);
         let g = self.global_args();
         for pair in g[..g.len() - self.extra_args.len()].chunks(2) {
