@@ -319,16 +319,26 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long `delete` waits for a shim that is still exiting.
+const SHIM_EXIT_GRACE: Duration = Duration::from_secs(2);
+
 /// Releases a dead shim's pod: kills its QEMU if it still runs, drops its
 /// claims, undoes the share, removes the record.
 pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
     let Ok(st) = store.load(pod) else {
         return;
     };
-    if st
-        .shim
-        .is_some_and(|s| s.alive() && s.pid != std::process::id() as i32)
-    {
+    let serving = || {
+        st.shim
+            .is_some_and(|s| s.alive() && s.pid != std::process::id() as i32)
+    };
+    // containerd runs `delete` once the shim's connection is gone, which a
+    // killed shim closes while it is still exiting: give it a moment.
+    let until = std::time::Instant::now() + SHIM_EXIT_GRACE;
+    while serving() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if serving() {
         // Not dead: the serving shim does its own teardown.
         return;
     }
