@@ -198,9 +198,14 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         pool_loops.iter().any(|l| l.to_str() == Some(dev.as_str())),
         "{dev} is not a loop device on the pool: {pool_loops:?}"
     );
+    // The runtime records the small poll CLI installed next to it.
     assert_eq!(
         std::fs::read_to_string(rec.join("runtime-cli")).unwrap(),
-        st.runtime.bin.to_str().unwrap(),
+        st.runtime
+            .bin
+            .with_file_name("crust-runtime-poll")
+            .to_str()
+            .unwrap(),
         "the runtime consumed the record"
     );
     assert!(
