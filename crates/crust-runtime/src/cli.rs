@@ -140,6 +140,25 @@ pub struct GlobalOpts {
 }
 
 impl GlobalOpts {
+    /// The settings from the environment alone, defaults as for the whole
+    /// command line (the per-poll path, `crate::poll`, reads them so).
+    pub fn from_env() -> Result<GlobalOpts, RuntimeError> {
+        #[derive(Parser)]
+        #[command(name = "crust-runtime")]
+        struct EnvOnly {
+            #[command(flatten)]
+            global: GlobalOpts,
+        }
+        EnvOnly::try_parse_from(["crust-runtime"])
+            .map(|e| e.global)
+            .map_err(|e| {
+                RuntimeError::new(
+                    Code::InvalidArgument,
+                    format!("settings from the environment: {e}"),
+                )
+            })
+    }
+
     pub fn config(&self) -> Config {
         let dir = Config::default_guest_dir();
         let guest_kernel = self

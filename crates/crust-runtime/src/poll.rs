@@ -9,10 +9,6 @@
 //! (logging wanted: the ordinary path); anything else goes through clap.
 //! Both paths print through [`answer`].
 
-use std::ffi::OsString;
-
-use clap::Parser;
-
 use crate::cli::{GlobalOpts, Outcome};
 use crate::error::RuntimeError;
 use crate::runtime::Runtime;
@@ -53,25 +49,7 @@ pub fn run_fast(args: &[String]) -> Option<Result<Outcome, RuntimeError>> {
         return None;
     }
     let poll = recognise(args)?;
-    Some(env_settings().and_then(|g| answer(&Runtime::new(g.config())?, poll)))
-}
-
-/// The global settings from the environment alone (defaults as clap's).
-fn env_settings() -> Result<GlobalOpts, RuntimeError> {
-    #[derive(Parser)]
-    #[command(name = "crust-runtime")]
-    struct EnvOnly {
-        #[command(flatten)]
-        global: GlobalOpts,
-    }
-    EnvOnly::try_parse_from([OsString::from("crust-runtime")])
-        .map(|e| e.global)
-        .map_err(|e| {
-            RuntimeError::new(
-                crate::shim::Code::InvalidArgument,
-                format!("settings from the environment: {e}"),
-            )
-        })
+    Some(GlobalOpts::from_env().and_then(|g| answer(&Runtime::new(g.config())?, poll)))
 }
 
 /// Prints an outcome (or the error) and gives the exit status: what both
@@ -145,9 +123,10 @@ mod tests {
 
     #[test]
     fn env_settings_match_what_clap_reads_for_the_whole_cli() {
+        use clap::Parser;
         let full = crate::cli::Cli::try_parse_from(argv("crust stats /t")).unwrap();
         assert_eq!(
-            format!("{:?}", env_settings().unwrap()),
+            format!("{:?}", GlobalOpts::from_env().unwrap()),
             format!("{:?}", full.global)
         );
     }
