@@ -218,10 +218,7 @@ fn choose_size(required: u64, limit: u64, min: u64) -> Result<u64> {
     };
     size = size.max(min);
     if limit > 0 && size > limit {
-        return Err(ControllerError::OutOfRange(format!(
-            "cannot create a volume of at most {limit} bytes: the smallest volume possible \
-             here is {min} bytes"
-        )));
+        return Err(ControllerError::LimitBelowMinimum { limit, min });
     }
     align(size, limit)
 }
@@ -235,9 +232,11 @@ pub(crate) fn align(size: u64, limit: u64) -> Result<u64> {
             return Ok(aligned);
         }
     }
-    Err(ControllerError::OutOfRange(format!(
-        "no size between {size} and {limit} bytes is a multiple of the {SECTOR}-byte sector size"
-    )))
+    Err(ControllerError::NoSectorMultiple {
+        size,
+        limit,
+        sector: SECTOR,
+    })
 }
 
 fn in_range(size: u64, required: u64, limit: u64) -> bool {
@@ -346,12 +345,11 @@ impl Driver {
             && !t.requisite.is_empty()
             && !t.requisite.iter().any(|t| self.topology_matches(t))
         {
-            return Err(ControllerError::ResourceExhausted(format!(
-                "none of the requisite topologies is this node ({}={}); volumes of this \
-                 plugin are local to the node that creates them",
-                self.cfg.topology_key(),
-                self.cfg.node_id
-            )));
+            return Err(ControllerError::OtherTopology {
+                key: self.cfg.topology_key(),
+                node: self.cfg.node_id.clone(),
+                rule: "volumes of this plugin are local to the node that creates them",
+            });
         }
         let specs: Vec<CapSpec> = {
             let mut v: Vec<CapSpec> = caps.iter().map(Capability::spec).collect();
@@ -377,9 +375,10 @@ impl Driver {
                     )));
                 }
                 if limit != 0 && limit < src_size {
-                    return Err(ControllerError::OutOfRange(format!(
-                        "limit_bytes {limit} is smaller than the source ({src_size} bytes)"
-                    )));
+                    return Err(ControllerError::LimitBelowSource {
+                        limit,
+                        source_bytes: src_size,
+                    });
                 }
                 required.max(src_size)
             }
@@ -407,10 +406,11 @@ impl Driver {
     ) -> Result<Option<csi::Volume>> {
         let id = &rec.id;
         if rec.name != req.name {
-            return Err(ControllerError::Internal(format!(
-                "volume id {id} of name {:?} collides with existing volume {:?}",
-                req.name, rec.name
-            )));
+            return Err(ControllerError::IdCollision {
+                id: id.clone(),
+                name: req.name.clone(),
+                existing: rec.name.clone(),
+            });
         }
         let same_args = rec.fs_type == ask.fs_type
             && rec.parameters == ask.kept
@@ -420,18 +420,19 @@ impl Driver {
         match rec.phase {
             Phase::Ready => {
                 if !same_args {
-                    return Err(ControllerError::AlreadyExists(format!(
-                        "volume {:?} already exists with different fsType, parameters, \
-                         capabilities or content source (fsType {}, parameters {:?})",
-                        req.name, rec.fs_type, rec.parameters
-                    )));
+                    return Err(ControllerError::ExistsWithOtherArgs {
+                        name: req.name.clone(),
+                        fs_type: rec.fs_type,
+                        parameters: rec.parameters.clone(),
+                    });
                 }
                 if !in_range(rec.capacity_bytes, required, limit) {
-                    return Err(ControllerError::AlreadyExists(format!(
-                        "volume {:?} already exists with {} bytes, outside the requested \
-                         range (required {required}, limit {limit})",
-                        req.name, rec.capacity_bytes
-                    )));
+                    return Err(ControllerError::ExistsWithOtherSize {
+                        name: req.name.clone(),
+                        capacity: rec.capacity_bytes,
+                        required,
+                        limit,
+                    });
                 }
                 Ok(Some(self.volume_proto(rec)))
             }
@@ -486,10 +487,12 @@ impl Driver {
                     tracing::error!(volume = %id, error = %re, "cannot remove record of failed create");
                 }
                 return Err(match e {
-                    BackendError::SizeMismatch { .. } => ControllerError::AlreadyExists(format!(
-                        "backing store of volume {:?} already exists with another size: {e}",
-                        rec.name
-                    )),
+                    e @ BackendError::SizeMismatch { .. } => {
+                        ControllerError::BackingExistsWithOtherSize {
+                            name: rec.name.clone(),
+                            cause: e,
+                        }
+                    }
                     other => other.into(),
                 });
             }
@@ -800,10 +803,11 @@ impl Driver {
         let current = rec.capacity_bytes;
         if required <= current {
             if limit != 0 && current > limit {
-                return Err(ControllerError::OutOfRange(format!(
-                    "volume {} is {current} bytes, above limit_bytes {limit}; volumes cannot shrink",
-                    rec.id
-                )));
+                return Err(ControllerError::CannotShrink {
+                    volume: rec.id.clone(),
+                    current,
+                    limit,
+                });
             }
             return Ok(csi::ControllerExpandVolumeResponse {
                 capacity_bytes: current as i64,
@@ -1083,7 +1087,7 @@ mod tests {
         assert_eq!(choose_size(5000, 6000, 0).unwrap(), 5120);
         assert!(matches!(
             choose_size(1000, 1000, 0),
-            Err(ControllerError::OutOfRange(_))
+            Err(ControllerError::NoSectorMultiple { .. })
         ));
         assert_eq!(choose_size(5000, 8192, 0).unwrap(), 8192);
         // filesystem minimum raises the size within the limit...
@@ -1091,7 +1095,7 @@ mod tests {
         // ...or the range is impossible
         assert!(matches!(
             choose_size(1 << 20, 2 << 20, 300 << 20),
-            Err(ControllerError::OutOfRange(_))
+            Err(ControllerError::LimitBelowMinimum { .. })
         ));
     }
 

@@ -108,19 +108,16 @@ impl Driver {
         let repeat = match rec.published.get(&target) {
             Some(p) if *p == wanted => true,
             Some(p) if p.deferred => {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {id} is already published at {} with deferred filesystem \
-                     operations and other options (read-only, access mode, mount flags or \
-                     supplemental group)",
-                    target.display()
-                )));
+                return Err(NodeError::DeferredWithOtherArgs {
+                    volume: id.to_string(),
+                    target: target.clone(),
+                });
             }
             Some(_) => {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {id} is already published at {} on the host (bind mount), not \
-                     with deferred filesystem operations",
-                    target.display()
-                )));
+                return Err(NodeError::PublishedOnHostThere {
+                    volume: id.to_string(),
+                    target: target.clone(),
+                });
             }
             None => false,
         };

@@ -21,6 +21,11 @@
 //!   or a target outside `--allowed-target-prefix`: INVALID_ARGUMENT; a
 //!   runtime CLI that timed out: DEADLINE_EXCEEDED; one that failed:
 //!   INTERNAL).
+//!
+//! Variants are named by cause and carry the facts their message needs;
+//! each enum maps them to codes in one match. Two carry a message instead:
+//! `InvalidArgument` (the request's own fault, naming the field) and
+//! `Internal` (an unexpected host failure, with what was being done).
 
 use std::path::{Path, PathBuf};
 
@@ -49,18 +54,114 @@ impl From<IdentityError> for Status {
 pub enum ControllerError {
     #[error("{0} is required")]
     Missing(&'static str),
+    /// The request's own fault (a field's value); the message names the field.
     #[error("{0}")]
     InvalidArgument(String),
     #[error("volume {} not found", crust_fs::quote(.0))]
     NotFound(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("{0}")]
-    OutOfRange(String),
-    #[error("{0}")]
-    ResourceExhausted(String),
+    /// CreateVolume: `limit_bytes` is below the smallest volume possible.
+    #[error(
+        "cannot create a volume of at most {limit} bytes: the smallest volume possible here \
+         is {min} bytes"
+    )]
+    LimitBelowMinimum { limit: u64, min: u64 },
+    #[error(
+        "no size between {size} and {limit} bytes is a multiple of the {sector}-byte sector size"
+    )]
+    NoSectorMultiple { size: u64, limit: u64, sector: u64 },
+    /// A restore or clone must be at least as large as its source.
+    #[error("limit_bytes {limit} is smaller than the source ({source_bytes} bytes)")]
+    LimitBelowSource { limit: u64, source_bytes: u64 },
+    #[error("volume {volume} is {current} bytes, above limit_bytes {limit}; volumes cannot shrink")]
+    CannotShrink {
+        volume: String,
+        current: u64,
+        limit: u64,
+    },
+    /// Volumes and snapshots live on the node that creates them.
+    #[error("none of the requisite topologies is this node ({key}={node}); {rule}")]
+    OtherTopology {
+        key: String,
+        node: String,
+        rule: &'static str,
+    },
+    /// A retried CreateVolume whose name exists with other arguments.
+    #[error(
+        "volume {name:?} already exists with different fsType, parameters, capabilities or \
+         content source (fsType {fs_type}, parameters {parameters:?})"
+    )]
+    ExistsWithOtherArgs {
+        name: String,
+        fs_type: FsType,
+        parameters: std::collections::BTreeMap<String, String>,
+    },
+    #[error(
+        "volume {name:?} already exists with {capacity} bytes, outside the requested range \
+         (required {required}, limit {limit})"
+    )]
+    ExistsWithOtherSize {
+        name: String,
+        capacity: u64,
+        required: u64,
+        limit: u64,
+    },
+    #[error("backing store of volume {name:?} already exists with another size: {cause}")]
+    BackingExistsWithOtherSize { name: String, cause: BackendError },
+    /// Two names hashed to one volume id.
+    #[error("volume id {id} of name {name:?} collides with existing volume {existing:?}")]
+    IdCollision {
+        id: String,
+        name: String,
+        existing: String,
+    },
+    /// A snapshot name reused for another source.
+    #[error("snapshot {snapshot} already exists for volume {volume}{group}, not for {asked}")]
+    SnapshotOfOtherVolume {
+        snapshot: String,
+        volume: String,
+        /// " (in group …)" or empty.
+        group: String,
+        asked: String,
+    },
+    #[error("group snapshot {group} already exists for volumes {volumes:?}")]
+    GroupOfOtherVolumes { group: String, volumes: Vec<String> },
+    #[error("member {member} of group snapshot {group} is gone")]
+    GroupMemberGone { member: String, group: String },
+    /// A guest has the volume mounted and would not freeze it.
+    #[error(
+        "volume {volume} cannot be copied consistently: it is used by a pod's guest and \
+         freezing it there failed: {cause}"
+    )]
+    GuestFreezeFailed { volume: String, cause: String },
+    /// A sandbox claims the volume, but through no publication of ours.
+    #[error(
+        "volume {volume} cannot be copied consistently: {claim}, and no deferred publication \
+         of this plugin names the target to freeze it through"
+    )]
+    NoWayToFreeze { volume: String, claim: String },
+    #[error("volume {volume}: {cause}")]
+    HostFreezeFailed { volume: String, cause: String },
+    #[error("flushing {} of volume {volume}: {cause}", device.display())]
+    FlushFailed {
+        volume: String,
+        device: PathBuf,
+        cause: String,
+    },
+    #[error("snapshot not consistent: {cause}")]
+    ThawFailed { cause: String },
+    #[error(
+        "snapshot of volume {volume} not consistent: the guest thawed it (time limit {limit:?}) \
+         before the copy finished"
+    )]
+    GuestThawedEarly {
+        volume: String,
+        limit: std::time::Duration,
+    },
+    #[error(
+        "snapshot of volume {volume} not consistent: cannot confirm the guest kept it frozen \
+         until the copy finished: {cause}"
+    )]
+    GuestThawUnconfirmed { volume: String, cause: String },
     /// DeleteVolume of a volume a node still uses.
     #[error("volume {volume} is still {use_}; {first} first")]
     InUse {
@@ -82,8 +183,6 @@ pub enum ControllerError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     State(#[from] StateError),
-    #[error("internal error: {0}")]
-    Internal(String),
 }
 
 impl From<ControllerError> for Status {
@@ -93,15 +192,30 @@ impl From<ControllerError> for Status {
                 Code::InvalidArgument
             }
             ControllerError::NotFound(_) => Code::NotFound,
-            ControllerError::AlreadyExists(_) => Code::AlreadyExists,
-            ControllerError::FailedPrecondition(_)
+            ControllerError::ExistsWithOtherArgs { .. }
+            | ControllerError::ExistsWithOtherSize { .. }
+            | ControllerError::BackingExistsWithOtherSize { .. }
+            | ControllerError::SnapshotOfOtherVolume { .. }
+            | ControllerError::GroupOfOtherVolumes { .. } => Code::AlreadyExists,
+            ControllerError::GuestFreezeFailed { .. }
+            | ControllerError::NoWayToFreeze { .. }
             | ControllerError::InUse { .. }
             | ControllerError::Undetachable { .. } => Code::FailedPrecondition,
-            ControllerError::OutOfRange(_) => Code::OutOfRange,
-            ControllerError::ResourceExhausted(_) => Code::ResourceExhausted,
+            ControllerError::LimitBelowMinimum { .. }
+            | ControllerError::NoSectorMultiple { .. }
+            | ControllerError::LimitBelowSource { .. }
+            | ControllerError::CannotShrink { .. } => Code::OutOfRange,
+            ControllerError::OtherTopology { .. } => Code::ResourceExhausted,
             ControllerError::BadToken(_) | ControllerError::Busy(_) => Code::Aborted,
             ControllerError::Backend(b) => backend_code(b),
-            ControllerError::State(_) | ControllerError::Internal(_) => Code::Internal,
+            ControllerError::IdCollision { .. }
+            | ControllerError::GroupMemberGone { .. }
+            | ControllerError::HostFreezeFailed { .. }
+            | ControllerError::FlushFailed { .. }
+            | ControllerError::ThawFailed { .. }
+            | ControllerError::GuestThawedEarly { .. }
+            | ControllerError::GuestThawUnconfirmed { .. }
+            | ControllerError::State(_) => Code::Internal,
         };
         status(code, &e)
     }
@@ -111,16 +225,137 @@ impl From<ControllerError> for Status {
 pub enum NodeError {
     #[error("{0} is required")]
     Missing(&'static str),
+    /// The request's own fault (a field's value); the message names the field.
     #[error("{0}")]
     InvalidArgument(String),
     #[error("volume {} not found", crust_fs::quote(.0))]
     NotFound(String),
-    #[error("{0}")]
-    PathNotFound(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("{0}")]
-    FailedPrecondition(String),
+    /// NodeGetVolumeStats/NodeExpandVolume: the volume is nowhere on this node.
+    #[error("volume {volume} is not staged or published on this node")]
+    NotOnNode { volume: String },
+    #[error("{} is not a staged or published path of volume {volume}", path.display())]
+    UnknownPath { volume: String, path: PathBuf },
+    /// A deferred stats/expand request for a path that is no deferred publication.
+    #[error(
+        "{} is not a publication of volume {volume} with deferred filesystem operations",
+        path.display()
+    )]
+    NotADeferredPublication { volume: String, path: PathBuf },
+    #[error(
+        "{} is the staging path of volume {volume}; with deferred filesystem operations, \
+         volume_path must be the publish target",
+        path.display()
+    )]
+    StagingPathNotTarget { volume: String, path: PathBuf },
+    /// A repeated NodeStageVolume that differs from the first.
+    #[error(
+        "volume {volume} is already staged at {} with a different capability ({}, {mode:?})",
+        path.display(),
+        if *.block { "block" } else { "mount" }
+    )]
+    StagedWithOtherCapability {
+        volume: String,
+        path: PathBuf,
+        block: bool,
+        mode: AccessMode,
+    },
+    #[error(
+        "volume {volume} is already staged at {} {} deferred filesystem operations \
+         ({}={deferred}); unstage it first to change that",
+        path.display(),
+        crate::node::DEFER_CONTEXT_KEY,
+        if *.deferred { "with" } else { "without" }
+    )]
+    StagedWithOtherDeferral {
+        volume: String,
+        path: PathBuf,
+        deferred: bool,
+    },
+    /// A repeated NodePublishVolume that differs from the first.
+    #[error(
+        "volume {volume} is already published at {} with readonly={readonly} and access mode \
+         {mode:?}",
+        target.display()
+    )]
+    PublishedWithOtherArgs {
+        volume: String,
+        target: PathBuf,
+        readonly: bool,
+        mode: AccessMode,
+    },
+    #[error(
+        "volume {volume} is already published at {} with deferred filesystem operations; a \
+         host publication there would differ",
+        target.display()
+    )]
+    PublishedDeferredThere { volume: String, target: PathBuf },
+    #[error(
+        "volume {volume} is already published at {} with deferred filesystem operations and \
+         other options (read-only, access mode, mount flags or supplemental group)",
+        target.display()
+    )]
+    DeferredWithOtherArgs { volume: String, target: PathBuf },
+    #[error(
+        "volume {volume} is already published at {} on the host (bind mount), not with \
+         deferred filesystem operations",
+        target.display()
+    )]
+    PublishedOnHostThere { volume: String, target: PathBuf },
+    /// NodeExpandVolume before ControllerExpandVolume grew the device.
+    #[error(
+        "device {} of volume {volume} is {size} bytes, less than the {required} bytes \
+         requested; expand the volume with ControllerExpandVolume first",
+        device.display()
+    )]
+    DeviceTooSmall {
+        volume: String,
+        device: PathBuf,
+        size: u64,
+        required: u64,
+    },
+    #[error("device of volume {volume} is already {size} bytes, above limit_bytes {limit}")]
+    DeviceAboveLimit {
+        volume: String,
+        size: u64,
+        limit: u64,
+    },
+    #[error(
+        "no size between {size} and {limit} bytes is a multiple of the {sector}-byte sector size"
+    )]
+    NoSectorMultiple { size: u64, limit: u64, sector: u64 },
+    /// Something other than the volume (or our placeholder) is mounted there.
+    #[error(
+        "{field} {} has something mounted that is not volume {volume}'s{nothing_done}",
+        target.display()
+    )]
+    TargetHoldsOther {
+        volume: String,
+        /// How the request names the path ("target", "target_path").
+        field: &'static str,
+        target: PathBuf,
+        /// "; nothing was unmounted" where that must be said.
+        nothing_done: &'static str,
+    },
+    /// A filesystem a guest had raw access to failed its userspace check.
+    #[error(
+        "volume {volume} came back from a guest{} and failed its check, so the host does not \
+         mount it: {cause}",
+        if sandbox.is_empty() { String::new() } else { format!(" (sandbox {sandbox})") }
+    )]
+    ReturnedFsDamaged {
+        volume: String,
+        sandbox: String,
+        cause: Box<crust_blockdev::FsError>,
+    },
+    /// A mount refused because of the target's or device's state.
+    #[error(transparent)]
+    MountRefused(Box<crust_blockdev::MountError>),
+    /// The device is mounted or open in another process (a sandbox's QEMU).
+    #[error(transparent)]
+    DeviceInUse(Box<crust_blockdev::FsError>),
+    /// A handover's own refusal, met by a node call (NodeUnpublish taking a volume back).
+    #[error(transparent)]
+    Handover(Box<crate::handover::HandoverError>),
     #[error(
         "volume {volume} lives on node {node:?}, this is node {here:?}: a local volume can only \
          be staged and published on its own node"
@@ -325,8 +560,6 @@ pub enum NodeError {
         found: String,
         refused: String,
     },
-    #[error("{0}")]
-    OutOfRange(String),
     #[error(
         "deferral not supported by this plugin configuration: plugin does not support deferred \
          filesystem operations (started with --deferral disabled); the volume would be mounted \
@@ -342,6 +575,7 @@ pub enum NodeError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     State(#[from] StateError),
+    /// An unexpected failure of the host (I/O), with what was being done.
     #[error("{0}")]
     Internal(String),
 }
@@ -350,9 +584,22 @@ impl From<NodeError> for Status {
     fn from(e: NodeError) -> Status {
         let code = match &e {
             NodeError::Missing(_) | NodeError::InvalidArgument(_) => Code::InvalidArgument,
-            NodeError::NotFound(_) | NodeError::PathNotFound(_) => Code::NotFound,
-            NodeError::AlreadyExists(_) => Code::AlreadyExists,
-            NodeError::FailedPrecondition(_)
+            NodeError::NotFound(_)
+            | NodeError::NotOnNode { .. }
+            | NodeError::UnknownPath { .. }
+            | NodeError::NotADeferredPublication { .. } => Code::NotFound,
+            NodeError::StagedWithOtherCapability { .. }
+            | NodeError::StagedWithOtherDeferral { .. }
+            | NodeError::PublishedWithOtherArgs { .. }
+            | NodeError::PublishedDeferredThere { .. }
+            | NodeError::DeferredWithOtherArgs { .. }
+            | NodeError::PublishedOnHostThere { .. } => Code::AlreadyExists,
+            NodeError::StagingPathNotTarget { .. }
+            | NodeError::TargetHoldsOther { .. }
+            | NodeError::ReturnedFsDamaged { .. }
+            | NodeError::MountRefused(_)
+            | NodeError::DeviceInUse(_)
+            | NodeError::Handover(_)
             | NodeError::DeferralUnsupported
             | NodeError::OtherNode { .. }
             | NodeError::NotStaged { .. }
@@ -381,7 +628,9 @@ impl From<NodeError> for Status {
             | NodeError::OtherFsType { .. }
             | NodeError::MissingParent { .. }
             | NodeError::WouldOverwrite { .. } => Code::FailedPrecondition,
-            NodeError::OutOfRange(_) => Code::OutOfRange,
+            NodeError::DeviceTooSmall { .. }
+            | NodeError::DeviceAboveLimit { .. }
+            | NodeError::NoSectorMultiple { .. } => Code::OutOfRange,
             NodeError::Busy(_) => Code::Aborted,
             NodeError::Ops(o) => o.code(),
             NodeError::Backend(b) => backend_code(b),
@@ -400,7 +649,7 @@ pub(crate) fn mount_err(e: crust_blockdev::MountError) -> NodeError {
         MountError::BadTarget(_)
         | MountError::TargetInUse { .. }
         | MountError::ReadOnlyMismatch { .. }
-        | MountError::Busy { .. } => NodeError::FailedPrecondition(e.to_string()),
+        | MountError::Busy { .. } => NodeError::MountRefused(Box::new(e)),
         other => NodeError::Internal(other.to_string()),
     }
 }
@@ -411,7 +660,7 @@ pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
     use crust_blockdev::FsError;
     match e {
         FsError::InUse { .. } | FsError::OpenElsewhere { .. } => {
-            NodeError::FailedPrecondition(e.to_string())
+            NodeError::DeviceInUse(Box::new(e))
         }
         other => NodeError::Internal(format!("{context}: {other}")),
     }

@@ -519,11 +519,12 @@ impl Driver {
             if publication_of(&s, target) {
                 sync_and_unmount(target)?;
             } else if !crate::placeholder::is_mounted(target) {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "target {} has something mounted that is not volume {}'s",
-                    target.display(),
-                    rec.id
-                ))
+                return Err(NodeError::TargetHoldsOther {
+                    volume: rec.id.clone(),
+                    field: "target",
+                    target: target.to_path_buf(),
+                    nothing_done: "",
+                }
                 .into());
             }
         }
@@ -718,12 +719,12 @@ impl Driver {
         }
         crate::placeholder::remove(target).map_err(|e| NodeError::Internal(e.to_string()))?;
         if crust_blockdev::is_mountpoint(target).unwrap_or(false) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "target_path {} has something mounted that is not volume {}'s; nothing was \
-                 unmounted",
-                target.display(),
-                rec.id
-            )));
+            return Err(NodeError::TargetHoldsOther {
+                volume: rec.id.clone(),
+                field: "target_path",
+                target: target.to_path_buf(),
+                nothing_done: "; nothing was unmounted",
+            });
         }
         crate::node::remove_target(target, false);
         rec.published.remove(target);
@@ -821,18 +822,11 @@ impl Driver {
             return Ok(flags);
         };
         crust_blockdev::check_unmounted(device, fs).map_err(|e| match e {
-            e @ crust_blockdev::FsError::CheckFailed { .. } => {
-                NodeError::FailedPrecondition(format!(
-                    "volume {} came back from a guest{} and failed its check, so the host does not \
-                 mount it: {e}",
-                    rec.id,
-                    if r.sandbox.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (sandbox {})", r.sandbox)
-                    }
-                ))
-            }
+            e @ crust_blockdev::FsError::CheckFailed { .. } => NodeError::ReturnedFsDamaged {
+                volume: rec.id.clone(),
+                sandbox: r.sandbox.clone(),
+                cause: Box::new(e),
+            },
             e => crate::error::fs_err("checking the filesystem", e),
         })?;
         let mut words = crust_fs::options::parse(fs, &flags, false)
@@ -858,7 +852,7 @@ fn into_node(e: HandoverError) -> NodeError {
         HandoverError::Node(n) => n,
         HandoverError::State(s) => NodeError::State(s),
         HandoverError::Busy(b) => NodeError::Busy(b),
-        e => NodeError::FailedPrecondition(e.to_string()),
+        e => NodeError::Handover(Box::new(e)),
     }
 }
 

@@ -160,36 +160,37 @@ impl Driver {
                 // No runtime consumed the record: no guest has it mounted.
                 Err(crust_ops::OpsError::NotConsumed(_)) => {}
                 Err(e) => {
-                    return Err(ControllerError::FailedPrecondition(format!(
-                        "volume {} cannot be copied consistently: it is used by a pod's guest \
-                         and freezing it there failed: {e}",
-                        rec.id
-                    )));
+                    return Err(ControllerError::GuestFreezeFailed {
+                        volume: rec.id.clone(),
+                        cause: e.to_string(),
+                    });
                 }
             }
         } else if let Some(why) = self.sandbox_claim(rec, None) {
-            return Err(ControllerError::FailedPrecondition(format!(
-                "volume {} cannot be copied consistently: {why}, and no deferred publication \
-                 of this plugin names the target to freeze it through",
-                rec.id
-            )));
+            return Err(ControllerError::NoWayToFreeze {
+                volume: rec.id.clone(),
+                claim: why,
+            });
         }
         let Some(s) = &rec.staging else {
             return Ok(Quiesced::Nothing);
         };
         if !s.block && s.host_mount == HostMount::Mounted && !s.readonly {
-            let frozen = crust_blockdev::freeze(&s.path, FREEZE_TIMEOUT, MAX_FROZEN)
-                .map_err(|e| ControllerError::Internal(format!("volume {}: {e}", rec.id)))?;
+            let frozen =
+                crust_blockdev::freeze(&s.path, FREEZE_TIMEOUT, MAX_FROZEN).map_err(|e| {
+                    ControllerError::HostFreezeFailed {
+                        volume: rec.id.clone(),
+                        cause: e.to_string(),
+                    }
+                })?;
             return Ok(Quiesced::Frozen(frozen));
         }
         // A raw, read-only or unmounted device: push what sits in the
         // device's page cache to the backing store before it is copied.
-        flush_device(&s.device).map_err(|e| {
-            ControllerError::Internal(format!(
-                "flushing {} of volume {}: {e}",
-                s.device.display(),
-                rec.id
-            ))
+        flush_device(&s.device).map_err(|e| ControllerError::FlushFailed {
+            volume: rec.id.clone(),
+            device: s.device.clone(),
+            cause: e.to_string(),
         })?;
         Ok(Quiesced::Nothing)
     }
@@ -197,19 +198,19 @@ impl Driver {
     /// Ends a quiesce; an error means the copy may not be consistent.
     fn release(&self, q: Quiesced) -> Result<()> {
         match q {
-            Quiesced::Frozen(f) => f
-                .thaw()
-                .map_err(|e| ControllerError::Internal(format!("snapshot not consistent: {e}"))),
+            Quiesced::Frozen(f) => f.thaw().map_err(|e| ControllerError::ThawFailed {
+                cause: e.to_string(),
+            }),
             Quiesced::GuestFrozen { volume, target } => match self.ops.thaw(&target) {
                 Ok(true) => Ok(()),
-                Ok(false) => Err(ControllerError::Internal(format!(
-                    "snapshot of volume {volume} not consistent: the guest thawed it \
-                         (time limit {MAX_FROZEN:?}) before the copy finished"
-                ))),
-                Err(e) => Err(ControllerError::Internal(format!(
-                    "snapshot of volume {volume} not consistent: cannot confirm the guest \
-                         kept it frozen until the copy finished: {e}"
-                ))),
+                Ok(false) => Err(ControllerError::GuestThawedEarly {
+                    volume,
+                    limit: MAX_FROZEN,
+                }),
+                Err(e) => Err(ControllerError::GuestThawUnconfirmed {
+                    volume,
+                    cause: e.to_string(),
+                }),
             },
             Quiesced::Nothing => Ok(()),
         }
@@ -283,12 +284,11 @@ impl Driver {
             && !t.requisite.is_empty()
             && !t.requisite.iter().any(|t| self.topology_matches(t))
         {
-            return Err(ControllerError::ResourceExhausted(format!(
-                "none of the requisite topologies is this node ({}={}); snapshots stay on \
-                 the node of their volume",
-                self.cfg.topology_key(),
-                self.cfg.node_id
-            )));
+            return Err(ControllerError::OtherTopology {
+                key: self.cfg.topology_key(),
+                node: self.cfg.node_id.clone(),
+                rule: "snapshots stay on the node of their volume",
+            });
         }
         let id = snapshot_id_for(&req.name);
         let _snap_guard = self.guards.try_begin(&id, "CreateSnapshot")?;
@@ -311,16 +311,16 @@ impl Driver {
 
     fn existing_snapshot(&self, s: &SnapshotInfo, source: &str) -> Result<csi::Snapshot> {
         if s.source_volume_id != source || s.group_id.is_some() {
-            return Err(ControllerError::AlreadyExists(format!(
-                "snapshot {} already exists for volume {}{}, not for {}",
-                s.snapshot_id,
-                s.source_volume_id,
-                s.group_id
+            return Err(ControllerError::SnapshotOfOtherVolume {
+                snapshot: s.snapshot_id.clone(),
+                volume: s.source_volume_id.clone(),
+                group: s
+                    .group_id
                     .as_ref()
                     .map(|g| format!(" (in group {g})"))
                     .unwrap_or_default(),
-                crate::controller::shown(source)
-            )));
+                asked: crate::controller::shown(source),
+            });
         }
         Ok(self.snapshot_proto(s))
     }
@@ -474,10 +474,10 @@ impl Driver {
         match self.backend.get_group(&gid)? {
             Some((g, true)) if g.source_volume_ids == sources => return self.group_proto(&gid),
             Some((g, _)) if g.source_volume_ids != sources => {
-                return Err(ControllerError::AlreadyExists(format!(
-                    "group snapshot {gid} already exists for volumes {:?}",
-                    g.source_volume_ids
-                )));
+                return Err(ControllerError::GroupOfOtherVolumes {
+                    group: gid.to_string(),
+                    volumes: g.source_volume_ids,
+                });
             }
             // Pending (an earlier attempt stopped half way): cut it again,
             // whole, in one freeze.
@@ -517,9 +517,13 @@ impl Driver {
             .ok_or_else(|| BackendError::SnapshotNotFound(gid.to_string()))?;
         let mut snapshots = Vec::new();
         for id in &g.snapshot_ids {
-            let s = self.backend.get_snapshot(id)?.ok_or_else(|| {
-                ControllerError::Internal(format!("member {id} of group snapshot {gid} is gone"))
-            })?;
+            let s =
+                self.backend
+                    .get_snapshot(id)?
+                    .ok_or_else(|| ControllerError::GroupMemberGone {
+                        member: id.clone(),
+                        group: gid.to_string(),
+                    })?;
             snapshots.push(self.snapshot_proto(&s));
         }
         Ok(csi::VolumeGroupSnapshot {

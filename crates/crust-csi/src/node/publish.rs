@@ -155,12 +155,12 @@ fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) ->
             return Ok(true);
         }
         Some(p) => {
-            return Err(NodeError::AlreadyExists(format!(
-                "volume {id} is already published at {} with readonly={} and access mode {:?}",
-                target.display(),
-                p.readonly,
-                p.mode
-            )));
+            return Err(NodeError::PublishedWithOtherArgs {
+                volume: id.to_string(),
+                target: target.to_path_buf(),
+                readonly: p.readonly,
+                mode: p.mode,
+            });
         }
         None => {}
     }
@@ -201,12 +201,10 @@ fn publish_route(deferral: FsOps, rec: &VolumeRecord, ask: &PublishAsk) -> Resul
     }
     match rec.published.get(&ask.target) {
         Some(p) if p.handed_over => Ok(PublishRoute::HandedOver),
-        Some(p) if p.deferred => Err(NodeError::AlreadyExists(format!(
-            "volume {} is already published at {} with deferred filesystem operations; \
-             a host publication there would differ",
-            rec.id,
-            ask.target.display()
-        ))),
+        Some(p) if p.deferred => Err(NodeError::PublishedDeferredThere {
+            volume: rec.id.clone(),
+            target: ask.target.clone(),
+        }),
         _ if ask.block() => Ok(PublishRoute::Block),
         _ => Ok(PublishRoute::Filesystem),
     }

@@ -8,7 +8,7 @@ use crust_blockdev::Probe;
 use crust_proto::csi::v1 as csi;
 
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
-use super::{DEFER_CONTEXT_KEY, FsOps, abs_path, node_cap};
+use super::{FsOps, abs_path, node_cap};
 use crate::caps::{Access, Capability, FsType};
 use crate::driver::Driver;
 use crate::error::{NodeError, fs_err, mount_err};
@@ -110,21 +110,19 @@ fn repeats_staging(rec: &VolumeRecord, wanted: &Staging) -> Result<bool> {
         && s.mode == wanted.mode
         && s.flags_digest == wanted.flags_digest;
     if !same {
-        return Err(NodeError::AlreadyExists(format!(
-            "volume {id} is already staged at {} with a different capability ({}, {:?})",
-            path.display(),
-            if s.block { "block" } else { "mount" },
-            s.mode
-        )));
+        return Err(NodeError::StagedWithOtherCapability {
+            volume: id.to_string(),
+            path: path.to_path_buf(),
+            block: s.block,
+            mode: s.mode,
+        });
     }
     if s.deferred != wanted.deferred {
-        return Err(NodeError::AlreadyExists(format!(
-            "volume {id} is already staged at {} {} deferred filesystem operations \
-             ({DEFER_CONTEXT_KEY}={}); unstage it first to change that",
-            path.display(),
-            if s.deferred { "with" } else { "without" },
-            s.deferred
-        )));
+        return Err(NodeError::StagedWithOtherDeferral {
+            volume: id.to_string(),
+            path: path.to_path_buf(),
+            deferred: s.deferred,
+        });
     }
     Ok(true)
 }

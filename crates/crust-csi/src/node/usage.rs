@@ -32,16 +32,19 @@ pub(crate) fn refreshed_device_size(
             .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
     };
     if required > size {
-        return Err(NodeError::OutOfRange(format!(
-            "device {} of volume {id} is {size} bytes, less than the {required} bytes \
-             requested; expand the volume with ControllerExpandVolume first",
-            device.display()
-        )));
+        return Err(NodeError::DeviceTooSmall {
+            volume: id.to_string(),
+            device: device.to_path_buf(),
+            size,
+            required,
+        });
     }
     if limit != 0 && size > limit {
-        return Err(NodeError::OutOfRange(format!(
-            "device of volume {id} is already {size} bytes, above limit_bytes {limit}"
-        )));
+        return Err(NodeError::DeviceAboveLimit {
+            volume: id.to_string(),
+            size,
+            limit,
+        });
     }
     Ok(size)
 }
@@ -69,8 +72,18 @@ impl Driver {
         if self.cfg.expansion != Expansion::Node || required <= rec.capacity_bytes {
             return Ok(());
         }
-        let target = crate::controller::align(required, limit)
-            .map_err(|e| NodeError::OutOfRange(e.to_string()))?;
+        let target = crate::controller::align(required, limit).map_err(|e| match e {
+            crate::error::ControllerError::NoSectorMultiple {
+                size,
+                limit,
+                sector,
+            } => NodeError::NoSectorMultiple {
+                size,
+                limit,
+                sector,
+            },
+            other => NodeError::Internal(other.to_string()),
+        })?;
         let grown = self.backend.expand(&rec.id, target)?;
         rec.capacity_bytes = grown;
         self.state.put(rec.clone())?;
@@ -97,25 +110,21 @@ impl Driver {
             }
             None if requested => {
                 return Err(if rec.staging.as_ref().is_some_and(|s| s.path == path) {
-                    NodeError::FailedPrecondition(format!(
-                        "{} is the staging path of volume {id}; with deferred filesystem \
-                             operations, volume_path must be the publish target",
-                        path.display()
-                    ))
+                    NodeError::StagingPathNotTarget {
+                        volume: id.clone(),
+                        path: path.to_path_buf(),
+                    }
                 } else {
-                    NodeError::PathNotFound(format!(
-                        "{} is not a publication of volume {id} with deferred filesystem \
-                             operations",
-                        path.display()
-                    ))
+                    NodeError::NotADeferredPublication {
+                        volume: id.clone(),
+                        path: path.to_path_buf(),
+                    }
                 });
             }
             _ => {}
         }
         let Some(s) = &rec.staging else {
-            return Err(NodeError::PathNotFound(format!(
-                "volume {id} is not staged or published on this node"
-            )));
+            return Err(NodeError::NotOnNode { volume: id.clone() });
         };
         if let Some(p) = published {
             if p.handed_over {
@@ -145,10 +154,10 @@ impl Driver {
                 device: s.device.clone(),
             });
         }
-        Err(NodeError::PathNotFound(format!(
-            "{} is not a staged or published path of volume {id}",
-            path.display()
-        )))
+        Err(NodeError::UnknownPath {
+            volume: id.clone(),
+            path: path.to_path_buf(),
+        })
     }
 
     pub fn node_get_volume_stats(
