@@ -303,6 +303,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     };
     ctrl.guest.set_exit_notifier(exit_tx);
     for v in &plan.volumes {
+        let plug_t0 = Instant::now();
         if let Err(e) = ctrl.plug(v).await {
             let e = RuntimeError::from(e);
             ctrl.teardown(Some(e.to_string())).await;
@@ -310,11 +311,13 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
         if let Some(t0) = asked_at.get(&v.target) {
             let ms = t0.elapsed().as_millis() as u64;
-            tracing::info!(target = %v.target, elapsed_ms = ms,
+            let plug_ms = plug_t0.elapsed().as_millis() as u64;
+            tracing::info!(target = %v.target, elapsed_ms = ms, plug_ms,
                 "handed-over volume mounted in the guest (handover request to mounted)");
             ctrl.update(|s| {
                 if let Some(ev) = s.events.iter_mut().find(|e| e.target == v.target) {
                     ev.elapsed_ms = Some(ms);
+                    ev.plug_ms = Some(plug_ms);
                 }
             });
             handover::crash_point("mounted");

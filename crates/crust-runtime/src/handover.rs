@@ -97,6 +97,10 @@ pub struct VolumeEvent {
     /// when the volume is asked for at sandbox creation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elapsed_ms: Option<u64>,
+    /// Hot-plug and mount in the running guest: with `answer_ms`, what a
+    /// handover adds to a container's start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plug_ms: Option<u64>,
 }
 
 /// The plugin's answer.
@@ -323,6 +327,7 @@ impl Handover {
             message,
             answer_ms,
             elapsed_ms: None,
+            plug_ms: None,
         }))
     }
 }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crust_agent_proto::stdio::StdioMux;
 use crust_agent_proto::{AgentClient, ContainerMount, CreateContainer, MountSource, ShareRef};
@@ -105,6 +105,8 @@ pub struct Pod {
     devices: tokio::sync::Mutex<Vec<String>>,
     /// Stops the crust shim API server.
     api_stop: Mutex<Option<watch::Sender<bool>>>,
+    /// Handed-over targets -> when they were asked for (latency events).
+    asked_at: Mutex<HashMap<String, Instant>>,
 }
 
 impl Pod {
@@ -129,6 +131,7 @@ impl Pod {
             memory: Default::default(),
             devices: Default::default(),
             api_stop: Mutex::new(None),
+            asked_at: Mutex::new(HashMap::new()),
         })
     }
 
@@ -487,6 +490,7 @@ impl Pod {
             }
             // Recorded before asking: the answer may be a record we claim.
             self.update(|s| s.handover_asked.push(source.to_string()));
+            let t0 = Instant::now();
             let offered = handover
                 .offer(
                     source,
@@ -504,6 +508,10 @@ impl Pod {
                     return Err(e.into());
                 }
             };
+            if offered.is_some() {
+                let mut asked = self.asked_at.lock().expect("asked_at");
+                asked.insert(source.to_string(), t0);
+            }
             self.update(|s| match offered {
                 Some(ev) => s.events.push(ev),
                 None => s.handover_asked.retain(|a| a != source),
@@ -545,6 +553,7 @@ impl Pod {
             )
             .into());
         };
+        let plug_t0 = Instant::now();
         let res = async {
             volumes::attach(&vm.qmp, v, Some(&bus)).await?;
             if let Err(e) = volumes::mount(&vm.agent, v, self.cfg.runtime.boot_timeout).await {
@@ -561,7 +570,32 @@ impl Pod {
             return Err(RuntimeError::from(e).into());
         }
         plugged.insert(v.id.clone(), v.clone());
+        self.note_handover_latency(&v.target, plug_t0);
         Ok(())
+    }
+
+    /// A handed-over volume is mounted in the guest: its event gets the
+    /// request-to-mounted and hot-plug-and-mount times.
+    fn note_handover_latency(&self, target: &str, plug_t0: Instant) {
+        let Some(t0) = self.asked_at.lock().expect("asked_at").remove(target) else {
+            return;
+        };
+        let (ms, plug_ms) = (
+            t0.elapsed().as_millis() as u64,
+            plug_t0.elapsed().as_millis() as u64,
+        );
+        tracing::info!(
+            target,
+            elapsed_ms = ms,
+            plug_ms,
+            "handed-over volume mounted in the guest (handover request to mounted)"
+        );
+        self.update(|s| {
+            if let Some(ev) = s.events.iter_mut().find(|e| e.target == target) {
+                ev.elapsed_ms = Some(ms);
+                ev.plug_ms = Some(plug_ms);
+            }
+        });
     }
 
     /// Makes the guest's memory cover the pod's: the overhead plus the
