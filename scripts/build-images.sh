@@ -215,8 +215,9 @@ packages_file="$stage/crust-csi/packages.list"
 : >"$packages_file"
 copy_elf_rootfs "$bindir/crust-csi" "$csi" /usr/bin/crust-csi
 copy_elf_rootfs "$bindir/crustctl" "$csi" /usr/bin/crustctl
-# Every tool crust_blockdev runs (FS_TOOLS: the plugin's Probe checks
-# them), plus what an operator uses in the container.
+# Every tool crust_blockdev runs (fs_tools(): the plugin's Probe checks
+# them; crates/crust-fs/tests/scripts.rs checks this list has every tool the
+# FsSpecs name), plus what an operator uses in the container.
 for t in mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs xfs_repair wipefs blkid losetup mount umount lsblk findmnt; do
   copy_elf_rootfs "$(find_tool "$t")" "$csi" "/usr/sbin/$t"
 done

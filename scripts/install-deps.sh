@@ -59,8 +59,11 @@ install_python_pkgs() {
 
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
-  for t in qemu-system-x86_64 busybox mkfs.ext4 mkfs.xfs xfs_growfs xfs_io cpio losetup \
-    wipefs unshare e2fsck containerd ctr runc umoci jq patchelf strip pkg-config fio; do
+  # The filesystem tools are every one crust_fs's FsSpecs name (checked by
+  # crates/crust-fs/tests/scripts.rs).
+  for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
+    xfs_repair xfs_io cpio losetup wipefs unshare containerd ctr runc umoci jq patchelf \
+    strip pkg-config fio; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

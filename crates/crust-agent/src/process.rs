@@ -12,12 +12,25 @@ use rustix::process::{Pid, Signal};
 /// Directories searched for tools; the guest's PATH is this too.
 pub const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-// The filesystem tools the agent runs as root, by absolute path (where
-// guest/build-image.sh installs them, and where Debian has them): a PATH
-// lookup could find a binary a workload bound over a PATH directory.
-pub const E2FSCK: &str = "/usr/sbin/e2fsck";
-pub const RESIZE2FS: &str = "/usr/sbin/resize2fs";
-pub const XFS_GROWFS: &str = "/usr/sbin/xfs_growfs";
+/// Where the filesystem tools the agent runs as root are: it runs each
+/// [`crust_fs::FsSpec::guest_tools`] program by absolute path here (where
+/// guest/build-image.sh installs them, and where Debian has them): a PATH
+/// lookup could find a binary a workload bound over a PATH directory.
+pub const FS_TOOL_DIR: &str = "/usr/sbin";
+
+/// Absolute path of the filesystem tool `program` in the guest.
+pub fn fs_tool_path(program: &str) -> String {
+    format!("{FS_TOOL_DIR}/{program}")
+}
+
+/// The command line of a filesystem's `tool` on `target` (a device or a
+/// mount point): its absolute path, its arguments, then `target`.
+pub fn fs_tool_command(tool: &crust_fs::Tool, target: String) -> Vec<String> {
+    let mut args = vec![fs_tool_path(tool.program)];
+    args.extend(tool.args.iter().map(|a| a.to_string()));
+    args.push(target);
+    args
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
@@ -201,16 +214,35 @@ mod tests {
     #[test]
     fn tool_paths_match_the_guest_image() {
         // The agent execs these by absolute path: build-image.sh must put
-        // them exactly there.
+        // them exactly there (`X=$(tool e2fsck …)`, `add_prog "$X" path`).
         let script = include_str!("../../../guest/build-image.sh");
-        for (var, path) in [
-            ("E2FSCK", E2FSCK),
-            ("RESIZE2FS", RESIZE2FS),
-            ("XFS_GROWFS", XFS_GROWFS),
-        ] {
-            let line = format!("add_prog \"${var}\" {path}\n");
+        let tools = crust_fs::FsType::ALL
+            .into_iter()
+            .flat_map(|f| f.spec().guest_tools());
+        for tool in tools {
+            let var = script
+                .lines()
+                .find_map(|l| {
+                    let (var, call) = l.split_once("=$(tool ")?;
+                    (call.split_whitespace().next() == Some(tool)).then_some(var)
+                })
+                .unwrap_or_else(|| panic!("build-image.sh does not look up {tool}"));
+            let line = format!("add_prog \"${var}\" {}\n", fs_tool_path(tool));
             assert!(script.contains(&line), "build-image.sh lacks {line:?}");
         }
+        assert_eq!(
+            fs_tool_command(&crust_fs::FsType::Xfs.spec().grow, "/m".into()),
+            ["/usr/sbin/xfs_growfs", "-d", "/m"]
+        );
+        assert_eq!(
+            fs_tool_command(&crust_fs::FsType::Ext4.spec().grow, "/dev/vdb".into()),
+            ["/usr/sbin/resize2fs", "/dev/vdb"]
+        );
+        let preen = crust_fs::FsType::Ext4.spec().preen.expect("ext4 preens");
+        assert_eq!(
+            fs_tool_command(&preen, "/dev/vdb".into()),
+            ["/usr/sbin/e2fsck", "-p", "/dev/vdb"]
+        );
     }
 
     #[test]

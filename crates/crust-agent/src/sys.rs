@@ -167,10 +167,11 @@ pub enum Detected {
     Unknown,
 }
 
-/// Reads the ext2/3/4 and XFS magics from the start of `dev`.
+/// Reads the start of `dev` and tells its filesystem by magic
+/// ([`detect_fs_bytes`]).
 pub fn detect_fs(dev: &Path) -> std::io::Result<Detected> {
     let mut f = std::fs::File::open(dev)?;
-    let mut buf = vec![0u8; 2048];
+    let mut buf = vec![0u8; crust_fs::SUPERBLOCK_HEAD];
     let mut got = 0;
     while got < buf.len() {
         let n = f.read(&mut buf[got..])?;
@@ -182,15 +183,11 @@ pub fn detect_fs(dev: &Path) -> std::io::Result<Detected> {
     Ok(detect_fs_bytes(&buf[..got]))
 }
 
+/// The filesystem whose magic the start of a device carries
+/// ([`crust_fs::detect`]: by magic alone, so an ext2/3 superblock counts
+/// as ext4, which mounts it).
 pub fn detect_fs_bytes(b: &[u8]) -> Detected {
-    if b.len() >= 4 && &b[..4] == b"XFSB" {
-        return Detected::Fs(FsType::Xfs);
-    }
-    // ext superblock at 1024, s_magic at offset 56 (little-endian 0xEF53).
-    if b.len() >= 1082 && b[1080] == 0x53 && b[1081] == 0xEF {
-        return Detected::Fs(FsType::Ext4);
-    }
-    Detected::Unknown
+    crust_fs::detect(b).map_or(Detected::Unknown, Detected::Fs)
 }
 
 /// The last few kernel log lines mentioning `needle`, for error messages.

@@ -17,6 +17,7 @@ use rustix::mount::UnmountFlags;
 use crate::options::{self, OptionError};
 use crate::process;
 use crate::sys::{self, Detected};
+use crust_fs::GrowTarget;
 use crust_fsgroup::FsGroupError;
 
 /// How long MountVolume waits for a disk that is not there yet (hot-plug).
@@ -66,9 +67,11 @@ pub enum VolumeError {
         want: FsType,
     },
     #[error(
-        "e2fsck found errors it could not fix on /dev/{disk} (exit {code}): {output}; repair the volume offline"
+        "{tool} found errors it could not fix on /dev/{disk} (exit {code}): {output}; repair the volume offline"
     )]
     Fsck {
+        /// The filesystem's preen program (e2fsck).
+        tool: &'static str,
         disk: String,
         code: i32,
         output: String,
@@ -394,24 +397,30 @@ impl Volumes {
                 return Err(VolumeError::WrongFs {
                     serial: req.serial.clone(),
                     disk: disk.name.clone(),
-                    found: "no ext4 or xfs filesystem (unformatted?)".into(),
+                    found: format!(
+                        "no {} filesystem (unformatted?)",
+                        FsType::supported_alternatives()
+                    ),
                     want: req.fstype,
                 });
             }
         }
-        if req.fstype == FsType::Ext4 && !opts.readonly {
-            // Like kubelet: preen before a read-write mount. 1 = fixed.
-            let args = [process::E2FSCK, "-p", &dev.to_string_lossy()].map(String::from);
+        if let (Some(preen), false) = (&req.fstype.spec().preen, opts.readonly) {
+            // Like kubelet: preen before a read-write mount (ext4: e2fsck
+            // -p; 1 and 2 = fixed, 4 and above = not).
+            let args = process::fs_tool_command(preen, dev.to_string_lossy().into_owned());
             let left = deadline.map_or(Duration::from_secs(300), |d| {
                 d.saturating_duration_since(Instant::now())
             });
             let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| VolumeError::Fsck {
+                tool: preen.program,
                 disk: disk.name.clone(),
                 code: -1,
                 output: e.to_string(),
             })?;
-            if out.code >= 4 {
+            if !preen.ok.contains(&out.code) {
                 return Err(VolumeError::Fsck {
+                    tool: preen.program,
                     disk: disk.name.clone(),
                     code: out.code,
                     output: out.text(),
@@ -589,20 +598,15 @@ impl Volumes {
                 tool: "sysfs",
                 detail: format!("cannot read the size of /dev/{} (disk detached?)", rec.disk),
             })?;
-        let (tool, args): (&'static str, Vec<String>) = match rec.fstype {
-            FsType::Ext4 => (
-                "resize2fs",
-                vec![process::RESIZE2FS.into(), format!("/dev/{}", rec.disk)],
-            ),
-            FsType::Xfs => (
-                "xfs_growfs",
-                vec![
-                    process::XFS_GROWFS.into(),
-                    "-d".into(),
-                    target.display().to_string(),
-                ],
-            ),
-        };
+        let spec = rec.fstype.spec();
+        let tool = spec.grow.program;
+        let args = process::fs_tool_command(
+            &spec.grow,
+            match spec.grow_target {
+                GrowTarget::Device => format!("/dev/{}", rec.disk),
+                GrowTarget::MountPoint => target.display().to_string(),
+            },
+        );
         let left = deadline.map_or(Duration::from_secs(600), |d| {
             d.saturating_duration_since(Instant::now())
         });
@@ -614,7 +618,7 @@ impl Volumes {
                 detail: e.to_string(),
             },
         })?;
-        if !out.success() {
+        if !spec.grow.ok.contains(&out.code) {
             return Err(VolumeError::Grow {
                 volume: volume.into(),
                 tool,

@@ -109,7 +109,10 @@ fn delete_wipes_the_device_for_the_next_claimant() {
     let a = b.create("a", 16 * MIB, 0).unwrap();
     let dev = b.attach("a").unwrap();
     crust_blockdev::mkfs(&dev, FsType::Ext4).unwrap();
-    assert_eq!(crust_blockdev::probe_fs(&dev).unwrap(), Probe::Ext4);
+    assert_eq!(
+        crust_blockdev::probe_fs(&dev).unwrap(),
+        Probe::Fs(FsType::Ext4)
+    );
     let f = File::options().read(true).write(true).open(&dev).unwrap();
     f.write_all_at(b"middle", 8 * MIB).unwrap();
     f.write_all_at(b"tail", 16 * MIB - 4096).unwrap();

@@ -10,11 +10,12 @@ use crate::probe::{Probe, ProbeError, probe_fs};
 use crate::usage::{UsageError, usage};
 
 pub use crust_fs::FsType;
+use crust_fs::{GrowTarget, Tool};
 
 /// Errors from formatting or growing a filesystem.
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
-    #[error("unsupported filesystem type {0:?} (supported: ext4, xfs)")]
+    #[error("unsupported filesystem type {0:?} (supported: {list})", list = FsType::supported_list())]
     UnsupportedFsType(String),
     #[error("refusing to format {device}: it is not blank, it holds {found}")]
     NotBlank { device: PathBuf, found: Probe },
@@ -60,7 +61,7 @@ pub enum FsError {
         status: String,
         output: String,
     },
-    #[error("{0} cannot be grown offline (xfs_growfs needs a mounted filesystem)")]
+    #[error("{0} cannot be grown offline ({tool} needs a mounted filesystem)", tool = .0.spec().grow.program)]
     OfflineGrowUnsupported(FsType),
     #[error("{device} is not the filesystem mounted at {mountpoint}")]
     NotMounted {
@@ -136,21 +137,27 @@ pub fn ensure_no_other_openers(dev: &Path, action: &'static str) -> Result<(), F
     }
 }
 
-/// Every filesystem tool this module runs; a host or container image
-/// without one of them cannot serve every volume.
-pub const FS_TOOLS: [&str; 7] = [
-    "mkfs.ext4",
-    "mkfs.xfs",
-    "e2fsck",
-    "resize2fs",
-    "xfs_growfs",
-    "wipefs",
-    "xfs_repair",
-];
+/// Every filesystem tool this module runs: each [`FsType`]'s
+/// [`crust_fs::FsSpec::host_tools`], then `wipefs` (signatures before a
+/// format). A host or container image without one of them cannot serve
+/// every volume.
+pub fn fs_tools() -> Vec<&'static str> {
+    let mut tools: Vec<&'static str> = Vec::new();
+    for t in FsType::ALL
+        .into_iter()
+        .flat_map(|f| f.spec().host_tools())
+        .chain(["wipefs"])
+    {
+        if !tools.contains(&t) {
+            tools.push(t);
+        }
+    }
+    tools
+}
 
-/// The tools of [`FS_TOOLS`] that cannot be found (readiness checks).
+/// The tools of [`fs_tools`] that cannot be found (readiness checks).
 pub fn missing_fs_tools() -> Vec<&'static str> {
-    FS_TOOLS
+    fs_tools()
         .into_iter()
         .filter(|t| find_tool(t).is_err())
         .collect()
@@ -169,6 +176,14 @@ fn find_tool(name: &'static str) -> Result<PathBuf, FsError> {
 
 fn run(tool: &'static str, args: &[&std::ffi::OsStr], target: &Path) -> Result<String, FsError> {
     run_accepting(tool, args, target, &[0])
+}
+
+/// Runs a filesystem's `tool` as its [`Tool`] says: its arguments, then
+/// `target` (a device or a mount point); its `ok` exit codes succeed.
+fn run_tool(tool: &Tool, target: &Path) -> Result<String, FsError> {
+    let mut args: Vec<&std::ffi::OsStr> = tool.args.iter().map(|a| a.as_ref()).collect();
+    args.push(target.as_os_str());
+    run_accepting(tool.program, &args, target, tool.ok)
 }
 
 /// Runs a tool; exit codes in `ok_codes` count as success.
@@ -257,6 +272,8 @@ pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::Prob
 /// ([`FsError::InUse`]) or open in another process
 /// ([`FsError::OpenElsewhere`]) is refused before anything is read.
 ///
+/// Runs the filesystem's [`crust_fs::FsSpec::mkfs`]:
+///
 /// * ext4: `mkfs.ext4 -F -q -e remount-ro -E lazy_itable_init=1,lazy_journal_init=1,nodiscard`
 ///   (lazy init keeps formatting small test volumes and large sparse files
 ///   fast; `errors=remount-ro` makes the kernel flip the filesystem
@@ -290,27 +307,7 @@ fn make_fs(dev: &Path, fstype: FsType, must_be_blank: bool) -> Result<(), FsErro
             });
         }
     }
-    let d = dev.as_os_str();
-    match fstype {
-        FsType::Ext4 => run(
-            "mkfs.ext4",
-            &[
-                "-F".as_ref(),
-                "-q".as_ref(),
-                "-e".as_ref(),
-                "remount-ro".as_ref(),
-                "-E".as_ref(),
-                "lazy_itable_init=1,lazy_journal_init=1,nodiscard".as_ref(),
-                d,
-            ],
-            dev,
-        )?,
-        FsType::Xfs => run(
-            "mkfs.xfs",
-            &["-f".as_ref(), "-q".as_ref(), "-K".as_ref(), d],
-            dev,
-        )?,
-    };
+    run_tool(&fstype.spec().mkfs, dev)?;
     tracing::info!(device = %dev.display(), %fstype, "filesystem created");
     Ok(())
 }
@@ -340,8 +337,10 @@ pub fn can_grow_ext4_online() -> bool {
 /// the device, and returns the filesystem's new total size in bytes
 /// (`statvfs` `f_blocks * f_frsize`, i.e. [`crate::Usage::bytes_total`]).
 ///
-/// Checks that `mountpoint` really is a mount of `dev` first. ext4 runs
-/// `resize2fs <dev>`, xfs runs `xfs_growfs -d <mountpoint>`. Growing to the
+/// Checks that `mountpoint` really is a mount of `dev` first, then runs
+/// the filesystem's [`crust_fs::FsSpec::grow`] on the device or the mount
+/// point: ext4 runs `resize2fs <dev>`, xfs runs
+/// `xfs_growfs -d <mountpoint>`. Growing to the
 /// current size is a no-op, so this is idempotent. Online ext4 growth
 /// needs `CAP_SYS_RESOURCE` ([`FsError::MissingCapability`] without it,
 /// see [`can_grow_ext4_online`]).
@@ -362,39 +361,37 @@ pub fn grow_fs(dev: &Path, mountpoint: &Path, fstype: FsType) -> Result<u64, FsE
             what: "growing a mounted ext4 filesystem",
         });
     }
-    match fstype {
-        FsType::Ext4 => run("resize2fs", &[dev.as_os_str()], dev)?,
-        FsType::Xfs => run(
-            "xfs_growfs",
-            &["-d".as_ref(), mountpoint.as_os_str()],
-            mountpoint,
-        )?,
+    let spec = fstype.spec();
+    let target = match spec.grow_target {
+        GrowTarget::Device => dev,
+        GrowTarget::MountPoint => mountpoint,
     };
+    run_tool(&spec.grow, target)?;
     let total = usage(mountpoint)?.bytes_total;
     tracing::info!(device = %dev.display(), %fstype, total, "filesystem grown");
     Ok(total)
 }
 
-/// Grows an unmounted ext4 filesystem to fill its device: `e2fsck -f -p`
-/// (resize2fs insists on a freshly checked filesystem; exit codes 0 and 1,
-/// "no errors" and "errors fixed", are accepted) then `resize2fs`. The
+/// Grows an unmounted filesystem to fill its device, where its
+/// [`crust_fs::FsSpec::grows_offline`]: its `fsck` then its `grow` on the
+/// device. ext4: `e2fsck -f -p` (resize2fs insists on a freshly checked
+/// filesystem; exit codes 0 and 1, "no errors" and "errors fixed", are
+/// accepted) then `resize2fs`. The
 /// device must not be in use: not mounted ([`FsError::InUse`]) and not
 /// open in any other process ([`FsError::OpenElsewhere`]): QEMU opens a
 /// guest's disk without `O_EXCL`, and checking a filesystem a guest kernel
 /// has mounted corrupts it. XFS can only grow mounted
 /// ([`FsError::OfflineGrowUnsupported`]). Idempotent.
 pub fn grow_fs_offline(dev: &Path, fstype: FsType) -> Result<(), FsError> {
-    if fstype == FsType::Xfs {
+    let spec = fstype.spec();
+    if !spec.grows_offline {
         return Err(FsError::OfflineGrowUnsupported(fstype));
     }
     require_unused(dev, "offline resize", CHECK_OR_GROW)?;
-    run_accepting(
-        "e2fsck",
-        &["-f".as_ref(), "-p".as_ref(), dev.as_os_str()],
-        dev,
-        &[0, 1],
-    )?;
-    run("resize2fs", &[dev.as_os_str()], dev)?;
+    if let Some(fsck) = &spec.fsck {
+        run_tool(fsck, dev)?;
+    }
+    run_tool(&spec.grow, dev)?;
     tracing::info!(device = %dev.display(), %fstype, "filesystem grown offline");
     Ok(())
 }
@@ -404,7 +401,8 @@ pub const CHECK: &str = "check a filesystem another kernel may have mounted";
 
 /// Checks an unmounted filesystem in userspace before the host kernel
 /// mounts it, for a volume whose filesystem a guest had raw access to (the
-/// host kernel must not parse what a workload may have crafted):
+/// host kernel must not parse what a workload may have crafted), by the
+/// steps of its [`crust_fs::FsSpec::check`]:
 ///
 /// * ext4: a journal left by a guest that did not unmount is replayed by
 ///   `e2fsck -E journal_only -p` (userspace), then `e2fsck -f -n` must
@@ -419,7 +417,6 @@ pub const CHECK: &str = "check a filesystem another kernel may have mounted";
 /// with the tool's output.
 pub fn check_unmounted(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     require_unused(dev, "a filesystem check", CHECK)?;
-    let d = dev.as_os_str();
     let failed = |tool, e: FsError| match e {
         FsError::Tool { status, stderr, .. } => FsError::CheckFailed {
             tool,
@@ -430,21 +427,8 @@ pub fn check_unmounted(dev: &Path, fstype: FsType) -> Result<(), FsError> {
         },
         e => e,
     };
-    match fstype {
-        FsType::Ext4 => {
-            run_accepting(
-                "e2fsck",
-                &["-E".as_ref(), "journal_only".as_ref(), "-p".as_ref(), d],
-                dev,
-                &[0, 1],
-            )
-            .map_err(|e| failed("e2fsck", e))?;
-            run("e2fsck", &["-f".as_ref(), "-n".as_ref(), d], dev)
-                .map_err(|e| failed("e2fsck", e))?;
-        }
-        FsType::Xfs => {
-            run("xfs_repair", &["-n".as_ref(), d], dev).map_err(|e| failed("xfs_repair", e))?;
-        }
+    for step in fstype.spec().check {
+        run_tool(step, dev).map_err(|e| failed(step.program, e))?;
     }
     tracing::info!(device = %dev.display(), %fstype, "userspace filesystem check passed");
     Ok(())
@@ -462,6 +446,32 @@ fn tail(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fs_tools_are_the_specs_tools() {
+        let mut tools = fs_tools();
+        tools.sort_unstable();
+        assert_eq!(
+            tools,
+            [
+                "e2fsck",
+                "mkfs.ext4",
+                "mkfs.xfs",
+                "resize2fs",
+                "wipefs",
+                "xfs_growfs",
+                "xfs_repair"
+            ]
+        );
+        assert_eq!(
+            FsError::UnsupportedFsType("btrfs".into()).to_string(),
+            "unsupported filesystem type \"btrfs\" (supported: ext4, xfs)"
+        );
+        assert_eq!(
+            FsError::OfflineGrowUnsupported(FsType::Xfs).to_string(),
+            "xfs cannot be grown offline (xfs_growfs needs a mounted filesystem)"
+        );
+    }
 
     #[test]
     fn wipefs_json() {

@@ -372,8 +372,10 @@ pub fn containing_fs_health(path: &Path) -> Health {
     }
 }
 
+/// The repair command for a mounted filesystem named as the mount table
+/// does: its [`crust_fs::FsSpec::repair`], `fsck` for any other.
 fn repair_tool(fs: &str) -> &'static str {
-    if fs == "xfs" { "xfs_repair" } else { "fsck" }
+    crate::FsType::parse(fs).map_or("fsck", |f| f.spec().repair)
 }
 
 /// Health of a raw block volume: the node exists, is a block device, and
@@ -436,6 +438,13 @@ pub fn device_health(dev: &Path) -> Health {
 mod tests {
     use super::*;
     use std::time::Instant;
+
+    #[test]
+    fn repair_hints() {
+        assert_eq!(repair_tool("xfs"), "xfs_repair");
+        assert_eq!(repair_tool("ext4"), "fsck");
+        assert_eq!(repair_tool("vfat"), "fsck");
+    }
 
     #[test]
     fn timeout_wrapper_returns_quickly() {

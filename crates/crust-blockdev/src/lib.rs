@@ -58,9 +58,8 @@ pub use device::{
 };
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
-    CHECK, FS_TOOLS, FsError, FsType, can_grow_ext4_online, check_unmounted,
-    ensure_no_other_openers, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs,
-    mkfs_again,
+    CHECK, FsError, FsType, can_grow_ext4_online, check_unmounted, ensure_no_other_openers,
+    fs_tools, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs, mkfs_again,
 };
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,

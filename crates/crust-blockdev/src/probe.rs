@@ -26,10 +26,9 @@ pub enum Probe {
     /// block volume written in the middle) cannot be seen by any probe:
     /// callers keep a record of raw use and of their own formatting.
     Blank,
-    /// An ext4 filesystem (ext superblock with ext4-only features).
-    Ext4,
-    /// An XFS filesystem.
-    Xfs,
+    /// A filesystem crust supports, recognised by [`crust_fs::identify`]
+    /// (e.g. ext4: an ext superblock with ext4-only features).
+    Fs(FsType),
     /// Something else: another filesystem, a partition table, or just
     /// non-zero bytes. The string says what was recognised.
     Unknown(String),
@@ -39,8 +38,7 @@ impl Probe {
     /// The filesystem type if the device holds one we support.
     pub fn fs_type(&self) -> Option<FsType> {
         match self {
-            Probe::Ext4 => Some(FsType::Ext4),
-            Probe::Xfs => Some(FsType::Xfs),
+            Probe::Fs(fs) => Some(*fs),
             _ => None,
         }
     }
@@ -50,8 +48,7 @@ impl std::fmt::Display for Probe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Probe::Blank => f.write_str("blank"),
-            Probe::Ext4 => f.write_str("ext4 filesystem"),
-            Probe::Xfs => f.write_str("xfs filesystem"),
+            Probe::Fs(fs) => write!(f, "{fs} filesystem"),
             Probe::Unknown(what) => f.write_str(what),
         }
     }
@@ -124,9 +121,10 @@ pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
     Ok(Probe::Blank)
 }
 
-/// Bytes the filesystem `fs` on `dev` spans, from its superblock: ext4's
-/// blocks count (with the 64-bit high half) times its block size; xfs's
-/// data blocks (`sb_dblocks`) times `sb_blocksize`, big-endian.
+/// Bytes the filesystem `fs` on `dev` spans, from its superblock (read
+/// here, parsed by [`FsType::superblock_bytes`]): ext4's blocks count
+/// (with the 64-bit high half) times its block size; xfs's data blocks
+/// (`sb_dblocks`) times `sb_blocksize`, big-endian.
 pub fn fs_bytes(dev: &Path, fs: FsType) -> Result<u64, ProbeError> {
     let err = |source: io::Error| ProbeError {
         path: dev.to_path_buf(),
@@ -137,40 +135,8 @@ pub fn fs_bytes(dev: &Path, fs: FsType) -> Result<u64, ProbeError> {
     // may be in the page cache, not on the disk yet.
     let fd = rustix::fs::open(dev, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
         .map_err(|e| err(e.into()))?;
-    let head = read_region(&fd, 0, 4096).map_err(err)?;
-    match fs {
-        FsType::Ext4 => {
-            let sb = head.get(1024..2048).unwrap_or_default();
-            if sb.len() < 0x154 || sb[0x38..0x3a] != [0x53, 0xEF] {
-                return Err(bad("no ext4 superblock"));
-            }
-            let log = le32(sb, 0x18);
-            if log > 6 {
-                return Err(bad("implausible ext4 block size"));
-            }
-            let mut blocks = u64::from(le32(sb, 0x04));
-            const INCOMPAT_64BIT: u32 = 0x80;
-            if le32(sb, 0x60) & INCOMPAT_64BIT != 0 {
-                blocks |= u64::from(le32(sb, 0x150)) << 32;
-            }
-            blocks
-                .checked_mul(1024 << log)
-                .ok_or_else(|| bad("implausible ext4 size"))
-        }
-        FsType::Xfs => {
-            let sb = &head;
-            if sb.len() < 16 || &sb[0..4] != b"XFSB" {
-                return Err(bad("no xfs superblock"));
-            }
-            let block = u64::from(u32::from_be_bytes(sb[4..8].try_into().expect("4 bytes")));
-            if !block.is_power_of_two() || !(512..=65536).contains(&block) {
-                return Err(bad("implausible xfs block size"));
-            }
-            u64::from_be_bytes(sb[8..16].try_into().expect("8 bytes"))
-                .checked_mul(block)
-                .ok_or_else(|| bad("implausible xfs size"))
-        }
-    }
+    let head = read_region(&fd, 0, crust_fs::SUPERBLOCK_HEAD).map_err(err)?;
+    fs.superblock_bytes(&head).map_err(bad)
 }
 
 /// Whether the filesystem `fs` on the block device `dev` is at least
@@ -206,18 +172,13 @@ fn at(buf: &[u8], off: usize, sig: &[u8]) -> bool {
     buf.len() >= off + sig.len() && &buf[off..off + sig.len()] == sig
 }
 
-fn le32(buf: &[u8], off: usize) -> u32 {
-    u32::from_le_bytes(buf[off..off + 4].try_into().expect("4 bytes"))
-}
-
 /// Recognises signatures in the first [`BLANK_EDGE_BYTES`] of a device.
 /// Exposed for unit tests of the rule.
 pub fn classify_head(head: &[u8]) -> Option<Probe> {
-    if at(head, 0, b"XFSB") {
-        return Some(Probe::Xfs);
-    }
-    if at(head, 1080, &[0x53, 0xEF]) {
-        return Some(classify_ext(head));
+    match crust_fs::identify(head) {
+        Some(Ok(fs)) => return Some(Probe::Fs(fs)),
+        Some(Err(what)) => return Some(Probe::Unknown(what.into())),
+        None => {}
     }
     let known: &[(usize, &[u8], &str)] = &[
         (0, b"LUKS\xba\xbe", "LUKS encrypted volume"),
@@ -252,29 +213,6 @@ pub fn classify_head(head: &[u8]) -> Option<Probe> {
     None
 }
 
-/// ext2, ext3 and ext4 share the magic; ext4 is told apart by features
-/// that only ext4 uses.
-fn classify_ext(head: &[u8]) -> Probe {
-    const SB: usize = 1024;
-    if head.len() < SB + 0x68 {
-        return Probe::Unknown("truncated ext superblock".into());
-    }
-    let compat = le32(head, SB + 0x5C);
-    let incompat = le32(head, SB + 0x60);
-    let ro_compat = le32(head, SB + 0x64);
-    // extents, 64bit, flex_bg, mmp, inline_data, csum_seed, largedir, encrypt
-    let ext4_incompat = 0x40 | 0x80 | 0x100 | 0x200 | 0x1000 | 0x2000 | 0x4000 | 0x8000 | 0x10000;
-    // huge_file, gdt_csum, dir_nlink, extra_isize, quota, bigalloc, metadata_csum
-    let ext4_ro = 0x8 | 0x10 | 0x20 | 0x40 | 0x100 | 0x200 | 0x400;
-    if incompat & ext4_incompat != 0 || ro_compat & ext4_ro != 0 {
-        Probe::Ext4
-    } else if compat & 0x4 != 0 {
-        Probe::Unknown("ext3 filesystem".into())
-    } else {
-        Probe::Unknown("ext2 filesystem".into())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,7 +226,7 @@ mod tests {
     fn signatures() {
         let mut b = vec![0u8; BLANK_EDGE_BYTES as usize];
         b[0..4].copy_from_slice(b"XFSB");
-        assert_eq!(classify_head(&b), Some(Probe::Xfs));
+        assert_eq!(classify_head(&b), Some(Probe::Fs(FsType::Xfs)));
 
         let mut b = vec![0u8; BLANK_EDGE_BYTES as usize];
         b[1080] = 0x53;
@@ -303,7 +241,7 @@ mod tests {
             Some(Probe::Unknown("ext3 filesystem".into()))
         );
         b[1024 + 0x60] = 0x40;
-        assert_eq!(classify_head(&b), Some(Probe::Ext4));
+        assert_eq!(classify_head(&b), Some(Probe::Fs(FsType::Ext4)));
 
         let mut b = vec![0u8; 4096];
         b[510] = 0x55;

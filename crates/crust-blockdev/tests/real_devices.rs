@@ -903,6 +903,6 @@ fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
         "mkfs must fail while the device is held"
     );
     drop(hold);
-    assert_eq!(probe_fs(&dev).unwrap(), Probe::Ext4);
+    assert_eq!(probe_fs(&dev).unwrap(), Probe::Fs(FsType::Ext4));
     ensure_device_free(&dev, HAND_TO_GUEST).unwrap();
 }

@@ -136,8 +136,9 @@ impl Capability {
                 } else {
                     Some(FsType::parse(&m.fs_type).ok_or_else(|| {
                         format!(
-                            "fsType {:?} is not supported (supported: ext4, xfs)",
-                            m.fs_type
+                            "fsType {:?} is not supported (supported: {})",
+                            m.fs_type,
+                            FsType::supported_list()
                         )
                     })?)
                 };

@@ -103,7 +103,8 @@ pub(crate) fn parse_params_with<'a>(
             "fsType" => {
                 let fs = FsType::parse(v).ok_or_else(|| {
                     ControllerError::InvalidArgument(format!(
-                        "parameter fsType={v:?} is not supported (supported: ext4, xfs)"
+                        "parameter fsType={v:?} is not supported (supported: {})",
+                        FsType::supported_list()
                     ))
                 })?;
                 out.fs_type = Some(fs);

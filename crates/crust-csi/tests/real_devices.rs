@@ -399,6 +399,9 @@ async fn stage_never_formats_a_device_holding_another_filesystem() {
     );
     // the xfs signature is intact
     let probe = crust_blockdev::probe_fs(&node.pool.join(format!("{id}.img"))).unwrap();
-    assert_eq!(probe, crust_blockdev::Probe::Xfs);
+    assert_eq!(
+        probe,
+        crust_blockdev::Probe::Fs(crust_blockdev::FsType::Xfs)
+    );
     c.delete(&id).await.unwrap();
 }

@@ -111,7 +111,7 @@ pub struct Policy {
     /// Regular files beneath these roots are accepted as devices (VM images,
     /// tests). Empty: block devices under /dev only.
     pub file_device_roots: Vec<PathBuf>,
-    /// Filesystems a record may name.
+    /// Filesystems a record may name (default: every `crust_fs::FsType`).
     pub allowed_fstypes: Vec<String>,
 }
 
@@ -120,7 +120,7 @@ impl Default for Policy {
         Policy {
             allowed_target_prefixes: Vec::new(),
             file_device_roots: Vec::new(),
-            allowed_fstypes: vec!["ext4".into(), "xfs".into()],
+            allowed_fstypes: crust_fs::FsType::NAMES.map(String::from).to_vec(),
         }
     }
 }

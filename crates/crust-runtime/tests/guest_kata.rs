@@ -160,7 +160,7 @@ fn kata_cli_and_shim_exchange_replayed() {
         assert_eq!(sb.sh(&format!("stat -c %g {gp}")).trim(), "2000");
         assert_eq!(
             crust_blockdev::probe_fs(Path::new(&dev)).unwrap(),
-            crust_blockdev::Probe::Ext4
+            crust_blockdev::Probe::Fs(crust_blockdev::FsType::Ext4)
         );
         sb.sh(&format!("echo from-kata > {gp}/f && sync"));
 

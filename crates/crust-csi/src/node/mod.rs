@@ -197,10 +197,7 @@ impl Driver {
             node_id: self.cfg.node_id.clone(),
             max_volumes_per_node: self.cfg.max_volumes_per_node,
             accessible_topology: Some(self.topology()),
-            supported_file_systems: [FsType::Ext4, FsType::Xfs]
-                .iter()
-                .map(|f| f.as_str().to_string())
-                .collect(),
+            supported_file_systems: FsType::NAMES.map(String::from).to_vec(),
         }
     }
 }

@@ -216,7 +216,8 @@ pub struct DemoArgs {
     #[arg(long, default_value = "512Mi", value_parser = parse_size)]
     pub expand_to: u64,
     /// Filesystem type.
-    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    #[arg(long, default_value = "ext4",
+          value_parser = clap::builder::PossibleValuesParser::new(crust_fs::FsType::NAMES))]
     pub fs_type: String,
     /// The pool's capacity.
     #[arg(long, default_value = "2Gi", value_parser = parse_size)]
