@@ -41,13 +41,7 @@ fn utf8<'a>(what: &str, p: &'a Path) -> Result<&'a str> {
 /// exists, and it is missing or a real directory with nothing mounted on
 /// it (the runtime mounts in its guest; the host target stays empty).
 fn check_deferred_target(target: &Path) -> Result<()> {
-    if let Some(parent) = target.parent()
-        && !std::fs::metadata(parent).is_ok_and(|m| m.is_dir())
-    {
-        return Err(NodeError::MissingParent {
-            path: parent.to_path_buf(),
-        });
-    }
+    crate::node::check_parent(target)?;
     let bad = |problem| NodeError::PathState {
         field: "target_path",
         path: target.to_path_buf(),

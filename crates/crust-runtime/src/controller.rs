@@ -814,24 +814,7 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        let timeout = Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
-        let r = self
-            .agent
-            .call_with_timeout(
-                crust_agent_proto::Exec {
-                    args: req.args,
-                    env: req.env,
-                    timeout_ms: timeout.as_millis() as u64,
-                },
-                timeout + self.cfg.timeout,
-            )
-            .await
-            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("exec: {e}")))?;
-        Ok(ExecResponse {
-            exit_code: r.exit_code,
-            stdout: r.stdout,
-            stderr: r.stderr,
-        })
+        volumes::exec_in_guest(&self.agent, req, self.cfg.timeout).await
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {

@@ -167,7 +167,7 @@ impl Handover {
         runtime_cli: &str,
         required: bool,
     ) -> Result<Answer, RuntimeError> {
-        let mut client = match self.client().await {
+        let client = match self.client().await {
             Ok(c) => c,
             Err(why) if required => {
                 return Err(RuntimeError::new(
@@ -187,22 +187,11 @@ impl Handover {
             file_systems: file_systems(),
             required,
         };
-        let deadline = Instant::now() + BUSY_RETRY;
-        let resp = loop {
-            match tokio::time::timeout(CALL_TIMEOUT, client.hand_over(req.clone())).await {
-                Ok(Ok(r)) => break r.into_inner(),
-                Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Ok(Err(s)) => return Err(status_error(target, s)),
-                Err(_) => {
-                    return Err(RuntimeError::new(
-                        Code::DeadlineExceeded,
-                        format!("the handover of {target} did not answer within {CALL_TIMEOUT:?}"),
-                    ));
-                }
-            }
-        };
+        let resp = retry_busy(target, &format!("the handover of {target}"), || {
+            let (mut c, req) = (client.clone(), req.clone());
+            async move { c.hand_over(req).await }
+        })
+        .await?;
         use pb::hand_over_response::Outcome;
         Ok(match resp.outcome {
             Some(Outcome::HandedOver(h)) => Answer::HandedOver(h),
@@ -230,7 +219,7 @@ impl Handover {
     /// Gives the volume at `target` back (the sandbox's VM has exited and
     /// its claim is released).
     pub async fn hand_back(&self, target: &str, sandbox: &str) -> Result<(), RuntimeError> {
-        let mut client = self
+        let client = self
             .client()
             .await
             .map_err(|why| RuntimeError::new(Code::Unavailable, why))?;
@@ -238,22 +227,12 @@ impl Handover {
             target_path: target.to_string(),
             sandbox_id: sandbox.to_string(),
         };
-        let deadline = Instant::now() + BUSY_RETRY;
-        loop {
-            match tokio::time::timeout(CALL_TIMEOUT, client.hand_back(req.clone())).await {
-                Ok(Ok(_)) => return Ok(()),
-                Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Ok(Err(s)) => return Err(status_error(target, s)),
-                Err(_) => {
-                    return Err(RuntimeError::new(
-                        Code::DeadlineExceeded,
-                        format!("handing {target} back did not answer within {CALL_TIMEOUT:?}"),
-                    ));
-                }
-            }
-        }
+        retry_busy(target, &format!("handing {target} back"), || {
+            let (mut c, req) = (client.clone(), req.clone());
+            async move { c.hand_back(req).await }
+        })
+        .await
+        .map(drop)
     }
 
     /// Hands back every target in `targets`, logging failures (the plugin
@@ -354,6 +333,32 @@ pub async fn give_back(
         }
     }
     handover.hand_back_all(targets, sandbox).await;
+}
+
+/// One Handover call, asked again while the plugin answers ABORTED (the
+/// volume's operation guard is held) for up to [`BUSY_RETRY`]; each try
+/// bounded by [`CALL_TIMEOUT`]. `what` names the call in the timeout error.
+async fn retry_busy<T, F, Fut>(target: &str, what: &str, mut call: F) -> Result<T, RuntimeError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let deadline = Instant::now() + BUSY_RETRY;
+    loop {
+        match tokio::time::timeout(CALL_TIMEOUT, call()).await {
+            Ok(Ok(r)) => return Ok(r.into_inner()),
+            Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(Err(s)) => return Err(status_error(target, s)),
+            Err(_) => {
+                return Err(RuntimeError::new(
+                    Code::DeadlineExceeded,
+                    format!("{what} did not answer within {CALL_TIMEOUT:?}"),
+                ));
+            }
+        }
+    }
 }
 
 fn status_error(target: &str, s: tonic::Status) -> RuntimeError {

@@ -166,12 +166,17 @@ pub struct SandboxState {
 
 impl SandboxState {
     pub fn new(id: &str, bundle: &Bundle) -> SandboxState {
+        SandboxState::for_bundle_dir(id, bundle.dir.clone())
+    }
+
+    /// A sandbox being created from the bundle in `dir`, nothing started.
+    pub fn for_bundle_dir(id: &str, dir: std::path::PathBuf) -> SandboxState {
         SandboxState {
             oci_version: OCI_VERSION.into(),
             id: id.into(),
             status: Status::Creating,
             pid: None,
-            bundle: bundle.dir.clone(),
+            bundle: dir,
             shim: None,
             qemu: None,
             accel: None,

@@ -72,6 +72,32 @@ impl From<VolumeError> for ApiError {
 
 /// The API code for an agent failure: a silent agent is a deadline, a
 /// gone one is unavailable, the agent's own codes map one to one.
+/// The shim API's `/exec`: runs a command in the guest, waiting its own
+/// timeout (default 30 s) plus `slack` for the agent's answer.
+pub async fn exec_in_guest(
+    agent: &AgentClient,
+    req: crate::shim::ExecRequest,
+    slack: std::time::Duration,
+) -> Result<crate::shim::ExecResponse, crate::shim::ApiError> {
+    let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
+    let r = agent
+        .call_with_timeout(
+            crust_agent_proto::Exec {
+                args: req.args,
+                env: req.env,
+                timeout_ms: timeout.as_millis() as u64,
+            },
+            timeout + slack,
+        )
+        .await
+        .map_err(|e| crate::shim::ApiError::new(agent_code(&e), format!("exec: {e}")))?;
+    Ok(crate::shim::ExecResponse {
+        exit_code: r.exit_code,
+        stdout: r.stdout,
+        stderr: r.stderr,
+    })
+}
+
 pub fn agent_code(e: &ClientError) -> Code {
     match e {
         ClientError::Timeout { .. } | ClientError::NotReady { .. } => Code::DeadlineExceeded,

@@ -249,27 +249,8 @@ impl Pod {
         }
         self.store.create(&self.id).map_err(RuntimeError::from)?;
         let mut st = SandboxState {
-            oci_version: crust_runtime::sandbox::OCI_VERSION.into(),
-            id: self.id.clone(),
-            status: Status::Creating,
-            pid: None,
-            bundle: bundle.to_path_buf(),
             shim: Some(ProcRef::current()),
-            qemu: None,
-            accel: None,
-            volumes: Vec::new(),
-            mounts: Vec::new(),
-            skipped_mounts: Vec::new(),
-            shared_mounts: Vec::new(),
-            handover_asked: Vec::new(),
-            events: Vec::new(),
-            exit_status: None,
-            reason: None,
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            annotations: Default::default(),
+            ..SandboxState::for_bundle_dir(&self.id, bundle.to_path_buf())
         };
         st.annotations.insert(
             "io.crust.front-door".into(),

@@ -137,24 +137,7 @@ impl ShimHandler for PodApi {
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
-        let r = vm
-            .agent
-            .call_with_timeout(
-                crust_agent_proto::Exec {
-                    args: req.args,
-                    env: req.env,
-                    timeout_ms: timeout.as_millis() as u64,
-                },
-                timeout + self.0.cfg.runtime.timeout,
-            )
-            .await
-            .map_err(|e| ApiError::new(volumes::agent_code(&e), format!("exec: {e}")))?;
-        Ok(ExecResponse {
-            exit_code: r.exit_code,
-            stdout: r.stdout,
-            stderr: r.stderr,
-        })
+        volumes::exec_in_guest(&vm.agent, req, self.0.cfg.runtime.timeout).await
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {

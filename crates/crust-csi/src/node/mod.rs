@@ -60,7 +60,7 @@ mod usage;
 
 pub(crate) use stage::mount_flags_of;
 pub(crate) use target::{
-    mounted_here, prepare_target, publication_of, remove_target, sync_and_unmount,
+    check_parent, mounted_here, prepare_target, publication_of, remove_target, sync_and_unmount,
 };
 pub(crate) use usage::refreshed_device_size;
 

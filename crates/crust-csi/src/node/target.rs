@@ -28,6 +28,19 @@ pub(crate) fn require_dir(field: &'static str, p: &Path) -> Result<()> {
     }
 }
 
+/// A publish target's parent must exist: kubelet creates it, and a
+/// missing one means the request is for a pod that is not there.
+pub(crate) fn check_parent(target: &Path) -> Result<()> {
+    match target.parent() {
+        Some(parent) if !fs::metadata(parent).is_ok_and(|m| m.is_dir()) => {
+            Err(NodeError::MissingParent {
+                path: parent.to_path_buf(),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Creates the publish target if missing; returns whether it was created.
 ///
 /// A raw block target must be missing (created here, and recorded so that
@@ -41,13 +54,7 @@ pub(crate) fn prepare_target(
     staged_device: Option<&Path>,
 ) -> Result<bool> {
     let t = target.display();
-    if let Some(parent) = target.parent()
-        && !fs::metadata(parent).is_ok_and(|m| m.is_dir())
-    {
-        return Err(NodeError::MissingParent {
-            path: parent.to_path_buf(),
-        });
-    }
+    check_parent(target)?;
     let bad = |problem| NodeError::PathState {
         field: "target_path",
         path: target.to_path_buf(),
