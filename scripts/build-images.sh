@@ -5,7 +5,8 @@
 #   crust-csi-<version>.oci.tar             the CSI plugin, crustctl, and the tools
 #                                           it runs: e2fsprogs, xfsprogs, util-linux
 #   crust-node-installer-<version>.oci.tar  crust-node-install + the payload it puts
-#                                           on a node under /opt/crust: crust-runtime,
+#                                           on a node under /opt/crust: crust-runtime
+#                                           (+ its static per-poll CLI),
 #                                           containerd-shim-crust-v2 and virtiofsd
 #                                           (when built/installed), QEMU + firmware,
 #                                           the guest image
@@ -79,6 +80,15 @@ if [ "$build" = 1 ]; then
     cargo build --locked "${pkgs[@]}"
   fi
   bash guest/build-image.sh
+fi
+# The per-poll runtime CLI ships static (scripts/build-poll-cli.sh): built
+# here, or (--no-build) already built by that script.
+poll_cli="target/x86_64-unknown-linux-gnu/agent/crust-runtime-poll"
+if [ "$build" = 1 ]; then
+  poll_cli="$(bash scripts/build-poll-cli.sh)"
+elif [ ! -x "$poll_cli" ]; then
+  echo "build-images: $poll_cli missing (scripts/build-poll-cli.sh)" >&2
+  exit 1
 fi
 
 find_tool() {
@@ -238,8 +248,12 @@ copy_elf_rootfs "$(find_tool nsenter)" "$inst" /usr/bin/nsenter
 components=(crust-runtime qemu-system-x86_64 guest-image)
 copy_elf_payload "$bindir/crust-runtime" "$pl" bin/crust-runtime
 # The CLI sandboxes record for crust_ops' stats polls (execs crust-runtime
-# next to it for every other verb).
-copy_elf_payload "$bindir/crust-runtime-poll" "$pl" bin/crust-runtime-poll
+# next to it for every other verb). Static: no loader or library to
+# rewrite; its glibc is Debian's libc6-dev.
+mkdir -p "$pl/bin"
+cp "$poll_cli" "$pl/bin/crust-runtime-poll"
+chmod 0755 "$pl/bin/crust-runtime-poll"
+note_pkg "$(gcc -print-file-name=libc.a)"
 if [ "$has_shim" = 1 ]; then
   copy_elf_payload "$bindir/containerd-shim-crust-v2" "$pl" bin/containerd-shim-crust-v2
   components+=(containerd-shim-crust-v2)

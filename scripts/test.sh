@@ -25,6 +25,8 @@ else
 fi
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
+# The static per-poll runtime CLI the node payload ships (images tests).
+bash scripts/build-poll-cli.sh >/dev/null
 # The bench image (fio + crust-guest-bench) for crustctl's guest_io test;
 # cached by its stamp like the test image (~45 s when it must be built).
 bash guest/build-image.sh --bench

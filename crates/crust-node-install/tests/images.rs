@@ -18,6 +18,20 @@ fn build(out: &Path) -> String {
     common::build_images(out, Some(SOURCE_DATE_EPOCH))
 }
 
+/// Whether an ELF64 file has a PT_INTERP program header (is dynamically
+/// linked through a loader).
+fn has_interpreter(p: &Path) -> bool {
+    let elf = fs::read(p).unwrap();
+    assert_eq!(&elf[..5], b"\x7fELF\x02", "{}: not ELF64", p.display());
+    let u16_at = |o: usize| usize::from(u16::from_le_bytes([elf[o], elf[o + 1]]));
+    let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
+    let (size, count) = (u16_at(0x36), u16_at(0x38));
+    (0..count).any(|i| {
+        let o = phoff + i * size;
+        u32::from_le_bytes(elf[o..o + 4].try_into().unwrap()) == 3
+    })
+}
+
 fn sha256_file(p: &Path) -> String {
     let out = Command::new("sha256sum").arg(p).output().unwrap();
     String::from_utf8(out.stdout).unwrap()[..64].to_string()
@@ -145,7 +159,13 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
         .iter()
         .map(|c| c.as_str().unwrap())
         .collect();
-    // The poll CLI runs too, and hands other verbs to crust-runtime there.
+    // The poll CLI is static (no program interpreter: no loader runs at each
+    // of kubelet's polls), runs too, and hands other verbs to crust-runtime.
+    assert!(
+        !has_interpreter(&host.path().join("opt/crust/bin/crust-runtime-poll")),
+        "the payload's crust-runtime-poll is dynamically linked"
+    );
+    assert!(has_interpreter(&host.path().join("opt/crust/bin/crust-runtime")));
     for cli in [
         "/opt/crust/bin/crust-runtime",
         "/opt/crust/bin/crust-runtime-poll",

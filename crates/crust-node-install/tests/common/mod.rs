@@ -35,6 +35,14 @@ pub fn build_images(out: &Path, source_date_epoch: Option<&str>) -> String {
     }
     crust_testkit::ensure_guest_image();
     let root = crust_testkit::workspace_root();
+    // The payload's static per-poll CLI (cargo keeps it when up to date).
+    let poll = Command::new("bash")
+        .arg(root.join("scripts/build-poll-cli.sh"))
+        .current_dir(&root)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(poll.success(), "scripts/build-poll-cli.sh failed");
     let mut cmd = Command::new("bash");
     cmd.arg(root.join("scripts/build-images.sh"))
         .args(["--profile", &profile(), "--no-build"])
