@@ -165,7 +165,9 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
         !has_interpreter(&host.path().join("opt/crust/bin/crust-runtime-poll")),
         "the payload's crust-runtime-poll is dynamically linked"
     );
-    assert!(has_interpreter(&host.path().join("opt/crust/bin/crust-runtime")));
+    assert!(has_interpreter(
+        &host.path().join("opt/crust/bin/crust-runtime")
+    ));
     for cli in [
         "/opt/crust/bin/crust-runtime",
         "/opt/crust/bin/crust-runtime-poll",
