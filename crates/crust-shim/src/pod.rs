@@ -489,7 +489,11 @@ impl Pod {
                     return Err(e.into());
                 }
             };
-            if offered.is_some() {
+            // Only a handed-over volume gets plugged (and its entry taken).
+            if offered
+                .as_ref()
+                .is_some_and(|e| e.outcome == handover::HANDED_OVER)
+            {
                 let mut asked = self.asked_at.lock().expect("asked_at");
                 asked.insert(source.to_string(), t0);
             }
