@@ -54,20 +54,22 @@ limits() {
 # The runtime as it ships unless the caller names one: crust-runtime with
 # its static per-poll CLI next to it (what sandboxes record for kubelet's
 # polls), in target/bench-bin so the guest image is found at ../guest-image.
-shipped_runtime() {
+shipped_runtime=()
+ship_runtime() {
   local a poll
   for a in "$@"; do case $a in --runtime|--runtime=*) return 0;; esac; done
   poll="$(bash scripts/build-poll-cli.sh)"
   mkdir -p target/bench-bin
   cp target/release/crust-runtime target/bench-bin/crust-runtime
   cp "$poll" target/bench-bin/crust-runtime-poll
-  printf '%s\n' --runtime "$PWD/target/bench-bin/crust-runtime"
+  shipped_runtime=(--runtime "$PWD/target/bench-bin/crust-runtime")
 }
 if [ "${1:-}" = "--deferred" ]; then
   shift
+  ship_runtime "$@"
   # One pod in a guest; deferred stats and expansions through crust_ops.
   "${ctl[@]}" --deferred --work-dir "$work/kubelet" --runtime-root "$work/runtime" \
-    --crust-root "$work/crust" $(shipped_runtime "$@") $(limits 10s 2 "$@") "$@"
+    --crust-root "$work/crust" "${shipped_runtime[@]}" $(limits 10s 2 "$@") "$@"
 elif [ "${1:-}" = "--scale" ]; then
   shift
   "${ctl[@]}" --staging-dir "$work/stage" --target-dir "$work/target" \

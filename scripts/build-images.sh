@@ -30,6 +30,7 @@
 #
 # Usage: scripts/build-images.sh [--profile release|debug] [--no-build] [--stage-only]
 #   --no-build    use the binaries already in target/<profile>/ (CI builds them)
+#                 and the static crust-runtime-poll scripts/build-poll-cli.sh built
 #   --stage-only  stop after preparing target/images/stage/ (the root
 #                 filesystems and the node payload), no OCI work
 # Env: CRUST_IMAGE_REGISTRY (default localhost/crust), SOURCE_DATE_EPOCH.
@@ -47,7 +48,7 @@ while [ $# -gt 0 ]; do
 done
 case "$profile" in release|debug) ;; *) echo "--profile: release or debug" >&2; exit 2 ;; esac
 
-for t in umoci patchelf jq strip ldd dpkg-query; do
+for t in umoci patchelf jq strip ldd dpkg-query readelf gcc; do
   command -v "$t" >/dev/null || { echo "build-images: $t missing (scripts/install-deps.sh)" >&2; exit 1; }
 done
 
@@ -83,7 +84,7 @@ if [ "$build" = 1 ]; then
 fi
 # The per-poll runtime CLI ships static (scripts/build-poll-cli.sh): built
 # here, or (--no-build) already built by that script.
-poll_cli="target/x86_64-unknown-linux-gnu/agent/crust-runtime-poll"
+poll_cli="${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/agent/crust-runtime-poll"
 if [ "$build" = 1 ]; then
   poll_cli="$(bash scripts/build-poll-cli.sh)"
 elif [ ! -x "$poll_cli" ]; then
@@ -253,7 +254,9 @@ copy_elf_payload "$bindir/crust-runtime" "$pl" bin/crust-runtime
 mkdir -p "$pl/bin"
 cp "$poll_cli" "$pl/bin/crust-runtime-poll"
 chmod 0755 "$pl/bin/crust-runtime-poll"
-note_pkg "$(gcc -print-file-name=libc.a)"
+libc_a="$(gcc -print-file-name=libc.a)"
+[ -f "$libc_a" ] || { echo "build-images: libc.a not found (libc6-dev)" >&2; exit 1; }
+note_pkg "$libc_a"
 if [ "$has_shim" = 1 ]; then
   copy_elf_payload "$bindir/containerd-shim-crust-v2" "$pl" bin/containerd-shim-crust-v2
   components+=(containerd-shim-crust-v2)

@@ -13,7 +13,8 @@ RUSTFLAGS="-C target-feature=+crt-static" \
   --target "$triple" >&2
 bin="${CARGO_TARGET_DIR:-$PWD/target}/$triple/agent/crust-runtime-poll"
 # A static binary has no program interpreter (binutils' readelf).
-if readelf -l "$bin" | grep -q 'INTERP'; then
+headers="$(readelf -l "$bin")"
+if grep -q 'INTERP' <<<"$headers"; then
   echo "build-poll-cli: $bin is not statically linked" >&2
   exit 1
 fi

@@ -108,7 +108,9 @@ pub enum ControllerError {
     #[error("backing store of volume {name:?} already exists with another size: {cause}")]
     BackingExistsWithOtherSize { name: String, cause: BackendError },
     /// Two names hashed to one volume id.
-    #[error("volume id {id} of name {name:?} collides with existing volume {existing:?}")]
+    #[error(
+        "internal error: volume id {id} of name {name:?} collides with existing volume {existing:?}"
+    )]
     IdCollision {
         id: String,
         name: String,
@@ -125,7 +127,7 @@ pub enum ControllerError {
     },
     #[error("group snapshot {group} already exists for volumes {volumes:?}")]
     GroupOfOtherVolumes { group: String, volumes: Vec<String> },
-    #[error("member {member} of group snapshot {group} is gone")]
+    #[error("internal error: member {member} of group snapshot {group} is gone")]
     GroupMemberGone { member: String, group: String },
     /// A guest has the volume mounted and would not freeze it.
     #[error(
@@ -139,27 +141,27 @@ pub enum ControllerError {
          of this plugin names the target to freeze it through"
     )]
     NoWayToFreeze { volume: String, claim: String },
-    #[error("volume {volume}: {cause}")]
+    #[error("internal error: volume {volume}: {cause}")]
     HostFreezeFailed { volume: String, cause: String },
-    #[error("flushing {} of volume {volume}: {cause}", device.display())]
+    #[error("internal error: flushing {} of volume {volume}: {cause}", device.display())]
     FlushFailed {
         volume: String,
         device: PathBuf,
         cause: String,
     },
-    #[error("snapshot not consistent: {cause}")]
+    #[error("internal error: snapshot not consistent: {cause}")]
     ThawFailed { cause: String },
     #[error(
-        "snapshot of volume {volume} not consistent: the guest thawed it (time limit {limit:?}) \
-         before the copy finished"
+        "internal error: snapshot of volume {volume} not consistent: the guest thawed it (time \
+         limit {limit:?}) before the copy finished"
     )]
     GuestThawedEarly {
         volume: String,
         limit: std::time::Duration,
     },
     #[error(
-        "snapshot of volume {volume} not consistent: cannot confirm the guest kept it frozen \
-         until the copy finished: {cause}"
+        "internal error: snapshot of volume {volume} not consistent: cannot confirm the guest \
+         kept it frozen until the copy finished: {cause}"
     )]
     GuestThawUnconfirmed { volume: String, cause: String },
     /// DeleteVolume of a volume a node still uses.
@@ -263,8 +265,8 @@ pub enum NodeError {
         "volume {volume} is already staged at {} {} deferred filesystem operations \
          ({}={deferred}); unstage it first to change that",
         path.display(),
-        crate::node::DEFER_CONTEXT_KEY,
-        if *.deferred { "with" } else { "without" }
+        if *.deferred { "with" } else { "without" },
+        crate::node::DEFER_CONTEXT_KEY
     )]
     StagedWithOtherDeferral {
         volume: String,
@@ -767,6 +769,47 @@ pub enum ServeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Variants named by cause keep the messages the former strings had.
+    #[test]
+    fn cause_variants_keep_their_messages() {
+        let s: Status = NodeError::StagedWithOtherDeferral {
+            volume: "vol-a".into(),
+            path: "/st".into(),
+            deferred: true,
+        }
+        .into();
+        assert_eq!(s.code(), Code::AlreadyExists);
+        assert_eq!(
+            s.message(),
+            "volume vol-a is already staged at /st with deferred filesystem operations \
+             (deferFsOps=true); unstage it first to change that"
+        );
+        let s: Status = ControllerError::GuestThawedEarly {
+            volume: "vol-b".into(),
+            limit: std::time::Duration::from_secs(60),
+        }
+        .into();
+        assert_eq!(s.code(), Code::Internal);
+        assert_eq!(
+            s.message(),
+            "internal error: snapshot of volume vol-b not consistent: the guest thawed it (time \
+             limit 60s) before the copy finished"
+        );
+        let s: Status = NodeError::DeviceTooSmall {
+            volume: "vol-c".into(),
+            device: "/dev/loop9".into(),
+            size: 10,
+            required: 20,
+        }
+        .into();
+        assert_eq!(s.code(), Code::OutOfRange);
+        assert_eq!(
+            s.message(),
+            "device /dev/loop9 of volume vol-c is 10 bytes, less than the 20 bytes requested; \
+             expand the volume with ControllerExpandVolume first"
+        );
+    }
 
     #[test]
     fn codes_follow_the_spec() {

@@ -70,8 +70,6 @@ impl From<VolumeError> for ApiError {
     }
 }
 
-/// The API code for an agent failure: a silent agent is a deadline, a
-/// gone one is unavailable, the agent's own codes map one to one.
 /// The shim API's `/exec`: runs a command in the guest, waiting its own
 /// timeout (default 30 s) plus `slack` for the agent's answer.
 pub async fn exec_in_guest(
@@ -98,6 +96,8 @@ pub async fn exec_in_guest(
     })
 }
 
+/// The API code for an agent failure: a silent agent is a deadline, a
+/// gone one is unavailable, the agent's own codes map one to one.
 pub fn agent_code(e: &ClientError) -> Code {
     match e {
         ClientError::Timeout { .. } | ClientError::NotReady { .. } => Code::DeadlineExceeded,

@@ -517,7 +517,10 @@ impl Pod {
                 s.volumes.push(v.clone());
             }
         });
-        let forget = |me: &Pod| me.update(|s| s.volumes.retain(|o| o.id != v.id));
+        let forget = |me: &Pod| {
+            me.update(|s| s.volumes.retain(|o| o.id != v.id));
+            me.asked_at.lock().expect("asked_at").remove(&v.target);
+        };
         if let Err(e) = claim(
             &self.discovery,
             &self.store,
