@@ -421,12 +421,17 @@ fn a_killed_runs_leftovers_are_reaped_by_the_next_run() {
         .spawn()
         .unwrap();
     let tail = format!("{}: ", sleeper.id());
-    assert!(
-        processes_naming(&root).iter().any(|p| p.starts_with(&tail)),
-        "tail is not seen naming {}: {:?}",
-        root.display(),
-        processes_naming(&root)
-    );
+    // Until it has exec'd, the child's command line is still this test's.
+    let seen_by = Instant::now() + Duration::from_secs(10);
+    while !processes_naming(&root).iter().any(|p| p.starts_with(&tail)) {
+        assert!(
+            Instant::now() < seen_by,
+            "tail is not seen naming {}: {:?}",
+            root.display(),
+            processes_naming(&root)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     // The owner dies.
     drop(owner);
 
