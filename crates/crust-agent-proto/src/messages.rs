@@ -554,6 +554,11 @@ pub struct Shutdown {}
 /// (so the error can be addressed) and the error to send back: unknown
 /// operations are `Unimplemented`, everything else `InvalidArgument`.
 pub fn parse_request(body: &[u8]) -> Result<Request, (u64, AgentError)> {
+    // One pass for a good request; only a bad one is looked at as a tree
+    // to say which field or operation is wrong.
+    if let Ok(req) = serde_json::from_slice::<Request>(body) {
+        return Ok(req);
+    }
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
         (
             0,

@@ -9,6 +9,8 @@ use crust_agent_proto::FsType;
 /// One line of /proc/self/mountinfo.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountEntry {
+    /// Which mount this is: its id and the device of its filesystem.
+    pub identity: MountIdentity,
     pub mount_point: PathBuf,
     /// Root of the mount within its filesystem (`/` unless a bind mount of
     /// a subdirectory).
@@ -26,6 +28,30 @@ impl MountEntry {
     pub fn is_readonly(&self) -> bool {
         self.mount_options.iter().any(|o| o == "ro") || self.super_options.iter().any(|o| o == "ro")
     }
+}
+
+/// A mount instance: the kernel's mount id (as in mountinfo's first field
+/// and `statx`'s `STATX_MNT_ID`) and the `major:minor` of its filesystem.
+/// An id can be reused after an unmount, the pair of both for the same
+/// path only by the same device mounted again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MountIdentity {
+    pub id: u64,
+    pub dev: (u32, u32),
+}
+
+/// The identity of the mount `path` lies in, from one `statx` (no walk of
+/// the mount table). None when `path` cannot be reached or the kernel
+/// does not report mount ids (before Linux 5.8).
+pub fn mount_identity(path: &Path) -> Option<MountIdentity> {
+    use rustix::fs::{AtFlags, CWD, StatxFlags};
+    let st = rustix::fs::statx(CWD, path, AtFlags::NO_AUTOMOUNT, StatxFlags::MNT_ID).ok()?;
+    StatxFlags::from_bits_retain(st.stx_mask)
+        .contains(StatxFlags::MNT_ID)
+        .then_some(MountIdentity {
+            id: st.stx_mnt_id,
+            dev: (st.stx_dev_major, st.stx_dev_minor),
+        })
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for space, ...).
@@ -60,7 +86,18 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         if sep < 6 || fields.len() < sep + 4 {
             continue;
         }
+        let (Ok(id), Some(Ok(major)), Some(Ok(minor))) = (
+            fields[0].parse(),
+            fields[2].split_once(':').map(|(a, _)| a.parse()),
+            fields[2].split_once(':').map(|(_, b)| b.parse()),
+        ) else {
+            continue;
+        };
         out.push(MountEntry {
+            identity: MountIdentity {
+                id,
+                dev: (major, minor),
+            },
             root: unescape(fields[3]),
             mount_point: PathBuf::from(unescape(fields[4])),
             mount_options: fields[5].split(',').map(str::to_owned).collect(),
@@ -317,6 +354,34 @@ mod tests {
         assert!(m[2].is_readonly());
         assert_eq!(m[3].mount_point, Path::new("/mnt/with space"));
         assert!(m[3].is_readonly());
+        assert_eq!(
+            m[1].identity,
+            MountIdentity {
+                id: 30,
+                dev: (254, 16)
+            }
+        );
+        assert_eq!(m[3].identity.dev, (254, 32));
+        // A line without a numeric id or device is skipped, not misread.
+        assert!(parse_mountinfo("x 1 0:5 / /a rw - ext4 /dev/vdb rw\n").is_empty());
+        assert!(parse_mountinfo("7 1 05 / /a rw - ext4 /dev/vdb rw\n").is_empty());
+    }
+
+    #[test]
+    fn mount_identity_agrees_with_the_mount_table() {
+        // The root of this process's namespace is in the table under the
+        // id statx reports for it.
+        let Some(id) = mount_identity(Path::new("/")) else {
+            return; // a kernel before 5.8
+        };
+        let table = mounts();
+        let top = table
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == Path::new("/"))
+            .expect("/ is mounted");
+        assert_eq!(top.identity, id);
+        assert_eq!(mount_identity(Path::new("/nonexistent/crust")), None);
     }
 
     #[test]

@@ -153,6 +153,11 @@ pub struct VolumeRecord {
     pub fstype: FsType,
     /// Read-only was requested (so a read-only mount is not a fault).
     pub readonly: bool,
+    /// The mount this record was made for. While `statx` on the mount
+    /// point reports the same one, the record stands without reading the
+    /// mount table (costly in an emulated guest, and every stats poll
+    /// looks the volume up).
+    pub mount: Option<sys::MountIdentity>,
 }
 
 pub fn validate_name(volume: &str) -> Result<(), VolumeError> {
@@ -236,8 +241,15 @@ impl Volumes {
     /// did not mount it (agent restarted).
     pub fn lookup(&self, volume: &str) -> Option<VolumeRecord> {
         let target = mount_path(volume);
+        if let Some(r) = self.records.lock().expect("records").get(volume)
+            && r.mount.is_some()
+            && r.mount == sys::mount_identity(&target)
+        {
+            return Some(r.clone());
+        }
         let entry = sys::mount_at(&target)?;
-        if let Some(r) = self.records.lock().expect("records").get(volume) {
+        if let Some(r) = self.records.lock().expect("records").get_mut(volume) {
+            r.mount = Some(entry.identity);
             return Some(r.clone());
         }
         let disk = disk_of_source(&entry.source)?;
@@ -251,6 +263,7 @@ impl Volumes {
             readonly: entry.is_readonly(),
             disk,
             fstype,
+            mount: Some(entry.identity),
         };
         self.records
             .lock()
@@ -467,6 +480,7 @@ impl Volumes {
                 disk: disk.name.clone(),
                 fstype: req.fstype,
                 readonly: opts.readonly,
+                mount: sys::mount_identity(&target),
             },
         );
         let mut applied = false;

@@ -245,6 +245,16 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         assert!(!s.condition.abnormal, "{}", s.condition.message);
     }
     assert_eq!(code_of(a.stat_volume("nope").await), ErrorCode::NotFound);
+    // Unmounted behind the agent's back: stats check the remembered mount
+    // (its id and device, one statx) and do not answer from the record.
+    g.sh(&format!("umount {x}")).await;
+    assert_eq!(code_of(a.stat_volume("xfsv").await), ErrorCode::NotFound);
+    let mut xreq = mount_req("xfsv", "crust-xfs", FsType::Xfs);
+    xreq.fs_group = Some(3001);
+    xreq.fs_group_policy = Some(FsGroupPolicy::OnRootMismatch);
+    assert!(!a.mount_volume(xreq).await.unwrap().fs_group_applied);
+    let (t, _, _) = guest_df(&g, "-P -B1", x).await;
+    assert_eq!(a.stat_volume("xfsv").await.unwrap().bytes.total, t);
 
     // --- online growth ------------------------------------------------------
     let before = a.stat_volume("ext").await.unwrap().bytes.total;

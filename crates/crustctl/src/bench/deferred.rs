@@ -188,17 +188,71 @@ pub async fn measure(
         staging_target_path: flow.staging_path().unwrap_or_default().to_string(),
         defer_fs_ops: defer,
     };
+    let qemu = flow.report().qemu_pid;
     if !*stop.borrow() {
-        scenarios.push(deferred_stats(csi, &stats_req, cfg, stop).await);
+        let cpu = GuestCpu::start(qemu);
+        let r = deferred_stats(csi, &stats_req, cfg, stop).await;
+        notes.extend(GuestCpu::note(cpu, &r));
+        scenarios.push(r);
     }
     if !*stop.borrow() {
-        scenarios.push(deferred_health(csi, &stats_req, cfg, stop).await);
+        let cpu = GuestCpu::start(qemu);
+        let r = deferred_health(csi, &stats_req, cfg, stop).await;
+        notes.extend(GuestCpu::note(cpu, &r));
+        scenarios.push(r);
     }
     if !*stop.borrow() {
         scenarios.push(deferred_expand(csi, flow, &stats_req, cfg, stop, &mut notes).await);
     }
 
     (scenarios, notes)
+}
+
+/// CPU the pod's QEMU (guest, devices, I/O threads) spends during a
+/// scenario: what each deferred call costs the node beyond the plugin, and
+/// steadier than latency on a shared host.
+struct GuestCpu {
+    pid: i32,
+    at_start: Duration,
+}
+
+impl GuestCpu {
+    fn start(pid: Option<i32>) -> Option<GuestCpu> {
+        let pid = pid?;
+        Some(GuestCpu {
+            pid,
+            at_start: process_cpu(pid)?,
+        })
+    }
+
+    fn note(this: Option<Self>, r: &ScenarioReport) -> Option<String> {
+        let this = this?;
+        let used = process_cpu(this.pid)?.checked_sub(this.at_start)?;
+        let calls: u64 = r.rpcs.iter().map(|x| x.count + x.errors).sum();
+        (calls > 0).then(|| {
+            format!(
+                "{}: the guest's QEMU used {} of CPU per call ({} calls, {} in all)",
+                r.scenario.name(),
+                human_duration(used / calls as u32),
+                calls,
+                human_duration(used)
+            )
+        })
+    }
+}
+
+/// On-CPU time of every thread of `pid` (schedstat: nanoseconds, not
+/// ticks); None when the process is gone or not ours to read.
+fn process_cpu(pid: i32) -> Option<Duration> {
+    let mut ns = 0u64;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let s = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+        ns += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(ns))
 }
 
 /// deferred-stats: NodeGetVolumeStats of the pod's volume, answered by the
