@@ -39,6 +39,10 @@ pub struct DeferredConfig {
     pub limit: Limit,
     /// Bytes added by each expansion.
     pub expand_step: u64,
+    /// Wait of each worker after each stats or health call: calls then
+    /// reach an idle guest, as kubelet's once-a-minute polls do (zero:
+    /// back to back).
+    pub pause: Duration,
 }
 
 /// Hands out operation numbers until the limit (or Ctrl-C).
@@ -189,6 +193,12 @@ pub async fn measure(
         defer_fs_ops: defer,
     };
     let qemu = flow.report().qemu_pid;
+    if !cfg.pause.is_zero() {
+        notes.push(format!(
+            "stats and health calls paced: each worker waited {} after each call",
+            human_duration(cfg.pause)
+        ));
+    }
     if !*stop.borrow() {
         let cpu = GuestCpu::start(qemu);
         let r = deferred_stats(csi, &stats_req, cfg, stop).await;
@@ -323,6 +333,7 @@ where
 {
     let rec = Arc::new(Recorder::default());
     let budget = Arc::new(Budget::new(cfg.limit, stop.clone()));
+    let pause = cfg.pause;
     let t0 = Instant::now();
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..cfg.concurrency {
@@ -334,7 +345,11 @@ where
             call.clone(),
         );
         set.spawn(async move {
+            let mut first = true;
             while budget.claim() {
+                if !std::mem::take(&mut first) && !pause.is_zero() {
+                    tokio::time::sleep(pause).await;
+                }
                 match rec.timed(rpc, call(c.clone(), req.clone())).await {
                     Ok(None) => {
                         rec.ops.fetch_add(1, Ordering::Relaxed);

@@ -655,6 +655,11 @@ pub struct BenchArgs {
     /// Deferred mode: bytes added by each expansion.
     #[arg(long, default_value = "4Mi", value_parser = parse_size, requires = "deferred")]
     pub expand_step: u64,
+    /// Deferred mode: each worker waits this long after each stats or
+    /// health call, so that calls reach an idle guest as kubelet's
+    /// once-a-minute polls do (e.g. 20ms) [default: back to back].
+    #[arg(long, value_parser = parse_duration, requires = "deferred")]
+    pub pause: Option<std::time::Duration>,
     /// Deferred and guest I/O modes: work dir (kubelet root, bundles)
     /// [default: a fresh /var/tmp/crust-bench-<pid>, removed afterwards].
     #[arg(long, value_name = "DIR", requires = "pod_mode")]

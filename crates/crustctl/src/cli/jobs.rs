@@ -308,6 +308,7 @@ pub(super) async fn bench_deferred_cmd(
         concurrency: a.concurrency as usize,
         limit,
         expand_step: a.expand_step,
+        pause: a.pause.unwrap_or_default(),
     };
     let (stop, signals) = stop_on_signals();
     // Set-up and teardown steps go to stderr: stdout is the table.
