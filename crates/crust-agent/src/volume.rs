@@ -241,11 +241,13 @@ impl Volumes {
     /// did not mount it (agent restarted).
     pub fn lookup(&self, volume: &str) -> Option<VolumeRecord> {
         let target = mount_path(volume);
-        if let Some(r) = self.records.lock().expect("records").get(volume)
+        // Cloned out so the statx runs without the lock held.
+        let cached = self.records.lock().expect("records").get(volume).cloned();
+        if let Some(r) = cached
             && r.mount.is_some()
             && r.mount == sys::mount_identity(&target)
         {
-            return Some(r.clone());
+            return Some(r);
         }
         let entry = sys::mount_at(&target)?;
         if let Some(r) = self.records.lock().expect("records").get_mut(volume) {
@@ -472,6 +474,7 @@ impl Volumes {
                 hint,
             });
         }
+        let mount = sys::mount_identity(&target);
         self.records.lock().expect("records").insert(
             req.volume.clone(),
             VolumeRecord {
@@ -480,7 +483,7 @@ impl Volumes {
                 disk: disk.name.clone(),
                 fstype: req.fstype,
                 readonly: opts.readonly,
-                mount: sys::mount_identity(&target),
+                mount,
             },
         );
         let mut applied = false;

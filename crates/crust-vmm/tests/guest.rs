@@ -249,6 +249,14 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     // (its id and device, one statx) and do not answer from the record.
     g.sh(&format!("umount {x}")).await;
     assert_eq!(code_of(a.stat_volume("xfsv").await), ErrorCode::NotFound);
+    // The same disk mounted there again from outside (its mount id may be
+    // the old one reused): the same volume, so its stats are right.
+    g.sh(&format!("mount -t xfs {} {x}", xm.device)).await;
+    let (t, _, _) = guest_df(&g, "-P -B1", x).await;
+    assert_eq!(a.stat_volume("xfsv").await.unwrap().bytes.total, t);
+    // Unmounted again after the fast path was used: NotFound again.
+    g.sh(&format!("umount {x}")).await;
+    assert_eq!(code_of(a.stat_volume("xfsv").await), ErrorCode::NotFound);
     let mut xreq = mount_req("xfsv", "crust-xfs", FsType::Xfs);
     xreq.fs_group = Some(3001);
     xreq.fs_group_policy = Some(FsGroupPolicy::OnRootMismatch);
