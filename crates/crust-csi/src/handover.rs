@@ -400,7 +400,7 @@ impl Driver {
             ));
         }
         self.guest_can_mount(rec, p, ask)?;
-        mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()])
+        wait_out_transient(|| mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()]))
     }
 
     /// The runtime's declared capabilities and filesystems cover the
@@ -560,9 +560,20 @@ impl Driver {
                 .as_deref()
                 .and_then(|v| crust_handoff::FsGroupChangePolicy::parse(v).ok()),
         };
-        self.ops
-            .stage_claimed(req, &ask.sandbox, &ask.runtime_cli)
-            .map_err(|e| HandoverError::Node(e.into()))
+        let until = std::time::Instant::now() + TRANSIENT_HOLDER_WAIT;
+        loop {
+            match self
+                .ops
+                .stage_claimed(req.clone(), &ask.sandbox, &ask.runtime_cli)
+            {
+                Err(crust_ops::OpsError::DeviceInUse { .. })
+                    if std::time::Instant::now() < until =>
+                {
+                    std::thread::sleep(TRANSIENT_HOLDER_STEP);
+                }
+                r => return r.map_err(|e| HandoverError::Node(e.into())),
+            }
+        }
     }
 
     /// Step 5 and done: the placeholder, then the records say the guest
@@ -853,6 +864,30 @@ fn into_node(e: HandoverError) -> NodeError {
         HandoverError::State(s) => NodeError::State(s),
         HandoverError::Busy(b) => NodeError::Busy(b),
         e => NodeError::Handover(Box::new(e)),
+    }
+}
+
+/// How long a handover waits for the device's other holders to go before
+/// it declines. A process that creates a mount namespace (a container, a
+/// sandboxed virtiofsd starting) holds a copy of every host mount, the
+/// staging one included, until it pivots away from them: milliseconds
+/// that must not send a pod to virtio-fs for its whole life.
+const TRANSIENT_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+const TRANSIENT_HOLDER_STEP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// `check` again while it finds the device in use, for up to
+/// [`TRANSIENT_HOLDER_WAIT`].
+fn wait_out_transient(
+    check: impl Fn() -> std::result::Result<(), Decline>,
+) -> std::result::Result<(), Decline> {
+    let until = std::time::Instant::now() + TRANSIENT_HOLDER_WAIT;
+    loop {
+        match check() {
+            Err(d) if d.reason == Reason::InUseElsewhere && std::time::Instant::now() < until => {
+                std::thread::sleep(TRANSIENT_HOLDER_STEP);
+            }
+            r => return r,
+        }
     }
 }
 

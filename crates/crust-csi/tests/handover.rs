@@ -265,6 +265,99 @@ async fn declines_leave_the_host_mount() {
     assert!(mounts_under(node.dir.path()).is_empty());
 }
 
+/// Another process holding the device keeps the handover from taking it.
+/// Such holders can be short-lived: a process that creates a mount
+/// namespace (a container, a sandboxed virtiofsd starting) has a copy of
+/// every host mount until it pivots away. So the handover waits for them
+/// (bounded): one gone within the wait does not send the pod to virtio-fs,
+/// and a lasting one is declined with the host mount left as it was. The
+/// holder here has the device open (a namespace copy would also hold the
+/// other tests' mounts). Budget: about 3 s (no guest).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_holder_of_the_device_is_waited_for_then_declined() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let id = c
+        .create(create_req("ho-ns", 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/ho-ns");
+    let target = node.mkdir("pods/p1/ho-ns");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    let device = mountinfo()
+        .into_iter()
+        .find(|(point, _)| point == Path::new(&staging))
+        .map(|(_, src)| src)
+        .expect("staging mounted");
+    let holder = |secs: &str| {
+        let dev = std::fs::File::open(&device).unwrap();
+        std::process::Command::new("sleep")
+            .arg(secs)
+            .stdin(dev)
+            .spawn()
+            .expect("sleep")
+    };
+
+    // Lasting: declined after the wait, nothing changed on the host.
+    let mut long = holder("30");
+    let t0 = std::time::Instant::now();
+    let d = declined(
+        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    let waited = t0.elapsed();
+    long.kill().unwrap();
+    long.wait().unwrap();
+    assert_eq!(d.reason, Reason::InUseElsewhere as i32, "{}", d.message);
+    assert!(d.message.contains("is open by"), "{}", d.message);
+    assert!(waited.as_millis() >= 1500, "declined after {waited:?}");
+    assert!(host_mounted(&target) && is_mounted(&staging));
+    assert_eq!(
+        std::fs::read_dir(&target).unwrap().count(),
+        std::fs::read_dir(&staging).unwrap().count()
+    );
+
+    // Short-lived (gone within the wait): handed over once it is gone.
+    let mut short = holder("0.5");
+    let t0 = std::time::Instant::now();
+    let got = handed_over(
+        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    let took = t0.elapsed();
+    short.wait().unwrap();
+    assert!(took.as_millis() >= 300, "handed over after {took:?}");
+    assert!(device_unmounted(&got.device));
+    assert!(!host_mounted(&target) && !is_mounted(&staging));
+
+    // Back, then kubelet's teardown: nothing left.
+    // The runtime CLI's view: the sandbox stopped (its guest mount is gone).
+    let guest_dir = node.path("guest/ho-ns");
+    let map = serde_json::json!({
+        target.as_str(): {"sandbox": "sb-1", "mount": guest_dir.to_str().unwrap()}
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    h.hand_back(hv::HandBackRequest {
+        target_path: target.clone(),
+        sandbox_id: "sb-1".into(),
+    })
+    .await
+    .unwrap();
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+}
+
 /// The plugin SIGKILLed at every step of a handover (the test-only crash
 /// point), then restarted: before the hand-off record is complete the
 /// handover is rolled back (host mounts as before, no record); from the
