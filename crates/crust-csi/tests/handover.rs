@@ -52,6 +52,44 @@ fn ask(target: &str, sandbox: &str, fs: &[&str], required: bool) -> hv::HandOver
     }
 }
 
+/// A 1 GiB ext4 volume created, staged at `staging/<name>` and published
+/// at `pods/<pod>/<name>`, as kubelet leaves a runc pod's volume:
+/// (volume id, staging path, target path).
+async fn host_published(
+    node: &TestNode,
+    c: &mut Clients,
+    name: &str,
+    pod: &str,
+) -> (String, String, String) {
+    let id = c
+        .create(create_req(name, 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir(&format!("staging/{name}"));
+    let target = node.mkdir(&format!("pods/{pod}/{name}"));
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    (id, staging, target)
+}
+
+/// HandOver of `target` for sandbox `sb-1` (ext4): the answer and how
+/// long it took.
+async fn timed_hand_over(
+    h: &mut HandoverClient<Channel>,
+    target: &str,
+) -> (hv::HandOverResponse, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let r = h
+        .hand_over(ask(target, "sb-1", &["ext4"], false))
+        .await
+        .unwrap()
+        .into_inner();
+    (r, t0.elapsed())
+}
+
 /// The device is mounted nowhere in this namespace.
 fn device_unmounted(dev: &str) -> bool {
     !mountinfo().iter().any(|(_, src)| src == dev)
@@ -81,17 +119,7 @@ async fn hand_over_and_back_without_a_host_mount() {
     let mut node = TestNode::deferral("crust", &[]);
     let mut c = node.clients().await;
     let mut h = handover_client(&node).await;
-    let id = c
-        .create(create_req("ho-1", 1 << 30, vec![mount("ext4")]))
-        .await
-        .unwrap()
-        .volume_id;
-    let staging = node.mkdir("staging/ho-1");
-    let target = node.mkdir("pods/p1/ho-1");
-    c.stage(&id, &staging, mount("ext4")).await.unwrap();
-    c.publish(&id, &staging, &target, mount("ext4"), false)
-        .await
-        .unwrap();
+    let (id, staging, target) = host_published(&node, &mut c, "ho-1", "p1").await;
     // The runc-side writer (the host mount).
     std::fs::write(Path::new(&target).join("host.txt"), b"from the host").unwrap();
 
@@ -278,17 +306,7 @@ async fn a_holder_of_the_device_is_waited_for_then_declined() {
     let node = TestNode::deferral("crust", &[]);
     let mut c = node.clients().await;
     let mut h = handover_client(&node).await;
-    let id = c
-        .create(create_req("ho-ns", 1 << 30, vec![mount("ext4")]))
-        .await
-        .unwrap()
-        .volume_id;
-    let staging = node.mkdir("staging/ho-ns");
-    let target = node.mkdir("pods/p1/ho-ns");
-    c.stage(&id, &staging, mount("ext4")).await.unwrap();
-    c.publish(&id, &staging, &target, mount("ext4"), false)
-        .await
-        .unwrap();
+    let (id, staging, target) = host_published(&node, &mut c, "ho-ns", "p1").await;
     let device = mountinfo()
         .into_iter()
         .find(|(point, _)| point == Path::new(&staging))
@@ -305,16 +323,10 @@ async fn a_holder_of_the_device_is_waited_for_then_declined() {
 
     // Lasting: declined after the wait, nothing changed on the host.
     let mut long = holder("30");
-    let t0 = std::time::Instant::now();
-    let d = declined(
-        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
-    let waited = t0.elapsed();
+    let (r, waited) = timed_hand_over(&mut h, &target).await;
     long.kill().unwrap();
     long.wait().unwrap();
+    let d = declined(r);
     assert_eq!(d.reason, Reason::InUseElsewhere as i32, "{}", d.message);
     assert!(d.message.contains("is open by"), "{}", d.message);
     assert!(waited.as_millis() >= 1500, "declined after {waited:?}");
@@ -326,15 +338,9 @@ async fn a_holder_of_the_device_is_waited_for_then_declined() {
 
     // Short-lived (gone within the wait): handed over once it is gone.
     let mut short = holder("0.5");
-    let t0 = std::time::Instant::now();
-    let got = handed_over(
-        h.hand_over(ask(&target, "sb-1", &["ext4"], false))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
-    let took = t0.elapsed();
+    let (r, took) = timed_hand_over(&mut h, &target).await;
     short.wait().unwrap();
+    let got = handed_over(r);
     assert!(took.as_millis() >= 300, "handed over after {took:?}");
     assert!(device_unmounted(&got.device));
     assert!(!host_mounted(&target) && !is_mounted(&staging));
@@ -380,17 +386,7 @@ async fn a_plugin_killed_at_every_step_of_a_handover_is_repaired_at_start() {
             .push((crust_csi::HANDOVER_CRASH_ENV.into(), step.into()));
         node.start();
         let mut c = node.clients().await;
-        let id = c
-            .create(create_req("ho-k", 1 << 30, vec![mount("ext4")]))
-            .await
-            .unwrap()
-            .volume_id;
-        let staging = node.mkdir("staging/ho-k");
-        let target = node.mkdir("pods/pk/ho-k");
-        c.stage(&id, &staging, mount("ext4")).await.unwrap();
-        c.publish(&id, &staging, &target, mount("ext4"), false)
-            .await
-            .unwrap();
+        let (id, staging, target) = host_published(&node, &mut c, "ho-k", "pk").await;
         std::fs::write(Path::new(&target).join("host.txt"), b"before").unwrap();
 
         let mut h = handover_client(&node).await;
