@@ -424,9 +424,8 @@ mod tests {
     #[test]
     fn mount_identity_agrees_with_the_mount_table() {
         // The root of this process's namespace is in the table under the
-        // id statx reports for it.
-        // Only the id: on btrfs a stat's device is the subvolume's, not
-        // the one mountinfo names.
+        // id statx reports for it (only the id: on btrfs a stat's device
+        // is the subvolume's, not the one mountinfo names).
         let table = mounts();
         let top = table.iter().rev().find(|m| m.mount_point == Path::new("/"));
         if let (Some(id), Some(top)) = (mount_identity(Path::new("/")), top) {

@@ -400,7 +400,10 @@ impl Driver {
             ));
         }
         self.guest_can_mount(rec, p, ask)?;
-        wait_out_transient(|| mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()]))
+        wait_out_transient(
+            |d: &Decline| d.reason == Reason::InUseElsewhere,
+            || mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()]),
+        )
     }
 
     /// The runtime's declared capabilities and filesystems cover the
@@ -560,20 +563,14 @@ impl Driver {
                 .as_deref()
                 .and_then(|v| crust_handoff::FsGroupChangePolicy::parse(v).ok()),
         };
-        let until = std::time::Instant::now() + TRANSIENT_HOLDER_WAIT;
-        loop {
-            match self
-                .ops
-                .stage_claimed(req.clone(), &ask.sandbox, &ask.runtime_cli)
-            {
-                Err(crust_ops::OpsError::DeviceInUse { .. })
-                    if std::time::Instant::now() < until =>
-                {
-                    std::thread::sleep(TRANSIENT_HOLDER_STEP);
-                }
-                r => return r.map_err(|e| HandoverError::Node(e.into())),
-            }
-        }
+        wait_out_transient(
+            |e| matches!(e, crust_ops::OpsError::DeviceInUse { .. }),
+            || {
+                self.ops
+                    .stage_claimed(req.clone(), &ask.sandbox, &ask.runtime_cli)
+            },
+        )
+        .map_err(|e| HandoverError::Node(e.into()))
     }
 
     /// Step 5 and done: the placeholder, then the records say the guest
@@ -875,15 +872,16 @@ fn into_node(e: HandoverError) -> NodeError {
 const TRANSIENT_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 const TRANSIENT_HOLDER_STEP: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// `check` again while it finds the device in use, for up to
-/// [`TRANSIENT_HOLDER_WAIT`].
-fn wait_out_transient(
-    check: impl Fn() -> std::result::Result<(), Decline>,
-) -> std::result::Result<(), Decline> {
+/// `check` again while its error says the device is held (`in_use`), for
+/// up to [`TRANSIENT_HOLDER_WAIT`].
+fn wait_out_transient<T, E>(
+    in_use: impl Fn(&E) -> bool,
+    mut check: impl FnMut() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
     let until = std::time::Instant::now() + TRANSIENT_HOLDER_WAIT;
     loop {
         match check() {
-            Err(d) if d.reason == Reason::InUseElsewhere && std::time::Instant::now() < until => {
+            Err(e) if in_use(&e) && std::time::Instant::now() < until => {
                 std::thread::sleep(TRANSIENT_HOLDER_STEP);
             }
             r => return r,
