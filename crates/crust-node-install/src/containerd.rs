@@ -35,8 +35,14 @@ pub const DEFAULT_IMPORTS: &str = "/etc/containerd/conf.d/*.toml";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: not valid TOML: {reason}")]
-    Parse { path: PathBuf, reason: String },
+    /// Where, never what: the parser's own message quotes the offending
+    /// line, which in a mistaken or hostile config may be a secret.
+    #[error("{path}: not valid TOML at line {line}, column {column} (content not shown)")]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+    },
     #[error(
         "{path}: containerd config version {version} is not supported (2 for containerd 1.x, \
          3 for 2.x); migrate it with `containerd config migrate`"
@@ -122,12 +128,14 @@ impl RootConfig {
     /// Parses `text` read from `path` (host path, for messages and for
     /// resolving relative imports).
     pub fn parse(path: &Path, text: &str) -> Result<RootConfig, ConfigError> {
-        let doc = text
-            .parse::<DocumentMut>()
-            .map_err(|e| ConfigError::Parse {
+        let doc = text.parse::<DocumentMut>().map_err(|e| {
+            let (line, column) = line_column(text, e.span().map_or(0, |s| s.start));
+            ConfigError::Parse {
                 path: path.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+                line,
+                column,
+            }
+        })?;
         Ok(RootConfig {
             path: path.to_path_buf(),
             doc,
@@ -249,6 +257,16 @@ impl RootConfig {
     }
 }
 
+/// 1-based line and column (in characters) of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset.min(text.len())).unwrap_or(text);
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (
+        before.matches('\n').count() + 1,
+        before[line_start..].chars().count() + 1,
+    )
+}
+
 /// The root config written where none exists: version 2 (read by
 /// containerd 1.x and 2.x alike) importing the default drop-in directory.
 pub fn new_root_config(imports: &[&Path]) -> String {
@@ -347,6 +365,10 @@ mod tests {
                 .is_err()
         );
         assert!(RootConfig::parse(p, "version = [").is_err());
+        let secret = "version = 2\nroot:$6$s3cr3tHash:19000:0:99999:7:::\n";
+        let e = RootConfig::parse(p, secret).err().unwrap();
+        assert!(matches!(e, ConfigError::Parse { line: 2, .. }), "{e:?}");
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
     }
 
     #[test]

@@ -14,24 +14,38 @@
 //!   section); a root config is created (version 2) only when none exists.
 //!   Every decision is made before anything is written: a config this
 //!   installer cannot handle (version 1, not TOML) changes nothing.
-//! * Everything done is recorded in `<prefix>/.crust-install.json`;
-//!   uninstall undoes exactly that (files, directories it created, the
-//!   drop-in, the `imports` entry, a root config it created) and an
+//! * Host files are reached only through [`crate::hostfs`]: no symbolic
+//!   link is followed below the host root and only regular files are read
+//!   or replaced, so a config that is a link (to `/etc/shadow`, or into a
+//!   distribution's read-only tree) or a FIFO is refused by name before
+//!   anything is written. No error quotes a file's content.
+//! * Everything is decided before anything is written (the plan: every
+//!   path checked, every missing directory known); then the record
+//!   `<prefix>/.crust-install.json` is written **first**, `pending`, listing
+//!   everything this run may create, and rewritten (temporary file, fsync,
+//!   rename) as steps complete: payload, drop-in, root config (the drop-in
+//!   before the `imports` entry naming it), then the record again, no
+//!   longer pending. Whatever step fails or crashes, uninstall undoes it
+//!   all; a failed first install rolls itself back at once (a failed
+//!   upgrade keeps its record, since the old runtime may be in use).
+//!   Uninstall undoes exactly the record (files, directories it created,
+//!   the drop-in, the `imports` entry, a root config it created) and an
 //!   upgrade removes files the new payload no longer has.
 //! * Both are idempotent: a repeated run changes nothing and does not
 //!   reload containerd.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Component, Path, PathBuf};
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::containerd::{self, ConfigError, Handler, RootConfig, Version};
+use crate::hostfs::HostRoot;
 
 /// The install record, relative to the prefix.
 pub const MANIFEST: &str = ".crust-install.json";
@@ -52,6 +66,53 @@ pub enum InstallError {
     NotAbsolute(PathBuf),
     #[error("reloading containerd ({command}) failed: {reason}")]
     Reload { command: String, reason: String },
+    /// The installer follows no links under the host root (see
+    /// [`crate::hostfs`]).
+    #[error(
+        "{path} is a symbolic link to {target}; the installer does not follow links on the \
+         host: replace it with a copy of the file containerd really reads, or pass that \
+         file's path"
+    )]
+    Symlink { path: PathBuf, target: PathBuf },
+    #[error("{path} is a {kind}, not a regular file: refused")]
+    NotAFile { path: PathBuf, kind: &'static str },
+    #[error("{path} is a {kind}, not a directory: refused")]
+    NotADirectory { path: PathBuf, kind: &'static str },
+    #[error("stopped after step {0:?} (injected fault)")]
+    Fault(Step),
+    #[error("{cause}; the install was rolled back, nothing of it is left")]
+    RolledBack { cause: Box<InstallError> },
+    #[error(
+        "{cause}; rolling back failed too ({rollback}): `crust-node-install uninstall` \
+         removes what {record} lists"
+    )]
+    RollbackFailed {
+        cause: Box<InstallError>,
+        rollback: Box<InstallError>,
+        record: PathBuf,
+    },
+    #[error(
+        "{cause}; the upgrade is incomplete: {record} lists everything it wrote (run install \
+         again, or uninstall)"
+    )]
+    Incomplete {
+        cause: Box<InstallError>,
+        record: PathBuf,
+    },
+}
+
+/// The points between install steps, where a test can inject a failure
+/// ([`Options::fault`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// The record of intent is written; nothing else yet.
+    Recorded,
+    /// The payload is in place (and stale files removed).
+    Payload,
+    /// The drop-in is written (when one is used).
+    Dropin,
+    /// The root config is written (when it needed a change).
+    RootConfig,
 }
 
 type Result<T> = std::result::Result<T, InstallError>;
@@ -79,6 +140,9 @@ pub struct Options {
     /// Run after containerd's configuration changed (e.g. `nsenter -t 1
     /// -m -- systemctl restart containerd`); None: the operator restarts it.
     pub reload: Option<Vec<String>>,
+    /// Test seam: called after each [`Step`]; `true` fails the install
+    /// there (a panic stands for a crash: no rollback runs).
+    pub fault: Option<fn(Step) -> bool>,
 }
 
 impl Options {
@@ -92,16 +156,8 @@ impl Options {
             dropin: "/etc/containerd/conf.d/crust.toml".into(),
             handler: "crust".into(),
             reload: None,
+            fault: None,
         }
-    }
-
-    /// A host path as this process reaches it.
-    fn host(&self, p: &Path) -> PathBuf {
-        let rel: PathBuf = p
-            .components()
-            .filter(|c| matches!(c, Component::Normal(_)))
-            .collect();
-        self.host_root.join(rel)
     }
 
     fn check(&self) -> Result<()> {
@@ -156,6 +212,10 @@ pub struct Manifest {
     pub root: RootAction,
     /// RuntimeClass handler name configured.
     pub handler: String,
+    /// Written before anything else and still true while the install
+    /// runs: the record then lists everything the run may have created.
+    #[serde(default)]
+    pub pending: bool,
 }
 
 /// What a run did.
@@ -170,81 +230,6 @@ pub struct Report {
 fn sha256(bytes: &[u8]) -> String {
     let d = Sha256::digest(bytes);
     d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn read_opt(p: &Path) -> Result<Option<Vec<u8>>> {
-    match fs::read(p) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(InstallError::Io(p.to_path_buf(), e)),
-    }
-}
-
-/// Creates `dir` and missing parents, recording (as host paths) the ones
-/// created.
-fn mkdirs(opts: &Options, dir: &Path, created: &mut BTreeSet<PathBuf>) -> Result<()> {
-    let mut cur = PathBuf::from("/");
-    for c in dir
-        .components()
-        .filter(|c| matches!(c, Component::Normal(_)))
-    {
-        cur.push(c);
-        let h = opts.host(&cur);
-        match fs::symlink_metadata(&h) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(InstallError::Io(
-                    h,
-                    io::Error::other("exists and is not a directory"),
-                ));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                fs::create_dir(&h).map_err(io_err(&h))?;
-                fs::set_permissions(&h, fs::Permissions::from_mode(0o755)).map_err(io_err(&h))?;
-                created.insert(cur.clone());
-            }
-            Err(e) => return Err(InstallError::Io(h, e)),
-        }
-    }
-    Ok(())
-}
-
-/// Writes `bytes` to `path` atomically (temp file, fsync, rename) unless
-/// it already holds them with `mode`. Returns whether it wrote.
-fn put(path: &Path, bytes: &[u8], mode: u32) -> Result<bool> {
-    if let Ok(m) = fs::symlink_metadata(path)
-        && m.is_file()
-        && m.permissions().mode() & 0o7777 == mode
-        && read_opt(path)?.as_deref() == Some(bytes)
-    {
-        return Ok(false);
-    }
-    let dir = path.parent().expect("absolute");
-    let tmp = dir.join(format!(
-        ".{}.crust-tmp",
-        path.file_name().expect("a file").to_string_lossy()
-    ));
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(io_err(&tmp))?;
-    f.write_all(bytes).map_err(io_err(&tmp))?;
-    f.set_permissions(fs::Permissions::from_mode(mode))
-        .map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_err(path))?;
-    Ok(true)
-}
-
-fn remove_file(path: &Path) -> Result<bool> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(InstallError::Io(path.to_path_buf(), e)),
-    }
 }
 
 /// Regular files of the payload, relative, sorted.
@@ -275,6 +260,18 @@ fn payload_files(root: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// A payload file's content and mode (the image's, trusted).
+fn payload_file(payload: &Path, rel: &Path) -> Result<(Vec<u8>, u32)> {
+    let src = payload.join(rel);
+    let bytes = fs::read(&src).map_err(io_err(&src))?;
+    let mode = fs::metadata(&src)
+        .map_err(io_err(&src))?
+        .permissions()
+        .mode()
+        & 0o755;
+    Ok((bytes, mode))
+}
+
 pub fn read_payload_info(payload: &Path) -> Result<PayloadInfo> {
     let p = payload.join(PAYLOAD_INFO);
     let bytes = fs::read(&p).map_err(io_err(&p))?;
@@ -282,13 +279,101 @@ pub fn read_payload_info(payload: &Path) -> Result<PayloadInfo> {
 }
 
 pub fn read_manifest(opts: &Options) -> Result<Option<Manifest>> {
-    let p = opts.host(&opts.prefix).join(MANIFEST);
-    match read_opt(&p)? {
-        None => Ok(None),
-        Some(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| InstallError::Manifest(p, e.to_string())),
+    read_record(&HostRoot::open(&opts.host_root)?, opts)
+}
+
+fn read_record(host: &HostRoot, opts: &Options) -> Result<Option<Manifest>> {
+    let p = opts.prefix.join(MANIFEST);
+    let Some(f) = host.read(&p)? else {
+        return Ok(None);
+    };
+    // serde_json's data errors may quote a value: say where, not what.
+    serde_json::from_slice(&f.bytes).map(Some).map_err(|e| {
+        InstallError::Manifest(
+            host.shown(&p),
+            format!(
+                "{:?} error at line {}, column {}",
+                e.classify(),
+                e.line(),
+                e.column()
+            ),
+        )
+    })
+}
+
+fn write_record(host: &HostRoot, m: &Manifest) -> Result<()> {
+    let json = serde_json::to_vec_pretty(m).expect("serializable");
+    host.put(&m.prefix.join(MANIFEST), &json, Some(0o644))?;
+    Ok(())
+}
+
+/// Everything an install will do, decided (and every path checked)
+/// before anything is written.
+struct Plan {
+    handler: Handler,
+    root: RootPlan,
+    /// Payload files, relative to the prefix, with sha256 and mode.
+    payload: Vec<(PathBuf, String, u32)>,
+    /// A drop-in an earlier install wrote at another path.
+    stale_dropin: Option<PathBuf>,
+    /// The record written first: everything this run may create.
+    intent: Manifest,
+}
+
+fn plan(
+    opts: &Options,
+    host: &HostRoot,
+    old: Option<&Manifest>,
+    info: PayloadInfo,
+) -> Result<Plan> {
+    let handler = Handler {
+        name: opts.handler.clone(),
+        shim: opts.prefix.join("bin/containerd-shim-crust-v2"),
+    };
+    let root = plan_root(opts, host, old, &handler)?;
+    let mut dirs = old.map(|m| m.dirs.clone()).unwrap_or_default();
+    dirs.extend(host.missing_dirs(&opts.prefix)?);
+    let mut payload = Vec::new();
+    let mut files = old.map(|m| m.files.clone()).unwrap_or_default();
+    for rel in payload_files(&opts.payload)? {
+        let dest = opts.prefix.join(&rel);
+        dirs.extend(host.missing_dirs(dest.parent().expect("in prefix"))?);
+        host.check_file(&dest)?;
+        let (bytes, mode) = payload_file(&opts.payload, &rel)?;
+        let sha = sha256(&bytes);
+        files.insert(rel.clone(), sha.clone());
+        payload.push((rel, sha, mode));
     }
+    let dropin = root.dropin.then(|| opts.dropin.clone());
+    if let Some(d) = &dropin {
+        dirs.extend(host.missing_dirs(d.parent().expect("absolute"))?);
+        host.check_file(d)?;
+    }
+    if root.write.is_some() {
+        dirs.extend(host.missing_dirs(opts.containerd_config.parent().expect("absolute"))?);
+    }
+    let stale_dropin = old
+        .and_then(|m| m.dropin.clone())
+        .filter(|d| Some(d) != dropin.as_ref());
+    let intent = Manifest {
+        version: info.version,
+        prefix: opts.prefix.clone(),
+        files,
+        dirs,
+        dropin,
+        config_version: root.version,
+        containerd_config: opts.containerd_config.clone(),
+        root: root.action.clone(),
+        handler: opts.handler.clone(),
+        pending: true,
+    };
+    Ok(Plan {
+        handler,
+        root,
+        payload,
+        stale_dropin,
+        intent,
+    })
 }
 
 /// Installs (or upgrades to) the payload. Idempotent.
@@ -305,86 +390,118 @@ pub fn install(opts: &Options) -> Result<Report> {
             ),
         ));
     }
-    let old = read_manifest(opts)?;
-    let handler = Handler {
-        name: opts.handler.clone(),
-        shim: opts.prefix.join("bin/containerd-shim-crust-v2"),
+    let host = HostRoot::open(&opts.host_root)?;
+    let old = read_record(&host, opts)?;
+    let plan = plan(opts, &host, old.as_ref(), info)?;
+    let record = host.shown(&opts.prefix.join(MANIFEST));
+    let report = match apply(opts, &host, old.as_ref(), &plan) {
+        Ok(r) => r,
+        Err(cause) if old.is_none() => {
+            let cause = Box::new(cause);
+            return Err(match undo(&host, &plan.intent, &mut Report::default()) {
+                Ok(()) => InstallError::RolledBack { cause },
+                Err(e) => InstallError::RollbackFailed {
+                    cause,
+                    rollback: Box::new(e),
+                    record,
+                },
+            });
+        }
+        Err(cause) => {
+            return Err(InstallError::Incomplete {
+                cause: Box::new(cause),
+                record,
+            });
+        }
     };
-    let plan = plan_root(opts, old.as_ref(), &handler)?;
+    if report.containerd_changed {
+        reload(opts)?;
+    }
+    Ok(report)
+}
+
+fn step(opts: &Options, s: Step) -> Result<()> {
+    match opts.fault {
+        Some(f) if f(s) => Err(InstallError::Fault(s)),
+        _ => Ok(()),
+    }
+}
+
+/// The writes, in the order that keeps the record a superset of what
+/// exists and containerd's config loadable after any step.
+fn apply(opts: &Options, host: &HostRoot, old: Option<&Manifest>, plan: &Plan) -> Result<Report> {
     let mut report = Report::default();
-    let mut dirs = old.as_ref().map(|m| m.dirs.clone()).unwrap_or_default();
-
-    // 1. The payload, file by file.
-    mkdirs(opts, &opts.prefix, &mut dirs)?;
-    let mut files = BTreeMap::new();
-    for rel in payload_files(&opts.payload)? {
-        let src = opts.payload.join(&rel);
-        let bytes = fs::read(&src).map_err(io_err(&src))?;
-        let mode = fs::metadata(&src)
-            .map_err(io_err(&src))?
-            .permissions()
-            .mode()
-            & 0o755;
-        let dest_host = opts.prefix.join(&rel);
-        mkdirs(opts, dest_host.parent().expect("in prefix"), &mut dirs)?;
-        if put(&opts.host(&dest_host), &bytes, mode)? {
-            report.written.push(dest_host);
-        }
-        files.insert(rel, sha256(&bytes));
-    }
-    if let Some(m) = &old {
-        for rel in m.files.keys().filter(|r| !files.contains_key(*r)) {
-            let p = opts.prefix.join(rel);
-            if remove_file(&opts.host(&p))? {
-                report.removed.push(p);
-            }
-        }
-    }
-
-    // 2. containerd: the root config decides the drop-in's version.
-    if let Some(text) = &plan.write {
-        let path = &opts.containerd_config;
-        mkdirs(opts, path.parent().expect("absolute"), &mut dirs)?;
-        let host = opts.host(path);
-        put(&host, text.as_bytes(), mode_of(&host))?;
-        report.written.push(path.clone());
-        report.containerd_changed = true;
-    }
-    let (root, version) = (plan.action, plan.version);
-    let dropin = plan.dropin.then(|| opts.dropin.clone());
-    if let Some(d) = &dropin {
-        let text = containerd::render_dropin(&handler, version);
-        mkdirs(opts, d.parent().expect("absolute"), &mut dirs)?;
-        if put(&opts.host(d), text.as_bytes(), 0o644)? {
-            report.written.push(d.clone());
-            report.containerd_changed = true;
-        }
-    }
-    if let Some(stale) = old.as_ref().and_then(|m| m.dropin.as_ref())
-        && Some(stale) != dropin.as_ref()
-        && remove_file(&opts.host(stale))?
+    let mut created = BTreeSet::new();
+    // 0. A drop-in left at another path by an earlier install (the old
+    //    record lists it until the new one replaces it).
+    if let Some(stale) = &plan.stale_dropin
+        && host.remove_file(stale)?
     {
         report.removed.push(stale.clone());
         report.containerd_changed = true;
     }
 
-    // 3. The record, last: it describes only what exists.
-    let manifest = Manifest {
-        version: info.version,
-        prefix: opts.prefix.clone(),
-        files,
-        dirs,
-        dropin,
-        config_version: version,
-        containerd_config: opts.containerd_config.clone(),
-        root,
-        handler: opts.handler.clone(),
-    };
-    let json = serde_json::to_vec_pretty(&manifest).expect("serializable");
-    put(&opts.host(&opts.prefix).join(MANIFEST), &json, 0o644)?;
-    if report.containerd_changed {
-        reload(opts)?;
+    // 1. The record of intent, before anything it lists.
+    let mut record = plan.intent.clone();
+    host.mkdirs(&opts.prefix, &mut created)?;
+    write_record(host, &record)?;
+    step(opts, Step::Recorded)?;
+
+    // 2. The payload, file by file; then what the new one no longer has.
+    let mut files = BTreeMap::new();
+    for (rel, sha, mode) in &plan.payload {
+        let (bytes, _) = payload_file(&opts.payload, rel)?;
+        if sha256(&bytes) != *sha {
+            return Err(InstallError::Payload(
+                opts.payload.join(rel),
+                "changed during the install".into(),
+            ));
+        }
+        let dest = opts.prefix.join(rel);
+        host.mkdirs(dest.parent().expect("in prefix"), &mut created)?;
+        if host.put(&dest, &bytes, Some(*mode))? {
+            report.written.push(dest);
+        }
+        files.insert(rel.clone(), sha.clone());
     }
+    if let Some(m) = old {
+        for rel in m.files.keys().filter(|r| !files.contains_key(*r)) {
+            let p = opts.prefix.join(rel);
+            if host.remove_file(&p)? {
+                report.removed.push(p);
+            }
+        }
+    }
+    record.files = files;
+    write_record(host, &record)?;
+    step(opts, Step::Payload)?;
+
+    // 3. The drop-in before the root config's `imports` entry naming it:
+    //    a containerd restarted in between must not import a missing file.
+    if let Some(d) = &record.dropin {
+        let text = containerd::render_dropin(&plan.handler, plan.root.version);
+        host.mkdirs(d.parent().expect("absolute"), &mut created)?;
+        if host.put(d, text.as_bytes(), Some(0o644))? {
+            report.written.push(d.clone());
+            report.containerd_changed = true;
+        }
+    }
+    step(opts, Step::Dropin)?;
+
+    // 4. The root config.
+    if let Some(text) = &plan.root.write {
+        let path = &opts.containerd_config;
+        host.mkdirs(path.parent().expect("absolute"), &mut created)?;
+        if host.put(path, text.as_bytes(), None)? {
+            report.written.push(path.clone());
+            report.containerd_changed = true;
+        }
+    }
+    step(opts, Step::RootConfig)?;
+
+    // 5. Done: the record describes what exists.
+    record.pending = false;
+    write_record(host, &record)?;
     Ok(report)
 }
 
@@ -399,9 +516,14 @@ struct RootPlan {
     dropin: bool,
 }
 
-fn plan_root(opts: &Options, old: Option<&Manifest>, handler: &Handler) -> Result<RootPlan> {
+fn plan_root(
+    opts: &Options,
+    host: &HostRoot,
+    old: Option<&Manifest>,
+    handler: &Handler,
+) -> Result<RootPlan> {
     let path = &opts.containerd_config;
-    let Some(bytes) = read_opt(&opts.host(path))? else {
+    let Some(bytes) = host.read(path)?.map(|f| f.bytes) else {
         let mut c = RootConfig::parse(
             path,
             &containerd::new_root_config(&[Path::new(containerd::DEFAULT_IMPORTS)]),
@@ -476,81 +598,83 @@ fn plan_root(opts: &Options, old: Option<&Manifest>, handler: &Handler) -> Resul
     })
 }
 
-/// Removes exactly what the install record lists. Idempotent: without a
-/// record there is nothing to remove.
+/// Removes exactly what the install record lists (a pending one too).
+/// Idempotent: without a record there is nothing to remove.
 pub fn uninstall(opts: &Options) -> Result<Report> {
     opts.check()?;
+    let host = HostRoot::open(&opts.host_root)?;
     let mut report = Report::default();
-    let Some(m) = read_manifest(opts)? else {
+    let Some(m) = read_record(&host, opts)? else {
         return Ok(report);
     };
-    if let Some(d) = &m.dropin
-        && remove_file(&opts.host(d))?
-    {
-        report.removed.push(d.clone());
-        report.containerd_changed = true;
-    }
-    let root_host = opts.host(&m.containerd_config);
-    match &m.root {
-        RootAction::Untouched => {}
-        RootAction::Created { written } => {
-            if let Some(now) = read_opt(&root_host)? {
-                if sha256(&now) == *written {
-                    remove_file(&root_host)?;
-                    report.removed.push(m.containerd_config.clone());
-                    report.containerd_changed = true;
-                } else {
-                    drop_import(&m, &root_host, &now, &mut report)?;
-                }
-            }
-        }
-        RootAction::ImportAdded { original, written }
-        | RootAction::RuntimeAdded { original, written } => {
-            if let Some(now) = read_opt(&root_host)? {
-                if sha256(&now) == *written {
-                    put(&root_host, original.as_bytes(), mode_of(&root_host))?;
-                    report.written.push(m.containerd_config.clone());
-                    report.containerd_changed = true;
-                } else {
-                    // Edited since: take out only our entry.
-                    drop_import(&m, &root_host, &now, &mut report)?;
-                }
-            }
-        }
-    }
-    let prefix = opts.host(&m.prefix);
-    for rel in m.files.keys() {
-        if remove_file(&prefix.join(rel))? {
-            report.removed.push(m.prefix.join(rel));
-        }
-    }
-    remove_file(&prefix.join(MANIFEST))?;
-    // Deepest first; a directory someone else put files in stays.
-    for d in m.dirs.iter().rev() {
-        let h = opts.host(d);
-        match fs::remove_dir(&h) {
-            Ok(()) => report.removed.push(d.clone()),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
-                ) => {}
-            Err(e) => return Err(InstallError::Io(h, e)),
-        }
-    }
+    undo(&host, &m, &mut report)?;
     if report.containerd_changed {
         reload(opts)?;
     }
     Ok(report)
 }
 
-fn mode_of(p: &Path) -> u32 {
-    fs::metadata(p).map_or(0o644, |m| m.permissions().mode() & 0o7777)
+/// Undoes `m`, in the reverse order of [`apply`]. Every removal is
+/// conditional (a file's absence, a config's digest), so a pending record
+/// that lists more than was done is undone just as well.
+fn undo(host: &HostRoot, m: &Manifest, report: &mut Report) -> Result<()> {
+    // The root config first: it must never import a drop-in that is gone.
+    let cfg = &m.containerd_config;
+    let now = match &m.root {
+        RootAction::Untouched => None,
+        _ => host.read(cfg)?,
+    };
+    match (&m.root, now) {
+        (RootAction::Untouched, _) | (_, None) => {}
+        (RootAction::Created { written }, Some(now)) => {
+            if sha256(&now.bytes) == *written {
+                host.remove_file(cfg)?;
+                report.removed.push(cfg.clone());
+                report.containerd_changed = true;
+            } else {
+                drop_import(host, m, &now.bytes, report)?;
+            }
+        }
+        (
+            RootAction::ImportAdded { original, written }
+            | RootAction::RuntimeAdded { original, written },
+            Some(now),
+        ) => {
+            if sha256(&now.bytes) == *written {
+                host.put(cfg, original.as_bytes(), None)?;
+                report.written.push(cfg.clone());
+                report.containerd_changed = true;
+            } else {
+                // Edited since (or never written): take out only our entry.
+                drop_import(host, m, &now.bytes, report)?;
+            }
+        }
+    }
+    if let Some(d) = &m.dropin
+        && host.remove_file(d)?
+    {
+        report.removed.push(d.clone());
+        report.containerd_changed = true;
+    }
+    for rel in m.files.keys() {
+        let p = m.prefix.join(rel);
+        if host.remove_file(&p)? {
+            report.removed.push(p);
+        }
+    }
+    host.remove_file(&m.prefix.join(MANIFEST))?;
+    // Deepest first; a directory someone else put files in stays.
+    for d in m.dirs.iter().rev() {
+        if host.remove_dir(d)? {
+            report.removed.push(d.clone());
+        }
+    }
+    Ok(())
 }
 
 /// Takes out only what this installer added (its `imports` entry or its
 /// runtime table) from a root config edited since.
-fn drop_import(m: &Manifest, host: &Path, now: &[u8], report: &mut Report) -> Result<()> {
+fn drop_import(host: &HostRoot, m: &Manifest, now: &[u8], report: &mut Report) -> Result<()> {
     let mut cfg = RootConfig::parse(&m.containerd_config, &String::from_utf8_lossy(now))?;
     let changed = match (&m.root, &m.dropin) {
         (RootAction::RuntimeAdded { .. }, _) => cfg.remove_runtime(&m.handler, m.config_version),
@@ -558,7 +682,7 @@ fn drop_import(m: &Manifest, host: &Path, now: &[u8], report: &mut Report) -> Re
         (_, None) => false,
     };
     if changed {
-        put(host, cfg.render().as_bytes(), mode_of(host))?;
+        host.put(&m.containerd_config, cfg.render().as_bytes(), None)?;
         report.written.push(m.containerd_config.clone());
         report.containerd_changed = true;
     }

@@ -105,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         reload: cli
             .reload_command
             .map(|c| c.split_whitespace().map(str::to_string).collect()),
+        fault: None,
     };
     let api = || -> anyhow::Result<label::ApiServer> {
         let mut a = label::ApiServer::in_cluster(cli.api_server.clone())?;

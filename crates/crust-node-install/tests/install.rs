@@ -4,13 +4,17 @@
 //! that drop stale files, and an uninstall that leaves the host tree
 //! exactly as it was before the install.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt, symlink};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
 
-use crust_node_install::{Options, RootAction, Version, install, uninstall};
+use crust_node_install::{InstallError, Options, RootAction, Step, Version, install, uninstall};
 use sha2::{Digest, Sha256};
 use toml_edit::DocumentMut;
 
@@ -24,9 +28,15 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, (char, u32, String)> {
             let m = fs::symlink_metadata(&p).unwrap();
             let rel = p.strip_prefix(root).unwrap().to_path_buf();
             let mode = m.permissions().mode() & 0o7777;
-            if m.is_dir() {
+            let t = m.file_type();
+            if t.is_dir() {
                 out.insert(rel, ('d', mode, String::new()));
                 stack.push(p);
+            } else if t.is_symlink() {
+                let target = fs::read_link(&p).unwrap();
+                out.insert(rel, ('l', 0, target.to_string_lossy().into_owned()));
+            } else if !t.is_file() {
+                out.insert(rel, ('s', mode, String::new()));
             } else {
                 let d = Sha256::digest(fs::read(&p).unwrap());
                 out.insert(rel, ('f', mode, format!("{d:x}")));
@@ -374,5 +384,218 @@ fn bad_input_changes_nothing() {
     o.prefix = "/usr/local/crust".into();
     let e = install(&o).unwrap_err().to_string();
     assert!(e.contains("built for prefix /opt/crust"), "{e}");
+    assert_eq!(snapshot(&h.root()), before);
+}
+
+/// What a mistaken or hostile host might have at a config path: a secret
+/// to keep out of messages, links, FIFOs.
+const SECRET: &str = "root:$6$s3cr3tHashThatMustNotLeak:19000:0:99999:7:::\n";
+
+fn mkfifo(p: &Path) {
+    fs::create_dir_all(p.parent().unwrap()).unwrap();
+    let st = Command::new("mkfifo").arg(p).status().unwrap();
+    assert!(st.success());
+}
+
+#[test]
+fn a_config_that_is_a_link_is_refused_by_name_and_nothing_is_read_or_changed() {
+    crust_testkit::require_root();
+    // A link to a secret, relative (inside the host) and absolute (whose
+    // target, resolved in the installer's container, is not even the
+    // host's file), and a distribution-style link into a read-only tree.
+    let outside = tempfile::tempdir().unwrap();
+    fs::write(outside.path().join("shadow"), SECRET).unwrap();
+    let abs_secret = outside.path().join("shadow");
+    for target in [
+        PathBuf::from("../shadow"),
+        abs_secret,
+        PathBuf::from("/usr/share/containerd/config.toml"),
+    ] {
+        let h = Host::new();
+        h.write("/etc/shadow", SECRET);
+        h.write("/usr/share/containerd/config.toml", "version = 3\n");
+        fs::create_dir_all(h.at("/etc/containerd")).unwrap();
+        symlink(&target, h.at("/etc/containerd/config.toml")).unwrap();
+        let p = h.payload("p", "0.1.0", V1);
+        let before = snapshot(&h.root());
+        let e = install(&h.opts(&p)).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, InstallError::Symlink { .. }), "{msg}");
+        assert!(
+            msg.contains("etc/containerd/config.toml")
+                && msg.contains(&*target.to_string_lossy())
+                && !msg.contains("s3cr3t"),
+            "{msg}"
+        );
+        assert_eq!(
+            snapshot(&h.root()),
+            before,
+            "the link and all else unchanged"
+        );
+        assert_eq!(h.reloads(), 0);
+    }
+
+    // A regular config that is not TOML: where, never what.
+    let h = Host::new();
+    h.write("/etc/containerd/config.toml", SECRET);
+    let p = h.payload("p", "0.1.0", V1);
+    let before = snapshot(&h.root());
+    let msg = install(&h.opts(&p)).unwrap_err().to_string();
+    assert!(msg.contains("line 1") && !msg.contains("s3cr3t"), "{msg}");
+    assert_eq!(snapshot(&h.root()), before);
+}
+
+/// Runs `f` on a thread and fails (rather than hangs) if it takes over a
+/// second; `unblock` is opened for writing first, to release a reader
+/// stuck on a FIFO.
+fn within_a_second<T: Send + 'static>(unblock: &Path, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || tx.send(f()).unwrap());
+    match rx.recv_timeout(Duration::from_secs(1)) {
+        Ok(v) => v,
+        Err(_) => {
+            let _ = fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(unblock);
+            panic!("blocked on {}", unblock.display());
+        }
+    }
+}
+
+#[test]
+fn a_fifo_for_a_config_is_refused_at_once() {
+    crust_testkit::require_root();
+    for fifo in [
+        "/etc/containerd/config.toml",
+        "/etc/containerd/conf.d/crust.toml",
+    ] {
+        let h = Host::new();
+        if fifo.ends_with("crust.toml") {
+            h.write(
+                "/etc/containerd/config.toml",
+                "version = 3\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n",
+            );
+        }
+        mkfifo(&h.at(fifo));
+        let p = h.payload("p", "0.1.0", V1);
+        let before = snapshot(&h.root());
+        let o = h.opts(&p);
+        let e = within_a_second(&h.at(fifo), move || install(&o).map(drop));
+        let msg = e.unwrap_err().to_string();
+        assert!(msg.contains(fifo) && msg.contains("FIFO"), "{msg}");
+        assert_eq!(snapshot(&h.root()), before, "{fifo}");
+    }
+}
+
+#[test]
+fn a_failure_mid_install_leaves_nothing_behind() {
+    crust_testkit::require_root();
+    let v3 = "version = 3\n";
+    // conf.d a link: refused before anything is written.
+    let h = Host::new();
+    h.write("/etc/containerd/config.toml", v3);
+    fs::create_dir_all(h.at("/etc/containerd.d-real")).unwrap();
+    symlink("../containerd.d-real", h.at("/etc/containerd/conf.d")).unwrap();
+    let p = h.payload("p", "0.1.0", V1);
+    let before = snapshot(&h.root());
+    let msg = install(&h.opts(&p)).unwrap_err().to_string();
+    assert!(
+        msg.contains("etc/containerd/conf.d") && msg.contains("../containerd.d-real"),
+        "{msg}"
+    );
+    assert_eq!(snapshot(&h.root()), before);
+    assert!(uninstall(&h.opts(&p)).unwrap().removed.is_empty());
+
+    // A failure no check foresees (the drop-in's temporary name taken by
+    // a directory), after the payload was written: rolled back.
+    let h = Host::new();
+    h.write("/etc/containerd/config.toml", v3);
+    fs::create_dir_all(h.at("/etc/containerd/conf.d/.crust.toml.crust-tmp/x")).unwrap();
+    let p = h.payload("p", "0.1.0", V1);
+    let before = snapshot(&h.root());
+    let e = install(&h.opts(&p)).unwrap_err();
+    assert!(matches!(e, InstallError::RolledBack { .. }), "{e}");
+    assert_eq!(snapshot(&h.root()), before);
+    assert_eq!(h.reloads(), 0);
+}
+
+thread_local! {
+    /// The step the fault hook stops at, and whether it crashes (panics).
+    static FAULT: Cell<Option<(Step, bool)>> = const { Cell::new(None) };
+}
+
+fn fault(s: Step) -> bool {
+    match FAULT.get() {
+        Some((at, crash)) if at == s => {
+            if crash {
+                panic!("crash after {s:?}");
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// After a failure at any step the install is rolled back; after a crash
+/// there, uninstall removes all of it: for each way the root config is
+/// handled, and for an upgrade.
+#[test]
+fn a_failure_or_crash_between_any_two_steps_is_undone() {
+    crust_testkit::require_root();
+    let steps = [
+        Step::Recorded,
+        Step::Payload,
+        Step::Dropin,
+        Step::RootConfig,
+    ];
+    for config in [None, Some("version = 3\n"), Some(HOST_V2)] {
+        for at in steps {
+            for crash in [false, true] {
+                let h = Host::new();
+                if let Some(c) = config {
+                    h.write("/etc/containerd/config.toml", c);
+                }
+                let p = h.payload("p", "0.1.0", V1);
+                let before = snapshot(&h.root());
+                let mut o = h.opts(&p);
+                o.fault = Some(fault);
+                FAULT.set(Some((at, crash)));
+                let r = catch_unwind(AssertUnwindSafe(|| install(&o)));
+                FAULT.set(None);
+                let case = format!("{config:?} {at:?} crash={crash}");
+                match r {
+                    Ok(Err(InstallError::RolledBack { .. })) => assert!(!crash, "{case}"),
+                    Err(_) => {
+                        assert!(crash, "{case}");
+                        let m = crust_node_install::install::read_manifest(&o).unwrap();
+                        assert!(m.is_some_and(|m| m.pending), "{case}: a pending record");
+                        uninstall(&o).unwrap();
+                    }
+                    Ok(other) => panic!("{case}: {other:?}"),
+                }
+                assert_eq!(snapshot(&h.root()), before, "{case}");
+            }
+        }
+    }
+
+    // An upgrade stopped half way keeps a record of old and new: a rerun
+    // completes it, uninstall removes both.
+    let h = Host::new();
+    h.write("/etc/containerd/config.toml", "version = 3\n");
+    let before = snapshot(&h.root());
+    install(&h.opts(&h.payload("p1", "0.1.0", V1))).unwrap();
+    let p2 = h.payload("p2", "0.2.0", V2);
+    let mut o = h.opts(&p2);
+    o.fault = Some(fault);
+    FAULT.set(Some((Step::Recorded, false)));
+    let e = install(&o).unwrap_err();
+    FAULT.set(None);
+    assert!(matches!(e, InstallError::Incomplete { .. }), "{e}");
+    assert!(
+        h.at("/opt/crust/bin/crust-runtime").is_file(),
+        "old runtime kept"
+    );
+    uninstall(&o).unwrap();
     assert_eq!(snapshot(&h.root()), before);
 }
