@@ -441,7 +441,9 @@ fn apply(opts: &Options, host: &HostRoot, old: Option<&Manifest>, plan: &Plan) -
         report.containerd_changed = true;
     }
 
-    // 1. The record of intent, before anything it lists.
+    // 1. The record of intent, before anything it lists. It lives in the
+    //    prefix, so a crash between these two lines leaves at most the
+    //    prefix's empty directories unrecorded.
     let mut record = plan.intent.clone();
     host.mkdirs(&opts.prefix, &mut created)?;
     write_record(host, &record)?;
