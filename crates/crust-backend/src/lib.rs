@@ -154,6 +154,46 @@ pub enum BackendError {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// Why (or whether) the backend can prove a volume's store holds no data
+/// crust did not write. Crust formats a store only with such a proof; see
+/// [`Backend::blankness`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Blankness {
+    /// The backend made the store itself, empty, and only crust wrote to it
+    /// since (a new pool file).
+    MadeEmpty,
+    /// A copy of another volume or a snapshot (the plugin decides from the
+    /// copy's recorded history).
+    Copy,
+    /// The operator declared the device blank in the configuration
+    /// (`setting` names the flag).
+    Declared {
+        device: PathBuf,
+        setting: &'static str,
+    },
+    /// It holds only what a crust volume released by DeleteVolume left (its
+    /// signatures wiped).
+    Released { device: PathBuf, volume: String },
+    /// A full read of the device found only zeros.
+    ReadAllZero { device: PathBuf },
+    /// The full read is running (started by this call if needed): ask again
+    /// later.
+    Scanning {
+        device: PathBuf,
+        done_bytes: u64,
+        total_bytes: u64,
+    },
+    /// The full read found data: never formatted. `setting` names how the
+    /// operator can declare it blank.
+    HoldsData {
+        device: PathBuf,
+        offset: u64,
+        setting: &'static str,
+    },
+    /// Nothing known: never formatted.
+    Unknown,
+}
+
 /// A source of block volumes local to this node.
 pub trait Backend: Send + Sync + 'static {
     /// Short name for logs and `GetPluginInfo` manifest ("pool", "static").
@@ -190,6 +230,15 @@ pub trait Backend: Send + Sync + 'static {
     /// true.
     fn may_hold_data(&self, _volume_id: &str) -> bool {
         true
+    }
+
+    /// Whether the volume's store can be proven to hold no data crust did
+    /// not write (what formatting needs; the plugin's own records of
+    /// formatting and raw use come on top). May start background work and
+    /// answer [`Blankness::Scanning`]; never blocks on a full read.
+    /// [`BackendError::NotFound`] for an unknown volume.
+    fn blankness(&self, _volume_id: &str) -> Result<Blankness> {
+        Ok(Blankness::Unknown)
     }
 
     /// The device path if currently attached.
@@ -295,5 +344,5 @@ mod static_devices;
 mod util;
 
 pub use pool::{DEFAULT_MINIMUM_VOLUME_SIZE, IndexSync, PoolBackend, PoolConfig};
-pub use static_devices::{StaticBackend, StaticConfig, WIPE_BYTES};
+pub use static_devices::{DECLARE_BLANK_SETTING, StaticBackend, StaticConfig, WIPE_BYTES};
 pub use util::MAX_VOLUME_ID_LEN;

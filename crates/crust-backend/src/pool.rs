@@ -3,7 +3,7 @@
 //! Layout of the pool directory (mode 0700):
 //!
 //! ```text
-//! <dir>/index.json        volume id -> {file, size_bytes}; the source of truth
+//! <dir>/index.json        volume id -> {file, size_bytes, made}; the source of truth
 //! <dir>/<name>.img        one sparse file per volume (mode 0600)
 //! <dir>/quarantine/       orphaned files that hold data (never deleted by crust)
 //! <dir>/.lock             flock held while a PoolBackend is open
@@ -68,8 +68,8 @@ use sha2::{Digest, Sha256};
 
 use crate::util::{self, IdLocks, io_err, lock};
 use crate::{
-    Allocation, Backend, BackendError, BackingState, Capacity, ContentSource, GroupInfo, Result,
-    SnapshotInfo, StorageProblem,
+    Allocation, Backend, BackendError, BackingState, Blankness, Capacity, ContentSource, GroupInfo,
+    Result, SnapshotInfo, StorageProblem,
 };
 
 /// Smallest volume the pool creates unless configured otherwise.
@@ -130,6 +130,22 @@ struct Entry {
     /// [`PoolBackend::reconcile`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pending: bool,
+    /// How the file was made (for [`Backend::blankness`]). `None` in
+    /// indexes written before it was recorded: such an entry may be a
+    /// clone as well as an empty create, so it answers `Copy` and the
+    /// plugin's own record of the volume's content source decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    made: Option<Made>,
+}
+
+/// How a volume's file was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Made {
+    /// `create`: a new sparse file, all zeros.
+    Empty,
+    /// `create_from`: a copy of a volume or a snapshot.
+    Copy,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -615,6 +631,7 @@ impl Backend for PoolBackend {
             file: name,
             size_bytes,
             pending: false,
+            made: Some(Made::Empty),
         };
         st.index.volumes.insert(volume_id.to_owned(), entry.clone());
         let synced = if deferred {
@@ -798,6 +815,17 @@ impl Backend for PoolBackend {
             }
             _ => true,
         }
+    }
+
+    fn blankness(&self, volume_id: &str) -> Result<Blankness> {
+        let entry = self
+            .entry(volume_id)
+            .ok_or_else(|| BackendError::NotFound(volume_id.to_owned()))?;
+        Ok(match entry.made {
+            Some(Made::Empty) => Blankness::MadeEmpty,
+            // An unrecorded entry may be a clone: never claim it was empty.
+            Some(Made::Copy) | None => Blankness::Copy,
+        })
     }
 
     fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>> {
@@ -1126,6 +1154,7 @@ impl Backend for PoolBackend {
                     file: name.clone(),
                     size_bytes,
                     pending: true,
+                    made: Some(Made::Copy),
                 },
             );
             st.reserved += size_bytes;

@@ -21,25 +21,63 @@
 //!   may have been grown underneath); otherwise `OutOfRange`.
 //! * attach/detach: the device is always "attached"; attach returns its
 //!   path.
+//!
+//! ## Blank verdicts ([`Backend::blankness`])
+//! A static device may hold anything an operator put there, and data in
+//! its middle carries no signature the edge probe sees; crust formats it
+//! only with a proof it is blank. The proofs, in the order asked:
+//!
+//! 1. the operator declared it blank ([`StaticConfig::declared_blank`],
+//!    crust-csi's [`DECLARE_BLANK_SETTING`]);
+//! 2. a verdict recorded in the state file, per configured path, valid
+//!    while the device keeps the major:minor and size it had then:
+//!    `released` (delete wiped the edges of a device that was proven
+//!    blank when its volume got it: it holds only what that volume left),
+//!    `all_zero` or `data` (a full read, [`crust_blockdev::scan_for_data`]);
+//! 3. otherwise a full read starts in a background thread (at most one per
+//!    device; create starts it too, so it is often done by stage time)
+//!    and the answer is `Scanning` with its progress until the verdict is
+//!    saved. A restart during a read reads again.
+//!
+//! Delete records `released` only over a blank proof; a device that held
+//! data crust did not write (or was never proven blank) loses its verdict
+//! instead and is read again at its next claim. A verdict stops mattering
+//! once a volume on the device is used: the plugin never formats a
+//! volume it formatted or used raw, and delete replaces the verdict.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crust_blockdev::ZeroScan;
 
 use serde::{Deserialize, Serialize};
 
 use crate::util::{self, IdLocks, io_err, lock};
-use crate::{Allocation, Backend, BackendError, BackingState, Capacity, Result, StorageProblem};
+use crate::{
+    Allocation, Backend, BackendError, BackingState, Blankness, Capacity, Result, StorageProblem,
+};
 
 /// How much is wiped at each end of a released device.
 pub const WIPE_BYTES: u64 = 1 << 20;
 const STATE_VERSION: u32 = 1;
+
+/// The crust-csi flag by which an operator declares a static device blank
+/// (named in [`Blankness`] answers so a refusal says what to change).
+pub const DECLARE_BLANK_SETTING: &str = "--static-device-blank";
 
 /// Configuration of a [`StaticBackend`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StaticConfig {
     /// Absolute paths of the block devices this backend may hand out.
     pub devices: Vec<PathBuf>,
+    /// Devices the operator declares blank: formatted without a full read.
+    /// Each must also be in `devices` (matched by device number, so
+    /// another name of the same node works); a separate list rather than
+    /// an implied device, so a typo cannot add a disk to the pool.
+    pub declared_blank: Vec<PathBuf>,
     /// JSON file recording which volume claimed which device.
     pub state_file: PathBuf,
 }
@@ -54,14 +92,90 @@ struct Claim {
 struct StaticState {
     version: u32,
     claims: BTreeMap<String, Claim>,
+    /// Blank verdicts by configured device path (module docs).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    verdicts: BTreeMap<PathBuf, Verdict>,
+    /// Full reads running now, by configured device path.
+    #[serde(skip)]
+    scans: BTreeMap<PathBuf, Arc<Scan>>,
+}
+
+/// Which device a verdict is about: a node now bound to another disk
+/// (another major:minor or size) is read again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct DeviceId {
+    major: u32,
+    minor: u32,
+    size_bytes: u64,
+}
+
+impl DeviceId {
+    fn of(dev: &Path) -> Result<DeviceId> {
+        let (major, minor) = crust_blockdev::device_major_minor(dev).map_err(dev_err)?;
+        let size_bytes = crust_blockdev::block_device_size(dev).map_err(dev_err)?;
+        Ok(DeviceId {
+            major,
+            minor,
+            size_bytes,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Verdict {
+    device: DeviceId,
+    found: Found,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Found {
+    /// Delete wiped it after `volume`, which got it blank.
+    Released { volume: String },
+    /// A full read found only zeros.
+    AllZero,
+    /// A full read found a non-zero byte at `offset`.
+    Data { offset: u64 },
+}
+
+impl Found {
+    fn answer(&self, device: PathBuf) -> Blankness {
+        match self {
+            Found::Released { volume } => Blankness::Released {
+                device,
+                volume: volume.clone(),
+            },
+            Found::AllZero => Blankness::ReadAllZero { device },
+            Found::Data { offset } => Blankness::HoldsData {
+                device,
+                offset: *offset,
+                setting: DECLARE_BLANK_SETTING,
+            },
+        }
+    }
+}
+
+/// A full read in progress, shared with its thread.
+#[derive(Debug)]
+struct Scan {
+    device: DeviceId,
+    done_bytes: AtomicU64,
+    /// Set when the scan is no longer wanted (delete, close): the thread
+    /// stops after its current chunk and records nothing.
+    stop: AtomicBool,
+    /// Why the read failed; reported once by the next `blankness` call.
+    failed: Mutex<Option<String>>,
 }
 
 /// Pre-provisioned block device backend; see the module docs.
 #[derive(Debug)]
 pub struct StaticBackend {
     devices: Vec<PathBuf>,
+    /// Configured paths (as in `devices`) the operator declared blank.
+    declared_blank: BTreeSet<PathBuf>,
     state_file: PathBuf,
-    state: Mutex<StaticState>,
+    /// Shared with the scan threads, which record their verdicts.
+    state: Arc<Mutex<StaticState>>,
     ids: IdLocks,
     _lock: util::DirLock,
 }
@@ -99,6 +213,23 @@ impl StaticBackend {
                 )));
             }
         }
+        let mut declared_blank = BTreeSet::new();
+        for dev in &config.declared_blank {
+            let numbers = crust_blockdev::device_major_minor(dev).map_err(|e| {
+                BackendError::Invalid(format!(
+                    "device {} declared blank is not usable: {e}",
+                    dev.display()
+                ))
+            })?;
+            let configured = seen.get(&numbers).ok_or_else(|| {
+                BackendError::Invalid(format!(
+                    "device {} is declared blank but is not one of the configured devices ({})",
+                    dev.display(),
+                    util::display_list(&config.devices)
+                ))
+            })?;
+            declared_blank.insert(configured.to_path_buf());
+        }
         let state_file = config.state_file.clone();
         let dir = state_file
             .parent()
@@ -130,7 +261,7 @@ impl StaticBackend {
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => StaticState {
                 version: STATE_VERSION,
-                claims: BTreeMap::new(),
+                ..StaticState::default()
             },
             Err(e) => return Err(io_err(&state_file)(e)),
         };
@@ -142,17 +273,66 @@ impl StaticBackend {
         }
         Ok(StaticBackend {
             devices: config.devices,
+            declared_blank,
             state_file,
-            state: Mutex::new(state),
+            state: Arc::new(Mutex::new(state)),
             ids: IdLocks::default(),
             _lock: lock_file,
         })
     }
 
     fn persist(&self, st: &StaticState) -> Result<()> {
-        let bytes = serde_json::to_vec_pretty(st)
-            .map_err(|e| BackendError::Invalid(format!("serialising static state: {e}")))?;
-        util::atomic_write(&self.state_file, &bytes)
+        write_state(&self.state_file, st)
+    }
+
+    /// The recorded verdict on `device` if it is still about the same
+    /// device.
+    fn valid_verdict<'a>(st: &'a StaticState, device: &Path, id: DeviceId) -> Option<&'a Found> {
+        let v = st.verdicts.get(device)?;
+        if v.device != id {
+            tracing::info!(device = %device.display(), was = ?v.device, now = ?id,
+                "device changed since its blank verdict; it will be read again");
+            return None;
+        }
+        Some(&v.found)
+    }
+
+    /// Starts the full read of `device` unless one is running; returns it.
+    fn start_scan(&self, st: &mut StaticState, device: &Path, id: DeviceId) -> Result<Arc<Scan>> {
+        if let Some(scan) = st.scans.get(device) {
+            if scan.device == id {
+                return Ok(Arc::clone(scan));
+            }
+            scan.stop.store(true, Ordering::Relaxed);
+        }
+        let scan = Arc::new(Scan {
+            device: id,
+            done_bytes: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            failed: Mutex::new(None),
+        });
+        // The thread records its verdict under the state lock, which the
+        // caller holds: it cannot finish before the scan is registered.
+        st.scans.insert(device.to_path_buf(), Arc::clone(&scan));
+        let (state, file, dev, s) = (
+            Arc::clone(&self.state),
+            self.state_file.clone(),
+            device.to_path_buf(),
+            Arc::clone(&scan),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("crust-zero-scan".into())
+            .spawn(move || run_scan(&state, &file, &dev, &s));
+        if let Err(e) = spawned {
+            st.scans.remove(device);
+            return Err(BackendError::Device(format!(
+                "cannot start the full read of {}: {e}",
+                device.display()
+            )));
+        }
+        tracing::info!(device = %device.display(), size = id.size_bytes,
+            "reading the whole device to prove it blank");
+        Ok(scan)
     }
 
     fn claim(&self, id: &str) -> Option<Claim> {
@@ -181,6 +361,71 @@ impl StaticBackend {
                 }
             })
             .collect()
+    }
+}
+
+impl Drop for StaticBackend {
+    fn drop(&mut self) {
+        // Under the state lock, so no scan records a verdict (and writes
+        // the state file) once the file's lock is released.
+        let mut st = lock(&self.state);
+        for scan in std::mem::take(&mut st.scans).values() {
+            scan.stop.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+fn write_state(path: &Path, st: &StaticState) -> Result<()> {
+    let bytes = serde_json::to_vec_pretty(st)
+        .map_err(|e| BackendError::Invalid(format!("serialising static state: {e}")))?;
+    util::atomic_write(path, &bytes)
+}
+
+/// The body of a scan thread: reads `dev`, then records the verdict,
+/// unless the scan was called off meanwhile.
+fn run_scan(state: &Mutex<StaticState>, state_file: &Path, dev: &Path, scan: &Scan) {
+    let started = std::time::Instant::now();
+    let result = crust_blockdev::scan_for_data(dev, &mut |done, _| {
+        scan.done_bytes.store(done, Ordering::Relaxed);
+        if scan.stop.load(Ordering::Relaxed) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
+    let mut st = lock(state);
+    if !st.scans.get(dev).is_some_and(|s| std::ptr::eq(&**s, scan)) {
+        return;
+    }
+    let fail = |why: String| {
+        tracing::warn!(device = %dev.display(), error = %why, "full read failed");
+        *lock(&scan.failed) = Some(why);
+    };
+    let found = match result {
+        Ok(ZeroScan::AllZero) => Found::AllZero,
+        Ok(ZeroScan::DataAt(offset)) => Found::Data { offset },
+        Ok(ZeroScan::Stopped { .. }) => return,
+        Err(e) => return fail(e.to_string()),
+    };
+    // A node bound to another disk during the read proves nothing.
+    match DeviceId::of(dev) {
+        Ok(now) if now == scan.device => {}
+        Ok(_) => return fail("the device changed during the read".into()),
+        Err(e) => return fail(e.to_string()),
+    }
+    st.scans.remove(dev);
+    tracing::info!(device = %dev.display(), verdict = ?found, secs = started.elapsed().as_secs_f64(),
+        "full read of the device done");
+    st.verdicts.insert(
+        dev.to_path_buf(),
+        Verdict {
+            device: scan.device,
+            found,
+        },
+    );
+    // Kept in memory either way: it is true; a restart reads again.
+    if let Err(e) = write_state(state_file, &st) {
+        tracing::warn!(device = %dev.display(), error = %e, "cannot save the device's blank verdict");
     }
 }
 
@@ -264,6 +509,19 @@ impl Backend for StaticBackend {
             return Err(e);
         }
         tracing::info!(volume = %volume_id, device = %claim.device.display(), size, "static device claimed");
+        // Read it now, so the verdict is often there by stage time.
+        if !self.declared_blank.contains(&claim.device) {
+            let started = DeviceId::of(&claim.device).and_then(|id| {
+                if Self::valid_verdict(&st, &claim.device, id).is_some() {
+                    return Ok(());
+                }
+                self.start_scan(&mut st, &claim.device, id).map(drop)
+            });
+            if let Err(e) = started {
+                tracing::warn!(device = %claim.device.display(), error = %e,
+                    "cannot start the full read now; stage will ask again");
+            }
+        }
         Ok(Self::allocation(volume_id, &claim))
     }
 
@@ -272,23 +530,54 @@ impl Backend for StaticBackend {
         let Some(claim) = self.claim(volume_id) else {
             return Ok(());
         };
-        match crust_blockdev::wipe_edges(&claim.device, WIPE_BYTES) {
-            Ok(()) => {}
+        let wiped = match crust_blockdev::wipe_edges(&claim.device, WIPE_BYTES) {
+            Ok(()) => true,
             Err(e) if e.is_not_found() => {
                 tracing::warn!(volume = %volume_id, device = %claim.device.display(),
                     "device node is gone; releasing the claim without wiping");
+                false
             }
             Err(e) => {
                 return Err(BackendError::Device(format!(
                     "cannot release volume {volume_id}: {e}"
                 )));
             }
-        }
+        };
+        let id = if wiped {
+            DeviceId::of(&claim.device).ok()
+        } else {
+            None
+        };
         let mut st = lock(&self.state);
+        let dev = &claim.device;
+        if let Some(scan) = st.scans.remove(dev) {
+            scan.stop.store(true, Ordering::Relaxed);
+        }
+        // Released only if the volume got the device blank: otherwise the
+        // middle may still hold data crust never wrote.
+        let got_blank = self.declared_blank.contains(dev)
+            || id.is_some_and(|id| {
+                matches!(
+                    Self::valid_verdict(&st, dev, id),
+                    Some(Found::Released { .. } | Found::AllZero)
+                )
+            });
+        let verdict_before = st.verdicts.remove(dev);
+        if let (true, Some(id)) = (got_blank, id) {
+            let found = Found::Released {
+                volume: volume_id.to_owned(),
+            };
+            st.verdicts
+                .insert(dev.clone(), Verdict { device: id, found });
+        }
         let removed = st.claims.remove(volume_id);
         if let Err(e) = self.persist(&st) {
             if let Some(r) = removed {
                 st.claims.insert(volume_id.to_owned(), r);
+            }
+            st.verdicts.remove(dev);
+            if let Some(v) = verdict_before {
+                st.verdicts.insert(dev.clone(), v);
             }
             return Err(e);
         }
@@ -346,6 +635,39 @@ impl Backend for StaticBackend {
             )));
         }
         Ok(claim.device)
+    }
+
+    fn blankness(&self, volume_id: &str) -> Result<Blankness> {
+        let device = self
+            .claim(volume_id)
+            .ok_or_else(|| BackendError::NotFound(volume_id.to_owned()))?
+            .device;
+        if self.declared_blank.contains(&device) {
+            return Ok(Blankness::Declared {
+                device,
+                setting: DECLARE_BLANK_SETTING,
+            });
+        }
+        let id = DeviceId::of(&device)?;
+        let mut st = lock(&self.state);
+        if let Some(found) = Self::valid_verdict(&st, &device, id) {
+            return Ok(found.answer(device));
+        }
+        let failed = st.scans.get(&device).and_then(|s| lock(&s.failed).take());
+        if let Some(why) = failed {
+            // Reported once; the next call reads again.
+            st.scans.remove(&device);
+            return Err(BackendError::Device(format!(
+                "the full read of {} (to prove it blank) failed: {why}",
+                device.display()
+            )));
+        }
+        let scan = self.start_scan(&mut st, &device, id)?;
+        Ok(Blankness::Scanning {
+            device,
+            done_bytes: scan.done_bytes.load(Ordering::Relaxed),
+            total_bytes: id.size_bytes,
+        })
     }
 
     fn attached_device(&self, volume_id: &str) -> Result<Option<PathBuf>> {

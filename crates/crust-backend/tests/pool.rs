@@ -528,3 +528,49 @@ fn deferred_index_is_written_before_attach_and_a_crash_is_settled_at_open() {
         .unwrap();
     assert_eq!(&buf, b"data");
 }
+
+/// Issue 24: the pool says how it made each store, so the plugin formats
+/// only what it can prove holds nothing it did not write: `create` made an
+/// empty file, a clone or a restore is a copy (its history decides), and
+/// an entry from an index written before this was recorded may be either,
+/// so it never claims to be empty.
+#[test]
+fn blankness_says_how_the_store_was_made() {
+    let (dir, _c) = setup();
+    let pool_dir = dir.path().join("pool");
+    let p = pool(dir.path(), 64 * MIB);
+    p.create("a", 2 * MIB, 0).unwrap();
+    p.create_from("c", 2 * MIB, &ContentSource::Volume("a".into()))
+        .unwrap();
+    p.create_snapshot("s", "a", None).unwrap();
+    p.create_from("r", 4 * MIB, &ContentSource::Snapshot("s".into()))
+        .unwrap();
+    let answers = |p: &PoolBackend| -> Vec<Blankness> {
+        ["a", "c", "r"]
+            .iter()
+            .map(|v| p.blankness(v).unwrap())
+            .collect()
+    };
+    use Blankness::{Copy, MadeEmpty};
+    assert_eq!(answers(&p), [MadeEmpty, Copy, Copy]);
+    assert!(matches!(p.blankness("zz"), Err(BackendError::NotFound(_))));
+    drop(p);
+    let p = pool(dir.path(), 64 * MIB);
+    assert_eq!(
+        answers(&p),
+        [MadeEmpty, Copy, Copy],
+        "recorded in the index"
+    );
+    drop(p);
+
+    // An index from before the field.
+    let path = pool_dir.join("index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for v in index["volumes"].as_object_mut().unwrap().values_mut() {
+        assert!(v.as_object_mut().unwrap().remove("made").is_some());
+    }
+    std::fs::write(&path, serde_json::to_vec(&index).unwrap()).unwrap();
+    let p = pool(dir.path(), 64 * MIB);
+    assert_eq!(answers(&p), [Copy, Copy, Copy]);
+}

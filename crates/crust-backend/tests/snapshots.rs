@@ -301,6 +301,7 @@ fn static_backend_does_not_snapshot() {
     let disk = LoopDisk::new(dir.path().join("d.img"), 16 * MIB);
     let b = StaticBackend::open(StaticConfig {
         devices: vec![disk.dev().to_path_buf()],
+        declared_blank: vec![],
         state_file: dir.path().join("state/static.json"),
     })
     .unwrap();

@@ -43,6 +43,7 @@ impl Disks {
     fn open(&self) -> StaticBackend {
         StaticBackend::open(StaticConfig {
             devices: self.devices(),
+            declared_blank: vec![],
             state_file: self.state(),
         })
         .unwrap()
@@ -154,6 +155,7 @@ fn claims_survive_reopen_and_lock_is_exclusive() {
     let a = b.create("a", 10 * MIB, 0).unwrap();
     let err = StaticBackend::open(StaticConfig {
         devices: d.devices(),
+        declared_blank: vec![],
         state_file: d.state(),
     })
     .unwrap_err();
@@ -211,6 +213,7 @@ fn open_validates_devices() {
     let open = |devices: Vec<PathBuf>| {
         StaticBackend::open(StaticConfig {
             devices,
+            declared_blank: vec![],
             state_file: d.state(),
         })
     };
@@ -243,6 +246,7 @@ fn backing_state_reports_missing_device_node() {
     std::os::unix::fs::symlink(d.dev(0), &link).unwrap();
     let b = StaticBackend::open(StaticConfig {
         devices: vec![link.clone()],
+        declared_blank: vec![],
         state_file: d.state(),
     })
     .unwrap();
@@ -256,4 +260,238 @@ fn backing_state_reports_missing_device_node() {
     b.delete("a").unwrap();
     assert_eq!(b.list().unwrap(), vec![]);
     let _ = Path::new("/");
+}
+
+// ---- issue 24: a static device is formatted only with a proof it is blank ----
+
+impl Disks {
+    fn open_declaring(&self, declared_blank: Vec<PathBuf>) -> StaticBackend {
+        StaticBackend::open(StaticConfig {
+            devices: self.devices(),
+            declared_blank,
+            state_file: self.state(),
+        })
+        .unwrap()
+    }
+
+    /// Writes `bytes` at `offset` through device `i` (as a raw volume or an
+    /// operator would), leaving no signature.
+    fn write_at(&self, i: usize, offset: u64, bytes: &[u8]) {
+        let f = File::options().write(true).open(self.dev(i)).unwrap();
+        f.write_all_at(bytes, offset).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    fn state_json(&self) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(self.state()).unwrap()).unwrap()
+    }
+}
+
+/// Asks until the answer is no longer `Scanning` (10 s bound); checks
+/// the progress each `Scanning` answer reports.
+fn verdict(b: &StaticBackend, volume: &str, dev: &Path, size: u64) -> Blankness {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut last_done = 0;
+    loop {
+        match b.blankness(volume).unwrap() {
+            Blankness::Scanning {
+                device,
+                done_bytes,
+                total_bytes,
+            } => {
+                assert_eq!((device.as_path(), total_bytes), (dev, size));
+                assert!(done_bytes >= last_done && done_bytes <= size);
+                last_done = done_bytes;
+            }
+            other => return other,
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the full read takes too long"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// The replayed bug: data only in the middle of a device (edges zero, no
+/// signature) passes the edge probe; the full read finds it, the verdict
+/// survives a restart, and deleting the volume does not launder it into
+/// `Released` (crust never wrote that data).
+#[test]
+fn data_in_the_middle_is_found_by_a_full_read_and_kept() {
+    let d = Disks::new(&[128]);
+    let dev = d.dev(0);
+    d.write_at(0, 50 * MIB, b"operator data");
+    assert_eq!(crust_blockdev::probe_fs(&dev).unwrap(), Probe::Blank);
+    // A state file from before verdicts (a claim, no read ever started):
+    // it loads, and the first question starts the read.
+    std::fs::create_dir_all(d.state().parent().unwrap()).unwrap();
+    let old = serde_json::json!({"version": 1, "claims": {"a": {"device": dev, "size_bytes": 128 * MIB}}});
+    std::fs::write(d.state(), old.to_string()).unwrap();
+    let b = d.open();
+    let first = b.blankness("a").unwrap();
+    assert!(
+        matches!(&first, Blankness::Scanning { device, total_bytes, .. } if *device == dev && *total_bytes == 128 * MIB),
+        "{first:?}"
+    );
+    let holds = Blankness::HoldsData {
+        device: dev.clone(),
+        offset: 50 * MIB,
+        setting: DECLARE_BLANK_SETTING,
+    };
+    assert_eq!(verdict(&b, "a", &dev, 128 * MIB), holds);
+    assert_eq!(DECLARE_BLANK_SETTING, "--static-device-blank");
+    let saved = &d.state_json()["verdicts"][dev.to_str().unwrap()];
+    assert_eq!(saved["found"]["kind"], "data", "{saved}");
+    assert_eq!(saved["device"]["size_bytes"], 128 * MIB);
+    let (major, minor) = crust_blockdev::device_major_minor(&dev).unwrap();
+    assert_eq!(
+        (
+            saved["device"]["major"].as_u64(),
+            saved["device"]["minor"].as_u64()
+        ),
+        (Some(major.into()), Some(minor.into()))
+    );
+
+    drop(b);
+    let b = d.open();
+    assert_eq!(
+        b.blankness("a").unwrap(),
+        holds,
+        "kept across a restart, no new read"
+    );
+
+    // Deleting wipes the edges; the middle still holds data crust never
+    // wrote, so the next claimant's device is read again, not Released.
+    b.delete("a").unwrap();
+    b.create("b", MIB, 0).unwrap();
+    assert_eq!(verdict(&b, "b", &dev, 128 * MIB), holds);
+    assert!(matches!(b.blankness("zz"), Err(BackendError::NotFound(_))));
+}
+
+/// An all-zero device: `create` starts the read (its verdict reaches the
+/// state file without anyone asking), deleting the volume records
+/// `Released` for the next claimant, and both survive a restart.
+#[test]
+fn zero_device_is_read_all_zero_then_released_by_delete() {
+    let d = Disks::new(&[64]);
+    let dev = d.dev(0);
+    let b = d.open();
+    b.create("z", MIB, 0).unwrap();
+    let key = dev.to_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while d.state_json()["verdicts"][&key].is_null() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "create did not start the read"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(
+        d.state_json()["verdicts"][&key]["found"]["kind"],
+        "all_zero"
+    );
+    assert_eq!(
+        b.blankness("z").unwrap(),
+        Blankness::ReadAllZero {
+            device: dev.clone()
+        }
+    );
+
+    // The volume writes (as crust would after formatting); delete wipes
+    // the edges and records what is left as that volume's.
+    d.write_at(0, 30 * MIB, b"volume data");
+    b.delete("z").unwrap();
+    b.create("next", MIB, 0).unwrap();
+    let released = Blankness::Released {
+        device: dev.clone(),
+        volume: "z".into(),
+    };
+    assert_eq!(b.blankness("next").unwrap(), released);
+    drop(b);
+    let b = d.open();
+    assert_eq!(
+        b.blankness("next").unwrap(),
+        released,
+        "kept across a restart"
+    );
+}
+
+/// A declared device is answered `Declared` without any read (even with
+/// data on it: the operator said so), also when declared under another
+/// name of the same node; declaring a device that is not configured is
+/// refused.
+#[test]
+fn declared_device_needs_no_read() {
+    let d = Disks::new(&[16, 32]);
+    d.write_at(1, 8 * MIB, b"whatever");
+    let alias = d.dir.path().join("by-id-disk1");
+    std::os::unix::fs::symlink(d.dev(1), &alias).unwrap();
+    let b = d.open_declaring(vec![alias]);
+    b.create("big", 20 * MIB, 0).unwrap();
+    b.create("small", MIB, 0).unwrap();
+    assert_eq!(
+        b.blankness("big").unwrap(),
+        Blankness::Declared {
+            device: d.dev(1),
+            setting: DECLARE_BLANK_SETTING
+        }
+    );
+    // The undeclared one is being read (started by create); the declared
+    // one never is.
+    assert!(!matches!(
+        b.blankness("small").unwrap(),
+        Blankness::Declared { .. }
+    ));
+    verdict(&b, "small", &d.dev(0), 16 * MIB);
+    assert!(d.state_json()["verdicts"][d.dev(1).to_str().unwrap()].is_null());
+    drop(b);
+
+    let other = Disks::new(&[8]);
+    let err = StaticBackend::open(StaticConfig {
+        devices: d.devices(),
+        declared_blank: vec![other.dev(0)],
+        state_file: d.state(),
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, BackendError::Invalid(m) if m.contains("not one of the configured devices")),
+        "{err}"
+    );
+}
+
+/// A verdict is about one disk: the same node with another size (the disk
+/// was replaced or grown) is read again.
+#[test]
+fn replaced_device_is_read_again() {
+    let d = Disks::new(&[32]);
+    let dev = d.dev(0);
+    let b = d.open();
+    b.create("a", MIB, 0).unwrap();
+    assert_eq!(
+        verdict(&b, "a", &dev, 32 * MIB),
+        Blankness::ReadAllZero {
+            device: dev.clone()
+        }
+    );
+    drop(b);
+    // Another disk behind the same node: bigger, with data.
+    let img = d.dir.path().join("disk0.img");
+    let f = File::options().write(true).open(&img).unwrap();
+    f.set_len(48 * MIB).unwrap();
+    f.write_all_at(b"new disk's data", 40 * MIB).unwrap();
+    f.sync_all().unwrap();
+    crust_blockdev::refresh_capacity(&dev).unwrap();
+    let b = d.open();
+    assert!(
+        matches!(b.blankness("a").unwrap(), Blankness::Scanning { total_bytes, .. } if total_bytes == 48 * MIB)
+    );
+    assert_eq!(
+        verdict(&b, "a", &dev, 48 * MIB),
+        Blankness::HoldsData {
+            device: dev.clone(),
+            offset: 40 * MIB,
+            setting: DECLARE_BLANK_SETTING
+        }
+    );
 }

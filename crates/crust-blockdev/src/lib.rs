@@ -25,6 +25,8 @@
 //!   ([`ensure_no_other_openers`]).
 //! * [`mount`]: [`mount_fs`], [`bind_mount`], [`unmount`], [`mount_info`],
 //!   [`find_mount`], [`is_mountpoint`], [`MountGuard`].
+//! * [`zeros`]: [`first_data_offset`], a full read of a device for any
+//!   non-zero byte (what proves a device without signatures blank).
 //! * [`mod@usage`]: [`usage()`] from `statvfs`.
 //! * [`copy`]: [`clone_file`], a reflink or hole-preserving copy of a
 //!   backing file (snapshots, clones).
@@ -49,6 +51,7 @@ pub mod path;
 pub mod probe;
 mod sys;
 pub mod usage;
+pub mod zeros;
 
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
@@ -80,3 +83,4 @@ pub use mount::{
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};
 pub use usage::{Usage, UsageError, usage};
+pub use zeros::{SCAN_CHUNK, ZeroScan, first_data_offset, scan_for_data};

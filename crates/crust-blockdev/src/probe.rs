@@ -73,21 +73,7 @@ pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
         path: dev.to_path_buf(),
         source,
     };
-    let (fd, _direct) = open_for_probe(dev).map_err(err)?;
-    let st = rustix::fs::fstat(&fd).map_err(|e| err(e.into()))?;
-    let size = match FileType::from_raw_mode(st.st_mode) {
-        FileType::BlockDevice => device::size_of_fd(&fd, dev).map_err(|e| match e {
-            device::DeviceError::Io { source, .. } => err(source),
-            other => err(io::Error::other(other.to_string())),
-        })?,
-        FileType::RegularFile => st.st_size as u64,
-        _ => {
-            return Err(err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a block device or regular file",
-            )));
-        }
-    };
+    let (fd, size) = open_sized(dev)?;
 
     let head_len = size.min(BLANK_EDGE_BYTES) as usize;
     let head = read_region(&fd, 0, head_len).map_err(err)?;
@@ -148,6 +134,32 @@ pub fn fs_needs_grow(dev: &Path, fs: FsType) -> Result<bool, ProbeError> {
         source: io::Error::other(e),
     })?;
     Ok(dev_size >= fs_size.saturating_add(1 << 20))
+}
+
+/// Opens `dev` for reading (`O_DIRECT` when possible) and returns its
+/// size: a block device's from the kernel, a regular file's from `fstat`;
+/// anything else is refused.
+pub(crate) fn open_sized(dev: &Path) -> Result<(std::os::fd::OwnedFd, u64), ProbeError> {
+    let err = |source: io::Error| ProbeError {
+        path: dev.to_path_buf(),
+        source,
+    };
+    let (fd, _direct) = open_for_probe(dev).map_err(err)?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| err(e.into()))?;
+    let size = match FileType::from_raw_mode(st.st_mode) {
+        FileType::BlockDevice => device::size_of_fd(&fd, dev).map_err(|e| match e {
+            device::DeviceError::Io { source, .. } => err(source),
+            other => err(io::Error::other(other.to_string())),
+        })?,
+        FileType::RegularFile => st.st_size as u64,
+        _ => {
+            return Err(err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a block device or regular file",
+            )));
+        }
+    };
+    Ok((fd, size))
 }
 
 fn open_for_probe(dev: &Path) -> io::Result<(std::os::fd::OwnedFd, bool)> {

@@ -46,8 +46,12 @@ pub enum BackendConfig {
     /// Sparse files in `dir`, attached as loop devices, at most
     /// `capacity_bytes` allocated in total.
     Pool { dir: PathBuf, capacity_bytes: u64 },
-    /// Pre-provisioned block devices, one volume each.
-    Static { devices: Vec<PathBuf> },
+    /// Pre-provisioned block devices, one volume each; `declared_blank`
+    /// are formatted without first reading them whole.
+    Static {
+        devices: Vec<PathBuf>,
+        declared_blank: Vec<PathBuf>,
+    },
 }
 
 /// Test-only hooks; production configurations leave them empty.
@@ -291,6 +295,19 @@ pub struct Cli {
     )]
     pub static_devices: Vec<PathBuf>,
 
+    /// Static backend: declares a --static-device blank (it holds nothing
+    /// worth keeping), so it is formatted without first being read whole.
+    /// Without it, a device is formatted only after a full background read
+    /// finds it all zeros (NodeStageVolume answers ABORTED meanwhile) or
+    /// after a crust volume on it was deleted. Repeat the flag (or separate
+    /// with commas in the environment) for more.
+    #[arg(
+        long = "static-device-blank",
+        env = "CRUST_CSI_STATIC_DEVICE_BLANK",
+        value_delimiter = ','
+    )]
+    pub static_device_blank: Vec<PathBuf>,
+
     /// NodeGetInfo.max_volumes_per_node (0: no limit reported).
     #[arg(long, env = "CRUST_CSI_MAX_VOLUMES_PER_NODE", default_value_t = 0)]
     pub max_volumes_per_node: i64,
@@ -456,9 +473,10 @@ impl Cli {
         }
         let backend = match self.backend {
             BackendKind::Pool => {
-                if !self.static_devices.is_empty() {
+                if !self.static_devices.is_empty() || !self.static_device_blank.is_empty() {
                     return Err(ConfigError::Backend(
-                        "--static-device is only valid with --backend static".into(),
+                        "--static-device and --static-device-blank are only valid with --backend static"
+                            .into(),
                     ));
                 }
                 let capacity_bytes = parse_size(&self.pool_capacity)?;
@@ -486,8 +504,11 @@ impl Cli {
                         "--backend static needs at least one --static-device".into(),
                     ));
                 }
+                // Each must be a --static-device: checked by the backend,
+                // which compares device numbers, not spellings.
                 BackendConfig::Static {
                     devices: self.static_devices,
+                    declared_blank: self.static_device_blank,
                 }
             }
         };
@@ -732,6 +753,7 @@ mod tests {
         assert!(bad(&["--driver-name", "a_b"]));
         assert!(bad(&["--backend", "static"]));
         assert!(bad(&["--static-device", "/dev/loop0"]));
+        assert!(bad(&["--static-device-blank", "/dev/loop0"]));
         assert!(bad(&["--pool-capacity", "0"]));
         assert!(bad(&["--state-dir", "rel"]));
         assert_eq!(log_filter("5"), "trace");
@@ -808,5 +830,40 @@ mod tests {
         assert!(bad(&["--runtime-cli-timeout", "soon"]));
         assert!(bad(&["--allowed-target-prefix", "pods"]));
         assert!(bad(&["--metrics-address", "localhost"]));
+    }
+
+    #[test]
+    fn static_backend_flags() {
+        let cfg = Cli::parse_from([
+            "crust-csi",
+            "--node-id",
+            "n1",
+            "--backend",
+            "static",
+            "--static-device",
+            "/dev/a",
+            "--static-device",
+            "/dev/b",
+            "--static-device-blank",
+            "/dev/b",
+        ])
+        .into_config()
+        .unwrap();
+        assert_eq!(
+            cfg.backend,
+            BackendConfig::Static {
+                devices: vec!["/dev/a".into(), "/dev/b".into()],
+                declared_blank: vec!["/dev/b".into()],
+            }
+        );
+        // The backend's refusals tell the operator to use this very flag.
+        use clap::CommandFactory;
+        let flag = crust_backend::DECLARE_BLANK_SETTING;
+        assert!(
+            Cli::command()
+                .get_arguments()
+                .any(|a| a.get_long().is_some_and(|l| format!("--{l}") == flag)),
+            "{flag} is not a crust-csi flag"
+        );
     }
 }

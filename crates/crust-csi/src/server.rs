@@ -57,9 +57,13 @@ pub fn build_backend(cfg: &Config) -> Result<Arc<dyn Backend>, ServeError> {
         })
         .map(|b| Arc::new(b) as Arc<dyn Backend>)
         .map_err(|e| ServeError::Backend(format!("pool {}: {e}", dir.display()))),
-        BackendConfig::Static { devices } => {
+        BackendConfig::Static {
+            devices,
+            declared_blank,
+        } => {
             crust_backend::StaticBackend::open(crust_backend::StaticConfig {
                 devices: devices.clone(),
+                declared_blank: declared_blank.clone(),
                 state_file: cfg.state_dir.join("static-claims.json"),
             })
         }
