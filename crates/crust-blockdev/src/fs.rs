@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::device::{self, DeviceError};
-use crate::probe::{Probe, ProbeError, probe_fs};
+use crate::gate::BlankProof;
+use crate::probe::{Probe, ProbeError};
 use crate::usage::{UsageError, usage};
 
 pub use crust_fs::FsType;
@@ -19,6 +20,12 @@ pub enum FsError {
     UnsupportedFsType(String),
     #[error("refusing to format {device}: it is not blank, it holds {found}")]
     NotBlank { device: PathBuf, found: Probe },
+    /// A full read found a non-zero byte on a device without a signature.
+    #[error(
+        "refusing to format {}: it holds data (a non-zero byte at offset {offset}, found by reading the whole device)",
+        device.display()
+    )]
+    HoldsData { device: PathBuf, offset: u64 },
     #[error("{0} not found in PATH, /usr/sbin or /sbin")]
     ToolNotFound(&'static str),
     #[error("running {tool}: {source}")]
@@ -264,13 +271,11 @@ pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::Prob
     parse_wipefs_json(&out).map_err(err)
 }
 
-/// Creates a filesystem on a block device.
-///
-/// Re-probes the device first and refuses with [`FsError::NotBlank`]
-/// unless it is [`Probe::Blank`] (the tools are run with `-f`/`-F`, so
-/// this check is what keeps data safe). A device that is mounted
-/// ([`FsError::InUse`]) or open in another process
-/// ([`FsError::OpenElsewhere`]) is refused before anything is read.
+/// Creates a filesystem on a block device that must be provably blank:
+/// [`crate::format`] with [`BlankProof::ReadNow`] (no signature, zero
+/// edges, and a full read finds only zeros). For callers without records
+/// of the device (tests, tools); the plugin passes its records' proof to
+/// [`crate::format`] instead.
 ///
 /// Runs the filesystem's [`crust_fs::FsSpec::mkfs`]:
 ///
@@ -281,35 +286,25 @@ pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::Prob
 /// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
 ///   filesystems smaller than 300 MiB; the tool's message is returned.
 pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
-    make_fs(dev, fstype, true)
+    crate::gate::format(dev, fstype, &BlankProof::ReadNow)
 }
 
-/// [`mkfs`] over what an interrupted [`mkfs`] of the same caller left
-/// (a half-written filesystem is not blank). Only for a caller that
-/// recorded, before its first attempt, that the device was blank and that
-/// it started formatting it, and that nothing used the device since.
-pub fn mkfs_again(dev: &Path, fstype: FsType) -> Result<(), FsError> {
-    make_fs(dev, fstype, false)
-}
-
-fn make_fs(dev: &Path, fstype: FsType, must_be_blank: bool) -> Result<(), FsError> {
+/// Runs `fstype`'s mkfs on `dev` after `check` passed (the tools run with
+/// `-f`/`-F`: the gate's check is what keeps data safe). A device that is
+/// mounted ([`FsError::InUse`]) or open in another process
+/// ([`FsError::OpenElsewhere`]) is refused before anything is read. Only
+/// [`crate::gate`] calls this.
+pub(crate) fn make_fs(
+    dev: &Path,
+    fstype: FsType,
+    check: impl FnOnce(&Path) -> Result<(), FsError>,
+) -> Result<(), FsError> {
     if !device::is_block_device(dev) {
         return Err(DeviceError::NotBlockDevice(dev.to_path_buf()).into());
     }
     require_unused(dev, "formatting", FORMAT)?;
-    match probe_fs(dev)? {
-        Probe::Blank => {}
-        _ if !must_be_blank => {}
-        found => {
-            return Err(FsError::NotBlank {
-                device: dev.to_path_buf(),
-                found,
-            });
-        }
-    }
-    run_tool(&fstype.spec().mkfs, dev)?;
-    tracing::info!(device = %dev.display(), %fstype, "filesystem created");
-    Ok(())
+    check(dev)?;
+    run_tool(&fstype.spec().mkfs, dev).map(drop)
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;

@@ -17,7 +17,9 @@
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted; [`fs_bytes`] / [`fs_needs_grow`] compare a
 //!   filesystem's size with its device's.
-//! * [`fs`]: [`FsType`], [`mkfs`], online [`grow_fs`] and
+//! * [`gate`]: [`format`], the one routine that writes a filesystem over
+//!   a device, and only with a [`BlankProof`] (see docs/security.md).
+//! * [`fs`]: [`FsType`], [`mkfs`] (the gate with a full read), online [`grow_fs`] and
 //!   [`grow_fs_offline`] (the only places that exec tools: `mkfs.ext4`,
 //!   `mkfs.xfs`, `resize2fs`, `xfs_growfs`, `e2fsck`). Online ext4 growth
 //!   needs `CAP_SYS_RESOURCE`: see [`can_grow_ext4_online`]. [`mkfs`] and
@@ -43,6 +45,7 @@ pub mod copy;
 pub mod device;
 pub mod freeze;
 pub mod fs;
+pub mod gate;
 pub mod health;
 pub mod holder;
 pub mod loopdev;
@@ -62,8 +65,9 @@ pub use device::{
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
     CHECK, FsError, FsType, can_grow_ext4_online, check_unmounted, ensure_no_other_openers,
-    fs_tools, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs, mkfs_again,
+    fs_tools, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs,
 };
+pub use gate::{BlankProof, format};
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
     fs_health, fs_health_with_timeout, with_timeout,

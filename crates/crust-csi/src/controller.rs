@@ -306,6 +306,7 @@ impl Driver {
             staging: None,
             published: BTreeMap::new(),
             content_source: ask.source.as_ref().map(SourceRecord::from),
+            inherited: None,
             raw_block_used: false,
             formatted: None,
             format_started: None,
@@ -470,7 +471,11 @@ impl Driver {
         let created = match source {
             None => self.create_plain(&id, size, rec.limit_bytes, no_record),
             Some(src) => match self.fill_from(&id, size, src) {
-                Ok(n) => Ok(n),
+                Ok((n, history)) => {
+                    // The copy's data is its source's, and so is its past.
+                    rec.inherit(SourceRecord::from(src), history);
+                    Ok(n)
+                }
                 Err(ControllerError::Backend(b)) => Err(b),
                 Err(other) => {
                     if let Err(re) = self.state.remove(&id) {

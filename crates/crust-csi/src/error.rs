@@ -517,6 +517,18 @@ pub enum NodeError {
         device.display()
     )]
     FormatRunning { volume: String, device: PathBuf },
+    /// The backend's one full read of the volume's device (is it all
+    /// zero?) has not finished: a format must wait for its verdict.
+    #[error(
+        "volume {volume}: crust is reading {} in full to prove it holds no data before          formatting it ({done_bytes} of {total_bytes} bytes read); retry later",
+        device.display()
+    )]
+    BlankCheckRunning {
+        volume: String,
+        device: PathBuf,
+        done_bytes: u64,
+        total_bytes: u64,
+    },
     #[error("volume {volume}: cannot detach {} (still in use?): {reason}", device.display())]
     Undetachable {
         volume: String,
@@ -633,7 +645,7 @@ impl From<NodeError> for Status {
             NodeError::DeviceTooSmall { .. }
             | NodeError::DeviceAboveLimit { .. }
             | NodeError::NoSectorMultiple { .. } => Code::OutOfRange,
-            NodeError::Busy(_) => Code::Aborted,
+            NodeError::Busy(_) | NodeError::BlankCheckRunning { .. } => Code::Aborted,
             NodeError::Ops(o) => o.code(),
             NodeError::Backend(b) => backend_code(b),
             NodeError::State(_) | NodeError::Internal(_) => Code::Internal,

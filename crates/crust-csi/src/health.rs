@@ -695,6 +695,7 @@ mod tests {
             staging: None,
             published: BTreeMap::new(),
             content_source: None,
+            inherited: None,
             raw_block_used: false,
             formatted: None,
             format_started: None,

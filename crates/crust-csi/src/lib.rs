@@ -31,6 +31,7 @@ pub mod group_controller;
 pub mod guard;
 pub mod handover;
 pub mod health;
+pub mod history;
 pub mod identity;
 pub mod metrics;
 pub mod node;

@@ -37,6 +37,7 @@ use crate::controller::{decode_token_of, encode_token};
 use crate::driver::Driver;
 use crate::error::ControllerError;
 use crate::guard::OpGuard;
+use crate::history::History;
 use crate::state::{HostMount, VolumeRecord};
 
 type Result<T, E = ControllerError> = std::result::Result<T, E>;
@@ -77,6 +78,12 @@ fn is_snapshot_id(id: &str) -> bool {
         && id[5..]
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// What a copy of `rec` inherits: its history, or `None` when that is
+/// unknown itself (a copy of unknown history).
+fn known_history(rec: &VolumeRecord) -> Option<History> {
+    rec.history_known().then(|| rec.history())
 }
 
 fn member_id(group_id: &str, volume_id: &str) -> String {
@@ -299,6 +306,9 @@ impl Driver {
             std::slice::from_ref(&req.source_volume_id),
             "CreateSnapshot",
         )?;
+        // Before the copy: a restore must never find a snapshot without it.
+        self.state
+            .put_snapshot_history(&id, &recs[0].id, known_history(&recs[0]))?;
         let info = self.consistent(
             &recs,
             || Ok(self.backend.create_snapshot(&id, &recs[0].id, None)?),
@@ -343,6 +353,7 @@ impl Driver {
             )));
         }
         self.backend.delete_snapshot(&req.snapshot_id)?;
+        self.state.remove_snapshot_history(&req.snapshot_id)?;
         Ok(())
     }
 
@@ -402,20 +413,31 @@ impl Driver {
     /// (A copied xfs keeps its source's UUID; it is mounted with `nouuid`,
     /// see the node service: its log may need replaying, which rules out
     /// changing the UUID offline.)
-    pub(crate) fn fill_from(&self, id: &str, size: u64, source: &ContentSource) -> Result<u64> {
-        let alloc = match source {
-            ContentSource::Snapshot(_) => self.backend.create_from(id, size, source)?,
+    pub(crate) fn fill_from(
+        &self,
+        id: &str,
+        size: u64,
+        source: &ContentSource,
+    ) -> Result<(u64, Option<History>)> {
+        let (alloc, history) = match source {
+            ContentSource::Snapshot(snap) => (
+                self.backend.create_from(id, size, source)?,
+                self.state.snapshot_history(snap),
+            ),
             ContentSource::Volume(src) => {
                 let (_guards, recs) =
                     self.begin_on(std::slice::from_ref(src), "CreateVolume (clone source)")?;
-                self.consistent(
+                // Read under the source's guard: no stage changes it now.
+                let history = known_history(&recs[0]);
+                let alloc = self.consistent(
                     &recs,
                     || Ok(self.backend.create_from(id, size, source)?),
                     |_| self.backend.delete(id),
-                )?
+                )?;
+                (alloc, history)
             }
         };
-        Ok(alloc.size_bytes)
+        Ok((alloc.size_bytes, history))
     }
 
     /// The source's size and filesystem for CreateVolume; NOT_FOUND when
@@ -487,6 +509,10 @@ impl Driver {
         let (_guards, recs) = self.begin_on(&sources, "CreateVolumeGroupSnapshot")?;
         self.backend.begin_group(&gid, &sources)?;
         let members: Vec<String> = sources.iter().map(|v| member_id(&gid, v)).collect();
+        for (m, rec) in members.iter().zip(&recs) {
+            self.state
+                .put_snapshot_history(m, &rec.id, known_history(rec))?;
+        }
         // (a failed cut removes the whole group below)
         let cut = self.consistent(
             &recs,
@@ -565,7 +591,15 @@ impl Driver {
             .guards
             .try_begin(&req.group_snapshot_id, "DeleteVolumeGroupSnapshot")?;
         self.check_members(&req.group_snapshot_id, &req.snapshot_ids)?;
+        let members = self
+            .backend
+            .get_group(&req.group_snapshot_id)?
+            .map(|(g, _)| g.snapshot_ids)
+            .unwrap_or_default();
         self.backend.delete_group(&req.group_snapshot_id)?;
+        for m in &members {
+            self.state.remove_snapshot_history(m)?;
+        }
         Ok(())
     }
 

@@ -211,6 +211,11 @@ pub struct VolumeRecord {
     /// What the volume was filled from (CreateVolume's content source).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<SourceRecord>,
+    /// A copy's source and the history its data came with
+    /// ([`crate::history`]): what decides whether the copy may be
+    /// formatted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inherited: Option<crate::history::Inherited>,
     /// A handover to a VM runtime in progress or in force (`handover.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover: Option<crate::handover::HandoverRecord>,
@@ -303,6 +308,9 @@ pub fn is_valid_volume_id(id: &str) -> bool {
 /// The record store.
 #[derive(Debug)]
 pub struct StateStore {
+    /// `<state-dir>/snapshots`: each snapshot's [`crate::history::History`]
+    /// as of its cut.
+    snapshots: PathBuf,
     dir: PathBuf,
     records: Mutex<Records>,
     /// `<state-dir>/lock`, flock'ed for as long as the store lives: two
@@ -390,7 +398,8 @@ impl StateStore {
     /// never silently dropped; leftover temp files are removed.
     pub fn open(state_dir: &Path) -> Result<StateStore, StateError> {
         let dir = state_dir.join("volumes");
-        for d in [state_dir, dir.as_path()] {
+        let snapshots = state_dir.join("snapshots");
+        for d in [state_dir, dir.as_path(), snapshots.as_path()] {
             create_private_dir(d).map_err(|source| StateError::Dir {
                 path: d.to_path_buf(),
                 source,
@@ -435,6 +444,7 @@ impl StateStore {
         }
         tracing::info!(dir = %dir.display(), volumes = records.by_id.len(), "loaded volume records");
         Ok(StateStore {
+            snapshots,
             dir,
             records: Mutex::new(records),
             _lock: lock,
@@ -516,6 +526,78 @@ impl StateStore {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// The history of snapshot `id`'s data as of its cut; `None` when
+    /// none was recorded (unknown: restores of it are never formatted).
+    pub fn snapshot_history(&self, id: &str) -> Option<crate::history::History> {
+        let path = self.snapshot_file(id)?;
+        let bytes = fs::read(&path).ok()?;
+        match serde_json::from_slice::<SnapshotHistory>(&bytes) {
+            Ok(h) => Some(h.history),
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "unreadable snapshot history: its restores count as unknown");
+                None
+            }
+        }
+    }
+
+    /// Records snapshot `id`'s history (`None`: unknown, so any earlier
+    /// record under that id goes), before the copy is cut.
+    pub fn put_snapshot_history(
+        &self,
+        id: &str,
+        source_volume_id: &str,
+        history: Option<crate::history::History>,
+    ) -> Result<(), StateError> {
+        let Some(history) = history else {
+            return self.remove_snapshot_history(id);
+        };
+        let path = self.snapshot_file(id).ok_or_else(|| StateError::Encode {
+            id: id.to_string(),
+            source: serde::ser::Error::custom("not a snapshot id"),
+        })?;
+        let data = serde_json::to_vec_pretty(&SnapshotHistory {
+            source_volume_id: source_volume_id.to_string(),
+            history,
+        })
+        .map_err(|source| StateError::Encode {
+            id: id.to_string(),
+            source,
+        })?;
+        write_atomic(&self.snapshots, &path, &data)
+            .map_err(|source| StateError::Write { path, source })
+    }
+
+    /// Forgets snapshot `id`'s history (idempotent).
+    pub fn remove_snapshot_history(&self, id: &str) -> Result<(), StateError> {
+        let Some(path) = self.snapshot_file(id) else {
+            return Ok(());
+        };
+        match fs::remove_file(&path) {
+            Ok(()) => {
+                fsync_dir(&self.snapshots).map_err(|source| StateError::Remove { path, source })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(StateError::Remove { path, source }),
+        }
+    }
+
+    /// Only ids of this plugin's shape name a file.
+    fn snapshot_file(&self, id: &str) -> Option<PathBuf> {
+        let ok = !id.is_empty()
+            && id.len() <= 128
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        ok.then(|| self.snapshots.join(format!("{id}.json")))
+    }
+}
+
+/// A snapshot's history file.
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapshotHistory {
+    source_volume_id: String,
+    history: crate::history::History,
 }
 
 /// Creates `dir` (and missing parents) with mode 0700 for the ones it
@@ -568,19 +650,21 @@ fn fsync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Records for the crate's unit tests.
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests_support {
     use super::*;
     use crate::caps::Access;
 
-    fn rec(name: &str) -> VolumeRecord {
+    /// A ready ext4 mount volume `id` of 1 byte on node `n1`, never used.
+    pub fn record(id: &str) -> VolumeRecord {
         VolumeRecord {
             version: RECORD_VERSION,
-            id: volume_id_for(name),
-            name: name.into(),
+            id: id.into(),
+            name: id.into(),
             phase: Phase::Ready,
-            capacity_bytes: 1 << 20,
-            required_bytes: 1 << 20,
+            capacity_bytes: 1,
+            required_bytes: 0,
             limit_bytes: 0,
             fs_type: FsType::Ext4,
             parameters: BTreeMap::new(),
@@ -592,12 +676,26 @@ mod tests {
             staging: None,
             published: BTreeMap::new(),
             content_source: None,
+            inherited: None,
             raw_block_used: false,
             formatted: None,
             format_started: None,
             handover: None,
             returned: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(name: &str) -> VolumeRecord {
+        let mut r = tests_support::record(&volume_id_for(name));
+        r.name = name.into();
+        r.capacity_bytes = 1 << 20;
+        r.required_bytes = 1 << 20;
+        r
     }
 
     #[test]

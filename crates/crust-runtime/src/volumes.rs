@@ -159,12 +159,15 @@ pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
     }
 }
 
-/// Kata's `createFilesystem=true`: a blank device (crust-blockdev's probe:
-/// zeros at both ends, and no signature libblkid's database knows) gets the
-/// record's filesystem before the guest sees it; a device holding anything
-/// is left as is. Without the flag nothing is formatted. The host may do
-/// this: nothing can have a blank device mounted. Runs before the sandbox
-/// takes its exclusive hold (mkfs needs the device to itself).
+/// Kata's `createFilesystem=true`: the record's filesystem is created
+/// before the guest sees the device, through the format gate with the
+/// only proof the runtime can have ([`crust_blockdev::BlankProof::ReadNow`]:
+/// no signature, zero edges, and a full read finds only zeros). A device
+/// that already holds the asked filesystem is left as is; one that holds
+/// anything else, a signature or data without one, is refused
+/// (FAILED_PRECONDITION): the runtime never knows what wrote it.
+/// Without the flag nothing is formatted. Runs before the sandbox takes
+/// its exclusive hold (mkfs needs the device to itself).
 pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
     if !v.create_fs || v.readonly {
         return Ok(());
@@ -179,26 +182,22 @@ pub async fn format_if_requested(v: &Volume) -> Result<(), VolumeError> {
         .parse()
         .map_err(|e| host(format!("createFilesystem: {e}")))?;
     let dev = std::path::PathBuf::from(&v.device);
-    tokio::task::spawn_blocking(move || match crust_blockdev::probe_fs(&dev) {
-        Ok(crust_blockdev::Probe::Blank) => match crust_blockdev::known_signatures(&dev) {
-            Ok(sigs) if sigs.is_empty() => crust_blockdev::mkfs(&dev, fstype)
+    let formatted = tokio::task::spawn_blocking(move || {
+        match crust_blockdev::probe_fs(&dev).map_err(|e| e.to_string())? {
+            crust_blockdev::Probe::Fs(found) if found == fstype => Ok(false),
+            _ => crust_blockdev::format(&dev, fstype, &crust_blockdev::BlankProof::ReadNow)
                 .map(|()| true)
                 .map_err(|e| e.to_string()),
-            Ok(_) => Ok(false),
-            Err(e) => Err(e.to_string()),
-        },
-        Ok(_) => Ok(false),
-        Err(e) => Err(e.to_string()),
+        }
     })
     .await
     .map_err(|e| host(format!("createFilesystem: {e}")))?
-    .map(|formatted| {
-        if formatted {
-            tracing::info!(target = %v.target, device = %v.device, fstype = %v.fstype,
-                "createFilesystem: formatted the blank device");
-        }
-    })
-    .map_err(|e| host(format!("createFilesystem: {e}")))
+    .map_err(|e| host(format!("createFilesystem: {e}")))?;
+    if formatted {
+        tracing::info!(target = %v.target, device = %v.device, fstype = %v.fstype,
+            "createFilesystem: formatted the device, which a full read proved blank");
+    }
+    Ok(())
 }
 
 /// Takes the exclusive hold on `v`'s host device that the sandbox keeps

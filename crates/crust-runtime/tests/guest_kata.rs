@@ -340,3 +340,45 @@ fn blank_without_create_filesystem_and_encryption_keys_are_refused() {
     drop(disk);
     assert_clean(&env);
 }
+
+/// Issue 24: `createFilesystem=true` on a device whose data has no
+/// signature (zero edges, data only at 32 MiB) is refused, not formatted:
+/// the runtime has no records of the device, so only a full read could
+/// prove it blank, and that read finds the data. The bytes stay.
+#[test]
+fn create_filesystem_never_formats_data_without_a_signature() {
+    use std::os::unix::fs::FileExt;
+    let env = Env::new();
+    let disk = LoopDisk::new(env.files.join("middle.img"), 64 * MIB);
+    let payload: Vec<u8> = (0..MIB).map(|i| (i * 29 + 5) as u8).collect();
+    let dev_file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(disk.dev())
+        .unwrap();
+    dev_file.write_all_at(&payload, 32 * MIB).unwrap();
+    dev_file.sync_all().unwrap();
+    drop(dev_file);
+    let before = std::fs::read(disk.file()).unwrap();
+    let dev = disk.dev_str().to_string();
+    let t = env.target("pod-m", "pv-middle");
+    plant_kata_record(
+        &env.kata,
+        &t,
+        &format!(
+            r#"{{"device":"{dev}","fstype":"ext4","metadata":{{"createFilesystem":"true"}}}}"#
+        ),
+    );
+    {
+        let _slot = VmSlot::acquire();
+        let b = env.bundle("middle", &["true"], vec![bind("/data", &t, false)]);
+        let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "middle"]);
+        assert!(err.contains("holds data"), "{err}");
+        assert!(!env.root.join("middle").exists());
+    }
+    assert!(
+        std::fs::read(disk.file()).unwrap() == before,
+        "the device's bytes are unchanged"
+    );
+    drop(disk);
+    assert_clean(&env);
+}

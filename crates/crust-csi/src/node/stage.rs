@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crust_blockdev::Probe;
+use crust_blockdev::{BlankProof, Probe};
 use crust_proto::csi::v1 as csi;
 
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
@@ -323,11 +323,12 @@ impl Driver {
         Ok(fresh_mount)
     }
 
-    /// Makes sure `device` holds a filesystem of type `fs`, creating it on
-    /// a blank device only. Blank means: no signature libblkid knows and
-    /// zero edges ([`Probe::Blank`]), AND the volume's record says it was
-    /// never used as raw block (such data has no signature) and crust never
-    /// formatted it before. The start of a format is recorded first, so a
+    /// Makes sure `device` holds a filesystem of type `fs`, creating it
+    /// only through the format gate: the device probes blank (no signature,
+    /// zero edges) AND the volume's history proves it holds no data crust
+    /// did not write ([`crate::history::format_proof`]: never raw block,
+    /// never formatted, a copy only of a never-used volume, else the
+    /// backend's proof). The start of a format is recorded first, so a
     /// stage killed mid-format redoes its own half-made filesystem (and
     /// waits while the orphaned tool still holds the device).
     fn ensure_filesystem(
@@ -350,37 +351,22 @@ impl Driver {
         }
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
-        let mkfs = |rec: &mut VolumeRecord, again: bool| -> Result<()> {
+        let mkfs = |rec: &mut VolumeRecord, proof: BlankProof| -> Result<()> {
             rec.format_started = Some(fs);
             self.state.put(rec.clone())?;
-            let r = if again {
-                crust_blockdev::mkfs_again(device, fs)
-            } else {
-                crust_blockdev::mkfs(device, fs)
-            };
-            r.map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
+            crust_blockdev::format(device, fs, &proof)
+                .map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
             rec.formatted = Some(fs);
-            tracing::info!(volume = %id, device = %device.display(), %fs, again, "created filesystem on blank volume");
+            tracing::info!(volume = %id, device = %device.display(), %fs, %proof, "created filesystem on blank volume");
             Ok(())
         };
         match found {
-            Probe::Blank if rec.raw_block_used => Err(NodeError::WouldOverwrite {
-                volume: id,
-                found: "was used as a raw block device: its data need not carry any signature, \
-                        so it is never formatted"
-                    .into(),
-                refused: format!("create {fs} on it"),
-            }),
-            Probe::Blank if rec.formatted.is_some() => Err(NodeError::WouldOverwrite {
-                volume: id,
-                found: format!(
-                    "was formatted with {} by this plugin before and now looks blank \
-                     (wiped or replaced behind the plugin's back?)",
-                    rec.formatted.map(|f| f.as_str()).unwrap_or_default()
-                ),
-                refused: "format it again".into(),
-            }),
-            Probe::Blank => mkfs(rec, false),
+            Probe::Blank if !interrupted => {
+                let proof = crate::history::format_proof(rec, fs, || {
+                    Ok(self.backend.blankness(&rec.id)?)
+                })?;
+                mkfs(rec, proof)
+            }
             p if p.fs_type() == Some(fs) => {
                 if interrupted {
                     rec.formatted = Some(fs);
@@ -402,7 +388,7 @@ impl Driver {
             }
             // Our own format, interrupted: never published, so nothing but
             // the half-made filesystem can be there.
-            _ if interrupted && !rec.raw_block_used => mkfs(rec, true),
+            _ if interrupted && !rec.raw_block_used => mkfs(rec, BlankProof::RedoOwnFormat),
             p => Err(NodeError::WouldOverwrite {
                 volume: id,
                 found: format!("holds {p}, not {fs}"),
