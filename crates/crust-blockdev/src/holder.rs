@@ -3,6 +3,11 @@
 //! the runtime's `direct-volume add` and sandbox start), and the hold the
 //! runtime keeps while a guest may use the device.
 //!
+//! A claim also refuses a device whose data another block device exposes
+//! (the backing file attached twice, a loop stacked on it, a
+//! device-mapper/md holder): see [`crate::alias`]. That scan costs a
+//! listing of the loop devices and runs only when a claim is made.
+//!
 //! The success path is O(1): one `O_EXCL` open, which the kernel refuses
 //! (`EBUSY`) while the device is mounted in any mount namespace, claimed
 //! by device-mapper/md, a mounted partition's disk, or opened `O_EXCL` by
@@ -24,6 +29,7 @@ use std::time::Instant;
 
 use rustix::fs::{FileType, Mode, OFlags};
 
+use crate::alias::AliasError;
 use crate::device::{self, DeviceError, OPENERS_SCAN_LIMIT, Opener};
 use crate::sys;
 
@@ -63,8 +69,24 @@ pub enum ClaimError {
         holders: Vec<Holder>,
         action: &'static str,
     },
+    /// Another block device exposes the same data (named), or that could
+    /// not be ruled out.
+    #[error(transparent)]
+    Aliased(#[from] AliasError),
     #[error(transparent)]
     Device(#[from] DeviceError),
+}
+
+impl ClaimError {
+    /// The device is in use by someone else, or its data reachable through
+    /// another device: the caller's precondition does not hold (as opposed
+    /// to a failure to check).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            ClaimError::InUse { .. } | ClaimError::Aliased(AliasError::Found { .. })
+        )
+    }
 }
 
 fn describe(holders: &[Holder]) -> String {
@@ -104,13 +126,23 @@ impl AsFd for ExclusiveDevice {
 }
 
 /// Opens `path` exclusively (read-only or read-write) after checking that
-/// nobody else holds it; see the module doc. `action` completes the
-/// refusal's message ("refusing to {action}").
+/// nobody else holds it and that no other block device exposes its data;
+/// see the module doc. `action` completes the refusal's message
+/// ("refusing to {action}").
 pub fn claim_exclusive(
     path: &Path,
     writable: bool,
     action: &'static str,
 ) -> Result<ExclusiveDevice, ClaimError> {
+    let dev = hold(path, writable, action)?;
+    // After the hold: no new mount of this device can start meanwhile.
+    crate::alias::ensure_no_aliases(path, action)?;
+    Ok(dev)
+}
+
+/// The `O_EXCL` open and sysfs holder check of [`claim_exclusive`],
+/// without the alias scan.
+fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDevice, ClaimError> {
     let access = if writable {
         OFlags::RDWR
     } else {
@@ -162,9 +194,17 @@ pub fn claim_exclusive(
 }
 
 /// [`claim_exclusive`] and let go at once: a check that nobody holds the
-/// device now.
+/// device now and no other device exposes its data.
 pub fn ensure_device_free(path: &Path, action: &'static str) -> Result<(), ClaimError> {
     claim_exclusive(path, false, action).map(drop)
+}
+
+/// Proof that a guest (or a mount) let go of the device: nobody holds
+/// it now. Unlike [`ensure_device_free`] it does not look for aliases: a
+/// foreign loop on the same file says nothing about whether a guest still
+/// has the device, and must not keep a claim from being released.
+pub fn ensure_released(path: &Path, action: &'static str) -> Result<(), ClaimError> {
+    hold(path, false, action).map(drop)
 }
 
 /// Names in `/sys/dev/block/M:m/holders/` (stacked kernel devices).

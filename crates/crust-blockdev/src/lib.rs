@@ -12,8 +12,11 @@
 //!   `/proc/*/fd`, [`device_openers`]), [`wipe_edges`].
 //! * [`holder`]: [`claim_exclusive`] / [`ensure_device_free`]: nobody
 //!   else has the device (an `O_EXCL` open plus sysfs holders; the holder
-//!   named from `/proc` only after a refusal), and the [`ExclusiveDevice`]
-//!   the runtime keeps while a guest may use a device.
+//!   named from `/proc` only after a refusal) and no other device exposes
+//!   its data ([`alias`]), and the [`ExclusiveDevice`] the runtime keeps
+//!   while a guest may use a device. [`ensure_released`]: the release proof.
+//! * [`alias`]: [`ensure_no_aliases`]: other loop devices bound to the
+//!   same backing inode, loops stacked on the device, kernel holders.
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
 //!   never formatted; [`fs_bytes`] / [`fs_needs_grow`] compare a
 //!   filesystem's size with its device's.
@@ -41,6 +44,7 @@
 //! `tokio::task::spawn_blocking` in async code. Health probes should be
 //! wrapped in [`with_timeout`] (see [`fs_health_with_timeout`]).
 
+pub mod alias;
 pub mod copy;
 pub mod device;
 pub mod freeze;
@@ -56,6 +60,7 @@ mod sys;
 pub mod usage;
 pub mod zeros;
 
+pub use alias::{ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliases};
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
@@ -74,7 +79,7 @@ pub use health::{
 };
 pub use holder::{
     ClaimError, ExclusiveDevice, HAND_TO_GUEST, Holder, claim_exclusive, ensure_device_free,
-    mounts_everywhere_of, name_holders,
+    ensure_released, mounts_everywhere_of, name_holders,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,

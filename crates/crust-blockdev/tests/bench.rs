@@ -1,24 +1,28 @@
 //! Latency of loop attach + detach (and of finding a device again by its
-//! backing file), and of the `/proc/*/fd` scan for other openers. A
+//! backing file), of the `/proc/*/fd` scan for other openers, and of a
+//! claim's alias scan with 0 and 1,000 foreign loop devices. A
 //! benchmark, not a test: run with
 //! `cargo test -p crust-blockdev --release --test bench -- --ignored --nocapture`.
 
 use std::fs::File;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crust_blockdev::{
-    AttachOptions, LoopDevice, LoopGuard, detach, device_openers, find_by_backing,
+    AttachOptions, HAND_TO_GUEST, LoopDevice, LoopGuard, claim_exclusive, detach, device_openers,
+    ensure_no_aliases, find_by_backing, list_loops,
 };
 
 fn stats(name: &str, mut v: Vec<Duration>) {
     v.sort();
     let pct = |p: usize| v[(v.len() * p / 100).min(v.len() - 1)];
     println!(
-        "{name}: n={} min={:?} p50={:?} p95={:?} max={:?}",
+        "{name}: n={} min={:?} p50={:?} p95={:?} p99={:?} max={:?}",
         v.len(),
         v[0],
         pct(50),
         pct(95),
+        pct(99),
         v[v.len() - 1]
     );
 }
@@ -77,4 +81,100 @@ fn device_openers_scan_latency() {
     }
     println!("{procs} processes, {fds} descriptors");
     stats("device_openers", v);
+}
+
+type Remove = rustix::ioctl::IntegerSetter<{ linux_raw_sys::loop_device::LOOP_CTL_REMOVE }>;
+
+/// Loop devices a host tool attached (sparse files of their own), detached
+/// on drop, and the devices this added to the node removed again, so it
+/// is left with the devices it had.
+struct ForeignLoops {
+    loops: Vec<LoopGuard>,
+    existed: std::collections::BTreeSet<String>,
+    _dir: tempfile::TempDir,
+}
+
+fn sys_block_names() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/sys/block")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect()
+}
+
+impl ForeignLoops {
+    fn attach(n: usize) -> ForeignLoops {
+        let dir = tempfile::tempdir().unwrap();
+        let existed = sys_block_names();
+        let mut loops = Vec::with_capacity(n);
+        for i in 0..n {
+            let f = dir.path().join(format!("foreign-{i}.img"));
+            File::create(&f).unwrap().set_len(1 << 20).unwrap();
+            loops.push(LoopGuard::attach(&f, AttachOptions::default()).unwrap());
+        }
+        ForeignLoops {
+            loops,
+            existed,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for ForeignLoops {
+    fn drop(&mut self) {
+        let added: Vec<u32> = self
+            .loops
+            .iter()
+            .map(|g| g.info().number)
+            .filter(|n| !self.existed.contains(&format!("loop{n}")))
+            .collect();
+        self.loops.clear(); // detaches
+        // LOOP_CTL_REMOVE: the kernel refuses (EBUSY) a device someone
+        // bound or opened meanwhile, so only idle ones go.
+        let Ok(ctl) = rustix::fs::open(
+            "/dev/loop-control",
+            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) else {
+            return;
+        };
+        for n in added {
+            // SAFETY: LOOP_CTL_REMOVE takes the device number as an integer.
+            let _ = unsafe { rustix::ioctl::ioctl(&ctl, Remove::new_usize(n as usize)) };
+        }
+    }
+}
+
+fn time_claims(label: &str, dev: &Path, rounds: usize) {
+    let (mut claim, mut scan) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let t = Instant::now();
+        drop(claim_exclusive(dev, true, HAND_TO_GUEST).unwrap());
+        claim.push(t.elapsed());
+        let t = Instant::now();
+        ensure_no_aliases(dev, HAND_TO_GUEST).unwrap();
+        scan.push(t.elapsed());
+    }
+    let bound = list_loops().unwrap().len();
+    println!("{label}: {bound} bound loop devices on the node");
+    stats(&format!("{label}: claim_exclusive"), claim);
+    stats(&format!("{label}: alias scan alone"), scan);
+}
+
+/// Issue 24: the alias check's cost, with the node's own loop devices and
+/// with 1,000 foreign ones more.
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture"]
+fn alias_check_latency_with_1000_foreign_loops() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("vol.img");
+    File::create(&img).unwrap().set_len(64 << 20).unwrap();
+    let vol = LoopGuard::attach(&img, AttachOptions::default()).unwrap();
+    time_claims("0 foreign", vol.path(), 200);
+    let t = Instant::now();
+    let foreign = ForeignLoops::attach(1000);
+    println!("attaching 1,000 foreign loops took {:?}", t.elapsed());
+    time_claims("1,000 foreign", vol.path(), 200);
+    drop(foreign);
 }

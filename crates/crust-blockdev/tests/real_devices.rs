@@ -906,3 +906,125 @@ fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
     assert_eq!(probe_fs(&dev).unwrap(), Probe::Fs(FsType::Ext4));
     ensure_device_free(&dev, HAND_TO_GUEST).unwrap();
 }
+
+/// The data file the alias tests write and read back (through debugfs,
+/// so reading it mounts nothing).
+const ALIAS_DATA: &str = "data.bin";
+
+fn debugfs_cat(image: &Path, file: &str) -> Vec<u8> {
+    let out = Command::new("debugfs")
+        .args(["-R", &format!("cat /{file}")])
+        .arg(image)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "debugfs cat {file}");
+    out.stdout
+}
+
+/// Issue 24: a device whose data another block device exposes (its
+/// backing file attached again and mounted, a hard link of it attached, a
+/// loop stacked on it) is never claimed: refused naming the alias and why,
+/// nothing held, attached or mounted by the refusal, the bytes unchanged
+/// and the filesystem clean; with the alias gone the claim succeeds.
+#[test]
+fn claims_refuse_devices_whose_data_another_device_exposes() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let data = noise(256 * 1024, 24);
+    for case in crust_testkit::AliasCase::ALL {
+        let img = sparse(dir.path(), "vol.img", 32 * MIB);
+        let guard = LoopGuard::attach(&img, rw()).unwrap();
+        let dev = guard.path().to_path_buf();
+        mkfs(&dev, FsType::Ext4).unwrap();
+        let mnt = mkdir(dir.path(), "mnt");
+        let m = MountGuard::mount_fs(&dev, &mnt, FsType::Ext4, &[], false).unwrap();
+        std::fs::write(mnt.join(ALIAS_DATA), &data).unwrap();
+        m.unmount().unwrap();
+        std::fs::remove_dir(&mnt).unwrap();
+
+        let alias = case.make(&img, &dev);
+        let bound_before = find_all_by_backing(&img).unwrap();
+        let image_before = crust_testkit::sha256(&img);
+        let e = claim_exclusive(&dev, true, HAND_TO_GUEST).unwrap_err();
+        let msg = e.to_string();
+        assert!(e.is_refusal(), "{case:?}: {msg}");
+        let why = match case {
+            crust_testkit::AliasCase::Stacked => format!("backed by {} itself", dev.display()),
+            _ => "bound to the same backing file (inode".into(),
+        };
+        assert!(
+            msg.contains(&format!("{} ", alias.dev_str()))
+                && msg.contains(&why)
+                && msg.contains("refusing to hand it to a guest"),
+            "{case:?}: {msg}"
+        );
+        assert!(
+            matches!(&e, ClaimError::Aliased(AliasError::Found { aliases, .. }) if aliases.len() == 1),
+            "{case:?}: {msg}"
+        );
+        // The refusal holds, attaches and mounts nothing.
+        ensure_released(&dev, "check").unwrap();
+        assert_eq!(find_all_by_backing(&img).unwrap(), bound_before);
+        assert!(
+            mount_info()
+                .unwrap()
+                .iter()
+                .all(|m| Some((m.major, m.minor)) != device_major_minor(&dev).ok()),
+            "{case:?}: the volume's device got mounted"
+        );
+        if alias.mount_point().is_none() {
+            assert_eq!(crust_testkit::sha256(&img), image_before, "{case:?}");
+        }
+        drop(alias);
+
+        // The alias gone, the same claim succeeds.
+        drop(claim_exclusive(&dev, true, HAND_TO_GUEST).unwrap());
+        drop(guard);
+        assert!(find_all_by_backing(&img).unwrap().is_empty(), "{case:?}");
+        crust_testkit::assert_fsck_clean(&img);
+        assert_eq!(debugfs_cat(&img, ALIAS_DATA), data, "{case:?}");
+        std::fs::remove_file(&img).unwrap();
+    }
+}
+
+/// A partition of another loop bound to the same file is named too (the
+/// second attach with partition scanning, as `losetup -P` does; the
+/// partition added with BLKPG, as this kernel parses no partition tables).
+#[test]
+fn claims_name_the_partitions_of_an_alias() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "parts.img", 16 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    let alias = crust_testkit::losetup(&img, true);
+    let name = alias
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let status = Command::new("addpart")
+        .arg(alias.path())
+        .args(["1", "2048", "16384"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "addpart");
+    assert!(Path::new(&format!("/sys/block/{name}/{name}p1")).exists());
+    let msg = ensure_device_free(guard.path(), HAND_TO_GUEST)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains(&format!(
+            "/dev/{name}p1 is a partition of /dev/{name}, which is bound to the same backing file"
+        )),
+        "{msg}"
+    );
+    // The file itself (a VM image handed as a file) is refused as well:
+    // both loops expose it.
+    let msg = ensure_device_free(&img, HAND_TO_GUEST)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains(guard.path().to_str().unwrap()), "{msg}");
+}

@@ -24,7 +24,7 @@ use crust_proto::csi::v1 as csi;
 
 use crate::caps::Capability;
 use crate::driver::Driver;
-use crate::error::{NodeError, PathProblem, fs_err, mount_err};
+use crate::error::{NodeError, PathProblem, alias_err, fs_err, mount_err};
 use crate::health::Condition;
 use crate::node::DEFER_CONTEXT_KEY;
 use crate::node::{mounted_here, prepare_target, remove_target, sync_and_unmount};
@@ -346,6 +346,8 @@ impl Driver {
             // QEMU opens a guest's disk without O_EXCL: look for openers.
             crust_blockdev::ensure_no_other_openers(&s.device, crust_blockdev::fs::MOUNT)
                 .map_err(|e| fs_err("checking for other openers", e))?;
+            crust_blockdev::ensure_no_aliases(&s.device, crust_blockdev::fs::MOUNT)
+                .map_err(alias_err)?;
             if cap.flags_digest() != s.flags_digest {
                 return Err(NodeError::StageFlagsDiffer {
                     volume: id,

@@ -355,6 +355,10 @@ pub enum NodeError {
     /// The device is mounted or open in another process (a sandbox's QEMU).
     #[error(transparent)]
     DeviceInUse(Box<crust_blockdev::FsError>),
+    /// Another block device exposes the volume's data (its backing file
+    /// attached again, a loop stacked on it, a device-mapper/md holder).
+    #[error(transparent)]
+    Aliased(Box<crust_blockdev::AliasError>),
     /// A handover's own refusal, met by a node call (NodeUnpublish taking a volume back).
     #[error(transparent)]
     Handover(Box<crate::handover::HandoverError>),
@@ -613,6 +617,7 @@ impl From<NodeError> for Status {
             | NodeError::ReturnedFsDamaged { .. }
             | NodeError::MountRefused(_)
             | NodeError::DeviceInUse(_)
+            | NodeError::Aliased(_)
             | NodeError::Handover(_)
             | NodeError::DeferralUnsupported
             | NodeError::OtherNode { .. }
@@ -677,6 +682,15 @@ pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
             NodeError::DeviceInUse(Box::new(e))
         }
         other => NodeError::Internal(format!("{context}: {other}")),
+    }
+}
+
+/// Maps the alias check: another device exposing the data is
+/// FAILED_PRECONDITION, a scan that could not finish INTERNAL.
+pub(crate) fn alias_err(e: crust_blockdev::AliasError) -> NodeError {
+    match e {
+        crust_blockdev::AliasError::Found { .. } => NodeError::Aliased(Box::new(e)),
+        other => NodeError::Internal(other.to_string()),
     }
 }
 

@@ -923,7 +923,7 @@ fn mounted_only_at(device: &Path, allowed: &[&Path]) -> std::result::Result<(), 
 /// Nobody holds the device: no mount, no exclusive holder (the runtime's
 /// hold), no process with it open (QEMU).
 fn device_released(device: &Path) -> std::result::Result<(), String> {
-    crust_blockdev::ensure_device_free(device, "take it back").map_err(|e| e.to_string())?;
+    crust_blockdev::ensure_released(device, "take it back").map_err(|e| e.to_string())?;
     match crust_blockdev::device_openers(device) {
         Ok(o) if o.is_empty() => Ok(()),
         Ok(o) => Err(format!(

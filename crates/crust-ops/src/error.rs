@@ -12,7 +12,7 @@ use tonic::{Code, Status};
 /// | different record staged and claimed | ALREADY_EXISTS |
 /// | unstage while a claimant is not shown gone (`running`, `unknown`, no answer, device still held) | FAILED_PRECONDITION |
 /// | record exists, no runtime consumed it yet (no `runtime-cli` / no sandbox file) | FAILED_PRECONDITION |
-/// | stage of a device that is mounted (any namespace) or held | FAILED_PRECONDITION |
+/// | stage of a device that is mounted (any namespace) or held, or whose data another device exposes | FAILED_PRECONDITION |
 /// | recorded CLI not absolute / not an executable regular file | FAILED_PRECONDITION |
 /// | forged or broken record on disk | FAILED_PRECONDITION |
 /// | CLI did not finish within the timeout (it is killed) | DEADLINE_EXCEEDED |
@@ -45,7 +45,8 @@ pub enum OpsError {
         by: String,
         detail: String,
     },
-    /// The device to hand over is mounted or held (named in `detail`).
+    /// The device to hand over is mounted or held, or another device
+    /// exposes its data (named in `detail`).
     #[error("{detail}")]
     DeviceInUse { device: String, detail: String },
     #[error("runtime cli {path}: {reason}")]

@@ -756,11 +756,12 @@ fn normalize_flags(req: &mut StageRequest) -> Result<(), OpsError> {
     Ok(())
 }
 
-/// Before a record hands `device` to a guest: nobody holds it.
+/// Before a record hands `device` to a guest: nobody holds it and no
+/// other device exposes its data.
 fn check_device_free(device: &str) -> Result<(), OpsError> {
     match crust_blockdev::ensure_device_free(Path::new(device), crust_blockdev::HAND_TO_GUEST) {
         Ok(()) => Ok(()),
-        Err(e @ crust_blockdev::ClaimError::InUse { .. }) => Err(OpsError::DeviceInUse {
+        Err(e) if e.is_refusal() => Err(OpsError::DeviceInUse {
             device: device.to_string(),
             detail: e.to_string(),
         }),
@@ -776,7 +777,7 @@ fn check_device_free(device: &str) -> Result<(), OpsError> {
 /// has it open (a QEMU whose runtime died).
 fn device_released(device: &str) -> Result<(), String> {
     let path = Path::new(device);
-    crust_blockdev::ensure_device_free(path, "release its claim").map_err(|e| e.to_string())?;
+    crust_blockdev::ensure_released(path, "release its claim").map_err(|e| e.to_string())?;
     if crust_blockdev::is_block_device(path) {
         let openers = crust_blockdev::device_openers(path).map_err(|e| e.to_string())?;
         if let Some(o) = openers.first() {

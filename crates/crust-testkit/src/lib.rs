@@ -5,13 +5,16 @@
 //! nextest runs each test in its own process.
 //!
 //! [`LoopDisk`] and [`TempMount`] wrap crust-blockdev's loop and mount
-//! guards for tests that need a real formatted block device.
+//! guards for tests that need a real formatted block device; [`AliasCase`]
+//! makes the devices a host tool may stack on or beside them.
 
+mod alias;
 mod containerd;
 mod disk;
 mod python;
 mod qemu;
 
+pub use alias::{Alias, AliasCase, assert_fsck_clean, losetup, sha256};
 pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
     PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,

@@ -11,7 +11,7 @@ use super::target::{mounted_source, prepare_target, publication_of, remove_targe
 use super::{FsOps, abs_path, context_defers};
 use crate::caps::{Access, Capability};
 use crate::driver::Driver;
-use crate::error::{NodeError, mount_err};
+use crate::error::{NodeError, alias_err, mount_err};
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -298,6 +298,11 @@ impl Driver {
             && let Some(gid) = ask.cap.fs_group()
         {
             apply_fs_group(&id, &s.path, gid)?;
+        }
+        if block && !repeat {
+            // A pod gets raw access: no other device may expose the data.
+            crust_blockdev::ensure_no_aliases(&s.device, "publish it as a raw block device")
+                .map_err(alias_err)?;
         }
         let created = prepare_target(target, block, Some(&s.device))?;
         if let Err(e) = bind(&s, target, readonly) {

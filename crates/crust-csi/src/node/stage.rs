@@ -11,7 +11,7 @@ use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount}
 use super::{FsOps, abs_path, node_cap};
 use crate::caps::{Access, Capability, FsType};
 use crate::driver::Driver;
-use crate::error::{NodeError, fs_err, mount_err};
+use crate::error::{NodeError, alias_err, fs_err, mount_err};
 use crate::state::{HostMount, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -226,6 +226,14 @@ impl Driver {
             }
             e
         };
+        if !repeat {
+            // Another device exposing the same data (the backing file
+            // attached again, a loop on it): the host neither formats nor
+            // mounts it, nor hands it raw to a pod.
+            crust_blockdev::ensure_no_aliases(&device, "stage it")
+                .map_err(alias_err)
+                .map_err(undo)?;
+        }
         if let Some(fs) = fs_type {
             if unmount_ours {
                 sync_and_unmount(&path).map_err(undo)?;
@@ -309,6 +317,8 @@ impl Driver {
         if was_attached && fresh_mount {
             crust_blockdev::ensure_no_other_openers(device, crust_blockdev::fs::MOUNT)
                 .map_err(|e| fs_err("checking for other openers", e))?;
+            crust_blockdev::ensure_no_aliases(device, crust_blockdev::fs::MOUNT)
+                .map_err(alias_err)?;
         }
         let mut flags = mount_flags_of(rec, fs, &cap.mount_flags);
         if fresh_mount {
