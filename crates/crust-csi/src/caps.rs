@@ -101,6 +101,13 @@ pub struct SupplementalGroup {
     pub change_policy: Option<FsGroupChangePolicy>,
 }
 
+/// A capability's mount flags refused by crust's one allow-list. The
+/// message names the flag by position and by the list's name for it,
+/// never by its text (flags may carry credentials).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("volume_capability mount_flags: {0}")]
+pub struct BadMountFlags(#[from] pub crust_fs::OptionError);
+
 /// The persisted form of a capability.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CapSpec {
@@ -188,6 +195,27 @@ impl Capability {
             supplemental,
             mount_group,
         })
+    }
+
+    /// THE check of a capability's mount flags: every RPC that takes a
+    /// capability calls it (CreateVolume, ValidateVolumeCapabilities,
+    /// GetCapacity, ControllerExpandVolume, NodeStageVolume, every route
+    /// of NodePublishVolume, NodeExpandVolume) before it looks at or
+    /// changes anything. It asks crust-fs's allow-list (the one the guest
+    /// agent applies too) for the filesystem the capability names, else
+    /// the volume's (`volume_fs`), read-only as the access mode says. It
+    /// depends on the capability alone, so one capability gets one answer
+    /// on every route, whether or not the route mounts with the flags (a
+    /// host publication is a bind, a handed-over one does nothing).
+    /// Returns the flags normalized (one option per entry); raw block has
+    /// none.
+    pub fn checked_mount_flags(&self, volume_fs: FsType) -> Result<Vec<String>, BadMountFlags> {
+        let fs = match self.access {
+            Access::Block => return Ok(Vec::new()),
+            Access::Mount { fs_type } => fs_type.unwrap_or(volume_fs),
+        };
+        let parsed = crust_fs::options::parse(fs, &self.mount_flags, self.mode.read_only())?;
+        Ok(parsed.words)
     }
 
     pub fn spec(&self) -> CapSpec {

@@ -245,6 +245,9 @@ impl Driver {
         let deferral = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
         let rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
+        // Every route (host, deferred, handed over) refuses bad flags the
+        // same way, before anything is recorded or mounted.
+        ask.cap.checked_mount_flags(rec.fs_type)?;
         let s = staged_for(&rec, &ask)?;
         self.require_staged_device(&rec, &s)?;
         match publish_route(deferral, &rec, &ask)? {
