@@ -105,7 +105,10 @@ pub struct SupplementalGroup {
 /// message names the flag by position and by the list's name for it,
 /// never by its text (flags may carry credentials).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("volume_capability mount_flags: {0}")]
+#[error(
+    "volume_capability mount_flags: {0} (the flag's text is not repeated: mount flags may \
+     carry credentials)"
+)]
 pub struct BadMountFlags(#[from] pub crust_fs::OptionError);
 
 /// The persisted form of a capability.
