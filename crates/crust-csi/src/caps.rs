@@ -374,6 +374,51 @@ mod tests {
         assert!(Capability::from_proto(&c).is_err());
     }
 
+    /// The one mount-flag check: the allow-list for the capability's own
+    /// fsType else the volume's, read-only as the mode says; words come
+    /// back one per entry; raw block has none.
+    #[test]
+    fn mount_flags_checked_for_the_capability_alone() {
+        let with = |fs: &str, flags: &[&str], mode: Mode| {
+            Capability::from_proto(&cap(
+                Some(AccessType::Mount(MountVolume {
+                    fs_type: fs.into(),
+                    mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+                    ..Default::default()
+                })),
+                mode,
+            ))
+            .unwrap()
+        };
+        let ok = with("", &["noatime,commit=30"], Mode::SingleNodeWriter);
+        assert_eq!(
+            ok.checked_mount_flags(FsType::Ext4).unwrap(),
+            ["noatime", "commit=30"]
+        );
+        let e = with("", &["commit=99999999999999999999"], Mode::SingleNodeWriter)
+            .checked_mount_flags(FsType::Ext4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("commit") && !e.contains("9999"), "{e}");
+        // xfs named by the capability: ext4's commit= is not xfs's.
+        assert!(
+            with("xfs", &["commit=30"], Mode::SingleNodeWriter)
+                .checked_mount_flags(FsType::Ext4)
+                .is_err()
+        );
+        assert!(
+            with("", &["rw"], Mode::SingleNodeReaderOnly)
+                .checked_mount_flags(FsType::Ext4)
+                .is_err()
+        );
+        let raw = Capability::from_proto(&cap(
+            Some(AccessType::Block(BlockVolume {})),
+            Mode::SingleNodeWriter,
+        ))
+        .unwrap();
+        assert!(raw.checked_mount_flags(FsType::Ext4).unwrap().is_empty());
+    }
+
     #[test]
     fn spec_round_trips_through_proto() {
         let spec = CapSpec {

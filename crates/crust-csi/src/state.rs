@@ -624,6 +624,32 @@ mod tests {
         }
     }
 
+    /// A target is the plugin's when `created_targets` lists it, or when a
+    /// record written before that list flags its publication; forgetting
+    /// clears both.
+    #[test]
+    fn created_targets_include_the_legacy_flag() {
+        let mut r = rec("t");
+        let (a, b, c) = (Path::new("/p/a"), Path::new("/p/b"), Path::new("/p/c"));
+        r.created_targets.insert(a.to_path_buf());
+        let legacy = Publication {
+            created_target: true,
+            ..Publication::host(true, false, AccessMode::SingleNodeWriter, String::new())
+        };
+        r.published.insert(b.to_path_buf(), legacy);
+        r.published.insert(
+            c.to_path_buf(),
+            Publication::host(true, false, AccessMode::SingleNodeWriter, String::new()),
+        );
+        assert!(r.created_target(a) && r.created_target(b) && !r.created_target(c));
+        assert!(r.forget_created_target(a) && r.forget_created_target(b));
+        assert!(!r.forget_created_target(c));
+        assert!(!r.created_target(a) && !r.created_target(b));
+        // An empty list is not written (records stay as before).
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json.get("created_targets").is_none(), "{json}");
+    }
+
     #[test]
     fn volumes_are_found_by_target_as_records_change_and_after_reload() {
         let tmp = tempfile::tempdir().unwrap();
