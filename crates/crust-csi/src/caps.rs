@@ -101,6 +101,16 @@ pub struct SupplementalGroup {
     pub change_policy: Option<FsGroupChangePolicy>,
 }
 
+/// A capability's mount flags refused by crust's one allow-list. The
+/// message names the flag by position and by the list's name for it,
+/// never by its text (flags may carry credentials).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "volume_capability mount_flags: {0} (the flag's text is not repeated: mount flags may \
+     carry credentials)"
+)]
+pub struct BadMountFlags(#[from] pub crust_fs::OptionError);
+
 /// The persisted form of a capability.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CapSpec {
@@ -188,6 +198,27 @@ impl Capability {
             supplemental,
             mount_group,
         })
+    }
+
+    /// THE check of a capability's mount flags: every RPC that takes a
+    /// capability calls it (CreateVolume, ValidateVolumeCapabilities,
+    /// GetCapacity, ControllerExpandVolume, NodeStageVolume, every route
+    /// of NodePublishVolume, NodeExpandVolume) before it looks at or
+    /// changes anything. It asks crust-fs's allow-list (the one the guest
+    /// agent applies too) for the filesystem the capability names, else
+    /// the volume's (`volume_fs`), read-only as the access mode says. It
+    /// depends on the capability alone, so one capability gets one answer
+    /// on every route, whether or not the route mounts with the flags (a
+    /// host publication is a bind, a handed-over one does nothing).
+    /// Returns the flags normalized (one option per entry); raw block has
+    /// none.
+    pub fn checked_mount_flags(&self, volume_fs: FsType) -> Result<Vec<String>, BadMountFlags> {
+        let fs = match self.access {
+            Access::Block => return Ok(Vec::new()),
+            Access::Mount { fs_type } => fs_type.unwrap_or(volume_fs),
+        };
+        let parsed = crust_fs::options::parse(fs, &self.mount_flags, self.mode.read_only())?;
+        Ok(parsed.words)
     }
 
     pub fn spec(&self) -> CapSpec {
@@ -341,6 +372,51 @@ mod tests {
         );
         c.access_mode = None;
         assert!(Capability::from_proto(&c).is_err());
+    }
+
+    /// The one mount-flag check: the allow-list for the capability's own
+    /// fsType else the volume's, read-only as the mode says; words come
+    /// back one per entry; raw block has none.
+    #[test]
+    fn mount_flags_checked_for_the_capability_alone() {
+        let with = |fs: &str, flags: &[&str], mode: Mode| {
+            Capability::from_proto(&cap(
+                Some(AccessType::Mount(MountVolume {
+                    fs_type: fs.into(),
+                    mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+                    ..Default::default()
+                })),
+                mode,
+            ))
+            .unwrap()
+        };
+        let ok = with("", &["noatime,commit=30"], Mode::SingleNodeWriter);
+        assert_eq!(
+            ok.checked_mount_flags(FsType::Ext4).unwrap(),
+            ["noatime", "commit=30"]
+        );
+        let e = with("", &["commit=99999999999999999999"], Mode::SingleNodeWriter)
+            .checked_mount_flags(FsType::Ext4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("commit") && !e.contains("9999"), "{e}");
+        // xfs named by the capability: ext4's commit= is not xfs's.
+        assert!(
+            with("xfs", &["commit=30"], Mode::SingleNodeWriter)
+                .checked_mount_flags(FsType::Ext4)
+                .is_err()
+        );
+        assert!(
+            with("", &["rw"], Mode::SingleNodeReaderOnly)
+                .checked_mount_flags(FsType::Ext4)
+                .is_err()
+        );
+        let raw = Capability::from_proto(&cap(
+            Some(AccessType::Block(BlockVolume {})),
+            Mode::SingleNodeWriter,
+        ))
+        .unwrap();
+        assert!(raw.checked_mount_flags(FsType::Ext4).unwrap().is_empty());
     }
 
     #[test]

@@ -66,11 +66,18 @@ pub struct Hooks {
     /// HandOver waits on this gate after taking the volume's operation
     /// guard (races against NodeUnpublish/NodeExpand).
     pub handover_gate: Option<Arc<Gate>>,
+    /// The plugin SIGKILLs itself at this step of a host publish (the
+    /// binary reads `CRUST_CSI_TEST_PUBLISH_CRASH`).
+    pub publish_crash: Option<crate::node::PublishStep>,
 }
 
 /// Test-only: the handover step at which the `crust-csi` binary kills
 /// itself (see [`Hooks::handover_crash`]).
 pub const HANDOVER_CRASH_ENV: &str = "CRUST_CSI_TEST_HANDOVER_CRASH";
+
+/// Test-only: the publish step at which the `crust-csi` binary kills
+/// itself (see [`Hooks::publish_crash`]).
+pub const PUBLISH_CRASH_ENV: &str = "CRUST_CSI_TEST_PUBLISH_CRASH";
 
 impl std::fmt::Debug for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,6 +85,7 @@ impl std::fmt::Debug for Hooks {
             .field("stage_gate", &self.stage_gate.is_some())
             .field("handover_crash", &self.handover_crash)
             .field("handover_gate", &self.handover_gate.is_some())
+            .field("publish_crash", &self.publish_crash)
             .finish()
     }
 }
@@ -547,6 +555,9 @@ impl Cli {
             handover_crash: std::env::var(HANDOVER_CRASH_ENV)
                 .ok()
                 .and_then(|s| crate::handover::Step::parse(&s)),
+            publish_crash: std::env::var(PUBLISH_CRASH_ENV)
+                .ok()
+                .and_then(|s| crate::node::PublishStep::parse(&s)),
             ..Hooks::default()
         };
         Ok(Config {

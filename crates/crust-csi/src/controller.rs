@@ -142,13 +142,12 @@ fn parse_caps(caps: &[csi::VolumeCapability]) -> Result<Vec<Capability>> {
         .collect()
 }
 
-/// Mount flags of every mount capability pass crust's one allow-list
-/// (the one NodeStageVolume, NodePublishVolume and the guest apply), so a
-/// flag that would fail later fails now, before anything is allocated.
+/// Mount flags of every capability pass the one check every RPC makes
+/// ([`Capability::checked_mount_flags`]), so a flag that would fail later
+/// fails now, before anything is allocated.
 fn check_mount_flags(fs: FsType, caps: &[Capability]) -> Result<()> {
-    for c in caps.iter().filter(|c| !c.access.is_block()) {
-        crust_blockdev::parse_mount_options(fs, &c.mount_flags, c.mode.read_only())
-            .map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
+    for c in caps {
+        c.checked_mount_flags(fs)?;
     }
     Ok(())
 }
@@ -312,6 +311,7 @@ impl Driver {
             format_started: None,
             handover: None,
             returned: None,
+            created_targets: Default::default(),
         };
         let rec = self.allocate(rec, ask.source.as_ref(), existing.is_none())?;
         tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %rec.fs_type, "volume created");
@@ -635,7 +635,7 @@ impl Driver {
                 }
                 _ => {}
             }
-            if let Err(e) = check_mount_flags(rec.fs_type, std::slice::from_ref(&cap)) {
+            if let Err(e) = cap.checked_mount_flags(rec.fs_type) {
                 return Ok(unconfirmed(e.to_string()));
             }
         }
@@ -756,6 +756,9 @@ impl Driver {
         let Ok(fs_type) = effective_fs(&params, &caps) else {
             return Ok(zero);
         };
+        if check_mount_flags(fs_type, &caps).is_err() {
+            return Ok(zero);
+        }
         let cap = self.backend.capacity()?;
         let wants_fs = params.fs_type.is_some() || caps.iter().any(|c| !c.access.is_block());
         let min = cap.minimum_volume_size.max(if wants_fs {
@@ -799,6 +802,9 @@ impl Driver {
             None => None,
         };
         let mut rec = self.ready_record(&req.volume_id)?;
+        if let Some(c) = &cap {
+            c.checked_mount_flags(rec.fs_type)?;
+        }
         let _guard = self.guards.try_begin(&rec.id, "ControllerExpandVolume")?;
         rec = self.ready_record(&req.volume_id)?;
         let node_expansion_required = match (&cap, &rec.staging) {

@@ -27,7 +27,7 @@ use crate::driver::Driver;
 use crate::error::{NodeError, PathProblem, alias_err, fs_err, mount_err};
 use crate::health::Condition;
 use crate::node::DEFER_CONTEXT_KEY;
-use crate::node::{mounted_here, prepare_target, remove_target, sync_and_unmount};
+use crate::node::{mounted_here, remove_created_target, sync_and_unmount};
 use crate::state::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -192,21 +192,30 @@ impl Driver {
         // The target is never an empty writable directory for a runtime
         // that is not a VM runtime: a read-only placeholder says where
         // the volume went (placeholder.rs).
-        let placed = prepare_target(&target, false, None).and_then(|_| {
-            crate::placeholder::mount(
-                &target,
-                &id,
-                "It is mounted only inside a VM runtime's guest (deferred filesystem \
+        let placed = self
+            .prepare_target(&mut rec, &target, false, None)
+            .and_then(|_| {
+                crate::placeholder::mount(
+                    &target,
+                    &id,
+                    "It is mounted only inside a VM runtime's guest (deferred filesystem \
                  operations: the StorageClass says deferFsOps=true, or the CO asked with \
                  defer_fs_ops).",
-            )
-            .map_err(|e| NodeError::Internal(e.to_string()))
-        });
+                )
+                .map_err(|e| NodeError::Internal(e.to_string()))
+            });
         if let Err(e) = placed {
             if !repeat && let Err(ue) = self.ops.unstage(&target_str) {
                 tracing::warn!(volume = %id, error = %ue, "could not remove the hand-off record after a failed publish");
             }
+            let forgot = !repeat && remove_created_target(&mut rec, &target);
             keep_staging(&mut rec, &s);
+            if forgot
+                && !unmounted_now
+                && let Err(pe) = self.state.put(rec)
+            {
+                tracing::error!(volume = %id, error = %pe, "cannot forget the removed publish target");
+            }
             return Err(e);
         }
         rec.staging = Some(s.clone());
@@ -386,7 +395,7 @@ impl Driver {
             tracing::warn!(volume = %id, target = %target_str,
                 "something is mounted on a deferred publish target; left in place");
         } else {
-            remove_target(target, false);
+            remove_created_target(&mut rec, target);
         }
         rec.published.remove(target);
         self.state.put(rec)?;
@@ -397,7 +406,8 @@ impl Driver {
 
     /// A deferred publish that crashed after writing the hand-off record
     /// but before recording the publication: the record (if it names this
-    /// volume's device) and the empty target go.
+    /// volume's device) and the placeholder go (the target itself only if
+    /// the plugin recorded creating it: the caller's part).
     pub(crate) fn unpublish_unrecorded_deferred(
         &self,
         rec: &VolumeRecord,
@@ -419,9 +429,6 @@ impl Driver {
         }
         self.ops.unstage(t)?;
         let _ = crate::placeholder::remove(target);
-        if !crust_blockdev::is_mountpoint(target).unwrap_or(true) {
-            remove_target(target, false);
-        }
         tracing::info!(volume = %rec.id, target = %t, "removed the hand-off record of an unrecorded deferred publish");
         Ok(())
     }

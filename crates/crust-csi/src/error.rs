@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use crust_backend::BackendError;
 use tonic::{Code, Status};
 
-use crate::caps::{AccessMode, FsType};
+use crate::caps::{AccessMode, BadMountFlags, FsType};
 use crate::guard::Busy;
 use crate::state::StateError;
 
@@ -179,6 +179,9 @@ pub enum ControllerError {
     },
     #[error("starting_token {} is not a token this plugin issued", crust_fs::quote(.0))]
     BadToken(String),
+    /// A capability's mount flags outside the allow-list.
+    #[error(transparent)]
+    BadMountFlags(#[from] BadMountFlags),
     #[error(transparent)]
     Busy(#[from] Busy),
     #[error(transparent)]
@@ -190,9 +193,9 @@ pub enum ControllerError {
 impl From<ControllerError> for Status {
     fn from(e: ControllerError) -> Status {
         let code = match &e {
-            ControllerError::Missing(_) | ControllerError::InvalidArgument(_) => {
-                Code::InvalidArgument
-            }
+            ControllerError::Missing(_)
+            | ControllerError::InvalidArgument(_)
+            | ControllerError::BadMountFlags(_) => Code::InvalidArgument,
             ControllerError::NotFound(_) => Code::NotFound,
             ControllerError::ExistsWithOtherArgs { .. }
             | ControllerError::ExistsWithOtherSize { .. }
@@ -584,6 +587,9 @@ pub enum NodeError {
          on the host instead of in the pod's sandbox, which deferral exists to avoid"
     )]
     DeferralUnsupported,
+    /// A capability's mount flags outside the allow-list.
+    #[error(transparent)]
+    BadMountFlags(#[from] BadMountFlags),
     /// crust_ops (hand-off record, runtime CLI); its code passes through.
     #[error("deferred filesystem operation: {0}")]
     Ops(#[from] crust_ops::OpsError),
@@ -601,7 +607,9 @@ pub enum NodeError {
 impl From<NodeError> for Status {
     fn from(e: NodeError) -> Status {
         let code = match &e {
-            NodeError::Missing(_) | NodeError::InvalidArgument(_) => Code::InvalidArgument,
+            NodeError::Missing(_) | NodeError::InvalidArgument(_) | NodeError::BadMountFlags(_) => {
+                Code::InvalidArgument
+            }
             NodeError::NotFound(_)
             | NodeError::NotOnNode { .. }
             | NodeError::UnknownPath { .. }

@@ -734,7 +734,7 @@ impl Driver {
                 nothing_done: "; nothing was unmounted",
             });
         }
-        crate::node::remove_target(target, false);
+        crate::node::remove_created_target(&mut rec, target);
         rec.published.remove(target);
         self.state.put(rec.clone())?;
         self.health.forget(&rec.id);

@@ -701,6 +701,7 @@ mod tests {
             format_started: None,
             handover: None,
             returned: None,
+            created_targets: Default::default(),
         }
     }
 

@@ -8,7 +8,7 @@
 //! its lock, and callers serialize writers per volume with the operation
 //! guard.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
@@ -145,8 +145,8 @@ pub struct Publication {
     /// fsGroupChangePolicy handed to the runtime (`Always` | `OnRootMismatch`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supplemental_group_change_policy: Option<String>,
-    /// The plugin created the target (a raw block target file): unpublish
-    /// removes only what the plugin created.
+    /// Records written before [`VolumeRecord::created_targets`]: the
+    /// plugin created this target. Read, never set any more.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub created_target: bool,
     /// A host publication whose filesystem a VM runtime took by handover
@@ -225,6 +225,14 @@ pub struct VolumeRecord {
     /// `nosuid,nodev`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub returned: Option<crate::handover::Returned>,
+    /// Publish targets the plugin created. A target is listed (the record
+    /// written atomically) BEFORE the plugin creates it, and forgotten
+    /// once removed, so an unpublish removes exactly what the plugin
+    /// created, also after a publish killed between creating the target
+    /// and recording its publication; a file or directory a CO or a user
+    /// put there is never removed.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub created_targets: BTreeSet<PathBuf>,
 }
 
 /// A volume's content source, as recorded.
@@ -277,6 +285,21 @@ impl VolumeRecord {
     /// most one: one sandbox at a time).
     pub fn deferred_publication(&self) -> Option<(&PathBuf, &Publication)> {
         self.published.iter().find(|(_, p)| p.deferred)
+    }
+
+    /// Whether the plugin recorded creating the publish target `t`.
+    pub fn created_target(&self, t: &Path) -> bool {
+        self.created_targets.contains(t) || self.published.get(t).is_some_and(|p| p.created_target)
+    }
+
+    /// Forgets that the plugin created `t`; returns whether it had.
+    pub fn forget_created_target(&mut self, t: &Path) -> bool {
+        let listed = self.created_targets.remove(t);
+        let legacy = self
+            .published
+            .get_mut(t)
+            .is_some_and(|p| std::mem::take(&mut p.created_target));
+        listed || legacy
     }
 
     /// Publications bind-mounted on the host (a handed-over one is not:
@@ -682,6 +705,7 @@ pub(crate) mod tests_support {
             format_started: None,
             handover: None,
             returned: None,
+            created_targets: BTreeSet::new(),
         }
     }
 }
@@ -696,6 +720,32 @@ mod tests {
         r.capacity_bytes = 1 << 20;
         r.required_bytes = 1 << 20;
         r
+    }
+
+    /// A target is the plugin's when `created_targets` lists it, or when a
+    /// record written before that list flags its publication; forgetting
+    /// clears both.
+    #[test]
+    fn created_targets_include_the_legacy_flag() {
+        let mut r = rec("t");
+        let (a, b, c) = (Path::new("/p/a"), Path::new("/p/b"), Path::new("/p/c"));
+        r.created_targets.insert(a.to_path_buf());
+        let legacy = Publication {
+            created_target: true,
+            ..Publication::host(true, false, AccessMode::SingleNodeWriter, String::new())
+        };
+        r.published.insert(b.to_path_buf(), legacy);
+        r.published.insert(
+            c.to_path_buf(),
+            Publication::host(true, false, AccessMode::SingleNodeWriter, String::new()),
+        );
+        assert!(r.created_target(a) && r.created_target(b) && !r.created_target(c));
+        assert!(r.forget_created_target(a) && r.forget_created_target(b));
+        assert!(!r.forget_created_target(c));
+        assert!(!r.created_target(a) && !r.created_target(b));
+        // An empty list is not written (records stay as before).
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json.get("created_targets").is_none(), "{json}");
     }
 
     #[test]

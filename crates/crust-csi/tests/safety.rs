@@ -109,8 +109,8 @@ async fn raw_block_targets_are_never_files_the_plugin_did_not_create() {
         .await
         .unwrap();
     assert_eq!(
-        record(&node, &id)["published"][&fresh]["created_target"],
-        true
+        record(&node, &id)["created_targets"],
+        serde_json::json!([fresh])
     );
     c.unpublish(&id, &fresh).await.unwrap();
     assert!(!Path::new(&fresh).exists());

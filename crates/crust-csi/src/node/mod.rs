@@ -13,8 +13,9 @@
 //!   does not stop writes to a device node, the device itself is set
 //!   read-only (BLKROSET), so read-only and read-write raw publications of
 //!   one volume cannot be mixed.
-//! * Unpublish/unstage unmount, remove the target, detach: data is never
-//!   deleted.
+//! * Unpublish/unstage unmount, remove the target (only one the plugin
+//!   recorded creating, before it created it), detach: data is never
+//!   deleted, and neither is a file or directory a CO or user made.
 //! * Path syntax errors are INVALID_ARGUMENT; a path in the wrong state
 //!   (missing, a file where a directory is needed, something else mounted
 //!   there) is FAILED_PRECONDITION and nothing on the node is changed.
@@ -58,9 +59,10 @@ mod stage;
 mod target;
 mod usage;
 
+pub use publish::PublishStep;
 pub(crate) use stage::mount_flags_of;
 pub(crate) use target::{
-    check_parent, mounted_here, prepare_target, publication_of, remove_target, sync_and_unmount,
+    check_parent, mounted_here, publication_of, remove_created_target, sync_and_unmount,
 };
 pub(crate) use usage::refreshed_device_size;
 

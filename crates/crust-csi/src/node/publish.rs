@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crust_proto::csi::v1 as csi;
 
-use super::target::{mounted_source, prepare_target, publication_of, remove_target};
+use super::target::{mounted_source, publication_of, remove_created_target};
 use super::{FsOps, abs_path, context_defers};
 use crate::caps::{Access, Capability};
 use crate::driver::Driver;
@@ -33,6 +33,30 @@ fn apply_fs_group(id: &str, root: &Path, gid: u32) -> Result<()> {
         tracing::info!(volume = %id, gid, "applied fsGroup (volume_mount_group) on the host mount");
     }
     Ok(())
+}
+
+/// Points of a host publish at which a test makes the plugin die
+/// (SIGKILL), set through the test-only `CRUST_CSI_TEST_PUBLISH_CRASH`
+/// variable: the crash windows an unpublish must clean up after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishStep {
+    /// The record lists the target as the plugin's; it does not exist yet.
+    TargetRecorded,
+    /// The target exists; nothing is bound on it.
+    TargetCreated,
+    /// The bind is in place; the publication is not recorded.
+    Bound,
+}
+
+impl PublishStep {
+    pub fn parse(s: &str) -> Option<PublishStep> {
+        match s {
+            "target-recorded" => Some(PublishStep::TargetRecorded),
+            "target-created" => Some(PublishStep::TargetCreated),
+            "bound" => Some(PublishStep::Bound),
+            _ => None,
+        }
+    }
 }
 
 /// A NodePublishVolume request, checked before anything is looked up.
@@ -245,6 +269,9 @@ impl Driver {
         let deferral = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
         let rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
+        // Every route (host, deferred, handed over) refuses bad flags the
+        // same way, before anything is recorded or mounted.
+        ask.cap.checked_mount_flags(rec.fs_type)?;
         let s = staged_for(&rec, &ask)?;
         self.require_staged_device(&rec, &s)?;
         match publish_route(deferral, &rec, &ask)? {
@@ -304,21 +331,16 @@ impl Driver {
             crust_blockdev::ensure_no_aliases(&s.device, "publish it as a raw block device")
                 .map_err(alias_err)?;
         }
-        let created = prepare_target(target, block, Some(&s.device))?;
+        let created = self.prepare_target(&mut rec, target, block, Some(&s.device))?;
         if let Err(e) = bind(&s, target, readonly) {
-            if created {
-                remove_target(target, true);
+            if created && remove_created_target(&mut rec, target) {
+                self.state.put(rec)?;
             }
             return Err(e);
         }
+        self.publish_fault(PublishStep::Bound);
         if !repeat {
-            rec.published.insert(
-                target.clone(),
-                Publication {
-                    created_target: created,
-                    ..wanted
-                },
-            );
+            rec.published.insert(target.clone(), wanted);
             self.state.put(rec)?;
         }
         self.health.forget(&id);
@@ -339,19 +361,7 @@ impl Driver {
         };
         let id = rec.id.clone();
         let Some(p) = rec.published.get(&target).cloned() else {
-            // Not recorded: only a bind of this volume left by a publish
-            // that crashed before recording it is undone, or the hand-off
-            // record of a deferred publish that crashed the same way.
-            if let Some(s) = &rec.staging
-                && publication_of(s, &target)
-            {
-                crust_blockdev::unmount_top(&target).map_err(mount_err)?;
-                // Whether the plugin created it is not recorded: only an
-                // empty file or directory goes.
-                remove_target(&target, true);
-            }
-            self.unpublish_unrecorded_deferred(&rec, &target)?;
-            return Ok(());
+            return self.unpublish_unrecorded(rec, &target);
         };
         if p.handed_over {
             return self.unpublish_handed_over(rec, &target);
@@ -390,7 +400,7 @@ impl Driver {
             }
             crust_blockdev::unmount_top(&target).map_err(mount_err)?;
         }
-        remove_target(&target, !p.block || p.created_target);
+        remove_created_target(&mut rec, &target);
         rec.published.remove(&target);
         if p.block
             && p.readonly
@@ -405,5 +415,32 @@ impl Driver {
         self.health.forget(&id);
         tracing::info!(volume = %id, target = %target.display(), "volume unpublished");
         Ok(())
+    }
+
+    /// NodeUnpublishVolume of a target with no recorded publication: what
+    /// a publish killed before recording it may have left is undone (this
+    /// volume's bind, a deferred publish's hand-off record), and the
+    /// target goes only if the record says the plugin created it.
+    fn unpublish_unrecorded(&self, mut rec: VolumeRecord, target: &Path) -> Result<()> {
+        if let Some(s) = &rec.staging
+            && publication_of(s, target)
+        {
+            crust_blockdev::unmount_top(target).map_err(mount_err)?;
+        }
+        self.unpublish_unrecorded_deferred(&rec, target)?;
+        if remove_created_target(&mut rec, target) {
+            self.state.put(rec)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn publish_fault(&self, at: PublishStep) {
+        if self.cfg.hooks.publish_crash == Some(at) {
+            tracing::error!(step = ?at, "test fault: the plugin dies here");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
     }
 }

@@ -161,6 +161,8 @@ impl Driver {
         let mut rec = self.node_record_here(&req.volume_id, &req.volume_context)?;
         let id = rec.id.clone();
         let fs_type = staged_fs_type(&rec, &cap)?;
+        // Bad mount flags are refused before anything is touched.
+        cap.checked_mount_flags(rec.fs_type)?;
         let readonly = cap.mode.read_only();
         let wanted = Staging {
             path: path.clone(),
@@ -183,11 +185,6 @@ impl Driver {
         };
         let repeat = repeats_staging(&rec, &wanted)?;
         require_dir("staging_target_path", &path)?;
-        if let Some(fs) = fs_type {
-            // Reject bad mount flags before touching anything.
-            crust_blockdev::parse_mount_options(fs, &cap.mount_flags, readonly)
-                .map_err(mount_err)?;
-        }
         let attached = self.backend.attached_device(&id)?;
         if fs_type.is_some()
             && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref())

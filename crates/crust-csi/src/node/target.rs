@@ -7,8 +7,10 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
+use super::publish::PublishStep;
+use crate::driver::Driver;
 use crate::error::{NodeError, PathProblem, mount_err};
-use crate::state::Staging;
+use crate::state::{Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -41,19 +43,13 @@ pub(crate) fn check_parent(target: &Path) -> Result<()> {
     }
 }
 
-/// Creates the publish target if missing; returns whether it was created.
+/// Checks a publish target; returns whether it is missing (the caller
+/// creates it).
 ///
-/// A raw block target must be missing (created here, and recorded so that
-/// unpublish removes only what the plugin created), an empty regular file,
-/// or this volume's own earlier bind (`staged_device`): an existing device
-/// node or a file with data is refused, because a bind over it would hide
-/// it and an unpublish would delete it.
-pub(crate) fn prepare_target(
-    target: &Path,
-    block: bool,
-    staged_device: Option<&Path>,
-) -> Result<bool> {
-    let t = target.display();
+/// A raw block target must be missing, an empty regular file, or this
+/// volume's own earlier bind (`staged_device`): an existing device node or
+/// a file with data is refused, because a bind over it would hide it.
+fn check_target(target: &Path, block: bool, staged_device: Option<&Path>) -> Result<bool> {
     check_parent(target)?;
     let bad = |problem| NodeError::PathState {
         field: "target_path",
@@ -75,21 +71,61 @@ pub(crate) fn prepare_target(
         Ok(m) if block && m.len() > 0 => Err(bad(PathProblem::FileWithData(m.len()))),
         Ok(m) if !block && !m.is_dir() => Err(bad(PathProblem::NotADirectoryForFs)),
         Ok(_) => Ok(false),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let r = if block {
-                fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .open(target)
-                    .map(drop)
-            } else {
-                fs::DirBuilder::new().mode(0o750).create(target)
-            };
-            r.map_err(|e| NodeError::Internal(format!("creating target_path {t}: {e}")))?;
-            Ok(true)
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(true),
+        Err(e) => Err(NodeError::Internal(format!(
+            "target_path {}: {e}",
+            target.display()
+        ))),
+    }
+}
+
+/// Creates a missing publish target: an empty file (raw block) or a
+/// directory. Never one that exists meanwhile (`create_new`, `mkdir`).
+fn create_target(target: &Path, block: bool) -> Result<()> {
+    let r = if block {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(target)
+            .map(drop)
+    } else {
+        fs::DirBuilder::new().mode(0o750).create(target)
+    };
+    r.map_err(|e| NodeError::Internal(format!("creating target_path {}: {e}", target.display())))
+}
+
+impl Driver {
+    /// Creates the publish target if missing (checked as
+    /// [`check_target`] says); returns whether this call created it.
+    /// The record lists the target as the plugin's before it exists, so
+    /// that a publish killed at any later point leaves a record saying
+    /// what the plugin made (see [`VolumeRecord::created_targets`]).
+    pub(crate) fn prepare_target(
+        &self,
+        rec: &mut VolumeRecord,
+        target: &Path,
+        block: bool,
+        staged_device: Option<&Path>,
+    ) -> Result<bool> {
+        if !check_target(target, block, staged_device)? {
+            return Ok(false);
         }
-        Err(e) => Err(NodeError::Internal(format!("target_path {t}: {e}"))),
+        if rec.created_targets.insert(target.to_path_buf()) {
+            self.state.put(rec.clone())?;
+        }
+        self.publish_fault(PublishStep::TargetRecorded);
+        if let Err(e) = create_target(target, block) {
+            // Not made by the plugin after all (something else put a file
+            // there meanwhile): not ours to remove later.
+            rec.created_targets.remove(target);
+            if let Err(pe) = self.state.put(rec.clone()) {
+                tracing::error!(volume = %rec.id, error = %pe, "cannot forget a target the plugin did not create");
+            }
+            return Err(e);
+        }
+        self.publish_fault(PublishStep::TargetCreated);
+        Ok(true)
     }
 }
 
@@ -164,21 +200,39 @@ pub(crate) fn sync_and_unmount(path: &Path) -> Result<()> {
     crust_blockdev::unmount(path).map_err(mount_err)
 }
 
-/// Removes a publish target after unmounting: an empty directory, or an
-/// empty regular file the plugin created (`created_file`). Anything else
-/// (a device node, a file with data, a file the plugin did not create) is
-/// left where it is.
-pub(crate) fn remove_target(target: &Path, created_file: bool) {
+/// Removes the publish target `target` once nothing is mounted on it, if
+/// the record says the plugin created it and it is still empty (an empty
+/// directory or an empty regular file), and forgets it; returns whether
+/// the record changed (the caller writes it). A target the plugin did not
+/// record creating is left in place, whatever it is.
+pub(crate) fn remove_created_target(rec: &mut VolumeRecord, target: &Path) -> bool {
+    if !rec.created_target(target) {
+        if fs::symlink_metadata(target).is_ok() {
+            tracing::info!(volume = %rec.id, target = %target.display(),
+                "publish target left in place: the plugin did not create it");
+        }
+        return false;
+    }
+    if crust_blockdev::is_mountpoint(target).unwrap_or(true) {
+        // Removing would fail or hide what is mounted: kept (and still
+        // ours) for a later unpublish.
+        tracing::warn!(volume = %rec.id, target = %target.display(),
+            "publish target still has something mounted on it; left in place");
+        return false;
+    }
     let r = match fs::symlink_metadata(target) {
         Ok(m) if m.is_dir() => fs::remove_dir(target),
-        Ok(m) if created_file && m.is_file() && m.len() == 0 => fs::remove_file(target),
+        Ok(m) if m.is_file() && m.len() == 0 => fs::remove_file(target),
         Ok(_) => {
-            tracing::info!(target = %target.display(), "publish target left in place (not created by the plugin, or not empty)");
+            tracing::warn!(volume = %rec.id, target = %target.display(),
+                "publish target the plugin created is no longer empty; left in place");
             Ok(())
         }
         Err(_) => Ok(()),
     };
     if let Err(e) = r {
-        tracing::warn!(target = %target.display(), error = %e, "could not remove publish target");
+        tracing::warn!(volume = %rec.id, target = %target.display(), error = %e,
+            "could not remove publish target");
     }
+    rec.forget_created_target(target)
 }

@@ -277,6 +277,9 @@ impl Driver {
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
         let mut rec = self.node_record(&req.volume_id)?;
+        if let Some(c) = &cap {
+            c.checked_mount_flags(rec.fs_type)?;
+        }
         let (recorded_block, device) = match self.usage_route(&rec, &path, req.defer_fs_ops)? {
             UsageRoute::Guest => {
                 if cap.as_ref().is_some_and(|c| c.access.is_block()) {
