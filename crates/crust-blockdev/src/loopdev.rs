@@ -108,6 +108,10 @@ pub struct LoopStatus {
     pub direct_io: bool,
     /// Current device size in bytes.
     pub size_bytes: u64,
+    /// The kernel's disk sequence number (`/sys/block/loopN/diskseq`,
+    /// Linux 5.15+): new with every attach, so a device number reused by
+    /// another tool's attach is told apart from the one a caller made.
+    pub diskseq: Option<u64>,
 }
 
 /// Namespace for attaching loop devices.
@@ -291,6 +295,9 @@ fn status_by_name(name: &str) -> Result<Option<LoopStatus>, LoopError> {
         autoclear: sysfs_flag(&base.join("loop/autoclear")),
         direct_io: sysfs_flag(&base.join("loop/dio")),
         size_bytes: sectors * 512,
+        diskseq: sysfs_read(&base.join("diskseq"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok()),
     }))
 }
 

@@ -370,3 +370,68 @@ async fn a_static_device_with_data_only_in_its_middle_is_never_formatted() {
         middle
     );
 }
+
+/// The volume's data reachable through another device (issue 24): the
+/// pool file attached again by a host tool and mounted, or a hard link of
+/// it attached, makes NodeStageVolume refuse before it formats, mounts or
+/// hands anything out, naming the alias; a loop stacked on a raw block
+/// volume's staged device makes NodePublishVolume refuse. Once the alias
+/// is gone, the same calls succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugin_never_mounts_or_publishes_data_another_device_exposes() {
+    use crust_testkit::AliasCase;
+    let node = TestNode::with_args(&["--pool-capacity", "4Gi"]);
+    let mut c = node.clients().await;
+    let id = c
+        .create(create_req(
+            "aliased",
+            64 * MIB,
+            vec![mount("ext4"), block()],
+        ))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/aliased");
+    // Formatted once, so the second-attach case can mount its alias.
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    let file = backing(&node, &id);
+    for case in [AliasCase::SecondAttachMounted, AliasCase::HardLink] {
+        let alias = case.make(&file, Path::new("/nonexistent"));
+        let s = assert_code(
+            c.stage(&id, &staging, mount("ext4")).await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message().contains(alias.dev_str()),
+            "{case:?}: {}",
+            s.message()
+        );
+        assert!(!crust_blockdev::is_mountpoint(Path::new(&staging)).unwrap());
+        let ours: Vec<_> = loops_under(node.dir.path())
+            .into_iter()
+            .filter(|l| l.path != alias.dev())
+            .collect();
+        assert!(ours.is_empty(), "{case:?}: attach undone: {ours:?}");
+    }
+    // Raw block: staged, then a loop stacked on its device; publish refuses.
+    c.stage(&id, &staging, block()).await.unwrap();
+    let device = loops_under(node.dir.path())[0].path.clone();
+    let target = format!("{}/dev", node.mkdir("pods/aliased"));
+    {
+        let alias = AliasCase::Stacked.make(&file, &device);
+        let s = assert_code(
+            c.publish(&id, &staging, &target, block(), false).await,
+            Code::FailedPrecondition,
+        );
+        assert!(s.message().contains(alias.dev_str()), "{}", s.message());
+        assert!(!Path::new(&target).exists(), "no target left");
+    }
+    c.publish(&id, &staging, &target, block(), false)
+        .await
+        .unwrap();
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    crust_testkit::assert_fsck_clean(&file);
+    c.delete(&id).await.unwrap();
+}
