@@ -22,6 +22,7 @@ use crate::config::Config;
 use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
 use crate::error::RuntimeError;
 use crate::handover::{self, Handover};
+use crate::plug::{self, Attachments, GuestPorts};
 use crate::runtime::ReadyLine;
 use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
 use crate::share;
@@ -51,13 +52,9 @@ pub struct Controller {
     guest: Guest,
     qmp: QmpClient,
     agent: AgentClient,
-    /// Free hot-plug buses (PCIe root ports).
-    buses: Mutex<Vec<String>>,
-    /// Volume id -> bus it sits on.
-    bus_of: Mutex<HashMap<String, String>>,
-    /// Volume id -> the exclusive hold on its host device, kept while the
-    /// guest may use it (until unplug or QEMU's exit).
-    holds: Mutex<HashMap<String, crust_blockdev::ExclusiveDevice>>,
+    /// Hot-plug buses, plugged volumes and the exclusive holds on their
+    /// host devices (kept while the guest may use them).
+    attachments: Attachments,
     /// One resize / hot-plug at a time per volume.
     volume_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     hotplug: tokio::sync::Mutex<()>,
@@ -268,12 +265,12 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
                 ),
             )
         })?;
-        let buses = guest.hotplug_buses();
+        let attachments = Attachments::default();
+        // The first root port is taken first.
+        attachments.set_buses(guest.hotplug_buses().into_iter().rev().collect());
         Ok::<_, RuntimeError>(Controller {
             state: Mutex::new(state.clone()),
-            buses: Mutex::new(buses),
-            bus_of: Mutex::new(HashMap::new()),
-            holds: Mutex::new(HashMap::new()),
+            attachments,
             volume_locks: Mutex::new(HashMap::new()),
             hotplug: tokio::sync::Mutex::new(()),
             teardown: tokio::sync::Mutex::new(false),
@@ -476,7 +473,7 @@ impl Controller {
                 return;
             }
             // QEMU is gone: its guest cannot use the devices any more.
-            me.holds.lock().expect("holds").clear();
+            me.attachments.guest_gone();
             let reason = reason.unwrap_or_default();
             tracing::error!("QEMU exited unexpectedly: {reason}");
             me.update(|s| {
@@ -517,44 +514,15 @@ impl Controller {
         });
     }
 
-    /// Attach + mount one volume; on failure unplug it again.
+    /// Formats (createFilesystem), holds, attaches and mounts one volume
+    /// through the plug routine both front doors share.
     async fn plug(&self, v: &Volume) -> Result<(), VolumeError> {
-        let bus = {
-            let mut buses = self.buses.lock().expect("buses");
-            if buses.is_empty() {
-                return Err(VolumeError::Precondition {
-                    target: v.target.clone(),
-                    reason: "no free hot-plug slot left in the guest".into(),
-                });
-            }
-            buses.remove(0)
+        let ports = GuestPorts {
+            qmp: &self.qmp,
+            agent: &self.agent,
+            mount_timeout: self.cfg.boot_timeout,
         };
-        let res = async {
-            volumes::format_if_requested(v).await?;
-            let hold = volumes::hold_host_device(v)?;
-            volumes::attach(&self.qmp, v, Some(&bus)).await?;
-            handover::crash_point("attached");
-            if let Err(e) = volumes::mount(&self.agent, v, self.cfg.boot_timeout).await {
-                let _ = volumes::detach(&self.qmp, v).await;
-                return Err(e);
-            }
-            Ok(hold)
-        }
-        .await;
-        match res {
-            Ok(hold) => {
-                self.bus_of
-                    .lock()
-                    .expect("bus_of")
-                    .insert(v.id.clone(), bus);
-                self.holds.lock().expect("holds").insert(v.id.clone(), hold);
-                Ok(())
-            }
-            Err(e) => {
-                self.buses.lock().expect("buses").insert(0, bus);
-                Err(e)
-            }
-        }
+        plug::plug(&self.attachments, &ports, v).await.map(drop)
     }
 
     /// The volume a stats/resize path names: its target (volume path),
@@ -611,10 +579,8 @@ impl Controller {
         } else {
             self.guest.kill().await;
         }
-        // QEMU has exited (or was killed): let go of the devices before
-        // the claims, so a claim never goes while a hold remains.
-        self.holds.lock().expect("holds").clear();
-        release_all(&self.discovery, &self.id, &st.volumes);
+        // QEMU has exited (or was killed): the holds, then the claims.
+        plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &st.volumes);
         handover::give_back(
             &Handover::new(&self.cfg),
             &self.discovery,

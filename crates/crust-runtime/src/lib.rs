@@ -21,6 +21,8 @@
 //! - [`controller`]: the shim process itself.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm).
 //! - [`share`]: the sandbox's virtio-fs share directory on the host.
+//! - [`plug`]: the one plug (createFilesystem, exclusive hold, hot-plug,
+//!   mount, rollback) and release both front doors use.
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`runtime`]: the CLI side of every command.
 //! - [`stats`]: JSON shapes of stats and resize.
@@ -35,6 +37,7 @@ pub mod discovery;
 pub mod error;
 pub mod handover;
 pub mod katashim;
+pub mod plug;
 pub mod poll;
 pub mod runtime;
 pub mod sandbox;

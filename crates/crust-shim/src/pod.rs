@@ -22,6 +22,7 @@ use crust_runtime::claims::{claim, release_all};
 use crust_runtime::discovery::{Discovery, Volume};
 use crust_runtime::error::RuntimeError;
 use crust_runtime::handover::{self, Handover};
+use crust_runtime::plug::{self, Attachments, GuestPorts};
 use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crust_runtime::share;
 use crust_runtime::shim::Code;
@@ -96,9 +97,11 @@ pub struct Pod {
     boot: tokio::sync::Mutex<()>,
     state: Mutex<Option<SandboxState>>,
     next_stream: AtomicU32,
-    buses: Mutex<Vec<String>>,
-    /// Volume id -> the volume, once plugged and mounted in the guest.
-    plugged: tokio::sync::Mutex<HashMap<String, Volume>>,
+    /// Hot-plug buses, the volumes plugged and mounted in the guest, and
+    /// the exclusive holds on their host devices.
+    attachments: Attachments,
+    /// One volume plug (claim included) at a time.
+    plug_lock: tokio::sync::Mutex<()>,
     /// The guest's memory and what the containers ask of it.
     memory: tokio::sync::Mutex<Memory>,
     /// Serials of hot-plugged raw block devices.
@@ -126,8 +129,8 @@ impl Pod {
             boot: Default::default(),
             state: Mutex::new(None),
             next_stream: AtomicU32::new(1),
-            buses: Mutex::new(Vec::new()),
-            plugged: Default::default(),
+            attachments: Attachments::default(),
+            plug_lock: Default::default(),
             memory: Default::default(),
             devices: Default::default(),
             api_stop: Mutex::new(None),
@@ -328,7 +331,7 @@ impl Pod {
         }
         let (exit_tx, exit) = watch::channel(None);
         guest.set_exit_notifier(exit_tx);
-        *self.buses.lock().expect("buses") = guest.hotplug_buses();
+        self.attachments.set_buses(guest.hotplug_buses());
         let stdio = StdioMux::new(guest.stdio_socket());
         self.update(|s| s.status = Status::Running);
         Ok(Arc::new(PodVm {
@@ -505,10 +508,12 @@ impl Pod {
         Ok(())
     }
 
-    /// Claims, hot-plugs and mounts a deferred volume once per pod.
+    /// Claims a deferred volume, then formats (createFilesystem), holds,
+    /// hot-plugs and mounts it through the plug routine both front doors
+    /// share; once per pod.
     async fn plug(&self, vm: &PodVm, v: &Volume) -> Result<(), PodError> {
-        let mut plugged = self.plugged.lock().await;
-        if plugged.contains_key(&v.id) {
+        let _one = self.plug_lock.lock().await;
+        if self.attachments.is_plugged(&v.id) {
             return Ok(());
         }
         // Recorded before the claim, so a crash leaves it releasable.
@@ -531,33 +536,17 @@ impl Pod {
             forget(self);
             return Err(e.into());
         }
-        let bus = self.buses.lock().expect("buses").pop();
-        let Some(bus) = bus else {
-            release_all(&self.discovery, &self.id, std::slice::from_ref(v));
-            forget(self);
-            return Err(RuntimeError::new(
-                Code::FailedPrecondition,
-                "no free hot-plug slot left in the pod's VM",
-            )
-            .into());
-        };
         let plug_t0 = Instant::now();
-        let res = async {
-            volumes::attach(&vm.qmp, v, Some(&bus)).await?;
-            if let Err(e) = volumes::mount(&vm.agent, v, self.cfg.runtime.boot_timeout).await {
-                let _ = volumes::detach(&vm.qmp, v).await;
-                return Err(e);
-            }
-            Ok(())
-        }
-        .await;
-        if let Err(e) = res {
-            self.buses.lock().expect("buses").push(bus);
+        let ports = GuestPorts {
+            qmp: &vm.qmp,
+            agent: &vm.agent,
+            mount_timeout: self.cfg.runtime.boot_timeout,
+        };
+        if let Err(e) = plug::plug(&self.attachments, &ports, v).await {
             release_all(&self.discovery, &self.id, std::slice::from_ref(v));
             forget(self);
             return Err(RuntimeError::from(e).into());
         }
-        plugged.insert(v.id.clone(), v.clone());
         self.note_handover_latency(&v.target, plug_t0);
         Ok(())
     }
@@ -682,7 +671,7 @@ impl Pod {
         if plugged.contains(&serial) {
             return Ok(serial);
         }
-        let bus = self.buses.lock().expect("buses").pop().ok_or_else(|| {
+        let bus = self.attachments.take_bus().ok_or_else(|| {
             PodError::from(RuntimeError::new(
                 Code::FailedPrecondition,
                 "no free hot-plug slot left in the pod's VM",
@@ -703,7 +692,7 @@ impl Pod {
         }
         .await;
         if let Err(e) = res {
-            self.buses.lock().expect("buses").push(bus);
+            self.attachments.return_bus(bus);
             return Err(PodError::host(
                 format!("hot-plugging {}", host.display()),
                 e,
@@ -721,7 +710,7 @@ impl Pod {
     }
 
     pub async fn volumes(&self) -> Vec<Volume> {
-        self.plugged.lock().await.values().cloned().collect()
+        self.attachments.volumes()
     }
 
     /// Unmounts the volumes in the guest, powers it off (or kills it),
@@ -751,7 +740,9 @@ impl Pod {
                 vm.guest.kill().await;
             }
         }
-        release_all(&self.discovery, &self.id, &vols);
+        // QEMU is gone (powered off, or killed and reaped): the holds on the
+        // devices, then the claims.
+        plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &vols);
         let asked = self
             .snapshot()
             .map(|s| s.handover_asked)
@@ -763,7 +754,6 @@ impl Pod {
             &asked,
         )
         .await;
-        self.plugged.lock().await.clear();
         self.update(|s| s.status = Status::Stopped);
         self.stop_api();
         self.remove_share();
@@ -775,6 +765,8 @@ impl Pod {
     /// claims stale (another pod may take the volumes; stats answer
     /// "not running"); Delete releases them for good.
     pub async fn vm_died(&self, reason: &str) {
+        // No guest can use the devices any more.
+        self.attachments.guest_gone();
         self.update(|s| {
             s.status = Status::Stopped;
             s.reason = Some(format!("QEMU exited ({reason})"));

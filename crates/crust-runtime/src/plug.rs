@@ -1,0 +1,174 @@
+//! One plug and one release of a deferred volume in a running guest, for
+//! both front doors (this crate's shim, [`crate::controller`], and the
+//! containerd shim's pod): createFilesystem, the exclusive hold on the
+//! host device, hot-plug, guest mount, and the rollback of each step.
+//!
+//! The hold ([`crust_blockdev::ExclusiveDevice`]) covers the whole time a
+//! guest may write to the device: it is taken before `blockdev-add` and
+//! dropped only once the device is gone from QEMU (`blockdev-del`
+//! returned) or QEMU itself has exited. A device whose unplug failed may
+//! still be in QEMU: its hold stays (stranded) until QEMU exits.
+//!
+//! What differs between the doors stays outside: which bus comes first
+//! (the order of the list given to [`Attachments::set_buses`]), the
+//! hand-off claim and the sandbox record (each door's own bookkeeping).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crust_agent_proto::AgentClient;
+use crust_blockdev::ExclusiveDevice;
+use crust_qmp::QmpClient;
+
+use crate::discovery::{Discovery, Volume};
+use crate::volumes::{self, VolumeError};
+
+/// What the plug routine needs of a running guest.
+pub struct GuestPorts<'a> {
+    pub qmp: &'a QmpClient,
+    pub agent: &'a AgentClient,
+    /// Bound on the guest's mount (fsGroup may walk the whole volume).
+    pub mount_timeout: Duration,
+}
+
+/// A volume in the guest: the bus it sits on and the hold on its device
+/// (None once QEMU has exited).
+struct Attached {
+    volume: Volume,
+    bus: String,
+    hold: Option<ExclusiveDevice>,
+}
+
+/// A sandbox's hot-plug buses and the volumes plugged on them, each with
+/// the exclusive hold on its host device.
+#[derive(Default)]
+pub struct Attachments {
+    /// Free buses; the last one is taken first.
+    free: Mutex<Vec<String>>,
+    plugged: Mutex<HashMap<String, Attached>>,
+    /// Holds of devices whose unplug failed: kept until QEMU exits.
+    stranded: Mutex<Vec<ExclusiveDevice>>,
+    /// One plug at a time: a volume is plugged once per sandbox.
+    plugging: tokio::sync::Mutex<()>,
+}
+
+impl Attachments {
+    /// The guest's hot-plug buses, the one to take first last.
+    pub fn set_buses(&self, buses: Vec<String>) {
+        *self.free.lock().expect("buses") = buses;
+    }
+
+    /// A free bus (for other hot-plugged devices, too).
+    pub fn take_bus(&self) -> Option<String> {
+        self.free.lock().expect("buses").pop()
+    }
+
+    pub fn return_bus(&self, bus: String) {
+        self.free.lock().expect("buses").push(bus);
+    }
+
+    pub fn is_plugged(&self, id: &str) -> bool {
+        self.plugged.lock().expect("plugged").contains_key(id)
+    }
+
+    /// The volumes plugged into the guest.
+    pub fn volumes(&self) -> Vec<Volume> {
+        let p = self.plugged.lock().expect("plugged");
+        p.values().map(|a| a.volume.clone()).collect()
+    }
+
+    /// QEMU has exited (and been reaped): no guest can use the devices any
+    /// more, so every hold goes. The volumes stay listed until
+    /// [`release_after_exit`].
+    pub fn guest_gone(&self) {
+        for a in self.plugged.lock().expect("plugged").values_mut() {
+            a.hold = None;
+        }
+        self.stranded.lock().expect("stranded").clear();
+    }
+
+    fn forget_all(&self) {
+        self.guest_gone();
+        let mut p = self.plugged.lock().expect("plugged");
+        let mut free = self.free.lock().expect("buses");
+        free.extend(p.drain().map(|(_, a)| a.bus));
+    }
+}
+
+/// Plugs `v` into the guest once per sandbox: createFilesystem, exclusive
+/// hold, `blockdev-add` + `device_add`, guest mount. Returns false when
+/// it was plugged already. On failure nothing of it is left: the device
+/// is detached, the hold dropped (kept, when the detach failed, until
+/// QEMU exits) and the bus free again. The hand-off claim is the caller's.
+pub async fn plug(att: &Attachments, g: &GuestPorts<'_>, v: &Volume) -> Result<bool, VolumeError> {
+    let _one = att.plugging.lock().await;
+    if att.is_plugged(&v.id) {
+        return Ok(false);
+    }
+    let bus = att.take_bus().ok_or_else(|| VolumeError::Precondition {
+        target: v.target.clone(),
+        reason: "no free hot-plug slot left in the guest".into(),
+    })?;
+    match plug_on(g, v, &bus).await {
+        Ok(hold) => {
+            att.plugged.lock().expect("plugged").insert(
+                v.id.clone(),
+                Attached {
+                    volume: v.clone(),
+                    bus,
+                    hold: Some(hold),
+                },
+            );
+            Ok(true)
+        }
+        Err((e, stranded)) => {
+            if let Some(h) = stranded {
+                att.stranded.lock().expect("stranded").push(h);
+            }
+            att.return_bus(bus);
+            Err(e)
+        }
+    }
+}
+
+/// The steps of [`plug`]; on failure, the hold of a device that may still
+/// be in QEMU comes back with the error.
+async fn plug_on(
+    g: &GuestPorts<'_>,
+    v: &Volume,
+    bus: &str,
+) -> Result<ExclusiveDevice, (VolumeError, Option<ExclusiveDevice>)> {
+    // mkfs needs the device to itself: before the hold.
+    volumes::format_if_requested(v)
+        .await
+        .map_err(|e| (e, None))?;
+    let hold = volumes::hold_host_device(v).map_err(|e| (e, None))?;
+    let res = async {
+        volumes::attach(g.qmp, v, Some(bus)).await?;
+        crate::handover::crash_point("attached");
+        volumes::mount(g.agent, v, g.mount_timeout).await
+    }
+    .await;
+    match res {
+        Ok(_) => Ok(hold),
+        Err(e) => match volumes::detach(g.qmp, v).await {
+            // Both steps are idempotent: Ok means QEMU has no such node.
+            Ok(()) => Err((e, None)),
+            Err(d) => {
+                tracing::error!(target = %v.target, device = %v.device,
+                    "rolling back a failed plug: {d}; the device stays held until QEMU exits");
+                Err((e, Some(hold)))
+            }
+        },
+    }
+}
+
+/// The release once the guest is gone (QEMU exited or was killed, and
+/// reaped): the holds go first, then the hand-off claims of `volumes`
+/// (every volume the sandbox recorded, plugged or not), so a claim never
+/// goes while a hold remains.
+pub fn release_after_exit(att: &Attachments, discovery: &Discovery, id: &str, volumes: &[Volume]) {
+    att.forget_all();
+    crate::claims::release_all(discovery, id, volumes);
+}

@@ -1,0 +1,501 @@
+//! Issue 31: both front doors reach a volume through one plug routine, so
+//! one test body runs against each: the `crust-runtime` CLI (`create` +
+//! `start`) and containerd-shim-crust-v2 (`ctr run` on a private
+//! containerd), with crust-csi playing kubelet's CSI calls.
+//!
+//! * A deferred volume (`defer_fs_ops`) and a host-published one handed
+//!   over (`auto`) are mounted read-write in the guest; meanwhile the
+//!   host's `O_EXCL` open and `mount -o ro,noload` of either device fail,
+//!   and QEMU has both open. After the workload is gone, both devices are
+//!   free and unclaimed.
+//! * The deferred volume's device mounted on the host after
+//!   NodePublishVolume: the start fails naming the mount; QEMU never opens
+//!   the device (sampled throughout), the host mount and its file are
+//!   untouched, no claim is left.
+//!
+//! Budget: per door containerd + crust-csi + two TCG boots, ~30 s; the two
+//! tests run side by side (two VM slots).
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Env, Leftovers, MIB, mount_cap, qemus_under, start_plugin};
+use crust_proto::csi::v1 as csi;
+use crust_testkit::BUSYBOX_IMAGE;
+
+const NS: &str = "default";
+const RUNTIME: &str = "io.containerd.crust.v2";
+const CMD_LIMIT: Duration = Duration::from_secs(240);
+
+#[derive(Clone, Copy, Debug)]
+enum Door {
+    /// `crust-runtime create/start/exec/delete`.
+    Cli,
+    /// `ctr run` through containerd and containerd-shim-crust-v2.
+    Containerd,
+}
+
+/// Runs `cmd` with piped output; killed (and the test failed) after
+/// [`CMD_LIMIT`].
+fn run_limited(mut cmd: Command) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(CMD_LIMIT) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            panic!("{cmd:?} did not finish within {CMD_LIMIT:?}");
+        }
+    }
+}
+
+/// The runtime CLI with the roots containerd gives the shim (as a node's
+/// `CRUST_RUNTIME_*` settings would).
+fn cli(env: &Env, args: &[&str]) -> Output {
+    let d = env.dir.path();
+    let mut cmd = Command::new(crust_testkit::workspace_bin("crust-runtime"));
+    cmd.env_remove("RUST_LOG")
+        .env("CRUST_RUNTIME_ROOT", &env.runtime_root)
+        .env("CRUST_RUNTIME_CRUST_ROOT", &env.crust_root)
+        .env("CRUST_RUNTIME_KATA_ROOT", &env.kata_root)
+        .env("CRUST_RUNTIME_PODS_LAYER_STOP", &env.pods_dir)
+        .env(
+            "CRUST_RUNTIME_KATA_SHIM_DIRS",
+            format!(
+                "{},{}",
+                d.join("vc-sbs").display(),
+                d.join("kata-run").display()
+            ),
+        )
+        .env(
+            "CRUST_RUNTIME_HANDOVER_ENDPOINT",
+            format!("unix://{}", common::handover_socket(d).display()),
+        )
+        .env("CRUST_RUNTIME_ACCEL", "tcg")
+        .env("CRUST_GUEST_DIR", crust_testkit::guest_image_dir())
+        .args(args);
+    run_limited(cmd)
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A workload started through a door; removed (forcibly) on drop.
+struct Workload<'a> {
+    env: &'a Env,
+    door: Door,
+    id: String,
+}
+
+impl Door {
+    /// Starts `script` with each `(destination, source)` bound read-write;
+    /// Err(the door's error output) when it refuses.
+    fn start<'a>(
+        self,
+        env: &'a Env,
+        id: &str,
+        binds: &[(&str, &str)],
+        script: &str,
+    ) -> Result<Workload<'a>, String> {
+        let w = Workload {
+            env,
+            door: self,
+            id: id.into(),
+        };
+        let out = match self {
+            Door::Cli => {
+                let bundle = env.dir.path().join("bundles").join(id);
+                std::fs::create_dir_all(bundle.join("rootfs")).unwrap();
+                let mounts: Vec<_> = binds
+                    .iter()
+                    .map(|(dst, src)| {
+                        serde_json::json!({"destination": dst, "type": "bind",
+                            "source": src, "options": ["rbind", "rprivate"]})
+                    })
+                    .collect();
+                let spec = serde_json::json!({
+                    "ociVersion": "1.0.2",
+                    "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
+                        "args": ["sh", "-c", script],
+                        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/"},
+                    "root": {"path": "rootfs"},
+                    "mounts": mounts,
+                });
+                std::fs::write(bundle.join("config.json"), spec.to_string()).unwrap();
+                let o = cli(env, &["create", "--bundle", bundle.to_str().unwrap(), id]);
+                if o.status.success() {
+                    cli(env, &["start", id])
+                } else {
+                    o
+                }
+            }
+            Door::Containerd => {
+                let mounts: Vec<String> = binds
+                    .iter()
+                    .map(|(dst, src)| format!("type=bind,src={src},dst={dst},options=rbind:rw"))
+                    .collect();
+                let mut args = vec!["run", "-d", "--runtime", RUNTIME];
+                for m in &mounts {
+                    args.extend(["--mount", m.as_str()]);
+                }
+                args.extend([BUSYBOX_IMAGE, id, "sh", "-c", script]);
+                env.ctrd.ctr_in(NS, &args)
+            }
+        };
+        if out.status.success() {
+            Ok(w)
+        } else {
+            Err(text(&out))
+        }
+    }
+}
+
+impl Workload<'_> {
+    /// Runs `script` next to the workload; its stdout when it exits 0.
+    fn exec(&self, script: &str) -> Option<String> {
+        let o = match self.door {
+            Door::Cli => cli(self.env, &["exec", &self.id, "--", "sh", "-c", script]),
+            Door::Containerd => self.env.ctrd.ctr_in(
+                NS,
+                &[
+                    "task",
+                    "exec",
+                    "--exec-id",
+                    &format!("x{}", Instant::now().elapsed().as_nanos()),
+                    &self.id,
+                    "sh",
+                    "-c",
+                    script,
+                ],
+            ),
+        };
+        o.status
+            .success()
+            .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+    }
+}
+
+impl Drop for Workload<'_> {
+    fn drop(&mut self) {
+        match self.door {
+            Door::Cli => {
+                let _ = cli(self.env, &["delete", "--force", &self.id]);
+            }
+            Door::Containerd => {
+                let _ = self
+                    .env
+                    .ctrd
+                    .ctr_in(NS, &["task", "kill", "-s", "SIGKILL", &self.id]);
+                let _ = self
+                    .env
+                    .ctrd
+                    .ctr_in(NS, &["task", "delete", "-f", &self.id]);
+                let _ = self.env.ctrd.ctr_in(NS, &["containers", "rm", &self.id]);
+            }
+        }
+    }
+}
+
+/// Whether a QEMU of this test has `dev` open.
+fn qemu_has_open(root: &Path, dev: &Path) -> bool {
+    qemus_under(root).into_iter().any(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l == dev))
+    })
+}
+
+/// Samples [`qemu_has_open`] every 10 ms until [`FdWatch::seen`].
+struct FdWatch {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<bool>,
+}
+
+impl FdWatch {
+    fn start(root: &Path, dev: &Path) -> FdWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, root, dev) = (stop.clone(), root.to_path_buf(), dev.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                if qemu_has_open(&root, &dev) {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            false
+        });
+        FdWatch { stop, thread }
+    }
+
+    fn seen(self) -> bool {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}
+
+/// `open(dev, O_EXCL)` on the host, as mkfs, e2fsck and mount do.
+fn exclusive_open(dev: &Path) -> rustix::io::Result<rustix::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    rustix::fs::open(
+        dev,
+        OFlags::RDONLY | OFlags::EXCL | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+}
+
+/// `mount -o ro,noload dev dir`; Err(mount's message) when refused.
+fn host_mount_ro(dev: &Path, dir: &Path) -> Result<crust_blockdev::MountGuard, String> {
+    std::fs::create_dir_all(dir).unwrap();
+    let o = Command::new("mount")
+        .args(["-o", "ro,noload"])
+        .arg(dev)
+        .arg(dir)
+        .output()
+        .unwrap();
+    if o.status.success() {
+        Ok(crust_blockdev::MountGuard::new(dir))
+    } else {
+        Err(text(&o))
+    }
+}
+
+/// (source, fs type) of the topmost mount at `p`.
+fn mount_at(p: &Path) -> Option<(String, String)> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        (Path::new(f[4]) == p).then(|| (f[sep + 2].to_string(), f[sep + 1].to_string()))
+    })
+}
+
+/// crust-csi's CreateVolume + NodeStage + NodePublish for pod `uid`;
+/// returns the target.
+async fn publish(
+    env: &Env,
+    csi: &crustctl::client::Csi,
+    name: &str,
+    uid: &str,
+    deferred: bool,
+) -> String {
+    let vol = csi
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: (64 * MIB) as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_cap(None)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .volume
+        .unwrap();
+    let staging = env.dir.path().join("kubelet/plugins/g").join(name);
+    std::fs::create_dir_all(&staging).unwrap();
+    let staging = staging.display().to_string();
+    csi.node_stage_volume(csi::NodeStageVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: staging.clone(),
+        volume_capability: Some(mount_cap(None)),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let target = env
+        .pods_dir
+        .join(uid)
+        .join("volumes/kubernetes.io~csi")
+        .join(name)
+        .join("mount");
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    let target = target.display().to_string();
+    csi.node_publish_volume(csi::NodePublishVolumeRequest {
+        volume_id: vol.volume_id,
+        staging_target_path: staging,
+        target_path: target.clone(),
+        volume_capability: Some(mount_cap(None)),
+        volume_context: vol.volume_context,
+        defer_fs_ops: deferred,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    target
+}
+
+/// The one body both doors run.
+async fn the_guest_holds_its_devices(door: Door) {
+    let t0 = Instant::now();
+    let phase = |what: &str| eprintln!("[{door:?} {:>6.1}s] {what}", t0.elapsed().as_secs_f64());
+    let env = Env::start(NS);
+    let _leftovers = Leftovers {
+        pool: env.dir.path().join("pool"),
+        cgroup_parent: None,
+    };
+    let plugin = start_plugin(&env).await;
+    let csi = plugin.csi().await;
+    let uid = "31000000-0000-4000-8000-000000000031";
+    let deferred = publish(&env, &csi, "pvc-deferred", uid, true).await;
+    let auto = publish(&env, &csi, "pvc-auto", uid, false).await;
+    let records = crust_handoff::Store::new(
+        crust_handoff::Layout::Crust,
+        env.crust_root.clone(),
+        Default::default(),
+    )
+    .unwrap();
+    let claimant = |t: &str| records.inspect(t).ok().and_then(|s| s.claimant);
+    let logs = || {
+        format!(
+            "{}\n--- crust-csi\n{}",
+            env.logs(),
+            plugin.proc.log_tail(4000)
+        )
+    };
+    phase("published");
+
+    // --- while the guest uses both volumes, the host cannot have them -------
+    let w = door
+        .start(
+            &env,
+            "user",
+            &[("/data", &deferred), ("/auto", &auto)],
+            "echo d > /data/f && echo a > /auto/f && sync && exec sleep 600",
+        )
+        .unwrap_or_else(|e| panic!("{door:?}: start: {e}\n{}", logs()));
+    let until = Instant::now() + Duration::from_secs(60);
+    let mounted = loop {
+        let out = w.exec(
+            "cat /data/f /auto/f && awk '$2==\"/data\"||$2==\"/auto\"{print $3}' /proc/mounts",
+        );
+        if let Some(o) = out.filter(|o| o.starts_with("d\na\n")) {
+            break o;
+        }
+        assert!(Instant::now() < until, "{door:?}: never wrote\n{}", logs());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // Block devices in the guest, not a virtio-fs fallback.
+    assert_eq!(mounted, "d\na\next4\next4\n", "{door:?}\n{}", logs());
+    phase("running");
+    let dev = |t: &str| -> PathBuf {
+        PathBuf::from(
+            records
+                .inspect(t)
+                .unwrap_or_else(|e| panic!("{t}: {e}"))
+                .mount_info
+                .device,
+        )
+    };
+    let devices = [dev(&deferred), dev(&auto)];
+    for (d, t) in devices.iter().zip([&deferred, &auto]) {
+        assert_eq!(claimant(t).as_deref(), Some("user"), "{door:?}: {t}");
+        assert!(
+            qemu_has_open(&env.runtime_root, d),
+            "{door:?}: QEMU has {d:?}"
+        );
+        let e = exclusive_open(d).expect_err("the host's O_EXCL open must fail");
+        assert_eq!(e, rustix::io::Errno::BUSY, "{door:?}: {d:?}");
+        let probe = env.dir.path().join("probe");
+        if let Ok(m) = host_mount_ro(d, &probe) {
+            drop(m);
+            panic!("{door:?}: the host mounted {d:?} (ro,noload) while the guest had it");
+        }
+    }
+    drop(w);
+    for (d, t) in devices.iter().zip([&deferred, &auto]) {
+        assert_eq!(claimant(t), None, "{door:?}: {t} released\n{}", logs());
+        assert!(exclusive_open(d).is_ok(), "{door:?}: {d:?} free again");
+    }
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "{door:?}: no VM left"
+    );
+    phase("released");
+
+    // --- the deferred volume's device mounted on the host after publish ---
+    let host_view = env.dir.path().join("host-view");
+    std::fs::create_dir_all(&host_view).unwrap();
+    let dev = &devices[0];
+    let st = Command::new("mount")
+        .arg(dev)
+        .arg(&host_view)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _host_mount = crust_blockdev::MountGuard::new(&host_view);
+    std::fs::write(host_view.join("host-file"), b"host").unwrap();
+    let watch = FdWatch::start(&env.runtime_root, dev);
+    let refused = door.start(&env, "intruder", &[("/data", &deferred)], "exec sleep 600");
+    let seen = watch.seen();
+    let err = match refused {
+        Ok(w) => {
+            drop(w);
+            panic!(
+                "{door:?}: a pod started on a device the host has mounted\n{}",
+                logs()
+            );
+        }
+        Err(e) => e,
+    };
+    assert!(
+        err.contains(host_view.to_str().unwrap()),
+        "{door:?}: the error names the mount: {err}\n{}",
+        logs()
+    );
+    assert!(!seen, "{door:?}: QEMU opened {dev:?} (blockdev-add)");
+    assert_eq!(
+        mount_at(&host_view),
+        Some((dev.display().to_string(), "ext4".into())),
+        "{door:?}: the host mount stays"
+    );
+    assert_eq!(std::fs::read(host_view.join("host-file")).unwrap(), b"host");
+    assert_eq!(claimant(&deferred), None, "{door:?}: no claim left");
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "{door:?}: no VM left"
+    );
+    if let Door::Containerd = door {
+        let _ = env.ctrd.ctr_in(NS, &["containers", "rm", "intruder"]);
+    }
+    phase("refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_door_holds_the_device_while_the_guest_uses_it() {
+    the_guest_holds_its_devices(Door::Cli).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containerd_door_holds_the_device_while_the_guest_uses_it() {
+    the_guest_holds_its_devices(Door::Containerd).await;
+}
