@@ -527,7 +527,8 @@ pub enum NodeError {
     /// The backend's one full read of the volume's device (is it all
     /// zero?) has not finished: a format must wait for its verdict.
     #[error(
-        "volume {volume}: crust is reading {} in full to prove it holds no data before          formatting it ({done_bytes} of {total_bytes} bytes read); retry later",
+        "volume {volume}: crust is reading {} in full to prove it holds no data before \
+         formatting it ({done_bytes} of {total_bytes} bytes read); retry later",
         device.display()
     )]
     BlankCheckRunning {

@@ -1710,7 +1710,7 @@ async fn static_backend_hands_out_whole_devices() {
     );
     let staging = node.mkdir("staging/s");
     let t = format!("{}/t", node.mkdir("pods"));
-    c.stage(&v.volume_id, &staging, mount("ext4"))
+    c.stage_after_blank_check(&v.volume_id, &staging, mount("ext4"))
         .await
         .unwrap();
     c.publish(&v.volume_id, &staging, &t, mount("ext4"), false)

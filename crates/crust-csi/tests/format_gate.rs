@@ -14,14 +14,16 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use common::*;
 use crust_proto::csi::v1 as csi;
 use sha2::{Digest, Sha256};
 use tonic::Code;
 
-const VOL: u64 = 128 * MIB as u64;
+/// Pool volumes' size (the raw data fills all but the first and last MiB).
+const VOL: u64 = 64 * MIB as u64;
+/// The static device with data at 50 MiB, as the issue replayed it.
+const STATIC: u64 = 128 * MIB as u64;
 
 fn with_source(
     name: &str,
@@ -289,26 +291,11 @@ async fn a_copy_is_formatted_only_when_its_history_proves_it_blank() {
         .unwrap();
 }
 
-/// Stages until the backend's full read has a verdict (ABORTED meanwhile).
-async fn stage_after_scan(c: &mut Clients, id: &str, staging: &str) -> Result<(), tonic::Status> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match c.stage(id, staging, mount("ext4")).await {
-            Err(s) if s.code() == Code::Aborted => {
-                assert!(s.message().contains("reading"), "{}", s.message());
-                assert!(Instant::now() < deadline, "the scan never ended");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            other => return other,
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_device_with_data_only_in_its_middle_is_never_formatted() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     // Data only at 50 MiB: zero edges, no signature.
-    let data_disk = crust_testkit::LoopDisk::new(dir.path().join("data.img"), VOL);
+    let data_disk = crust_testkit::LoopDisk::new(dir.path().join("data.img"), STATIC);
     let payload: Vec<u8> = (0..MIB).map(|i| (i * 31 + 1) as u8).collect();
     std::fs::OpenOptions::new()
         .write(true)
@@ -316,8 +303,9 @@ async fn a_static_device_with_data_only_in_its_middle_is_never_formatted() {
         .unwrap()
         .write_all_at(&payload, 50 * MIB as u64)
         .unwrap();
-    let before = sha_range(data_disk.file(), 0, VOL);
-    let blank_disk = crust_testkit::LoopDisk::new(dir.path().join("blank.img"), 2 * VOL);
+    let before = sha_range(data_disk.file(), 0, STATIC);
+    let blank_disk =
+        crust_testkit::LoopDisk::new(dir.path().join("blank.img"), STATIC + 16 * MIB as u64);
 
     let node = TestNode::with_args(&[
         "--backend",
@@ -330,12 +318,13 @@ async fn a_static_device_with_data_only_in_its_middle_is_never_formatted() {
     let mut c = node.clients().await;
     // The smallest fitting device first: the one with data.
     let on_data = c
-        .create(create_req("on-data", VOL as i64, vec![mount("ext4")]))
+        .create(create_req("on-data", STATIC as i64, vec![mount("ext4")]))
         .await
         .unwrap();
     let on_data_id = on_data.volume_id;
     let staging = node.mkdir("staging/on-data");
-    let s = stage_after_scan(&mut c, &on_data_id, &staging)
+    let s = c
+        .stage_after_blank_check(&on_data_id, &staging, mount("ext4"))
         .await
         .unwrap_err();
     assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
@@ -346,27 +335,35 @@ async fn a_static_device_with_data_only_in_its_middle_is_never_formatted() {
         s.message()
     );
     assert!(!crust_blockdev::is_mountpoint(Path::new(&staging)).unwrap());
-    assert_eq!(sha_range(data_disk.file(), 0, VOL), before, "bytes intact");
+    assert_eq!(
+        sha_range(data_disk.file(), 0, STATIC),
+        before,
+        "bytes intact"
+    );
 
     // An all-zero device: proven by the read, formatted, clean.
     let on_blank = c
-        .create(create_req("on-blank", 2 * VOL as i64, vec![mount("ext4")]))
+        .create(create_req(
+            "on-blank",
+            (STATIC + 16 * MIB as u64) as i64,
+            vec![mount("ext4")],
+        ))
         .await
         .unwrap()
         .volume_id;
     let staging2 = node.mkdir("staging/on-blank");
-    stage_after_scan(&mut c, &on_blank, &staging2)
+    c.stage_after_blank_check(&on_blank, &staging2, mount("ext4"))
         .await
         .unwrap();
     c.unstage(&on_blank, &staging2).await.unwrap();
     fsck_clean(blank_disk.dev());
 
     // DeleteVolume wipes the first and last MiB only: the middle stays.
-    let middle = sha_range(data_disk.file(), MIB as u64, VOL - 2 * MIB as u64);
+    let middle = sha_range(data_disk.file(), MIB as u64, STATIC - 2 * MIB as u64);
     c.delete(&on_blank).await.unwrap();
     c.delete(&on_data_id).await.unwrap();
     assert_eq!(
-        sha_range(data_disk.file(), MIB as u64, VOL - 2 * MIB as u64),
+        sha_range(data_disk.file(), MIB as u64, STATIC - 2 * MIB as u64),
         middle
     );
 }

@@ -410,6 +410,30 @@ impl Clients {
             .map(drop)
     }
 
+    /// [`Clients::stage`] repeated, as a CO retries ABORTED, while a
+    /// static device's one full read (the format gate's proof) runs.
+    pub async fn stage_after_blank_check(
+        &mut self,
+        id: &str,
+        staging: &str,
+        cap: csi::VolumeCapability,
+    ) -> Result<(), tonic::Status> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match self.stage(id, staging, cap.clone()).await {
+                Err(s) if s.code() == tonic::Code::Aborted && s.message().contains("reading") => {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the full read never ended: {}",
+                        s.message()
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     pub async fn unstage(&mut self, id: &str, staging: &str) -> Result<(), tonic::Status> {
         self.node
             .node_unstage_volume(csi::NodeUnstageVolumeRequest {
