@@ -60,7 +60,7 @@ version="$(cargo metadata --no-deps --format-version 1 --offline \
 tag="$version"
 [ "$profile" = debug ] && tag="$version-dev"
 prefix=/opt/crust
-bindir="target/$profile"
+bindir="${CARGO_TARGET_DIR:-target}/$profile"
 out="${CRUST_IMAGES_OUT:-target/images}"
 stage="$out/stage"
 target_guest="${CRUST_GUEST_DIR:-target/guest-image}"
