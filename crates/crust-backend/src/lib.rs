@@ -171,8 +171,8 @@ pub enum Blankness {
         device: PathBuf,
         setting: &'static str,
     },
-    /// It holds only what a crust volume released by DeleteVolume left (its
-    /// signatures wiped).
+    /// DeleteVolume of a volume that got the device blank zeroed it whole
+    /// (a fast write-zeroes; a device that cannot is read again instead).
     Released { device: PathBuf, volume: String },
     /// A full read of the device found only zeros.
     ReadAllZero { device: PathBuf },

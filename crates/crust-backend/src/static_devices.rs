@@ -16,7 +16,11 @@
 //!   and the old filesystem cannot be mounted by accident. It is not a
 //!   secure erase: the rest of the old data stays on the device (use
 //!   device-level encryption or a secure-erase job where that matters).
-//!   A device that is in use is not wiped and the claim is kept.
+//!   A device that is in use is not wiped and the claim is kept. A
+//!   device the volume got blank is then zeroed whole if it can do that
+//!   without writing every block (`crust_blockdev::zero_out_fast`) and
+//!   recorded `Released` (the format gate's proof); otherwise its verdict
+//!   is dropped and the next claim reads it in full.
 //! * expand: succeeds only when the device is already large enough (it
 //!   may have been grown underneath); otherwise `OutOfRange`.
 //! * attach/detach: the device is always "attached"; attach returns its
@@ -530,6 +534,19 @@ impl Backend for StaticBackend {
         let Some(claim) = self.claim(volume_id) else {
             return Ok(());
         };
+        // Released needs the device blank when the volume got it (else the
+        // middle holds data crust never wrote, kept for its owner) and
+        // zeroed whole now (the tenant's data is not crust's either).
+        let got_blank = {
+            let st = lock(&self.state);
+            self.declared_blank.contains(&claim.device)
+                || DeviceId::of(&claim.device).is_ok_and(|id| {
+                    matches!(
+                        Self::valid_verdict(&st, &claim.device, id),
+                        Some(Found::Released { .. } | Found::AllZero)
+                    )
+                })
+        };
         let wiped = match crust_blockdev::wipe_edges(&claim.device, WIPE_BYTES) {
             Ok(()) => true,
             Err(e) if e.is_not_found() => {
@@ -543,7 +560,17 @@ impl Backend for StaticBackend {
                 )));
             }
         };
-        let id = if wiped {
+        let zeroed = wiped
+            && got_blank
+            && match crust_blockdev::zero_out_fast(&claim.device) {
+                Ok(z) => z,
+                Err(e) => {
+                    tracing::warn!(volume = %volume_id, device = %claim.device.display(), error = %e,
+                        "could not zero the released device; the next claim reads it in full");
+                    false
+                }
+            };
+        let id = if zeroed {
             DeviceId::of(&claim.device).ok()
         } else {
             None
@@ -553,17 +580,8 @@ impl Backend for StaticBackend {
         if let Some(scan) = st.scans.remove(dev) {
             scan.stop.store(true, Ordering::Relaxed);
         }
-        // Released only if the volume got the device blank: otherwise the
-        // middle may still hold data crust never wrote.
-        let got_blank = self.declared_blank.contains(dev)
-            || id.is_some_and(|id| {
-                matches!(
-                    Self::valid_verdict(&st, dev, id),
-                    Some(Found::Released { .. } | Found::AllZero)
-                )
-            });
         let verdict_before = st.verdicts.remove(dev);
-        if let (true, Some(id)) = (got_blank, id) {
+        if let Some(id) = id {
             let found = Found::Released {
                 volume: volume_id.to_owned(),
             };

@@ -262,6 +262,34 @@ pub fn wipe_edges(path: &Path, edge_bytes: u64) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// Zeroes the whole block device `path` if the device can do it without
+/// writing every block (`fallocate(PUNCH_HOLE | KEEP_SIZE)`, which the
+/// kernel turns into a write-zeroes request and refuses rather than fall
+/// back to writing; a loop device punches holes in its file). Returns
+/// whether it did; `Ok(false)` when the device cannot. Refuses a device
+/// that is held or open elsewhere, like [`wipe_edges`].
+pub fn zero_out_fast(path: &Path) -> Result<bool, DeviceError> {
+    let fd = open_block(path, OFlags::RDWR | OFlags::EXCL)?;
+    if let Some(o) = device_openers(path)?.first() {
+        return Err(DeviceError::Io {
+            path: path.to_path_buf(),
+            source: io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                format!("device is open by {o}; refusing to zero it"),
+            ),
+        });
+    }
+    let size = size_of_fd(&fd, path)?;
+    let mode = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+    match rustix::fs::fallocate(&fd, mode, 0, size) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::INVAL) => return Ok(false),
+        Err(e) => return Err(DeviceError::io(path, e)),
+    }
+    rustix::fs::fsync(&fd).map_err(|e| DeviceError::io(path, e))?;
+    Ok(true)
+}
+
 /// Kernel name of a block device ("loop3", "vda") from its numbers, via
 /// `/sys/dev/block/MAJ:MIN`.
 pub fn sysfs_name(path: &Path) -> Result<String, DeviceError> {

@@ -75,6 +75,9 @@ pub enum FsError {
         device: PathBuf,
         mountpoint: PathBuf,
     },
+    /// Another device exposes the data of the device to be formatted.
+    #[error(transparent)]
+    Aliased(#[from] crate::alias::AliasError),
     #[error(transparent)]
     Probe(#[from] ProbeError),
     #[error(transparent)]
@@ -83,6 +86,14 @@ pub enum FsError {
     Usage(#[from] UsageError),
     #[error(transparent)]
     Mount(#[from] crate::mount::MountError),
+}
+
+impl FsError {
+    /// Whether the failing step ran a filesystem tool (which may have
+    /// written to the device), rather than refusing before it.
+    pub fn tool_ran(&self) -> bool {
+        matches!(self, FsError::Tool { .. } | FsError::CheckFailed { .. })
+    }
 }
 
 fn more_openers(n: usize) -> String {

@@ -45,12 +45,16 @@ impl std::fmt::Display for BlankProof {
 
 /// Creates a `fs` filesystem on `dev` if `proof` holds; see the module
 /// doc. Refuses a device that is mounted or open elsewhere
-/// ([`FsError::InUse`], [`FsError::OpenElsewhere`]), one that is not
+/// ([`FsError::InUse`], [`FsError::OpenElsewhere`]), whose data another
+/// device exposes ([`FsError::Aliased`]), one that is not
 /// [`Probe::Blank`] ([`FsError::NotBlank`], except for
 /// [`BlankProof::RedoOwnFormat`]) and, for [`BlankProof::ReadNow`], one
 /// with any non-zero byte ([`FsError::HoldsData`]).
 pub fn format(dev: &Path, fs: FsType, proof: &BlankProof) -> Result<(), FsError> {
     make_fs(dev, fs, |dev| {
+        // A format is a host write like a mount: never through one of two
+        // devices showing the same data.
+        crate::alias::ensure_no_aliases(dev, "format it")?;
         if *proof == BlankProof::RedoOwnFormat {
             return Ok(());
         }

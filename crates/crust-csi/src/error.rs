@@ -358,6 +358,10 @@ pub enum NodeError {
     /// The device is mounted or open in another process (a sandbox's QEMU).
     #[error(transparent)]
     DeviceInUse(Box<crust_blockdev::FsError>),
+    /// The format gate found what no proof overrides (a signature, data
+    /// found by its full read) on a device about to be formatted.
+    #[error(transparent)]
+    FormatRefused(Box<crust_blockdev::FsError>),
     /// Another block device exposes the volume's data (its backing file
     /// attached again, a loop stacked on it, a device-mapper/md holder).
     #[error(transparent)]
@@ -626,6 +630,7 @@ impl From<NodeError> for Status {
             | NodeError::ReturnedFsDamaged { .. }
             | NodeError::MountRefused(_)
             | NodeError::DeviceInUse(_)
+            | NodeError::FormatRefused(_)
             | NodeError::Aliased(_)
             | NodeError::Handover(_)
             | NodeError::DeferralUnsupported
@@ -690,6 +695,10 @@ pub(crate) fn fs_err(context: &str, e: crust_blockdev::FsError) -> NodeError {
         FsError::InUse { .. } | FsError::OpenElsewhere { .. } => {
             NodeError::DeviceInUse(Box::new(e))
         }
+        FsError::NotBlank { .. } | FsError::HoldsData { .. } => {
+            NodeError::FormatRefused(Box::new(e))
+        }
+        FsError::Aliased(a) => alias_err(a),
         other => NodeError::Internal(format!("{context}: {other}")),
     }
 }

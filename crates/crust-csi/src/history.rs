@@ -153,7 +153,7 @@ pub fn format_proof(
             device.display()
         ))),
         Blankness::Released { device, volume } => Ok(BlankProof::Recorded(format!(
-            "{} holds only what volume {volume} left, which DeleteVolume released",
+            "crust zeroed {} whole when DeleteVolume released volume {volume}",
             device.display()
         ))),
         Blankness::ReadAllZero { device } => Ok(BlankProof::Recorded(format!(
@@ -181,8 +181,13 @@ pub fn format_proof(
             device.display(),
             device.display()
         ))),
-        Blankness::Copy => Err(refuse(
-            "is a copy the backend made without a record of its source here".into(),
+        // The pool says Copy also for entries from before it recorded how
+        // a store was made; this volume's record (which has always kept a
+        // content source) says it was created empty.
+        Blankness::Copy => Ok(BlankProof::Recorded(
+            "the plugin's record says the volume was created empty (its pool entry predates \
+             the pool's own record of that)"
+                .into(),
         )),
         Blankness::Unknown => Err(refuse(
             "is on a store whose backend cannot prove it holds no data".into(),
@@ -285,8 +290,8 @@ mod tests {
             "{}",
             s.message()
         );
-        for b in [Blankness::Unknown, Blankness::Copy] {
-            assert!(format_proof(&r, FsType::Ext4, || Ok(b)).is_err());
-        }
+        assert!(format_proof(&r, FsType::Ext4, || Ok(Blankness::Unknown)).is_err());
+        // An old pool entry: the record, not a copy, decides.
+        assert!(format_proof(&r, FsType::Ext4, || Ok(Blankness::Copy)).is_ok());
     }
 }

@@ -64,6 +64,8 @@ pub enum InstallError {
     Manifest(PathBuf, String),
     #[error("{0} must be an absolute path")]
     NotAbsolute(PathBuf),
+    #[error("path {} must name a file or directory below / without `.` or `..` components", .0.display())]
+    NotNormal(PathBuf),
     #[error("reloading containerd ({command}) failed: {reason}")]
     Reload { command: String, reason: String },
     /// The installer follows no links under the host root (see
@@ -161,9 +163,19 @@ impl Options {
     }
 
     fn check(&self) -> Result<()> {
+        use std::path::Component;
         for p in [&self.prefix, &self.containerd_config, &self.dropin] {
             if !p.is_absolute() {
                 return Err(InstallError::NotAbsolute(p.clone()));
+            }
+            // `..` or `.` would name another place than the one shown, and
+            // `/` alone is no file or directory of ours.
+            let normal = p
+                .components()
+                .skip(1)
+                .all(|c| matches!(c, Component::Normal(_)));
+            if !normal || p.components().count() < 2 {
+                return Err(InstallError::NotNormal(p.clone()));
             }
         }
         Ok(())
@@ -714,4 +726,26 @@ fn reload(opts: &Options) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::*;
+
+    #[test]
+    fn paths_must_name_what_they_show() {
+        let ok = Options::new("/host", "/payload");
+        assert!(ok.check().is_ok());
+        for (prefix, config) in [
+            ("/opt/crust/..", "/etc/containerd/config.toml"),
+            ("/opt/crust", "/"),
+            ("/opt/../etc", "/etc/containerd/config.toml"),
+            ("opt/crust", "/etc/containerd/config.toml"),
+        ] {
+            let mut o = Options::new("/host", "/payload");
+            o.prefix = prefix.into();
+            o.containerd_config = config.into();
+            assert!(o.check().is_err(), "{prefix} {config}");
+        }
+    }
 }

@@ -445,13 +445,16 @@ fn a_config_that_is_a_link_is_refused_by_name_and_nothing_is_read_or_changed() {
     assert_eq!(snapshot(&h.root()), before);
 }
 
-/// Runs `f` on a thread and fails (rather than hangs) if it takes over a
-/// second; `unblock` is opened for writing first, to release a reader
+/// Runs `f` on a thread and fails (rather than hangs) if it takes over
+/// 20 s (a blocked open never returns; a loaded CI machine is slow); `unblock` is opened for writing first, to release a reader
 /// stuck on a FIFO.
-fn within_a_second<T: Send + 'static>(unblock: &Path, f: impl FnOnce() -> T + Send + 'static) -> T {
+fn without_blocking<T: Send + 'static>(
+    unblock: &Path,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || tx.send(f()).unwrap());
-    match rx.recv_timeout(Duration::from_secs(1)) {
+    match rx.recv_timeout(Duration::from_secs(20)) {
         Ok(v) => v,
         Err(_) => {
             let _ = fs::OpenOptions::new()
@@ -481,7 +484,7 @@ fn a_fifo_for_a_config_is_refused_at_once() {
         let p = h.payload("p", "0.1.0", V1);
         let before = snapshot(&h.root());
         let o = h.opts(&p);
-        let e = within_a_second(&h.at(fifo), move || install(&o).map(drop));
+        let e = without_blocking(&h.at(fifo), move || install(&o).map(drop));
         let msg = e.unwrap_err().to_string();
         assert!(msg.contains(fifo) && msg.contains("FIFO"), "{msg}");
         assert_eq!(snapshot(&h.root()), before, "{fifo}");

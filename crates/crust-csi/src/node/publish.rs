@@ -326,8 +326,9 @@ impl Driver {
         {
             apply_fs_group(&id, &s.path, gid)?;
         }
-        if block && !repeat {
-            // A pod gets raw access: no other device may expose the data.
+        if block && !publication_of(&s, target) {
+            // A pod gets raw access: no other device may expose the data
+            // (also when a repeated publish binds again after a reboot).
             crust_blockdev::ensure_no_aliases(&s.device, "publish it as a raw block device")
                 .map_err(alias_err)?;
         }

@@ -223,10 +223,12 @@ impl Driver {
             }
             e
         };
-        if !repeat {
+        if !repeat || !was_attached {
             // Another device exposing the same data (the backing file
             // attached again, a loop on it): the host neither formats nor
-            // mounts it, nor hands it raw to a pod.
+            // mounts it, nor hands it raw to a pod. Also on a repeated
+            // stage that attached again (after a reboot a host tool may
+            // have attached the file first).
             crust_blockdev::ensure_no_aliases(&device, "stage it")
                 .map_err(alias_err)
                 .map_err(undo)?;
@@ -314,6 +316,8 @@ impl Driver {
         if was_attached && fresh_mount {
             crust_blockdev::ensure_no_other_openers(device, crust_blockdev::fs::MOUNT)
                 .map_err(|e| fs_err("checking for other openers", e))?;
+        }
+        if fresh_mount {
             crust_blockdev::ensure_no_aliases(device, crust_blockdev::fs::MOUNT)
                 .map_err(alias_err)?;
         }
@@ -359,10 +363,19 @@ impl Driver {
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
         let mkfs = |rec: &mut VolumeRecord, proof: BlankProof| -> Result<()> {
+            let first = rec.format_started.is_none();
             rec.format_started = Some(fs);
             self.state.put(rec.clone())?;
-            crust_blockdev::format(device, fs, &proof)
-                .map_err(|e| fs_err(&format!("creating {fs} on {}", device.display()), e))?;
+            if let Err(e) = crust_blockdev::format(device, fs, &proof) {
+                // Refused before the tool ran (in use, a signature, data):
+                // nothing of ours is on the device, so a retry must not
+                // take it for an interrupted format of its own.
+                if first && !e.tool_ran() {
+                    rec.format_started = None;
+                    self.state.put(rec.clone())?;
+                }
+                return Err(fs_err(&format!("creating {fs} on {}", device.display()), e));
+            }
             rec.formatted = Some(fs);
             tracing::info!(volume = %id, device = %device.display(), %fs, %proof, "created filesystem on blank volume");
             Ok(())
