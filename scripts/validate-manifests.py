@@ -252,8 +252,7 @@ def check_semantics(docs):
         mounts = {m["mountPath"]: m for m in csi.get("volumeMounts", [])}
         if mounts.get("/var/lib/kubelet", {}).get("mountPropagation") != "Bidirectional":
             fail("crust-csi: /var/lib/kubelet must be mounted with Bidirectional propagation")
-        for p in ["/dev", "/var/lib/crust-csi", "/run/crust", "/opt", "/run/crust-runtime",
-                  "/run/crust-csi"]:
+        for p in ["/dev", "/var/lib/crust-csi", "/run/crust", "/opt", "/run/crust-runtime"]:
             if p not in mounts:
                 fail(f"crust-csi: no mount at {p}")
         probe = csi.get("livenessProbe", {}).get("httpGet", {})

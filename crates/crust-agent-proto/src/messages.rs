@@ -373,6 +373,31 @@ pub struct GrowVolumeReply {
     pub fs_total_bytes: u64,
 }
 
+/// Longest a guest filesystem may stay frozen, in milliseconds: its
+/// writers block meanwhile. The one limit every door that takes a freeze
+/// checks through [`freeze_limit`]: crust_ops, the runtime CLI, the shim
+/// API and the agent.
+pub const MAX_FROZEN_MS: u64 = 600_000;
+
+/// A freeze time limit outside `1..=MAX_FROZEN_MS`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FreezeLimitError {
+    #[error("max_frozen_ms must be between 1 and {MAX_FROZEN_MS}, not 0")]
+    Zero,
+    #[error("max_frozen_ms must be between 1 and {MAX_FROZEN_MS}, not {0}")]
+    TooLong(u64),
+}
+
+/// The time limit of a freeze asked for with `max_frozen_ms`, checked
+/// against [`MAX_FROZEN_MS`].
+pub fn freeze_limit(max_frozen_ms: u64) -> Result<std::time::Duration, FreezeLimitError> {
+    match max_frozen_ms {
+        0 => Err(FreezeLimitError::Zero),
+        ms if ms > MAX_FROZEN_MS => Err(FreezeLimitError::TooLong(ms)),
+        ms => Ok(std::time::Duration::from_millis(ms)),
+    }
+}
+
 /// Freeze the volume's filesystem (FIFREEZE) for a point-in-time copy of
 /// its disk on the host. The agent thaws it by itself after
 /// `max_frozen_ms`, so a host that goes away never leaves the guest's
@@ -586,6 +611,21 @@ pub fn parse_request(body: &[u8]) -> Result<Request, (u64, AgentError)> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn freeze_limit_bounds() {
+        assert_eq!(freeze_limit(0), Err(FreezeLimitError::Zero));
+        assert_eq!(freeze_limit(1).unwrap().as_millis(), 1);
+        assert_eq!(
+            freeze_limit(MAX_FROZEN_MS).unwrap().as_millis(),
+            u128::from(MAX_FROZEN_MS)
+        );
+        for ms in [MAX_FROZEN_MS + 1, u64::MAX] {
+            let e = freeze_limit(ms).unwrap_err();
+            assert_eq!(e, FreezeLimitError::TooLong(ms));
+            assert!(e.to_string().contains("between 1 and 600000"), "{e}");
+        }
+    }
 
     #[test]
     fn request_wire_shape() {

@@ -118,8 +118,7 @@ impl Agent {
                 // Not under the mount lock: a frozen volume must not hold up
                 // the other operations while the host copies it.
                 Operation::FreezeVolume(f) => {
-                    self.volumes
-                        .freeze(&f.volume, Duration::from_millis(f.max_frozen_ms))?;
+                    self.volumes.freeze(&f.volume, f.max_frozen_ms)?;
                     serde_json::to_value(Empty {})
                 }
                 Operation::ThawVolume(t) => serde_json::to_value(self.volumes.thaw(&t.volume)?),

@@ -30,6 +30,8 @@ const RESIZE_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum VolumeError {
+    #[error(transparent)]
+    FreezeLimit(#[from] crust_agent_proto::FreezeLimitError),
     #[error("invalid volume name {0:?}: use 1-128 characters from [A-Za-z0-9._-], not '.' or '..'")]
     InvalidName(String),
     #[error("invalid serial {0:?}: use 1-20 characters from [A-Za-z0-9_-]")]
@@ -118,7 +120,9 @@ impl From<VolumeError> for AgentError {
     fn from(e: VolumeError) -> AgentError {
         use VolumeError::*;
         let code = match &e {
-            InvalidName(_) | InvalidSerial(_) | Options(_) => ErrorCode::InvalidArgument,
+            InvalidName(_) | InvalidSerial(_) | Options(_) | FreezeLimit(_) => {
+                ErrorCode::InvalidArgument
+            }
             NoDisk { .. } | NotMounted(_) => ErrorCode::NotFound,
             SerialMismatch { .. } | DiskInUse { .. } | ModeMismatch { .. } => {
                 ErrorCode::AlreadyExists
@@ -651,7 +655,9 @@ impl Volumes {
 
     /// FIFREEZE of a mounted volume, thawed by a watchdog thread after
     /// `max_frozen` unless [`Volumes::thaw`] comes first.
-    pub fn freeze(&self, volume: &str, max_frozen: Duration) -> Result<(), VolumeError> {
+    pub fn freeze(&self, volume: &str, max_frozen_ms: u64) -> Result<(), VolumeError> {
+        // Checked here too: the host's doors may be older than this agent.
+        let max_frozen = crust_agent_proto::freeze_limit(max_frozen_ms)?;
         validate_name(volume)?;
         self.lookup(volume)
             .ok_or_else(|| VolumeError::NotMounted(volume.into()))?;
@@ -811,6 +817,20 @@ mod tests {
         assert!(validate_serial("crust-0123456789abcde").is_err());
         assert!(validate_serial("a.b").is_err());
         assert!(validate_serial("").is_err());
+    }
+
+    /// Out of range is refused before the volume is even looked up (an
+    /// unknown volume here would otherwise answer NOT_FOUND).
+    #[test]
+    fn freeze_out_of_range_is_invalid_argument() {
+        let v = Volumes::default();
+        for ms in [0, crust_agent_proto::MAX_FROZEN_MS + 1, u64::MAX] {
+            let e = AgentError::from(v.freeze("v1", ms).unwrap_err());
+            assert_eq!(e.code, ErrorCode::InvalidArgument, "{ms}: {e}");
+            assert!(e.message.contains("600000"), "{e}");
+        }
+        let e = AgentError::from(v.freeze("v1", 1000).unwrap_err());
+        assert_eq!(e.code, ErrorCode::NotFound, "{e}");
     }
 
     #[test]

@@ -58,6 +58,7 @@ pub mod path;
 pub mod probe;
 mod sys;
 pub mod usage;
+pub mod users;
 pub mod zeros;
 
 pub use alias::{ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliases};
@@ -92,4 +93,5 @@ pub use mount::{
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};
 pub use usage::{Usage, UsageError, usage};
+pub use users::{FsUser, Use, filesystem_users};
 pub use zeros::{SCAN_CHUNK, ZeroScan, first_data_offset, scan_for_data};

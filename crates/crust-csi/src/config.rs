@@ -247,7 +247,7 @@ pub struct Cli {
     #[arg(
         long,
         env = "CRUST_CSI_ENDPOINT",
-        default_value = "unix:///run/crust-csi/csi.sock"
+        default_value = crust_proto::endpoint::DEFAULT_CSI_ENDPOINT
     )]
     pub endpoint: String,
 

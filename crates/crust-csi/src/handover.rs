@@ -10,7 +10,7 @@
 //!
 //! | step | what | a crash after it is repaired by |
 //! |---|---|---|
-//! | check | published at exactly this target, mounted nowhere else (every mount namespace), nobody has the device open, the guest can mount the filesystem and its options, the runtime can serve stats, resize and the fsGroup | – (nothing changed) |
+//! | check | published at exactly this target, mounted nowhere else (every mount namespace), nobody has the device open, no host process has a working directory, open file or mapping on its filesystem, the guest can mount the filesystem and its options, the runtime can serve stats, resize and the fsGroup | – (nothing changed) |
 //! | 1 `Recorded` | `handover: Preparing` in the volume record | rolling back: host mounts restored |
 //! | 2 `TargetUnmounted` | target bind synced and unmounted | rolling back |
 //! | 3 `StagingUnmounted` | staging synced and unmounted | rolling back |
@@ -36,7 +36,9 @@
 //!
 //! What is never handed over (declined, or FAILED_PRECONDITION when the
 //! request says deferral is required): a volume published at more than one
-//! target, mounted or open elsewhere, raw block, `deferFsOps=false`, a
+//! target, mounted or open elsewhere, used by a host process (named in the
+//! answer; an EBUSY at the unmount itself rolls back the same way, never a
+//! lazy unmount), raw block, `deferFsOps=false`, a
 //! plugin with `--deferral disabled`, a filesystem or mount option the
 //! guest does not declare, a runtime without stats/resize/fsGroup support.
 //!
@@ -402,7 +404,10 @@ impl Driver {
         self.guest_can_mount(rec, p, ask)?;
         wait_out_transient(
             |d: &Decline| d.reason == Reason::InUseElsewhere,
-            || mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()]),
+            || {
+                mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()])?;
+                no_host_users(&s.device)
+            },
         )
     }
 
@@ -505,6 +510,21 @@ impl Driver {
                     detail,
                     ..
                 })) if !ask.required => Ok(Decline::new(Reason::InUseElsewhere, detail).answer()),
+                // A user that came after the check (or one it cannot
+                // see): never a lazy unmount, the host keeps the volume.
+                HandoverError::Node(NodeError::MountRefused(m))
+                    if matches!(*m, crust_blockdev::MountError::Busy { .. }) =>
+                {
+                    let mut why = format!("{m}: the host mounts were restored");
+                    if let Err(d) = no_host_users(&s.device) {
+                        why = format!("{why}; {}", d.message);
+                    }
+                    if ask.required {
+                        Err(HandoverError::Required(why))
+                    } else {
+                        Ok(Decline::new(Reason::InUseElsewhere, why).answer())
+                    }
+                }
                 e => Err(e),
             };
         }
@@ -915,6 +935,30 @@ fn mounted_only_at(device: &Path, allowed: &[&Path]) -> std::result::Result<(), 
         ))),
         Err(e) => Err(in_use(format!(
             "cannot tell who has device {} open: {e}",
+            device.display()
+        ))),
+    }
+}
+
+/// No host process works inside the device's filesystem (a working
+/// directory, an open file, a mapping): the unmounts of a handover would
+/// answer EBUSY. Names the first few.
+fn no_host_users(device: &Path) -> std::result::Result<(), Decline> {
+    let in_use = |m: String| Decline::new(Reason::InUseElsewhere, m);
+    match crust_blockdev::filesystem_users(device) {
+        Ok(u) if u.is_empty() => Ok(()),
+        Ok(u) => Err(in_use(format!(
+            "the filesystem of device {} is in use on the host: {}{}",
+            device.display(),
+            u.iter()
+                .take(3)
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            if u.len() > 3 { ", …" } else { "" }
+        ))),
+        Err(e) => Err(in_use(format!(
+            "cannot tell who uses the filesystem of device {}: {e}",
             device.display()
         ))),
     }

@@ -364,6 +364,89 @@ async fn a_holder_of_the_device_is_waited_for_then_declined() {
     assert!(mounts_under(node.dir.path()).is_empty());
 }
 
+/// A host process working inside the published target (an operator's
+/// shell left there) is found before anything is unmounted: the handover
+/// is declined naming it (pid and comm), so an `auto` volume falls back
+/// to virtio-fs instead of failing the pod; with `required` it is the
+/// clear FAILED_PRECONDITION naming it. Either way the host mounts are as
+/// before. A user the scan cannot see (a loop device backed by a file on
+/// the volume: the kernel holds it, no process) makes the unmount answer
+/// EBUSY: rolled back and declined the same way, never a lazy unmount.
+/// Budget: about 7 s (three waits for a transient holder, no guest).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_user_of_the_target_is_declined_by_name() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let (id, staging, target) = host_published(&node, &mut c, "ho-cwd", "p1").await;
+    std::fs::create_dir(Path::new(&target).join("work")).unwrap();
+    let mounts_before = mounts_under(node.dir.path());
+
+    let sleeper = std::process::Command::new("sleep")
+        .arg("30")
+        .current_dir(Path::new(&target).join("work"))
+        .spawn()
+        .expect("sleep");
+    let mut sleeper = crust_testkit::ChildGuard::new(sleeper);
+    let named = format!(
+        "pid {} (sleep) has its working directory on it",
+        sleeper.child_id()
+    );
+    let (r, _) = timed_hand_over(&mut h, &target).await;
+    let d = declined(r);
+    assert_eq!(d.reason, Reason::InUseElsewhere as i32, "{}", d.message);
+    assert!(d.message.contains(&named), "{}", d.message);
+    assert_eq!(mounts_under(node.dir.path()), mounts_before);
+    let e = h
+        .hand_over(ask(&target, "sb-1", &["ext4"], true))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("deferral was required"), "{e:?}");
+    assert!(e.message().contains(&named), "{e:?}");
+    assert_eq!(mounts_under(node.dir.path()), mounts_before);
+    sleeper.child().kill().unwrap();
+    sleeper.child().wait().unwrap();
+
+    // The kernel's hold through the target's mount: EBUSY at the unmount.
+    let backing = Path::new(&target).join("work/backing.img");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let lo = crust_testkit::losetup(&backing, false);
+    let (r, _) = timed_hand_over(&mut h, &target).await;
+    let d = declined(r);
+    assert_eq!(d.reason, Reason::InUseElsewhere as i32, "{}", d.message);
+    assert!(
+        d.message.contains("is busy") && d.message.contains("host mounts were restored"),
+        "{}",
+        d.message
+    );
+    assert!(host_mounted(&target) && is_mounted(&staging));
+    assert!(Path::new(&target).join("work/backing.img").exists());
+    drop(lo);
+
+    // Nobody left: handed over, then back and kubelet's teardown.
+    let got = handed_over(timed_hand_over(&mut h, &target).await.0);
+    assert!(device_unmounted(&got.device));
+    let guest_dir = node.path("guest/ho-cwd");
+    let map = serde_json::json!({
+        target.as_str(): {"sandbox": "sb-1", "mount": guest_dir.to_str().unwrap()}
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    h.hand_back(hv::HandBackRequest {
+        target_path: target.clone(),
+        sandbox_id: "sb-1".into(),
+    })
+    .await
+    .unwrap();
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+}
+
 /// The plugin SIGKILLed at every step of a handover (the test-only crash
 /// point), then restarted: before the hand-off record is complete the
 /// handover is rolled back (host mounts as before, no record); from the

@@ -605,8 +605,13 @@ impl CrustOps {
     /// by itself after `max_frozen`. FAILED_PRECONDITION when that runtime
     /// does not offer `crust freeze` (Kata's, the KEP's minimal CLI).
     pub fn freeze(&self, target: &str, max_frozen: Duration) -> Result<(), OpsError> {
+        let ms = u64::try_from(max_frozen.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        crust_agent_proto::freeze_limit(ms)
+            .map_err(|e| OpsError::InvalidArgument(e.to_string()))?;
         let cli = self.cli_offering(target, VERB_FREEZE)?;
-        let ms = max_frozen.as_millis().max(1).to_string();
+        let ms = ms.to_string();
         cli::run(
             &cli,
             &["crust", "freeze", target, ms.as_str()],

@@ -126,22 +126,17 @@ pub fn stats_to_proto(s: VolumeStats) -> pb::RuntimeGetVolumeStatsResponse {
     }
 }
 
-/// Longest freeze a caller may ask for: a guest's writers block meanwhile.
-pub const MAX_FREEZE: Duration = Duration::from_secs(600);
+/// Longest freeze a caller may ask for: the one limit every door checks
+/// ([`crust_agent_proto::MAX_FROZEN_MS`]).
+pub const MAX_FREEZE: Duration = Duration::from_millis(crust_agent_proto::MAX_FROZEN_MS);
 
 /// Checks a wire freeze request: (target, time limit).
 pub fn freeze_request_from_proto(
     r: pb::RuntimeFreezeVolumeRequest,
 ) -> Result<(String, Duration), OpsError> {
     required(&r.volume_target_path)?;
-    let limit = Duration::from_millis(r.max_frozen_ms);
-    if limit.is_zero() || limit > MAX_FREEZE {
-        return Err(OpsError::InvalidArgument(format!(
-            "max_frozen_ms must be between 1 and {}, not {}",
-            MAX_FREEZE.as_millis(),
-            r.max_frozen_ms
-        )));
-    }
+    let limit = crust_agent_proto::freeze_limit(r.max_frozen_ms)
+        .map_err(|e| OpsError::InvalidArgument(e.to_string()))?;
     Ok((r.volume_target_path, limit))
 }
 

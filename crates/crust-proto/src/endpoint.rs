@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint, Uri};
 
+/// Where `crust-csi` serves CSI unless told otherwise, and where
+/// `crustctl` looks for it: one value so the two always meet.
+pub const DEFAULT_CSI_ENDPOINT: &str = "unix:///run/crust-csi/csi.sock";
+
 /// A parsed `--endpoint` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {

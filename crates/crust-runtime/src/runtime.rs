@@ -436,12 +436,9 @@ impl Runtime {
 
     /// `crust freeze`: the sandbox serving `volume_path` freezes it.
     pub async fn volume_freeze(&self, volume_path: &str, max_frozen_ms: u64) -> Result<()> {
-        if max_frozen_ms == 0 {
-            return Err(RuntimeError::new(
-                Code::InvalidArgument,
-                "max-frozen-ms must be positive",
-            ));
-        }
+        // Before any record or guest is looked at.
+        crust_agent_proto::freeze_limit(max_frozen_ms)
+            .map_err(|e| RuntimeError::new(Code::InvalidArgument, e.to_string()))?;
         let id = self.serving(volume_path)?;
         let req = crate::stats::FreezeRequest {
             volume_path: volume_path.to_string(),

@@ -279,7 +279,10 @@ async fn route<H: ShimHandler>(
             Ok(r) => reply(h.resize(r).await),
             Err(e) => reply::<Empty>(Err(e)),
         },
-        (Method::POST, "/volume/freeze") => match body_json::<FreezeRequest>(req).await {
+        (Method::POST, "/volume/freeze") => match body_json::<FreezeRequest>(req)
+            .await
+            .and_then(checked_freeze)
+        {
             Ok(r) => reply(h.freeze(r).await.map(|()| Empty {})),
             Err(e) => reply::<Empty>(Err(e)),
         },
@@ -319,6 +322,14 @@ async fn route<H: ShimHandler>(
             format!("no endpoint {m} {p}"),
         ))),
     }
+}
+
+/// The freeze time limit is checked at the door, for every handler: a
+/// guest's writers block while it lasts.
+fn checked_freeze(r: FreezeRequest) -> ApiResult<FreezeRequest> {
+    crust_agent_proto::freeze_limit(r.max_frozen_ms)
+        .map_err(|e| ApiError::new(Code::InvalidArgument, e.to_string()))?;
+    Ok(r)
 }
 
 fn query_param(query: &str, key: &str) -> Option<String> {
@@ -699,6 +710,26 @@ mod tests {
             Err(ShimError::Api(e)) => assert_eq!(e.code, Code::InvalidArgument),
             other => panic!("{other:?}"),
         }
+        // The freeze limit: out of range never reaches the handler.
+        for ms in [0, crust_agent_proto::MAX_FROZEN_MS + 1, u64::MAX] {
+            let body = format!(r#"{{"volumePath":"/v","maxFrozenMs":{ms}}}"#);
+            match c
+                .call::<Empty>(Method::POST, "/volume/freeze", Some(body.into_bytes()))
+                .await
+            {
+                Err(ShimError::Api(e)) => {
+                    assert_eq!(e.code, Code::InvalidArgument, "{ms}: {e}");
+                    assert!(e.message.contains("600000"), "{e}");
+                }
+                other => panic!("{ms}: {other:?}"),
+            }
+        }
+        c.freeze(&FreezeRequest {
+            volume_path: "/v".into(),
+            max_frozen_ms: crust_agent_proto::MAX_FROZEN_MS,
+        })
+        .await
+        .unwrap();
         match c.call::<Empty>(Method::GET, "/nope", None).await {
             Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
             other => panic!("{other:?}"),
@@ -730,6 +761,7 @@ mod tests {
                 "resize /v 5".into(),
                 "resize /v 5".into(),
                 "resize /v 5".into(),
+                "freeze /v 600000".into(),
                 "kill 15".into(),
                 "shutdown".into()
             ]

@@ -11,14 +11,25 @@ const FULL: &str = env!("CARGO_BIN_EXE_crust-runtime");
 const POLL: &str = env!("CARGO_BIN_EXE_crust-runtime-poll");
 
 fn run(bin: &Path, args: &[&str], roots: &Path) -> Output {
-    Command::new(bin)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .env("CRUST_RUNTIME_ROOT", roots.join("runtime"))
-        .env("CRUST_RUNTIME_CRUST_ROOT", roots.join("crust"))
-        .env("CRUST_RUNTIME_KATA_ROOT", roots.join("kata"))
-        .output()
-        .unwrap()
+    let mut tries = 0;
+    loop {
+        match Command::new(bin)
+            .args(args)
+            .env_remove("RUST_LOG")
+            .env("CRUST_RUNTIME_ROOT", roots.join("runtime"))
+            .env("CRUST_RUNTIME_CRUST_ROOT", roots.join("crust"))
+            .env("CRUST_RUNTIME_KATA_ROOT", roots.join("kata"))
+            .output()
+        {
+            // A binary just copied by one test is briefly "busy" while a
+            // parallel test's fork still holds the copy's write descriptor.
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => return r.unwrap(),
+        }
+    }
 }
 
 #[test]
@@ -58,6 +69,43 @@ fn without_the_full_runtime_next_to_it_other_verbs_fail_clearly() {
             "cannot run {}",
             d.path().join("crust-runtime").display()
         )),
+        "{err}"
+    );
+}
+
+/// `crust freeze TARGET MS` (what crust_ops runs) refuses a time limit
+/// outside 1..=600000 ms before it looks for the sandbox or its guest:
+/// the message names the limit, not the missing volume, and both
+/// binaries answer it alike.
+#[test]
+fn freeze_beyond_the_limit_is_refused_before_any_guest() {
+    let d = tempfile::tempdir().unwrap();
+    let limit = crust_agent_proto::MAX_FROZEN_MS;
+    for ms in [0, limit + 1, u64::MAX] {
+        let ms = ms.to_string();
+        for bin in [FULL, POLL] {
+            let out = run(
+                Path::new(bin),
+                &["crust", "freeze", "/not/a/published/volume", &ms],
+                d.path(),
+            );
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{bin} {ms}: {err}");
+            assert!(
+                err.contains(&format!("between 1 and {limit}, not {ms}")),
+                "{bin} {ms}: {err}"
+            );
+        }
+    }
+    // In range it gets as far as the record (none here).
+    let out = run(
+        Path::new(FULL),
+        &["crust", "freeze", "/not/a/published/volume", "1000"],
+        d.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1) && !err.contains("between 1"),
         "{err}"
     );
 }

@@ -142,12 +142,13 @@ fn spawn_shim(flags: &Flags, pod: &str, address: &str) -> anyhow::Result<()> {
     if line.trim() != "ok" {
         let _ = child.kill();
         let _ = child.wait();
+        let line = line.trim();
         bail!(
             "the shim for pod {pod} failed to start: {}",
-            if line.trim().is_empty() {
-                "no word (see the containerd log)"
-            } else {
-                line.trim()
+            match line.strip_prefix(START_FAILED) {
+                Some(why) => why,
+                None if line.is_empty() => "no word (see the containerd log)",
+                None => line,
             }
         );
     }
@@ -193,17 +194,46 @@ fn serve(flags: &Flags) -> anyhow::Result<()> {
         bail!("no -socket given and no action: nothing to do");
     }
     init_logging(flags.debug);
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()?;
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let e = anyhow!(e).context("starting the tokio runtime");
+            tell_start_why(&e);
+            return Err(e);
+        }
+    };
     let res = rt.block_on(serve_async(flags));
     if let Err(e) = &res {
         tracing::error!("shim: {e:#}");
+        tell_start_why(e);
     }
     // Leftover tasks (relays, waiters) must not hold the exit.
     rt.shutdown_timeout(Duration::from_secs(2));
     res
+}
+
+/// Marks the line a serving shim that failed before it was up sends its
+/// parent (`start`) instead of "ok".
+const START_FAILED: &str = "error: ";
+
+/// Sends `start` the reason this shim could not come up, on one line:
+/// containerd puts `start`'s output into the error it reports, where the
+/// log file is not. After [`signal_ready`] stdout is /dev/null and this
+/// writes nowhere.
+fn tell_start_why(e: &anyhow::Error) {
+    let why = format!("{e:#}")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "{START_FAILED}{why}");
+    let _ = out.flush();
 }
 
 /// Tells the parent (`start`) the shim is up, then detaches stdout.

@@ -191,3 +191,36 @@ fn ctr_run_exec_kill_in_a_vm() {
         env.runtime_root.display()
     );
 }
+
+/// A shim that cannot start (here `CRUST_RUNTIME_ACCEL=warp-drive` in
+/// containerd's environment) puts its reason into the error containerd
+/// answers `ctr run` with, not only into the shim's log file; nothing is
+/// left running. No guest boots (~2 s).
+#[test]
+fn a_shim_start_failure_names_its_reason_in_containerds_error() {
+    let env = Env::start_with(
+        "default",
+        vec![("CRUST_RUNTIME_ACCEL".into(), "warp-drive".into())],
+    );
+    let o = env.ctrd.ctr_in(
+        "default",
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            BUSYBOX_IMAGE,
+            "nogo",
+            "true",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("failed to start") && err.contains("warp-drive") && err.contains("accel"),
+        "ctr's error does not say why:\n{err}\n{}",
+        env.logs()
+    );
+    assert!(!err.contains("see the containerd log"), "{err}");
+    assert!(qemus_under(&env.runtime_root).is_empty());
+}

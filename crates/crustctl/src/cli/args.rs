@@ -26,7 +26,7 @@ pub struct Cli {
         long,
         env = "CSI_ENDPOINT",
         global = true,
-        default_value = "unix:///csi/csi.sock",
+        default_value = crust_proto::endpoint::DEFAULT_CSI_ENDPOINT,
         value_parser = Endpoint::parse
     )]
     pub endpoint: Endpoint,
