@@ -21,11 +21,13 @@
 //! - [`controller`]: the shim process itself.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm).
 //! - [`share`]: the sandbox's virtio-fs share directory on the host.
+//! - [`beneath`]: host steps inside a guest-writable tree, by descriptor.
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`runtime`]: the CLI side of every command.
 //! - [`stats`]: JSON shapes of stats and resize.
 //! - [`cli`], [`config`], [`error`]: flags, settings, error classes.
 
+pub mod beneath;
 pub mod bundle;
 pub mod claims;
 pub mod cli;
