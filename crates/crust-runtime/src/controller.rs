@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -225,10 +226,10 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
         let mut vc = Guest::config(&cfg, &store.vm_dir(&id), &id);
         if let Some(dir) = &share_dir {
-            make_share(dir, &state.shared_mounts)?;
+            let view = make_share(dir, &state.shared_mounts)?;
             vc.shares = vec![crust_vmm::ShareSpec {
                 tag: share::SHARE_TAG.into(),
-                dir: dir.clone(),
+                dir: view,
             }];
             vc.virtiofsd_binary = cfg.virtiofsd.clone();
         }
@@ -390,21 +391,20 @@ fn shared_mounts(binds: &[HostBind]) -> Vec<SharedMount> {
         .collect()
 }
 
-/// The share with every bind in place; on failure nothing is left.
-fn make_share(dir: &Path, mounts: &[SharedMount]) -> Result<(), RuntimeError> {
-    let res = share::make(dir).and_then(|()| {
-        mounts
-            .iter()
-            .try_for_each(|m| share::bind_into(Path::new(&m.source), &dir.join(&m.path)))
+/// The share with every bind in place (read-only ones read-only on the
+/// host side too); returns the guest view virtiofsd serves. On failure
+/// nothing is left.
+fn make_share(dir: &Path, mounts: &[SharedMount]) -> Result<PathBuf, RuntimeError> {
+    let res = share::make(dir).and_then(|view| {
+        let root = share::open(dir)?;
+        for m in mounts {
+            share::bind_into(root.as_fd(), &m.path, Path::new(&m.source), m.readonly)?;
+        }
+        Ok(view)
     });
     res.map_err(|e| {
         remove_share(Some(dir));
-        let code = if e.source.kind() == std::io::ErrorKind::NotFound {
-            Code::InvalidArgument
-        } else {
-            Code::Internal
-        };
-        RuntimeError::new(code, e.to_string())
+        RuntimeError::from(e)
     })
 }
 

@@ -2,9 +2,11 @@
 
 use crust_handoff::{ErrorKind, HandoffError};
 
+use crate::beneath::BeneathError;
 use crate::bundle::BundleError;
 use crate::discovery::DiscoveryError;
 use crate::sandbox::SandboxError;
+use crate::share::ShareError;
 use crate::shim::{ApiError, Code, ShimError};
 use crate::volumes::VolumeError;
 
@@ -22,6 +24,8 @@ pub enum RuntimeError {
     Handoff(#[from] HandoffError),
     #[error(transparent)]
     Volume(#[from] VolumeError),
+    #[error(transparent)]
+    Share(#[from] ShareError),
     #[error("{message}")]
     Coded { code: Code, message: String },
     #[error("{context}: {source}")]
@@ -66,6 +70,16 @@ impl RuntimeError {
             RuntimeError::Shim(ShimError::Protocol(_)) => Code::Internal,
             RuntimeError::Handoff(e) => handoff_code(e),
             RuntimeError::Volume(e) => e.code(),
+            RuntimeError::Share(ShareError::Source { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Code::InvalidArgument
+            }
+            // Something in the share that crust did not put there.
+            RuntimeError::Share(ShareError::Beneath(
+                BeneathError::Planted { .. } | BeneathError::Escape { .. },
+            )) => Code::FailedPrecondition,
+            RuntimeError::Share(_) => Code::Internal,
             RuntimeError::Coded { code, .. } => *code,
             RuntimeError::Io { .. } => Code::Internal,
         }

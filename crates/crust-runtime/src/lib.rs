@@ -23,11 +23,13 @@
 //! - [`share`]: the sandbox's virtio-fs share directory on the host.
 //! - [`plug`]: the one plug (createFilesystem, exclusive hold, hot-plug,
 //!   mount, rollback) and release both front doors use.
+//! - [`beneath`]: host steps inside a guest-writable tree, by descriptor.
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`runtime`]: the CLI side of every command.
 //! - [`stats`]: JSON shapes of stats and resize.
 //! - [`cli`], [`config`], [`error`]: flags, settings, error classes.
 
+pub mod beneath;
 pub mod bundle;
 pub mod claims;
 pub mod cli;

@@ -115,10 +115,10 @@ fn binds_are_shared_over_virtio_fs_next_to_a_deferred_volume() {
         "{st}"
     );
     // One virtiofsd (its sandbox forks a child) serving the sandbox's
-    // share, with the shim's settings.
+    // share's read-only guest view, with the shim's settings.
     let daemons = virtiofsd_naming(&root);
     assert!(!daemons.is_empty());
-    let share_dir = env.root.join("s/share").display().to_string();
+    let share_dir = env.root.join("s/share.guest").display().to_string();
     let settings = crust_vmm::VIRTIOFSD_ARGS.join(" ");
     for d in &daemons {
         assert!(d.contains(&format!("--shared-dir {share_dir} ")), "{d}");

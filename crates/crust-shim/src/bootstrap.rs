@@ -27,7 +27,7 @@ use crust_runtime::discovery::Discovery;
 use crust_runtime::sandbox::SandboxStore;
 
 use crate::config::ShimConfig;
-use crate::pod::{Pod, unmount_tree};
+use crate::pod::Pod;
 use crate::spec::{self, Role};
 use crate::start_reply;
 use crate::task::Service;
@@ -330,8 +330,9 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     if pod == flags.id {
         cleanup_pod(&cfg, &store, &pod);
     } else {
-        unmount_tree(&share.join(&flags.id));
-        let _ = std::fs::remove_dir_all(share.join(&flags.id));
+        if let Err(e) = crust_runtime::share::remove_container(&share, &flags.id) {
+            tracing::warn!("container {}: {e}", flags.id);
+        }
     }
     let d = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -382,8 +383,8 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
     ) {
         crust_runtime::claims::release_all(&d, pod, &st.volumes);
     }
-    let share = store.dir(pod).join("share");
-    unmount_tree(&share);
-    let _ = rustix::mount::unmount(&share, rustix::mount::UnmountFlags::DETACH);
+    if let Err(e) = crust_runtime::share::remove(&store.dir(pod).join("share")) {
+        tracing::warn!("pod {pod}: {e}");
+    }
     let _ = store.remove(pod);
 }

@@ -9,6 +9,7 @@
 //! names serves crust_ops for containerd pods exactly as for its own.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 use crust_agent_proto::stdio::StdioMux;
 use crust_agent_proto::{AgentClient, ContainerMount, CreateContainer, MountSource, ShareRef};
 use crust_qmp::QmpClient;
+use crust_runtime::beneath::FsSpec;
 use crust_runtime::bundle::Bundle;
 use crust_runtime::claims::{claim, release_all};
 use crust_runtime::discovery::{Discovery, Volume};
@@ -28,13 +30,13 @@ use crust_runtime::share;
 use crust_runtime::shim::Code;
 use crust_runtime::vm::Guest;
 use crust_runtime::volumes;
-use rustix::mount::MountFlags;
+use rustix::mount::MountAttrFlags;
 use tokio::sync::watch;
 
 use crate::config::ShimConfig;
 use crate::spec::{ContainerPlan, Planned};
 
-pub use crust_runtime::share::{SHARE_TAG, unmount_tree};
+pub use crust_runtime::share::SHARE_TAG;
 /// Grace for the guest to power off after the agent's Shutdown.
 const POWEROFF_WAIT: Duration = Duration::from_secs(15);
 
@@ -265,11 +267,10 @@ impl Pod {
     }
 
     /// The share directory: a shared mount point, so binds made below it
-    /// later reach virtiofsd's own mount namespace.
+    /// later reach virtiofsd's own mount namespace. Returns its read-only
+    /// guest view, which is what virtiofsd serves.
     fn make_share(&self) -> Result<PathBuf, PodError> {
-        let share = self.share_dir();
-        share::make(&share).map_err(share_err)?;
-        Ok(share)
+        Ok(share::make(&self.share_dir()).map_err(RuntimeError::from)?)
     }
 
     fn remove_share(&self) {
@@ -354,13 +355,9 @@ impl Pod {
         plan: &ContainerPlan,
         rootfs: &[containerd_shim_protos::api::Mount],
     ) -> Result<CreateContainer, PodError> {
-        let dir = self.share_dir().join(cid);
-        let res = self
-            .prepare_inner(vm, cid, &dir, bundle, plan, rootfs)
-            .await;
+        let res = self.prepare_inner(vm, cid, bundle, plan, rootfs).await;
         if res.is_err() {
-            unmount_tree(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
+            self.release_container(cid);
         }
         res
     }
@@ -369,7 +366,6 @@ impl Pod {
         &self,
         vm: &PodVm,
         cid: &str,
-        dir: &Path,
         bundle: &Path,
         plan: &ContainerPlan,
         rootfs: &[containerd_shim_protos::api::Mount],
@@ -385,8 +381,12 @@ impl Pod {
         });
         self.take_published_volumes(&b).await?;
         let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
-        std::fs::create_dir_all(dir.join("rootfs")).map_err(|e| PodError::host("share dir", e))?;
-        mount_rootfs(&dir.join("rootfs"), rootfs, &plan.root_path)?;
+        // Every step in the share by descriptor from its root: the guest
+        // may have written there (see crust_runtime::beneath).
+        let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
+        let root = share.as_fd();
+        share::create_dir(root, cid).map_err(RuntimeError::from)?;
+        mount_rootfs(root, &format!("{cid}/rootfs"), rootfs, &plan.root_path)?;
         let mut mounts = Vec::new();
         for (i, m) in plan.mounts.iter().enumerate() {
             match m {
@@ -410,7 +410,8 @@ impl Pod {
                         continue;
                     }
                     let name = format!("m{i}");
-                    share::bind_into(source, &dir.join(&name)).map_err(share_err)?;
+                    share::bind_into(root, &format!("{cid}/{name}"), source, *readonly)
+                        .map_err(RuntimeError::from)?;
                     mounts.push(ContainerMount {
                         destination: destination.clone(),
                         source: MountSource::Share(ShareRef {
@@ -704,9 +705,9 @@ impl Pod {
 
     /// Undoes a container's host side (its rootfs and binds in the share).
     pub fn release_container(&self, cid: &str) {
-        let dir = self.share_dir().join(cid);
-        unmount_tree(&dir);
-        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = share::remove_container(&self.share_dir(), cid) {
+            tracing::warn!("container {cid}: {e}");
+        }
     }
 
     pub async fn volumes(&self) -> Vec<Volume> {
@@ -801,15 +802,15 @@ fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
 }
 
 /// Mounts the container's rootfs (the snapshotter's mounts, usually one
-/// overlay) at `target`; with no mounts, binds `root_path`.
+/// overlay) at `rel` in the share; with no mounts, binds `root_path`.
 fn mount_rootfs(
-    target: &Path,
+    root: BorrowedFd<'_>,
+    rel: &str,
     rootfs: &[containerd_shim_protos::api::Mount],
     root_path: &Path,
 ) -> Result<(), PodError> {
     if rootfs.is_empty() {
-        return rustix::mount::mount_bind_recursive(root_path, target)
-            .map_err(|e| PodError::host(format!("binding rootfs {}", root_path.display()), e));
+        return Ok(share::bind_into(root, rel, root_path, false).map_err(RuntimeError::from)?);
     }
     if rootfs.len() > 1 {
         return Err(PodError::host(
@@ -818,35 +819,15 @@ fn mount_rootfs(
         ));
     }
     let m = &rootfs[0];
-    let (flags, data) = split_mount_options(&m.options);
-    match m.type_.as_str() {
-        "bind" | "rbind" => rustix::mount::mount_bind_recursive(m.source.as_str(), target)
-            .map_err(|e| PodError::host("binding the rootfs", e)),
-        typ => {
-            let data =
-                std::ffi::CString::new(data).map_err(|e| PodError::host("rootfs options", e))?;
-            rustix::mount::mount(m.source.as_str(), target, typ, flags, Some(data.as_c_str()))
-                .map_err(|e| PodError::host(format!("mounting the {typ} rootfs"), e))
-        }
-    }
-}
-
-fn split_mount_options(opts: &[String]) -> (MountFlags, String) {
-    let mut flags = MountFlags::empty();
-    let mut data = Vec::new();
-    for o in opts {
-        match o.as_str() {
-            "ro" => flags |= MountFlags::RDONLY,
-            "nosuid" => flags |= MountFlags::NOSUID,
-            "nodev" => flags |= MountFlags::NODEV,
-            "noexec" => flags |= MountFlags::NOEXEC,
-            "rw" => {}
-            other => data.push(other.to_string()),
-        }
-    }
-    (flags, data.join(","))
-}
-
-fn share_err(e: share::ShareError) -> PodError {
-    PodError::host(e.what, e.source)
+    let fs = FsSpec::new(&m.type_, &m.source, &m.options);
+    let res = match m.type_.as_str() {
+        "bind" | "rbind" => share::bind_into(
+            root,
+            rel,
+            Path::new(&m.source),
+            fs.attrs.contains(MountAttrFlags::MOUNT_ATTR_RDONLY),
+        ),
+        _ => share::mount_into(root, rel, &fs),
+    };
+    Ok(res.map_err(RuntimeError::from)?)
 }

@@ -158,7 +158,9 @@ pub const MAX_TAG_LEN: usize = 36;
 /// the guest's page cache follows the host's (`cache=auto`), extended
 /// attributes pass through (file capabilities of image binaries), the
 /// daemon runs in its own namespaces (`sandbox=namespace`, the default) and
-/// host mount points below the share are announced as submounts.
+/// host mount points below the share are announced as submounts, and the
+/// daemon cannot make device nodes on the host (`-mknod`: a guest's `/dev`
+/// is its own tmpfs; a node in a shared rootfs would be a host device).
 pub const VIRTIOFSD_ARGS: &[&str] = &[
     "--cache",
     "auto",
@@ -166,6 +168,7 @@ pub const VIRTIOFSD_ARGS: &[&str] = &[
     "--announce-submounts",
     "--sandbox",
     "namespace",
+    "--modcaps=-mknod",
 ];
 
 impl ShareSpec {
