@@ -126,15 +126,17 @@ for t in "${targets[@]}"; do
     -artifact_prefix="$arts/" -print_final_stats=1 >"$log" 2>&1
   rc=$?
   set -e
-  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
-  cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | cut -d' ' -f2)
+  # A crash on a seed ends the run before any of these is printed.
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1 || true)
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1 || true)
+  cov=$({ grep -oE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
   summary+=("$(printf '%-16s %6s s %10s execs %7s execs/s  cov %s' "$t" "$secs" "${runs:-?}" "${rate:-?}" "${cov:-?}")")
   if [ $rc != 0 ]; then
     failed+=("$t")
     echo "fuzz.sh: $t FAILED (exit $rc); its log's end:" >&2
     grep -vE '^#[0-9]+' "$log" | tail -40 >&2
-    art=$(ls -t "$arts" 2>/dev/null | head -1)
+    grep -m1 -A1 'panicked at' "$log" >&2 || true
+    art=$(ls -t "$arts" 2>/dev/null | head -1 || true)
     [ -n "$art" ] && echo "fuzz.sh: replay: $bin $arts/$art" >&2
   fi
   if [ "$save" = 1 ] && [ $rc = 0 ]; then
