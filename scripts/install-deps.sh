@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What crust's tests, demo, benchmarks and guest image need on a fresh
-# Debian machine: Debian packages, virtiofsd (crates.io) and the tests'
+# Debian machine: Debian packages, virtiofsd and cargo-fuzz (crates.io) and the tests'
 # Python packages (PyPI) in one virtualenv.
 # --if-missing: only install what is missing (quiet when nothing is).
 set -euo pipefail
@@ -32,6 +32,20 @@ install_virtiofsd() {
   have_virtiofsd && return 0
   echo "install-deps: building virtiofsd $VIRTIOFSD_VERSION (cargo install, a few minutes)"
   cargo install --locked --root /usr/local --version "$VIRTIOFSD_VERSION" virtiofsd
+}
+# cargo-fuzz (crates.io) for scripts/fuzz.sh, pinned; it drives the nightly
+# toolchain's libFuzzer support, so without nightly there is nothing to
+# install (fuzz.sh says so and test.sh skips its fuzz step).
+CARGO_FUZZ_VERSION=0.13.2
+have_nightly() { rustup toolchain list 2>/dev/null | grep -q '^nightly'; }
+have_cargo_fuzz() {
+  ! have_nightly ||
+    cargo fuzz --version 2>/dev/null | grep -qx "cargo-fuzz $CARGO_FUZZ_VERSION"
+}
+install_cargo_fuzz() {
+  have_cargo_fuzz && return 0
+  echo "install-deps: building cargo-fuzz $CARGO_FUZZ_VERSION (cargo install, about a minute)"
+  cargo install --locked --root /usr/local --version "$CARGO_FUZZ_VERSION" cargo-fuzz
 }
 # Python packages of the tests, in one virtualenv (the tests find it at
 # $CRUST_TEST_PYTHON or $VENV/bin/python): grpcio (grpc-core) calls crust's
@@ -70,9 +84,10 @@ if [ "${1:-}" = "--if-missing" ]; then
   [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || missing=1
   [ -f /usr/include/seccomp.h ] && [ -f /usr/include/cap-ng.h ] || missing=1
   if [ $missing = 0 ]; then
-    have_virtiofsd && have_python_pkgs && exit 0
+    have_virtiofsd && have_python_pkgs && have_cargo_fuzz && exit 0
     [ "$(id -u)" = 0 ] || { echo "install-deps.sh must run as root" >&2; exit 1; }
     install_virtiofsd
+    install_cargo_fuzz
     install_python_pkgs
     exit 0
   fi
@@ -85,4 +100,5 @@ fi
 apt-get update
 apt-get install -y --no-install-recommends "${pkgs[@]}"
 install_virtiofsd
+install_cargo_fuzz
 install_python_pkgs

@@ -23,6 +23,15 @@ if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
 else
   echo "test.sh: cargo fmt/clippy not installed: lint step skipped" >&2
 fi
+# The fuzz smoke: each parser target ~20 s (scripts/fuzz.sh), failing on
+# any crash. Before the workspace build and tests: it needs neither (its
+# own workspace and target dir), and a parser crash then fails the run in
+# minutes rather than after the guest tests. Needs the nightly toolchain.
+if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+  bash scripts/fuzz.sh --smoke
+else
+  echo "test.sh: no nightly toolchain (rustup toolchain list): fuzz smoke skipped" >&2
+fi
 cargo build --workspace --bins --locked
 bash guest/build-image.sh
 # The static per-poll runtime CLI the node payload ships (images tests).

@@ -69,9 +69,12 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
+        // `\ooo` is one byte: a first digit above 3 (`\400`) is not an
+        // escape the kernel writes, and overflowed u8 arithmetic.
         if b[i] == b'\\'
             && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+            && (b'0'..=b'3').contains(&b[i + 1])
+            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
         {
             let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
             out.push(v);
@@ -365,6 +368,23 @@ pub fn thaw_fs(dir: &rustix::fd::OwnedFd) -> rustix::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `mountinfo` fuzz target: `\400` overflowed the octal
+    /// decoder's u8 arithmetic (a panic in the agent). An escape above
+    /// `\377` is now kept as text, as the host's parser keeps it.
+    #[test]
+    fn mountinfo_escape_above_377_is_text() {
+        let crash = b"24\x00\x00\x00254:0 / / rw,\x5c011x rw,nosuid shared:5 m\x12aster:2 - ext4 /dev/l 3pooro,errors=remount-ro\x0a38 22 7:4 /sub /mnt/back\x5c400\x5c\x5cslash rw - xfs /dev/loop4 rw,atwr2\x0a";
+        let text = std::str::from_utf8(crash).unwrap();
+        let m = parse_mountinfo(text);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].mount_point, Path::new("/mnt/back\\400\\\\slash"));
+        let m = parse_mountinfo("1 2 3:4 / /a\\777\\377\\040 rw - ext4 /dev/x rw\n");
+        assert_eq!(
+            m[0].mount_point.as_os_str().as_encoded_bytes(),
+            b"/a\\777\xef\xbf\xbd "
+        );
+    }
 
     #[test]
     fn mountinfo_parsing() {

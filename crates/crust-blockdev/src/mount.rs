@@ -121,9 +121,12 @@ fn unescape(field: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(field.len());
     let mut i = 0;
     while i < field.len() {
+        // One byte per escape: `\400` and above are literal text, not a
+        // byte silently truncated (the agent's parser reads them so too).
         if field[i] == b'\\'
             && i + 3 < field.len()
-            && field[i + 1..i + 4]
+            && (b'0'..=b'3').contains(&field[i + 1])
+            && field[i + 2..i + 4]
                 .iter()
                 .all(|c| (b'0'..=b'7').contains(c))
         {
@@ -669,6 +672,25 @@ mod tests {
         // A backslash not followed by three octal digits stays literal.
         assert_eq!(m[3].mount_point, Path::new("/mnt/back\\\\slash"));
         assert_eq!(m[3].fs_type, "xfs");
+    }
+
+    /// The `mountinfo` fuzz target's crash input (it crashed the agent's
+    /// parser): `\400` and above are text here too, not a truncated byte.
+    #[test]
+    fn escape_above_377_is_text() {
+        // Its first line has no major:minor: refused, never misread.
+        assert!(parse_mountinfo(b"24\x00\x00\x00254:0 / / rw,\x5c011x rw,nosuid shared:5 m\x12aster:2 - ext4 /dev/l 3pooro,errors=remount-ro\x0a38 22 7:4 /sub /mnt/back\x5c400\x5c\x5cslash rw - xfs /dev/loop4 rw,atwr2\x0a").is_err());
+        let m = parse_mountinfo(
+            b"38 22 7:4 /sub /mnt/back\x5c400\x5c\x5cslash rw - xfs /dev/loop4 rw,atwr2\x0a",
+        )
+        .unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].mount_point, Path::new("/mnt/back\\400\\\\slash"));
+        let m = parse_mountinfo(b"1 2 3:4 / /a\\777\\377 rw - ext4 /dev/x rw\n").unwrap();
+        assert_eq!(
+            m[0].mount_point.as_os_str().as_encoded_bytes(),
+            b"/a\\777\xff"
+        );
     }
 
     #[test]

@@ -138,9 +138,12 @@ fn unescape(s: &str) -> PathBuf {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
+        // One byte per escape: `\400` and above are literal text (and
+        // overflowed the u8 arithmetic).
         if b[i] == b'\\'
             && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+            && (b'0'..=b'3').contains(&b[i + 1])
+            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
         {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
@@ -248,6 +251,9 @@ mod tests {
         assert_eq!(unescape("/a\\134b"), PathBuf::from("/a\\b"));
         assert_eq!(unescape("/plain"), PathBuf::from("/plain"));
         assert_eq!(unescape("/end\\04"), PathBuf::from("/end\\04"));
+        // Above \377 is no escape: kept as written, no overflow.
+        assert_eq!(unescape("/a\\400b"), PathBuf::from("/a\\400b"));
+        assert_eq!(unescape("/a\\777"), PathBuf::from("/a\\777"));
     }
 
     /// A temp dir whose mounts go with it, whatever a test left.

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing (cargo-fuzz, libFuzzer) of the parsers that read
+# another process's bytes. Targets live in fuzz/ (its own cargo workspace).
+#
+#   scripts/fuzz.sh --smoke [TARGET...]        CI: build, ~20 s per target, fail on any crash
+#   scripts/fuzz.sh --long [SECONDS] [TARGET...]  SECONDS per target (default 3600)
+#   scripts/fuzz.sh --long 3600 --save ...     then minimize the run's corpus into fuzz/corpus/
+#   scripts/fuzz.sh --list                     the targets
+#
+# Long-form budgets (accumulated over runs; the run's own corpus is kept
+# in the fuzz target dir, so the next run starts where this one ended):
+# each target at least 3600 s; handoff_record writes a record per input
+# (a few thousand runs/s), so give it 2x for the same depth.
+#
+# Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh).
+# A crash leaves its input under <target dir>/artifacts/<target>/ and the
+# command that replays it is printed; keep it as a unit test of the
+# parser's crate once fixed. Runs as any user; handoff_record's records go
+# to a scratch directory under /dev/shm removed on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+mode=""
+secs=""
+save=0
+targets=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) mode=smoke; secs=20 ;;
+    --long)
+      mode=long
+      secs=3600
+      if [[ "${2:-}" =~ ^[0-9]+$ ]]; then secs=$2; shift; fi
+      ;;
+    --save) save=1 ;;
+    --list) mode=list ;;
+    -h | --help)
+      sed -n '2,20p' "$0"
+      exit 0
+      ;;
+    -*)
+      echo "fuzz.sh: unknown option $1" >&2
+      exit 2
+      ;;
+    *) targets+=("$1") ;;
+  esac
+  shift
+done
+[ -n "$mode" ] || { sed -n '2,20p' "$0" >&2; exit 2; }
+
+all_targets=$(sed -n 's/^name = "\([a-z_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
+if [ "$mode" = list ]; then
+  echo "$all_targets"
+  exit 0
+fi
+[ ${#targets[@]} -gt 0 ] || mapfile -t targets <<<"$all_targets"
+
+if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+  echo "fuzz.sh: no nightly toolchain (rustup toolchain list): cannot build the fuzz targets" >&2
+  exit 3
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "fuzz.sh: cargo-fuzz is not installed: run scripts/install-deps.sh" >&2
+  exit 3
+fi
+
+# Its own target dir: sanitizer and coverage flags would rebuild the
+# main workspace's dependencies in place otherwise.
+tdir="${CRUST_FUZZ_TARGET_DIR:-$root/target/fuzz}"
+mkdir -p "$tdir"
+scratch=$(mktemp -d /dev/shm/crust-fuzz-run.XXXXXX)
+trap 'rm -rf "$scratch" /dev/shm/crust-fuzz-handoff' EXIT
+export CRUST_FUZZ_SCRATCH="$scratch"
+
+# The dictionary each target's mutations draw from.
+dict_of() {
+  case "$1" in
+    handoff_record | agent_frame) echo fuzz/dict/json.dict ;;
+    mountinfo) echo fuzz/dict/mountinfo.dict ;;
+    mount_options) echo fuzz/dict/mount_options.dict ;;
+    shim_http) echo fuzz/dict/http.dict ;;
+  esac
+}
+
+t0=$(date +%s)
+echo "fuzz.sh: building ${#targets[@]} targets (nightly, AddressSanitizer, debug assertions)"
+build() {
+  if ! cargo +nightly fuzz build --fuzz-dir fuzz --target-dir "$tdir" "$@" >"$tdir/build.log" 2>&1; then
+    grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$tdir/build.log" | tail -40 >&2
+    echo "fuzz.sh: the fuzz build failed" >&2
+    exit 1
+  fi
+}
+# Given no target `cargo fuzz build` builds them all in one cargo run.
+if [ "${targets[*]}" = "$(echo $all_targets)" ]; then
+  build
+else
+  for t in "${targets[@]}"; do build "$t"; done
+fi
+for t in "${targets[@]}"; do
+  [ -x "$tdir/x86_64-unknown-linux-gnu/release/$t" ] || {
+    echo "fuzz.sh: $t did not build" >&2
+    exit 1
+  }
+done
+t_built=$(date +%s)
+echo "fuzz.sh: built in $((t_built - t0)) s"
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  bin="$tdir/x86_64-unknown-linux-gnu/release/$t"
+  work="$tdir/corpus/$t"
+  arts="$tdir/artifacts/$t"
+  mkdir -p "$work" "$arts"
+  log="$tdir/$t.log"
+  echo "fuzz.sh: $t for ${secs} s"
+  # New inputs go to the run's corpus ($work); the committed seeds are
+  # read only. -malloc_limit_mb: no input of a few KiB may make a parser
+  # allocate 64 MiB at once; -timeout: none may take 5 s.
+  set +e
+  "$bin" "$work" "fuzz/corpus/$t" \
+    -dict="$(dict_of "$t")" -max_total_time="$secs" -max_len=8192 \
+    -timeout=5 -rss_limit_mb=2048 -malloc_limit_mb=64 \
+    -artifact_prefix="$arts/" -print_final_stats=1 >"$log" 2>&1
+  rc=$?
+  set -e
+  # A crash on a seed ends the run before any of these is printed.
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1 || true)
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1 || true)
+  cov=$({ grep -oE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
+  summary+=("$(printf '%-16s %6s s %10s execs %7s execs/s  cov %s' "$t" "$secs" "${runs:-?}" "${rate:-?}" "${cov:-?}")")
+  if [ $rc != 0 ]; then
+    failed+=("$t")
+    echo "fuzz.sh: $t FAILED (exit $rc); its log's end:" >&2
+    grep -vE '^#[0-9]+' "$log" | tail -40 >&2
+    grep -m1 -A1 'panicked at' "$log" >&2 || true
+    art=$(ls -t "$arts" 2>/dev/null | head -1 || true)
+    [ -n "$art" ] && echo "fuzz.sh: replay: $bin $arts/$art" >&2
+  fi
+  if [ "$save" = 1 ] && [ $rc = 0 ]; then
+    # Minimized: only inputs that add coverage over the committed seeds.
+    "$bin" -merge=1 "fuzz/corpus/$t" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.merge.log" 2>&1
+    echo "fuzz.sh: $t: fuzz/corpus/$t now $(find "fuzz/corpus/$t" -type f | wc -l) inputs"
+  fi
+done
+
+echo "fuzz.sh: summary ($mode, build $((t_built - t0)) s, total $(($(date +%s) - t0)) s)"
+printf '  %s\n' "${summary[@]}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz.sh: crashed: ${failed[*]}" >&2
+  exit 1
+fi
