@@ -362,6 +362,10 @@ pub fn percent_decode(s: &str) -> ApiResult<String> {
     while i < bytes.len() {
         if bytes[i] == b'%' {
             let hex = bytes.get(i + 1..i + 3).ok_or_else(bad)?;
+            // Two hex digits exactly: from_str_radix alone takes "+1".
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return Err(bad());
+            }
             let hex = std::str::from_utf8(hex).map_err(|_| bad())?;
             out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
             i += 3;
@@ -654,6 +658,8 @@ mod tests {
         assert!(percent_decode("%4").is_err());
         assert!(percent_decode("%zz").is_err());
         assert!(percent_decode("%ff").is_err());
+        // A sign is no hex digit (u8::from_str_radix alone accepted "+1").
+        assert!(percent_decode("%+1").is_err());
     }
 
     #[tokio::test]
