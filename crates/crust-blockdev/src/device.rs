@@ -154,8 +154,25 @@ pub fn device_openers(path: &Path) -> Result<Vec<Opener>, DeviceError> {
 }
 
 pub(crate) fn openers_of(major: u32, minor: u32, deadline: Instant) -> io::Result<Vec<Opener>> {
-    let me = std::process::id();
     let mut found = Vec::new();
+    for_other_processes(deadline, "/proc/*/fd for other openers", |pid, comm| {
+        if process_has_device(pid, major, minor) {
+            found.push(Opener { pid, comm: comm() });
+        }
+    })?;
+    found.sort_by_key(|o| o.pid);
+    Ok(found)
+}
+
+/// Calls `f(pid, comm)` for every process but this one (`comm()` reads its
+/// name, `?` when it is gone); `TimedOut` naming `what` was scanned once
+/// `deadline` passes.
+pub(crate) fn for_other_processes(
+    deadline: Instant,
+    what: &str,
+    mut f: impl FnMut(u32, &dyn Fn() -> String),
+) -> io::Result<()> {
+    let me = std::process::id();
     for ent in std::fs::read_dir("/proc")? {
         let Ok(ent) = ent else { continue };
         let Some(pid) = ent.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
@@ -167,18 +184,17 @@ pub(crate) fn openers_of(major: u32, minor: u32, deadline: Instant) -> io::Resul
         if Instant::now() > deadline {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                "scanning /proc/*/fd for other openers took too long",
+                format!("scanning {what} took too long"),
             ));
         }
-        if process_has_device(pid, major, minor) {
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        let comm = || {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .map(|c| c.trim_end().to_owned())
-                .unwrap_or_else(|_| "?".into());
-            found.push(Opener { pid, comm });
-        }
+                .unwrap_or_else(|_| "?".into())
+        };
+        f(pid, &comm);
     }
-    found.sort_by_key(|o| o.pid);
-    Ok(found)
+    Ok(())
 }
 
 /// Whether process `pid` has a descriptor on block device `major:minor`.

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use rustix::fs::{AtFlags, StatxFlags};
 
-use crate::device::{DeviceError, OPENERS_SCAN_LIMIT, device_major_minor};
+use crate::device::{DeviceError, OPENERS_SCAN_LIMIT, device_major_minor, for_other_processes};
 
 /// How a process uses the filesystem (the first one found).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -66,29 +66,20 @@ pub fn filesystem_users(device: &Path) -> Result<Vec<FsUser>, DeviceError> {
 }
 
 fn users_of(major: u32, minor: u32, deadline: Instant) -> io::Result<Vec<FsUser>> {
-    let me = std::process::id();
     let mut found = Vec::new();
-    for ent in std::fs::read_dir("/proc")? {
-        let Ok(ent) = ent else { continue };
-        let Some(pid) = ent.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        if Instant::now() > deadline {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "scanning /proc for users of the filesystem took too long",
-            ));
-        }
-        if let Some(how) = process_use(pid, major, minor) {
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map(|c| c.trim_end().to_owned())
-                .unwrap_or_else(|_| "?".into());
-            found.push(FsUser { pid, comm, how });
-        }
-    }
+    for_other_processes(
+        deadline,
+        "/proc for users of the filesystem",
+        |pid, comm| {
+            if let Some(how) = process_use(pid, major, minor) {
+                found.push(FsUser {
+                    pid,
+                    comm: comm(),
+                    how,
+                });
+            }
+        },
+    )?;
     found.sort_by_key(|u| u.pid);
     Ok(found)
 }
