@@ -49,6 +49,22 @@ fn restore_of(id: &str) -> csi::volume_content_source::Type {
     })
 }
 
+/// Snapshot `name` of volume `source`; its id.
+async fn snapshot(c: &mut Clients, source: &str, name: &str) -> String {
+    c.ctl
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: source.into(),
+            name: name.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap()
+        .snapshot_id
+}
+
 /// The pool file of volume `id`.
 fn backing(node: &TestNode, id: &str) -> PathBuf {
     std::fs::read_dir(&node.pool)
@@ -162,19 +178,7 @@ async fn copies_of_a_raw_block_volume_are_never_formatted() {
         .await
         .unwrap()
         .volume_id;
-    let snap = c
-        .ctl
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: src.clone(),
-            name: "raw-snap".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap()
-        .snapshot_id;
+    let snap = snapshot(&mut c, &src, "raw-snap").await;
     // The source goes before the restore: its history lives on in the
     // snapshot's, not in the source's record.
     c.delete(&src).await.unwrap();
@@ -238,19 +242,7 @@ async fn a_copy_is_formatted_only_when_its_history_proves_it_blank() {
 
     // A snapshot whose history is lost (cut by an older plugin, say): its
     // restore may hold signature-less data, so it is never formatted.
-    let snap = c
-        .ctl
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: fresh.clone(),
-            name: "fresh-snap".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap()
-        .snapshot_id;
+    let snap = snapshot(&mut c, &fresh, "fresh-snap").await;
     let history = node.state.join(format!("snapshots/{snap}.json"));
     let kept: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&history).unwrap()).unwrap();
