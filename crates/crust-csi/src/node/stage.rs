@@ -313,11 +313,11 @@ impl Driver {
         // A device that was already attached may be open in a sandbox's
         // QEMU: never mount it on the host then. (A device this call
         // attached is open nowhere else.)
+        // A device this call attached had its alias check in the caller;
+        // one found attached (a repeated stage) has it here.
         if was_attached && fresh_mount {
             crust_blockdev::ensure_no_other_openers(device, crust_blockdev::fs::MOUNT)
                 .map_err(|e| fs_err("checking for other openers", e))?;
-        }
-        if fresh_mount {
             crust_blockdev::ensure_no_aliases(device, crust_blockdev::fs::MOUNT)
                 .map_err(alias_err)?;
         }
