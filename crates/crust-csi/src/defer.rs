@@ -190,7 +190,7 @@ impl Driver {
             return Err(e.into());
         }
         // The target is never an empty writable directory for a runtime
-        // that is not a VM runtime: a read-only placeholder says where
+        // that is not a VM runtime: a placeholder with no room for data says where
         // the volume went (placeholder.rs).
         let placed = self
             .prepare_target(&mut rec, &target, false, None)

@@ -15,7 +15,7 @@
 //! | 2 `TargetUnmounted` | target bind synced and unmounted | rolling back |
 //! | 3 `StagingUnmounted` | staging synced and unmounted | rolling back |
 //! | 4 `RecordWritten` | hand-off record written already claimed by the sandbox (claim first, `mountInfo.json` last), device checked free (`O_EXCL`) | rolling forward |
-//! | 5 `PlaceholderMounted` | read-only README placeholder on the target | rolling forward |
+//! | 5 `PlaceholderMounted` | README placeholder (no room for data) on the target | rolling forward |
 //! | done | publication deferred + handed over, `handover: HandedOver` | – |
 //!
 //! Repair runs when the plugin starts and before any handover call on the
@@ -62,6 +62,7 @@ use crate::error::mount_err;
 use crate::guard::Busy;
 use crate::node::{DeferMode, mounted_here, publication_of, sync_and_unmount};
 use crate::state::{HostMount, Publication, StateError, VolumeRecord};
+use crate::subpath_binds::{self, SubpathBind};
 
 /// A handover in progress or in force, as the volume record keeps it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +76,10 @@ pub struct HandoverRecord {
     /// (a rollback restores exactly that).
     #[serde(default)]
     pub host_mounted: bool,
+    /// kubelet's subPath binds of the target, taken with it (a rollback
+    /// restores them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub subpath_binds: Vec<SubpathBind>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -405,7 +410,10 @@ impl Driver {
         wait_out_transient(
             |d: &Decline| d.reason == Reason::InUseElsewhere,
             || {
-                mounted_only_at(&s.device, &[s.path.as_path(), ask.target.as_path()])?;
+                let binds = kubelet_binds(&ask.target, &s.device)?;
+                let mut allowed = vec![s.path.as_path(), ask.target.as_path()];
+                allowed.extend(binds.iter().map(|b| b.mount_point.as_path()));
+                mounted_only_at(&s.device, &allowed)?;
                 no_host_users(&s.device)
             },
         )
@@ -491,12 +499,18 @@ impl Driver {
         let target = ask.target.clone();
         let s = rec.staging.clone().expect("checked");
         let host_mounted = mounted_here(&s.device, &s.path)?;
+        let subpath_binds = match kubelet_binds(&target, &s.device) {
+            Ok(b) => b,
+            Err(d) if ask.required => return Err(HandoverError::Required(d.message)),
+            Err(d) => return Ok(d.answer()),
+        };
         rec.handover = Some(HandoverRecord {
             target: target.clone(),
             sandbox: ask.sandbox.clone(),
             runtime_cli: ask.runtime_cli.clone(),
             phase: HandoverPhase::Preparing,
             host_mounted,
+            subpath_binds,
         });
         self.state.put(rec.clone())?;
         self.handover_fault(Step::Recorded);
@@ -535,9 +549,20 @@ impl Driver {
         self.handed_over_answer(rec, &target)
     }
 
-    /// Steps 2–3: the target bind and the staging mount go, synced.
+    /// Steps 2–3: kubelet's subPath binds, the target bind and the
+    /// staging mount go, synced.
     fn take_host_mounts(&self, rec: &mut VolumeRecord, target: &Path) -> Result<()> {
         let mut s = rec.staging.clone().expect("checked");
+        let binds = rec
+            .handover
+            .as_ref()
+            .map(|h| h.subpath_binds.clone())
+            .unwrap_or_default();
+        for b in &binds {
+            if mounted_of(&s.device, &b.mount_point)? {
+                sync_and_unmount(&b.mount_point)?;
+            }
+        }
         if crust_blockdev::is_mountpoint(target).map_err(mount_err)? {
             if publication_of(&s, target) {
                 sync_and_unmount(target)?;
@@ -608,6 +633,11 @@ impl Driver {
             ),
         )
         .map_err(|e| NodeError::Internal(e.to_string()))?;
+        for b in &h.subpath_binds {
+            subpath_binds::bind_placeholder(&target, b).map_err(|e| {
+                NodeError::Internal(format!("binding the placeholder for kubelet: {e}"))
+            })?;
+        }
         self.handover_fault(Step::PlaceholderMounted);
         if let Some(s) = rec.staging.as_mut() {
             s.host_mount = HostMount::UnmountedForDeferral;
@@ -657,6 +687,13 @@ impl Driver {
                 crate::placeholder::remove(&h.target)
                     .map_err(|e| NodeError::Internal(e.to_string()))?;
                 crust_blockdev::bind_mount(&s.path, &h.target, p.readonly).map_err(mount_err)?;
+                // Without them kubelet's containers would see empty host
+                // directories: a failure keeps the handover to retry.
+                for b in &h.subpath_binds {
+                    subpath_binds::restore(&s.path, b).map_err(|e| {
+                        NodeError::Internal(format!("restoring kubelet's bind: {e}"))
+                    })?;
+                }
             }
             rec.staging = Some(s);
         }
@@ -938,6 +975,29 @@ fn mounted_only_at(device: &Path, allowed: &[&Path]) -> std::result::Result<(), 
             device.display()
         ))),
     }
+}
+
+/// kubelet's subPath binds of the volume published at `target`; a
+/// mount table that cannot be read declines.
+fn kubelet_binds(target: &Path, device: &Path) -> std::result::Result<Vec<SubpathBind>, Decline> {
+    subpath_binds::of(target, device).map_err(|e| {
+        Decline::new(
+            Reason::InUseElsewhere,
+            format!(
+                "cannot list kubelet's subPath binds of {}: {e}",
+                target.display()
+            ),
+        )
+    })
+}
+
+/// Whether the topmost mount at `path` is of `device`'s filesystem (any
+/// root: a subPath bind shows a directory of it).
+fn mounted_of(device: &Path, path: &Path) -> Result<bool> {
+    let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
+        return Ok(false);
+    };
+    Ok(crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor)))
 }
 
 /// No host process works inside the device's filesystem (a working

@@ -39,6 +39,7 @@ mod placeholder;
 pub mod server;
 pub mod snapshot;
 pub mod state;
+pub mod subpath_binds;
 pub mod surface;
 mod volume_health;
 mod workers;

@@ -1,14 +1,20 @@
 //! What a publish target shows on the host while the volume's filesystem
 //! is inside a VM (a `deferFsOps=true` publication, or a handover): a
-//! read-only tmpfs holding one `README` that says where the volume went.
+//! tmpfs holding one `README` that says where the volume went, and room
+//! for directories but for no byte of data.
 //!
 //! An empty writable directory there would be dangerous: a pod whose
 //! runtime is not a VM runtime (runc) gets the target bound into its
-//! container and would write onto the node's root disk, silently. With
-//! the placeholder its first write fails (`EROFS`, "Read-only file
-//! system") and `cat README` explains why. The tmpfs is tiny (16 KiB, a
-//! few inodes), `nosuid,nodev,noexec`, and recognised by its source name,
-//! so unpublish removes exactly this and nothing else.
+//! container and would write onto the node's root disk, silently. Yet
+//! kubelet must be able to make a container's subPath directories there
+//! (it `mkdirat`s `<target>/<sub>` and bind-mounts it before it asks the
+//! runtime for the container; the guest makes the same directories
+//! inside the volume). So the tmpfs is exactly one page big and the
+//! README fills that page and is immutable: `mkdir` works (a tmpfs
+//! directory takes no pages), every write of data fails with `ENOSPC`,
+//! and `cat README` explains why. Few inodes, `nosuid,nodev,noexec`,
+//! recognised by its source name, so unpublish removes exactly this and
+//! nothing else.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -57,38 +63,62 @@ pub fn mount(target: &Path, volume: &str, where_: &str) -> Result<(), Placeholde
         return Ok(());
     }
     let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
-    rustix::mount::mount(
-        SOURCE,
-        target,
-        "tmpfs",
-        flags,
-        Some(c"size=16k,nr_inodes=16,mode=0555"),
-    )
-    .map_err(|e| err(target, "mount tmpfs")(e.into()))?;
-    let text = format!(
-        "This directory is a placeholder, not volume {volume}.\n\n{where_}\n\n\
-         Nothing can be written here: a container that is not in that VM sees \
-         this read-only directory instead of the volume, so its data never \
-         lands on the node's disk. Run the pod with a VM RuntimeClass (crust), \
-         or give the volume a StorageClass with deferFsOps=auto or false.\n"
-    );
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o444)
-            .open(target.join(README))?;
-        f.write_all(text.as_bytes())
-    };
-    let res = write().map_err(err(target, "write README")).and_then(|()| {
-        rustix::mount::mount_remount(target, flags | MountFlags::RDONLY, c"")
-            .map_err(|e| err(target, "remount read-only")(e.into()))
-    });
+    let page = rustix::param::page_size();
+    let data = std::ffi::CString::new(format!("size={page},nr_inodes={MAX_INODES},mode=0555"))
+        .expect("no NUL");
+    rustix::mount::mount(SOURCE, target, "tmpfs", flags, data.as_c_str())
+        .map_err(|e| err(target, "mount tmpfs")(e.into()))?;
+    let res = write_readme(target, &readme_text(volume, where_, page));
     if let Err(e) = res {
         let _ = rustix::mount::unmount(target, UnmountFlags::DETACH);
         return Err(e);
     }
     Ok(())
+}
+
+/// Room for kubelet's subPath directories of a pod's containers.
+const MAX_INODES: u32 = 1024;
+
+/// The README, padded to exactly one `page` (the tmpfs's size) so that
+/// the tmpfs is full.
+fn readme_text(volume: &str, where_: &str, page: usize) -> Vec<u8> {
+    let text = format!(
+        "This directory is a placeholder, not volume {volume}.\n\n{where_}\n\n\\
+         No data can be stored here (every write fails: no space left on device), so \\
+         a container that is not in that VM, seeing this directory instead of the \\
+         volume, never leaves data on the node's disk. Directories can be made: kubelet \\
+         makes a container's subPath here before it starts the container, and the VM \\
+         makes the same directories inside the volume. Run the pod with a VM \\
+         RuntimeClass (crust), or give the volume a StorageClass with deferFsOps=auto \\
+         or false.\n"
+    );
+    let mut bytes = text.into_bytes();
+    bytes.truncate(page - 1);
+    bytes.resize(page - 1, b' ');
+    bytes.push(b'\n');
+    bytes
+}
+
+/// Writes the README and makes it immutable (not even root rewrites it:
+/// its page is the tmpfs's only one).
+fn write_readme(target: &Path, text: &[u8]) -> Result<(), PlaceholderError> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o444)
+        .open(target.join(README))
+        .map_err(err(target, "write README"))?;
+    f.write_all(text).map_err(err(target, "write README"))?;
+    match rustix::fs::ioctl_setflags(&f, rustix::fs::IFlags::IMMUTABLE) {
+        Ok(()) => Ok(()),
+        // tmpfs takes the flag since Linux 6.0; before, root could rewrite
+        // the README's one page, still no more.
+        Err(e @ (rustix::io::Errno::NOTTY | rustix::io::Errno::OPNOTSUPP)) => {
+            tracing::warn!(target = %target.display(), "placeholder README not immutable: {e}");
+            Ok(())
+        }
+        Err(e) => Err(err(target, "make README immutable")(e.into())),
+    }
 }
 
 /// Unmounts the placeholder at `target` if there is one (never anything
@@ -124,8 +154,18 @@ mod tests {
             readme.contains("vol-x") && readme.contains("sandbox sb1"),
             "{readme}"
         );
+        // No byte of data lands, not even in the README; kubelet's
+        // subPath directories can be made.
         let e = std::fs::write(t.join("data"), b"x").unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+        assert_eq!(std::fs::metadata(t.join("data")).unwrap().len(), 0);
+        let e = std::fs::OpenOptions::new()
+            .append(true)
+            .open(t.join(README))
+            .unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        assert!(std::fs::remove_file(t.join(README)).is_err());
+        std::fs::create_dir_all(t.join("sub/deeper")).unwrap();
         assert!(remove(&t).unwrap());
         assert!(!is_mounted(&t));
         assert_eq!(std::fs::read_dir(&t).unwrap().count(), 0, "nothing landed");

@@ -151,7 +151,7 @@ pub struct Publication {
     pub created_target: bool,
     /// A host publication whose filesystem a VM runtime took by handover
     /// (see `handover.rs`): its bind is gone and the target holds the
-    /// read-only placeholder. While the guest has the volume the
+    /// placeholder. While the guest has the volume the
     /// publication is also `deferred`; after the hand-back only this flag
     /// stays, until NodeUnpublishVolume.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -770,6 +770,7 @@ mod tests {
             runtime_cli: "/bin/true".into(),
             phase: crate::handover::HandoverPhase::HandedOver,
             host_mounted: false,
+            subpath_binds: Vec::new(),
         });
         store.put(r.clone()).unwrap();
         assert_eq!(store.volume_at(&t), None);

@@ -604,3 +604,137 @@ async fn handover_rounds_report_their_latency() {
     let st = node.stop();
     assert!(st.success(), "{st}");
 }
+
+/// The topmost mount at `p`: (source, root within its filesystem).
+fn shown_at(p: &Path) -> (String, String) {
+    let m = crust_blockdev::find_mount(p)
+        .unwrap()
+        .unwrap_or_else(|| panic!("nothing mounted at {}", p.display()));
+    (m.source, m.root.display().to_string())
+}
+
+/// kubelet's subPath binds (issue 31): before it asks for a container with
+/// a subPath, kubelet binds `<target>/<sub>` at
+/// `<pod>/volume-subpaths/<volume>/<container>/<index>`: host mounts of
+/// the device. A handover takes them with the target and leaves the same
+/// path of the placeholder bound there (as for a volume deferred from the
+/// start); an EBUSY that rolls the handover back restores them. On a
+/// deferred target kubelet can make its subPath directories, but no data
+/// lands there.
+/// Budget: about 3 s (no guest).
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_subpath_binds_go_with_the_volume() {
+    let node = TestNode::deferral("crust", &[]);
+    let mut c = node.clients().await;
+    let mut h = handover_client(&node).await;
+    let id = c
+        .create(create_req("ho-sp", 1 << 30, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
+    let staging = node.mkdir("staging/ho-sp");
+    let pod = node.path("kubelet/pods/u-31");
+    let target = node.mkdir("kubelet/pods/u-31/volumes/kubernetes.io~csi/ho-sp/mount");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.publish(&id, &staging, &target, mount("ext4"), false)
+        .await
+        .unwrap();
+    let t = Path::new(&target);
+    std::fs::create_dir_all(t.join("sub/dir")).unwrap();
+    std::fs::write(t.join("sub/dir/f"), b"in sub").unwrap();
+    std::fs::write(t.join("sub/file"), b"a file").unwrap();
+    // kubelet's binds: a directory and a file subPath.
+    let binds = pod.join("volume-subpaths/data/app");
+    std::fs::create_dir_all(binds.join("0")).unwrap();
+    std::fs::write(binds.join("1"), b"").unwrap();
+    crust_blockdev::bind_mount(&t.join("sub/dir"), &binds.join("0"), false).unwrap();
+    let _b0 = crust_blockdev::MountGuard::new(binds.join("0"));
+    crust_blockdev::bind_mount(&t.join("sub/file"), &binds.join("1"), false).unwrap();
+    let _b1 = crust_blockdev::MountGuard::new(binds.join("1"));
+    let dev = crust_blockdev::find_mount(Path::new(&staging))
+        .unwrap()
+        .unwrap()
+        .source;
+    let before = [shown_at(&binds.join("0")), shown_at(&binds.join("1"))];
+    assert_eq!(before[0], (dev.clone(), "/sub/dir".into()));
+
+    // An EBUSY at the target's unmount rolls back: the binds are back.
+    let backing = t.join("backing.img");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let lo = crust_testkit::losetup(&backing, false);
+    let d = declined(timed_hand_over(&mut h, &target).await.0);
+    assert!(
+        d.message.contains("host mounts were restored"),
+        "{}",
+        d.message
+    );
+    assert_eq!(
+        [shown_at(&binds.join("0")), shown_at(&binds.join("1"))],
+        before
+    );
+    assert_eq!(std::fs::read(binds.join("0/f")).unwrap(), b"in sub");
+    drop(lo);
+    std::fs::remove_file(&backing).unwrap();
+
+    // Handed over: no host mount of the device anywhere, the binds show
+    // the placeholder's same paths (kubelet finds them in place).
+    let got = handed_over(timed_hand_over(&mut h, &target).await.0);
+    assert!(device_unmounted(&got.device), "{}", got.device);
+    let ph = crust_handoff::PLACEHOLDER_SOURCE.to_string();
+    assert_eq!(shown_at(&binds.join("0")), (ph.clone(), "/sub/dir".into()));
+    assert_eq!(shown_at(&binds.join("1")), (ph, "/sub/file".into()));
+    assert!(std::fs::read_dir(binds.join("0")).unwrap().next().is_none());
+    let e = std::fs::write(binds.join("0/new"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+
+    // The guest side, then the hand-back and kubelet's teardown (its
+    // subPath cleanup unmounts the binds first).
+    let map = serde_json::json!({
+        target.as_str(): {"sandbox": "sb-1", "mount": node.path("guest/none").to_str().unwrap()}
+    });
+    std::fs::write(node.cli_map(), map.to_string()).unwrap();
+    h.hand_back(hv::HandBackRequest {
+        target_path: target.clone(),
+        sandbox_id: "sb-1".into(),
+    })
+    .await
+    .unwrap();
+    drop((_b0, _b1));
+    c.unpublish(&id, &target).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    // The data is where kubelet's subPath pointed.
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    assert_eq!(
+        std::fs::read(Path::new(&staging).join("sub/dir/f")).unwrap(),
+        b"in sub"
+    );
+    c.unstage(&id, &staging).await.unwrap();
+
+    // Deferred from the start: kubelet's mkdir works, data does not land.
+    let t2 = node.mkdir("kubelet/pods/u-31/volumes/kubernetes.io~csi/ho-sp2/mount");
+    c.stage(&id, &staging, mount("ext4")).await.unwrap();
+    c.node
+        .node_publish_volume(crust_proto::csi::v1::NodePublishVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.clone(),
+            target_path: t2.clone(),
+            volume_capability: Some(mount("ext4")),
+            volume_context: [("deferFsOps".to_string(), "true".to_string())].into(),
+            defer_fs_ops: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(is_mounted(&t2) && !host_mounted(&t2), "the placeholder");
+    std::fs::create_dir_all(Path::new(&t2).join("a/b")).unwrap();
+    let e = std::fs::write(Path::new(&t2).join("a/b/f"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    c.unpublish(&id, &t2).await.unwrap();
+    c.unstage(&id, &staging).await.unwrap();
+    c.delete(&id).await.unwrap();
+    assert!(mounts_under(node.dir.path()).is_empty());
+    assert!(loops_under(node.dir.path()).is_empty());
+}

@@ -16,12 +16,14 @@
 //! released or the caller shows the claimant dead ([`Store::remove_with`]).
 
 mod error;
+pub mod kubelet;
 pub mod liveness;
 mod mountinfo;
 mod store;
 pub mod validate;
 
 pub use error::{ErrorKind, HandoffError, Result};
+pub use kubelet::kubelet_volumes_layer;
 pub use liveness::{Capabilities, SandboxLiveness, SandboxState};
 pub use mountinfo::{
     CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
@@ -32,55 +34,8 @@ pub use store::{
     Policy, RUNTIME_CLI_FILE, RecordState, SourceMatch, Store, crust_key, kata_key,
 };
 
-/// The tmpfs source name of the read-only placeholder the plugin mounts on
+/// The tmpfs source name of the placeholder the plugin mounts on
 /// a publish target while the volume's filesystem is in a guest (a
 /// deferred or handed-over publication): runtimes and tools recognise it
 /// in the mount table by this name.
 pub const PLACEHOLDER_SOURCE: &str = "crust-volume-elsewhere";
-
-/// For a source under kubelet's pod directory
-/// (`<kubelet_root>/pods/<uid>/volumes/...`), the `.../volumes` layer that
-/// bounds [`Store::find_for_source`]. None for any other source.
-pub fn kubelet_volumes_layer(source: &str, kubelet_root: &str) -> Option<String> {
-    let kubelet_root = kubelet_root.trim_end_matches('/');
-    let rest = source.strip_prefix(kubelet_root)?.strip_prefix("/pods/")?;
-    let (uid, rest) = rest.split_once('/')?;
-    if uid.is_empty() || uid == "." || uid == ".." {
-        return None;
-    }
-    if rest != "volumes" && !rest.starts_with("volumes/") {
-        return None;
-    }
-    Some(format!("{kubelet_root}/pods/{uid}/volumes"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn volumes_layer() {
-        let src = "/var/lib/kubelet/pods/1234-ab/volumes/kubernetes.io~csi/pv1/mount/sub";
-        assert_eq!(
-            kubelet_volumes_layer(src, "/var/lib/kubelet").as_deref(),
-            Some("/var/lib/kubelet/pods/1234-ab/volumes")
-        );
-        assert_eq!(
-            kubelet_volumes_layer(src, "/var/lib/kubelet/").as_deref(),
-            Some("/var/lib/kubelet/pods/1234-ab/volumes")
-        );
-        assert_eq!(
-            kubelet_volumes_layer("/var/lib/kubelet/pods/x/etc-hosts", "/var/lib/kubelet"),
-            None
-        );
-        assert_eq!(
-            kubelet_volumes_layer("/var/lib/kubelet/pods/x/volumesx/a", "/var/lib/kubelet"),
-            None
-        );
-        assert_eq!(kubelet_volumes_layer("/srv/a", "/var/lib/kubelet"), None);
-        assert_eq!(
-            kubelet_volumes_layer("/var/lib/kubelet/pods/../volumes/a", "/var/lib/kubelet"),
-            None
-        );
-    }
-}

@@ -54,11 +54,14 @@ pub struct GlobalOpts {
         global = true
     )]
     pub kata_shim_dirs: Vec<String>,
-    /// kubelet pods dir: subPath probing stops at `<this>/<uid>/volumes`.
+    /// kubelet's pods dir (`<kubelet root>/pods`): subPath probing stops
+    /// at `<this>/<uid>/volumes`. Empty (the default): read from each
+    /// pod's mount sources, `/var/lib/kubelet/pods` for a bundle that
+    /// names no pod; set, a pod whose sources say otherwise is refused.
     #[arg(
         long,
         env = "CRUST_RUNTIME_PODS_LAYER_STOP",
-        default_value = "/var/lib/kubelet/pods",
+        default_value = "",
         global = true
     )]
     pub pods_layer_stop: String,

@@ -183,7 +183,16 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         cfg.crust_root.clone(),
         cfg.kata_root.clone(),
         &cfg.pods_layer_stop,
-    )?;
+    )
+    .and_then(|d| d.for_bundle(&bundle));
+    let discovery = match discovery {
+        Ok(d) => d,
+        Err(e) => {
+            let e = RuntimeError::from(e);
+            mark_failed(&store, &mut state, &e);
+            return Err(e);
+        }
+    };
     let handover = Handover::new(&cfg);
     let asked_at = take_published_volumes(&handover, &discovery, &bundle, &store, &mut state).await;
     let plan = match asked_at.and_then(|a| Ok((discovery.plan(&bundle)?, a))) {
@@ -342,10 +351,13 @@ async fn take_published_volumes(
     }
     let cli = recorded_cli()?;
     for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
-        let source = m.source.as_deref().unwrap_or_default();
-        if state.handover_asked.iter().any(|a| a == source)
-            || !handover::is_offerable(discovery, source)
-        {
+        let Some(offered) =
+            handover::offer_path(discovery, m.source.as_deref().unwrap_or_default())
+        else {
+            continue;
+        };
+        let source = offered.as_str();
+        if state.handover_asked.iter().any(|a| a == source) {
             continue;
         }
         // On disk before asking: the answer may be a record we claim.

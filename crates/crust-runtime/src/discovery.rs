@@ -10,10 +10,17 @@
 //! volume directory would otherwise take that pod's device whenever its
 //! claim is missing or stale. A bundle without such an annotation (our
 //! own demo and tests, a bare OCI runtime) is matched by path alone.
+//!
+//! The kubelet root is read from the pod's own mount sources
+//! ([`Discovery::for_bundle`]); kubelet's subPath binds
+//! (`<pod>/volume-subpaths/...`) are mapped through the mount table to the
+//! published target they show and the subPath beneath it
+//! ([`Discovery::kubelet_bind`]).
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
 
+use crust_handoff::kubelet::{self, VOLUME_SUBPATHS, VOLUMES};
 use crust_handoff::validate::{check_abs_path, is_within};
 use crust_handoff::{
     FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SourceMatch, Store,
@@ -163,6 +170,21 @@ pub struct HostBind {
     pub readonly: bool,
 }
 
+/// The kubelet pods directory when neither the setting nor a bundle's
+/// mount sources say otherwise.
+pub const DEFAULT_PODS_DIR: &str = "/var/lib/kubelet/pods";
+/// The one setting that fixes the kubelet pods directory.
+pub const PODS_DIR_SETTING: &str = "--pods-layer-stop (CRUST_RUNTIME_PODS_LAYER_STOP)";
+
+/// A kubelet subPath bind resolved to the volume it shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeletBind {
+    /// The publish target whose filesystem (or placeholder) it shows.
+    pub target: String,
+    /// Relative, normalized; empty for the whole volume.
+    pub subpath: String,
+}
+
 /// The two hand-off roots and the kubelet pods directory that bounds
 /// parent probing.
 #[derive(Debug, Clone)]
@@ -170,16 +192,26 @@ pub struct Discovery {
     crust: Store,
     kata: Store,
     pods_dir: String,
+    /// `pods_dir` came from the setting, not the default.
+    configured: bool,
 }
 
 impl Discovery {
+    /// `pods_dir` empty: read from each bundle's mount sources
+    /// ([`Self::for_bundle`]), [`DEFAULT_PODS_DIR`] for a bundle that names
+    /// no pod.
     pub fn new(
         crust_root: PathBuf,
         kata_root: PathBuf,
         pods_dir: &str,
     ) -> Result<Self, DiscoveryError> {
-        let pods_dir = pods_dir.trim_end_matches('/').to_string();
-        check_abs_path("pods layer", &pods_dir).map_err(DiscoveryError::Config)?;
+        let configured = !pods_dir.is_empty();
+        let pods_dir = match pods_dir.trim_end_matches('/') {
+            "" if !configured => DEFAULT_PODS_DIR.to_string(),
+            p => p.to_string(),
+        };
+        check_abs_path("pods layer", &pods_dir)
+            .map_err(|e| DiscoveryError::Config(format!("{PODS_DIR_SETTING}: {e}")))?;
         let crust = Store::new(Layout::Crust, crust_root, Policy::default())
             .map_err(|e| DiscoveryError::Config(e.to_string()))?;
         let kata = Store::new(Layout::Kata, kata_root, Policy::default())
@@ -188,7 +220,120 @@ impl Discovery {
             crust,
             kata,
             pods_dir,
+            configured,
         })
+    }
+
+    /// The kubelet pods directory this discovery bounds probing with.
+    pub fn pods_dir(&self) -> &str {
+        &self.pods_dir
+    }
+
+    /// This discovery for `bundle`'s pod. kubelet names every source it
+    /// makes for a pod under `<root>/pods/<uid>/` (volumes, subPath binds,
+    /// `etc-hosts`, the termination log), so the pods directory is read
+    /// from them; sources that disagree, or disagree with the setting,
+    /// fail here, before any volume is asked for or claimed. A bundle
+    /// without a pod uid keeps the configured (or default) directory.
+    pub fn for_bundle(&self, bundle: &Bundle) -> Result<Discovery, DiscoveryError> {
+        let Some(uid) = bundle.pod_uid.as_deref() else {
+            return Ok(self.clone());
+        };
+        let seen: BTreeSet<&str> = bundle
+            .mounts
+            .iter()
+            .filter(|m| m.source_is_path())
+            .filter_map(|m| kubelet::pod_path(m.source.as_deref()?, Some(uid)))
+            .map(|p| p.pods_dir)
+            .collect();
+        let found = match seen.len() {
+            0 => return Ok(self.clone()),
+            1 => *seen.first().expect("one"),
+            _ => {
+                return Err(DiscoveryError::Config(format!(
+                    "the mount sources of pod {uid} lie under more than one kubelet pods \
+                     directory ({}); refusing to guess which holds its volumes",
+                    seen.into_iter().collect::<Vec<_>>().join(", ")
+                )));
+            }
+        };
+        if self.configured && found != self.pods_dir {
+            return Err(DiscoveryError::Config(format!(
+                "pod {uid}'s volumes are under {found}, but {PODS_DIR_SETTING} says {}: set it \
+                 to {found}, or leave it unset to read it from kubelet's paths",
+                self.pods_dir
+            )));
+        }
+        let mut d = self.clone();
+        d.pods_dir = found.to_string();
+        Ok(d)
+    }
+
+    /// kubelet's subPath bind at `source` (`<pods>/<uid>/volume-subpaths/
+    /// <volume>/<container>/<index>`), mapped through the mount table: the
+    /// publish target under the same pod's `volumes/` whose filesystem (the
+    /// volume's, or the plugin's placeholder once the volume is in a guest)
+    /// it shows, and the subPath (the bind's root beneath the target's).
+    /// None: not such a bind, or of no publish target.
+    pub fn kubelet_bind(&self, source: &str) -> Result<Option<KubeletBind>, DiscoveryError> {
+        let Some(p) = kubelet::pod_path(source, None) else {
+            return Ok(None);
+        };
+        if p.layer != VOLUME_SUBPATHS || p.pods_dir != self.pods_dir {
+            return Ok(None);
+        }
+        let table = crust_blockdev::mount_info()
+            .map_err(|e| DiscoveryError::Config(format!("reading the mount table: {e}")))?;
+        // The topmost mount at each mount point is what a path shows.
+        let mut top: BTreeMap<&Path, &crust_blockdev::MountEntry> = BTreeMap::new();
+        for m in &table {
+            top.insert(m.mount_point.as_path(), m);
+        }
+        let Some(bind) = top.get(Path::new(source)) else {
+            return Ok(None);
+        };
+        let invalid = |reason: String| DiscoveryError::InvalidSource {
+            destination: source.to_string(),
+            reason,
+        };
+        if bind.root.to_string_lossy().ends_with("//deleted") {
+            return Err(invalid(format!(
+                "kubelet's subPath bind shows a deleted path ({})",
+                bind.root.display()
+            )));
+        }
+        let volumes = Path::new(&p.pod_dir()).join(VOLUMES);
+        let Some(target) = top
+            .values()
+            .filter(|m| {
+                (m.major, m.minor) == (bind.major, bind.minor)
+                    && m.mount_point.starts_with(&volumes)
+                    && m.mount_point != volumes
+                    && bind.root.starts_with(&m.root)
+            })
+            .max_by_key(|m| m.root.components().count())
+        else {
+            return Ok(None);
+        };
+        let rest = bind.root.strip_prefix(&target.root).expect("filtered");
+        let mut parts = Vec::new();
+        for c in rest.components() {
+            match c {
+                Component::Normal(n) => parts.push(
+                    n.to_str()
+                        .ok_or_else(|| invalid("the subPath is not UTF-8".into()))?,
+                ),
+                _ => return Err(invalid(format!("subPath {} is not plain", rest.display()))),
+            }
+        }
+        let target = target
+            .mount_point
+            .to_str()
+            .ok_or_else(|| invalid("the publish target is not UTF-8".into()))?;
+        Ok(Some(KubeletBind {
+            target: target.to_string(),
+            subpath: parts.join("/"),
+        }))
     }
 
     pub fn store(&self, layout: LayoutKind) -> &Store {
@@ -227,14 +372,34 @@ impl Discovery {
             destination: source.to_string(),
             reason,
         })?;
-        let stop = self.stop_layer(source);
+        if let Some(kb) = self.kubelet_bind(source)? {
+            // The target's own record only, with the bind's subPath.
+            return Ok(self.lookup_at(&kb.target, &kb.target)?.map(|(l, m)| {
+                (
+                    l,
+                    SourceMatch {
+                        subpath: kb.subpath,
+                        ..m
+                    },
+                )
+            }));
+        }
+        self.lookup_at(source, &self.stop_layer(source))
+    }
+
+    /// [`Self::lookup`] of a plain path, probing parents down to `stop`.
+    fn lookup_at(
+        &self,
+        source: &str,
+        stop: &str,
+    ) -> Result<Option<(LayoutKind, SourceMatch)>, DiscoveryError> {
         let c = self
             .crust
-            .find_for_source(source, &stop)
+            .find_for_source(source, stop)
             .map_err(|e| DiscoveryError::record(source, e))?;
         let k = self
             .kata
-            .find_for_source(source, &stop)
+            .find_for_source(source, stop)
             .map_err(|e| DiscoveryError::record(source, e))?;
         Ok(match (c, k) {
             (Some(c), Some(k)) if k.target.len() > c.target.len() => Some((LayoutKind::Kata, k)),
@@ -268,9 +433,10 @@ impl Discovery {
 
     /// A deferred volume of pod `uid` lies in `<pods>/<uid>/volumes/`.
     fn check_owner(&self, uid: &str, source: &str, target: &str) -> Result<(), String> {
-        let own = format!("{}/{uid}/volumes", self.pods_dir);
-        let inside = |p: &str| p.len() > own.len() && is_within(p, &own);
-        if inside(source) && inside(target) {
+        let own = format!("{}/{uid}/{VOLUMES}", self.pods_dir);
+        let binds = format!("{}/{uid}/{VOLUME_SUBPATHS}", self.pods_dir);
+        let inside = |p: &str, dir: &str| p.len() > dir.len() && is_within(p, dir);
+        if (inside(source, &own) || inside(source, &binds)) && inside(target, &own) {
             return Ok(());
         }
         let owner = source
@@ -430,6 +596,138 @@ mod tests {
                 vec!["rbind".into()]
             },
         }
+    }
+
+    fn with_pod(uid: &str, mounts: Vec<BundleMount>) -> Bundle {
+        Bundle {
+            pod_uid: Some(uid.into()),
+            ..bundle(mounts)
+        }
+    }
+
+    #[test]
+    fn the_kubelet_root_comes_from_the_pods_own_sources() {
+        let r = roots();
+        let k0s = "/var/lib/k0s/kubelet/pods";
+        let pod = with_pod(
+            "u1",
+            vec![
+                bind("/etc/hosts", &format!("{k0s}/u1/etc-hosts"), false),
+                bind(
+                    "/d",
+                    &format!("{k0s}/u1/volumes/kubernetes.io~csi/pv/mount"),
+                    false,
+                ),
+                bind("/h", "/srv/host-path", false),
+            ],
+        );
+        // Unset: read from the sources; a pod-less bundle keeps the default.
+        let auto = Discovery::new(r.crust.clone(), r.kata.clone(), "").unwrap();
+        assert_eq!(auto.pods_dir(), DEFAULT_PODS_DIR);
+        assert_eq!(auto.for_bundle(&pod).unwrap().pods_dir(), k0s);
+        assert_eq!(
+            auto.for_bundle(&bundle(vec![])).unwrap().pods_dir(),
+            DEFAULT_PODS_DIR
+        );
+        // Set and different: refused, naming the setting.
+        let set = Discovery::new(r.crust.clone(), r.kata.clone(), DEFAULT_PODS_DIR).unwrap();
+        let e = set.for_bundle(&pod).unwrap_err().to_string();
+        assert!(
+            e.contains("CRUST_RUNTIME_PODS_LAYER_STOP") && e.contains(k0s),
+            "{e}"
+        );
+        let same = Discovery::new(r.crust.clone(), r.kata.clone(), &format!("{k0s}/")).unwrap();
+        assert_eq!(same.for_bundle(&pod).unwrap().pods_dir(), k0s);
+        // Two roots for one pod: refused.
+        let mut two = pod.clone();
+        two.mounts.push(bind(
+            "/x",
+            "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/q/mount",
+            false,
+        ));
+        let e = auto.for_bundle(&two).unwrap_err().to_string();
+        assert!(e.contains("more than one kubelet pods directory"), "{e}");
+    }
+
+    /// A tmpfs mounted at `at`, unmounted on drop.
+    struct Tmpfs(PathBuf);
+    impl Tmpfs {
+        fn at(p: &Path) -> Tmpfs {
+            std::fs::create_dir_all(p).unwrap();
+            rustix::mount::mount("t", p, "tmpfs", rustix::mount::MountFlags::empty(), None)
+                .unwrap();
+            Tmpfs(p.to_path_buf())
+        }
+    }
+    impl Drop for Tmpfs {
+        fn drop(&mut self) {
+            let _ = crust_blockdev::unmount(&self.0);
+        }
+    }
+
+    #[test]
+    fn kubelet_subpath_binds_map_to_their_volume() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (mounts)"
+        );
+        let Some(dev) = some_block_device() else {
+            return;
+        };
+        let r = roots();
+        let d = Discovery::new(r.crust.clone(), r.kata.clone(), &r.pods).unwrap();
+        let target = PathBuf::from(format!("{}/u/volumes/kubernetes.io~csi/pv/mount", r.pods));
+        let vol = Tmpfs::at(&target);
+        std::fs::create_dir_all(target.join("a/b")).unwrap();
+        std::fs::write(target.join("a/f"), b"x").unwrap();
+        // kubelet's binds: a directory, a file, the volume root.
+        let bind_at = |i: u32, what: &Path, file: bool| {
+            let p = PathBuf::from(format!("{}/u/volume-subpaths/data/app/{i}", r.pods));
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            if file {
+                std::fs::write(&p, b"").unwrap();
+            } else {
+                std::fs::create_dir(&p).unwrap();
+            }
+            crust_blockdev::bind_mount(what, &p, false).unwrap();
+            crust_blockdev::MountGuard::new(p)
+        };
+        let b0 = bind_at(0, &target.join("a/b"), false);
+        let b1 = bind_at(1, &target.join("a/f"), true);
+        let b2 = bind_at(2, &target, false);
+        let src = |g: &crust_blockdev::MountGuard| g.target().to_str().unwrap().to_string();
+        let t = target.to_str().unwrap().to_string();
+        let kb = |g| d.kubelet_bind(&src(g)).unwrap().unwrap();
+        assert_eq!(
+            kb(&b0),
+            KubeletBind {
+                target: t.clone(),
+                subpath: "a/b".into()
+            }
+        );
+        assert_eq!(kb(&b1).subpath, "a/f");
+        assert_eq!(kb(&b2).subpath, "");
+        // No record yet: a plain host bind (the handover offers the target).
+        let b = with_pod("u", vec![bind("/data", &src(&b0), false)]);
+        assert!(d.plan(&b).unwrap().volumes.is_empty());
+        d.store(LayoutKind::Crust)
+            .stage(&t, &MountInfo::block(dev, "ext4"))
+            .unwrap();
+        let plan = d.for_bundle(&b).unwrap().plan(&b).unwrap();
+        assert_eq!(plan.volumes[0].target, t);
+        assert_eq!(plan.mounts[0].subpath, "a/b");
+        assert!(plan.binds.is_empty(), "{plan:?}");
+        // Another pod's volume-subpaths, or a plain directory there: not
+        // a bind of a volume of this pod.
+        let stray = format!("{}/u/volume-subpaths/data/app/9", r.pods);
+        std::fs::create_dir_all(&stray).unwrap();
+        assert_eq!(d.kubelet_bind(&stray).unwrap(), None);
+        let other = PathBuf::from(format!("{}/v/volume-subpaths/data/app/0", r.pods));
+        std::fs::create_dir_all(&other).unwrap();
+        crust_blockdev::bind_mount(&target.join("a/b"), &other, false).unwrap();
+        let _g = crust_blockdev::MountGuard::new(&other);
+        assert_eq!(d.kubelet_bind(other.to_str().unwrap()).unwrap(), None);
+        drop((b0, b1, b2, vol));
     }
 
     #[test]

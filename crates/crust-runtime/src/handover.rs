@@ -254,10 +254,21 @@ pub const HANDED_OVER: &str = "handed-over";
 /// [`VolumeEvent::outcome`] of a volume left on the host.
 pub const ON_HOST: &str = "host";
 
-/// Whether a bundle mount source is worth offering: no hand-off record
-/// (a KEP deferred volume is consumed as is) and a mount point.
-pub fn is_offerable(discovery: &Discovery, source: &str) -> bool {
-    discovery.lookup(source).ok().flatten().is_none() && is_candidate(Path::new(source))
+/// The publish target to offer for a bundle mount source, if any: the
+/// source itself, or for kubelet's subPath bind the target it was bound
+/// from; worth offering when it has no hand-off record (a KEP deferred
+/// volume is consumed as is) and is a mount point.
+pub fn offer_path(discovery: &Discovery, source: &str) -> Option<String> {
+    let path = match discovery.kubelet_bind(source) {
+        Ok(Some(kb)) => kb.target,
+        Ok(None) => source.to_string(),
+        Err(e) => {
+            tracing::warn!(source, "not offered: {e}");
+            return None;
+        }
+    };
+    (discovery.lookup(&path).ok().flatten().is_none() && is_candidate(Path::new(&path)))
+        .then_some(path)
 }
 
 impl Handover {

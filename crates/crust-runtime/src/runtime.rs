@@ -85,7 +85,8 @@ impl Runtime {
                 .join(bundle_dir)
         };
         let bundle = Bundle::load(&dir)?;
-        let plan = self.discovery.plan(&bundle)?;
+        // A kubelet root mismatch fails here, before any handover.
+        let plan = self.discovery.for_bundle(&bundle)?.plan(&bundle)?;
         for v in &plan.volumes {
             let claimant = self.discovery.store(v.layout).claimant(&v.target)?;
             if let Some(other) = claimant.filter(|o| o != id && self.sandboxes.holds_volumes(o)) {

@@ -379,8 +379,10 @@ impl Pod {
             i += 1;
             !dests[i..].contains(&dests[i - 1])
         });
-        self.take_published_volumes(&b).await?;
-        let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
+        // The pod's kubelet root, before anything is asked for or claimed.
+        let discovery = self.discovery.for_bundle(&b).map_err(RuntimeError::from)?;
+        self.take_published_volumes(&discovery, &b).await?;
+        let vplan = discovery.plan(&b).map_err(RuntimeError::from)?;
         // Every step in the share by descriptor from its root: the guest
         // may have written there (see crust_runtime::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
@@ -460,17 +462,26 @@ impl Pod {
     /// it has a record this pod claims and is plugged like any deferred
     /// volume; declined, its host mount is shared over virtio-fs, as the
     /// pod's event says.
-    async fn take_published_volumes(&self, b: &Bundle) -> Result<(), PodError> {
+    async fn take_published_volumes(
+        &self,
+        discovery: &Discovery,
+        b: &Bundle,
+    ) -> Result<(), PodError> {
         let handover = Handover::new(&self.cfg.runtime);
         if !handover.configured() {
             return Ok(());
         }
         for m in b.mounts.iter().filter(|m| m.source_is_path()) {
-            let source = m.source.as_deref().unwrap_or_default();
+            let Some(offered) =
+                handover::offer_path(discovery, m.source.as_deref().unwrap_or_default())
+            else {
+                continue;
+            };
+            let source = offered.as_str();
             let asked = self
                 .snapshot()
                 .is_some_and(|s| s.handover_asked.iter().any(|a| a == source));
-            if asked || !handover::is_offerable(&self.discovery, source) {
+            if asked {
                 continue;
             }
             // Recorded before asking: the answer may be a record we claim.

@@ -259,7 +259,7 @@ async fn kubelet_sequence_with_a_deferred_volume() {
     )
     .await;
     assert_eq!(out, "ext4\n2000\n");
-    // The host target shows only the plugin's read-only placeholder.
+    // The host target shows only the plugin's placeholder.
     let names: Vec<String> = std::fs::read_dir(&target)
         .map(|d| {
             d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -4,7 +4,7 @@
 //! container. containerd-shim-crust-v2 asks the plugin's Handover
 //! service for it, so the container in the VM sees the volume (ext4, the
 //! runc container's file) and writes to it while the host target holds
-//! only the read-only placeholder. When the container (and its pod VM)
+//! only the placeholder. When the container (and its pod VM)
 //! ends, the shim hands the volume back without a host mount; a later
 //! host publication checks it and holds both files; teardown leaves
 //! nothing. Budget: one TCG guest and one runc run, about 20 s.

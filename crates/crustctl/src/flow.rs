@@ -923,7 +923,7 @@ impl Flow {
             volume: vol.volume_id.clone(),
             target: self.target.clone(),
         });
-        // A deferred target shows the plugin's read-only placeholder, never
+        // A deferred target shows the plugin's placeholder, never
         // the volume's filesystem.
         let mounted = is_mountpoint(&target) && !is_placeholder(&target);
         let staging_mounted = is_mountpoint(staging);

@@ -293,7 +293,7 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
         .await
         .unwrap();
     assert_eq!(gids, "2000\n2000\n");
-    // The host target is the read-only placeholder, never the volume.
+    // The host target is the placeholder, never the volume.
     let (src, fstype, _) = mount_at(&target).unwrap();
     assert_eq!(
         (src.as_str(), fstype.as_str()),
@@ -302,7 +302,7 @@ async fn a_host_published_volume_is_handed_to_the_guest_and_back() {
     assert!(!target.join("host.txt").exists());
     assert!(
         std::fs::write(target.join("x"), "x").is_err(),
-        "the placeholder is read-only"
+        "no data fits on the placeholder"
     );
     assert!(
         mount_at(&staging).is_none(),

@@ -103,7 +103,7 @@ async fn host_mounts_storage_class_records_and_refused_deferral() {
         "the StorageClass parameter travels in the volume context"
     );
     let target = sc.target_path().to_string();
-    // The target shows the plugin's read-only placeholder, never the volume.
+    // The target shows the plugin's placeholder, never the volume.
     assert!(crustctl::flow::is_placeholder(Path::new(&target)));
     assert!(!is_mountpoint(Path::new(sc.staging_path().unwrap())));
     let rec = st.crust_root.join(crust_handoff::crust_key(&target));

@@ -174,7 +174,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     let staging = flow.staging_path().unwrap().to_string();
 
     // --- the host: the volume mounted nowhere, a root-only record -------
-    // (the target shows the plugin's read-only placeholder)
+    // (the target shows the plugin's placeholder)
     assert!(crustctl::flow::is_placeholder(Path::new(&target)));
     assert!(
         !crustctl::flow::is_mountpoint(Path::new(&staging)),
