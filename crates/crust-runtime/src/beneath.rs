@@ -15,7 +15,8 @@ use std::path::Path;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 use rustix::mount::{
-    FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+    FsMountFlags, FsOpenFlags, MountAttrFlags, MountFlags, MoveMountFlags, OpenTreeFlags,
+    UnmountFlags,
 };
 
 /// How every path below a root is resolved.
@@ -228,11 +229,15 @@ pub fn mount_fs(fs: &FsSpec, target: BorrowedFd<'_>) -> Result<(), BeneathError>
     for o in &fs.data {
         match o.split_once('=') {
             // fsconfig takes at most 256 bytes per value: overlay layers go
-            // one by one (`lowerdir+`, Linux 6.5+) when the list is longer.
+            // one by one (`lowerdir+`, Linux 6.5+) when the list is longer;
+            // an older kernel gets the whole list through mount(2).
             Some(("lowerdir", v)) if fs.fstype == "overlay" && v.len() > 255 => {
                 for layer in v.split(':') {
-                    rustix::mount::fsconfig_set_string(&ctx, "lowerdir+", layer)
-                        .map_err(fail("adding an overlay layer to"))?;
+                    match rustix::mount::fsconfig_set_string(&ctx, "lowerdir+", layer) {
+                        Ok(()) => {}
+                        Err(Errno::INVAL) => return mount_fs_legacy(fs, target),
+                        Err(e) => return Err(fail("adding an overlay layer to")(e)),
+                    }
                 }
             }
             Some((k, v)) => rustix::mount::fsconfig_set_string(&ctx, k, v)
@@ -245,6 +250,41 @@ pub fn mount_fs(fs: &FsSpec, target: BorrowedFd<'_>) -> Result<(), BeneathError>
     let mnt = rustix::mount::fsmount(&ctx, FsMountFlags::FSMOUNT_CLOEXEC, fs.attrs | HOST_SIDE)
         .map_err(fail("mounting"))?;
     attach(mnt.as_fd(), target, &what)
+}
+
+/// [`mount_fs`] through mount(2), for kernels whose overlay lacks
+/// `lowerdir+`: the mount point is still the descriptor (its
+/// `/proc/self/fd` link names the very dentry, never a path in the tree).
+pub fn mount_fs_legacy(fs: &FsSpec, target: BorrowedFd<'_>) -> Result<(), BeneathError> {
+    let what = format!("{} filesystem", fs.fstype);
+    let attrs = fs.attrs | HOST_SIDE;
+    let mut flags = MountFlags::empty();
+    for (a, f) in [
+        (MountAttrFlags::MOUNT_ATTR_RDONLY, MountFlags::RDONLY),
+        (MountAttrFlags::MOUNT_ATTR_NOSUID, MountFlags::NOSUID),
+        (MountAttrFlags::MOUNT_ATTR_NODEV, MountFlags::NODEV),
+        (MountAttrFlags::MOUNT_ATTR_NOEXEC, MountFlags::NOEXEC),
+    ] {
+        if attrs.contains(a) {
+            flags |= f;
+        }
+    }
+    let data = std::ffi::CString::new(fs.data.join(","))
+        .map_err(|_| BeneathError::io("encoding the options of", &what, Errno::INVAL))?;
+    let at = format!("/proc/self/fd/{}", target.as_raw_fd());
+    let source = if fs.source.is_empty() {
+        "none"
+    } else {
+        fs.source.as_str()
+    };
+    rustix::mount::mount(
+        source,
+        at.as_str(),
+        fs.fstype.as_str(),
+        flags,
+        data.as_c_str(),
+    )
+    .map_err(|e| BeneathError::io("mounting (mount(2))", &what, e))
 }
 
 fn attach(tree: BorrowedFd<'_>, target: BorrowedFd<'_>, what: &str) -> Result<(), BeneathError> {
@@ -337,5 +377,47 @@ mod tests {
             MountAttrFlags::MOUNT_ATTR_RDONLY | MountAttrFlags::MOUNT_ATTR_NODEV
         );
         assert_eq!(fs.data, vec!["lowerdir=/a:/b", "index=off"]);
+    }
+
+    /// An image with many layers: a lowerdir list over fsconfig's 256
+    /// bytes mounts through `lowerdir+` and through the mount(2) fallback
+    /// that kernels before 6.5 get.
+    #[test]
+    fn long_overlay_layer_lists_mount_both_ways() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test needs root (mounts)"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let layers: Vec<String> = (0..12)
+            .map(|i| {
+                let l = dir.path().join(format!("layer-{i:02}-{}", "x".repeat(24)));
+                std::fs::create_dir(&l).unwrap();
+                std::fs::write(l.join(format!("f{i}")), i.to_string()).unwrap();
+                l.display().to_string()
+            })
+            .collect();
+        let lower = format!("lowerdir={}", layers.join(":"));
+        assert!(lower.len() > 256, "{}", lower.len());
+        let fs = FsSpec::new("overlay", "overlay", &["ro".into(), lower]);
+        for legacy in [false, true] {
+            let at = dir.path().join(format!("rootfs-{legacy}"));
+            std::fs::create_dir(&at).unwrap();
+            let fd =
+                rustix::fs::open(&at, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+            if legacy {
+                mount_fs_legacy(&fs, fd.as_fd()).unwrap();
+            } else {
+                mount_fs(&fs, fd.as_fd()).unwrap();
+            }
+            let seen = (std::fs::read(at.join("f0")), std::fs::read(at.join("f11")));
+            let ro = std::fs::write(at.join("new"), b"x").is_err();
+            rustix::mount::unmount(&at, UnmountFlags::empty()).unwrap();
+            assert_eq!(
+                (seen.0.unwrap(), seen.1.unwrap()),
+                (b"0".to_vec(), b"11".to_vec())
+            );
+            assert!(ro, "legacy={legacy}: read-only");
+        }
     }
 }

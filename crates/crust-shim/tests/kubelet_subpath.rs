@@ -109,7 +109,13 @@ async fn kubelet_subpaths_under_another_kubelet_root() {
     let plugin = start_plugin(&env).await;
     let csi = plugin.csi().await;
     let pod = env.pods_dir.join(POD_UID);
-    let logs = || format!("{}\n--- crust-csi\n{}", env.logs(), plugin.proc.log_tail(4000));
+    let logs = || {
+        format!(
+            "{}\n--- crust-csi\n{}",
+            env.logs(),
+            plugin.proc.log_tail(4000)
+        )
+    };
 
     // --- CSI: one deferred volume, one host publication -------------------
     let mut vols = Vec::new();
@@ -140,7 +146,10 @@ async fn kubelet_subpaths_under_another_kubelet_root() {
         })
         .await
         .unwrap();
-        let target = pod.join("volumes/kubernetes.io~csi").join(name).join("mount");
+        let target = pod
+            .join("volumes/kubernetes.io~csi")
+            .join(name)
+            .join("mount");
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         let target = target.display().to_string();
         csi.node_publish_volume(csi::NodePublishVolumeRequest {
@@ -381,8 +390,16 @@ async fn kubelet_subpaths_under_another_kubelet_root() {
     }
     // The bytes are in each volume, under the subPaths kubelet named.
     for (image, tag) in images.iter().zip(["d", "a"]) {
-        assert_eq!(debugfs_cat(image, "/init/f"), format!("init-{tag}\n"), "{image:?}");
-        assert_eq!(debugfs_cat(image, "/app/x/f"), format!("app-{tag}\n"), "{image:?}");
+        assert_eq!(
+            debugfs_cat(image, "/init/f"),
+            format!("init-{tag}\n"),
+            "{image:?}"
+        );
+        assert_eq!(
+            debugfs_cat(image, "/app/x/f"),
+            format!("app-{tag}\n"),
+            "{image:?}"
+        );
     }
     for (id, ..) in &vols {
         csi.delete_volume(csi::DeleteVolumeRequest {
