@@ -23,7 +23,7 @@ use crust_runtime::bundle::Bundle;
 use crust_runtime::claims::{claim, release_all};
 use crust_runtime::discovery::{Discovery, Volume};
 use crust_runtime::error::RuntimeError;
-use crust_runtime::handover::{self, Handover};
+use crust_runtime::handover::{self, Handover, VolumeEvent};
 use crust_runtime::plug::{self, Attachments, GuestPorts};
 use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crust_runtime::share;
@@ -112,6 +112,8 @@ pub struct Pod {
     api_stop: Mutex<Option<watch::Sender<bool>>>,
     /// Handed-over targets -> when they were asked for (latency events).
     asked_at: Mutex<HashMap<String, Instant>>,
+    /// Declined handovers not yet published as containerd events.
+    fallbacks: Mutex<Vec<VolumeEvent>>,
 }
 
 impl Pod {
@@ -137,6 +139,7 @@ impl Pod {
             devices: Default::default(),
             api_stop: Mutex::new(None),
             asked_at: Mutex::new(HashMap::new()),
+            fallbacks: Mutex::new(Vec::new()),
         })
     }
 
@@ -512,12 +515,21 @@ impl Pod {
                 let mut asked = self.asked_at.lock().expect("asked_at");
                 asked.insert(source.to_string(), t0);
             }
+            if let Some(ev) = offered.as_ref().filter(|e| e.outcome == handover::ON_HOST) {
+                self.fallbacks.lock().expect("fallbacks").push(ev.clone());
+            }
             self.update(|s| match offered {
                 Some(ev) => s.events.push(ev),
                 None => s.handover_asked.retain(|a| a != source),
             });
         }
         Ok(())
+    }
+
+    /// The declined handovers since the last call (the task service
+    /// publishes them as containerd events).
+    pub fn take_fallbacks(&self) -> Vec<VolumeEvent> {
+        std::mem::take(&mut *self.fallbacks.lock().expect("fallbacks"))
     }
 
     /// Claims a deferred volume, then formats (createFilesystem), holds,

@@ -26,6 +26,7 @@ use containerd_shim::asynchronous::ExitSignal;
 use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::well_known_types::wrappers::StringValue;
 use containerd_shim::protos::protobuf::{Message, MessageDyn, MessageField};
 use containerd_shim::protos::shim_async::Task;
 use containerd_shim::protos::ttrpc;
@@ -53,6 +54,10 @@ use crate::spec::{self, Role};
 type TtResult<T> = ttrpc::Result<T>;
 
 /// How long the output of an exited process gets to drain.
+/// containerd event topic of a declined handover (the volume stays on the
+/// host and is shared over virtio-fs): `ctr events` shows it.
+pub const FALLBACK_TOPIC: &str = "/crust/volume/fallback";
+
 const DRAIN: Duration = Duration::from_secs(3);
 
 fn status(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
@@ -206,6 +211,26 @@ impl Service {
             .await
         {
             tracing::warn!("publishing {topic}: {e}");
+        }
+    }
+
+    /// Each declined handover (an `auto` volume left on the host and
+    /// shared over virtio-fs) as a containerd event on
+    /// [`FALLBACK_TOPIC`]: a JSON `google.protobuf.StringValue` naming the
+    /// container, the volume's target, its destination and why.
+    async fn publish_fallbacks(&self, container: &str) {
+        for ev in self.pod.take_fallbacks() {
+            let body = serde_json::json!({
+                "container_id": container,
+                "target": ev.target,
+                "destination": ev.destination,
+                "reason": ev.message,
+            });
+            let msg = StringValue {
+                value: body.to_string(),
+                ..Default::default()
+            };
+            self.publish(FALLBACK_TOPIC, Box::new(msg)).await;
         }
     }
 
@@ -422,11 +447,12 @@ impl Service {
                     .await);
             }
         };
-        let mut guest = match self
+        let prepared = self
             .pod
             .prepare(&vm, &req.id, &bundle, &plan, &req.rootfs)
-            .await
-        {
+            .await;
+        self.publish_fallbacks(&req.id).await;
+        let mut guest = match prepared {
             Ok(g) => g,
             Err(e) => return Err(self.fail_create(owner, e.into()).await),
         };

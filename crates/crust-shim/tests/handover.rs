@@ -191,6 +191,59 @@ async fn ctr_run_takes_a_host_published_volume_into_the_vm_and_gives_it_back() {
         std::fs::read_to_string(target.join("vm.txt")).unwrap(),
         "from-vm\n"
     );
+
+    // A host process works in the target: the handover is declined, the
+    // volume is shared over virtio-fs instead, and containerd's event
+    // stream says why (issue 31).
+    std::fs::create_dir_all(target.join("work")).unwrap();
+    let sleeper = std::process::Command::new("sleep")
+        .arg("120")
+        .current_dir(target.join("work"))
+        .spawn()
+        .unwrap();
+    let sleeper = crust_testkit::ChildGuard::new(sleeper);
+    let events = env
+        .ctrd
+        .ctr_cmd("default", &["events"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut events = crust_testkit::ChildGuard::new(events);
+    // `ctr events` subscribes before the container is asked for.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let o = env.ctrd.ctr_in(
+        "default",
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            "--mount",
+            &bind,
+            BUSYBOX_IMAGE,
+            "vm-fallback",
+            "sh",
+            "-c",
+            "cat /data/vm.txt; awk '$2==\"/data\"{print $3}' /proc/mounts",
+        ],
+    );
+    assert!(o.status.success(), "fallback: {o:?}\n{}", env.logs());
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "from-vm\nvirtiofs\n");
+    assert_eq!(mount_at(&staging).unwrap().1, "ext4", "the host kept it");
+    let _ = events.child().kill();
+    let out = events.into_inner().wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = out
+        .lines()
+        .find(|l| l.contains("/crust/volume/fallback"))
+        .unwrap_or_else(|| panic!("no fallback event: {out}\n{}", env.logs()));
+    assert!(
+        line.contains(&target_s) && line.contains(&format!("pid {}", sleeper.child_id())),
+        "{line}"
+    );
+    drop(sleeper);
+
     csi.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
         volume_id: id.clone(),
         target_path: target_s,
