@@ -79,6 +79,7 @@ dict_of() {
     handoff_record | agent_frame) echo fuzz/dict/json.dict ;;
     mountinfo) echo fuzz/dict/mountinfo.dict ;;
     mount_options) echo fuzz/dict/mount_options.dict ;;
+    kubelet_path) echo fuzz/dict/kubelet.dict ;;
     shim_http) echo fuzz/dict/http.dict ;;
   esac
 }
