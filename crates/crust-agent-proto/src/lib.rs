@@ -16,6 +16,7 @@
 pub mod containers;
 pub mod frame;
 pub mod messages;
+pub mod network;
 pub mod stdio;
 
 #[cfg(feature = "client")]
@@ -26,6 +27,10 @@ pub use client::{AgentClient, ClientError, DEFAULT_TIMEOUT};
 pub use containers::*;
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use messages::*;
+pub use network::{
+    ConfigureNetwork, ConfigureNetworkReply, NetAddress, NetInterface, NetNeighbour, NetRoute,
+    RouteScope,
+};
 pub use stdio::STDIO_PORT_NAME;
 
 /// Name of the virtio-serial port (`virtserialport,name=...`).

@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::containers::*;
+use crate::network::{ConfigureNetwork, ConfigureNetworkReply};
 
 /// One request. `deadline_ms` is relative to when the agent reads it (host
 /// and guest clocks are unrelated); 0 means no deadline.
@@ -54,6 +55,7 @@ pub enum Operation {
     GuestInfo(GuestInfo),
     FreezeVolume(FreezeVolume),
     ThawVolume(ThawVolume),
+    ConfigureNetwork(ConfigureNetwork),
 }
 
 /// Wire names of every operation, for telling "unknown op" apart from
@@ -84,6 +86,7 @@ pub const OPERATION_NAMES: &[&str] = &[
     "guest_info",
     "freeze_volume",
     "thaw_volume",
+    "configure_network",
 ];
 
 impl Operation {
@@ -115,6 +118,7 @@ impl Operation {
             Operation::GuestInfo(_) => GuestInfo::NAME,
             Operation::FreezeVolume(_) => FreezeVolume::NAME,
             Operation::ThawVolume(_) => ThawVolume::NAME,
+            Operation::ConfigureNetwork(_) => ConfigureNetwork::NAME,
         }
     }
 }
@@ -253,6 +257,7 @@ call!(ContainerPids => PidsReply, "container_pids");
 call!(ContainerStats => ContainerStatsReply, "container_stats");
 call!(RemoveContainer => Empty, "remove_container");
 call!(GuestInfo => GuestInfoReply, "guest_info");
+call!(ConfigureNetwork => ConfigureNetworkReply, "configure_network");
 
 /// Reply with no data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

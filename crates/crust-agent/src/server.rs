@@ -216,6 +216,13 @@ impl Agent {
                     serde_json::to_value(Empty {})
                 }
                 Operation::GuestInfo(_) => serde_json::to_value(guest_info()),
+                // The guest side lands with the network module (issue 26).
+                Operation::ConfigureNetwork(_) => {
+                    return Err(AgentError::new(
+                        ErrorCode::Unimplemented,
+                        "this agent cannot configure a network yet",
+                    ));
+                }
             };
             v.map_err(|e| AgentError::new(ErrorCode::Internal, e.to_string()))
         })();
