@@ -21,6 +21,10 @@ pkgs=(
   libseccomp-dev libcap-ng-dev pkg-config  # building virtiofsd
   fio                     # the bench guest image (guest/build-image.sh --bench copies it
                           # and its libraries): crustctl bench --guest-io
+  iproute2 iputils-ping   # pod networking tests: namespaces, veths, tc; ping with -M do
+  containernetworking-plugins  # CNI plugins (bridge, host-local, portmap, loopback) of the
+                          # private containerd's CRI pods (/usr/lib/cni)
+  iperf3                  # pod network throughput (crustctl bench, issue 26)
 )
 # virtiofsd (virtio-fs daemon, Rust) from crates.io, into /usr/local/bin.
 VIRTIOFSD_VERSION=1.14.0
@@ -77,12 +81,13 @@ if [ "${1:-}" = "--if-missing" ]; then
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
     xfs_repair xfs_io cpio losetup wipefs unshare containerd ctr runc umoci jq patchelf \
-    strip pkg-config fio; do
+    strip pkg-config fio ip ping iperf3; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1
   [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || missing=1
   [ -f /usr/include/seccomp.h ] && [ -f /usr/include/cap-ng.h ] || missing=1
+  [ -x /usr/lib/cni/bridge ] || missing=1
   if [ $missing = 0 ]; then
     have_virtiofsd && have_python_pkgs && have_cargo_fuzz && exit 0
     [ "$(id -u)" = 0 ] || { echo "install-deps.sh must run as root" >&2; exit 1; }

@@ -1,0 +1,68 @@
+//! The host side of a crust pod's network (issue 26): what CNI made in the
+//! pod's network namespace goes into the guest unchanged.
+//!
+//! * [`NetNs`]: the pod's namespace, opened once from the sandbox spec's
+//!   path and checked to be a network namespace; every step runs on a
+//!   short-lived thread that entered it ([`NetNs::run`]), so nothing else
+//!   of the shim ever changes namespace.
+//! * [`scan`]: each interface CNI left there (any kind: veth, macvlan,
+//!   tap...), with its MAC, MTU, addresses, routes and permanent
+//!   neighbours, as the agent's [`ConfigureNetwork`] request.
+//! * [`attach`]: per interface a tap in the same namespace
+//!   (`IFF_VNET_HDR`, multi-queue for several vCPUs), joined to the
+//!   interface with tc: an ingress qdisc on each and a `u32` match-all
+//!   filter whose `mirred` action redirects every frame to the other's
+//!   egress. CNI's interface is not changed otherwise; QEMU gets the taps'
+//!   descriptors. [`detach`] removes exactly what `attach` added, so CNI's
+//!   DEL finds its namespace as it left it.
+
+mod netns;
+mod scan;
+mod tap;
+
+pub use netns::NetNs;
+pub use scan::{PodLink, PodNetwork, scan};
+pub use tap::{Tap, attach, detach, tap_name};
+
+use crust_agent_proto::ConfigureNetwork;
+
+/// Why the pod's network cannot go into the guest. Every message names
+/// the interface (or namespace) and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("network namespace {path}: {reason}")]
+    Namespace { path: String, reason: String },
+    #[error("netlink {what}: {source}")]
+    Netlink {
+        what: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("interface {name}: {reason}")]
+    Interface { name: String, reason: String },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl NetError {
+    fn netlink(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetError {
+        let what = what.into();
+        move |source| NetError::Netlink { what, source }
+    }
+
+    fn interface(name: &str, reason: impl Into<String>) -> NetError {
+        NetError::Interface {
+            name: name.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// What the agent is asked for, from a scan.
+pub fn guest_request(net: &PodNetwork) -> &ConfigureNetwork {
+    &net.config
+}

@@ -1,0 +1,307 @@
+//! crust-podnet against a real network namespace shaped as CNI's bridge
+//! plugin leaves one (a veth with IPv4 and IPv6 addresses, a default
+//! route via the gateway, a permanent neighbour), built with iproute2.
+//! Frames cross the tc redirects both ways: an ARP request from the host
+//! comes out of the tap's descriptor, and an ARP reply written into the
+//! descriptor teaches the host the pod's MAC. Budget: about 1 s.
+
+use std::os::fd::AsRawFd;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crust_podnet::{NetNs, attach, detach, scan};
+
+/// A named namespace with a veth into it; removed on drop.
+struct Pod {
+    name: String,
+    host_if: String,
+}
+
+fn ip(args: &[&str]) -> String {
+    let o = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+impl Pod {
+    fn new(tag: &str) -> Pod {
+        assert!(rustix::process::geteuid().is_root(), "needs root (netns)");
+        let name = format!("crust-pn-{tag}-{}", std::process::id());
+        let host_if = format!("vh{tag}{}", std::process::id() % 100_000);
+        ip(&["netns", "add", &name]);
+        let p = Pod { name, host_if };
+        let n = p.name.as_str();
+        ip(&[
+            "link", "add", &p.host_if, "type", "veth", "peer", "name", "eth0", "netns", n,
+        ]);
+        ip(&["addr", "add", "10.99.0.1/24", "dev", &p.host_if]);
+        ip(&["link", "set", &p.host_if, "up"]);
+        ip(&["-n", n, "link", "set", "lo", "up"]);
+        ip(&["-n", n, "link", "set", "eth0", "mtu", "1400", "up"]);
+        ip(&["-n", n, "addr", "add", "10.99.0.2/24", "dev", "eth0"]);
+        ip(&[
+            "-n",
+            n,
+            "addr",
+            "add",
+            "fd00:99::2/64",
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
+        ip(&[
+            "-n",
+            n,
+            "route",
+            "add",
+            "default",
+            "via",
+            "10.99.0.1",
+            "dev",
+            "eth0",
+        ]);
+        ip(&[
+            "-n",
+            n,
+            "route",
+            "add",
+            "10.100.0.0/16",
+            "via",
+            "10.99.0.1",
+            "metric",
+            "7",
+        ]);
+        ip(&[
+            "-n",
+            n,
+            "neigh",
+            "add",
+            "10.99.0.9",
+            "lladdr",
+            "02:00:00:00:00:09",
+            "dev",
+            "eth0",
+            "nud",
+            "permanent",
+        ]);
+        p
+    }
+
+    fn path(&self) -> String {
+        format!("/var/run/netns/{}", self.name)
+    }
+
+    fn inside(&self, args: &[&str]) -> String {
+        let mut a = vec!["-n", self.name.as_str()];
+        a.extend(args);
+        ip(&a)
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+fn tc_ingress(pod: &Pod, dev: &str) -> String {
+    let o = Command::new("tc")
+        .args(["-n", &pod.name, "filter", "show", "dev", dev, "ingress"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The first ARP frame readable from any of `fds` within 3 s, without
+/// the 10-byte virtio-net header (the host also sends IPv6 multicast).
+fn read_arp(fds: &[std::os::fd::OwnedFd]) -> Option<Vec<u8>> {
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut buf = vec![0u8; 4096];
+    while Instant::now() < until {
+        let mut pfd: Vec<_> = fds
+            .iter()
+            .map(|f| rustix::event::PollFd::new(f, rustix::event::PollFlags::IN))
+            .collect();
+        let timeout = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 200_000_000,
+        };
+        if rustix::event::poll(&mut pfd, Some(&timeout)).unwrap() == 0 {
+            continue;
+        }
+        let ready: Vec<bool> = pfd.iter().map(|p| !p.revents().is_empty()).collect();
+        for (fd, r) in fds.iter().zip(ready) {
+            if !r {
+                continue;
+            }
+            let n = rustix::io::read(fd, &mut buf).unwrap();
+            let frame = &buf[10..n];
+            if frame.len() >= 14 && frame[12..14] == [0x08, 0x06] {
+                return Some(frame.to_vec());
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn scan_attach_and_detach_a_cni_shaped_namespace() {
+    let pod = Pod::new("a");
+    // (DAD of the link-local address may end meanwhile.)
+    let state = || {
+        (
+            pod.inside(&["-j", "addr"])
+                .replace("\"tentative\":true,", ""),
+            pod.inside(&["-j", "route"]),
+        )
+    };
+    let before = state();
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let net = scan(&ns).unwrap();
+
+    // What the guest is asked for equals what CNI made.
+    assert_eq!(net.links.len(), 1, "{net:?}");
+    let eth0 = &net.config.interfaces[0];
+    assert_eq!((eth0.name.as_str(), eth0.mtu), ("eth0", 1400));
+    let addrs: Vec<String> = eth0
+        .addresses
+        .iter()
+        .map(|a| format!("{}/{}", a.address, a.prefix_len))
+        .collect();
+    assert_eq!(addrs, ["10.99.0.2/24", "fd00:99::2/64"], "no link-local");
+    let routes: Vec<String> = net
+        .config
+        .routes
+        .iter()
+        .map(|r| {
+            format!(
+                "{}/{} via {:?} metric {}",
+                r.destination, r.prefix_len, r.gateway, r.metric
+            )
+        })
+        .collect();
+    assert!(
+        routes.contains(&"0.0.0.0/0 via Some(10.99.0.1) metric 0".to_string()),
+        "{routes:?}"
+    );
+    assert!(
+        routes.contains(&"10.100.0.0/16 via Some(10.99.0.1) metric 7".to_string()),
+        "{routes:?}"
+    );
+    assert_eq!(net.config.neighbours.len(), 1);
+    assert_eq!(net.config.neighbours[0].mac, "02:00:00:00:00:09");
+
+    // Two queues: two descriptors, one tap.
+    let taps = attach(&ns, &net, 2).unwrap();
+    assert_eq!(taps.len(), 1);
+    assert_eq!(taps[0].fds.len(), 2);
+    let links = pod.inside(&["-j", "link", "show", "crusttap0"]);
+    assert!(
+        links.contains("\"mtu\":1400") && links.contains("UP"),
+        "{links}"
+    );
+    let tc = tc_ingress(&pod, "eth0");
+    assert!(
+        tc.contains("protocol all") && tc.contains("mirred"),
+        "eth0 redirects: {tc}"
+    );
+    assert!(
+        tc_ingress(&pod, "crusttap0").contains("mirred"),
+        "the tap redirects"
+    );
+
+    // Host -> pod: the host's ARP request for the pod comes out of a tap queue.
+    let mut ping = Command::new("ping")
+        .args(["-c", "4", "-i", "0.5", "-W", "1", "10.99.0.2"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let frame = read_arp(&taps[0].fds).unwrap_or_else(|| {
+        panic!(
+            "the host's ARP request never reached the tap; host: {} {}\n{}\n{}",
+            ip(&["route", "get", "10.99.0.2"]),
+            String::from_utf8_lossy(
+                &Command::new("tc")
+                    .args([
+                        "-s", "-n", &pod.name, "filter", "show", "dev", "eth0", "ingress"
+                    ])
+                    .output()
+                    .unwrap()
+                    .stdout
+            ),
+            pod.inside(&["-s", "link", "show", "crusttap0"]),
+            ip(&["neigh", "show", "dev", &pod.host_if])
+        )
+    });
+    let _ = ping.kill();
+    let _ = ping.wait();
+    let host_mac = frame[6..12].to_vec();
+    // Pod -> host: an ARP reply written into the tap reaches the host,
+    // which learns the pod's MAC.
+    let mut reply = vec![0u8; 10];
+    reply.extend(&host_mac);
+    reply.extend(taps[0].mac);
+    reply.extend([0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 2]);
+    reply.extend(taps[0].mac);
+    reply.extend([10, 99, 0, 2]);
+    reply.extend(&host_mac);
+    reply.extend([10, 99, 0, 1]);
+    rustix::io::write(&taps[0].fds[0], &reply).unwrap();
+    let until = Instant::now() + Duration::from_secs(3);
+    let learned = loop {
+        let n = ip(&["neigh", "show", "10.99.0.2", "dev", &pod.host_if]);
+        if n.contains(&crust_agent_proto::network::format_mac(&taps[0].mac))
+            || Instant::now() > until
+        {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        learned.contains(&crust_agent_proto::network::format_mac(&taps[0].mac)),
+        "{learned}"
+    );
+
+    // Detach: CNI's namespace exactly as it was.
+    let names: Vec<String> = net.links.iter().map(|l| l.name.clone()).collect();
+    let raw: Vec<i32> = taps
+        .iter()
+        .flat_map(|t| t.fds.iter().map(|f| f.as_raw_fd()))
+        .collect();
+    assert!(!raw.is_empty());
+    drop(taps);
+    detach(&ns, &names).unwrap();
+    detach(&ns, &names).unwrap();
+    assert!(tc_ingress(&pod, "eth0").is_empty());
+    assert!(!pod.inside(&["link"]).contains("crusttap"));
+    assert_eq!(state(), before);
+}
+
+#[test]
+fn what_cannot_be_a_nic_is_refused_by_name() {
+    let pod = Pod::new("b");
+    // A layer-3 tun device has no Ethernet address.
+    pod.inside(&["tuntap", "add", "mode", "tun", "name", "tun9"]);
+    pod.inside(&["link", "set", "tun9", "up"]);
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let e = scan(&ns).unwrap_err().to_string();
+    assert!(e.contains("tun9") && e.contains("Ethernet"), "{e}");
+    // Not a namespace at all.
+    let e = NetNs::open("/etc/hostname").unwrap_err().to_string();
+    assert!(e.contains("nsfs"), "{e}");
+    // Only lo: nothing to mirror.
+    let empty = Pod::new("c");
+    empty.inside(&["link", "del", "eth0"]);
+    let ns = NetNs::open(&empty.path()).unwrap();
+    let net = scan(&ns).unwrap();
+    assert!(net.is_empty() && net.config.routes.is_empty(), "{net:?}");
+}
