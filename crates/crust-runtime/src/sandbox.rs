@@ -162,6 +162,12 @@ pub struct SandboxState {
     pub created: u64,
     #[serde(default)]
     pub annotations: std::collections::BTreeMap<String, String>,
+    /// The pod's network namespace whose interfaces the guest mirrors, and
+    /// those interfaces: what a dead shim's cleanup detaches (taps, tc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network_links: Vec<String>,
 }
 
 impl SandboxState {
@@ -193,6 +199,8 @@ impl SandboxState {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             annotations: Default::default(),
+            network_namespace: None,
+            network_links: Vec::new(),
         }
     }
 

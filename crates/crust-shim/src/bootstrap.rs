@@ -376,6 +376,7 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
     if let Some(q) = st.qemu.filter(|q| q.alive()) {
         crust_runtime::runtime::kill_and_wait(q);
     }
+    crate::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
     if let Ok(d) = Discovery::new(
         cfg.runtime.crust_root.clone(),
         cfg.runtime.kata_root.clone(),

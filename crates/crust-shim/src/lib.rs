@@ -20,6 +20,7 @@ pub mod bootstrap;
 pub mod cgroup;
 pub mod config;
 pub mod io;
+pub mod net;
 pub mod pod;
 pub mod shimapi;
 pub mod spec;

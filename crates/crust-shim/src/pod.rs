@@ -50,6 +50,8 @@ pub enum PodError {
     VmGone(String),
     #[error("guest agent: {0}")]
     Agent(#[from] crust_agent_proto::ClientError),
+    #[error("the pod's network cannot go into its VM: {0}")]
+    Network(#[from] crust_podnet::NetError),
 }
 
 impl PodError {
@@ -66,6 +68,7 @@ impl PodError {
             PodError::Host { .. } => Code::Internal,
             PodError::VmGone(_) => Code::Unavailable,
             PodError::Agent(e) => volumes::agent_code(e),
+            PodError::Network(_) => Code::FailedPrecondition,
         }
     }
 }
@@ -196,6 +199,7 @@ impl Pod {
         memory_mib: u32,
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
+        network: &crate::spec::PodNetworkSpec,
     ) -> Result<Arc<PodVm>, PodError> {
         let _g = self.boot.lock().await;
         if let Some(v) = self.vm.read().await.clone() {
@@ -203,7 +207,7 @@ impl Pod {
         }
         self.create_record(bundle)?;
         self.serve_api()?;
-        let res = self.launch(memory_mib, cpus, cgroup).await;
+        let res = self.launch(memory_mib, cpus, cgroup, network).await;
         match res {
             Ok(vm) => {
                 *self.vm.write().await = Some(vm.clone());
@@ -287,6 +291,32 @@ impl Pod {
         memory_mib: u32,
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
+        network: &crate::spec::PodNetworkSpec,
+    ) -> Result<Arc<PodVm>, PodError> {
+        // Checked and attached first: a network that cannot go into a VM
+        // fails the sandbox before anything boots.
+        let net = crate::net::attach(network, cpus)?;
+        if let Some(a) = &net {
+            self.update(|s| {
+                s.network_namespace = Some(a.ns.path().to_string());
+                s.network_links = a.links();
+            });
+        }
+        let res = self.launch_with(memory_mib, cpus, cgroup, net.as_ref()).await;
+        if res.is_err()
+            && let Some(a) = &net
+        {
+            a.undo();
+        }
+        res
+    }
+
+    async fn launch_with(
+        &self,
+        memory_mib: u32,
+        cpus: u32,
+        cgroup: Option<&crate::cgroup::Placement>,
+        net: Option<&crate::net::Attached>,
     ) -> Result<Arc<PodVm>, PodError> {
         let share = self.make_share()?;
         let rt = &self.cfg.runtime;
@@ -303,6 +333,7 @@ impl Pod {
             dir: share,
         }];
         vc.virtiofsd_binary = self.cfg.virtiofsd.clone();
+        vc.nics = net.map(|a| a.nics.clone()).unwrap_or_default();
         let guest = Guest::launch_config(vc, rt.boot_timeout).await?;
         if let Some(cg) = cgroup {
             let mut pids = vec![guest.proc_ref().pid];
@@ -332,6 +363,12 @@ impl Pod {
                 "the guest agent did not come up",
                 format!("{e} ({ctx})"),
             ));
+        }
+        if let Some(a) = net
+            && let Err(e) = crate::net::configure(&agent, a).await
+        {
+            guest.kill().await;
+            return Err(PodError::host("the pod's network", e));
         }
         let (exit_tx, exit) = watch::channel(None);
         guest.set_exit_notifier(exit_tx);
@@ -765,8 +802,11 @@ impl Pod {
             }
         }
         // QEMU is gone (powered off, or killed and reaped): the holds on the
-        // devices, then the claims.
+        // devices, then the claims, then the taps.
         plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &vols);
+        if let Some(s) = self.snapshot() {
+            crate::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
+        }
         let asked = self
             .snapshot()
             .map(|s| s.handover_asked)

@@ -79,6 +79,20 @@ pub struct ContainerPlan {
     pub cgroups_path: Option<String>,
     /// Raw block devices (`linux.devices` of type b: volumeDevices).
     pub devices: Vec<HostDevice>,
+    /// The pod's network (what the sandbox's VM gets).
+    pub network: PodNetworkSpec,
+}
+
+/// Where a pod's network comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodNetworkSpec {
+    /// No network namespace in the spec: the node's network
+    /// (`hostNetwork`); the guest has only `lo`.
+    Host,
+    /// A namespace of its own that the runtime makes (no CNI): only `lo`.
+    Empty,
+    /// CNI's namespace at this path: its interfaces go into the guest.
+    Namespace(String),
 }
 
 /// A host block device the container gets as a node.
@@ -155,15 +169,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
         for ns in l.namespaces().as_deref().unwrap_or_default() {
             if ns.typ() == oci_spec::runtime::LinuxNamespaceType::User {
                 return un("a user namespace");
-            }
-            if ns.typ() == oci_spec::runtime::LinuxNamespaceType::Network
-                && ns.path().as_ref().is_some_and(|p| {
-                    p.to_str().is_some_and(|s| {
-                        s.starts_with("/var/run/netns") || s.starts_with("/run/netns")
-                    })
-                })
-            {
-                return un("a pod network namespace (CNI); crust pods use hostNetwork");
             }
         }
         for d in l.devices().as_deref().unwrap_or_default() {
@@ -318,7 +323,23 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         .as_ref()
         .and_then(|r| r.cpu().as_ref())
         .and_then(|c| cfs(c.quota(), c.period()));
+    let network = match linux
+        .namespaces()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network)
+    {
+        None => PodNetworkSpec::Host,
+        Some(n) => match n.path() {
+            None => PodNetworkSpec::Empty,
+            Some(p) => PodNetworkSpec::Namespace(p.to_str().map(str::to_string).ok_or_else(
+                || invalid("the network namespace path is not UTF-8".into()),
+            )?),
+        },
+    };
     Ok(ContainerPlan {
+        network,
         cpus: pod_cpus.or(own_cpus),
         role: role(spec),
         process,
@@ -447,10 +468,6 @@ mod tests {
                 "user namespace",
             ),
             (
-                json!({"linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]}}),
-                "network",
-            ),
-            (
                 json!({"linux": {"devices": [{"path": "/dev/ttyS9", "type": "c", "major": 4, "minor": 73}]}}),
                 "device",
             ),
@@ -476,5 +493,20 @@ mod tests {
         let mut v = base();
         v["annotations"] = json!({});
         assert_eq!(role(&spec(v)), Role::PodOwner);
+    }
+
+    #[test]
+    fn the_pods_network_comes_from_its_namespace() {
+        let net = |ns: serde_json::Value| {
+            let mut v = base();
+            v["linux"]["namespaces"] = ns;
+            plan(&spec(v), Path::new("/b")).unwrap().network
+        };
+        assert_eq!(net(json!([{"type": "pid"}])), PodNetworkSpec::Host);
+        assert_eq!(net(json!([{"type": "network"}])), PodNetworkSpec::Empty);
+        assert_eq!(
+            net(json!([{"type": "network", "path": "/var/run/netns/cni-1"}])),
+            PodNetworkSpec::Namespace("/var/run/netns/cni-1".into())
+        );
     }
 }

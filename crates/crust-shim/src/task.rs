@@ -420,7 +420,13 @@ impl Service {
                 .clamp(1, host.max(self.pod.cfg.runtime.cpus));
             let boot = self
                 .pod
-                .boot(&bundle, self.memory_mib(&plan), cpus, placement.as_ref())
+                .boot(
+                    &bundle,
+                    self.memory_mib(&plan),
+                    cpus,
+                    placement.as_ref(),
+                    &plan.network,
+                )
                 .await;
             let vm = match boot {
                 Ok(vm) => vm,

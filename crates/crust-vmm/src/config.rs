@@ -197,6 +197,45 @@ impl ShareSpec {
     }
 }
 
+/// A virtio-net NIC on a tap the caller opened (one descriptor per
+/// queue; several make a multi-queue NIC). QEMU inherits the descriptors,
+/// so it never opens a tap by name.
+#[derive(Debug, Clone)]
+pub struct NicSpec {
+    /// `aa:bb:cc:dd:ee:ff`: the guest finds its interface by it.
+    pub mac: String,
+    /// Offered to the guest (`host_mtu`).
+    pub mtu: u32,
+    pub fds: Vec<std::sync::Arc<std::os::fd::OwnedFd>>,
+}
+
+/// `/dev/vhost-net`: the in-kernel virtio-net data path, used when the
+/// host has it.
+pub const VHOST_NET: &str = "/dev/vhost-net";
+
+impl NicSpec {
+    /// QEMU's `-netdev` and `-device` values for NIC `i`.
+    pub fn qemu_args(&self, i: usize, vhost: bool) -> (String, String) {
+        use std::os::fd::AsRawFd;
+        let fds: Vec<String> = self.fds.iter().map(|f| f.as_raw_fd().to_string()).collect();
+        let fd_arg = match fds.as_slice() {
+            [one] => format!("fd={one}"),
+            many => format!("fds={}", many.join(":")),
+        };
+        let vhost = if vhost { "on" } else { "off" };
+        let netdev = format!("tap,id=crust-net{i},{fd_arg},vhost={vhost}");
+        let mut device = format!(
+            "virtio-net-pci,id=crust-nic{i},netdev=crust-net{i},mac={},host_mtu={},romfile=",
+            self.mac, self.mtu
+        );
+        if self.fds.len() > 1 {
+            // Two vectors per queue pair, one for config, one for control.
+            device.push_str(&format!(",mq=on,vectors={}", 2 * self.fds.len() + 2));
+        }
+        (netdev, device)
+    }
+}
+
 /// Everything needed to launch one guest.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -223,6 +262,8 @@ pub struct VmConfig {
     pub shares: Vec<ShareSpec>,
     /// virtiofsd binary (looked up in PATH unless absolute).
     pub virtiofsd_binary: PathBuf,
+    /// NICs at boot (the pod's network), in order.
+    pub nics: Vec<NicSpec>,
     /// Empty `pcie-root-port`s reserved for hot-plug
     /// (`crust-hp0`..`crust-hp<N-1>`).
     pub hotplug_ports: u32,
@@ -278,6 +319,7 @@ impl VmConfig {
             disks: Vec::new(),
             kernel_cmdline_extra: Vec::new(),
             shares: Vec::new(),
+            nics: Vec::new(),
             virtiofsd_binary: PathBuf::from("virtiofsd"),
             hotplug_ports: 8,
             qemu_binary: PathBuf::from("qemu-system-x86_64"),

@@ -56,8 +56,8 @@ pub mod accel;
 pub use accel::{AccelChoice, ResolvedAccel, auto_overhead, kvm_usable};
 pub use config::{
     Accel, DEFAULT_ACCEL_CACHE, DEFAULT_KVM_BOOT_TIMEOUT, DEFAULT_KVM_PROBE_TIMEOUT, DiskSpec,
-    MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, QBOOT, ShareSpec,
-    VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
+    MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, NicSpec, QBOOT,
+    ShareSpec, VHOST_NET, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
 pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
 

@@ -397,6 +397,11 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
             &format!("vhost-user-fs-pci,chardev=crust-fs{i},tag={}", sh.tag),
         ]);
     }
+    let vhost = std::path::Path::new(crate::config::VHOST_NET).exists();
+    for (i, nic) in cfg.nics.iter().enumerate() {
+        let (netdev, device) = nic.qemu_args(i, vhost);
+        push(&["-netdev", &netdev, "-device", &device]);
+    }
     let mut chassis = 1;
     for (i, d) in cfg.disks.iter().enumerate() {
         let port = boot_port_id(i);
@@ -631,6 +636,25 @@ impl Vm {
             .stdout(log)
             .stderr(log2)
             .process_group(0);
+        let inherited: Vec<i32> = cfg
+            .nics
+            .iter()
+            .flat_map(|n| n.fds.iter().map(|f| std::os::fd::AsRawFd::as_raw_fd(&**f)))
+            .collect();
+        if !inherited.is_empty() {
+            // SAFETY: only fcntl between fork and exec, on descriptors the
+            // config keeps open; the flag is cleared in the child alone, so
+            // no other process of ours inherits a tap.
+            unsafe {
+                cmd.pre_exec(move || {
+                    for fd in &inherited {
+                        let f = rustix::fd::BorrowedFd::borrow_raw(*fd);
+                        rustix::io::fcntl_setfd(f, rustix::io::FdFlags::empty())?;
+                    }
+                    Ok(())
+                });
+            }
+        }
         if cfg.die_with_parent {
             // SAFETY: a single raw prctl between fork and exec.
             unsafe {

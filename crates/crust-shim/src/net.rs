@@ -1,0 +1,78 @@
+//! The pod's network for its VM (issue 26): CNI's interfaces in the pod's
+//! namespace are mirrored by taps (crust-podnet) that QEMU gets as
+//! virtio-net NICs, and the agent gives the guest the same addresses,
+//! routes and neighbours.
+
+use std::sync::Arc;
+
+use crust_agent_proto::AgentClient;
+use crust_podnet::{NetError, NetNs, PodNetwork};
+use crust_vmm::NicSpec;
+
+use crate::spec::PodNetworkSpec;
+
+/// What a booting pod attached; detached on failure by [`Attached::undo`].
+pub struct Attached {
+    pub ns: NetNs,
+    pub net: PodNetwork,
+    pub nics: Vec<NicSpec>,
+}
+
+impl Attached {
+    pub fn links(&self) -> Vec<String> {
+        self.net.links.iter().map(|l| l.name.clone()).collect()
+    }
+
+    /// Removes the taps and redirects (the namespace as CNI left it).
+    pub fn undo(&self) {
+        if let Err(e) = crust_podnet::detach(&self.ns, &self.links()) {
+            tracing::warn!(netns = %self.ns.path(), "detaching the pod network: {e}");
+        }
+    }
+}
+
+/// Reads the pod's namespace and makes a tap per interface: one queue per
+/// vCPU. `Host` and `Empty` give no NIC (the guest has only `lo`).
+pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetError> {
+    let PodNetworkSpec::Namespace(path) = spec else {
+        return Ok(None);
+    };
+    let ns = NetNs::open(path)?;
+    let net = crust_podnet::scan(&ns)?;
+    let taps = crust_podnet::attach(&ns, &net, cpus.max(1))?;
+    let nics = taps
+        .into_iter()
+        .map(|t| NicSpec {
+            mac: crust_agent_proto::network::format_mac(&t.mac),
+            mtu: t.mtu,
+            fds: t.fds.into_iter().map(Arc::new).collect(),
+        })
+        .collect();
+    tracing::info!(netns = %path, interfaces = ?net.links.iter().map(|l| &l.name).collect::<Vec<_>>(),
+        "pod network mirrored into the VM");
+    Ok(Some(Attached { ns, net, nics }))
+}
+
+/// Gives the guest the pod's addresses, routes and neighbours.
+pub async fn configure(agent: &AgentClient, a: &Attached) -> Result<(), String> {
+    let reply = agent
+        .call(a.net.config.clone())
+        .await
+        .map_err(|e| format!("configuring the guest's network: {e}"))?;
+    tracing::info!(interfaces = ?reply.interfaces, "guest network configured");
+    Ok(())
+}
+
+/// Detaches what a pod's record says it attached (a dead shim's cleanup,
+/// or a teardown). A namespace already gone took the taps with it.
+pub fn detach_recorded(netns: Option<&str>, links: &[String]) {
+    let Some(path) = netns else { return };
+    match NetNs::open(path) {
+        Ok(ns) => {
+            if let Err(e) = crust_podnet::detach(&ns, links) {
+                tracing::warn!(netns = %path, "detaching the pod network: {e}");
+            }
+        }
+        Err(e) => tracing::info!(netns = %path, "pod network already gone: {e}"),
+    }
+}
