@@ -12,7 +12,7 @@ pkgs=(
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
-  util-linux              # losetup/mount used by test guards; wipefs (libblkid signatures
+  util-linux              # losetup/mount used by test guards; flock (guest/build-image.sh); wipefs (libblkid signatures
                           # before a format), unshare (a mount in another namespace)
   containerd runc         # the private containerd of the shim tests (ctr, CRI plugin); the
                           # node installer's config is checked with `containerd config dump`
@@ -89,7 +89,7 @@ if [ "${1:-}" = "--if-missing" ]; then
   # The filesystem tools are every one crust_fs's FsSpecs name (checked by
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
-    xfs_repair xfs_io cpio losetup wipefs unshare containerd ctr runc umoci jq patchelf \
+    xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
     strip pkg-config fio; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
