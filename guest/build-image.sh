@@ -7,6 +7,7 @@
 # $CRUST_GUEST_BENCH_DIR): the same plus Debian's fio with its libraries and
 # the static crust-guest-bench helper (for `crustctl bench --guest-io`).
 # Skips the rebuild when a sha256 over every input matches the stamp.
+# Concurrent runs in one checkout are serialised (flock).
 set -euo pipefail
 
 usage() {
@@ -18,7 +19,9 @@ usage: guest/build-image.sh [--bench] [--out DIR] [--force]
   --out DIR   output directory (default: $CRUST_GUEST_DIR or <repo>/target/guest-image)
   --force     rebuild even when the stamp matches
 Needs the Debian packages linux-image-cloud-amd64 busybox-static e2fsprogs
-xfsprogs cpio (and gzip), fio for --bench, plus cargo. Honours CARGO_TARGET_DIR.
+xfsprogs cpio (and gzip), fio for --bench, plus cargo. The agent is built in
+cargo's target directory. Runs wait for each other (flock on the target and
+the output directory); the stamp is written only for a complete image.
 EOF
 }
 
@@ -71,6 +74,30 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
+command -v cargo >/dev/null || die "cargo not found (needed to build crust-agent)"
+command -v flock >/dev/null || die "flock not found: install the Debian package 'util-linux'"
+# Where cargo puts the agent: cargo's own answer honours every way of
+# setting it (CARGO_TARGET_DIR, .cargo/config, a wrapper).
+TARGET_DIR=${CARGO_TARGET_DIR:-$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps |
+	sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')}
+[ -n "$TARGET_DIR" ] || die "cargo metadata named no target directory"
+mkdir -p "$TARGET_DIR"
+
+# One run at a time per target dir, then per output dir. Two --bench runs
+# at once (the bench and test scripts) stamped an initramfs without the
+# agent: one run moved the other's half-written initramfs.cpio.gz.tmp into
+# place. And every image of a checkout copies the one agent binary, which
+# a build under way replaces. Always in this order: runs never deadlock.
+lock() {
+	flock -n "$1" && return 0
+	say "waiting for another build-image.sh (lock in $2)"
+	flock "$1"
+}
+exec 8>"$TARGET_DIR/.build-image.lock"
+lock 8 "$TARGET_DIR"
+exec 9>"$OUT/.lock"
+lock 9 "$OUT"
+
 # Sbin dirs are not on every user's PATH.
 export PATH="$PATH:/usr/sbin:/sbin"
 
@@ -88,7 +115,6 @@ pkg_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo "not-from
 
 command -v cpio >/dev/null || die "cpio not found: install the Debian package 'cpio'"
 command -v gzip >/dev/null || die "gzip not found: install the Debian package 'gzip'"
-command -v cargo >/dev/null || die "cargo not found (needed to build crust-agent)"
 
 # --- kernel -----------------------------------------------------------------
 KVER=${CRUST_GUEST_KERNEL_VERSION:-}
@@ -123,7 +149,6 @@ if [ "$BENCH" = 1 ]; then
 fi
 
 # --- agent --------------------------------------------------------------------
-TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 TRIPLE=x86_64-unknown-linux-gnu
 PACKAGES=(-p crust-agent)
 [ "$BENCH" = 1 ] && PACKAGES+=(-p crust-guest-bench)
@@ -211,6 +236,7 @@ if [ -f "$KCONFIG" ] && ! grep -Eq '^CONFIG_HOTPLUG_PCI_(PCIE|ACPI)=[ym]' "$KCON
 fi
 
 # --- cache key -------------------------------------------------------------------
+AGENT_SUM=$(sha256sum <"$AGENT")
 KEY=$(
 	{
 		echo "format 1"
@@ -233,6 +259,8 @@ if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] &&
 fi
 
 # --- stage the root filesystem --------------------------------------------------
+# No stamp while the image is replaced: an interrupted run leaves none.
+rm -f "$STAMP"
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-image.XXXXXX")
 # mktemp makes it 0700; it becomes the guest's /.
 chmod 755 "$STAGE"
@@ -260,6 +288,9 @@ add_prog "$E2FSCK" /usr/sbin/e2fsck
 add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
 cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
+# The image holds the agent the key names (not one rebuilt since).
+[ "$(sha256sum <"$STAGE/usr/sbin/crust-agent")" = "$AGENT_SUM" ] ||
+	die "$AGENT changed while the image was built; run again"
 if [ "$BENCH" = 1 ]; then
 	add_prog "$FIO" /usr/bin/fio
 	cp "$HELPER" "$STAGE/usr/sbin/crust-guest-bench"
@@ -316,6 +347,12 @@ while read -r m; do
 	insmod "/lib/modules/$m.ko" || echo "init: loading module $m failed"
 done </etc/modules.load
 hostname crust
+if [ ! -x /usr/sbin/crust-agent ]; then
+	# The kernel unpacks the initramfs into RAM and goes on after a write
+	# error: a guest with too little memory for the image lacks its last files.
+	echo "init: /usr/sbin/crust-agent is missing: the initramfs did not unpack whole (too little guest memory for this image?); powering off"
+	poweroff -f
+fi
 echo "init: modules loaded, starting crust-agent"
 while :; do
 	/usr/sbin/crust-agent
@@ -332,6 +369,13 @@ chmod 755 "$STAGE/init"
 		cpio --null --create --format=newc --owner=0:0 --reproducible --quiet
 ) | gzip -9 -n >"$OUT/initramfs.cpio.gz.tmp"
 cp "$VMLINUZ" "$OUT/vmlinuz.tmp"
+# Stamped only once the packed image is complete: it lists every program
+# the guest runs.
+LISTING=$(gzip -dc "$OUT/initramfs.cpio.gz.tmp" | cpio -t --quiet) ||
+	die "the packed initramfs does not read back"
+for f in init usr/sbin/crust-agent bin/busybox ${HELPER:+usr/sbin/crust-guest-bench}; do
+	grep -qx "\(\./\)\?$f" <<<"$LISTING" || die "the packed initramfs lacks $f"
+done
 mv -f "$OUT/initramfs.cpio.gz.tmp" "$OUT/initramfs.cpio.gz"
 mv -f "$OUT/vmlinuz.tmp" "$OUT/vmlinuz"
 echo "$KEY" >"$STAMP.tmp"

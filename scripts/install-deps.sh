@@ -12,7 +12,7 @@ pkgs=(
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
   cpio gzip kmod          # building the initramfs
   libc6-dev               # libc.a for the static guest agent
-  util-linux              # losetup/mount used by test guards; wipefs (libblkid signatures
+  util-linux              # losetup/mount used by test guards; flock (guest/build-image.sh); wipefs (libblkid signatures
                           # before a format), unshare (a mount in another namespace)
   containerd runc         # the private containerd of the shim tests (ctr, CRI plugin); the
                           # node installer's config is checked with `containerd config dump`
@@ -75,12 +75,25 @@ install_python_pkgs() {
   have_python_pkgs
 }
 
+# csi-sanity (kubernetes-csi/csi-test) for crust-csi's conformance tests is
+# not a package of any registry reached here (and Debian's Go is too old to
+# build it): CI lays it at ../shared/tools/csi-sanity beside the checkout,
+# elsewhere CRUST_CSI_SANITY names it. Without it those tests skip: say so.
+check_csi_sanity() {
+  local beside
+  beside="$(cd "$(dirname "$0")/.." && pwd)/../shared/tools/csi-sanity"
+  [ -x "${CRUST_CSI_SANITY:-$beside}" ] && return 0
+  echo "install-deps: csi-sanity not found at ${CRUST_CSI_SANITY:-$beside}: the csi_sanity" \
+    "conformance tests will skip (build it as ../shared/tools/README.md says, or set CRUST_CSI_SANITY)" >&2
+}
+check_csi_sanity
+
 if [ "${1:-}" = "--if-missing" ]; then
   missing=0
   # The filesystem tools are every one crust_fs's FsSpecs name (checked by
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
-    xfs_repair xfs_io cpio losetup wipefs unshare containerd ctr runc umoci jq patchelf \
+    xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
     strip pkg-config fio ip ping iperf3; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done

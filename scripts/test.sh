@@ -39,6 +39,9 @@ bash scripts/build-poll-cli.sh >/dev/null
 # The bench image (fio + crust-guest-bench) for crustctl's guest_io test;
 # cached by its stamp like the test image (~45 s when it must be built).
 bash guest/build-image.sh --bench
+# Concurrent image builds in one checkout serialise and never stamp a
+# broken image (~20-70 s: three forced image assemblies, agent already built).
+bash guest/test-build-image-race.sh
 bash scripts/build-test-images.sh
 
 if cargo nextest --version >/dev/null 2>&1; then

@@ -788,15 +788,19 @@ impl Driver {
         if req.volume_id.is_empty() {
             return Err(ControllerError::Missing("volume_id"));
         }
-        let Some(cr) = req.capacity_range.as_ref() else {
-            return Err(ControllerError::Missing("capacity_range"));
-        };
-        let (required, limit) = range(Some(cr))?;
-        if required == 0 && limit == 0 {
-            return Err(ControllerError::InvalidArgument(
-                "capacity_range needs required_bytes or limit_bytes".into(),
+        // A range with neither bound set is as good as none.
+        let Some(cr) = req
+            .capacity_range
+            .as_ref()
+            .filter(|r| r.required_bytes != 0 || r.limit_bytes != 0)
+        else {
+            return Err(ControllerError::Missing(
+                "capacity_range (required_bytes or limit_bytes)",
             ));
-        }
+        };
+        // NOT_FOUND before the values are checked (error.rs's order).
+        self.ready_record(&req.volume_id)?;
+        let (required, limit) = range(Some(cr))?;
         let cap = match &req.volume_capability {
             Some(c) => Some(Capability::from_proto(c).map_err(ControllerError::InvalidArgument)?),
             None => None,

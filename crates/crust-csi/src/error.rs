@@ -2,9 +2,23 @@
 //! the codes the CSI spec prescribes.
 //!
 //! Conventions (documented for COs and tests):
-//! * a missing field, a relative path, a path with `..`, an unsupported
-//!   fsType/access mode/parameter: INVALID_ARGUMENT (wrong whatever the
-//!   node's state);
+//! * the order of checks, in every RPC that names a volume: a required
+//!   field left empty is INVALID_ARGUMENT first; then an unknown volume is
+//!   NOT_FOUND (before any other check of the request's values); then a
+//!   path the request names to *find* the volume at (`volume_path` and
+//!   `staging_target_path` of NodeGetVolumeStats and NodeExpandVolume)
+//!   where the volume is not is NOT_FOUND, decided from the string alone:
+//!   a relative path is never resolved against the plugin's working
+//!   directory, it is just a place where no volume is (NodeGetVolumeHealth
+//!   reports such a path instead of refusing it). The csi-sanity
+//!   conformance suite pins this order;
+//! * two exceptions, both the spec's idempotency: DeleteVolume and
+//!   NodeUnpublishVolume of an unknown volume answer OK (kubelet retries a
+//!   failed unpublish forever, and the volume may be deleted already);
+//! * a path the request names as the *place* of an operation (stage,
+//!   publish, unstage, unpublish targets) that is relative, has `..` or is
+//!   not normalized, an unsupported fsType/access mode/parameter:
+//!   INVALID_ARGUMENT (wrong whatever the node's state);
 //! * a path whose *state* is wrong (staging directory missing, a file where
 //!   a directory is needed, a missing parent of a publish target, something
 //!   else mounted there), a volume still staged/published, a filesystem on
@@ -240,6 +254,9 @@ pub enum NodeError {
     NotOnNode { volume: String },
     #[error("{} is not a staged or published path of volume {volume}", path.display())]
     UnknownPath { volume: String, path: PathBuf },
+    /// A stats/expand request's `staging_target_path` where the volume is not staged.
+    #[error("volume {volume} is not staged at {}", path.display())]
+    NotStagedAt { volume: String, path: PathBuf },
     /// A deferred stats/expand request for a path that is no deferred publication.
     #[error(
         "{} is not a publication of volume {volume} with deferred filesystem operations",
@@ -618,6 +635,7 @@ impl From<NodeError> for Status {
             NodeError::NotFound(_)
             | NodeError::NotOnNode { .. }
             | NodeError::UnknownPath { .. }
+            | NodeError::NotStagedAt { .. }
             | NodeError::NotADeferredPublication { .. } => Code::NotFound,
             NodeError::StagedWithOtherCapability { .. }
             | NodeError::StagedWithOtherDeferral { .. }

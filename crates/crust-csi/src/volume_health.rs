@@ -5,7 +5,9 @@
 //!
 //! * Order of checks (the spec's error table first): a missing volume id
 //!   is INVALID_ARGUMENT, an unknown one NOT_FOUND, whatever the paths look
-//!   like; path syntax is checked after the lookup.
+//!   like. Paths are compared with the records as strings (error.rs): a
+//!   relative one is never resolved, it is just a path where the volume is
+//!   not.
 //! * NodeGetVolumeHealth may name paths where the CO only *tried* to stage
 //!   or publish: a path where the volume is not staged or published is
 //!   reported as INACCESSIBLE (`NotStaged` / `NotPublished`), not as an
@@ -27,7 +29,7 @@ use crate::controller::{decode_token, encode_token};
 use crate::driver::Driver;
 use crate::error::{ControllerError, NodeError};
 use crate::health::{Assessment, Problem, Status};
-use crate::node::abs_path;
+use crate::node::as_recorded;
 use crate::state::VolumeRecord;
 
 impl Driver {
@@ -39,13 +41,13 @@ impl Driver {
             return Err(NodeError::Missing("volume_id"));
         }
         let rec = self.node_record(&req.volume_id)?;
-        let publish = optional_path("volume_publish_path", &req.volume_publish_path)?;
-        let staging = optional_path("staging_target_path", &req.staging_target_path)?;
+        let publish = Some(req.volume_publish_path.as_str()).filter(|p| !p.is_empty());
+        let staging = Some(req.staging_target_path.as_str()).filter(|p| !p.is_empty());
         let mut assessment = self.health.assess(&rec);
-        if let Some(p) = staging.as_deref() {
+        if let Some(p) = staging {
             assessment.problems.extend(staging_problem(&rec, p));
         }
-        if let Some(p) = publish.as_deref() {
+        if let Some(p) = publish {
             assessment
                 .problems
                 .extend(self.publication_problems(&rec, p));
@@ -141,18 +143,15 @@ impl Driver {
     /// nothing more for a host publication (its mount is checked in the
     /// assessment), the guest's view for a deferred one, INACCESSIBLE when
     /// the volume is not published there.
-    fn publication_problems(&self, rec: &VolumeRecord, path: &Path) -> Vec<Problem> {
-        match rec.published.get(path) {
-            Some(p) if p.deferred => self.deferred_problems(rec, path),
+    fn publication_problems(&self, rec: &VolumeRecord, path: &str) -> Vec<Problem> {
+        let found = as_recorded(path).and_then(|p| rec.published.get(&p).map(|x| (x.deferred, p)));
+        match found {
+            Some((true, p)) => self.deferred_problems(rec, &p),
             Some(_) => Vec::new(),
             None => vec![Problem::new(
                 Status::Inaccessible,
                 "NotPublished",
-                format!(
-                    "volume {} is not published at {} on this node",
-                    rec.id,
-                    path.display()
-                ),
+                format!("volume {} is not published at {path} on this node", rec.id),
             )],
         }
     }
@@ -184,24 +183,13 @@ impl Driver {
     }
 }
 
-fn optional_path(field: &'static str, p: &str) -> Result<Option<std::path::PathBuf>, NodeError> {
-    if p.is_empty() {
-        return Ok(None);
-    }
-    abs_path(field, p).map(Some)
-}
-
-fn staging_problem(rec: &VolumeRecord, path: &Path) -> Option<Problem> {
-    match &rec.staging {
-        Some(s) if s.path == path => None,
+fn staging_problem(rec: &VolumeRecord, path: &str) -> Option<Problem> {
+    match (as_recorded(path), &rec.staging) {
+        (Some(p), Some(s)) if s.path == p => None,
         _ => Some(Problem::new(
             Status::Inaccessible,
             "NotStaged",
-            format!(
-                "volume {} is not staged at {} on this node",
-                rec.id,
-                path.display()
-            ),
+            format!("volume {} is not staged at {path} on this node", rec.id),
         )),
     }
 }

@@ -1059,7 +1059,8 @@ async fn node_filesystem_lifecycle_and_errors() {
     // --- stats ---
     assert_code(c.stats("", &t1).await, ia);
     assert_code(c.stats(&id, "").await, ia);
-    assert_code(c.stats(&id, "rel").await, ia);
+    // A relative path is a path where the volume is not (error.rs).
+    assert_code(c.stats(&id, "rel").await, Code::NotFound);
     assert_code(c.stats(&unknown, &t1).await, Code::NotFound);
     assert_code(
         c.stats(&id, &format!("{pods}/not-published")).await,

@@ -384,9 +384,15 @@ async fn one_plugin_per_state_dir_and_bounded_echoes() {
         s.message()
     );
     assert!(s.message().len() < 1024, "{} bytes", s.message().len());
+    // A known volume, so the path is checked (an unknown one is NOT_FOUND first).
+    let known = c
+        .create(create_req("echo", 16 * MIB, vec![mount("ext4")]))
+        .await
+        .unwrap()
+        .volume_id;
     let s = assert_code(
         c.stage(
-            "vol-1",
+            &known,
             &format!("relative/\0{}", "B".repeat(5000)),
             mount("ext4"),
         )

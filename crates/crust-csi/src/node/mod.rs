@@ -124,6 +124,52 @@ pub(crate) fn context_defers(volume_context: Option<&HashMap<String, String>>) -
         .map_err(|e| NodeError::InvalidArgument(format!("volume_context {e}")))
 }
 
+/// The first check of every Node RPC (error.rs's ordering): a required
+/// field left empty is INVALID_ARGUMENT before the volume is looked up.
+pub(crate) fn require(fields: &[(&'static str, bool)]) -> Result<()> {
+    match fields.iter().find(|(_, present)| !present) {
+        Some((field, _)) => Err(NodeError::Missing(field)),
+        None => Ok(()),
+    }
+}
+
+/// A path a request names to find volume `rec` at (`volume_path` of
+/// NodeGetVolumeStats and NodeExpandVolume), decided from the string
+/// alone: paths are recorded only in the form [`abs_path`] accepts, so
+/// any other string (a relative one, never resolved against the plugin's
+/// working directory; one with `.` or `..`) is a path where the volume is
+/// not, NOT_FOUND like any other. Empty is checked by [`require`].
+pub(crate) fn lookup_path(rec: &VolumeRecord, p: &str) -> Result<PathBuf> {
+    as_recorded(p).ok_or_else(|| NodeError::UnknownPath {
+        volume: rec.id.clone(),
+        path: PathBuf::from(p),
+    })
+}
+
+/// `p` in the one form paths are recorded in, or None: such a string
+/// names no place of any volume.
+pub(crate) fn as_recorded(p: &str) -> Option<PathBuf> {
+    crust_blockdev::validate_abs_path(p).ok()
+}
+
+/// The optional `staging_target_path` of NodeGetVolumeStats and
+/// NodeExpandVolume: when given, the volume must be staged exactly there
+/// (NOT_FOUND otherwise, as for `volume_path`).
+pub(crate) fn check_staging_hint(rec: &VolumeRecord, p: &str) -> Result<()> {
+    if p.is_empty() {
+        return Ok(());
+    }
+    let staged_here =
+        as_recorded(p).is_some_and(|p| rec.staging.as_ref().is_some_and(|s| s.path == p));
+    if !staged_here {
+        return Err(NodeError::NotStagedAt {
+            volume: rec.id.clone(),
+            path: PathBuf::from(p),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn abs_path(field: &'static str, p: &str) -> Result<PathBuf> {
     if p.is_empty() {
         return Err(NodeError::Missing(field));

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use crust_proto::csi::v1 as csi;
 
 use super::target::{mounted_source, publication_of, remove_created_target};
-use super::{FsOps, abs_path, context_defers};
+use super::{FsOps, abs_path, context_defers, require};
 use crate::caps::{Access, Capability};
 use crate::driver::Driver;
 use crate::error::{NodeError, alias_err, mount_err};
@@ -70,9 +70,6 @@ struct PublishAsk {
 
 impl PublishAsk {
     fn from_request(req: &csi::NodePublishVolumeRequest) -> Result<Self> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
         let staging = abs_path("staging_target_path", &req.staging_target_path)?;
         let target = abs_path("target_path", &req.target_path)?;
         let wants_deferral = req.defer_fs_ops || context_defers(Some(&req.volume_context))?;
@@ -265,6 +262,14 @@ fn bind(s: &Staging, target: &Path, readonly: bool) -> Result<()> {
 
 impl Driver {
     pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("staging_target_path", !req.staging_target_path.is_empty()),
+            ("target_path", !req.target_path.is_empty()),
+            ("volume_capability", req.volume_capability.is_some()),
+        ])?;
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record_here(&req.volume_id, &req.volume_context)?;
         let ask = PublishAsk::from_request(req)?;
         let deferral = self.fs_ops_route(req.defer_fs_ops, Some(&req.volume_context))?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodePublishVolume")?;
@@ -350,8 +355,14 @@ impl Driver {
     }
 
     pub fn node_unpublish_volume(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<()> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("target_path", !req.target_path.is_empty()),
+        ])?;
+        // An unknown volume is nothing to undo (error.rs: the spec's
+        // idempotency), whatever the path looks like.
+        if self.state.get(&req.volume_id).is_none() {
+            return Ok(());
         }
         let target = abs_path("target_path", &req.target_path)?;
         let _guard = self

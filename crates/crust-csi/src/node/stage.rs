@@ -8,7 +8,7 @@ use crust_blockdev::{BlankProof, Probe};
 use crust_proto::csi::v1 as csi;
 
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
-use super::{FsOps, abs_path, node_cap};
+use super::{FsOps, abs_path, node_cap, require};
 use crate::caps::{Access, Capability, FsType};
 use crate::driver::Driver;
 use crate::error::{NodeError, alias_err, fs_err, mount_err};
@@ -155,6 +155,13 @@ impl Driver {
     }
 
     pub fn node_stage_volume(&self, req: &csi::NodeStageVolumeRequest) -> Result<()> {
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("staging_target_path", !req.staging_target_path.is_empty()),
+            ("volume_capability", req.volume_capability.is_some()),
+        ])?;
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record_here(&req.volume_id, &req.volume_context)?;
         let (path, cap, deferred) = self.stage_ask(req)?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodeStageVolume")?;
         self.stage_gate();
@@ -280,9 +287,6 @@ impl Driver {
     /// The request's staging path, capability and deferral, checked before
     /// anything is looked up.
     fn stage_ask(&self, req: &csi::NodeStageVolumeRequest) -> Result<(PathBuf, Capability, bool)> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
         let path = abs_path("staging_target_path", &req.staging_target_path)?;
         let cap = node_cap(req.volume_capability.as_ref())?;
         let deferred = self.fs_ops_route(false, Some(&req.volume_context))? == FsOps::Deferred;
@@ -418,9 +422,12 @@ impl Driver {
     }
 
     pub fn node_unstage_volume(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<()> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("staging_target_path", !req.staging_target_path.is_empty()),
+        ])?;
+        // NOT_FOUND before any other check (re-read under the guard below).
+        self.node_record(&req.volume_id)?;
         let path = abs_path("staging_target_path", &req.staging_target_path)?;
         let _guard = self.guards.try_begin(&req.volume_id, "NodeUnstageVolume")?;
         let mut rec = self.node_record(&req.volume_id)?;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crust_proto::csi::v1 as csi;
 
-use super::abs_path;
+use super::{check_staging_hint, lookup_path, require};
 use crate::caps::{Capability, FsType};
 use crate::config::Expansion;
 use crate::driver::Driver;
@@ -164,16 +164,13 @@ impl Driver {
         &self,
         req: &csi::NodeGetVolumeStatsRequest,
     ) -> Result<csi::NodeGetVolumeStatsResponse> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
-        // The spec's table first: an unknown volume is NOT_FOUND whatever
-        // the paths look like.
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("volume_path", !req.volume_path.is_empty()),
+        ])?;
         let rec = self.node_record(&req.volume_id)?;
-        let path = abs_path("volume_path", &req.volume_path)?;
-        if !req.staging_target_path.is_empty() {
-            abs_path("staging_target_path", &req.staging_target_path)?;
-        }
+        let path = lookup_path(&rec, &req.volume_path)?;
+        check_staging_hint(&rec, &req.staging_target_path)?;
         if req.defer_fs_ops && !self.deferral_enabled() {
             return Err(NodeError::DeferralUnsupported);
         }
@@ -244,15 +241,14 @@ impl Driver {
         &self,
         req: &csi::NodeExpandVolumeRequest,
     ) -> Result<csi::NodeExpandVolumeResponse> {
-        if req.volume_id.is_empty() {
-            return Err(NodeError::Missing("volume_id"));
-        }
+        require(&[
+            ("volume_id", !req.volume_id.is_empty()),
+            ("volume_path", !req.volume_path.is_empty()),
+        ])?;
         // NOT_FOUND before any other check (re-read under the guard below).
-        self.node_record(&req.volume_id)?;
-        let path = abs_path("volume_path", &req.volume_path)?;
-        if !req.staging_target_path.is_empty() {
-            abs_path("staging_target_path", &req.staging_target_path)?;
-        }
+        let rec = self.node_record(&req.volume_id)?;
+        let path = lookup_path(&rec, &req.volume_path)?;
+        check_staging_hint(&rec, &req.staging_target_path)?;
         let (required, limit) = match &req.capacity_range {
             Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => {
                 return Err(NodeError::InvalidArgument(
