@@ -6,12 +6,16 @@
 //! | controller GET_VOLUME_HEALTH (16), LIST_VOLUME_HEALTH (17) | – | yes | yes |
 //! | node VOLUME_CONDITION (4, compat) | yes | – | yes |
 //! | node GET_VOLUME_HEALTH (7), GET_STORAGE_HEALTH (8) | – | yes | yes |
-//! | node DEFER_FS_OPS* (KEP-2857: 2857–2859) | with `--deferral enabled`, in every mode |||
+//! | node DEFER_FS_OPS* (KEP-2857: 2857–2859) | – | with `--deferral enabled` | with `--deferral enabled` |
 //! | controller EXPAND_VOLUME | with `--expansion controller` (the default), in every mode |||
 //! | node VOLUME_MOUNT_GROUP (6) | in every mode |||
 //! | snapshot and clone capabilities, GroupController | with a backend that copies (the pool) |||
 //!
-//! Everything else is the same in every mode. The condition fields of
+//! Mode `1.12` is the strict v1.12 surface: a v1.12 client refuses any
+//! value it does not know, and KEP-2857's are in no released spec (a
+//! deferred publication still works there: the StorageClass's
+//! `deferFsOps`, the runtime's handover). Everything else is the same in
+//! every mode. The condition fields of
 //! NodeGetVolumeStats, ListVolumes and ControllerGetVolume are filled
 //! unless the mode is `1.13`; the health RPCs answer UNIMPLEMENTED in mode
 //! `1.12`.
@@ -124,7 +128,7 @@ pub fn node_capabilities(spec: CsiSpec, deferral: bool) -> Vec<csi::NodeServiceC
     if spec.serves_health_api() {
         caps.extend([NodeRpc::GetVolumeHealth, NodeRpc::GetStorageHealth]);
     }
-    if deferral {
+    if deferral && spec != CsiSpec::V1_12 {
         caps.extend([
             NodeRpc::DeferFsOps,
             NodeRpc::DeferFsOpsWithSupplementalGroup,
@@ -182,5 +186,6 @@ mod tests {
             assert!(both.contains(&v), "{v} missing from {both:?}");
         }
         assert!(!node(CsiSpec::Both, false).iter().any(|v| *v >= 2857));
+        assert!(!node(CsiSpec::V1_12, true).iter().any(|v| *v >= 2857));
     }
 }
