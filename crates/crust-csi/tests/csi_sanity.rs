@@ -55,7 +55,6 @@ const V1_13_VALUES: &[Tolerated] = &[
     },
 ];
 
-
 /// Why the suite may skip a case: each reason is a capability crust does
 /// not advertise, for a reason of its own.
 const JUSTIFIED_SKIPS: &[(&str, &str)] = &[

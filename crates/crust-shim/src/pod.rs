@@ -302,7 +302,9 @@ impl Pod {
                 s.network_links = a.links();
             });
         }
-        let res = self.launch_with(memory_mib, cpus, cgroup, net.as_ref()).await;
+        let res = self
+            .launch_with(memory_mib, cpus, cgroup, net.as_ref())
+            .await;
         if res.is_err()
             && let Some(a) = &net
         {

@@ -333,9 +333,11 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         None => PodNetworkSpec::Host,
         Some(n) => match n.path() {
             None => PodNetworkSpec::Empty,
-            Some(p) => PodNetworkSpec::Namespace(p.to_str().map(str::to_string).ok_or_else(
-                || invalid("the network namespace path is not UTF-8".into()),
-            )?),
+            Some(p) => PodNetworkSpec::Namespace(
+                p.to_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| invalid("the network namespace path is not UTF-8".into()))?,
+            ),
         },
     };
     Ok(ContainerPlan {

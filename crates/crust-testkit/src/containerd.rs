@@ -4,8 +4,10 @@
 //!
 //! The config (version 2) enables the CRI plugin with `runc` as the default
 //! runtime (the CRI plugin refuses to load without one) and a `crust`
-//! handler of type `io.containerd.crust.v2`; it has no CNI configuration, so
-//! only host-network pods run. The directory of the crust shim binary is put
+//! handler of type `io.containerd.crust.v2`. Its CNI directories are its
+//! own: empty (only host-network pods run) unless the options give a
+//! network configuration, which is then served by Debian's CNI plugins
+//! (`/usr/lib/cni`). The directory of the crust shim binary is put
 //! first on containerd's `PATH`, which is where containerd looks for
 //! `containerd-shim-crust-v2`.
 //!
@@ -49,7 +51,12 @@ pub struct ContainerdOptions {
     pub env: Vec<(String, String)>,
     /// Make the temp dir under this directory (short paths: unix sockets).
     pub parent_dir: Option<PathBuf>,
+    /// A CNI network configuration list (JSON) for the CRI plugin's pods.
+    pub cni_conflist: Option<String>,
 }
+
+/// Where Debian's `containernetworking-plugins` installs the plugins.
+pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
 
 /// A running private containerd; everything is stopped on drop.
 pub struct Containerd {
@@ -75,6 +82,15 @@ impl Containerd {
             opts,
         };
         std::fs::write(c.config_path(), c.config_toml()).expect("write config.toml");
+        if let Some(conf) = c.opts.cni_conflist.clone() {
+            let (bin, etc) = (c.dir().join("cni/bin"), c.dir().join("cni/conf"));
+            std::fs::create_dir_all(&bin).unwrap();
+            std::fs::create_dir_all(&etc).unwrap();
+            for p in ["bridge", "host-local", "portmap", "loopback"] {
+                std::os::unix::fs::symlink(Path::new(CNI_PLUGIN_DIR).join(p), bin.join(p)).unwrap();
+            }
+            std::fs::write(etc.join("10-crust-test.conflist"), conf).unwrap();
+        }
         c.spawn();
         c
     }

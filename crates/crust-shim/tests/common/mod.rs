@@ -44,6 +44,15 @@ impl Env {
     }
 
     pub fn start_with(namespace: &str, extra_env: Vec<(String, String)>) -> Env {
+        Env::start_full(namespace, extra_env, None)
+    }
+
+    /// With a CNI network configuration for the CRI plugin's pods.
+    pub fn start_full(
+        namespace: &str,
+        extra_env: Vec<(String, String)>,
+        cni_conflist: Option<String>,
+    ) -> Env {
         crust_testkit::require_root();
         crust_testkit::ensure_guest_image();
         let (busybox, pause) = crust_testkit::ensure_test_images();
@@ -104,6 +113,7 @@ impl Env {
             shim_dir: Some(shim_bin().parent().unwrap().to_path_buf()),
             env,
             parent_dir: None,
+            cni_conflist,
         });
         ctrd.import_images(namespace, &[&busybox, &pause]);
         Env {

@@ -1,0 +1,304 @@
+//! Issue 26: CNI pods in crust VMs, through containerd's CRI plugin and
+//! Debian's CNI plugins (bridge + host-local, dual stack). Two crust pods
+//! on one bridge: each has the addresses CNI assigned, they ping each
+//! other over IPv4 and IPv6, a TCP server in one is reached from the other
+//! and from the host, a pod reaches a TCP server on the host, and the
+//! pod's /etc/resolv.conf is the one CRI wrote. Teardown leaves no tap,
+//! and host-local has freed both addresses.
+//!
+//! Budget: two TCG guests, ~40 s.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Env, qemus_under};
+use crust_cri::Cri;
+use crust_cri::v1 as cri;
+
+/// The test's bridge; deleted on drop (CNI's DEL leaves bridges).
+struct Bridge(String);
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
+    }
+}
+
+async fn exec(cri: &mut Cri, cid: &str, script: &str) -> (i32, String) {
+    let r = cri
+        .runtime
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: cid.into(),
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            timeout: 60,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ExecSync {script:?}: {e}"))
+        .into_inner();
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    (r.exit_code, out)
+}
+
+struct Pod {
+    sandbox: String,
+    container: String,
+    ips: Vec<IpAddr>,
+}
+
+async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) -> Pod {
+    let config = cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            uid: uid.into(),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        hostname: name.into(),
+        log_directory: env.dir.path().join("logs").join(name).display().to_string(),
+        dns_config: Some(cri::DnsConfig {
+            servers: vec!["10.96.0.10".into()],
+            searches: vec!["default.svc.cluster.local".into()],
+            options: vec!["ndots:5".into()],
+        }),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Pod as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    std::fs::create_dir_all(env.dir.path().join("logs").join(name)).unwrap();
+    let sandbox = cri
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", env.logs()))
+        .into_inner()
+        .pod_sandbox_id;
+    let status = cri
+        .runtime
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: sandbox.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    let net = status.network.unwrap();
+    let mut ips: Vec<IpAddr> = vec![net.ip.parse().unwrap()];
+    ips.extend(
+        net.additional_ips
+            .iter()
+            .map(|i| i.ip.parse::<IpAddr>().unwrap()),
+    );
+    let container = cri
+        .runtime
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox.clone(),
+            config: Some(cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: "app".into(),
+                    attempt: 0,
+                }),
+                image: Some(cri::ImageSpec {
+                    image: crust_testkit::BUSYBOX_IMAGE.into(),
+                    ..Default::default()
+                }),
+                command: vec!["sh".into(), "-c".into(), script.into()],
+                log_path: "app.log".into(),
+                ..Default::default()
+            }),
+            sandbox_config: Some(config),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", env.logs()))
+        .into_inner()
+        .container_id;
+    cri.runtime
+        .start_container(cri::StartContainerRequest {
+            container_id: container.clone(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}\n{}", env.logs()));
+    Pod {
+        sandbox,
+        container,
+        ips,
+    }
+}
+
+/// A line from a TCP server at `addr`, retried while it starts.
+fn read_line_from(addr: (IpAddr, u16)) -> String {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut s) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(3)) {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            if !out.is_empty() {
+                return out;
+            }
+        }
+        assert!(Instant::now() < until, "nothing from {addr:?}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_crust_pods_on_a_cni_bridge() {
+    let t0 = Instant::now();
+    let phase = |what: &str| eprintln!("[{:>6.1}s] {what}", t0.elapsed().as_secs_f64());
+    let n = std::process::id() % 250;
+    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "crust-test",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": bridge.0,
+            "isGateway": true,
+            "ipMasq": false,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [
+                    [{"subnet": format!("10.88.{n}.0/24")}],
+                    [{"subnet": format!("fd00:88:{n:x}::/64")}]
+                ],
+                "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
+                "dataDir": ipam_dir.path().display().to_string(),
+            }
+        }]
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        Vec::new(),
+        Some(conflist.to_string()),
+    );
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let server = "while true; do echo \"from $(hostname)\" | nc -l -p 8080; done";
+    let a = run_pod(
+        &mut cri,
+        &env,
+        "net-a",
+        "26a00000-0000-4000-8000-00000000000a",
+        server,
+    )
+    .await;
+    phase("pod a");
+    let b = run_pod(
+        &mut cri,
+        &env,
+        "net-b",
+        "26b00000-0000-4000-8000-00000000000b",
+        server,
+    )
+    .await;
+    phase("pod b");
+    assert_eq!(qemus_under(&env.runtime_root).len(), 2);
+    let (a4, a6) = (a.ips[0], a.ips[1]);
+    let b4 = b.ips[0];
+    assert!(a4.is_ipv4() && a6.is_ipv6(), "{:?}", a.ips);
+
+    // The guest has exactly what CNI assigned.
+    let (_, addrs) = exec(
+        &mut cri,
+        &a.container,
+        "ip addr show eth0; ip route; ip -6 route",
+    )
+    .await;
+    assert!(addrs.contains(&format!("inet {a4}/24")), "{addrs}");
+    assert!(addrs.contains(&format!("inet6 {a6}/64")), "{addrs}");
+    assert!(
+        addrs.contains(&format!("default via 10.88.{n}.1")),
+        "{addrs}"
+    );
+    let (_, resolv) = exec(&mut cri, &a.container, "cat /etc/resolv.conf").await;
+    assert!(
+        resolv.contains("nameserver 10.96.0.10") && resolv.contains("ndots:5"),
+        "{resolv}"
+    );
+
+    // Host -> pod, pod -> pod (v4 and v6), TCP each way.
+    let ping = Command::new("ping")
+        .args(["-c", "2", "-W", "5", &a4.to_string()])
+        .output()
+        .unwrap();
+    assert!(ping.status.success(), "host -> a: {ping:?}\n{}", env.logs());
+    let (rc, out) = exec(&mut cri, &b.container, &format!("ping -c 2 -W 5 {a4}")).await;
+    assert_eq!(rc, 0, "b -> a: {out}");
+    let (rc, out) = exec(&mut cri, &b.container, &format!("ping6 -c 2 -W 5 {a6}")).await;
+    assert_eq!(rc, 0, "b -> a over IPv6: {out}");
+    assert_eq!(read_line_from((a4, 8080)), "from net-a\n");
+    let (rc, out) = exec(&mut cri, &a.container, &format!("nc {b4} 8080 </dev/null")).await;
+    assert_eq!((rc, out.as_str()), (0, "from net-b\n"), "a -> b TCP");
+    let gateway: IpAddr = format!("10.88.{n}.1").parse().unwrap();
+    let listener = TcpListener::bind((gateway, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accept = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(b"from the host\n").unwrap();
+    });
+    let (rc, out) = exec(
+        &mut cri,
+        &a.container,
+        &format!("nc {gateway} {port} </dev/null"),
+    )
+    .await;
+    accept.join().unwrap();
+    assert_eq!((rc, out.as_str()), (0, "from the host\n"), "a -> host TCP");
+    phase("traffic");
+
+    // Teardown as kubelet does it: nothing of crust's left, IPs freed.
+    for p in [&a, &b] {
+        cri.runtime
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: p.sandbox.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", env.logs()));
+        cri.runtime
+            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: p.sandbox.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", env.logs()));
+    }
+    assert!(qemus_under(&env.runtime_root).is_empty(), "no VM left");
+    let leased: Vec<String> = std::fs::read_dir(ipam_dir.path().join("crust-test"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.parse::<IpAddr>().is_ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(leased.is_empty(), "host-local still leases {leased:?}");
+    let links = String::from_utf8_lossy(&Command::new("ip").arg("link").output().unwrap().stdout)
+        .into_owned();
+    assert!(!links.contains("crusttap"), "{links}");
+    phase("torn down");
+}
