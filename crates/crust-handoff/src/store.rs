@@ -17,7 +17,7 @@ use rustix::io::Errno;
 use sha2::{Digest, Sha256};
 
 use crate::error::{HandoffError, Result};
-use crate::mountinfo::MountInfo;
+use crate::mountinfo::{MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL};
 use crate::validate;
 
 /// File holding the record itself (both layouts).
@@ -277,10 +277,23 @@ impl Store {
         Ok(())
     }
 
+    /// `mi` as this layout writes it: a Kata-layout record's volume type
+    /// is `directvol` (what Kata's Rust runtime requires; Kata's Go runtime
+    /// ignores it, crust reads `block`, `directvol` and none alike).
+    pub fn normalized(&self, mi: &MountInfo) -> MountInfo {
+        let mut mi = mi.clone();
+        if self.layout == Layout::Kata && matches!(mi.volume_type.as_str(), "" | VOLUME_TYPE_BLOCK)
+        {
+            mi.volume_type = VOLUME_TYPE_DIRECTVOL.into();
+        }
+        mi
+    }
+
     /// Writes the record for `target`. Same content again: Ok. Different
     /// content: refused while a sandbox holds the volume, otherwise replaced
     /// atomically (and a stale `runtime-cli` dropped).
     pub fn stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let mi = &self.normalized(mi);
         let (key, json) = self.checked_record(target, mi)?;
         let (dir, path, entries) = self.record_dir_for_write(&key)?;
         match compare_staged(&dir, &entries, mi, target, &path)? {
@@ -309,6 +322,7 @@ impl Store {
         sandbox_id: &str,
         runtime_cli: Option<&str>,
     ) -> Result<()> {
+        let mi = &self.normalized(mi);
         let (key, json) = self.checked_record(target, mi)?;
         validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
         if let Some(cli) = runtime_cli {
@@ -400,6 +414,7 @@ impl Store {
     /// Everything [`Store::stage`] would refuse, without writing: lets a
     /// caller staging into several layouts check them all first.
     pub fn check_stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let mi = &self.normalized(mi);
         let key = self.check_target(target)?;
         self.check_mount_info(mi)
             .map_err(HandoffError::InvalidArgument)?;
@@ -412,6 +427,43 @@ impl Store {
         let path = self.display(&key);
         let entries = self.entries(&dir, &path)?;
         compare_staged(&dir, &entries, mi, target, &path).map(|_| ())
+    }
+
+    /// Kata's `direct-volume add`: a record given as JSON, accepted by the
+    /// reader's rules ([`Store::check_record`]: what a runtime would
+    /// consume). The caller's bytes are stored as given when every reader
+    /// takes them alike: crust and Kata's Go runtime (same key folding,
+    /// duplicates refused by [`MountInfo::from_json`]) and Kata's Rust
+    /// runtime (exact key spelling, no `null` for a known key, volume type
+    /// `directvol` in the Kata layout); otherwise the canonical form of
+    /// what was read ([`MountInfo::to_json`] of [`Store::normalized`]).
+    /// Returns the record as stored.
+    pub fn stage_bytes(&self, target: &str, bytes: &[u8]) -> Result<MountInfo> {
+        let given = MountInfo::from_json(bytes).map_err(HandoffError::InvalidArgument)?;
+        let mi = self.normalized(&given);
+        let key = self.check_target(target)?;
+        self.check_record(&mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        let json = if mi == given && crate::mountinfo::read_alike_by_every_runtime(bytes) {
+            bytes.to_vec()
+        } else {
+            mi.to_json().into_bytes()
+        };
+        if json.len() as u64 > MAX_RECORD_SIZE {
+            return Err(HandoffError::InvalidArgument(
+                "the record would exceed 64 KiB".into(),
+            ));
+        }
+        let (dir, path, entries) = self.record_dir_for_write(&key)?;
+        match compare_staged(&dir, &entries, &mi, target, &path)? {
+            Staged::Same => return Ok(mi),
+            Staged::Different if entries.iter().any(|e| matches!(e, Entry::RuntimeCli)) => {
+                unlink_ignore_missing(&dir, RUNTIME_CLI_FILE, &path)?;
+            }
+            Staged::Different | Staged::Nothing => {}
+        }
+        write_atomic(&dir, MOUNT_INFO_FILE, &json, &path)?;
+        Ok(mi)
     }
 
     /// The validated record for `target`. A record that this library would

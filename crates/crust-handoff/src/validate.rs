@@ -220,27 +220,55 @@ fn encryption_refused() -> String {
     )
 }
 
-/// The metadata of a record being read, as Kata reads it: `fsGroup` and
-/// `fsGroupChangePolicy` checked as on write, `createFilesystem` a Go
-/// boolean, unknown keys ignored (Kata logs and skips them). An
-/// `encryptionKey` is refused: crust cannot honour it, and mounting the
-/// volume unencrypted instead would be a silent downgrade.
+/// The metadata of a record being read, as Kata reads it. Per key, what
+/// is fatal and what is not:
+///
+/// | key | unusable value | why |
+/// |---|---|---|
+/// | `encryptionKey` (any case) | always refused | crust cannot honour it; mounting unencrypted would be a silent downgrade, and a key must never be on disk |
+/// | `fsGroup` | ignored, warned ([`metadata_warnings`]) | Kata's Go runtime logs and skips it; the volume works without a group change |
+/// | `fsGroupChangePolicy` | ignored, warned | as Kata: meaningless without a usable `fsGroup` |
+/// | `createFilesystem` | ignored (nothing formatted), warned | as Kata (`strconv.ParseBool` fails: skipped); not formatting is the safe side |
+/// | any other key | ignored | Kata's CSI driver copies the whole volume context here |
+///
+/// The device, fstype, volume type and options are checked elsewhere and
+/// are always fatal: without them there is nothing safe to mount.
 pub fn check_metadata_read(mi: &MountInfo) -> Result<(), String> {
-    for (k, v) in &mi.metadata {
-        match k.as_str() {
-            FS_GROUP_KEY => {
-                parse_fs_group(v)?;
-            }
-            FS_GROUP_CHANGE_POLICY_KEY => {
-                FsGroupChangePolicy::parse(v)?;
-            }
-            // Any spelling: a key in a record is refused, never ignored.
-            k if k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY) => return Err(encryption_refused()),
-            _ => {}
+    if mi
+        .metadata
+        .keys()
+        .any(|k| k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY))
+    {
+        return Err(encryption_refused());
+    }
+    Ok(())
+}
+
+/// What a reader ignores in a record's metadata, one sentence each (see
+/// the table at [`check_metadata_read`]); the runtime logs them.
+pub fn metadata_warnings(mi: &MountInfo) -> Vec<String> {
+    let mut out = Vec::new();
+    let group = mi.metadata.get(FS_GROUP_KEY);
+    if let Some(v) = group
+        && let Err(e) = parse_fs_group(v)
+    {
+        out.push(format!(
+            "metadata {e}: ignored, the volume is mounted without a group change"
+        ));
+    }
+    if let Some(v) = mi.metadata.get(FS_GROUP_CHANGE_POLICY_KEY) {
+        if let Err(e) = FsGroupChangePolicy::parse(v) {
+            out.push(format!("metadata {e}: ignored"));
+        } else if group.is_none() {
+            out.push(format!(
+                "metadata {FS_GROUP_CHANGE_POLICY_KEY} without {FS_GROUP_KEY}: ignored"
+            ));
         }
     }
-    mi.create_filesystem()?;
-    Ok(())
+    if let Err(e) = mi.create_filesystem() {
+        out.push(format!("{e}: ignored, nothing is formatted"));
+    }
+    out
 }
 
 /// Canonical decimal gid: digits only, no leading zero, fits in u32.
@@ -422,13 +450,34 @@ mod tests {
         for (bad, why) in [
             (&[("encryptionKey", "ephemeral")][..], "must never"),
             (&[("EncryptionKey", "x")], "must never"),
-            (&[("createFilesystem", "yes")], "not a boolean"),
-            (&[("fsGroup", "wheel")], "decimal"),
-            (&[("fsGroupChangePolicy", "Never")], "Always"),
         ] {
             let e = check_metadata_read(&rec(bad)).unwrap_err();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
+        // Unusable non-essential values: read, ignored, and said so.
+        for (odd, why) in [
+            (&[("createFilesystem", "yes")][..], "not a boolean"),
+            (&[("fsGroup", "wheel")], "decimal"),
+            (
+                &[("fsGroup", "abc"), ("fsGroupChangePolicy", "Always")],
+                "decimal",
+            ),
+            (
+                &[("fsGroup", "1"), ("fsGroupChangePolicy", "Never")],
+                "Always",
+            ),
+            (&[("fsGroupChangePolicy", "Always")], "without fsGroup"),
+        ] {
+            let mi = rec(odd);
+            assert_eq!(check_metadata_read(&mi), Ok(()), "{odd:?}");
+            let w = metadata_warnings(&mi);
+            assert_eq!(w.len(), 1, "{odd:?}: {w:?}");
+            assert!(
+                w[0].contains(why) && w[0].contains("ignored"),
+                "{odd:?}: {w:?}"
+            );
+        }
+        assert!(metadata_warnings(&rec(&[("fsGroup", "1"), ("x", "y")])).is_empty());
         // The write side keeps its allow-list, and says why for a key.
         let md = BTreeMap::from([("encryptionKey".to_string(), "k".to_string())]);
         assert!(check_metadata(&md).unwrap_err().contains("must never"));
