@@ -186,7 +186,11 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     )?;
     let handover = Handover::new(&cfg);
     let asked_at = take_published_volumes(&handover, &discovery, &bundle, &store, &mut state).await;
-    let plan = match asked_at.and_then(|a| Ok((discovery.plan(&bundle)?, a))) {
+    let plan = match asked_at.and_then(|a| {
+        let plan = discovery.plan(&bundle)?;
+        volumes::check_before_boot(&discovery, &plan.volumes)?;
+        Ok((plan, a))
+    }) {
         Ok(p) => p,
         Err(e) => {
             handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
@@ -754,6 +758,8 @@ impl ShimHandler for Controller {
                 )
             })?;
         let v = Volume::from_record(layout, &volume_path, &mi, false);
+        volumes::check_before_boot(&self.discovery, std::slice::from_ref(&v))
+            .map_err(ApiError::from)?;
         if self.snapshot().volumes.iter().any(|o| o.id == v.id) {
             return Err(ApiError::new(
                 Code::AlreadyExists,

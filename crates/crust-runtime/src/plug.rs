@@ -139,6 +139,8 @@ async fn plug_on(
     v: &Volume,
     bus: &str,
 ) -> Result<ExclusiveDevice, (VolumeError, Option<ExclusiveDevice>)> {
+    // The doors check this before booting; a plug never goes without it.
+    volumes::check_for_guest(v).map_err(|e| (e, None))?;
     // mkfs needs the device to itself: before the hold.
     volumes::format_if_requested(v)
         .await

@@ -145,6 +145,59 @@ pub fn agent_fstype(v: &Volume) -> Result<FsType, VolumeError> {
     })
 }
 
+/// Record options that mean nothing for a block device handed to a VM:
+/// Kata's CSI driver writes `["bind","rw"]` (it also bind-mounts the
+/// volume on the host). The guest mounts a filesystem from a disk, never
+/// a bind, so these are accepted and dropped.
+pub const HOST_ONLY_OPTIONS: [&str; 2] = ["bind", "rbind"];
+
+/// The options the agent mounts `v` with: the record's, without the
+/// host-only ones and without `ro`/`rw` (read-only-ness travels as the
+/// readonly flag).
+pub fn guest_options(v: &Volume) -> Vec<String> {
+    v.options
+        .iter()
+        .filter(|o| !HOST_ONLY_OPTIONS.contains(&o.as_str()) && *o != "ro" && *o != "rw")
+        .cloned()
+        .collect()
+}
+
+/// THE check of everything a volume's record carries that the guest
+/// would act on, run by every door before a VM starts or a device is
+/// plugged (so a bad record never costs a boot): the fstype is one the
+/// guest mounts, and the options pass crust's one allow-list
+/// ([`crust_fs::options`], what the agent applies) once the host-only
+/// ones are dropped. The record itself (device, volume type, secrets)
+/// was checked when it was read; its ignored metadata is logged here.
+pub fn check_for_guest(v: &Volume) -> Result<(), VolumeError> {
+    let fs = agent_fstype(v)?;
+    crust_fs::options::parse(fs, &guest_options(v), v.readonly).map_err(|e| {
+        VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: format!("record options: {e}"),
+        }
+    })?;
+    Ok(())
+}
+
+/// [`check_for_guest`] for every volume of a plan, before anything is
+/// claimed or booted; also says which metadata each record's reader
+/// ignored ([`crust_handoff::validate::metadata_warnings`]).
+pub fn check_before_boot(
+    discovery: &crate::discovery::Discovery,
+    volumes: &[Volume],
+) -> Result<(), VolumeError> {
+    for v in volumes {
+        check_for_guest(v)?;
+        if let Ok(mi) = discovery.store(v.layout).read(&v.target) {
+            for w in crust_handoff::validate::metadata_warnings(&mi) {
+                tracing::warn!(target = %v.target, "hand-off record: {w}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Checks the host device right before handing it to QEMU: it must still
 /// be a block device (records are validated when read, but time passes).
 pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
@@ -254,13 +307,7 @@ pub async fn mount(
         volume: v.id.clone(),
         serial: v.serial.clone(),
         fstype: agent_fstype(v)?,
-        // `ro` travels as the readonly flag; the agent's allow-list does the rest.
-        options: v
-            .options
-            .iter()
-            .filter(|o| *o != "ro" && *o != "rw")
-            .cloned()
-            .collect(),
+        options: guest_options(v),
         readonly: v.readonly,
         fs_group: v.fs_group,
         fs_group_policy: v.fs_group_change_policy().map(|p| match p {

@@ -381,6 +381,8 @@ impl Pod {
         });
         self.take_published_volumes(&b).await?;
         let vplan = self.discovery.plan(&b).map_err(RuntimeError::from)?;
+        crust_runtime::volumes::check_before_boot(&self.discovery, &vplan.volumes)
+            .map_err(RuntimeError::from)?;
         // Every step in the share by descriptor from its root: the guest
         // may have written there (see crust_runtime::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
