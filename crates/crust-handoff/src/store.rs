@@ -113,6 +113,9 @@ pub struct Policy {
     pub file_device_roots: Vec<PathBuf>,
     /// Filesystems a record may name (default: every `crust_fs::FsType`).
     pub allowed_fstypes: Vec<String>,
+    /// The caller's name for the setting behind `file_device_roots` (a
+    /// flag and variable), so that a refusal says what to change.
+    pub file_device_setting: String,
 }
 
 impl Default for Policy {
@@ -121,6 +124,7 @@ impl Default for Policy {
             allowed_target_prefixes: Vec::new(),
             file_device_roots: Vec::new(),
             allowed_fstypes: crust_fs::FsType::NAMES.map(String::from).to_vec(),
+            file_device_setting: "the file-device roots".into(),
         }
     }
 }
@@ -273,7 +277,11 @@ impl Store {
         validate::check_fstype(&mi.fstype, &self.policy.allowed_fstypes)?;
         validate::check_metadata_read(mi)?;
         validate::check_options(&mi.options)?;
-        validate::check_device(&mi.device, &self.policy.file_device_roots)?;
+        validate::check_device(
+            &mi.device,
+            &self.policy.file_device_roots,
+            &self.policy.file_device_setting,
+        )?;
         Ok(())
     }
 

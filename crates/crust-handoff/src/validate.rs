@@ -283,11 +283,17 @@ pub fn parse_fs_group(v: &str) -> Result<u32, String> {
 }
 
 /// A device is a block device under /dev, or — only when the policy lists
-/// roots for it — a regular file beneath one of those roots (VM images,
-/// tests). Symlinks are resolved and the resolved path is checked again, so
-/// /dev/disk/by-id links work but cannot lead elsewhere.
-pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), String> {
+/// roots for it — a regular file beneath one of those roots that
+/// [`open_file_device`] accepts. Symlinks to a block device are resolved
+/// and the resolved path is checked again, so /dev/disk/by-id links work
+/// but cannot lead elsewhere; a file device is never reached through one.
+/// `setting` names the setting that lists the roots, for the refusal.
+pub fn check_device(dev: &str, file_device_roots: &[PathBuf], setting: &str) -> Result<(), String> {
     check_abs_path("device", dev)?;
+    let meta = std::fs::symlink_metadata(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
+    if meta.file_type().is_file() || meta.file_type().is_symlink() && Path::new(dev).is_file() {
+        return open_file_device(dev, file_device_roots, setting, false).map(drop);
+    }
     let meta = std::fs::metadata(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
     let real = std::fs::canonicalize(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
     if meta.file_type().is_block_device() {
@@ -296,24 +302,117 @@ pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), Stri
         }
         return Err(format!("device {dev:?} is a block device outside /dev"));
     }
-    if meta.file_type().is_file() {
-        for root in file_device_roots {
-            let root_real = match std::fs::canonicalize(root) {
-                Ok(r) => r,
-                Err(_) => continue,
-            };
-            if Path::new(dev).starts_with(root) && real.starts_with(&root_real) && real != root_real
-            {
-                return Ok(());
-            }
-        }
-        return Err(format!(
-            "device {dev:?} is a regular file outside the configured file-device roots"
-        ));
-    }
     Err(format!(
         "device {dev:?} is neither a block device nor an allowed regular file"
     ))
+}
+
+/// THE rule for a regular file used as a volume's disk (Kata's CSI driver
+/// backs volumes with `<storage>/<volume id>/directvol-rawdisk.<size>`),
+/// returning the file opened (read-write when `writable`) so that the
+/// caller hands QEMU this descriptor and nobody looks the path up again.
+///
+/// The path must lie beneath one of `roots` (lexically; `setting` names
+/// where they are configured), and is walked from `/` one component at a
+/// time with `O_NOFOLLOW`: no symlink anywhere. Every directory on it
+/// must be owned by root (or by us) and writable by nobody else, except
+/// a root-owned sticky directory such as `/tmp` (Kata's deployment keeps
+/// its files under `/tmp/kata-directvol-storages`): there others may add
+/// entries but cannot rename or replace root's. The file itself must be
+/// owned by root (or us) and not group- or world-writable. Anyone who
+/// could write along the path could otherwise swap another file (a host
+/// disk image, a secret) in between the check and QEMU's open.
+pub fn open_file_device(
+    dev: &str,
+    roots: &[PathBuf],
+    setting: &str,
+    writable: bool,
+) -> Result<std::os::fd::OwnedFd, String> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    check_abs_path("device", dev)?;
+    let listed = || {
+        if roots.is_empty() {
+            "none configured".to_string()
+        } else {
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let within = roots.iter().any(|r| {
+        let r = Path::new(r.to_str().unwrap_or_default().trim_end_matches('/'));
+        Path::new(dev).starts_with(r) && Path::new(dev) != r
+    });
+    if !within {
+        return Err(format!(
+            "device {dev:?} is a regular file outside the configured file-device roots \
+             ({}); set {setting} to serve files there",
+            listed()
+        ));
+    }
+    let euid = rustix::process::geteuid().as_raw();
+    let trusted = |st: &rustix::fs::Stat, what: &str, p: &str| -> Result<(), String> {
+        if st.st_uid != 0 && st.st_uid != euid {
+            return Err(format!(
+                "device {dev:?}: {what} {p:?} is owned by uid {}, not root",
+                st.st_uid
+            ));
+        }
+        let sticky_root_dir = what == "directory" && st.st_mode & 0o1000 != 0 && st.st_uid == 0;
+        if st.st_mode & 0o022 != 0 && !sticky_root_dir {
+            return Err(format!(
+                "device {dev:?}: {what} {p:?} is writable by group or others (mode {:o})",
+                st.st_mode & 0o7777
+            ));
+        }
+        Ok(())
+    };
+    let fail = |p: &str, e: rustix::io::Errno| {
+        if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
+            format!(
+                "device {dev:?}: {p:?} is a symlink or not a directory; file devices are never reached through symlinks"
+            )
+        } else {
+            format!("device {dev:?}: opening {p:?}: {e}")
+        }
+    };
+    let dir_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut dir = rustix::fs::open("/", dir_flags, Mode::empty()).map_err(|e| fail("/", e))?;
+    let st = rustix::fs::fstat(&dir).map_err(|e| fail("/", e))?;
+    trusted(&st, "directory", "/")?;
+    let comps: Vec<&str> = dev[1..].split('/').collect();
+    let (name, parents) = comps.split_last().expect("check_abs_path: not /");
+    let mut walked = String::new();
+    for c in parents {
+        walked.push('/');
+        walked.push_str(c);
+        dir =
+            rustix::fs::openat(&dir, *c, dir_flags, Mode::empty()).map_err(|e| fail(&walked, e))?;
+        let st = rustix::fs::fstat(&dir).map_err(|e| fail(&walked, e))?;
+        trusted(&st, "directory", &walked)?;
+    }
+    let access = if writable {
+        OFlags::RDWR
+    } else {
+        OFlags::RDONLY
+    };
+    let fd = rustix::fs::openat(
+        &dir,
+        *name,
+        access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| fail(dev, e))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| fail(dev, e))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(format!("device {dev:?} is not a regular file"));
+    }
+    trusted(&st, "file", dev)?;
+    // Back to blocking I/O for QEMU.
+    rustix::fs::fcntl_setfl(&fd, access).map_err(|e| fail(dev, e))?;
+    Ok(fd)
 }
 
 #[cfg(test)]

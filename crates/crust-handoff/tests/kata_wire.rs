@@ -191,3 +191,94 @@ fn unusable_non_essential_metadata_is_read_and_ignored() {
     let e = store.stage_bytes(TARGET, key.as_bytes()).unwrap_err();
     assert!(e.to_string().contains("must never"), "{e}");
 }
+
+/// Item 1, the rule: a regular file is a volume's disk only beneath a
+/// configured root, reached without a symlink, through directories that
+/// only root can change (a root-owned sticky directory such as /tmp
+/// included), and itself not writable by others. Kata's driver layout
+/// `<storage>/<volume id>/directvol-rawdisk.<size>` (dirs 0750, file 0644)
+/// passes; each way to swap the file is refused, naming the setting.
+#[test]
+fn file_devices_follow_one_rule() {
+    use crust_handoff::validate::open_file_device;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+    const SETTING: &str = "--file-device-roots (TEST_VAR)";
+    let tmp = tempfile::tempdir().unwrap(); // under /tmp: root-owned, sticky
+    let storage = tmp.path().join("kata-directvol-storages");
+    let vol = storage.join("62a268d9-893a-11ee-97cb-d89d6725e7b0");
+    fs::create_dir_all(&vol).unwrap();
+    for d in [&storage, &vol] {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o750)).unwrap();
+    }
+    let disk = vol.join("directvol-rawdisk.64M");
+    fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
+    fs::set_permissions(&disk, fs::Permissions::from_mode(0o644)).unwrap();
+    let roots = vec![storage.clone()];
+    let d = disk.to_str().unwrap();
+    let fd = open_file_device(d, &roots, SETTING, true).unwrap();
+    assert_eq!(
+        rustix::fs::fstat(&fd).unwrap().st_ino,
+        std::os::unix::fs::MetadataExt::ino(&fs::metadata(&disk).unwrap())
+    );
+    assert!(
+        rustix::fs::fcntl_getfl(&fd)
+            .unwrap()
+            .contains(rustix::fs::OFlags::RDWR)
+    );
+
+    // Outside every root, or no roots at all: the refusal names the setting.
+    for roots in [vec![], vec![tmp.path().join("elsewhere")]] {
+        let e = open_file_device(d, &roots, SETTING, false).unwrap_err();
+        assert!(e.contains(SETTING) && e.contains("outside"), "{e}");
+    }
+    // A symlink anywhere on the path.
+    let link_dir = storage.join("linked");
+    symlink(&vol, &link_dir).unwrap();
+    let via = link_dir.join("directvol-rawdisk.64M");
+    let e = open_file_device(via.to_str().unwrap(), &roots, SETTING, false).unwrap_err();
+    assert!(e.contains("symlink"), "{e}");
+    let link_file = vol.join("disk-link");
+    symlink(&disk, &link_file).unwrap();
+    let e = open_file_device(link_file.to_str().unwrap(), &roots, SETTING, false).unwrap_err();
+    assert!(e.contains("symlink"), "{e}");
+    // A directory others may write to (not sticky), then one not root's.
+    fs::set_permissions(&vol, fs::Permissions::from_mode(0o777)).unwrap();
+    let e = open_file_device(d, &roots, SETTING, false).unwrap_err();
+    assert!(e.contains("writable by group or others"), "{e}");
+    fs::set_permissions(&vol, fs::Permissions::from_mode(0o1777)).unwrap();
+    rustix::fs::chown(&vol, Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
+    let e = open_file_device(d, &roots, SETTING, false).unwrap_err();
+    assert!(e.contains("owned by uid 65534"), "{e}");
+    rustix::fs::chown(&vol, Some(rustix::fs::Uid::ROOT), None).unwrap();
+    fs::set_permissions(&vol, fs::Permissions::from_mode(0o750)).unwrap();
+    // The file itself writable by others.
+    fs::set_permissions(&disk, fs::Permissions::from_mode(0o666)).unwrap();
+    let e = open_file_device(d, &roots, SETTING, false).unwrap_err();
+    assert!(e.contains("file") && e.contains("writable"), "{e}");
+    fs::set_permissions(&disk, fs::Permissions::from_mode(0o644)).unwrap();
+    // A record naming it goes through the same rule when read.
+    let (_t, store) = kata_store();
+    let store = Store::new(
+        Layout::Kata,
+        store.root(),
+        Policy {
+            file_device_roots: roots.clone(),
+            file_device_setting: SETTING.into(),
+            ..Policy::default()
+        },
+    )
+    .unwrap();
+    store
+        .stage_bytes(TARGET, kata_driver_bytes(d).as_bytes())
+        .unwrap();
+    assert_eq!(store.read(TARGET).unwrap().device, d);
+    fs::set_permissions(&vol, fs::Permissions::from_mode(0o770)).unwrap();
+    let e = store.read(TARGET).unwrap_err().to_string();
+    assert!(e.contains("writable by group or others"), "{e}");
+}
+
+fn kata_driver_bytes(dev: &str) -> String {
+    format!(
+        r#"{{"volume-type":"directvol","device":"{dev}","fstype":"ext4","metadata":{{"is_directvolume":"True"}},"options":["bind","rw"]}}"#
+    )
+}

@@ -163,6 +163,7 @@ impl CrustOps {
             allowed_target_prefixes: cfg.allowed_target_prefixes,
             file_device_roots: cfg.file_device_roots,
             allowed_fstypes: cfg.allowed_fstypes,
+            file_device_setting: "--allow-file-devices-under (CRUST_OPS_FILE_DEVICE_ROOTS)".into(),
         };
         let want = |l: LayoutMode| cfg.layout == l || cfg.layout == LayoutMode::Both;
         let crust = want(LayoutMode::Crust)

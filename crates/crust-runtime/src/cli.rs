@@ -137,6 +137,18 @@ pub struct GlobalOpts {
         global = true
     )]
     pub handover_endpoint: String,
+    /// Directories beneath which a regular file may be a volume's disk
+    /// (comma-separated; empty: none). The default serves Kata's CSI
+    /// driver. Every directory on such a file's path must be root's and
+    /// writable by nobody else (root's sticky /tmp aside), with no symlink.
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_FILE_DEVICE_ROOTS",
+        default_value = crate::config::DEFAULT_FILE_DEVICE_ROOTS,
+        value_delimiter = ',',
+        global = true
+    )]
+    pub file_device_roots: Vec<String>,
 }
 
 impl GlobalOpts {
@@ -194,6 +206,12 @@ impl GlobalOpts {
             share_binds: self.share_binds,
             virtiofsd: self.virtiofsd_binary.clone(),
             handover_endpoint: self.handover_endpoint.clone(),
+            file_device_roots: self
+                .file_device_roots
+                .iter()
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .collect(),
         }
     }
 }

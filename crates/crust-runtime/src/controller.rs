@@ -179,11 +179,7 @@ fn take_stdout() -> std::io::Result<File> {
 async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controller, RuntimeError> {
     let mut state = store.load(&id)?;
     let bundle = Bundle::load(&state.bundle)?;
-    let discovery = Discovery::new(
-        cfg.crust_root.clone(),
-        cfg.kata_root.clone(),
-        &cfg.pods_layer_stop,
-    )?;
+    let discovery = Discovery::for_config(&cfg)?;
     let handover = Handover::new(&cfg);
     let asked_at = take_published_volumes(&handover, &discovery, &bundle, &store, &mut state).await;
     let plan = match asked_at.and_then(|a| {
@@ -525,6 +521,7 @@ impl Controller {
             qmp: &self.qmp,
             agent: &self.agent,
             mount_timeout: self.cfg.boot_timeout,
+            file_device_roots: &self.cfg.file_device_roots,
         };
         plug::plug(&self.attachments, &ports, v).await.map(drop)
     }

@@ -44,11 +44,7 @@ pub struct Runtime {
 
 impl Runtime {
     pub fn new(cfg: Config) -> Result<Runtime> {
-        let discovery = Discovery::new(
-            cfg.crust_root.clone(),
-            cfg.kata_root.clone(),
-            &cfg.pods_layer_stop,
-        )?;
+        let discovery = Discovery::for_config(&cfg)?;
         Ok(Runtime {
             sandboxes: SandboxStore::new(cfg.root.clone()),
             discovery,

@@ -271,12 +271,54 @@ pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, V
     })
 }
 
-/// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
-pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
-    check_host_device(v)?;
-    qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
-        .await
-        .map_err(qmp_err(v, "blockdev-add"))?;
+pub fn host_device_error(v: &Volume, reason: String) -> VolumeError {
+    VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason,
+    }
+}
+
+/// For a volume whose device is a regular file (Kata's CSI driver backs
+/// volumes with files), that file opened by the one rule
+/// ([`crust_handoff::validate::open_file_device`]: beneath `roots`, no
+/// symlink, only root can change the path); None for a block device.
+pub fn open_file_device(
+    v: &Volume,
+    roots: &[std::path::PathBuf],
+) -> Result<Option<std::os::fd::OwnedFd>, VolumeError> {
+    if crust_blockdev::is_block_device(Path::new(&v.device)) {
+        return Ok(None);
+    }
+    crust_handoff::validate::open_file_device(
+        &v.device,
+        roots,
+        crate::config::FILE_DEVICE_SETTING,
+        !v.readonly,
+    )
+    .map(Some)
+    .map_err(|reason| host_device_error(v, reason))
+}
+
+/// Hot-plugs `v` on PCIe root port `bus`: its block device by path (a
+/// node under /dev, checked again now), or `file`, the descriptor of its
+/// file device ([`open_file_device`]), which QEMU gets as it is.
+/// Idempotent (crust-qmp is).
+pub async fn attach(
+    qmp: &QmpClient,
+    v: &Volume,
+    bus: Option<&str>,
+    file: Option<std::os::fd::OwnedFd>,
+) -> Result<(), VolumeError> {
+    match file {
+        Some(fd) => qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await,
+        None => {
+            check_host_device(v)?;
+            qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
+                .await
+        }
+    }
+    .map_err(qmp_err(v, "blockdev-add"))?;
     if let Err(e) = qmp
         .device_add_virtio_blk(&v.device_id, &v.node_name, &v.serial, bus)
         .await
@@ -416,6 +458,12 @@ pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {
     let dev = v.device.clone();
     let res = tokio::task::spawn_blocking(move || {
         let path = Path::new(&dev);
+        if !crust_blockdev::is_block_device(path) {
+            // A file device: QEMU grows the file it holds to this size.
+            return std::fs::metadata(path)
+                .map(|m| m.len())
+                .map_err(|e| e.to_string());
+        }
         let is_loop = crust_blockdev::loop_status(path).ok().flatten().is_some();
         if is_loop {
             crust_blockdev::refresh_capacity(path).map_err(|e| e.to_string())

@@ -207,3 +207,45 @@ fn records_are_checked_before_any_vm_starts() {
     drop(disk);
     assert_clean(&env);
 }
+
+/// Item 1: a file device outside the file-device roots is refused before
+/// anything starts, naming the setting; a file the roots cover but
+/// reached through a symlink is refused too.
+#[test]
+fn file_devices_outside_the_roots_are_refused_naming_the_setting() {
+    let mut env = Env::new();
+    let (qemu, mark) = qemu_stand_in(&env);
+    let storage = env.dir.path().join("storages");
+    env.extra_args = vec![
+        "--qemu".into(),
+        qemu.display().to_string(),
+        "--file-device-roots".into(),
+        storage.display().to_string(),
+    ];
+    std::fs::create_dir_all(storage.join("v")).unwrap();
+    let inside = storage.join("v/directvol-rawdisk.8M");
+    let outside = env.files.join("directvol-rawdisk.8M");
+    for f in [&inside, &outside] {
+        std::fs::File::create(f).unwrap().set_len(8 * MIB).unwrap();
+    }
+    std::os::unix::fs::symlink(&inside, storage.join("v/link")).unwrap();
+    let target = env.target("pod-f", "pv-f");
+    let b = env.bundle("f", &["true"], vec![bind("/data", &target, false)]);
+    for (dev, why) in [
+        (outside.clone(), "CRUST_RUNTIME_FILE_DEVICE_ROOTS"),
+        (storage.join("v/link"), "symlink"),
+    ] {
+        plant(
+            &env,
+            &target,
+            &format!(
+                r#"{{"volume-type":"directvol","device":"{}","fstype":"ext4","options":["bind","rw"]}}"#,
+                dev.display()
+            ),
+        );
+        let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "f"]);
+        assert!(err.contains(why), "{why}: {err}");
+        assert!(!mark.exists(), "QEMU was run");
+    }
+    assert_clean(&env);
+}

@@ -116,12 +116,7 @@ pub struct Pod {
 
 impl Pod {
     pub fn new(id: &str, cfg: ShimConfig) -> Result<Pod, PodError> {
-        let discovery = Discovery::new(
-            cfg.runtime.crust_root.clone(),
-            cfg.runtime.kata_root.clone(),
-            &cfg.runtime.pods_layer_stop,
-        )
-        .map_err(RuntimeError::from)?;
+        let discovery = Discovery::for_config(&cfg.runtime).map_err(RuntimeError::from)?;
         Ok(Pod {
             id: id.to_string(),
             store: SandboxStore::new(cfg.runtime.root.clone()),
@@ -544,6 +539,7 @@ impl Pod {
             qmp: &vm.qmp,
             agent: &vm.agent,
             mount_timeout: self.cfg.runtime.boot_timeout,
+            file_device_roots: &self.cfg.runtime.file_device_roots,
         };
         if let Err(e) = plug::plug(&self.attachments, &ports, v).await {
             release_all(&self.discovery, &self.id, std::slice::from_ref(v));
