@@ -673,6 +673,11 @@ impl ShimHandler for Controller {
         Ok(())
     }
 
+    async fn metrics(&self) -> ApiResult<String> {
+        let agent = self.qemu_exited().is_none().then_some(&self.agent);
+        Ok(crate::metrics::sandbox_metrics(&self.snapshot(), agent, self.cfg.timeout).await)
+    }
+
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
         let v = self.find_volume(&path)?;
         if self.qemu_exited().is_some() {

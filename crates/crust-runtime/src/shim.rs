@@ -17,6 +17,7 @@
 //! | POST | `/volumes` | [`AddVolumeRequest`] | [`Volume`] |
 //! | POST | `/exec` | [`ExecRequest`] | [`ExecResponse`] |
 //! | GET  | `/logs` | | [`LogsResponse`] |
+//! | GET  | `/metrics` | | Prometheus text 0.0.4, what kata-monitor scrapes ([`crate::metrics`]) |
 //!
 //! Errors are `{"code": "NOT_FOUND", "message": "..."}` with a matching
 //! HTTP status, except on `/direct-volume/*`: there they are plain text,
@@ -178,6 +179,8 @@ pub trait ShimHandler: Send + Sync + 'static {
     fn add_volume(&self, volume_path: String) -> impl Future<Output = ApiResult<Volume>> + Send;
     fn exec(&self, req: ExecRequest) -> impl Future<Output = ApiResult<ExecResponse>> + Send;
     fn logs(&self) -> impl Future<Output = ApiResult<LogsResponse>> + Send;
+    /// The sandbox's metrics in Prometheus text format 0.0.4.
+    fn metrics(&self) -> impl Future<Output = ApiResult<String>> + Send;
 }
 
 /// Binds `path` (replacing a stale socket) with mode 0600.
@@ -367,6 +370,15 @@ async fn route<H: ShimHandler>(
             Err(e) => reply::<Empty>(Err(e)),
         },
         (Method::GET, "/logs") => reply(h.logs().await),
+        (Method::GET, "/metrics") => match h.metrics().await {
+            Ok(text) => Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", crate::metrics::CONTENT_TYPE)
+                .body(Full::new(Bytes::from(text)))
+                .expect("valid response"),
+            // Text too: kata-monitor decodes any body as metrics.
+            Err(e) => text_error(&e),
+        },
         (m, p) => reply::<Empty>(Err(ApiError::new(
             Code::NotFound,
             format!("no endpoint {m} {p}"),
@@ -692,6 +704,9 @@ mod tests {
             Ok(LogsResponse {
                 output: "hi".into(),
             })
+        }
+        async fn metrics(&self) -> ApiResult<String> {
+            Ok("# TYPE crust_x gauge\ncrust_x 1\n".into())
         }
     }
 

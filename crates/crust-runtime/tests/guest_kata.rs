@@ -380,14 +380,15 @@ fn create_filesystem_never_formats_data_without_a_signature() {
     assert_clean(&env);
 }
 
-/// Issue 25 items 1, 2, 8 in a guest: a volume exactly as Kata's CSI
+/// Issue 25 items 1, 2, 6, 8 in a guest: a volume exactly as Kata's CSI
 /// driver (csi-kata-directvolume) makes it: a root-owned regular file
 /// `<storage>/<volume id>/directvol-rawdisk.64M` (dirs 0750, file 0644,
 /// formatted by the driver), its record as the driver marshals it
 /// (`directvol`, the volume context as metadata, `["bind","rw"]`), plus an
 /// unusable `fsGroup`. The sandbox mounts it; QEMU holds the file through
 /// the descriptor crust opened (no path on its command line); Kata's stats
-/// request is answered; the data is in the file afterwards.
+/// request is answered; `/metrics` answers kata-monitor's scrape; the
+/// data is in the file afterwards.
 #[test]
 fn kata_csi_driver_file_volume_in_a_guest() {
     use std::os::unix::fs::MetadataExt;
@@ -465,6 +466,26 @@ fn kata_csi_driver_file_volume_in_a_guest() {
         let stats: Value = serde_json::from_str(&body).unwrap();
         let (total, used, _) = usage_of(&stats, 1);
         assert!(total > 50 * MIB && used > 0, "{body}");
+
+        // Item 6: what kata-monitor scrapes (shimclient.DoGet("/metrics")
+        // on the same socket, then Prometheus text format 0.0.4).
+        let (status, metrics) = go_request(&sock, "GET", "/metrics", None);
+        assert_eq!(status, 200, "{metrics}");
+        for line in [
+            "crust_hypervisor_up 1".to_string(),
+            "crust_guest_up 1".to_string(),
+            "# TYPE crust_volume_stats_used_bytes gauge".to_string(),
+            format!(
+                "crust_volume_stats_capacity_bytes{{volume_path=\"{target}\",device=\"{dev}\"}} {total}"
+            ),
+            format!(
+                "crust_volume_stats_health_status_abnormal{{volume_path=\"{target}\",device=\"{dev}\"}} 0"
+            ),
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+        }
+        // kata-monitor adds these itself; a second one would break its encoder.
+        assert!(!metrics.contains("sandbox_id="), "{metrics}");
         env.ok(&["delete", "--force", "kf"]);
     }
     let out = std::process::Command::new("debugfs")
