@@ -392,9 +392,8 @@ fn create_filesystem_never_formats_data_without_a_signature() {
 #[test]
 fn kata_csi_driver_file_volume_in_a_guest() {
     use std::os::unix::fs::MetadataExt;
-    let mut env = Env::new();
+    let env = Env::new();
     let storage = env.dir.path().join("kata-directvol-storages");
-    env.extra_args = vec!["--file-device-roots".into(), storage.display().to_string()];
     let vol = storage.join("62a268d9-893a-11ee-97cb-d89d6725e7b0");
     std::fs::create_dir_all(&vol).unwrap();
     for d in [&storage, &vol] {
@@ -421,7 +420,11 @@ fn kata_csi_driver_file_volume_in_a_guest() {
     {
         let _slot = VmSlot::acquire();
         let b = env.bundle("kf", &["sleep", "600"], vec![bind("/data", &target, false)]);
-        let out = env.run(&["create", "--bundle", b.to_str().unwrap(), "kf"]);
+        // The roots as a deployment gives them (the shim inherits them).
+        let out = env.run_with_vars(
+            &[("CRUST_RUNTIME_FILE_DEVICE_ROOTS", &storage)],
+            &["create", "--bundle", b.to_str().unwrap(), "kf"],
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{stderr}");
         let sb = env.sandbox("kf");

@@ -216,12 +216,7 @@ fn file_devices_outside_the_roots_are_refused_naming_the_setting() {
     let mut env = Env::new();
     let (qemu, mark) = qemu_stand_in(&env);
     let storage = env.dir.path().join("storages");
-    env.extra_args = vec![
-        "--qemu".into(),
-        qemu.display().to_string(),
-        "--file-device-roots".into(),
-        storage.display().to_string(),
-    ];
+    env.extra_args = vec!["--qemu".into(), qemu.display().to_string()];
     std::fs::create_dir_all(storage.join("v")).unwrap();
     let inside = storage.join("v/directvol-rawdisk.8M");
     let outside = env.files.join("directvol-rawdisk.8M");
@@ -243,7 +238,12 @@ fn file_devices_outside_the_roots_are_refused_naming_the_setting() {
                 dev.display()
             ),
         );
-        let err = env.fails(&["create", "--bundle", b.to_str().unwrap(), "f"]);
+        let out = env.run_with_vars(
+            &[("CRUST_RUNTIME_FILE_DEVICE_ROOTS", &storage)],
+            &["create", "--bundle", b.to_str().unwrap(), "f"],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
         assert!(err.contains(why), "{why}: {err}");
         assert!(!mark.exists(), "QEMU was run");
     }
