@@ -168,7 +168,7 @@ pub fn guest_options(v: &Volume) -> Vec<String> {
 /// guest mounts, and the options pass crust's one allow-list
 /// ([`crust_fs::options`], what the agent applies) once the host-only
 /// ones are dropped. The record itself (device, volume type, secrets)
-/// was checked when it was read; its ignored metadata is logged here.
+/// was checked when it was read.
 pub fn check_for_guest(v: &Volume) -> Result<(), VolumeError> {
     let fs = agent_fstype(v)?;
     crust_fs::options::parse(fs, &guest_options(v), v.readonly).map_err(|e| {
@@ -271,6 +271,7 @@ pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, V
     })
 }
 
+/// A refusal of `v`'s host device.
 pub fn host_device_error(v: &Volume, reason: String) -> VolumeError {
     VolumeError::HostDevice {
         target: v.target.clone(),
