@@ -470,6 +470,18 @@ fn kata_csi_driver_file_volume_in_a_guest() {
         let (total, used, _) = usage_of(&stats, 1);
         assert!(total > 50 * MIB && used > 0, "{body}");
 
+        // Item 2 at the hot-plug door: an option the guest refuses stops
+        // the plug before QEMU gets the device.
+        let t2 = env.target("pod-f", "pvc-bad");
+        plant_kata_record(
+            &env.kata,
+            &t2,
+            &record.replace(r#"["bind","rw"]"#, r#"["bind","rw","errors=panic"]"#),
+        );
+        let err = env.fails(&["add-volume", "kf", "--volume-path", &t2]);
+        assert!(err.contains("errors=panic"), "{err}");
+        assert_eq!(sb.state()["volumes"].as_array().unwrap().len(), 1);
+
         // Item 6: what kata-monitor scrapes (shimclient.DoGet("/metrics")
         // on the same socket, then Prometheus text format 0.0.4).
         let (status, metrics) = go_request(&sock, "GET", "/metrics", None);
