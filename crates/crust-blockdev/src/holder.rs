@@ -117,6 +117,13 @@ impl ExclusiveDevice {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The hold on a regular file its caller opened and checked itself
+    /// (a file device: QEMU gets a copy of the same descriptor, so the
+    /// path is never looked up again).
+    pub fn regular_file(fd: OwnedFd, path: PathBuf) -> ExclusiveDevice {
+        ExclusiveDevice { fd, path }
+    }
 }
 
 impl AsFd for ExclusiveDevice {

@@ -14,9 +14,12 @@ pub const CREATE_FILESYSTEM_KEY: &str = "createFilesystem";
 /// Kata: encrypt the volume with this key. crust refuses it.
 pub const ENCRYPTION_KEY_KEY: &str = "encryptionKey";
 
-/// The only volume type crust writes.
+/// The volume type of a CRUST-layout record (the KEP's examples).
 pub const VOLUME_TYPE_BLOCK: &str = "block";
-/// What Kata's Rust runtime and the Azure Disk driver write for the same.
+/// The volume type of a Kata-layout record: Kata's Rust runtime (runtime-rs,
+/// `RawblockVolume::new`) refuses any other for a block or file device;
+/// Kata's Go runtime never reads the field. Kata's CSI driver and Azure
+/// Disk write it too.
 pub const VOLUME_TYPE_DIRECTVOL: &str = "directvol";
 
 /// What the runtime needs to mount a volume inside the guest.
@@ -203,8 +206,8 @@ impl<'de> Deserialize<'de> for RawMountInfo {
             fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<RawMountInfo, A::Error> {
                 let mut raw = RawMountInfo::default();
                 while let Some(key) = a.next_key::<String>()? {
-                    let Some(canon) = KEYS.iter().find(|k| k.eq_ignore_ascii_case(&key)) else {
-                        if key.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY) {
+                    let Some(canon) = KEYS.iter().find(|k| go_fold_eq(&key, k)) else {
+                        if go_fold_eq(&key, ENCRYPTION_KEY_KEY) {
                             // Ignored by Kata, but a key on disk is never fine.
                             return Err(de::Error::custom(format!(
                                 "unknown field {key:?} refused: a key must never be stored in a hand-off record"
@@ -231,6 +234,41 @@ impl<'de> Deserialize<'de> for RawMountInfo {
             }
         }
         d.deserialize_map(V)
+    }
+}
+
+/// Whether Kata's Rust runtime (serde, exact field names, `null` refused
+/// for a string, a map or a list) reads `bytes` as crust and Kata's Go
+/// runtime do: every key that names a record field under Go's folding is
+/// spelled exactly so and is not `null`. Call only on bytes that
+/// [`MountInfo::from_json`] accepted (duplicates are refused there).
+pub(crate) fn read_alike_by_every_runtime(bytes: &[u8]) -> bool {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(bytes) else {
+        return false;
+    };
+    map.iter().all(|(k, v)| {
+        !KEYS.iter().any(|f| go_fold_eq(k, f)) || (KEYS.contains(&k.as_str()) && !v.is_null())
+    })
+}
+
+/// Whether Go's `encoding/json` takes `key` for the ASCII field name
+/// `field`: it folds case with Unicode simple folding, under which two
+/// non-ASCII letters fold onto ASCII ones (U+017F long s onto `s`, U+212A
+/// Kelvin sign onto `k`). Matching only ASCII case would read
+/// `"f\u017ftype"` as an unknown key where Kata reads the fstype.
+pub(crate) fn go_fold_eq(key: &str, field: &str) -> bool {
+    let mut k = key.chars().map(|c| match c {
+        '\u{17f}' => 's',
+        '\u{212a}' => 'k',
+        c => c.to_ascii_lowercase(),
+    });
+    let mut f = field.chars().map(|c| c.to_ascii_lowercase());
+    loop {
+        match (k.next(), f.next()) {
+            (None, None) => return true,
+            (Some(a), Some(b)) if a == b => {}
+            _ => return false,
+        }
     }
 }
 

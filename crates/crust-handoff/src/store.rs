@@ -17,7 +17,7 @@ use rustix::io::Errno;
 use sha2::{Digest, Sha256};
 
 use crate::error::{HandoffError, Result};
-use crate::mountinfo::MountInfo;
+use crate::mountinfo::{MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL};
 use crate::validate;
 
 /// File holding the record itself (both layouts).
@@ -113,6 +113,9 @@ pub struct Policy {
     pub file_device_roots: Vec<PathBuf>,
     /// Filesystems a record may name (default: every `crust_fs::FsType`).
     pub allowed_fstypes: Vec<String>,
+    /// The caller's name for the setting behind `file_device_roots` (a
+    /// flag and variable), so that a refusal says what to change.
+    pub file_device_setting: String,
 }
 
 impl Default for Policy {
@@ -121,6 +124,7 @@ impl Default for Policy {
             allowed_target_prefixes: Vec::new(),
             file_device_roots: Vec::new(),
             allowed_fstypes: crust_fs::FsType::NAMES.map(String::from).to_vec(),
+            file_device_setting: "the file-device roots".into(),
         }
     }
 }
@@ -273,14 +277,31 @@ impl Store {
         validate::check_fstype(&mi.fstype, &self.policy.allowed_fstypes)?;
         validate::check_metadata_read(mi)?;
         validate::check_options(&mi.options)?;
-        validate::check_device(&mi.device, &self.policy.file_device_roots)?;
+        validate::check_device(
+            &mi.device,
+            &self.policy.file_device_roots,
+            &self.policy.file_device_setting,
+        )?;
         Ok(())
+    }
+
+    /// `mi` as this layout writes it: a Kata-layout record's volume type
+    /// is `directvol` (what Kata's Rust runtime requires; Kata's Go runtime
+    /// ignores it, crust reads `block`, `directvol` and none alike).
+    pub fn normalized(&self, mi: &MountInfo) -> MountInfo {
+        let mut mi = mi.clone();
+        if self.layout == Layout::Kata && matches!(mi.volume_type.as_str(), "" | VOLUME_TYPE_BLOCK)
+        {
+            mi.volume_type = VOLUME_TYPE_DIRECTVOL.into();
+        }
+        mi
     }
 
     /// Writes the record for `target`. Same content again: Ok. Different
     /// content: refused while a sandbox holds the volume, otherwise replaced
     /// atomically (and a stale `runtime-cli` dropped).
     pub fn stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let mi = &self.normalized(mi);
         let (key, json) = self.checked_record(target, mi)?;
         let (dir, path, entries) = self.record_dir_for_write(&key)?;
         match compare_staged(&dir, &entries, mi, target, &path)? {
@@ -309,6 +330,7 @@ impl Store {
         sandbox_id: &str,
         runtime_cli: Option<&str>,
     ) -> Result<()> {
+        let mi = &self.normalized(mi);
         let (key, json) = self.checked_record(target, mi)?;
         validate::check_sandbox_id(sandbox_id).map_err(HandoffError::InvalidArgument)?;
         if let Some(cli) = runtime_cli {
@@ -400,6 +422,7 @@ impl Store {
     /// Everything [`Store::stage`] would refuse, without writing: lets a
     /// caller staging into several layouts check them all first.
     pub fn check_stage(&self, target: &str, mi: &MountInfo) -> Result<()> {
+        let mi = &self.normalized(mi);
         let key = self.check_target(target)?;
         self.check_mount_info(mi)
             .map_err(HandoffError::InvalidArgument)?;
@@ -412,6 +435,43 @@ impl Store {
         let path = self.display(&key);
         let entries = self.entries(&dir, &path)?;
         compare_staged(&dir, &entries, mi, target, &path).map(|_| ())
+    }
+
+    /// Kata's `direct-volume add`: a record given as JSON, accepted by the
+    /// reader's rules ([`Store::check_record`]: what a runtime would
+    /// consume). The caller's bytes are stored as given when every reader
+    /// takes them alike: crust and Kata's Go runtime (same key folding,
+    /// duplicates refused by [`MountInfo::from_json`]) and Kata's Rust
+    /// runtime (exact key spelling, no `null` for a known key, volume type
+    /// `directvol` in the Kata layout); otherwise the canonical form of
+    /// what was read ([`MountInfo::to_json`] of [`Store::normalized`]).
+    /// Returns the record as stored.
+    pub fn stage_bytes(&self, target: &str, bytes: &[u8]) -> Result<MountInfo> {
+        let given = MountInfo::from_json(bytes).map_err(HandoffError::InvalidArgument)?;
+        let mi = self.normalized(&given);
+        let key = self.check_target(target)?;
+        self.check_record(&mi)
+            .map_err(HandoffError::InvalidArgument)?;
+        let json = if mi == given && crate::mountinfo::read_alike_by_every_runtime(bytes) {
+            bytes.to_vec()
+        } else {
+            mi.to_json().into_bytes()
+        };
+        if json.len() as u64 > MAX_RECORD_SIZE {
+            return Err(HandoffError::InvalidArgument(
+                "the record would exceed 64 KiB".into(),
+            ));
+        }
+        let (dir, path, entries) = self.record_dir_for_write(&key)?;
+        match compare_staged(&dir, &entries, &mi, target, &path)? {
+            Staged::Same => return Ok(mi),
+            Staged::Different if entries.iter().any(|e| matches!(e, Entry::RuntimeCli)) => {
+                unlink_ignore_missing(&dir, RUNTIME_CLI_FILE, &path)?;
+            }
+            Staged::Different | Staged::Nothing => {}
+        }
+        write_atomic(&dir, MOUNT_INFO_FILE, &json, &path)?;
+        Ok(mi)
     }
 
     /// The validated record for `target`. A record that this library would

@@ -220,27 +220,55 @@ fn encryption_refused() -> String {
     )
 }
 
-/// The metadata of a record being read, as Kata reads it: `fsGroup` and
-/// `fsGroupChangePolicy` checked as on write, `createFilesystem` a Go
-/// boolean, unknown keys ignored (Kata logs and skips them). An
-/// `encryptionKey` is refused: crust cannot honour it, and mounting the
-/// volume unencrypted instead would be a silent downgrade.
+/// The metadata of a record being read, as Kata reads it. Per key, what
+/// is fatal and what is not:
+///
+/// | key | unusable value | why |
+/// |---|---|---|
+/// | `encryptionKey` (any case) | always refused | crust cannot honour it; mounting unencrypted would be a silent downgrade, and a key must never be on disk |
+/// | `fsGroup` | ignored, warned ([`metadata_warnings`]) | Kata's Go runtime logs and skips it; the volume works without a group change |
+/// | `fsGroupChangePolicy` | ignored, warned | as Kata: meaningless without a usable `fsGroup` |
+/// | `createFilesystem` | ignored (nothing formatted), warned | as Kata (`strconv.ParseBool` fails: skipped); not formatting is the safe side |
+/// | any other key | ignored | Kata's CSI driver copies the whole volume context here |
+///
+/// The device, fstype, volume type and options are checked elsewhere and
+/// are always fatal: without them there is nothing safe to mount.
 pub fn check_metadata_read(mi: &MountInfo) -> Result<(), String> {
-    for (k, v) in &mi.metadata {
-        match k.as_str() {
-            FS_GROUP_KEY => {
-                parse_fs_group(v)?;
-            }
-            FS_GROUP_CHANGE_POLICY_KEY => {
-                FsGroupChangePolicy::parse(v)?;
-            }
-            // Any spelling: a key in a record is refused, never ignored.
-            k if k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY) => return Err(encryption_refused()),
-            _ => {}
+    if mi
+        .metadata
+        .keys()
+        .any(|k| k.eq_ignore_ascii_case(ENCRYPTION_KEY_KEY))
+    {
+        return Err(encryption_refused());
+    }
+    Ok(())
+}
+
+/// What a reader ignores in a record's metadata, one sentence each (see
+/// the table at [`check_metadata_read`]); the runtime logs them.
+pub fn metadata_warnings(mi: &MountInfo) -> Vec<String> {
+    let mut out = Vec::new();
+    let group = mi.metadata.get(FS_GROUP_KEY);
+    if let Some(v) = group
+        && let Err(e) = parse_fs_group(v)
+    {
+        out.push(format!(
+            "metadata {e}: ignored, the volume is mounted without a group change"
+        ));
+    }
+    if let Some(v) = mi.metadata.get(FS_GROUP_CHANGE_POLICY_KEY) {
+        if let Err(e) = FsGroupChangePolicy::parse(v) {
+            out.push(format!("metadata {e}: ignored"));
+        } else if group.is_none() {
+            out.push(format!(
+                "metadata {FS_GROUP_CHANGE_POLICY_KEY} without {FS_GROUP_KEY}: ignored"
+            ));
         }
     }
-    mi.create_filesystem()?;
-    Ok(())
+    if let Err(e) = mi.create_filesystem() {
+        out.push(format!("{e}: ignored, nothing is formatted"));
+    }
+    out
 }
 
 /// Canonical decimal gid: digits only, no leading zero, fits in u32.
@@ -255,11 +283,17 @@ pub fn parse_fs_group(v: &str) -> Result<u32, String> {
 }
 
 /// A device is a block device under /dev, or — only when the policy lists
-/// roots for it — a regular file beneath one of those roots (VM images,
-/// tests). Symlinks are resolved and the resolved path is checked again, so
-/// /dev/disk/by-id links work but cannot lead elsewhere.
-pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), String> {
+/// roots for it — a regular file beneath one of those roots that
+/// [`open_file_device`] accepts. Symlinks to a block device are resolved
+/// and the resolved path is checked again, so /dev/disk/by-id links work
+/// but cannot lead elsewhere; a file device is never reached through one.
+/// `setting` names the setting that lists the roots, for the refusal.
+pub fn check_device(dev: &str, file_device_roots: &[PathBuf], setting: &str) -> Result<(), String> {
     check_abs_path("device", dev)?;
+    let meta = std::fs::symlink_metadata(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
+    if meta.file_type().is_file() || meta.file_type().is_symlink() && Path::new(dev).is_file() {
+        return open_file_device(dev, file_device_roots, setting, false).map(drop);
+    }
     let meta = std::fs::metadata(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
     let real = std::fs::canonicalize(dev).map_err(|e| format!("device {dev:?}: {e}"))?;
     if meta.file_type().is_block_device() {
@@ -268,24 +302,117 @@ pub fn check_device(dev: &str, file_device_roots: &[PathBuf]) -> Result<(), Stri
         }
         return Err(format!("device {dev:?} is a block device outside /dev"));
     }
-    if meta.file_type().is_file() {
-        for root in file_device_roots {
-            let root_real = match std::fs::canonicalize(root) {
-                Ok(r) => r,
-                Err(_) => continue,
-            };
-            if Path::new(dev).starts_with(root) && real.starts_with(&root_real) && real != root_real
-            {
-                return Ok(());
-            }
-        }
-        return Err(format!(
-            "device {dev:?} is a regular file outside the configured file-device roots"
-        ));
-    }
     Err(format!(
         "device {dev:?} is neither a block device nor an allowed regular file"
     ))
+}
+
+/// THE rule for a regular file used as a volume's disk (Kata's CSI driver
+/// backs volumes with `<storage>/<volume id>/directvol-rawdisk.<size>`),
+/// returning the file opened (read-write when `writable`) so that the
+/// caller hands QEMU this descriptor and nobody looks the path up again.
+///
+/// The path must lie beneath one of `roots` (lexically; `setting` names
+/// where they are configured), and is walked from `/` one component at a
+/// time with `O_NOFOLLOW`: no symlink anywhere. Every directory on it
+/// must be owned by root (or by us) and writable by nobody else, except
+/// a root-owned sticky directory such as `/tmp` (Kata's deployment keeps
+/// its files under `/tmp/kata-directvol-storages`): there others may add
+/// entries but cannot rename or replace root's. The file itself must be
+/// owned by root (or us) and not group- or world-writable. Anyone who
+/// could write along the path could otherwise swap another file (a host
+/// disk image, a secret) in between the check and QEMU's open.
+pub fn open_file_device(
+    dev: &str,
+    roots: &[PathBuf],
+    setting: &str,
+    writable: bool,
+) -> Result<std::os::fd::OwnedFd, String> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    check_abs_path("device", dev)?;
+    let listed = || {
+        if roots.is_empty() {
+            "none configured".to_string()
+        } else {
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let within = roots.iter().any(|r| {
+        let r = Path::new(r.to_str().unwrap_or_default().trim_end_matches('/'));
+        Path::new(dev).starts_with(r) && Path::new(dev) != r
+    });
+    if !within {
+        return Err(format!(
+            "device {dev:?} is a regular file outside the configured file-device roots \
+             ({}); set {setting} to serve files there",
+            listed()
+        ));
+    }
+    let euid = rustix::process::geteuid().as_raw();
+    let trusted = |st: &rustix::fs::Stat, what: &str, p: &str| -> Result<(), String> {
+        if st.st_uid != 0 && st.st_uid != euid {
+            return Err(format!(
+                "device {dev:?}: {what} {p:?} is owned by uid {}, not root",
+                st.st_uid
+            ));
+        }
+        let sticky_root_dir = what == "directory" && st.st_mode & 0o1000 != 0 && st.st_uid == 0;
+        if st.st_mode & 0o022 != 0 && !sticky_root_dir {
+            return Err(format!(
+                "device {dev:?}: {what} {p:?} is writable by group or others (mode {:o})",
+                st.st_mode & 0o7777
+            ));
+        }
+        Ok(())
+    };
+    let fail = |p: &str, e: rustix::io::Errno| {
+        if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
+            format!(
+                "device {dev:?}: {p:?} is a symlink or not a directory; file devices are never reached through symlinks"
+            )
+        } else {
+            format!("device {dev:?}: opening {p:?}: {e}")
+        }
+    };
+    let dir_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut dir = rustix::fs::open("/", dir_flags, Mode::empty()).map_err(|e| fail("/", e))?;
+    let st = rustix::fs::fstat(&dir).map_err(|e| fail("/", e))?;
+    trusted(&st, "directory", "/")?;
+    let comps: Vec<&str> = dev[1..].split('/').collect();
+    let (name, parents) = comps.split_last().expect("check_abs_path: not /");
+    let mut walked = String::new();
+    for c in parents {
+        walked.push('/');
+        walked.push_str(c);
+        dir =
+            rustix::fs::openat(&dir, *c, dir_flags, Mode::empty()).map_err(|e| fail(&walked, e))?;
+        let st = rustix::fs::fstat(&dir).map_err(|e| fail(&walked, e))?;
+        trusted(&st, "directory", &walked)?;
+    }
+    let access = if writable {
+        OFlags::RDWR
+    } else {
+        OFlags::RDONLY
+    };
+    let fd = rustix::fs::openat(
+        &dir,
+        *name,
+        access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| fail(dev, e))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| fail(dev, e))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(format!("device {dev:?} is not a regular file"));
+    }
+    trusted(&st, "file", dev)?;
+    // Back to blocking I/O for QEMU.
+    rustix::fs::fcntl_setfl(&fd, access).map_err(|e| fail(dev, e))?;
+    Ok(fd)
 }
 
 #[cfg(test)]
@@ -422,13 +549,34 @@ mod tests {
         for (bad, why) in [
             (&[("encryptionKey", "ephemeral")][..], "must never"),
             (&[("EncryptionKey", "x")], "must never"),
-            (&[("createFilesystem", "yes")], "not a boolean"),
-            (&[("fsGroup", "wheel")], "decimal"),
-            (&[("fsGroupChangePolicy", "Never")], "Always"),
         ] {
             let e = check_metadata_read(&rec(bad)).unwrap_err();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
+        // Unusable non-essential values: read, ignored, and said so.
+        for (odd, why) in [
+            (&[("createFilesystem", "yes")][..], "not a boolean"),
+            (&[("fsGroup", "wheel")], "decimal"),
+            (
+                &[("fsGroup", "abc"), ("fsGroupChangePolicy", "Always")],
+                "decimal",
+            ),
+            (
+                &[("fsGroup", "1"), ("fsGroupChangePolicy", "Never")],
+                "Always",
+            ),
+            (&[("fsGroupChangePolicy", "Always")], "without fsGroup"),
+        ] {
+            let mi = rec(odd);
+            assert_eq!(check_metadata_read(&mi), Ok(()), "{odd:?}");
+            let w = metadata_warnings(&mi);
+            assert_eq!(w.len(), 1, "{odd:?}: {w:?}");
+            assert!(
+                w[0].contains(why) && w[0].contains("ignored"),
+                "{odd:?}: {w:?}"
+            );
+        }
+        assert!(metadata_warnings(&rec(&[("fsGroup", "1"), ("x", "y")])).is_empty());
         // The write side keeps its allow-list, and says why for a key.
         let md = BTreeMap::from([("encryptionKey".to_string(), "k".to_string())]);
         assert!(check_metadata(&md).unwrap_err().contains("must never"));

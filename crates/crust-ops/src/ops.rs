@@ -163,6 +163,7 @@ impl CrustOps {
             allowed_target_prefixes: cfg.allowed_target_prefixes,
             file_device_roots: cfg.file_device_roots,
             allowed_fstypes: cfg.allowed_fstypes,
+            file_device_setting: "--allow-file-devices-under (CRUST_OPS_FILE_DEVICE_ROOTS)".into(),
         };
         let want = |l: LayoutMode| cfg.layout == l || cfg.layout == LayoutMode::Both;
         let crust = want(LayoutMode::Crust)
@@ -296,7 +297,7 @@ impl CrustOps {
         self.check_stage(target, &mi)?;
         let unchanged = self
             .stores()
-            .all(|s| s.read(target).is_ok_and(|old| old == mi));
+            .all(|s| s.read(target).is_ok_and(|old| old == s.normalized(&mi)));
         if !unchanged {
             check_device_free(&mi.device)?;
         }
@@ -329,9 +330,9 @@ impl CrustOps {
         normalize_flags(&mut req)?;
         let mi = req.mount_info();
         let target = &req.target_path;
-        let mine = store
-            .inspect(target)
-            .is_ok_and(|st| st.mount_info == mi && st.claimant.as_deref() == Some(sandbox));
+        let mine = store.inspect(target).is_ok_and(|st| {
+            st.mount_info == store.normalized(&mi) && st.claimant.as_deref() == Some(sandbox)
+        });
         if !mine {
             check_device_free(&mi.device)?;
         }

@@ -764,7 +764,7 @@ esac
     assert_eq!(
         std::fs::read_to_string(dir.join("mountInfo.json")).unwrap(),
         format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
+            r#"{{"volume-type":"directvol","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
             img.display()
         )
     );

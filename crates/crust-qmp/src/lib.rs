@@ -13,8 +13,15 @@
 //! directly to a `virtio-blk-pci` device. No `raw` format node on top: the
 //! volumes are raw already, a format layer would add nothing but a second
 //! node to name and delete, and `block_resize` works on the protocol node.
+//!
+//! A device the caller has opened itself goes to QEMU as that descriptor
+//! ([`QmpClient::blockdev_add_fd`]): `add-fd` with the descriptor passed
+//! over the QMP socket (`SCM_RIGHTS`), then `blockdev-add` of
+//! `/dev/fdset/<id>`. QEMU never looks the file up by path, so what the
+//! caller checked is what the guest gets, whatever happens to the path.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -94,6 +101,8 @@ struct State {
     closed: Option<QmpError>,
     /// Dropped on close so event receivers see the end of the stream.
     events: Option<broadcast::Sender<QmpEvent>>,
+    /// Block nodes this client opened from an fd set, and the set's id.
+    fdsets: HashMap<String, u64>,
 }
 
 struct Shared {
@@ -237,15 +246,60 @@ async fn read_loop(mut rd: BufReader<OwnedReadHalf>, shared: Arc<Shared>) {
     shared.close(err);
 }
 
+/// One command line for the writer task, with a descriptor to pass along.
+struct Outgoing {
+    line: Vec<u8>,
+    fd: Option<OwnedFd>,
+}
+
 async fn write_loop(
     mut wr: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
     shared: Arc<Shared>,
 ) {
-    while let Some(buf) = rx.recv().await {
-        if let Err(e) = wr.write_all(&buf).await {
+    while let Some(out) = rx.recv().await {
+        let mut sent = 0;
+        if let Some(fd) = &out.fd {
+            match send_with_fd(&wr, &out.line, fd).await {
+                Ok(n) => sent = n,
+                Err(e) => {
+                    shared.close(QmpError::io("passing a descriptor to QEMU", e));
+                    return;
+                }
+            }
+        }
+        if let Err(e) = wr.write_all(&out.line[sent..]).await {
             shared.close(QmpError::io("writing a command to QEMU", e));
             return;
+        }
+    }
+}
+
+/// Sends (a first part of) `line` with `fd` attached as `SCM_RIGHTS`;
+/// QEMU takes the descriptor for the command that this data starts.
+/// Returns how many bytes went.
+async fn send_with_fd(wr: &OwnedWriteHalf, line: &[u8], fd: &OwnedFd) -> std::io::Result<usize> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let stream: &UnixStream = wr.as_ref();
+    loop {
+        stream.writable().await?;
+        let res = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            let fds = [fd.as_fd()];
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut anc = SendAncillaryBuffer::new(&mut space);
+            anc.push(SendAncillaryMessage::ScmRights(&fds));
+            rustix::net::sendmsg(
+                stream,
+                &[std::io::IoSlice::new(line)],
+                &mut anc,
+                SendFlags::NOSIGNAL,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match res {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
         }
     }
 }
@@ -267,7 +321,7 @@ impl Drop for PendingGuard<'_> {
 /// dropping it closes the socket.
 pub struct QmpClient {
     shared: Arc<Shared>,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
+    tx: mpsc::UnboundedSender<Outgoing>,
     next_id: AtomicU64,
     version: QemuVersion,
     default_timeout: Duration,
@@ -375,6 +429,28 @@ impl QmpClient {
         arguments: Value,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
+        self.execute_inner(command, arguments, timeout, None).await
+    }
+
+    /// [`execute`](Self::execute) with `fd` passed along (`SCM_RIGHTS`), for
+    /// `add-fd` and `getfd`. QEMU keeps its own copy; ours is closed.
+    pub async fn execute_with_fd(
+        &self,
+        command: &str,
+        arguments: Value,
+        fd: OwnedFd,
+    ) -> Result<Value, QmpError> {
+        self.execute_inner(command, arguments, self.default_timeout, Some(fd))
+            .await
+    }
+
+    async fn execute_inner(
+        &self,
+        command: &str,
+        arguments: Value,
+        timeout: Duration,
+        fd: Option<OwnedFd>,
+    ) -> Result<Value, QmpError> {
         if command.is_empty()
             || !command
                 .bytes()
@@ -411,7 +487,7 @@ impl QmpClient {
             id,
         };
         tracing::debug!(command, id, "QMP execute");
-        if self.tx.send(line).is_err() {
+        if self.tx.send(Outgoing { line, fd }).is_err() {
             return Err(self.shared.closed_error());
         }
         match tokio::time::timeout(timeout, rx).await {
@@ -529,8 +605,81 @@ impl QmpClient {
         }
     }
 
+    /// Opens the device behind `fd` (a block device or a regular file the
+    /// caller opened and checked) as block node `node_name`, without QEMU
+    /// ever resolving a path: the descriptor goes into a new fd set
+    /// (`add-fd`, tagged with the node name) and the node is opened from
+    /// `/dev/fdset/<id>`. `fd`'s access mode must match `readonly` (QEMU
+    /// picks from the set by it). The set lives until [`blockdev_del`]
+    /// (QEMU may reopen the node from it).
+    ///
+    /// Idempotent: a node of that name already opened from an fd set
+    /// succeeds (and `fd` is closed).
+    ///
+    /// [`blockdev_del`]: Self::blockdev_del
+    pub async fn blockdev_add_fd(
+        &self,
+        node_name: &str,
+        fd: OwnedFd,
+        readonly: bool,
+    ) -> Result<(), QmpError> {
+        validate_node_name(node_name)?;
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| QmpError::InvalidArgument(format!("descriptor for {node_name}: {e}")))?;
+        let driver = match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+            rustix::fs::FileType::BlockDevice => "host_device",
+            rustix::fs::FileType::RegularFile => "file",
+            _ => {
+                return Err(QmpError::InvalidArgument(format!(
+                    "descriptor for {node_name} is neither a block device nor a regular file"
+                )));
+            }
+        };
+        let writable = rustix::fs::fcntl_getfl(&fd)
+            .map(|f| f.contains(rustix::fs::OFlags::RDWR))
+            .unwrap_or(false);
+        if writable == readonly {
+            return Err(QmpError::InvalidArgument(format!(
+                "descriptor for {node_name} is opened {}, the node is {}",
+                if writable { "read-write" } else { "read-only" },
+                if readonly { "read-only" } else { "read-write" }
+            )));
+        }
+        if self
+            .query_named_block_nodes()
+            .await?
+            .iter()
+            .any(|n| n.node_name == node_name && n.file.starts_with(FDSET_PREFIX))
+        {
+            return Ok(());
+        }
+        let added = self
+            .execute_with_fd("add-fd", json!({ "opaque": fdset_tag(node_name) }), fd)
+            .await?;
+        let set = added
+            .get("fdset-id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))?;
+        let args = json!({
+            "driver": driver,
+            "node-name": node_name,
+            "filename": format!("{FDSET_PREFIX}{set}"),
+            "read-only": readonly,
+            "cache": { "direct": false, "no-flush": false },
+            "aio": "threads",
+            "discard": "unmap",
+        });
+        if let Err(e) = self.execute("blockdev-add", args).await {
+            let _ = self.execute("remove-fd", json!({ "fdset-id": set })).await;
+            return Err(e);
+        }
+        self.shared.lock().fdsets.insert(node_name.to_string(), set);
+        Ok(())
+    }
+
     /// Removes block node `node_name`. Succeeds if it does not exist.
-    /// Fails while a device still uses it.
+    /// Fails while a device still uses it. An fd set that
+    /// [`blockdev_add_fd`](Self::blockdev_add_fd) made for it goes too.
     pub async fn blockdev_del(&self, node_name: &str) -> Result<(), QmpError> {
         validate_node_name(node_name)?;
         match self
@@ -543,10 +692,30 @@ impl QmpClient {
                     .await?
                     .iter()
                     .any(|n| n.node_name == node_name);
-                if exists { Err(err) } else { Ok(()) }
+                if exists {
+                    return Err(err);
+                }
             }
-            other => other.map(drop),
+            other => {
+                other?;
+            }
         }
+        self.remove_fdsets(node_name).await
+    }
+
+    /// `remove-fd` for the fd set this client made for `node_name`, if
+    /// any (one another client made stays until QEMU exits).
+    async fn remove_fdsets(&self, node_name: &str) -> Result<(), QmpError> {
+        let Some(set) = self.shared.lock().fdsets.get(node_name).copied() else {
+            return Ok(());
+        };
+        match self.execute("remove-fd", json!({ "fdset-id": set })).await {
+            // Already gone is fine.
+            Ok(_) | Err(QmpError::Command { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        self.shared.lock().fdsets.remove(node_name);
+        Ok(())
     }
 
     /// Hot-plugs a `virtio-blk-pci` device `id` backed by node `node_name`.
@@ -722,6 +891,14 @@ fn parse_greeting(line: &[u8]) -> Result<QemuVersion, QmpError> {
             .unwrap_or("")
             .to_owned(),
     })
+}
+
+/// How QEMU names a file in an fd set.
+const FDSET_PREFIX: &str = "/dev/fdset/";
+
+/// The `opaque` tag of the fd set made for block node `node_name`.
+fn fdset_tag(node_name: &str) -> String {
+    format!("crust-node:{node_name}")
 }
 
 async fn file_driver(path: &Path) -> Result<&'static str, QmpError> {

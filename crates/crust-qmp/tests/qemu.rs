@@ -342,3 +342,113 @@ async fn errors_events_and_connection_loss() {
     ));
     assert!(vm.qmp.closed_reason().is_some());
 }
+
+/// Runs a qemu-io command on block node `node` (HMP; its output goes to
+/// QEMU's stdout, so only failures are seen here).
+async fn qemu_io(qmp: &QmpClient, node: &str, cmd: &str) {
+    let out = qmp
+        .execute(
+            "human-monitor-command",
+            serde_json::json!({ "command-line": format!("qemu-io {node} \"{cmd}\"") }),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.as_str(), Some(""), "qemu-io {node} {cmd}: {out}");
+}
+
+/// Issue 25 item 1: a file handed over as a descriptor is the one the
+/// caller opened. The path is then swapped for another file and for a
+/// symlink: QEMU still reads the original inode (it never looked the path
+/// up), and its fd set goes with the node.
+#[tokio::test]
+async fn descriptor_volume_is_the_opened_file_whatever_the_path_becomes() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let vm = Qemu::start().await;
+    let qmp = &vm.qmp;
+    let img = vm.sparse_file("vol.img", 8 * MIB);
+    std::fs::write(&img, vec![b'A'; 4096]).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(8 * MIB)
+        .unwrap();
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&img)
+        .unwrap();
+    // The path now names something else.
+    std::fs::rename(&img, vm.dir.path().join("moved.img")).unwrap();
+    let other = vm.sparse_file("other.img", 8 * MIB);
+    std::fs::write(&other, vec![b'B'; 4096]).unwrap();
+    std::os::unix::fs::symlink(&other, &img).unwrap();
+
+    // Access modes must agree (QEMU picks from the set by them).
+    let ro = std::fs::File::open(vm.dir.path().join("moved.img")).unwrap();
+    assert!(matches!(
+        qmp.blockdev_add_fd("fdvol", ro.into(), false).await,
+        Err(QmpError::InvalidArgument(_))
+    ));
+    qmp.blockdev_add_fd("fdvol", file.into(), false)
+        .await
+        .unwrap();
+    let nodes = qmp.query_named_block_nodes().await.unwrap();
+    let node = nodes.iter().find(|n| n.node_name == "fdvol").unwrap();
+    assert!(node.file.starts_with("/dev/fdset/"), "{node:?}");
+    assert_eq!((node.driver.as_str(), node.size), ("file", 8 * MIB));
+    // QEMU writes through the node (HMP `qemu-io`): the opened inode
+    // changes, the file the path names now does not.
+    qemu_io(qmp, "fdvol", "write -P 0x5a 0 4096").await;
+    let moved = std::fs::read(vm.dir.path().join("moved.img")).unwrap();
+    assert_eq!(
+        &moved[..4096],
+        &[0x5a; 4096][..],
+        "QEMU wrote the opened file"
+    );
+    let swapped = std::fs::read(&other).unwrap();
+    assert_eq!(
+        &swapped[..4096],
+        &[b'B'; 4096][..],
+        "never the path's new target"
+    );
+    qmp.device_add_virtio_blk("vdfd", "fdvol", "crust-fd", Some("rp0"))
+        .await
+        .unwrap();
+    // Idempotent.
+    let again = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(vm.dir.path().join("moved.img"))
+        .unwrap();
+    qmp.blockdev_add_fd("fdvol", again.into(), false)
+        .await
+        .unwrap();
+    let sets = qmp.execute("query-fdsets", Value::Null).await.unwrap();
+    assert_eq!(sets.as_array().unwrap().len(), 1, "{sets}");
+    // No guest acknowledges an unplug here, so an unattached node shows
+    // that the set goes with the node.
+    let file2 = std::fs::File::options()
+        .read(true)
+        .open(vm.dir.path().join("moved.img"))
+        .unwrap();
+    qmp.blockdev_add_fd("fdro", file2.into(), true)
+        .await
+        .unwrap();
+    assert_eq!(
+        qmp.execute("query-fdsets", Value::Null)
+            .await
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    // QEMU closes a removed set's descriptors only while the VM runs.
+    qmp.cont().await.unwrap();
+    qmp.blockdev_del("fdro").await.unwrap();
+    let sets = qmp.execute("query-fdsets", Value::Null).await.unwrap();
+    assert_eq!(sets.as_array().unwrap().len(), 1, "{sets}");
+    assert!(sets.to_string().contains("crust-node:fdvol"), "{sets}");
+}

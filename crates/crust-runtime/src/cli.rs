@@ -140,6 +140,18 @@ pub struct GlobalOpts {
         global = true
     )]
     pub handover_endpoint: String,
+    /// Directories beneath which a regular file may be a volume's disk
+    /// (comma-separated; empty: none). The default serves Kata's CSI
+    /// driver. Every directory on such a file's path must be root's and
+    /// writable by nobody else (root's sticky /tmp aside), with no symlink.
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_FILE_DEVICE_ROOTS",
+        default_value = crate::config::DEFAULT_FILE_DEVICE_ROOTS,
+        value_delimiter = ',',
+        global = true
+    )]
+    pub file_device_roots: Vec<String>,
 }
 
 impl GlobalOpts {
@@ -197,6 +209,12 @@ impl GlobalOpts {
             share_binds: self.share_binds,
             virtiofsd: self.virtiofsd_binary.clone(),
             handover_endpoint: self.handover_endpoint.clone(),
+            file_device_roots: self
+                .file_device_roots
+                .iter()
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .collect(),
         }
     }
 }
@@ -297,28 +315,140 @@ pub enum CrustCommand {
 pub enum DirectVolumeCommand {
     /// Write the Kata mountInfo.json record for a volume path.
     Add {
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         volume_path: String,
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         mount_info: String,
     },
     /// Remove the Kata record for a volume path.
     Remove {
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         volume_path: String,
     },
     /// Print the volume's stats (from the guest).
     Stats {
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         volume_path: String,
     },
-    /// Resize the volume to SIZE bytes (online, in the guest).
+    /// Resize the volume to SIZE bytes (online, in the guest). SIZE is read
+    /// as Kata's CLI reads it (Go, base 0): decimal, `0x` hex, `0o` or a
+    /// leading `0` octal, `0b` binary, `_` between digits.
     Resize {
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         volume_path: String,
-        #[arg(long)]
+        #[arg(long, value_parser = parse_go_uint, allow_hyphen_values = true)]
         size: u64,
     },
+}
+
+/// The long flags of `direct-volume`'s verbs, each taking a value.
+const KATA_FLAGS: [&str; 3] = ["volume-path", "mount-info", "size"];
+
+/// Kata's CLI (urfave/cli over Go's `flag`) takes `-volume-path P` as
+/// well as `--volume-path P`: after `direct-volume`, a single-dash
+/// spelling of one of its flags becomes the double-dash one. Values are
+/// never rewritten (a value may begin with `-`), nor anything after `--`.
+pub fn kata_spellings(mut args: Vec<String>) -> Vec<String> {
+    let Some(start) = args.iter().position(|a| a == "direct-volume") else {
+        return args;
+    };
+    let mut i = start + 1;
+    while i < args.len() {
+        let a = &args[i];
+        if a == "--" {
+            break;
+        }
+        let name = a
+            .strip_prefix("--")
+            .or_else(|| a.strip_prefix('-'))
+            .unwrap_or_default();
+        let (flag, inline) = match name.split_once('=') {
+            Some((f, _)) => (f, true),
+            None => (name, false),
+        };
+        if KATA_FLAGS.contains(&flag) {
+            if !a.starts_with("--") {
+                args[i] = format!("-{a}");
+            }
+            // The next word is this flag's value.
+            i += if inline { 1 } else { 2 };
+        } else {
+            i += 1;
+        }
+    }
+    args
+}
+
+/// An unsigned integer as Go's `strconv.ParseUint(s, 0, 64)` reads it
+/// (what Kata's `--size` goes through): `0x`/`0X` hex, `0o`/`0O` or a
+/// bare leading `0` octal, `0b`/`0B` binary, else decimal; `_` only
+/// between digits (or after a prefix); no sign.
+pub fn parse_go_uint(s: &str) -> Result<u64, String> {
+    let syntax = || {
+        format!(
+            "{s:?} is not an unsigned integer as Kata's CLI reads it (decimal, 0x hex, \
+             0o or leading-0 octal, 0b binary, '_' between digits)"
+        )
+    };
+    let b = s.as_bytes();
+    let (base, digits): (u64, &[u8]) = match b {
+        [] => return Err(syntax()),
+        [b'0', p, _, ..] if p.eq_ignore_ascii_case(&b'x') => (16, &b[2..]),
+        [b'0', p, _, ..] if p.eq_ignore_ascii_case(&b'o') => (8, &b[2..]),
+        [b'0', p, _, ..] if p.eq_ignore_ascii_case(&b'b') => (2, &b[2..]),
+        [b'0', rest @ ..] => (8, rest),
+        _ => (10, b),
+    };
+    let mut n: u64 = 0;
+    let mut underscores = false;
+    for &c in digits {
+        if c == b'_' {
+            underscores = true;
+            continue;
+        }
+        let d = match c {
+            b'0'..=b'9' => u64::from(c - b'0'),
+            b'a'..=b'z' | b'A'..=b'Z' => u64::from((c | 0x20) - b'a') + 10,
+            _ => return Err(syntax()),
+        };
+        if d >= base {
+            return Err(syntax());
+        }
+        n = n
+            .checked_mul(base)
+            .and_then(|n| n.checked_add(d))
+            .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))?;
+    }
+    if underscores && !go_underscores_ok(b) {
+        return Err(syntax());
+    }
+    Ok(n)
+}
+
+/// Go's rule for `_` in a base-0 literal: only between digits, or between
+/// a base prefix and a digit.
+fn go_underscores_ok(b: &[u8]) -> bool {
+    let (mut i, mut saw, hex) = match b {
+        [b'0', p, ..] if matches!(p | 0x20, b'b' | b'o' | b'x') => (2, b'0', p | 0x20 == b'x'),
+        _ => (0, b'^', false),
+    };
+    while i < b.len() {
+        let c = b[i];
+        i += 1;
+        if c.is_ascii_digit() || hex && (b'a'..=b'f').contains(&(c | 0x20)) {
+            saw = b'0';
+        } else if c == b'_' {
+            if saw != b'0' {
+                return false;
+            }
+            saw = b'_';
+        } else if saw == b'_' {
+            return false;
+        } else {
+            saw = b'!';
+        }
+    }
+    saw != b'_'
 }
 
 /// Parses `9`, `KILL`, `SIGKILL` (case-insensitive) into a signal number.
@@ -577,6 +707,103 @@ mod tests {
         args.extend(["shim".into(), "--id".into(), "a".into()]);
         let again = Cli::try_parse_from(args).unwrap().global.config();
         assert_eq!(format!("{again:?}"), format!("{cfg:?}"));
+    }
+
+    /// Issue 25 item 7: the spellings Kata's CLI accepts (Go's `flag`
+    /// package, `strconv.ParseUint(s, 0, 64)` for `--size`).
+    #[test]
+    fn kata_flag_spellings_and_go_sizes() {
+        let argv = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let parse = |v: &[&str]| Cli::try_parse_from(kata_spellings(argv(v)));
+        for words in [
+            &[
+                "k",
+                "direct-volume",
+                "resize",
+                "-volume-path",
+                "/v",
+                "-size",
+                "0x10",
+            ][..],
+            &[
+                "k",
+                "direct-volume",
+                "resize",
+                "-volume-path=/v",
+                "-size=020",
+            ],
+            &[
+                "k",
+                "direct-volume",
+                "resize",
+                "--volume-path",
+                "/v",
+                "--size=0b1_0000",
+            ],
+            &[
+                "k",
+                "direct-volume",
+                "resize",
+                "-size",
+                "1_6",
+                "--volume-path=/v",
+            ],
+        ] {
+            match parse(words)
+                .unwrap_or_else(|e| panic!("{words:?}: {e}"))
+                .command
+            {
+                Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => {
+                    assert_eq!((volume_path.as_str(), size), ("/v", 16), "{words:?}")
+                }
+                c => panic!("{words:?}: {c:?}"),
+            }
+        }
+        // A value that starts with a dash is never rewritten.
+        let c = parse(&[
+            "k",
+            "direct-volume",
+            "add",
+            "-mount-info",
+            "-size",
+            "-volume-path",
+            "/v",
+        ])
+        .unwrap();
+        assert!(matches!(
+            c.command,
+            Command::DirectVolume(DirectVolumeCommand::Add { ref mount_info, .. }) if mount_info == "-size"
+        ));
+        assert_eq!(
+            kata_spellings(argv(&["k", "exec", "x", "--", "-size"])),
+            argv(&["k", "exec", "x", "--", "-size"])
+        );
+        for (s, want) in [
+            ("0", 0),
+            ("00", 0),
+            ("7", 7),
+            ("0x1F", 31),
+            ("0X_1f", 31),
+            ("017", 15),
+            ("0o17", 15),
+            ("0O1_7", 15),
+            ("0_7", 7),
+            ("0b101", 5),
+            ("1_000_000", 1_000_000),
+            ("18446744073709551615", u64::MAX),
+            ("0xffffffffffffffff", u64::MAX),
+        ] {
+            assert_eq!(parse_go_uint(s), Ok(want), "{s}");
+        }
+        for bad in [
+            "", "08", "09", "0x", "0b", "0o", "0xg", "+1", "-1", "_1", "1_", "1__0", "0x_", " 1",
+            "1.0", "1e3", "0b2",
+        ] {
+            let e = parse_go_uint(bad).unwrap_err();
+            assert!(e.contains("Kata's CLI"), "{bad:?}: {e}");
+        }
+        let e = parse_go_uint("18446744073709551616").unwrap_err();
+        assert!(e.contains("64 bits"), "{e}");
     }
 
     #[test]

@@ -58,7 +58,17 @@ pub struct Config {
     pub virtiofsd: PathBuf,
     /// crust-csi's Handover service (`unix://` path; empty: never asked).
     pub handover_endpoint: String,
+    /// Directories beneath which a regular file may be a volume's disk.
+    pub file_device_roots: Vec<PathBuf>,
 }
+
+/// Where Kata's CSI driver (csi-kata-directvolume) keeps its volumes'
+/// backing files in its shipped DaemonSet (`STORAGE_POOL`, a hostPath):
+/// `<this>/<volume id>/directvol-rawdisk.<size>`.
+pub const DEFAULT_FILE_DEVICE_ROOTS: &str = "/tmp/kata-directvol-storages";
+
+/// The setting behind [`Config::file_device_roots`], as refusals name it.
+pub const FILE_DEVICE_SETTING: &str = "--file-device-roots (CRUST_RUNTIME_FILE_DEVICE_ROOTS)";
 
 impl Config {
     /// The default guest image directory: `$CRUST_GUEST_DIR`, else
@@ -128,6 +138,12 @@ impl Config {
         push("--cpus", self.cpus.to_string().into());
         push("--virtiofsd-binary", self.virtiofsd.clone().into());
         push("--handover-endpoint", self.handover_endpoint.clone().into());
+        let roots: Vec<String> = self
+            .file_device_roots
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect();
+        push("--file-device-roots", roots.join(",").into());
         if self.share_binds {
             a.push("--share-binds".into());
         }

@@ -179,12 +179,7 @@ fn take_stdout() -> std::io::Result<File> {
 async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controller, RuntimeError> {
     let mut state = store.load(&id)?;
     let bundle = Bundle::load(&state.bundle)?;
-    let discovery = Discovery::new(
-        cfg.crust_root.clone(),
-        cfg.kata_root.clone(),
-        &cfg.pods_layer_stop,
-    )
-    .and_then(|d| d.for_bundle(&bundle));
+    let discovery = Discovery::for_config(&cfg).and_then(|d| d.for_bundle(&bundle));
     let discovery = match discovery {
         Ok(d) => d,
         Err(e) => {
@@ -195,7 +190,11 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     };
     let handover = Handover::new(&cfg);
     let asked_at = take_published_volumes(&handover, &discovery, &bundle, &store, &mut state).await;
-    let plan = match asked_at.and_then(|a| Ok((discovery.plan(&bundle)?, a))) {
+    let plan = match asked_at.and_then(|a| {
+        let plan = discovery.plan(&bundle)?;
+        volumes::check_before_boot(&discovery, &plan.volumes)?;
+        Ok((plan, a))
+    }) {
         Ok(p) => p,
         Err(e) => {
             handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
@@ -533,6 +532,7 @@ impl Controller {
             qmp: &self.qmp,
             agent: &self.agent,
             mount_timeout: self.cfg.boot_timeout,
+            file_device_roots: &self.cfg.file_device_roots,
         };
         plug::plug(&self.attachments, &ports, v).await.map(drop)
     }
@@ -684,6 +684,11 @@ impl ShimHandler for Controller {
         Ok(())
     }
 
+    async fn metrics(&self) -> ApiResult<String> {
+        let agent = self.qemu_exited().is_none().then_some(&self.agent);
+        Ok(crate::metrics::sandbox_metrics(&self.snapshot(), agent, self.cfg.timeout).await)
+    }
+
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
         let v = self.find_volume(&path)?;
         if self.qemu_exited().is_some() {
@@ -766,6 +771,8 @@ impl ShimHandler for Controller {
                 )
             })?;
         let v = Volume::from_record(layout, &volume_path, &mi, false);
+        volumes::check_before_boot(&self.discovery, std::slice::from_ref(&v))
+            .map_err(ApiError::from)?;
         if self.snapshot().volumes.iter().any(|o| o.id == v.id) {
             return Err(ApiError::new(
                 Code::AlreadyExists,

@@ -536,6 +536,34 @@ impl Discovery {
     }
 }
 
+impl Discovery {
+    /// [`Discovery::new`] for a runtime configuration: also accepts
+    /// regular files beneath the configured file-device roots as devices
+    /// (by crust_handoff's one rule, `validate::open_file_device`).
+    pub fn for_config(cfg: &crate::config::Config) -> Result<Self, DiscoveryError> {
+        let d = Discovery::new(
+            cfg.crust_root.clone(),
+            cfg.kata_root.clone(),
+            &cfg.pods_layer_stop,
+        )?;
+        let policy = Policy {
+            file_device_roots: cfg.file_device_roots.clone(),
+            file_device_setting: crate::config::FILE_DEVICE_SETTING.into(),
+            ..Policy::default()
+        };
+        let store = |s: &Store| {
+            Store::new(s.layout(), s.root(), policy.clone())
+                .map_err(|e| DiscoveryError::Config(e.to_string()))
+        };
+        Ok(Discovery {
+            crust: store(&d.crust)?,
+            kata: store(&d.kata)?,
+            pods_dir: d.pods_dir,
+            configured: d.configured,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,6 +39,7 @@ pub mod discovery;
 pub mod error;
 pub mod handover;
 pub mod katashim;
+pub mod metrics;
 pub mod plug;
 pub mod poll;
 pub mod runtime;

@@ -5,14 +5,16 @@ use crust_runtime::cli::{Cli, Command, dispatch};
 
 fn main() -> std::process::ExitCode {
     // Non-UTF-8 arguments are clap's to report.
-    let args: Vec<String> = std::env::args_os()
-        .map(|a| a.into_string().unwrap_or_default())
-        .collect();
+    let args: Vec<String> = crust_runtime::cli::kata_spellings(
+        std::env::args_os()
+            .map(|a| a.into_string().unwrap_or_default())
+            .collect(),
+    );
     // kubelet's stats polls: no clap tree, no tokio (crust_runtime::poll).
     if let Some(r) = crust_runtime::poll::run_fast(&args) {
         return crust_runtime::poll::exit_with(r);
     }
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(&args) {
         Ok(c) => c,
         Err(e) => {
             if let Some(verb) = crust_runtime::cli::unsupported_crust_verb(&args) {

@@ -30,6 +30,10 @@ pub struct GuestPorts<'a> {
     pub agent: &'a AgentClient,
     /// Bound on the guest's mount (fsGroup may walk the whole volume).
     pub mount_timeout: Duration,
+    /// Where a regular file may be a volume's disk ([`Config::file_device_roots`]).
+    ///
+    /// [`Config::file_device_roots`]: crate::config::Config::file_device_roots
+    pub file_device_roots: &'a [std::path::PathBuf],
 }
 
 /// A volume in the guest: the bus it sits on and the hold on its device
@@ -139,13 +143,33 @@ async fn plug_on(
     v: &Volume,
     bus: &str,
 ) -> Result<ExclusiveDevice, (VolumeError, Option<ExclusiveDevice>)> {
-    // mkfs needs the device to itself: before the hold.
-    volumes::format_if_requested(v)
-        .await
-        .map_err(|e| (e, None))?;
-    let hold = volumes::hold_host_device(v).map_err(|e| (e, None))?;
+    // The doors check this before booting; a plug never goes without it.
+    volumes::check_for_guest(v).map_err(|e| (e, None))?;
+    // A file device is opened once, by the one rule; QEMU gets that
+    // descriptor and the hold is a copy of it.
+    let file = volumes::open_file_device(v, g.file_device_roots).map_err(|e| (e, None))?;
+    let hold = match &file {
+        Some(fd) => {
+            if v.create_fs {
+                tracing::warn!(target = %v.target, device = %v.device,
+                    "createFilesystem is not applied to a file device (its CSI driver formats it)");
+            }
+            let copy = fd.try_clone().map_err(|e| {
+                let reason = format!("duplicating its descriptor: {e}");
+                (volumes::host_device_error(v, reason), None)
+            })?;
+            ExclusiveDevice::regular_file(copy, v.device.clone().into())
+        }
+        None => {
+            // mkfs needs the device to itself: before the hold.
+            volumes::format_if_requested(v)
+                .await
+                .map_err(|e| (e, None))?;
+            volumes::hold_host_device(v).map_err(|e| (e, None))?
+        }
+    };
     let res = async {
-        volumes::attach(g.qmp, v, Some(bus)).await?;
+        volumes::attach(g.qmp, v, Some(bus), file).await?;
         crate::handover::crash_point("attached");
         volumes::mount(g.agent, v, g.mount_timeout).await
     }

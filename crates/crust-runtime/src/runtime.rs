@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crust_handoff::{HandoffError, MountInfo, VOLUME_TYPE_BLOCK};
+use crust_handoff::{HandoffError, MountInfo};
 use serde::{Deserialize, Serialize};
 
 use crate::bundle::Bundle;
@@ -19,6 +19,7 @@ use crate::error::RuntimeError;
 use crate::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crate::shim::{ApiError, Code, ExecRequest, ExecResponse, ShimClient, ShimError};
 use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crate::volumes;
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
@@ -43,11 +44,7 @@ pub struct Runtime {
 
 impl Runtime {
     pub fn new(cfg: Config) -> Result<Runtime> {
-        let discovery = Discovery::new(
-            cfg.crust_root.clone(),
-            cfg.kata_root.clone(),
-            &cfg.pods_layer_stop,
-        )?;
+        let discovery = Discovery::for_config(&cfg)?;
         Ok(Runtime {
             sandboxes: SandboxStore::new(cfg.root.clone()),
             discovery,
@@ -86,7 +83,10 @@ impl Runtime {
         };
         let bundle = Bundle::load(&dir)?;
         // A kubelet root mismatch fails here, before any handover.
-        let plan = self.discovery.for_bundle(&bundle)?.plan(&bundle)?;
+        let discovery = self.discovery.for_bundle(&bundle)?;
+        let plan = discovery.plan(&bundle)?;
+        // Every record checked before a VM starts (issue 25).
+        crate::volumes::check_before_boot(&discovery, &plan.volumes)?;
         for v in &plan.volumes {
             let claimant = self.discovery.store(v.layout).claimant(&v.target)?;
             if let Some(other) = claimant.filter(|o| o != id && self.sandboxes.holds_volumes(o)) {
@@ -516,24 +516,28 @@ impl Runtime {
 
     // ---- Kata direct-volume records --------------------------------------
 
-    /// `direct-volume add`: validates `mount_info` and writes the Kata
-    /// layout record (0600 in a 0700 dir).
-    ///
-    /// The options must pass crust's one allow-list (stored one per
-    /// entry), and a new or changed record needs a device nobody holds
-    /// (not mounted in any namespace, no exclusive holder): the host's own
-    /// disk, or a volume mounted on the host, is refused.
+    /// `direct-volume add`: writes the Kata layout record (0600 in a 0700
+    /// dir) for what a sandbox would consume: the reader's rules
+    /// ([`crust_handoff::Store::stage_bytes`]: keys as Kata's Go decoder
+    /// reads them, unknown metadata ignored, `createFilesystem` understood)
+    /// and the guest's ([`volumes::check_for_guest`]: fstype, options once
+    /// `bind` is dropped). The caller's bytes are stored as given when
+    /// every reader takes them alike, else their canonical form. A new or
+    /// changed record needs a device nobody holds (not mounted in any
+    /// namespace, no exclusive holder): the host's own disk, or a volume
+    /// mounted on the host, is refused.
     pub fn direct_volume_add(&self, volume_path: &str, mount_info: &str) -> Result<()> {
-        let mut mi = parse_kata_mount_info(mount_info)?;
-        if let Some(fs) = crust_fs::FsType::parse(&mi.fstype) {
-            mi.options = crust_fs::options::parse(fs, &mi.options, false)
-                .map_err(|e| {
-                    RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {e}"))
-                })?
-                .words;
-        }
+        let bad =
+            |m: String| RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {m}"));
         let store = self.discovery.store(LayoutKind::Kata);
-        store.check_stage(volume_path, &mi)?;
+        let mi = store.normalized(&MountInfo::from_json(mount_info.as_bytes()).map_err(bad)?);
+        store.check_target(volume_path)?;
+        store.check_record(&mi).map_err(bad)?;
+        let v = Volume::from_record(LayoutKind::Kata, volume_path, &mi, false);
+        volumes::check_for_guest(&v).map_err(|e| bad(e.to_string()))?;
+        for w in crust_handoff::validate::metadata_warnings(&mi) {
+            tracing::warn!(volume_path, "--mount-info: {w}");
+        }
         if !store.read(volume_path).is_ok_and(|old| old == mi) {
             crust_blockdev::ensure_device_free(
                 Path::new(&mi.device),
@@ -541,7 +545,8 @@ impl Runtime {
             )
             .map_err(|e| RuntimeError::new(Code::FailedPrecondition, e.to_string()))?;
         }
-        Ok(store.stage(volume_path, &mi)?)
+        store.stage_bytes(volume_path, mount_info.as_bytes())?;
+        Ok(())
     }
 
     /// `direct-volume remove`: drops the Kata record, refused while a live
@@ -560,18 +565,6 @@ impl Runtime {
         }
         Ok(store.remove(volume_path)?)
     }
-}
-
-/// Kata's `mountInfo` as callers pass it, read as Kata's Go decoder reads
-/// it (keys in any case, unknown keys ignored; see
-/// [`MountInfo::from_json`]); a missing `volume-type` is written as block.
-pub fn parse_kata_mount_info(s: &str) -> Result<MountInfo> {
-    let bad = |m: String| RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {m}"));
-    let mut mi = MountInfo::from_json(s.as_bytes()).map_err(bad)?;
-    if mi.volume_type.is_empty() {
-        mi.volume_type = VOLUME_TYPE_BLOCK.into();
-    }
-    Ok(mi)
 }
 
 fn wait_child(
@@ -610,40 +603,4 @@ pub fn log_tail(path: &Path, max: usize) -> String {
     let data = std::fs::read(path).unwrap_or_default();
     let start = data.len().saturating_sub(max);
     String::from_utf8_lossy(&data[start..]).into_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kata_mount_info_spellings() {
-        let mi = parse_kata_mount_info(r#"{"Device": "/dev/null", "fstype": "ext4"}"#).unwrap();
-        assert_eq!(
-            (
-                mi.volume_type.as_str(),
-                mi.device.as_str(),
-                mi.fstype.as_str()
-            ),
-            ("block", "/dev/null", "ext4")
-        );
-        let mi = parse_kata_mount_info(
-            r#"{"volume-type":"block","device":"/dev/x","FsType":"xfs","Metadata":{"fsGroup":"7"},"options":["noatime"]}"#,
-        )
-        .unwrap();
-        assert_eq!(mi.fs_group(), Some(7));
-        assert_eq!(mi.options, ["noatime"]);
-        // Unknown keys are ignored, as Kata does.
-        let mi = parse_kata_mount_info(r#"{"device":"/dev/x","fstype":"ext4","extra":1}"#).unwrap();
-        assert_eq!(mi.device, "/dev/x");
-        for bad in [
-            "[]",
-            "{",
-            r#"{"device":"/dev/x","Device":"/dev/y","fstype":"ext4"}"#,
-            r#"{"fstype":"ext4"}"#,
-        ] {
-            let e = parse_kata_mount_info(bad).unwrap_err();
-            assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e}");
-        }
-    }
 }

@@ -17,9 +17,15 @@
 //! | POST | `/volumes` | [`AddVolumeRequest`] | [`Volume`] |
 //! | POST | `/exec` | [`ExecRequest`] | [`ExecResponse`] |
 //! | GET  | `/logs` | | [`LogsResponse`] |
+//! | GET  | `/metrics` | | Prometheus text 0.0.4, what kata-monitor scrapes ([`crate::metrics`]) |
 //!
 //! Errors are `{"code": "NOT_FOUND", "message": "..."}` with a matching
-//! HTTP status.
+//! HTTP status, except on `/direct-volume/*`: there they are plain text,
+//! `NOT_FOUND: ...` ([`ApiError::to_text`]), as Kata's shim answers in
+//! text. Kata's CLI prints whatever body `stats` gets with exit status 0,
+//! and a Go consumer decoding a JSON error object into Kata's stats type
+//! gets zero usage and no condition ("no data, no problem"); text fails
+//! to decode as stats in every JSON reader.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -93,6 +99,30 @@ impl ApiError {
             message: message.into(),
         }
     }
+
+    /// `CODE: message` and a newline: what `/direct-volume/*` answers. Never
+    /// JSON (it starts with a letter that begins no JSON value but
+    /// `true`/`false`/`null`, and the code names none of those).
+    pub fn to_text(&self) -> String {
+        let code = serde_json::to_value(self.code).expect("serializable");
+        format!(
+            "{}: {}\n",
+            code.as_str().unwrap_or("INTERNAL"),
+            self.message
+        )
+    }
+
+    /// Reads an error answer: the JSON object, or [`ApiError::to_text`]'s
+    /// text; None for anything else.
+    pub fn from_body(body: &[u8]) -> Option<ApiError> {
+        if let Ok(e) = serde_json::from_slice::<ApiError>(body) {
+            return Some(e);
+        }
+        let text = std::str::from_utf8(body).ok()?;
+        let (code, message) = text.split_once(": ")?;
+        let code: Code = serde_json::from_value(serde_json::Value::String(code.into())).ok()?;
+        Some(ApiError::new(code, message.trim_end_matches('\n')))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,6 +179,8 @@ pub trait ShimHandler: Send + Sync + 'static {
     fn add_volume(&self, volume_path: String) -> impl Future<Output = ApiResult<Volume>> + Send;
     fn exec(&self, req: ExecRequest) -> impl Future<Output = ApiResult<ExecResponse>> + Send;
     fn logs(&self) -> impl Future<Output = ApiResult<LogsResponse>> + Send;
+    /// The sandbox's metrics in Prometheus text format 0.0.4.
+    fn metrics(&self) -> impl Future<Output = ApiResult<String>> + Send;
 }
 
 /// Binds `path` (replacing a stale socket) with mode 0600.
@@ -213,8 +245,17 @@ fn reply<T: Serialize>(res: ApiResult<T>) -> Response<Full<Bytes>> {
     }
 }
 
+/// An error on a Kata endpoint: text, never JSON (see the module doc).
+fn text_error(e: &ApiError) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(e.code.http_status())
+        .header("content-type", "text/plain; charset=utf-8")
+        .body(Full::new(Bytes::from(e.to_text())))
+        .expect("valid response")
+}
+
 /// Stats in Kata's shim spelling ([`VolumeStats::to_kata_json`]), so a
-/// client built on Kata's types decodes them; errors as everywhere.
+/// client built on Kata's types decodes them; errors in text.
 fn reply_stats(res: ApiResult<VolumeStats>) -> Response<Full<Bytes>> {
     match res {
         Ok(s) => Response::builder()
@@ -222,7 +263,15 @@ fn reply_stats(res: ApiResult<VolumeStats>) -> Response<Full<Bytes>> {
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(s.to_kata_json())))
             .expect("valid response"),
-        Err(e) => json_response(e.code.http_status(), &e),
+        Err(e) => text_error(&e),
+    }
+}
+
+/// An answer on a Kata endpoint: JSON, errors in text.
+fn reply_kata<T: Serialize>(res: ApiResult<T>) -> Response<Full<Bytes>> {
+    match res {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => text_error(&e),
     }
 }
 
@@ -265,20 +314,24 @@ async fn route<H: ShimHandler>(
                 });
             match p.and_then(|p| percent_decode(&p)) {
                 Ok(p) => reply_stats(h.stats(p).await),
-                Err(e) => reply::<Empty>(Err(e)),
+                Err(e) => text_error(&e),
             }
         }
         (Method::GET, p) if p.starts_with("/direct-volume/stats/") => {
             // Seed 000's curl example puts the escaped path in the URL path.
             match percent_decode(&p["/direct-volume/stats/".len()..]) {
                 Ok(p) => reply_stats(h.stats(p).await),
-                Err(e) => reply::<Empty>(Err(e)),
+                Err(e) => text_error(&e),
             }
         }
         (Method::POST, "/direct-volume/resize") => match body_json::<ResizeRequest>(req).await {
-            Ok(r) => reply(h.resize(r).await),
-            Err(e) => reply::<Empty>(Err(e)),
+            Ok(r) => reply_kata(h.resize(r).await),
+            Err(e) => text_error(&e),
         },
+        (_, p) if p.starts_with("/direct-volume/") => text_error(&ApiError::new(
+            Code::NotFound,
+            format!("no endpoint {} {p}", req.method()),
+        )),
         (Method::POST, "/volume/freeze") => match body_json::<FreezeRequest>(req)
             .await
             .and_then(checked_freeze)
@@ -317,6 +370,15 @@ async fn route<H: ShimHandler>(
             Err(e) => reply::<Empty>(Err(e)),
         },
         (Method::GET, "/logs") => reply(h.logs().await),
+        (Method::GET, "/metrics") => match h.metrics().await {
+            Ok(text) => Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", crate::metrics::CONTENT_TYPE)
+                .body(Full::new(Bytes::from(text)))
+                .expect("valid response"),
+            // Text too: kata-monitor decodes any body as metrics.
+            Err(e) => text_error(&e),
+        },
         (m, p) => reply::<Empty>(Err(ApiError::new(
             Code::NotFound,
             format!("no endpoint {m} {p}"),
@@ -479,7 +541,7 @@ impl ShimClient {
             .to_bytes();
         conn.abort();
         if !status.is_success() {
-            let err = serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
+            let err = ApiError::from_body(&bytes).unwrap_or_else(|| {
                 ApiError::new(
                     Code::Internal,
                     format!("HTTP {status}: {}", String::from_utf8_lossy(&bytes)),
@@ -642,6 +704,9 @@ mod tests {
             Ok(LogsResponse {
                 output: "hi".into(),
             })
+        }
+        async fn metrics(&self) -> ApiResult<String> {
+            Ok("# TYPE crust_x gauge\ncrust_x 1\n".into())
         }
     }
 
@@ -820,6 +885,76 @@ mod tests {
             .unwrap();
         assert!(matches!(r, Err(ShimError::Timeout { .. })), "{r:?}");
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    /// Issue 25 item 5: what a Go consumer does with Kata's stats body
+    /// (`json.Unmarshal` into the agent's `VolumeStatsResponse`: unknown
+    /// keys ignored, missing ones zero). An error answer must fail that
+    /// decode, on every `/direct-volume/*` path; crust's own client still
+    /// gets the code.
+    #[tokio::test]
+    async fn kata_endpoints_answer_errors_no_stats_reader_takes_for_stats() {
+        #[derive(Deserialize)]
+        #[allow(dead_code)]
+        struct GoVolumeStatsResponse {
+            #[serde(default)]
+            usage: Vec<serde_json::Value>,
+            #[serde(default)]
+            volume_condition: Option<serde_json::Value>,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("shim.sock");
+        let (stop, _) = watch::channel(false);
+        let server = tokio::spawn(serve(bind(&sock).unwrap(), Arc::new(Fake::default()), stop));
+        let c = ShimClient::new(&sock, Duration::from_secs(5));
+        let raw = |method: &'static str, uri: &'static str, body: &'static str| {
+            let sock = sock.clone();
+            tokio::task::spawn_blocking(move || {
+                use std::io::{Read, Write};
+                let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+                write!(
+                    s,
+                    "{method} {uri} HTTP/1.1\r\nHost: shim\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+                let mut out = String::new();
+                s.read_to_string(&mut out).unwrap();
+                out.split_once("\r\n\r\n").unwrap().1.to_string()
+            })
+        };
+        for (method, uri, body) in [
+            ("GET", "/direct-volume/stats?path=%2Fmissing", ""),
+            ("GET", "/direct-volume/stats/%2Fmissing", ""),
+            ("GET", "/direct-volume/stats", ""),
+            ("GET", "/direct-volume/stats?path=%zz", ""),
+            ("POST", "/direct-volume/resize", "{\"Size\":1}"),
+            ("GET", "/direct-volume/nope", ""),
+        ] {
+            let answer = raw(method, uri, body).await.unwrap();
+            assert!(
+                serde_json::from_str::<GoVolumeStatsResponse>(&answer).is_err(),
+                "{method} {uri}: {answer}"
+            );
+            assert!(ApiError::from_body(answer.as_bytes()).is_some(), "{answer}");
+        }
+        match c.stats("/missing").await {
+            Err(ShimError::Api(e)) => {
+                assert_eq!(
+                    (e.code, e.message.as_str()),
+                    (Code::NotFound, "no such volume")
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        // Other endpoints keep their JSON errors.
+        let answer = raw("POST", "/start", "").await.unwrap();
+        assert_eq!(
+            serde_json::from_str::<ApiError>(&answer).unwrap().code,
+            Code::FailedPrecondition
+        );
+        c.shutdown().await.unwrap();
+        server.await.unwrap();
     }
 
     #[tokio::test]

@@ -145,6 +145,59 @@ pub fn agent_fstype(v: &Volume) -> Result<FsType, VolumeError> {
     })
 }
 
+/// Record options that mean nothing for a block device handed to a VM:
+/// Kata's CSI driver writes `["bind","rw"]` (it also bind-mounts the
+/// volume on the host). The guest mounts a filesystem from a disk, never
+/// a bind, so these are accepted and dropped.
+pub const HOST_ONLY_OPTIONS: [&str; 2] = ["bind", "rbind"];
+
+/// The options the agent mounts `v` with: the record's, without the
+/// host-only ones and without `ro`/`rw` (read-only-ness travels as the
+/// readonly flag).
+pub fn guest_options(v: &Volume) -> Vec<String> {
+    v.options
+        .iter()
+        .filter(|o| !HOST_ONLY_OPTIONS.contains(&o.as_str()) && *o != "ro" && *o != "rw")
+        .cloned()
+        .collect()
+}
+
+/// THE check of everything a volume's record carries that the guest
+/// would act on, run by every door before a VM starts or a device is
+/// plugged (so a bad record never costs a boot): the fstype is one the
+/// guest mounts, and the options pass crust's one allow-list
+/// ([`crust_fs::options`], what the agent applies) once the host-only
+/// ones are dropped. The record itself (device, volume type, secrets)
+/// was checked when it was read.
+pub fn check_for_guest(v: &Volume) -> Result<(), VolumeError> {
+    let fs = agent_fstype(v)?;
+    crust_fs::options::parse(fs, &guest_options(v), v.readonly).map_err(|e| {
+        VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: format!("record options: {e}"),
+        }
+    })?;
+    Ok(())
+}
+
+/// [`check_for_guest`] for every volume of a plan, before anything is
+/// claimed or booted; also says which metadata each record's reader
+/// ignored ([`crust_handoff::validate::metadata_warnings`]).
+pub fn check_before_boot(
+    discovery: &crate::discovery::Discovery,
+    volumes: &[Volume],
+) -> Result<(), VolumeError> {
+    for v in volumes {
+        check_for_guest(v)?;
+        if let Ok(mi) = discovery.store(v.layout).read(&v.target) {
+            for w in crust_handoff::validate::metadata_warnings(&mi) {
+                tracing::warn!(target = %v.target, "hand-off record: {w}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Checks the host device right before handing it to QEMU: it must still
 /// be a block device (records are validated when read, but time passes).
 pub fn check_host_device(v: &Volume) -> Result<(), VolumeError> {
@@ -218,12 +271,55 @@ pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, V
     })
 }
 
-/// Hot-plugs `v` on PCIe root port `bus`. Idempotent (crust-qmp is).
-pub async fn attach(qmp: &QmpClient, v: &Volume, bus: Option<&str>) -> Result<(), VolumeError> {
-    check_host_device(v)?;
-    qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
-        .await
-        .map_err(qmp_err(v, "blockdev-add"))?;
+/// A refusal of `v`'s host device.
+pub fn host_device_error(v: &Volume, reason: String) -> VolumeError {
+    VolumeError::HostDevice {
+        target: v.target.clone(),
+        device: v.device.clone(),
+        reason,
+    }
+}
+
+/// For a volume whose device is a regular file (Kata's CSI driver backs
+/// volumes with files), that file opened by the one rule
+/// ([`crust_handoff::validate::open_file_device`]: beneath `roots`, no
+/// symlink, only root can change the path); None for a block device.
+pub fn open_file_device(
+    v: &Volume,
+    roots: &[std::path::PathBuf],
+) -> Result<Option<std::os::fd::OwnedFd>, VolumeError> {
+    if crust_blockdev::is_block_device(Path::new(&v.device)) {
+        return Ok(None);
+    }
+    crust_handoff::validate::open_file_device(
+        &v.device,
+        roots,
+        crate::config::FILE_DEVICE_SETTING,
+        !v.readonly,
+    )
+    .map(Some)
+    .map_err(|reason| host_device_error(v, reason))
+}
+
+/// Hot-plugs `v` on PCIe root port `bus`: its block device by path (a
+/// node under /dev, checked again now), or `file`, the descriptor of its
+/// file device ([`open_file_device`]), which QEMU gets as it is.
+/// Idempotent (crust-qmp is).
+pub async fn attach(
+    qmp: &QmpClient,
+    v: &Volume,
+    bus: Option<&str>,
+    file: Option<std::os::fd::OwnedFd>,
+) -> Result<(), VolumeError> {
+    match file {
+        Some(fd) => qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await,
+        None => {
+            check_host_device(v)?;
+            qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
+                .await
+        }
+    }
+    .map_err(qmp_err(v, "blockdev-add"))?;
     if let Err(e) = qmp
         .device_add_virtio_blk(&v.device_id, &v.node_name, &v.serial, bus)
         .await
@@ -254,13 +350,7 @@ pub async fn mount(
         volume: v.id.clone(),
         serial: v.serial.clone(),
         fstype: agent_fstype(v)?,
-        // `ro` travels as the readonly flag; the agent's allow-list does the rest.
-        options: v
-            .options
-            .iter()
-            .filter(|o| *o != "ro" && *o != "rw")
-            .cloned()
-            .collect(),
+        options: guest_options(v),
         readonly: v.readonly,
         fs_group: v.fs_group,
         fs_group_policy: v.fs_group_change_policy().map(|p| match p {
@@ -369,6 +459,12 @@ pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {
     let dev = v.device.clone();
     let res = tokio::task::spawn_blocking(move || {
         let path = Path::new(&dev);
+        if !crust_blockdev::is_block_device(path) {
+            // A file device: QEMU grows the file it holds to this size.
+            return std::fs::metadata(path)
+                .map(|m| m.len())
+                .map_err(|e| e.to_string());
+        }
         let is_loop = crust_blockdev::loop_status(path).ok().flatten().is_some();
         if is_loop {
             crust_blockdev::refresh_capacity(path).map_err(|e| e.to_string())

@@ -106,6 +106,7 @@ async fn plug_with(
         qmp: &qmp,
         agent: &agent,
         mount_timeout: Duration::from_millis(200),
+        file_device_roots: &[],
     };
     let v = Volume::from_record(
         LayoutKind::Crust,

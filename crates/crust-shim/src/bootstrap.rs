@@ -377,11 +377,7 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
         crust_runtime::runtime::kill_and_wait(q);
     }
     crate::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
-    if let Ok(d) = Discovery::new(
-        cfg.runtime.crust_root.clone(),
-        cfg.runtime.kata_root.clone(),
-        &cfg.runtime.pods_layer_stop,
-    ) {
+    if let Ok(d) = Discovery::for_config(&cfg.runtime) {
         crust_runtime::claims::release_all(&d, pod, &st.volumes);
     }
     if let Err(e) = crust_runtime::share::remove(&store.dir(pod).join("share")) {

@@ -121,12 +121,7 @@ pub struct Pod {
 
 impl Pod {
     pub fn new(id: &str, cfg: ShimConfig) -> Result<Pod, PodError> {
-        let discovery = Discovery::new(
-            cfg.runtime.crust_root.clone(),
-            cfg.runtime.kata_root.clone(),
-            &cfg.runtime.pods_layer_stop,
-        )
-        .map_err(RuntimeError::from)?;
+        let discovery = Discovery::for_config(&cfg.runtime).map_err(RuntimeError::from)?;
         Ok(Pod {
             id: id.to_string(),
             store: SandboxStore::new(cfg.runtime.root.clone()),
@@ -425,6 +420,8 @@ impl Pod {
         let discovery = self.discovery.for_bundle(&b).map_err(RuntimeError::from)?;
         self.take_published_volumes(&discovery, &b).await?;
         let vplan = discovery.plan(&b).map_err(RuntimeError::from)?;
+        crust_runtime::volumes::check_before_boot(&discovery, &vplan.volumes)
+            .map_err(RuntimeError::from)?;
         // Every step in the share by descriptor from its root: the guest
         // may have written there (see crust_runtime::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
@@ -604,6 +601,7 @@ impl Pod {
             qmp: &vm.qmp,
             agent: &vm.agent,
             mount_timeout: self.cfg.runtime.boot_timeout,
+            file_device_roots: &self.cfg.runtime.file_device_roots,
         };
         if let Err(e) = plug::plug(&self.attachments, &ports, v).await {
             release_all(&self.discovery, &self.id, std::slice::from_ref(v));

@@ -68,6 +68,17 @@ impl ShimHandler for PodApi {
         Err(self.managed())
     }
 
+    async fn metrics(&self) -> ApiResult<String> {
+        let st = self.state().await?;
+        let vm = self.0.vm().await.ok();
+        Ok(crust_runtime::metrics::sandbox_metrics(
+            &st,
+            vm.as_ref().map(|vm| &vm.agent),
+            self.0.cfg.runtime.timeout,
+        )
+        .await)
+    }
+
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
         let v = self.volume(&path).await?;
         let vm = match self.0.vm().await {

@@ -10,9 +10,11 @@ use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args_os()
-        .map(|a| a.into_string().unwrap_or_default())
-        .collect();
+    let args: Vec<String> = crust_runtime::cli::kata_spellings(
+        std::env::args_os()
+            .map(|a| a.into_string().unwrap_or_default())
+            .collect(),
+    );
     if let Some(r) = crust_runtime::poll::run_fast(&args) {
         return crust_runtime::poll::exit_with(r);
     }

@@ -56,7 +56,7 @@ impl ShimClient {
         }
         let (status, body) = split_answer(&answer)?;
         if !(200..300).contains(&status) {
-            let err = serde_json::from_slice::<ApiError>(body).unwrap_or_else(|_| {
+            let err = ApiError::from_body(body).unwrap_or_else(|| {
                 ApiError::new(
                     Code::Internal,
                     format!("HTTP {status}: {}", String::from_utf8_lossy(body)),

@@ -114,6 +114,17 @@ impl Env {
         run_limited(cmd, CMD_LIMIT)
     }
 
+    /// [`Env::run`] with extra environment variables (settings a test
+    /// gives as `CRUST_RUNTIME_*` rather than as flags).
+    pub fn run_with_vars(&self, vars: &[(&str, &Path)], args: &[&str]) -> Output {
+        let mut cmd = Command::new(BIN);
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        cmd.args(self.global_args()).args(args);
+        run_limited(cmd, CMD_LIMIT)
+    }
+
     /// Runs with this env's settings in `CRUST_RUNTIME_*` variables
     /// instead of flags, as crust_ops runs the CLI (the per-poll verbs then
     /// take `crust_runtime::poll`'s path). Extra args are not carried.
