@@ -133,7 +133,8 @@ impl Network {
         }
         crust_agent_proto::network::validate(req).map_err(NetError::Invalid)?;
         let mut nl = Rtnl::open()?;
-        let plan = preflight(req, &nl.links()?)?;
+        let links = nl.links()?;
+        let plan = preflight(req, &links)?;
         *state = State::Failed(req.clone());
         apply(&mut nl, req, &plan)?;
         let reply = ConfigureNetworkReply {
@@ -152,17 +153,18 @@ struct Link {
     mac: Option<[u8; 6]>,
     min_mtu: Option<u32>,
     max_mtu: Option<u32>,
+    up: bool,
 }
 
-/// The link index of `lo` and of each requested interface, in order.
-struct Plan {
-    lo: Option<u32>,
-    nics: Vec<u32>,
+/// `lo` and the NIC of each requested interface, in order, as they were.
+struct Plan<'a> {
+    lo: Option<&'a Link>,
+    nics: Vec<&'a Link>,
 }
 
 /// Every check that needs the guest's links, before anything changes.
-fn preflight(req: &ConfigureNetwork, links: &[Link]) -> Result<Plan, NetError> {
-    let mut nics = Vec::new();
+fn preflight<'a>(req: &ConfigureNetwork, links: &'a [Link]) -> Result<Plan<'a>, NetError> {
+    let mut nics: Vec<&Link> = Vec::new();
     for i in &req.interfaces {
         let mac = parse_mac(&i.mac).ok_or_else(|| NetError::Invalid(format!("MAC {}", i.mac)))?;
         let found: Vec<&Link> = links.iter().filter(|l| l.mac == Some(mac)).collect();
@@ -187,7 +189,7 @@ fn preflight(req: &ConfigureNetwork, links: &[Link]) -> Result<Plan, NetError> {
                 });
             }
         };
-        if nics.contains(&l.index) {
+        if nics.iter().any(|n| n.index == l.index) {
             return Err(NetError::Invalid(format!(
                 "interface {}: MAC {} is listed twice",
                 i.name, i.mac
@@ -205,13 +207,13 @@ fn preflight(req: &ConfigureNetwork, links: &[Link]) -> Result<Plan, NetError> {
         if i.addresses.iter().any(|a| a.address.is_ipv6()) && !ipv6_present() {
             return Err(NetError::NoIpv6(i.name.clone()));
         }
-        nics.push(l.index);
+        nics.push(l);
     }
     // A wanted name held by a link that is not being renamed away.
     for i in &req.interfaces {
         if let Some(h) = links
             .iter()
-            .find(|l| l.name == i.name && !nics.contains(&l.index))
+            .find(|l| l.name == i.name && !nics.iter().any(|n| n.index == l.index))
         {
             return Err(NetError::NameTaken {
                 name: i.name.clone(),
@@ -226,7 +228,7 @@ fn preflight(req: &ConfigureNetwork, links: &[Link]) -> Result<Plan, NetError> {
         return Err(NetError::NoIpv6(r.device.clone()));
     }
     Ok(Plan {
-        lo: links.iter().find(|l| l.name == "lo").map(|l| l.index),
+        lo: links.iter().find(|l| l.name == "lo"),
         nics,
     })
 }
@@ -247,27 +249,34 @@ fn ipv6_present() -> bool {
 }
 
 fn apply(nl: &mut Rtnl, req: &ConfigureNetwork, plan: &Plan) -> Result<(), NetError> {
-    if let Some(lo) = plan.lo {
-        nl.set_up(lo, true).map_err(step("bringing lo up"))?;
+    // Each netlink change costs milliseconds in an emulated guest (on a
+    // pod's start path): none is made that changes nothing.
+    if let Some(lo) = plan.lo.filter(|l| !l.up) {
+        nl.set_up(lo.index, true).map_err(step("bringing lo up"))?;
     }
-    // Down first (the kernel renames only a down link), and every NIC out
-    // of the way under a temporary name: the guest may have named them
-    // eth0, eth1 in another order than the pod's.
-    for (i, &index) in req.interfaces.iter().zip(&plan.nics) {
-        nl.set_up(index, false)
-            .map_err(step(&format!("interface {}: link down", i.name)))?;
-        nl.set_link(
-            index,
-            vec![LinkAttribute::IfName(format!("crusttmp{index}"))],
-        )
-        .map_err(step(&format!("interface {}: temporary name", i.name)))?;
+    // Down first (the kernel renames only a down link; a fresh guest's
+    // NICs are down already), and out of the way under a temporary name
+    // any NIC holding another interface's name: the guest may have named
+    // them eth0, eth1 in another order than the pod's.
+    let wanted: Vec<&str> = req.interfaces.iter().map(|i| i.name.as_str()).collect();
+    for (i, l) in req.interfaces.iter().zip(&plan.nics) {
+        if l.up {
+            nl.set_up(l.index, false)
+                .map_err(step(&format!("interface {}: link down", i.name)))?;
+        }
+        if l.name != i.name && wanted.contains(&l.name.as_str()) {
+            let tmp = format!("crusttmp{}", l.index);
+            nl.set_link(l.index, vec![LinkAttribute::IfName(tmp)])
+                .map_err(step(&format!("interface {}: temporary name", i.name)))?;
+        }
     }
-    for (i, &index) in req.interfaces.iter().zip(&plan.nics) {
-        configure_nic(nl, i, index)?;
+    for (i, l) in req.interfaces.iter().zip(&plan.nics) {
+        configure_nic(nl, i, l.index)?;
     }
-    add_routes(nl, &req.routes, &req.interfaces, &plan.nics)?;
+    let nics: Vec<u32> = plan.nics.iter().map(|l| l.index).collect();
+    add_routes(nl, &req.routes, &req.interfaces, &nics)?;
     for n in &req.neighbours {
-        let index = index_of(&n.device, &req.interfaces, &plan.nics);
+        let index = index_of(&n.device, &req.interfaces, &nics);
         let mut m = NeighbourMessage::default();
         m.header.family = family(n.address);
         m.header.ifindex = index;
@@ -538,6 +547,7 @@ fn link_of(l: LinkMessage) -> Link {
         mac: None,
         min_mtu: None,
         max_mtu: None,
+        up: l.header.flags.contains(LinkFlags::Up),
     };
     for a in l.attributes {
         match a {

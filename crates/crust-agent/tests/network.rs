@@ -130,6 +130,8 @@ fn nics_found_by_mac_get_the_pods_interfaces_routes_and_neighbours() {
         // The guest named them in the other order: eth0 holds net1's MAC.
         nic("eth0", MAC_B);
         nic("enp0s3", MAC_A);
+        // Up: the kernel renames only a link that is down.
+        ip(&["link", "set", "enp0s3", "up"]);
         let net = Network::default();
         let reply = net.configure(&pod_network()).expect("configure");
         assert_eq!(reply.interfaces, ["eth0", "net1"]);
