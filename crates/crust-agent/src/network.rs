@@ -78,7 +78,7 @@ pub enum NetError {
     #[error("interface {0}: IPv6 is asked for but the guest kernel has no IPv6")]
     NoIpv6(String),
     #[error(
-        "the guest's network is already configured by a different request; it is set once per pod"
+        "the guest's network was already configured (or a request failed part-way) with different content; it is set once per pod"
     )]
     AlreadyConfigured,
     #[error("{step}: {errno}")]
@@ -254,13 +254,13 @@ fn apply(nl: &mut Rtnl, req: &ConfigureNetwork, plan: &Plan) -> Result<(), NetEr
     if let Some(lo) = plan.lo.filter(|l| !l.up) {
         nl.set_up(lo.index, true).map_err(step("bringing lo up"))?;
     }
-    // Down first (the kernel renames only a down link; a fresh guest's
-    // NICs are down already), and out of the way under a temporary name
-    // any NIC holding another interface's name: the guest may have named
-    // them eth0, eth1 in another order than the pod's.
+    // A NIC to rename goes down first (the kernel renames only a down
+    // link; a fresh guest's NICs are down already), and out of the way
+    // under a temporary name when it holds another interface's name: the
+    // guest may have named them eth0, eth1 in another order than the pod's.
     let wanted: Vec<&str> = req.interfaces.iter().map(|i| i.name.as_str()).collect();
     for (i, l) in req.interfaces.iter().zip(&plan.nics) {
-        if l.up {
+        if l.up && l.name != i.name {
             nl.set_up(l.index, false)
                 .map_err(step(&format!("interface {}: link down", i.name)))?;
         }

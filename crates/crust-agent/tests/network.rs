@@ -274,3 +274,49 @@ fn an_empty_request_brings_up_lo_alone() {
         assert!(!flags(&link("eth0")).contains(&"UP".to_string()));
     });
 }
+
+#[test]
+fn a_request_that_failed_part_way_can_be_repeated_not_changed() {
+    in_netns(|| {
+        nic("eth0", MAC_A);
+        let mut req = pod_network();
+        req.interfaces.truncate(1);
+        // A gateway no route reaches: the NIC is configured, then this fails.
+        req.routes = vec![route(
+            "10.99.0.0",
+            16,
+            Some("172.31.0.1"),
+            "eth0",
+            RouteScope::Universe,
+        )];
+        req.neighbours.clear();
+        let net = Network::default();
+        let e = AgentError::from(net.configure(&req).unwrap_err());
+        assert_eq!(e.code, ErrorCode::Internal, "{e}");
+        assert!(e.message.contains("172.31.0.1"), "{e}");
+        assert_eq!(link("eth0")["mtu"], 1400);
+
+        let mut other = req.clone();
+        other.routes.clear();
+        let e = AgentError::from(net.configure(&other).unwrap_err());
+        assert_eq!(e.code, ErrorCode::FailedPrecondition, "{e}");
+
+        // Once the gateway is reachable, the same request goes through
+        // again over what the first attempt left.
+        ip(&["route", "add", "172.31.0.0/16", "dev", "eth0"]);
+        net.configure(&req).expect("the same request again");
+        let far = ipj(&["route", "show", "10.99.0.0/16"]);
+        assert_eq!(far[0]["gateway"], "172.31.0.1", "{far}");
+        let addrs = ipj(&["addr", "show", "dev", "eth0"])[0]["addr_info"].clone();
+        assert_eq!(
+            addrs
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|a| a["local"] == "10.88.0.5")
+                .count(),
+            1,
+            "{addrs}"
+        );
+    });
+}
