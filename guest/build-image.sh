@@ -170,8 +170,10 @@ for b in "$AGENT" $HELPER; do
 done
 
 # --- kernel modules -------------------------------------------------------------
-# Loaded by /init: the disk, console and hot-plug drivers.
-BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console"
+# Loaded by /init: the disk, console, NIC and hot-plug drivers. virtio_net
+# is there before the agent starts (it finds the pod's NICs by MAC) and
+# brings failover and net_failover as its dependencies.
+BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console virtio_net"
 # PCI hot-plug: built in on Debian's cloud kernel; taken along if modular.
 HOTPLUG_MODULES="pciehp acpiphp"
 # Filesystems, loaded by the agent on first mount (xfs.ko alone costs over a

@@ -40,9 +40,15 @@ fn as_request(body: &[u8]) {
     let back = parse_request(&again[frame::HEADER_LEN..]).expect("and parses again");
     assert_eq!(back, req);
     // What the agent checks before acting.
-    if let Operation::MountVolume(m) = &req.op {
-        let _ = crust_agent::volume::validate_name(&m.volume);
-        let _ = crust_agent::options::parse(m.fstype, &m.options, m.readonly);
+    match &req.op {
+        Operation::MountVolume(m) => {
+            let _ = crust_agent::volume::validate_name(&m.volume);
+            let _ = crust_agent::options::parse(m.fstype, &m.options, m.readonly);
+        }
+        Operation::ConfigureNetwork(n) => {
+            let _ = crust_agent_proto::network::validate(n);
+        }
+        _ => {}
     }
 }
 

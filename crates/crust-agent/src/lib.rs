@@ -14,6 +14,9 @@
 //! * Containers ([`container`]): the pod's containers, each in its own
 //!   mount namespace over a rootfs shared with virtio-fs, with a cgroup,
 //!   exec processes, terminals and stdio over the second port.
+//! * The pod's network ([`network`]): each virtio-net NIC, found by MAC,
+//!   gets the name, MTU, addresses, routes and neighbours of the interface
+//!   CNI made in the pod's namespace.
 //! * Every request runs on its own thread, so a slow Exec never holds up a
 //!   Ping; mount-changing operations are serialized.
 //!
@@ -22,6 +25,7 @@
 
 pub mod container;
 pub mod destination;
+pub mod network;
 pub mod options;
 pub mod process;
 pub mod server;

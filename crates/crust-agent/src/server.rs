@@ -16,6 +16,7 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::container::Containers;
+use crate::network::Network;
 use crate::process::{self, RunError};
 use crate::volume::Volumes;
 use crate::workload::Workloads;
@@ -55,6 +56,7 @@ pub struct Agent {
     volumes: Volumes,
     workloads: Workloads,
     containers: Containers,
+    network: Network,
     /// Serializes operations that change mounts.
     mutate: Mutex<()>,
     started: Instant,
@@ -66,6 +68,7 @@ impl Agent {
             volumes: Volumes::default(),
             workloads: Workloads::default(),
             containers,
+            network: Network::default(),
             mutate: Mutex::new(()),
             started: Instant::now(),
         }
@@ -216,13 +219,7 @@ impl Agent {
                     serde_json::to_value(Empty {})
                 }
                 Operation::GuestInfo(_) => serde_json::to_value(guest_info()),
-                // The guest side lands with the network module (issue 26).
-                Operation::ConfigureNetwork(_) => {
-                    return Err(AgentError::new(
-                        ErrorCode::Unimplemented,
-                        "this agent cannot configure a network yet",
-                    ));
-                }
+                Operation::ConfigureNetwork(n) => serde_json::to_value(self.network.configure(&n)?),
             };
             v.map_err(|e| AgentError::new(ErrorCode::Internal, e.to_string()))
         })();

@@ -7,6 +7,7 @@
 //! happen in a fresh single-threaded process and errors come back as text.
 
 pub mod cgroup;
+pub mod hostname;
 pub mod init;
 pub mod rootfs;
 pub mod stdio;
@@ -281,6 +282,7 @@ impl Containers {
                 gid: d.gid.unwrap_or(0),
             });
         }
+        hostname::apply_from_binds(&req.mounts);
         let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
         std::fs::create_dir_all(&mountpoint)
             .map_err(io(format!("mkdir {}", mountpoint.display())))?;
