@@ -449,7 +449,11 @@ mod tests {
 
         assert_eq!(std::fs::read(&host_file).unwrap(), b"precious");
         assert_eq!(std::fs::read_dir(&host_dir).unwrap().count(), 0);
-        assert_eq!(mounts_below(t.path()), before, "nothing was mounted anywhere");
+        assert_eq!(
+            mounts_below(t.path()),
+            before,
+            "nothing was mounted anywhere"
+        );
         remove_container(&share, "c3").unwrap();
         assert_eq!(std::fs::read(&host_file).unwrap(), b"precious");
         assert!(host_dir.is_dir());

@@ -53,10 +53,12 @@ pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetE
     Ok(Some(Attached { ns, net, nics }))
 }
 
-/// Gives the guest the pod's addresses, routes and neighbours.
-pub async fn configure(agent: &AgentClient, a: &Attached) -> Result<(), String> {
+/// Gives the guest the pod's addresses, routes and neighbours; without a
+/// pod network (`hostNetwork`, an empty namespace) only `lo` comes up.
+pub async fn configure(agent: &AgentClient, a: Option<&Attached>) -> Result<(), String> {
+    let req = a.map(|a| a.net.config.clone()).unwrap_or_default();
     let reply = agent
-        .call(a.net.config.clone())
+        .call(req)
         .await
         .map_err(|e| format!("configuring the guest's network: {e}"))?;
     tracing::info!(interfaces = ?reply.interfaces, "guest network configured");

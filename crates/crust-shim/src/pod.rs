@@ -361,9 +361,7 @@ impl Pod {
                 format!("{e} ({ctx})"),
             ));
         }
-        if let Some(a) = net
-            && let Err(e) = crate::net::configure(&agent, a).await
-        {
+        if let Err(e) = crate::net::configure(&agent, net).await {
             guest.kill().await;
             return Err(PodError::host("the pod's network", e));
         }
