@@ -2,11 +2,16 @@
 //! Debian's CNI plugins (bridge + host-local, dual stack). Two crust pods
 //! on one bridge: each has the addresses CNI assigned, they ping each
 //! other over IPv4 and IPv6, a TCP server in one is reached from the other
-//! and from the host, a pod reaches a TCP server on the host, and the
-//! pod's /etc/resolv.conf is the one CRI wrote. Teardown leaves no tap,
-//! and host-local has freed both addresses.
+//! and from the host, a pod reaches a TCP server on the host, a hostPort
+//! (portmap) reaches a crust pod from the host's address, a runc pod on
+//! the same bridge reaches a crust pod (where runc runs under the CRI
+//! plugin on the machine; else the test says why it skipped that part),
+//! and the pod's /etc/resolv.conf is the one CRI wrote. A pod whose shim
+//! was SIGKILLed is still stopped and removed, host-local frees its
+//! address, and a new pod gets a working network. Teardown leaves no
+//! tap, and host-local has freed every address.
 //!
-//! Budget: two TCG guests, ~40 s.
+//! Budget: three TCG guests, ~45 s.
 
 #![allow(
     clippy::too_many_lines,
@@ -58,8 +63,27 @@ struct Pod {
     ips: Vec<IpAddr>,
 }
 
-async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) -> Pod {
+/// A pod with one container running `script`: `handler` is the CRI
+/// runtime handler (`crust`, or empty for runc); `port` a hostPort.
+async fn try_pod(
+    cri: &mut Cri,
+    env: &Env,
+    name: &str,
+    uid: &str,
+    script: &str,
+    handler: &str,
+    port: Option<(i32, i32)>,
+) -> Result<Pod, String> {
     let config = cri::PodSandboxConfig {
+        port_mappings: port
+            .map(|(container_port, host_port)| cri::PortMapping {
+                protocol: cri::Protocol::Tcp as i32,
+                container_port,
+                host_port,
+                host_ip: String::new(),
+            })
+            .into_iter()
+            .collect(),
         metadata: Some(cri::PodSandboxMetadata {
             name: name.into(),
             uid: uid.into(),
@@ -90,10 +114,10 @@ async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) 
         .runtime
         .run_pod_sandbox(cri::RunPodSandboxRequest {
             config: Some(config.clone()),
-            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+            runtime_handler: handler.into(),
         })
         .await
-        .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", env.logs()))
+        .map_err(|e| format!("RunPodSandbox {name}: {e}"))?
         .into_inner()
         .pod_sandbox_id;
     let status = cri
@@ -134,7 +158,7 @@ async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) 
             sandbox_config: Some(config),
         })
         .await
-        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", env.logs()))
+        .map_err(|e| format!("CreateContainer {name}: {e}"))?
         .into_inner()
         .container_id;
     cri.runtime
@@ -142,12 +166,59 @@ async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) 
             container_id: container.clone(),
         })
         .await
-        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}\n{}", env.logs()));
-    Pod {
+        .map_err(|e| format!("StartContainer {name}: {e}"))?;
+    Ok(Pod {
         sandbox,
         container,
         ips,
-    }
+    })
+}
+
+async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) -> Pod {
+    let port = (name == "net-a").then_some((8080, hostport()));
+    try_pod(
+        cri,
+        env,
+        name,
+        uid,
+        script,
+        crust_testkit::CRUST_HANDLER,
+        port,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
+}
+
+/// pod a's hostPort (unique per test process).
+fn hostport() -> i32 {
+    20000 + (std::process::id() % 10_000) as i32
+}
+
+async fn remove_pod(cri: &mut Cri, env: &Env, sandbox: &str) {
+    cri.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: sandbox.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", env.logs()));
+    cri.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: sandbox.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", env.logs()));
+}
+
+/// The addresses host-local still leases.
+fn leased(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir.join("crust-test"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.parse::<IpAddr>().is_ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A line from a TCP server at `addr`, retried while it starts.
@@ -191,6 +262,9 @@ async fn two_crust_pods_on_a_cni_bridge() {
                 "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
                 "dataDir": ipam_dir.path().display().to_string(),
             }
+        }, {
+            "type": "portmap",
+            "capabilities": {"portMappings": true}
         }]
     });
     let env = Env::start_full(
@@ -270,32 +344,84 @@ async fn two_crust_pods_on_a_cni_bridge() {
     .await;
     accept.join().unwrap();
     assert_eq!((rc, out.as_str()), (0, "from the host\n"), "a -> host TCP");
+    // hostPort through portmap, from the host's own address.
+    let host_ip: IpAddr = {
+        let o = Command::new("ip")
+            .args(["-4", "route", "get", "1.1.1.1"])
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let src = out.split_whitespace().skip_while(|w| *w != "src").nth(1);
+        src.unwrap_or_else(|| panic!("no host address: {out}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(read_line_from((host_ip, hostport() as u16)), "from net-a\n");
     phase("traffic");
 
+    // A runc pod on the same bridge reaches the crust pod.
+    let runc = try_pod(
+        &mut cri,
+        &env,
+        "net-runc",
+        "26c00000-0000-4000-8000-00000000000c",
+        "exec sleep 600",
+        "",
+        None,
+    )
+    .await;
+    match runc {
+        Ok(r) => {
+            let (rc, out) = exec(&mut cri, &r.container, &format!("nc {a4} 8080 </dev/null")).await;
+            assert_eq!((rc, out.as_str()), (0, "from net-a\n"), "runc -> crust TCP");
+            let (rc, out) = exec(
+                &mut cri,
+                &a.container,
+                &format!("ping -c 2 -W 5 {}", r.ips[0]),
+            )
+            .await;
+            assert_eq!(rc, 0, "crust -> runc: {out}");
+            remove_pod(&mut cri, &env, &r.sandbox).await;
+            phase("runc pod");
+        }
+        Err(e) => {
+            eprintln!("SKIPPED the runc pod: runc does not run under the CRI plugin here: {e}")
+        }
+    }
+
+    // The shim of pod b dies (SIGKILL): kubelet's teardown still works,
+    // host-local frees its address, and a new pod gets a network.
+    let store = crust_runtime::sandbox::SandboxStore::new(env.runtime_root.clone());
+    let shim = store.load(&b.sandbox).unwrap().shim.unwrap().pid;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(shim).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    remove_pod(&mut cri, &env, &b.sandbox).await;
+    let b_ips: Vec<String> = b.ips.iter().map(IpAddr::to_string).collect();
+    assert!(
+        leased(ipam_dir.path()).iter().all(|l| !b_ips.contains(l)),
+        "b's addresses freed"
+    );
+    let c = run_pod(
+        &mut cri,
+        &env,
+        "net-c",
+        "26d00000-0000-4000-8000-00000000000d",
+        server,
+    )
+    .await;
+    let (rc, out) = exec(&mut cri, &c.container, &format!("ping -c 2 -W 5 {a4}")).await;
+    assert_eq!(rc, 0, "a new pod after a killed shim: {out}");
+    phase("after a killed shim");
+
     // Teardown as kubelet does it: nothing of crust's left, IPs freed.
-    for p in [&a, &b] {
-        cri.runtime
-            .stop_pod_sandbox(cri::StopPodSandboxRequest {
-                pod_sandbox_id: p.sandbox.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", env.logs()));
-        cri.runtime
-            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
-                pod_sandbox_id: p.sandbox.clone(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", env.logs()));
+    for p in [&a, &c] {
+        remove_pod(&mut cri, &env, &p.sandbox).await;
     }
     assert!(qemus_under(&env.runtime_root).is_empty(), "no VM left");
-    let leased: Vec<String> = std::fs::read_dir(ipam_dir.path().join("crust-test"))
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.parse::<IpAddr>().is_ok())
-                .collect()
-        })
-        .unwrap_or_default();
+    let leased = leased(ipam_dir.path());
     assert!(leased.is_empty(), "host-local still leases {leased:?}");
     let links = String::from_utf8_lossy(&Command::new("ip").arg("link").output().unwrap().stdout)
         .into_owned();
