@@ -37,6 +37,7 @@ pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetE
     let PodNetworkSpec::Namespace(path) = spec else {
         return Ok(None);
     };
+    let t0 = std::time::Instant::now();
     let ns = NetNs::open(path)?;
     let net = crust_podnet::scan(&ns)?;
     let taps = crust_podnet::attach(&ns, &net, cpus.max(1))?;
@@ -49,7 +50,7 @@ pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetE
         })
         .collect();
     tracing::info!(netns = %path, interfaces = ?net.links.iter().map(|l| &l.name).collect::<Vec<_>>(),
-        "pod network mirrored into the VM");
+        elapsed_ms = t0.elapsed().as_millis() as u64, "pod network mirrored into the VM");
     Ok(Some(Attached { ns, net, nics }))
 }
 
@@ -57,11 +58,13 @@ pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetE
 /// pod network (`hostNetwork`, an empty namespace) only `lo` comes up.
 pub async fn configure(agent: &AgentClient, a: Option<&Attached>) -> Result<(), String> {
     let req = a.map(|a| a.net.config.clone()).unwrap_or_default();
+    let t0 = std::time::Instant::now();
     let reply = agent
         .call(req)
         .await
         .map_err(|e| format!("configuring the guest's network: {e}"))?;
-    tracing::info!(interfaces = ?reply.interfaces, "guest network configured");
+    tracing::info!(interfaces = ?reply.interfaces, elapsed_ms = t0.elapsed().as_millis() as u64,
+        "guest network configured");
     Ok(())
 }
 

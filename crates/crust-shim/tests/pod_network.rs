@@ -428,3 +428,171 @@ async fn two_crust_pods_on_a_cni_bridge() {
     assert!(!links.contains("crusttap"), "{links}");
     phase("torn down");
 }
+
+/// `elapsed_ms=` values of the shim log's lines containing `what`.
+fn logged_ms(log: &str, what: &str) -> Vec<u64> {
+    log.lines()
+        .filter(|l| l.contains(what))
+        .filter_map(|l| {
+            let at = l.find("elapsed_ms=")? + "elapsed_ms=".len();
+            l[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Figures, not assertions (issue 26, must-show 6):
+/// `cargo test --release -p crust-shim --test pod_network -- --ignored --nocapture`.
+/// Pod start (RunPodSandbox → StartContainer returned) with a CNI network
+/// and with hostNetwork, `CRUST_BENCH_PODS` pods each (default 3), and
+/// what crust adds for the network: the shim's scan + taps + redirects,
+/// and the guest's configure_network (CNI ADD itself is containerd's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+async fn bench_pod_start_with_network() {
+    let pods: usize = std::env::var("CRUST_BENCH_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let n = std::process::id() % 250;
+    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "crust-test",
+        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
+                     "routes": [{"dst": "0.0.0.0/0"}],
+                     "dataDir": ipam_dir.path().display().to_string()}}]
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        Vec::new(),
+        Some(conflist.to_string()),
+    );
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let mut report = Vec::new();
+    for networked in [false, true] {
+        let mut times = Vec::new();
+        for i in 0..pods {
+            let name = format!("b{}-{i}", u8::from(networked));
+            let uid = format!(
+                "26e00000-0000-4000-8000-{:012}",
+                i + 100 * usize::from(networked)
+            );
+            let t0 = Instant::now();
+            let pod = if networked {
+                try_pod(
+                    &mut cri,
+                    &env,
+                    &name,
+                    &uid,
+                    "exec sleep 600",
+                    crust_testkit::CRUST_HANDLER,
+                    None,
+                )
+                .await
+            } else {
+                host_pod(&mut cri, &env, &name, &uid).await
+            }
+            .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
+            times.push(t0.elapsed());
+            remove_pod(&mut cri, &env, &pod.sandbox).await;
+        }
+        times.sort();
+        report.push((networked, times));
+    }
+    let log = env.shim_log();
+    let attach = logged_ms(&log, "pod network mirrored into the VM");
+    let configure = logged_ms(&log, "guest network configured");
+    for (networked, t) in &report {
+        eprintln!(
+            "pod start ({}): p50 {:.0} ms, min {:.0} ms, max {:.0} ms over {} pods",
+            if *networked {
+                "CNI bridge"
+            } else {
+                "hostNetwork"
+            },
+            t[t.len() / 2].as_secs_f64() * 1e3,
+            t[0].as_secs_f64() * 1e3,
+            t[t.len() - 1].as_secs_f64() * 1e3,
+            t.len()
+        );
+    }
+    eprintln!("shim: scan + taps + redirects (ms): {attach:?}");
+    eprintln!(
+        "guest: configure_network (ms, hostNetwork pods' lo-only calls included): {configure:?}"
+    );
+}
+
+/// A hostNetwork pod (the baseline).
+async fn host_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str) -> Result<Pod, String> {
+    let config = cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            uid: uid.into(),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        log_directory: env.dir.path().join("logs").join(name).display().to_string(),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    std::fs::create_dir_all(env.dir.path().join("logs").join(name)).unwrap();
+    let sandbox = cri
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+        })
+        .await
+        .map_err(|e| format!("RunPodSandbox {name}: {e}"))?
+        .into_inner()
+        .pod_sandbox_id;
+    let container = cri
+        .runtime
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox.clone(),
+            config: Some(cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: "app".into(),
+                    attempt: 0,
+                }),
+                image: Some(cri::ImageSpec {
+                    image: crust_testkit::BUSYBOX_IMAGE.into(),
+                    ..Default::default()
+                }),
+                command: vec!["sh".into(), "-c".into(), "exec sleep 600".into()],
+                log_path: "app.log".into(),
+                ..Default::default()
+            }),
+            sandbox_config: Some(config),
+        })
+        .await
+        .map_err(|e| format!("CreateContainer {name}: {e}"))?
+        .into_inner()
+        .container_id;
+    cri.runtime
+        .start_container(cri::StartContainerRequest {
+            container_id: container.clone(),
+        })
+        .await
+        .map_err(|e| format!("StartContainer {name}: {e}"))?;
+    Ok(Pod {
+        sandbox,
+        container,
+        ips: Vec::new(),
+    })
+}
