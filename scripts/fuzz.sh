@@ -80,6 +80,7 @@ dict_of() {
     mountinfo) echo fuzz/dict/mountinfo.dict ;;
     mount_options) echo fuzz/dict/mount_options.dict ;;
     kubelet_path) echo fuzz/dict/kubelet.dict ;;
+    containerd_config) echo fuzz/dict/toml.dict ;;
     shim_http) echo fuzz/dict/http.dict ;;
   esac
 }

@@ -50,6 +50,8 @@ pub enum ConfigError {
     Version { path: PathBuf, version: i64 },
     #[error("{path}: `imports` must be an array of strings")]
     Imports { path: PathBuf },
+    #[error("{path}: `{key}` must be a table to hold the crust runtime (content not shown)")]
+    NotATable { path: PathBuf, key: String },
 }
 
 /// The config format of a containerd root config.
@@ -232,13 +234,34 @@ impl RootConfig {
             .is_some()
     }
 
-    /// Adds the handler's runtime table to this config's CRI section.
-    pub fn add_runtime(&mut self, handler: &Handler, version: Version) {
+    /// Adds the handler's runtime table to this config's CRI section. A
+    /// key on the way that holds something other than a table is refused
+    /// (and nothing changes): the config is the node's, not ours to fix.
+    pub fn add_runtime(&mut self, handler: &Handler, version: Version) -> Result<(), ConfigError> {
+        let mut at: Option<&Item> = Some(self.doc.as_item());
+        let mut key = String::new();
+        for k in ["plugins", version.cri_plugin(), "containerd", "runtimes"] {
+            key = if key.is_empty() {
+                k.to_string()
+            } else {
+                format!("{key}.{k}")
+            };
+            at = at.and_then(|i| i.get(k));
+            if let Some(i) = at
+                && i.as_table_like().is_none()
+            {
+                return Err(ConfigError::NotATable {
+                    path: self.path.clone(),
+                    key,
+                });
+            }
+        }
         let rt = &mut self.doc["plugins"][version.cri_plugin()]["containerd"]["runtimes"];
         if let Some(t) = rt.as_table_mut() {
             t.set_implicit(true);
         }
         rt[handler.name.as_str()] = Item::Table(runtime_table(handler));
+        Ok(())
     }
 
     /// Removes the handler's runtime table added by [`RootConfig::add_runtime`].
@@ -378,7 +401,7 @@ mod tests {
             "version = 2\n\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"p\"\n";
         let mut c = RootConfig::parse(p, text).unwrap();
         assert!(c.has_cri_section(Version::V2) && !c.has_cri_section(Version::V3));
-        c.add_runtime(&handler(), Version::V2);
+        c.add_runtime(&handler(), Version::V2).unwrap();
         let doc: DocumentMut = c.render().parse().unwrap();
         let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"];
         assert_eq!(cri["sandbox_image"].as_str(), Some("p"));
@@ -388,6 +411,36 @@ mod tests {
         );
         assert!(c.remove_runtime("crust", Version::V2));
         assert!(!c.remove_runtime("crust", Version::V2));
+    }
+
+    /// A key on the way that is not a table (toml_edit's indexing panicked
+    /// on it; found while writing the containerd_config fuzz target) is
+    /// refused, naming it, and the config is unchanged.
+    #[test]
+    fn a_non_table_on_the_way_is_refused_not_a_panic() {
+        let p = Path::new("/etc/containerd/config.toml");
+        for (text, key) in [
+            (
+                "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\ncontainerd = 1\n",
+                "containerd",
+            ),
+            (
+                "version = 2\nplugins = { \"io.containerd.grpc.v1.cri\" = \"x\" }\n",
+                "grpc.v1.cri",
+            ),
+            (
+                "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\nruntimes = [1]\n",
+                "runtimes",
+            ),
+        ] {
+            let mut c = RootConfig::parse(p, text).unwrap();
+            let e = c
+                .add_runtime(&handler(), Version::V2)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains("must be a table"), "{e}");
+            assert_eq!(c.render(), text);
+        }
     }
 
     #[test]

@@ -572,7 +572,7 @@ fn plan_root(
                 base.render()
             }
         };
-        cfg.add_runtime(handler, version);
+        cfg.add_runtime(handler, version)?;
         let edited = cfg.render();
         return Ok(RootPlan {
             action: RootAction::RuntimeAdded {

@@ -31,6 +31,7 @@
 pub mod containerd;
 pub mod hostfs;
 pub mod install;
+#[cfg(feature = "apiserver")]
 pub mod label;
 
 pub use containerd::Version;

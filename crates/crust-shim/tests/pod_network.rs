@@ -310,7 +310,12 @@ async fn two_crust_pods_on_a_cni_bridge() {
         addrs.contains(&format!("default via 10.88.{n}.1")),
         "{addrs}"
     );
-    let (_, ident) = exec(&mut cri, &a.container, "hostname; cat /sys/class/net/eth0/mtu").await;
+    let (_, ident) = exec(
+        &mut cri,
+        &a.container,
+        "hostname; cat /sys/class/net/eth0/mtu",
+    )
+    .await;
     assert_eq!(ident, "net-a\n1500\n", "the pod's hostname, CNI's MTU");
     let (_, resolv) = exec(&mut cri, &a.container, "cat /etc/resolv.conf").await;
     assert!(
