@@ -63,17 +63,36 @@ struct Pod {
     ips: Vec<IpAddr>,
 }
 
-/// A pod with one container running `script`: `handler` is the CRI
-/// runtime handler (`crust`, or empty for runc); `port` a hostPort.
+/// How a test pod is made.
+struct PodOpts<'a> {
+    /// The CRI runtime handler: `crust`, or empty for runc.
+    handler: &'a str,
+    /// (container port, hostPort).
+    port: Option<(i32, i32)>,
+    /// `Pod` (CNI) or `Node` (hostNetwork).
+    network: cri::NamespaceMode,
+}
+
+const CRUST_CNI: PodOpts<'static> = PodOpts {
+    handler: crust_testkit::CRUST_HANDLER,
+    port: None,
+    network: cri::NamespaceMode::Pod,
+};
+
+/// A pod with one container running `script`.
 async fn try_pod(
     cri: &mut Cri,
     env: &Env,
     name: &str,
     uid: &str,
     script: &str,
-    handler: &str,
-    port: Option<(i32, i32)>,
+    opts: PodOpts<'_>,
 ) -> Result<Pod, String> {
+    let PodOpts {
+        handler,
+        port,
+        network,
+    } = opts;
     let config = cri::PodSandboxConfig {
         port_mappings: port
             .map(|(container_port, host_port)| cri::PortMapping {
@@ -100,7 +119,7 @@ async fn try_pod(
         linux: Some(cri::LinuxPodSandboxConfig {
             security_context: Some(cri::LinuxSandboxSecurityContext {
                 namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Pod as i32,
+                    network: network as i32,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -131,13 +150,11 @@ async fn try_pod(
         .into_inner()
         .status
         .unwrap();
-    let net = status.network.unwrap();
-    let mut ips: Vec<IpAddr> = vec![net.ip.parse().unwrap()];
-    ips.extend(
-        net.additional_ips
-            .iter()
-            .map(|i| i.ip.parse::<IpAddr>().unwrap()),
-    );
+    let net = status.network.unwrap_or_default();
+    let ips: Vec<IpAddr> = std::iter::once(&net.ip)
+        .chain(net.additional_ips.iter().map(|i| &i.ip))
+        .filter_map(|ip| ip.parse().ok())
+        .collect();
     let container = cri
         .runtime
         .create_container(cri::CreateContainerRequest {
@@ -176,17 +193,9 @@ async fn try_pod(
 
 async fn run_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str, script: &str) -> Pod {
     let port = (name == "net-a").then_some((8080, hostport()));
-    try_pod(
-        cri,
-        env,
-        name,
-        uid,
-        script,
-        crust_testkit::CRUST_HANDLER,
-        port,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
+    try_pod(cri, env, name, uid, script, PodOpts { port, ..CRUST_CNI })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
 }
 
 /// pod a's hostPort (unique per test process).
@@ -373,8 +382,10 @@ async fn two_crust_pods_on_a_cni_bridge() {
         "net-runc",
         "26c00000-0000-4000-8000-00000000000c",
         "exec sleep 600",
-        "",
-        None,
+        PodOpts {
+            handler: "",
+            ..CRUST_CNI
+        },
     )
     .await;
     match runc {
@@ -491,21 +502,18 @@ async fn bench_pod_start_with_network() {
                 i + 100 * usize::from(networked)
             );
             let t0 = Instant::now();
-            let pod = if networked {
-                try_pod(
-                    &mut cri,
-                    &env,
-                    &name,
-                    &uid,
-                    "exec sleep 600",
-                    crust_testkit::CRUST_HANDLER,
-                    None,
-                )
-                .await
+            let network = if networked {
+                cri::NamespaceMode::Pod
             } else {
-                host_pod(&mut cri, &env, &name, &uid).await
-            }
-            .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
+                cri::NamespaceMode::Node
+            };
+            let opts = PodOpts {
+                network,
+                ..CRUST_CNI
+            };
+            let pod = try_pod(&mut cri, &env, &name, &uid, "exec sleep 600", opts)
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
             times.push(t0.elapsed());
             remove_pod(&mut cri, &env, &pod.sandbox).await;
         }
@@ -533,73 +541,4 @@ async fn bench_pod_start_with_network() {
     eprintln!(
         "guest: configure_network (ms, hostNetwork pods' lo-only calls included): {configure:?}"
     );
-}
-
-/// A hostNetwork pod (the baseline).
-async fn host_pod(cri: &mut Cri, env: &Env, name: &str, uid: &str) -> Result<Pod, String> {
-    let config = cri::PodSandboxConfig {
-        metadata: Some(cri::PodSandboxMetadata {
-            name: name.into(),
-            uid: uid.into(),
-            namespace: "default".into(),
-            attempt: 0,
-        }),
-        log_directory: env.dir.path().join("logs").join(name).display().to_string(),
-        linux: Some(cri::LinuxPodSandboxConfig {
-            security_context: Some(cri::LinuxSandboxSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    std::fs::create_dir_all(env.dir.path().join("logs").join(name)).unwrap();
-    let sandbox = cri
-        .runtime
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
-        })
-        .await
-        .map_err(|e| format!("RunPodSandbox {name}: {e}"))?
-        .into_inner()
-        .pod_sandbox_id;
-    let container = cri
-        .runtime
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sandbox.clone(),
-            config: Some(cri::ContainerConfig {
-                metadata: Some(cri::ContainerMetadata {
-                    name: "app".into(),
-                    attempt: 0,
-                }),
-                image: Some(cri::ImageSpec {
-                    image: crust_testkit::BUSYBOX_IMAGE.into(),
-                    ..Default::default()
-                }),
-                command: vec!["sh".into(), "-c".into(), "exec sleep 600".into()],
-                log_path: "app.log".into(),
-                ..Default::default()
-            }),
-            sandbox_config: Some(config),
-        })
-        .await
-        .map_err(|e| format!("CreateContainer {name}: {e}"))?
-        .into_inner()
-        .container_id;
-    cri.runtime
-        .start_container(cri::StartContainerRequest {
-            container_id: container.clone(),
-        })
-        .await
-        .map_err(|e| format!("StartContainer {name}: {e}"))?;
-    Ok(Pod {
-        sandbox,
-        container,
-        ips: Vec::new(),
-    })
 }
