@@ -286,6 +286,51 @@ fn scan_attach_and_detach_a_cni_shaped_namespace() {
     assert_eq!(state(), before);
 }
 
+/// A second network (as Multus adds): a macvlan interface beside CNI's
+/// veth. Both are mirrored, each by its own tap and filters.
+#[test]
+fn a_macvlan_second_interface_gets_its_own_tap() {
+    let pod = Pod::new("m");
+    let mv = format!("mv{}", std::process::id() % 100_000);
+    ip(&[
+        "link",
+        "add",
+        &mv,
+        "link",
+        &pod.host_if,
+        "type",
+        "macvlan",
+        "mode",
+        "bridge",
+    ]);
+    ip(&["link", "set", &mv, "netns", &pod.name]);
+    pod.inside(&["link", "set", &mv, "name", "net1"]);
+    pod.inside(&["addr", "add", "10.98.0.2/24", "dev", "net1"]);
+    pod.inside(&["link", "set", "net1", "up"]);
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let net = scan(&ns).unwrap();
+    let kinds: Vec<(&str, &str)> = net
+        .links
+        .iter()
+        .map(|l| (l.name.as_str(), l.kind.as_str()))
+        .collect();
+    assert_eq!(kinds, [("eth0", "veth"), ("net1", "macvlan")]);
+    let net1 = &net.config.interfaces[1];
+    assert_eq!(net1.addresses[0].address.to_string(), "10.98.0.2");
+    let taps = attach(&ns, &net, 1).unwrap();
+    let pairs: Vec<(&str, &str)> = taps
+        .iter()
+        .map(|t| (t.name.as_str(), t.link.as_str()))
+        .collect();
+    assert_eq!(pairs, [("crusttap0", "eth0"), ("crusttap1", "net1")]);
+    for dev in ["eth0", "net1", "crusttap0", "crusttap1"] {
+        assert!(tc_ingress(&pod, dev).contains("mirred"), "{dev}");
+    }
+    drop(taps);
+    detach(&ns, &["eth0".into(), "net1".into()]).unwrap();
+    assert!(tc_ingress(&pod, "net1").is_empty());
+}
+
 #[test]
 fn what_cannot_be_a_nic_is_refused_by_name() {
     let pod = Pod::new("b");
