@@ -542,3 +542,112 @@ async fn bench_pod_start_with_network() {
         "guest: configure_network (ms, hostNetwork pods' lo-only calls included): {configure:?}"
     );
 }
+
+/// MiB/s of `mib` MiB sent by the host to `addr` (a pod's `nc -l`).
+fn host_to_pod(addr: (IpAddr, u16), mib: usize) -> f64 {
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        if let Ok(s) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(3)) {
+            break s;
+        }
+        assert!(Instant::now() < until, "no server at {addr:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let buf = vec![0u8; 1 << 20];
+    let t0 = Instant::now();
+    for _ in 0..mib {
+        s.write_all(&buf).unwrap();
+    }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    mib as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// Figures, not assertions (issue 26's throughput, with busybox `nc` in
+/// place of iperf3, which the test image lacks):
+/// `cargo build --workspace --bins && cargo test -p crust-shim --test pod_network bench_tcp -- --ignored --nocapture`.
+/// One TCP stream host -> pod and pod -> pod, a crust pod and a runc pod
+/// on the same bridge in the same run, and the crust/runc ratio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+async fn bench_tcp_throughput() {
+    let mib: usize = std::env::var("CRUST_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let n = std::process::id() % 250;
+    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "crust-test",
+        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
+                     "routes": [{"dst": "0.0.0.0/0"}],
+                     "dataDir": ipam_dir.path().display().to_string()}}]
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        Vec::new(),
+        Some(conflist.to_string()),
+    );
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let sink = "while true; do nc -l -p 5001 >/dev/null; done";
+    let crust = try_pod(
+        &mut cri,
+        &env,
+        "tp-crust",
+        "26f00000-0000-4000-8000-000000000001",
+        sink,
+        CRUST_CNI,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
+    let runc_opts = PodOpts {
+        handler: "",
+        ..CRUST_CNI
+    };
+    let Ok(runc) = try_pod(
+        &mut cri,
+        &env,
+        "tp-runc",
+        "26f00000-0000-4000-8000-000000000002",
+        sink,
+        runc_opts,
+    )
+    .await
+    else {
+        eprintln!("SKIPPED: runc does not run under the CRI plugin here");
+        return;
+    };
+    let send = format!("dd if=/dev/zero bs=1048576 count={mib} 2>/dev/null | nc");
+    let timed = |secs: f64| mib as f64 / secs;
+    let mut rows = Vec::new();
+    for (name, to, from) in [("crust", &crust, &runc), ("runc", &runc, &crust)] {
+        let host = host_to_pod((to.ips[0], 5001), mib);
+        let t0 = Instant::now();
+        let (rc, out) = exec(
+            &mut cri,
+            &from.container,
+            // Retried while the sink's nc restarts after the host's stream.
+            &format!("until {send} {} 5001; do sleep 0.1; done", to.ips[0]),
+        )
+        .await;
+        assert_eq!(rc, 0, "{out}");
+        let pod = timed(t0.elapsed().as_secs_f64());
+        rows.push((name, host, pod));
+    }
+    for (name, host, pod) in &rows {
+        eprintln!(
+            "into the {name} pod: from the host {host:.0} MiB/s, from the other pod {pod:.0} MiB/s ({mib} MiB, one stream)"
+        );
+    }
+    eprintln!(
+        "crust/runc: from the host {:.2}, from the other pod {:.2} (accelerator: the shim log's)",
+        rows[0].1 / rows[1].1,
+        rows[0].2 / rows[1].2
+    );
+    for p in [&crust, &runc] {
+        remove_pod(&mut cri, &env, &p.sandbox).await;
+    }
+}
