@@ -36,6 +36,55 @@ pub enum SpecError {
     Unsupported(String),
 }
 
+/// A host security module setting in a container's spec: the guest
+/// kernel has no AppArmor or SELinux, so it cannot be enforced there (the
+/// VM is the boundary).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum LsmSetting {
+    AppArmor(String),
+    SeLinux(String),
+}
+
+impl std::fmt::Display for LsmSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LsmSetting::AppArmor(p) => write!(f, "AppArmor profile {p:?}"),
+            LsmSetting::SeLinux(l) => write!(f, "SELinux label {l:?}"),
+        }
+    }
+}
+
+/// What the shim does with an [`LsmSetting`] (`CRUST_SHIM_LSM_POLICY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LsmPolicy {
+    /// Run the container; the shim logs the setting once per pod.
+    #[default]
+    Ignore,
+    /// Refuse the container, naming the setting.
+    Refuse,
+}
+
+/// The one rule for AppArmor/SELinux settings: under `Refuse` the first
+/// one is an error naming it; under `Ignore` they are allowed (the caller
+/// logs them).
+pub fn check_lsm(settings: &[LsmSetting], policy: LsmPolicy) -> Result<(), SpecError> {
+    match (policy, settings.first()) {
+        (LsmPolicy::Refuse, Some(s)) => Err(SpecError::Unsupported(format!(
+            "{s} (the guest kernel cannot enforce it; CRUST_SHIM_LSM_POLICY=refuse)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn lsm_settings(p: &oci_spec::runtime::Process) -> Vec<LsmSetting> {
+    let set = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    set(p.apparmor_profile())
+        .map(LsmSetting::AppArmor)
+        .into_iter()
+        .chain(set(p.selinux_label()).map(LsmSetting::SeLinux))
+        .collect()
+}
+
 /// Which pod a container belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Role {
@@ -81,6 +130,8 @@ pub struct ContainerPlan {
     pub devices: Vec<HostDevice>,
     /// The pod's network (what the sandbox's VM gets).
     pub network: PodNetworkSpec,
+    /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
+    pub lsm: Vec<LsmSetting>,
 }
 
 /// Where a pod's network comes from.
@@ -152,14 +203,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
         ];
         if any.iter().any(|b| *b) {
             return un("OCI hooks (they would run on the host, outside the pod's VM)");
-        }
-    }
-    if let Some(p) = spec.process() {
-        if p.apparmor_profile().as_ref().is_some_and(|s| !s.is_empty()) {
-            return un("an AppArmor profile (the guest kernel has no AppArmor)");
-        }
-        if p.selinux_label().as_ref().is_some_and(|s| !s.is_empty()) {
-            return un("an SELinux label (the guest kernel has no SELinux)");
         }
     }
     if let Some(l) = spec.linux() {
@@ -341,6 +384,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         },
     };
     Ok(ContainerPlan {
+        lsm: lsm_settings(p),
         network,
         cpus: pod_cpus.or(own_cpus),
         role: role(spec),
@@ -356,21 +400,25 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             .cgroups_path()
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned()),
-        devices: linux
-            .devices()
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .map(|d| HostDevice {
-                path: d.path().to_string_lossy().into_owned(),
-                major: d.major(),
-                minor: d.minor(),
-                mode: d.file_mode(),
-                uid: d.uid(),
-                gid: d.gid(),
-            })
-            .collect(),
+        devices: host_devices(&linux),
     })
+}
+
+fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<HostDevice> {
+    linux
+        .devices()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|d| HostDevice {
+            path: d.path().to_string_lossy().into_owned(),
+            major: d.major(),
+            minor: d.minor(),
+            mode: d.file_mode(),
+            uid: d.uid(),
+            gid: d.gid(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -495,6 +543,37 @@ mod tests {
         let mut v = base();
         v["annotations"] = json!({});
         assert_eq!(role(&spec(v)), Role::PodOwner);
+    }
+
+    #[test]
+    fn apparmor_and_selinux_run_unless_refused() {
+        let mut v = base();
+        v["process"]["apparmorProfile"] = json!("cri-containerd.apparmor.d");
+        v["process"]["selinuxLabel"] = json!("system_u:system_r:container_t:s0:c1,c2");
+        let p = plan(&spec(v), Path::new("/b")).unwrap();
+        assert_eq!(
+            p.lsm,
+            vec![
+                LsmSetting::AppArmor("cri-containerd.apparmor.d".into()),
+                LsmSetting::SeLinux("system_u:system_r:container_t:s0:c1,c2".into()),
+            ]
+        );
+        check_lsm(&p.lsm, LsmPolicy::Ignore).unwrap();
+        let e = check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap_err();
+        assert!(matches!(e, SpecError::Unsupported(_)), "{e}");
+        assert!(
+            e.to_string()
+                .contains("AppArmor profile \"cri-containerd.apparmor.d\""),
+            "{e}"
+        );
+        let e = check_lsm(&p.lsm[1..], LsmPolicy::Refuse).unwrap_err();
+        assert!(e.to_string().contains("SELinux label \"system_u:"), "{e}");
+        // Empty strings are no setting at all.
+        let mut v = base();
+        v["process"]["apparmorProfile"] = json!("");
+        let p = plan(&spec(v), Path::new("/b")).unwrap();
+        assert!(p.lsm.is_empty());
+        check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap();
     }
 
     #[test]
