@@ -2,11 +2,14 @@
 //! profile runs (the guest kernel cannot enforce it; the shim logs it
 //! once, naming it) and is refused with `CRUST_SHIM_LSM_POLICY=refuse`.
 //! AppArmor is off on these machines: `ctr run --apparmor-profile` only
-//! writes the field. Budget: one TCG guest, ~10 s.
+//! writes the field. A cgroup path in the systemd driver's form
+//! (kubeadm's default) puts QEMU and virtiofsd in the scope systemd would
+//! make, parent slices created, with no systemd running. Budget: two TCG
+//! guests, ~20 s.
 
 mod common;
 
-use common::{Env, qemus_under};
+use common::{Env, in_cgroup, qemus_under, remove_cgroup_tree};
 use crust_testkit::BUSYBOX_IMAGE;
 
 const RUNTIME: &str = "io.containerd.crust.v2";
@@ -78,4 +81,81 @@ fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
         env.logs()
     );
     assert!(qemus_under(&env.runtime_root).is_empty());
+}
+
+/// Removes, on drop, the test's cgroups (deepest first) in every hierarchy.
+struct Cgroups(Vec<String>);
+
+impl Drop for Cgroups {
+    fn drop(&mut self) {
+        for d in self.0.iter().rev() {
+            remove_cgroup_tree(d);
+        }
+    }
+}
+
+#[test]
+fn a_systemd_cgroup_path_puts_the_vm_in_its_scope() {
+    let env = Env::start("default");
+    let top = format!("crusttest{}", std::process::id());
+    let slice = format!("{top}-besteffort-pod1.slice");
+    let scope_dir = format!("{top}.slice/{top}-besteffort.slice/{slice}/cri-containerd-sd.scope");
+    let _cg = Cgroups(vec![
+        format!("{top}.slice"),
+        format!("{top}.slice/{top}-besteffort.slice"),
+        format!("{top}.slice/{top}-besteffort.slice/{slice}"),
+        scope_dir.clone(),
+    ]);
+    let systemd_running =
+        std::fs::read_to_string("/proc/1/comm").is_ok_and(|c| c.trim() == "systemd");
+    ctrd_ok_run(&env, &format!("{slice}:cri-containerd:sd"));
+    let qemu = qemus_under(&env.runtime_root);
+    assert_eq!(qemu.len(), 1, "{}", env.logs());
+    assert!(
+        in_cgroup(qemu[0], &scope_dir),
+        "QEMU {} in {scope_dir} (systemd running: {systemd_running})\n{}",
+        qemu[0],
+        env.logs()
+    );
+    // virtiofsd too: QEMU is not alone in the scope.
+    let procs = std::fs::read_to_string(format!("/sys/fs/cgroup/memory/{scope_dir}/cgroup.procs"))
+        .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/{scope_dir}/cgroup.procs")))
+        .unwrap();
+    assert!(procs.lines().count() >= 2, "QEMU and virtiofsd: {procs}");
+    env.ctrd
+        .ctr_ok("default", &["task", "kill", "-s", "SIGKILL", "sd"]);
+    for _ in 0..100 {
+        if qemus_under(&env.runtime_root).is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let _ = env.ctrd.ctr_in("default", &["task", "delete", "sd"]);
+    env.ctrd.ctr_ok("default", &["containers", "rm", "sd"]);
+    assert!(qemus_under(&env.runtime_root).is_empty());
+}
+
+/// A detached `ctr run` of a sleeping busybox in `cgroup`.
+fn ctrd_ok_run(env: &Env, cgroup: &str) {
+    let o = env.ctrd.ctr_in(
+        "default",
+        &[
+            "run",
+            "-d",
+            "--runtime",
+            RUNTIME,
+            "--cgroup",
+            cgroup,
+            BUSYBOX_IMAGE,
+            "sd",
+            "sleep",
+            "600",
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        env.logs()
+    );
 }
