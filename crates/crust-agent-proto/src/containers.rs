@@ -74,8 +74,27 @@ pub struct ProcessSpec {
     pub terminal: bool,
     #[serde(default)]
     pub no_new_privileges: bool,
+    /// OCI `process.capabilities`; `None` leaves the process every
+    /// capability (as runc does for a spec without the section).
+    #[serde(default)]
+    pub capabilities: Option<Capabilities>,
     #[serde(default)]
     pub stdio: StdioSpec,
+}
+
+/// The five capability sets, as `CAP_*` names.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Capabilities {
+    #[serde(default)]
+    pub bounding: Vec<String>,
+    #[serde(default)]
+    pub effective: Vec<String>,
+    #[serde(default)]
+    pub permitted: Vec<String>,
+    #[serde(default)]
+    pub inheritable: Vec<String>,
+    #[serde(default)]
+    pub ambient: Vec<String>,
 }
 
 /// The source of a container mount.

@@ -13,7 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit, WorkloadUser};
+use crust_agent_proto::{
+    Capabilities, ContainerMount, MountSource, ProcessSpec, Rlimit, WorkloadUser,
+};
 use oci_spec::runtime::Spec;
 
 /// CRI annotations naming a container's role and pod.
@@ -256,7 +258,28 @@ pub fn process_spec(p: &oci_spec::runtime::Process) -> ProcessSpec {
         rlimits,
         terminal: p.terminal().unwrap_or(false),
         no_new_privileges: p.no_new_privileges().unwrap_or(false),
+        capabilities: p.capabilities().as_ref().map(capabilities),
         stdio: Default::default(),
+    }
+}
+
+/// OCI capability sets as `CAP_*` names (oci-spec has checked them).
+fn capabilities(c: &oci_spec::runtime::LinuxCapabilities) -> Capabilities {
+    let names = |set: &Option<oci_spec::runtime::Capabilities>| -> Vec<String> {
+        let mut v: Vec<String> = set
+            .iter()
+            .flatten()
+            .filter_map(|c| serde_json::to_value(c).ok()?.as_str().map(str::to_owned))
+            .collect();
+        v.sort();
+        v
+    };
+    Capabilities {
+        bounding: names(c.bounding()),
+        effective: names(c.effective()),
+        permitted: names(c.permitted()),
+        inheritable: names(c.inheritable()),
+        ambient: names(c.ambient()),
     }
 }
 
@@ -475,6 +498,24 @@ mod tests {
         assert_eq!(plan(&spec(v), Path::new("/b")).unwrap().cpus, Some(4));
         assert_eq!(p.cgroups_path.as_deref(), Some("/kubepods/pod1/c1"));
         assert_eq!(p.process.rlimits[0].kind, "RLIMIT_NOFILE");
+        assert_eq!(p.process.capabilities, None);
+        let mut v = base();
+        v["process"]["capabilities"] = json!({"bounding": ["CAP_NET_BIND_SERVICE", "CAP_CHOWN"],
+            "effective": ["CAP_NET_BIND_SERVICE"], "ambient": []});
+        let c = plan(&spec(v), Path::new("/b"))
+            .unwrap()
+            .process
+            .capabilities
+            .unwrap();
+        assert_eq!(c.bounding, vec!["CAP_CHOWN", "CAP_NET_BIND_SERVICE"]);
+        assert_eq!(c.effective, vec!["CAP_NET_BIND_SERVICE"]);
+        assert!(c.permitted.is_empty() && c.ambient.is_empty());
+        let mut v = base();
+        v["process"]["capabilities"] = json!({"bounding": ["CAP_BOGUS"]});
+        assert!(
+            serde_json::from_value::<Spec>(v).is_err(),
+            "oci-spec refuses an unknown name"
+        );
         assert!(matches!(&p.mounts[0], Planned::Guest(m) if m.source == MountSource::Proc));
         assert!(
             matches!(&p.mounts[1], Planned::Guest(m) if m.source == MountSource::Tmpfs && m.options == vec!["nosuid", "mode=755"])

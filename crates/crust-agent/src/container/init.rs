@@ -3,8 +3,8 @@
 //! reads its [`InitSpec`] from the sync socket (fd number in
 //! `CRUST_INIT_SYNC`), builds the container's view (a private mount
 //! namespace, the rootfs bind, the OCI mounts, masked and read-only paths,
-//! the cgroup), chroots into it, takes on the user, rlimits and terminal,
-//! and `exec`s the process.
+//! the cgroup), chroots into it, takes on the user, rlimits, capabilities
+//! and terminal, and `exec`s the process.
 //!
 //! Why chroot and not pivot_root: the guest runs from its initramfs
 //! (rootfs), which cannot be pivoted away from. The VM is the pod's
@@ -231,8 +231,8 @@ fn open_dir(p: &Path) -> Result<OwnedFd, String> {
     .map_err(err(format!("open {}", p.display())))
 }
 
-/// cwd, terminal, rlimits, user, no_new_privs: inside the root, before
-/// `exec`.
+/// cwd, terminal, rlimits, capabilities, user, no_new_privs: inside the
+/// root, before `exec`.
 fn enter_process(p: &ProcessSpec) -> Result<(), String> {
     let cwd = p.cwd.as_deref().unwrap_or("/");
     if !cwd.starts_with('/') {
@@ -248,6 +248,14 @@ fn enter_process(p: &ProcessSpec) -> Result<(), String> {
     for r in &p.rlimits {
         set_rlimit(r)?;
     }
+    let caps = p
+        .capabilities
+        .as_ref()
+        .map(super::caps::Sets::parse)
+        .transpose()?;
+    if let Some(c) = &caps {
+        c.limit_bounding()?;
+    }
     if let Some(u) = &p.user {
         let groups: Vec<Gid> = u
             .supplemental_gids
@@ -257,6 +265,9 @@ fn enter_process(p: &ProcessSpec) -> Result<(), String> {
         rustix::thread::set_thread_groups(&groups).map_err(err("setgroups"))?;
         rustix::thread::set_thread_gid(Gid::from_raw(u.gid)).map_err(err("setgid"))?;
         rustix::thread::set_thread_uid(Uid::from_raw(u.uid)).map_err(err("setuid"))?;
+    }
+    if let Some(c) = &caps {
+        c.apply()?;
     }
     if p.no_new_privileges {
         rustix::thread::set_no_new_privs(true).map_err(err("no_new_privs"))?;

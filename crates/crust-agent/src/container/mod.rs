@@ -6,6 +6,7 @@
 //! binary re-executed, so that namespace, mount and credential changes
 //! happen in a fresh single-threaded process and errors come back as text.
 
+pub mod caps;
 pub mod cgroup;
 pub mod hostname;
 pub mod init;
@@ -667,6 +668,9 @@ fn validate_process(p: &ProcessSpec) -> Result<()> {
             "unknown rlimit {:?}",
             r.kind
         )));
+    }
+    if let Some(c) = &p.capabilities {
+        caps::Sets::parse(c).map_err(ContainerError::Invalid)?;
     }
     if p.args.iter().chain(&p.env).any(|s| s.contains('\0')) {
         return Err(ContainerError::Invalid("NUL byte in args or env".into()));
