@@ -2,7 +2,8 @@
 //! profile runs (the guest kernel cannot enforce it; the shim logs it
 //! once, naming it) and is refused with `CRUST_SHIM_LSM_POLICY=refuse`.
 //! AppArmor is off on these machines: `ctr run --apparmor-profile` only
-//! writes the field. A cgroup path in the systemd driver's form
+//! writes the field. The same run's `--cap-drop ALL --cap-add` reaches the
+//! guest. A cgroup path in the systemd driver's form
 //! (kubeadm's default) puts QEMU and virtiofsd in the scope systemd would
 //! make, parent slices created, with no systemd running. Budget: two TCG
 //! guests, ~20 s.
@@ -14,29 +15,47 @@ use crust_testkit::BUSYBOX_IMAGE;
 
 const RUNTIME: &str = "io.containerd.crust.v2";
 const PROFILE: &str = "crust-test-profile";
+/// containerd's default capability set (`oci.populateDefaultUnixSpec`).
+const CONTAINERD_DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
 
 #[test]
 fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
     let env = Env::start("default");
-    let o = env.ctrd.ctr_in(
-        "default",
-        &[
-            "run",
-            "--rm",
-            "--runtime",
-            RUNTIME,
-            "--apparmor-profile",
-            PROFILE,
-            BUSYBOX_IMAGE,
-            "aa",
-            "sh",
-            "-c",
-            "echo ran",
-        ],
-    );
+    let mut args = vec!["run", "--rm", "--runtime", RUNTIME];
+    args.extend(["--apparmor-profile", PROFILE]);
+    // ctr has no `ALL`: every default capability but NET_BIND_SERVICE.
+    for c in CONTAINERD_DEFAULT_CAPS {
+        if *c != "CAP_NET_BIND_SERVICE" {
+            args.extend(["--cap-drop", c]);
+        }
+    }
+    args.extend([
+        BUSYBOX_IMAGE,
+        "aa",
+        "sh",
+        "-c",
+        "echo ran; grep -E '^Cap(Eff|Bnd)' /proc/self/status",
+    ]);
+    let o = env.ctrd.ctr_in("default", &args);
+    // The capabilities reach the guest through the shim.
     assert_eq!(
         String::from_utf8_lossy(&o.stdout),
-        "ran\n",
+        "ran\nCapEff:\t0000000000000400\nCapBnd:\t0000000000000400\n",
         "stderr: {}\n{}",
         String::from_utf8_lossy(&o.stderr),
         env.logs()
