@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 
 use crust_agent_proto::{
-    Capabilities, ContainerMount, MountSource, ProcessSpec, Rlimit, WorkloadUser,
+    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, WorkloadUser,
 };
 use oci_spec::runtime::Spec;
 
@@ -134,6 +134,34 @@ pub struct ContainerPlan {
     pub network: PodNetworkSpec,
     /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
     pub lsm: Vec<LsmSetting>,
+    /// The container's IPC and UTS namespaces in the guest (see [`namespace`]).
+    pub ipc: NamespaceSource,
+    pub uts: NamespaceSource,
+    /// OCI `hostname` (CRI sets the pod's in the sandbox's spec).
+    pub hostname: String,
+}
+
+/// Where a container's namespace of type `typ` comes from in the guest:
+/// absent from the spec, the guest's; without a path, a new one; with a
+/// path (CRI: the sandbox's), the pod's sandbox container's. A lone
+/// container's path names a host namespace the VM cannot join.
+pub fn namespace(
+    spec: &Spec,
+    typ: oci_spec::runtime::LinuxNamespaceType,
+) -> Result<NamespaceSource, SpecError> {
+    let l = spec.linux().clone().unwrap_or_default();
+    let ns = l.namespaces().clone().unwrap_or_default();
+    let Some(n) = ns.iter().find(|n| n.typ() == typ) else {
+        return Ok(NamespaceSource::Guest);
+    };
+    match (n.path(), role(spec)) {
+        (None, _) => Ok(NamespaceSource::New),
+        (Some(_), Role::Member { sandbox_id }) => Ok(NamespaceSource::Container { id: sandbox_id }),
+        (Some(p), Role::PodOwner) => Err(SpecError::Unsupported(format!(
+            "joining the host's {typ:?} namespace {} (a VM has its own)",
+            p.display()
+        ))),
+    }
 }
 
 /// Where a pod's network comes from.
@@ -406,7 +434,11 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             ),
         },
     };
+    use oci_spec::runtime::LinuxNamespaceType as Ns;
     Ok(ContainerPlan {
+        ipc: namespace(spec, Ns::Ipc)?,
+        uts: namespace(spec, Ns::Uts)?,
+        hostname: spec.hostname().clone().unwrap_or_default(),
         lsm: lsm_settings(p),
         network,
         cpus: pod_cpus.or(own_cpus),
@@ -615,6 +647,24 @@ mod tests {
         let p = plan(&spec(v), Path::new("/b")).unwrap();
         assert!(p.lsm.is_empty());
         check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap();
+    }
+
+    #[test]
+    fn ipc_and_uts_namespaces_follow_the_spec() {
+        // base(): a member of sb1 with its own pid and the sandbox's ipc.
+        let p = plan(&spec(base()), Path::new("/b")).unwrap();
+        assert_eq!(p.ipc, NamespaceSource::Container { id: "sb1".into() });
+        assert_eq!(p.uts, NamespaceSource::Guest);
+        let mut v = base();
+        v["annotations"] = json!({});
+        v["hostname"] = json!("pod-a");
+        v["linux"]["namespaces"] = json!([{"type": "ipc"}, {"type": "uts"}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!((p.ipc, p.uts), (NamespaceSource::New, NamespaceSource::New));
+        assert_eq!(p.hostname, "pod-a");
+        v["linux"]["namespaces"] = json!([{"type": "uts", "path": "/proc/1/ns/uts"}]);
+        let e = plan(&spec(v), Path::new("/b")).unwrap_err();
+        assert!(e.to_string().contains("/proc/1/ns/uts"), "{e}");
     }
 
     #[test]

@@ -62,9 +62,64 @@ pub enum InitMode {
         /// (guest device node, container path, mode, uid, gid).
         #[serde(default)]
         devices: Vec<DeviceNode>,
+        #[serde(default)]
+        ipc: NsPlan,
+        #[serde(default)]
+        uts: NsPlan,
+        /// Set in a new UTS namespace when not empty.
+        #[serde(default)]
+        hostname: String,
     },
     /// Join the container whose init runs as `init_pid`.
     Exec { init_pid: u32 },
+}
+
+/// How the helper gets one of the container's namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NsPlan {
+    /// Keep the agent's (the guest's).
+    #[default]
+    Inherit,
+    New,
+    /// The namespace of this process (another container's init).
+    Join(u32),
+}
+
+/// Opens `/proc/<pid>/ns/<name>` (before any chroot).
+fn ns_fd(pid: u32, name: &str) -> Result<OwnedFd, String> {
+    rustix::fs::open(
+        format!("/proc/{pid}/ns/{name}").as_str(),
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(err(format!("the {name} namespace of process {pid}")))
+}
+
+fn join_ns(fd: &OwnedFd, typ: rustix::thread::LinkNameSpaceType, name: &str) -> Result<(), String> {
+    rustix::thread::move_into_link_name_space(fd.as_fd(), Some(typ))
+        .map_err(err(format!("setns into the {name} namespace")))
+}
+
+/// IPC and UTS (IPC first: the container's mqueue mount belongs to it).
+fn enter_ipc_uts(ipc: NsPlan, uts: NsPlan, hostname: &str) -> Result<(), String> {
+    use rustix::thread::{LinkNameSpaceType as T, UnshareFlags as U};
+    for (plan, typ, flag, name) in [
+        (ipc, T::InterProcessCommunication, U::NEWIPC, "ipc"),
+        (uts, T::HostNameAndNISDomainName, U::NEWUTS, "uts"),
+    ] {
+        match plan {
+            NsPlan::Inherit => {}
+            // SAFETY: single-threaded process; no fd table is unshared.
+            NsPlan::New => unsafe { rustix::thread::unshare_unsafe(flag) }
+                .map_err(err(format!("unshare of the {name} namespace")))?,
+            NsPlan::Join(pid) => join_ns(&ns_fd(pid, name)?, typ, name)?,
+        }
+    }
+    if uts == NsPlan::New && !hostname.is_empty() {
+        rustix::system::sethostname(hostname.as_bytes()).map_err(err("sethostname"))?;
+    }
+    Ok(())
 }
 
 /// A block device node to create in the container.
@@ -162,7 +217,11 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             masked_paths,
             readonly_paths,
             devices,
+            ipc,
+            uts,
+            hostname,
         } => {
+            enter_ipc_uts(*ipc, *uts, hostname)?;
             // SAFETY: single-threaded process; no fd table is unshared.
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
                 .map_err(err("unshare(CLONE_NEWNS)"))?;
@@ -197,12 +256,9 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             open_dir(mountpoint)?
         }
         InitMode::Exec { init_pid } => {
-            let ns = rustix::fs::open(
-                format!("/proc/{init_pid}/ns/mnt").as_str(),
-                OFlags::RDONLY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )
-            .map_err(err("the container's mount namespace"))?;
+            let ns = ns_fd(*init_pid, "mnt")?;
+            // The container's IPC and UTS, whichever they are.
+            enter_ipc_uts(NsPlan::Join(*init_pid), NsPlan::Join(*init_pid), "")?;
             let root = open_dir(Path::new(&format!("/proc/{init_pid}/root")))?;
             rustix::thread::move_into_link_name_space(
                 ns.as_fd(),
