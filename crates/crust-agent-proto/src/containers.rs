@@ -74,8 +74,27 @@ pub struct ProcessSpec {
     pub terminal: bool,
     #[serde(default)]
     pub no_new_privileges: bool,
+    /// OCI `process.capabilities`; `None` leaves the process every
+    /// capability (as runc does for a spec without the section).
+    #[serde(default)]
+    pub capabilities: Option<Capabilities>,
     #[serde(default)]
     pub stdio: StdioSpec,
+}
+
+/// The five capability sets, as `CAP_*` names.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Capabilities {
+    #[serde(default)]
+    pub bounding: Vec<String>,
+    #[serde(default)]
+    pub effective: Vec<String>,
+    #[serde(default)]
+    pub permitted: Vec<String>,
+    #[serde(default)]
+    pub inheritable: Vec<String>,
+    #[serde(default)]
+    pub ambient: Vec<String>,
 }
 
 /// The source of a container mount.
@@ -137,6 +156,28 @@ pub struct CreateContainer {
     /// Raw block devices (Kubernetes `volumeDevices`), hot-plugged first.
     #[serde(default)]
     pub devices: Vec<BlockDevice>,
+    /// The container's IPC namespace (OCI `linux.namespaces`).
+    #[serde(default)]
+    pub ipc: NamespaceSource,
+    /// The container's UTS namespace.
+    #[serde(default)]
+    pub uts: NamespaceSource,
+    /// OCI `hostname`, set in a new UTS namespace (empty: the guest's).
+    #[serde(default)]
+    pub hostname: String,
+}
+
+/// Where one of a container's namespaces comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum NamespaceSource {
+    /// The guest's own (the spec does not list the type).
+    #[default]
+    Guest,
+    /// A new one for this container.
+    New,
+    /// That of another running container of the pod (CRI: the sandbox's).
+    Container { id: String },
 }
 
 /// A hot-plugged virtio-blk disk made a device node in the container.

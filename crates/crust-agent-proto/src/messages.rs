@@ -27,6 +27,10 @@ pub struct Request {
 }
 
 /// Every operation the agent understands.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one request at a time, decoded once: CreateContainer's size costs nothing"
+)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", content = "args", rename_all = "snake_case")]
 pub enum Operation {

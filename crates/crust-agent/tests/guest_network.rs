@@ -218,6 +218,9 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
             readonly_paths: vec![],
             memory_limit_bytes: None,
             devices: vec![],
+            ipc: Default::default(),
+            uts: Default::default(),
+            hostname: String::new(),
         })
         .await
         .expect("create_container");

@@ -1,8 +1,10 @@
 //! Putting the pod's VM (QEMU and virtiofsd) into the sandbox's cgroup
 //! (`linux.cgroupsPath`), so the pod's resource accounting and limits cover
 //! the VM that runs it. cgroup v1 (one directory per controller, as on
-//! these machines) and v2 (one unified tree); the systemd driver's
-//! `slice:prefix:name` form is not handled (the path is then refused).
+//! these machines) and v2 (one unified tree). The systemd driver's
+//! `slice:prefix:name` form maps to the cgroupfs layout systemd itself
+//! uses (see [`systemd_path`]); the groups are made directly, so systemd
+//! need not be running.
 
 use std::path::{Path, PathBuf};
 
@@ -19,12 +21,13 @@ pub struct Placement {
 impl Placement {
     /// The directories of `cgroups_path` under `root` (`/sys/fs/cgroup`).
     pub fn resolve_in(root: &Path, cgroups_path: &str) -> Result<Placement, String> {
-        if cgroups_path.contains(':') {
-            return Err(format!(
-                "cgroupsPath {cgroups_path:?} uses the systemd driver's form, which crust does not handle; use cgroupfs"
-            ));
-        }
-        let rel = cgroups_path.trim_start_matches('/');
+        let systemd;
+        let rel = if cgroups_path.contains(':') {
+            systemd = systemd_path(cgroups_path)?;
+            systemd.as_str()
+        } else {
+            cgroups_path.trim_start_matches('/')
+        };
         if rel.is_empty()
             || rel
                 .split('/')
@@ -92,6 +95,53 @@ impl Placement {
     }
 }
 
+/// The cgroupfs path (relative, no leading `/`) of the systemd driver's
+/// `slice:prefix:name`, as systemd lays it out: each `-` of the slice's
+/// name is a parent slice (`kubepods-besteffort-pod1.slice` lives in
+/// `kubepods.slice/kubepods-besteffort.slice/`), the unit is
+/// `<prefix>-<name>.scope` (a `name` ending in `.slice` is the unit
+/// itself); an empty slice is `system.slice`, `-.slice` the root.
+pub fn systemd_path(cgroups_path: &str) -> Result<String, String> {
+    let bad = |why: &str| format!("cgroupsPath {cgroups_path:?} (systemd form): {why}");
+    let parts: Vec<&str> = cgroups_path.split(':').collect();
+    let [slice, prefix, name] = parts[..] else {
+        return Err(bad("expected slice:prefix:name"));
+    };
+    let plain = |s: &str| !s.contains('/') && s != "." && s != "..";
+    if name.is_empty() || !plain(name) || !plain(prefix) {
+        return Err(bad(
+            "the prefix and name must be plain names, the name not empty",
+        ));
+    }
+    let slice = if slice.is_empty() {
+        "system.slice"
+    } else {
+        slice
+    };
+    let mut dirs = Vec::new();
+    if slice != "-.slice" {
+        let base = slice
+            .strip_suffix(".slice")
+            .filter(|b| plain(b))
+            .ok_or_else(|| bad("the slice must be a name ending in .slice"))?;
+        let words: Vec<&str> = base.split('-').collect();
+        if words.iter().any(|w| w.is_empty()) {
+            return Err(bad("the slice's name has an empty part between dashes"));
+        }
+        for n in 1..=words.len() {
+            dirs.push(format!("{}.slice", words[..n].join("-")));
+        }
+    }
+    dirs.push(if name.ends_with(".slice") {
+        name.to_string()
+    } else if prefix.is_empty() {
+        format!("{name}.scope")
+    } else {
+        format!("{prefix}-{name}.scope")
+    });
+    Ok(dirs.join("/"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,8 +171,51 @@ mod tests {
         let p = Placement::resolve_in(&v2, "kubepods/pod1").unwrap();
         assert!(p.v2);
         assert_eq!(p.dirs, vec![v2.join("kubepods/pod1")]);
-        for bad in ["system.slice:cri:x", "/a/../b", "/", "a//b"] {
+        for bad in ["/a/../b", "/", "a//b"] {
             assert!(Placement::resolve_in(&v2, bad).is_err(), "{bad}");
+        }
+        let p =
+            Placement::resolve_in(&v1, "kubepods-besteffort-pod1.slice:cri-containerd:c1").unwrap();
+        assert_eq!(
+            p.dirs[0],
+            v1.join(
+                "memory/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice/cri-containerd-c1.scope"
+            )
+        );
+    }
+
+    #[test]
+    fn systemd_form_expands_like_systemd() {
+        for (given, want) in [
+            (
+                "kubepods-besteffort-pod123.slice:cri-containerd:abc",
+                "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod123.slice/cri-containerd-abc.scope",
+            ),
+            (
+                "kubepods-pod9.slice:crio:x",
+                "kubepods.slice/kubepods-pod9.slice/crio-x.scope",
+            ),
+            ("system.slice:docker:y", "system.slice/docker-y.scope"),
+            (":docker:y", "system.slice/docker-y.scope"),
+            ("-.slice::z", "z.scope"),
+            ("machine.slice::sub.slice", "machine.slice/sub.slice"),
+        ] {
+            assert_eq!(systemd_path(given).as_deref(), Ok(want), "{given}");
+        }
+        for bad in [
+            "a:b",
+            "a.slice:b:c:d",
+            "kubepods.slice:cri:",
+            "kubepods:cri:x",
+            "kube--pods.slice:cri:x",
+            "-kubepods.slice:cri:x",
+            "kubepods.slice:cri:../x",
+            "kubepods.slice:c/r:x",
+            "a/b.slice:cri:x",
+            "..slice:cri:x",
+        ] {
+            let e = systemd_path(bad).unwrap_err();
+            assert!(e.contains(bad), "{e}");
         }
     }
 }

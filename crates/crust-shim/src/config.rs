@@ -8,6 +8,8 @@ use clap::Parser;
 use crust_runtime::cli::GlobalOpts;
 use crust_runtime::config::Config;
 
+use crate::spec::LsmPolicy;
+
 /// Memory the guest gets on top of its containers' limits: kernel, agent,
 /// page cache for the shares. A RuntimeClass `overhead.podFixed.memory`
 /// should state at least this plus QEMU's and virtiofsd's own RSS (see
@@ -33,6 +35,15 @@ struct EnvOpts {
     /// Ceiling of a pod's guest memory with hot-added DIMMs.
     #[arg(long, env = "CRUST_SHIM_MAX_MEMORY_MIB", default_value_t = 8192)]
     max_memory_mib: u32,
+    /// A container's AppArmor profile / SELinux label: `ignore` (logged
+    /// once per pod) or `refuse`.
+    #[arg(
+        long,
+        env = "CRUST_SHIM_LSM_POLICY",
+        value_enum,
+        default_value = "ignore"
+    )]
+    lsm_policy: LsmPolicy,
 }
 
 #[derive(Debug, Clone)]
@@ -42,6 +53,7 @@ pub struct ShimConfig {
     pub overhead_mib: u32,
     pub virtiofsd: PathBuf,
     pub max_memory_mib: u32,
+    pub lsm_policy: LsmPolicy,
 }
 
 impl ShimConfig {
@@ -79,6 +91,7 @@ impl ShimConfig {
             overhead_mib: o.overhead_mib,
             virtiofsd: o.virtiofsd,
             max_memory_mib: o.max_memory_mib,
+            lsm_policy: o.lsm_policy,
         })
     }
 
@@ -110,6 +123,7 @@ mod tests {
             overhead_mib: 160,
             virtiofsd: "virtiofsd".into(),
             max_memory_mib: 8192,
+            lsm_policy: LsmPolicy::Ignore,
         };
         c.runtime.memory_mib = 256;
         assert_eq!(c.guest_memory_mib(0), 256);

@@ -490,6 +490,9 @@ impl Pod {
             readonly_paths: plan.readonly_paths.clone(),
             memory_limit_bytes: plan.memory_limit,
             devices,
+            ipc: plan.ipc.clone(),
+            uts: plan.uts.clone(),
+            hostname: plan.hostname.clone(),
         })
     }
 

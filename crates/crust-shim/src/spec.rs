@@ -13,7 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit, WorkloadUser};
+use crust_agent_proto::{
+    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, WorkloadUser,
+};
 use oci_spec::runtime::Spec;
 
 /// CRI annotations naming a container's role and pod.
@@ -34,6 +36,55 @@ pub enum SpecError {
     Invalid { bundle: String, reason: String },
     #[error("unsupported in a crust VM: {0}")]
     Unsupported(String),
+}
+
+/// A host security module setting in a container's spec: the guest
+/// kernel has no AppArmor or SELinux, so it cannot be enforced there (the
+/// VM is the boundary).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum LsmSetting {
+    AppArmor(String),
+    SeLinux(String),
+}
+
+impl std::fmt::Display for LsmSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LsmSetting::AppArmor(p) => write!(f, "AppArmor profile {p:?}"),
+            LsmSetting::SeLinux(l) => write!(f, "SELinux label {l:?}"),
+        }
+    }
+}
+
+/// What the shim does with an [`LsmSetting`] (`CRUST_SHIM_LSM_POLICY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LsmPolicy {
+    /// Run the container; the shim logs the setting once per pod.
+    #[default]
+    Ignore,
+    /// Refuse the container, naming the setting.
+    Refuse,
+}
+
+/// The one rule for AppArmor/SELinux settings: under `Refuse` the first
+/// one is an error naming it; under `Ignore` they are allowed (the caller
+/// logs them).
+pub fn check_lsm(settings: &[LsmSetting], policy: LsmPolicy) -> Result<(), SpecError> {
+    match (policy, settings.first()) {
+        (LsmPolicy::Refuse, Some(s)) => Err(SpecError::Unsupported(format!(
+            "{s} (the guest kernel cannot enforce it; CRUST_SHIM_LSM_POLICY=refuse)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn lsm_settings(p: &oci_spec::runtime::Process) -> Vec<LsmSetting> {
+    let set = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    set(p.apparmor_profile())
+        .map(LsmSetting::AppArmor)
+        .into_iter()
+        .chain(set(p.selinux_label()).map(LsmSetting::SeLinux))
+        .collect()
 }
 
 /// Which pod a container belongs to.
@@ -81,6 +132,36 @@ pub struct ContainerPlan {
     pub devices: Vec<HostDevice>,
     /// The pod's network (what the sandbox's VM gets).
     pub network: PodNetworkSpec,
+    /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
+    pub lsm: Vec<LsmSetting>,
+    /// The container's IPC and UTS namespaces in the guest (see [`namespace`]).
+    pub ipc: NamespaceSource,
+    pub uts: NamespaceSource,
+    /// OCI `hostname` (CRI sets the pod's in the sandbox's spec).
+    pub hostname: String,
+}
+
+/// Where a container's namespace of type `typ` comes from in the guest:
+/// absent from the spec, the guest's; without a path, a new one; with a
+/// path (CRI: the sandbox's), the pod's sandbox container's. A lone
+/// container's path names a host namespace the VM cannot join.
+pub fn namespace(
+    spec: &Spec,
+    typ: oci_spec::runtime::LinuxNamespaceType,
+) -> Result<NamespaceSource, SpecError> {
+    let l = spec.linux().clone().unwrap_or_default();
+    let ns = l.namespaces().clone().unwrap_or_default();
+    let Some(n) = ns.iter().find(|n| n.typ() == typ) else {
+        return Ok(NamespaceSource::Guest);
+    };
+    match (n.path(), role(spec)) {
+        (None, _) => Ok(NamespaceSource::New),
+        (Some(_), Role::Member { sandbox_id }) => Ok(NamespaceSource::Container { id: sandbox_id }),
+        (Some(p), Role::PodOwner) => Err(SpecError::Unsupported(format!(
+            "joining the host's {typ:?} namespace {} (a VM has its own)",
+            p.display()
+        ))),
+    }
 }
 
 /// Where a pod's network comes from.
@@ -154,14 +235,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
             return un("OCI hooks (they would run on the host, outside the pod's VM)");
         }
     }
-    if let Some(p) = spec.process() {
-        if p.apparmor_profile().as_ref().is_some_and(|s| !s.is_empty()) {
-            return un("an AppArmor profile (the guest kernel has no AppArmor)");
-        }
-        if p.selinux_label().as_ref().is_some_and(|s| !s.is_empty()) {
-            return un("an SELinux label (the guest kernel has no SELinux)");
-        }
-    }
     if let Some(l) = spec.linux() {
         if l.seccomp().is_some() {
             return un("a seccomp profile (not enforced in crust guests; the VM is the boundary)");
@@ -213,7 +286,28 @@ pub fn process_spec(p: &oci_spec::runtime::Process) -> ProcessSpec {
         rlimits,
         terminal: p.terminal().unwrap_or(false),
         no_new_privileges: p.no_new_privileges().unwrap_or(false),
+        capabilities: p.capabilities().as_ref().map(capabilities),
         stdio: Default::default(),
+    }
+}
+
+/// OCI capability sets as `CAP_*` names (oci-spec has checked them).
+fn capabilities(c: &oci_spec::runtime::LinuxCapabilities) -> Capabilities {
+    let names = |set: &Option<oci_spec::runtime::Capabilities>| -> Vec<String> {
+        let mut v: Vec<String> = set
+            .iter()
+            .flatten()
+            .filter_map(|c| serde_json::to_value(c).ok()?.as_str().map(str::to_owned))
+            .collect();
+        v.sort();
+        v
+    };
+    Capabilities {
+        bounding: names(c.bounding()),
+        effective: names(c.effective()),
+        permitted: names(c.permitted()),
+        inheritable: names(c.inheritable()),
+        ambient: names(c.ambient()),
     }
 }
 
@@ -340,7 +434,12 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             ),
         },
     };
+    use oci_spec::runtime::LinuxNamespaceType as Ns;
     Ok(ContainerPlan {
+        ipc: namespace(spec, Ns::Ipc)?,
+        uts: namespace(spec, Ns::Uts)?,
+        hostname: spec.hostname().clone().unwrap_or_default(),
+        lsm: lsm_settings(p),
         network,
         cpus: pod_cpus.or(own_cpus),
         role: role(spec),
@@ -356,21 +455,25 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             .cgroups_path()
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned()),
-        devices: linux
-            .devices()
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .map(|d| HostDevice {
-                path: d.path().to_string_lossy().into_owned(),
-                major: d.major(),
-                minor: d.minor(),
-                mode: d.file_mode(),
-                uid: d.uid(),
-                gid: d.gid(),
-            })
-            .collect(),
+        devices: host_devices(&linux),
     })
+}
+
+fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<HostDevice> {
+    linux
+        .devices()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|d| HostDevice {
+            path: d.path().to_string_lossy().into_owned(),
+            major: d.major(),
+            minor: d.minor(),
+            mode: d.file_mode(),
+            uid: d.uid(),
+            gid: d.gid(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -427,6 +530,24 @@ mod tests {
         assert_eq!(plan(&spec(v), Path::new("/b")).unwrap().cpus, Some(4));
         assert_eq!(p.cgroups_path.as_deref(), Some("/kubepods/pod1/c1"));
         assert_eq!(p.process.rlimits[0].kind, "RLIMIT_NOFILE");
+        assert_eq!(p.process.capabilities, None);
+        let mut v = base();
+        v["process"]["capabilities"] = json!({"bounding": ["CAP_NET_BIND_SERVICE", "CAP_CHOWN"],
+            "effective": ["CAP_NET_BIND_SERVICE"], "ambient": []});
+        let c = plan(&spec(v), Path::new("/b"))
+            .unwrap()
+            .process
+            .capabilities
+            .unwrap();
+        assert_eq!(c.bounding, vec!["CAP_CHOWN", "CAP_NET_BIND_SERVICE"]);
+        assert_eq!(c.effective, vec!["CAP_NET_BIND_SERVICE"]);
+        assert!(c.permitted.is_empty() && c.ambient.is_empty());
+        let mut v = base();
+        v["process"]["capabilities"] = json!({"bounding": ["CAP_BOGUS"]});
+        assert!(
+            serde_json::from_value::<Spec>(v).is_err(),
+            "oci-spec refuses an unknown name"
+        );
         assert!(matches!(&p.mounts[0], Planned::Guest(m) if m.source == MountSource::Proc));
         assert!(
             matches!(&p.mounts[1], Planned::Guest(m) if m.source == MountSource::Tmpfs && m.options == vec!["nosuid", "mode=755"])
@@ -495,6 +616,55 @@ mod tests {
         let mut v = base();
         v["annotations"] = json!({});
         assert_eq!(role(&spec(v)), Role::PodOwner);
+    }
+
+    #[test]
+    fn apparmor_and_selinux_run_unless_refused() {
+        let mut v = base();
+        v["process"]["apparmorProfile"] = json!("cri-containerd.apparmor.d");
+        v["process"]["selinuxLabel"] = json!("system_u:system_r:container_t:s0:c1,c2");
+        let p = plan(&spec(v), Path::new("/b")).unwrap();
+        assert_eq!(
+            p.lsm,
+            vec![
+                LsmSetting::AppArmor("cri-containerd.apparmor.d".into()),
+                LsmSetting::SeLinux("system_u:system_r:container_t:s0:c1,c2".into()),
+            ]
+        );
+        check_lsm(&p.lsm, LsmPolicy::Ignore).unwrap();
+        let e = check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap_err();
+        assert!(matches!(e, SpecError::Unsupported(_)), "{e}");
+        assert!(
+            e.to_string()
+                .contains("AppArmor profile \"cri-containerd.apparmor.d\""),
+            "{e}"
+        );
+        let e = check_lsm(&p.lsm[1..], LsmPolicy::Refuse).unwrap_err();
+        assert!(e.to_string().contains("SELinux label \"system_u:"), "{e}");
+        // Empty strings are no setting at all.
+        let mut v = base();
+        v["process"]["apparmorProfile"] = json!("");
+        let p = plan(&spec(v), Path::new("/b")).unwrap();
+        assert!(p.lsm.is_empty());
+        check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap();
+    }
+
+    #[test]
+    fn ipc_and_uts_namespaces_follow_the_spec() {
+        // base(): a member of sb1 with its own pid and the sandbox's ipc.
+        let p = plan(&spec(base()), Path::new("/b")).unwrap();
+        assert_eq!(p.ipc, NamespaceSource::Container { id: "sb1".into() });
+        assert_eq!(p.uts, NamespaceSource::Guest);
+        let mut v = base();
+        v["annotations"] = json!({});
+        v["hostname"] = json!("pod-a");
+        v["linux"]["namespaces"] = json!([{"type": "ipc"}, {"type": "uts"}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!((p.ipc, p.uts), (NamespaceSource::New, NamespaceSource::New));
+        assert_eq!(p.hostname, "pod-a");
+        v["linux"]["namespaces"] = json!([{"type": "uts", "path": "/proc/1/ns/uts"}]);
+        let e = plan(&spec(v), Path::new("/b")).unwrap_err();
+        assert!(e.to_string().contains("/proc/1/ns/uts"), "{e}");
     }
 
     #[test]

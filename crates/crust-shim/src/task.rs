@@ -180,6 +180,8 @@ pub struct Service {
     containers: Mutex<HashMap<String, Arc<Ctr>>>,
     exit: Arc<ExitSignal>,
     cgroup: Mutex<Option<Placement>>,
+    /// AppArmor/SELinux settings already logged for this pod.
+    lsm_logged: Mutex<std::collections::HashSet<spec::LsmSetting>>,
 }
 
 impl Service {
@@ -196,6 +198,7 @@ impl Service {
             containers: Mutex::new(HashMap::new()),
             exit,
             cgroup: Mutex::new(None),
+            lsm_logged: Mutex::new(Default::default()),
         }
     }
 
@@ -231,6 +234,20 @@ impl Service {
                 ..Default::default()
             };
             self.publish(FALLBACK_TOPIC, Box::new(msg)).await;
+        }
+    }
+
+    /// Says once per pod and setting that the guest does not enforce it
+    /// (CRI gives every container of a pod the same profile: one line).
+    fn log_lsm(&self, container: &str, settings: &[spec::LsmSetting]) {
+        let mut logged = self.lsm_logged.lock().expect("lsm");
+        for s in settings {
+            if logged.insert(s.clone()) {
+                tracing::warn!(
+                    "pod {}: container {container} asks for {s}; not enforced in the guest (no such module in its kernel; the VM is the boundary; CRUST_SHIM_LSM_POLICY=refuse refuses it)",
+                    self.pod.id
+                );
+            }
         }
     }
 
@@ -382,6 +399,8 @@ impl Service {
         let bundle = PathBuf::from(&req.bundle);
         let oci = spec::load(&bundle)?;
         let mut plan = spec::plan(&oci, &bundle)?;
+        spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
+        self.log_lsm(&req.id, &plan.lsm);
         let owner = match &plan.role {
             Role::PodOwner if req.id == self.pod.id => true,
             Role::Member { sandbox_id } if *sandbox_id == self.pod.id => false,

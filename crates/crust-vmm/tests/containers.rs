@@ -2,7 +2,9 @@
 //! shared over virtio-fs, OCI mounts (proc, /dev tmpfs with devices,
 //! devpts, a read-only file bind from the share), uid/gid/groups, stdio
 //! over the stdio port with exact exit codes, stdin, exec into a running
-//! container, signals, a terminal with a window size, and bad input.
+//! container, signals, a terminal with a window size, the five capability
+//! sets in a container and an exec, IPC/UTS namespaces of a container's
+//! own or another's, and bad input.
 //! Budget: one TCG guest, ~30 s.
 
 #![allow(
@@ -14,9 +16,9 @@ use std::time::Duration;
 
 use crust_agent_proto::stdio::{Output, StdioMux};
 use crust_agent_proto::{
-    AgentClient, ClientError, ContainerMount, CreateContainer, ErrorCode, ExecProcess, MountSource,
-    ProcessRef, ProcessSpec, RemoveContainer, ResizePty, Rlimit, ShareRef, SignalProcess,
-    StartContainer, StdioSpec, WaitProcess, WorkloadUser,
+    AgentClient, Capabilities, ClientError, ContainerMount, CreateContainer, ErrorCode,
+    ExecProcess, MountSource, NamespaceSource, ProcessRef, ProcessSpec, RemoveContainer, ResizePty,
+    Rlimit, ShareRef, SignalProcess, StartContainer, StdioSpec, WaitProcess, WorkloadUser,
 };
 use crust_vmm::{Accel, ShareSpec, Vm, VmConfig};
 use rustix::mount::{MountPropagationFlags, UnmountFlags};
@@ -38,7 +40,8 @@ fn busybox_rootfs(dir: &std::path::Path) {
     }
     std::fs::copy("/bin/busybox", dir.join("bin/busybox")).unwrap();
     for a in [
-        "sh", "echo", "cat", "id", "sleep", "stty", "ls", "read", "test", "[",
+        "sh", "echo", "cat", "id", "sleep", "stty", "ls", "read", "test", "[", "grep", "chown",
+        "readlink", "hostname",
     ] {
         std::os::unix::fs::symlink("busybox", dir.join("bin").join(a)).unwrap();
     }
@@ -219,6 +222,9 @@ async fn containers_in_a_guest() {
             readonly_paths: vec![],
             memory_limit_bytes: Some(64 << 20),
             devices: vec![],
+            ipc: Default::default(),
+            uts: Default::default(),
+            hostname: String::new(),
         })
         .await
         .unwrap();
@@ -254,6 +260,9 @@ async fn containers_in_a_guest() {
             readonly_paths: vec![],
             memory_limit_bytes: None,
             devices: vec![],
+            ipc: Default::default(),
+            uts: Default::default(),
+            hostname: String::new(),
         })
         .await
         .unwrap();
@@ -320,6 +329,9 @@ async fn containers_in_a_guest() {
             readonly_paths: vec![],
             memory_limit_bytes: None,
             devices: vec![],
+            ipc: Default::default(),
+            uts: Default::default(),
+            hostname: String::new(),
         })
         .await
         .unwrap();
@@ -346,7 +358,251 @@ async fn containers_in_a_guest() {
         .await
         .unwrap();
 
-    // 4. Bad input: clear errors, nothing left behind.
+    // 4. Capabilities (`drop: [ALL]`, `add: [NET_BIND_SERVICE]` as
+    // containerd writes it): the container, root, holds exactly that one;
+    // chown fails. An exec as uid 1000 gets it through the ambient set.
+    const NBS: &str = "0000000000000400";
+    let one = || vec!["CAP_NET_BIND_SERVICE".to_string()];
+    let mut rx = mux.register(5);
+    let mut p = proc(
+        &[
+            "sh",
+            "-c",
+            "grep ^Cap /proc/self/status; echo x > /tmp/f; chown 1 /tmp/f || echo chown-denied; echo started; exec sleep 600",
+        ],
+        5,
+    );
+    p.capabilities = Some(Capabilities {
+        bounding: one(),
+        effective: one(),
+        permitted: one(),
+        inheritable: vec![],
+        ambient: vec![],
+    });
+    let mut mounts = std_mounts();
+    mounts.push(mount("/tmp", MountSource::Tmpfs, false, &[]));
+    agent
+        .call(CreateContainer {
+            id: "caps".into(),
+            rootfs: rootfs.clone(),
+            rootfs_readonly: false,
+            process: p,
+            mounts,
+            masked_paths: vec![],
+            readonly_paths: vec![],
+            memory_limit_bytes: None,
+            devices: vec![],
+            ipc: Default::default(),
+            uts: Default::default(),
+            hostname: String::new(),
+        })
+        .await
+        .unwrap();
+    agent
+        .call(StartContainer { id: "caps".into() })
+        .await
+        .unwrap();
+    let mut out = String::new();
+    while !out.contains("started\n") {
+        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+            Ok(Some(Output::Stdout(d) | Output::Stderr(d))) => {
+                out.push_str(&String::from_utf8_lossy(&d));
+            }
+            other => panic!("{other:?} after {out:?}"),
+        }
+    }
+    let want = |inh: &str, amb: &str| {
+        format!("CapInh:\t{inh}\nCapPrm:\t{NBS}\nCapEff:\t{NBS}\nCapBnd:\t{NBS}\nCapAmb:\t{amb}\n")
+    };
+    let zero = "0000000000000000";
+    assert!(out.starts_with(&want(zero, zero)), "{out}");
+    assert!(out.contains("chown-denied\n"), "{out}");
+    let mut xrx = mux.register(6);
+    let mut x = proc(&["sh", "-c", "grep ^Cap /proc/self/status; id -u"], 6);
+    x.user = Some(WorkloadUser {
+        uid: 1000,
+        gid: 1000,
+        supplemental_gids: vec![],
+    });
+    x.capabilities = Some(Capabilities {
+        bounding: one(),
+        effective: one(),
+        permitted: one(),
+        inheritable: one(),
+        ambient: one(),
+    });
+    agent
+        .call(ExecProcess {
+            container: "caps".into(),
+            exec_id: "x".into(),
+            process: x,
+        })
+        .await
+        .unwrap();
+    let (out, err) = collect(&mut xrx, 2).await;
+    assert_eq!(wait(&agent, "caps", Some("x")).await, 0, "{err}");
+    assert_eq!(out, format!("{}1000\n", want(NBS, NBS)), "{err}");
+    // An exec without the section keeps every capability (runc's way).
+    let mut xrx = mux.register(7);
+    agent
+        .call(ExecProcess {
+            container: "caps".into(),
+            exec_id: "full".into(),
+            process: proc(&["grep", "^CapEff", "/proc/self/status"], 7),
+        })
+        .await
+        .unwrap();
+    let (out, _) = collect(&mut xrx, 2).await;
+    assert_ne!(out, format!("CapEff:\t{NBS}\n"));
+    assert!(out.starts_with("CapEff:\t000001ff"), "{out}");
+    // An unknown name fails the exec, naming it; the container runs on.
+    let mut x = proc(&["true"], 0);
+    x.capabilities = Some(Capabilities {
+        effective: vec!["CAP_BOGUS".into()],
+        ..Default::default()
+    });
+    let (c, m) = code(
+        agent
+            .call(ExecProcess {
+                container: "caps".into(),
+                exec_id: "bad".into(),
+                process: x,
+            })
+            .await,
+    );
+    assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
+    assert!(m.contains("CAP_BOGUS") && m.contains("effective"), "{m}");
+    agent
+        .call(SignalProcess {
+            process: ProcessRef {
+                container: "caps".into(),
+                exec_id: None,
+            },
+            signal: 9,
+            all: true,
+        })
+        .await
+        .unwrap();
+    assert_eq!(wait(&agent, "caps", None).await, 137);
+    agent
+        .call(RemoveContainer { id: "caps".into() })
+        .await
+        .unwrap();
+
+    // 5. IPC and UTS namespaces: "nsa" has new ones (with its hostname),
+    // "nsb" joins them, an exec into "nsa" is in them; the guest's differ.
+    const SHOW: &str = "readlink /proc/self/ns/ipc; readlink /proc/self/ns/uts; hostname";
+    let guest = agent
+        .exec(&["sh", "-c", SHOW], Duration::from_secs(30))
+        .await
+        .unwrap()
+        .stdout;
+    let ns_req = |id: &str, p: ProcessSpec, src: NamespaceSource| CreateContainer {
+        id: id.into(),
+        rootfs: rootfs.clone(),
+        rootfs_readonly: false,
+        process: p,
+        mounts: std_mounts(),
+        masked_paths: vec![],
+        readonly_paths: vec![],
+        memory_limit_bytes: None,
+        devices: vec![],
+        ipc: src.clone(),
+        uts: src,
+        hostname: "nsa-host".into(),
+    };
+    let mut rx = mux.register(8);
+    let cmd = format!("{SHOW}; echo started; exec sleep 600");
+    agent
+        .call(ns_req(
+            "nsa",
+            proc(&["sh", "-c", &cmd], 8),
+            NamespaceSource::New,
+        ))
+        .await
+        .unwrap();
+    agent
+        .call(StartContainer { id: "nsa".into() })
+        .await
+        .unwrap();
+    let mut nsa = String::new();
+    while !nsa.ends_with("started\n") {
+        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+            Ok(Some(Output::Stdout(d) | Output::Stderr(d))) => {
+                nsa.push_str(&String::from_utf8_lossy(&d));
+            }
+            other => panic!("{other:?} after {nsa:?}"),
+        }
+    }
+    let nsa = nsa.trim_end_matches("started\n").to_string();
+    let (g, a): (Vec<&str>, Vec<&str>) = (guest.lines().collect(), nsa.lines().collect());
+    assert_eq!(a.len(), 3, "{nsa}");
+    assert!(
+        a[0].starts_with("ipc:[") && a[0] != g[0],
+        "{nsa} vs guest {guest}"
+    );
+    assert!(
+        a[1].starts_with("uts:[") && a[1] != g[1],
+        "{nsa} vs guest {guest}"
+    );
+    assert_eq!(a[2], "nsa-host");
+    assert_ne!(g[2], "nsa-host", "the guest's hostname is untouched");
+    let mut rx = mux.register(9);
+    agent
+        .call(ns_req(
+            "nsb",
+            proc(&["sh", "-c", SHOW], 9),
+            NamespaceSource::Container { id: "nsa".into() },
+        ))
+        .await
+        .unwrap();
+    agent
+        .call(StartContainer { id: "nsb".into() })
+        .await
+        .unwrap();
+    let (out, err) = collect(&mut rx, 2).await;
+    assert_eq!(wait(&agent, "nsb", None).await, 0, "{err}");
+    assert_eq!(out, nsa, "nsb shares nsa's namespaces");
+    let mut xrx = mux.register(10);
+    agent
+        .call(ExecProcess {
+            container: "nsa".into(),
+            exec_id: "x".into(),
+            process: proc(&["sh", "-c", SHOW], 10),
+        })
+        .await
+        .unwrap();
+    let (out, _) = collect(&mut xrx, 2).await;
+    assert_eq!(wait(&agent, "nsa", Some("x")).await, 0);
+    assert_eq!(out, nsa, "an exec is in its container's namespaces");
+    let (c, m) = code(
+        agent
+            .call(ns_req(
+                "nsc",
+                proc(&["true"], 0),
+                NamespaceSource::Container { id: "nope".into() },
+            ))
+            .await,
+    );
+    assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
+    assert!(m.contains("\"nope\""), "{m}");
+    agent
+        .call(SignalProcess {
+            process: ProcessRef {
+                container: "nsa".into(),
+                exec_id: None,
+            },
+            signal: 9,
+            all: true,
+        })
+        .await
+        .unwrap();
+    assert_eq!(wait(&agent, "nsa", None).await, 137);
+    for id in ["nsa", "nsb"] {
+        agent.call(RemoveContainer { id: id.into() }).await.unwrap();
+    }
+
+    // 6. Bad input: clear errors, nothing left behind.
     let bad = |id: &str, path: &str, args: &[&str]| CreateContainer {
         id: id.into(),
         rootfs: ShareRef {
@@ -360,6 +616,9 @@ async fn containers_in_a_guest() {
         readonly_paths: vec![],
         memory_limit_bytes: None,
         devices: vec![],
+        ipc: Default::default(),
+        uts: Default::default(),
+        hostname: String::new(),
     };
     let (c, m) = code(agent.call(bad("b1", "c/missing", &["sh"])).await);
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
@@ -389,7 +648,7 @@ async fn containers_in_a_guest() {
     let (c, _) = code(agent.call(StartContainer { id: "nope".into() }).await);
     assert_eq!(c, ErrorCode::NotFound);
     let left = agent
-        .exec(&["sh", "-c", "ls /sys/fs/cgroup | grep -cE '^(one|two|tty|b[0-9])$'; ls /run/crust/containers | wc -l"], Duration::from_secs(30))
+        .exec(&["sh", "-c", "ls /sys/fs/cgroup | grep -cE '^(one|two|tty|caps|ns[abc]|b[0-9])$'; ls /run/crust/containers | wc -l"], Duration::from_secs(30))
         .await
         .unwrap();
     assert_eq!(left.stdout, "0\n0\n", "{}", left.stderr);

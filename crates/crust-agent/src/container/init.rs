@@ -3,8 +3,8 @@
 //! reads its [`InitSpec`] from the sync socket (fd number in
 //! `CRUST_INIT_SYNC`), builds the container's view (a private mount
 //! namespace, the rootfs bind, the OCI mounts, masked and read-only paths,
-//! the cgroup), chroots into it, takes on the user, rlimits and terminal,
-//! and `exec`s the process.
+//! the cgroup), chroots into it, takes on the user, rlimits, capabilities
+//! and terminal, and `exec`s the process.
 //!
 //! Why chroot and not pivot_root: the guest runs from its initramfs
 //! (rootfs), which cannot be pivoted away from. The VM is the pod's
@@ -62,9 +62,64 @@ pub enum InitMode {
         /// (guest device node, container path, mode, uid, gid).
         #[serde(default)]
         devices: Vec<DeviceNode>,
+        #[serde(default)]
+        ipc: NsPlan,
+        #[serde(default)]
+        uts: NsPlan,
+        /// Set in a new UTS namespace when not empty.
+        #[serde(default)]
+        hostname: String,
     },
     /// Join the container whose init runs as `init_pid`.
     Exec { init_pid: u32 },
+}
+
+/// How the helper gets one of the container's namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NsPlan {
+    /// Keep the agent's (the guest's).
+    #[default]
+    Inherit,
+    New,
+    /// The namespace of this process (another container's init).
+    Join(u32),
+}
+
+/// Opens `/proc/<pid>/ns/<name>` (before any chroot).
+fn ns_fd(pid: u32, name: &str) -> Result<OwnedFd, String> {
+    rustix::fs::open(
+        format!("/proc/{pid}/ns/{name}").as_str(),
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(err(format!("the {name} namespace of process {pid}")))
+}
+
+fn join_ns(fd: &OwnedFd, typ: rustix::thread::LinkNameSpaceType, name: &str) -> Result<(), String> {
+    rustix::thread::move_into_link_name_space(fd.as_fd(), Some(typ))
+        .map_err(err(format!("setns into the {name} namespace")))
+}
+
+/// IPC and UTS (IPC first: the container's mqueue mount belongs to it).
+fn enter_ipc_uts(ipc: NsPlan, uts: NsPlan, hostname: &str) -> Result<(), String> {
+    use rustix::thread::{LinkNameSpaceType as T, UnshareFlags as U};
+    for (plan, typ, flag, name) in [
+        (ipc, T::InterProcessCommunication, U::NEWIPC, "ipc"),
+        (uts, T::HostNameAndNISDomainName, U::NEWUTS, "uts"),
+    ] {
+        match plan {
+            NsPlan::Inherit => {}
+            // SAFETY: single-threaded process; no fd table is unshared.
+            NsPlan::New => unsafe { rustix::thread::unshare_unsafe(flag) }
+                .map_err(err(format!("unshare of the {name} namespace")))?,
+            NsPlan::Join(pid) => join_ns(&ns_fd(pid, name)?, typ, name)?,
+        }
+    }
+    if uts == NsPlan::New && !hostname.is_empty() {
+        rustix::system::sethostname(hostname.as_bytes()).map_err(err("sethostname"))?;
+    }
+    Ok(())
 }
 
 /// A block device node to create in the container.
@@ -162,7 +217,11 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             masked_paths,
             readonly_paths,
             devices,
+            ipc,
+            uts,
+            hostname,
         } => {
+            enter_ipc_uts(*ipc, *uts, hostname)?;
             // SAFETY: single-threaded process; no fd table is unshared.
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
                 .map_err(err("unshare(CLONE_NEWNS)"))?;
@@ -197,12 +256,9 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             open_dir(mountpoint)?
         }
         InitMode::Exec { init_pid } => {
-            let ns = rustix::fs::open(
-                format!("/proc/{init_pid}/ns/mnt").as_str(),
-                OFlags::RDONLY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )
-            .map_err(err("the container's mount namespace"))?;
+            let ns = ns_fd(*init_pid, "mnt")?;
+            // The container's IPC and UTS, whichever they are.
+            enter_ipc_uts(NsPlan::Join(*init_pid), NsPlan::Join(*init_pid), "")?;
             let root = open_dir(Path::new(&format!("/proc/{init_pid}/root")))?;
             rustix::thread::move_into_link_name_space(
                 ns.as_fd(),
@@ -231,8 +287,8 @@ fn open_dir(p: &Path) -> Result<OwnedFd, String> {
     .map_err(err(format!("open {}", p.display())))
 }
 
-/// cwd, terminal, rlimits, user, no_new_privs: inside the root, before
-/// `exec`.
+/// cwd, terminal, rlimits, capabilities, user, no_new_privs: inside the
+/// root, before `exec`.
 fn enter_process(p: &ProcessSpec) -> Result<(), String> {
     let cwd = p.cwd.as_deref().unwrap_or("/");
     if !cwd.starts_with('/') {
@@ -248,6 +304,14 @@ fn enter_process(p: &ProcessSpec) -> Result<(), String> {
     for r in &p.rlimits {
         set_rlimit(r)?;
     }
+    let caps = p
+        .capabilities
+        .as_ref()
+        .map(super::caps::Sets::parse)
+        .transpose()?;
+    if let Some(c) = &caps {
+        c.limit_bounding()?;
+    }
     if let Some(u) = &p.user {
         let groups: Vec<Gid> = u
             .supplemental_gids
@@ -257,6 +321,9 @@ fn enter_process(p: &ProcessSpec) -> Result<(), String> {
         rustix::thread::set_thread_groups(&groups).map_err(err("setgroups"))?;
         rustix::thread::set_thread_gid(Gid::from_raw(u.gid)).map_err(err("setgid"))?;
         rustix::thread::set_thread_uid(Uid::from_raw(u.uid)).map_err(err("setuid"))?;
+    }
+    if let Some(c) = &caps {
+        c.apply()?;
     }
     if p.no_new_privileges {
         rustix::thread::set_no_new_privs(true).map_err(err("no_new_privs"))?;

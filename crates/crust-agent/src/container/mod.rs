@@ -6,6 +6,7 @@
 //! binary re-executed, so that namespace, mount and credential changes
 //! happen in a fresh single-threaded process and errors come back as text.
 
+pub mod caps;
 pub mod cgroup;
 pub mod hostname;
 pub mod init;
@@ -26,8 +27,8 @@ use std::time::Duration;
 use crust_agent_proto::stdio::Kind;
 use crust_agent_proto::{
     AgentError, ContainerStatsReply, CreateContainer, ErrorCode, ExecProcess, GUEST_SHARE_ROOT,
-    MountSource, PidsReply, ProcessExit, ProcessRef, ProcessReply, ProcessSpec, ResizePty,
-    ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
+    MountSource, NamespaceSource, PidsReply, ProcessExit, ProcessRef, ProcessReply, ProcessSpec,
+    ResizePty, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
 };
 use rustix::fs::{Mode, OFlags};
 
@@ -282,6 +283,8 @@ impl Containers {
                 gid: d.gid.unwrap_or(0),
             });
         }
+        let ipc = self.ns_plan(&req.ipc, "ipc")?;
+        let uts = self.ns_plan(&req.uts, "uts")?;
         hostname::apply_from_binds(&req.mounts);
         let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
         std::fs::create_dir_all(&mountpoint)
@@ -297,6 +300,9 @@ impl Containers {
                 masked_paths: req.masked_paths.clone(),
                 readonly_paths: req.readonly_paths.clone(),
                 devices,
+                ipc,
+                uts,
+                hostname: req.hostname.clone(),
             },
             cgroup: Some(cg),
             process: req.process.clone(),
@@ -337,6 +343,28 @@ impl Containers {
             .insert(req.id.clone(), c.clone());
         self.watch(child, proc.clone(), Some(req.id.clone()));
         Ok(ProcessReply { pid: proc.pid })
+    }
+
+    /// A namespace source as the helper takes it: another container's
+    /// must be running here.
+    fn ns_plan(&self, src: &NamespaceSource, name: &str) -> Result<init::NsPlan> {
+        Ok(match src {
+            NamespaceSource::Guest => init::NsPlan::Inherit,
+            NamespaceSource::New => init::NsPlan::New,
+            NamespaceSource::Container { id } => {
+                let c = self.get(id).map_err(|_| {
+                    ContainerError::Invalid(format!(
+                        "{name} namespace of container {id:?}: no such container"
+                    ))
+                })?;
+                if c.init.exited().is_some() {
+                    return Err(ContainerError::Precondition(format!(
+                        "{name} namespace of container {id:?}: it has exited"
+                    )));
+                }
+                init::NsPlan::Join(c.init.pid)
+            }
+        })
     }
 
     /// Lets the init process `exec`. Starting a started container is a
@@ -667,6 +695,9 @@ fn validate_process(p: &ProcessSpec) -> Result<()> {
             "unknown rlimit {:?}",
             r.kind
         )));
+    }
+    if let Some(c) = &p.capabilities {
+        caps::Sets::parse(c).map_err(ContainerError::Invalid)?;
     }
     if p.args.iter().chain(&p.env).any(|s| s.contains('\0')) {
         return Err(ContainerError::Invalid("NUL byte in args or env".into()));
