@@ -476,21 +476,7 @@ async fn bench_pod_start_with_network() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
-    let n = std::process::id() % 250;
-    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
-    let ipam_dir = tempfile::tempdir().unwrap();
-    let conflist = serde_json::json!({
-        "cniVersion": "1.0.0", "name": "crust-test",
-        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
-                     "routes": [{"dst": "0.0.0.0/0"}],
-                     "dataDir": ipam_dir.path().display().to_string()}}]
-    });
-    let env = Env::start_full(
-        crust_testkit::CRI_NAMESPACE,
-        Vec::new(),
-        Some(conflist.to_string()),
-    );
+    let (env, _bridge, _ipam) = bench_env();
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let mut report = Vec::new();
     for networked in [false, true] {
@@ -576,21 +562,7 @@ async fn bench_tcp_throughput() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(64);
-    let n = std::process::id() % 250;
-    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
-    let ipam_dir = tempfile::tempdir().unwrap();
-    let conflist = serde_json::json!({
-        "cniVersion": "1.0.0", "name": "crust-test",
-        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
-                     "routes": [{"dst": "0.0.0.0/0"}],
-                     "dataDir": ipam_dir.path().display().to_string()}}]
-    });
-    let env = Env::start_full(
-        crust_testkit::CRI_NAMESPACE,
-        Vec::new(),
-        Some(conflist.to_string()),
-    );
+    let (env, _bridge, _ipam) = bench_env();
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let sink = "while true; do nc -l -p 5001 >/dev/null; done";
     let crust = try_pod(
@@ -650,4 +622,25 @@ async fn bench_tcp_throughput() {
     for p in [&crust, &runc] {
         remove_pod(&mut cri, &env, &p.sandbox).await;
     }
+}
+
+/// The benchmarks' containerd: one IPv4 bridge network (the bridge and
+/// host-local's directory go with the returned guards).
+fn bench_env() -> (Env, Bridge, tempfile::TempDir) {
+    let n = std::process::id() % 250;
+    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "crust-test",
+        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
+                     "routes": [{"dst": "0.0.0.0/0"}],
+                     "dataDir": ipam_dir.path().display().to_string()}}]
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        Vec::new(),
+        Some(conflist.to_string()),
+    );
+    (env, bridge, ipam_dir)
 }
