@@ -24,6 +24,7 @@ pkgs=(
   iproute2 iputils-ping   # pod networking tests: namespaces, veths, tc; ping with -M do
   containernetworking-plugins  # CNI plugins (bridge, host-local, portmap, loopback) of the
                           # private containerd's CRI pods (/usr/lib/cni)
+  iptables                # what the bridge and portmap plugins program (hostPort)
   iperf3                  # pod network throughput (crustctl bench, issue 26)
 )
 # virtiofsd (virtio-fs daemon, Rust) from crates.io, into /usr/local/bin.
@@ -94,7 +95,7 @@ if [ "${1:-}" = "--if-missing" ]; then
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
     xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
-    strip pkg-config fio ip ping iperf3; do
+    strip pkg-config fio ip ping iperf3 iptables; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1
