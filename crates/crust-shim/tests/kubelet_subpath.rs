@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Env, MIB, mount_cap, qemus_under, start_plugin};
+use common::{Env, qemus_under, start_plugin};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 use crust_proto::csi::v1 as csi;
@@ -120,50 +120,8 @@ async fn kubelet_subpaths_under_another_kubelet_root() {
     // --- CSI: one deferred volume, one host publication -------------------
     let mut vols = Vec::new();
     for (name, deferred) in [("pvc-def", true), ("pvc-auto", false)] {
-        let vol = csi
-            .create_volume(csi::CreateVolumeRequest {
-                name: name.into(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: (64 * MIB) as i64,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![mount_cap(None)],
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .volume
-            .unwrap();
-        let staging = env.dir.path().join("kubelet/plugins/g").join(name);
-        std::fs::create_dir_all(&staging).unwrap();
-        let staging = staging.display().to_string();
-        csi.node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.clone(),
-            volume_capability: Some(mount_cap(None)),
-            volume_context: vol.volume_context.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let target = pod
-            .join("volumes/kubernetes.io~csi")
-            .join(name)
-            .join("mount");
-        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-        let target = target.display().to_string();
-        csi.node_publish_volume(csi::NodePublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.clone(),
-            target_path: target.clone(),
-            volume_capability: Some(mount_cap(None)),
-            volume_context: vol.volume_context.clone(),
-            defer_fs_ops: deferred,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        vols.push((vol.volume_id, staging, target, deferred));
+        let p = common::publish(&env, &csi, name, POD_UID, deferred).await;
+        vols.push((p.volume_id, p.staging, p.target, deferred));
     }
     let (def, auto) = (vols[0].2.clone(), vols[1].2.clone());
     // kubelet's own files of the pod (they show the root too).

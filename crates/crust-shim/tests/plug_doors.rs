@@ -29,8 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Env, Leftovers, MIB, mount_cap, qemus_under, start_plugin};
-use crust_proto::csi::v1 as csi;
+use common::{Env, Leftovers, qemus_under, start_plugin};
 use crust_testkit::BUSYBOX_IMAGE;
 
 const NS: &str = "default";
@@ -297,63 +296,6 @@ fn mount_at(p: &Path) -> Option<(String, String)> {
     })
 }
 
-/// crust-csi's CreateVolume + NodeStage + NodePublish for pod `uid`;
-/// returns the target.
-async fn publish(
-    env: &Env,
-    csi: &crustctl::client::Csi,
-    name: &str,
-    uid: &str,
-    deferred: bool,
-) -> String {
-    let vol = csi
-        .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: (64 * MIB) as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![mount_cap(None)],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .volume
-        .unwrap();
-    let staging = env.dir.path().join("kubelet/plugins/g").join(name);
-    std::fs::create_dir_all(&staging).unwrap();
-    let staging = staging.display().to_string();
-    csi.node_stage_volume(csi::NodeStageVolumeRequest {
-        volume_id: vol.volume_id.clone(),
-        staging_target_path: staging.clone(),
-        volume_capability: Some(mount_cap(None)),
-        volume_context: vol.volume_context.clone(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let target = env
-        .pods_dir
-        .join(uid)
-        .join("volumes/kubernetes.io~csi")
-        .join(name)
-        .join("mount");
-    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-    let target = target.display().to_string();
-    csi.node_publish_volume(csi::NodePublishVolumeRequest {
-        volume_id: vol.volume_id,
-        staging_target_path: staging,
-        target_path: target.clone(),
-        volume_capability: Some(mount_cap(None)),
-        volume_context: vol.volume_context,
-        defer_fs_ops: deferred,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    target
-}
-
 /// The one body both doors run.
 async fn the_guest_holds_its_devices(door: Door) {
     let t0 = Instant::now();
@@ -366,8 +308,12 @@ async fn the_guest_holds_its_devices(door: Door) {
     let plugin = start_plugin(&env).await;
     let csi = plugin.csi().await;
     let uid = "31000000-0000-4000-8000-000000000031";
-    let deferred = publish(&env, &csi, "pvc-deferred", uid, true).await;
-    let auto = publish(&env, &csi, "pvc-auto", uid, false).await;
+    let deferred = common::publish(&env, &csi, "pvc-deferred", uid, true)
+        .await
+        .target;
+    let auto = common::publish(&env, &csi, "pvc-auto", uid, false)
+        .await
+        .target;
     let records = crust_handoff::Store::new(
         crust_handoff::Layout::Crust,
         env.crust_root.clone(),

@@ -326,3 +326,67 @@ pub fn mount_cap(fs_group: Option<u32>) -> csi::VolumeCapability {
         }),
     }
 }
+
+/// A volume as kubelet left it for a pod.
+pub struct Published {
+    pub volume_id: String,
+    pub staging: String,
+    /// `<pods dir>/<uid>/volumes/kubernetes.io~csi/<name>/mount`.
+    pub target: String,
+}
+
+/// crust-csi's CreateVolume (64 MiB ext4) + NodeStage + NodePublish for
+/// pod `uid`, under the env's kubelet pods dir; `deferred`: KEP-2857's
+/// `defer_fs_ops`.
+pub async fn publish(env: &Env, csi: &Csi, name: &str, uid: &str, deferred: bool) -> Published {
+    let vol = csi
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: (64 * MIB) as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_cap(None)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .volume
+        .unwrap();
+    let staging = env.dir.path().join("kubelet/plugins/g").join(name);
+    std::fs::create_dir_all(&staging).unwrap();
+    let staging = staging.display().to_string();
+    csi.node_stage_volume(csi::NodeStageVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: staging.clone(),
+        volume_capability: Some(mount_cap(None)),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let target = env
+        .pods_dir
+        .join(uid)
+        .join("volumes/kubernetes.io~csi")
+        .join(name)
+        .join("mount");
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    let target = target.display().to_string();
+    csi.node_publish_volume(csi::NodePublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: staging.clone(),
+        target_path: target.clone(),
+        volume_capability: Some(mount_cap(None)),
+        volume_context: vol.volume_context,
+        defer_fs_ops: deferred,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    Published {
+        volume_id: vol.volume_id,
+        staging,
+        target,
+    }
+}
