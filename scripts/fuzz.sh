@@ -82,6 +82,7 @@ dict_of() {
     kubelet_path) echo fuzz/dict/kubelet.dict ;;
     containerd_config) echo fuzz/dict/toml.dict ;;
     shim_http) echo fuzz/dict/http.dict ;;
+    h2_authority) echo fuzz/dict/h2.dict ;;
   esac
 }
 

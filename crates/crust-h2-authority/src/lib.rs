@@ -34,6 +34,8 @@
 
 use std::borrow::Cow;
 
+pub mod view;
+
 /// The HTTP/2 client connection preface (RFC 9113 §3.4).
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// What an unusable `:authority` becomes.
@@ -463,9 +465,8 @@ const STATIC: [(&[u8], &[u8]); 61] = [
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::view::{Event, Fields};
     use proptest::prelude::*;
-
-    type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 
     fn frame(ty: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
         let mut f = Vec::new();
@@ -474,123 +475,10 @@ mod tests {
         f
     }
 
-    /// What h2 would see: frames after the preface, header blocks put
-    /// together and decoded, each with a decoder that has never seen
-    /// another block (so a reference to a dynamic entry would fail).
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    enum Seen {
-        Headers {
-            stream: u32,
-            end_stream: bool,
-            priority: Option<[u8; 5]>,
-            fields: Fields,
-        },
-        Other {
-            ty: u8,
-            flags: u8,
-            stream: u32,
-            payload: Vec<u8>,
-        },
-    }
-
-    fn server_view(out: &[u8]) -> Vec<Seen> {
-        assert!(out.starts_with(PREFACE), "preface forwarded");
-        let mut rest = &out[PREFACE.len()..];
-        let mut seen = Vec::new();
-        let mut open: Option<Block> = None;
-        while !rest.is_empty() {
-            let (len, ty) = frame_header(rest);
-            let flags = rest[4];
-            let stream = u32::from_be_bytes(rest[5..9].try_into().unwrap());
-            let payload = &rest[9..9 + len];
-            rest = &rest[9 + len..];
-            assert!(len <= MAX_FRAME, "frame of {len} bytes");
-            match ty {
-                HEADERS => {
-                    assert!(open.is_none());
-                    assert_eq!(flags & PADDED, 0, "no padding emitted");
-                    let (pri, frag) = headers_payload(payload, flags).unwrap();
-                    open = Some(Block {
-                        stream,
-                        end_stream: flags & END_STREAM != 0,
-                        priority: pri,
-                        fragment: frag.to_vec(),
-                    });
-                }
-                CONTINUATION => {
-                    let o = open.as_mut().expect("CONTINUATION after HEADERS");
-                    assert_eq!(o.stream, stream);
-                    o.fragment.extend_from_slice(payload);
-                }
-                _ => {
-                    assert!(open.is_none(), "nothing between a block's frames");
-                    seen.push(Seen::Other {
-                        ty,
-                        flags,
-                        stream,
-                        payload: payload.to_vec(),
-                    });
-                }
-            }
-            if matches!(ty, HEADERS | CONTINUATION) && flags & END_HEADERS != 0 {
-                let b = open.take().unwrap();
-                assert_stateless(&b.fragment);
-                let fields = loona_hpack::Decoder::new().decode(&b.fragment).unwrap();
-                seen.push(Seen::Headers {
-                    stream: b.stream,
-                    end_stream: b.end_stream,
-                    priority: b.priority,
-                    fields,
-                });
-            }
-        }
-        assert!(open.is_none(), "block left open");
-        seen
-    }
-
-    /// Every representation is a static index or a literal without
-    /// indexing: nothing enters or resizes the server's dynamic table.
-    fn assert_stateless(mut b: &[u8]) {
-        fn int(b: &mut &[u8], prefix: u8) -> usize {
-            let mask = (1usize << prefix) - 1;
-            let mut v = usize::from(b[0]) & mask;
-            *b = &b[1..];
-            if v == mask {
-                let mut shift = 0;
-                loop {
-                    let c = b[0];
-                    *b = &b[1..];
-                    v += usize::from(c & 0x7f) << shift;
-                    shift += 7;
-                    if c & 0x80 == 0 {
-                        break;
-                    }
-                }
-            }
-            v
-        }
-        fn string(b: &mut &[u8]) {
-            assert_eq!(b[0] & 0x80, 0, "no Huffman needed");
-            let n = int(b, 7);
-            *b = &b[n..];
-        }
-        while !b.is_empty() {
-            let first = b[0];
-            if first & 0x80 != 0 {
-                let i = int(&mut b, 7);
-                assert!((1..=61).contains(&i), "index {i} outside the static table");
-            } else {
-                assert_eq!(
-                    first & 0xf0,
-                    0,
-                    "representation {first:#x} indexes or resizes"
-                );
-                if int(&mut b, 4) == 0 {
-                    string(&mut b);
-                }
-                string(&mut b);
-            }
-        }
+    fn server_view(out: &[u8]) -> Vec<Event> {
+        let v = view::server_view(out).unwrap();
+        assert!(!v.truncated, "block or frame left open");
+        v.events
     }
 
     fn fields(list: &[(&str, &str)]) -> Fields {
@@ -654,7 +542,7 @@ mod tests {
             assert_eq!(n, u64::from(sent != want));
             assert_eq!(
                 server_view(&out),
-                [Seen::Headers {
+                [Event::Headers {
                     stream: 1,
                     end_stream: false,
                     priority: None,
@@ -691,7 +579,7 @@ mod tests {
             if i % 2 == 0 {
                 assert_eq!(
                     s,
-                    &Seen::Headers {
+                    &Event::Headers {
                         stream,
                         end_stream: false,
                         priority: None,
@@ -701,7 +589,7 @@ mod tests {
             } else {
                 assert_eq!(
                     s,
-                    &Seen::Other {
+                    &Event::Other {
                         ty: 0,
                         flags: END_STREAM,
                         stream,
@@ -733,7 +621,7 @@ mod tests {
         assert_eq!(n, 1);
         assert_eq!(
             server_view(&out),
-            [Seen::Headers {
+            [Event::Headers {
                 stream: 1,
                 end_stream: true,
                 priority: Some([0x80, 0, 0, 3, 15]),
@@ -868,16 +756,16 @@ mod tests {
                         input.extend(frame(CONTINUATION, flags, stream, p));
                     }
                 }
-                want.push(Seen::Headers {
+                want.push(Event::Headers {
                     stream,
                     end_stream: false,
                     priority: pri,
                     fields: with_authority(&req, if *bad { REPLACEMENT } else { "localhost" }),
                 });
                 input.extend(frame(0x0, END_STREAM, stream, data));
-                want.push(Seen::Other { ty: 0, flags: END_STREAM, stream, payload: data.clone() });
+                want.push(Event::Other { ty: 0, flags: END_STREAM, stream, payload: data.clone() });
                 input.extend(frame(0x6, 0, 0, &[1; 8]));
-                want.push(Seen::Other { ty: 6, flags: 0, stream: 0, payload: vec![1; 8] });
+                want.push(Event::Other { ty: 6, flags: 0, stream: 0, payload: vec![1; 8] });
             }
             let mut rw = Rewriter::new();
             let mut rest = &input[..];
