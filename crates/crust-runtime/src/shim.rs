@@ -4,28 +4,8 @@
 //! Seed 000's `/direct-volume/stats` and `/direct-volume/resize`, plus the
 //! lifecycle endpoints the CLI uses.
 //!
-//! | method | path | body | answer |
-//! |---|---|---|---|
-//! | GET (or POST) | `/direct-volume/stats?path=<escaped>` (or `/direct-volume/stats/<escaped>`) | | [`VolumeStats`] in Kata's spelling ([`VolumeStats::to_kata_json`]: units 1/2, zero fields left out) |
-//! | POST | `/direct-volume/resize` | [`ResizeRequest`] | [`ResizeResponse`] |
-//! | POST | `/volume/freeze` | [`FreezeRequest`] | `{}` |
-//! | POST | `/volume/thaw` | [`ThawRequest`] | [`ThawResponse`] |
-//! | GET  | `/state` | | [`SandboxState`] |
-//! | POST | `/start` | | [`SandboxState`] |
-//! | POST | `/kill` | [`KillRequest`] | `{}` |
-//! | POST | `/shutdown` | | `{}` (the shim exits afterwards) |
-//! | POST | `/volumes` | [`AddVolumeRequest`] | [`Volume`] |
-//! | POST | `/exec` | [`ExecRequest`] | [`ExecResponse`] |
-//! | GET  | `/logs` | | [`LogsResponse`] |
-//! | GET  | `/metrics` | | Prometheus text 0.0.4, what kata-monitor scrapes ([`crate::metrics`]) |
-//!
-//! Errors are `{"code": "NOT_FOUND", "message": "..."}` with a matching
-//! HTTP status, except on `/direct-volume/*`: there they are plain text,
-//! `NOT_FOUND: ...` ([`ApiError::to_text`]), as Kata's shim answers in
-//! text. Kata's CLI prints whatever body `stats` gets with exit status 0,
-//! and a Go consumer decoding a JSON error object into Kata's stats type
-//! gets zero usage and no condition ("no data, no problem"); text fails
-//! to decode as stats in every JSON reader.
+//! The routes and wire types live in `crust-shim-api` ([`Call`] has the
+//! table); this module serves them and is their client.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -39,7 +19,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
@@ -51,116 +31,11 @@ use crate::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
 };
 
-/// Largest request body accepted.
-const MAX_BODY: usize = 1 << 20;
-
-/// Error classes, named like gRPC codes so the CLI and crust_ops can map
-/// them onward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum Code {
-    InvalidArgument,
-    NotFound,
-    AlreadyExists,
-    FailedPrecondition,
-    OutOfRange,
-    Unavailable,
-    DeadlineExceeded,
-    Internal,
-}
-
-impl Code {
-    pub fn http_status(self) -> StatusCode {
-        match self {
-            Code::InvalidArgument => StatusCode::BAD_REQUEST,
-            Code::NotFound => StatusCode::NOT_FOUND,
-            Code::AlreadyExists => StatusCode::CONFLICT,
-            Code::FailedPrecondition => StatusCode::PRECONDITION_FAILED,
-            Code::OutOfRange => StatusCode::RANGE_NOT_SATISFIABLE,
-            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-            Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-}
-
-/// An error answered by the shim.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
-#[error("{message}")]
-pub struct ApiError {
-    pub code: Code,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(code: Code, message: impl Into<String>) -> ApiError {
-        ApiError {
-            code,
-            message: message.into(),
-        }
-    }
-
-    /// `CODE: message` and a newline: what `/direct-volume/*` answers. Never
-    /// JSON (it starts with a letter that begins no JSON value but
-    /// `true`/`false`/`null`, and the code names none of those).
-    pub fn to_text(&self) -> String {
-        let code = serde_json::to_value(self.code).expect("serializable");
-        format!(
-            "{}: {}\n",
-            code.as_str().unwrap_or("INTERNAL"),
-            self.message
-        )
-    }
-
-    /// Reads an error answer: the JSON object, or [`ApiError::to_text`]'s
-    /// text; None for anything else.
-    pub fn from_body(body: &[u8]) -> Option<ApiError> {
-        if let Ok(e) = serde_json::from_slice::<ApiError>(body) {
-            return Some(e);
-        }
-        let text = std::str::from_utf8(body).ok()?;
-        let (code, message) = text.split_once(": ")?;
-        let code: Code = serde_json::from_value(serde_json::Value::String(code.into())).ok()?;
-        Some(ApiError::new(code, message.trim_end_matches('\n')))
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KillRequest {
-    pub signal: i32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AddVolumeRequest {
-    #[serde(rename = "volumePath", alias = "VolumePath", alias = "volume_path")]
-    pub volume_path: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExecRequest {
-    pub args: Vec<String>,
-    #[serde(default)]
-    pub env: Vec<String>,
-    #[serde(default)]
-    pub timeout_ms: Option<u64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExecResponse {
-    pub exit_code: i32,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LogsResponse {
-    pub output: String,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Empty {}
-
-type ApiResult<T> = Result<T, ApiError>;
+pub use crust_shim_api::{
+    AddVolumeRequest, ApiError, ApiResult, Code, Empty, ExecRequest, ExecResponse, KillRequest,
+    LogsResponse, MAX_BODY, percent_decode, percent_encode,
+};
+use crust_shim_api::{Call, call::kata_endpoint};
 
 /// What the shim process implements behind the HTTP surface.
 pub trait ShimHandler: Send + Sync + 'static {
@@ -275,8 +150,8 @@ fn reply_kata<T: Serialize>(res: ApiResult<T>) -> Response<Full<Bytes>> {
     }
 }
 
-async fn body_json<T: DeserializeOwned>(req: Request<Incoming>) -> ApiResult<T> {
-    let bytes = Limited::new(req.into_body(), MAX_BODY)
+async fn read_body(req: Request<Incoming>) -> ApiResult<Bytes> {
+    Ok(Limited::new(req.into_body(), MAX_BODY)
         .collect()
         .await
         .map_err(|e| {
@@ -285,15 +160,10 @@ async fn body_json<T: DeserializeOwned>(req: Request<Incoming>) -> ApiResult<T> 
                 format!("reading the request body: {e}"),
             )
         })?
-        .to_bytes();
-    serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::new(
-            Code::InvalidArgument,
-            format!("malformed request body: {e}"),
-        )
-    })
+        .to_bytes())
 }
 
+/// Reads the call (crust-shim-api's routes), then runs it.
 async fn route<H: ShimHandler>(
     h: &H,
     stop: &watch::Sender<bool>,
@@ -303,53 +173,31 @@ async fn route<H: ShimHandler>(
     let path = req.uri().path().to_string();
     let query = req.uri().query().map(str::to_string);
     tracing::debug!(%method, %path, "shim API request");
-    match (method, path.as_str()) {
-        // GET is what Kata's Go CLI sends; Kata's Rust shim routes POST.
-        (Method::GET | Method::POST, "/direct-volume/stats") => {
-            let p = query
-                .as_deref()
-                .and_then(|q| query_param(q, "path"))
-                .ok_or_else(|| {
-                    ApiError::new(Code::InvalidArgument, "missing query parameter path")
-                });
-            match p.and_then(|p| percent_decode(&p)) {
-                Ok(p) => reply_stats(h.stats(p).await),
-                Err(e) => text_error(&e),
-            }
-        }
-        (Method::GET, p) if p.starts_with("/direct-volume/stats/") => {
-            // Seed 000's curl example puts the escaped path in the URL path.
-            match percent_decode(&p["/direct-volume/stats/".len()..]) {
-                Ok(p) => reply_stats(h.stats(p).await),
-                Err(e) => text_error(&e),
-            }
-        }
-        (Method::POST, "/direct-volume/resize") => match body_json::<ResizeRequest>(req).await {
-            Ok(r) => reply_kata(h.resize(r).await),
-            Err(e) => text_error(&e),
-        },
-        (_, p) if p.starts_with("/direct-volume/") => text_error(&ApiError::new(
-            Code::NotFound,
-            format!("no endpoint {} {p}", req.method()),
-        )),
-        (Method::POST, "/volume/freeze") => match body_json::<FreezeRequest>(req)
-            .await
-            .and_then(checked_freeze)
-        {
-            Ok(r) => reply(h.freeze(r).await.map(|()| Empty {})),
-            Err(e) => reply::<Empty>(Err(e)),
-        },
-        (Method::POST, "/volume/thaw") => match body_json::<ThawRequest>(req).await {
-            Ok(r) => reply(h.thaw(r).await),
-            Err(e) => reply::<Empty>(Err(e)),
-        },
-        (Method::GET, "/state") => reply(h.state().await),
-        (Method::POST, "/start") => reply(h.start().await),
-        (Method::POST, "/kill") => match body_json::<KillRequest>(req).await {
-            Ok(k) => reply(h.kill(k.signal).await.map(|()| Empty {})),
-            Err(e) => reply::<Empty>(Err(e)),
-        },
-        (Method::POST, "/shutdown") => {
+    let call = match read_body(req)
+        .await
+        .and_then(|body| Call::parse(method.as_str(), &path, query.as_deref(), &body))
+    {
+        Ok(c) => c,
+        Err(e) if kata_endpoint(&path) => return text_error(&e),
+        Err(e) => return reply::<Empty>(Err(e)),
+    };
+    dispatch(h, stop, call).await
+}
+
+async fn dispatch<H: ShimHandler>(
+    h: &H,
+    stop: &watch::Sender<bool>,
+    call: Call,
+) -> Response<Full<Bytes>> {
+    match call {
+        Call::Stats(p) => reply_stats(h.stats(p).await),
+        Call::Resize(r) => reply_kata(h.resize(r).await),
+        Call::Freeze(r) => reply(h.freeze(r).await.map(|()| Empty {})),
+        Call::Thaw(r) => reply(h.thaw(r).await),
+        Call::State => reply(h.state().await),
+        Call::Start => reply(h.start().await),
+        Call::Kill(signal) => reply(h.kill(signal).await.map(|()| Empty {})),
+        Call::Shutdown => {
             let res = h.shutdown().await;
             if res.is_ok() {
                 // Let this answer go out before the listener closes.
@@ -361,16 +209,10 @@ async fn route<H: ShimHandler>(
             }
             reply(res.map(|()| Empty {}))
         }
-        (Method::POST, "/volumes") => match body_json::<AddVolumeRequest>(req).await {
-            Ok(a) => reply(h.add_volume(a.volume_path).await),
-            Err(e) => reply::<Empty>(Err(e)),
-        },
-        (Method::POST, "/exec") => match body_json::<ExecRequest>(req).await {
-            Ok(x) => reply(h.exec(x).await),
-            Err(e) => reply::<Empty>(Err(e)),
-        },
-        (Method::GET, "/logs") => reply(h.logs().await),
-        (Method::GET, "/metrics") => match h.metrics().await {
+        Call::AddVolume(p) => reply(h.add_volume(p).await),
+        Call::Exec(x) => reply(h.exec(x).await),
+        Call::Logs => reply(h.logs().await),
+        Call::Metrics => match h.metrics().await {
             Ok(text) => Response::builder()
                 .status(StatusCode::OK)
                 .header("content-type", crate::metrics::CONTENT_TYPE)
@@ -379,64 +221,7 @@ async fn route<H: ShimHandler>(
             // Text too: kata-monitor decodes any body as metrics.
             Err(e) => text_error(&e),
         },
-        (m, p) => reply::<Empty>(Err(ApiError::new(
-            Code::NotFound,
-            format!("no endpoint {m} {p}"),
-        ))),
     }
-}
-
-/// The freeze time limit is checked at the door, for every handler: a
-/// guest's writers block while it lasts.
-fn checked_freeze(r: FreezeRequest) -> ApiResult<FreezeRequest> {
-    crust_agent_proto::freeze_limit(r.max_frozen_ms)
-        .map_err(|e| ApiError::new(Code::InvalidArgument, e.to_string()))?;
-    Ok(r)
-}
-
-fn query_param(query: &str, key: &str) -> Option<String> {
-    query.split('&').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k == key).then(|| v.to_string())
-    })
-}
-
-/// Escapes everything but RFC 3986 unreserved characters and `/`.
-pub fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'/') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// Decodes `%XX` escapes (a `+` stays a `+`: Kata escapes with Go's
-/// `url.PathEscape`).
-pub fn percent_decode(s: &str) -> ApiResult<String> {
-    let bad = || ApiError::new(Code::InvalidArgument, format!("malformed escape in {s:?}"));
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).ok_or_else(bad)?;
-            // Two hex digits exactly: from_str_radix alone takes "+1".
-            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                return Err(bad());
-            }
-            let hex = std::str::from_utf8(hex).map_err(|_| bad())?;
-            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| ApiError::new(Code::InvalidArgument, "path is not UTF-8"))
 }
 
 /// Failures of a call into a shim.
@@ -622,6 +407,7 @@ impl ShimClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde::Deserialize;
     use crate::stats::{FsFigures, VolumeStats};
     use std::sync::Mutex;
 

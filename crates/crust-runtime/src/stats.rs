@@ -3,7 +3,7 @@
 //! agent `VolumeStatsResponse`), `{"capacity_bytes": N}`, and the shim's
 //! resize request in every spelling Kata has used.
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// CSI `VolumeUsage.Unit`. Written by name (`"BYTES"`, the KEP CLI's
 /// output); read by name or by Kata's number (1 = BYTES, 2 = INODES).
@@ -184,87 +184,9 @@ impl VolumeStats {
     }
 }
 
-/// The shim's freeze request (`POST /volume/freeze`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct FreezeRequest {
-    pub volume_path: String,
-    /// The guest thaws by itself after this long.
-    pub max_frozen_ms: u64,
-}
-
-/// The shim's thaw request (`POST /volume/thaw`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ThawRequest {
-    pub volume_path: String,
-}
-
-/// What `crust thaw` prints: whether the volume stayed frozen from the
-/// freeze until this thaw (then a copy made meanwhile is consistent).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ThawResponse {
-    pub was_frozen: bool,
-    pub expired: bool,
-}
-
-/// `{"capacity_bytes": N}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ResizeResponse {
-    pub capacity_bytes: u64,
-}
-
-/// The shim's resize request. `volumePath` (the KEP/crust spelling and one
-/// of Kata's), `VolumePath`, or `volume_guest_path` (Kata's agent proto);
-/// `size` or `Size`, as a number or a decimal string (Kata's curl example
-/// quotes it). `maxBytes` is a crust extension: refuse to grow beyond it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ResizeRequest {
-    #[serde(
-        rename = "volumePath",
-        alias = "VolumePath",
-        alias = "volume_guest_path"
-    )]
-    pub volume_path: String,
-    #[serde(alias = "Size", deserialize_with = "u64_or_string")]
-    pub size: u64,
-    #[serde(
-        rename = "maxBytes",
-        default,
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "opt_u64_or_string"
-    )]
-    pub max_bytes: Option<u64>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum NumOrStr {
-    Num(u64),
-    Str(String),
-}
-
-impl NumOrStr {
-    fn into_u64<E: serde::de::Error>(self) -> Result<u64, E> {
-        match self {
-            NumOrStr::Num(n) => Ok(n),
-            NumOrStr::Str(s) => s
-                .parse::<u64>()
-                .map_err(|_| E::custom(format!("size {s:?} is not a non-negative integer"))),
-        }
-    }
-}
-
-fn u64_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    NumOrStr::deserialize(d)?.into_u64()
-}
-
-fn opt_u64_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    Option::<NumOrStr>::deserialize(d)?
-        .map(NumOrStr::into_u64)
-        .transpose()
-}
+// The request and answer bodies of the shim API's volume calls live
+// with the API's other wire types.
+pub use crust_shim_api::{FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse};
 
 #[cfg(test)]
 mod tests {
