@@ -18,8 +18,8 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
@@ -407,8 +407,8 @@ impl ShimClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde::Deserialize;
     use crate::stats::{FsFigures, VolumeStats};
+    use serde::Deserialize;
     use std::sync::Mutex;
 
     /// A handler that records what it was asked (unit test of the HTTP layer only).
