@@ -817,7 +817,9 @@ fn ping_p50(out: &str) -> f64 {
 /// pod_network bench_network -- --ignored --nocapture`. Two crust pods and
 /// two runc pods on one bridge, each running `iperf3 -s`; into one pod of
 /// each kind: iperf3 TCP with 1 and 4 streams (`CRUST_BENCH_SECS`, default
-/// 5 s) and ping p50 (20 pings), from the host and from the pod's twin;
+/// 5 s) and ping p50 (20 pings), from the host and from the pod's twin,
+/// and for the crust pod iperf3 over its own loopback (the emulated guest
+/// stack alone);
 /// the crust/runc ratios; the QEMU threads' CPU per GiB moved (vCPU
 /// threads vs the rest: main loop, virtio-net's userspace path); and the
 /// accelerator (`CRUST_BENCH_ACCEL`, default tcg).
@@ -914,6 +916,28 @@ async fn bench_network() {
                     (b.1 - a.1) / gib,
                 ));
             }
+        }
+        if kind == "crust" {
+            // What the emulated guest stack alone costs: the pod to itself
+            // over its loopback, no NIC on the path.
+            let c0 = cpu();
+            let (_, out) = exec(
+                &mut cri,
+                &to.container,
+                &format!("iperf3 -c 127.0.0.1 -t {secs} -J"),
+            )
+            .await;
+            let c1 = cpu();
+            let (gbps, bytes) = iperf3_result(&out);
+            let gib = bytes / f64::from(1u32 << 30);
+            rows.push((
+                kind,
+                "its own loopback",
+                1,
+                gbps,
+                (c1.0 - c0.0) / gib,
+                (c1.1 - c0.1) / gib,
+            ));
         }
         let o = Command::new("ping")
             .args(["-c", "20", "-i", "0.2", &ip])
