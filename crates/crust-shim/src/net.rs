@@ -99,3 +99,23 @@ pub fn detach_recorded(netns: Option<&str>, links: &[String]) {
         Err(e) => tracing::info!(netns = %path, "pod network already gone: {e}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guest_kernels_config_beside_it_says_what_it_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinuz");
+        // No config: Debian's cloud kernel (both families).
+        assert_eq!(guest_net(&kernel), GuestNet::default());
+        std::fs::write(
+            dir.path().join("vmlinuz.config"),
+            "CONFIG_INET=y\n# CONFIG_IPV6 is not set\n",
+        )
+        .unwrap();
+        let g = guest_net(&kernel);
+        assert!(g.ipv4 && !g.ipv6, "{g:?}");
+    }
+}
