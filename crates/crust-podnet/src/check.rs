@@ -2,11 +2,13 @@
 //! runs before it changes anything in the pod's namespace, so a refused
 //! pod leaves the namespace exactly as CNI made it.
 
+use std::net::IpAddr;
 use std::ops::RangeInclusive;
 
+use crust_agent_proto::NetInterface;
 use netlink_packet_route::link::LinkLayerType;
 
-use crate::{NetError, PodNetwork};
+use crate::{NetError, PodLink, PodNetwork};
 
 /// The MTUs a virtio-net NIC takes: Linux's `ETH_MIN_MTU` up to QEMU's
 /// 16-bit `host_mtu`.
@@ -47,6 +49,37 @@ impl GuestNet {
     }
 }
 
+/// Why the guest cannot take an interface, one variant per cause (the
+/// interface's name is [`NetError::Refused`]'s).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error(
+        "a {kind} interface of link type {link_type}: it carries no Ethernet frames, \
+         which a VM's NIC cannot mirror"
+    )]
+    NotEthernet { kind: String, link_type: String },
+    #[error("a {kind} interface with ports ({ports}): a VM's NIC cannot mirror a master")]
+    Master { kind: String, ports: String },
+    #[error("a port of {master}: its traffic is the master's, which a VM's NIC cannot mirror")]
+    Port { master: String },
+    #[error("already has an ingress qdisc: crust's redirect needs tc's ingress hook")]
+    IngressTaken,
+    #[error(
+        "routes in table {table} (policy routing or a VRF): the guest gets the main table only"
+    )]
+    OtherTable { table: u32 },
+    #[error("MTU {mtu}: the guest's virtio-net NIC takes {min} to {max}")]
+    Mtu { mtu: u32, min: u32, max: u32 },
+    #[error("MTU {mtu} is below IPv6's {IPV6_MIN_MTU}, and it has IPv6 address {address}")]
+    MtuTooSmallForIpv6 { mtu: u32, address: IpAddr },
+    #[error("{what} {address}: the guest kernel has no {family}")]
+    Family {
+        what: &'static str,
+        address: String,
+        family: &'static str,
+    },
+}
+
 /// Refuses, naming the interface and the reason, what the guest cannot
 /// take: an interface whose frames are not Ethernet, a master (bridge,
 /// bond, VRF) or one of its ports, one whose tc ingress hook is already
@@ -55,93 +88,100 @@ impl GuestNet {
 /// guest kernel lacks; then what the agent would refuse.
 pub fn check(net: &PodNetwork, guest: &GuestNet) -> Result<(), NetError> {
     for (link, iface) in net.links.iter().zip(&net.config.interfaces) {
-        let bad = |reason: String| Err(NetError::interface(&link.name, reason));
-        let kind = if link.kind.is_empty() {
-            "device"
-        } else {
-            link.kind.as_str()
-        };
-        if link.link_type != LinkLayerType::Ether || link.mac == [0; 6] {
-            return bad(format!(
-                "a {kind} interface of link type {:?} carries no Ethernet frames: \
-                 a VM's NIC cannot mirror it",
-                link.link_type
-            ));
-        }
-        if !link.ports.is_empty() {
-            return bad(format!(
-                "a {kind} interface with ports ({}): a VM's NIC cannot mirror a master",
-                link.ports.join(", ")
-            ));
-        }
-        if let Some(m) = &link.master {
-            return bad(format!(
-                "a port of {m}: its traffic is routed by the master, which a VM's NIC cannot mirror"
-            ));
-        }
-        if link.ingress_taken {
-            return bad(
-                "already has an ingress qdisc: crust's redirect needs tc's ingress hook".into(),
-            );
-        }
-        if let Some((_, table)) = net.other_tables.iter().find(|(d, _)| *d == link.name) {
-            return bad(format!(
-                "routes in table {table} (policy routing or a VRF): the guest gets the main table only"
-            ));
-        }
-        if !guest.mtu.contains(&link.mtu) {
-            return bad(format!(
-                "MTU {}: the guest's virtio-net NIC takes {} to {}",
-                link.mtu,
-                guest.mtu.start(),
-                guest.mtu.end()
-            ));
-        }
-        for a in &iface.addresses {
-            let (family, has) = if a.address.is_ipv4() {
-                ("IPv4", guest.ipv4)
-            } else {
-                ("IPv6", guest.ipv6)
-            };
-            if !has {
-                return bad(format!(
-                    "address {}: the guest kernel has no {family}",
-                    a.address
-                ));
-            }
-            if a.address.is_ipv6() && link.mtu < IPV6_MIN_MTU {
-                return bad(format!(
-                    "MTU {} is below IPv6's {IPV6_MIN_MTU}, and it has IPv6 address {}",
-                    link.mtu, a.address
-                ));
-            }
-        }
+        check_link(link, iface, net, guest).map_err(|reason| NetError::Refused {
+            name: link.name.clone(),
+            reason,
+        })?;
     }
     for r in &net.config.routes {
-        let has = if r.destination.is_ipv4() {
-            guest.ipv4
-        } else {
-            guest.ipv6
-        };
+        let (family, has) = family_of(r.destination, guest);
         if !has {
-            return Err(NetError::interface(
-                &r.device,
-                format!(
-                    "route to {}/{}: the guest kernel lacks its address family",
-                    r.destination, r.prefix_len
-                ),
-            ));
+            return Err(NetError::Refused {
+                name: r.device.clone(),
+                reason: Refusal::Family {
+                    what: "route to",
+                    address: format!("{}/{}", r.destination, r.prefix_len),
+                    family,
+                },
+            });
         }
     }
     crust_agent_proto::network::validate(&net.config)
         .map_err(|reason| NetError::interface("(pod network)", reason))
 }
 
+fn family_of(a: IpAddr, guest: &GuestNet) -> (&'static str, bool) {
+    if a.is_ipv4() {
+        ("IPv4", guest.ipv4)
+    } else {
+        ("IPv6", guest.ipv6)
+    }
+}
+
+fn check_link(
+    link: &PodLink,
+    iface: &NetInterface,
+    net: &PodNetwork,
+    guest: &GuestNet,
+) -> Result<(), Refusal> {
+    let kind = if link.kind.is_empty() {
+        "device".to_string()
+    } else {
+        link.kind.clone()
+    };
+    if link.link_type != LinkLayerType::Ether || link.mac == [0; 6] {
+        return Err(Refusal::NotEthernet {
+            kind,
+            link_type: format!("{:?}", link.link_type),
+        });
+    }
+    if !link.ports.is_empty() {
+        return Err(Refusal::Master {
+            kind,
+            ports: link.ports.join(", "),
+        });
+    }
+    if let Some(master) = &link.master {
+        return Err(Refusal::Port {
+            master: master.clone(),
+        });
+    }
+    if link.ingress_taken {
+        return Err(Refusal::IngressTaken);
+    }
+    if let Some((_, table)) = net.other_tables.iter().find(|(d, _)| *d == link.name) {
+        return Err(Refusal::OtherTable { table: *table });
+    }
+    if !guest.mtu.contains(&link.mtu) {
+        return Err(Refusal::Mtu {
+            mtu: link.mtu,
+            min: *guest.mtu.start(),
+            max: *guest.mtu.end(),
+        });
+    }
+    for a in &iface.addresses {
+        let (family, has) = family_of(a.address, guest);
+        if !has {
+            return Err(Refusal::Family {
+                what: "address",
+                address: a.address.to_string(),
+                family,
+            });
+        }
+        if a.address.is_ipv6() && link.mtu < IPV6_MIN_MTU {
+            return Err(Refusal::MtuTooSmallForIpv6 {
+                mtu: link.mtu,
+                address: a.address,
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::PodLink;
-    use crust_agent_proto::{ConfigureNetwork, NetAddress, NetInterface};
+    use crust_agent_proto::{ConfigureNetwork, NetAddress};
 
     fn pod(mtu: u32, addrs: &[&str]) -> PodNetwork {
         PodNetwork {
@@ -253,5 +293,10 @@ mod tests {
         let mut net = pod(1500, &["10.88.0.5/24"]);
         net.other_tables = vec![("eth0".into(), 100)];
         assert!(refusal(&net, &guest).contains("table 100"));
+        // The cause is a variant, the interface beside it.
+        assert!(matches!(
+            check(&net, &guest),
+            Err(NetError::Refused { name, reason: Refusal::OtherTable { table: 100 } }) if name == "eth0"
+        ));
     }
 }

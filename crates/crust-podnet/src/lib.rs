@@ -25,7 +25,7 @@ mod netns;
 mod scan;
 mod tap;
 
-pub use check::{GuestNet, IPV6_MIN_MTU, VIRTIO_NET_MTU, check};
+pub use check::{GuestNet, IPV6_MIN_MTU, Refusal, VIRTIO_NET_MTU, check};
 pub use netns::NetNs;
 pub use scan::{PodLink, PodNetwork, scan};
 pub use tap::{Tap, attach, detach, tap_name};
@@ -46,6 +46,13 @@ pub enum NetError {
     },
     #[error("interface {name}: {reason}")]
     Interface { name: String, reason: String },
+    /// What [`check`] refuses: nothing in the namespace was changed.
+    #[error("interface {name}: {reason}")]
+    Refused {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,
