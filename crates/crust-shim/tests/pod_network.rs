@@ -322,6 +322,7 @@ async fn two_crust_pods_on_a_cni_bridge() {
     let n = std::process::id() % 250;
     let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
     let ipam_dir = tempfile::tempdir().unwrap();
+    let subnets = [format!("10.88.{n}.0/24"), format!("fd00:88:{n:x}::/64")];
     let conflist = serde_json::json!({
         "cniVersion": "1.0.0",
         "name": "crust-test",
@@ -334,8 +335,8 @@ async fn two_crust_pods_on_a_cni_bridge() {
             "ipam": {
                 "type": "host-local",
                 "ranges": [
-                    [{"subnet": format!("10.88.{n}.0/24")}],
-                    [{"subnet": format!("fd00:88:{n:x}::/64")}]
+                    [{"subnet": subnets[0]}],
+                    [{"subnet": subnets[1]}]
                 ],
                 "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
                 "dataDir": ipam_dir.path().display().to_string(),
@@ -388,7 +389,11 @@ async fn two_crust_pods_on_a_cni_bridge() {
     in_guest.sort();
     let mut leases: Vec<String> = leased_by(ipam_dir.path(), &a.sandbox)
         .iter()
-        .map(|ip| format!("{ip}/{}", if ip.is_ipv4() { 24 } else { 64 }))
+        .map(|ip| {
+            // The prefix of the range host-local leased it from.
+            let range = subnets[usize::from(ip.is_ipv6())].as_str();
+            format!("{ip}/{}", range.rsplit('/').next().unwrap())
+        })
         .collect();
     leases.sort();
     assert_eq!(in_guest, leases, "guest addresses vs host-local's: {addrs}");
