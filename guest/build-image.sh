@@ -2,6 +2,8 @@
 # Builds the crust guest image from Debian packages and the crust-agent:
 #   <out>/vmlinuz            the linux-image-cloud-amd64 kernel
 #   <out>/initramfs.cpio.gz  busybox, fs tools, kernel modules, crust-agent
+#   <out>/vmlinuz.config     the kernel's build config (the shim reads which
+#                            address families the guest has from it)
 # <out> is target/guest-image (or $CRUST_GUEST_DIR, or --out DIR).
 # --bench builds the bench image instead (target/guest-image-bench, or
 # $CRUST_GUEST_BENCH_DIR): the same plus Debian's fio with its libraries and
@@ -371,6 +373,7 @@ chmod 755 "$STAGE/init"
 		cpio --null --create --format=newc --owner=0:0 --reproducible --quiet
 ) | gzip -9 -n >"$OUT/initramfs.cpio.gz.tmp"
 cp "$VMLINUZ" "$OUT/vmlinuz.tmp"
+if [ -f "$KCONFIG" ]; then cp "$KCONFIG" "$OUT/vmlinuz.config.tmp"; fi
 # Stamped only once the packed image is complete: it lists every program
 # the guest runs.
 LISTING=$(gzip -dc "$OUT/initramfs.cpio.gz.tmp" | cpio -t --quiet) ||
@@ -380,6 +383,7 @@ for f in init usr/sbin/crust-agent bin/busybox ${HELPER:+usr/sbin/crust-guest-be
 done
 mv -f "$OUT/initramfs.cpio.gz.tmp" "$OUT/initramfs.cpio.gz"
 mv -f "$OUT/vmlinuz.tmp" "$OUT/vmlinuz"
+if [ -f "$OUT/vmlinuz.config.tmp" ]; then mv -f "$OUT/vmlinuz.config.tmp" "$OUT/vmlinuz.config"; fi
 echo "$KEY" >"$STAMP.tmp"
 mv -f "$STAMP.tmp" "$STAMP"
 

@@ -2,7 +2,9 @@
 # Builds the container images the containerd tests import, offline, from
 # Debian packages (no registry):
 #   <out>/busybox.tar  OCI layout: busybox-static with every applet linked in
-#                      /bin, cmd ["sh"]; ref crust.test/busybox:latest
+#                      /bin, plus Debian's iputils `ping` (busybox's has no
+#                      `-M do`) and `iperf3` in /usr/bin with the libraries
+#                      ldd names; cmd ["sh"]; ref crust.test/busybox:latest
 #   <out>/pause.tar    OCI layout: busybox-static as /bin/sleep, entrypoint
 #                      ["/bin/sleep", "infinity"]; ref crust.test/pause:latest
 # Import with `ctr images import <tar>` (the ref name is in index.json).
@@ -32,7 +34,7 @@ while [ $# -gt 0 ]; do
 		;;
 	-h | --help)
 		echo "usage: scripts/build-test-images.sh [--out DIR] [--force]"
-		echo "Needs the Debian packages busybox-static and umoci."
+		echo "Needs the Debian packages busybox-static, umoci, iputils-ping and iperf3."
 		exit 0
 		;;
 	*) die "unknown argument: $1" ;;
@@ -47,12 +49,19 @@ if ldd "$BUSYBOX" 2>&1 | grep -q '=>'; then
 	die "$BUSYBOX is dynamically linked: apt-get install -y busybox-static"
 fi
 command -v umoci >/dev/null || die "umoci not found: apt-get install -y umoci"
+PING=/usr/bin/ping
+IPERF3=/usr/bin/iperf3
+[ -x "$PING" ] || die "$PING missing: apt-get install -y iputils-ping"
+[ -x "$IPERF3" ] || die "$IPERF3 missing: apt-get install -y iperf3"
+# The loader and every library ldd resolves for PROG.
+libs_of() { ldd "$1" | awk '/=> \//{print $3} /^\t\/lib/{print $1}'; }
 pkg_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo "not-from-dpkg"; }
 
 KEY=$(
 	{
-		echo "format 1"
-		sha256sum "${BASH_SOURCE[0]}" "$BUSYBOX" | cut -d' ' -f1
+		echo "format 2"
+		sha256sum "${BASH_SOURCE[0]}" "$BUSYBOX" "$PING" "$IPERF3" \
+			$(libs_of "$PING") $(libs_of "$IPERF3") | cut -d' ' -f1
 		echo "umoci $(pkg_version umoci)"
 	} | sha256sum | cut -d' ' -f1
 )
@@ -90,6 +99,21 @@ image() {
 	say "built $OUT/$name.tar ($ref, $(du -h "$OUT/$name.tar" | cut -f1))"
 }
 
+# add_prog PROG ROOTFS: PROG into ROOTFS/usr/bin, its libraries at their
+# own paths (the loader's search finds them there too).
+add_prog() {
+	local prog=$1 r=$2 lib
+	mkdir -p "$r/usr/bin"
+	cp "$prog" "$r/usr/bin/"
+	for lib in $(libs_of "$prog"); do
+		mkdir -p "$r$(dirname "$lib")"
+		cp -L "$lib" "$r$lib"
+	done
+	chroot "$r" "/usr/bin/$(basename "$prog")" --version >/dev/null 2>&1 ||
+		chroot "$r" "/usr/bin/$(basename "$prog")" -V >/dev/null 2>&1 ||
+		die "$prog does not start on the image's libraries"
+}
+
 setup_busybox() {
 	local r=$1 a
 	mkdir -p "$r"/{bin,etc,tmp,root,proc,sys,dev,run,var,data}
@@ -98,6 +122,10 @@ setup_busybox() {
 	for a in $("$BUSYBOX" --list); do
 		[ -e "$r/bin/$a" ] || ln -s busybox "$r/bin/$a"
 	done
+	# Before busybox's /bin on the image's PATH. Copied without ping's file
+	# capability: the tests' containers run as root with CAP_NET_RAW.
+	add_prog "$PING" "$r"
+	add_prog "$IPERF3" "$r"
 	printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$r/etc/passwd"
 	printf 'root:x:0:\nnogroup:x:65534:\n' >"$r/etc/group"
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fails when a test run left loop devices, test mounts, QEMU, virtiofsd, a
-# crust shim or a test containerd behind.
+# crust shim, a test containerd or a CNI network namespace behind.
 #   check-leaks.sh                    everything present now is a leak
 #   check-leaks.sh --record FILE      note what is present before a run
 #   check-leaks.sh --since FILE       only what appeared after --record is
@@ -27,6 +27,8 @@ live() {
 inventory() {
   losetup -a 2>/dev/null | sed 's/^/loop device: /'
   grep -E ' /(tmp|run/crust|var/run/crust|var/lib/kubelet)' /proc/mounts | sed 's/^/mount: /'
+  # CRI pods' network namespaces (a test containerd's CNI pods).
+  find /var/run/netns -maxdepth 1 -name 'cni-*' 2>/dev/null | sed 's/^/netns: /'
   # -f: the process name pgrep -x sees is cut at 15 characters.
   local pat p
   for pat in '^qemu-system-x86_64 ' '^virtiofsd ' 'containerd-shim-crust-v2' 'containerd --config /tmp/ctrd-'; do
@@ -56,4 +58,4 @@ if [ -n "$now" ]; then
   printf '%s\n' "$now" >&2
   exit 1
 fi
-echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim or test containerd"
+echo "no leftovers: no loop device, test mount, QEMU, virtiofsd, crust shim, test containerd or CNI network namespace"

@@ -8,6 +8,10 @@
 //! * [`scan`]: each interface CNI left there (any kind: veth, macvlan,
 //!   tap...), with its MAC, MTU, addresses, routes and permanent
 //!   neighbours, as the agent's [`ConfigureNetwork`] request.
+//! * [`check`]: whether the guest can take it (interface kinds, MTUs,
+//!   address families...): the one validation, run by [`attach`] before
+//!   it changes anything, so a refused pod's namespace stays as CNI made
+//!   it.
 //! * [`attach`]: per interface a tap in the same namespace
 //!   (`IFF_VNET_HDR`, multi-queue for several vCPUs), joined to the
 //!   interface with tc: an ingress qdisc on each and a `u32` match-all
@@ -16,10 +20,12 @@
 //!   descriptors. [`detach`] removes exactly what `attach` added, so CNI's
 //!   DEL finds its namespace as it left it.
 
+mod check;
 mod netns;
 mod scan;
 mod tap;
 
+pub use check::{GuestNet, IPV6_MIN_MTU, Refusal, VIRTIO_NET_MTU, check};
 pub use netns::NetNs;
 pub use scan::{PodLink, PodNetwork, scan};
 pub use tap::{Tap, attach, detach, tap_name};
@@ -40,6 +46,13 @@ pub enum NetError {
     },
     #[error("interface {name}: {reason}")]
     Interface { name: String, reason: String },
+    /// What [`check`] refuses: nothing in the namespace was changed.
+    #[error("interface {name}: {reason}")]
+    Refused {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,

@@ -9,11 +9,12 @@ use crust_agent_proto::{
 };
 use futures::TryStreamExt;
 use netlink_packet_route::address::AddressAttribute;
-use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage};
 use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourState};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteProtocol, RouteScope as NlScope, RouteType,
 };
+use netlink_packet_route::tc::{TcHandle, TcMessage};
 use rtnetlink::RouteMessageBuilder;
 
 use crate::{NetError, NetNs};
@@ -25,8 +26,18 @@ pub struct PodLink {
     pub index: u32,
     /// `veth`, `macvlan`, ... (empty when the kernel says none).
     pub kind: String,
+    /// All zeros when the interface has no Ethernet address.
     pub mac: [u8; 6],
     pub mtu: u32,
+    /// `ARPHRD_*`: only Ethernet frames cross a tap.
+    pub link_type: LinkLayerType,
+    /// The master (bridge, bond, VRF...) this interface is a port of.
+    pub master: Option<String>,
+    /// Ports enslaved to this interface.
+    pub ports: Vec<String>,
+    /// It already has an ingress (or clsact) qdisc: tc's ingress hook,
+    /// which the redirect needs, belongs to someone else.
+    pub ingress_taken: bool,
 }
 
 /// The namespace's interfaces and the guest's view of them.
@@ -34,6 +45,9 @@ pub struct PodLink {
 pub struct PodNetwork {
     pub links: Vec<PodLink>,
     pub config: ConfigureNetwork,
+    /// (interface, table) of routes outside the main table (policy
+    /// routing, VRFs): the guest gets the main table only.
+    pub other_tables: Vec<(String, u32)>,
 }
 
 impl PodNetwork {
@@ -44,9 +58,8 @@ impl PodNetwork {
 }
 
 /// Reads the namespace. Interfaces that are down with no address (the
-/// kernel's own `tunl0`, `sit0`...) are not the pod's; an interface that
-/// is up but has no Ethernet address cannot become a NIC and fails the
-/// scan, naming it.
+/// kernel's own `tunl0`, `sit0`...) are not the pod's. Only reads:
+/// whether the guest can take what it found is [`crate::check`]'s call.
 pub fn scan(ns: &NetNs) -> Result<PodNetwork, NetError> {
     ns.netlink(|h| async move {
         let links: Vec<LinkMessage> = h
@@ -85,7 +98,19 @@ pub fn scan(ns: &NetNs) -> Result<PodNetwork, NetError> {
             .try_collect()
             .await
             .map_err(NetError::netlink("listing neighbours"))?;
-        build(&links, &addrs, &routes, &neighbours)
+        let qdiscs: Vec<TcMessage> = h
+            .qdisc()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(NetError::netlink("listing qdiscs"))?;
+        let ingress: Vec<u32> = qdiscs
+            .iter()
+            .filter(|q| q.header.parent == TcHandle::INGRESS)
+            .map(|q| q.header.index as u32)
+            .collect();
+        build(&links, &addrs, &routes, &neighbours, &ingress)
     })
 }
 
@@ -94,58 +119,26 @@ fn build(
     addrs: &[netlink_packet_route::address::AddressMessage],
     routes: &[netlink_packet_route::route::RouteMessage],
     neighbours: &[netlink_packet_route::neighbour::NeighbourMessage],
+    ingress: &[u32],
 ) -> Result<PodNetwork, NetError> {
     let mut by_index: BTreeMap<u32, NetInterface> = BTreeMap::new();
     let mut net = PodNetwork::default();
     for l in links {
-        let flags = l.header.flags;
-        if flags.contains(LinkFlags::Loopback) {
-            continue;
-        }
-        let mut name = String::new();
-        let (mut mac, mut mtu, mut kind) = (None, 0, String::new());
-        for a in &l.attributes {
-            match a {
-                LinkAttribute::IfName(n) => name.clone_from(n),
-                LinkAttribute::Address(m) => mac = <[u8; 6]>::try_from(m.as_slice()).ok(),
-                LinkAttribute::Mtu(m) => mtu = *m,
-                LinkAttribute::LinkInfo(info) => {
-                    for i in info {
-                        if let LinkInfo::Kind(k) = i {
-                            kind = k.to_string();
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
         let index = l.header.index;
         let has_addr = addrs.iter().any(|a| a.header.index == index);
-        if !flags.contains(LinkFlags::Up) && !has_addr {
+        let Some(link) = pod_link(l, links, has_addr, ingress) else {
             continue;
-        }
-        let Some(mac) = mac.filter(|m| m.iter().any(|b| *b != 0)) else {
-            return Err(NetError::interface(
-                &name,
-                format!("a {kind} interface without an Ethernet address cannot be a VM's NIC"),
-            ));
         };
-        net.links.push(PodLink {
-            name: name.clone(),
-            index,
-            kind,
-            mac,
-            mtu,
-        });
         by_index.insert(
             index,
             NetInterface {
-                name,
-                mac: format_mac(&mac),
-                mtu,
+                name: link.name.clone(),
+                mac: format_mac(&link.mac),
+                mtu: link.mtu,
                 addresses: Vec::new(),
             },
         );
+        net.links.push(link);
     }
     for a in addrs {
         let Some(iface) = by_index.get_mut(&a.header.index) else {
@@ -176,6 +169,25 @@ fn build(
     let mut link_routes = Vec::new();
     let mut via_routes = Vec::new();
     for r in routes {
+        let table = r
+            .attributes
+            .iter()
+            .find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
+                _ => None,
+            })
+            .unwrap_or(u32::from(r.header.table));
+        let oif = r.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => by_index.get(i),
+            _ => None,
+        });
+        // default (253), main (254) and local (255) are every kernel's.
+        if table < 253
+            && let Some(iface) = oif
+            && !net.other_tables.contains(&(iface.name.clone(), table))
+        {
+            net.other_tables.push((iface.name.clone(), table));
+        }
         let Some(route) = guest_route(&r.header, &r.attributes, &by_index) else {
             continue;
         };
@@ -222,9 +234,73 @@ fn build(
         .iter()
         .map(|l| by_index.remove(&l.index).expect("indexed above"))
         .collect();
-    crust_agent_proto::network::validate(&net.config)
-        .map_err(|reason| NetError::interface("(pod network)", reason))?;
     Ok(net)
+}
+
+fn name_of(links: &[LinkMessage], index: u32) -> String {
+    links
+        .iter()
+        .find(|l| l.header.index == index)
+        .and_then(|l| {
+            l.attributes.iter().find_map(|a| match a {
+                LinkAttribute::IfName(n) => Some(n.clone()),
+                _ => None,
+            })
+        })
+        .unwrap_or_else(|| format!("(index {index})"))
+}
+
+/// One interface as found, or `None` for loopback and for interfaces that
+/// are down with no address.
+fn pod_link(
+    l: &LinkMessage,
+    links: &[LinkMessage],
+    has_addr: bool,
+    ingress: &[u32],
+) -> Option<PodLink> {
+    let flags = l.header.flags;
+    if flags.contains(LinkFlags::Loopback) || (!flags.contains(LinkFlags::Up) && !has_addr) {
+        return None;
+    }
+    let index = l.header.index;
+    let mut name = String::new();
+    let (mut mac, mut mtu, mut kind, mut master) = (None, 0, String::new(), None);
+    for a in &l.attributes {
+        match a {
+            LinkAttribute::IfName(n) => name.clone_from(n),
+            LinkAttribute::Controller(m) => master = Some(name_of(links, *m)),
+            LinkAttribute::Address(m) => mac = <[u8; 6]>::try_from(m.as_slice()).ok(),
+            LinkAttribute::Mtu(m) => mtu = *m,
+            LinkAttribute::LinkInfo(info) => {
+                for i in info {
+                    if let LinkInfo::Kind(k) = i {
+                        kind = k.to_string();
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let ports = links
+        .iter()
+        .filter(|p| {
+            p.attributes
+                .iter()
+                .any(|a| matches!(a, LinkAttribute::Controller(m) if *m == index))
+        })
+        .map(|p| name_of(links, p.header.index))
+        .collect();
+    Some(PodLink {
+        name,
+        index,
+        kind,
+        mac: mac.unwrap_or([0; 6]),
+        mtu,
+        link_type: l.header.link_layer_type,
+        master,
+        ports,
+        ingress_taken: ingress.contains(&index),
+    })
 }
 
 fn is_link_local(a: IpAddr) -> bool {

@@ -10,7 +10,7 @@ use netlink_packet_route::tc::TcHandle;
 use rtnetlink::{Handle, LinkUnspec};
 
 use crate::scan::PodLink;
-use crate::{NetError, NetNs, PodNetwork};
+use crate::{GuestNet, NetError, NetNs, PodNetwork};
 
 /// `TUNSETIFF` (`_IOW('T', 202, int)`).
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
@@ -112,11 +112,19 @@ async fn redirect(h: &Handle, link: &PodLink, tap: u32, tap_name: &str) -> Resul
     Ok(())
 }
 
-/// Makes a tap for every interface of `net` and joins them. `queues` > 1
-/// makes multi-queue taps (one descriptor per queue). On failure nothing
-/// is left: qdiscs added are removed and the taps vanish with their
+/// Makes a tap for every interface of `net` and joins them, once
+/// [`crate::check`] says `guest` can take them all (a refusal changes
+/// nothing). `queues` > 1 makes multi-queue taps (one descriptor per
+/// queue). On failure nothing is left: qdiscs added are removed (the
+/// check proved none was there before) and the taps vanish with their
 /// descriptors.
-pub fn attach(ns: &NetNs, net: &PodNetwork, queues: u32) -> Result<Vec<Tap>, NetError> {
+pub fn attach(
+    ns: &NetNs,
+    net: &PodNetwork,
+    guest: &GuestNet,
+    queues: u32,
+) -> Result<Vec<Tap>, NetError> {
+    crate::check(net, guest)?;
     let links = net.links.clone();
     let ns2 = ns.clone();
     let made = ns.netlink(move |h| async move {

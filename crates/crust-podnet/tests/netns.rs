@@ -3,13 +3,16 @@
 //! route via the gateway, a permanent neighbour), built with iproute2.
 //! Frames cross the tc redirects both ways: an ARP request from the host
 //! comes out of the tap's descriptor, and an ARP reply written into the
-//! descriptor teaches the host the pod's MAC. Budget: about 1 s.
+//! descriptor teaches the host the pod's MAC. What no NIC can mirror
+//! (a layer-3 device, a taken ingress hook, a master or its port, policy
+//! routes) is refused by name and leaves the namespace as it was.
+//! Budget: about 1 s.
 
 use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crust_podnet::{NetNs, attach, detach, scan};
+use crust_podnet::{GuestNet, NetNs, attach, detach, scan};
 
 /// A named namespace with a veth into it; removed on drop.
 struct Pod {
@@ -38,7 +41,6 @@ impl Pod {
         ip(&[
             "link", "add", &p.host_if, "type", "veth", "peer", "name", "eth0", "netns", n,
         ]);
-        ip(&["addr", "add", "10.99.0.1/24", "dev", &p.host_if]);
         ip(&["link", "set", &p.host_if, "up"]);
         ip(&["-n", n, "link", "set", "lo", "up"]);
         ip(&["-n", n, "link", "set", "eth0", "mtu", "1400", "up"]);
@@ -89,6 +91,12 @@ impl Pod {
             "permanent",
         ]);
         p
+    }
+
+    /// The gateway's address on the host side (one pod per test process
+    /// may have it: the host routes 10.99.0.0/24 to it).
+    fn host_address(&self) {
+        ip(&["addr", "add", "10.99.0.1/24", "dev", &self.host_if]);
     }
 
     fn path(&self) -> String {
@@ -156,6 +164,7 @@ fn read_arp(fds: &[std::os::fd::OwnedFd]) -> Option<Vec<u8>> {
 #[test]
 fn scan_attach_and_detach_a_cni_shaped_namespace() {
     let pod = Pod::new("a");
+    pod.host_address();
     // (DAD of the link-local address may end meanwhile.)
     let state = || {
         (
@@ -201,7 +210,7 @@ fn scan_attach_and_detach_a_cni_shaped_namespace() {
     assert_eq!(net.config.neighbours[0].mac, "02:00:00:00:00:09");
 
     // Two queues: two descriptors, one tap.
-    let taps = attach(&ns, &net, 2).unwrap();
+    let taps = attach(&ns, &net, &GuestNet::default(), 2).unwrap();
     assert_eq!(taps.len(), 1);
     assert_eq!(taps[0].fds.len(), 2);
     let links = pod.inside(&["-j", "link", "show", "crusttap0"]);
@@ -317,7 +326,7 @@ fn a_macvlan_second_interface_gets_its_own_tap() {
     assert_eq!(kinds, [("eth0", "veth"), ("net1", "macvlan")]);
     let net1 = &net.config.interfaces[1];
     assert_eq!(net1.addresses[0].address.to_string(), "10.98.0.2");
-    let taps = attach(&ns, &net, 1).unwrap();
+    let taps = attach(&ns, &net, &GuestNet::default(), 1).unwrap();
     let pairs: Vec<(&str, &str)> = taps
         .iter()
         .map(|t| (t.name.as_str(), t.link.as_str()))
@@ -331,15 +340,78 @@ fn a_macvlan_second_interface_gets_its_own_tap() {
     assert!(tc_ingress(&pod, "net1").is_empty());
 }
 
+/// Everything of the namespace a refused attach must leave alone, once
+/// settled (a new bridge's state and timers move for a while); timer
+/// values left out.
+fn dump(pod: &Pod) -> String {
+    let mut last = raw_dump(pod);
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = raw_dump(pod);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
+fn raw_dump(pod: &Pod) -> String {
+    let mut out = String::new();
+    for line in raw_dump_with_timers(pod).lines() {
+        let mut words = line.split_whitespace();
+        while let Some(w) = words.next() {
+            out += w;
+            out.push(' ');
+            if w.ends_with("_timer") {
+                words.next();
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn raw_dump_with_timers(pod: &Pod) -> String {
+    let mut out = pod.inside(&["-d", "link"]);
+    out += &pod.inside(&["addr"]).replace(" tentative", "");
+    out += &pod.inside(&["route", "show", "table", "all"]);
+    for args in [
+        &["qdisc", "show"][..],
+        &["filter", "show", "dev", "eth0", "ingress"],
+    ] {
+        let mut a = vec!["-n", pod.name.as_str()];
+        a.extend(args);
+        let o = Command::new("tc").args(&a).output().unwrap();
+        out += &String::from_utf8_lossy(&o.stdout);
+    }
+    out
+}
+
+/// Bad input: `attach` refuses, naming the interface and the reason, and
+/// the namespace is byte for byte as it was (dumps of links, addresses,
+/// routes, qdiscs and filters).
+fn refused(pod: &Pod, needles: &[&str]) {
+    let before = dump(pod);
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let net = scan(&ns).unwrap();
+    let e = attach(&ns, &net, &GuestNet::default(), 1)
+        .map(|t| t.len())
+        .unwrap_err()
+        .to_string();
+    for n in needles {
+        assert!(e.contains(n), "{n:?} not in: {e}");
+    }
+    assert_eq!(dump(pod), before, "the namespace changed: {e}");
+}
+
 #[test]
 fn what_cannot_be_a_nic_is_refused_by_name() {
     let pod = Pod::new("b");
     // A layer-3 tun device has no Ethernet address.
     pod.inside(&["tuntap", "add", "mode", "tun", "name", "tun9"]);
     pod.inside(&["link", "set", "tun9", "up"]);
-    let ns = NetNs::open(&pod.path()).unwrap();
-    let e = scan(&ns).unwrap_err().to_string();
-    assert!(e.contains("tun9") && e.contains("Ethernet"), "{e}");
+    refused(&pod, &["tun9", "Ethernet"]);
     // Not a namespace at all.
     let e = NetNs::open("/etc/hostname").unwrap_err().to_string();
     assert!(e.contains("nsfs"), "{e}");
@@ -349,4 +421,49 @@ fn what_cannot_be_a_nic_is_refused_by_name() {
     let ns = NetNs::open(&empty.path()).unwrap();
     let net = scan(&ns).unwrap();
     assert!(net.is_empty() && net.config.routes.is_empty(), "{net:?}");
+}
+
+/// tc's ingress hook already in use on CNI's interface (a policing
+/// filter): refused before any tap or qdisc is made, and that qdisc and
+/// its filter stay (the old attach failed on it, and its undo deleted
+/// them).
+#[test]
+fn a_taken_ingress_hook_is_refused_and_kept() {
+    let pod = Pod::new("q");
+    let tc = |args: &[&str]| {
+        let mut a = vec!["-n", pod.name.as_str()];
+        a.extend(args);
+        let o = Command::new("tc").args(&a).output().unwrap();
+        assert!(o.status.success(), "tc {args:?}: {o:?}");
+    };
+    tc(&["qdisc", "add", "dev", "eth0", "ingress"]);
+    tc(&[
+        "filter", "add", "dev", "eth0", "ingress", "protocol", "all", "u32", "match", "u32", "0",
+        "0", "action", "mirred", "egress", "mirror", "dev", "lo",
+    ]);
+    refused(&pod, &["eth0", "ingress qdisc"]);
+    assert!(tc_ingress(&pod, "eth0").contains("to device lo"));
+}
+
+/// A master in the pod's namespace (a bridge with CNI's veth as its
+/// port) and routes outside the main table (source-based routing, as
+/// CNI's sbr plugin leaves): neither can be a NIC's.
+#[test]
+fn masters_ports_and_policy_routes_are_refused_by_name() {
+    let pod = Pod::new("r");
+    pod.inside(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        "10.99.0.1",
+        "table",
+        "100",
+    ]);
+    refused(&pod, &["eth0", "table 100"]);
+    let pod = Pod::new("s");
+    pod.inside(&["link", "add", "br9", "type", "bridge"]);
+    pod.inside(&["link", "set", "br9", "up"]);
+    pod.inside(&["link", "set", "eth0", "master", "br9"]);
+    refused(&pod, &["eth0", "port of br9"]);
 }

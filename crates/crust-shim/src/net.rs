@@ -3,10 +3,11 @@
 //! virtio-net NICs, and the agent gives the guest the same addresses,
 //! routes and neighbours.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crust_agent_proto::AgentClient;
-use crust_podnet::{NetError, NetNs, PodNetwork};
+use crust_podnet::{GuestNet, NetError, NetNs, PodNetwork};
 use crust_vmm::NicSpec;
 
 use crate::spec::PodNetworkSpec;
@@ -31,16 +32,33 @@ impl Attached {
     }
 }
 
-/// Reads the pod's namespace and makes a tap per interface: one queue per
-/// vCPU. `Host` and `Empty` give no NIC (the guest has only `lo`).
-pub fn attach(spec: &PodNetworkSpec, cpus: u32) -> Result<Option<Attached>, NetError> {
+/// What the guest can take: from the kernel config the guest image keeps
+/// beside its kernel (`<kernel>.config`), else Debian's cloud kernel's.
+pub fn guest_net(kernel: &Path) -> GuestNet {
+    let mut name = kernel.as_os_str().to_owned();
+    name.push(".config");
+    match std::fs::read_to_string(&name) {
+        Ok(config) => GuestNet::from_kernel_config(&config),
+        Err(_) => GuestNet::default(),
+    }
+}
+
+/// Reads the pod's namespace and, once crust-podnet's check says `guest`
+/// can take it (else the error names the interface and nothing changed),
+/// makes a tap per interface: one queue per vCPU. `Host` and `Empty` give
+/// no NIC (the guest has only `lo`).
+pub fn attach(
+    spec: &PodNetworkSpec,
+    cpus: u32,
+    guest: &GuestNet,
+) -> Result<Option<Attached>, NetError> {
     let PodNetworkSpec::Namespace(path) = spec else {
         return Ok(None);
     };
     let t0 = std::time::Instant::now();
     let ns = NetNs::open(path)?;
     let net = crust_podnet::scan(&ns)?;
-    let taps = crust_podnet::attach(&ns, &net, cpus.max(1))?;
+    let taps = crust_podnet::attach(&ns, &net, guest, cpus.max(1))?;
     let nics = taps
         .into_iter()
         .map(|t| NicSpec {
@@ -79,5 +97,25 @@ pub fn detach_recorded(netns: Option<&str>, links: &[String]) {
             }
         }
         Err(e) => tracing::info!(netns = %path, "pod network already gone: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guest_kernels_config_beside_it_says_what_it_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinuz");
+        // No config: Debian's cloud kernel (both families).
+        assert_eq!(guest_net(&kernel), GuestNet::default());
+        std::fs::write(
+            dir.path().join("vmlinuz.config"),
+            "CONFIG_INET=y\n# CONFIG_IPV6 is not set\n",
+        )
+        .unwrap();
+        let g = guest_net(&kernel);
+        assert!(g.ipv4 && !g.ipv6, "{g:?}");
     }
 }

@@ -290,7 +290,8 @@ impl Pod {
     ) -> Result<Arc<PodVm>, PodError> {
         // Checked and attached first: a network that cannot go into a VM
         // fails the sandbox before anything boots.
-        let net = crate::net::attach(network, cpus)?;
+        let guest = crate::net::guest_net(&self.cfg.runtime.guest_kernel);
+        let net = crate::net::attach(network, cpus, &guest)?;
         if let Some(a) = &net {
             self.update(|s| {
                 s.network_namespace = Some(a.ns.path().to_string());

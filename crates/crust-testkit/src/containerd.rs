@@ -14,7 +14,9 @@
 //! Drop stops everything the instance started: containerd, every shim it
 //! spawned (found by the `-address <our socket>` on their command lines;
 //! SIGTERM, then SIGKILL after a grace), and every mount left below the
-//! temp dir (snapshots, rootfs mounts).
+//! temp dir (snapshots, rootfs mounts). Pods a failed test left running
+//! also get CNI's DEL (their addresses, portmap rules and veths) and
+//! lose their `cni-*` network namespace (and the taps in it).
 
 use std::fs::File;
 use std::os::unix::process::CommandExt;
@@ -86,8 +88,12 @@ impl Containerd {
             let (bin, etc) = (c.dir().join("cni/bin"), c.dir().join("cni/conf"));
             std::fs::create_dir_all(&bin).unwrap();
             std::fs::create_dir_all(&etc).unwrap();
-            for p in ["bridge", "host-local", "portmap", "loopback"] {
-                std::os::unix::fs::symlink(Path::new(CNI_PLUGIN_DIR).join(p), bin.join(p)).unwrap();
+            // Every plugin Debian ships; a test may add its own beside them.
+            for p in std::fs::read_dir(CNI_PLUGIN_DIR)
+                .expect(CNI_PLUGIN_DIR)
+                .flatten()
+            {
+                std::os::unix::fs::symlink(p.path(), bin.join(p.file_name())).unwrap();
             }
             std::fs::write(etc.join("10-crust-test.conflist"), conf).unwrap();
         }
@@ -250,6 +256,17 @@ state = "{state}"
     /// that has not finished after [`CTR_TIMEOUT`] is killed and the test
     /// fails there, with containerd's log, rather than hanging the suite.
     pub fn ctr_in(&self, namespace: &str, args: &[&str]) -> Output {
+        self.ctr_within(namespace, args, CTR_TIMEOUT)
+            .unwrap_or_else(|| {
+                panic!(
+                    "ctr {args:?} did not finish within {CTR_TIMEOUT:?}; containerd log:\n{}",
+                    self.log_tail(4000)
+                )
+            })
+    }
+
+    /// [`Containerd::ctr_in`] that gives up (`None`) after `timeout`.
+    fn ctr_within(&self, namespace: &str, args: &[&str], timeout: Duration) -> Option<Output> {
         use std::io::Read;
         let mut child = self
             .ctr_cmd(namespace, args)
@@ -270,7 +287,7 @@ state = "{state}"
             let _ = err.read_to_end(&mut v);
             v
         });
-        let deadline = Instant::now() + CTR_TIMEOUT;
+        let deadline = Instant::now() + timeout;
         let status = loop {
             if let Some(st) = child.try_wait().expect("wait ctr") {
                 break st;
@@ -278,17 +295,82 @@ state = "{state}"
             if Instant::now() >= deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!(
-                    "ctr {args:?} did not finish within {CTR_TIMEOUT:?}; containerd log:\n{}",
-                    self.log_tail(4000)
-                );
+                return None;
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        Output {
+        Some(Output {
             status,
             stdout: o.join().unwrap_or_default(),
             stderr: e.join().unwrap_or_default(),
+        })
+    }
+
+    /// (sandbox id, network namespace path) of every CRI pod still there
+    /// with a CNI namespace, from the sandbox containers' specs. Bounded:
+    /// it runs in drop, maybe while a test panics.
+    fn cni_pods(&self) -> Vec<(String, PathBuf)> {
+        let bound = Duration::from_secs(10);
+        let Some(ls) = self.ctr_within(CRI_NAMESPACE, &["containers", "ls", "-q"], bound) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for id in String::from_utf8_lossy(&ls.stdout).split_whitespace() {
+            let Some(info) = self.ctr_within(CRI_NAMESPACE, &["containers", "info", id], bound)
+            else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&info.stdout) else {
+                continue;
+            };
+            let netns = v["Spec"]["linux"]["namespaces"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|n| n["type"] == "network")
+                .and_then(|n| n["path"].as_str())
+                .filter(|p| p.starts_with("/var/run/netns/") || p.starts_with("/run/netns/"));
+            if let Some(p) = netns {
+                out.push((id.to_string(), PathBuf::from(p)));
+            }
+        }
+        out
+    }
+
+    /// CNI's DEL for a pod, as containerd would run it: each plugin of the
+    /// list in reverse order (addresses, portmap rules, the veth).
+    fn cni_del(&self, sandbox: &str, netns: &Path) {
+        let Some(list) = &self.opts.cni_conflist else {
+            return;
+        };
+        let Ok(list) = serde_json::from_str::<serde_json::Value>(list) else {
+            return;
+        };
+        let bin = self.dir().join("cni/bin");
+        for plugin in list["plugins"].as_array().into_iter().flatten().rev() {
+            let mut conf = plugin.clone();
+            conf["name"] = list["name"].clone();
+            conf["cniVersion"] = list["cniVersion"].clone();
+            let Some(kind) = plugin["type"].as_str() else {
+                continue;
+            };
+            let child = Command::new(bin.join(kind))
+                .env("CNI_COMMAND", "DEL")
+                .env("CNI_CONTAINERID", sandbox)
+                .env("CNI_NETNS", netns)
+                .env("CNI_IFNAME", "eth0")
+                .env("CNI_PATH", &bin)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            if let Ok(mut c) = child {
+                if let Some(mut i) = c.stdin.take() {
+                    use std::io::Write;
+                    let _ = i.write_all(conf.to_string().as_bytes());
+                }
+                let _ = c.wait();
+            }
         }
     }
 
@@ -371,6 +453,12 @@ state = "{state}"
     }
 
     fn stop_all(&mut self) {
+        // Asked while containerd still answers: a panicking test's pods.
+        let pods = if self.opts.cni_conflist.is_some() && self.child.is_some() {
+            self.cni_pods()
+        } else {
+            Vec::new()
+        };
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -395,6 +483,13 @@ state = "{state}"
             }
         }
         unmount_below(self.dir());
+        // With every process of the pods gone, so the taps QEMU held go
+        // with the namespace.
+        for (sandbox, netns) in pods {
+            self.cni_del(&sandbox, &netns);
+            let _ = rustix::mount::unmount(&netns, UnmountFlags::DETACH);
+            let _ = std::fs::remove_file(&netns);
+        }
     }
 }
 

@@ -318,7 +318,9 @@ const BASE_CMDLINE: &[&str] = &[
 fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
-    push(&["-name", &format!("crust-{}", cfg.name)]);
+    // Threads named by role (`CPU 0/TCG`, `worker`...): their CPU time can
+    // be told apart in /proc (top -H, the pod network benchmark).
+    push(&["-name", &format!("crust-{},debug-threads=on", cfg.name)]);
     push(&["-machine", "q35"]);
     match accel {
         ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
