@@ -83,7 +83,7 @@ pub use holder::{
     ensure_released, mounts_everywhere_of, name_holders,
 };
 pub use loopdev::{
-    AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,
+    AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach, dio_block_size,
     find_all_by_backing, find_by_backing, list_loops, loop_status, refresh_capacity,
 };
 pub use mount::{
