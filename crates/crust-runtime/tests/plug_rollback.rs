@@ -95,7 +95,11 @@ async fn plug_with(
     name: &str,
     disk: &LoopDisk,
     stuck: bool,
-) -> (Attachments, Result<bool, VolumeError>, Seen) {
+) -> (
+    Attachments,
+    Result<Option<crust_qmp::BlockIo>, VolumeError>,
+    Seen,
+) {
     let sock = dir.join(format!("{name}.qmp"));
     let seen = fake_qmp(sock.clone(), disk.dev().to_path_buf(), stuck);
     let qmp = QmpClient::connect(&sock, Duration::from_secs(5))
