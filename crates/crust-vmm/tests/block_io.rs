@@ -116,10 +116,14 @@ fn mount_req(volume: &str, serial: &str) -> MountVolume {
 /// host page cache gained.
 async fn write_and_measure(g: &Guest, mnt: &str, file: &Path, dev: &Path, mib: u64) -> (u64, u64) {
     let (f0, d0) = (cached(file), cached(dev));
-    g.sh(&format!(
-        "dd if=/dev/zero of={mnt}/big bs=1M count={mib} conv=fsync 2>/dev/null"
-    ))
-    .await;
+    // Long runs (1 GiB under TCG) outlast `Guest::sh`'s minute.
+    let dd = format!("dd if=/dev/zero of={mnt}/big bs=1M count={mib} conv=fsync");
+    let r = g
+        .agent
+        .exec(&["sh", "-c", &dd], Duration::from_secs(900))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, 0, "{dd}: {}{}", r.stdout, r.stderr);
     let (f1, d1) = (cached(file), cached(dev));
     eprintln!(
         "guest wrote {mib} MiB: host page cache +{} KiB of the backing file, +{} KiB of the loop device",
@@ -136,8 +140,8 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     let dir = tempfile::tempdir().unwrap();
     let pool_dir = std::fs::canonicalize(dir.path()).unwrap().join("pool");
     let _loops = PoolLoops(pool_dir.clone());
-    let pool = PoolBackend::open(PoolConfig::new(&pool_dir, 4 * (mib + 64) * MIB)).unwrap();
-    let backing = pool.create("v", (mib + 64) * MIB, 0).unwrap().backing;
+    let pool = PoolBackend::open(PoolConfig::new(&pool_dir, 4 * (2 * mib + 64) * MIB)).unwrap();
+    let backing = pool.create("v", (2 * mib + 64) * MIB, 0).unwrap().backing;
     let dev = pool.attach("v").unwrap();
     mkfs_ext4(&dev);
 
@@ -245,7 +249,7 @@ async fn old_path_page_cache() {
     let file = dir.path().join("old.img");
     std::fs::File::create(&file)
         .unwrap()
-        .set_len((mib + 64) * MIB)
+        .set_len((2 * mib + 64) * MIB)
         .unwrap();
     let lo = LoopGuard::attach(&file, crust_blockdev::AttachOptions::default()).unwrap();
     mkfs_ext4(lo.path());
