@@ -838,10 +838,21 @@ impl QmpClient {
             args["bus"] = json!(bus);
         }
         let queues = match opts.num_queues {
-            Some(n) => n,
-            None => self.max_vcpus().await?,
+            Some(n) => Some(n),
+            // A machine without CPU hot-plug slots: QEMU's default (one
+            // queue per vCPU since QEMU 5.2).
+            None => match self.max_vcpus().await {
+                Ok(n) => Some(n),
+                Err(QmpError::Command { desc, .. }) => {
+                    tracing::debug!("query-hotpluggable-cpus: {desc}");
+                    None
+                }
+                Err(e) => return Err(e),
+            },
         };
-        args["num-queues"] = json!(queues.max(1));
+        if let Some(n) = queues {
+            args["num-queues"] = json!(n.max(1));
+        }
         if opts.block_size != 0 {
             if !(512..=4096).contains(&opts.block_size) || !opts.block_size.is_power_of_two() {
                 return Err(QmpError::InvalidArgument(format!(

@@ -138,8 +138,13 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
         [
             "qmp_capabilities",
             "blockdev-add",
+            // Queues for the VM's vCPUs, the device's own iothread.
+            "query-hotpluggable-cpus",
+            "query-iothreads",
+            "object-add",
             "device_add",
             "device_del",
+            "query-iothreads",
             "blockdev-del"
         ]
     );
