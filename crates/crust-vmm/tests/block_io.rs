@@ -147,6 +147,21 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     let dev = pool.attach("v").unwrap();
     mkfs_ext4(&dev);
 
+    // Before the guest, so that it is dropped after it (also on a panic).
+    let img4k = dir.path().join("4k.img");
+    std::fs::File::create(&img4k)
+        .unwrap()
+        .set_len(16 * MIB)
+        .unwrap();
+    let lo4k = LoopGuard::attach(
+        &img4k,
+        crust_blockdev::AttachOptions {
+            direct_io: true,
+            block_size: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let g = Guest::boot_with("dio", vec![], |c| c.cpus = 2).await;
     let qmp = QmpClient::connect(g.vm.qmp_socket(), T).await.unwrap();
     let io = qmp
@@ -188,20 +203,6 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
 
     // --- a 4 KiB-sector device: the guest sees 4 KiB sectors too (a
     // filesystem it makes mounts on the host); unplug takes the iothread.
-    let img4k = dir.path().join("4k.img");
-    std::fs::File::create(&img4k)
-        .unwrap()
-        .set_len(16 * MIB)
-        .unwrap();
-    let lo4k = LoopGuard::attach(
-        &img4k,
-        crust_blockdev::AttachOptions {
-            direct_io: true,
-            block_size: 4096,
-            ..Default::default()
-        },
-    )
-    .unwrap();
     qmp.blockdev_add_file("n4k", lo4k.path(), false)
         .await
         .unwrap();
