@@ -3,7 +3,7 @@
 //! Layout of the pool directory (mode 0700):
 //!
 //! ```text
-//! <dir>/index.json        volume id -> {file, size_bytes, made}; the source of truth
+//! <dir>/index.json        volume id -> {file, size_bytes, made, block_size}; the source of truth
 //! <dir>/<name>.img        one sparse file per volume (mode 0600)
 //! <dir>/quarantine/       orphaned files that hold data (never deleted by crust)
 //! <dir>/.lock             flock held while a PoolBackend is open
@@ -136,6 +136,21 @@ struct Entry {
     /// plugin's own record of the volume's content source decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     made: Option<Made>,
+    /// Logical block size of its loop device, fixed when the volume is
+    /// made (a filesystem mounts only on the sector size it was made on).
+    /// `None` in entries written before it was recorded: those were
+    /// always attached with 512-byte sectors, so they keep 512.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    block_size: Option<u32>,
+}
+
+/// Sector size of volumes made before the pool recorded one.
+const LEGACY_BLOCK_SIZE: u32 = 512;
+
+impl Entry {
+    fn block_size(&self) -> u32 {
+        self.block_size.unwrap_or(LEGACY_BLOCK_SIZE)
+    }
 }
 
 /// How a volume's file was made.
@@ -162,6 +177,10 @@ struct SnapEntry {
     /// Being copied; never reported (see [`PoolBackend::reconcile`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pending: bool,
+    /// The source volume's block size, which volumes restored from this
+    /// snapshot keep (`None`: 512, as for [`Entry::block_size`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    block_size: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -632,34 +651,42 @@ impl Backend for PoolBackend {
         };
         let path = self.dir.join(&name);
         let deferred = self.config.index_sync == IndexSync::Deferred;
-        let written = (|| -> std::io::Result<()> {
+        let written = (|| -> std::io::Result<u32> {
             let f = OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .open(&path)?;
             f.set_len(size_bytes)?;
+            let block_size = crust_blockdev::dio_block_size(&path)?;
             // Deferred: nothing is in the file; the index write before
             // its first attach makes it durable (module docs).
-            if deferred { Ok(()) } else { f.sync_all() }
+            if !deferred {
+                f.sync_all()?;
+            }
+            Ok(block_size)
         })();
         let mut st = lock(&self.state);
         st.reserved -= size_bytes;
-        if let Err(e) = written {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                return Err(BackendError::Device(format!(
-                    "{} already exists but no volume owns it; refusing to reuse it (move it away)",
-                    path.display()
-                )));
+        let block_size = match written {
+            Ok(b) => b,
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    return Err(BackendError::Device(format!(
+                        "{} already exists but no volume owns it; refusing to reuse it (move it away)",
+                        path.display()
+                    )));
+                }
+                let _ = std::fs::remove_file(&path);
+                return Err(io_err(&path)(e));
             }
-            let _ = std::fs::remove_file(&path);
-            return Err(io_err(&path)(e));
-        }
+        };
         let entry = Entry {
             file: name,
             size_bytes,
             pending: false,
             made: Some(Made::Empty),
+            block_size: Some(block_size),
         };
         st.index.volumes.insert(volume_id.to_owned(), entry.clone());
         let synced = if deferred {
@@ -821,9 +848,26 @@ impl Backend for PoolBackend {
             }
             return Ok(dev);
         }
-        let info = LoopDevice::attach(&path, AttachOptions::default()).map_err(loop_err)?;
+        let opts = AttachOptions {
+            read_only: false,
+            direct_io: true,
+            block_size: entry.block_size(),
+        };
+        let info = LoopDevice::attach(&path, opts).map_err(loop_err)?;
         self.loops.add(&path, &info.path)?;
-        tracing::info!(volume = %volume_id, device = %info.path.display(), "pool volume attached");
+        // The kernel keeps the page cache when the backing filesystem
+        // cannot do direct I/O at this sector size: works, but say so.
+        let direct_io = crust_blockdev::loop_status(&info.path)
+            .map(|s| s.is_some_and(|s| s.direct_io))
+            .unwrap_or(false);
+        if direct_io {
+            tracing::info!(volume = %volume_id, device = %info.path.display(),
+                block_size = opts.block_size, "pool volume attached with direct I/O");
+        } else {
+            tracing::warn!(volume = %volume_id, device = %info.path.display(),
+                block_size = opts.block_size,
+                "pool volume attached with buffered I/O: the kernel refused direct I/O to its backing file");
+        }
         Ok(info.path)
     }
 
@@ -1040,6 +1084,7 @@ impl Backend for PoolBackend {
                     method: String::new(),
                     group_id: group.map(str::to_owned),
                     pending: true,
+                    block_size: Some(src.block_size()),
                 },
             );
             st.reserved += estimate;
@@ -1149,7 +1194,8 @@ impl Backend for PoolBackend {
                     })
                 };
             }
-            let (src_path, src_size) = match source {
+            // A copy keeps its source's sectors: its filesystem was made on them.
+            let (src_path, src_size, block_size) = match source {
                 ContentSource::Snapshot(id) => {
                     let e = st
                         .index
@@ -1157,7 +1203,11 @@ impl Backend for PoolBackend {
                         .get(id)
                         .filter(|e| !e.pending)
                         .ok_or_else(|| BackendError::SnapshotNotFound(id.clone()))?;
-                    (self.snapshots_dir().join(&e.file), e.size_bytes)
+                    (
+                        self.snapshots_dir().join(&e.file),
+                        e.size_bytes,
+                        e.block_size.unwrap_or(LEGACY_BLOCK_SIZE),
+                    )
                 }
                 ContentSource::Volume(id) => {
                     let e = st
@@ -1166,7 +1216,7 @@ impl Backend for PoolBackend {
                         .get(id)
                         .filter(|e| !e.pending)
                         .ok_or_else(|| BackendError::NotFound(id.clone()))?;
-                    (self.dir.join(&e.file), e.size_bytes)
+                    (self.dir.join(&e.file), e.size_bytes, e.block_size())
                 }
             };
             if size_bytes < src_size {
@@ -1183,6 +1233,7 @@ impl Backend for PoolBackend {
                     size_bytes,
                     pending: true,
                     made: Some(Made::Copy),
+                    block_size: Some(block_size),
                 },
             );
             st.reserved += size_bytes;

@@ -313,6 +313,17 @@ pub fn sysfs_name(path: &Path) -> Result<String, DeviceError> {
     sysfs_name_of(major, minor).map_err(|e| DeviceError::io(path, e))
 }
 
+/// Logical sector size of block device `path`
+/// (`/sys/dev/block/MAJ:MIN/queue/logical_block_size`).
+pub fn logical_block_size(path: &Path) -> Result<u32, DeviceError> {
+    let (major, minor) = device_major_minor(path)?;
+    let f = format!("/sys/dev/block/{major}:{minor}/queue/logical_block_size");
+    let s = std::fs::read_to_string(&f).map_err(|e| DeviceError::io(path, e))?;
+    s.trim()
+        .parse()
+        .map_err(|_| DeviceError::io(path, io::Error::other(format!("{f}: {s:?}"))))
+}
+
 pub(crate) fn sysfs_name_of(major: u32, minor: u32) -> io::Result<String> {
     let link = std::fs::read_link(format!("/sys/dev/block/{major}:{minor}"))?;
     link.file_name()

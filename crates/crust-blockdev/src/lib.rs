@@ -65,8 +65,8 @@ pub use alias::{ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliase
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
-    is_block_device, is_device_held_exclusively, is_device_in_use, set_read_only, sysfs_name,
-    wipe_edges, zero_out_fast,
+    is_block_device, is_device_held_exclusively, is_device_in_use, logical_block_size,
+    set_read_only, sysfs_name, wipe_edges, zero_out_fast,
 };
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
@@ -83,7 +83,7 @@ pub use holder::{
     ensure_released, mounts_everywhere_of, name_holders,
 };
 pub use loopdev::{
-    AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach,
+    AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach, dio_block_size,
     find_all_by_backing, find_by_backing, list_loops, loop_status, refresh_capacity,
 };
 pub use mount::{

@@ -79,6 +79,12 @@ pub struct AttachOptions {
     /// caching). The kernel may silently fall back to buffered I/O when the
     /// backing filesystem cannot do it; [`LoopStatus::direct_io`] tells.
     pub direct_io: bool,
+    /// Logical block size of the device (512..=4096, a power of two);
+    /// 0 lets the kernel choose, which with direct I/O is the backing
+    /// file's DIO alignment on newer kernels. A filesystem only mounts on
+    /// the sector size it was made for: callers that re-attach a file
+    /// must pass the size it was first attached with.
+    pub block_size: u32,
 }
 
 /// A freshly attached loop device.
@@ -106,6 +112,8 @@ pub struct LoopStatus {
     pub read_only: bool,
     pub autoclear: bool,
     pub direct_io: bool,
+    /// Logical block size (`queue/logical_block_size`).
+    pub block_size: u32,
     /// Current device size in bytes.
     pub size_bytes: u64,
     /// The kernel's disk sequence number (`/sys/block/loopN/diskseq`,
@@ -184,6 +192,25 @@ impl LoopDevice {
     }
 }
 
+/// The logical block size a loop device over `backing` needs for direct
+/// I/O: the file's DIO offset alignment (`statx` `STATX_DIOALIGN`, Linux
+/// 6.1+), at least 512 and at most 4096; 512 when the filesystem reports
+/// none (then it cannot do direct I/O at all and the size does not matter).
+pub fn dio_block_size(backing: &Path) -> io::Result<u32> {
+    let st = rustix::fs::statx(
+        rustix::fs::CWD,
+        backing,
+        rustix::fs::AtFlags::empty(),
+        rustix::fs::StatxFlags::DIOALIGN,
+    )?;
+    let align = if st.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 {
+        st.stx_dio_offset_align
+    } else {
+        0
+    };
+    Ok(align.clamp(512, 4096).next_power_of_two())
+}
+
 fn zeroed_info() -> ld::loop_info64 {
     // SAFETY: plain integer/array struct; all-zero is valid.
     unsafe { std::mem::zeroed() }
@@ -207,6 +234,7 @@ fn configure(dev: &OwnedFd, file: &OwnedFd, name: &Path, opts: AttachOptions) ->
     // SAFETY: zeroed loop_config is valid; fields set below.
     let mut cfg: ld::loop_config = unsafe { std::mem::zeroed() };
     cfg.fd = file.as_raw_fd() as u32;
+    cfg.block_size = opts.block_size;
     cfg.info = info;
     // SAFETY: LOOP_CONFIGURE takes a struct loop_config.
     match unsafe { sys::ioctl_ptr(dev, ld::LOOP_CONFIGURE, &mut cfg) } {
@@ -233,6 +261,12 @@ fn configure_legacy(
     info.lo_flags = 0;
     // SAFETY: LOOP_SET_STATUS64 takes a struct loop_info64.
     if let Err(e) = unsafe { sys::ioctl_ptr(dev, ld::LOOP_SET_STATUS64, &mut info) } {
+        let _ = sys::ioctl_int(dev, ld::LOOP_CLR_FD, 0);
+        return Err(e);
+    }
+    if opts.block_size != 0
+        && let Err(e) = sys::ioctl_int(dev, ld::LOOP_SET_BLOCK_SIZE, opts.block_size as usize)
+    {
         let _ = sys::ioctl_int(dev, ld::LOOP_CLR_FD, 0);
         return Err(e);
     }
@@ -294,6 +328,10 @@ fn status_by_name(name: &str) -> Result<Option<LoopStatus>, LoopError> {
         read_only: sysfs_flag(&base.join("ro")),
         autoclear: sysfs_flag(&base.join("loop/autoclear")),
         direct_io: sysfs_flag(&base.join("loop/dio")),
+        block_size: sysfs_read(&base.join("queue/logical_block_size"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(512),
         size_bytes: sectors * 512,
         diskseq: sysfs_read(&base.join("diskseq"))
             .ok()

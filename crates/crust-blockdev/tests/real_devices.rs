@@ -170,7 +170,7 @@ fn read_only_attach_refuses_writes() {
         &img,
         AttachOptions {
             read_only: true,
-            direct_io: false,
+            ..AttachOptions::default()
         },
     )
     .unwrap();
@@ -190,8 +190,8 @@ fn direct_io_attach_reports_dio() {
     let guard = LoopGuard::attach(
         &img,
         AttachOptions {
-            read_only: false,
             direct_io: true,
+            ..AttachOptions::default()
         },
     )
     .unwrap();

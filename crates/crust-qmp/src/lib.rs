@@ -9,8 +9,12 @@
 //!
 //! Block device scheme used by the typed helpers: ONE protocol node per
 //! volume (`driver` = `host_device` for block devices, `file` for regular
-//! files; `cache.direct=false`, `aio=threads`, `discard=unmap`), attached
-//! directly to a `virtio-blk-pci` device. No `raw` format node on top: the
+//! files; `cache.direct` and `aio` as [`BlockIo`] chooses, `discard=unmap`),
+//! attached directly to a `virtio-blk-pci` device with one queue per vCPU
+//! the VM can have and an iothread of its own (`iothread-<device id>`: the
+//! device's I/O is served off QEMU's main loop, and one busy volume does
+//! not stall another's; QEMU 7.2 runs all of a device's queues in its one
+//! iothread). No `raw` format node on top: the
 //! volumes are raw already, a format layer would add nothing but a second
 //! node to name and delete, and `block_resize` works on the protocol node.
 //!
@@ -35,7 +39,10 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+mod blockio;
 mod types;
+pub use blockio::{Aio, BlockIo, host_engines};
+
 pub use types::{BlockInfo, BlockNode, PciDevice, QemuVersion, QmpEvent, VmStatus};
 
 /// Longest device id accepted (QEMU itself has no hard limit; we keep ids sane).
@@ -103,6 +110,10 @@ struct State {
     events: Option<broadcast::Sender<QmpEvent>>,
     /// Block nodes this client opened from an fd set, and the set's id.
     fdsets: HashMap<String, u64>,
+    /// How this client opened each block node.
+    opened: HashMap<String, BlockIo>,
+    /// `query-hotpluggable-cpus`' count, asked once.
+    max_vcpus: Option<u16>,
 }
 
 struct Shared {
@@ -568,7 +579,8 @@ impl QmpClient {
 
     /// Opens `path` in QEMU as block node `node_name` (see the crate docs
     /// for the node scheme). `path` must be absolute and name a block device
-    /// (driver `host_device`) or a regular file (driver `file`).
+    /// (driver `host_device`) or a regular file (driver `file`). Returns how
+    /// QEMU opened it ([`BlockIo`]).
     ///
     /// Idempotent: if the node already exists on the same file with the same
     /// read-only flag this succeeds; any other clash is QEMU's error.
@@ -577,7 +589,7 @@ impl QmpClient {
         node_name: &str,
         path: &Path,
         readonly: bool,
-    ) -> Result<(), QmpError> {
+    ) -> Result<BlockIo, QmpError> {
         validate_node_name(node_name)?;
         let driver = file_driver(path).await?;
         let file = path
@@ -588,21 +600,90 @@ impl QmpClient {
             "node-name": node_name,
             "filename": file,
             "read-only": readonly,
-            "cache": { "direct": false, "no-flush": false },
-            "aio": "threads",
             // Guest discards punch holes: sparse volumes stay sparse.
             "discard": "unmap",
         });
-        match self.execute("blockdev-add", args).await {
+        match self.blockdev_add_best(node_name, args, None).await {
             Err(err @ QmpError::Command { .. }) => {
-                let same =
-                    self.query_named_block_nodes().await?.into_iter().any(|n| {
-                        n.node_name == node_name && n.file == file && n.read_only == readonly
-                    });
-                if same { Ok(()) } else { Err(err) }
+                let same = self.query_named_block_nodes().await?.into_iter().find(|n| {
+                    n.node_name == node_name && n.file == file && n.read_only == readonly
+                });
+                match same {
+                    Some(n) => Ok(self.opened_with(&n)),
+                    None => Err(err),
+                }
             }
-            other => other.map(drop),
+            other => other,
         }
+    }
+
+    /// `blockdev-add` of `args` with the first of [`BlockIo::candidates`]
+    /// QEMU accepts: its refusal of one (an engine it lacks, O_DIRECT on a
+    /// filesystem without it) moves on to the next; the last refusal is
+    /// the answer. `fd`, the descriptor in the node's fd set, gets the
+    /// O_DIRECT flag of each try (QEMU up to 9.0 sets it on the shared
+    /// file description itself, later ones pick only a descriptor that
+    /// already matches).
+    async fn blockdev_add_best(
+        &self,
+        node_name: &str,
+        args: Value,
+        fd: Option<&OwnedFd>,
+    ) -> Result<BlockIo, QmpError> {
+        let candidates = BlockIo::candidates();
+        let mut refused: Option<QmpError> = None;
+        for io in &candidates {
+            if let Some(fd) = fd
+                && let Err(e) = set_direct(fd, io.direct)
+            {
+                tracing::debug!(
+                    node = node_name,
+                    "O_DIRECT={} on its descriptor: {e}",
+                    io.direct
+                );
+                continue;
+            }
+            let mut a = args.clone();
+            io.apply(&mut a);
+            match self.execute("blockdev-add", a).await {
+                Ok(_) => {
+                    if io != &candidates[0] {
+                        tracing::warn!(
+                            node = node_name,
+                            "QEMU opened it with {io} ({} refused: {})",
+                            candidates[0],
+                            refused
+                                .as_ref()
+                                .map(ToString::to_string)
+                                .unwrap_or_default()
+                        );
+                    } else {
+                        tracing::debug!(node = node_name, "opened with {io}");
+                    }
+                    self.shared.lock().opened.insert(node_name.to_string(), *io);
+                    return Ok(*io);
+                }
+                Err(e @ QmpError::Command { .. }) => refused = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(refused.unwrap_or_else(|| {
+            QmpError::InvalidArgument(format!("no way to open {node_name} was accepted"))
+        }))
+    }
+
+    /// How an existing node was opened: as recorded by this client, else
+    /// what QEMU reports (not its engine).
+    fn opened_with(&self, node: &BlockNode) -> BlockIo {
+        self.shared
+            .lock()
+            .opened
+            .get(&node.node_name)
+            .copied()
+            .unwrap_or(BlockIo {
+                direct: node.direct,
+                aio: Aio::Unknown,
+            })
     }
 
     /// Opens the device behind `fd` (a block device or a regular file the
@@ -610,7 +691,8 @@ impl QmpClient {
     /// ever resolving a path: the descriptor goes into a new fd set
     /// (`add-fd`, tagged with the node name) and the node is opened from
     /// `/dev/fdset/<id>`. `fd`'s access mode must match `readonly` (QEMU
-    /// picks from the set by it). The set lives until [`blockdev_del`]
+    /// picks from the set by it); its O_DIRECT flag is set to match the
+    /// cache mode chosen. The set lives until [`blockdev_del`]
     /// (QEMU may reopen the node from it).
     ///
     /// Idempotent: a node of that name already opened from an fd set
@@ -622,7 +704,7 @@ impl QmpClient {
         node_name: &str,
         fd: OwnedFd,
         readonly: bool,
-    ) -> Result<(), QmpError> {
+    ) -> Result<BlockIo, QmpError> {
         validate_node_name(node_name)?;
         let st = rustix::fs::fstat(&fd)
             .map_err(|e| QmpError::InvalidArgument(format!("descriptor for {node_name}: {e}")))?;
@@ -645,14 +727,19 @@ impl QmpClient {
                 if readonly { "read-only" } else { "read-write" }
             )));
         }
-        if self
+        if let Some(n) = self
             .query_named_block_nodes()
             .await?
-            .iter()
-            .any(|n| n.node_name == node_name && n.file.starts_with(FDSET_PREFIX))
+            .into_iter()
+            .find(|n| n.node_name == node_name && n.file.starts_with(FDSET_PREFIX))
         {
-            return Ok(());
+            return Ok(self.opened_with(&n));
         }
+        // Shares the file description QEMU gets: its status flags are set
+        // through this copy.
+        let ours = fd
+            .try_clone()
+            .map_err(|e| QmpError::io("duplicating a volume descriptor", e))?;
         let added = self
             .execute_with_fd("add-fd", json!({ "opaque": fdset_tag(node_name) }), fd)
             .await?;
@@ -665,16 +752,18 @@ impl QmpClient {
             "node-name": node_name,
             "filename": format!("{FDSET_PREFIX}{set}"),
             "read-only": readonly,
-            "cache": { "direct": false, "no-flush": false },
-            "aio": "threads",
             "discard": "unmap",
         });
-        if let Err(e) = self.execute("blockdev-add", args).await {
-            let _ = self.execute("remove-fd", json!({ "fdset-id": set })).await;
-            return Err(e);
+        match self.blockdev_add_best(node_name, args, Some(&ours)).await {
+            Ok(io) => {
+                self.shared.lock().fdsets.insert(node_name.to_string(), set);
+                Ok(io)
+            }
+            Err(e) => {
+                let _ = self.execute("remove-fd", json!({ "fdset-id": set })).await;
+                Err(e)
+            }
         }
-        self.shared.lock().fdsets.insert(node_name.to_string(), set);
-        Ok(())
     }
 
     /// Removes block node `node_name`. Succeeds if it does not exist.
@@ -700,6 +789,7 @@ impl QmpClient {
                 other?;
             }
         }
+        self.shared.lock().opened.remove(node_name);
         self.remove_fdsets(node_name).await
     }
 
@@ -722,6 +812,8 @@ impl QmpClient {
     /// The guest sees `serial` in `/sys/block/vd*/serial` (and udev's
     /// `/dev/disk/by-id/virtio-<serial>`). `bus` is the id of a free PCIe
     /// root port (q35 cannot hot-plug onto `pcie.0`); `None` lets QEMU pick.
+    /// The device gets [`VirtioBlkOptions`]: queues for every vCPU the VM
+    /// can have, its own iothread, the host device's sector size.
     ///
     /// Idempotent: succeeds if device `id` already exists on `node_name`.
     pub async fn device_add_virtio_blk(
@@ -730,6 +822,7 @@ impl QmpClient {
         node_name: &str,
         serial: &str,
         bus: Option<&str>,
+        opts: &VirtioBlkOptions,
     ) -> Result<(), QmpError> {
         validate_id(id)?;
         validate_node_name(node_name)?;
@@ -744,7 +837,38 @@ impl QmpClient {
             validate_id(bus)?;
             args["bus"] = json!(bus);
         }
-        match self.execute("device_add", args).await {
+        let queues = match opts.num_queues {
+            Some(n) => Some(n),
+            // A machine without CPU hot-plug slots: QEMU's default (one
+            // queue per vCPU since QEMU 5.2).
+            None => match self.max_vcpus().await {
+                Ok(n) => Some(n),
+                Err(QmpError::Command { desc, .. }) => {
+                    tracing::debug!("query-hotpluggable-cpus: {desc}");
+                    None
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        if let Some(n) = queues {
+            args["num-queues"] = json!(n.max(1));
+        }
+        if opts.block_size != 0 {
+            if !(512..=4096).contains(&opts.block_size) || !opts.block_size.is_power_of_two() {
+                return Err(QmpError::InvalidArgument(format!(
+                    "block size {} of {id}: a power of two from 512 to 4096",
+                    opts.block_size
+                )));
+            }
+            args["logical_block_size"] = json!(opts.block_size);
+            args["physical_block_size"] = json!(opts.block_size);
+        }
+        let iothread = iothread_id(id);
+        if opts.iothread {
+            self.add_iothread(&iothread).await?;
+            args["iothread"] = json!(iothread);
+        }
+        let res = match self.execute("device_add", args).await {
             Err(err @ QmpError::Command { .. }) => {
                 let same = self.query_block().await?.iter().any(|b| {
                     b.is_device(id)
@@ -755,11 +879,57 @@ impl QmpClient {
                 if same { Ok(()) } else { Err(err) }
             }
             other => other.map(drop),
+        };
+        if res.is_err() && opts.iothread {
+            let _ = self.del_iothread(&iothread).await;
         }
+        res
+    }
+
+    /// How many vCPUs the VM can have (`query-hotpluggable-cpus`: every
+    /// slot, plugged or not); asked once per client.
+    pub async fn max_vcpus(&self) -> Result<u16, QmpError> {
+        if let Some(n) = self.shared.lock().max_vcpus {
+            return Ok(n);
+        }
+        let cpus = self.execute("query-hotpluggable-cpus", Value::Null).await?;
+        let n = cpus.as_array().map_or(1, |a| a.len().clamp(1, 1024) as u16);
+        self.shared.lock().max_vcpus = Some(n);
+        Ok(n)
+    }
+
+    /// Ids of the VM's iothreads (`query-iothreads`).
+    pub async fn query_iothreads(&self) -> Result<Vec<String>, QmpError> {
+        let v = self.execute("query-iothreads", Value::Null).await?;
+        Ok(v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.get("id").and_then(Value::as_str).map(str::to_owned))
+            .collect())
+    }
+
+    async fn add_iothread(&self, id: &str) -> Result<(), QmpError> {
+        if self.query_iothreads().await?.iter().any(|t| t == id) {
+            return Ok(());
+        }
+        self.execute("object-add", json!({ "qom-type": "iothread", "id": id }))
+            .await
+            .map(drop)
+    }
+
+    /// Deletes iothread `id`; gone already is fine.
+    async fn del_iothread(&self, id: &str) -> Result<(), QmpError> {
+        if !self.query_iothreads().await?.iter().any(|t| t == id) {
+            return Ok(());
+        }
+        self.execute("object-del", json!({ "id": id }))
+            .await
+            .map(drop)
     }
 
     /// Asks QEMU to unplug device `id` and waits up to `timeout` for its
-    /// `DEVICE_DELETED` event. Succeeds at once if no such device exists.
+    /// `DEVICE_DELETED` event, then deletes its iothread, if it has one.
+    /// Succeeds at once if no such device exists.
     ///
     /// PCI unplug needs the guest's cooperation: QEMU presses the slot's
     /// attention button and only removes the device once the guest OS
@@ -773,7 +943,9 @@ impl QmpClient {
         // Subscribe first: the event may beat the command's reply.
         let mut rx = self.events();
         match self.execute("device_del", json!({ "id": id })).await {
-            Err(QmpError::Command { class, .. }) if class == "DeviceNotFound" => return Ok(()),
+            Err(QmpError::Command { class, .. }) if class == "DeviceNotFound" => {
+                return self.del_iothread(&iothread_id(id)).await;
+            }
             // QEMU's wording since 6.2; an earlier request is still pending.
             Err(QmpError::Command { desc, .. }) if desc.contains("in the process of unplug") => {
                 Value::Null
@@ -789,8 +961,8 @@ impl QmpClient {
                     after,
                 },
                 e => e,
-            })
-            .map(drop)
+            })?;
+        self.del_iothread(&iothread_id(id)).await
     }
 
     /// Sets the size of node `node_name` to `size` bytes and tells the
@@ -895,6 +1067,45 @@ fn parse_greeting(line: &[u8]) -> Result<QemuVersion, QmpError> {
 
 /// How QEMU names a file in an fd set.
 const FDSET_PREFIX: &str = "/dev/fdset/";
+
+/// The iothread of device `id`.
+fn iothread_id(id: &str) -> String {
+    format!("iothread-{id}")
+}
+
+/// Sets or clears O_DIRECT on `fd`'s file description.
+fn set_direct(fd: &OwnedFd, direct: bool) -> rustix::io::Result<()> {
+    use rustix::fs::OFlags;
+    let mut fl = rustix::fs::fcntl_getfl(fd)?;
+    fl.set(OFlags::DIRECT, direct);
+    rustix::fs::fcntl_setfl(fd, fl)
+}
+
+/// How a `virtio-blk-pci` device is set up
+/// ([`QmpClient::device_add_virtio_blk`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VirtioBlkOptions {
+    /// `num-queues`; `None`: one per vCPU the VM can have
+    /// ([`QmpClient::max_vcpus`]).
+    pub num_queues: Option<u16>,
+    /// An iothread of its own (`iothread-<id>`), created with the device
+    /// and deleted after it.
+    pub iothread: bool,
+    /// Logical and physical sector size the guest sees; 0: QEMU's 512.
+    /// Pass the host device's, so a filesystem the guest makes mounts on
+    /// the host too.
+    pub block_size: u32,
+}
+
+impl Default for VirtioBlkOptions {
+    fn default() -> Self {
+        VirtioBlkOptions {
+            num_queues: None,
+            iothread: true,
+            block_size: 0,
+        }
+    }
+}
 
 /// The `opaque` tag of the fd set made for block node `node_name`.
 fn fdset_tag(node_name: &str) -> String {

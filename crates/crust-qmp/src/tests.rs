@@ -316,19 +316,35 @@ async fn invalid_arguments_are_rejected_before_sending() {
     let file = std::env::current_exe().unwrap();
     let bad = [
         qmp.blockdev_add_file("0starts-with-digit", &file, false)
-            .await,
+            .await
+            .map(drop),
         qmp.blockdev_add_file("ok", Path::new("relative/path"), false)
-            .await,
+            .await
+            .map(drop),
         qmp.blockdev_add_file("ok", Path::new("/dev/null"), false)
-            .await,
+            .await
+            .map(drop),
         qmp.blockdev_add_file("ok", Path::new("/nonexistent/x"), false)
+            .await
+            .map(drop),
+        qmp.device_add_virtio_blk("vd0", "has space", "s", None, &VirtioBlkOptions::default())
             .await,
-        qmp.device_add_virtio_blk("vd0", "has space", "s", None)
-            .await,
-        qmp.device_add_virtio_blk("vd0", "n0", "serial-longer-than-20b", None)
-            .await,
-        qmp.device_add_virtio_blk("vd0", "n0", "s", Some("bus,x=y"))
-            .await,
+        qmp.device_add_virtio_blk(
+            "vd0",
+            "n0",
+            "serial-longer-than-20b",
+            None,
+            &VirtioBlkOptions::default(),
+        )
+        .await,
+        qmp.device_add_virtio_blk(
+            "vd0",
+            "n0",
+            "s",
+            Some("bus,x=y"),
+            &VirtioBlkOptions::default(),
+        )
+        .await,
         qmp.device_del("id/with/slash", T).await,
         qmp.blockdev_del(&"n".repeat(32)).await,
         qmp.block_resize("n0", 0).await,
@@ -406,10 +422,18 @@ async fn device_del_waits_for_its_own_event() {
             "data": {"device": "vd1", "path": "/machine/peripheral/vd1"}}))
             .await;
         f.reply(&cmd, json!({})).await;
+        // Then its iothread, if it has one, goes.
+        let cmd = f.recv_cmd("query-iothreads").await;
+        f.reply(&cmd, json!([{"id": "iothread-vd9"}])).await;
         let cmd = f.recv_cmd("device_del").await;
         f.send(json!({"id": cmd["id"], "error": {"class": "DeviceNotFound",
             "desc": "Device 'vd1' not found"}}))
             .await;
+        let cmd = f.recv_cmd("query-iothreads").await;
+        f.reply(&cmd, json!([{"id": "iothread-vd1"}])).await;
+        let cmd = f.recv_cmd("object-del").await;
+        assert_eq!(cmd["arguments"], json!({"id": "iothread-vd1"}));
+        f.reply(&cmd, json!({})).await;
         let cmd = f.recv_cmd("device_del").await;
         f.reply(&cmd, json!({})).await;
         // A retry while the unplug is pending: keep waiting for the event.
@@ -419,6 +443,8 @@ async fn device_del_waits_for_its_own_event() {
             .await;
         f.send(json!({"event": "DEVICE_DELETED", "data": {"device": "vd3"}}))
             .await;
+        let cmd = f.recv_cmd("query-iothreads").await;
+        f.reply(&cmd, json!([])).await;
         let cmd = f.recv_cmd("device_del").await;
         f.send(json!({"id": cmd["id"], "error": {"class": "GenericError",
             "desc": "Bus 'pcie.0' does not support hotplugging"}}))
@@ -471,4 +497,43 @@ fn id_rules() {
     for bad in ["", "has space", "ü", &"s".repeat(MAX_SERIAL_LEN + 1)] {
         assert!(validate_serial(bad).is_err(), "{bad:?}");
     }
+}
+
+/// QEMU refusing the best way to open a volume (an engine it lacks, or
+/// O_DIRECT on a file system without it) moves on to the next one; every
+/// try keeps guest flushes (`no-flush=off`) and discards.
+#[tokio::test]
+async fn a_refused_io_mode_moves_on_to_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let candidates = BlockIo::candidates();
+    let (path, server) = fake(&dir, |mut f| async move {
+        f.greet().await;
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let cmd = f.recv_cmd("blockdev-add").await;
+            let a = &cmd["arguments"];
+            assert_eq!(a["cache"]["no-flush"], false, "{a}");
+            assert_eq!(a["discard"], "unmap", "{a}");
+            seen.push((a["cache"]["direct"].clone(), a["aio"].clone()));
+            if seen.len() == 1 {
+                f.send(json!({"id": cmd["id"], "error": {"class": "GenericError",
+                    "desc": "Unable to use io_uring: failed to init linux io_uring ring"}}))
+                    .await;
+            } else {
+                f.reply(&cmd, json!({})).await;
+            }
+        }
+        let want: Vec<_> = BlockIo::candidates()[..2]
+            .iter()
+            .map(|c| (json!(c.direct), json!(c.aio.as_str())))
+            .collect();
+        assert_eq!(seen, want);
+        f.recv().await;
+    });
+    let qmp = QmpClient::connect(&path, T).await.unwrap();
+    let file = std::env::current_exe().unwrap();
+    let io = qmp.blockdev_add_file("n0", &file, false).await.unwrap();
+    assert_eq!(io, candidates[1]);
+    drop(qmp);
+    server.await.unwrap();
 }

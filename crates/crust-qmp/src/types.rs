@@ -59,6 +59,8 @@ pub struct BlockNode {
     /// Block driver: `file`, `host_device`, `raw`, ...
     pub driver: String,
     pub read_only: bool,
+    /// Opened with `cache.direct=on` (O_DIRECT: no host page cache).
+    pub direct: bool,
 }
 
 /// A block backend (from `query-block`): what a guest device is attached to.
@@ -118,6 +120,13 @@ pub(crate) struct RawNode {
     #[serde(default)]
     ro: bool,
     image: Option<RawImage>,
+    cache: Option<RawCache>,
+}
+
+#[derive(Deserialize)]
+struct RawCache {
+    #[serde(default)]
+    direct: bool,
 }
 
 #[derive(Deserialize)]
@@ -134,6 +143,7 @@ impl From<RawNode> for BlockNode {
             size: raw.image.map_or(0, |i| i.virtual_size),
             driver: raw.drv,
             read_only: raw.ro,
+            direct: raw.cache.is_some_and(|c| c.direct),
         }
     }
 }

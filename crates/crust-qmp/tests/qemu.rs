@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crust_qmp::{QmpClient, QmpError};
+use crust_qmp::{BlockIo, QmpClient, QmpError};
 use crust_testkit::{ChildGuard, LoopDisk, VmSlot};
 use serde_json::Value;
 use tempfile::TempDir;
@@ -31,7 +31,16 @@ impl Qemu {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("qmp.sock");
         let child = Command::new("qemu-system-x86_64")
-            .args(["-M", "q35", "-accel", "tcg", "-m", "64"])
+            .args([
+                "-M",
+                "q35",
+                "-accel",
+                "tcg",
+                "-m",
+                "64",
+                "-smp",
+                "1,maxcpus=3",
+            ])
             .args(["-nodefaults", "-display", "none", "-S"])
             .arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", sock.display()))
@@ -101,29 +110,71 @@ async fn file_volume_hotplug_resize_and_quit() {
     let img = vm.sparse_file("vol0.img", 64 * MIB);
     let other = vm.sparse_file("other.img", 8 * MIB);
 
-    qmp.blockdev_add_file("vol0", &img, false).await.unwrap();
+    let io = qmp.blockdev_add_file("vol0", &img, false).await.unwrap();
+    // O_DIRECT with the kernel's best engine (io_uring here), which
+    // QEMU took.
+    let best = BlockIo {
+        direct: true,
+        aio: crust_qmp::host_engines()[0],
+    };
+    assert_eq!(io, best);
     let nodes = qmp.query_named_block_nodes().await.unwrap();
     assert_eq!(nodes.len(), 1, "{nodes:?}");
     assert_eq!(nodes[0].node_name, "vol0");
     assert_eq!(nodes[0].driver, "file");
+    assert!(nodes[0].direct, "{nodes:?}");
     assert_eq!(Path::new(&nodes[0].file), img);
     assert_eq!(nodes[0].size, 64 * MIB);
     assert!(!nodes[0].read_only);
 
     // Idempotent re-add; a different file under the same name is refused.
-    qmp.blockdev_add_file("vol0", &img, false).await.unwrap();
+    assert_eq!(
+        qmp.blockdev_add_file("vol0", &img, false).await.unwrap(),
+        best
+    );
     assert_command_error(
-        qmp.blockdev_add_file("vol0", &other, false).await,
+        qmp.blockdev_add_file("vol0", &other, false).await.map(drop),
         &["GenericError"],
     );
     assert_eq!(qmp.query_named_block_nodes().await.unwrap().len(), 1);
 
-    qmp.device_add_virtio_blk("vd0", "vol0", "crust-vol0", Some("rp0"))
+    qmp.device_add_virtio_blk(
+        "vd0",
+        "vol0",
+        "crust-vol0",
+        Some("rp0"),
+        &crust_qmp::VirtioBlkOptions::default(),
+    )
+    .await
+    .unwrap();
+    // A queue per vCPU the VM can have, an iothread of its own.
+    assert_eq!(qmp.max_vcpus().await.unwrap(), 3);
+    let queues = qmp
+        .execute(
+            "qom-get",
+            serde_json::json!({"path": "/machine/peripheral/vd0", "property": "num-queues"}),
+        )
         .await
         .unwrap();
-    qmp.device_add_virtio_blk("vd0", "vol0", "crust-vol0", Some("rp0"))
+    assert_eq!(queues, 3);
+    assert_eq!(qmp.query_iothreads().await.unwrap(), ["iothread-vd0"]);
+    let thread = qmp
+        .execute(
+            "qom-get",
+            serde_json::json!({"path": "/machine/peripheral/vd0", "property": "iothread"}),
+        )
         .await
         .unwrap();
+    assert_eq!(thread, "/objects/iothread-vd0");
+    qmp.device_add_virtio_blk(
+        "vd0",
+        "vol0",
+        "crust-vol0",
+        Some("rp0"),
+        &crust_qmp::VirtioBlkOptions::default(),
+    )
+    .await
+    .unwrap();
     let blocks = qmp.query_block().await.unwrap();
     let vd0 = blocks
         .iter()
@@ -138,8 +189,14 @@ async fn file_volume_hotplug_resize_and_quit() {
     assert_eq!(Path::new(&node.file), img);
     // A second writer on the same node is refused by QEMU's permission model.
     assert_command_error(
-        qmp.device_add_virtio_blk("vd1", "vol0", "crust-vol0b", Some("rp1"))
-            .await,
+        qmp.device_add_virtio_blk(
+            "vd1",
+            "vol0",
+            "crust-vol0b",
+            Some("rp1"),
+            &crust_qmp::VirtioBlkOptions::default(),
+        )
+        .await,
         &["GenericError"],
     );
 
@@ -211,9 +268,15 @@ async fn loop_device_volume_resize() {
     assert_eq!(node.driver, "host_device");
     assert_eq!(Path::new(&node.file), lo.dev());
     assert_eq!(node.size, 32 * MIB);
-    qmp.device_add_virtio_blk("vd0", "lvol", "crust-lvol", Some("rp0"))
-        .await
-        .unwrap();
+    qmp.device_add_virtio_blk(
+        "vd0",
+        "lvol",
+        "crust-lvol",
+        Some("rp0"),
+        &crust_qmp::VirtioBlkOptions::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(attached_size(qmp, "vd0").await, 32 * MIB);
 
     lo.grow(48 * MIB);
@@ -265,13 +328,29 @@ async fn errors_events_and_connection_loss() {
     let img = vm.sparse_file("x.img", MIB);
     let pci_before = qmp.query_pci().await.unwrap();
     for res in [
-        qmp.blockdev_add_file("9lives", &img, false).await,
-        qmp.blockdev_add_file("a,driver=qcow2", &img, false).await,
-        qmp.blockdev_add_file(&"n".repeat(32), &img, false).await,
-        qmp.device_add_virtio_blk("vd 0", "n0", "s", Some("rp0"))
-            .await,
-        qmp.device_add_virtio_blk("vd0", "n0", "s", Some("rp0,addr=3"))
-            .await,
+        qmp.blockdev_add_file("9lives", &img, false).await.map(drop),
+        qmp.blockdev_add_file("a,driver=qcow2", &img, false)
+            .await
+            .map(drop),
+        qmp.blockdev_add_file(&"n".repeat(32), &img, false)
+            .await
+            .map(drop),
+        qmp.device_add_virtio_blk(
+            "vd 0",
+            "n0",
+            "s",
+            Some("rp0"),
+            &crust_qmp::VirtioBlkOptions::default(),
+        )
+        .await,
+        qmp.device_add_virtio_blk(
+            "vd0",
+            "n0",
+            "s",
+            Some("rp0,addr=3"),
+            &crust_qmp::VirtioBlkOptions::default(),
+        )
+        .await,
         qmp.block_resize("-x", MIB).await,
     ] {
         assert!(matches!(res, Err(QmpError::InvalidArgument(_))), "{res:?}");
@@ -305,9 +384,15 @@ async fn errors_events_and_connection_loss() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     qmp.blockdev_add_file("n0", &img, false).await.unwrap();
-    qmp.device_add_virtio_blk("vd0", "n0", "crust-n0", Some("rp0"))
-        .await
-        .unwrap();
+    qmp.device_add_virtio_blk(
+        "vd0",
+        "n0",
+        "crust-n0",
+        Some("rp0"),
+        &crust_qmp::VirtioBlkOptions::default(),
+    )
+    .await
+    .unwrap();
     let pci = qmp.query_pci().await.unwrap();
     let dev = pci.iter().find(|d| d.qdev_id == "vd0").expect("vd0 on PCI");
     assert_eq!(
@@ -388,12 +473,23 @@ async fn descriptor_volume_is_the_opened_file_whatever_the_path_becomes() {
     // Access modes must agree (QEMU picks from the set by them).
     let ro = std::fs::File::open(vm.dir.path().join("moved.img")).unwrap();
     assert!(matches!(
-        qmp.blockdev_add_fd("fdvol", ro.into(), false).await,
+        qmp.blockdev_add_fd("fdvol", ro.into(), false)
+            .await
+            .map(drop),
         Err(QmpError::InvalidArgument(_))
     ));
-    qmp.blockdev_add_fd("fdvol", file.into(), false)
+    // A copy shares the file description QEMU gets, and so its flags.
+    let ours = file.try_clone().unwrap();
+    let io = qmp
+        .blockdev_add_fd("fdvol", file.into(), false)
         .await
         .unwrap();
+    assert!(io.direct, "{io:?}");
+    let fl = rustix::fs::fcntl_getfl(&ours).unwrap();
+    assert!(
+        fl.contains(rustix::fs::OFlags::DIRECT),
+        "the descriptor QEMU opens with cache.direct=on is O_DIRECT: {fl:?}"
+    );
     let nodes = qmp.query_named_block_nodes().await.unwrap();
     let node = nodes.iter().find(|n| n.node_name == "fdvol").unwrap();
     assert!(node.file.starts_with("/dev/fdset/"), "{node:?}");
@@ -413,9 +509,15 @@ async fn descriptor_volume_is_the_opened_file_whatever_the_path_becomes() {
         &[b'B'; 4096][..],
         "never the path's new target"
     );
-    qmp.device_add_virtio_blk("vdfd", "fdvol", "crust-fd", Some("rp0"))
-        .await
-        .unwrap();
+    qmp.device_add_virtio_blk(
+        "vdfd",
+        "fdvol",
+        "crust-fd",
+        Some("rp0"),
+        &crust_qmp::VirtioBlkOptions::default(),
+    )
+    .await
+    .unwrap();
     // Idempotent.
     let again = std::fs::File::options()
         .read(true)

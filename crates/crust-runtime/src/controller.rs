@@ -534,7 +534,12 @@ impl Controller {
             mount_timeout: self.cfg.boot_timeout,
             file_device_roots: &self.cfg.file_device_roots,
         };
-        plug::plug(&self.attachments, &ports, v).await.map(drop)
+        if let Some(io) = plug::plug(&self.attachments, &ports, v).await? {
+            self.update(|s| {
+                s.block_io.insert(v.target.clone(), io);
+            });
+        }
+        Ok(())
     }
 
     /// The volume a stats/resize path names: its target (volume path),

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crust_agent_proto::AgentClient;
 use crust_blockdev::ExclusiveDevice;
-use crust_qmp::QmpClient;
+use crust_qmp::{BlockIo, QmpClient};
 
 use crate::discovery::{Discovery, Volume};
 use crate::volumes::{self, VolumeError};
@@ -105,17 +105,22 @@ impl Attachments {
 /// it was plugged already. On failure nothing of it is left: the device
 /// is detached, the hold dropped (kept, when the detach failed, until
 /// QEMU exits) and the bus free again. The hand-off claim is the caller's.
-pub async fn plug(att: &Attachments, g: &GuestPorts<'_>, v: &Volume) -> Result<bool, VolumeError> {
+pub async fn plug(
+    att: &Attachments,
+    g: &GuestPorts<'_>,
+    v: &Volume,
+) -> Result<Option<BlockIo>, VolumeError> {
     let _one = att.plugging.lock().await;
     if att.is_plugged(&v.id) {
-        return Ok(false);
+        return Ok(None);
     }
     let bus = att.take_bus().ok_or_else(|| VolumeError::Precondition {
         target: v.target.clone(),
         reason: "no free hot-plug slot left in the guest".into(),
     })?;
     match plug_on(g, v, &bus).await {
-        Ok(hold) => {
+        Ok((hold, io)) => {
+            tracing::info!(target = %v.target, device = %v.device, "volume in the guest; QEMU does its I/O with {io}");
             att.plugged.lock().expect("plugged").insert(
                 v.id.clone(),
                 Attached {
@@ -124,7 +129,7 @@ pub async fn plug(att: &Attachments, g: &GuestPorts<'_>, v: &Volume) -> Result<b
                     hold: Some(hold),
                 },
             );
-            Ok(true)
+            Ok(Some(io))
         }
         Err((e, stranded)) => {
             if let Some(h) = stranded {
@@ -142,7 +147,7 @@ async fn plug_on(
     g: &GuestPorts<'_>,
     v: &Volume,
     bus: &str,
-) -> Result<ExclusiveDevice, (VolumeError, Option<ExclusiveDevice>)> {
+) -> Result<(ExclusiveDevice, BlockIo), (VolumeError, Option<ExclusiveDevice>)> {
     // The doors check this before booting; a plug never goes without it.
     volumes::check_for_guest(v).map_err(|e| (e, None))?;
     // A file device is opened once, by the one rule; QEMU gets that
@@ -169,13 +174,14 @@ async fn plug_on(
         }
     };
     let res = async {
-        volumes::attach(g.qmp, v, Some(bus), file).await?;
+        let io = volumes::attach(g.qmp, v, Some(bus), file).await?;
         crate::handover::crash_point("attached");
-        volumes::mount(g.agent, v, g.mount_timeout).await
+        volumes::mount(g.agent, v, g.mount_timeout).await?;
+        Ok(io)
     }
     .await;
     match res {
-        Ok(_) => Ok(hold),
+        Ok(io) => Ok((hold, io)),
         Err(e) => match volumes::detach(g.qmp, v).await {
             // Both steps are idempotent: Ok means QEMU has no such node.
             Ok(()) => Err((e, None)),

@@ -134,6 +134,10 @@ pub struct SandboxState {
     pub accel: Option<crust_vmm::AccelChoice>,
     #[serde(default)]
     pub volumes: Vec<Volume>,
+    /// How QEMU does each plugged volume's I/O (O_DIRECT or not, the
+    /// engine), by target path.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub block_io: std::collections::BTreeMap<String, crust_qmp::BlockIo>,
     #[serde(default)]
     pub mounts: Vec<WorkloadMount>,
     /// Host-path mounts without a hand-off record (not visible in the guest).
@@ -187,6 +191,7 @@ impl SandboxState {
             qemu: None,
             accel: None,
             volumes: Vec::new(),
+            block_io: Default::default(),
             mounts: Vec::new(),
             skipped_mounts: Vec::new(),
             shared_mounts: Vec::new(),

@@ -303,31 +303,41 @@ pub fn open_file_device(
 
 /// Hot-plugs `v` on PCIe root port `bus`: its block device by path (a
 /// node under /dev, checked again now), or `file`, the descriptor of its
-/// file device ([`open_file_device`]), which QEMU gets as it is.
+/// file device ([`open_file_device`]), which QEMU gets as it is. Returns
+/// how QEMU does its I/O (direct, engine). The guest sees the host
+/// device's sector size (a filesystem it makes must mount on the host).
 /// Idempotent (crust-qmp is).
 pub async fn attach(
     qmp: &QmpClient,
     v: &Volume,
     bus: Option<&str>,
     file: Option<std::os::fd::OwnedFd>,
-) -> Result<(), VolumeError> {
-    match file {
-        Some(fd) => qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await,
+) -> Result<crust_qmp::BlockIo, VolumeError> {
+    let (io, block_size) = match file {
+        Some(fd) => (qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await, 0),
         None => {
             check_host_device(v)?;
-            qmp.blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
-                .await
+            let bs = crust_blockdev::logical_block_size(Path::new(&v.device))
+                .map_err(|e| host_device_error(v, e.to_string()))?;
+            let io = qmp
+                .blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
+                .await;
+            (io, bs)
         }
-    }
-    .map_err(qmp_err(v, "blockdev-add"))?;
+    };
+    let io = io.map_err(qmp_err(v, "blockdev-add"))?;
+    let opts = crust_qmp::VirtioBlkOptions {
+        block_size,
+        ..Default::default()
+    };
     if let Err(e) = qmp
-        .device_add_virtio_blk(&v.device_id, &v.node_name, &v.serial, bus)
+        .device_add_virtio_blk(&v.device_id, &v.node_name, &v.serial, bus, &opts)
         .await
     {
         let _ = qmp.blockdev_del(&v.node_name).await;
         return Err(qmp_err(v, "device_add")(e));
     }
-    Ok(())
+    Ok(io)
 }
 
 /// Unplugs `v` (rollback of a failed hot-plug into a running sandbox).

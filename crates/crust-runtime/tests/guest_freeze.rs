@@ -47,6 +47,12 @@ fn freeze_blocks_writers_keeps_the_device_still_and_thaws() {
     let sb = env.sandbox("freezer");
     env.ok(&["create", "--bundle", bundle.to_str().unwrap(), "freezer"]);
     env.ok(&["start", "freezer"]);
+    // `state` says how QEMU does the volume's I/O: O_DIRECT, the host's
+    // best engine (issue 28).
+    let st = sb.state();
+    let io = &st["blockIo"][&target];
+    assert_eq!(io["direct"], true, "{st}");
+    assert_eq!(io["aio"], crust_qmp::host_engines()[0].as_str(), "{io}");
     let count = || -> u64 {
         let (code, out, _) = sb.exec(&["cat", "/data/count"]);
         if code == 0 {

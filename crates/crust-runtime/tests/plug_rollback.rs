@@ -95,7 +95,11 @@ async fn plug_with(
     name: &str,
     disk: &LoopDisk,
     stuck: bool,
-) -> (Attachments, Result<bool, VolumeError>, Seen) {
+) -> (
+    Attachments,
+    Result<Option<crust_qmp::BlockIo>, VolumeError>,
+    Seen,
+) {
     let sock = dir.join(format!("{name}.qmp"));
     let seen = fake_qmp(sock.clone(), disk.dev().to_path_buf(), stuck);
     let qmp = QmpClient::connect(&sock, Duration::from_secs(5))
@@ -134,8 +138,13 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
         [
             "qmp_capabilities",
             "blockdev-add",
+            // Queues for the VM's vCPUs, the device's own iothread.
+            "query-hotpluggable-cpus",
+            "query-iothreads",
+            "object-add",
             "device_add",
             "device_del",
+            "query-iothreads",
             "blockdev-del"
         ]
     );

@@ -605,10 +605,18 @@ impl Pod {
             mount_timeout: self.cfg.runtime.boot_timeout,
             file_device_roots: &self.cfg.runtime.file_device_roots,
         };
-        if let Err(e) = plug::plug(&self.attachments, &ports, v).await {
-            release_all(&self.discovery, &self.id, std::slice::from_ref(v));
-            forget(self);
-            return Err(RuntimeError::from(e).into());
+        match plug::plug(&self.attachments, &ports, v).await {
+            Ok(Some(io)) => {
+                self.update(|s| {
+                    s.block_io.insert(v.target.clone(), io);
+                });
+            }
+            Ok(None) => {}
+            Err(e) => {
+                release_all(&self.discovery, &self.id, std::slice::from_ref(v));
+                forget(self);
+                return Err(RuntimeError::from(e).into());
+            }
         }
         self.note_handover_latency(&v.target, plug_t0);
         Ok(())
@@ -742,10 +750,15 @@ impl Pod {
         })?;
         let node = format!("crustd-{id}");
         let res = async {
-            vm.qmp.blockdev_add_file(&node, &host, false).await?;
+            let io = vm.qmp.blockdev_add_file(&node, &host, false).await?;
+            tracing::info!(device = %host.display(), "device in the guest; QEMU does its I/O with {io}");
+            let opts = crust_qmp::VirtioBlkOptions {
+                block_size: crust_blockdev::logical_block_size(&host).unwrap_or(0),
+                ..Default::default()
+            };
             if let Err(e) = vm
                 .qmp
-                .device_add_virtio_blk(&format!("vblkd-{id}"), &node, &serial, Some(&bus))
+                .device_add_virtio_blk(&format!("vblkd-{id}"), &node, &serial, Some(&bus), &opts)
                 .await
             {
                 let _ = vm.qmp.blockdev_del(&node).await;

@@ -352,6 +352,13 @@ async fn the_guest_holds_its_devices(door: Door) {
     };
     // Block devices in the guest, not a virtio-fs fallback.
     assert_eq!(mounted, "d\na\next4\next4\n", "{door:?}\n{}", logs());
+    // Both volumes with O_DIRECT and the host's best engine, as the
+    // shim's log says (issue 28).
+    if let Door::Containerd = door {
+        let want = format!("QEMU does its I/O with {}", crust_qmp::BlockIo::host_best());
+        let said = env.shim_log().matches(&want).count();
+        assert_eq!(said, 2, "{want:?} in the shim's log\n{}", logs());
+    }
     phase("running");
     let dev = |t: &str| -> PathBuf {
         PathBuf::from(

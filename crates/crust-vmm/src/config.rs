@@ -95,23 +95,29 @@ impl DiskSpec {
 
     /// Arguments of QMP `blockdev-add` for this disk (also used verbatim as
     /// the `-blockdev` JSON of boot disks): raw format over `host_device`
-    /// or `file`, host page cache on (`cache.direct=off`), `aio=threads`.
+    /// or `file`, O_DIRECT (`cache.direct=on`) with the best engine the
+    /// host allows ([`crust_qmp::BlockIo::host_best`]).
     pub fn blockdev_add_args(&self) -> Value {
         let is_blk = std::fs::metadata(&self.path)
             .map(|m| is_block(&m))
             .unwrap_or(false);
+        let mut file = json!({
+            "driver": if is_blk { "host_device" } else { "file" },
+            "filename": self.path,
+            "read-only": self.readonly,
+        });
+        crust_qmp::BlockIo::host_best().apply(&mut file);
         json!({
             "node-name": self.node_name(),
             "driver": "raw",
             "read-only": self.readonly,
-            "file": {
-                "driver": if is_blk { "host_device" } else { "file" },
-                "filename": self.path,
-                "cache": { "direct": false },
-                "aio": "threads",
-                "read-only": self.readonly,
-            },
+            "file": file,
         })
+    }
+
+    /// The iothread a boot disk's device runs in.
+    pub fn iothread_id(&self) -> String {
+        format!("iothread-{}", self.device_id())
     }
 
     /// Arguments of QMP `device_add` putting the disk on root port `bus`
@@ -524,8 +530,11 @@ mod tests {
         let b = d.blockdev_add_args();
         assert_eq!(b["node-name"], "crust-node-vol1");
         assert_eq!(b["file"]["driver"], "file");
-        assert_eq!(b["file"]["cache"]["direct"], false);
-        assert_eq!(b["file"]["aio"], "threads");
+        assert_eq!(b["file"]["cache"]["direct"], true);
+        assert_eq!(
+            b["file"]["aio"],
+            crust_qmp::BlockIo::host_best().aio.as_str()
+        );
         assert_eq!(b["read-only"], true);
         let dev = d.device_add_args("crust-hp3");
         assert_eq!(dev["bus"], "crust-hp3");

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use crate::accel::{self, AccelChoice, ResolvedAccel};
 use crate::config::{
@@ -414,7 +415,18 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
         chassis += 1;
         // JSON syntax: no escaping of paths needed.
         push(&["-blockdev", &d.blockdev_add_args().to_string()]);
-        push(&["-device", &d.device_add_args(&port).to_string()]);
+        // A queue per vCPU and an iothread per disk, as hot-plugs get
+        // (crust-qmp's device_add_virtio_blk); the host's sector size.
+        let iothread = d.iothread_id();
+        push(&["-object", &format!("iothread,id={iothread}")]);
+        let mut dev = d.device_add_args(&port);
+        dev["num-queues"] = json!(cfg.cpus);
+        dev["iothread"] = json!(iothread);
+        if let Ok(bs) = crust_blockdev::logical_block_size(&d.path) {
+            dev["logical_block_size"] = json!(bs);
+            dev["physical_block_size"] = json!(bs);
+        }
+        push(&["-device", &dev.to_string()]);
     }
     for i in 0..cfg.hotplug_ports {
         push(&[
@@ -1065,9 +1077,16 @@ mod tests {
         let bd = a.iter().position(|x| x == "-blockdev").unwrap();
         let v: serde_json::Value = serde_json::from_str(&a[bd + 1]).unwrap();
         assert_eq!(v["read-only"], true);
-        let dev: serde_json::Value = serde_json::from_str(&a[bd + 3]).unwrap();
+        assert_eq!(v["file"]["cache"]["direct"], true);
+        assert_eq!(
+            a[bd + 2..bd + 4],
+            ["-object", "iothread,id=iothread-crust-disk-data"]
+        );
+        let dev: serde_json::Value = serde_json::from_str(&a[bd + 5]).unwrap();
         assert_eq!(dev["bus"], "crust-boot0");
         assert_eq!(dev["serial"], "crust-data");
+        assert_eq!(dev["iothread"], "iothread-crust-disk-data");
+        assert_eq!(dev["num-queues"], cfg.cpus);
     }
 
     #[test]

@@ -111,6 +111,15 @@ pub struct Guest {
 
 impl Guest {
     pub async fn boot(name: &str, disks: Vec<DiskSpec>) -> Guest {
+        Guest::boot_with(name, disks, |_| {}).await
+    }
+
+    /// [`Guest::boot`] with `adjust` applied to the config last.
+    pub async fn boot_with(
+        name: &str,
+        disks: Vec<DiskSpec>,
+        adjust: impl FnOnce(&mut VmConfig),
+    ) -> Guest {
         crust_testkit::ensure_guest_image();
         let slot = crust_testkit::VmSlot::acquire();
         let (kernel, initrd) = crust_testkit::guest_image();
@@ -123,6 +132,7 @@ impl Guest {
         cfg.disks = disks;
         cfg.hotplug_ports = 2;
         cfg.die_with_parent = true;
+        adjust(&mut cfg);
         let t0 = Instant::now();
         // Auto: KVM only where a probe boot proved it (else TCG).
         let vm = Vm::boot(cfg, Duration::from_secs(120))

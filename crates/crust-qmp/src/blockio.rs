@@ -1,0 +1,159 @@
+//! How QEMU reads and writes a volume: O_DIRECT or through the host page
+//! cache, and with which asynchronous I/O engine.
+//!
+//! Volumes are opened with `cache.direct=on` (the guest's writes never sit
+//! in the host page cache, where no pod is charged for them and the host,
+//! not the pod, schedules their writeback; a guest flush still reaches the
+//! disk: `cache.no-flush=off`) and the best engine the host allows:
+//! `io_uring`, else `native` (Linux AIO, which needs O_DIRECT), else
+//! `threads`. What the host allows is probed, not assumed: the kernel is
+//! asked once per process ([`host_engines`]: `io_uring_setup`, `io_setup`),
+//! and QEMU's own refusal of an engine moves a hot-plug to the next
+//! [`BlockIo::candidates`] entry. Buffered I/O is the last resort, for a
+//! file on a filesystem without O_DIRECT.
+
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// QEMU's `aio` option of a `file`/`host_device` node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aio {
+    IoUring,
+    Native,
+    Threads,
+    /// The node was opened by another QMP client (QEMU does not report
+    /// the engine of an existing node).
+    Unknown,
+}
+
+impl Aio {
+    /// The QAPI name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Aio::IoUring => "io_uring",
+            Aio::Native => "native",
+            Aio::Threads => "threads",
+            Aio::Unknown => "unknown",
+        }
+    }
+}
+
+/// What a volume's block node was opened with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockIo {
+    /// `cache.direct`: O_DIRECT, no host page cache.
+    pub direct: bool,
+    pub aio: Aio,
+}
+
+impl std::fmt::Display for BlockIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cache = if self.direct { "on" } else { "off" };
+        write!(f, "cache.direct={cache} aio={}", self.aio.as_str())
+    }
+}
+
+impl BlockIo {
+    /// What to try for a node, best first: direct I/O with each engine
+    /// the kernel offers, then buffered with threads.
+    pub fn candidates() -> Vec<BlockIo> {
+        let mut out: Vec<BlockIo> = host_engines()
+            .iter()
+            .map(|&aio| BlockIo { direct: true, aio })
+            .collect();
+        out.push(BlockIo {
+            direct: false,
+            aio: Aio::Threads,
+        });
+        out
+    }
+
+    /// The best the host offers, for a disk on QEMU's command line (which
+    /// cannot be retried with the next choice).
+    pub fn host_best() -> BlockIo {
+        BlockIo {
+            direct: true,
+            aio: host_engines()[0],
+        }
+    }
+
+    /// The `cache` and `aio` members of a `file`/`host_device` node's
+    /// `blockdev-add` arguments, merged into `node`.
+    pub fn apply(&self, node: &mut Value) {
+        node["cache"] = json!({ "direct": self.direct, "no-flush": false });
+        node["aio"] = json!(self.aio.as_str());
+    }
+}
+
+/// The engines the kernel lets this process use, best first; `threads`
+/// always. Probed once: `io_uring_setup` (off under
+/// `kernel.io_uring_disabled`, seccomp, old kernels), then `io_setup`
+/// (off without `CONFIG_AIO` or with `fs.aio-max-nr` used up).
+pub fn host_engines() -> &'static [Aio] {
+    static ENGINES: OnceLock<Vec<Aio>> = OnceLock::new();
+    ENGINES.get_or_init(|| {
+        let mut v = Vec::new();
+        if io_uring_works() {
+            v.push(Aio::IoUring);
+        }
+        if linux_aio_works() {
+            v.push(Aio::Native);
+        }
+        v.push(Aio::Threads);
+        tracing::info!(engines = ?v, "asynchronous I/O engines this host allows");
+        v
+    })
+}
+
+fn io_uring_works() -> bool {
+    let mut params = rustix::io_uring::io_uring_params::default();
+    // SAFETY: params is a valid, zeroed io_uring_params; the ring (and
+    // its fd) is dropped at once, nothing is mapped.
+    match unsafe { rustix::io_uring::io_uring_setup(1, &mut params) } {
+        Ok(_fd) => true,
+        Err(e) => {
+            tracing::debug!("io_uring_setup: {e}");
+            false
+        }
+    }
+}
+
+fn linux_aio_works() -> bool {
+    let mut ctx: libc::c_ulong = 0;
+    // SAFETY: io_setup writes one aio_context_t to ctx.
+    let r = unsafe { libc::syscall(libc::SYS_io_setup, 1 as libc::c_long, &raw mut ctx) };
+    if r != 0 {
+        tracing::debug!("io_setup: {}", std::io::Error::last_os_error());
+        return false;
+    }
+    // SAFETY: ctx came from io_setup above.
+    unsafe { libc::syscall(libc::SYS_io_destroy, ctx) };
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_end_buffered_and_prefer_direct() {
+        let c = BlockIo::candidates();
+        assert!(c[..c.len() - 1].iter().all(|b| b.direct));
+        assert_eq!(
+            c.last(),
+            Some(&BlockIo {
+                direct: false,
+                aio: Aio::Threads
+            })
+        );
+        assert_eq!(BlockIo::host_best(), c[0]);
+        let mut n = json!({ "driver": "file" });
+        c[0].apply(&mut n);
+        assert_eq!(n["cache"]["direct"], true);
+        assert_eq!(n["cache"]["no-flush"], false);
+        assert_eq!(n["aio"], c[0].aio.as_str());
+    }
+}
