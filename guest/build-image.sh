@@ -174,8 +174,9 @@ done
 # --- kernel modules -------------------------------------------------------------
 # Loaded by /init: the disk, console, NIC and hot-plug drivers. virtio_net
 # is there before the agent starts (it finds the pod's NICs by MAC) and
-# brings failover and net_failover as its dependencies.
-BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console virtio_net"
+# brings failover and net_failover as its dependencies. virtio_balloon
+# reports freed guest pages, which the host then takes back.
+BOOT_MODULES="virtio_ring virtio virtio_pci virtio_blk virtio_console virtio_net virtio_balloon"
 # PCI hot-plug: built in on Debian's cloud kernel; taken along if modular.
 HOTPLUG_MODULES="pciehp acpiphp"
 # Filesystems, loaded by the agent on first mount (xfs.ko alone costs over a

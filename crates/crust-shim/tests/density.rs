@@ -100,6 +100,27 @@ fn qemu_split(pid: i32, guest_bytes: u64) -> (u64, u64, u64) {
     (ram, tb, other)
 }
 
+/// QEMU's largest resident mappings, to see where its own memory goes.
+fn top_mappings(pid: i32) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut maps: Vec<(u64, String)> = Vec::new();
+    let mut head = String::new();
+    for l in text.lines() {
+        let first = l.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            head = l.to_string();
+        } else if let Some(v) = l.strip_prefix("Rss:") {
+            let kb: u64 = v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
+            maps.push((kb, head.clone()));
+        }
+    }
+    maps.sort_by(|a, b| b.0.cmp(&a.0));
+    println!("\nQEMU {pid}: largest resident mappings (KiB):");
+    for (kb, h) in maps.iter().take(15) {
+        println!("  {kb:>8}  {h}");
+    }
+}
+
 fn pid_with(prefix: &str, needle: &str) -> Vec<i32> {
     std::fs::read_dir("/proc")
         .unwrap()
@@ -316,6 +337,9 @@ async fn bench_density() {
     }
     let guest_bytes = *guest.iter().max().unwrap();
     let idle: Vec<Sample> = procs.iter().map(|p| sample(p, guest_bytes / 2)).collect();
+    if std::env::var_os("CRUST_BENCH_SMAPS").is_some() {
+        top_mappings(procs[0].qemu[0]);
+    }
 
     // Fill each guest's page cache: a file larger than its memory,
     // written then read back (the rootfs is virtio-fs: its pages are

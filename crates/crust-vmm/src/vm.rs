@@ -314,6 +314,10 @@ const BASE_CMDLINE: &[&str] = &[
     "no_timer_check",
     "cryptomgr.notests",
     "audit=0",
+    // No bounce buffers: virtio devices address guest memory directly.
+    // With hot-pluggable memory above 4 GiB the kernel would otherwise set
+    // aside (and zero, so the host backs it) a 64 MiB SWIOTLB pool.
+    "swiotlb=noforce",
 ];
 
 fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<String> {
@@ -400,6 +404,13 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
             &format!("vhost-user-fs-pci,chardev=crust-fs{i},tag={}", sh.tag),
         ]);
     }
+    // Free page reporting: pages the guest frees go back to the host
+    // (QEMU discards them), so a pod's host memory falls again after its
+    // guest's page cache or heap shrinks. Never inflated.
+    push(&[
+        "-device",
+        "virtio-balloon-pci,id=crust-balloon,free-page-reporting=on",
+    ]);
     let vhost = std::path::Path::new(crate::config::VHOST_NET).exists();
     for (i, nic) in cfg.nics.iter().enumerate() {
         let (netdev, device) = nic.qemu_args(i, vhost);
