@@ -169,6 +169,28 @@ async fn processes(cri: &mut Cri, cid: &str) -> (String, String) {
     (first, out)
 }
 
+/// The container's exit code once CRI reports it exited (30 s at most).
+async fn exited(cri: &mut Cri, cid: &str) -> i32 {
+    for _ in 0..150 {
+        let st = cri
+            .runtime
+            .container_status(cri::ContainerStatusRequest {
+                container_id: cid.into(),
+                verbose: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap();
+        if st.state == cri::ContainerState::ContainerExited as i32 {
+            return st.exit_code;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    panic!("{cid} did not exit");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pods_containers_are_confined_in_the_guest() {
     use cri::security_profile::ProfileType;
@@ -421,6 +443,20 @@ async fn a_pods_containers_are_confined_in_the_guest() {
         exec(&mut cri, &rd, "echo alive").await,
         (0, "alive\n".into())
     );
+
+    // Exit codes and kills still reach CRI from a PID 1 of its own.
+    let mut exits = config("exits", Default::default());
+    exits.command = vec!["sh".into(), "-c".into(), "exit 3".into()];
+    let exits = create_and_start(&env, &mut cri, &sb, &sandbox, exits).await;
+    assert_eq!(exited(&mut cri, &exits).await, 3);
+    cri.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: rd.clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(exited(&mut cri, &rd).await, 137, "SIGKILL");
 
     cri.runtime
         .stop_pod_sandbox(cri::StopPodSandboxRequest {
