@@ -154,11 +154,16 @@ fi
 TRIPLE=x86_64-unknown-linux-gnu
 PACKAGES=(-p crust-agent)
 [ "$BENCH" = 1 ] && PACKAGES+=(-p crust-guest-bench)
-say "building ${PACKAGES[*]} (static glibc, profile agent)"
+# The agent compiles containers' seccomp profiles with libseccomp: its
+# static library links into the static binary.
+LIBSECCOMP_A=/usr/lib/x86_64-linux-gnu/libseccomp.a
+need "$LIBSECCOMP_A" libseccomp-dev
+say "building ${PACKAGES[*]} (static glibc and libseccomp, profile agent)"
 (
 	cd "$ROOT"
 	# --target keeps build scripts and proc macros off the static flag.
 	RUSTFLAGS="-C target-feature=+crt-static" \
+		LIBSECCOMP_LINK_TYPE=static LIBSECCOMP_LIB_PATH=$(dirname "$LIBSECCOMP_A") \
 		cargo build --quiet --profile agent "${PACKAGES[@]}" --target "$TRIPLE"
 )
 AGENT=$TARGET_DIR/$TRIPLE/agent/crust-agent

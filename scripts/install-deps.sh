@@ -18,7 +18,7 @@ pkgs=(
                           # node installer's config is checked with `containerd config dump`
   umoci                   # OCI images (scripts/build-test-images.sh, scripts/build-images.sh)
   jq patchelf binutils    # scripts/build-images.sh: self-contained node payload
-  libseccomp-dev libcap-ng-dev pkg-config  # building virtiofsd
+  libseccomp-dev libcap-ng-dev pkg-config  # building virtiofsd; libseccomp.a links into the agent
   fio                     # the bench guest image (guest/build-image.sh --bench copies it
                           # and its libraries): crustctl bench --guest-io
   iproute2 iputils-ping   # pod networking tests: namespaces, veths, tc; ping with -M do

@@ -78,6 +78,9 @@ pub struct ProcessSpec {
     /// capability (as runc does for a spec without the section).
     #[serde(default)]
     pub capabilities: Option<Capabilities>,
+    /// OCI `process.oomScoreAdj` (-1000..=1000); none leaves the agent's.
+    #[serde(default)]
+    pub oom_score_adj: Option<i32>,
     #[serde(default)]
     pub stdio: StdioSpec,
 }
@@ -165,6 +168,163 @@ pub struct CreateContainer {
     /// OCI `hostname`, set in a new UTS namespace (empty: the guest's).
     #[serde(default)]
     pub hostname: String,
+    /// The container's PID namespace: a new one makes its init PID 1 and
+    /// hides the agent; the pod's when CRI shares it.
+    #[serde(default)]
+    pub pid: NamespaceSource,
+    /// OCI `linux.sysctl`: namespaced ones only (see [`sysctl_namespace`]).
+    #[serde(default)]
+    pub sysctl: std::collections::BTreeMap<String, String>,
+    /// OCI `linux.seccomp`, for the container's process and every exec.
+    #[serde(default)]
+    pub seccomp: Option<Seccomp>,
+}
+
+/// An OCI `linux.seccomp` section, in the spec's own JSON shape (the shim
+/// passes it through), names (`SCMP_ACT_*`, `SCMP_ARCH_*`,
+/// `SECCOMP_FILTER_FLAG_*`, syscalls) kept as strings: the agent resolves
+/// them with libseccomp and names the field it cannot.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Seccomp {
+    pub default_action: String,
+    #[serde(default)]
+    pub default_errno_ret: Option<u32>,
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub flags: Vec<String>,
+    #[serde(default)]
+    pub syscalls: Vec<SeccompRule>,
+    /// SCMP_ACT_NOTIFY's agent socket (a host path: refused in a guest).
+    #[serde(default)]
+    pub listener_path: Option<String>,
+}
+
+/// One `linux.seccomp.syscalls` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeccompRule {
+    pub names: Vec<String>,
+    pub action: String,
+    #[serde(default)]
+    pub errno_ret: Option<u32>,
+    #[serde(default)]
+    pub args: Vec<SeccompArg>,
+}
+
+/// An argument condition: `op` compares argument `index` with `value`
+/// (`SCMP_CMP_MASKED_EQ`: `arg & value == value_two`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeccompArg {
+    pub index: u32,
+    pub value: u64,
+    #[serde(default)]
+    pub value_two: Option<u64>,
+    pub op: SeccompOp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum SeccompOp {
+    #[serde(rename = "SCMP_CMP_NE")]
+    NotEqual,
+    #[serde(rename = "SCMP_CMP_LT")]
+    Less,
+    #[serde(rename = "SCMP_CMP_LE")]
+    LessOrEqual,
+    #[default]
+    #[serde(rename = "SCMP_CMP_EQ")]
+    Equal,
+    #[serde(rename = "SCMP_CMP_GE")]
+    GreaterOrEqual,
+    #[serde(rename = "SCMP_CMP_GT")]
+    Greater,
+    #[serde(rename = "SCMP_CMP_MASKED_EQ")]
+    MaskedEqual,
+}
+
+/// OCI `linux.sysctl`: only namespaced names, each in a namespace the
+/// container has of its own (or the pod's); any other would change the
+/// guest that every container of the pod shares. The one check, made by
+/// the shim before a VM boots and by the agent for every caller.
+pub fn check_sysctls(
+    sysctl: &std::collections::BTreeMap<String, String>,
+    ipc: &NamespaceSource,
+    uts: &NamespaceSource,
+) -> Result<(), String> {
+    for (name, value) in sysctl {
+        let shared = |ns: &NamespaceSource, what: &str| {
+            Err(format!(
+                "linux.sysctl {name:?} needs {what} namespace of the container's or the pod's, not the guest's ({ns:?})"
+            ))
+        };
+        match sysctl_namespace(name) {
+            None => {
+                return Err(format!(
+                    "linux.sysctl {name:?} is not namespaced: it would change the whole guest"
+                ));
+            }
+            Some(SysctlNamespace::Ipc) if *ipc == NamespaceSource::Guest => {
+                return shared(ipc, "an IPC");
+            }
+            Some(SysctlNamespace::Uts) if *uts == NamespaceSource::Guest => {
+                return shared(uts, "a UTS");
+            }
+            _ => {}
+        }
+        if value.contains(['\0', '\n']) {
+            return Err(format!(
+                "linux.sysctl {name:?}: the value has a NUL or newline"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The namespace a sysctl belongs to, as runc decides it; `None` for one
+/// that is not namespaced (it would change the whole guest: refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SysctlNamespace {
+    Ipc,
+    Uts,
+    /// The guest's network namespace, which is the pod's.
+    Net,
+}
+
+/// The one rule for which sysctls a container may set (shim and agent).
+/// Names use dots, or slashes (then a dot is part of a component, as in
+/// `net/ipv4/conf/eth0.100/rp_filter`).
+pub fn sysctl_namespace(name: &str) -> Option<SysctlNamespace> {
+    const IPC: &[&str] = &[
+        "kernel.msgmax",
+        "kernel.msgmnb",
+        "kernel.msgmni",
+        "kernel.sem",
+        "kernel.shmall",
+        "kernel.shmmax",
+        "kernel.shmmni",
+        "kernel.shm_rmid_forced",
+    ];
+    let dotted = name.replace('/', ".");
+    let name = dotted.as_str();
+    let valid = !name.is_empty()
+        && name.split('.').all(|c| {
+            !c.is_empty()
+                && c.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+        });
+    if !valid {
+        None
+    } else if IPC.contains(&name) || name.starts_with("fs.mqueue.") {
+        Some(SysctlNamespace::Ipc)
+    } else if matches!(name, "kernel.hostname" | "kernel.domainname") {
+        Some(SysctlNamespace::Uts)
+    } else if name.starts_with("net.") {
+        Some(SysctlNamespace::Net)
+    } else {
+        None
+    }
 }
 
 /// Where one of a container's namespaces comes from.
@@ -388,5 +548,46 @@ mod tests {
         for bad in ["", "/abs", "a/../b", "a//b", "./a", "a/."] {
             assert!(!valid_share_path(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn sysctls_are_sorted_by_namespace() {
+        use SysctlNamespace::*;
+        for (name, ns) in [
+            ("kernel.shm_rmid_forced", Some(Ipc)),
+            ("kernel/msgmax", Some(Ipc)),
+            ("fs.mqueue.msg_max", Some(Ipc)),
+            ("kernel.domainname", Some(Uts)),
+            ("net.ipv4.ip_unprivileged_port_start", Some(Net)),
+            ("net/ipv4/conf/eth0.100/rp_filter", Some(Net)),
+            ("kernel.panic", None),
+            ("vm.overcommit_memory", None),
+            ("fs.file-max", None),
+            ("net.ipv4..x", None),
+            ("net/../kernel/panic", None),
+            ("net.ipv4.a b", None),
+            ("", None),
+        ] {
+            assert_eq!(sysctl_namespace(name), ns, "{name}");
+        }
+    }
+
+    #[test]
+    fn seccomp_is_the_oci_section() {
+        let s: Seccomp = serde_json::from_value(json!({
+            "defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1,
+            "architectures": ["SCMP_ARCH_X86_64"], "flags": ["SECCOMP_FILTER_FLAG_LOG"],
+            "syscalls": [{"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+                          "args": [{"index": 0, "value": 8, "op": "SCMP_CMP_EQ"},
+                                   {"index": 1, "value": 255, "valueTwo": 4, "op": "SCMP_CMP_MASKED_EQ"}]}]
+        }))
+        .unwrap();
+        assert_eq!(s.default_errno_ret, Some(1));
+        let a = s.syscalls[0].args[1];
+        assert_eq!((a.op, a.value_two), (SeccompOp::MaskedEqual, Some(4)));
+        assert_eq!(
+            serde_json::to_value(&s).unwrap()["syscalls"][0]["args"][0]["op"],
+            "SCMP_CMP_EQ"
+        );
     }
 }

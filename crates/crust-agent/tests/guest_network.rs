@@ -221,6 +221,9 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
             ipc: Default::default(),
             uts: Default::default(),
             hostname: String::new(),
+            pid: Default::default(),
+            sysctl: Default::default(),
+            seccomp: None,
         })
         .await
         .expect("create_container");

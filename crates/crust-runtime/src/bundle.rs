@@ -132,6 +132,14 @@ impl Bundle {
             .process()
             .as_ref()
             .ok_or_else(|| invalid("config.json has no process".into()))?;
+        // The CLI runs one guest workload, never filtered: a profile here
+        // would read as enforced when it is not (the containerd shim's
+        // containers do enforce it).
+        if spec.linux().as_ref().is_some_and(|l| l.seccomp().is_some()) {
+            return Err(invalid(
+                "linux.seccomp: the crust-runtime CLI's workload cannot be filtered; run it through containerd-shim-crust-v2".into(),
+            ));
+        }
         let args = process.args().clone().unwrap_or_default();
         if args.is_empty() || args[0].is_empty() {
             return Err(invalid("process.args is empty".into()));
@@ -371,6 +379,9 @@ mod tests {
         let mut s = spec(json!([]));
         s["process"]["env"] = json!(["NOEQUALS"]);
         assert!(parse(s).unwrap_err().to_string().contains("NAME=VALUE"));
+        let mut s = spec(json!([]));
+        s["linux"] = json!({"seccomp": {"defaultAction": "SCMP_ACT_ERRNO"}});
+        assert!(parse(s).unwrap_err().to_string().contains("linux.seccomp"));
         let mut s = spec(json!([]));
         s.as_object_mut().unwrap().remove("process");
         assert!(parse(s).unwrap_err().to_string().contains("no process"));

@@ -494,6 +494,9 @@ impl Pod {
             ipc: plan.ipc.clone(),
             uts: plan.uts.clone(),
             hostname: plan.hostname.clone(),
+            pid: plan.pid.clone(),
+            sysctl: plan.sysctl.clone(),
+            seccomp: plan.seccomp.clone(),
         })
     }
 

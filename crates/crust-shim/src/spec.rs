@@ -13,8 +13,11 @@
 
 use std::path::{Path, PathBuf};
 
+use std::collections::BTreeMap;
+
 use crust_agent_proto::{
-    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, WorkloadUser,
+    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, Seccomp,
+    WorkloadUser,
 };
 use oci_spec::runtime::Spec;
 
@@ -134,9 +137,15 @@ pub struct ContainerPlan {
     pub network: PodNetworkSpec,
     /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
     pub lsm: Vec<LsmSetting>,
-    /// The container's IPC and UTS namespaces in the guest (see [`namespace`]).
+    /// The container's IPC, UTS and PID namespaces in the guest (see
+    /// [`namespace`]).
     pub ipc: NamespaceSource,
     pub uts: NamespaceSource,
+    pub pid: NamespaceSource,
+    /// OCI `linux.sysctl` (checked by `crust_agent_proto::check_sysctls`).
+    pub sysctl: BTreeMap<String, String>,
+    /// OCI `linux.seccomp`, enforced by the agent.
+    pub seccomp: Option<Seccomp>,
     /// OCI `hostname` (CRI sets the pod's in the sandbox's spec).
     pub hostname: String,
 }
@@ -145,6 +154,12 @@ pub struct ContainerPlan {
 /// absent from the spec, the guest's; without a path, a new one; with a
 /// path (CRI: the sandbox's), the pod's sandbox container's. A lone
 /// container's path names a host namespace the VM cannot join.
+///
+/// PID: CRI's shareProcessNamespace (POD mode) gives every container
+/// `/proc/<sandbox pid>/ns/pid`, the pause container's. Its TARGET mode
+/// (an ephemeral container joining one container's) names that
+/// container's pid, but every task of a crust pod reports QEMU's pid, so
+/// it cannot be told from POD: such a container joins the sandbox's.
 pub fn namespace(
     spec: &Spec,
     typ: oci_spec::runtime::LinuxNamespaceType,
@@ -204,7 +219,18 @@ pub fn load(bundle: &Path) -> Result<Spec, SpecError> {
         reason,
     };
     let bytes = std::fs::read(bundle.join("config.json")).map_err(|e| invalid(e.to_string()))?;
-    serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))
+    serde_json::from_slice(&bytes)
+        .map_err(|e| invalid(section_error(&bytes).unwrap_or(e.to_string())))
+}
+
+/// serde's error names a line, not a field: for the sections a user
+/// writes by hand (a Localhost seccomp profile) say which one is wrong.
+fn section_error(bytes: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    let seccomp = v.get("linux")?.get("seccomp")?;
+    serde_json::from_value::<oci_spec::runtime::LinuxSeccomp>(seccomp.clone())
+        .err()
+        .map(|e| format!("linux.seccomp: {e}"))
 }
 
 fn guest_kind(typ: &str) -> Option<MountSource> {
@@ -236,9 +262,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
         }
     }
     if let Some(l) = spec.linux() {
-        if l.seccomp().is_some() {
-            return un("a seccomp profile (not enforced in crust guests; the VM is the boundary)");
-        }
         for ns in l.namespaces().as_deref().unwrap_or_default() {
             if ns.typ() == oci_spec::runtime::LinuxNamespaceType::User {
                 return un("a user namespace");
@@ -287,6 +310,7 @@ pub fn process_spec(p: &oci_spec::runtime::Process) -> ProcessSpec {
         terminal: p.terminal().unwrap_or(false),
         no_new_privileges: p.no_new_privileges().unwrap_or(false),
         capabilities: p.capabilities().as_ref().map(capabilities),
+        oom_score_adj: p.oom_score_adj(),
         stdio: Default::default(),
     }
 }
@@ -434,10 +458,18 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             ),
         },
     };
-    use oci_spec::runtime::LinuxNamespaceType as Ns;
+    let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
-        ipc: namespace(spec, Ns::Ipc)?,
-        uts: namespace(spec, Ns::Uts)?,
+        pid,
+        sysctl,
+        seccomp: linux
+            .seccomp()
+            .as_ref()
+            .map(seccomp)
+            .transpose()
+            .map_err(invalid)?,
+        ipc,
+        uts,
         hostname: spec.hostname().clone().unwrap_or_default(),
         lsm: lsm_settings(p),
         network,
@@ -457,6 +489,39 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             .map(|p| p.to_string_lossy().into_owned()),
         devices: host_devices(&linux),
     })
+}
+
+/// The container's IPC, UTS and PID namespaces and its sysctls, checked
+/// before a VM boots (the agent checks again for every caller).
+type Namespaces = (
+    NamespaceSource,
+    NamespaceSource,
+    NamespaceSource,
+    BTreeMap<String, String>,
+);
+
+fn namespaces_and_sysctls(
+    spec: &Spec,
+    linux: &oci_spec::runtime::Linux,
+) -> Result<Namespaces, SpecError> {
+    use oci_spec::runtime::LinuxNamespaceType as Ns;
+    let (ipc, uts) = (namespace(spec, Ns::Ipc)?, namespace(spec, Ns::Uts)?);
+    let sysctl: BTreeMap<String, String> = linux
+        .sysctl()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    crust_agent_proto::check_sysctls(&sysctl, &ipc, &uts).map_err(SpecError::Unsupported)?;
+    Ok((ipc, uts, namespace(spec, Ns::Pid)?, sysctl))
+}
+
+/// The section as the agent takes it: the same JSON (oci-spec has checked
+/// the names of actions, architectures, flags and operators).
+fn seccomp(s: &oci_spec::runtime::LinuxSeccomp) -> Result<Seccomp, String> {
+    serde_json::to_value(s)
+        .and_then(serde_json::from_value)
+        .map_err(|e| format!("linux.seccomp: {e}"))
 }
 
 fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<HostDevice> {
@@ -583,10 +648,6 @@ mod tests {
                 "hooks",
             ),
             (
-                json!({"linux": {"seccomp": {"defaultAction": "SCMP_ACT_ALLOW"}}}),
-                "seccomp",
-            ),
-            (
                 json!({"linux": {"namespaces": [{"type": "user"}]}}),
                 "user namespace",
             ),
@@ -665,6 +726,69 @@ mod tests {
         v["linux"]["namespaces"] = json!([{"type": "uts", "path": "/proc/1/ns/uts"}]);
         let e = plan(&spec(v), Path::new("/b")).unwrap_err();
         assert!(e.to_string().contains("/proc/1/ns/uts"), "{e}");
+    }
+
+    #[test]
+    fn seccomp_pid_sysctls_and_oom_score_reach_the_guest() {
+        let mut v = base();
+        v["process"]["oomScoreAdj"] = json!(500);
+        v["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": "1", "kernel.shm_rmid_forced": "1"});
+        let section = json!({"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 38,
+            "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"],
+            "flags": ["SECCOMP_FILTER_FLAG_SPEC_ALLOW"],
+            "syscalls": [{"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": 0, "value": 2114060288, "op": "SCMP_CMP_MASKED_EQ"}]}]});
+        v["linux"]["seccomp"] = section.clone();
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(p.process.oom_score_adj, Some(500));
+        // base(): a member of sb1 whose pid namespace has no path: its own.
+        assert_eq!(p.pid, NamespaceSource::New);
+        assert_eq!(p.sysctl.len(), 2);
+        // The agent gets the OCI section as it was written.
+        assert_eq!(
+            serde_json::to_value(p.seccomp.unwrap()).unwrap(),
+            json!({"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 38,
+                "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"],
+                "flags": ["SECCOMP_FILTER_FLAG_SPEC_ALLOW"],
+                "syscalls": [{"names": ["clone"], "action": "SCMP_ACT_ALLOW", "errnoRet": null,
+                    "args": [{"index": 0, "value": 2114060288, "valueTwo": null, "op": "SCMP_CMP_MASKED_EQ"}]}],
+                "listenerPath": null})
+        );
+        // CRI's shareProcessNamespace: the sandbox's.
+        v["linux"]["namespaces"] = json!([{"type": "pid", "path": "/proc/42/ns/pid"},
+            {"type": "ipc", "path": "/proc/42/ns/ipc"}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(p.pid, NamespaceSource::Container { id: "sb1".into() });
+        // A sysctl that is not namespaced, or IPC's without the namespace.
+        for (sysctl, needle) in [
+            (
+                json!({"kernel.panic": "1"}),
+                "\"kernel.panic\" is not namespaced",
+            ),
+            (
+                json!({"kernel.domainname": "x"}),
+                "\"kernel.domainname\" needs a UTS namespace",
+            ),
+        ] {
+            let mut w = v.clone();
+            w["linux"]["sysctl"] = sysctl;
+            let e = plan(&spec(w), Path::new("/b")).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_seccomp_section_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut v = base();
+        v["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW",
+            "architectures": ["SCMP_ARCH_Z80"]});
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let e = load(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("linux.seccomp: unknown variant `SCMP_ARCH_Z80`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -385,14 +385,25 @@ async fn memory_restart_faults_and_bad_input() {
 
     phase("data after faults");
     // --- bad input: a clear error, nothing changed -------------------------------
-    // Unsupported OCI feature (a seccomp profile).
+    // A malformed seccomp profile (an architecture OCI does not know).
+    let profile = env.dir.path().join("bad-seccomp.json");
+    std::fs::write(
+        &profile,
+        r#"{"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_Z80"]}"#,
+    )
+    .unwrap();
+    let profile = profile.display().to_string();
     let o = env.ctrd.ctr_in(
         NS,
-        &run_args(&["--rm", "--seccomp"], "bad-seccomp", &["true"]),
+        &run_args(
+            &["--rm", "--seccomp", "--seccomp-profile", &profile],
+            "bad-seccomp",
+            &["true"],
+        ),
     );
     assert!(!o.status.success());
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("seccomp"),
+        String::from_utf8_lossy(&o.stderr).contains("linux.seccomp"),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );

@@ -225,6 +225,9 @@ async fn containers_in_a_guest() {
             ipc: Default::default(),
             uts: Default::default(),
             hostname: String::new(),
+            pid: Default::default(),
+            sysctl: Default::default(),
+            seccomp: None,
         })
         .await
         .unwrap();
@@ -263,6 +266,9 @@ async fn containers_in_a_guest() {
             ipc: Default::default(),
             uts: Default::default(),
             hostname: String::new(),
+            pid: Default::default(),
+            sysctl: Default::default(),
+            seccomp: None,
         })
         .await
         .unwrap();
@@ -332,6 +338,9 @@ async fn containers_in_a_guest() {
             ipc: Default::default(),
             uts: Default::default(),
             hostname: String::new(),
+            pid: Default::default(),
+            sysctl: Default::default(),
+            seccomp: None,
         })
         .await
         .unwrap();
@@ -395,6 +404,9 @@ async fn containers_in_a_guest() {
             ipc: Default::default(),
             uts: Default::default(),
             hostname: String::new(),
+            pid: Default::default(),
+            sysctl: Default::default(),
+            seccomp: None,
         })
         .await
         .unwrap();
@@ -510,6 +522,9 @@ async fn containers_in_a_guest() {
         ipc: src.clone(),
         uts: src,
         hostname: "nsa-host".into(),
+        pid: Default::default(),
+        sysctl: Default::default(),
+        seccomp: None,
     };
     let mut rx = mux.register(8);
     let cmd = format!("{SHOW}; echo started; exec sleep 600");
@@ -619,6 +634,9 @@ async fn containers_in_a_guest() {
         ipc: Default::default(),
         uts: Default::default(),
         hostname: String::new(),
+        pid: Default::default(),
+        sysctl: Default::default(),
+        seccomp: None,
     };
     let (c, m) = code(agent.call(bad("b1", "c/missing", &["sh"])).await);
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");

@@ -3,8 +3,11 @@
 //! reads its [`InitSpec`] from the sync socket (fd number in
 //! `CRUST_INIT_SYNC`), builds the container's view (a private mount
 //! namespace, the rootfs bind, the OCI mounts, masked and read-only paths,
-//! the cgroup), chroots into it, takes on the user, rlimits, capabilities
-//! and terminal, and `exec`s the process.
+//! sysctls, the cgroup), chroots into it, takes on the OOM score, user,
+//! rlimits, capabilities and terminal, loads the seccomp filter last, and
+//! `exec`s the process. The agent starts it already in the container's
+//! PID namespace (see [`super::spawn_in_pid_ns`]): a namespace changes
+//! only for a process's children.
 //!
 //! Why chroot and not pivot_root: the guest runs from its initramfs
 //! (rootfs), which cannot be pivoted away from. The VM is the pod's
@@ -23,7 +26,9 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
-use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit};
+use std::collections::BTreeMap;
+
+use crust_agent_proto::{ContainerMount, MountSource, ProcessSpec, Rlimit, Seccomp};
 use rustix::fs::{Mode, OFlags};
 use rustix::mount::{MountFlags, MountPropagationFlags};
 use rustix::process::{Gid, Resource, Uid};
@@ -44,10 +49,17 @@ pub struct InitSpec {
     /// Cgroup directory to join.
     pub cgroup: Option<PathBuf>,
     pub process: ProcessSpec,
+    /// The container's filter (an exec gets its container's).
+    #[serde(default)]
+    pub seccomp: Option<Seccomp>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one message per process, sent once"
+)]
 pub enum InitMode {
     /// A new container.
     Create {
@@ -69,6 +81,9 @@ pub enum InitMode {
         /// Set in a new UTS namespace when not empty.
         #[serde(default)]
         hostname: String,
+        /// Checked by the agent ([`crust_agent_proto::check_sysctls`]).
+        #[serde(default)]
+        sysctl: BTreeMap<String, String>,
     },
     /// Join the container whose init runs as `init_pid`.
     Exec { init_pid: u32 },
@@ -168,6 +183,11 @@ pub fn main() -> ! {
         Err(e) => fail(&mut sync, format!("reading the init spec: {e}")),
     };
     let wait_start = matches!(spec.mode, InitMode::Create { .. });
+    let mut filter = match spec.seccomp.as_ref().map(super::seccomp::compile) {
+        Some(Err(e)) => fail(&mut sync, e),
+        Some(Ok(f)) => Some(f),
+        None => None,
+    };
     if let Err(e) = setup(&spec) {
         fail(&mut sync, e);
     }
@@ -182,7 +202,14 @@ pub fn main() -> ! {
             _ => std::process::exit(126),
         }
     }
-    let e = command(&spec.process).exec();
+    let mut cmd = command(&spec.process);
+    // The last step: from here on the profile governs every syscall.
+    if let Some(f) = &mut filter
+        && let Err(e) = super::seccomp::load(f)
+    {
+        fail(&mut sync, e);
+    }
+    let e = cmd.exec();
     fail(
         &mut sync,
         format!(
@@ -220,8 +247,13 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             ipc,
             uts,
             hostname,
+            sysctl,
         } => {
             enter_ipc_uts(*ipc, *uts, hostname)?;
+            // In the container's namespaces, through the guest's /proc.
+            for (name, value) in sysctl {
+                write_sysctl(name, value)?;
+            }
             // SAFETY: single-threaded process; no fd table is unshared.
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
                 .map_err(err("unshare(CLONE_NEWNS)"))?;
@@ -272,10 +304,27 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
         std::fs::write(cg.join("cgroup.procs"), "0")
             .map_err(err(format!("joining cgroup {}", cg.display())))?;
     }
+    // While the helper is root with every capability (lowering needs
+    // CAP_SYS_RESOURCE), through the guest's /proc.
+    if let Some(adj) = spec.process.oom_score_adj {
+        std::fs::write("/proc/self/oom_score_adj", adj.to_string())
+            .map_err(err(format!("process.oomScoreAdj {adj}")))?;
+    }
     rustix::process::fchdir(&root).map_err(err("chdir to the rootfs"))?;
     rustix::process::chroot(".").map_err(err("chroot"))?;
     drop(root);
     enter_process(&spec.process)
+}
+
+/// `net.ipv4.x` is `/proc/sys/net/ipv4/x`; a name with slashes is a path.
+fn write_sysctl(name: &str, value: &str) -> Result<(), String> {
+    let rel = if name.contains('/') {
+        name.to_string()
+    } else {
+        name.replace('.', "/")
+    };
+    std::fs::write(Path::new("/proc/sys").join(rel), value)
+        .map_err(err(format!("linux.sysctl {name:?} = {value:?}")))
 }
 
 fn open_dir(p: &Path) -> Result<OwnedFd, String> {

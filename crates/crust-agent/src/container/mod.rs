@@ -11,11 +11,12 @@ pub mod cgroup;
 pub mod hostname;
 pub mod init;
 pub mod rootfs;
+pub mod seccomp;
 pub mod stdio;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -28,7 +29,7 @@ use crust_agent_proto::stdio::Kind;
 use crust_agent_proto::{
     AgentError, ContainerStatsReply, CreateContainer, ErrorCode, ExecProcess, GUEST_SHARE_ROOT,
     MountSource, NamespaceSource, PidsReply, ProcessExit, ProcessRef, ProcessReply, ProcessSpec,
-    ResizePty, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
+    ResizePty, Seccomp, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
 };
 use rustix::fs::{Mode, OFlags};
 
@@ -105,6 +106,8 @@ struct Container {
     execs: Mutex<HashMap<String, Arc<Proc>>>,
     /// Deferred volumes bound into the container.
     volumes: Vec<String>,
+    /// Its seccomp profile, which every exec gets too.
+    seccomp: Option<Seccomp>,
 }
 
 /// The containers of this guest.
@@ -231,6 +234,8 @@ impl Containers {
             )));
         }
         validate_process(&req.process)?;
+        crust_agent_proto::check_sysctls(&req.sysctl, &req.ipc, &req.uts)
+            .map_err(ContainerError::Invalid)?;
         let mut volumes = Vec::new();
         for m in &req.mounts {
             rootfs::components(&m.destination).map_err(ContainerError::Invalid)?;
@@ -285,6 +290,7 @@ impl Containers {
         }
         let ipc = self.ns_plan(&req.ipc, "ipc")?;
         let uts = self.ns_plan(&req.uts, "uts")?;
+        let pid = self.ns_plan(&req.pid, "pid")?;
         hostname::apply_from_binds(&req.mounts);
         let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
         std::fs::create_dir_all(&mountpoint)
@@ -303,11 +309,13 @@ impl Containers {
                 ipc,
                 uts,
                 hostname: req.hostname.clone(),
+                sysctl: req.sysctl.clone(),
             },
             cgroup: Some(cg),
             process: req.process.clone(),
+            seccomp: req.seccomp.clone(),
         };
-        let spawned = match self.spawn(&spec) {
+        let spawned = match self.spawn(&spec, pid) {
             Ok(s) => s,
             Err(e) => {
                 cgroup::remove(&req.id, Duration::from_secs(5));
@@ -336,6 +344,7 @@ impl Containers {
             started: AtomicBool::new(false),
             execs: Mutex::new(HashMap::new()),
             volumes,
+            seccomp: req.seccomp.clone(),
         });
         self.map
             .lock()
@@ -431,12 +440,15 @@ impl Containers {
             },
             cgroup: Some(cgroup::path(&c.id)),
             process: req.process.clone(),
+            seccomp: c.seccomp.clone(),
         };
+        // setns, then fork: the exec is a process of the container's PID
+        // namespace (one that is not cannot be moved into it).
         let Spawned {
             child,
             mut sync,
             proc,
-        } = self.spawn(&spec)?;
+        } = self.spawn(&spec, init::NsPlan::Join(c.init.pid))?;
         if let Some(msg) = read_rest(&mut sync).filter(|m| !m.is_empty()) {
             self.reap_failed("", child, &proc);
             return Err(ContainerError::Setup(helper_error(
@@ -574,8 +586,9 @@ impl Containers {
             .collect()
     }
 
-    /// Starts the helper with the process's stdio wired up.
-    fn spawn(&self, spec: &InitSpec) -> Result<Spawned> {
+    /// Starts the helper with the process's stdio wired up, in PID
+    /// namespace `pid`.
+    fn spawn(&self, spec: &InitSpec, pid: init::NsPlan) -> Result<Spawned> {
         let (mut parent, child_sync) = UnixStream::pair().map_err(io("socketpair"))?;
         let io_setup = wire_stdio(&spec.process.stdio, spec.process.terminal)?;
         let mut cmd = Command::new("/proc/self/exe");
@@ -595,9 +608,7 @@ impl Containers {
                 Ok(())
             });
         }
-        let child = cmd
-            .spawn()
-            .map_err(io("starting the container init helper"))?;
+        let child = spawn_in_pid_ns(&mut cmd, pid)?;
         // The child's ends must close here, or EOF never comes.
         drop(cmd);
         drop(child_sync);
@@ -630,8 +641,9 @@ impl Containers {
         })
     }
 
-    /// Records the process's exit when it comes. A container's init taking
-    /// the rest of its processes along stands in for a PID namespace.
+    /// Records the process's exit when it comes. A container's init takes
+    /// the rest of its cgroup along: the kernel does so for a PID namespace
+    /// of its own, not for one it shares (the pod's, or the guest's).
     fn watch(&self, mut child: Child, proc: Arc<Proc>, container: Option<String>) {
         std::thread::Builder::new()
             .name(format!("wait-{}", proc.pid))
@@ -675,6 +687,42 @@ struct Spawned {
     proc: Arc<Proc>,
 }
 
+/// Forks the helper from a short-lived thread that first enters PID
+/// namespace `plan`: the namespace a process creates children in is a
+/// per-thread setting (unshare/setns of CLONE_NEWPID are allowed in a
+/// threaded process), so the rest of the agent keeps its own.
+fn spawn_in_pid_ns(cmd: &mut Command, plan: init::NsPlan) -> Result<Child> {
+    let ns = match plan {
+        init::NsPlan::Join(pid) => Some(
+            std::fs::File::open(format!("/proc/{pid}/ns/pid"))
+                .map_err(io(format!("the pid namespace of process {pid}")))?,
+        ),
+        _ => None,
+    };
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            match (plan, &ns) {
+                (init::NsPlan::New, _) => {
+                    // SAFETY: NEWPID changes only where this thread's
+                    // children go; no shared fd table or fs is unshared.
+                    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWPID) }
+                        .map_err(io("unshare(CLONE_NEWPID)"))?
+                }
+                (init::NsPlan::Join(_), Some(f)) => rustix::thread::move_into_link_name_space(
+                    f.as_fd(),
+                    Some(rustix::thread::LinkNameSpaceType::ProcessID),
+                )
+                .map_err(io("setns into the pid namespace"))?,
+                _ => {}
+            }
+            cmd.spawn()
+                .map_err(io("starting the container init helper"))
+        })
+        .join()
+        .map_err(|_| ContainerError::Internal("the spawning thread panicked".into()))?
+    })
+}
+
 fn validate_process(p: &ProcessSpec) -> Result<()> {
     if p.args.is_empty() || p.args[0].is_empty() {
         return Err(ContainerError::Invalid(
@@ -698,6 +746,11 @@ fn validate_process(p: &ProcessSpec) -> Result<()> {
     }
     if let Some(c) = &p.capabilities {
         caps::Sets::parse(c).map_err(ContainerError::Invalid)?;
+    }
+    if let Some(adj) = p.oom_score_adj.filter(|a| !(-1000..=1000).contains(a)) {
+        return Err(ContainerError::Invalid(format!(
+            "process.oomScoreAdj {adj} is outside -1000..=1000"
+        )));
     }
     if p.args.iter().chain(&p.env).any(|s| s.contains('\0')) {
         return Err(ContainerError::Invalid("NUL byte in args or env".into()));
