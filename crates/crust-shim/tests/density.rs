@@ -114,7 +114,7 @@ fn top_mappings(pid: i32) {
             maps.push((kb, head.clone()));
         }
     }
-    maps.sort_by(|a, b| b.0.cmp(&a.0));
+    maps.sort_by_key(|m| std::cmp::Reverse(m.0));
     println!("\nQEMU {pid}: largest resident mappings (KiB):");
     for (kb, h) in maps.iter().take(15) {
         println!("  {kb:>8}  {h}");
