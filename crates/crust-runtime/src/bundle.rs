@@ -82,9 +82,26 @@ pub struct Bundle {
     /// fails the container instead of falling back to the host mount.
     #[serde(default)]
     pub defer_required: bool,
+    /// The spec carries `linux.seccomp`: the containerd shim's containers
+    /// enforce it; the CLI's single workload cannot (see
+    /// [`Bundle::refuse_unfiltered`]).
+    #[serde(default)]
+    pub seccomp: bool,
 }
 
 impl Bundle {
+    /// The CLI runs one guest workload, never filtered: a profile there
+    /// would read as enforced when it is not.
+    pub fn refuse_unfiltered(&self) -> Result<(), BundleError> {
+        if self.seccomp {
+            return Err(BundleError::Invalid {
+                path: self.dir.display().to_string(),
+                reason: "linux.seccomp: the crust-runtime CLI's workload cannot be filtered; run it through containerd-shim-crust-v2".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Reads and validates `<dir>/config.json`. `dir` must be absolute.
     pub fn load(dir: &Path) -> Result<Bundle, BundleError> {
         let shown = dir.display().to_string();
@@ -132,14 +149,6 @@ impl Bundle {
             .process()
             .as_ref()
             .ok_or_else(|| invalid("config.json has no process".into()))?;
-        // The CLI runs one guest workload, never filtered: a profile here
-        // would read as enforced when it is not (the containerd shim's
-        // containers do enforce it).
-        if spec.linux().as_ref().is_some_and(|l| l.seccomp().is_some()) {
-            return Err(invalid(
-                "linux.seccomp: the crust-runtime CLI's workload cannot be filtered; run it through containerd-shim-crust-v2".into(),
-            ));
-        }
         let args = process.args().clone().unwrap_or_default();
         if args.is_empty() || args[0].is_empty() {
             return Err(invalid("process.args is empty".into()));
@@ -203,6 +212,7 @@ impl Bundle {
             mounts,
             pod_uid,
             defer_required,
+            seccomp: spec.linux().as_ref().is_some_and(|l| l.seccomp().is_some()),
         })
     }
 }
@@ -380,8 +390,12 @@ mod tests {
         s["process"]["env"] = json!(["NOEQUALS"]);
         assert!(parse(s).unwrap_err().to_string().contains("NAME=VALUE"));
         let mut s = spec(json!([]));
+        // Read for every door; only the CLI's refuses it (the shim filters).
         s["linux"] = json!({"seccomp": {"defaultAction": "SCMP_ACT_ERRNO"}});
-        assert!(parse(s).unwrap_err().to_string().contains("linux.seccomp"));
+        let b = parse(s).unwrap();
+        assert!(b.seccomp);
+        let e = b.refuse_unfiltered().unwrap_err().to_string();
+        assert!(e.contains("linux.seccomp"), "{e}");
         let mut s = spec(json!([]));
         s.as_object_mut().unwrap().remove("process");
         assert!(parse(s).unwrap_err().to_string().contains("no process"));

@@ -610,6 +610,7 @@ mod tests {
             mounts,
             pod_uid: None,
             defer_required: false,
+            seccomp: false,
         }
     }
 

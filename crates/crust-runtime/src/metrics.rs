@@ -351,6 +351,7 @@ mod tests {
                 mounts: vec![],
                 pod_uid: None,
                 defer_required: false,
+                seccomp: false,
             },
         );
         st.qemu = Some(me);

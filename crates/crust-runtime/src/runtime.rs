@@ -82,6 +82,7 @@ impl Runtime {
                 .join(bundle_dir)
         };
         let bundle = Bundle::load(&dir)?;
+        bundle.refuse_unfiltered()?;
         // A kubelet root mismatch fails here, before any handover.
         let discovery = self.discovery.for_bundle(&bundle)?;
         let plan = discovery.plan(&bundle)?;

@@ -454,6 +454,7 @@ mod tests {
             mounts: vec![],
             pod_uid: None,
             defer_required: false,
+            seccomp: false,
         }
     }
 

@@ -13,7 +13,7 @@ pub struct QemuStart {
     pub pid: i32,
     /// `kvm` or `tcg`, as requested by the caller.
     pub accel: String,
-    /// QEMU's `-name`.
+    /// QEMU's `-name` (the guest name, without its options).
     pub name: String,
 }
 
@@ -42,7 +42,7 @@ impl HangingKvmQemu {
 # A QEMU whose KVM hangs: -accel kvm runs the machine paused under TCG.
 accel=tcg; name=""; prev=""
 for a do
-  case "$prev" in -accel) accel=$a ;; -name) name=$a ;; esac
+  case "$prev" in -accel) accel=$a ;; -name) name=${{a%%,*}} ;; esac
   prev=$a
 done
 echo "$$ $accel $name" >> "{log}"
