@@ -605,6 +605,12 @@ mod tests {
         })
         .await
         .unwrap();
+        c.throttle(&ThrottleRequest {
+            volume_path: "/v".into(),
+            limits: "iops=200".into(),
+        })
+        .await
+        .unwrap();
         match c.call::<Empty>(Method::GET, "/nope", None).await {
             Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
             other => panic!("{other:?}"),
@@ -637,6 +643,7 @@ mod tests {
                 "resize /v 5".into(),
                 "resize /v 5".into(),
                 "freeze /v 600000".into(),
+                "throttle /v iops=200".into(),
                 "kill 15".into(),
                 "shutdown".into()
             ]

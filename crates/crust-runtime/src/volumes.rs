@@ -637,4 +637,31 @@ mod tests {
         };
         assert!(agent_fstype(&bad).is_err());
     }
+
+    #[test]
+    fn a_record_whose_limits_do_not_read_is_never_plugged() {
+        let mut mi = MountInfo::block("/dev/loop0", "ext4");
+        mi.metadata
+            .insert(crust_handoff::IO_LIMITS_KEY.into(), "iops=200".into());
+        let v = Volume::from_record(LayoutKind::Crust, "/t/q", &mi, false);
+        check_for_guest(&v).unwrap();
+        assert_eq!(io_limits(&v).unwrap().iops, 200);
+        // A record written by another tool, or damaged: no unthrottled plug.
+        for bad in ["iops=fast", "iops=5,readIops=1", "burst=9"] {
+            let v = Volume {
+                io_limits: Some(bad.into()),
+                ..v.clone()
+            };
+            let e = check_for_guest(&v).unwrap_err();
+            assert_eq!(e.code(), Code::FailedPrecondition, "{bad}: {e}");
+            assert!(e.to_string().contains("ioLimits"), "{e}");
+        }
+        let none = Volume::from_record(
+            LayoutKind::Crust,
+            "/t/q",
+            &MountInfo::block("/dev/loop0", "ext4"),
+            false,
+        );
+        assert!(io_limits(&none).unwrap().is_unlimited());
+    }
 }
