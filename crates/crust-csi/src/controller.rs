@@ -30,6 +30,7 @@ use std::sync::Arc;
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use crust_backend::{BackendError, ContentSource};
+use crust_handoff::IoLimits;
 use crust_proto::csi::v1 as csi;
 use csi::controller_server::Controller;
 use tonic::{Request, Response, Status};
@@ -65,6 +66,8 @@ struct CreateAsk {
     limit: u64,
     /// The smallest volume the backend and filesystem allow.
     min: u64,
+    /// The mutable parameters' limits.
+    io_limits: IoLimits,
 }
 
 /// Validated CreateVolume parameters.
@@ -312,6 +315,7 @@ impl Driver {
             handover: None,
             returned: None,
             created_targets: Default::default(),
+            io_limits: ask.io_limits,
         };
         let rec = self.allocate(rec, ask.source.as_ref(), existing.is_none())?;
         tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %rec.fs_type, "volume created");
@@ -337,11 +341,8 @@ impl Driver {
             ));
         }
         let source = content_source(req.volume_content_source.as_ref())?;
-        if !req.mutable_parameters.is_empty() {
-            return Err(ControllerError::InvalidArgument(
-                "mutable_parameters are not supported (MODIFY_VOLUME is not advertised)".into(),
-            ));
-        }
+        // VolumeAttributesClass at creation: the same keys ModifyVolume takes.
+        let io_limits = IoLimits::default().merged(&req.mutable_parameters)?;
         let (required, limit) = range(req.capacity_range.as_ref())?;
         if let Some(t) = &req.accessibility_requirements
             && !t.requisite.is_empty()
@@ -394,6 +395,7 @@ impl Driver {
             required,
             limit,
             min,
+            io_limits,
         })
     }
 
@@ -1060,9 +1062,11 @@ impl Controller for ControllerService {
 
     async fn controller_modify_volume(
         &self,
-        _request: Request<csi::ControllerModifyVolumeRequest>,
+        request: Request<csi::ControllerModifyVolumeRequest>,
     ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
-        Err(unimplemented("ControllerModifyVolume"))
+        let req = request.into_inner();
+        blocking(&self.driver, move |d| d.controller_modify_volume(&req)).await?;
+        Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
     }
 
     async fn controller_get_volume_health(

@@ -146,6 +146,7 @@ impl Driver {
             mount_flags,
             fs_group: gid,
             fs_group_change_policy: policy,
+            io_limits: rec.io_limits,
         };
         // Everything that can refuse the request is checked before the
         // staging mount or any record changes: flags outside the

@@ -193,6 +193,20 @@ pub enum ControllerError {
     },
     #[error("starting_token {} is not a token this plugin issued", crust_fs::quote(.0))]
     BadToken(String),
+    /// CreateVolume's or ControllerModifyVolume's mutable parameters.
+    #[error(transparent)]
+    BadIoLimits(#[from] crust_handoff::QosError),
+    /// ControllerModifyVolume: recorded, but the guest using the volume
+    /// did not take the limits live; the runtime's code is kept.
+    #[error(
+        "volume {volume}: the new I/O limits are recorded (every later plug applies them), but \
+         the guest using it at {} did not take them: {cause}", target.display()
+    )]
+    LimitsNotApplied {
+        volume: String,
+        target: PathBuf,
+        cause: Box<crust_ops::OpsError>,
+    },
     /// A capability's mount flags outside the allow-list.
     #[error(transparent)]
     BadMountFlags(#[from] BadMountFlags),
@@ -209,7 +223,8 @@ impl From<ControllerError> for Status {
         let code = match &e {
             ControllerError::Missing(_)
             | ControllerError::InvalidArgument(_)
-            | ControllerError::BadMountFlags(_) => Code::InvalidArgument,
+            | ControllerError::BadMountFlags(_)
+            | ControllerError::BadIoLimits(_) => Code::InvalidArgument,
             ControllerError::NotFound(_) => Code::NotFound,
             ControllerError::ExistsWithOtherArgs { .. }
             | ControllerError::ExistsWithOtherSize { .. }
@@ -227,6 +242,12 @@ impl From<ControllerError> for Status {
             ControllerError::OtherTopology { .. } => Code::ResourceExhausted,
             ControllerError::BadToken(_) | ControllerError::Busy(_) => Code::Aborted,
             ControllerError::Backend(b) => backend_code(b),
+            // The request was good: a record or argument the runtime
+            // refused is the node's state, not the caller's fault.
+            ControllerError::LimitsNotApplied { cause, .. } => match cause.code() {
+                Code::InvalidArgument | Code::NotFound => Code::Internal,
+                c => c,
+            },
             ControllerError::IdCollision { .. }
             | ControllerError::GroupMemberGone { .. }
             | ControllerError::HostFreezeFailed { .. }

@@ -607,6 +607,7 @@ impl Driver {
                 .supplemental_group_change_policy
                 .as_deref()
                 .and_then(|v| crust_handoff::FsGroupChangePolicy::parse(v).ok()),
+            io_limits: rec.io_limits,
         };
         wait_out_transient(
             |e| matches!(e, crust_ops::OpsError::DeviceInUse { .. }),

@@ -702,6 +702,7 @@ mod tests {
             handover: None,
             returned: None,
             created_targets: Default::default(),
+            io_limits: Default::default(),
         }
     }
 

@@ -36,6 +36,7 @@ pub mod identity;
 pub mod metrics;
 pub mod node;
 mod placeholder;
+pub mod qos;
 pub mod server;
 pub mod snapshot;
 pub mod state;

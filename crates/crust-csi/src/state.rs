@@ -15,6 +15,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crust_handoff::IoLimits;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -233,6 +234,11 @@ pub struct VolumeRecord {
     /// put there is never removed.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub created_targets: BTreeSet<PathBuf>,
+    /// I/O limits (CreateVolume's and ControllerModifyVolume's mutable
+    /// parameters, merged): put in every hand-off record the plugin writes
+    /// for the volume, applied by a guest's runtime (README, "Live QoS").
+    #[serde(default, skip_serializing_if = "IoLimits::is_unlimited")]
+    pub io_limits: IoLimits,
 }
 
 /// A volume's content source, as recorded.
@@ -706,6 +712,7 @@ pub(crate) mod tests_support {
             handover: None,
             returned: None,
             created_targets: BTreeSet::new(),
+            io_limits: Default::default(),
         }
     }
 }

@@ -41,6 +41,7 @@ pub fn controller_capabilities(
         CtlRpc::ListVolumesPublishedNodes,
         CtlRpc::GetVolume,
         CtlRpc::SingleNodeMultiWriter,
+        CtlRpc::ModifyVolume,
     ];
     if expansion == Expansion::Controller {
         caps.push(CtlRpc::ExpandVolume);

@@ -135,6 +135,7 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         C::VolumeCondition,
         C::GetVolume,
         C::SingleNodeMultiWriter,
+        C::ModifyVolume,
         C::GetVolumeHealth,
         C::ListVolumeHealth,
         C::CreateDeleteSnapshot,
@@ -237,7 +238,7 @@ async fn capabilities_node_info_and_unimplemented_rpcs() {
         c.ctl
             .controller_modify_volume(csi::ControllerModifyVolumeRequest::default())
             .await,
-        u,
+        ia,
     );
     let ch = node
         .plugin

@@ -19,6 +19,7 @@ mod error;
 pub mod kubelet;
 pub mod liveness;
 mod mountinfo;
+pub mod qos;
 mod store;
 pub mod validate;
 
@@ -29,6 +30,7 @@ pub use mountinfo::{
     CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
     FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL,
 };
+pub use qos::{IO_LIMITS_KEY, IoLimits, QosError};
 pub use store::{
     DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT, Layout, ListedRecord, MAX_RECORD_SIZE, MOUNT_INFO_FILE,
     Policy, RUNTIME_CLI_FILE, RecordState, SourceMatch, Store, crust_key, kata_key,

@@ -29,6 +29,9 @@ pub const VERB_STATS: &str = "stats";
 pub const VERB_FREEZE: &str = "freeze";
 /// `<cli> crust thaw <target>` → `{"was_frozen":bool,"expired":bool}`.
 pub const VERB_THAW: &str = "thaw";
+/// `crust throttle <target> <limits>`: applies [`crate::IoLimits`] (their
+/// wire form, empty = unlimited) to the volume's device in the guest.
+pub const VERB_THROTTLE: &str = "throttle";
 /// Exit status of a runtime CLI asked for a verb it does not know.
 pub const UNSUPPORTED_EXIT: i32 = 2;
 /// Start of its stderr line.

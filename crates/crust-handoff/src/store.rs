@@ -314,6 +314,38 @@ impl Store {
         write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)
     }
 
+    /// Replaces the I/O limits of the record staged for `target`
+    /// (metadata [`crate::IO_LIMITS_KEY`]), claimed or not: the one field
+    /// that may change under a sandbox, since its runtime applies it live
+    /// and reads it again at every plug. The claim and `runtime-cli` stay.
+    /// No record: [`HandoffError::NotFound`]. Returns whether it changed.
+    pub fn set_io_limits(&self, target: &str, limits: &crate::IoLimits) -> Result<bool> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.to_string()));
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Err(HandoffError::NotFound(target.to_string()));
+        };
+        let path = self.display(&key);
+        let bytes = read_bounded(&dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, &path)?
+            .ok_or_else(|| HandoffError::NotFound(target.to_string()))?;
+        let mut mi = MountInfo::from_json(&bytes).map_err(|e| HandoffError::bad(&path, e))?;
+        let before = mi.metadata.get(crate::IO_LIMITS_KEY).cloned();
+        if limits.is_unlimited() {
+            mi.metadata.remove(crate::IO_LIMITS_KEY);
+        } else {
+            mi.metadata
+                .insert(crate::IO_LIMITS_KEY.into(), limits.to_wire());
+        }
+        if mi.metadata.get(crate::IO_LIMITS_KEY) == before.as_ref() {
+            return Ok(false);
+        }
+        let (_, json) = self.checked_record(target, &mi)?;
+        write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)?;
+        Ok(true)
+    }
+
     /// Writes the record for `target` already claimed by `sandbox_id`
     /// (and, CRUST layout, with its `runtime_cli`): the claim and the CLI
     /// are written first and `mountInfo.json` last, so a reader sees

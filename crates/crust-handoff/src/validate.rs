@@ -203,9 +203,14 @@ pub fn check_metadata(md: &BTreeMap<String, String>) -> Result<(), String> {
                 FsGroupChangePolicy::parse(v)?;
             }
             ENCRYPTION_KEY_KEY => return Err(encryption_refused()),
+            crate::qos::IO_LIMITS_KEY => {
+                crate::qos::IoLimits::from_wire(v).map_err(|e| e.to_string())?;
+            }
             other => {
                 return Err(format!(
-                    "metadata key {other:?} is not allowed (allowed: {FS_GROUP_KEY}, {FS_GROUP_CHANGE_POLICY_KEY})"
+                    "metadata key {other:?} is not allowed (allowed: {FS_GROUP_KEY}, \
+                     {FS_GROUP_CHANGE_POLICY_KEY}, {})",
+                    crate::qos::IO_LIMITS_KEY
                 ));
             }
         }

@@ -35,7 +35,8 @@ pub mod service;
 pub use error::OpsError;
 pub use ops::{
     ClaimantState, CrustOps, DEFAULT_CLI_TIMEOUT, DEFAULT_KATA_RUNTIME, DEFAULT_KATA_SHIM_DIRS,
-    DeviceClaim, ExpandRequest, KATA_SHIM_SOCKET, LayoutMode, OpsConfig, StageRequest,
+    DeviceClaim, ExpandRequest, KATA_SHIM_SOCKET, LayoutMode, LimitsApplied, OpsConfig,
+    StageRequest,
 };
 pub use parse::{UsageUnit, VolumeCondition, VolumeStats, VolumeUsage};
 pub use service::RuntimeService;

@@ -7,10 +7,12 @@ use std::str::FromStr;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use crust_handoff::liveness::{UNSUPPORTED_EXIT, VERB_FREEZE, VERB_SANDBOX_STATE, VERB_THAW};
+use crust_handoff::liveness::{
+    UNSUPPORTED_EXIT, VERB_FREEZE, VERB_SANDBOX_STATE, VERB_THAW, VERB_THROTTLE,
+};
 use crust_handoff::{
-    Capabilities, FsGroupChangePolicy, HandoffError, Layout, MountInfo, Policy, SandboxLiveness,
-    SandboxState, Store,
+    Capabilities, FsGroupChangePolicy, HandoffError, IO_LIMITS_KEY, IoLimits, Layout, MountInfo,
+    Policy, SandboxLiveness, SandboxState, Store,
 };
 
 use crate::cli;
@@ -93,6 +95,8 @@ pub struct StageRequest {
     pub mount_flags: Vec<String>,
     pub fs_group: Option<u32>,
     pub fs_group_change_policy: Option<FsGroupChangePolicy>,
+    /// The volume's I/O limits, applied by the runtime at every plug.
+    pub io_limits: IoLimits,
 }
 
 impl StageRequest {
@@ -101,8 +105,23 @@ impl StageRequest {
         mi.options = self.mount_flags.clone();
         mi.set_fs_group(self.fs_group);
         mi.set_fs_group_change_policy(self.fs_group_change_policy);
+        if !self.io_limits.is_unlimited() {
+            mi.metadata
+                .insert(IO_LIMITS_KEY.into(), self.io_limits.to_wire());
+        }
         mi
     }
+}
+
+/// Where [`CrustOps::set_io_limits`] got the limits to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitsApplied {
+    /// The running guest's device has them now (and the record, for the
+    /// next plug).
+    Live,
+    /// Only the record has them: no runtime consumed it yet; the runtime
+    /// applies them when it plugs the device.
+    AtNextPlug,
 }
 
 /// `RuntimeExpandVolume`, typed; 0 means "not specified" for both bounds.
@@ -640,6 +659,44 @@ impl CrustOps {
                 "expected {\"was_frozen\":bool,\"expired\":bool}".into(),
             )),
         }
+    }
+
+    /// Gives the volume at `target` new I/O limits: its hand-off
+    /// record(s) first (every later plug applies them), then the running
+    /// guest through the consuming runtime's `crust throttle`. A runtime
+    /// that cannot throttle live (Kata's, or a CLI without the verb):
+    /// FAILED_PRECONDITION, the records keeping the new limits. No record:
+    /// NOT_FOUND.
+    pub fn set_io_limits(
+        &self,
+        target: &str,
+        limits: &IoLimits,
+    ) -> Result<LimitsApplied, OpsError> {
+        self.check_target(target)?;
+        let mut found = false;
+        for s in self.stores() {
+            match s.set_io_limits(target, limits) {
+                Ok(_) => found = true,
+                Err(HandoffError::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !found {
+            return Err(HandoffError::NotFound(target.to_string()).into());
+        }
+        let cli = match self.cli_offering(target, VERB_THROTTLE) {
+            Ok(cli) => cli,
+            Err(OpsError::NotConsumed(_)) => return Ok(LimitsApplied::AtNextPlug),
+            Err(e) => return Err(e),
+        };
+        let wire = limits.to_wire();
+        cli::run(
+            &cli,
+            &["crust", VERB_THROTTLE, target, wire.as_str()],
+            self.cli_timeout,
+        )?;
+        tracing::info!(target = %target, limits = %wire, "I/O limits applied in the guest");
+        Ok(LimitsApplied::Live)
     }
 
     /// The CRUST runtime CLI consuming `target`, if it offers `verb`.

@@ -79,6 +79,8 @@ pub fn stage_request_from_proto(
         mount_flags: r.mount_flags,
         fs_group,
         fs_group_change_policy,
+        // The KEP's request has no limits: set later by set_io_limits.
+        io_limits: Default::default(),
     })
 }
 

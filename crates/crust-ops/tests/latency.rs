@@ -95,6 +95,7 @@ async fn latency_figures() {
             mount_flags: vec![],
             fs_group: Some(2000),
             fs_group_change_policy: None,
+            io_limits: Default::default(),
         })
         .unwrap();
         inproc.push(t0.elapsed());

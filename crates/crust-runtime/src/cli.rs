@@ -309,6 +309,14 @@ pub enum CrustCommand {
     },
     /// Thaw it; prints `{"was_frozen":…,"expired":…}`.
     Thaw { target_path: String },
+    /// Set the volume's I/O limits in the guest, live: LIMITS as in the
+    /// hand-off record's `ioLimits` (`iops=200,readBps=1048576`; empty or
+    /// all 0 lifts them).
+    Throttle {
+        target_path: String,
+        #[arg(default_value = "")]
+        limits: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -495,6 +503,7 @@ pub fn capabilities() -> crust_handoff::Capabilities {
             VERB_SANDBOX_STATE,
             VERB_STATS,
             VERB_THAW,
+            VERB_THROTTLE,
         ]
         .map(String::from)
         .to_vec(),
@@ -622,6 +631,13 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
         Command::Crust(CrustCommand::Thaw { target_path }) => {
             Ok(Outcome::json(&rt.volume_thaw(&target_path).await?))
         }
+        Command::Crust(CrustCommand::Throttle {
+            target_path,
+            limits,
+        }) => rt
+            .volume_throttle(&target_path, &limits)
+            .await
+            .map(|()| Outcome::json(&serde_json::json!({}))),
         Command::DirectVolume(DirectVolumeCommand::Add {
             volume_path,
             mount_info,

@@ -29,7 +29,8 @@ use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
 use crate::share;
 use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crate::stats::{
-    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
+    VolumeStats,
 };
 use crate::vm::Guest;
 use crate::volumes::{self, VolumeError};
@@ -750,6 +751,16 @@ impl ShimHandler for Controller {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
         Ok(volumes::thaw(&self.agent, &v, self.cfg.timeout).await?)
+    }
+
+    async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
+        let v = self.find_volume(&req.volume_path)?;
+        if let Some(r) = self.qemu_exited() {
+            return Err(self.not_running(&format!("QEMU exited: {r}")));
+        }
+        let lock = self.volume_lock(&v.id);
+        let _g = lock.lock().await;
+        Ok(volumes::throttle_request(&self.qmp, &v, &req.limits).await?)
     }
 
     async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {

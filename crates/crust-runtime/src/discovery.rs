@@ -96,6 +96,10 @@ pub struct Volume {
     pub node_name: String,
     /// QMP device id.
     pub device_id: String,
+    /// The record's I/O limits (metadata `ioLimits`, their wire form),
+    /// applied at every plug; checked by `volumes::check_for_guest`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_limits: Option<String>,
 }
 
 impl Volume {
@@ -121,6 +125,7 @@ impl Volume {
             readonly: oci_readonly || mi.options.iter().any(|o| o == "ro"),
             // Records are validated on read; an unreadable value is false.
             create_fs: mi.create_filesystem().ok().flatten().unwrap_or(false),
+            io_limits: mi.metadata.get(crust_handoff::IO_LIMITS_KEY).cloned(),
         }
     }
 

@@ -175,6 +175,12 @@ async fn plug_on(
     };
     let res = async {
         let io = volumes::attach(g.qmp, v, Some(bus), file).await?;
+        // Before the guest mounts it: the workload never sees it unthrottled.
+        let limits = volumes::io_limits(v)?;
+        if !limits.is_unlimited() {
+            volumes::throttle(g.qmp, v, &limits).await?;
+            tracing::info!(target = %v.target, limits = %limits.to_wire(), "I/O limits applied");
+        }
         crate::handover::crash_point("attached");
         volumes::mount(g.agent, v, g.mount_timeout).await?;
         Ok(io)

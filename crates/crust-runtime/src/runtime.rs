@@ -458,6 +458,20 @@ impl Runtime {
         Ok(self.client(&id).thaw(&req).await?)
     }
 
+    /// `crust throttle`: the sandbox serving `volume_path` applies the
+    /// I/O limits (wire form, empty = none) to its device.
+    pub async fn volume_throttle(&self, volume_path: &str, limits: &str) -> Result<()> {
+        // Before any record or guest is looked at.
+        crust_handoff::IoLimits::from_wire(limits)
+            .map_err(|e| RuntimeError::new(Code::InvalidArgument, e.to_string()))?;
+        let id = self.serving(volume_path)?;
+        let req = crate::stats::ThrottleRequest {
+            volume_path: volume_path.to_string(),
+            limits: limits.to_string(),
+        };
+        Ok(self.client(&id).throttle(&req).await?)
+    }
+
     /// The sandbox serving `volume_path`, or UNAVAILABLE saying why not.
     fn serving(&self, volume_path: &str) -> Result<String> {
         match self.serving_sandbox(volume_path)? {

@@ -28,7 +28,8 @@ mod blocking;
 use crate::discovery::Volume;
 use crate::sandbox::SandboxState;
 use crate::stats::{
-    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
+    VolumeStats,
 };
 
 pub use crust_shim_api::{
@@ -51,6 +52,8 @@ pub trait ShimHandler: Send + Sync + 'static {
     /// after `max_frozen_ms` at the latest).
     fn freeze(&self, req: FreezeRequest) -> impl Future<Output = ApiResult<()>> + Send;
     fn thaw(&self, req: ThawRequest) -> impl Future<Output = ApiResult<ThawResponse>> + Send;
+    /// Sets the volume's I/O limits in the running guest.
+    fn throttle(&self, req: ThrottleRequest) -> impl Future<Output = ApiResult<()>> + Send;
     fn add_volume(&self, volume_path: String) -> impl Future<Output = ApiResult<Volume>> + Send;
     fn exec(&self, req: ExecRequest) -> impl Future<Output = ApiResult<ExecResponse>> + Send;
     fn logs(&self) -> impl Future<Output = ApiResult<LogsResponse>> + Send;
@@ -194,6 +197,7 @@ async fn dispatch<H: ShimHandler>(
         Call::Resize(r) => reply_kata(h.resize(r).await),
         Call::Freeze(r) => reply(h.freeze(r).await.map(|()| Empty {})),
         Call::Thaw(r) => reply(h.thaw(r).await),
+        Call::Throttle(r) => reply(h.throttle(r).await.map(|()| Empty {})),
         Call::State => reply(h.state().await),
         Call::Start => reply(h.start().await),
         Call::Kill(signal) => reply(h.kill(signal).await.map(|()| Empty {})),
@@ -386,6 +390,13 @@ impl ShimClient {
         self.call(Method::POST, "/volume/thaw", Some(body)).await
     }
 
+    pub async fn throttle(&self, req: &ThrottleRequest) -> Result<(), ShimError> {
+        let body = serde_json::to_vec(req).expect("serializable");
+        self.call::<Empty>(Method::POST, "/volume/throttle", Some(body))
+            .await
+            .map(drop)
+    }
+
     pub async fn add_volume(&self, volume_path: &str) -> Result<Volume, ShimError> {
         let body = serde_json::to_vec(&AddVolumeRequest {
             volume_path: volume_path.into(),
@@ -461,6 +472,13 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("freeze {} {}", req.volume_path, req.max_frozen_ms));
+            Ok(())
+        }
+        async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
+            self.seen
+                .lock()
+                .unwrap()
+                .push(format!("throttle {} {}", req.volume_path, req.limits));
             Ok(())
         }
         async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
@@ -587,6 +605,12 @@ mod tests {
         })
         .await
         .unwrap();
+        c.throttle(&ThrottleRequest {
+            volume_path: "/v".into(),
+            limits: "iops=200".into(),
+        })
+        .await
+        .unwrap();
         match c.call::<Empty>(Method::GET, "/nope", None).await {
             Err(ShimError::Api(e)) => assert_eq!(e.code, Code::NotFound),
             other => panic!("{other:?}"),
@@ -619,6 +643,7 @@ mod tests {
                 "resize /v 5".into(),
                 "resize /v 5".into(),
                 "freeze /v 600000".into(),
+                "throttle /v iops=200".into(),
                 "kill 15".into(),
                 "shutdown".into()
             ]

@@ -186,7 +186,9 @@ impl VolumeStats {
 
 // The request and answer bodies of the shim API's volume calls live
 // with the API's other wire types.
-pub use crust_shim_api::{FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse};
+pub use crust_shim_api::{
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
+};
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,7 @@ use crust_agent_proto::{
     AgentClient, ClientError, ErrorCode, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, MountVolume,
     MountVolumeReply,
 };
-use crust_handoff::FsGroupChangePolicy;
+use crust_handoff::{FsGroupChangePolicy, IoLimits};
 use crust_qmp::{QmpClient, QmpError};
 
 use crate::discovery::Volume;
@@ -45,6 +45,13 @@ pub enum VolumeError {
     OutOfRange { target: String, reason: String },
     #[error("volume {target}: {reason}")]
     Precondition { target: String, reason: String },
+    /// `crust throttle`'s limits do not read.
+    #[error("volume {target}: I/O limits: {source}")]
+    BadLimits {
+        target: String,
+        #[source]
+        source: crust_handoff::QosError,
+    },
 }
 
 impl VolumeError {
@@ -60,6 +67,7 @@ impl VolumeError {
             VolumeError::HostDevice { .. } => Code::FailedPrecondition,
             VolumeError::OutOfRange { .. } => Code::OutOfRange,
             VolumeError::Precondition { .. } => Code::FailedPrecondition,
+            VolumeError::BadLimits { .. } => Code::InvalidArgument,
         }
     }
 }
@@ -170,6 +178,8 @@ pub fn guest_options(v: &Volume) -> Vec<String> {
 /// ones are dropped. The record itself (device, volume type, secrets)
 /// was checked when it was read.
 pub fn check_for_guest(v: &Volume) -> Result<(), VolumeError> {
+    // A record's limits that cannot be read never plug unthrottled.
+    io_limits(v)?;
     let fs = agent_fstype(v)?;
     crust_fs::options::parse(fs, &guest_options(v), v.readonly).map_err(|e| {
         VolumeError::Precondition {
@@ -338,6 +348,46 @@ pub async fn attach(
         return Err(qmp_err(v, "device_add")(e));
     }
     Ok(io)
+}
+
+/// The I/O limits `v`'s record carries (none: unlimited).
+pub fn io_limits(v: &Volume) -> Result<IoLimits, VolumeError> {
+    let Some(wire) = &v.io_limits else {
+        return Ok(IoLimits::default());
+    };
+    IoLimits::from_wire(wire).map_err(|e| VolumeError::Precondition {
+        target: v.target.clone(),
+        reason: format!("record metadata {}: {e}", crust_handoff::IO_LIMITS_KEY),
+    })
+}
+
+/// Applies `limits` to `v`'s device in the running guest (QMP
+/// `block_set_io_throttle` on its qdev id): at every plug, and when the
+/// CSI plugin changes them (`crust throttle`). Unlimited lifts them all.
+pub async fn throttle(qmp: &QmpClient, v: &Volume, limits: &IoLimits) -> Result<(), VolumeError> {
+    let t = crust_qmp::IoThrottle {
+        iops: limits.iops,
+        iops_rd: limits.read_iops,
+        iops_wr: limits.write_iops,
+        bps: limits.bps,
+        bps_rd: limits.read_bps,
+        bps_wr: limits.write_bps,
+    };
+    qmp.block_set_io_throttle(&v.device_id, &t)
+        .await
+        .map_err(qmp_err(v, "block_set_io_throttle"))
+}
+
+/// The shim API's `/volume/throttle` for both doors: `wire` read as
+/// [`IoLimits::from_wire`], then [`throttle`].
+pub async fn throttle_request(qmp: &QmpClient, v: &Volume, wire: &str) -> Result<(), VolumeError> {
+    let limits = IoLimits::from_wire(wire).map_err(|source| VolumeError::BadLimits {
+        target: v.target.clone(),
+        source,
+    })?;
+    throttle(qmp, v, &limits).await?;
+    tracing::info!(target = %v.target, limits = %wire, "I/O limits applied live");
+    Ok(())
 }
 
 /// Unplugs `v` (rollback of a failed hot-plug into a running sandbox).
@@ -586,5 +636,32 @@ mod tests {
             ..v
         };
         assert!(agent_fstype(&bad).is_err());
+    }
+
+    #[test]
+    fn a_record_whose_limits_do_not_read_is_never_plugged() {
+        let mut mi = MountInfo::block("/dev/loop0", "ext4");
+        mi.metadata
+            .insert(crust_handoff::IO_LIMITS_KEY.into(), "iops=200".into());
+        let v = Volume::from_record(LayoutKind::Crust, "/t/q", &mi, false);
+        check_for_guest(&v).unwrap();
+        assert_eq!(io_limits(&v).unwrap().iops, 200);
+        // A record written by another tool, or damaged: no unthrottled plug.
+        for bad in ["iops=fast", "iops=5,readIops=1", "burst=9"] {
+            let v = Volume {
+                io_limits: Some(bad.into()),
+                ..v.clone()
+            };
+            let e = check_for_guest(&v).unwrap_err();
+            assert_eq!(e.code(), Code::FailedPrecondition, "{bad}: {e}");
+            assert!(e.to_string().contains("ioLimits"), "{e}");
+        }
+        let none = Volume::from_record(
+            LayoutKind::Crust,
+            "/t/q",
+            &MountInfo::block("/dev/loop0", "ext4"),
+            false,
+        );
+        assert!(io_limits(&none).unwrap().is_unlimited());
     }
 }

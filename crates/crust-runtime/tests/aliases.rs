@@ -78,6 +78,7 @@ fn knock(
                 mount_flags: Vec::new(),
                 fs_group: None,
                 fs_group_change_policy: None,
+                io_limits: Default::default(),
             })
             .map_err(|e| (Some(format!("{:?}", e.code())), e.to_string()))
         }

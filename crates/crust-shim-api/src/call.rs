@@ -7,6 +7,7 @@
 //! | POST | `/direct-volume/resize` | [`ResizeRequest`] | [`crate::ResizeResponse`] |
 //! | POST | `/volume/freeze` | [`FreezeRequest`] | `{}` |
 //! | POST | `/volume/thaw` | [`ThawRequest`] | [`crate::ThawResponse`] |
+//! | POST | `/volume/throttle` | [`ThrottleRequest`] | `{}` |
 //! | GET  | `/state` | | `SandboxState` |
 //! | POST | `/start` | | `SandboxState` |
 //! | POST | `/kill` | [`crate::KillRequest`] | `{}` |
@@ -29,7 +30,7 @@ use serde::de::DeserializeOwned;
 
 use crate::{
     AddVolumeRequest, ApiError, ApiResult, Code, ExecRequest, FreezeRequest, KillRequest,
-    ResizeRequest, ThawRequest, percent_decode, percent_encode,
+    ResizeRequest, ThawRequest, ThrottleRequest, percent_decode, percent_encode,
 };
 
 const STATS: &str = "/direct-volume/stats";
@@ -45,6 +46,7 @@ pub enum Call {
     /// Checked against the freeze time limit at the door.
     Freeze(FreezeRequest),
     Thaw(ThawRequest),
+    Throttle(ThrottleRequest),
     State,
     Start,
     Kill(i32),
@@ -89,6 +91,7 @@ impl Call {
             "/direct-volume/resize" if post => Call::Resize(json(body)?),
             "/volume/freeze" if post => Call::Freeze(checked_freeze(json(body)?)?),
             "/volume/thaw" if post => Call::Thaw(json(body)?),
+            "/volume/throttle" if post => Call::Throttle(json(body)?),
             "/state" if get => Call::State,
             "/start" if post => Call::Start,
             "/kill" if post => Call::Kill(json::<KillRequest>(body)?.signal),
@@ -114,6 +117,7 @@ impl Call {
             Call::Resize(r) => ("POST", "/direct-volume/resize".into(), Some(to_json(r))),
             Call::Freeze(r) => ("POST", "/volume/freeze".into(), Some(to_json(r))),
             Call::Thaw(r) => ("POST", "/volume/thaw".into(), Some(to_json(r))),
+            Call::Throttle(r) => ("POST", "/volume/throttle".into(), Some(to_json(r))),
             Call::State => ("GET", "/state".into(), None),
             Call::Start => ("POST", "/start".into(), None),
             Call::Kill(signal) => (
@@ -188,6 +192,10 @@ mod tests {
             }),
             Call::Thaw(ThawRequest {
                 volume_path: "/v".into(),
+            }),
+            Call::Throttle(ThrottleRequest {
+                volume_path: "/v".into(),
+                limits: "iops=200".into(),
             }),
             Call::State,
             Call::Start,

@@ -133,6 +133,15 @@ pub struct FreezeRequest {
     pub max_frozen_ms: u64,
 }
 
+/// The shim's throttle request (`POST /volume/throttle`): the volume's
+/// I/O limits in `crust_handoff::IoLimits`' wire form (empty: none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ThrottleRequest {
+    pub volume_path: String,
+    pub limits: String,
+}
+
 /// The shim's thaw request (`POST /volume/thaw`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -10,7 +10,8 @@ use crust_runtime::discovery::Volume;
 use crust_runtime::sandbox::SandboxState;
 use crust_runtime::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crust_runtime::stats::{
-    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, VolumeStats,
+    FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
+    VolumeStats,
 };
 use crust_runtime::volumes;
 
@@ -136,6 +137,16 @@ impl ShimHandler for PodApi {
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
         Ok(volumes::thaw(&vm.agent, &v, self.0.cfg.runtime.timeout).await?)
+    }
+
+    async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
+        let v = self.volume(&req.volume_path).await?;
+        let vm = self
+            .0
+            .vm()
+            .await
+            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
+        Ok(volumes::throttle_request(&vm.qmp, &v, &req.limits).await?)
     }
 
     async fn add_volume(&self, _volume_path: String) -> ApiResult<Volume> {
