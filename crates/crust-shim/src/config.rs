@@ -12,8 +12,8 @@ use crate::spec::LsmPolicy;
 
 /// Memory the guest gets on top of its containers' limits: kernel, agent,
 /// page cache for the shares. A RuntimeClass `overhead.podFixed.memory`
-/// should state at least this plus QEMU's and virtiofsd's own RSS (see
-/// the README's benchmark).
+/// should state at least this plus QEMU's, virtiofsd's and the shim's own
+/// PSS (the README's density benchmark: about 51 MiB).
 pub const DEFAULT_OVERHEAD_MIB: u32 = 160;
 
 #[derive(Debug, Parser)]
