@@ -3,6 +3,7 @@
 # another process's bytes. Targets live in fuzz/ (its own cargo workspace).
 #
 #   scripts/fuzz.sh --smoke [TARGET...]        CI: build, ~20 s per target, fail on any crash
+#                                              (given no target: all but the long-form-only ones)
 #   scripts/fuzz.sh --long [SECONDS] [TARGET...]  SECONDS per target (default 3600)
 #   scripts/fuzz.sh --long 3600 --save ...     then minimize the run's corpus into fuzz/corpus/
 #   scripts/fuzz.sh --coverage [TARGET...]     line coverage of the committed corpora:
@@ -13,6 +14,9 @@
 # in the fuzz target dir, so the next run starts where this one ended):
 # each target at least 3600 s; handoff_record writes a record per input
 # (a few thousand runs/s), so give it 2x for the same depth.
+# Long-form only (not in the smoke unless named): csi_request, whose
+# build (crust-csi and its gRPC stack with the sanitizer, the fuzz
+# manifest's `csi` feature) alone takes about 8 minutes on two cores.
 #
 # Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
 # --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the
@@ -42,7 +46,7 @@ while [ $# -gt 0 ]; do
     --list) mode=list ;;
     --coverage) mode=coverage ;;
     -h | --help)
-      sed -n '2,25p' "$0"
+      sed -n '2,30p' "$0"
       exit 0
       ;;
     -*)
@@ -53,14 +57,26 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$mode" ] || { sed -n '2,25p' "$0" >&2; exit 2; }
+[ -n "$mode" ] || { sed -n '2,30p' "$0" >&2; exit 2; }
 
 all_targets=$(sed -n 's/^name = "\([a-z0-9_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
 if [ "$mode" = list ]; then
   echo "$all_targets"
   exit 0
 fi
-[ ${#targets[@]} -gt 0 ] || mapfile -t targets <<<"$all_targets"
+long_only="csi_request"
+if [ ${#targets[@]} -eq 0 ]; then
+  if [ "$mode" = smoke ]; then
+    mapfile -t targets < <(grep -vxF "$long_only" <<<"$all_targets")
+  else
+    mapfile -t targets <<<"$all_targets"
+  fi
+fi
+# The feature that builds a long-form-only target, when one is asked for.
+features=()
+for t in "${targets[@]}"; do
+  [ "$t" = csi_request ] && features=(--features csi)
+done
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
   echo "fuzz.sh: no nightly toolchain (rustup toolchain list): cannot build the fuzz targets" >&2
@@ -89,6 +105,7 @@ dict_of() {
     containerd_config) echo fuzz/dict/toml.dict ;;
     shim_http) echo fuzz/dict/http.dict ;;
     h2_authority) echo fuzz/dict/h2.dict ;;
+    csi_request) echo fuzz/dict/csi.dict ;;
   esac
 }
 
@@ -104,6 +121,7 @@ parser_files_of() {
     containerd_config) echo crates/crust-node-install/src/containerd.rs ;;
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
+    csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/{mod,target}.rs ;;
   esac
 }
 
@@ -129,7 +147,7 @@ if [ "$mode" = coverage ]; then
   for t in "${targets[@]}"; do
     log="$ctdir/$t.log"
     if ! cargo +nightly fuzz coverage --fuzz-dir fuzz --target-dir "$ctdir" --sanitizer none \
-      --llvm-path "$llvm" "$t" "fuzz/corpus/$t" >"$log" 2>&1; then
+      "${features[@]}" --llvm-path "$llvm" "$t" "fuzz/corpus/$t" >"$log" 2>&1; then
       grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$log" | tail -30 >&2
       echo "fuzz.sh: coverage of $t failed" >&2
       exit 1
@@ -158,14 +176,16 @@ fi
 t0=$(date +%s)
 echo "fuzz.sh: building ${#targets[@]} targets (nightly, AddressSanitizer, debug assertions)"
 build() {
-  if ! cargo +nightly fuzz build --fuzz-dir fuzz --target-dir "$tdir" "$@" >"$tdir/build.log" 2>&1; then
+  if ! cargo +nightly fuzz build --fuzz-dir fuzz --target-dir "$tdir" "${features[@]}" "$@" >"$tdir/build.log" 2>&1; then
     grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$tdir/build.log" | tail -40 >&2
     echo "fuzz.sh: the fuzz build failed" >&2
     exit 1
   fi
 }
 # Given no target `cargo fuzz build` builds them all in one cargo run.
-if [ "${targets[*]}" = "$(echo $all_targets)" ]; then
+# (the smoke's: all but the long-form-only ones, which need a feature).
+if [ "${targets[*]}" = "$(echo $all_targets)" ] ||
+  { [ "$mode" = smoke ] && [ "${targets[*]}" = "$(grep -vxF "$long_only" <<<"$all_targets" | xargs)" ]; }; then
   build
 else
   for t in "${targets[@]}"; do build "$t"; done
