@@ -4,7 +4,8 @@
 //! Kata's Go runtime does with the metadata; crust reads the same bytes
 //! with [`MountInfo::from_json`], the reader's checks and the accessors
 //! the runtime uses. The inputs: `tests/kata_records/` (the unit tests'
-//! records and Go's corners) and the fuzz corpus of `handoff_record`.
+//! records and Go's corners), the fuzz corpus of `handoff_record`, and
+//! the directory `CRUST_KATA_DIFF_CORPUS` names (a fuzz run's corpus).
 //!
 //! Both must agree on accept/refuse and on every decoded field, but for
 //! the differences in [`Difference`]: each is crust being stricter (or
@@ -173,6 +174,11 @@ fn inputs(dir: &Path) -> Vec<(String, PathBuf)> {
         "fuzz/corpus/handoff_record",
         true,
     );
+    // A fuzz run's own corpus too, by hand (scripts/fuzz.sh keeps it in
+    // target/fuzz/corpus/handoff_record).
+    if let Some(dir) = std::env::var_os("CRUST_KATA_DIFF_CORPUS") {
+        add_dir(PathBuf::from(dir), "CRUST_KATA_DIFF_CORPUS", true);
+    }
     out
 }
 
