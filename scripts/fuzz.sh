@@ -121,7 +121,7 @@ parser_files_of() {
     containerd_config) echo crates/crust-node-install/src/containerd.rs ;;
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
-    csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/{mod,target}.rs ;;
+    csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/mod.rs ;;
   esac
 }
 
