@@ -3,16 +3,25 @@
 # another process's bytes. Targets live in fuzz/ (its own cargo workspace).
 #
 #   scripts/fuzz.sh --smoke [TARGET...]        CI: build, ~20 s per target, fail on any crash
+#                                              (given no target: all but the long-form-only ones)
 #   scripts/fuzz.sh --long [SECONDS] [TARGET...]  SECONDS per target (default 3600)
 #   scripts/fuzz.sh --long 3600 --save ...     then minimize the run's corpus into fuzz/corpus/
+#   scripts/fuzz.sh --coverage [TARGET...]     line coverage of the committed corpora:
+#                                              HTML and text per target under target/fuzz-coverage/report/
 #   scripts/fuzz.sh --list                     the targets
 #
 # Long-form budgets (accumulated over runs; the run's own corpus is kept
 # in the fuzz target dir, so the next run starts where this one ended):
 # each target at least 3600 s; handoff_record writes a record per input
 # (a few thousand runs/s), so give it 2x for the same depth.
+# Long-form only (not in the smoke unless named): csi_request, whose
+# build (crust-csi and its gRPC stack with the sanitizer, the fuzz
+# manifest's `csi` feature) alone takes about 8 minutes on two cores.
 #
-# Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh).
+# Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
+# --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the
+# nightly's LLVM major (rustc +nightly -vV): rustup's llvm-tools cannot be
+# downloaded here. Not in install-deps.sh (about 130 MB for a report).
 # A crash leaves its input under <target dir>/artifacts/<target>/ and the
 # command that replays it is printed; keep it as a unit test of the
 # parser's crate once fixed. Runs as any user; handoff_record's records go
@@ -35,8 +44,9 @@ while [ $# -gt 0 ]; do
       ;;
     --save) save=1 ;;
     --list) mode=list ;;
+    --coverage) mode=coverage ;;
     -h | --help)
-      sed -n '2,20p' "$0"
+      sed -n '2,30p' "$0"
       exit 0
       ;;
     -*)
@@ -47,14 +57,26 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$mode" ] || { sed -n '2,20p' "$0" >&2; exit 2; }
+[ -n "$mode" ] || { sed -n '2,30p' "$0" >&2; exit 2; }
 
-all_targets=$(sed -n 's/^name = "\([a-z_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
+all_targets=$(sed -n 's/^name = "\([a-z0-9_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
 if [ "$mode" = list ]; then
   echo "$all_targets"
   exit 0
 fi
-[ ${#targets[@]} -gt 0 ] || mapfile -t targets <<<"$all_targets"
+long_only="csi_request"
+if [ ${#targets[@]} -eq 0 ]; then
+  if [ "$mode" = smoke ]; then
+    mapfile -t targets < <(grep -vxF "$long_only" <<<"$all_targets")
+  else
+    mapfile -t targets <<<"$all_targets"
+  fi
+fi
+# The feature that builds a long-form-only target, when one is asked for.
+features=()
+for t in "${targets[@]}"; do
+  [ "$t" = csi_request ] && features=(--features csi)
+done
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
   echo "fuzz.sh: no nightly toolchain (rustup toolchain list): cannot build the fuzz targets" >&2
@@ -83,20 +105,87 @@ dict_of() {
     containerd_config) echo fuzz/dict/toml.dict ;;
     shim_http) echo fuzz/dict/http.dict ;;
     h2_authority) echo fuzz/dict/h2.dict ;;
+    csi_request) echo fuzz/dict/csi.dict ;;
   esac
 }
+
+# The files of crust's own that each target exists to exercise: the
+# coverage summary's figure.
+parser_files_of() {
+  case "$1" in
+    handoff_record) echo crates/crust-handoff/src/{mountinfo,store,validate}.rs ;;
+    agent_frame) echo crates/crust-agent-proto/src/{frame,messages,network}.rs ;;
+    mountinfo) echo crates/crust-blockdev/src/mount.rs crates/crust-agent/src/sys.rs ;;
+    mount_options) echo crates/crust-fs/src/options.rs ;;
+    kubelet_path) echo crates/crust-handoff/src/kubelet.rs ;;
+    containerd_config) echo crates/crust-node-install/src/containerd.rs ;;
+    shim_http) echo crates/crust-shim-api/src/call.rs ;;
+    h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
+    csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/mod.rs ;;
+  esac
+}
+
+# --coverage: each target built with source-based coverage (no sanitizer)
+# in its own target dir, run over its committed corpus, reported by the
+# LLVM of the nightly's major version.
+if [ "$mode" = coverage ]; then
+  major=$(rustc +nightly -vV | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
+  llvm="/usr/lib/llvm-$major/bin"
+  if [ ! -x "$llvm/llvm-cov" ] || [ ! -x "$llvm/llvm-profdata" ]; then
+    echo "fuzz.sh: --coverage needs llvm-cov and llvm-profdata of LLVM $major (the nightly's):" \
+      "apt-get install llvm-$major" >&2
+    exit 3
+  fi
+  ctdir="${CRUST_FUZZ_COVERAGE_DIR:-$root/target/fuzz-coverage}"
+  report="$ctdir/report"
+  mkdir -p "$report"
+  # Only crust's sources: not the registry's, the standard library's or
+  # the fuzz targets' own.
+  ignore='/\.cargo/|/rustc/|/library/|/fuzz/fuzz_targets/'
+  t0=$(date +%s)
+  summary=()
+  for t in "${targets[@]}"; do
+    log="$ctdir/$t.log"
+    if ! cargo +nightly fuzz coverage --fuzz-dir fuzz --target-dir "$ctdir" --sanitizer none \
+      "${features[@]}" --llvm-path "$llvm" "$t" "fuzz/corpus/$t" >"$log" 2>&1; then
+      grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$log" | tail -30 >&2
+      echo "fuzz.sh: coverage of $t failed" >&2
+      exit 1
+    fi
+    # cargo-fuzz leaves its profile in fuzz/coverage/ (ignored by git).
+    mv "fuzz/coverage/$t/coverage.profdata" "$report/$t.profdata"
+    rm -rf "fuzz/coverage/$t"
+    rmdir fuzz/coverage 2>/dev/null || true
+    bin="$ctdir/x86_64-unknown-linux-gnu/release/$t"
+    cov=("$llvm/llvm-cov")
+    opts=(-instr-profile="$report/$t.profdata" -ignore-filename-regex="$ignore")
+    rm -rf "${report:?}/$t"
+    "${cov[@]}" show "$bin" "${opts[@]}" -format=html -output-dir="$report/$t"
+    "${cov[@]}" report "$bin" "${opts[@]}" >"$report/$t.txt"
+    # shellcheck disable=SC2046 # the file list is words
+    lines=$("${cov[@]}" report "$bin" "${opts[@]}" $(parser_files_of "$t") |
+      awk '$1 == "TOTAL" { print $10 " of " $8 " lines" }')
+    n=$(find "fuzz/corpus/$t" -type f | wc -l)
+    summary+=("$(printf '%-18s %5s inputs  %-24s %s' "$t" "$n" "$lines" "$(parser_files_of "$t" | sed 's|crates/||g')")")
+  done
+  echo "fuzz.sh: coverage of the committed corpora ($(($(date +%s) - t0)) s); HTML: $report/TARGET/index.html"
+  printf '  %s\n' "${summary[@]}"
+  exit 0
+fi
 
 t0=$(date +%s)
 echo "fuzz.sh: building ${#targets[@]} targets (nightly, AddressSanitizer, debug assertions)"
 build() {
-  if ! cargo +nightly fuzz build --fuzz-dir fuzz --target-dir "$tdir" "$@" >"$tdir/build.log" 2>&1; then
+  if ! cargo +nightly fuzz build --fuzz-dir fuzz --target-dir "$tdir" "${features[@]}" "$@" >"$tdir/build.log" 2>&1; then
     grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$tdir/build.log" | tail -40 >&2
     echo "fuzz.sh: the fuzz build failed" >&2
     exit 1
   fi
 }
 # Given no target `cargo fuzz build` builds them all in one cargo run.
-if [ "${targets[*]}" = "$(echo $all_targets)" ]; then
+# (the smoke's: all but the long-form-only ones, which need a feature).
+if [ "${targets[*]}" = "$(echo $all_targets)" ] ||
+  { [ "$mode" = smoke ] && [ "${targets[*]}" = "$(grep -vxF "$long_only" <<<"$all_targets" | xargs)" ]; }; then
   build
 else
   for t in "${targets[@]}"; do build "$t"; done

@@ -26,6 +26,7 @@ pkgs=(
                           # private containerd's CRI pods (/usr/lib/cni)
   iptables                # what the bridge and portmap plugins program (hostPort)
   iperf3                  # pod network throughput (crustctl bench, issue 26)
+  golang-go               # tools/kata-record-decode: Kata's record decoding (crust-handoff's kata_differential test)
 )
 # virtiofsd (virtio-fs daemon, Rust) from crates.io, into /usr/local/bin.
 VIRTIOFSD_VERSION=1.14.0

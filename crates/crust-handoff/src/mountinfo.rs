@@ -143,11 +143,17 @@ impl MountInfo {
     /// `block`, as Kata does). Stricter than Go
     /// where leniency would be ambiguous: a key given twice (in any case)
     /// is refused rather than "last one wins", and so is a record without
-    /// `device` or `fstype`. Field values are checked separately.
+    /// `device` or `fstype`. Nesting deeper than Go's bound is refused as
+    /// Go refuses it. Field values are checked separately.
     pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
         // serde would also take a struct as a JSON array; Go would not.
         if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return Err("malformed mountInfo.json: not a JSON object".into());
+        }
+        if nests_deeper_than(bytes, GO_MAX_DEPTH) {
+            return Err(format!(
+                "malformed mountInfo.json: nested deeper than {GO_MAX_DEPTH} levels"
+            ));
         }
         let raw: RawMountInfo =
             serde_json::from_slice(bytes).map_err(|e| format!("malformed mountInfo.json: {e}"))?;
@@ -180,6 +186,41 @@ impl MountInfo {
             )),
         }
     }
+}
+
+/// Go's `encoding/json` refuses a document nested deeper than this, even
+/// inside a key it ignores, and Kata's Go runtime then takes the volume
+/// for a plain bind mount; serde skips unknown values without a bound.
+/// A record Kata cannot read must not be one crust reads (found by the
+/// Go differential, tests/kata_differential.rs).
+const GO_MAX_DEPTH: usize = 10_000;
+
+/// Whether arrays and objects nest deeper than `max` (strings skipped).
+fn nests_deeper_than(bytes: &[u8], max: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
 }
 
 /// The record's keys as Kata declares them; Go matches them ignoring case.
@@ -452,6 +493,28 @@ mod tests {
         );
     }
 
+    /// A record whose unknown key `y` holds arrays nested `n` deep (the
+    /// record itself is one more level).
+    fn deep(n: usize) -> Vec<u8> {
+        let mut v = br#"{"device":"/dev/sdf","fstype":"xfs","x":"[\\\"{","y":"#.to_vec();
+        v.extend(std::iter::repeat_n(b'[', n));
+        v.extend(std::iter::repeat_n(b']', n));
+        v.push(b'}');
+        v
+    }
+
+    #[test]
+    fn nesting_is_bounded_as_go_bounds_it() {
+        let mi = MountInfo::from_json(&deep(GO_MAX_DEPTH - 1)).unwrap();
+        assert_eq!(
+            mi,
+            MountInfo {
+                volume_type: String::new(),
+                ..MountInfo::block("/dev/sdf", "xfs")
+            }
+        );
+    }
+
     #[test]
     fn parse_rejects() {
         for (bad, why) in [
@@ -465,6 +528,7 @@ mod tests {
             (br#"["block","/dev/sdf","xfs",null,null]"#, "not a JSON object"),
             (b"", "not a JSON object"),
             (br#"{"volume-type":"block","device":"/dev/sdf","fstype":"xfs"} trailing"#, "trailing"),
+            (&deep(GO_MAX_DEPTH), "nested deeper than 10000"),
         ] {
             let e = MountInfo::from_json(bad).unwrap_err();
             assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(bad));

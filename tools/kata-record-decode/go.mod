@@ -1,0 +1,3 @@
+module crust.local/kata-record-decode
+
+go 1.19
