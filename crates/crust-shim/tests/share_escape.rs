@@ -28,7 +28,31 @@ use common::Env;
 use crust_testkit::BUSYBOX_IMAGE;
 
 const RUNTIME: &str = "io.containerd.crust.v2";
-const GUEST_SHARE: &str = "/proc/1/root/run/crust/shares/crust-pod";
+/// The pod's share as the agent mounted it. The containers have PID
+/// namespaces of their own, so the attacker, a compromised guest root,
+/// is played by a command the agent runs in its own namespaces (the
+/// pod's shim API `/exec`).
+const GUEST_SHARE: &str = "/run/crust/shares/crust-pod";
+
+/// Runs `script` as the guest's root, outside any container.
+fn guest_exec(env: &Env, pod: &str, script: &str) -> String {
+    let client = crust_runtime::shim::ShimClient::new(
+        env.runtime_root
+            .join(pod)
+            .join(crust_runtime::sandbox::SHIM_SOCKET),
+        std::time::Duration::from_secs(60),
+    );
+    let req = crust_runtime::shim::ExecRequest {
+        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: vec![],
+        timeout_ms: Some(60_000),
+    };
+    let r = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(client.exec(&req))
+        .unwrap_or_else(|e| panic!("guest exec: {e}"));
+    format!("{}{}", r.stdout, r.stderr)
+}
 
 /// Mount points in the test's namespace, but for those below `except`.
 fn mount_points(except: &Path) -> BTreeSet<String> {
@@ -134,14 +158,21 @@ fn guest_cannot_write_read_only_binds_nor_steer_the_host_through_the_share() {
     // Must-show 3: every write path fails. WROTE marks a write that worked.
     let out = exec(
         "w1",
-        &format!(
-            r#"grep CapEff /proc/self/status
-try() {{ if sh -c "$1" 2>/dev/null; then echo "WROTE: $1"; else echo "refused: $1"; fi; }}
+        r#"grep CapEff /proc/self/status
+try() { if sh -c "$1" 2>/dev/null; then echo "WROTE: $1"; else echo "refused: $1"; fi; }
 try 'echo x >> /ro/file'
 try 'echo x > /ro/dir/new'
 mount -o remount,rw /ro/file; mount -o remount,rw /ro/dir
 try 'echo x >> /ro/file'
 try 'echo x > /ro/dir/new'
+"#,
+    );
+    let out = out
+        + &guest_exec(
+            &env,
+            "pod1",
+            &format!(
+                r#"try() {{ if sh -c "$1" 2>/dev/null; then echo "WROTE: $1"; else echo "refused: $1"; fi; }}
 S={GUEST_SHARE}/pod1
 ls $S
 for m in $S/m*; do
@@ -153,8 +184,8 @@ for m in $S/m*; do
   if [ -d $m ]; then try "echo x > $m/new"; elif [ -f $m ]; then try "echo x >> $m"; fi
 done
 "#
-        ),
-    );
+            ),
+        );
     assert!(
         out.contains("CapEff:\t000001ffffffffff") || out.contains("CapEff:\t000003ffffffffff"),
         "the guest root holds every capability: {out}"
@@ -165,6 +196,11 @@ done
         env.logs()
     );
     assert!(!out.contains("WROTE"), "{out}");
+    // Each attempt ran and was refused (a script that failed early would
+    // print neither).
+    // 4 in the container; in the guest 2 per bind (a file, a dir), then
+    // 1 each after the remount.
+    assert_eq!(out.matches("refused: ").count(), 4 + 2 * 2 + 2, "{out}");
     assert_eq!(std::fs::read(&ro_file).unwrap(), b"read-only bytes\n");
     assert_eq!(listing(&ro_dir), vec!["keep"]);
 
@@ -172,8 +208,9 @@ done
     // container's directory, nor anything else in the share's root.
     let share = env.runtime_root.join("pod1/share");
     let before_share = listing(&share);
-    let out = exec(
-        "w2",
+    let out = guest_exec(
+        &env,
+        "pod1",
         &format!(
             r#"if mkdir {GUEST_SHARE}/victim 2>/dev/null; then echo PLANTED; fi
 if ln -s {hf} {GUEST_SHARE}/pod1/m99 2>/dev/null; then echo PLANTED; fi
