@@ -22,7 +22,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Env, MIB};
+use common::{Env, MIB, exec_timeout};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
@@ -218,25 +218,6 @@ fn report(what: &str, samples: &[Sample]) {
     }
 }
 
-async fn exec(cri: &mut Cri, cid: &str, script: &str, timeout: i64) -> (i32, String) {
-    let r = cri
-        .runtime
-        .exec_sync(cri::ExecSyncRequest {
-            container_id: cid.into(),
-            cmd: vec!["sh".into(), "-c".into(), script.into()],
-            timeout,
-        })
-        .await
-        .unwrap_or_else(|e| panic!("ExecSync {script:?}: {e}"))
-        .into_inner();
-    let out = format!(
-        "{}{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
-    (r.exit_code, out)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run with --ignored --nocapture"]
 async fn bench_density() {
@@ -316,7 +297,7 @@ async fn bench_density() {
 
     let mut guest = Vec::new();
     for (_, cid) in &pods {
-        let (_, out) = exec(&mut c, cid, "grep MemTotal /proc/meminfo", 30).await;
+        let (_, out) = exec_timeout(&mut c, cid, "grep MemTotal /proc/meminfo", 30).await;
         let kb: u64 = out
             .split_whitespace()
             .nth(1)
@@ -346,7 +327,7 @@ async fn bench_density() {
     // guest page cache).
     let fill_mib = guest_bytes / MIB + 64;
     for (_, cid) in &pods {
-        let (rc, out) = exec(
+        let (rc, out) = exec_timeout(
             &mut c,
             cid,
             &format!(
@@ -362,7 +343,7 @@ async fn bench_density() {
     // Give memory back where the guest can (the file's pages go when it
     // is removed): what free page reporting returns to the host.
     for (_, cid) in &pods {
-        let (rc, out) = exec(
+        let (rc, out) = exec_timeout(
             &mut c,
             cid,
             "rm -f /fill && sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; true",

@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::Env;
+use common::{Env, exec};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
@@ -46,28 +46,6 @@ const READONLY: &[&str] = &[
     "/proc/sys",
     "/proc/sysrq-trigger",
 ];
-
-/// Runs `script` in the container: (exit code, stdout then stderr).
-async fn exec(cri: &mut Cri, cid: &str, script: &str) -> (i32, String) {
-    let r = cri
-        .runtime
-        .exec_sync(cri::ExecSyncRequest {
-            container_id: cid.into(),
-            cmd: vec!["sh".into(), "-c".into(), script.into()],
-            timeout: 60,
-        })
-        .await
-        .unwrap_or_else(|e| panic!("ExecSync {script:?}: {e}"))
-        .into_inner();
-    (
-        r.exit_code,
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&r.stdout),
-            String::from_utf8_lossy(&r.stderr)
-        ),
-    )
-}
 
 fn profile(kind: cri::security_profile::ProfileType, file: &str) -> Option<cri::SecurityProfile> {
     Some(cri::SecurityProfile {

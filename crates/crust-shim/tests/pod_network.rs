@@ -28,7 +28,7 @@ use std::net::{IpAddr, TcpListener, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Env, qemus_under};
+use common::{Env, exec, qemus_under};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
@@ -39,25 +39,6 @@ impl Drop for Bridge {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["link", "del", &self.0]).status();
     }
-}
-
-async fn exec(cri: &mut Cri, cid: &str, script: &str) -> (i32, String) {
-    let r = cri
-        .runtime
-        .exec_sync(cri::ExecSyncRequest {
-            container_id: cid.into(),
-            cmd: vec!["sh".into(), "-c".into(), script.into()],
-            timeout: 60,
-        })
-        .await
-        .unwrap_or_else(|e| panic!("ExecSync {script:?}: {e}"))
-        .into_inner();
-    let out = format!(
-        "{}{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
-    (r.exit_code, out)
 }
 
 struct Pod {

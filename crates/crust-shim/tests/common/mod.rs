@@ -390,3 +390,34 @@ pub async fn publish(env: &Env, csi: &Csi, name: &str, uid: &str, deferred: bool
         target,
     }
 }
+
+/// Runs `sh -c script` in container `cid` through CRI's ExecSync (60 s):
+/// (exit code, stdout then stderr).
+pub async fn exec(cri: &mut crust_cri::Cri, cid: &str, script: &str) -> (i32, String) {
+    exec_timeout(cri, cid, script, 60).await
+}
+
+/// [`exec`] with its own timeout in seconds.
+pub async fn exec_timeout(
+    cri: &mut crust_cri::Cri,
+    cid: &str,
+    script: &str,
+    timeout: i64,
+) -> (i32, String) {
+    let r = cri
+        .runtime
+        .exec_sync(crust_cri::v1::ExecSyncRequest {
+            container_id: cid.into(),
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            timeout,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ExecSync {script:?}: {e}"))
+        .into_inner();
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    (r.exit_code, out)
+}
