@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Env, MIB, qemus_under};
+use common::{Env, MIB, host_network_sandbox, qemus_under};
 use crust_blockdev::FsType;
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
@@ -117,68 +117,20 @@ async fn bench_pod_start_and_memory() {
     let mut cri_times = Vec::new();
     let mut cri_rss = Vec::new();
     for i in 0..n {
-        let sb_cfg = cri::PodSandboxConfig {
-            metadata: Some(cri::PodSandboxMetadata {
-                name: format!("bench-{i}"),
-                uid: POD_UID.into(),
-                namespace: "default".into(),
-                attempt: i as u32,
-            }),
-            linux: Some(cri::LinuxPodSandboxConfig {
-                security_context: Some(cri::LinuxSandboxSecurityContext {
-                    namespace_options: Some(cri::NamespaceOption {
-                        network: cri::NamespaceMode::Node as i32,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+        let sb_cfg = host_network_sandbox(&format!("bench-{i}"), POD_UID, i as u32);
         let t0 = Instant::now();
-        let sb = cri_client
-            .runtime
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(sb_cfg.clone()),
-                runtime_handler: crust_testkit::CRUST_HANDLER.into(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
-            .into_inner()
-            .pod_sandbox_id;
-        let cid = cri_client
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: sb.clone(),
-                config: Some(cri::ContainerConfig {
-                    metadata: Some(cri::ContainerMetadata {
-                        name: "app".into(),
-                        attempt: 0,
-                    }),
-                    image: Some(cri::ImageSpec {
-                        image: crust_testkit::BUSYBOX_IMAGE.into(),
-                        ..Default::default()
-                    }),
-                    command: vec!["sleep".into(), "600".into()],
-                    mounts: vec![cri::Mount {
-                        container_path: "/data".into(),
-                        host_path: target.clone(),
-                        ..Default::default()
-                    }],
+        let (sb, _) = env
+            .start_busybox_pod(
+                &mut cri_client,
+                &sb_cfg,
+                &["sleep", "600"],
+                vec![cri::Mount {
+                    container_path: "/data".into(),
+                    host_path: target.clone(),
                     ..Default::default()
-                }),
-                sandbox_config: Some(sb_cfg),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .container_id;
-        cri_client
-            .runtime
-            .start_container(cri::StartContainerRequest { container_id: cid })
-            .await
-            .unwrap();
+                }],
+            )
+            .await;
         cri_times.push(t0.elapsed());
         let mut total = 0;
         for p in qemus_under(&env.runtime_root)

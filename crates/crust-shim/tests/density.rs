@@ -22,7 +22,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Env, MIB, exec_timeout};
+use common::{Env, MIB, exec_timeout, host_network_sandbox};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
@@ -230,64 +230,15 @@ async fn bench_density() {
     let mut pods = Vec::new();
     let mut starts = Vec::new();
     for i in 0..n {
-        let sb_cfg = cri::PodSandboxConfig {
-            metadata: Some(cri::PodSandboxMetadata {
-                name: format!("density-{i}"),
-                uid: format!("density-{i:04}-4000-8000-000000000000"),
-                namespace: "default".into(),
-                attempt: 0,
-            }),
-            linux: Some(cri::LinuxPodSandboxConfig {
-                security_context: Some(cri::LinuxSandboxSecurityContext {
-                    namespace_options: Some(cri::NamespaceOption {
-                        network: cri::NamespaceMode::Node as i32,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+        let sb_cfg = host_network_sandbox(
+            &format!("density-{i}"),
+            &format!("density-{i:04}-4000-8000-000000000000"),
+            0,
+        );
         let t0 = Instant::now();
-        let sb = c
-            .runtime
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(sb_cfg.clone()),
-                runtime_handler: crust_testkit::CRUST_HANDLER.into(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
-            .into_inner()
-            .pod_sandbox_id;
-        let cid = c
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: sb.clone(),
-                config: Some(cri::ContainerConfig {
-                    metadata: Some(cri::ContainerMetadata {
-                        name: "app".into(),
-                        attempt: 0,
-                    }),
-                    image: Some(cri::ImageSpec {
-                        image: crust_testkit::BUSYBOX_IMAGE.into(),
-                        ..Default::default()
-                    }),
-                    command: vec!["sleep".into(), "3600".into()],
-                    ..Default::default()
-                }),
-                sandbox_config: Some(sb_cfg),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()))
-            .into_inner()
-            .container_id;
-        c.runtime
-            .start_container(cri::StartContainerRequest {
-                container_id: cid.clone(),
-            })
-            .await
-            .unwrap();
+        let (sb, cid) = env
+            .start_busybox_pod(&mut c, &sb_cfg, &["sleep", "3600"], Vec::new())
+            .await;
         starts.push(t0.elapsed());
         pods.push((sb, cid));
     }

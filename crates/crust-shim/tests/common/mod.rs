@@ -421,3 +421,86 @@ pub async fn exec_timeout(
     );
     (r.exit_code, out)
 }
+
+/// A CRI sandbox config for a hostNetwork pod.
+pub fn host_network_sandbox(
+    name: &str,
+    uid: &str,
+    attempt: u32,
+) -> crust_cri::v1::PodSandboxConfig {
+    use crust_cri::v1 as cri;
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            uid: uid.into(),
+            namespace: "default".into(),
+            attempt,
+        }),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+impl Env {
+    /// RunPodSandbox with crust's handler, then CreateContainer and
+    /// StartContainer of one busybox container `app` running `command`
+    /// with `mounts`: (sandbox id, container id). Panics with the logs.
+    pub async fn start_busybox_pod(
+        &self,
+        cri: &mut crust_cri::Cri,
+        sandbox: &crust_cri::v1::PodSandboxConfig,
+        command: &[&str],
+        mounts: Vec<crust_cri::v1::Mount>,
+    ) -> (String, String) {
+        use crust_cri::v1 as cri;
+        let sb = cri
+            .runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(sandbox.clone()),
+                runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.logs()))
+            .into_inner()
+            .pod_sandbox_id;
+        let cid = cri
+            .runtime
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: sb.clone(),
+                config: Some(cri::ContainerConfig {
+                    metadata: Some(cri::ContainerMetadata {
+                        name: "app".into(),
+                        attempt: 0,
+                    }),
+                    image: Some(cri::ImageSpec {
+                        image: crust_testkit::BUSYBOX_IMAGE.into(),
+                        ..Default::default()
+                    }),
+                    command: command.iter().map(|c| c.to_string()).collect(),
+                    mounts,
+                    ..Default::default()
+                }),
+                sandbox_config: Some(sandbox.clone()),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.logs()))
+            .into_inner()
+            .container_id;
+        cri.runtime
+            .start_container(cri::StartContainerRequest {
+                container_id: cid.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.logs()));
+        (sb, cid)
+    }
+}
