@@ -6,30 +6,12 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crust_backend::*;
-use crust_blockdev::{FsType, LoopGuard, MountGuard};
+use crust_blockdev::{FsType, MountGuard};
 
 const MIB: u64 = 1 << 20;
 
 fn pool(dir: &Path, capacity: u64) -> PoolBackend {
     PoolBackend::open(PoolConfig::new(dir.join("pool"), capacity)).unwrap()
-}
-
-/// Detaches every loop device still on a pool's images when dropped, so a
-/// failing assertion leaves nothing behind.
-struct PoolCleanup(PathBuf);
-
-impl Drop for PoolCleanup {
-    fn drop(&mut self) {
-        let pool = self.0.join("pool");
-        if let Ok(loops) = crust_blockdev::list_loops() {
-            for l in loops
-                .into_iter()
-                .filter(|l| l.backing_file.starts_with(&pool))
-            {
-                let _ = LoopGuard::adopt_path(&l.path);
-            }
-        }
-    }
 }
 
 /// Loop devices on `file` (live or on a deleted copy). Checked by backing
@@ -42,11 +24,13 @@ fn attached_to(file: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-fn setup() -> (tempfile::TempDir, PoolCleanup) {
+/// The pool's directory, and a guard that detaches every loop device
+/// still on its images, so a failing assertion leaves nothing behind.
+fn setup() -> (tempfile::TempDir, crust_testkit::LoopsUnder) {
     crust_testkit::require_root();
     let dir = tempfile::tempdir().unwrap();
     let canon = std::fs::canonicalize(dir.path()).unwrap();
-    (dir, PoolCleanup(canon))
+    (dir, crust_testkit::LoopsUnder(canon.join("pool")))
 }
 
 #[test]

@@ -5,29 +5,13 @@
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use crust_backend::*;
 use crust_blockdev::{AttachOptions, FsType, LoopGuard, LoopStatus, MountGuard};
 
 const MIB: u64 = 1 << 20;
-
-/// Detaches every loop device left on the pool's files when dropped.
-struct PoolCleanup(PathBuf);
-
-impl Drop for PoolCleanup {
-    fn drop(&mut self) {
-        if let Ok(loops) = crust_blockdev::list_loops() {
-            for l in loops
-                .into_iter()
-                .filter(|l| l.backing_file.starts_with(&self.0))
-            {
-                let _ = LoopGuard::adopt_path(&l.path);
-            }
-        }
-    }
-}
 
 fn status(dev: &Path) -> LoopStatus {
     crust_blockdev::loop_status(dev).unwrap().expect("bound")
@@ -56,7 +40,7 @@ fn pool_volumes_bypass_the_host_page_cache() {
     crust_testkit::require_root();
     let dir = tempfile::tempdir().unwrap();
     let pool_dir = std::fs::canonicalize(dir.path()).unwrap().join("pool");
-    let _c = PoolCleanup(pool_dir.clone());
+    let _c = crust_testkit::LoopsUnder(pool_dir.clone());
     let p = PoolBackend::open(PoolConfig::new(&pool_dir, 64 * MIB)).unwrap();
     let a = p.create("v", 32 * MIB, 0).unwrap();
     let dev = p.attach("v").unwrap();
@@ -112,7 +96,7 @@ fn block_size_is_recorded_at_creation_and_kept() {
     std::fs::create_dir(&mnt).unwrap();
     let _m = MountGuard::mount_fs(disk.path(), &mnt, FsType::Ext4, &[], false).unwrap();
     let pool_dir = mnt.join("pool");
-    let _c = PoolCleanup(pool_dir.clone());
+    let _c = crust_testkit::LoopsUnder(pool_dir.clone());
     let open = || PoolBackend::open(PoolConfig::new(&pool_dir, 1000 * MIB)).unwrap();
 
     let p = open();

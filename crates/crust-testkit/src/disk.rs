@@ -136,3 +136,20 @@ impl TempMount {
             .unwrap_or_else(|e| panic!("unmount {}: {e}", target.display()));
     }
 }
+
+/// Detaches, when dropped, every loop device whose backing file lies under
+/// a directory (a pool's images): what a failing test leaves attached.
+pub struct LoopsUnder(pub PathBuf);
+
+impl Drop for LoopsUnder {
+    fn drop(&mut self) {
+        if let Ok(loops) = crust_blockdev::list_loops() {
+            for l in loops
+                .into_iter()
+                .filter(|l| l.backing_file.starts_with(&self.0))
+            {
+                let _ = LoopGuard::adopt_path(&l.path);
+            }
+        }
+    }
+}

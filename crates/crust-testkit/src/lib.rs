@@ -19,7 +19,7 @@ pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
     PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
 };
-pub use disk::{LoopDisk, TempMount};
+pub use disk::{LoopDisk, LoopsUnder, TempMount};
 pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls, venv_python_with};
 pub use qemu::{HangingKvmQemu, QemuStart};
 

@@ -18,7 +18,7 @@
 mod common;
 
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -36,22 +36,6 @@ fn write_mib() -> u64 {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(64)
-}
-
-/// Detaches the loop devices left on the pool's files (after the guest).
-struct PoolLoops(PathBuf);
-
-impl Drop for PoolLoops {
-    fn drop(&mut self) {
-        if let Ok(loops) = crust_blockdev::list_loops() {
-            for l in loops
-                .into_iter()
-                .filter(|l| l.backing_file.starts_with(&self.0))
-            {
-                let _ = LoopGuard::adopt_path(&l.path);
-            }
-        }
-    }
 }
 
 /// Bytes of `path` (file or block device) in the host page cache.
@@ -141,7 +125,7 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     let mib = write_mib();
     let dir = tempfile::tempdir().unwrap();
     let pool_dir = std::fs::canonicalize(dir.path()).unwrap().join("pool");
-    let _loops = PoolLoops(pool_dir.clone());
+    let _loops = crust_testkit::LoopsUnder(pool_dir.clone());
     let pool = PoolBackend::open(PoolConfig::new(&pool_dir, 4 * (2 * mib + 64) * MIB)).unwrap();
     let backing = pool.create("v", (2 * mib + 64) * MIB, 0).unwrap().backing;
     let dev = pool.attach("v").unwrap();
