@@ -228,6 +228,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -269,6 +270,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -341,6 +343,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -407,6 +410,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -525,6 +529,7 @@ async fn containers_in_a_guest() {
         pid: Default::default(),
         sysctl: Default::default(),
         seccomp: None,
+        user: Default::default(),
     };
     let mut rx = mux.register(8);
     let cmd = format!("{SHOW}; echo started; exec sleep 600");
@@ -637,6 +642,7 @@ async fn containers_in_a_guest() {
         pid: Default::default(),
         sysctl: Default::default(),
         seccomp: None,
+        user: Default::default(),
     };
     let (c, m) = code(agent.call(bad("b1", "c/missing", &["sh"])).await);
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
