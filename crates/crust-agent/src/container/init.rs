@@ -489,8 +489,9 @@ fn mount_one(root: &OwnedFd, m: &ContainerMount, userns: Option<&OwnedFd>) -> Re
             .map_err(|e| e.to_string())?;
             match userns {
                 Some(ns) => {
-                    let leaf = match rustix::fs::fstat(&src).map(|s| s.st_mode & 0o170000) {
-                        Ok(0o040000) => Leaf::Directory,
+                    let st = rustix::fs::fstat(&src).map_err(err("the volume's source"))?;
+                    let leaf = match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+                        rustix::fs::FileType::Directory => Leaf::Directory,
                         _ => Leaf::File,
                     };
                     let target = rootfs::open(root, &m.destination, leaf)?;
