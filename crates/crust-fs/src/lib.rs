@@ -255,6 +255,10 @@ pub struct FsSpec {
     /// Smallest device the tools will format (xfsprogs >= 5.19 refuses
     /// filesystems below 300 MiB).
     pub min_bytes: u64,
+    /// The guest kernel (6.1) can make an idmapped mount of it
+    /// (`MOUNT_ATTR_IDMAP`): what a user-namespaced container needs to see
+    /// its own ids on the volume.
+    pub idmap: bool,
 }
 
 impl FsSpec {
@@ -345,6 +349,7 @@ static EXT4: FsSpec = FsSpec {
         bytes: &[0x53, 0xEF],
     },
     min_bytes: MIB,
+    idmap: true,
 };
 
 static XFS: FsSpec = FsSpec {
@@ -377,6 +382,7 @@ static XFS: FsSpec = FsSpec {
         bytes: b"XFSB",
     },
     min_bytes: 300 * MIB,
+    idmap: true,
 };
 
 /// How many bytes from the start of a device [`detect`] and

@@ -52,6 +52,10 @@ pub enum PodError {
     Agent(#[from] crust_agent_proto::ClientError),
     #[error("the pod's network cannot go into its VM: {0}")]
     Network(#[from] crust_podnet::NetError),
+    /// A user namespace the guest cannot honour (a mapping, a volume's
+    /// filesystem): `crust_agent_proto::check_user_namespace`.
+    #[error("user namespace: {0}")]
+    UserNamespace(String),
 }
 
 impl PodError {
@@ -69,8 +73,27 @@ impl PodError {
             PodError::VmGone(_) => Code::Unavailable,
             PodError::Agent(e) => volumes::agent_code(e),
             PodError::Network(_) => Code::FailedPrecondition,
+            PodError::UserNamespace(_) => Code::InvalidArgument,
         }
     }
+}
+
+/// The user namespace once the container's crust volumes are known:
+/// each must take an idmapped mount. Before any is claimed or plugged.
+fn check_idmap(
+    plan: &ContainerPlan,
+    vplan: &crust_runtime::discovery::Plan,
+) -> Result<(), PodError> {
+    let volumes: Vec<(&str, &str)> = vplan
+        .mounts
+        .iter()
+        .filter_map(|m| {
+            let v = vplan.volumes.iter().find(|v| v.id == m.volume)?;
+            Some((m.destination.as_str(), v.fstype.as_str()))
+        })
+        .collect();
+    crust_agent_proto::check_user_namespace(&plan.user, plan.process.user.as_ref(), &volumes)
+        .map_err(PodError::UserNamespace)
 }
 
 /// The guest's memory bookkeeping.
@@ -421,6 +444,7 @@ impl Pod {
         let vplan = discovery.plan(&b).map_err(RuntimeError::from)?;
         crust_runtime::volumes::check_before_boot(&discovery, &vplan.volumes)
             .map_err(RuntimeError::from)?;
+        check_idmap(plan, &vplan)?;
         // Every step in the share by descriptor from its root: the guest
         // may have written there (see crust_runtime::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
@@ -497,6 +521,7 @@ impl Pod {
             pid: plan.pid.clone(),
             sysctl: plan.sysctl.clone(),
             seccomp: plan.seccomp.clone(),
+            user: plan.user.clone(),
         })
     }
 

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::collections::BTreeMap;
 
 use crust_agent_proto::{
-    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, Seccomp,
-    WorkloadUser,
+    Capabilities, ContainerMount, IdMapping, MountSource, NamespaceSource, ProcessSpec, Rlimit,
+    Seccomp, UserNamespace, WorkloadUser,
 };
 use oci_spec::runtime::Spec;
 
@@ -148,6 +148,10 @@ pub struct ContainerPlan {
     pub seccomp: Option<Seccomp>,
     /// OCI `hostname` (CRI sets the pod's in the sandbox's spec).
     pub hostname: String,
+    /// The user namespace and `linux.uidMappings`/`gidMappings` (checked
+    /// by `crust_agent_proto::check_user_namespace`; the volumes' part
+    /// once they are known, before any is plugged).
+    pub user: UserNamespace,
 }
 
 /// Where a container's namespace of type `typ` comes from in the guest:
@@ -262,11 +266,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
         }
     }
     if let Some(l) = spec.linux() {
-        for ns in l.namespaces().as_deref().unwrap_or_default() {
-            if ns.typ() == oci_spec::runtime::LinuxNamespaceType::User {
-                return un("a user namespace");
-            }
-        }
         for d in l.devices().as_deref().unwrap_or_default() {
             if d.typ() != oci_spec::runtime::LinuxDeviceType::B {
                 return un(&format!(
@@ -336,6 +335,10 @@ fn capabilities(c: &oci_spec::runtime::LinuxCapabilities) -> Capabilities {
 }
 
 /// Builds the plan for `spec`; `bundle` resolves a relative `root.path`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one field per OCI section; each section's logic is a helper"
+)]
 pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     check_supported(spec)?;
     let invalid = |reason: String| SpecError::Invalid {
@@ -460,6 +463,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     };
     let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
+        user: user_namespace(spec, &linux, process.user.as_ref())?,
         pid,
         sysctl,
         seccomp: linux
@@ -514,6 +518,32 @@ fn namespaces_and_sysctls(
         .collect();
     crust_agent_proto::check_sysctls(&sysctl, &ipc, &uts).map_err(SpecError::Unsupported)?;
     Ok((ipc, uts, namespace(spec, Ns::Pid)?, sysctl))
+}
+
+/// The container's user namespace with the spec's mappings, checked
+/// before a VM boots (the volumes' filesystems once they are known).
+fn user_namespace(
+    spec: &Spec,
+    linux: &oci_spec::runtime::Linux,
+    process: Option<&WorkloadUser>,
+) -> Result<UserNamespace, SpecError> {
+    let lines = |m: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>| -> Vec<IdMapping> {
+        m.iter()
+            .flatten()
+            .map(|l| IdMapping {
+                container_id: l.container_id(),
+                host_id: l.host_id(),
+                size: l.size(),
+            })
+            .collect()
+    };
+    let user = UserNamespace {
+        source: namespace(spec, oci_spec::runtime::LinuxNamespaceType::User)?,
+        uid_mappings: lines(linux.uid_mappings()),
+        gid_mappings: lines(linux.gid_mappings()),
+    };
+    crust_agent_proto::check_user_namespace(&user, process, &[]).map_err(SpecError::Unsupported)?;
+    Ok(user)
 }
 
 /// The section as the agent takes it: the same JSON (oci-spec has checked
@@ -649,7 +679,7 @@ mod tests {
             ),
             (
                 json!({"linux": {"namespaces": [{"type": "user"}]}}),
-                "user namespace",
+                "linux.uidMappings is empty",
             ),
             (
                 json!({"linux": {"devices": [{"path": "/dev/ttyS9", "type": "c", "major": 4, "minor": 73}]}}),
@@ -789,6 +819,43 @@ mod tests {
             e.contains("linux.seccomp: unknown variant `SCMP_ARCH_Z80`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_user_namespace_carries_the_specs_mappings() {
+        let mut v = base();
+        v["linux"]["namespaces"] = json!([{"type": "pid"}, {"type": "user"}]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 100000, "size": 65536}]);
+        v["linux"]["gidMappings"] = json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(p.user.source, NamespaceSource::New);
+        assert_eq!(
+            (
+                p.user.uid_mappings[0].host_id,
+                p.user.gid_mappings[0].host_id
+            ),
+            (100000, 200000)
+        );
+        // CRI: a member joins the sandbox's.
+        v["linux"]["namespaces"] = json!([{"type": "user", "path": "/proc/42/ns/user"}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(
+            p.user.source,
+            NamespaceSource::Container { id: "sb1".into() }
+        );
+        // Refused by field before anything boots.
+        v["linux"]["namespaces"] = json!([{"type": "user"}]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 4294967295u32, "size": 1}]);
+        let e = plan(&spec(v.clone()), Path::new("/b")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("linux.uidMappings[0]: hostID 4294967295"),
+            "{e}"
+        );
+        v["linux"]["namespaces"] = json!([]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 1000, "size": 1}]);
+        let e = plan(&spec(v), Path::new("/b")).unwrap_err();
+        assert!(e.to_string().contains("without a user namespace"), "{e}");
     }
 
     #[test]
