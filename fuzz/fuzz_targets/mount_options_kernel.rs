@@ -24,10 +24,11 @@ struct Setup {
     ext4: PathBuf,
     xfs: PathBuf,
     mnt: PathBuf,
-    /// Per filesystem, the quota options this kernel refuses even alone:
-    /// quota support is a build option (`CONFIG_QUOTA`, `CONFIG_XFS_QUOTA`)
-    /// and ext4's project quota a superblock feature (`-O project`),
-    /// neither of which an option list can know. Printed at start.
+    /// Per filesystem, the build-dependent options this kernel refuses
+    /// even alone: quota support (`CONFIG_QUOTA`, `CONFIG_XFS_QUOTA`),
+    /// POSIX ACLs (`CONFIG_EXT4_FS_POSIX_ACL`: without it ext4 does not
+    /// know `acl`/`noacl`) and ext4's project quota, a superblock feature
+    /// (`-O project`); no option list can know those. Printed at start.
     ext4_refused: Vec<&'static str>,
     xfs_refused: Vec<&'static str>,
 }
@@ -36,7 +37,7 @@ impl Setup {
     fn probe_quota(&self, fstype: FsType, dev: &Path) -> Vec<&'static str> {
         let refused: Vec<&'static str> = crust_fs::options::option_names(fstype)
             .into_iter()
-            .filter(|w| is_quota(w))
+            .filter(|w| is_build_dependent(w))
             .filter(|w| {
                 let ok = crust_blockdev::mount::mount_fs(
                     dev,
@@ -51,17 +52,19 @@ impl Setup {
             })
             .collect();
         eprintln!(
-            "mount_options_kernel: {fstype:?}: quota options this kernel refuses alone \
-             (not checked): {refused:?}"
+            "mount_options_kernel: {fstype:?}: build-dependent options this kernel refuses \
+             alone (not checked): {refused:?}"
         );
         refused
     }
 }
 
-/// The options that need quota support.
-fn is_quota(word: &str) -> bool {
+/// The options whose very name depends on the kernel's build (quota,
+/// ACLs).
+fn is_build_dependent(word: &str) -> bool {
     let key = crust_fs::options::option_key(word);
-    key != "noquota" && (key.contains("quota") || key.ends_with("qnoenforce"))
+    matches!(key, "acl" | "noacl")
+        || key != "noquota" && (key.contains("quota") || key.ends_with("qnoenforce"))
 }
 
 fn setup() -> &'static Setup {
