@@ -659,8 +659,7 @@ impl Pod {
         if let Some(p) = pod_limit {
             s.pod_limit = s.pod_limit.max(p);
         }
-        let wanted = s.memory.values().sum::<u64>().max(s.pod_limit);
-        let needed = (wanted.div_ceil(1 << 20) as u32).saturating_add(self.cfg.overhead_mib);
+        let needed = s.needed_mib(&s.memory, self.cfg.overhead_mib);
         if needed <= s.held_mib {
             return Ok(());
         }

@@ -72,18 +72,26 @@ impl Sizing {
 
     /// Guest memory the pod needs: the overhead plus the larger of the
     /// pod's own limit and its containers' limits.
-    fn needed_mib(&self, memory: &HashMap<String, u64>, overhead_mib: u32) -> u32 {
+    pub fn needed_mib(&self, memory: &HashMap<String, u64>, overhead_mib: u32) -> u32 {
         let wanted = memory.values().sum::<u64>().max(self.pod_limit);
         (wanted.div_ceil(1 << 20) as u32).saturating_add(overhead_mib)
     }
 
     /// vCPUs the pod's quotas add up to, within the VM's slots.
     fn needed_vcpus(&self, cpu: &HashMap<String, CpuMax>) -> u32 {
-        let micros: f64 = cpu
+        // In millionths of a CPU: integers, no rounding drift.
+        let micro: u64 = cpu
             .values()
-            .filter_map(|c| Some(c.quota_us? as f64 / c.period_us as f64))
-            .sum();
-        (micros.ceil() as u32).clamp(self.vcpus, self.max_vcpus.max(self.vcpus))
+            .filter_map(|c| {
+                Some(
+                    c.quota_us?
+                        .saturating_mul(1_000_000)
+                        .div_ceil(c.period_us.max(1)),
+                )
+            })
+            .fold(0, u64::saturating_add);
+        (micro.div_ceil(1_000_000).min(u64::from(u32::MAX)) as u32)
+            .clamp(self.vcpus, self.max_vcpus.max(self.vcpus))
     }
 }
 

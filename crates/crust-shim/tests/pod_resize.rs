@@ -113,6 +113,9 @@ async fn a_running_container_is_resized_in_place() {
             ("CRUST_SHIM_MAX_MEMORY_MIB".into(), "2048".into()),
         ],
     );
+    // The guest slot may have been waited for (other tests' guests).
+    eprintln!("containerd up, guest slot held after {:?}", t0.elapsed());
+    let t0 = std::time::Instant::now();
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let sandbox =
         common::host_network_sandbox("resized", "5e1f0c2a-0000-4000-8000-00000000a27e", 0);
