@@ -591,6 +591,41 @@ pub struct ContainerStatsReply {
     pub pids: u64,
 }
 
+/// A CFS bandwidth limit: `quota_us` of CPU time per `period_us`
+/// (cgroup v2 `cpu.max`); no quota means unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuMax {
+    pub quota_us: Option<u64>,
+    pub period_us: u64,
+}
+
+/// Sets a container's limits in its cgroup, all or nothing: a memory
+/// limit below what the container holds and cannot give back (anonymous
+/// and shared memory: the guest has no swap) is refused before anything
+/// is written; a write that fails puts back what was written before it.
+/// `None` leaves that limit as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateContainer {
+    pub id: String,
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    #[serde(default)]
+    pub cpu_max: Option<CpuMax>,
+}
+
+/// Brings every present vCPU online (hot-plugged ones arrive offline) and
+/// waits up to `timeout_ms` for `want` to be online.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OnlineCpus {
+    pub want: u32,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OnlineCpusReply {
+    pub online: u32,
+}
+
 /// Kill whatever still runs, undo the mounts, forget the container.
 /// Unknown ids are a success (idempotent).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -605,6 +640,9 @@ pub struct GuestInfo {}
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestInfoReply {
     pub mem_total_bytes: u64,
+    /// `MemAvailable`: what the guest could give back without killing.
+    #[serde(default)]
+    pub mem_available_bytes: u64,
     pub cpus: u32,
     pub kernel_release: String,
 }

@@ -40,6 +40,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 mod blockio;
+mod resize;
 mod types;
 pub use blockio::{Aio, BlockIo, host_engines};
 

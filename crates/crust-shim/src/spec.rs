@@ -39,6 +39,82 @@ pub enum SpecError {
     Invalid { bundle: String, reason: String },
     #[error("unsupported in a crust VM: {0}")]
     Unsupported(String),
+    /// The resources of a task Update.
+    #[error("update: {0}")]
+    Update(String),
+}
+
+/// containerd's type URL for the `LinuxResources` of a task Update (JSON).
+pub const LINUX_RESOURCES_URL: &str =
+    "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
+
+/// The limits crust applies from OCI `linux.resources`: memory limit and
+/// CFS quota/period; the rest (shares, cpusets, hugepages...) is left to
+/// the VM boundary. Values a cgroup cannot take are refused, naming the
+/// field.
+pub fn resource_limits(
+    r: &oci_spec::runtime::LinuxResources,
+) -> Result<crate::resize::Limits, String> {
+    let memory = match r.memory().as_ref().and_then(|m| m.limit()) {
+        None | Some(0) | Some(-1) => None,
+        Some(l) if l < 0 => {
+            return Err(format!("{}: {l} is negative", crate::resize::MEMORY_FIELD));
+        }
+        Some(l) => Some(l as u64),
+    };
+    let cpu = match r.cpu().as_ref() {
+        None => None,
+        Some(c) => {
+            let period = c.period().unwrap_or(100_000);
+            if !(1000..=1_000_000).contains(&period) {
+                return Err(format!(
+                    "{}.period: {period} us out of 1000..=1000000",
+                    crate::resize::CPU_FIELD
+                ));
+            }
+            match c.quota() {
+                None => None,
+                Some(-1) => Some(crust_agent_proto::CpuMax {
+                    quota_us: None,
+                    period_us: period,
+                }),
+                Some(q) if q < 1000 => {
+                    return Err(format!(
+                        "{}.quota: {q} us, below the 1000 us a cgroup takes",
+                        crate::resize::CPU_FIELD
+                    ));
+                }
+                Some(q) => Some(crust_agent_proto::CpuMax {
+                    quota_us: Some(q as u64),
+                    period_us: period,
+                }),
+            }
+        }
+    };
+    Ok(crate::resize::Limits { memory, cpu })
+}
+
+/// A container's own CFS limit from its spec.
+fn own_cpu_max(
+    linux: &oci_spec::runtime::Linux,
+) -> Result<Option<crust_agent_proto::CpuMax>, String> {
+    match linux.resources() {
+        Some(r) => Ok(resource_limits(r)?.cpu),
+        None => Ok(None),
+    }
+}
+
+/// The limits a task Update asks for (`resources`: an Any of OCI
+/// `LinuxResources` in JSON, as containerd's CRI sends it).
+pub fn update_limits(type_url: &str, value: &[u8]) -> Result<crate::resize::Limits, SpecError> {
+    if type_url != LINUX_RESOURCES_URL {
+        return Err(SpecError::Update(format!(
+            "resources of type {type_url:?}: only {LINUX_RESOURCES_URL} is understood"
+        )));
+    }
+    let r: oci_spec::runtime::LinuxResources = serde_json::from_slice(value)
+        .map_err(|e| SpecError::Update(format!("LinuxResources do not parse: {e}")))?;
+    resource_limits(&r).map_err(SpecError::Update)
 }
 
 /// A host security module setting in a container's spec: the guest
@@ -130,6 +206,8 @@ pub struct ContainerPlan {
     /// vCPUs the CPU limit asks for (the pod's, else the container's own):
     /// the CFS quota over the period, rounded up.
     pub cpus: Option<u32>,
+    /// The container's own CFS limit (`cpu.max` in the guest).
+    pub cpu_max: Option<crust_agent_proto::CpuMax>,
     pub cgroups_path: Option<String>,
     /// Raw block devices (`linux.devices` of type b: volumeDevices).
     pub devices: Vec<HostDevice>,
@@ -439,11 +517,8 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         a.get(SANDBOX_CPU_QUOTA).and_then(|v| v.parse().ok()),
         a.get(SANDBOX_CPU_PERIOD).and_then(|v| v.parse().ok()),
     );
-    let own_cpus = linux
-        .resources()
-        .as_ref()
-        .and_then(|r| r.cpu().as_ref())
-        .and_then(|c| cfs(c.quota(), c.period()));
+    let cpu_max = own_cpu_max(&linux).map_err(invalid)?;
+    let own_cpus = cpu_max.and_then(|c| Some(c.quota_us?.div_ceil(c.period_us) as u32));
     let network = match linux
         .namespaces()
         .as_deref()
@@ -478,6 +553,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         lsm: lsm_settings(p),
         network,
         cpus: pod_cpus.or(own_cpus),
+        cpu_max,
         role: role(spec),
         process,
         mounts,
@@ -871,5 +947,44 @@ mod tests {
             net(json!([{"type": "network", "path": "/var/run/netns/cni-1"}])),
             PodNetworkSpec::Namespace("/var/run/netns/cni-1".into())
         );
+    }
+
+    #[test]
+    fn an_updates_resources_are_read_as_containerd_sends_them() {
+        let r = json!({"memory": {"limit": 536870912, "swap": 536870912},
+                       "cpu": {"shares": 2048, "quota": 200000, "period": 100000}});
+        let l = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap();
+        assert_eq!(l.memory, Some(512 << 20));
+        assert_eq!(
+            l.cpu,
+            Some(crust_agent_proto::CpuMax {
+                quota_us: Some(200_000),
+                period_us: 100_000
+            })
+        );
+        // Unlimited CPU; no memory limit leaves it as it is.
+        let r = json!({"cpu": {"quota": -1, "period": 100000}});
+        let l = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap();
+        assert_eq!((l.memory, l.cpu.unwrap().quota_us), (None, None));
+        for (r, field) in [
+            (
+                json!({"memory": {"limit": -5}}),
+                "linux.resources.memory.limit",
+            ),
+            (
+                json!({"cpu": {"quota": 10, "period": 100000}}),
+                "linux.resources.cpu.quota",
+            ),
+            (
+                json!({"cpu": {"quota": 100000, "period": 10}}),
+                "linux.resources.cpu.period",
+            ),
+        ] {
+            let e = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+        }
+        let e = update_limits("types.containerd.io/x/WindowsResources", b"{}").unwrap_err();
+        assert!(e.to_string().contains("WindowsResources"), "{e}");
+        assert!(update_limits(LINUX_RESOURCES_URL, b"{oops").is_err());
     }
 }

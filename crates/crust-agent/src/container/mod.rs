@@ -553,6 +553,19 @@ impl Containers {
         })
     }
 
+    /// New limits for a container's cgroup ([`cgroup::set_limits`]).
+    pub fn update(&self, req: &crust_agent_proto::UpdateContainer) -> Result<()> {
+        self.get(&req.id)?;
+        cgroup::set_limits(&req.id, req.memory_limit_bytes, req.cpu_max).map_err(|e| {
+            let msg = e.to_string();
+            match e {
+                cgroup::LimitError::BadCpuMax { .. } => ContainerError::Invalid(msg),
+                cgroup::LimitError::BelowUsage { .. } => ContainerError::Precondition(msg),
+                cgroup::LimitError::Write { .. } => ContainerError::Internal(msg),
+            }
+        })
+    }
+
     pub fn stats(&self, id: &str) -> Result<ContainerStatsReply> {
         self.get(id)?;
         Ok(cgroup::stats(id))
