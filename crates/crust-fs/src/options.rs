@@ -505,6 +505,22 @@ fn check_ext4_journal(data: &[&str]) -> Result<(), OptionError> {
             reason: "needs data=journal or data=writeback".into(),
         });
     }
+    // Without the journal (noload, norecovery) the kernel refuses every
+    // journal setting that differs from its default.
+    if data.iter().any(|o| matches!(*o, "noload" | "norecovery")) {
+        let journal_setting = data.iter().find(|o| {
+            matches!(**o, "journal_async_commit" | "journal_checksum")
+                || o.strip_prefix("commit=")
+                    .is_some_and(|v| !matches!(v, "0" | "5"))
+                || o.strip_prefix("data=").is_some_and(|v| v != "ordered")
+        });
+        if let Some(o) = journal_setting {
+            return Err(OptionError::Conflict {
+                name: "noload",
+                reason: format!("leaves no journal for {}", option_key(o)),
+            });
+        }
+    }
     Ok(())
 }
 
@@ -657,6 +673,11 @@ mod tests {
             assert!(p(FsType::Xfs, o, false).is_err(), "{o:?}");
         }
         assert!(p(FsType::Ext4, &["nouser_xattr"], false).is_err());
+        // No journal, no journal settings (ro: noload needs it).
+        for o in ["commit=2", "data=journal", "journal_checksum"] {
+            assert!(p(FsType::Ext4, &["noload", o], true).is_err(), "{o}");
+        }
+        assert!(p(FsType::Ext4, &["noload", "commit=5", "data=ordered"], true).is_ok());
         // Octal to the kernel, decimal to a reader: refused.
         for o in ["resuid=0207924707", "resgid=010", "commit=05"] {
             assert!(p(FsType::Ext4, &[o], false).is_err(), "{o}");
