@@ -10,7 +10,7 @@ use crust_handoff::{DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT};
 use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
 use crate::runtime::Runtime;
-use crate::shim::Code;
+use crust_shim_api::Code;
 
 /// The QEMU looked up on PATH unless --qemu says otherwise.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";

@@ -42,6 +42,7 @@ pub mod katashim;
 pub mod metrics;
 pub mod plug;
 pub mod poll;
+pub mod records;
 pub mod runtime;
 pub mod sandbox;
 pub mod share;

@@ -7,10 +7,10 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::publish::PublishStep;
 use crate::driver::Driver;
 use crate::error::{NodeError, PathProblem, mount_err};
-use crate::state::{Staging, VolumeRecord};
+use crate::records::PublishStep;
+use crate::records::{Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
