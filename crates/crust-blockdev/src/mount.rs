@@ -176,6 +176,18 @@ fn mountinfo_form(path: &Path) -> PathBuf {
     }
 }
 
+/// Whether the topmost mount at `path` is `device`'s filesystem from its
+/// root (not a bind of a subdirectory): the mount a stage made.
+pub fn root_mounted_at(device: &Path, path: &Path) -> Result<bool, MountError> {
+    let Some(m) = find_mount(path)? else {
+        return Ok(false);
+    };
+    Ok(
+        crate::device_major_minor(device).ok() == Some((m.major, m.minor))
+            && m.root == Path::new("/"),
+    )
+}
+
 /// The topmost mount whose mount point is `target`, if any. Does not
 /// access the filesystem mounted there, so it is safe on a hung mount.
 pub fn find_mount(target: &Path) -> Result<Option<MountEntry>, MountError> {

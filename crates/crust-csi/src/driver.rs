@@ -83,7 +83,7 @@ impl Driver {
             // leaves it frozen (a freeze outlives its process): thaw.
             if !s.block
                 && s.host_mount == crate::records::HostMount::Mounted
-                && crate::node::mounted_here(&s.device, &s.path).unwrap_or(false)
+                && crust_blockdev::root_mounted_at(&s.device, &s.path).unwrap_or(false)
             {
                 match crust_blockdev::thaw_if_frozen(&s.path) {
                     Ok(true) => tracing::warn!(volume = %r.id, path = %s.path.display(),

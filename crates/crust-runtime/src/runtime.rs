@@ -423,7 +423,7 @@ impl Runtime {
     }
 
     /// KEP `crust stats` / Kata `direct-volume stats`. Blocking: it is the
-    /// whole work of a CLI run on every kubelet poll (see [`crate::poll`]).
+    /// whole work of a CLI run on every kubelet poll (see [`crate::cli::poll`]).
     pub fn volume_stats(&self, volume_path: &str) -> Result<VolumeStats> {
         let id = match self.serving_sandbox(volume_path)? {
             Ok(id) => id,
