@@ -88,8 +88,8 @@ pub use loopdev::{
 };
 pub use mount::{
     MountEntry, MountError, MountGuard, ParsedOptions, bind_mount, find_mount, is_mountpoint,
-    mount_fs, mount_info, parse_mount_options, parse_mountinfo, root_mounted_at, unmount,
-    unmount_top,
+    mount_fs, mount_info, mount_points_below, parse_mount_options, parse_mountinfo,
+    root_mounted_at, unmount, unmount_top,
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};

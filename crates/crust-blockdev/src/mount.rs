@@ -80,6 +80,20 @@ pub fn parse_mountinfo(text: &[u8]) -> Result<Vec<MountEntry>, MountError> {
     })
 }
 
+/// Mount points strictly below `dir`, sorted, each once (from the cached
+/// table: what a teardown must detach before removing `dir`).
+pub fn mount_points_below(dir: &Path) -> Result<Vec<PathBuf>, MountError> {
+    let mut points: Vec<PathBuf> = current_table()?
+        .entries
+        .iter()
+        .filter(|m| m.mount_point.starts_with(dir) && m.mount_point != dir)
+        .map(|m| m.mount_point.clone())
+        .collect();
+    points.sort();
+    points.dedup();
+    Ok(points)
+}
+
 /// Every mount visible to this process, in mount order (later entries are
 /// stacked on top of earlier ones at the same path). From the cached table
 /// (see [`MountTable`]): no parsing unless the mounts changed.

@@ -118,18 +118,10 @@ pub fn mount_into(root: BorrowedFd<'_>, rel: &str, fs: &FsSpec) -> Result<(), Sh
     Ok(())
 }
 
-/// Mount points strictly below `dir` in this mount namespace (from
-/// crust-blockdev's cached mount table).
+/// Mount points strictly below `dir` in this mount namespace (an
+/// unreadable mount table reads as none, as it always did here).
 pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {
-    let mut points: Vec<PathBuf> = crust_blockdev::mount_info()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|m| m.mount_point)
-        .filter(|p| p.starts_with(dir) && p != dir)
-        .collect();
-    points.sort();
-    points.dedup();
-    points
+    crust_blockdev::mount_points_below(dir).unwrap_or_default()
 }
 
 /// Detaches every mount strictly below `dir`, deepest first, each reached

@@ -536,17 +536,10 @@ fn descendants(roots: &[i32]) -> Vec<i32> {
 /// Lazily unmounts every mount point below `dir`, deepest first.
 pub fn unmount_below(dir: &Path) {
     for _ in 0..3 {
-        let mut points: Vec<PathBuf> = crust_blockdev::mount_info()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|m| m.mount_point)
-            .filter(|p| p.starts_with(dir) && p != dir)
-            .collect();
+        let points = crust_blockdev::mount_points_below(dir).unwrap_or_default();
         if points.is_empty() {
             return;
         }
-        points.sort();
-        points.dedup();
         for p in points.iter().rev() {
             let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
         }
