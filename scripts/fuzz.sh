@@ -16,7 +16,10 @@
 # (a few thousand runs/s), so give it 2x for the same depth.
 # Long-form only (not in the smoke unless named): csi_request, whose
 # build (crust-csi and its gRPC stack with the sanitizer, the fuzz
-# manifest's `csi` feature) alone takes about 8 minutes on two cores.
+# manifest's `csi` feature) alone takes about 8 minutes on two cores; and
+# mount_options_kernel, the allow-list against real mounts (root; this
+# script gives it an ext4 and an xfs loop device and runs it in a private
+# mount namespace; it shares mount_options' corpus and dictionary).
 #
 # Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
 # --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the
@@ -64,10 +67,10 @@ if [ "$mode" = list ]; then
   echo "$all_targets"
   exit 0
 fi
-long_only="csi_request"
+long_only="csi_request mount_options_kernel"
 if [ ${#targets[@]} -eq 0 ]; then
   if [ "$mode" = smoke ]; then
-    mapfile -t targets < <(grep -vxF "$long_only" <<<"$all_targets")
+    mapfile -t targets < <(grep -vxF -f <(tr ' ' '\n' <<<"$long_only") <<<"$all_targets")
   else
     mapfile -t targets <<<"$all_targets"
   fi
@@ -92,12 +95,55 @@ fi
 tdir="${CRUST_FUZZ_TARGET_DIR:-$root/target/fuzz}"
 mkdir -p "$tdir"
 scratch=$(mktemp -d /dev/shm/crust-fuzz-run.XXXXXX)
-trap 'rm -rf "$scratch" /dev/shm/crust-fuzz-handoff' EXIT
+cleanup() {
+  if [ -f "$scratch/loops" ]; then
+    while read -r d; do losetup -d "$d" 2>/dev/null || true; done <"$scratch/loops"
+  fi
+  rm -rf "$scratch" /dev/shm/crust-fuzz-handoff
+}
+trap cleanup EXIT
 export CRUST_FUZZ_SCRATCH="$scratch"
+
+# The committed corpus of a target (the kernel form shares its parser's).
+corpus_of() {
+  case "$1" in
+    mount_options_kernel) echo fuzz/corpus/mount_options ;;
+    *) echo "fuzz/corpus/$1" ;;
+  esac
+}
+
+# mount_options_kernel's devices: an ext4 and an xfs image on loop
+# devices and an empty mount point, all under the scratch dir; the trap
+# detaches them. Its runs go through `in_ns`, a private mount namespace.
+kernel_setup() {
+  [ "$(id -u)" = 0 ] || { echo "fuzz.sh: mount_options_kernel needs root" >&2; exit 3; }
+  local fs img dev
+  for fs in ext4 xfs; do
+    img="$scratch/$fs.img"
+    truncate -s 1G "$img"
+    # Made as crust makes them (mkfs defaults).
+    "mkfs.$fs" -q "$img" >/dev/null
+    dev=$(losetup --find --show "$img")
+    echo "$dev" >>"$scratch/loops"
+    export "CRUST_FUZZ_${fs^^}_DEV=$dev"
+  done
+  mkdir -p "$scratch/mnt"
+  export CRUST_FUZZ_MNT="$scratch/mnt"
+}
+in_ns() {
+  if [ "$1" = mount_options_kernel ]; then
+    shift
+    unshare -m --propagation private "$@"
+  else
+    shift
+    "$@"
+  fi
+}
 
 # The dictionary each target's mutations draw from.
 dict_of() {
   case "$1" in
+    mount_options_kernel) echo fuzz/dict/mount_options.dict ;;
     handoff_record | agent_frame) echo fuzz/dict/json.dict ;;
     mountinfo) echo fuzz/dict/mountinfo.dict ;;
     mount_options) echo fuzz/dict/mount_options.dict ;;
@@ -116,7 +162,7 @@ parser_files_of() {
     handoff_record) echo crates/crust-handoff/src/{mountinfo,store,validate}.rs ;;
     agent_frame) echo crates/crust-agent-proto/src/{frame,messages,network}.rs ;;
     mountinfo) echo crates/crust-mountinfo/src/lib.rs crates/crust-agent/src/sys.rs ;;
-    mount_options) echo crates/crust-fs/src/options.rs ;;
+    mount_options | mount_options_kernel) echo crates/crust-fs/src/options.rs ;;
     kubelet_path) echo crates/crust-handoff/src/kubelet.rs ;;
     containerd_config) echo crates/crust-node-install/src/containerd.rs ;;
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
@@ -146,8 +192,9 @@ if [ "$mode" = coverage ]; then
   summary=()
   for t in "${targets[@]}"; do
     log="$ctdir/$t.log"
-    if ! cargo +nightly fuzz coverage --fuzz-dir fuzz --target-dir "$ctdir" --sanitizer none \
-      "${features[@]}" --llvm-path "$llvm" "$t" "fuzz/corpus/$t" >"$log" 2>&1; then
+    [ "$t" = mount_options_kernel ] && [ -z "${CRUST_FUZZ_MNT:-}" ] && kernel_setup
+    if ! in_ns "$t" cargo +nightly fuzz coverage --fuzz-dir fuzz --target-dir "$ctdir" --sanitizer none \
+      "${features[@]}" --llvm-path "$llvm" "$t" "$(corpus_of "$t")" >"$log" 2>&1; then
       grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$log" | tail -30 >&2
       echo "fuzz.sh: coverage of $t failed" >&2
       exit 1
@@ -165,7 +212,7 @@ if [ "$mode" = coverage ]; then
     # shellcheck disable=SC2046 # the file list is words
     lines=$("${cov[@]}" report "$bin" "${opts[@]}" $(parser_files_of "$t") |
       awk '$1 == "TOTAL" { print $10 " of " $8 " lines" }')
-    n=$(find "fuzz/corpus/$t" -type f | wc -l)
+    n=$(find "$(corpus_of "$t")" -type f | wc -l)
     summary+=("$(printf '%-18s %5s inputs  %-24s %s' "$t" "$n" "$lines" "$(parser_files_of "$t" | sed 's|crates/||g')")")
   done
   echo "fuzz.sh: coverage of the committed corpora ($(($(date +%s) - t0)) s); HTML: $report/TARGET/index.html"
@@ -185,7 +232,7 @@ build() {
 # Given no target `cargo fuzz build` builds them all in one cargo run.
 # (the smoke's: all but the long-form-only ones, which need a feature).
 if [ "${targets[*]}" = "$(echo $all_targets)" ] ||
-  { [ "$mode" = smoke ] && [ "${targets[*]}" = "$(grep -vxF "$long_only" <<<"$all_targets" | xargs)" ]; }; then
+  { [ "$mode" = smoke ] && [ "${targets[*]}" = "$(grep -vxF -f <(tr ' ' '\n' <<<"$long_only") <<<"$all_targets" | xargs)" ]; }; then
   build
 else
   for t in "${targets[@]}"; do build "$t"; done
@@ -199,6 +246,9 @@ done
 t_built=$(date +%s)
 echo "fuzz.sh: built in $((t_built - t0)) s"
 
+for t in "${targets[@]}"; do
+  [ "$t" = mount_options_kernel ] && kernel_setup
+done
 failed=()
 summary=()
 for t in "${targets[@]}"; do
@@ -212,7 +262,7 @@ for t in "${targets[@]}"; do
   # read only. -malloc_limit_mb: no input of a few KiB may make a parser
   # allocate 64 MiB at once; -timeout: none may take 5 s.
   set +e
-  "$bin" "$work" "fuzz/corpus/$t" \
+  in_ns "$t" "$bin" "$work" "$(corpus_of "$t")" \
     -dict="$(dict_of "$t")" -max_total_time="$secs" -max_len=8192 \
     -timeout=5 -rss_limit_mb=2048 -malloc_limit_mb=64 \
     -artifact_prefix="$arts/" -print_final_stats=1 >"$log" 2>&1
@@ -233,8 +283,8 @@ for t in "${targets[@]}"; do
   fi
   if [ "$save" = 1 ] && [ $rc = 0 ]; then
     # Minimized: only inputs that add coverage over the committed seeds.
-    "$bin" -merge=1 "fuzz/corpus/$t" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.merge.log" 2>&1
-    echo "fuzz.sh: $t: fuzz/corpus/$t now $(find "fuzz/corpus/$t" -type f | wc -l) inputs"
+    in_ns "$t" "$bin" -merge=1 "$(corpus_of "$t")" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.merge.log" 2>&1
+    echo "fuzz.sh: $t: $(corpus_of "$t") now $(find "$(corpus_of "$t")" -type f | wc -l) inputs"
   fi
 done
 

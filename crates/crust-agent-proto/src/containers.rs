@@ -178,6 +178,142 @@ pub struct CreateContainer {
     /// OCI `linux.seccomp`, for the container's process and every exec.
     #[serde(default)]
     pub seccomp: Option<Seccomp>,
+    /// The container's user namespace and its mappings (checked by
+    /// [`check_user_namespace`]).
+    #[serde(default)]
+    pub user: UserNamespace,
+}
+
+/// One line of a user namespace's uid or gid map (OCI `linux.uidMappings`
+/// / `gidMappings` entry): ids `container_id..container_id+size` in the
+/// container are `host_id..` in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdMapping {
+    #[serde(rename = "containerID")]
+    pub container_id: u32,
+    #[serde(rename = "hostID")]
+    pub host_id: u32,
+    pub size: u32,
+}
+
+/// A container's user namespace: the guest's (none in the spec), a new one
+/// with these mappings, or the pod's (CRI: the sandbox's; its own mappings
+/// apply).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct UserNamespace {
+    #[serde(default)]
+    pub source: NamespaceSource,
+    #[serde(default)]
+    pub uid_mappings: Vec<IdMapping>,
+    #[serde(default)]
+    pub gid_mappings: Vec<IdMapping>,
+}
+
+/// Lines the kernel takes in one uid_map or gid_map (since 4.15).
+pub const MAX_ID_MAP_LINES: usize = 340;
+/// The last valid id: `u32::MAX` is `(uid_t)-1`, "no id", in every
+/// namespace, the guest's included.
+pub const LAST_ID: u32 = u32::MAX - 1;
+
+/// The one check of a container's user namespace, made by the shim before
+/// a VM boots and by the agent for every caller: mappings the kernel would
+/// take (ids within the guest's, no overlap, no empty range, at most
+/// [`MAX_ID_MAP_LINES`]), the process's ids mapped, and every crust volume
+/// (`(destination, fstype)`) on a filesystem the guest can idmap. Errors
+/// name the field.
+pub fn check_user_namespace(
+    user: &UserNamespace,
+    process: Option<&WorkloadUser>,
+    volumes: &[(&str, &str)],
+) -> Result<(), String> {
+    if user.source == NamespaceSource::Guest {
+        for (field, m) in [
+            ("uidMappings", &user.uid_mappings),
+            ("gidMappings", &user.gid_mappings),
+        ] {
+            if !m.is_empty() {
+                return Err(format!(
+                    "linux.{field} without a user namespace in linux.namespaces"
+                ));
+            }
+        }
+        return Ok(());
+    }
+    let new = matches!(user.source, NamespaceSource::New);
+    check_id_map("uidMappings", &user.uid_mappings, new)?;
+    check_id_map("gidMappings", &user.gid_mappings, new)?;
+    if let (true, Some(p)) = (new, process) {
+        let mapped = |m: &[IdMapping], id: u32| {
+            m.iter()
+                .any(|l| id >= l.container_id && u64::from(id) < end(l.container_id, l.size))
+        };
+        if !mapped(&user.uid_mappings, p.uid) {
+            return Err(format!(
+                "process.user.uid {} is not mapped by linux.uidMappings",
+                p.uid
+            ));
+        }
+        if let Some(g) = std::iter::once(&p.gid)
+            .chain(&p.supplemental_gids)
+            .find(|g| !mapped(&user.gid_mappings, **g))
+        {
+            return Err(format!(
+                "process.user gid {g} is not mapped by linux.gidMappings"
+            ));
+        }
+    }
+    for (dest, fstype) in volumes {
+        let idmaps = crust_fs::FsType::parse(fstype).is_some_and(|t| t.spec().idmap);
+        if !idmaps {
+            return Err(format!(
+                "mount {dest}: its {fstype} volume cannot be idmapped by the guest kernel, so linux.uidMappings cannot be honoured on it"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn end(start: u32, size: u32) -> u64 {
+    u64::from(start) + u64::from(size)
+}
+
+fn check_id_map(field: &str, map: &[IdMapping], required: bool) -> Result<(), String> {
+    if required && map.is_empty() {
+        return Err(format!(
+            "linux.{field} is empty: a new user namespace needs at least one line"
+        ));
+    }
+    if map.len() > MAX_ID_MAP_LINES {
+        return Err(format!(
+            "linux.{field} has {} lines; the kernel takes at most {MAX_ID_MAP_LINES}",
+            map.len()
+        ));
+    }
+    let past = u64::from(LAST_ID) + 1;
+    for (i, l) in map.iter().enumerate() {
+        if l.size == 0 {
+            return Err(format!("linux.{field}[{i}]: size is 0"));
+        }
+        for (what, start) in [("containerID", l.container_id), ("hostID", l.host_id)] {
+            if end(start, l.size) > past {
+                return Err(format!(
+                    "linux.{field}[{i}]: {what} {start} + size {} goes past {LAST_ID}, the guest's last id",
+                    l.size
+                ));
+            }
+        }
+        for (j, o) in map[..i].iter().enumerate() {
+            let overlap =
+                |a: u32, b: u32| u64::from(a) < end(b, o.size) && u64::from(b) < end(a, l.size);
+            if overlap(l.container_id, o.container_id) {
+                return Err(format!("linux.{field}[{i}] overlaps [{j}] in containerID"));
+            }
+            if overlap(l.host_id, o.host_id) {
+                return Err(format!("linux.{field}[{i}] overlaps [{j}] in hostID"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// An OCI `linux.seccomp` section, in the spec's own JSON shape (the shim
@@ -455,6 +591,41 @@ pub struct ContainerStatsReply {
     pub pids: u64,
 }
 
+/// A CFS bandwidth limit: `quota_us` of CPU time per `period_us`
+/// (cgroup v2 `cpu.max`); no quota means unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuMax {
+    pub quota_us: Option<u64>,
+    pub period_us: u64,
+}
+
+/// Sets a container's limits in its cgroup, all or nothing: a memory
+/// limit below what the container holds and cannot give back (anonymous
+/// and shared memory: the guest has no swap) is refused before anything
+/// is written; a write that fails puts back what was written before it.
+/// `None` leaves that limit as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateContainer {
+    pub id: String,
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    #[serde(default)]
+    pub cpu_max: Option<CpuMax>,
+}
+
+/// Brings every present vCPU online (hot-plugged ones arrive offline) and
+/// waits up to `timeout_ms` for `want` to be online.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OnlineCpus {
+    pub want: u32,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OnlineCpusReply {
+    pub online: u32,
+}
+
 /// Kill whatever still runs, undo the mounts, forget the container.
 /// Unknown ids are a success (idempotent).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -469,6 +640,9 @@ pub struct GuestInfo {}
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestInfoReply {
     pub mem_total_bytes: u64,
+    /// `MemAvailable`: what the guest could give back without killing.
+    #[serde(default)]
+    pub mem_available_bytes: u64,
     pub cpus: u32,
     pub kernel_release: String,
 }
@@ -570,6 +744,93 @@ mod tests {
         ] {
             assert_eq!(sysctl_namespace(name), ns, "{name}");
         }
+    }
+
+    #[test]
+    fn user_namespace_mappings_are_checked_by_field() {
+        let m = |c: u32, h: u32, n: u32| IdMapping {
+            container_id: c,
+            host_id: h,
+            size: n,
+        };
+        let ns = |uid: Vec<IdMapping>, gid: Vec<IdMapping>| UserNamespace {
+            source: NamespaceSource::New,
+            uid_mappings: uid,
+            gid_mappings: gid,
+        };
+        let root = WorkloadUser {
+            uid: 0,
+            gid: 0,
+            supplemental_gids: vec![10],
+        };
+        let good = ns(vec![m(0, 100000, 65536)], vec![m(0, 100000, 65536)]);
+        check_user_namespace(&good, Some(&root), &[("/data", "ext4"), ("/x", "xfs")]).unwrap();
+        // The wire shape is the OCI one.
+        assert_eq!(
+            serde_json::to_value(m(0, 100000, 65536)).unwrap(),
+            json!({"containerID": 0, "hostID": 100000, "size": 65536})
+        );
+        check_user_namespace(&UserNamespace::default(), Some(&root), &[("/d", "vfat")]).unwrap();
+        let many: Vec<IdMapping> = (0..341).map(|i| m(i, 1000 + i, 1)).collect();
+        let last = LAST_ID;
+        for (user, needle) in [
+            (
+                ns(vec![m(0, last, 2)], vec![m(0, 0, 1)]),
+                "linux.uidMappings[0]: hostID 4294967294 + size 2 goes past 4294967294",
+            ),
+            (
+                ns(vec![m(last, 0, 2)], vec![m(0, 0, 1)]),
+                "linux.uidMappings[0]: containerID 4294967294 + size 2",
+            ),
+            (
+                ns(vec![m(0, 0, 1)], vec![m(0, 100, 10), m(5, 500, 10)]),
+                "linux.gidMappings[1] overlaps [0] in containerID",
+            ),
+            (
+                ns(vec![m(0, 100, 10), m(10, 105, 10)], vec![m(0, 0, 1)]),
+                "linux.uidMappings[1] overlaps [0] in hostID",
+            ),
+            (
+                ns(vec![m(0, 0, 1), m(1, 1, 0)], vec![m(0, 0, 1)]),
+                "linux.uidMappings[1]: size is 0",
+            ),
+            (
+                ns(many.clone(), vec![m(0, 0, 1)]),
+                "linux.uidMappings has 341 lines; the kernel takes at most 340",
+            ),
+            (
+                ns(Vec::new(), vec![m(0, 0, 1)]),
+                "linux.uidMappings is empty",
+            ),
+            (
+                ns(vec![m(1, 100, 10)], vec![m(0, 100, 65536)]),
+                "process.user.uid 0 is not mapped by linux.uidMappings",
+            ),
+            (
+                ns(vec![m(0, 100, 10)], vec![m(0, 100, 5)]),
+                "process.user gid 10 is not mapped by linux.gidMappings",
+            ),
+            (
+                UserNamespace {
+                    source: NamespaceSource::Guest,
+                    uid_mappings: vec![m(0, 0, 1)],
+                    gid_mappings: Vec::new(),
+                },
+                "linux.uidMappings without a user namespace",
+            ),
+        ] {
+            let e = check_user_namespace(&user, Some(&root), &[]).unwrap_err();
+            assert!(e.contains(needle), "{e}");
+        }
+        // 340 lines is the kernel's limit, not past it.
+        let ok: Vec<IdMapping> = many[..MAX_ID_MAP_LINES].to_vec();
+        check_user_namespace(&ns(ok.clone(), ok), None, &[]).unwrap();
+        let e = check_user_namespace(&good, Some(&root), &[("/data", "ext4"), ("/old", "vfat")])
+            .unwrap_err();
+        assert!(
+            e.contains("mount /old: its vfat volume cannot be idmapped"),
+            "{e}"
+        );
     }
 
     #[test]

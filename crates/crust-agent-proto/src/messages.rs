@@ -60,6 +60,8 @@ pub enum Operation {
     FreezeVolume(FreezeVolume),
     ThawVolume(ThawVolume),
     ConfigureNetwork(ConfigureNetwork),
+    UpdateContainer(UpdateContainer),
+    OnlineCpus(OnlineCpus),
 }
 
 /// Wire names of every operation, for telling "unknown op" apart from
@@ -91,6 +93,8 @@ pub const OPERATION_NAMES: &[&str] = &[
     "freeze_volume",
     "thaw_volume",
     "configure_network",
+    "update_container",
+    "online_cpus",
 ];
 
 impl Operation {
@@ -123,6 +127,8 @@ impl Operation {
             Operation::FreezeVolume(_) => FreezeVolume::NAME,
             Operation::ThawVolume(_) => ThawVolume::NAME,
             Operation::ConfigureNetwork(_) => ConfigureNetwork::NAME,
+            Operation::UpdateContainer(_) => UpdateContainer::NAME,
+            Operation::OnlineCpus(_) => OnlineCpus::NAME,
         }
     }
 }
@@ -262,6 +268,8 @@ call!(ContainerStats => ContainerStatsReply, "container_stats");
 call!(RemoveContainer => Empty, "remove_container");
 call!(GuestInfo => GuestInfoReply, "guest_info");
 call!(ConfigureNetwork => ConfigureNetworkReply, "configure_network");
+call!(UpdateContainer => Empty, "update_container");
+call!(OnlineCpus => OnlineCpusReply, "online_cpus");
 
 /// Reply with no data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -705,6 +713,20 @@ mod tests {
             }
             .into(),
             Shutdown {}.into(),
+            UpdateContainer {
+                id: "c".into(),
+                memory_limit_bytes: Some(512 << 20),
+                cpu_max: Some(CpuMax {
+                    quota_us: Some(200_000),
+                    period_us: 100_000,
+                }),
+            }
+            .into(),
+            OnlineCpus {
+                want: 2,
+                timeout_ms: 10,
+            }
+            .into(),
         ];
         for (i, op) in ops.into_iter().enumerate() {
             let name = op.name();

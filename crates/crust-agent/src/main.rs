@@ -25,6 +25,13 @@ fn main() -> anyhow::Result<()> {
     {
         crust_agent::container::init::main();
     }
+    if std::env::args_os().nth(1).as_deref()
+        == Some(std::ffi::OsStr::new(
+            crust_agent::container::userns::HOLD_ARG,
+        ))
+    {
+        crust_agent::container::userns::hold_main();
+    }
     let args = Args::parse();
     crust_agent::run(crust_agent::Config {
         port_name: args.port_name,

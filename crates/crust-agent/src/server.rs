@@ -220,6 +220,17 @@ impl Agent {
                 }
                 Operation::GuestInfo(_) => serde_json::to_value(guest_info()),
                 Operation::ConfigureNetwork(n) => serde_json::to_value(self.network.configure(&n)?),
+                Operation::UpdateContainer(u) => {
+                    self.containers.update(&u)?;
+                    serde_json::to_value(Empty {})
+                }
+                Operation::OnlineCpus(o) => {
+                    let mut t = Duration::from_millis(o.timeout_ms);
+                    if let Some(d) = deadline {
+                        t = t.min(d.saturating_duration_since(Instant::now()));
+                    }
+                    serde_json::to_value(online_cpus(o.want, t))
+                }
             };
             v.map_err(|e| AgentError::new(ErrorCode::Internal, e.to_string()))
         })();
@@ -291,32 +302,78 @@ impl Agent {
     }
 }
 
-/// Memory, CPUs and kernel of the guest.
-fn guest_info() -> crust_agent_proto::GuestInfoReply {
-    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+/// One `/proc/meminfo` figure, in bytes.
+fn meminfo(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
         .unwrap_or_default()
         .lines()
         .find_map(|l| {
-            l.strip_prefix("MemTotal:")?
+            l.strip_prefix(key)?
+                .strip_prefix(':')?
                 .trim()
                 .strip_suffix("kB")?
                 .trim()
                 .parse::<u64>()
                 .ok()
         })
-        .unwrap_or(0);
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Memory, CPUs and kernel of the guest.
+fn guest_info() -> crust_agent_proto::GuestInfoReply {
     let cpus = std::fs::read_to_string("/proc/cpuinfo")
         .unwrap_or_default()
         .lines()
         .filter(|l| l.starts_with("processor"))
         .count() as u32;
     crust_agent_proto::GuestInfoReply {
-        mem_total_bytes: mem_kib * 1024,
+        mem_total_bytes: meminfo("MemTotal"),
+        mem_available_bytes: meminfo("MemAvailable"),
         cpus,
         kernel_release: rustix::system::uname()
             .release()
             .to_string_lossy()
             .into_owned(),
+    }
+}
+
+/// Onlines every offline vCPU (no udev here to do it when one is
+/// hot-plugged; the ACPI notice may trail QEMU's answer, hence the wait)
+/// until `want` are online or `timeout` passes.
+fn online_cpus(want: u32, timeout: Duration) -> crust_agent_proto::OnlineCpusReply {
+    let until = Instant::now() + timeout;
+    loop {
+        let mut online = 0;
+        for e in std::fs::read_dir("/sys/devices/system/cpu")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name();
+            let is_cpu = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("cpu"))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            if !is_cpu {
+                continue;
+            }
+            let f = e.path().join("online");
+            // cpu0 has no `online` file: it cannot go offline.
+            match std::fs::read_to_string(&f) {
+                Err(_) => online += 1,
+                Ok(v) if v.trim() == "1" => online += 1,
+                Ok(_) => {
+                    if std::fs::write(&f, "1").is_ok() {
+                        online += 1;
+                    }
+                }
+            }
+        }
+        if online >= want || Instant::now() >= until {
+            return crust_agent_proto::OnlineCpusReply { online };
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

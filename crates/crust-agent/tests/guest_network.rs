@@ -224,6 +224,7 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .expect("create_container");

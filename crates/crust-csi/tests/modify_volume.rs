@@ -79,6 +79,10 @@ async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
         // a split beside the recorded total
         &[("readIops", "50")],
         &[("iops", "200"), ("iops_rd", "1")],
+        // a burst without its limit, below it; a length without a burst
+        &[("writeIopsBurst", "500")],
+        &[("iopsBurst", "50")],
+        &[("burstSeconds", "4")],
     ] {
         let s = assert_code(modify(&mut c, &id, bad).await, Code::InvalidArgument);
         assert!(

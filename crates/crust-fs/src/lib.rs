@@ -258,6 +258,10 @@ pub struct FsSpec {
     /// Where the kernel counts the errors a mounted instance met (health
     /// checks read it); None when it keeps no such count.
     pub error_count: Option<ErrorCount>,
+    /// The guest kernel (6.1) can make an idmapped mount of it
+    /// (`MOUNT_ATTR_IDMAP`): what a user-namespaced container needs to see
+    /// its own ids on the volume.
+    pub idmap: bool,
 }
 
 /// The kernel's per-instance error count in sysfs:
@@ -374,6 +378,7 @@ static EXT4: FsSpec = FsSpec {
         count: "errors_count",
         first_func: "first_error_func",
     }),
+    idmap: true,
 };
 
 static XFS: FsSpec = FsSpec {
@@ -409,6 +414,7 @@ static XFS: FsSpec = FsSpec {
     // xfs reports corruption by shutting down (the mount turns read-only
     // or answers EIO), which the health checks see without a count.
     error_count: None,
+    idmap: true,
 };
 
 /// How many bytes from the start of a device [`detect`] and

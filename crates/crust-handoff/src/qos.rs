@@ -10,9 +10,14 @@
 //! | `readIops` / `writeIops` | `iops_rd` / `iops_wr` |
 //! | `bps` | `bps` (bytes per second, reads + writes) |
 //! | `readBps` / `writeBps` | `bps_rd` / `bps_wr` |
+//! | `iopsBurst`, `readIopsBurst`, `writeIopsBurst` | `iops_max`, `iops_rd_max`, `iops_wr_max` |
+//! | `bpsBurst`, `readBpsBurst`, `writeBpsBurst` | `bps_max`, `bps_rd_max`, `bps_wr_max` |
+//! | `burstSeconds` | every set burst's `*_max_length` (QEMU's default: 1) |
 //!
 //! A total and its read/write split exclude each other (QEMU refuses
-//! both at once). The plugin records the limits with the volume and puts
+//! both at once). A burst is the rate a volume may reach for
+//! `burstSeconds` after it ran below its limit (a token bucket): it needs
+//! its limit and is at least that limit, as QEMU requires. The plugin records the limits with the volume and puts
 //! them in the hand-off record's metadata under [`IO_LIMITS_KEY`], where
 //! the runtime reads them at every plug; a change reaches a running guest
 //! through the runtime CLI's `crust throttle`.
@@ -28,13 +33,30 @@ pub const IO_LIMITS_KEY: &str = "ioLimits";
 pub const MAX_LIMIT: u64 = 1_000_000_000_000_000;
 
 /// The keys, in wire order.
-pub const KEYS: [&str; 6] = [
+pub const KEYS: [&str; 13] = [
     "iops",
     "readIops",
     "writeIops",
     "bps",
     "readBps",
     "writeBps",
+    "iopsBurst",
+    "readIopsBurst",
+    "writeIopsBurst",
+    "bpsBurst",
+    "readBpsBurst",
+    "writeBpsBurst",
+    "burstSeconds",
+];
+
+/// Each burst key with the limit it raises.
+const BURSTS: [(&str, &str); 6] = [
+    ("iopsBurst", "iops"),
+    ("readIopsBurst", "readIops"),
+    ("writeIopsBurst", "writeIops"),
+    ("bpsBurst", "bps"),
+    ("readBpsBurst", "readBps"),
+    ("writeBpsBurst", "writeBps"),
 ];
 
 /// Why a set of limits is refused; the message names the key.
@@ -53,6 +75,22 @@ pub enum QosError {
         total: &'static str,
         split: &'static str,
     },
+    #[error("mutable parameter {burst} needs {limit}: a burst raises a limit for a while")]
+    BurstWithoutLimit {
+        burst: &'static str,
+        limit: &'static str,
+    },
+    #[error("mutable parameter {burst}={value} is below {limit}={limit_value}")]
+    BurstBelowLimit {
+        burst: &'static str,
+        value: u64,
+        limit: &'static str,
+        limit_value: u64,
+    },
+    #[error("mutable parameter burstSeconds needs a burst ({})", BURSTS.map(|b| b.0).join(", "))]
+    SecondsWithoutBurst,
+    #[error("mutable parameters {burst} × burstSeconds exceed {MAX_LIMIT}")]
+    BurstTooLong { burst: &'static str },
 }
 
 /// Per-volume I/O limits; 0 = unlimited.
@@ -71,6 +109,21 @@ pub struct IoLimits {
     pub read_bps: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub write_bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iops_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_iops_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_iops_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bps_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_bps_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_bps_burst: u64,
+    /// How long a burst may last, in seconds (0: QEMU's 1 s).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst_seconds: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -91,11 +144,18 @@ impl IoLimits {
             "bps" => &mut self.bps,
             "readBps" => &mut self.read_bps,
             "writeBps" => &mut self.write_bps,
+            "iopsBurst" => &mut self.iops_burst,
+            "readIopsBurst" => &mut self.read_iops_burst,
+            "writeIopsBurst" => &mut self.write_iops_burst,
+            "bpsBurst" => &mut self.bps_burst,
+            "readBpsBurst" => &mut self.read_bps_burst,
+            "writeBpsBurst" => &mut self.write_bps_burst,
+            "burstSeconds" => &mut self.burst_seconds,
             _ => return None,
         })
     }
 
-    fn values(&self) -> [u64; 6] {
+    fn values(&self) -> [u64; 13] {
         [
             self.iops,
             self.read_iops,
@@ -103,7 +163,20 @@ impl IoLimits {
             self.bps,
             self.read_bps,
             self.write_bps,
+            self.iops_burst,
+            self.read_iops_burst,
+            self.write_iops_burst,
+            self.bps_burst,
+            self.read_bps_burst,
+            self.write_bps_burst,
+            self.burst_seconds,
         ]
+    }
+
+    fn value(&self, key: &str) -> u64 {
+        KEYS.iter()
+            .position(|k| *k == key)
+            .map_or(0, |i| self.values()[i])
     }
 
     /// These limits with `params` laid over them (a key given replaces
@@ -146,6 +219,31 @@ impl IoLimits {
                 let split = if r != 0 { rn } else { wn };
                 return Err(QosError::TotalAndSplit { total, split });
             }
+        }
+        let mut any_burst = false;
+        for (burst, limit) in BURSTS {
+            let (b, l) = (self.value(burst), self.value(limit));
+            if b == 0 {
+                continue;
+            }
+            any_burst = true;
+            if l == 0 {
+                return Err(QosError::BurstWithoutLimit { burst, limit });
+            }
+            if b < l {
+                return Err(QosError::BurstBelowLimit {
+                    burst,
+                    value: b,
+                    limit,
+                    limit_value: l,
+                });
+            }
+            if self.burst_seconds > MAX_LIMIT / b {
+                return Err(QosError::BurstTooLong { burst });
+            }
+        }
+        if self.burst_seconds != 0 && !any_burst {
+            return Err(QosError::SecondsWithoutBurst);
         }
         Ok(())
     }
@@ -259,5 +357,68 @@ mod tests {
         let l = IoLimits::from_params(&p(&[("bps", "100")])).unwrap();
         assert!(l.merged(&p(&[("readBps", "1")])).is_err());
         assert!(l.merged(&p(&[("bps", "0"), ("readBps", "1")])).is_ok());
+    }
+
+    #[test]
+    fn bursts_raise_a_set_limit_for_a_while() {
+        let l = IoLimits::from_params(&p(&[
+            ("iops", "100"),
+            ("iopsBurst", "400"),
+            ("burstSeconds", "5"),
+            ("writeBps", "1000"),
+            ("writeBpsBurst", "1000"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (l.iops_burst, l.burst_seconds, l.write_bps_burst),
+            (400, 5, 1000)
+        );
+        assert_eq!(
+            l.to_wire(),
+            "iops=100,writeBps=1000,iopsBurst=400,writeBpsBurst=1000,burstSeconds=5"
+        );
+        assert_eq!(IoLimits::from_wire(&l.to_wire()).unwrap(), l);
+        let e = |pairs: &[(&str, &str)]| IoLimits::from_params(&p(pairs)).unwrap_err();
+        assert_eq!(
+            e(&[("iopsBurst", "10")]),
+            QosError::BurstWithoutLimit {
+                burst: "iopsBurst",
+                limit: "iops"
+            }
+        );
+        assert_eq!(
+            e(&[("readBps", "10"), ("readBpsBurst", "9")]),
+            QosError::BurstBelowLimit {
+                burst: "readBpsBurst",
+                value: 9,
+                limit: "readBps",
+                limit_value: 10
+            }
+        );
+        assert_eq!(
+            e(&[("iops", "10"), ("burstSeconds", "3")]),
+            QosError::SecondsWithoutBurst
+        );
+        assert_eq!(
+            e(&[
+                ("bps", "10"),
+                ("bpsBurst", "1000000000000"),
+                ("burstSeconds", "1000000")
+            ]),
+            QosError::BurstTooLong { burst: "bpsBurst" }
+        );
+        // Lifting a limit without its burst is refused: nothing half-set.
+        assert!(matches!(
+            l.merged(&p(&[("iops", "0")])),
+            Err(QosError::BurstWithoutLimit { .. })
+        ));
+        assert!(
+            l.merged(&p(&[
+                ("iops", "0"),
+                ("iopsBurst", "0"),
+                ("burstSeconds", "0")
+            ]))
+            .is_ok()
+        );
     }
 }

@@ -40,6 +40,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 mod blockio;
+mod resize;
 mod types;
 pub use blockio::{Aio, BlockIo, host_engines};
 
@@ -986,17 +987,31 @@ impl QmpClient {
                 class: "DeviceNotFound".into(),
                 desc: format!("no block device {id}"),
             })?;
-        // QEMU 7.2 wants all six values; no burst (`*_max`) is set.
-        self.execute(
-            "block_set_io_throttle",
-            json!({
-                "id": qdev,
-                "iops": limits.iops, "iops_rd": limits.iops_rd, "iops_wr": limits.iops_wr,
-                "bps": limits.bps, "bps_rd": limits.bps_rd, "bps_wr": limits.bps_wr,
-            }),
-        )
-        .await
-        .map(drop)
+        // QEMU 7.2 wants all six rates; bursts are optional.
+        let mut args = json!({
+            "id": qdev,
+            "iops": limits.iops, "iops_rd": limits.iops_rd, "iops_wr": limits.iops_wr,
+            "bps": limits.bps, "bps_rd": limits.bps_rd, "bps_wr": limits.bps_wr,
+            "iops_max": limits.iops_max, "iops_rd_max": limits.iops_rd_max,
+            "iops_wr_max": limits.iops_wr_max, "bps_max": limits.bps_max,
+            "bps_rd_max": limits.bps_rd_max, "bps_wr_max": limits.bps_wr_max,
+        });
+        if limits.max_length > 0 {
+            // Only for a burst that is set: QEMU refuses a length without one.
+            for (name, max) in [
+                ("iops_max", limits.iops_max),
+                ("iops_rd_max", limits.iops_rd_max),
+                ("iops_wr_max", limits.iops_wr_max),
+                ("bps_max", limits.bps_max),
+                ("bps_rd_max", limits.bps_rd_max),
+                ("bps_wr_max", limits.bps_wr_max),
+            ] {
+                if max > 0 {
+                    args[format!("{name}_length")] = json!(limits.max_length);
+                }
+            }
+        }
+        self.execute("block_set_io_throttle", args).await.map(drop)
     }
 
     /// Sets the size of node `node_name` to `size` bytes and tells the
@@ -1125,6 +1140,15 @@ pub struct IoThrottle {
     pub bps: u64,
     pub bps_rd: u64,
     pub bps_wr: u64,
+    /// Burst rates (`*_max`), each at least its rate.
+    pub iops_max: u64,
+    pub iops_rd_max: u64,
+    pub iops_wr_max: u64,
+    pub bps_max: u64,
+    pub bps_rd_max: u64,
+    pub bps_wr_max: u64,
+    /// Seconds a burst may last (`*_max_length`); 0: QEMU's 1 s.
+    pub max_length: u64,
 }
 
 /// How a `virtio-blk-pci` device is set up

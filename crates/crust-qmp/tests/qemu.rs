@@ -214,6 +214,8 @@ async fn file_volume_hotplug_resize_and_quit() {
     assert_eq!(attached_size(qmp, "vd0").await, 128 * MIB);
     assert_eq!(std::fs::metadata(&img).unwrap().len(), 128 * MIB);
 
+    throttles_with_a_burst(qmp, "vd0").await;
+
     assert_command_error(
         qmp.block_resize("no-such-node", 128 * MIB).await,
         &["GenericError", "DeviceNotFound"],
@@ -429,6 +431,60 @@ async fn errors_events_and_connection_loss() {
         Err(QmpError::Disconnected(_))
     ));
     assert!(vm.qmp.closed_reason().is_some());
+}
+
+/// Throttled with a burst: QEMU reports what was set; a burst below its
+/// rate is QEMU's refusal and leaves the limits as they were.
+async fn throttles_with_a_burst(qmp: &QmpClient, id: &str) {
+    let limits = crust_qmp::IoThrottle {
+        iops: 100,
+        iops_max: 400,
+        bps_wr: 1 << 20,
+        bps_wr_max: 4 << 20,
+        max_length: 5,
+        ..Default::default()
+    };
+    qmp.block_set_io_throttle(id, &limits).await.unwrap();
+    let throttle = || async {
+        let blocks = qmp.execute("query-block", Value::Null).await.unwrap();
+        let vd0 = blocks
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["qdev"].as_str().is_some_and(|q| q.contains(id)))
+            .unwrap()
+            .clone();
+        let i = &vd0["inserted"];
+        [
+            "iops",
+            "iops_max",
+            "iops_max_length",
+            "bps_wr",
+            "bps_wr_max",
+            "bps_wr_max_length",
+            "bps_rd_max",
+        ]
+        // QEMU leaves out a burst that is not set.
+        .map(|k| i[k].as_u64().unwrap_or(0))
+    };
+    assert_eq!(throttle().await, [100, 400, 5, 1 << 20, 4 << 20, 5, 0]);
+    assert_command_error(
+        qmp.block_set_io_throttle(
+            id,
+            &crust_qmp::IoThrottle {
+                iops: 100,
+                iops_max: 50,
+                ..Default::default()
+            },
+        )
+        .await,
+        &["GenericError"],
+    );
+    assert_eq!(throttle().await, [100, 400, 5, 1 << 20, 4 << 20, 5, 0]);
+    qmp.block_set_io_throttle(id, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(throttle().await[..2], [0, 0]);
 }
 
 /// Runs a qemu-io command on block node `node` (HMP; its output goes to

@@ -87,12 +87,23 @@ pub struct Bundle {
     /// [`Bundle::refuse_unfiltered`]).
     #[serde(default)]
     pub seccomp: bool,
+    /// The spec asks for a user namespace: likewise only the shim's
+    /// containers have one.
+    #[serde(default)]
+    pub user_namespace: bool,
 }
 
 impl Bundle {
-    /// The CLI runs one guest workload, never filtered: a profile there
-    /// would read as enforced when it is not.
+    /// The CLI runs one guest workload, never filtered and never in a user
+    /// namespace: a profile or mapping there would read as honoured when
+    /// it is not.
     pub fn refuse_unfiltered(&self) -> Result<(), BundleError> {
+        if self.user_namespace {
+            return Err(BundleError::Invalid {
+                path: self.dir.display().to_string(),
+                reason: "linux.namespaces: the crust-runtime CLI's workload has no user namespace; run it through containerd-shim-crust-v2".into(),
+            });
+        }
         if self.seccomp {
             return Err(BundleError::Invalid {
                 path: self.dir.display().to_string(),
@@ -213,6 +224,12 @@ impl Bundle {
             pod_uid,
             defer_required,
             seccomp: spec.linux().as_ref().is_some_and(|l| l.seccomp().is_some()),
+            user_namespace: spec.linux().as_ref().is_some_and(|l| {
+                l.namespaces()
+                    .iter()
+                    .flatten()
+                    .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)
+            }),
         })
     }
 }
@@ -396,6 +413,15 @@ mod tests {
         assert!(b.seccomp);
         let e = b.refuse_unfiltered().unwrap_err().to_string();
         assert!(e.contains("linux.seccomp"), "{e}");
+        let mut s = spec(json!([]));
+        s["linux"] = json!({"namespaces": [{"type": "user"}],
+            "uidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}]});
+        let e = parse(s)
+            .unwrap()
+            .refuse_unfiltered()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has no user namespace"), "{e}");
         let mut s = spec(json!([]));
         s.as_object_mut().unwrap().remove("process");
         assert!(parse(s).unwrap_err().to_string().contains("no process"));

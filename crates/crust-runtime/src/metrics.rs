@@ -352,6 +352,7 @@ mod tests {
                 pod_uid: None,
                 defer_required: false,
                 seccomp: false,
+                user_namespace: false,
             },
         );
         st.qemu = Some(me);

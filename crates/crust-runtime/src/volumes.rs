@@ -372,6 +372,13 @@ pub async fn throttle(qmp: &QmpClient, v: &Volume, limits: &IoLimits) -> Result<
         bps: limits.bps,
         bps_rd: limits.read_bps,
         bps_wr: limits.write_bps,
+        iops_max: limits.iops_burst,
+        iops_rd_max: limits.read_iops_burst,
+        iops_wr_max: limits.write_iops_burst,
+        bps_max: limits.bps_burst,
+        bps_rd_max: limits.read_bps_burst,
+        bps_wr_max: limits.write_bps_burst,
+        max_length: limits.burst_seconds,
     };
     qmp.block_set_io_throttle(&v.device_id, &t)
         .await

@@ -35,6 +35,9 @@ struct EnvOpts {
     /// Ceiling of a pod's guest memory with hot-added DIMMs.
     #[arg(long, env = "CRUST_SHIM_MAX_MEMORY_MIB", default_value_t = 8192)]
     max_memory_mib: u32,
+    /// Ceiling of a pod's vCPUs with hot-plugged ones; 0: the host's cores.
+    #[arg(long, env = "CRUST_SHIM_MAX_CPUS", default_value_t = 0)]
+    max_cpus: u32,
     /// A container's AppArmor profile / SELinux label: `ignore` (logged
     /// once per pod) or `refuse`.
     #[arg(
@@ -53,6 +56,8 @@ pub struct ShimConfig {
     pub overhead_mib: u32,
     pub virtiofsd: PathBuf,
     pub max_memory_mib: u32,
+    /// 0: the host's cores ([`ShimConfig::max_vcpus`]).
+    pub max_cpus: u32,
     pub lsm_policy: LsmPolicy,
 }
 
@@ -91,8 +96,20 @@ impl ShimConfig {
             overhead_mib: o.overhead_mib,
             virtiofsd: o.virtiofsd,
             max_memory_mib: o.max_memory_mib,
+            max_cpus: o.max_cpus,
             lsm_policy: o.lsm_policy,
         })
+    }
+
+    /// How many vCPUs a pod's VM can grow to (QEMU's `maxcpus`).
+    pub fn max_vcpus(&self) -> u32 {
+        match self.max_cpus {
+            0 => std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1)
+                .min(64),
+            n => n.min(64),
+        }
     }
 
     /// Guest memory for a pod whose containers ask for `limits` bytes in
@@ -123,6 +140,7 @@ mod tests {
             overhead_mib: 160,
             virtiofsd: "virtiofsd".into(),
             max_memory_mib: 8192,
+            max_cpus: 0,
             lsm_policy: LsmPolicy::Ignore,
         };
         c.runtime.memory_mib = 256;

@@ -10,6 +10,8 @@
 //!   1.x, 2.0–2.2, 2.3+).
 //! - [`task`]: the task service.
 //! - [`pod`]: the pod's VM, share, volumes; shared code with crust-runtime.
+//! - [`resize`]: in-place resize (task Update): cgroup limits in the guest,
+//!   memory and vCPU hot-plug, the balloon.
 //! - [`shimapi`]: the crust shim API of the pod (`crust stats|resize`).
 //! - [`spec`]: OCI spec → guest container request, mount by mount.
 //! - [`io`]: stdio FIFOs ↔ the guest's stdio port.
@@ -22,6 +24,7 @@ pub mod config;
 pub mod io;
 pub mod net;
 pub mod pod;
+pub mod resize;
 pub mod shimapi;
 pub mod spec;
 pub mod start_reply;

@@ -52,6 +52,12 @@ pub enum PodError {
     Agent(#[from] crust_agent_proto::ClientError),
     #[error("the pod's network cannot go into its VM: {0}")]
     Network(#[from] crust_podnet::NetError),
+    /// A user namespace the guest cannot honour (a mapping, a volume's
+    /// filesystem): `crust_agent_proto::check_user_namespace`.
+    #[error("user namespace: {0}")]
+    UserNamespace(String),
+    #[error(transparent)]
+    Resize(#[from] crate::resize::ResizeError),
 }
 
 impl PodError {
@@ -69,17 +75,28 @@ impl PodError {
             PodError::VmGone(_) => Code::Unavailable,
             PodError::Agent(e) => volumes::agent_code(e),
             PodError::Network(_) => Code::FailedPrecondition,
+            PodError::UserNamespace(_) => Code::InvalidArgument,
+            PodError::Resize(e) => e.code(),
         }
     }
 }
 
-/// The guest's memory bookkeeping.
-#[derive(Debug, Default)]
-struct Memory {
-    current_mib: u32,
-    dimms: u32,
-    pod_limit: u64,
-    limits: HashMap<String, u64>,
+/// The user namespace once the container's crust volumes are known:
+/// each must take an idmapped mount. Before any is claimed or plugged.
+fn check_idmap(
+    plan: &ContainerPlan,
+    vplan: &crust_runtime::discovery::Plan,
+) -> Result<(), PodError> {
+    let volumes: Vec<(&str, &str)> = vplan
+        .mounts
+        .iter()
+        .filter_map(|m| {
+            let v = vplan.volumes.iter().find(|v| v.id == m.volume)?;
+            Some((m.destination.as_str(), v.fstype.as_str()))
+        })
+        .collect();
+    crust_agent_proto::check_user_namespace(&plan.user, plan.process.user.as_ref(), &volumes)
+        .map_err(PodError::UserNamespace)
 }
 
 /// A booted pod VM.
@@ -107,8 +124,8 @@ pub struct Pod {
     attachments: Attachments,
     /// One volume plug (claim included) at a time.
     plug_lock: tokio::sync::Mutex<()>,
-    /// The guest's memory and what the containers ask of it.
-    memory: tokio::sync::Mutex<Memory>,
+    /// The VM's memory and vCPUs and what the containers ask of them.
+    pub(crate) sizing: tokio::sync::Mutex<crate::resize::Sizing>,
     /// Serials of hot-plugged raw block devices.
     devices: tokio::sync::Mutex<Vec<String>>,
     /// Stops the crust shim API server.
@@ -133,7 +150,7 @@ impl Pod {
             next_stream: AtomicU32::new(1),
             attachments: Attachments::default(),
             plug_lock: Default::default(),
-            memory: Default::default(),
+            sizing: Default::default(),
             devices: Default::default(),
             api_stop: Mutex::new(None),
             asked_at: Mutex::new(HashMap::new()),
@@ -322,10 +339,8 @@ impl Pod {
         vc.memory_mib = memory_mib;
         vc.cpus = cpus;
         vc.max_memory_mib = self.cfg.max_memory_mib.max(memory_mib);
-        {
-            let mut m = self.memory.lock().await;
-            m.current_mib = memory_mib;
-        }
+        vc.max_cpus = self.cfg.max_vcpus().max(cpus);
+        *self.sizing.lock().await = crate::resize::Sizing::booted(memory_mib, cpus, vc.max_cpus);
         vc.shares = vec![crust_vmm::ShareSpec {
             tag: SHARE_TAG.into(),
             dir: share,
@@ -421,6 +436,7 @@ impl Pod {
         let vplan = discovery.plan(&b).map_err(RuntimeError::from)?;
         crust_runtime::volumes::check_before_boot(&discovery, &vplan.volumes)
             .map_err(RuntimeError::from)?;
+        check_idmap(plan, &vplan)?;
         // Every step in the share by descriptor from its root: the guest
         // may have written there (see crust_runtime::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
@@ -497,6 +513,7 @@ impl Pod {
             pid: plan.pid.clone(),
             sysctl: plan.sysctl.clone(),
             seccomp: plan.seccomp.clone(),
+            user: plan.user.clone(),
         })
     }
 
@@ -650,8 +667,9 @@ impl Pod {
     }
 
     /// Makes the guest's memory cover the pod's: the overhead plus the
-    /// larger of the pod's own limit and its containers' limits, adding a
-    /// DIMM (memfd, shared with virtiofsd) when it does not. Never shrinks.
+    /// larger of the pod's own limit and its containers' limits (the
+    /// balloon deflated, then DIMMs added: [`crate::resize::grow`]).
+    /// Never shrinks.
     pub async fn reserve_memory(
         &self,
         vm: &PodVm,
@@ -659,68 +677,30 @@ impl Pod {
         limit: Option<u64>,
         pod_limit: Option<u64>,
     ) -> Result<(), PodError> {
-        let mut m = self.memory.lock().await;
+        let mut s = self.sizing.lock().await;
         if let Some(l) = limit {
-            m.limits.insert(cid.to_string(), l);
+            s.memory.insert(cid.to_string(), l);
         }
         if let Some(p) = pod_limit {
-            m.pod_limit = m.pod_limit.max(p);
+            s.pod_limit = s.pod_limit.max(p);
         }
-        let wanted = m.limits.values().sum::<u64>().max(m.pod_limit);
-        let needed = (wanted.div_ceil(1 << 20) as u32).saturating_add(self.cfg.overhead_mib);
-        if needed <= m.current_mib {
+        let needed = s.needed_mib(&s.memory, self.cfg.overhead_mib);
+        if needed <= s.held_mib {
             return Ok(());
         }
-        // Hot-plugged memory comes in 128 MiB blocks on x86-64.
-        let add = (needed - m.current_mib).div_ceil(128) * 128;
-        if m.dimms >= crust_vmm::MEMORY_SLOTS || m.current_mib + add > self.cfg.max_memory_mib {
-            return Err(RuntimeError::new(
-                Code::FailedPrecondition,
-                format!(
-                    "pod {} needs {needed} MiB of guest memory; it has {} MiB and can grow to {} MiB",
-                    self.id, m.current_mib, self.cfg.max_memory_mib
-                ),
-            )
-            .into());
-        }
-        let n = m.dimms;
-        let mem_id = format!("crust-dimm-mem{n}");
-        vm.qmp
-            .execute(
-                "object-add",
-                serde_json::json!({
-                    "qom-type": "memory-backend-memfd",
-                    "id": mem_id,
-                    "size": (add as u64) << 20,
-                    "share": true,
-                }),
-            )
-            .await
-            .map_err(|e| PodError::host("adding guest memory", e))?;
-        if let Err(e) = vm
-            .qmp
-            .execute(
-                "device_add",
-                serde_json::json!({"driver": "pc-dimm", "id": format!("crust-dimm{n}"), "memdev": mem_id}),
-            )
-            .await
-        {
-            let _ = vm.qmp.execute("object-del", serde_json::json!({"id": mem_id})).await;
-            return Err(PodError::host("plugging a memory DIMM", e));
-        }
-        m.dimms += 1;
-        m.current_mib += add;
-        tracing::info!(
-            "pod {}: guest memory {} MiB (+{add} MiB)",
-            self.id,
-            m.current_mib
-        );
+        let step = crate::resize::grow_step(&s, needed, self.cfg.max_memory_mib).map_err(|e| {
+            RuntimeError::new(Code::FailedPrecondition, format!("pod {}: {e}", self.id))
+        })?;
+        crate::resize::grow(vm, &mut s, step).await?;
+        tracing::info!("pod {}: guest memory {} MiB", self.id, s.held_mib);
         Ok(())
     }
 
-    /// A container left: its limit no longer counts (memory stays).
-    pub async fn forget_memory(&self, cid: &str) {
-        self.memory.lock().await.limits.remove(cid);
+    /// A container left: its limits no longer count (the VM keeps its size).
+    pub async fn forget_limits(&self, cid: &str) {
+        let mut s = self.sizing.lock().await;
+        s.memory.remove(cid);
+        s.cpu.remove(cid);
     }
 
     /// Hot-plugs the host block device `d` names (by major:minor, as the

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::collections::BTreeMap;
 
 use crust_agent_proto::{
-    Capabilities, ContainerMount, MountSource, NamespaceSource, ProcessSpec, Rlimit, Seccomp,
-    WorkloadUser,
+    Capabilities, ContainerMount, IdMapping, MountSource, NamespaceSource, ProcessSpec, Rlimit,
+    Seccomp, UserNamespace, WorkloadUser,
 };
 use oci_spec::runtime::Spec;
 
@@ -39,6 +39,91 @@ pub enum SpecError {
     Invalid { bundle: String, reason: String },
     #[error("unsupported in a crust VM: {0}")]
     Unsupported(String),
+    /// The resources of a task Update.
+    #[error("update: {0}")]
+    Update(String),
+}
+
+/// containerd's type URL for the `LinuxResources` of a task Update (JSON).
+pub const LINUX_RESOURCES_URL: &str =
+    "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
+
+/// The spec fields an Update names in its refusals.
+pub const MEMORY_FIELD: &str = "linux.resources.memory.limit";
+pub const CPU_FIELD: &str = "linux.resources.cpu";
+
+/// One container's limits; `None` leaves that limit as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory: Option<u64>,
+    pub cpu: Option<crust_agent_proto::CpuMax>,
+}
+
+/// The limits crust applies from OCI `linux.resources`: memory limit and
+/// CFS quota/period; the rest (shares, cpusets, hugepages...) is left to
+/// the VM boundary. Values a cgroup cannot take are refused, naming the
+/// field.
+pub fn resource_limits(r: &oci_spec::runtime::LinuxResources) -> Result<Limits, String> {
+    let memory = match r.memory().as_ref().and_then(|m| m.limit()) {
+        None | Some(0) | Some(-1) => None,
+        Some(l) if l < 0 => {
+            return Err(format!("{}: {l} is negative", MEMORY_FIELD));
+        }
+        Some(l) => Some(l as u64),
+    };
+    let cpu = match r.cpu().as_ref() {
+        None => None,
+        Some(c) => {
+            let period = c.period().unwrap_or(100_000);
+            if !(1000..=1_000_000).contains(&period) {
+                return Err(format!(
+                    "{}.period: {period} us out of 1000..=1000000",
+                    CPU_FIELD
+                ));
+            }
+            match c.quota() {
+                None => None,
+                Some(-1) => Some(crust_agent_proto::CpuMax {
+                    quota_us: None,
+                    period_us: period,
+                }),
+                Some(q) if q < 1000 => {
+                    return Err(format!(
+                        "{}.quota: {q} us, below the 1000 us a cgroup takes",
+                        CPU_FIELD
+                    ));
+                }
+                Some(q) => Some(crust_agent_proto::CpuMax {
+                    quota_us: Some(q as u64),
+                    period_us: period,
+                }),
+            }
+        }
+    };
+    Ok(Limits { memory, cpu })
+}
+
+/// A container's own CFS limit from its spec.
+fn own_cpu_max(
+    linux: &oci_spec::runtime::Linux,
+) -> Result<Option<crust_agent_proto::CpuMax>, String> {
+    match linux.resources() {
+        Some(r) => Ok(resource_limits(r)?.cpu),
+        None => Ok(None),
+    }
+}
+
+/// The limits a task Update asks for (`resources`: an Any of OCI
+/// `LinuxResources` in JSON, as containerd's CRI sends it).
+pub fn update_limits(type_url: &str, value: &[u8]) -> Result<Limits, SpecError> {
+    if type_url != LINUX_RESOURCES_URL {
+        return Err(SpecError::Update(format!(
+            "resources of type {type_url:?}: only {LINUX_RESOURCES_URL} is understood"
+        )));
+    }
+    let r: oci_spec::runtime::LinuxResources = serde_json::from_slice(value)
+        .map_err(|e| SpecError::Update(format!("LinuxResources do not parse: {e}")))?;
+    resource_limits(&r).map_err(SpecError::Update)
 }
 
 /// A host security module setting in a container's spec: the guest
@@ -130,6 +215,8 @@ pub struct ContainerPlan {
     /// vCPUs the CPU limit asks for (the pod's, else the container's own):
     /// the CFS quota over the period, rounded up.
     pub cpus: Option<u32>,
+    /// The container's own CFS limit (`cpu.max` in the guest).
+    pub cpu_max: Option<crust_agent_proto::CpuMax>,
     pub cgroups_path: Option<String>,
     /// Raw block devices (`linux.devices` of type b: volumeDevices).
     pub devices: Vec<HostDevice>,
@@ -148,6 +235,10 @@ pub struct ContainerPlan {
     pub seccomp: Option<Seccomp>,
     /// OCI `hostname` (CRI sets the pod's in the sandbox's spec).
     pub hostname: String,
+    /// The user namespace and `linux.uidMappings`/`gidMappings` (checked
+    /// by `crust_agent_proto::check_user_namespace`; the volumes' part
+    /// once they are known, before any is plugged).
+    pub user: UserNamespace,
 }
 
 /// Where a container's namespace of type `typ` comes from in the guest:
@@ -262,11 +353,6 @@ fn check_supported(spec: &Spec) -> Result<(), SpecError> {
         }
     }
     if let Some(l) = spec.linux() {
-        for ns in l.namespaces().as_deref().unwrap_or_default() {
-            if ns.typ() == oci_spec::runtime::LinuxNamespaceType::User {
-                return un("a user namespace");
-            }
-        }
         for d in l.devices().as_deref().unwrap_or_default() {
             if d.typ() != oci_spec::runtime::LinuxDeviceType::B {
                 return un(&format!(
@@ -336,6 +422,10 @@ fn capabilities(c: &oci_spec::runtime::LinuxCapabilities) -> Capabilities {
 }
 
 /// Builds the plan for `spec`; `bundle` resolves a relative `root.path`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one field per OCI section; each section's logic is a helper"
+)]
 pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     check_supported(spec)?;
     let invalid = |reason: String| SpecError::Invalid {
@@ -436,11 +526,8 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         a.get(SANDBOX_CPU_QUOTA).and_then(|v| v.parse().ok()),
         a.get(SANDBOX_CPU_PERIOD).and_then(|v| v.parse().ok()),
     );
-    let own_cpus = linux
-        .resources()
-        .as_ref()
-        .and_then(|r| r.cpu().as_ref())
-        .and_then(|c| cfs(c.quota(), c.period()));
+    let cpu_max = own_cpu_max(&linux).map_err(invalid)?;
+    let own_cpus = cpu_max.and_then(|c| Some(c.quota_us?.div_ceil(c.period_us) as u32));
     let network = match linux
         .namespaces()
         .as_deref()
@@ -460,6 +547,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     };
     let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
+        user: user_namespace(spec, &linux, process.user.as_ref())?,
         pid,
         sysctl,
         seccomp: linux
@@ -474,6 +562,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         lsm: lsm_settings(p),
         network,
         cpus: pod_cpus.or(own_cpus),
+        cpu_max,
         role: role(spec),
         process,
         mounts,
@@ -514,6 +603,32 @@ fn namespaces_and_sysctls(
         .collect();
     crust_agent_proto::check_sysctls(&sysctl, &ipc, &uts).map_err(SpecError::Unsupported)?;
     Ok((ipc, uts, namespace(spec, Ns::Pid)?, sysctl))
+}
+
+/// The container's user namespace with the spec's mappings, checked
+/// before a VM boots (the volumes' filesystems once they are known).
+fn user_namespace(
+    spec: &Spec,
+    linux: &oci_spec::runtime::Linux,
+    process: Option<&WorkloadUser>,
+) -> Result<UserNamespace, SpecError> {
+    let lines = |m: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>| -> Vec<IdMapping> {
+        m.iter()
+            .flatten()
+            .map(|l| IdMapping {
+                container_id: l.container_id(),
+                host_id: l.host_id(),
+                size: l.size(),
+            })
+            .collect()
+    };
+    let user = UserNamespace {
+        source: namespace(spec, oci_spec::runtime::LinuxNamespaceType::User)?,
+        uid_mappings: lines(linux.uid_mappings()),
+        gid_mappings: lines(linux.gid_mappings()),
+    };
+    crust_agent_proto::check_user_namespace(&user, process, &[]).map_err(SpecError::Unsupported)?;
+    Ok(user)
 }
 
 /// The section as the agent takes it: the same JSON (oci-spec has checked
@@ -649,7 +764,7 @@ mod tests {
             ),
             (
                 json!({"linux": {"namespaces": [{"type": "user"}]}}),
-                "user namespace",
+                "linux.uidMappings is empty",
             ),
             (
                 json!({"linux": {"devices": [{"path": "/dev/ttyS9", "type": "c", "major": 4, "minor": 73}]}}),
@@ -792,6 +907,43 @@ mod tests {
     }
 
     #[test]
+    fn a_user_namespace_carries_the_specs_mappings() {
+        let mut v = base();
+        v["linux"]["namespaces"] = json!([{"type": "pid"}, {"type": "user"}]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 100000, "size": 65536}]);
+        v["linux"]["gidMappings"] = json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(p.user.source, NamespaceSource::New);
+        assert_eq!(
+            (
+                p.user.uid_mappings[0].host_id,
+                p.user.gid_mappings[0].host_id
+            ),
+            (100000, 200000)
+        );
+        // CRI: a member joins the sandbox's.
+        v["linux"]["namespaces"] = json!([{"type": "user", "path": "/proc/42/ns/user"}]);
+        let p = plan(&spec(v.clone()), Path::new("/b")).unwrap();
+        assert_eq!(
+            p.user.source,
+            NamespaceSource::Container { id: "sb1".into() }
+        );
+        // Refused by field before anything boots.
+        v["linux"]["namespaces"] = json!([{"type": "user"}]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 4294967295u32, "size": 1}]);
+        let e = plan(&spec(v.clone()), Path::new("/b")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("linux.uidMappings[0]: hostID 4294967295"),
+            "{e}"
+        );
+        v["linux"]["namespaces"] = json!([]);
+        v["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": 1000, "size": 1}]);
+        let e = plan(&spec(v), Path::new("/b")).unwrap_err();
+        assert!(e.to_string().contains("without a user namespace"), "{e}");
+    }
+
+    #[test]
     fn the_pods_network_comes_from_its_namespace() {
         let net = |ns: serde_json::Value| {
             let mut v = base();
@@ -804,5 +956,44 @@ mod tests {
             net(json!([{"type": "network", "path": "/var/run/netns/cni-1"}])),
             PodNetworkSpec::Namespace("/var/run/netns/cni-1".into())
         );
+    }
+
+    #[test]
+    fn an_updates_resources_are_read_as_containerd_sends_them() {
+        let r = json!({"memory": {"limit": 536870912, "swap": 536870912},
+                       "cpu": {"shares": 2048, "quota": 200000, "period": 100000}});
+        let l = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap();
+        assert_eq!(l.memory, Some(512 << 20));
+        assert_eq!(
+            l.cpu,
+            Some(crust_agent_proto::CpuMax {
+                quota_us: Some(200_000),
+                period_us: 100_000
+            })
+        );
+        // Unlimited CPU; no memory limit leaves it as it is.
+        let r = json!({"cpu": {"quota": -1, "period": 100000}});
+        let l = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap();
+        assert_eq!((l.memory, l.cpu.unwrap().quota_us), (None, None));
+        for (r, field) in [
+            (
+                json!({"memory": {"limit": -5}}),
+                "linux.resources.memory.limit",
+            ),
+            (
+                json!({"cpu": {"quota": 10, "period": 100000}}),
+                "linux.resources.cpu.quota",
+            ),
+            (
+                json!({"cpu": {"quota": 100000, "period": 10}}),
+                "linux.resources.cpu.period",
+            ),
+        ] {
+            let e = update_limits(LINUX_RESOURCES_URL, r.to_string().as_bytes()).unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+        }
+        let e = update_limits("types.containerd.io/x/WindowsResources", b"{}").unwrap_err();
+        assert!(e.to_string().contains("WindowsResources"), "{e}");
+        assert!(update_limits(LINUX_RESOURCES_URL, b"{oops").is_err());
     }
 }

@@ -11,7 +11,8 @@
 //! | Wait | until the waiter saw the exit |
 //! | Delete | agent RemoveContainer, share entries undone; the pod's owner also ends the VM; `/tasks/delete` |
 //! | State, Pids, Stats, ResizePty, CloseIO, Connect, Shutdown | as named |
-//! | Pause, Resume, Checkpoint, Update | UNIMPLEMENTED |
+//! | Update | new memory/CPU limits in place ([`crate::resize`]) |
+//! | Pause, Resume, Checkpoint | UNIMPLEMENTED |
 //!
 //! Every process reports the pid of the pod's QEMU: the host process that
 //! runs it (guest pids mean nothing on the host; Pids lists them).
@@ -89,6 +90,7 @@ impl From<spec::SpecError> for ttrpc::Error {
         let c = match e {
             spec::SpecError::Invalid { .. } => ttrpc::Code::INVALID_ARGUMENT,
             spec::SpecError::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,
+            spec::SpecError::Update(_) => ttrpc::Code::INVALID_ARGUMENT,
         };
         status(c, e.to_string())
     }
@@ -494,6 +496,9 @@ impl Service {
                 .fail_create(owner, agent_err("creating the container in the guest")(e))
                 .await);
         }
+        if let Err(e) = self.apply_cpu_limit(&vm, &req.id, plan.cpu_max).await {
+            return Err(self.fail_create(owner, e).await);
+        }
         let pid = vm.guest.proc_ref().pid as u32;
         let ctr = Arc::new(Ctr {
             id: req.id.clone(),
@@ -526,6 +531,28 @@ impl Service {
             pid,
             ..Default::default()
         })
+    }
+
+    /// A new container's CFS limit, through the resize path (vCPUs
+    /// hot-plugged when the pod's quotas need them); on failure the
+    /// container is removed from the guest again.
+    async fn apply_cpu_limit(
+        &self,
+        vm: &PodVm,
+        cid: &str,
+        cpu: Option<crust_agent_proto::CpuMax>,
+    ) -> TtResult<()> {
+        if cpu.is_none() {
+            return Ok(());
+        }
+        let limits = crate::resize::Limits { memory: None, cpu };
+        if let Err(e) = self.pod.resize(vm, cid, limits).await {
+            let _ = vm.agent.call(RemoveContainer { id: cid.into() }).await;
+            self.pod.release_container(cid);
+            self.pod.forget_limits(cid).await;
+            return Err(e.into());
+        }
+        Ok(())
     }
 
     /// A failed Create of the pod's owner ends the VM it booted.
@@ -649,7 +676,7 @@ impl Service {
             tracing::warn!("removing container {} in the guest: {e}", req.id);
         }
         self.pod.release_container(&req.id);
-        self.pod.forget_memory(&req.id).await;
+        self.pod.forget_limits(&req.id).await;
         self.containers.lock().expect("containers").remove(&req.id);
         if c.owner {
             self.pod.teardown().await;
@@ -999,10 +1026,19 @@ impl Task for Service {
         ))
     }
 
-    async fn update(&self, _: &TtrpcContext, _: api::UpdateTaskRequest) -> TtResult<api::Empty> {
-        Err(status(
-            ttrpc::Code::UNIMPLEMENTED,
-            "updating a running container's resources is not supported by crust",
-        ))
+    /// In-place resize ([`crate::resize`]): the container's cgroup in the
+    /// guest, the VM's memory and vCPUs; all or nothing.
+    async fn update(&self, _: &TtrpcContext, req: api::UpdateTaskRequest) -> TtResult<api::Empty> {
+        self.ctr(&req.id)?;
+        let any = req.resources.as_ref().ok_or_else(|| {
+            status(
+                ttrpc::Code::INVALID_ARGUMENT,
+                format!("update of {}: no resources", req.id),
+            )
+        })?;
+        let limits = spec::update_limits(&any.type_url, &any.value)?;
+        let vm = self.pod.vm().await?;
+        self.pod.resize(&vm, &req.id, limits).await?;
+        Ok(api::Empty::new())
     }
 }

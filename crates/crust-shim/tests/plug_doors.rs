@@ -13,6 +13,9 @@
 //!   the device (sampled throughout), the host mount and its file are
 //!   untouched, no claim is left.
 //!
+//! * ControllerModifyVolume (`iops`) on the deferred volume while it runs:
+//!   the guest's direct reads fall to the limit, live, through that door.
+//!
 //! Budget: per door containerd + crust-csi + two TCG boots, ~30 s; the two
 //! tests run side by side (two VM slots).
 
@@ -30,6 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Env, Leftovers, qemus_under, start_plugin};
+use crust_proto::csi::v1 as csi;
 use crust_testkit::BUSYBOX_IMAGE;
 
 const NS: &str = "default";
@@ -221,6 +225,28 @@ impl Drop for Workload<'_> {
     }
 }
 
+/// The IOPS limit the test sets: low enough that a TCG guest's direct
+/// reads exceed it several times over.
+const THROTTLE_IOPS: u32 = 30;
+
+/// The guest's O_DIRECT 4 KiB read rate on `/data/r` (8 readers at once,
+/// 8 reads each, each in a region of its own: one `dd` per reader, not a
+/// process per read).
+fn direct_read_iops(w: &Workload<'_>) -> f64 {
+    let script = "[ -f /data/r ] || { dd if=/dev/zero of=/data/r bs=4096 count=256 2>/dev/null && sync; }; \
+         s=$(cut -d' ' -f1 /proc/uptime); \
+         for r in 0 1 2 3 4 5 6 7; do \
+           dd if=/data/r of=/dev/null bs=4096 count=8 skip=$((r * 32)) iflag=direct 2>/dev/null & \
+         done; wait; \
+         e=$(cut -d' ' -f1 /proc/uptime); echo $s $e";
+    let out = w.exec(script).expect("direct reads in the guest");
+    let t: Vec<f64> = out
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{out:?}")))
+        .collect();
+    f64::from(8 * 8) / (t[1] - t[0]).max(0.01)
+}
+
 /// Whether a QEMU of this test has `dev` open.
 fn qemu_has_open(root: &Path, dev: &Path) -> bool {
     qemus_under(root).into_iter().any(|pid| {
@@ -308,9 +334,8 @@ async fn the_guest_holds_its_devices(door: Door) {
     let plugin = start_plugin(&env).await;
     let csi = plugin.csi().await;
     let uid = "31000000-0000-4000-8000-000000000031";
-    let deferred = common::publish(&env, &csi, "pvc-deferred", uid, true)
-        .await
-        .target;
+    let deferred_vol = common::publish(&env, &csi, "pvc-deferred", uid, true).await;
+    let deferred = deferred_vol.target.clone();
     let auto = common::publish(&env, &csi, "pvc-auto", uid, false)
         .await
         .target;
@@ -360,6 +385,32 @@ async fn the_guest_holds_its_devices(door: Door) {
         assert_eq!(said, 2, "{want:?} in the shim's log\n{}", logs());
     }
     phase("running");
+
+    // --- live QoS through this door (issue 28): ControllerModifyVolume, as
+    // the resizer sends for a VolumeAttributesClass, reaches the sandbox
+    // serving the volume and the guest's direct reads slow to the limit.
+    let unthrottled = direct_read_iops(&w);
+    csi.controller_modify_volume(csi::ControllerModifyVolumeRequest {
+        volume_id: deferred_vol.volume_id.clone(),
+        mutable_parameters: [("iops".to_string(), THROTTLE_IOPS.to_string())].into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{door:?}: ModifyVolume: {e}\n{}", logs()));
+    let throttled = direct_read_iops(&w);
+    eprintln!("[{door:?}] direct reads: {unthrottled:.0} IOPS, at {THROTTLE_IOPS}: {throttled:.0}");
+    let limit = THROTTLE_IOPS as f64;
+    assert!(
+        unthrottled > 2.0 * limit,
+        "{door:?}: unthrottled {unthrottled:.0} IOPS cannot tell a {limit} limit"
+    );
+    assert!(
+        throttled <= 1.2 * limit,
+        "{door:?}: {throttled:.0} IOPS after ModifyVolume(iops={limit})\n{}",
+        logs()
+    );
+    phase("throttled");
+
     let dev = |t: &str| -> PathBuf {
         PathBuf::from(
             records

@@ -254,6 +254,9 @@ pub struct VmConfig {
     /// the guest kernel as they arrive); 0 or not above `memory_mib`: none.
     pub max_memory_mib: u32,
     pub cpus: u32,
+    /// Room for vCPU hot-plug (`-smp N,maxcpus=M`; the guest onlines what
+    /// arrives); 0 or not above `cpus`: none.
+    pub max_cpus: u32,
     /// Holds `qmp.sock`, `agent.sock`, `console.log`, `qemu.log`,
     /// `qemu.pid` and `vm.json`. Created (0700) if missing.
     pub run_dir: PathBuf,
@@ -320,6 +323,7 @@ impl VmConfig {
             memory_mib: 256,
             max_memory_mib: 0,
             cpus: 1,
+            max_cpus: 0,
             run_dir: run_dir.into(),
             accel: Accel::Auto,
             disks: Vec::new(),
@@ -401,6 +405,9 @@ impl VmConfig {
         if !(1..=64).contains(&self.cpus) {
             return bad(format!("cpus {} out of 1..=64", self.cpus));
         }
+        if self.max_cpus > 64 {
+            return bad(format!("max_cpus {} above 64", self.max_cpus));
+        }
         let ports = self.disks.len() as u32 + self.hotplug_ports;
         if ports > MAX_ROOT_PORTS {
             return bad(format!(
@@ -455,6 +462,11 @@ impl VmConfig {
     /// Whether memory can be hot-added.
     pub fn memory_hotplug(&self) -> bool {
         self.max_memory_mib > self.memory_mib
+    }
+
+    /// Whether vCPUs can be hot-plugged.
+    pub fn cpu_hotplug(&self) -> bool {
+        self.max_cpus > self.cpus
     }
 }
 

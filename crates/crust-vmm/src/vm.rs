@@ -341,7 +341,12 @@ fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Vec<Stri
     } else {
         cfg.memory_mib.to_string()
     };
-    push(&["-m", &mem, "-smp", &cfg.cpus.to_string()]);
+    let smp = if cfg.cpu_hotplug() {
+        format!("{},maxcpus={}", cfg.cpus, cfg.max_cpus)
+    } else {
+        cfg.cpus.to_string()
+    };
+    push(&["-m", &mem, "-smp", &smp]);
     if !cfg.shares.is_empty() {
         // vhost-user devices map guest RAM: it must be shareable memory.
         push(&[
@@ -1057,6 +1062,7 @@ mod tests {
         });
         cfg.hotplug_ports = 2;
         cfg.max_memory_mib = 2048;
+        cfg.max_cpus = 4;
         cfg.kernel_cmdline_extra = vec!["foo=bar".into()];
         cfg.shares.push(ShareSpec {
             tag: "pod".into(),
@@ -1079,6 +1085,7 @@ mod tests {
             "memory-backend-memfd,id=crust-mem,size=256M,share=on",
             "-numa node,memdev=crust-mem",
             "-m 256M,slots=8,maxmem=2048M",
+            "-smp 1,maxcpus=4",
             "memhp_default_state=online",
             "socket,id=crust-fs0,path=/run/x,,y/fs0.sock",
             "vhost-user-fs-pci,chardev=crust-fs0,tag=pod",

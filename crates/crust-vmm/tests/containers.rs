@@ -4,7 +4,7 @@
 //! over the stdio port with exact exit codes, stdin, exec into a running
 //! container, signals, a terminal with a window size, the five capability
 //! sets in a container and an exec, IPC/UTS namespaces of a container's
-//! own or another's, and bad input.
+//! own or another's, and bad input (a user namespace's mappings too).
 //! Budget: one TCG guest, ~30 s.
 
 #![allow(
@@ -228,6 +228,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -269,6 +270,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -341,6 +343,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -407,6 +410,7 @@ async fn containers_in_a_guest() {
             pid: Default::default(),
             sysctl: Default::default(),
             seccomp: None,
+            user: Default::default(),
         })
         .await
         .unwrap();
@@ -525,6 +529,7 @@ async fn containers_in_a_guest() {
         pid: Default::default(),
         sysctl: Default::default(),
         seccomp: None,
+        user: Default::default(),
     };
     let mut rx = mux.register(8);
     let cmd = format!("{SHOW}; echo started; exec sleep 600");
@@ -637,6 +642,7 @@ async fn containers_in_a_guest() {
         pid: Default::default(),
         sysctl: Default::default(),
         seccomp: None,
+        user: Default::default(),
     };
     let (c, m) = code(agent.call(bad("b1", "c/missing", &["sh"])).await);
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
@@ -663,6 +669,24 @@ async fn containers_in_a_guest() {
     req.process = p;
     let (c, _) = code(agent.call(req).await);
     assert_eq!(c, ErrorCode::InvalidArgument);
+    // The agent's own check of a user namespace (the shim's too): by field.
+    let mut req = bad("b5", "c/rootfs", &["sh"]);
+    let line = |c: u32, h: u32, n: u32| crust_agent_proto::IdMapping {
+        container_id: c,
+        host_id: h,
+        size: n,
+    };
+    req.user = crust_agent_proto::UserNamespace {
+        source: NamespaceSource::New,
+        uid_mappings: vec![line(0, 100_000, 100), line(100, 100_050, 100)],
+        gid_mappings: vec![line(0, 100_000, 100)],
+    };
+    let (c, m) = code(agent.call(req).await);
+    assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
+    assert!(
+        m.contains("linux.uidMappings[1] overlaps [0] in hostID"),
+        "{m}"
+    );
     let (c, _) = code(agent.call(StartContainer { id: "nope".into() }).await);
     assert_eq!(c, ErrorCode::NotFound);
     let left = agent

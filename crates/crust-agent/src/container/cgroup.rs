@@ -114,3 +114,94 @@ pub fn stats(id: &str) -> ContainerStatsReply {
         pids: read_u64(&p.join("pids.current")).unwrap_or(pids(id).len() as u64),
     }
 }
+
+/// Memory the group holds that only an OOM kill frees (the guest has no
+/// swap): anonymous and shared memory and unreclaimable kernel memory.
+fn pinned_bytes(p: &Path) -> u64 {
+    const PINNED: &[&str] = &[
+        "anon",
+        "shmem",
+        "kernel_stack",
+        "pagetables",
+        "percpu",
+        "sock",
+        "slab_unreclaimable",
+    ];
+    std::fs::read_to_string(p.join("memory.stat"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| PINNED.contains(k))
+        .filter_map(|(_, v)| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
+/// Why a limit update was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    #[error("cpu.max of {id}: period {period_us} us out of 1000..=1000000, or quota below 1000 us")]
+    BadCpuMax { id: String, period_us: u64 },
+    #[error(
+        "memory limit {limit} bytes of {id} is below the {pinned} bytes the container holds and cannot give back (anonymous and shared memory; the guest has no swap): limits unchanged"
+    )]
+    BelowUsage { id: String, limit: u64, pinned: u64 },
+    #[error("writing {file} of {id}: {source} (limits put back as they were)")]
+    Write {
+        id: String,
+        file: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// Sets `memory.max` and `cpu.max` of container `id`, all or nothing:
+/// checked first, then written in order, what was written put back when a
+/// later write fails.
+pub fn set_limits(
+    id: &str,
+    memory: Option<u64>,
+    cpu: Option<crust_agent_proto::CpuMax>,
+) -> Result<(), LimitError> {
+    let p = path(id);
+    if let Some(c) = cpu
+        && (!(1000..=1_000_000).contains(&c.period_us) || c.quota_us.is_some_and(|q| q < 1000))
+    {
+        return Err(LimitError::BadCpuMax {
+            id: id.into(),
+            period_us: c.period_us,
+        });
+    }
+    if let Some(limit) = memory {
+        let pinned = pinned_bytes(&p);
+        if limit < pinned {
+            return Err(LimitError::BelowUsage {
+                id: id.into(),
+                limit,
+                pinned,
+            });
+        }
+    }
+    let mut writes: Vec<(&'static str, String)> = Vec::new();
+    if let Some(m) = memory {
+        writes.push(("memory.max", m.to_string()));
+    }
+    if let Some(c) = cpu {
+        let quota = c.quota_us.map_or("max".to_string(), |q| q.to_string());
+        writes.push(("cpu.max", format!("{quota} {}", c.period_us)));
+    }
+    let mut done: Vec<(&'static str, String)> = Vec::new();
+    for (file, value) in writes {
+        let old = std::fs::read_to_string(p.join(file)).unwrap_or_default();
+        if let Err(source) = std::fs::write(p.join(file), &value) {
+            for (f, v) in done.iter().rev() {
+                let _ = std::fs::write(p.join(f), v.trim());
+            }
+            return Err(LimitError::Write {
+                id: id.into(),
+                file,
+                source,
+            });
+        }
+        done.push((file, old));
+    }
+    Ok(())
+}

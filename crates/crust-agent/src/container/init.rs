@@ -84,6 +84,10 @@ pub enum InitMode {
         /// Checked by the agent ([`crust_agent_proto::check_sysctls`]).
         #[serde(default)]
         sysctl: BTreeMap<String, String>,
+        /// The user namespace to join last ([`super::userns`]); its fd
+        /// idmaps the crust volumes.
+        #[serde(default)]
+        user: NsPlan,
     },
     /// Join the container whose init runs as `init_pid`.
     Exec { init_pid: u32 },
@@ -235,6 +239,7 @@ fn command(p: &ProcessSpec) -> std::process::Command {
 
 /// Everything between the agent's fork and the process's `exec`.
 fn setup(spec: &InitSpec) -> Result<(), String> {
+    let userns: Option<OwnedFd>;
     let root: OwnedFd = match &spec.mode {
         InitMode::Create {
             rootfs,
@@ -248,7 +253,12 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             uts,
             hostname,
             sysctl,
+            user,
         } => {
+            userns = match user {
+                NsPlan::Join(pid) => Some(ns_fd(*pid, "user")?),
+                _ => None,
+            };
             enter_ipc_uts(*ipc, *uts, hostname)?;
             // In the container's namespaces, through the guest's /proc.
             for (name, value) in sysctl {
@@ -266,7 +276,8 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
                 .map_err(err(format!("binding the rootfs {}", rootfs.display())))?;
             let root = open_dir(mountpoint)?;
             for m in mounts {
-                mount_one(&root, m).map_err(|e| format!("mount {}: {e}", m.destination))?;
+                mount_one(&root, m, userns.as_ref())
+                    .map_err(|e| format!("mount {}: {e}", m.destination))?;
             }
             for d in devices {
                 make_device(&root, d).map_err(|e| format!("device {}: {e}", d.path))?;
@@ -288,6 +299,7 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             open_dir(mountpoint)?
         }
         InitMode::Exec { init_pid } => {
+            userns = super::userns::of_other(*init_pid)?;
             let ns = ns_fd(*init_pid, "mnt")?;
             // The container's IPC and UTS, whichever they are.
             enter_ipc_uts(NsPlan::Join(*init_pid), NsPlan::Join(*init_pid), "")?;
@@ -309,6 +321,11 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
     if let Some(adj) = spec.process.oom_score_adj {
         std::fs::write("/proc/self/oom_score_adj", adj.to_string())
             .map_err(err(format!("process.oomScoreAdj {adj}")))?;
+    }
+    // Last, as the guest's root did everything above; before chroot,
+    // which a process must not be in to enter a user namespace.
+    if let Some(ns) = &userns {
+        super::userns::join(ns)?;
     }
     rustix::process::fchdir(&root).map_err(err("chdir to the rootfs"))?;
     rustix::process::chroot(".").map_err(err("chroot"))?;
@@ -437,7 +454,7 @@ pub fn split_options(readonly: bool, options: &[String]) -> (MountFlags, String)
     (flags, data.join(","))
 }
 
-fn mount_one(root: &OwnedFd, m: &ContainerMount) -> Result<(), String> {
+fn mount_one(root: &OwnedFd, m: &ContainerMount, userns: Option<&OwnedFd>) -> Result<(), String> {
     let (flags, data) = split_options(m.readonly, &m.options);
     let fs = |root: &OwnedFd, fstype: &str, source: &str| -> Result<(), String> {
         let target = rootfs::open(root, &m.destination, Leaf::Directory)?;
@@ -470,7 +487,18 @@ fn mount_one(root: &OwnedFd, m: &ContainerMount) -> Result<(), String> {
                 Mode::from_raw_mode(mode),
             )
             .map_err(|e| e.to_string())?;
-            bind(root, &proc_fd(&src), &m.destination, flags)
+            match userns {
+                Some(ns) => {
+                    let st = rustix::fs::fstat(&src).map_err(err("the volume's source"))?;
+                    let leaf = match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+                        rustix::fs::FileType::Directory => Leaf::Directory,
+                        _ => Leaf::File,
+                    };
+                    let target = rootfs::open(root, &m.destination, leaf)?;
+                    super::userns::bind_idmapped(&src, &target, flags, ns)
+                }
+                None => bind(root, &proc_fd(&src), &m.destination, flags),
+            }
         }
         MountSource::PodShm => bind(root, Path::new(super::POD_SHM), &m.destination, flags),
         MountSource::Tmpfs => {

@@ -13,6 +13,7 @@ pub mod init;
 pub mod rootfs;
 pub mod seccomp;
 pub mod stdio;
+pub mod userns;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -236,6 +237,7 @@ impl Containers {
         validate_process(&req.process)?;
         crust_agent_proto::check_sysctls(&req.sysctl, &req.ipc, &req.uts)
             .map_err(ContainerError::Invalid)?;
+        check_user_namespace(req)?;
         let mut volumes = Vec::new();
         for m in &req.mounts {
             rootfs::components(&m.destination).map_err(ContainerError::Invalid)?;
@@ -291,6 +293,18 @@ impl Containers {
         let ipc = self.ns_plan(&req.ipc, "ipc")?;
         let uts = self.ns_plan(&req.uts, "uts")?;
         let pid = self.ns_plan(&req.pid, "pid")?;
+        // Alive until the helper has joined the namespace (`ready`).
+        let holder = match &req.user.source {
+            NamespaceSource::New => Some(
+                userns::Holder::new(&req.user.uid_mappings, &req.user.gid_mappings)
+                    .map_err(ContainerError::Invalid)?,
+            ),
+            _ => None,
+        };
+        let user = match &holder {
+            Some(h) => init::NsPlan::Join(h.pid()),
+            None => self.ns_plan(&req.user.source, "user")?,
+        };
         hostname::apply_from_binds(&req.mounts);
         let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
         std::fs::create_dir_all(&mountpoint)
@@ -310,6 +324,7 @@ impl Containers {
                 uts,
                 hostname: req.hostname.clone(),
                 sysctl: req.sysctl.clone(),
+                user,
             },
             cgroup: Some(cg),
             process: req.process.clone(),
@@ -330,6 +345,7 @@ impl Containers {
         } = spawned;
         // The helper sets the container up and says `ready` (or why not).
         let line = read_line(&mut sync);
+        drop(holder);
         if line.as_deref() != Some("ready") {
             self.reap_failed(&req.id, child, &proc);
             return Err(ContainerError::Setup(helper_error(
@@ -537,6 +553,19 @@ impl Containers {
         })
     }
 
+    /// New limits for a container's cgroup ([`cgroup::set_limits`]).
+    pub fn update(&self, req: &crust_agent_proto::UpdateContainer) -> Result<()> {
+        self.get(&req.id)?;
+        cgroup::set_limits(&req.id, req.memory_limit_bytes, req.cpu_max).map_err(|e| {
+            let msg = e.to_string();
+            match e {
+                cgroup::LimitError::BadCpuMax { .. } => ContainerError::Invalid(msg),
+                cgroup::LimitError::BelowUsage { .. } => ContainerError::Precondition(msg),
+                cgroup::LimitError::Write { .. } => ContainerError::Internal(msg),
+            }
+        })
+    }
+
     pub fn stats(&self, id: &str) -> Result<ContainerStatsReply> {
         self.get(id)?;
         Ok(cgroup::stats(id))
@@ -721,6 +750,29 @@ fn spawn_in_pid_ns(cmd: &mut Command, plan: init::NsPlan) -> Result<Child> {
         .join()
         .map_err(|_| ContainerError::Internal("the spawning thread panicked".into()))?
     })
+}
+
+/// [`crust_agent_proto::check_user_namespace`] with the filesystems of
+/// the crust volumes as this guest has them mounted (one not mounted
+/// fails at its bind).
+fn check_user_namespace(req: &CreateContainer) -> Result<()> {
+    let fstypes: Vec<(String, String)> = req
+        .mounts
+        .iter()
+        .filter_map(|m| match &m.source {
+            MountSource::Volume { volume, .. } => {
+                let e = crate::sys::mount_at(&crate::volume::mount_path(volume))?;
+                Some((m.destination.clone(), e.fstype))
+            }
+            _ => None,
+        })
+        .collect();
+    let volumes: Vec<(&str, &str)> = fstypes
+        .iter()
+        .map(|(d, f)| (d.as_str(), f.as_str()))
+        .collect();
+    crust_agent_proto::check_user_namespace(&req.user, req.process.user.as_ref(), &volumes)
+        .map_err(ContainerError::Invalid)
 }
 
 fn validate_process(p: &ProcessSpec) -> Result<()> {
