@@ -161,7 +161,7 @@ parser_files_of() {
   case "$1" in
     handoff_record) echo crates/crust-handoff/src/{mountinfo,store,validate}.rs ;;
     agent_frame) echo crates/crust-agent-proto/src/{frame,messages,network}.rs ;;
-    mountinfo) echo crates/crust-blockdev/src/mount.rs crates/crust-agent/src/sys.rs ;;
+    mountinfo) echo crates/crust-mountinfo/src/lib.rs crates/crust-agent/src/sys.rs ;;
     mount_options | mount_options_kernel) echo crates/crust-fs/src/options.rs ;;
     kubelet_path) echo crates/crust-handoff/src/kubelet.rs ;;
     containerd_config) echo crates/crust-node-install/src/containerd.rs ;;

@@ -23,6 +23,10 @@ if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
 else
   echo "test.sh: cargo fmt/clippy not installed: lint step skipped" >&2
 fi
+# No new import circle between the modules of a crate (~1 s; the known
+# ones are listed with a reason in scripts/module-cycles.allow).
+python3 scripts/module-cycles.py --self-test
+python3 scripts/module-cycles.py
 # The fuzz smoke: each parser target ~20 s (scripts/fuzz.sh), failing on
 # any crash. Before the workspace build and tests: it needs neither (its
 # own workspace and target dir), and a parser crash then fails the run in

@@ -1,5 +1,6 @@
 //! Every mountinfo parser in the tree that is reachable without the
-//! runtime: crust-blockdev's (the plugin and the runtime on the host) and
+//! runtime: crust-mountinfo's (through crust-blockdev: the plugin and the
+//! runtime on the host; the test kit) and
 //! the guest agent's. Invariants: no panic; on a table the host parser
 //! accepts, the agent's parser sees the same mounts (ids, devices, mount
 //! points), so an octal escape means the same to both.

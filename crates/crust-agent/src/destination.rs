@@ -95,18 +95,13 @@ fn names(dest: &Path) -> Vec<&OsStr> {
 
 /// One component, never following a symlink (trailing ones included).
 fn open_one(dir: &impl AsFd, name: &OsStr, flags: OFlags, mode: Mode) -> Result<OwnedFd, Errno> {
-    loop {
-        match rustix::fs::openat2(
-            dir,
-            name,
-            flags | OFlags::CLOEXEC,
-            mode,
-            ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-        ) {
-            Err(Errno::AGAIN) | Err(Errno::INTR) => continue,
-            other => return other,
-        }
-    }
+    crate::sys::openat2(
+        dir,
+        name,
+        flags,
+        mode,
+        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
 }
 
 struct Walk<'a> {

@@ -58,18 +58,13 @@ pub fn components(subpath: &str) -> Result<Vec<&str>, SubpathError> {
 
 fn resolve(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
     let path = if path.is_empty() { "." } else { path };
-    loop {
-        match rustix::fs::openat2(
-            root,
-            path,
-            flags | OFlags::CLOEXEC,
-            Mode::empty(),
-            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-        ) {
-            Err(Errno::AGAIN) | Err(Errno::INTR) => continue,
-            other => return other,
-        }
-    }
+    crate::sys::openat2(
+        root,
+        path,
+        flags,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+    )
 }
 
 fn map_err(path: &str, component: &str, op: &'static str, e: Errno) -> SubpathError {

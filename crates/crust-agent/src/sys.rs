@@ -63,28 +63,33 @@ pub fn mount_identity(path: &Path) -> Option<MountIdentity> {
     })
 }
 
-/// Undoes mountinfo's octal escapes (`\040` for space, ...).
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        // `\ooo` is one byte: a first digit above 3 (`\400`) is not an
-        // escape the kernel writes, and overflowed u8 arithmetic.
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && (b'0'..=b'3').contains(&b[i + 1])
-            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
+/// `openat2` with `O_CLOEXEC`, retried on EAGAIN (the kernel's answer
+/// under `RESOLVE_*` flags when a rename or mount raced the lookup) and
+/// EINTR: the one loop every beneath/in-root lookup of the agent uses.
+pub fn openat2<P: rustix::path::Arg + Copy>(
+    dir: &impl std::os::fd::AsFd,
+    path: P,
+    flags: rustix::fs::OFlags,
+    mode: rustix::fs::Mode,
+    resolve: rustix::fs::ResolveFlags,
+) -> Result<std::os::fd::OwnedFd, rustix::io::Errno> {
+    loop {
+        match rustix::fs::openat2(
+            dir,
+            path,
+            flags | rustix::fs::OFlags::CLOEXEC,
+            mode,
+            resolve,
+        ) {
+            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
+            other => return other,
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A mountinfo field with its octal escapes undone (`crust-mountinfo`).
+fn unescape(s: &str) -> String {
+    String::from_utf8_lossy(&crust_mountinfo::unescape(s.as_bytes())).into_owned()
 }
 
 /// Parses mountinfo text.

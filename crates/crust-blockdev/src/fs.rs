@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::device::{self, DeviceError};
-use crate::gate::BlankProof;
 use crate::probe::{Probe, ProbeError};
 use crate::usage::{UsageError, usage};
 
@@ -280,24 +279,6 @@ pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::Prob
     )
     .map_err(|e| err(e.to_string()))?;
     parse_wipefs_json(&out).map_err(err)
-}
-
-/// Creates a filesystem on a block device that must be provably blank:
-/// [`crate::format`] with [`BlankProof::ReadNow`] (no signature, zero
-/// edges, and a full read finds only zeros). For callers without records
-/// of the device (tests, tools); the plugin passes its records' proof to
-/// [`crate::format`] instead.
-///
-/// Runs the filesystem's [`crust_fs::FsSpec::mkfs`]:
-///
-/// * ext4: `mkfs.ext4 -F -q -e remount-ro -E lazy_itable_init=1,lazy_journal_init=1,nodiscard`
-///   (lazy init keeps formatting small test volumes and large sparse files
-///   fast; `errors=remount-ro` makes the kernel flip the filesystem
-///   read-only on corruption, which [`crate::fs_health`] reports).
-/// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
-///   filesystems smaller than 300 MiB; the tool's message is returned.
-pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
-    crate::gate::format(dev, fstype, &BlankProof::ReadNow)
 }
 
 /// Runs `fstype`'s mkfs on `dev` after `check` passed (the tools run with

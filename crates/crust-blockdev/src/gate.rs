@@ -78,3 +78,21 @@ pub fn format(dev: &Path, fs: FsType, proof: &BlankProof) -> Result<(), FsError>
     tracing::info!(device = %dev.display(), %fs, proof = %proof, "filesystem created");
     Ok(())
 }
+
+/// Creates a filesystem on a block device that must be provably blank:
+/// [`crate::format`] with [`BlankProof::ReadNow`] (no signature, zero
+/// edges, and a full read finds only zeros). For callers without records
+/// of the device (tests, tools); the plugin passes its records' proof to
+/// [`crate::format`] instead.
+///
+/// Runs the filesystem's [`crust_fs::FsSpec::mkfs`]:
+///
+/// * ext4: `mkfs.ext4 -F -q -e remount-ro -E lazy_itable_init=1,lazy_journal_init=1,nodiscard`
+///   (lazy init keeps formatting small test volumes and large sparse files
+///   fast; `errors=remount-ro` makes the kernel flip the filesystem
+///   read-only on corruption, which [`crate::fs_health`] reports).
+/// * xfs: `mkfs.xfs -f -q -K` (no discard). xfsprogs ≥ 5.19 refuses
+///   filesystems smaller than 300 MiB; the tool's message is returned.
+pub fn mkfs(dev: &Path, fstype: FsType) -> Result<(), FsError> {
+    format(dev, fstype, &BlankProof::ReadNow)
+}

@@ -251,19 +251,21 @@ pub fn fs_health(dev: &Path, mountpoint: &Path, expected_ro: bool) -> Health {
             );
         }
     }
-    if entry.fs_type == "ext4"
-        && let Some(count) = read_sysfs(&format!("/sys/fs/ext4/{devname}/errors_count"))
-            .and_then(|s| s.parse::<u64>().ok())
+    if let Some(counter) = error_count(&entry.fs_type)
+        && let Some(count) =
+            read_sysfs(&counter.count_path(&devname)).and_then(|s| s.parse::<u64>().ok())
         && count > 0
     {
-        let func = read_sysfs(&format!("/sys/fs/ext4/{devname}/first_error_func"))
+        let func = read_sysfs(&counter.first_func_path(&devname))
             .filter(|s| !s.is_empty())
             .map(|f| format!(", first in {f}"))
             .unwrap_or_default();
         return Health::abnormal(
             SymptomKind::FilesystemErrors,
             format!(
-                "ext4 on {d} has recorded {count} error(s){func}; the filesystem may be corrupted: run fsck after unpublishing"
+                "{} on {d} has recorded {count} error(s){func}; the filesystem may be corrupted: run {} after unpublishing",
+                entry.fs_type,
+                repair_tool(&entry.fs_type)
             ),
         );
     }
@@ -340,17 +342,19 @@ pub fn containing_fs_health(path: &Path) -> Health {
                 ),
             );
         }
-        if entry.fs_type == "ext4"
+        if let Some(counter) = error_count(&entry.fs_type)
             && let Ok(name) = device::sysfs_name_of(major, minor)
-            && let Some(count) = read_sysfs(&format!("/sys/fs/ext4/{name}/errors_count"))
-                .and_then(|s| s.parse::<u64>().ok())
+            && let Some(count) =
+                read_sysfs(&counter.count_path(&name)).and_then(|s| s.parse::<u64>().ok())
             && count > 0
         {
             return Health::abnormal(
                 SymptomKind::FilesystemErrors,
                 format!(
-                    "the ext4 filesystem holding {p} ({}) has recorded {count} error(s); run fsck",
-                    entry.source
+                    "the {} filesystem holding {p} ({}) has recorded {count} error(s); run {}",
+                    entry.fs_type,
+                    entry.source,
+                    repair_tool(&entry.fs_type)
                 ),
             );
         }
@@ -374,6 +378,11 @@ pub fn containing_fs_health(path: &Path) -> Health {
 
 /// The repair command for a mounted filesystem named as the mount table
 /// does: its [`crust_fs::FsSpec::repair`], `fsck` for any other.
+/// Where the kernel counts errors of a mounted `fs` (crust-fs's spec).
+fn error_count(fs: &str) -> Option<crust_fs::ErrorCount> {
+    crate::FsType::parse(fs).and_then(|f| f.spec().error_count)
+}
+
 fn repair_tool(fs: &str) -> &'static str {
     crate::FsType::parse(fs).map_or("fsck", |f| f.spec().repair)
 }

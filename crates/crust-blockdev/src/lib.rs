@@ -71,9 +71,9 @@ pub use device::{
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{
     CHECK, FsError, FsType, can_grow_ext4_online, check_unmounted, ensure_no_other_openers,
-    fs_tools, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools, mkfs,
+    fs_tools, grow_fs, grow_fs_offline, known_signatures, missing_fs_tools,
 };
-pub use gate::{BlankProof, format};
+pub use gate::{BlankProof, format, mkfs};
 pub use health::{
     DEFAULT_HEALTH_TIMEOUT, Health, Symptom, SymptomKind, containing_fs_health, device_health,
     fs_health, fs_health_with_timeout, with_timeout,
@@ -88,7 +88,8 @@ pub use loopdev::{
 };
 pub use mount::{
     MountEntry, MountError, MountGuard, ParsedOptions, bind_mount, find_mount, is_mountpoint,
-    mount_fs, mount_info, parse_mount_options, parse_mountinfo, unmount, unmount_top,
+    mount_fs, mount_info, mount_points_below, parse_mount_options, parse_mountinfo,
+    root_mounted_at, unmount, unmount_top,
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};

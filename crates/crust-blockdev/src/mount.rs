@@ -1,8 +1,7 @@
 //! Mounting, unmounting and reading `/proc/self/mountinfo`.
 
-use std::ffi::{CString, OsString};
+use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, CWD, StatxAttributes, StatxFlags};
@@ -71,141 +70,28 @@ pub enum MountError {
     Device(#[from] DeviceError),
 }
 
-/// One line of `/proc/self/mountinfo`, with octal escapes (`\040` etc.)
-/// decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MountEntry {
-    pub mount_id: u32,
-    pub parent_id: u32,
-    /// Device numbers of the mounted filesystem (for a block device
-    /// filesystem, the device's numbers).
-    pub major: u32,
-    pub minor: u32,
-    /// Directory of the filesystem that is mounted here ("/" unless this
-    /// is a bind mount of a subdirectory or a file).
-    pub root: PathBuf,
-    pub mount_point: PathBuf,
-    /// Per-mount options ("rw", "nosuid", "relatime", ...).
-    pub mount_options: Vec<String>,
-    /// Propagation fields ("shared:1", "master:2", ...).
-    pub optional_fields: Vec<String>,
-    pub fs_type: String,
-    /// Mount source ("/dev/loop3", "tmpfs", ...).
-    pub source: String,
-    /// Superblock options ("rw", "errors=remount-ro", ...). "ro" here and
-    /// "rw" wanted means the filesystem itself went read-only.
-    pub super_options: Vec<String>,
-}
-
-impl MountEntry {
-    /// This mount is read-only (per-mount flag).
-    pub fn is_read_only(&self) -> bool {
-        self.mount_options.iter().any(|o| o == "ro")
-    }
-
-    /// The filesystem (superblock) is read-only, e.g. after the kernel
-    /// remounted it because of errors.
-    pub fn super_read_only(&self) -> bool {
-        self.super_options.iter().any(|o| o == "ro")
-    }
-
-    /// Value of a superblock option such as `errors`.
-    pub fn super_option(&self, key: &str) -> Option<&str> {
-        self.super_options
-            .iter()
-            .find_map(|o| o.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
-    }
-}
-
-fn unescape(field: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(field.len());
-    let mut i = 0;
-    while i < field.len() {
-        // One byte per escape: `\400` and above are literal text, not a
-        // byte silently truncated (the agent's parser reads them so too).
-        if field[i] == b'\\'
-            && i + 3 < field.len()
-            && (b'0'..=b'3').contains(&field[i + 1])
-            && field[i + 2..i + 4]
-                .iter()
-                .all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (field[i + 1] - b'0') as u32 * 64
-                + (field[i + 2] - b'0') as u32 * 8
-                + (field[i + 3] - b'0') as u32;
-            out.push(v as u8);
-            i += 4;
-        } else {
-            out.push(field[i]);
-            i += 1;
-        }
-    }
-    out
-}
-
-fn split_opts(field: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(&unescape(field))
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
+pub use crust_mountinfo::MountEntry;
 
 /// Parses the contents of a mountinfo file (see `proc(5)`).
 pub fn parse_mountinfo(text: &[u8]) -> Result<Vec<MountEntry>, MountError> {
-    let mut out = Vec::new();
-    for (idx, line) in text.split(|&b| b == b'\n').enumerate() {
-        if line.is_empty() {
-            continue;
-        }
-        let bad = |reason: &str| MountError::Parse {
-            line: idx + 1,
-            reason: reason.to_owned(),
-        };
-        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
-        let sep = fields
-            .iter()
-            .position(|f| *f == b"-")
-            .ok_or_else(|| bad("no \" - \" separator"))?;
-        if sep < 6 || fields.len() < sep + 4 {
-            return Err(bad("too few fields"));
-        }
-        let num = |f: &[u8], what: &str| -> Result<u32, MountError> {
-            std::str::from_utf8(f)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| bad(what))
-        };
-        let (maj, min) = {
-            let mm = fields[2];
-            let colon = mm
-                .iter()
-                .position(|&b| b == b':')
-                .ok_or_else(|| bad("bad major:minor"))?;
-            (
-                num(&mm[..colon], "bad major")?,
-                num(&mm[colon + 1..], "bad minor")?,
-            )
-        };
-        let path = |f: &[u8]| PathBuf::from(OsString::from_vec(unescape(f)));
-        out.push(MountEntry {
-            mount_id: num(fields[0], "bad mount id")?,
-            parent_id: num(fields[1], "bad parent id")?,
-            major: maj,
-            minor: min,
-            root: path(fields[3]),
-            mount_point: path(fields[4]),
-            mount_options: split_opts(fields[5]),
-            optional_fields: fields[6..sep]
-                .iter()
-                .map(|f| String::from_utf8_lossy(f).into_owned())
-                .collect(),
-            fs_type: String::from_utf8_lossy(&unescape(fields[sep + 1])).into_owned(),
-            source: String::from_utf8_lossy(&unescape(fields[sep + 2])).into_owned(),
-            super_options: split_opts(fields[sep + 3]),
-        });
-    }
-    Ok(out)
+    crust_mountinfo::parse(text).map_err(|e| MountError::Parse {
+        line: e.line,
+        reason: e.reason,
+    })
+}
+
+/// Mount points strictly below `dir`, sorted, each once (from the cached
+/// table: what a teardown must detach before removing `dir`).
+pub fn mount_points_below(dir: &Path) -> Result<Vec<PathBuf>, MountError> {
+    let mut points: Vec<PathBuf> = current_table()?
+        .entries
+        .iter()
+        .filter(|m| m.mount_point.starts_with(dir) && m.mount_point != dir)
+        .map(|m| m.mount_point.clone())
+        .collect();
+    points.sort();
+    points.dedup();
+    Ok(points)
 }
 
 /// Every mount visible to this process, in mount order (later entries are
@@ -302,6 +188,18 @@ fn mountinfo_form(path: &Path) -> PathBuf {
             .unwrap_or_else(|_| path.to_path_buf()),
         _ => path.to_path_buf(),
     }
+}
+
+/// Whether the topmost mount at `path` is `device`'s filesystem from its
+/// root (not a bind of a subdirectory): the mount a stage made.
+pub fn root_mounted_at(device: &Path, path: &Path) -> Result<bool, MountError> {
+    let Some(m) = find_mount(path)? else {
+        return Ok(false);
+    };
+    Ok(
+        crate::device_major_minor(device).ok() == Some((m.major, m.minor))
+            && m.root == Path::new("/"),
+    )
 }
 
 /// The topmost mount whose mount point is `target`, if any. Does not

@@ -62,13 +62,13 @@ pub struct Hooks {
     pub stage_gate: Option<Arc<Gate>>,
     /// The plugin SIGKILLs itself at this step of a handover (the crash
     /// tests; the binary reads `CRUST_CSI_TEST_HANDOVER_CRASH`).
-    pub handover_crash: Option<crate::handover::Step>,
+    pub handover_crash: Option<crate::records::HandoverStep>,
     /// HandOver waits on this gate after taking the volume's operation
     /// guard (races against NodeUnpublish/NodeExpand).
     pub handover_gate: Option<Arc<Gate>>,
     /// The plugin SIGKILLs itself at this step of a host publish (the
     /// binary reads `CRUST_CSI_TEST_PUBLISH_CRASH`).
-    pub publish_crash: Option<crate::node::PublishStep>,
+    pub publish_crash: Option<crate::records::PublishStep>,
 }
 
 /// Test-only: the handover step at which the `crust-csi` binary kills
@@ -554,10 +554,10 @@ impl Cli {
         let hooks = Hooks {
             handover_crash: std::env::var(HANDOVER_CRASH_ENV)
                 .ok()
-                .and_then(|s| crate::handover::Step::parse(&s)),
+                .and_then(|s| crate::records::HandoverStep::parse(&s)),
             publish_crash: std::env::var(PUBLISH_CRASH_ENV)
                 .ok()
-                .and_then(|s| crate::node::PublishStep::parse(&s)),
+                .and_then(|s| crate::records::PublishStep::parse(&s)),
             ..Hooks::default()
         };
         Ok(Config {

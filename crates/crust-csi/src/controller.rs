@@ -39,9 +39,10 @@ use crate::caps::{Access, CapSpec, Capability, FsType};
 use crate::config::{DEFAULT_VOLUME_SIZE, Expansion};
 use crate::driver::{Driver, blocking};
 use crate::error::ControllerError;
-use crate::state::{
+use crate::records::{
     Phase, RECORD_VERSION, SourceRecord, VolumeRecord, is_valid_volume_id, volume_id_for,
 };
+use crate::surface::health_api_off;
 
 /// Longest accepted CreateVolume name (bytes).
 pub const MAX_NAME_LEN: usize = 128;
@@ -265,8 +266,8 @@ impl Driver {
         // context to NodeStage/NodePublish), so another node's plugin can
         // name it instead of answering a bare NOT_FOUND.
         ctx.insert(self.cfg.topology_key(), rec.node_id.clone());
-        if let Some(v) = rec.parameters.get(crate::node::DEFER_CONTEXT_KEY) {
-            ctx.insert(crate::node::DEFER_CONTEXT_KEY.to_string(), v.clone());
+        if let Some(v) = rec.parameters.get(crate::records::DEFER_CONTEXT_KEY) {
+            ctx.insert(crate::records::DEFER_CONTEXT_KEY.to_string(), v.clone());
         }
         csi::Volume {
             capacity_bytes: rec.capacity_bytes as i64,
@@ -911,13 +912,6 @@ impl ControllerService {
 
 fn unimplemented(rpc: &str) -> Status {
     Status::unimplemented(format!("{rpc} is not supported by this plugin"))
-}
-
-/// The v1.13 health RPCs in a plugin started with `--csi-spec 1.12`.
-pub(crate) fn health_api_off(rpc: &str) -> Status {
-    Status::unimplemented(format!(
-        "{rpc} is a CSI v1.13 RPC; this plugin serves the v1.12 surface (--csi-spec 1.12)"
-    ))
 }
 
 #[tonic::async_trait]

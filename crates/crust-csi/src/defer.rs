@@ -26,9 +26,9 @@ use crate::caps::Capability;
 use crate::driver::Driver;
 use crate::error::{NodeError, PathProblem, alias_err, fs_err, mount_err};
 use crate::health::Condition;
-use crate::node::DEFER_CONTEXT_KEY;
 use crate::node::{mounted_here, remove_created_target, sync_and_unmount};
-use crate::state::{HostMount, Publication, Staging, VolumeRecord};
+use crate::records::DEFER_CONTEXT_KEY;
+use crate::records::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -330,7 +330,7 @@ impl Driver {
             // A handover whose sandbox is gone comes back first (a live
             // one keeps the volume: refused below).
             match self.take_back(rec, None) {
-                Ok(()) | Err(crate::handover::HandoverError::HeldBySandbox { .. }) => {}
+                Ok(()) | Err(crate::error::HandoverError::HeldBySandbox { .. }) => {}
                 Err(e) => tracing::warn!(volume = %id, error = %e, "cannot check the handover"),
             }
         }
@@ -388,7 +388,7 @@ impl Driver {
         let claimant = self.ops.claimant(target_str);
         self.ops.unstage(target_str)?;
         // A guest may have had raw access: the host checks before mounting.
-        rec.returned = Some(crate::handover::Returned::now(
+        rec.returned = Some(crate::records::Returned::now(
             claimant.as_deref().unwrap_or_default(),
         ));
         crate::placeholder::remove(target).map_err(|e| NodeError::Internal(e.to_string()))?;

@@ -72,7 +72,7 @@ impl Driver {
         let records = self.state.all();
         for r in records
             .iter()
-            .filter(|r| r.phase == crate::state::Phase::Creating)
+            .filter(|r| r.phase == crate::records::Phase::Creating)
         {
             tracing::warn!(volume = %r.id, name = %r.name,
                 "CreateVolume did not finish before the last stop; a retry completes it");
@@ -82,8 +82,8 @@ impl Driver {
             // A plugin killed while a snapshot had the filesystem frozen
             // leaves it frozen (a freeze outlives its process): thaw.
             if !s.block
-                && s.host_mount == crate::state::HostMount::Mounted
-                && crate::node::mounted_here(&s.device, &s.path).unwrap_or(false)
+                && s.host_mount == crate::records::HostMount::Mounted
+                && crust_blockdev::root_mounted_at(&s.device, &s.path).unwrap_or(false)
             {
                 match crust_blockdev::thaw_if_frozen(&s.path) {
                     Ok(true) => tracing::warn!(volume = %r.id, path = %s.path.display(),
@@ -153,7 +153,7 @@ impl Driver {
             if present {
                 continue;
             }
-            let never_used = r.phase == crate::state::Phase::Ready
+            let never_used = r.phase == crate::records::Phase::Ready
                 && r.content_source.is_none()
                 && r.staging.is_none()
                 && r.published.is_empty()

@@ -307,7 +307,7 @@ pub enum NodeError {
          ({}={deferred}); unstage it first to change that",
         path.display(),
         if *.deferred { "with" } else { "without" },
-        crate::node::DEFER_CONTEXT_KEY
+        crate::records::DEFER_CONTEXT_KEY
     )]
     StagedWithOtherDeferral {
         volume: String,
@@ -406,7 +406,7 @@ pub enum NodeError {
     Aliased(Box<crust_blockdev::AliasError>),
     /// A handover's own refusal, met by a node call (NodeUnpublish taking a volume back).
     #[error(transparent)]
-    Handover(Box<crate::handover::HandoverError>),
+    Handover(Box<HandoverError>),
     #[error(
         "volume {volume} lives on node {node:?}, this is node {here:?}: a local volume can only \
          be staged and published on its own node"
@@ -847,6 +847,62 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why a handover or hand-back failed (the codes: `crate::handover`'s
+/// module doc).
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error("{0} is required")]
+    Missing(&'static str),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("the handover service answers root only (the caller is uid {0})")]
+    NotRoot(u32),
+    #[error(transparent)]
+    Busy(#[from] Busy),
+    #[error("volume {volume} is in sandbox {sandbox}'s guest: {detail}")]
+    HeldBySandbox {
+        volume: String,
+        sandbox: String,
+        detail: String,
+    },
+    #[error("deferral was required but the volume cannot be handed over: {0}")]
+    Required(String),
+    #[error("volume {volume} was handed to sandbox {holder}, not to {caller}; nothing was changed")]
+    WrongSandbox {
+        volume: String,
+        holder: String,
+        caller: String,
+    },
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+impl From<HandoverError> for Status {
+    fn from(e: HandoverError) -> Status {
+        let code = match &e {
+            HandoverError::Missing(_) | HandoverError::InvalidArgument(_) => Code::InvalidArgument,
+            HandoverError::NotRoot(_) => Code::PermissionDenied,
+            HandoverError::Busy(_) => Code::Aborted,
+            HandoverError::HeldBySandbox { .. }
+            | HandoverError::Required(_)
+            | HandoverError::WrongSandbox { .. } => Code::FailedPrecondition,
+            HandoverError::State(_) => Code::Internal,
+            HandoverError::Node(_) => {
+                let HandoverError::Node(n) = e else {
+                    unreachable!()
+                };
+                return n.into();
+            }
+        };
+        Status::new(
+            code,
+            crust_fs::sanitize(&e.to_string(), crust_fs::MESSAGE_MAX),
+        )
+    }
 }
 
 #[cfg(test)]

@@ -53,154 +53,16 @@ use crust_ops::StageRequest;
 use crust_proto::handover::v1alpha1 as pb;
 use pb::declined::Reason;
 use pb::runtime_capability::Type as Cap;
-use serde::{Deserialize, Serialize};
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
 use crate::driver::Driver;
-use crate::error::NodeError;
 use crate::error::mount_err;
-use crate::guard::Busy;
+use crate::error::{HandoverError, NodeError};
 use crate::node::{DeferMode, mounted_here, publication_of, sync_and_unmount};
-use crate::state::{HostMount, Publication, StateError, VolumeRecord};
-use crate::subpath_binds::{self, SubpathBind};
-
-/// A handover in progress or in force, as the volume record keeps it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HandoverRecord {
-    /// The publication handed over.
-    pub target: PathBuf,
-    pub sandbox: String,
-    pub runtime_cli: String,
-    pub phase: HandoverPhase,
-    /// The filesystem was mounted on the host when the handover started
-    /// (a rollback restores exactly that).
-    #[serde(default)]
-    pub host_mounted: bool,
-    /// kubelet's subPath binds of the target, taken with it (a rollback
-    /// restores them).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub subpath_binds: Vec<SubpathBind>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HandoverPhase {
-    /// Host mounts may be gone; no complete hand-off record yet.
-    Preparing,
-    /// The record exists, claimed by the sandbox; the guest may use it.
-    HandedOver,
-}
-
-/// The volume came back from a guest that had raw access to it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Returned {
-    /// Who had it (empty: a deferred publication's runtime, not recorded).
-    pub sandbox: String,
-    /// Seconds since the epoch.
-    pub at: u64,
-}
-
-impl Returned {
-    pub fn now(sandbox: &str) -> Returned {
-        Returned {
-            sandbox: sandbox.to_string(),
-            at: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-        }
-    }
-}
-
-/// Points of a handover at which a test makes the plugin die (SIGKILL),
-/// set through the test-only `CRUST_CSI_TEST_HANDOVER_CRASH` variable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    Recorded,
-    TargetUnmounted,
-    StagingUnmounted,
-    RecordWritten,
-    PlaceholderMounted,
-}
-
-impl Step {
-    pub const ALL: [Step; 5] = [
-        Step::Recorded,
-        Step::TargetUnmounted,
-        Step::StagingUnmounted,
-        Step::RecordWritten,
-        Step::PlaceholderMounted,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Step::Recorded => "recorded",
-            Step::TargetUnmounted => "target-unmounted",
-            Step::StagingUnmounted => "staging-unmounted",
-            Step::RecordWritten => "record-written",
-            Step::PlaceholderMounted => "placeholder-mounted",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Step> {
-        Step::ALL.into_iter().find(|x| x.as_str() == s)
-    }
-}
-
-/// Why a handover or hand-back failed (see the module doc for codes).
-#[derive(Debug, thiserror::Error)]
-pub enum HandoverError {
-    #[error("{0} is required")]
-    Missing(&'static str),
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("the handover service answers root only (the caller is uid {0})")]
-    NotRoot(u32),
-    #[error(transparent)]
-    Busy(#[from] Busy),
-    #[error("volume {volume} is in sandbox {sandbox}'s guest: {detail}")]
-    HeldBySandbox {
-        volume: String,
-        sandbox: String,
-        detail: String,
-    },
-    #[error("deferral was required but the volume cannot be handed over: {0}")]
-    Required(String),
-    #[error("volume {volume} was handed to sandbox {holder}, not to {caller}; nothing was changed")]
-    WrongSandbox {
-        volume: String,
-        holder: String,
-        caller: String,
-    },
-    #[error(transparent)]
-    Node(#[from] NodeError),
-    #[error(transparent)]
-    State(#[from] StateError),
-}
-
-impl From<HandoverError> for Status {
-    fn from(e: HandoverError) -> Status {
-        let code = match &e {
-            HandoverError::Missing(_) | HandoverError::InvalidArgument(_) => Code::InvalidArgument,
-            HandoverError::NotRoot(_) => Code::PermissionDenied,
-            HandoverError::Busy(_) => Code::Aborted,
-            HandoverError::HeldBySandbox { .. }
-            | HandoverError::Required(_)
-            | HandoverError::WrongSandbox { .. } => Code::FailedPrecondition,
-            HandoverError::State(_) => Code::Internal,
-            HandoverError::Node(_) => {
-                let HandoverError::Node(n) = e else {
-                    unreachable!()
-                };
-                return n.into();
-            }
-        };
-        Status::new(
-            code,
-            crust_fs::sanitize(&e.to_string(), crust_fs::MESSAGE_MAX),
-        )
-    }
-}
+use crate::records::SubpathBind;
+use crate::records::{HandoverPhase, HandoverRecord, HandoverStep, Returned};
+use crate::records::{HostMount, Publication, VolumeRecord};
+use crate::subpath_binds;
 
 type Result<T> = std::result::Result<T, HandoverError>;
 
@@ -513,7 +375,7 @@ impl Driver {
             subpath_binds,
         });
         self.state.put(rec.clone())?;
-        self.handover_fault(Step::Recorded);
+        self.handover_fault(HandoverStep::Recorded);
         let res = self
             .take_host_mounts(rec, &target)
             .and_then(|()| self.write_claimed_record(rec, ask));
@@ -542,7 +404,7 @@ impl Driver {
                 e => Err(e),
             };
         }
-        self.handover_fault(Step::RecordWritten);
+        self.handover_fault(HandoverStep::RecordWritten);
         self.roll_forward(rec)?;
         tracing::info!(volume = %rec.id, target = %target.display(), sandbox = %ask.sandbox,
             elapsed_ms = started.elapsed().as_millis() as u64, "volume handed over to a sandbox");
@@ -576,13 +438,13 @@ impl Driver {
                 .into());
             }
         }
-        self.handover_fault(Step::TargetUnmounted);
+        self.handover_fault(HandoverStep::TargetUnmounted);
         if mounted_here(&s.device, &s.path)? {
             sync_and_unmount(&s.path)?;
         }
         s.host_mount = HostMount::UnmountedForDeferral;
         rec.staging = Some(s);
-        self.handover_fault(Step::StagingUnmounted);
+        self.handover_fault(HandoverStep::StagingUnmounted);
         Ok(())
     }
 
@@ -639,7 +501,7 @@ impl Driver {
                 NodeError::Internal(format!("binding the placeholder for kubelet: {e}"))
             })?;
         }
-        self.handover_fault(Step::PlaceholderMounted);
+        self.handover_fault(HandoverStep::PlaceholderMounted);
         if let Some(s) = rec.staging.as_mut() {
             s.host_mount = HostMount::UnmountedForDeferral;
         }
@@ -861,7 +723,7 @@ impl Driver {
         })
     }
 
-    fn handover_fault(&self, at: Step) {
+    fn handover_fault(&self, at: HandoverStep) {
         if self.cfg.hooks.handover_crash == Some(at) {
             tracing::error!(step = at.as_str(), "test fault: the plugin dies here");
             let _ = rustix::process::kill_process(

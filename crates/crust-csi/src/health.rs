@@ -52,7 +52,7 @@ use crust_backend::{Backend, BackingState};
 use crust_blockdev::{Health, SymptomKind};
 use crust_proto::csi::v1 as csi;
 
-use crate::state::VolumeRecord;
+use crate::records::VolumeRecord;
 
 /// A computed VolumeCondition (CSI v1.12).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -507,7 +507,7 @@ pub(crate) fn evaluate(
             )),
         }
         if problems.is_empty() {
-            let h = if s.block || s.host_mount != crate::state::HostMount::Mounted {
+            let h = if s.block || s.host_mount != crate::records::HostMount::Mounted {
                 crust_blockdev::device_health(&s.device)
             } else {
                 crust_blockdev::fs_health(&s.device, &s.path, s.readonly)
@@ -617,7 +617,7 @@ mod tests {
     use super::*;
     use crate::caps::FsType;
     use crate::driver::Driver;
-    use crate::state::{Phase, RECORD_VERSION};
+    use crate::records::{Phase, RECORD_VERSION};
     use crust_backend::{Allocation, BackendError, Capacity};
     use std::collections::BTreeMap;
     use std::path::PathBuf;

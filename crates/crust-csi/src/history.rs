@@ -13,44 +13,13 @@
 //! ([`crust_backend::Blankness`]): a pool file made empty, a static device
 //! declared blank, released by DeleteVolume, or read in full and found zero.
 
-use serde::{Deserialize, Serialize};
-
 use crust_backend::Blankness;
 use crust_blockdev::BlankProof;
 
 use crate::caps::FsType;
 use crate::error::NodeError;
-use crate::state::{SourceRecord, VolumeRecord};
-
-/// What crust knows of who wrote a volume's bytes.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct History {
-    /// Staged as raw block at least once.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub raw_block_used: bool,
-    /// A filesystem crust created (or started to create) on it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub formatted: Option<FsType>,
-    /// A guest had raw access to its filesystem.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub guest_had_it: bool,
-}
-
-impl History {
-    /// Nothing but crust's own empty store: a copy of it is blank too.
-    pub fn is_pristine(&self) -> bool {
-        *self == History::default()
-    }
-}
-
-/// Where a copy's data came from and what was known of it then.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Inherited {
-    pub from: SourceRecord,
-    /// `None`: the source's history could not be found (a snapshot cut
-    /// before histories were kept, or its record lost): never formatted.
-    pub history: Option<History>,
-}
+use crate::records::{History, Inherited};
+use crate::records::{SourceRecord, VolumeRecord};
 
 impl VolumeRecord {
     /// This volume's history as of now (what a snapshot or clone keeps).
@@ -89,7 +58,7 @@ impl VolumeRecord {
             self.formatted = self.formatted.or(h.formatted);
             if h.guest_had_it && self.returned.is_none() {
                 // The host mounts it only after a userspace check.
-                self.returned = Some(crate::handover::Returned::now(""));
+                self.returned = Some(crate::records::Returned::now(""));
             }
         }
         self.inherited = Some(Inherited { from, history });

@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod node;
 mod placeholder;
 pub mod qos;
+pub mod records;
 pub mod server;
 pub mod snapshot;
 pub mod state;
@@ -50,9 +51,9 @@ pub use config::{
     DEFAULT_VOLUME_SIZE, DeferralConfig, Expansion, Gate, HANDOVER_CRASH_ENV, Hooks,
 };
 pub use driver::Driver;
-pub use error::{ControllerError, IdentityError, NodeError, ServeError};
+pub use error::{ControllerError, HandoverError, IdentityError, NodeError, ServeError};
+pub use records::volume_id_for;
 pub use server::{build_backend, serve, serve_with_backend};
-pub use state::volume_id_for;
 
 /// Caps glibc's malloc at two arenas. With one arena per busy thread
 /// (tokio workers, blocking pool, health workers) the plugin's resident

@@ -15,8 +15,8 @@ use crust_proto::csi::v1 as csi;
 
 use crate::driver::Driver;
 use crate::error::ControllerError;
-use crate::handover::HandoverPhase;
-use crate::state::VolumeRecord;
+use crate::records::HandoverPhase;
+use crate::records::VolumeRecord;
 
 type Result<T> = std::result::Result<T, ControllerError>;
 

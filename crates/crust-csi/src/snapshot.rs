@@ -37,8 +37,8 @@ use crate::controller::{decode_token_of, encode_token};
 use crate::driver::Driver;
 use crate::error::ControllerError;
 use crate::guard::OpGuard;
-use crate::history::History;
-use crate::state::{HostMount, VolumeRecord};
+use crate::records::History;
+use crate::records::{HostMount, VolumeRecord};
 
 type Result<T, E = ControllerError> = std::result::Result<T, E>;
 

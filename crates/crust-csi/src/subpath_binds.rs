@@ -16,18 +16,9 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use crate::records::SubpathBind;
 use crust_handoff::kubelet::{self, VOLUME_SUBPATHS};
 use rustix::fs::{Mode, OFlags, ResolveFlags};
-use serde::{Deserialize, Serialize};
-
-/// One kubelet subPath bind, as a handover record keeps it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SubpathBind {
-    pub mount_point: PathBuf,
-    /// What it shows, relative to the filesystem's root.
-    pub root: PathBuf,
-    pub readonly: bool,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SubpathBindError {

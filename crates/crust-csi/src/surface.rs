@@ -24,6 +24,8 @@ use crust_proto::csi::v1 as csi;
 use csi::controller_service_capability::rpc::Type as CtlRpc;
 use csi::node_service_capability::rpc::Type as NodeRpc;
 
+use tonic::Status;
+
 use crate::config::{CsiSpec, Expansion};
 
 /// The Controller service's capabilities; `snapshots`: the backend copies
@@ -143,6 +145,13 @@ pub fn node_capabilities(spec: CsiSpec, deferral: bool) -> Vec<csi::NodeServiceC
             )),
         })
         .collect()
+}
+
+/// The v1.13 health RPCs in a plugin started with `--csi-spec 1.12`.
+pub(crate) fn health_api_off(rpc: &str) -> Status {
+    Status::unimplemented(format!(
+        "{rpc} is a CSI v1.13 RPC; this plugin serves the v1.12 surface (--csi-spec 1.12)"
+    ))
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use crate::driver::Driver;
 use crate::error::{ControllerError, NodeError};
 use crate::health::{Assessment, Problem, Status};
 use crate::node::as_recorded;
-use crate::state::VolumeRecord;
+use crate::records::VolumeRecord;
 
 impl Driver {
     pub fn node_get_volume_health(

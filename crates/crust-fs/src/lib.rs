@@ -255,10 +255,34 @@ pub struct FsSpec {
     /// Smallest device the tools will format (xfsprogs >= 5.19 refuses
     /// filesystems below 300 MiB).
     pub min_bytes: u64,
+    /// Where the kernel counts the errors a mounted instance met (health
+    /// checks read it); None when it keeps no such count.
+    pub error_count: Option<ErrorCount>,
     /// The guest kernel (6.1) can make an idmapped mount of it
     /// (`MOUNT_ATTR_IDMAP`): what a user-namespaced container needs to see
     /// its own ids on the volume.
     pub idmap: bool,
+}
+
+/// The kernel's per-instance error count in sysfs:
+/// `<dir>/<device name>/<count>`, beside the function of the first error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCount {
+    pub dir: &'static str,
+    pub count: &'static str,
+    pub first_func: &'static str,
+}
+
+impl ErrorCount {
+    /// The count's file for the filesystem on block device `devname`.
+    pub fn count_path(&self, devname: &str) -> String {
+        format!("{}/{devname}/{}", self.dir, self.count)
+    }
+
+    /// The file naming the kernel function of the first error.
+    pub fn first_func_path(&self, devname: &str) -> String {
+        format!("{}/{devname}/{}", self.dir, self.first_func)
+    }
 }
 
 impl FsSpec {
@@ -349,6 +373,11 @@ static EXT4: FsSpec = FsSpec {
         bytes: &[0x53, 0xEF],
     },
     min_bytes: MIB,
+    error_count: Some(ErrorCount {
+        dir: "/sys/fs/ext4",
+        count: "errors_count",
+        first_func: "first_error_func",
+    }),
     idmap: true,
 };
 
@@ -382,6 +411,9 @@ static XFS: FsSpec = FsSpec {
         bytes: b"XFSB",
     },
     min_bytes: 300 * MIB,
+    // xfs reports corruption by shutting down (the mount turns read-only
+    // or answers EIO), which the health checks see without a count.
+    error_count: None,
     idmap: true,
 };
 

@@ -73,7 +73,7 @@ impl MountInfo {
     pub fn fs_group(&self) -> Option<u32> {
         self.metadata
             .get(FS_GROUP_KEY)
-            .and_then(|v| crate::validate::parse_fs_group(v).ok())
+            .and_then(|v| parse_fs_group(v).ok())
     }
 
     pub fn set_fs_group(&mut self, gid: Option<u32>) {
@@ -365,6 +365,17 @@ fn go_string(out: &mut String, s: &str) {
         }
     }
     out.push('"');
+}
+
+/// Canonical decimal gid: digits only, no leading zero, fits in u32.
+pub fn parse_fs_group(v: &str) -> Result<u32, String> {
+    let canonical =
+        !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) && (v == "0" || !v.starts_with('0'));
+    if !canonical {
+        return Err(format!("fsGroup {v:?} is not a decimal group id"));
+    }
+    v.parse::<u32>()
+        .map_err(|_| format!("fsGroup {v:?} does not fit in 32 bits"))
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
+// The fsGroup value's format lives with its key; its old path stays.
+pub use crate::mountinfo::parse_fs_group;
 use crate::mountinfo::{
     ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY, FsGroupChangePolicy, MountInfo,
 };
@@ -274,17 +276,6 @@ pub fn metadata_warnings(mi: &MountInfo) -> Vec<String> {
         out.push(format!("{e}: ignored, nothing is formatted"));
     }
     out
-}
-
-/// Canonical decimal gid: digits only, no leading zero, fits in u32.
-pub fn parse_fs_group(v: &str) -> Result<u32, String> {
-    let canonical =
-        !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) && (v == "0" || !v.starts_with('0'));
-    if !canonical {
-        return Err(format!("fsGroup {v:?} is not a decimal group id"));
-    }
-    v.parse::<u32>()
-        .map_err(|_| format!("fsGroup {v:?} does not fit in 32 bits"))
 }
 
 /// A device is a block device under /dev, or — only when the policy lists

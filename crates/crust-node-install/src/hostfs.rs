@@ -28,7 +28,7 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use crate::install::InstallError;
+use crate::error::InstallError;
 
 type Result<T> = std::result::Result<T, InstallError>;
 

@@ -44,78 +44,15 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::containerd::{self, ConfigError, Handler, RootConfig, Version};
+use crate::containerd::{self, Handler, RootConfig, Version};
+// Their old paths (`install::InstallError`, `install::Step`) stay.
+pub use crate::error::{InstallError, Step};
 use crate::hostfs::HostRoot;
 
 /// The install record, relative to the prefix.
 pub const MANIFEST: &str = ".crust-install.json";
 /// The payload's description, relative to the payload root.
 pub const PAYLOAD_INFO: &str = "share/crust/payload.json";
-
-#[derive(Debug, thiserror::Error)]
-pub enum InstallError {
-    #[error("{0}: {1}")]
-    Io(PathBuf, io::Error),
-    #[error("payload {0}: {1}")]
-    Payload(PathBuf, String),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("install record {0} is unreadable: {1}")]
-    Manifest(PathBuf, String),
-    #[error("{0} must be an absolute path")]
-    NotAbsolute(PathBuf),
-    #[error("path {} must name a file or directory below / without `.` or `..` components", .0.display())]
-    NotNormal(PathBuf),
-    #[error("reloading containerd ({command}) failed: {reason}")]
-    Reload { command: String, reason: String },
-    /// The installer follows no links under the host root (see
-    /// [`crate::hostfs`]).
-    #[error(
-        "{path} is a symbolic link to {target}; the installer does not follow links on the \
-         host: replace it with a copy of the file containerd really reads, or pass that \
-         file's path"
-    )]
-    Symlink { path: PathBuf, target: PathBuf },
-    #[error("{path} is a {kind}, not a regular file: refused")]
-    NotAFile { path: PathBuf, kind: &'static str },
-    #[error("{path} is a {kind}, not a directory: refused")]
-    NotADirectory { path: PathBuf, kind: &'static str },
-    #[error("stopped after step {0:?} (injected fault)")]
-    Fault(Step),
-    #[error("{cause}; the install was rolled back, nothing of it is left")]
-    RolledBack { cause: Box<InstallError> },
-    #[error(
-        "{cause}; rolling back failed too ({rollback}): `crust-node-install uninstall` \
-         removes what {record} lists"
-    )]
-    RollbackFailed {
-        cause: Box<InstallError>,
-        rollback: Box<InstallError>,
-        record: PathBuf,
-    },
-    #[error(
-        "{cause}; the upgrade is incomplete: {record} lists everything it wrote (run install \
-         again, or uninstall)"
-    )]
-    Incomplete {
-        cause: Box<InstallError>,
-        record: PathBuf,
-    },
-}
-
-/// The points between install steps, where a test can inject a failure
-/// ([`Options::fault`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// The record of intent is written; nothing else yet.
-    Recorded,
-    /// The payload is in place (and stale files removed).
-    Payload,
-    /// The drop-in is written (when one is used).
-    Dropin,
-    /// The root config is written (when it needed a change).
-    RootConfig,
-}
 
 type Result<T> = std::result::Result<T, InstallError>;
 

@@ -29,6 +29,7 @@
 //! temporary directory.
 
 pub mod containerd;
+pub mod error;
 pub mod hostfs;
 pub mod install;
 #[cfg(feature = "apiserver")]

@@ -210,7 +210,7 @@ impl Bundle {
         }
         let pod_uid = pod_uid(spec.annotations().as_ref()).map_err(invalid)?;
         let defer_required = spec.annotations().as_ref().is_some_and(|a| {
-            a.get(crate::handover::DEFER_ANNOTATION).map(String::as_str) == Some("required")
+            a.get(crate::records::DEFER_ANNOTATION).map(String::as_str) == Some("required")
         });
         Ok(Bundle {
             dir: dir.to_path_buf(),

@@ -5,10 +5,11 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::discovery::{Discovery, LayoutKind, Volume};
+use crate::discovery::Discovery;
 use crate::error::RuntimeError;
+use crate::records::{LayoutKind, Volume};
 use crate::sandbox::SandboxStore;
-use crate::shim::Code;
+use crust_shim_api::Code;
 
 /// The full runtime CLI's file name.
 pub const FULL_CLI: &str = "crust-runtime";

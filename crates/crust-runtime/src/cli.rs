@@ -1,6 +1,8 @@
 //! Command line surface (clap derive). Every global flag can also come
 //! from the environment (`CRUST_RUNTIME_*`).
 
+pub mod poll;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use crust_handoff::{DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT};
 use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
 use crate::runtime::Runtime;
-use crate::shim::Code;
+use crust_shim_api::Code;
 
 /// The QEMU looked up on PATH unless --qemu says otherwise.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
@@ -156,7 +158,7 @@ pub struct GlobalOpts {
 
 impl GlobalOpts {
     /// The settings from the environment alone, defaults as for the whole
-    /// command line (the per-poll path, `crate::poll`, reads them so).
+    /// command line (the per-poll path, `poll`, reads them so).
     pub fn from_env() -> Result<GlobalOpts, RuntimeError> {
         #[derive(Parser)]
         #[command(name = "crust-runtime")]
@@ -612,7 +614,7 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             ..Default::default()
         }),
         Command::Crust(CrustCommand::Stats { target_path }) => {
-            crate::poll::answer(&rt, crate::poll::Poll::CrustStats(&target_path))
+            poll::answer(&rt, poll::Poll::CrustStats(&target_path))
         }
         Command::Crust(CrustCommand::Resize {
             target_path,
@@ -648,7 +650,7 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
             .direct_volume_remove(&volume_path)
             .map(|()| Outcome::default()),
         Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
-            crate::poll::answer(&rt, crate::poll::Poll::KataStats(&volume_path))
+            poll::answer(&rt, poll::Poll::KataStats(&volume_path))
         }
         Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => Ok(
             Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?),

@@ -20,12 +20,14 @@ use tokio::sync::watch;
 use crate::bundle::Bundle;
 use crate::claims::{claim, recorded_cli, release_all};
 use crate::config::Config;
-use crate::discovery::{Discovery, HostBind, Volume, WorkloadMount};
+use crate::discovery::{Discovery, HostBind};
 use crate::error::RuntimeError;
 use crate::handover::{self, Handover};
 use crate::plug::{self, Attachments, GuestPorts};
+use crate::records::{ProcRef, SandboxState, SharedMount, Status};
+use crate::records::{Volume, WorkloadMount};
 use crate::runtime::ReadyLine;
-use crate::sandbox::{ProcRef, SandboxState, SandboxStore, SharedMount, Status};
+use crate::sandbox::SandboxStore;
 use crate::share;
 use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crate::stats::{

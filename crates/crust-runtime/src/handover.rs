@@ -24,18 +24,17 @@ use crust_proto::endpoint::Endpoint;
 use crust_proto::handover::v1alpha1 as pb;
 use pb::handover_client::HandoverClient;
 use pb::runtime_capability::Type as Cap;
-use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
-use crate::discovery::{Discovery, LayoutKind};
+use crate::discovery::Discovery;
 use crate::error::RuntimeError;
-use crate::shim::Code;
+use crate::records::LayoutKind;
+use crust_shim_api::Code;
+// The records' old paths, which crust-shim uses.
+pub use crate::records::{DEFER_ANNOTATION, HANDED_OVER, ON_HOST, VolumeEvent};
 
 /// crust-csi's default Handover socket.
 pub const DEFAULT_ENDPOINT: &str = "unix:///run/crust/handover.sock";
-/// OCI annotation (pod or container): `required` refuses any fallback to
-/// a shared host mount; `auto` (default) shares what is not handed over.
-pub const DEFER_ANNOTATION: &str = "io.crust.defer-fs-ops";
 /// How long an ABORTED handover (another operation on the volume) is
 /// retried before the container fails.
 const BUSY_RETRY: Duration = Duration::from_secs(20);
@@ -77,30 +76,6 @@ pub fn file_systems() -> Vec<pb::FileSystemSupport> {
 pub fn is_candidate(source: &Path) -> bool {
     std::fs::symlink_metadata(source).is_ok_and(|m| m.is_dir())
         && crust_blockdev::is_mountpoint(source).unwrap_or(false)
-}
-
-/// What happened to one candidate mount, kept in the sandbox's state and
-/// logged: the "event" of the handover decision.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VolumeEvent {
-    /// The mount source (a host publish target).
-    pub target: String,
-    pub destination: String,
-    /// `handed-over`, or `host`: the host mount is used (shared over
-    /// virtio-fs where the sandbox shares binds, else not visible).
-    pub outcome: String,
-    pub message: String,
-    /// HandOver request to the plugin's answer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub answer_ms: Option<u64>,
-    /// HandOver request to mounted in the guest (includes the guest's boot
-    /// when the volume is asked for at sandbox creation).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub elapsed_ms: Option<u64>,
-    /// Hot-plug and mount in the running guest: with `answer_ms`, what a
-    /// handover adds to a container's start.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plug_ms: Option<u64>,
 }
 
 /// The plugin's answer.
@@ -248,11 +223,6 @@ impl Handover {
         }
     }
 }
-
-/// [`VolumeEvent::outcome`] of a volume now in the guest.
-pub const HANDED_OVER: &str = "handed-over";
-/// [`VolumeEvent::outcome`] of a volume left on the host.
-pub const ON_HOST: &str = "host";
 
 /// The publish target to offer for a bundle mount source, if any: the
 /// source itself, or for kubelet's subPath bind the target it was bound

@@ -41,7 +41,7 @@ pub mod handover;
 pub mod katashim;
 pub mod metrics;
 pub mod plug;
-pub mod poll;
+pub mod records;
 pub mod runtime;
 pub mod sandbox;
 pub mod share;
@@ -49,3 +49,6 @@ pub mod shim;
 pub mod stats;
 pub mod vm;
 pub mod volumes;
+
+// The per-poll verbs are the CLI's fast path; their old path stays.
+pub use cli::poll;

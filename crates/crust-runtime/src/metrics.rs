@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use crust_agent_proto::AgentClient;
 
-use crate::sandbox::SandboxState;
+use crate::records::SandboxState;
 use crate::stats::Unit;
 
 /// What `/metrics` answers with.
@@ -180,7 +180,7 @@ pub async fn sandbox_metrics(
     out.0
 }
 
-fn labels(v: &crate::discovery::Volume) -> [(&'static str, &str); 2] {
+fn labels(v: &crate::records::Volume) -> [(&'static str, &str); 2] {
     [
         ("volume_path", v.target.as_str()),
         ("device", v.device.as_str()),
@@ -337,7 +337,7 @@ mod tests {
 
     #[tokio::test]
     async fn this_process_as_the_hypervisor_in_text_format() {
-        let me = crate::sandbox::ProcRef::current();
+        let me = crate::records::ProcRef::current();
         let mut st = SandboxState::new(
             "sb",
             &crate::bundle::Bundle {

@@ -21,7 +21,8 @@ use crust_agent_proto::AgentClient;
 use crust_blockdev::ExclusiveDevice;
 use crust_qmp::{BlockIo, QmpClient};
 
-use crate::discovery::{Discovery, Volume};
+use crate::discovery::Discovery;
+use crate::records::Volume;
 use crate::volumes::{self, VolumeError};
 
 /// What the plug routine needs of a running guest.

@@ -14,9 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::bundle::Bundle;
 use crate::config::Config;
-use crate::discovery::{Discovery, LayoutKind, Volume};
+use crate::discovery::Discovery;
 use crate::error::RuntimeError;
-use crate::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crate::records::{LayoutKind, Volume};
+use crate::records::{ProcRef, SandboxState, Status};
+use crate::sandbox::SandboxStore;
 use crate::shim::{ApiError, Code, ExecRequest, ExecResponse, ShimClient, ShimError};
 use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
 use crate::volumes;
@@ -208,7 +210,7 @@ impl Runtime {
             // Handed-over volumes not planned yet (the shim died right
             // after the plugin answered): crust-csi takes an unclaimed
             // volume back at kubelet's next unpublish, or a handover.
-            let crust = self.discovery.store(crate::discovery::LayoutKind::Crust);
+            let crust = self.discovery.store(crate::records::LayoutKind::Crust);
             for t in &st.handover_asked {
                 if let Err(e) = crust.release(t, id)
                     && !matches!(e, crust_handoff::HandoffError::NotFound(_))
@@ -421,7 +423,7 @@ impl Runtime {
     }
 
     /// KEP `crust stats` / Kata `direct-volume stats`. Blocking: it is the
-    /// whole work of a CLI run on every kubelet poll (see [`crate::poll`]).
+    /// whole work of a CLI run on every kubelet poll (see [`crate::cli::poll`]).
     pub fn volume_stats(&self, volume_path: &str) -> Result<VolumeStats> {
         let id = match self.serving_sandbox(volume_path)? {
             Ok(id) => id,

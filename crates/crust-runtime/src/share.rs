@@ -118,42 +118,10 @@ pub fn mount_into(root: BorrowedFd<'_>, rel: &str, fs: &FsSpec) -> Result<(), Sh
     Ok(())
 }
 
-/// Mount points strictly below `dir` in this mount namespace.
+/// Mount points strictly below `dir` in this mount namespace (an
+/// unreadable mount table reads as none, as it always did here).
 pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut points: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(unescape)
-        .filter(|p| p.starts_with(dir) && p != dir)
-        .collect();
-    points.sort();
-    points.dedup();
-    points
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> PathBuf {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        // One byte per escape: `\400` and above are literal text (and
-        // overflowed the u8 arithmetic).
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && (b'0'..=b'3').contains(&b[i + 1])
-            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    use std::os::unix::ffi::OsStringExt;
-    PathBuf::from(std::ffi::OsString::from_vec(out))
+    crust_blockdev::mount_points_below(dir).unwrap_or_default()
 }
 
 /// Detaches every mount strictly below `dir`, deepest first, each reached
@@ -244,17 +212,6 @@ pub fn remove(dir: &Path) -> Result<(), ShareError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape("/a\\040b"), PathBuf::from("/a b"));
-        assert_eq!(unescape("/a\\134b"), PathBuf::from("/a\\b"));
-        assert_eq!(unescape("/plain"), PathBuf::from("/plain"));
-        assert_eq!(unescape("/end\\04"), PathBuf::from("/end\\04"));
-        // Above \377 is no escape: kept as written, no overflow.
-        assert_eq!(unescape("/a\\400b"), PathBuf::from("/a\\400b"));
-        assert_eq!(unescape("/a\\777"), PathBuf::from("/a\\777"));
-    }
 
     /// A temp dir whose mounts go with it, whatever a test left.
     struct Scratch(tempfile::TempDir);

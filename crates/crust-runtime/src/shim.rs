@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 mod blocking;
 
-use crate::discovery::Volume;
-use crate::sandbox::SandboxState;
+use crate::records::SandboxState;
+use crate::records::Volume;
 use crate::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
     VolumeStats,

@@ -10,8 +10,8 @@ use tokio::sync::{Mutex, watch};
 
 use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
-use crate::sandbox::ProcRef;
-use crate::shim::Code;
+use crate::records::ProcRef;
+use crust_shim_api::Code;
 
 /// Empty PCIe root ports reserved for volume hot-plug.
 pub const HOTPLUG_PORTS: u32 = 8;

@@ -12,9 +12,9 @@ use crust_agent_proto::{
 use crust_handoff::{FsGroupChangePolicy, IoLimits};
 use crust_qmp::{QmpClient, QmpError};
 
-use crate::discovery::Volume;
-use crate::shim::{ApiError, Code};
+use crate::records::Volume;
 use crate::stats::{Unit, VolumeCondition, VolumeStats, VolumeUsage};
+use crust_shim_api::{ApiError, Code};
 
 /// How long the guest gets to release a hot-unplugged disk.
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
@@ -82,9 +82,9 @@ impl From<VolumeError> for ApiError {
 /// timeout (default 30 s) plus `slack` for the agent's answer.
 pub async fn exec_in_guest(
     agent: &AgentClient,
-    req: crate::shim::ExecRequest,
+    req: crust_shim_api::ExecRequest,
     slack: std::time::Duration,
-) -> Result<crate::shim::ExecResponse, crate::shim::ApiError> {
+) -> Result<crust_shim_api::ExecResponse, crust_shim_api::ApiError> {
     let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
     let r = agent
         .call_with_timeout(
@@ -96,8 +96,8 @@ pub async fn exec_in_guest(
             timeout + slack,
         )
         .await
-        .map_err(|e| crate::shim::ApiError::new(agent_code(&e), format!("exec: {e}")))?;
-    Ok(crate::shim::ExecResponse {
+        .map_err(|e| crust_shim_api::ApiError::new(agent_code(&e), format!("exec: {e}")))?;
+    Ok(crust_shim_api::ExecResponse {
         exit_code: r.exit_code,
         stdout: r.stdout,
         stderr: r.stderr,
@@ -617,7 +617,7 @@ pub async fn resize(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::LayoutKind;
+    use crate::records::LayoutKind;
     use crust_handoff::MountInfo;
 
     #[test]

@@ -24,9 +24,7 @@ use crust_runtime::shim::Code;
 
 use crate::pod::{Pod, PodError, PodVm};
 
-/// The spec fields an Update names in its refusals.
-pub const MEMORY_FIELD: &str = "linux.resources.memory.limit";
-pub const CPU_FIELD: &str = "linux.resources.cpu";
+pub use crate::spec::{CPU_FIELD, Limits, MEMORY_FIELD};
 
 /// Hot-plugged memory comes in 128 MiB blocks on x86-64.
 const BLOCK_MIB: u32 = 128;
@@ -36,13 +34,6 @@ const GIVE_BACK_MARGIN_MIB: u64 = 32;
 const SETTLE: Duration = Duration::from_secs(15);
 /// Close enough to the balloon's target.
 const BALLOON_SLACK_MIB: u64 = 4;
-
-/// One container's limits; `None` leaves that limit as it is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Limits {
-    pub memory: Option<u64>,
-    pub cpu: Option<CpuMax>,
-}
 
 /// The pod VM's size and what its containers ask of it.
 #[derive(Debug, Default)]

@@ -48,17 +48,26 @@ pub enum SpecError {
 pub const LINUX_RESOURCES_URL: &str =
     "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
 
+/// The spec fields an Update names in its refusals.
+pub const MEMORY_FIELD: &str = "linux.resources.memory.limit";
+pub const CPU_FIELD: &str = "linux.resources.cpu";
+
+/// One container's limits; `None` leaves that limit as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory: Option<u64>,
+    pub cpu: Option<crust_agent_proto::CpuMax>,
+}
+
 /// The limits crust applies from OCI `linux.resources`: memory limit and
 /// CFS quota/period; the rest (shares, cpusets, hugepages...) is left to
 /// the VM boundary. Values a cgroup cannot take are refused, naming the
 /// field.
-pub fn resource_limits(
-    r: &oci_spec::runtime::LinuxResources,
-) -> Result<crate::resize::Limits, String> {
+pub fn resource_limits(r: &oci_spec::runtime::LinuxResources) -> Result<Limits, String> {
     let memory = match r.memory().as_ref().and_then(|m| m.limit()) {
         None | Some(0) | Some(-1) => None,
         Some(l) if l < 0 => {
-            return Err(format!("{}: {l} is negative", crate::resize::MEMORY_FIELD));
+            return Err(format!("{}: {l} is negative", MEMORY_FIELD));
         }
         Some(l) => Some(l as u64),
     };
@@ -69,7 +78,7 @@ pub fn resource_limits(
             if !(1000..=1_000_000).contains(&period) {
                 return Err(format!(
                     "{}.period: {period} us out of 1000..=1000000",
-                    crate::resize::CPU_FIELD
+                    CPU_FIELD
                 ));
             }
             match c.quota() {
@@ -81,7 +90,7 @@ pub fn resource_limits(
                 Some(q) if q < 1000 => {
                     return Err(format!(
                         "{}.quota: {q} us, below the 1000 us a cgroup takes",
-                        crate::resize::CPU_FIELD
+                        CPU_FIELD
                     ));
                 }
                 Some(q) => Some(crust_agent_proto::CpuMax {
@@ -91,7 +100,7 @@ pub fn resource_limits(
             }
         }
     };
-    Ok(crate::resize::Limits { memory, cpu })
+    Ok(Limits { memory, cpu })
 }
 
 /// A container's own CFS limit from its spec.
@@ -106,7 +115,7 @@ fn own_cpu_max(
 
 /// The limits a task Update asks for (`resources`: an Any of OCI
 /// `LinuxResources` in JSON, as containerd's CRI sends it).
-pub fn update_limits(type_url: &str, value: &[u8]) -> Result<crate::resize::Limits, SpecError> {
+pub fn update_limits(type_url: &str, value: &[u8]) -> Result<Limits, SpecError> {
     if type_url != LINUX_RESOURCES_URL {
         return Err(SpecError::Update(format!(
             "resources of type {type_url:?}: only {LINUX_RESOURCES_URL} is understood"

@@ -536,44 +536,14 @@ fn descendants(roots: &[i32]) -> Vec<i32> {
 /// Lazily unmounts every mount point below `dir`, deepest first.
 pub fn unmount_below(dir: &Path) {
     for _ in 0..3 {
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let mut points: Vec<PathBuf> = info
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .map(unescape_mountinfo)
-            .filter(|p| p.starts_with(dir) && p != dir)
-            .collect();
+        let points = crust_blockdev::mount_points_below(dir).unwrap_or_default();
         if points.is_empty() {
             return;
         }
-        points.sort();
-        points.dedup();
         for p in points.iter().rev() {
             let _ = rustix::mount::unmount(p, UnmountFlags::DETACH);
         }
     }
-}
-
-fn unescape_mountinfo(s: &str) -> PathBuf {
-    // mountinfo escapes space, tab, newline and backslash as \ooo.
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = (b[i] == b'\\' && i + 4 <= b.len())
-            .then(|| std::str::from_utf8(&b[i + 1..i + 4]).ok())
-            .flatten()
-            .and_then(|o| u8::from_str_radix(o, 8).ok());
-        if let Some(v) = octal {
-            out.push(v);
-            i += 4;
-            continue;
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    use std::os::unix::ffi::OsStringExt;
-    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
 
 impl Drop for Containerd {

@@ -24,18 +24,13 @@ pub enum Leaf {
 
 fn open_in(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
     let path = if path.is_empty() { "." } else { path };
-    loop {
-        match rustix::fs::openat2(
-            root,
-            path,
-            flags | OFlags::CLOEXEC,
-            Mode::empty(),
-            ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
-        ) {
-            Err(Errno::AGAIN) | Err(Errno::INTR) => continue,
-            other => return other,
-        }
-    }
+    crate::sys::openat2(
+        root,
+        path,
+        flags,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )
 }
 
 /// The normal components of an absolute destination (`..` refused).

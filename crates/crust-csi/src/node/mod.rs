@@ -52,14 +52,14 @@ use tonic::{Request, Response, Status};
 use crate::caps::{Capability, FsType};
 use crate::driver::{Driver, blocking};
 use crate::error::NodeError;
-use crate::state::{Phase, VolumeRecord};
+use crate::records::DEFER_CONTEXT_KEY;
+use crate::records::{Phase, VolumeRecord};
 
 mod publish;
 mod stage;
 mod target;
 mod usage;
 
-pub use publish::PublishStep;
 pub(crate) use stage::mount_flags_of;
 pub(crate) use target::{
     check_parent, mounted_here, publication_of, remove_created_target, sync_and_unmount,
@@ -67,9 +67,6 @@ pub(crate) use target::{
 pub(crate) use usage::refreshed_device_size;
 
 type Result<T> = std::result::Result<T, NodeError>;
-
-/// Volume-context key that selects deferred filesystem operations.
-pub const DEFER_CONTEXT_KEY: &str = "deferFsOps";
 
 /// How a request's filesystem operations are carried out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -342,7 +339,7 @@ impl Node for NodeService {
         request: Request<csi::NodeGetVolumeHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
         if !self.driver.cfg.csi_spec.serves_health_api() {
-            return Err(crate::controller::health_api_off("NodeGetVolumeHealth"));
+            return Err(crate::surface::health_api_off("NodeGetVolumeHealth"));
         }
         let req = request.into_inner();
         let resp = blocking(&self.driver, move |d| d.node_get_volume_health(&req)).await?;
@@ -354,7 +351,7 @@ impl Node for NodeService {
         _request: Request<csi::NodeGetStorageHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
         if !self.driver.cfg.csi_spec.serves_health_api() {
-            return Err(crate::controller::health_api_off("NodeGetStorageHealth"));
+            return Err(crate::surface::health_api_off("NodeGetStorageHealth"));
         }
         let resp = blocking(&self.driver, |d| d.node_get_storage_health()).await?;
         Ok(Response::new(resp))

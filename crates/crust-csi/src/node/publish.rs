@@ -12,7 +12,8 @@ use super::{FsOps, abs_path, context_defers, require};
 use crate::caps::{Access, Capability};
 use crate::driver::Driver;
 use crate::error::{NodeError, alias_err, mount_err};
-use crate::state::{HostMount, Publication, Staging, VolumeRecord};
+use crate::records::PublishStep;
+use crate::records::{HostMount, Publication, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -33,30 +34,6 @@ fn apply_fs_group(id: &str, root: &Path, gid: u32) -> Result<()> {
         tracing::info!(volume = %id, gid, "applied fsGroup (volume_mount_group) on the host mount");
     }
     Ok(())
-}
-
-/// Points of a host publish at which a test makes the plugin die
-/// (SIGKILL), set through the test-only `CRUST_CSI_TEST_PUBLISH_CRASH`
-/// variable: the crash windows an unpublish must clean up after.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PublishStep {
-    /// The record lists the target as the plugin's; it does not exist yet.
-    TargetRecorded,
-    /// The target exists; nothing is bound on it.
-    TargetCreated,
-    /// The bind is in place; the publication is not recorded.
-    Bound,
-}
-
-impl PublishStep {
-    pub fn parse(s: &str) -> Option<PublishStep> {
-        match s {
-            "target-recorded" => Some(PublishStep::TargetRecorded),
-            "target-created" => Some(PublishStep::TargetCreated),
-            "bound" => Some(PublishStep::Bound),
-            _ => None,
-        }
-    }
 }
 
 /// A NodePublishVolume request, checked before anything is looked up.

@@ -12,7 +12,7 @@ use super::{FsOps, abs_path, node_cap, require};
 use crate::caps::{Access, Capability, FsType};
 use crate::driver::Driver;
 use crate::error::{NodeError, alias_err, fs_err, mount_err};
-use crate::state::{HostMount, Staging, VolumeRecord};
+use crate::records::{HostMount, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 

@@ -7,10 +7,10 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::publish::PublishStep;
 use crate::driver::Driver;
 use crate::error::{NodeError, PathProblem, mount_err};
-use crate::state::{Staging, VolumeRecord};
+use crate::records::PublishStep;
+use crate::records::{Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 
@@ -169,13 +169,7 @@ pub(super) fn mounted_source(path: &Path) -> Option<String> {
 
 /// Whether `path` is a mount of the filesystem on `device`.
 pub(crate) fn mounted_here(device: &Path, path: &Path) -> Result<bool> {
-    let Some(m) = crust_blockdev::find_mount(path).map_err(mount_err)? else {
-        return Ok(false);
-    };
-    Ok(
-        crust_blockdev::device_major_minor(device).ok() == Some((m.major, m.minor))
-            && m.root == Path::new("/"),
-    )
+    crust_blockdev::root_mounted_at(device, path).map_err(mount_err)
 }
 
 /// Flushes the filesystem mounted at `path`, then unmounts it. A busy

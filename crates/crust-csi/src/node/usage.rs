@@ -12,7 +12,7 @@ use crate::caps::{Capability, FsType};
 use crate::config::Expansion;
 use crate::driver::Driver;
 use crate::error::NodeError;
-use crate::state::{HostMount, VolumeRecord};
+use crate::records::{HostMount, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
 

@@ -9,7 +9,7 @@
 //! (logging wanted: the ordinary path); anything else goes through clap.
 //! Both paths print through [`answer`].
 
-use crate::cli::{GlobalOpts, Outcome};
+use super::{GlobalOpts, Outcome};
 use crate::error::RuntimeError;
 use crate::runtime::Runtime;
 
