@@ -38,7 +38,8 @@ use crate::report::{Footprint, Report};
 use crate::rng::Rng;
 use crate::writer;
 
-/// Guests at once (the pods' VMs), within the test's VM slot budget.
+/// Guests at once (the pods' VMs); each beyond the first holds one more
+/// of the machine's VM slots.
 const MAX_PODS: usize = 2;
 const MAX_VOLUMES: usize = 4;
 const VOLUME_SIZE: u64 = 64 * MIB;
@@ -143,6 +144,8 @@ pub struct Soak {
     volumes: Vec<Volume>,
     pods: Vec<Pod>,
     serial: u64,
+    max_pods: usize,
+    _more_slots: Vec<crust_testkit::VmSlot>,
     pub report: Report,
     // Last: the plugin stops before containerd and the mounts go.
     env: Env,
@@ -153,6 +156,16 @@ impl Soak {
         let plugin = start_plugin(&env).await;
         let csi = plugin.csi().await;
         let cri = Cri::connect(&env.ctrd.endpoint()).await.expect("CRI");
+        // The env's slot covers the first pod's guest.
+        let max_pods = crust_testkit::VmSlot::limit().min(MAX_PODS);
+        let mut more_slots = Vec::new();
+        for _ in 1..max_pods {
+            more_slots.push(
+                tokio::task::spawn_blocking(crust_testkit::VmSlot::acquire)
+                    .await
+                    .expect("VM slot"),
+            );
+        }
         Soak {
             plugin,
             csi,
@@ -167,6 +180,8 @@ impl Soak {
             volumes: Vec::new(),
             pods: Vec::new(),
             serial: 0,
+            max_pods,
+            _more_slots: more_slots,
             env,
         }
     }
@@ -219,7 +234,8 @@ impl Soak {
             return self.fault().await;
         }
         let free = self.volumes.iter().any(|v| !v.in_use);
-        let can_create = self.pods.len() < MAX_PODS && (free || self.volumes.len() < MAX_VOLUMES);
+        let can_create =
+            self.pods.len() < self.max_pods && (free || self.volumes.len() < MAX_VOLUMES);
         let on = |b: bool, w: u32| if b { w } else { 0 };
         match self.rng.weighted(&[
             on(can_create, 6),
@@ -565,8 +581,34 @@ impl Soak {
         );
         let record = env.crust_root.join(crust_handoff::crust_key(&p.target));
         let target = PathBuf::from(&p.target);
+        let pool = env.dir.path().join("pool");
+        let (pods, volumes) = (self.pods.len(), self.volumes.len());
         let left = settle(|| {
             let mut left = Vec::new();
+            // The node as a whole holds no more than the live pods and
+            // volumes explain.
+            let n = qemus_under(&env.runtime_root).len();
+            if n > pods {
+                left.push(format!("{n} QEMUs for {pods} pods"));
+            }
+            let n = env.ctrd.shim_pids().len();
+            if n > pods {
+                left.push(format!("{n} shims for {pods} pods"));
+            }
+            let n = std::fs::read_dir(&env.crust_root).map_or(0, Iterator::count);
+            if n > pods {
+                left.push(format!("{n} hand-off records for {pods} publications"));
+            }
+            let loops = crust_blockdev::list_loops().unwrap_or_default();
+            let n = loops
+                .iter()
+                .filter(|l| l.backing_file.starts_with(&pool))
+                .count();
+            if n > volumes {
+                left.push(format!(
+                    "{n} loop devices on the pool for {volumes} volumes"
+                ));
+            }
             if !qemus_under(&sb_dir).is_empty() {
                 left.push("QEMU".to_string());
             }

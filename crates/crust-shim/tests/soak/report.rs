@@ -147,3 +147,42 @@ impl fmt::Display for Report {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(pid: u32, secs: u64, rss_kib: u64, fds: usize) -> Footprint {
+        Footprint {
+            at: Duration::from_secs(secs),
+            pid,
+            rss_kib,
+            fds,
+        }
+    }
+
+    #[test]
+    fn growth_within_one_process_is_an_anomaly_a_restart_is_not() {
+        // pid 1 warms up, then stays flat; pid 2 (after a restart) starts low.
+        let mut r = Report {
+            samples: vec![
+                at(1, 0, 9000, 10),
+                at(1, 5, 16000, 15),
+                at(1, 60, 17000, 16),
+            ],
+            ..Default::default()
+        };
+        r.samples.push(at(2, 61, 8000, 9));
+        r.samples.push(at(2, 70, 16000, 15));
+        r.check_footprint();
+        assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+        r.samples.push(at(2, 900, 16000, 15 + MAX_FD_GROWTH + 1));
+        r.check_footprint();
+        assert_eq!(r.anomalies.len(), 1, "fds leak");
+        r.samples
+            .push(at(2, 901, 16000 + MAX_RSS_GROWTH_KIB + 1, 15));
+        r.anomalies.clear();
+        r.check_footprint();
+        assert_eq!(r.anomalies.len(), 1, "RSS grows: {:?}", r.anomalies);
+    }
+}
