@@ -828,6 +828,7 @@ impl Soak {
                 self.cri = Cri::connect(&self.env.ctrd.endpoint())
                     .await
                     .map_err(|e| format!("CRI after the restart: {e}"))?;
+                self.wait_cri_ready().await?;
                 self.after_restart().await
             }
             _ => {
@@ -853,6 +854,36 @@ impl Soak {
                 kill9(pid);
                 self.pod_killed(i, KINDS[k]).await
             }
+        }
+    }
+
+    /// containerd answers before its CRI plugin has reloaded its pods
+    /// ("server is not initialized yet"); kubelet waits for RuntimeReady
+    /// in the CRI status, and so does the soak (60 s).
+    async fn wait_cri_ready(&mut self) -> Step {
+        let t = Instant::now();
+        loop {
+            let st = self
+                .cri
+                .runtime
+                .status(cri::StatusRequest { verbose: false })
+                .await;
+            let ready = st.as_ref().is_ok_and(|r| {
+                r.get_ref().status.as_ref().is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.r#type == "RuntimeReady" && c.status)
+                })
+            });
+            if ready {
+                return Ok(());
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "CRI not RuntimeReady 60 s after the restart: {st:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -910,8 +941,11 @@ impl Soak {
 
     async fn teardown(&mut self) -> Step {
         self.log("teardown");
+        // A failed read is an anomaly; the pods still go.
         for i in 0..self.pods.len() {
-            self.verify(i).await?;
+            if let Err(e) = self.verify(i).await {
+                self.anomaly("a last read of the volumes", "success", &e);
+            }
         }
         while !self.pods.is_empty() {
             self.delete_pod(0).await?;
