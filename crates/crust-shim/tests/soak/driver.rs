@@ -122,6 +122,9 @@ struct Volume {
 
 struct Pod {
     writer: String,
+    /// StopPodSandbox and RemovePodSandbox done (a failed teardown resumes
+    /// at NodeUnpublish).
+    sandbox_gone: bool,
     sandbox: String,
     container: String,
     volume: String,
@@ -429,6 +432,7 @@ impl Soak {
         self.log(&format!("pod {writer} {sb} on {id} ({kind:?})"));
         self.pods.push(Pod {
             writer,
+            sandbox_gone: false,
             sandbox: sb,
             container: cid,
             volume: id.clone(),
@@ -521,41 +525,37 @@ impl Soak {
     /// is left.
     async fn delete_pod(&mut self, i: usize) -> Step {
         self.report.op("delete-pod");
-        self.note_acks(i);
-        let sb = self.pods[i].sandbox.clone();
-        retry("StopPodSandbox", || {
-            let mut rt = self.cri.runtime.clone();
-            let sb = sb.clone();
-            async move {
-                rt.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: sb })
-                    .await
-                    .map(|_| ())
-            }
-        })
-        .await?;
-        // The writer is gone: its count is final.
-        self.note_acks(i);
-        retry("RemovePodSandbox", || {
-            let mut rt = self.cri.runtime.clone();
-            let sb = sb.clone();
-            async move {
-                rt.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: sb })
-                    .await
-                    .map(|_| ())
-            }
-        })
-        .await?;
+        if !self.pods[i].sandbox_gone {
+            self.note_acks(i);
+            let sb = self.pods[i].sandbox.clone();
+            retry("StopPodSandbox", || {
+                let mut rt = self.cri.runtime.clone();
+                let sb = sb.clone();
+                async move {
+                    rt.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: sb })
+                        .await
+                        .map(|_| ())
+                }
+            })
+            .await?;
+            // The writer is gone: its count is final.
+            self.note_acks(i);
+            retry("RemovePodSandbox", || {
+                let mut rt = self.cri.runtime.clone();
+                let sb = sb.clone();
+                async move {
+                    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: sb })
+                        .await
+                        .map(|_| ())
+                }
+            })
+            .await?;
+            self.pods[i].sandbox_gone = true;
+        }
+        self.unpublish(i).await?;
         let p = self.pods.remove(i);
         let vi = self.volume(&p.volume);
         let v = &self.volumes[vi];
-        self.csi
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: v.id.clone(),
-                target_path: p.target.clone(),
-                defer_fs_ops: v.kind.defer(),
-            })
-            .await
-            .map_err(|e| format!("NodeUnpublish {}: {e}", v.id))?;
         self.csi
             .node_unstage_volume(csi::NodeUnstageVolumeRequest {
                 volume_id: v.id.clone(),
@@ -566,6 +566,39 @@ impl Soak {
         self.volumes[vi].in_use = false;
         self.log(&format!("pod {} deleted", p.writer));
         self.check_released(&p).await;
+        Ok(())
+    }
+
+    /// NodeUnpublishVolume of pod `i`'s target. A pod whose shim was
+    /// killed is cleaned up by containerd in the background (it runs the
+    /// shim binary's `delete`, which stops the VM), so its claim may
+    /// outlive RemovePodSandbox by a moment: FAILED_PRECONDITION ("still
+    /// claimed") is retried for [`SETTLE`], as kubelet retries.
+    async fn unpublish(&mut self, i: usize) -> Step {
+        let v = &self.volumes[self.volume(&self.pods[i].volume)];
+        let req = csi::NodeUnpublishVolumeRequest {
+            volume_id: v.id.clone(),
+            target_path: self.pods[i].target.clone(),
+            defer_fs_ops: v.kind.defer(),
+        };
+        let t = Instant::now();
+        loop {
+            match self.csi.node_unpublish_volume(req.clone()).await {
+                Ok(_) => break,
+                Err(e) if e.code() == tonic::Code::FailedPrecondition && t.elapsed() < SETTLE => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(format!("NodeUnpublish {}: {e}", req.volume_id)),
+            }
+        }
+        if t.elapsed() > Duration::from_secs(1) {
+            self.report.op("unpublish retried");
+            let w = self.pods[i].writer.clone();
+            self.log(&format!(
+                "NodeUnpublish of {w} waited {:.1} s for the claim to go",
+                t.elapsed().as_secs_f64()
+            ));
+        }
         Ok(())
     }
 
@@ -950,7 +983,7 @@ impl Soak {
         while !self.pods.is_empty() {
             self.delete_pod(0).await?;
         }
-        while !self.volumes.is_empty() {
+        while self.volumes.iter().any(|v| !v.in_use) {
             self.delete_volume().await?;
         }
         let env = &self.env;
