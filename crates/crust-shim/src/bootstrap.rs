@@ -321,11 +321,22 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     let pod = pod_id(&bundle, &flags.id).unwrap_or_else(|_| flags.id.clone());
     let store = SandboxStore::new(cfg.runtime.root.clone());
     let share = store.dir(&pod).join("share");
-    // The dead shim's socket (its address file is in the bundle).
-    if let Ok(address) = std::fs::read_to_string(bundle.join("address"))
-        && !alive(address.trim())
-    {
-        let _ = std::fs::remove_file(socket_path(address.trim()));
+    // The dead shim's socket: the bundle's address file names it, but
+    // containerd may run this after the bundle is gone (a shim killed just
+    // before RemovePodSandbox), so the pod's own address, which `start`
+    // derived from the same flags, is tried as well.
+    let mut sockets: Vec<String> = std::fs::read_to_string(bundle.join("address"))
+        .map(|a| vec![a.trim().to_string()])
+        .unwrap_or_default();
+    if pod == flags.id {
+        sockets.push(containerd_shim::socket_address(
+            &flags.address,
+            &flags.namespace,
+            &pod,
+        ));
+    }
+    for address in sockets.iter().filter(|a| !a.is_empty() && !alive(a)) {
+        let _ = std::fs::remove_file(socket_path(address));
     }
     if pod == flags.id {
         cleanup_pod(&cfg, &store, &pod);

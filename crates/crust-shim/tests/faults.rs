@@ -17,7 +17,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{Env, MIB, mount_cap, qemus_under, start_plugin};
+use common::{Env, MIB, mount_cap, pid_of_child, qemus_under, start_plugin};
 use crust_proto::csi::v1 as csi;
 use crust_testkit::BUSYBOX_IMAGE;
 
@@ -83,16 +83,6 @@ fn wait_not_running(env: &Env, id: &str) -> String {
 fn forget(env: &Env, id: &str) {
     let _ = env.ctrd.ctr_in(NS, &["task", "delete", "-f", id]);
     let _ = env.ctrd.ctr_in(NS, &["containers", "rm", id]);
-}
-
-fn pid_of_child(pattern: &str, needle: &Path) -> Option<i32> {
-    let n = needle.display().to_string();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd =
-            String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).ok()?).into_owned();
-        (cmd.contains(pattern) && cmd.contains(&n) && crust_testkit::pid_alive(pid)).then_some(pid)
-    })
 }
 
 fn kill9(pid: i32) {

@@ -42,13 +42,19 @@ pub struct VmSlot {
 }
 
 impl VmSlot {
-    /// Blocks until a slot is free. `CRUST_TEST_VM_SLOTS` lowers the limit.
-    pub fn acquire() -> VmSlot {
-        let slots = std::env::var("CRUST_TEST_VM_SLOTS")
+    /// How many slots there are: [`VM_SLOTS`], or fewer with
+    /// `CRUST_TEST_VM_SLOTS`.
+    pub fn limit() -> usize {
+        std::env::var("CRUST_TEST_VM_SLOTS")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(VM_SLOTS)
-            .clamp(1, VM_SLOTS);
+            .clamp(1, VM_SLOTS)
+    }
+
+    /// Blocks until a slot is free.
+    pub fn acquire() -> VmSlot {
+        let slots = VmSlot::limit();
         std::fs::create_dir_all(SLOT_DIR).expect("create vm slot dir");
         loop {
             for index in 0..slots {

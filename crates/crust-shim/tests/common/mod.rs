@@ -236,6 +236,17 @@ pub fn qemus_under(needle: &Path) -> Vec<i32> {
     out
 }
 
+/// A live process whose command line holds `pattern` and `needle`.
+pub fn pid_of_child(pattern: &str, needle: &Path) -> Option<i32> {
+    let n = needle.display().to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd =
+            String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).ok()?).into_owned();
+        (cmd.contains(pattern) && cmd.contains(&n) && crust_testkit::pid_alive(pid)).then_some(pid)
+    })
+}
+
 /// `uname -r` of the host.
 pub fn host_release() -> String {
     rustix::system::uname()
@@ -450,6 +461,10 @@ pub fn host_network_sandbox(
     }
 }
 
+/// The CRI log of [`Env::start_busybox_pod`]'s container, below the
+/// sandbox config's `log_directory` (no log without one).
+pub const BUSYBOX_POD_LOG: &str = "app.log";
+
 impl Env {
     /// RunPodSandbox with crust's handler, then CreateContainer and
     /// StartContainer of one busybox container `app` running `command`
@@ -487,6 +502,7 @@ impl Env {
                     }),
                     command: command.iter().map(|c| c.to_string()).collect(),
                     mounts,
+                    log_path: BUSYBOX_POD_LOG.into(),
                     ..Default::default()
                 }),
                 sandbox_config: Some(sandbox.clone()),
