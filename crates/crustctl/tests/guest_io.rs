@@ -371,6 +371,7 @@ fn check_chart(path: &Path, fio_workloads: &[&str]) {
         .descendants()
         .filter(|n| n.has_tag_name("text"))
         .filter_map(|n| n.text())
+        .map(str::trim)
         .collect();
     for (kind, depth) in fio_workloads.iter().map(|w| w.rsplit_once('-').unwrap()) {
         assert!(

@@ -411,9 +411,10 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// The host's part of [`Bench::settle`], before a host column's run.
-    /// The guest is idle then, with nothing dirty: every fio workload
-    /// ends with its data fsynced or only reads.
+    /// The host's part of [`Bench::settle`], before a host column's run:
+    /// dirty data written back (caches dropped too when `cold`). The
+    /// guest is idle then, with nothing dirty: every fio workload ends
+    /// with its data fsynced or only reads.
     async fn settle_host(&self, cold: bool) -> Result<(), String> {
         let cold = cold && self.cfg.drop_host_caches;
         tokio::task::spawn_blocking(move || {
@@ -477,10 +478,16 @@ impl Bench<'_> {
         rep: u32,
         host_rate: Option<f64>,
     ) -> Result<Run, String> {
-        if matches!(side, Side::Block | Side::Virtiofs) {
-            self.settle(w.cold()).await?;
-        } else {
-            self.settle_host(w.cold()).await?;
+        // The host columns read with O_DIRECT (host fio; qemu-img on a
+        // direct-I/O loop device): no page cache to drop unless the
+        // kernel refused the loop device direct I/O.
+        match side {
+            Side::Block | Side::Virtiofs => self.settle(w.cold()).await?,
+            Side::HostFio => self.settle_host(false).await?,
+            Side::QemuImg => {
+                let buffered = self.host.as_ref().is_some_and(|h| !h.scratch.direct_io);
+                self.settle_host(w.cold() && buffered).await?;
+            }
         }
         let (measured, host_cpu_s) = match (side, &self.host) {
             (Side::Block | Side::Virtiofs, _) => self.run_guest(w, side).await?,
@@ -1233,6 +1240,16 @@ mod tests {
             c.apply(&args(&["--volume-size", "64Mi"]))
                 .unwrap_err()
                 .contains("smaller")
+        ); // The host columns run by default, beside the backing file.
+        assert!(c.host_columns && c.host_dir.is_none());
+        c.apply(&args(&["--short", "--no-host-columns"])).unwrap();
+        assert!(!c.host_columns);
+        c.apply(&args(&["--short", "--host-dir", "/srv/disk"]))
+            .unwrap();
+        assert!(c.host_columns);
+        assert_eq!(
+            c.host_dir.as_deref(),
+            Some(std::path::Path::new("/srv/disk"))
         );
     }
 
