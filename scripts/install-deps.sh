@@ -7,6 +7,7 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
   qemu-system-x86         # the guest VMs (software emulation)
+  qemu-utils              # qemu-img bench: the host column of crustctl bench --guest-io
   linux-image-cloud-amd64 # guest kernel and its modules
   busybox-static          # guest userland
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
@@ -94,7 +95,7 @@ if [ "${1:-}" = "--if-missing" ]; then
   missing=0
   # The filesystem tools are every one crust_fs's FsSpecs name (checked by
   # crates/crust-fs/tests/scripts.rs).
-  for t in qemu-system-x86_64 busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
+  for t in qemu-system-x86_64 qemu-img busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
     xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
     strip pkg-config fio ip ping iperf3 iptables; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1

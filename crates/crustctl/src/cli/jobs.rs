@@ -2,7 +2,7 @@
 //! they print progress as it happens, stop and tear down on Ctrl-C/SIGTERM,
 //! and say in the exit code whether the job failed or left anything behind.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -376,7 +376,12 @@ pub(super) async fn bench_guest_io_cmd(
     drop_work_dir(&work, made);
     let report = report?;
     emit(out, &report, "");
-    let failed = !report.cleanup.leftovers.is_empty() || !report.errors.is_empty();
+    let chart_failed = a
+        .guest_io
+        .chart
+        .as_ref()
+        .is_some_and(|path| !write_chart(&report, path));
+    let failed = chart_failed || !report.cleanup.leftovers.is_empty() || !report.errors.is_empty();
     if failed {
         say(&format!(
             "error: {} failed run(s)/probe(s), {} item(s) left behind (listed in the report)",
@@ -389,6 +394,23 @@ pub(super) async fn bench_guest_io_cmd(
         (false, true) => EXIT_INTERRUPTED,
         (false, false) => 0,
     }))
+}
+
+/// `--chart FILE`: the guest-io chart as SVG; false (said) when it could
+/// not be drawn or written.
+fn write_chart(report: &crate::bench::guest_io::report::GuestIoReport, path: &Path) -> bool {
+    let r = crate::bench::guest_io::chart::svg(report)
+        .and_then(|svg| std::fs::write(path, svg).map_err(|e| e.to_string()));
+    match r {
+        Ok(()) => {
+            say(&format!("chart written to {}", path.display()));
+            true
+        }
+        Err(e) => {
+            say(&format!("error: chart {}: {e}", path.display()));
+            false
+        }
+    }
 }
 
 /// Step lines as they happen: stdout for text, stderr when stdout is JSON

@@ -19,12 +19,18 @@
 //! is written back in the guest and on the host before each run, and read
 //! workloads start from cold caches (guest and host page caches dropped).
 //! Host CPU is QEMU's plus virtiofsd's `utime + stime` from `/proc` over
-//! each run. Then every native-feature probe runs on both mounts, and the
-//! guest's statfs of each is compared with NodeGetVolumeStats.
+//! each run. Each fio workload also runs in two host columns between the
+//! guest's runs ([`baseline`]): the same fio job on the host and
+//! `qemu-img bench`, beside the block volume's backing file. Then every
+//! native-feature probe runs on both mounts, and the guest's statfs of
+//! each is compared with NodeGetVolumeStats. [`chart`] draws the
+//! comparison.
 //!
 //! The CSI part is driver-agnostic (standard calls through the flow); the
 //! sandbox needs crust's runtime.
 
+pub mod baseline;
+pub mod chart;
 pub mod host;
 pub mod report;
 pub mod workload;
@@ -44,8 +50,10 @@ use crate::flow::{
 };
 use crate::parse::{parse_duration, parse_size};
 use crate::runtime_cli::RuntimeCli;
-use report::{FeatureRow, GuestIoReport, MountReport, Outcome, Run, Side, WorkloadResult};
-use workload::{HELPER, Sizes, Workload};
+use report::{
+    CpuSplit, FeatureRow, GuestIoReport, MountReport, Outcome, Run, Side, WorkloadResult,
+};
+use workload::{HELPER, Measured, Sizes, Workload};
 
 /// Where the virtio-fs volume appears in the guest.
 pub const VIRTIOFS_DESTINATION: &str = "/data-virtiofs";
@@ -110,6 +118,17 @@ pub struct GuestIoArgs {
     /// is machine-wide); reads may then be served from the host's cache.
     #[arg(long, requires = "guest_io")]
     pub keep_host_caches: bool,
+    /// Guest I/O: run the host columns (host fio, qemu-img bench) in this
+    /// directory instead of beside the block volume's backing file (for
+    /// drivers whose volumes are not loop devices).
+    #[arg(long, requires = "guest_io", conflicts_with = "no_host_columns")]
+    pub host_dir: Option<PathBuf>,
+    /// Guest I/O: no host columns (they need fio and qemu-img on the host).
+    #[arg(long, requires = "guest_io")]
+    pub no_host_columns: bool,
+    /// Guest I/O: also draw the comparison as an SVG chart into FILE.
+    #[arg(long, value_name = "FILE", requires = "guest_io")]
+    pub chart: Option<PathBuf>,
 }
 
 /// What `bench --guest-io` does.
@@ -133,6 +152,10 @@ pub struct GuestIoConfig {
     pub guest_memory_mib: u32,
     pub guest_cpus: u32,
     pub drop_host_caches: bool,
+    /// Run the host columns ([`baseline`]).
+    pub host_columns: bool,
+    /// Where; `None`: beside the block volume's backing file.
+    pub host_dir: Option<PathBuf>,
     /// The pod both volumes belong to.
     pub pod_uid: String,
 }
@@ -155,6 +178,8 @@ impl GuestIoConfig {
             guest_memory_mib: 1024,
             guest_cpus: 2,
             drop_host_caches: true,
+            host_columns: true,
+            host_dir: None,
             pod_uid: crate::flow::random_uuid(),
         }
     }
@@ -211,6 +236,8 @@ impl GuestIoConfig {
             ));
         }
         self.drop_host_caches = !a.keep_host_caches;
+        self.host_columns = !a.no_host_columns;
+        self.host_dir = a.host_dir.clone();
         Ok(())
     }
 
@@ -328,14 +355,18 @@ struct Bench<'a> {
     cfg: &'a GuestIoConfig,
     /// QEMU and the share's virtiofsd.
     pids: Vec<i32>,
+    /// The host columns, when they run.
+    host: Option<baseline::HostSide>,
     progress: Progress,
     stop: watch::Receiver<bool>,
 }
 
+/// The bench directory of a guest mount.
 fn dir_of(side: Side) -> String {
     match side {
         Side::Block => format!("{MOUNT_DESTINATION}/{BENCH_DIR}"),
         Side::Virtiofs => format!("{VIRTIOFS_DESTINATION}/{BENCH_DIR}"),
+        Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest directory"),
     }
 }
 
@@ -380,6 +411,24 @@ impl Bench<'_> {
         Ok(())
     }
 
+    /// The host's part of [`Bench::settle`], before a host column's run:
+    /// dirty data written back (caches dropped too when `cold`). The
+    /// guest is idle then, with nothing dirty: every fio workload ends
+    /// with its data fsynced or only reads.
+    async fn settle_host(&self, cold: bool) -> Result<(), String> {
+        let cold = cold && self.cfg.drop_host_caches;
+        tokio::task::spawn_blocking(move || {
+            if cold {
+                host::drop_caches()
+            } else {
+                host::sync();
+                Ok(())
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
     /// The files and the tree the workloads use, on one mount (not timed).
     async fn prepare(&self, side: Side) -> Result<String, String> {
         let dir = dir_of(side);
@@ -419,9 +468,59 @@ impl Bench<'_> {
         ))
     }
 
-    /// One run of `w` on one mount, with the host CPU it cost.
-    async fn run_one(&self, w: &Workload, side: Side, rep: u32) -> Result<Run, String> {
-        self.settle(w.cold()).await?;
+    /// One run of `w` on one mount or host column, with the host CPU it
+    /// cost. `host_rate`: host fio's result of this repetition (sizes
+    /// qemu-img's time-based rows).
+    async fn run_one(
+        &self,
+        w: &Workload,
+        side: Side,
+        rep: u32,
+        host_rate: Option<f64>,
+    ) -> Result<Run, String> {
+        // The host columns read with O_DIRECT (host fio; qemu-img on a
+        // direct-I/O loop device): no page cache to drop unless the
+        // kernel refused the loop device direct I/O.
+        match side {
+            Side::Block | Side::Virtiofs => self.settle(w.cold()).await?,
+            Side::HostFio => self.settle_host(false).await?,
+            Side::QemuImg => {
+                let buffered = self.host.as_ref().is_some_and(|h| !h.scratch.direct_io);
+                self.settle_host(w.cold() && buffered).await?;
+            }
+        }
+        let (measured, host_cpu_s) = match (side, &self.host) {
+            (Side::Block | Side::Virtiofs, _) => self.run_guest(w, side).await?,
+            (Side::HostFio, Some(h)) => {
+                let s = &self.cfg.sizes;
+                let cmd = baseline::host_fio_command(w, &h.fio_dir, s);
+                let limit = bound(s.rand_file.max(s.seq_file), s.runtime);
+                let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
+                (workload::parse(w, &out)?, cpu)
+            }
+            (Side::QemuImg, Some(h)) => {
+                let s = &self.cfg.sizes;
+                let bytes = h.scratch.device_bytes;
+                let count = baseline::request_count(w, s, bytes, host_rate);
+                let dev = h.scratch.device_path.display().to_string();
+                let cmd = baseline::qemu_img_command(w, &dev, bytes, &h.aio, count);
+                let limit = bound(count * baseline::block_size(w), s.runtime);
+                let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
+                (baseline::parse_qemu_img(w, count, &out)?, cpu)
+            }
+            (Side::HostFio | Side::QemuImg, None) => return Err("no host columns".into()),
+        };
+        Ok(Run {
+            repetition: rep,
+            side,
+            measured,
+            host_cpu_s,
+        })
+    }
+
+    /// `w` on a guest mount: what it measured and QEMU's + virtiofsd's
+    /// CPU seconds over it.
+    async fn run_guest(&self, w: &Workload, side: Side) -> Result<(Measured, f64), String> {
         let s = &self.cfg.sizes;
         let limit = match w.kind {
             workload::Kind::Meta => bound(
@@ -437,13 +536,17 @@ impl Bench<'_> {
         let cpu0 = host::total_cpu(&self.pids);
         let out = self.guest.run(&w.command(&dir_of(side), s), limit).await?;
         let cpu = host::total_cpu(&self.pids) - cpu0;
-        let measured = workload::parse(w, &out)?;
-        Ok(Run {
-            repetition: rep,
-            side,
-            measured,
-            host_cpu_s: cpu.max(0.0),
-        })
+        Ok((workload::parse(w, &out)?, cpu.max(0.0)))
+    }
+
+    /// Where `w` runs: both mounts, then the host columns of a fio
+    /// workload.
+    fn sides(&self, w: &Workload) -> Vec<Side> {
+        let mut v = vec![Side::Block, Side::Virtiofs];
+        if self.host.is_some() && w.is_fio() {
+            v.extend([Side::HostFio, Side::QemuImg]);
+        }
+        v
     }
 
     /// Every workload, `repeat` times, block and virtio-fs back to back.
@@ -453,12 +556,16 @@ impl Bench<'_> {
         let mut failures = 0;
         'all: for rep in 0..self.cfg.repeat {
             for (i, w) in workloads.iter().enumerate() {
-                for side in [Side::Block, Side::Virtiofs] {
+                let mut host_rate = None;
+                for side in self.sides(w) {
                     if *self.stop.borrow() || failures >= MAX_CONSECUTIVE_FAILURES {
                         break 'all;
                     }
                     let t0 = Instant::now();
-                    let r = self.run_one(w, side, rep).await;
+                    let r = self.run_one(w, side, rep, host_rate).await;
+                    if let (Side::HostFio, Ok(run)) = (side, &r) {
+                        host_rate = Some(run.measured.value);
+                    }
                     let shown = r
                         .as_ref()
                         .map(|run| w.unit().format(run.measured.value))
@@ -537,6 +644,7 @@ impl Bench<'_> {
         let mount = match side {
             Side::Block => MOUNT_DESTINATION,
             Side::Virtiofs => VIRTIOFS_DESTINATION,
+            Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest mount"),
         };
         let out = self
             .guest
@@ -727,10 +835,12 @@ pub async fn run_guest_io(
     rep.accel = blk.report().accel.clone();
     rep.accel_reason = blk.report().accel_reason.clone();
 
+    let host = host_columns(&cfg, &seen.block_device, &progress, &stop, &mut rep).await;
     let bench = Bench {
         guest,
         cfg: &cfg,
         pids,
+        host,
         progress: progress.clone(),
         stop: stop.clone(),
     };
@@ -763,6 +873,7 @@ pub async fn run_guest_io(
     }
     if prepared {
         rep.workloads = bench.measure(&mut rep.errors).await;
+        rep.cpu_split = CpuSplit::of(&rep.workloads);
     }
     if !*stop.borrow() {
         let t0 = Instant::now();
@@ -812,6 +923,63 @@ pub async fn run_guest_io(
     rep.interrupted = *stop.borrow();
     rep.elapsed_secs = t_all.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// Sets up the host columns ([`baseline`]) beside the block volume's
+/// backing file (or in `--host-dir`); a failure is an error of the run,
+/// which goes on without them.
+async fn host_columns(
+    cfg: &GuestIoConfig,
+    block_device: &str,
+    progress: &Progress,
+    stop: &watch::Receiver<bool>,
+    rep: &mut GuestIoReport,
+) -> Option<baseline::HostSide> {
+    if !cfg.host_columns || *stop.borrow() {
+        return None;
+    }
+    let t0 = Instant::now();
+    let backing = baseline::backing_file(std::path::Path::new(block_device));
+    let parent = match (&cfg.host_dir, &backing) {
+        (Some(d), _) => Ok(d.clone()),
+        (None, Ok(b)) => b
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .ok_or_else(|| format!("{} has no directory", b.display())),
+        (None, Err(e)) => Err(e.clone()),
+    };
+    let shown = backing
+        .map(|b| b.display().to_string())
+        .unwrap_or_else(|_| block_device.to_string());
+    let r = match parent {
+        Ok(p) => baseline::HostSide::set_up(&p, shown, &cfg.run_id, &cfg.sizes, stop).await,
+        Err(e) => Err(e),
+    };
+    (progress)(&StepReport {
+        step: "host columns".into(),
+        ok: r.is_ok(),
+        duration_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        detail: match &r {
+            Ok(h) => format!(
+                "fio in {}, qemu-img -i {} on {}",
+                h.fio_dir,
+                h.aio,
+                h.scratch.device_path.display()
+            ),
+            Err(e) => e.clone(),
+        },
+    });
+    match r {
+        Ok(h) => {
+            rep.host = Some(h.report.clone());
+            Some(h)
+        }
+        Err(_) if *stop.borrow() => None,
+        Err(e) => {
+            rep.errors.push(format!("host columns: {e}"));
+            None
+        }
+    }
 }
 
 /// The two flows of the bench. [`Pods::tear_down`] undoes them in order
@@ -864,6 +1032,8 @@ fn crust_vmm_args() -> Vec<String> {
 struct Seen {
     block: (String, String),
     virtiofs: (String, String),
+    /// The block volume's device on the host (the runtime's state).
+    block_device: String,
 }
 
 /// Both mounts are where they should be in the guest and the bench tools
@@ -892,6 +1062,10 @@ async fn check_sandbox(
             st["volumes"]
         ));
     }
+    let block_device = st["volumes"][0]["device"]
+        .as_str()
+        .ok_or("no device of the block volume in the sandbox state")?
+        .to_string();
     let qemu = st["qemu"]["pid"]
         .as_i64()
         .ok_or("no QEMU pid in the sandbox state")? as i32;
@@ -944,7 +1118,15 @@ async fn check_sandbox(
                  `guest/build-image.sh --bench` and pass it with --guest-kernel/--guest-initrd"
             )
         })?;
-    Ok((guest, pids, Seen { block, virtiofs }))
+    Ok((
+        guest,
+        pids,
+        Seen {
+            block,
+            virtiofs,
+            block_device,
+        },
+    ))
 }
 
 /// Human names of the helper's probes.
@@ -1058,6 +1240,16 @@ mod tests {
             c.apply(&args(&["--volume-size", "64Mi"]))
                 .unwrap_err()
                 .contains("smaller")
+        ); // The host columns run by default, beside the backing file.
+        assert!(c.host_columns && c.host_dir.is_none());
+        c.apply(&args(&["--short", "--no-host-columns"])).unwrap();
+        assert!(!c.host_columns);
+        c.apply(&args(&["--short", "--host-dir", "/srv/disk"]))
+            .unwrap();
+        assert!(c.host_columns);
+        assert_eq!(
+            c.host_dir.as_deref(),
+            Some(std::path::Path::new("/srv/disk"))
         );
     }
 

@@ -1,6 +1,7 @@
 //! The report of `bench --guest-io`: every run, the per-workload summary
-//! (median and range over the repetitions, block ÷ virtio-fs), the native
-//! feature table, and its text and JSON renderings.
+//! (median and range over the repetitions; block ÷ virtio-fs, block ÷ host
+//! fio, qemu-img ÷ host fio), the native feature table, and its text and
+//! JSON renderings.
 
 use std::fmt::Write as _;
 
@@ -10,12 +11,17 @@ use super::workload::{Measured, Sizes, Unit, Workload};
 use crate::bench::CleanupReport;
 use crate::fmt::{Render, table};
 
-/// Which of the two mounts.
+/// Where a run ran: one of the guest's two mounts, or one of the host
+/// columns ([`super::baseline`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Side {
     Block,
     Virtiofs,
+    /// The same fio job on the host, O_DIRECT, beside the backing file.
+    HostFio,
+    /// `qemu-img bench` on a scratch loop device there.
+    QemuImg,
 }
 
 impl Side {
@@ -23,6 +29,8 @@ impl Side {
         match self {
             Side::Block => "block",
             Side::Virtiofs => "virtio-fs",
+            Side::HostFio => "host fio",
+            Side::QemuImg => "qemu-img",
         }
     }
 }
@@ -63,8 +71,15 @@ pub struct WorkloadResult {
     pub latency_of: &'static str,
     pub block: SideSummary,
     pub virtiofs: SideSummary,
+    /// The host columns (fio workloads only; `runs` 0 otherwise).
+    pub host_fio: SideSummary,
+    pub qemu_img: SideSummary,
     /// Median block ÷ median virtio-fs of the result (higher: block faster).
     pub ratio: Option<f64>,
+    /// Guest block ÷ host fio: how close the guest gets to the disk.
+    pub block_vs_host: Option<f64>,
+    /// qemu-img bench ÷ host fio: what QEMU's block layer alone keeps.
+    pub qemu_img_vs_host: Option<f64>,
     /// Host CPU per GiB, block ÷ virtio-fs (lower: block cheaper).
     pub cpu_ratio: Option<f64>,
     pub runs: Vec<Run>,
@@ -117,6 +132,34 @@ pub struct MountReport {
     pub host_sees_bench_files: bool,
 }
 
+/// The host columns' set-up.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct HostReport {
+    /// The block volume's backing file.
+    pub backing_file: String,
+    /// The scratch directory beside it (host fio's files, the scratch
+    /// device's file; removed at the end).
+    pub dir: String,
+    /// qemu-img's scratch loop device and its size.
+    pub scratch_device: String,
+    pub scratch_bytes: u64,
+    pub scratch_direct_io: bool,
+    /// qemu-img's `-i` (the best the host takes).
+    pub qemu_img_aio: String,
+    pub qemu_img_version: String,
+}
+
+/// Host CPU per GiB of the guest block path against qemu-img bench's for
+/// the same I/O (medians over the fio workloads): the difference is what
+/// the guest itself costs (under TCG: its emulated CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CpuSplit {
+    pub block_s_per_gib: f64,
+    pub qemu_img_s_per_gib: f64,
+    /// 1 − qemu-img ÷ block, within 0..=1.
+    pub guest_share: f64,
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GuestIoReport {
     pub driver: String,
@@ -135,8 +178,12 @@ pub struct GuestIoReport {
     pub queue_depths: Vec<u32>,
     pub sizes: Option<Sizes>,
     pub host_caches_dropped: bool,
+    /// Where the host columns ran; `None` when they did not.
+    pub host: Option<HostReport>,
     pub workloads: Vec<WorkloadResult>,
     pub features: Vec<FeatureRow>,
+    /// From the workloads ([`CpuSplit::of`]).
+    pub cpu_split: Option<CpuSplit>,
     pub notes: Vec<String>,
     /// Runs or probes that failed (a report with errors is a failed run).
     pub errors: Vec<String>,
@@ -192,13 +239,56 @@ pub fn summarize(runs: &[&Run], fio: bool) -> SideSummary {
     }
 }
 
+/// Median of `a` ÷ median of `b` when both ran.
+fn quotient(a: &SideSummary, b: &SideSummary) -> Option<f64> {
+    (a.runs > 0 && b.runs > 0 && b.median > 0.0).then(|| a.median / b.median)
+}
+
+impl CpuSplit {
+    /// `None` without a fio workload measured by both the block path and
+    /// qemu-img.
+    pub fn of(workloads: &[WorkloadResult]) -> Option<CpuSplit> {
+        let pairs: Vec<(f64, f64)> = workloads
+            .iter()
+            .filter_map(|w| Some((w.block.cpu_s_per_gib?, w.qemu_img.cpu_s_per_gib?)))
+            .filter(|(b, _)| *b > 0.0)
+            .collect();
+        if pairs.is_empty() {
+            return None;
+        }
+        let mut b: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+        let mut q: Vec<f64> = pairs.iter().map(|p| p.1).collect();
+        let (b, q) = (median(&mut b), median(&mut q));
+        Some(CpuSplit {
+            block_s_per_gib: b,
+            qemu_img_s_per_gib: q,
+            guest_share: (1.0 - q / b).clamp(0.0, 1.0),
+        })
+    }
+
+    /// The sentence of the text report.
+    pub fn sentence(&self, accel: Option<&str>) -> String {
+        let what = if accel == Some("tcg") {
+            "the emulated guest: under TCG its kernel, ext4 and fio run as translated code on QEMU's threads"
+        } else {
+            "the guest's own kernel, filesystem and fio, and virtio"
+        };
+        format!(
+            "host CPU per GiB (median of the fio workloads): guest block path {:.1} s, qemu-img bench {:.1} s through the same block layer without a guest; {:.0} % of the block path's host CPU is {what}, which is why guest ÷ host trails qemu-img ÷ host",
+            self.block_s_per_gib,
+            self.qemu_img_s_per_gib,
+            self.guest_share * 100.0
+        )
+    }
+}
+
 impl WorkloadResult {
     pub fn new(w: Workload, runs: Vec<Run>) -> WorkloadResult {
         let of = |s: Side| runs.iter().filter(|r| r.side == s).collect::<Vec<_>>();
         let block = summarize(&of(Side::Block), w.is_fio());
         let virtiofs = summarize(&of(Side::Virtiofs), w.is_fio());
-        let ratio = (block.runs > 0 && virtiofs.runs > 0 && virtiofs.median > 0.0)
-            .then(|| block.median / virtiofs.median);
+        let host_fio = summarize(&of(Side::HostFio), w.is_fio());
+        let qemu_img = summarize(&of(Side::QemuImg), w.is_fio());
         let cpu_ratio = match (block.cpu_s_per_gib, virtiofs.cpu_s_per_gib) {
             (Some(b), Some(v)) if v > 0.0 => Some(b / v),
             _ => None,
@@ -208,13 +298,70 @@ impl WorkloadResult {
             spec: w,
             unit: w.unit(),
             latency_of: w.latency_of(),
+            ratio: quotient(&block, &virtiofs),
+            block_vs_host: quotient(&block, &host_fio),
+            qemu_img_vs_host: quotient(&qemu_img, &host_fio),
             block,
             virtiofs,
-            ratio,
+            host_fio,
+            qemu_img,
             cpu_ratio,
             runs,
         }
     }
+}
+
+/// The result cell of one side.
+fn result_cell(unit: Unit, s: &SideSummary) -> String {
+    if s.runs == 0 {
+        "no run".to_string()
+    } else if s.runs == 1 {
+        unit.format(s.median)
+    } else {
+        format!(
+            "{} ({}–{})",
+            unit.format(s.median),
+            unit.format(s.min).split(' ').next().unwrap_or(""),
+            unit.format(s.max).split(' ').next().unwrap_or("")
+        )
+    }
+}
+
+/// Rows of the workload table: the two mounts, then the host columns of
+/// the fio workloads; the ratios on each workload's first row.
+fn workload_rows(workloads: &[WorkloadResult]) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    for w in workloads {
+        let mut sides = vec![(Side::Block, &w.block), (Side::Virtiofs, &w.virtiofs)];
+        if w.host_fio.runs > 0 || w.qemu_img.runs > 0 {
+            sides.extend([(Side::HostFio, &w.host_fio), (Side::QemuImg, &w.qemu_img)]);
+        }
+        for (i, (side, s)) in sides.into_iter().enumerate() {
+            let cpu = match s.cpu_s_per_gib {
+                Some(c) => format!("{c:.1} s/GiB"),
+                None if s.runs > 0 => format!("{:.2} s", s.host_cpu_s),
+                None => "-".into(),
+            };
+            let first = |v: Option<f64>| if i == 0 { ratio(v) } else { String::new() };
+            rows.push(vec![
+                if i == 0 {
+                    w.workload.clone()
+                } else {
+                    String::new()
+                },
+                side.name().into(),
+                result_cell(w.unit, s),
+                us(s.p50_us),
+                us(s.p99_us),
+                cpu,
+                first(w.ratio),
+                first(w.cpu_ratio),
+                first(w.block_vs_host),
+                first(w.qemu_img_vs_host),
+            ]);
+        }
+    }
+    rows
 }
 
 fn us(v: Option<f64>) -> String {
@@ -268,6 +415,18 @@ impl Render for GuestIoReport {
                 m.path
             );
         }
+        if let Some(h) = &self.host {
+            let _ = writeln!(
+                out,
+                "  host      beside {}: fio O_DIRECT; {} bench -t none -i {} on {} ({}, direct I/O {})",
+                h.backing_file,
+                h.qemu_img_version,
+                h.qemu_img_aio,
+                h.scratch_device,
+                crate::parse::human_size(h.scratch_bytes as i64),
+                if h.scratch_direct_io { "on" } else { "off" },
+            );
+        }
         if let Some(s) = &self.sizes {
             let _ = writeln!(
                 out,
@@ -287,69 +446,28 @@ impl Render for GuestIoReport {
             );
         }
         out.push('\n');
-        let mut rows = Vec::new();
-        for w in &self.workloads {
-            for (i, (side, s)) in [(Side::Block, &w.block), (Side::Virtiofs, &w.virtiofs)]
-                .into_iter()
-                .enumerate()
-            {
-                let result = if s.runs == 0 {
-                    "no run".to_string()
-                } else if s.runs == 1 {
-                    w.unit.format(s.median)
-                } else {
-                    format!(
-                        "{} ({}–{})",
-                        w.unit.format(s.median),
-                        w.unit.format(s.min).split(' ').next().unwrap_or(""),
-                        w.unit.format(s.max).split(' ').next().unwrap_or("")
-                    )
-                };
-                let cpu = match s.cpu_s_per_gib {
-                    Some(c) => format!("{c:.1} s/GiB"),
-                    None if s.runs > 0 => format!("{:.2} s", s.host_cpu_s),
-                    None => "-".into(),
-                };
-                rows.push(vec![
-                    if i == 0 {
-                        w.workload.clone()
-                    } else {
-                        String::new()
-                    },
-                    side.name().into(),
-                    result,
-                    us(s.p50_us),
-                    us(s.p99_us),
-                    cpu,
-                    if i == 0 {
-                        ratio(w.ratio)
-                    } else {
-                        String::new()
-                    },
-                    if i == 0 {
-                        ratio(w.cpu_ratio)
-                    } else {
-                        String::new()
-                    },
-                ]);
-            }
-        }
         out.push_str(&table(
             &[
                 "WORKLOAD",
-                "MOUNT",
+                "RUN ON",
                 "RESULT (median, range)",
                 "P50",
                 "P99",
                 "HOST CPU",
                 "BLOCK÷VFS",
                 "CPU B÷V",
+                "BLOCK÷HOST",
+                "QEMU÷HOST",
             ],
-            &rows,
+            &workload_rows(&self.workloads),
         ));
         out.push_str(
-            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk).\n\n",
+            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk); host fio's and qemu-img's own CPU per GiB. HOST: the same fio job on the host, O_DIRECT, beside the block volume's backing file; QEMU: qemu-img bench there (no random mode: a fixed stride).\n",
         );
+        if let Some(c) = &self.cpu_split {
+            let _ = writeln!(out, "{}", c.sentence(self.accel.as_deref()));
+        }
+        out.push('\n');
         if !self.features.is_empty() {
             let rows: Vec<Vec<String>> = self
                 .features
@@ -443,6 +561,75 @@ mod tests {
         );
         assert_eq!(r.block.median, 2.0);
         assert_eq!(r.ratio, None, "no virtio-fs run: no ratio");
+    }
+
+    /// The host columns: their medians, guest block ÷ host fio and
+    /// qemu-img ÷ host fio, CPU per GiB of each.
+    #[test]
+    fn host_column_ratios() {
+        let w = Workload {
+            kind: Kind::RandRead,
+            queue_depth: 16,
+        };
+        let gib = 1u64 << 30;
+        let r = WorkloadResult::new(
+            w,
+            vec![
+                run(0, Side::Block, 3000.0, gib, 6.0),
+                run(0, Side::Virtiofs, 1000.0, gib, 9.0),
+                run(0, Side::HostFio, 12000.0, gib / 4, 0.25),
+                run(0, Side::QemuImg, 10000.0, gib / 2, 0.5),
+                run(1, Side::HostFio, 8000.0, gib / 4, 0.25),
+                run(1, Side::QemuImg, 8000.0, gib / 2, 0.5),
+            ],
+        );
+        assert_eq!((r.host_fio.runs, r.host_fio.median), (2, 10000.0));
+        assert_eq!(r.qemu_img.median, 9000.0);
+        assert_eq!(r.ratio, Some(3.0));
+        assert_eq!(r.block_vs_host, Some(0.3));
+        assert_eq!(r.qemu_img_vs_host, Some(0.9));
+        assert_eq!(r.host_fio.cpu_s_per_gib, Some(1.0));
+        assert_eq!(r.qemu_img.cpu_s_per_gib, Some(1.0));
+        // A workload without host columns has no such ratio.
+        let m = WorkloadResult::new(w, vec![run(0, Side::Block, 1.0, gib, 1.0)]);
+        assert_eq!((m.block_vs_host, m.qemu_img_vs_host), (None, None));
+
+        // Block 6 s/GiB against qemu-img 1 s/GiB: 5/6 is the guest.
+        let split = CpuSplit::of(&[r.clone(), m]).unwrap();
+        assert_eq!(split.block_s_per_gib, 6.0);
+        assert_eq!(split.qemu_img_s_per_gib, 1.0);
+        assert!((split.guest_share - 5.0 / 6.0).abs() < 1e-12);
+        let t = split.sentence(Some("tcg"));
+        assert!(t.contains("83 %") && t.contains("emulated guest"), "{t}");
+        assert!(!split.sentence(Some("kvm")).contains("emulated"));
+        assert_eq!(CpuSplit::of(&[]), None);
+
+        let rep = GuestIoReport {
+            accel: Some("tcg".into()),
+            cpu_split: Some(split),
+            workloads: vec![r],
+            ..Default::default()
+        };
+        let t = rep.to_text();
+        for want in [
+            "BLOCK÷HOST",
+            "QEMU÷HOST",
+            "host fio",
+            "qemu-img",
+            "10000 IOPS (8000–12000)",
+            "0.30×",
+            "0.90×",
+            "3.00×",
+            "83 %",
+        ] {
+            assert!(t.contains(want), "{want} not in\n{t}");
+        }
+        let j = rep.to_json();
+        assert_eq!(j["workloads"][0]["block_vs_host"], 0.3);
+        assert_eq!(j["workloads"][0]["qemu_img_vs_host"], 0.9);
+        assert_eq!(j["workloads"][0]["host_fio"]["median"], 10000.0);
+        assert_eq!(j["workloads"][0]["runs"][2]["side"], "host-fio");
+        assert_eq!(j["cpu_split"]["qemu_img_s_per_gib"], 1.0);
     }
 
     #[test]
