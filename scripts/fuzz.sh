@@ -19,7 +19,9 @@
 # manifest's `csi` feature) alone takes about 8 minutes on two cores; and
 # mount_options_kernel, the allow-list against real mounts (root; this
 # script gives it an ext4 and an xfs loop device and runs it in a private
-# mount namespace; it shares mount_options' corpus and dictionary).
+# mount namespace, where it first drops the mount copies it does not use,
+# so it pins no other mount of the node; it shares mount_options' corpus
+# and dictionary).
 #
 # Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
 # --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the

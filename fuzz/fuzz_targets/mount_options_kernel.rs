@@ -67,6 +67,43 @@ fn is_build_dependent(word: &str) -> bool {
         || key != "noquota" && (key.contains("quota") || key.ends_with("qnoenforce"))
 }
 
+/// In the private mount namespace `unshare -m` gave this process, lets go
+/// of the copies of every mount it does not use: otherwise each would
+/// stay pinned for the whole run (a test's loop device could not be
+/// detached, a host volume not be grown) while only the namespace holds
+/// them. Refuses to run in the host's namespace.
+fn leave_only_what_is_used(keep: &[&Path]) {
+    // fuzz.sh's shell, our parent (`unshare` execs us), stays in the
+    // namespace we were started from.
+    let parent = rustix::process::getppid()
+        .expect("a parent")
+        .as_raw_nonzero();
+    let ns =
+        |pid: String| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).expect("mount namespace");
+    assert_ne!(
+        ns("self".into()),
+        ns(parent.to_string()),
+        "mount_options_kernel must run in a private mount namespace (unshare -m): see scripts/fuzz.sh"
+    );
+    let text = std::fs::read("/proc/self/mountinfo").expect("mountinfo");
+    let mut points: Vec<PathBuf> = crust_blockdev::mount::parse_mountinfo(&text)
+        .expect("mountinfo parses")
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    // Deepest first, so a mount goes before the one it sits on.
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let used = ["/", "/proc", "/sys", "/dev"]
+            .iter()
+            .any(|k| p == Path::new(k))
+            || keep.iter().any(|k| k.starts_with(&p));
+        if !used {
+            let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
 fn setup() -> &'static Setup {
     static S: OnceLock<Setup> = OnceLock::new();
     S.get_or_init(|| {
@@ -75,10 +112,14 @@ fn setup() -> &'static Setup {
                 panic!("{k} is not set: run this target through scripts/fuzz.sh --long")
             }))
         };
+        let exe = std::env::current_exe().expect("own path");
+        let cwd = std::env::current_dir().expect("working directory");
+        let mnt = var("CRUST_FUZZ_MNT");
+        leave_only_what_is_used(&[&exe, &cwd, &mnt]);
         let mut s = Setup {
             ext4: var("CRUST_FUZZ_EXT4_DEV"),
             xfs: var("CRUST_FUZZ_XFS_DEV"),
-            mnt: var("CRUST_FUZZ_MNT"),
+            mnt,
             ext4_refused: Vec::new(),
             xfs_refused: Vec::new(),
         };
