@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{Env, publish, qemus_under, start_plugin};
+use common::{Env, Leftovers, publish, qemus_under, start_plugin};
 use crust_testkit::BUSYBOX_IMAGE;
 
 const RUNTIME: &str = "io.containerd.crust.v2";
@@ -27,6 +27,11 @@ fn squeeze(s: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_namespaced_container_writes_its_own_ids_to_a_volume() {
     let env = Env::start(NS);
+    // The pool's loop devices are detached however the test ends.
+    let _leftovers = Leftovers {
+        pool: env.dir.path().join("pool"),
+        cgroup_parent: None,
+    };
     let plugin = start_plugin(&env).await;
     let csi = plugin.csi().await;
     let vol = publish(&env, &csi, "pvc-uns", "u-uns", true).await;
