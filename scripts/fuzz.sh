@@ -21,7 +21,8 @@
 # script gives it an ext4 and an xfs loop device and runs it in a private
 # mount namespace, where it first drops the mount copies it does not use,
 # so it pins no other mount of the node; it shares mount_options' corpus
-# and dictionary).
+# and dictionary); and oci_plan, the shim's OCI spec -> container plan
+# (the `shim` feature: containerd-shim and its stack with the sanitizer).
 #
 # Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
 # --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the
@@ -69,7 +70,7 @@ if [ "$mode" = list ]; then
   echo "$all_targets"
   exit 0
 fi
-long_only="csi_request mount_options_kernel"
+long_only="csi_request mount_options_kernel oci_plan"
 if [ ${#targets[@]} -eq 0 ]; then
   if [ "$mode" = smoke ]; then
     mapfile -t targets < <(grep -vxF -f <(tr ' ' '\n' <<<"$long_only") <<<"$all_targets")
@@ -78,10 +79,13 @@ if [ ${#targets[@]} -eq 0 ]; then
   fi
 fi
 # The feature that builds a long-form-only target, when one is asked for.
-features=()
+feats=()
 for t in "${targets[@]}"; do
-  [ "$t" = csi_request ] && features=(--features csi)
+  [ "$t" = csi_request ] && feats+=(csi)
+  [ "$t" = oci_plan ] && feats+=(shim)
 done
+features=()
+[ ${#feats[@]} -gt 0 ] && features=(--features "$(IFS=,; echo "${feats[*]}")")
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
   echo "fuzz.sh: no nightly toolchain (rustup toolchain list): cannot build the fuzz targets" >&2
@@ -146,7 +150,7 @@ in_ns() {
 dict_of() {
   case "$1" in
     mount_options_kernel) echo fuzz/dict/mount_options.dict ;;
-    handoff_record | agent_frame) echo fuzz/dict/json.dict ;;
+    handoff_record | agent_frame | oci_plan) echo fuzz/dict/json.dict ;;
     mountinfo) echo fuzz/dict/mountinfo.dict ;;
     mount_options) echo fuzz/dict/mount_options.dict ;;
     kubelet_path) echo fuzz/dict/kubelet.dict ;;
@@ -170,6 +174,7 @@ parser_files_of() {
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
     csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/mod.rs ;;
+    oci_plan) echo crates/crust-shim/src/spec.rs ;;
   esac
 }
 
