@@ -119,54 +119,23 @@ async fn a_running_container_is_resized_in_place() {
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let sandbox =
         common::host_network_sandbox("resized", "5e1f0c2a-0000-4000-8000-00000000a27e", 0);
-    let sb = cri
-        .runtime
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(sandbox.clone()),
-            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", env.logs()))
-        .into_inner()
-        .pod_sandbox_id;
-    let cid = cri
-        .runtime
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sb.clone(),
-            config: Some(cri::ContainerConfig {
-                metadata: Some(cri::ContainerMetadata {
-                    name: "app".into(),
-                    attempt: 0,
-                }),
-                image: Some(cri::ImageSpec {
-                    image: crust_testkit::BUSYBOX_IMAGE.into(),
-                    ..Default::default()
-                }),
-                // 48 MiB of shared memory it holds (and cannot give back).
-                command: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "dd if=/dev/zero of=/dev/shm/held bs=1M count=48 2>/dev/null; exec sleep 100000"
-                        .into(),
-                ],
-                linux: Some(cri::LinuxContainerConfig {
-                    resources: Some(resources(256 * MIB, 1)),
-                    ..Default::default()
-                }),
+    // 48 MiB of shared memory it holds (and cannot give back).
+    let (sb, cid) = env
+        .start_busybox_pod_with(
+            &mut cri,
+            &sandbox,
+            &[
+                "sh",
+                "-c",
+                "dd if=/dev/zero of=/dev/shm/held bs=1M count=48 2>/dev/null; exec sleep 100000",
+            ],
+            Vec::new(),
+            Some(cri::LinuxContainerConfig {
+                resources: Some(resources(256 * MIB, 1)),
                 ..Default::default()
             }),
-            sandbox_config: Some(sandbox.clone()),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", env.logs()))
-        .into_inner()
-        .container_id;
-    cri.runtime
-        .start_container(cri::StartContainerRequest {
-            container_id: cid.clone(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", env.logs()));
+        )
+        .await;
 
     let before = seen(&mut cri, &cid).await;
     eprintln!("created: {before:?} ({:?})", t0.elapsed());

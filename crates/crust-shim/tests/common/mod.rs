@@ -476,6 +476,20 @@ impl Env {
         command: &[&str],
         mounts: Vec<crust_cri::v1::Mount>,
     ) -> (String, String) {
+        self.start_busybox_pod_with(cri, sandbox, command, mounts, None)
+            .await
+    }
+
+    /// [`Env::start_busybox_pod`] with the container's `linux` settings
+    /// (resources, security context).
+    pub async fn start_busybox_pod_with(
+        &self,
+        cri: &mut crust_cri::Cri,
+        sandbox: &crust_cri::v1::PodSandboxConfig,
+        command: &[&str],
+        mounts: Vec<crust_cri::v1::Mount>,
+        linux: Option<crust_cri::v1::LinuxContainerConfig>,
+    ) -> (String, String) {
         use crust_cri::v1 as cri;
         let sb = cri
             .runtime
@@ -503,6 +517,7 @@ impl Env {
                     command: command.iter().map(|c| c.to_string()).collect(),
                     mounts,
                     log_path: BUSYBOX_POD_LOG.into(),
+                    linux,
                     ..Default::default()
                 }),
                 sandbox_config: Some(sandbox.clone()),
