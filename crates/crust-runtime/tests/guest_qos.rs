@@ -141,9 +141,16 @@ fn modify_volume_throttles_a_running_guest_and_every_later_plug() {
     );
     let burst = direct_read_iops(&sb, 24);
     eprintln!("iops=100, iopsBurst=600 for 2 s, from idle: {burst:.0} IOPS");
+    // QEMU lets a burst start with a tenth of its rate at once (its
+    // sub-second bucket), so over T seconds at most 60 + 600 T operations
+    // pass; /proc/uptime's two readings are each 10 ms coarse.
+    let reads = f64::from(READERS * 24);
+    let secs = reads / burst;
+    let ceiling = 600.0 / 10.0 + 600.0 * (secs + 0.02);
     assert!(
-        burst > 200.0 && burst <= 660.0,
-        "{burst:.0} IOPS: above the 100 IOPS limit, at most the 600 IOPS burst"
+        burst > 200.0 && reads <= ceiling,
+        "{burst:.0} IOPS ({reads} reads in {secs:.2} s): above the 100 IOPS limit, \
+         at most the 600 IOPS burst with its first tenth at once"
     );
 
     // --- a re-plug in a new sandbox reads the limit from the record -----
