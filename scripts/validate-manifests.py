@@ -12,7 +12,8 @@
 3. Facts a schema cannot know: the pinned sidecar releases, the node
    deployment flags, mounts and probes, the CSIDriver fields, that each
    sidecar's role grants no more than the rules its own repository ships,
-   and that every binding names an existing account and role.
+   that every binding names an existing account and role, and that the
+   examples ask only for what base installs (no hostNetwork pod).
 
 Exit status 0 when everything holds; one line per failure otherwise.
 """
@@ -339,6 +340,38 @@ def check_semantics(docs):
             fail(f"{d['kind']} {d['metadata']['name']}: no ServiceAccount {sa}")
 
 
+def check_examples(base, examples):
+    """What an example asks of the cluster, the base installs: its pod's
+    RuntimeClass, its claims' StorageClasses, and the claims it mounts.
+    A crust example runs on the pod network (CNI, mirrored into the VM), not
+    hostNetwork, and a deferred claim is ReadWriteOncePod (one sandbox)."""
+    classes = {d["metadata"]["name"]: d for d in base if d["kind"] == "StorageClass"}
+    runtimes = {d["metadata"]["name"] for d in base if d["kind"] == "RuntimeClass"}
+    for name, docs in examples.items():
+        claims = {(d["metadata"].get("namespace", "default"), d["metadata"]["name"]): d
+                  for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        for (ns, cn), pvc in claims.items():
+            sc = pvc["spec"].get("storageClassName")
+            if sc not in classes:
+                fail(f"{name}: claim {cn} asks for StorageClass {sc}, which base lacks")
+            elif classes[sc].get("parameters", {}).get("deferFsOps") == "true" and \
+                    pvc["spec"].get("accessModes") != ["ReadWriteOncePod"]:
+                fail(f"{name}: claim {cn} of deferred class {sc} must be ReadWriteOncePod")
+        for pod in (d for d in docs if d["kind"] == "Pod"):
+            pn = pod["metadata"]["name"]
+            spec = pod["spec"]
+            rc = spec.get("runtimeClassName")
+            if rc not in runtimes:
+                fail(f"{name}: pod {pn} asks for RuntimeClass {rc}, which base lacks")
+            if spec.get("hostNetwork"):
+                fail(f"{name}: pod {pn} uses hostNetwork; crust pods run on the pod network")
+            ns = pod["metadata"].get("namespace", "default")
+            for v in spec.get("volumes", []):
+                cn = v.get("persistentVolumeClaim", {}).get("claimName")
+                if cn and (ns, cn) not in claims:
+                    fail(f"{name}: pod {pn} mounts claim {cn}, which the example lacks")
+
+
 def main():
     files = sorted(p for p in ROOT.rglob("*.yaml") if p.name != "kustomization.yaml")
     count = 0
@@ -365,6 +398,9 @@ def main():
                 if json.dumps(theirs[kk], sort_keys=True) != json.dumps(ours[kk], sort_keys=True):
                     fail(f"{k}: {kk} differs between kubectl kustomize and the renderer")
     check_semantics(rendered.get("base", []) + rendered.get("uninstall", []))
+    check_examples(rendered.get("base", []),
+                   {str(f.relative_to(ROOT)): load_docs(f)
+                    for f in files if f.parent == ROOT / "examples"})
     overlay = {key(d): d for d in rendered.get("overlays/example", [])}
     node = overlay.get(("apps/v1", "DaemonSet", "crust-system", "crust-csi-node"))
     if node is None or node["spec"]["template"]["spec"]["containers"][0]["image"] != \

@@ -4,7 +4,9 @@
 //! built-in renderer checked against `kubectl kustomize` when kubectl is
 //! installed, and the deployment's own facts (pinned sidecars, node
 //! deployment flags, mounts, probe wiring, RBAC within what each sidecar's
-//! repository ships). A broken copy must fail, so the check can fail.
+//! repository ships), and that the examples ask only for what base
+//! installs (RuntimeClass, StorageClass; no hostNetwork). A broken copy
+//! must fail, so the check can fail.
 
 use std::path::Path;
 use std::process::Command;
@@ -69,6 +71,18 @@ fn a_broken_copy_fails_validation() {
         "mountPropagation: Bidirectional",
         "mountPropagation: None",
     );
+    // An example pod back on hostNetwork, and its claim on a class base
+    // does not install.
+    edit(
+        "examples/pvc-pod.yaml",
+        "  runtimeClassName: crust\n",
+        "  runtimeClassName: crust\n  hostNetwork: true\n",
+    );
+    edit(
+        "examples/pvc-pod.yaml",
+        "storageClassName: crust-ext4-deferred",
+        "storageClassName: crust-ext5",
+    );
     let (ok, text) = validate(&k);
     assert!(!ok, "{text}");
     for want in [
@@ -76,6 +90,8 @@ fn a_broken_copy_fails_validation() {
         "sidecar csi-provisioner",
         "verbs ['*'] beyond",
         "Bidirectional",
+        "pod crust-demo uses hostNetwork",
+        "StorageClass crust-ext5, which base lacks",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }

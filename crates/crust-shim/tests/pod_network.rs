@@ -13,8 +13,10 @@
 //! address, and a new pod gets a working network. Teardown leaves no
 //! tap, and host-local has freed every address; a pod left running when
 //! the test's containerd guard drops loses its namespace and its lease.
+//! The example pod of deploy/kubernetes/examples has its pod IP and its
+//! deferred block volume in one guest.
 //!
-//! Budget: three TCG guests, ~45 s.
+//! Budget: three TCG guests, ~45 s; the example pod, one guest, ~15 s.
 
 #![allow(
     clippy::too_many_lines,
@@ -63,21 +65,16 @@ const CRUST_CNI: PodOpts<'static> = PodOpts {
     network: cri::NamespaceMode::Pod,
 };
 
-/// A pod with one container running `script`.
-async fn try_pod(
-    cri: &mut Cri,
+/// The CRI sandbox config of test pod `name` (its log directory made).
+fn sandbox_config(
     env: &Env,
     name: &str,
     uid: &str,
-    script: &str,
-    opts: PodOpts<'_>,
-) -> Result<Pod, String> {
-    let PodOpts {
-        handler,
-        port,
-        network,
-    } = opts;
-    let config = cri::PodSandboxConfig {
+    port: Option<(i32, i32)>,
+    network: cri::NamespaceMode,
+) -> cri::PodSandboxConfig {
+    std::fs::create_dir_all(env.dir.path().join("logs").join(name)).unwrap();
+    cri::PodSandboxConfig {
         port_mappings: port
             .map(|(container_port, host_port)| cri::PortMapping {
                 protocol: cri::Protocol::Tcp as i32,
@@ -111,8 +108,44 @@ async fn try_pod(
             ..Default::default()
         }),
         ..Default::default()
-    };
-    std::fs::create_dir_all(env.dir.path().join("logs").join(name)).unwrap();
+    }
+}
+
+/// The pod IPs CRI reports for `sandbox` (CNI's result).
+async fn pod_ips(cri: &mut Cri, sandbox: &str) -> Vec<IpAddr> {
+    let status = cri
+        .runtime
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: sandbox.into(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    let net = status.network.unwrap_or_default();
+    std::iter::once(&net.ip)
+        .chain(net.additional_ips.iter().map(|i| &i.ip))
+        .filter_map(|ip| ip.parse().ok())
+        .collect()
+}
+
+/// A pod with one container running `script`.
+async fn try_pod(
+    cri: &mut Cri,
+    env: &Env,
+    name: &str,
+    uid: &str,
+    script: &str,
+    opts: PodOpts<'_>,
+) -> Result<Pod, String> {
+    let PodOpts {
+        handler,
+        port,
+        network,
+    } = opts;
+    let config = sandbox_config(env, name, uid, port, network);
     let sandbox = cri
         .runtime
         .run_pod_sandbox(cri::RunPodSandboxRequest {
@@ -123,22 +156,7 @@ async fn try_pod(
         .map_err(|e| format!("RunPodSandbox {name}: {e}"))?
         .into_inner()
         .pod_sandbox_id;
-    let status = cri
-        .runtime
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: sandbox.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
-    let net = status.network.unwrap_or_default();
-    let ips: Vec<IpAddr> = std::iter::once(&net.ip)
-        .chain(net.additional_ips.iter().map(|i| &i.ip))
-        .filter_map(|ip| ip.parse().ok())
-        .collect();
+    let ips = pod_ips(cri, &sandbox).await;
     let container = cri
         .runtime
         .create_container(cri::CreateContainerRequest {
@@ -661,6 +679,87 @@ async fn a_network_the_guest_cannot_take_fails_the_pod_and_changes_nothing() {
     assert!(leased(ipam_dir.path()).is_empty(), "DEL freed the address");
 }
 
+/// Must-show 7: the pod of `deploy/kubernetes/examples/pvc-pod.yaml` as
+/// kubelet runs it (no cluster here): on the CNI network, a crust-csi
+/// deferred ext4 volume published with fsGroup 2000, the container as
+/// 1000:1000 with 2000 among its groups, running the example's command.
+/// In one guest: the pod IP host-local leased on eth0, /data a block
+/// device's ext4 and the example's log file written there as 1000:2000,
+/// and the host reaches the pod IP. One TCG guest, about 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_pod_has_its_network_and_its_volume_in_one_guest() {
+    let (env, _bridge, ipam_dir) = ipv4_env("crbe", 86, Vec::new());
+    let _leftovers = common::Leftovers {
+        pool: env.dir.path().join("pool"),
+        cgroup_parent: None,
+    };
+    let plugin = common::start_plugin(&env).await;
+    let csi = plugin.csi().await;
+    let uid = "26e00000-0000-4000-8000-00000000000e";
+    let vol = common::publish_with(&env, &csi, "crust-demo", uid, true, Some(2000)).await;
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let config = sandbox_config(&env, "crust-demo", uid, None, cri::NamespaceMode::Pod);
+    let user = |id: i64| Some(cri::Int64Value { value: id });
+    let linux = cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            run_as_user: user(1000),
+            run_as_group: user(1000),
+            supplemental_groups: vec![2000],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let data = cri::Mount {
+        container_path: "/data".into(),
+        host_path: vol.target.clone(),
+        ..Default::default()
+    };
+    let (sandbox, app) = env
+        .start_busybox_pod_with(
+            &mut cri,
+            &config,
+            &["sh", "-c", "date >> /data/log.txt; df -h /data; sleep 3600"],
+            vec![data],
+            Some(linux),
+        )
+        .await;
+    let ips = pod_ips(&mut cri, &sandbox).await;
+    assert_eq!(
+        ips,
+        leased_by(ipam_dir.path(), &sandbox),
+        "CRI's pod IP is host-local's lease"
+    );
+    let (rc, out) = exec(
+        &mut cri,
+        &app,
+        "until [ -s /data/log.txt ]; do sleep 0.1; done; \
+         id -u; id -G; stat -c '%u:%g' /data/log.txt; \
+         awk '$2==\"/data\"{print substr($1, 1, 7), $3}' /proc/mounts; \
+         ip -o -4 addr show eth0",
+    )
+    .await;
+    assert_eq!(rc, 0, "{out}\n{}", env.logs());
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "1000", "{out}");
+    assert!(lines[1].split(' ').any(|g| g == "2000"), "fsGroup: {out}");
+    assert_eq!(lines[2], "1000:2000", "the example's log file: {out}");
+    assert_eq!(
+        lines[3], "/dev/vd ext4",
+        "a block device in the guest: {out}"
+    );
+    assert!(
+        lines[4].contains(&format!(" {}/24 ", ips[0])),
+        "the pod IP on eth0 in the guest: {out}"
+    );
+    let ping = Command::new("ping")
+        .args(["-c", "1", "-W", "10", &ips[0].to_string()])
+        .output()
+        .unwrap();
+    assert!(ping.status.success(), "host -> pod: {ping:?}");
+    remove_pod(&mut cri, &env, &sandbox).await;
+    assert!(leased(ipam_dir.path()).is_empty(), "DEL freed the address");
+}
+
 /// `elapsed_ms=` values of the shim log's lines containing `what`.
 fn logged_ms(log: &str, what: &str) -> Vec<u64> {
     log.lines()
@@ -678,11 +777,13 @@ fn logged_ms(log: &str, what: &str) -> Vec<u64> {
 }
 
 /// Figures, not assertions (issue 26, must-show 6):
-/// `cargo test --release -p crust-shim --test pod_network -- --ignored --nocapture`.
+/// `cargo build --workspace --bins && cargo test -p crust-shim --test pod_network bench_pod_start -- --ignored --nocapture`.
 /// Pod start (RunPodSandbox → StartContainer returned) with a CNI network
 /// and with hostNetwork, `CRUST_BENCH_PODS` pods each (default 3), and
 /// what crust adds for the network: the shim's scan + taps + redirects,
-/// and the guest's configure_network (CNI ADD itself is containerd's).
+/// and the guest's configure_network; CNI ADD's own time (the bridge
+/// plugin with its host-local IPAM, timed by a wrapper in the private
+/// containerd's CNI bin dir) apart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run with --ignored --nocapture"]
 async fn bench_pod_start_with_network() {
@@ -691,6 +792,8 @@ async fn bench_pod_start_with_network() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     let (env, _bridge, _ipam) = bench_env();
+    let cni_times = env.dir.path().join("cni-add-ns");
+    time_cni_adds(&env, &cni_times);
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let mut report = Vec::new();
     for networked in [false, true] {
@@ -720,7 +823,7 @@ async fn bench_pod_start_with_network() {
         times.sort();
         report.push((networked, times));
     }
-    let log = env.shim_log();
+    let log = env.shim_log_all();
     let attach = logged_ms(&log, "pod network mirrored into the VM");
     let configure = logged_ms(&log, "guest network configured");
     for (networked, t) in &report {
@@ -737,10 +840,37 @@ async fn bench_pod_start_with_network() {
             t.len()
         );
     }
+    let adds: Vec<u64> = std::fs::read_to_string(&cni_times)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse::<u64>().ok())
+        .map(|ns| ns / 1_000_000)
+        .collect();
+    eprintln!("CNI ADD (bridge + host-local, ms): {adds:?}");
     eprintln!("shim: scan + taps + redirects (ms): {attach:?}");
     eprintln!(
         "guest: configure_network (ms, hostNetwork pods' lo-only calls included): {configure:?}"
     );
+}
+
+/// Replaces the private containerd's `bridge` CNI plugin by a wrapper
+/// that runs Debian's and appends each ADD's wall time (ns) to `out`.
+fn time_cni_adds(env: &Env, out: &std::path::Path) {
+    let bin = env.ctrd.dir().join("cni/bin/bridge");
+    let real = std::fs::read_link(&bin).expect("bridge is linked to Debian's");
+    std::fs::remove_file(&bin).unwrap();
+    let script = format!(
+        "#!/bin/sh\n\
+         t0=$(date +%s%N)\n\
+         out=$('{real}'); rc=$?\n\
+         [ \"$CNI_COMMAND\" = ADD ] && echo $(( $(date +%s%N) - t0 )) >> '{out}'\n\
+         printf '%s' \"$out\"\n\
+         exit $rc\n",
+        real = real.display(),
+        out = out.display(),
+    );
+    std::fs::write(&bin, script).unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 }
 
 /// CPU seconds of one QEMU's threads so far: (vCPU threads, the rest:
@@ -977,20 +1107,30 @@ async fn bench_network() {
 /// The benchmarks' containerd: one IPv4 bridge network (the bridge and
 /// host-local's directory go with the returned guards).
 fn bench_env() -> (Env, Bridge, tempfile::TempDir) {
+    let accel = std::env::var("CRUST_BENCH_ACCEL").unwrap_or_else(|_| "tcg".into());
+    ipv4_env("crbr", 88, vec![("CRUST_RUNTIME_ACCEL".into(), accel)])
+}
+
+/// A containerd whose CRI puts pods on one IPv4 bridge network
+/// `10.<octet>.<pid>.0/24` (bridge `<prefix><pid>`).
+fn ipv4_env(
+    prefix: &str,
+    octet: u8,
+    extra_env: Vec<(String, String)>,
+) -> (Env, Bridge, tempfile::TempDir) {
     let n = std::process::id() % 250;
-    let bridge = Bridge(format!("crbr{}", std::process::id() % 100_000));
+    let bridge = Bridge(format!("{prefix}{}", std::process::id() % 100_000));
     let ipam_dir = tempfile::tempdir().unwrap();
     let conflist = serde_json::json!({
         "cniVersion": "1.0.0", "name": "crust-test",
         "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.88.{n}.0/24")}]],
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.{octet}.{n}.0/24")}]],
                      "routes": [{"dst": "0.0.0.0/0"}],
                      "dataDir": ipam_dir.path().display().to_string()}}]
     });
-    let accel = std::env::var("CRUST_BENCH_ACCEL").unwrap_or_else(|_| "tcg".into());
     let env = Env::start_full(
         crust_testkit::CRI_NAMESPACE,
-        vec![("CRUST_RUNTIME_ACCEL".into(), accel)],
+        extra_env,
         Some(conflist.to_string()),
     );
     (env, bridge, ipam_dir)

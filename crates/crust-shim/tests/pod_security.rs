@@ -62,7 +62,7 @@ fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
         env.logs()
     );
     assert!(o.status.success());
-    let log = env.shim_log();
+    let log = env.shim_log_all();
     let said = format!("AppArmor profile \"{PROFILE}\"");
     assert_eq!(
         log.lines()

@@ -127,9 +127,14 @@ impl Env {
         }
     }
 
-    /// The shim's log (for failure messages).
+    /// The shim's whole log (every pod's shims append to it).
+    pub fn shim_log_all(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("shim.log")).unwrap_or_default()
+    }
+
+    /// The end of the shim's log (for failure messages).
     pub fn shim_log(&self) -> String {
-        let s = std::fs::read_to_string(self.dir.path().join("shim.log")).unwrap_or_default();
+        let s = self.shim_log_all();
         let cut = s.len().saturating_sub(6000);
         let mut c = cut;
         while !s.is_char_boundary(c) {
@@ -350,6 +355,19 @@ pub struct Published {
 /// pod `uid`, under the env's kubelet pods dir; `deferred`: KEP-2857's
 /// `defer_fs_ops`.
 pub async fn publish(env: &Env, csi: &Csi, name: &str, uid: &str, deferred: bool) -> Published {
+    publish_with(env, csi, name, uid, deferred, None).await
+}
+
+/// [`publish`] with the pod's fsGroup in the publish capability (as
+/// kubelet sends it when the driver takes `VOLUME_MOUNT_GROUP`).
+pub async fn publish_with(
+    env: &Env,
+    csi: &Csi,
+    name: &str,
+    uid: &str,
+    deferred: bool,
+    fs_group: Option<u32>,
+) -> Published {
     let vol = csi
         .create_volume(csi::CreateVolumeRequest {
             name: name.into(),
@@ -388,7 +406,7 @@ pub async fn publish(env: &Env, csi: &Csi, name: &str, uid: &str, deferred: bool
         volume_id: vol.volume_id.clone(),
         staging_target_path: staging.clone(),
         target_path: target.clone(),
-        volume_capability: Some(mount_cap(None)),
+        volume_capability: Some(mount_cap(fs_group)),
         volume_context: vol.volume_context,
         defer_fs_ops: deferred,
         ..Default::default()
