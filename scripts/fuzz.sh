@@ -9,11 +9,14 @@
 #   scripts/fuzz.sh --coverage [TARGET...]     line coverage of the committed corpora:
 #                                              HTML and text per target under target/fuzz-coverage/report/
 #   scripts/fuzz.sh --list                     the targets
+#   scripts/fuzz.sh --ledger                   long-form time and executions accumulated per target
 #
 # Long-form budgets (accumulated over runs; the run's own corpus is kept
 # in the fuzz target dir, so the next run starts where this one ended):
 # each target at least 3600 s; handoff_record writes a record per input
-# (a few thousand runs/s), so give it 2x for the same depth.
+# (a few thousand runs/s), so give it 2x for the same depth. Every long
+# run appends a line per target to fuzz/long-form.tsv (date, target,
+# seconds, executions, coverage, ok or crash); commit it with the corpora.
 # Long-form only (not in the smoke unless named): csi_request, whose
 # build (crust-csi and its gRPC stack with the sanitizer, the fuzz
 # manifest's `csi` feature) alone takes about 8 minutes on two cores; and
@@ -50,9 +53,10 @@ while [ $# -gt 0 ]; do
       ;;
     --save) save=1 ;;
     --list) mode=list ;;
+    --ledger) mode=ledger ;;
     --coverage) mode=coverage ;;
     -h | --help)
-      sed -n '2,30p' "$0"
+      sed -n '2,37p' "$0"
       exit 0
       ;;
     -*)
@@ -63,11 +67,28 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$mode" ] || { sed -n '2,30p' "$0" >&2; exit 2; }
+[ -n "$mode" ] || { sed -n '2,37p' "$0" >&2; exit 2; }
 
 all_targets=$(sed -n 's/^name = "\([a-z0-9_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
 if [ "$mode" = list ]; then
   echo "$all_targets"
+  exit 0
+fi
+ledger=fuzz/long-form.tsv
+if [ "$mode" = ledger ]; then
+  # The budget each target's accumulated time is held to.
+  awk -F'\t' -v all="$all_targets" '
+    BEGIN { n = split(all, names, "\n"); for (i = 1; i <= n; i++) { secs[names[i]] = 0 } }
+    /^#/ || NF < 6 { next }
+    { secs[$2] += $3; execs[$2] += $4; runs[$2]++; if ($6 != "ok") crashes[$2]++ }
+    END {
+      printf "%-22s %8s %14s %5s %8s  %s\n", "target", "seconds", "executions", "runs", "crashes", "budget"
+      for (i = 1; i <= n; i++) {
+        t = names[i]; want = (t == "handoff_record") ? 7200 : 3600
+        printf "%-22s %8d %14d %5d %8d  %s\n", t, secs[t], execs[t], runs[t], crashes[t], \
+          (secs[t] >= want ? "met" : sprintf("%d s to go", want - secs[t]))
+      }
+    }' "$ledger"
   exit 0
 fi
 long_only="csi_request mount_options_kernel oci_plan"
@@ -105,7 +126,10 @@ cleanup() {
   if [ -f "$scratch/loops" ]; then
     while read -r d; do losetup -d "$d" 2>/dev/null || true; done <"$scratch/loops"
   fi
-  rm -rf "$scratch" /dev/shm/crust-fuzz-handoff
+  rm -rf "$scratch"
+  # handoff_record's fixed device path: only a run that used it removes
+  # it (another fuzz.sh may be running it).
+  if [[ " ${targets[*]} " == *" handoff_record "* ]]; then rm -rf /dev/shm/crust-fuzz-handoff; fi
 }
 trap cleanup EXIT
 export CRUST_FUZZ_SCRATCH="$scratch"
@@ -268,6 +292,7 @@ for t in "${targets[@]}"; do
   # New inputs go to the run's corpus ($work); the committed seeds are
   # read only. -malloc_limit_mb: no input of a few KiB may make a parser
   # allocate 64 MiB at once; -timeout: none may take 5 s.
+  started=$(date +%s)
   set +e
   in_ns "$t" "$bin" "$work" "$(corpus_of "$t")" \
     -dict="$(dict_of "$t")" -max_total_time="$secs" -max_len=8192 \
@@ -280,6 +305,10 @@ for t in "${targets[@]}"; do
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1 || true)
   cov=$({ grep -oE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
   summary+=("$(printf '%-16s %6s s %10s execs %7s execs/s  cov %s' "$t" "$secs" "${runs:-?}" "${rate:-?}" "${cov:-?}")")
+  if [ "$mode" = long ]; then
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%FT%H:%MZ)" "$t" "$(($(date +%s) - started))" \
+      "${runs:-0}" "${cov:-?}" "$([ $rc = 0 ] && echo ok || echo crash)" >>"$ledger"
+  fi
   if [ $rc != 0 ]; then
     failed+=("$t")
     echo "fuzz.sh: $t FAILED (exit $rc); its log's end:" >&2
