@@ -4,12 +4,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crust_handoff::FsGroupChangePolicy;
+use crust_handoff::qos::IoLimits;
 use crust_proto::runtime::v1alpha1 as pb;
 use pb::runtime_server::{Runtime, RuntimeServer};
 use tonic::{Request, Response, Status};
 
 use crate::error::OpsError;
-use crate::ops::{CrustOps, ExpandRequest, StageRequest};
+use crate::ops::{CrustOps, ExpandRequest, LimitsApplied, StageRequest};
 use crate::parse::{UsageUnit, VolumeStats};
 
 /// Checks and converts a wire stage request. Only BLOCK volumes.
@@ -142,6 +143,18 @@ pub fn freeze_request_from_proto(
     Ok((r.volume_target_path, limit))
 }
 
+/// Checks a wire I/O-limits request: (target, limits), the keys read as
+/// CSI's mutable parameters are.
+pub fn io_limits_request_from_proto(
+    r: pb::RuntimeSetVolumeIoLimitsRequest,
+) -> Result<(String, IoLimits), OpsError> {
+    required(&r.volume_target_path)?;
+    let params: std::collections::BTreeMap<String, String> = r.io_limits.into_iter().collect();
+    let limits =
+        IoLimits::from_params(&params).map_err(|e| OpsError::InvalidArgument(e.to_string()))?;
+    Ok((r.volume_target_path, limits))
+}
+
 fn required(path: &str) -> Result<(), OpsError> {
     if path.is_empty() {
         return Err(OpsError::InvalidArgument(
@@ -251,6 +264,22 @@ impl Runtime for RuntimeService {
         let stayed_frozen = self.call("thaw", move |ops| ops.thaw(&target)).await?;
         Ok(Response::new(pb::RuntimeThawVolumeResponse {
             stayed_frozen,
+        }))
+    }
+
+    async fn runtime_set_volume_io_limits(
+        &self,
+        request: Request<pb::RuntimeSetVolumeIoLimitsRequest>,
+    ) -> Result<Response<pb::RuntimeSetVolumeIoLimitsResponse>, Status> {
+        let (target, limits) = io_limits_request_from_proto(request.into_inner())
+            .map_err(|e| log_err("set I/O limits", e))?;
+        let applied = self
+            .call("set I/O limits", move |ops| {
+                ops.set_io_limits(&target, &limits)
+            })
+            .await?;
+        Ok(Response::new(pb::RuntimeSetVolumeIoLimitsResponse {
+            applied_live: applied == LimitsApplied::Live,
         }))
     }
 }

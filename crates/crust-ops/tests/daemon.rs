@@ -33,6 +33,23 @@ fn thaw_req(target: &str) -> pb::RuntimeThawVolumeRequest {
     }
 }
 
+fn limits_req(target: &str, limits: &[(&str, &str)]) -> pb::RuntimeSetVolumeIoLimitsRequest {
+    pb::RuntimeSetVolumeIoLimitsRequest {
+        volume_target_path: target.into(),
+        io_limits: limits
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// The `ioLimits` of the record in `dir` (none: unlimited).
+fn recorded_limits(dir: &Path) -> Option<String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("mountInfo.json")).unwrap()).unwrap();
+    v["metadata"]["ioLimits"].as_str().map(String::from)
+}
+
 fn write_map(path: &Path, map: serde_json::Value) {
     std::fs::write(path, map.to_string()).unwrap();
 }
@@ -196,6 +213,55 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // I/O limits before any runtime consumed it: recorded, for the plug.
+    let applied =
+        |r: tonic::Response<pb::RuntimeSetVolumeIoLimitsResponse>| r.into_inner().applied_live;
+    assert!(!applied(
+        c.runtime_set_volume_io_limits(limits_req(
+            &target,
+            &[("iops", "200"), ("readBps", "1048576")]
+        ))
+        .await
+        .unwrap()
+    ));
+    assert_eq!(
+        recorded_limits(&dir).as_deref(),
+        Some("iops=200,readBps=1048576")
+    );
+    // Bad limits, a missing target, an unknown volume: refused, nothing
+    // written; the codes in CSI's order (the request's fields first).
+    for (req, code, needle) in [
+        (
+            limits_req(&target, &[("iopz", "1")]),
+            Code::InvalidArgument,
+            "iopz",
+        ),
+        (
+            limits_req(&target, &[("iops", "fast")]),
+            Code::InvalidArgument,
+            "iops",
+        ),
+        (
+            limits_req("", &[("iops", "1")]),
+            Code::InvalidArgument,
+            "volume_target_path",
+        ),
+        (limits_req(&other, &[("iops", "1")]), Code::NotFound, ""),
+        (
+            limits_req(&other, &[("iopz", "1")]),
+            Code::InvalidArgument,
+            "iopz",
+        ),
+    ] {
+        let e = c.runtime_set_volume_io_limits(req).await.unwrap_err();
+        assert_eq!(e.code(), code, "{e:?}");
+        assert!(e.message().contains(needle), "{e:?}");
+    }
+    assert_eq!(
+        recorded_limits(&dir).as_deref(),
+        Some("iops=200,readBps=1048576")
+    );
+    assert!(!crust_root.join(crust_key(&other)).exists());
     // A freeze needs a time limit, and not an unbounded one.
     for ms in [0, 600_001] {
         let e = c
@@ -271,6 +337,26 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
         c.runtime_thaw_volume(thaw_req(&target)).await.unwrap()
     ));
     std::fs::write(mnt.target().join("after"), b"writable again").unwrap();
+
+    // I/O limits of a consumed volume: the record and the guest (the
+    // runtime's `crust throttle`); an empty map lifts them.
+    let throttled = format!("{}.throttled", map.display());
+    assert!(applied(
+        c.runtime_set_volume_io_limits(limits_req(&target, &[("iops", "100")]))
+            .await
+            .unwrap()
+    ));
+    assert_eq!(recorded_limits(&dir).as_deref(), Some("iops=100"));
+    assert!(applied(
+        c.runtime_set_volume_io_limits(limits_req(&target, &[]))
+            .await
+            .unwrap()
+    ));
+    assert_eq!(recorded_limits(&dir), None);
+    assert_eq!(
+        std::fs::read_to_string(&throttled).unwrap(),
+        format!("{target} iops=100\n{target} \n")
+    );
 
     // The sandbox still has the volume: unstage is refused, nothing changes
     // (the CO's next publish must not hand the device to a second VM).

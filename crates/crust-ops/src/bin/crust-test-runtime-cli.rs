@@ -7,6 +7,7 @@
 //!   crust-test-runtime-cli crust sandbox-state <sandbox-id>
 //!   crust-test-runtime-cli crust freeze <target> <max-frozen-ms>
 //!   crust-test-runtime-cli crust thaw <target>
+//!   crust-test-runtime-cli crust throttle <target> <limits>
 //!
 //! `CRUST_TEST_CLI_MAP` names a JSON file mapping each target to
 //! `{"mount": dir, "backing": file, "loop": "/dev/loopN"}`; an optional
@@ -24,7 +25,9 @@
 //! mount (playing the guest); `"freeze": "fail"` makes the freeze fail,
 //! `"thaw": "fail"` (the guest died while frozen: the mount is thawed all
 //! the same, and the failure reported) or `"thaw": "expired"` (the guest's
-//! time limit thawed it first) the thaw.
+//! time limit thawed it first) the thaw. Throttle appends `<target>
+//! <limits>` to the file `<CRUST_TEST_CLI_MAP>.throttled` (what the guest's
+//! device would be given).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -51,13 +54,14 @@ fn run() -> Result<String, String> {
     match args.as_slice() {
         ["crust", "capabilities"] => {
             return Ok(
-                json!({"verbs": ["capabilities", "freeze", "resize", "sandbox-state", "stats", "thaw"]})
+                json!({"verbs": ["capabilities", "freeze", "resize", "sandbox-state", "stats", "thaw", "throttle"]})
                     .to_string(),
             );
         }
         ["crust", "sandbox-state", id] => return sandbox_state(id),
         ["crust", "freeze", target, _ms] => return freeze_thaw(target, true),
         ["crust", "thaw", target] => return freeze_thaw(target, false),
+        ["crust", "throttle", target, limits] => return throttle(target, limits),
         ["crust", verb, ..] if !matches!(*verb, "stats" | "resize") => {
             eprintln!("unsupported: crust {verb}");
             std::process::exit(2);
@@ -367,4 +371,19 @@ fn ext4_size(dev: &str) -> Result<u64, String> {
     }
     let block_size = 1024u64 << u32_at(0x18);
     Ok(blocks * block_size)
+}
+
+/// Records what the guest's device would be given.
+fn throttle(target: &str, limits: &str) -> Result<String, String> {
+    use std::io::Write;
+    let map = std::env::var("CRUST_TEST_CLI_MAP")
+        .map_err(|_| "CRUST_TEST_CLI_MAP is not set".to_string())?;
+    let log = format!("{map}.throttled");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .and_then(|mut f| writeln!(f, "{target} {limits}"))
+        .map_err(|e| format!("{log}: {e}"))?;
+    Ok(String::new())
 }
