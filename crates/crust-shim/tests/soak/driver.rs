@@ -214,6 +214,23 @@ impl Soak {
 
     fn anomaly(&mut self, what: &str, expected: &str, seen: &str) {
         self.report.anomaly(self.t0.elapsed(), what, expected, seen);
+        self.keep_logs();
+    }
+
+    /// The logs as they were at an anomaly, kept past the run (its temp
+    /// dir goes with it): `/tmp/crust-soak-<pid>/<n>-{shim,containerd,crust-csi}.log`.
+    fn keep_logs(&self) {
+        let dir = PathBuf::from(format!("/tmp/crust-soak-{}", std::process::id()));
+        let n = self.report.anomalies.len();
+        let _ = std::fs::create_dir_all(&dir);
+        for (name, from) in [
+            ("shim", self.env.dir.path().join("shim.log")),
+            ("containerd", self.env.ctrd.log_path()),
+            ("crust-csi", self.env.dir.path().join("crust-csi.log")),
+        ] {
+            let _ = std::fs::copy(&from, dir.join(format!("{n}-{name}.log")));
+        }
+        self.log(&format!("anomaly {n}: logs kept in {}", dir.display()));
     }
 
     fn log(&self, what: &str) {
