@@ -10,11 +10,13 @@ use crust_runtime::config::Config;
 
 use crate::spec::LsmPolicy;
 
-/// Memory the guest gets on top of its containers' limits: kernel, agent,
-/// page cache for the shares. A RuntimeClass `overhead.podFixed.memory`
-/// should state at least this plus QEMU's, virtiofsd's and the shim's own
-/// PSS (the README's density benchmark: about 51 MiB).
-pub const DEFAULT_OVERHEAD_MIB: u32 = 160;
+/// Memory the guest gets on top of its containers' limits: the kernel
+/// (about 54 MiB reserved at boot by this image's kernel), the agent, the
+/// rootfs image and room to work once the containers fill their limits
+/// (`tests/guest_room.rs`: about 21 MiB left at 96). A RuntimeClass
+/// `overhead.podFixed.memory` should state at least this plus QEMU's,
+/// virtiofsd's and the shim's own PSS (the README's density benchmark).
+pub const DEFAULT_OVERHEAD_MIB: u32 = 96;
 
 #[derive(Debug, Parser)]
 #[command(name = "containerd-shim-crust-v2", no_binary_name = true)]

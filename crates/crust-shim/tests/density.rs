@@ -4,8 +4,11 @@
 //! `cargo test --release -p crust-shim --test density -- --ignored --nocapture`
 //!
 //! `CRUST_BENCH_PODS` pods (default 10) are started one after another
-//! through containerd's CRI (hostNetwork, one busybox container without a
-//! memory limit, so the guest gets the shim's base memory). For each pod,
+//! through containerd's CRI (hostNetwork, one busybox container with a
+//! memory limit of `CRUST_BENCH_LIMIT_MIB`, default 128, which is also the
+//! pod's memory, so the guest gets the limit plus the shim's overhead,
+//! `CRUST_BENCH_OVERHEAD_MIB` or the shim's default; 0: no limit, the
+//! guest gets the shim's base memory). For each pod,
 //! RSS and PSS of its QEMU, virtiofsd and shim are read from
 //! `/proc/<pid>/smaps_rollup`, idle and again after every guest's page
 //! cache was filled (each container writes and reads back a file larger
@@ -189,7 +192,9 @@ fn sample(p: &PodProcs, guest_bytes: u64) -> Sample {
     s
 }
 
-fn report(what: &str, samples: &[Sample]) {
+/// Prints the mean and max of each figure; `limit`: the container's
+/// memory limit, for what the pod costs beyond it.
+fn report(what: &str, samples: &[Sample], limit: u64) {
     let n = samples.len() as u64;
     let mean = |f: &dyn Fn(&Sample) -> u64| samples.iter().map(f).sum::<u64>() / n;
     let max = |f: &dyn Fn(&Sample) -> u64| samples.iter().map(f).max().unwrap_or(0);
@@ -213,6 +218,10 @@ fn report(what: &str, samples: &[Sample]) {
         ("total PSS without the TCG buffer", &|s: &Sample| {
             s.total().pss.saturating_sub(s.tb)
         }),
+        (
+            "  beyond the container's limit (podFixed's figure)",
+            &|s: &Sample| s.total().pss.saturating_sub(s.tb).saturating_sub(limit),
+        ),
     ] {
         println!("  {name:<34} {:>8} / {:>8}", m(mean(f)), m(max(f)));
     }
@@ -225,19 +234,43 @@ async fn bench_density() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    let env = Env::start(crust_testkit::CRI_NAMESPACE);
+    let limit_mib: u64 = std::env::var("CRUST_BENCH_LIMIT_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    // The shim's guest overhead, to compare settings in one run's
+    // conditions (unset: the shim's default).
+    let overhead: Vec<(String, String)> = std::env::var("CRUST_BENCH_OVERHEAD_MIB")
+        .map(|v| vec![("CRUST_SHIM_MEMORY_OVERHEAD_MIB".to_string(), v)])
+        .unwrap_or_default();
+    let env = Env::start_with(crust_testkit::CRI_NAMESPACE, overhead);
     let mut c = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let mut pods = Vec::new();
     let mut starts = Vec::new();
     for i in 0..n {
-        let sb_cfg = host_network_sandbox(
+        let mut sb_cfg = host_network_sandbox(
             &format!("density-{i}"),
             &format!("density-{i:04}-4000-8000-000000000000"),
             0,
         );
+        let linux = (limit_mib > 0).then(|| {
+            // The pod's memory, as kubelet's sandbox resources give it on
+            // containerd 1.7: the guest boots with the limit plus overhead.
+            sb_cfg.annotations.insert(
+                "io.crust.memory-bytes".into(),
+                (limit_mib * MIB).to_string(),
+            );
+            cri::LinuxContainerConfig {
+                resources: Some(cri::LinuxContainerResources {
+                    memory_limit_in_bytes: (limit_mib * MIB) as i64,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+        });
         let t0 = Instant::now();
         let (sb, cid) = env
-            .start_busybox_pod(&mut c, &sb_cfg, &["sleep", "3600"], Vec::new())
+            .start_busybox_pod_with(&mut c, &sb_cfg, &["sleep", "3600"], Vec::new(), linux)
             .await;
         starts.push(t0.elapsed());
         pods.push((sb, cid));
@@ -308,20 +341,26 @@ async fn bench_density() {
 
     starts.sort();
     println!(
-        "\ncrust pod density: {n} pods (TCG guest, {} cores), guest MemTotal {:.0} MiB, \
-         start p50 {:.0} ms",
+        "\ncrust pod density: {n} pods (TCG guest, {} cores), container limit {limit_mib} MiB \
+         (0: none), guest MemTotal {:.0} MiB, start p50 {:.0} ms",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
         guest_bytes as f64 / MIB as f64,
         starts[starts.len() / 2].as_secs_f64() * 1e3
     );
-    report("idle", &idle);
+    let limit = limit_mib * MIB;
+    report("idle", &idle, limit);
     report(
         &format!("page cache filled ({fill_mib} MiB written and read per pod)"),
         &filled,
+        limit,
     );
-    report("after the file is removed and caches dropped", &released);
+    report(
+        "after the file is removed and caches dropped",
+        &released,
+        limit,
+    );
 
     for (sb, _) in &pods {
         let _ = c

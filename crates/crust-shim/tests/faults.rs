@@ -159,7 +159,8 @@ async fn memory_restart_faults_and_bad_input() {
     );
     let default = mem_total(&env, "memdef", &[]);
     assert!(
-        with_limit > 512 * MIB && with_limit <= (512 + 160) * MIB,
+        with_limit > 512 * MIB
+            && with_limit <= (512 + u64::from(crust_shim::config::DEFAULT_OVERHEAD_MIB)) * MIB,
         "512 MiB limit -> MemTotal {} MiB",
         with_limit / MIB
     );
