@@ -54,11 +54,15 @@ use crate::spec::{self, Role};
 
 type TtResult<T> = ttrpc::Result<T>;
 
-/// How long the output of an exited process gets to drain.
 /// containerd event topic of a declined handover (the volume stays on the
 /// host and is shared over virtio-fs): `ctr events` shows it.
 pub const FALLBACK_TOPIC: &str = "/crust/volume/fallback";
 
+/// containerd event topic of an AppArmor profile or SELinux label the
+/// guest does not enforce (once per pod and setting): `ctr events` shows it.
+pub const LSM_TOPIC: &str = "/crust/lsm/not-enforced";
+
+/// How long the output of an exited process gets to drain.
 const DRAIN: Duration = Duration::from_secs(3);
 
 fn status(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
@@ -240,16 +244,34 @@ impl Service {
     }
 
     /// Says once per pod and setting that the guest does not enforce it
-    /// (CRI gives every container of a pod the same profile: one line).
-    fn log_lsm(&self, container: &str, settings: &[spec::LsmSetting]) {
-        let mut logged = self.lsm_logged.lock().expect("lsm");
-        for s in settings {
-            if logged.insert(s.clone()) {
-                tracing::warn!(
-                    "pod {}: container {container} asks for {s}; not enforced in the guest (no such module in its kernel; the VM is the boundary; CRUST_SHIM_LSM_POLICY=refuse refuses it)",
-                    self.pod.id
-                );
-            }
+    /// (CRI gives every container of a pod the same profile: once), in the
+    /// log and as a containerd event on [`LSM_TOPIC`] (a JSON
+    /// `google.protobuf.StringValue` naming the container and the setting).
+    async fn tell_lsm(&self, container: &str, settings: &[spec::LsmSetting]) {
+        let new: Vec<spec::LsmSetting> = {
+            let mut told = self.lsm_logged.lock().expect("lsm");
+            settings
+                .iter()
+                .filter(|s| told.insert((*s).clone()))
+                .cloned()
+                .collect()
+        };
+        for s in new {
+            let reason = "not enforced in the guest (no such module in its kernel; the VM is the boundary; CRUST_SHIM_LSM_POLICY=refuse refuses it)";
+            tracing::warn!(
+                "pod {}: container {container} asks for {s}; {reason}",
+                self.pod.id
+            );
+            let body = serde_json::json!({
+                "container_id": container,
+                "setting": s.to_string(),
+                "reason": reason,
+            });
+            let msg = StringValue {
+                value: body.to_string(),
+                ..Default::default()
+            };
+            self.publish(LSM_TOPIC, Box::new(msg)).await;
         }
     }
 
@@ -402,7 +424,7 @@ impl Service {
         let oci = spec::load(&bundle)?;
         let mut plan = spec::plan(&oci, &bundle)?;
         spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
-        self.log_lsm(&req.id, &plan.lsm);
+        self.tell_lsm(&req.id, &plan.lsm).await;
         let owner = match &plan.role {
             Role::PodOwner if req.id == self.pod.id => true,
             Role::Member { sandbox_id } if *sandbox_id == self.pod.id => false,

@@ -1,6 +1,7 @@
 //! Issue 27 at the containerd door: a container spec carrying an AppArmor
 //! profile runs (the guest kernel cannot enforce it; the shim logs it
-//! once, naming it) and is refused with `CRUST_SHIM_LSM_POLICY=refuse`.
+//! once, naming it, and says so in one containerd event) and is refused
+//! with `CRUST_SHIM_LSM_POLICY=refuse`.
 //! AppArmor is off on these machines: `ctr run --apparmor-profile` only
 //! writes the field. The same run drops every containerd default
 //! capability but NET_BIND_SERVICE: exactly that one in the guest. A
@@ -37,6 +38,16 @@ const CONTAINERD_DEFAULT_CAPS: &[&str] = &[
 #[test]
 fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
     let env = Env::start("default");
+    let events = env
+        .ctrd
+        .ctr_cmd("default", &["events"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut events = crust_testkit::ChildGuard::new(events);
+    // `ctr events` subscribes before the container is asked for.
+    std::thread::sleep(std::time::Duration::from_millis(500));
     let mut args = vec!["run", "--rm", "--runtime", RUNTIME];
     args.extend(["--apparmor-profile", PROFILE]);
     // ctr has no `ALL`: every default capability but NET_BIND_SERVICE.
@@ -70,6 +81,20 @@ fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
             .count(),
         1,
         "one log line naming the profile:\n{log}"
+    );
+    // And one containerd event, naming the container and the profile.
+    let _ = events.child().kill();
+    let out = events.into_inner().wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    let seen: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains(crust_shim::task::LSM_TOPIC))
+        .collect();
+    assert_eq!(seen.len(), 1, "one event: {out}\n{}", env.logs());
+    assert!(
+        seen[0].contains("aa") && seen[0].contains(PROFILE),
+        "{}",
+        seen[0]
     );
     drop(env);
 
