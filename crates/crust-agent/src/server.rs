@@ -99,6 +99,10 @@ impl Agent {
 
     /// Handles one request; the flag says whether to power off after the
     /// reply is out.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one match arm per operation: the dispatch table reads top to bottom"
+    )]
     fn handle(&self, req: Request, received: Instant) -> (Response, After) {
         let id = req.id;
         let deadline =
@@ -568,6 +572,10 @@ fn outgoing(resp: &Response, written: Option<mpsc::Sender<()>>, conn: u64) -> Op
     })
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "start-up then the channel loop; its split into steps waits for the agent's parallel edits (users namespaces, resize) to land"
+)]
 pub fn run(cfg: Config) -> Result<(), RunFailure> {
     log!("version {} starting", env!("CARGO_PKG_VERSION"));
     if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {

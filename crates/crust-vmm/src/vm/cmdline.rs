@@ -127,6 +127,15 @@ pub(crate) fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) 
         "-device",
         "virtio-balloon-pci,id=crust-balloon,free-page-reporting=on",
     ]);
+    a.extend(device_args(cfg));
+    a
+}
+
+/// NICs, boot disks (each on its own root port, with an iothread) and
+/// the empty root ports left for hot-plug.
+fn device_args(cfg: &VmConfig) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     let vhost = std::path::Path::new(crate::config::VHOST_NET).exists();
     for (i, nic) in cfg.nics.iter().enumerate() {
         let (netdev, device) = nic.qemu_args(i, vhost);

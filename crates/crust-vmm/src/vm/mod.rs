@@ -125,86 +125,12 @@ impl Vm {
     pub(crate) async fn launch_with(cfg: VmConfig, choice: AccelChoice) -> Result<Vm, VmError> {
         cfg.validate()?;
         let paths = RunPaths::new(&cfg.run_dir);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&paths.run_dir)
-            .map_err(|e| io_err("mkdir", &paths.run_dir, e))?;
-        std::fs::set_permissions(&paths.run_dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| io_err("chmod", &paths.run_dir, e))?;
-        if let Some(old) = read_state(&paths)
-            && is_our_qemu(&old, &paths)
-        {
-            return Err(VmError::AlreadyRunning {
-                run_dir: paths.run_dir.clone(),
-                pid: old.pid,
-            });
-        }
-        for stale in [
-            &paths.qmp_socket,
-            &paths.agent_socket,
-            &paths.stdio_socket,
-            &paths.pid_file,
-            &paths.state_file,
-        ] {
-            match std::fs::remove_file(stale) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err("remove", stale, e)),
-            }
-        }
-        let accel = choice.accel;
+        prepare_run_dir(&paths)?;
         let mut daemons = DaemonGuard(Vec::new());
         for (i, sh) in cfg.shares.iter().enumerate() {
             daemons.0.push(start_virtiofsd(&cfg, &paths, i, sh).await?);
         }
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&paths.qemu_log)
-            .map_err(|e| io_err("create", &paths.qemu_log, e))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| io_err("dup", &paths.qemu_log, e))?;
-        let mut cmd = Command::new(&cfg.qemu_binary);
-        cmd.args(qemu_args(&cfg, accel, &paths))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .process_group(0);
-        let inherited: Vec<i32> = cfg
-            .nics
-            .iter()
-            .flat_map(|n| n.fds.iter().map(|f| std::os::fd::AsRawFd::as_raw_fd(&**f)))
-            .collect();
-        if !inherited.is_empty() {
-            // SAFETY: only fcntl between fork and exec, on descriptors the
-            // config keeps open; the flag is cleared in the child alone, so
-            // no other process of ours inherits a tap.
-            unsafe {
-                cmd.pre_exec(move || {
-                    for fd in &inherited {
-                        let f = rustix::fd::BorrowedFd::borrow_raw(*fd);
-                        rustix::io::fcntl_setfd(f, rustix::io::FdFlags::empty())?;
-                    }
-                    Ok(())
-                });
-            }
-        }
-        if cfg.die_with_parent {
-            // SAFETY: a single raw prctl between fork and exec.
-            unsafe {
-                cmd.pre_exec(|| {
-                    rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-                    Ok(())
-                });
-            }
-        }
-        let child = cmd.spawn().map_err(|source| VmError::Spawn {
-            binary: cfg.qemu_binary.clone(),
-            source,
-        })?;
+        let child = spawn_qemu(&cfg, choice.accel, &paths)?;
         let daemons = std::mem::take(&mut daemons.0);
         let pid = child.id();
         let start_time = proc_start_time(pid).map(|(t, _)| t).unwrap_or(0);
@@ -212,7 +138,7 @@ impl Vm {
             name: cfg.name.clone(),
             pid,
             start_time,
-            accel,
+            accel: choice.accel,
             accel_reason: choice.reason,
             accel_fallback: choice.fallback,
             boot_disks: cfg
@@ -242,24 +168,30 @@ impl Vm {
         write_atomic(&vm.paths.pid_file, format!("{pid}\n").as_bytes())?;
         let json = serde_json::to_vec_pretty(&vm.state).expect("state serializes");
         write_atomic(&vm.paths.state_file, &json)?;
+        vm.wait_started().await?;
+        Ok(vm)
+    }
 
+    /// Waits until QEMU's sockets exist and its monitor answers; kills it
+    /// after [`START_TIMEOUT`].
+    async fn wait_started(&mut self) -> Result<(), VmError> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Some(exit) = vm.poll_exit() {
+            if let Some(exit) = self.poll_exit() {
                 return Err(VmError::EarlyExit {
                     status: format!("{exit:?}"),
-                    log_tail: tail(&vm.paths.qemu_log, 4096),
+                    log_tail: tail(&self.paths.qemu_log, 4096),
                 });
             }
-            if vm.paths.qmp_socket.exists()
-                && vm.paths.agent_socket.exists()
-                && qmp_ready(&vm.paths.qmp_socket).await
+            if self.paths.qmp_socket.exists()
+                && self.paths.agent_socket.exists()
+                && qmp_ready(&self.paths.qmp_socket).await
             {
-                return Ok(vm);
+                return Ok(());
             }
             if Instant::now() >= deadline {
-                let log_tail = tail(&vm.paths.qemu_log, 4096);
-                vm.kill()?;
+                let log_tail = tail(&self.paths.qemu_log, 4096);
+                self.kill()?;
                 return Err(VmError::StartTimeout {
                     after: START_TIMEOUT,
                     log_tail,
@@ -551,4 +483,90 @@ impl Drop for Vm {
             let _ = self.kill();
         }
     }
+}
+
+/// Makes the run directory (0700) and clears what a dead QEMU left in it;
+/// refuses while a live QEMU of ours runs from it.
+fn prepare_run_dir(paths: &RunPaths) -> Result<(), VmError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&paths.run_dir)
+        .map_err(|e| io_err("mkdir", &paths.run_dir, e))?;
+    std::fs::set_permissions(&paths.run_dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| io_err("chmod", &paths.run_dir, e))?;
+    if let Some(old) = read_state(paths)
+        && is_our_qemu(&old, paths)
+    {
+        return Err(VmError::AlreadyRunning {
+            run_dir: paths.run_dir.clone(),
+            pid: old.pid,
+        });
+    }
+    for stale in [
+        &paths.qmp_socket,
+        &paths.agent_socket,
+        &paths.stdio_socket,
+        &paths.pid_file,
+        &paths.state_file,
+    ] {
+        match std::fs::remove_file(stale) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("remove", stale, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Starts QEMU with its log as stdout and stderr, the NICs' descriptors
+/// inherited, in a process group of its own.
+fn spawn_qemu(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Result<Child, VmError> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(&paths.qemu_log)
+        .map_err(|e| io_err("create", &paths.qemu_log, e))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| io_err("dup", &paths.qemu_log, e))?;
+    let mut cmd = Command::new(&cfg.qemu_binary);
+    cmd.args(qemu_args(cfg, accel, paths))
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0);
+    let inherited: Vec<i32> = cfg
+        .nics
+        .iter()
+        .flat_map(|n| n.fds.iter().map(|f| std::os::fd::AsRawFd::as_raw_fd(&**f)))
+        .collect();
+    if !inherited.is_empty() {
+        // SAFETY: only fcntl between fork and exec, on descriptors the
+        // config keeps open; the flag is cleared in the child alone, so
+        // no other process of ours inherits a tap.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in &inherited {
+                    let f = rustix::fd::BorrowedFd::borrow_raw(*fd);
+                    rustix::io::fcntl_setfd(f, rustix::io::FdFlags::empty())?;
+                }
+                Ok(())
+            });
+        }
+    }
+    if cfg.die_with_parent {
+        // SAFETY: a single raw prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                Ok(())
+            });
+        }
+    }
+    cmd.spawn().map_err(|source| VmError::Spawn {
+        binary: cfg.qemu_binary.clone(),
+        source,
+    })
 }
