@@ -16,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::messages::WorkloadUser;
+use crate::user::WorkloadUser;
 
 /// Where the virtio-fs share `<tag>` is mounted in the guest:
 /// `/run/crust/shares/<tag>`.

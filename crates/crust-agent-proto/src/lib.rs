@@ -18,6 +18,7 @@ pub mod frame;
 pub mod messages;
 pub mod network;
 pub mod stdio;
+pub mod user;
 
 #[cfg(feature = "client")]
 mod client;

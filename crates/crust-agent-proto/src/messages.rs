@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::containers::*;
 use crate::network::{ConfigureNetwork, ConfigureNetworkReply};
+pub use crate::user::WorkloadUser;
 
 /// One request. `deadline_ms` is relative to when the agent reads it (host
 /// and guest clocks are unrelated); 0 means no deadline.
@@ -497,15 +498,6 @@ pub struct WorkloadMount {
     pub destination: String,
     #[serde(default)]
     pub readonly: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadUser {
-    pub uid: u32,
-    pub gid: u32,
-    /// Supplementary groups, e.g. the pod's fsGroup.
-    #[serde(default)]
-    pub supplemental_gids: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

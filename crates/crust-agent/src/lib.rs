@@ -27,6 +27,7 @@ pub mod container;
 pub mod destination;
 pub mod network;
 pub mod options;
+pub mod port;
 pub mod process;
 pub mod server;
 pub mod subpath;

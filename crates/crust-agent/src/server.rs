@@ -1,7 +1,7 @@
 //! The agent: request dispatch and the virtio-serial channel loop.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -14,6 +14,8 @@ use crust_agent_proto::{
 };
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
+
+pub use crate::port::find_port;
 
 use crate::container::Containers;
 use crate::network::Network;
@@ -97,6 +99,10 @@ impl Agent {
 
     /// Handles one request; the flag says whether to power off after the
     /// reply is out.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one match arm per operation: the dispatch table reads top to bottom"
+    )]
     fn handle(&self, req: Request, received: Instant) -> (Response, After) {
         let id = req.id;
         let deadline =
@@ -400,23 +406,6 @@ pub enum RunFailure {
     Open { path: String, errno: Errno },
 }
 
-/// Finds `/dev/vportNpM` for the port called `name`.
-pub fn find_port(name: &str) -> Result<PathBuf, Vec<String>> {
-    let mut seen = Vec::new();
-    if let Ok(rd) = std::fs::read_dir("/sys/class/virtio-ports") {
-        for e in rd.flatten() {
-            let n = std::fs::read_to_string(e.path().join("name")).unwrap_or_default();
-            let n = n.trim();
-            let dev = e.file_name().to_string_lossy().into_owned();
-            if n == name {
-                return Ok(Path::new("/dev").join(dev));
-            }
-            seen.push(format!("{dev}={n:?}"));
-        }
-    }
-    Err(seen)
-}
-
 fn open_port(cfg: &Config) -> Result<OwnedFd, RunFailure> {
     let path = match &cfg.device {
         Some(p) => p.clone(),
@@ -583,6 +572,10 @@ fn outgoing(resp: &Response, written: Option<mpsc::Sender<()>>, conn: u64) -> Op
     })
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "start-up then the channel loop; its split into steps waits for the agent's parallel edits (users namespaces, resize) to land"
+)]
 pub fn run(cfg: Config) -> Result<(), RunFailure> {
     log!("version {} starting", env!("CARGO_PKG_VERSION"));
     if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {

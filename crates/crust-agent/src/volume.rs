@@ -348,6 +348,10 @@ impl Volumes {
         })
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "every check before the first mount, then the mount and fsGroup; its split waits for the agent's parallel edits (users namespaces, resize) to land"
+    )]
     pub fn mount(
         &self,
         req: &MountVolume,

@@ -1,14 +1,15 @@
-//! Creating and growing filesystems. These exec the filesystem tools,
-//! which is the one place this crate runs other programs.
+//! Creating and growing filesystems. These exec the filesystem tools
+//! through [`crate::tool`], the crate's one runner of programs.
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 use crate::device::{self, DeviceError};
 use crate::probe::{Probe, ProbeError};
+use crate::tool::{self, ToolError};
 use crate::usage::{UsageError, usage};
 
+pub use crate::probe::{Signature, known_signatures, parse_wipefs_json};
 pub use crust_fs::FsType;
 use crust_fs::{GrowTarget, Tool};
 
@@ -85,6 +86,26 @@ pub enum FsError {
     Usage(#[from] UsageError),
     #[error(transparent)]
     Mount(#[from] crate::mount::MountError),
+}
+
+impl From<ToolError> for FsError {
+    fn from(e: ToolError) -> FsError {
+        match e {
+            ToolError::NotFound(tool) => FsError::ToolNotFound(tool),
+            ToolError::Spawn { tool, source } => FsError::Spawn { tool, source },
+            ToolError::Failed {
+                tool,
+                target,
+                status,
+                stderr,
+            } => FsError::Tool {
+                tool,
+                target,
+                status,
+                stderr,
+            },
+        }
+    }
 }
 
 impl FsError {
@@ -176,23 +197,8 @@ pub fn fs_tools() -> Vec<&'static str> {
 pub fn missing_fs_tools() -> Vec<&'static str> {
     fs_tools()
         .into_iter()
-        .filter(|t| find_tool(t).is_err())
+        .filter(|t| tool::find_tool(t).is_err())
         .collect()
-}
-
-/// Finds an admin tool even when PATH lacks the sbin directories (systemd
-/// units and test harnesses often run with a short PATH).
-fn find_tool(name: &'static str) -> Result<PathBuf, FsError> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .ok_or(FsError::ToolNotFound(name))
-}
-
-fn run(tool: &'static str, args: &[&std::ffi::OsStr], target: &Path) -> Result<String, FsError> {
-    run_accepting(tool, args, target, &[0])
 }
 
 /// Runs a filesystem's `tool` as its [`Tool`] says: its arguments, then
@@ -200,85 +206,7 @@ fn run(tool: &'static str, args: &[&std::ffi::OsStr], target: &Path) -> Result<S
 fn run_tool(tool: &Tool, target: &Path) -> Result<String, FsError> {
     let mut args: Vec<&std::ffi::OsStr> = tool.args.iter().map(|a| a.as_ref()).collect();
     args.push(target.as_os_str());
-    run_accepting(tool.program, &args, target, tool.ok)
-}
-
-/// Runs a tool; exit codes in `ok_codes` count as success.
-fn run_accepting(
-    tool: &'static str,
-    args: &[&std::ffi::OsStr],
-    target: &Path,
-    ok_codes: &[i32],
-) -> Result<String, FsError> {
-    let exe = find_tool(tool)?;
-    let out = Command::new(&exe)
-        .args(args)
-        .env("LC_ALL", "C")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .map_err(|source| FsError::Spawn { tool, source })?;
-    if !out.status.code().is_some_and(|c| ok_codes.contains(&c)) {
-        let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-        if stderr.is_empty() {
-            stderr = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        }
-        return Err(FsError::Tool {
-            tool,
-            target: target.to_path_buf(),
-            status: out.status.to_string(),
-            stderr,
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// A signature libblkid found on a device.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
-pub struct Signature {
-    /// What it is (`ext4`, `xfs`, `dos`, `gpt`, `linux_raid_member`...).
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(deserialize_with = "hex_offset")]
-    pub offset: u64,
-}
-
-fn hex_offset<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    let s: String = serde::Deserialize::deserialize(d)?;
-    u64::from_str_radix(s.trim_start_matches("0x"), 16).map_err(serde::de::Error::custom)
-}
-
-/// Parses `wipefs --json` output; empty output is no signature.
-pub fn parse_wipefs_json(out: &str) -> Result<Vec<Signature>, String> {
-    #[derive(serde::Deserialize)]
-    struct Out {
-        signatures: Vec<Signature>,
-    }
-    if out.trim().is_empty() {
-        return Ok(Vec::new());
-    }
-    serde_json::from_str::<Out>(out)
-        .map(|o| o.signatures)
-        .map_err(|e| format!("unexpected wipefs output: {e}"))
-}
-
-/// Every signature libblkid's database knows on `dev` (filesystems, RAID
-/// and volume-manager members, partition tables), from
-/// `wipefs --no-act --json` (read-only). A failure is an error, never
-/// "no signature".
-pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, crate::probe::ProbeError> {
-    let err = |e: String| crate::probe::ProbeError {
-        path: dev.to_path_buf(),
-        source: io::Error::other(e),
-    };
-    let out = run(
-        "wipefs",
-        &["--no-act".as_ref(), "--json".as_ref(), dev.as_os_str()],
-        dev,
-    )
-    .map_err(|e| err(e.to_string()))?;
-    parse_wipefs_json(&out).map_err(err)
+    Ok(tool::run_accepting(tool.program, &args, target, tool.ok)?)
 }
 
 /// Runs `fstype`'s mkfs on `dev` after `check` passed (the tools run with
@@ -458,31 +386,5 @@ mod tests {
             FsError::OfflineGrowUnsupported(FsType::Xfs).to_string(),
             "xfs cannot be grown offline (xfs_growfs needs a mounted filesystem)"
         );
-    }
-
-    #[test]
-    fn wipefs_json() {
-        assert_eq!(parse_wipefs_json("").unwrap(), vec![]);
-        assert_eq!(
-            parse_wipefs_json("{\"signatures\": [\n\n]}").unwrap(),
-            vec![]
-        );
-        let out = r#"{"signatures": [{"device":"loop0","offset":"0x438","type":"ext4","uuid":"a8","label":null},
-            {"device":"loop0","offset":"0x1fe","type":"dos","uuid":null,"label":null}]}"#;
-        assert_eq!(
-            parse_wipefs_json(out).unwrap(),
-            vec![
-                Signature {
-                    kind: "ext4".into(),
-                    offset: 0x438
-                },
-                Signature {
-                    kind: "dos".into(),
-                    offset: 0x1fe
-                }
-            ]
-        );
-        assert!(parse_wipefs_json("garbage").is_err());
-        assert!(parse_wipefs_json(r#"{"signatures":[{"type":"x","offset":"zz"}]}"#).is_err());
     }
 }

@@ -231,43 +231,11 @@ pub fn fs_health(dev: &Path, mountpoint: &Path, expected_ro: bool) -> Health {
         );
     }
     let devname = device::sysfs_name_of(major, minor).unwrap_or_else(|_| entry.source.clone());
-    if !expected_ro {
-        if entry.super_read_only() {
-            let errors = entry.super_option("errors").unwrap_or("default");
-            return Health::abnormal(
-                SymptomKind::FilesystemReadOnly,
-                format!(
-                    "filesystem on {d} ({}) is read-only although read-write was expected: the kernel remounts it read-only after an I/O or corruption error (errors={errors}), or an administrator remounted it; check the kernel log and run fsck after unpublishing",
-                    entry.fs_type
-                ),
-            );
-        }
-        if entry.is_read_only() {
-            return Health::abnormal(
-                SymptomKind::MountReadOnly,
-                format!(
-                    "mount {mp} of {d} was remounted read-only although read-write was expected; unpublish and publish again"
-                ),
-            );
-        }
+    if !expected_ro && let Some(h) = read_only_symptom(&entry, dev, mountpoint) {
+        return h;
     }
-    if let Some(counter) = error_count(&entry.fs_type)
-        && let Some(count) =
-            read_sysfs(&counter.count_path(&devname)).and_then(|s| s.parse::<u64>().ok())
-        && count > 0
-    {
-        let func = read_sysfs(&counter.first_func_path(&devname))
-            .filter(|s| !s.is_empty())
-            .map(|f| format!(", first in {f}"))
-            .unwrap_or_default();
-        return Health::abnormal(
-            SymptomKind::FilesystemErrors,
-            format!(
-                "{} on {d} has recorded {count} error(s){func}; the filesystem may be corrupted: run {} after unpublishing",
-                entry.fs_type,
-                repair_tool(&entry.fs_type)
-            ),
-        );
+    if let Some(h) = error_count_symptom(&entry, dev, &devname) {
+        return h;
     }
     if let Err(e) = rustix::fs::statvfs(mountpoint) {
         let e = io::Error::from(e);
@@ -298,6 +266,56 @@ pub fn fs_health(dev: &Path, mountpoint: &Path, expected_ro: bool) -> Health {
         ),
         Err(e) => Health::abnormal(SymptomKind::ProbeFailed, format!("cannot read {mp}: {e}")),
     }
+}
+
+/// Step 3 of [`fs_health`] for a mount expected read-write: the
+/// filesystem or the mount read-only.
+fn read_only_symptom(entry: &mount::MountEntry, dev: &Path, mountpoint: &Path) -> Option<Health> {
+    let d = dev.display();
+    let mp = mountpoint.display();
+    if entry.super_read_only() {
+        let errors = entry.super_option("errors").unwrap_or("default");
+        return Some(Health::abnormal(
+            SymptomKind::FilesystemReadOnly,
+            format!(
+                "filesystem on {d} ({}) is read-only although read-write was expected: the kernel remounts it read-only after an I/O or corruption error (errors={errors}), or an administrator remounted it; check the kernel log and run fsck after unpublishing",
+                entry.fs_type
+            ),
+        ));
+    }
+    if entry.is_read_only() {
+        return Some(Health::abnormal(
+            SymptomKind::MountReadOnly,
+            format!(
+                "mount {mp} of {d} was remounted read-only although read-write was expected; unpublish and publish again"
+            ),
+        ));
+    }
+    None
+}
+
+/// Step 4 of [`fs_health`]: errors the kernel counted on the filesystem.
+fn error_count_symptom(entry: &mount::MountEntry, dev: &Path, devname: &str) -> Option<Health> {
+    let d = dev.display();
+    if let Some(counter) = error_count(&entry.fs_type)
+        && let Some(count) =
+            read_sysfs(&counter.count_path(devname)).and_then(|s| s.parse::<u64>().ok())
+        && count > 0
+    {
+        let func = read_sysfs(&counter.first_func_path(devname))
+            .filter(|s| !s.is_empty())
+            .map(|f| format!(", first in {f}"))
+            .unwrap_or_default();
+        return Some(Health::abnormal(
+            SymptomKind::FilesystemErrors,
+            format!(
+                "{} on {d} has recorded {count} error(s){func}; the filesystem may be corrupted: run {} after unpublishing",
+                entry.fs_type,
+                repair_tool(&entry.fs_type)
+            ),
+        ));
+    }
+    None
 }
 
 /// Health of the filesystem that holds `path` (e.g. a pool directory of

@@ -57,6 +57,7 @@ pub mod mount;
 pub mod path;
 pub mod probe;
 mod sys;
+mod tool;
 pub mod usage;
 pub mod users;
 pub mod zeros;

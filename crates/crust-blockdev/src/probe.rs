@@ -98,7 +98,7 @@ pub fn probe_fs(dev: &Path) -> Result<Probe, ProbeError> {
     }
     // Zero edges are not enough: libblkid's signature database knows
     // filesystems, RAID members and partition tables anywhere it looks.
-    if let Some(sig) = crate::fs::known_signatures(dev)?.first() {
+    if let Some(sig) = known_signatures(dev)?.first() {
         return Ok(Probe::Unknown(format!(
             "a {} signature at offset {:#x}",
             sig.kind, sig.offset
@@ -225,6 +225,54 @@ pub fn classify_head(head: &[u8]) -> Option<Probe> {
     None
 }
 
+/// A signature libblkid found on a device.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct Signature {
+    /// What it is (`ext4`, `xfs`, `dos`, `gpt`, `linux_raid_member`...).
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(deserialize_with = "hex_offset")]
+    pub offset: u64,
+}
+
+fn hex_offset<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    u64::from_str_radix(s.trim_start_matches("0x"), 16).map_err(serde::de::Error::custom)
+}
+
+/// Parses `wipefs --json` output; empty output is no signature.
+pub fn parse_wipefs_json(out: &str) -> Result<Vec<Signature>, String> {
+    #[derive(serde::Deserialize)]
+    struct Out {
+        signatures: Vec<Signature>,
+    }
+    if out.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    serde_json::from_str::<Out>(out)
+        .map(|o| o.signatures)
+        .map_err(|e| format!("unexpected wipefs output: {e}"))
+}
+
+/// Every signature libblkid's database knows on `dev` (filesystems, RAID
+/// and volume-manager members, partition tables), from
+/// `wipefs --no-act --json` (read-only). A failure is an error, never
+/// "no signature".
+pub fn known_signatures(dev: &Path) -> Result<Vec<Signature>, ProbeError> {
+    let err = |e: String| ProbeError {
+        path: dev.to_path_buf(),
+        source: io::Error::other(e),
+    };
+    let out = crate::tool::run_accepting(
+        "wipefs",
+        &["--no-act".as_ref(), "--json".as_ref(), dev.as_os_str()],
+        dev,
+        &[0],
+    )
+    .map_err(|e| err(e.to_string()))?;
+    parse_wipefs_json(&out).map_err(err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,5 +309,31 @@ mod tests {
         assert!(matches!(classify_head(&b), Some(Probe::Unknown(s)) if s.contains("MBR")));
         b[512..520].copy_from_slice(b"EFI PART");
         assert!(matches!(classify_head(&b), Some(Probe::Unknown(s)) if s.contains("GPT")));
+    }
+
+    #[test]
+    fn wipefs_json() {
+        assert_eq!(parse_wipefs_json("").unwrap(), vec![]);
+        assert_eq!(
+            parse_wipefs_json("{\"signatures\": [\n\n]}").unwrap(),
+            vec![]
+        );
+        let out = r#"{"signatures": [{"device":"loop0","offset":"0x438","type":"ext4","uuid":"a8","label":null},
+            {"device":"loop0","offset":"0x1fe","type":"dos","uuid":null,"label":null}]}"#;
+        assert_eq!(
+            parse_wipefs_json(out).unwrap(),
+            vec![
+                Signature {
+                    kind: "ext4".into(),
+                    offset: 0x438
+                },
+                Signature {
+                    kind: "dos".into(),
+                    offset: 0x1fe
+                }
+            ]
+        );
+        assert!(parse_wipefs_json("garbage").is_err());
+        assert!(parse_wipefs_json(r#"{"signatures":[{"type":"x","offset":"zz"}]}"#).is_err());
     }
 }

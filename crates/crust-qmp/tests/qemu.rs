@@ -4,6 +4,11 @@
 //! Without a guest nothing acknowledges a PCI unplug, so `device_del` is
 //! only tested up to its timeout here.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -10,6 +10,7 @@
 //!   1.x, 2.0–2.2, 2.3+).
 //! - [`task`]: the task service.
 //! - [`pod`]: the pod's VM, share, volumes; shared code with crust-runtime.
+//! - [`vm`]: the handles of a booted pod VM.
 //! - [`resize`]: in-place resize (task Update): cgroup limits in the guest,
 //!   memory and vCPU hot-plug, the balloon.
 //! - [`shimapi`]: the crust shim API of the pod (`crust stats|resize`).
@@ -29,3 +30,4 @@ pub mod shimapi;
 pub mod spec;
 pub mod start_reply;
 pub mod task;
+pub mod vm;

@@ -34,7 +34,8 @@ use rustix::mount::MountAttrFlags;
 use tokio::sync::watch;
 
 use crate::config::ShimConfig;
-use crate::spec::{ContainerPlan, Planned};
+use crate::spec::{ContainerPlan, Limits, Planned};
+pub use crate::vm::PodVm;
 
 pub use crust_runtime::share::SHARE_TAG;
 /// Grace for the guest to power off after the agent's Shutdown.
@@ -97,16 +98,6 @@ fn check_idmap(
         .collect();
     crust_agent_proto::check_user_namespace(&plan.user, plan.process.user.as_ref(), &volumes)
         .map_err(PodError::UserNamespace)
-}
-
-/// A booted pod VM.
-pub struct PodVm {
-    pub guest: Guest,
-    pub qmp: QmpClient,
-    pub agent: AgentClient,
-    pub stdio: StdioMux,
-    /// Some(reason) once QEMU has exited.
-    pub exit: watch::Receiver<Option<String>>,
 }
 
 /// One pod: the VM, its share, its volumes, its sandbox state.
@@ -244,11 +235,9 @@ impl Pod {
             .map_err(|e| PodError::host("binding the crust shim API socket", e))?;
         let (tx, _) = watch::channel(false);
         *self.api_stop.lock().expect("api") = Some(tx.clone());
-        tokio::spawn(crust_runtime::shim::serve(
-            listener,
-            Arc::new(crate::shimapi::PodApi(self.clone())),
-            tx,
-        ));
+        // The pod is its own shim API handler (crate::shimapi implements
+        // it), so this module needs no name from there.
+        tokio::spawn(crust_runtime::shim::serve(listener, self.clone(), tx));
         Ok(())
     }
 
@@ -694,6 +683,13 @@ impl Pod {
         crate::resize::grow(vm, &mut s, step).await?;
         tracing::info!("pod {}: guest memory {} MiB", self.id, s.held_mib);
         Ok(())
+    }
+
+    /// In-place resize of container `cid` ([`crate::resize::apply`]),
+    /// one at a time per pod.
+    pub async fn resize(&self, vm: &PodVm, cid: &str, new: Limits) -> Result<(), PodError> {
+        let mut s = self.sizing.lock().await;
+        Ok(crate::resize::apply(vm, &mut s, cid, new, &self.cfg, &self.id).await?)
     }
 
     /// A container left: its limits no longer count (the VM keeps its size).

@@ -21,8 +21,10 @@ use std::time::{Duration, Instant};
 
 use crust_agent_proto::{ClientError, CpuMax, ErrorCode, OnlineCpus, UpdateContainer};
 use crust_runtime::shim::Code;
+use crust_runtime::volumes;
 
-use crate::pod::{Pod, PodError, PodVm};
+use crate::config::ShimConfig;
+use crate::vm::PodVm;
 
 pub use crate::spec::{CPU_FIELD, Limits, MEMORY_FIELD};
 
@@ -129,6 +131,8 @@ pub enum ResizeError {
     HeldByContainer(String),
     #[error("{what}: {reason}")]
     Vm { what: &'static str, reason: String },
+    #[error("guest agent: {0}")]
+    Agent(#[from] ClientError),
 }
 
 impl ResizeError {
@@ -139,6 +143,7 @@ impl ResizeError {
                 Code::FailedPrecondition
             }
             ResizeError::BalloonStuck { .. } | ResizeError::Vm { .. } => Code::Internal,
+            ResizeError::Agent(e) => volumes::agent_code(e),
         }
     }
 }
@@ -299,101 +304,105 @@ async fn shrink(vm: &PodVm, s: &mut Sizing, target_mib: u32) -> Result<(), Resiz
     }
 }
 
-impl Pod {
-    /// Gives container `cid` the limits `new`: plans against the
-    /// bookkeeping and the guest's figures, grows the VM (memory, vCPUs),
-    /// sets the container's cgroup, then shrinks the VM; undoes the
-    /// container's limits when the shrink fails.
-    pub async fn resize(&self, vm: &PodVm, cid: &str, new: Limits) -> Result<(), PodError> {
-        let mut s = self.sizing.lock().await;
-        let info = vm.agent.call(crust_agent_proto::GuestInfo {}).await?;
-        let plan = plan(
-            &s,
-            cid,
-            new,
-            self.cfg.overhead_mib,
-            self.cfg.max_memory_mib,
-            info.mem_available_bytes >> 20,
-        )?;
-        let old = Limits {
-            memory: s.memory.get(cid).copied(),
-            cpu: s.cpu.get(cid).copied(),
-        };
-        if let Some(step @ (MemoryStep::Deflate { .. } | MemoryStep::HotAdd { .. })) = plan.memory {
-            grow(vm, &mut s, step).await?;
-        }
-        if let Some(n) = plan.vcpus {
-            let present = vm
-                .qmp
-                .plug_vcpus(n)
-                .await
-                .map_err(vm_err("hot-plugging vCPUs"))?;
-            s.vcpus = present;
-            let on = vm
-                .agent
-                .call_with_timeout(
-                    OnlineCpus {
-                        want: present,
-                        timeout_ms: SETTLE.as_millis() as u64,
-                    },
-                    SETTLE + Duration::from_secs(5),
-                )
-                .await?;
-            if on.online < present {
-                tracing::warn!(
-                    "pod {}: {} of {present} vCPUs online in the guest",
-                    self.id,
-                    on.online
-                );
-            }
-        }
-        vm.agent
-            .call(UpdateContainer {
-                id: cid.to_string(),
-                memory_limit_bytes: new.memory,
-                cpu_max: new.cpu,
-            })
-            .await
-            .map_err(|e| match e {
-                ClientError::Agent(a) if a.code == ErrorCode::FailedPrecondition => {
-                    PodError::from(ResizeError::HeldByContainer(a.message))
-                }
-                e => e.into(),
-            })?;
-        if let Some(MemoryStep::Inflate { target_mib }) = plan.memory
-            && let Err(e) = shrink(vm, &mut s, target_mib).await
-        {
-            let back = UpdateContainer {
-                id: cid.to_string(),
-                // Unlimited before: the largest value memory.max takes.
-                memory_limit_bytes: new.memory.map(|_| old.memory.unwrap_or(i64::MAX as u64)),
-                cpu_max: new.cpu.map(|_| {
-                    old.cpu.unwrap_or(CpuMax {
-                        quota_us: None,
-                        period_us: 100_000,
-                    })
-                }),
-            };
-            if let Err(u) = vm.agent.call(back).await {
-                tracing::error!("container {cid}: putting its limits back: {u}");
-            }
-            return Err(e.into());
-        }
-        if let Some(m) = new.memory {
-            s.memory.insert(cid.to_string(), m);
-        }
-        if let Some(c) = new.cpu {
-            s.cpu.insert(cid.to_string(), c);
-        }
-        tracing::info!(
-            "pod {}: container {cid} resized to {new:?}; guest memory {} of {} MiB plugged, {} vCPUs",
-            self.id,
-            s.held_mib,
-            s.plugged_mib,
-            s.vcpus
-        );
-        Ok(())
+/// Gives container `cid` of pod `pod_id` the limits `new`: plans against
+/// the bookkeeping `s` and the guest's figures, grows the VM (memory,
+/// vCPUs), sets the container's cgroup, then shrinks the VM; undoes the
+/// container's limits when the shrink fails.
+pub async fn apply(
+    vm: &PodVm,
+    s: &mut Sizing,
+    cid: &str,
+    new: Limits,
+    cfg: &ShimConfig,
+    pod_id: &str,
+) -> Result<(), ResizeError> {
+    let info = vm.agent.call(crust_agent_proto::GuestInfo {}).await?;
+    let plan = plan(
+        s,
+        cid,
+        new,
+        cfg.overhead_mib,
+        cfg.max_memory_mib,
+        info.mem_available_bytes >> 20,
+    )?;
+    let old = Limits {
+        memory: s.memory.get(cid).copied(),
+        cpu: s.cpu.get(cid).copied(),
+    };
+    if let Some(step @ (MemoryStep::Deflate { .. } | MemoryStep::HotAdd { .. })) = plan.memory {
+        grow(vm, s, step).await?;
     }
+    if let Some(n) = plan.vcpus {
+        let present = vm
+            .qmp
+            .plug_vcpus(n)
+            .await
+            .map_err(vm_err("hot-plugging vCPUs"))?;
+        s.vcpus = present;
+        let on = vm
+            .agent
+            .call_with_timeout(
+                OnlineCpus {
+                    want: present,
+                    timeout_ms: SETTLE.as_millis() as u64,
+                },
+                SETTLE + Duration::from_secs(5),
+            )
+            .await?;
+        if on.online < present {
+            tracing::warn!(
+                "pod {}: {} of {present} vCPUs online in the guest",
+                pod_id,
+                on.online
+            );
+        }
+    }
+    vm.agent
+        .call(UpdateContainer {
+            id: cid.to_string(),
+            memory_limit_bytes: new.memory,
+            cpu_max: new.cpu,
+        })
+        .await
+        .map_err(|e| match e {
+            ClientError::Agent(a) if a.code == ErrorCode::FailedPrecondition => {
+                ResizeError::HeldByContainer(a.message)
+            }
+            e => ResizeError::Agent(e),
+        })?;
+    if let Some(MemoryStep::Inflate { target_mib }) = plan.memory
+        && let Err(e) = shrink(vm, s, target_mib).await
+    {
+        let back = UpdateContainer {
+            id: cid.to_string(),
+            // Unlimited before: the largest value memory.max takes.
+            memory_limit_bytes: new.memory.map(|_| old.memory.unwrap_or(i64::MAX as u64)),
+            cpu_max: new.cpu.map(|_| {
+                old.cpu.unwrap_or(CpuMax {
+                    quota_us: None,
+                    period_us: 100_000,
+                })
+            }),
+        };
+        if let Err(u) = vm.agent.call(back).await {
+            tracing::error!("container {cid}: putting its limits back: {u}");
+        }
+        return Err(e);
+    }
+    if let Some(m) = new.memory {
+        s.memory.insert(cid.to_string(), m);
+    }
+    if let Some(c) = new.cpu {
+        s.cpu.insert(cid.to_string(), c);
+    }
+    tracing::info!(
+        "pod {}: container {cid} resized to {new:?}; guest memory {} of {} MiB plugged, {} vCPUs",
+        pod_id,
+        s.held_mib,
+        s.plugged_mib,
+        s.vcpus
+    );
+    Ok(())
 }
 
 #[cfg(test)]

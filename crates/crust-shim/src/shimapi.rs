@@ -4,8 +4,6 @@
 //! stats|resize`) reaches containerd pods through it. Lifecycle endpoints
 //! belong to containerd here and are refused.
 
-use std::sync::Arc;
-
 use crust_runtime::discovery::Volume;
 use crust_runtime::sandbox::SandboxState;
 use crust_runtime::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
@@ -19,85 +17,85 @@ use crate::pod::Pod;
 
 type ApiResult<T> = Result<T, ApiError>;
 
-pub struct PodApi(pub Arc<Pod>);
-
-impl PodApi {
-    fn managed(&self) -> ApiError {
-        ApiError::new(
-            Code::FailedPrecondition,
-            format!(
-                "pod {} is run by containerd: use the container manager for its lifecycle",
-                self.0.id
-            ),
-        )
-    }
-
-    async fn volume(&self, path: &str) -> ApiResult<Volume> {
-        let vols = self.0.snapshot().map(|s| s.volumes).unwrap_or_default();
-        vols.iter()
-            .find(|v| v.target == path)
-            .or_else(|| {
-                vols.iter()
-                    .find(|v| v.device == path || volumes::guest_path(v) == path)
-            })
-            .cloned()
-            .ok_or_else(|| {
-                ApiError::new(
-                    Code::NotFound,
-                    format!("pod {} has no volume {path}", self.0.id),
-                )
-            })
-    }
+/// Refusal of a lifecycle endpoint: containerd runs the pod.
+fn managed(pod: &Pod) -> ApiError {
+    ApiError::new(
+        Code::FailedPrecondition,
+        format!(
+            "pod {} is run by containerd: use the container manager for its lifecycle",
+            pod.id
+        ),
+    )
 }
 
-impl ShimHandler for PodApi {
-    async fn state(&self) -> ApiResult<SandboxState> {
-        self.0.snapshot().ok_or_else(|| {
-            ApiError::new(Code::NotFound, format!("pod {} has no sandbox", self.0.id))
+/// The pod's volume named by `path`: its target, host device or guest path.
+fn volume(pod: &Pod, path: &str) -> ApiResult<Volume> {
+    let vols = pod.snapshot().map(|s| s.volumes).unwrap_or_default();
+    vols.iter()
+        .find(|v| v.target == path)
+        .or_else(|| {
+            vols.iter()
+                .find(|v| v.device == path || volumes::guest_path(v) == path)
         })
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                Code::NotFound,
+                format!("pod {} has no volume {path}", pod.id),
+            )
+        })
+}
+
+/// The pod serves its own shim API: implemented here, at the API edge,
+/// so that [`crate::pod`] hands itself to the server without naming this
+/// module. Calls name the trait ([`ShimHandler::resize`] is not
+/// [`Pod::resize`], which resizes a container).
+impl ShimHandler for Pod {
+    async fn state(&self) -> ApiResult<SandboxState> {
+        self.snapshot()
+            .ok_or_else(|| ApiError::new(Code::NotFound, format!("pod {} has no sandbox", self.id)))
     }
 
     async fn start(&self) -> ApiResult<SandboxState> {
-        Err(self.managed())
+        Err(managed(self))
     }
 
     async fn kill(&self, _signal: i32) -> ApiResult<()> {
-        Err(self.managed())
+        Err(managed(self))
     }
 
     async fn shutdown(&self) -> ApiResult<()> {
-        Err(self.managed())
+        Err(managed(self))
     }
 
     async fn metrics(&self) -> ApiResult<String> {
-        let st = self.state().await?;
-        let vm = self.0.vm().await.ok();
+        let st = ShimHandler::state(self).await?;
+        let vm = self.vm().await.ok();
         Ok(crust_runtime::metrics::sandbox_metrics(
             &st,
             vm.as_ref().map(|vm| &vm.agent),
-            self.0.cfg.runtime.timeout,
+            self.cfg.runtime.timeout,
         )
         .await)
     }
 
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
-        let v = self.volume(&path).await?;
-        let vm = match self.0.vm().await {
+        let v = volume(self, &path)?;
+        let vm = match self.vm().await {
             Ok(vm) => vm,
             Err(e) => {
                 return Ok(VolumeStats::abnormal(format!(
                     "pod {} is not running ({e})",
-                    self.0.id
+                    self.id
                 )));
             }
         };
-        Ok(volumes::stats(&vm.agent, &v, self.0.cfg.runtime.timeout).await?)
+        Ok(volumes::stats(&vm.agent, &v, self.cfg.runtime.timeout).await?)
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
-        let v = self.volume(&req.volume_path).await?;
+        let v = volume(self, &req.volume_path)?;
         let vm = self
-            .0
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
@@ -107,16 +105,15 @@ impl ShimHandler for PodApi {
             &v,
             req.size,
             req.max_bytes,
-            self.0.cfg.runtime.boot_timeout,
+            self.cfg.runtime.boot_timeout,
         )
         .await?;
         Ok(ResizeResponse { capacity_bytes })
     }
 
     async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
-        let v = self.volume(&req.volume_path).await?;
+        let v = volume(self, &req.volume_path)?;
         let vm = self
-            .0
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
@@ -124,25 +121,23 @@ impl ShimHandler for PodApi {
             &vm.agent,
             &v,
             std::time::Duration::from_millis(req.max_frozen_ms),
-            self.0.cfg.runtime.timeout,
+            self.cfg.runtime.timeout,
         )
         .await?)
     }
 
     async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
-        let v = self.volume(&req.volume_path).await?;
+        let v = volume(self, &req.volume_path)?;
         let vm = self
-            .0
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        Ok(volumes::thaw(&vm.agent, &v, self.0.cfg.runtime.timeout).await?)
+        Ok(volumes::thaw(&vm.agent, &v, self.cfg.runtime.timeout).await?)
     }
 
     async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
-        let v = self.volume(&req.volume_path).await?;
+        let v = volume(self, &req.volume_path)?;
         let vm = self
-            .0
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
@@ -150,19 +145,18 @@ impl ShimHandler for PodApi {
     }
 
     async fn add_volume(&self, _volume_path: String) -> ApiResult<Volume> {
-        Err(self.managed())
+        Err(managed(self))
     }
 
     async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
         let vm = self
-            .0
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        volumes::exec_in_guest(&vm.agent, req, self.0.cfg.runtime.timeout).await
+        volumes::exec_in_guest(&vm.agent, req, self.cfg.runtime.timeout).await
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {
-        Err(self.managed())
+        Err(managed(self))
     }
 }

@@ -33,46 +33,9 @@ use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
 use serde::{Deserialize, Serialize};
 
 use crate::VmError;
+pub use crate::accel_choice::{AccelChoice, ResolvedAccel};
 use crate::config::{Accel, VmConfig};
 use crate::vm::Vm;
-
-/// The accelerator a launched VM actually uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ResolvedAccel {
-    Tcg,
-    Kvm,
-}
-
-impl ResolvedAccel {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ResolvedAccel::Tcg => "tcg",
-            ResolvedAccel::Kvm => "kvm",
-        }
-    }
-}
-
-/// The accelerator of one VM and why it was chosen.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AccelChoice {
-    pub accel: ResolvedAccel,
-    pub reason: String,
-    /// A KVM boot did not reach the agent and the guest was booted again
-    /// under TCG.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub fallback: bool,
-}
-
-impl AccelChoice {
-    fn new(accel: ResolvedAccel, reason: impl Into<String>) -> AccelChoice {
-        AccelChoice {
-            accel,
-            reason: reason.into(),
-            fallback: false,
-        }
-    }
-}
 
 /// Name of the verdict file in the cache directory.
 pub const CACHE_FILE: &str = "accel.json";

@@ -372,27 +372,7 @@ impl VmConfig {
                 fw.display()
             ));
         }
-        if !self.run_dir.is_absolute() {
-            return bad(format!(
-                "run_dir {} is not absolute",
-                self.run_dir.display()
-            ));
-        }
-        // sun_path holds 107 bytes plus NUL.
-        let longest = self.run_dir.join("agent.sock");
-        if longest.as_os_str().len() > 107 {
-            return bad(format!(
-                "run_dir {} is too long for unix socket paths (max ~96 bytes)",
-                self.run_dir.display()
-            ));
-        }
-        if self
-            .run_dir
-            .to_str()
-            .is_none_or(|s| s.contains(['\n', '\0']))
-        {
-            return bad("run_dir must be valid UTF-8 without newlines".into());
-        }
+        self.validate_run_dir()?;
         if !(16..=65536).contains(&self.memory_mib) {
             return bad(format!("memory_mib {} out of 16..=65536", self.memory_mib));
         }
@@ -443,6 +423,34 @@ impl VmConfig {
             if !serials.insert(&d.serial) {
                 return bad(format!("disk serial {:?} used twice", d.serial));
             }
+        }
+        Ok(())
+    }
+
+    /// The run directory: absolute, short enough for its sockets' paths,
+    /// UTF-8 without newlines.
+    fn validate_run_dir(&self) -> Result<(), VmError> {
+        let bad = |m: String| Err(VmError::InvalidConfig(m));
+        if !self.run_dir.is_absolute() {
+            return bad(format!(
+                "run_dir {} is not absolute",
+                self.run_dir.display()
+            ));
+        }
+        // sun_path holds 107 bytes plus NUL.
+        let longest = self.run_dir.join("agent.sock");
+        if longest.as_os_str().len() > 107 {
+            return bad(format!(
+                "run_dir {} is too long for unix socket paths (max ~96 bytes)",
+                self.run_dir.display()
+            ));
+        }
+        if self
+            .run_dir
+            .to_str()
+            .is_none_or(|s| s.contains(['\n', '\0']))
+        {
+            return bad("run_dir must be valid UTF-8 without newlines".into());
         }
         Ok(())
     }

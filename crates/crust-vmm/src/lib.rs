@@ -45,6 +45,8 @@
 //! finds it again with [`Vm::attach`]`(run_dir)` (pid + start time +
 //! command line check against `vm.json`).
 
+mod accel_choice;
+mod boot;
 mod config;
 mod vm;
 

@@ -15,6 +15,11 @@
 //!
 //! Time budget: about 12 s under TCG (one boot, 2 vCPUs).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::MetadataExt;

@@ -227,6 +227,10 @@ impl Containers {
         }
     }
 
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the container's checks, rootfs and init in order; its split waits for the agent's parallel edits (users namespaces, resize) to land"
+    )]
     pub fn create(&self, req: &CreateContainer) -> Result<ProcessReply> {
         if !valid_id(&req.id) {
             return Err(ContainerError::Invalid(format!(

@@ -37,7 +37,7 @@ impl StdioPort {
     /// present and starts the reader.
     pub fn open() -> StdioPort {
         let me = StdioPort::default();
-        let Ok(path) = crate::server::find_port(crust_agent_proto::STDIO_PORT_NAME) else {
+        let Ok(path) = crate::port::find_port(crust_agent_proto::STDIO_PORT_NAME) else {
             return me;
         };
         let Ok(fd) = rustix::fs::open(
