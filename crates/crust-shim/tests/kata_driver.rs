@@ -11,6 +11,11 @@
 //!
 //! Budget: containerd + one TCG boot, ~20 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

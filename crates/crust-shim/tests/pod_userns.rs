@@ -8,6 +8,11 @@
 //! before a VM boots. Budget: two TCG guests, 40 s measured with the
 //! machine at load 7-10 on two cores.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use common::{Env, Leftovers, publish, qemus_under, start_plugin};

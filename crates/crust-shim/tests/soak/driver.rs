@@ -376,6 +376,10 @@ impl Soak {
 
     /// A pod with a writer on volume `on` (or a free or new volume): the
     /// volume's earlier writers are verified before the pod counts as up.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "kubelet's steps for one pod, in its order, read top to bottom"
+    )]
     async fn create_pod(&mut self, on: Option<usize>) -> Step {
         let vi = match on {
             Some(i) => i,
