@@ -19,11 +19,11 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::watch;
 
-use crate::client::Csi;
-use crate::flow::{DeferVia, Flow, FlowConfig, FlowReport, Progress, StepReport, Workload};
-use crate::fmt::Render;
-use crate::parse::human_size;
-use crate::runtime_cli::{RuntimeCli, sibling_bin};
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{DeferVia, Flow, FlowConfig, FlowReport, Progress, StepReport, Workload};
+use crust_kubesim::runtime_cli::{RuntimeCli, sibling_bin};
+use crust_report::Render;
+use crust_report::units::human_size;
 
 /// The demo's workload: a timestamp a second into `/data/out.txt`, each
 /// line flushed to the disk.
@@ -490,7 +490,7 @@ pub async fn ensure_guest_image(explicit: Option<&Path>) -> Result<(PathBuf, boo
         .or(env_dir)
         .unwrap_or_else(|| root.join("target/guest-image"));
     let script = root.join("guest/build-image.sh");
-    crate::cli::say(&format!(
+    crust_report::say(&format!(
         "building the guest image with {} (first run only)...",
         script.display()
     ));

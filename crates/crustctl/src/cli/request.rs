@@ -11,9 +11,9 @@ use super::CliError;
 use super::args::{
     AccessModeArg, CapabilityArgs, ControllerCmd, GroupCmd, NodeCmd, PodArgs, RuntimeArgs,
 };
-use crate::flow::{DeferVia, FlowConfig};
 use crate::parse::{KeyValue, to_map};
-use crate::runtime_cli::RuntimeCli;
+use crust_kubesim::flow::{DeferVia, FlowConfig};
+use crust_kubesim::runtime_cli::RuntimeCli;
 
 impl RuntimeArgs {
     pub fn build(&self) -> RuntimeCli {

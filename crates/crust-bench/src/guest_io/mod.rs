@@ -44,12 +44,12 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use super::{BenchError, CleanupReport};
-use crate::client::Csi;
-use crate::flow::{
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{
     DeferVia, Flow, FlowConfig, MOUNT_DESTINATION, Progress, StepReport, Workload as PodWorkload,
 };
-use crate::parse::{parse_duration, parse_size};
-use crate::runtime_cli::RuntimeCli;
+use crust_kubesim::runtime_cli::RuntimeCli;
+use crust_report::units::{parse_duration, parse_size};
 use report::{
     CpuSplit, FeatureRow, GuestIoReport, MountReport, Outcome, Run, Side, WorkloadResult,
 };
@@ -180,7 +180,7 @@ impl GuestIoConfig {
             drop_host_caches: true,
             host_columns: true,
             host_dir: None,
-            pod_uid: crate::flow::random_uuid(),
+            pod_uid: crust_kubesim::flow::random_uuid(),
         }
     }
 
@@ -270,7 +270,7 @@ impl GuestIoConfig {
         f.defer_via = DeferVia::None;
         // crust-csi: never deferred or handed over to a runtime.
         f.params
-            .insert(crate::flow::DEFER_PARAM.into(), "false".into());
+            .insert(crust_kubesim::flow::DEFER_PARAM.into(), "false".into());
         f
     }
 
@@ -461,8 +461,8 @@ impl Bench<'_> {
             serde_json::from_str(tree.trim()).map_err(|e| format!("tree output: {e}"))?;
         Ok(format!(
             "{} and {} laid out, tree of {} entries built in {:.1}s",
-            crate::parse::human_size(s.rand_file as i64),
-            crate::parse::human_size(s.seq_file as i64),
+            crust_report::units::human_size(s.rand_file as i64),
+            crust_report::units::human_size(s.seq_file as i64),
             v["entries"],
             v["seconds"].as_f64().unwrap_or(0.0)
         ))
@@ -1010,10 +1010,10 @@ impl Drop for Pods {
         // block_in_place needs a multi-thread runtime (crustctl's is one).
         match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                crate::cli::say("bench --guest-io: stopped unexpectedly, tearing down");
+                crust_report::say("bench --guest-io: stopped unexpectedly, tearing down");
                 tokio::task::block_in_place(|| h.block_on(self.tear_down()));
             }
-            _ => crate::cli::say(
+            _ => crust_report::say(
                 "bench --guest-io: dropped outside a multi-thread tokio runtime: \
                  the sandbox and volumes of this run are left behind",
             ),
@@ -1269,7 +1269,7 @@ mod tests {
         assert_eq!(b.defer_via, DeferVia::Request);
         assert!(b.runtime.share_binds && !v.runtime.share_binds);
         assert_eq!(b.runtime.memory_mib, Some(1024));
-        let spec = crate::flow::bundle_spec(&b, "/t/blk");
+        let spec = crust_kubesim::flow::bundle_spec(&b, "/t/blk");
         let mounts = spec["mounts"].as_array().unwrap();
         assert!(
             mounts

@@ -25,9 +25,9 @@ use tonic::Code;
 use super::{
     BenchError, BenchReport, CleanupReport, Limit, Recorder, Scenario, ScenarioReport, status_text,
 };
-use crate::client::Csi;
-use crate::flow::{DeferVia, Flow, FlowConfig, Progress};
-use crate::parse::human_duration;
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{DeferVia, Flow, FlowConfig, Progress};
+use crust_report::units::human_duration;
 
 #[derive(Debug, Clone)]
 pub struct DeferredConfig {

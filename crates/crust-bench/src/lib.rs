@@ -1,4 +1,12 @@
-//! `crustctl bench`: a driver-agnostic CSI load generator.
+//! crust-bench: the benchmarks behind `crustctl bench`.
+//!
+//! - this module: a driver-agnostic CSI load generator ([`run_bench`]);
+//! - [`deferred`]: the KEP-2857 path (`--deferred`), timed through the
+//!   kubelet simulator;
+//! - [`guest_io`]: I/O inside the guest against the host and virtio-fs
+//!   (`--guest-io`).
+//!
+//! The load generator:
 //!
 //! It sends only standard CSI calls (plus `defer_fs_ops` when asked), reads
 //! the driver's capabilities first and skips what the driver does not
@@ -38,9 +46,9 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
-use crate::client::Csi;
-use crate::fmt::{Render, table};
-use crate::parse::human_duration;
+use crust_csi_client::Csi;
+use crust_report::units::human_duration;
+use crust_report::{Render, table};
 use hist::Histogram;
 
 /// The workloads `bench` can run.
@@ -1301,7 +1309,7 @@ async fn discover(c: &Csi) -> Result<Discovered, BenchError> {
 /// Makes `dir` and any missing parents, recording each one we made so
 /// cleanup removes exactly those.
 fn make_root(ledger: &mut Ledger, dir: &Path) -> Result<(), BenchError> {
-    crate::dirs::create_missing(dir, |p| {
+    crust_kubesim::dirs::create_missing(dir, |p| {
         ledger.add(Item::Dir {
             path: p.to_path_buf(),
             child: None,

@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::workload::{Measured, Sizes, Unit, Workload};
-use crate::bench::CleanupReport;
-use crate::fmt::{Render, table};
+use crate::CleanupReport;
+use crust_report::{Render, table};
 
 /// Where a run ran: one of the guest's two mounts, or one of the host
 /// columns ([`super::baseline`]).
@@ -409,7 +409,7 @@ impl Render for GuestIoReport {
                 out,
                 "  {side:<9} {:<15} {} {} volume {}: {}",
                 m.destination,
-                crate::parse::human_size(m.capacity_bytes),
+                crust_report::units::human_size(m.capacity_bytes),
                 m.fs_type,
                 m.volume_id,
                 m.path
@@ -423,7 +423,7 @@ impl Render for GuestIoReport {
                 h.qemu_img_version,
                 h.qemu_img_aio,
                 h.scratch_device,
-                crate::parse::human_size(h.scratch_bytes as i64),
+                crust_report::units::human_size(h.scratch_bytes as i64),
                 if h.scratch_direct_io { "on" } else { "off" },
             );
         }
@@ -433,8 +433,8 @@ impl Render for GuestIoReport {
                 "{} repetition(s), interleaved block/virtio-fs; queue depths {:?}; random file {}, sequential file {}, {:.0?} per random run; {} files; tree of {} entries; caches dropped before cold runs: guest{}",
                 self.repeat,
                 self.queue_depths,
-                crate::parse::human_size(s.rand_file as i64),
-                crate::parse::human_size(s.seq_file as i64),
+                crust_report::units::human_size(s.rand_file as i64),
+                crust_report::units::human_size(s.seq_file as i64),
                 s.runtime,
                 s.meta_files,
                 s.walk_entries,
@@ -506,7 +506,7 @@ impl Render for GuestIoReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::guest_io::workload::Kind;
+    use crate::guest_io::workload::Kind;
 
     fn run(rep: u32, side: Side, value: f64, bytes: u64, cpu: f64) -> Run {
         Run {
