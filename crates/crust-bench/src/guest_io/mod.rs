@@ -35,28 +35,32 @@ pub mod host;
 pub mod report;
 pub mod workload;
 
+mod checks;
+mod measure;
+
+use checks::{check_sandbox, describe_mounts, feature_table};
+use measure::Bench;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crust_proto::csi::v1 as csi;
-use serde_json::Value;
 use tokio::sync::watch;
 
 use super::{BenchError, CleanupReport};
 use crust_csi_client::Csi;
 use crust_kubesim::flow::{
-    DeferVia, Flow, FlowConfig, MOUNT_DESTINATION, Progress, StepReport, Workload as PodWorkload,
+    DeferVia, Flow, FlowConfig, Progress, StepReport, Workload as PodWorkload,
 };
 use crust_kubesim::runtime_cli::RuntimeCli;
 use crust_report::units::{parse_duration, parse_size};
-use report::{
-    CpuSplit, FeatureRow, GuestIoReport, MountReport, Outcome, Run, Side, WorkloadResult,
-};
-use workload::{HELPER, Measured, Sizes, Workload};
+use report::{CpuSplit, GuestIoReport, Side};
+use workload::Sizes;
 
 /// Where the virtio-fs volume appears in the guest.
 pub const VIRTIOFS_DESTINATION: &str = "/data-virtiofs";
+/// The error of a guest command cut short by an interruption.
+const INTERRUPTED: &str = "interrupted";
 /// The bench's directory on each mount.
 const BENCH_DIR: &str = "crust-bench";
 /// Slack on top of each guest command's own bound.
@@ -296,471 +300,6 @@ pub fn default_volume_size(s: &Sizes, short: bool) -> u64 {
     want.max(if short { q } else { 4 * q })
 }
 
-/// Runs commands in the sandbox's guest.
-struct Guest {
-    rt: RuntimeCli,
-    id: String,
-    /// Ctrl-C/SIGTERM: the running command is abandoned (the runtime CLI
-    /// child is killed) so teardown starts at once.
-    stop: watch::Receiver<bool>,
-}
-
-/// The error of a guest command cut short by an interruption.
-const INTERRUPTED: &str = "interrupted";
-
-impl Guest {
-    /// `args` in the guest, bounded by `limit`; stdout when it exits 0.
-    async fn run(&self, args: &[String], limit: Duration) -> Result<String, String> {
-        let ms = limit.as_millis().to_string();
-        let mut a: Vec<&str> = vec!["exec", &self.id, "--timeout-ms", &ms, "--"];
-        a.extend(args.iter().map(String::as_str));
-        let mut stop = self.stop.clone();
-        let stopped = async move {
-            // A dropped sender never stops the run.
-            if stop.wait_for(|s| *s).await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        };
-        let out = tokio::select! {
-            out = self.rt.run_for(&a, limit + EXEC_SLACK) => out.map_err(|e| e.to_string())?,
-            () = stopped => return Err(INTERRUPTED.into()),
-        };
-        if out.code != Some(0) {
-            let err = out.stderr.trim();
-            return Err(format!(
-                "`{}` in the guest failed ({}): {}",
-                args.join(" "),
-                out.code
-                    .map(|c| format!("exit {c}"))
-                    .unwrap_or_else(|| "signal".into()),
-                if err.is_empty() {
-                    out.stdout.trim()
-                } else {
-                    err
-                }
-            ));
-        }
-        Ok(out.stdout)
-    }
-
-    async fn sh(&self, script: &str, limit: Duration) -> Result<String, String> {
-        self.run(&["sh".into(), "-c".into(), script.into()], limit)
-            .await
-    }
-}
-
-/// Guest side and host side of the two mounts while the sandbox runs.
-struct Bench<'a> {
-    guest: Guest,
-    cfg: &'a GuestIoConfig,
-    /// QEMU and the share's virtiofsd.
-    pids: Vec<i32>,
-    /// The host columns, when they run.
-    host: Option<baseline::HostSide>,
-    progress: Progress,
-    stop: watch::Receiver<bool>,
-}
-
-/// The bench directory of a guest mount.
-fn dir_of(side: Side) -> String {
-    match side {
-        Side::Block => format!("{MOUNT_DESTINATION}/{BENCH_DIR}"),
-        Side::Virtiofs => format!("{VIRTIOFS_DESTINATION}/{BENCH_DIR}"),
-        Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest directory"),
-    }
-}
-
-/// Bound of one guest command working on `bytes` (TCG guests are slow:
-/// 1 MiB/s at the worst, plus a minute).
-fn bound(bytes: u64, runtime: Duration) -> Duration {
-    Duration::from_secs(60 + bytes / (1 << 20)) + runtime
-}
-
-impl Bench<'_> {
-    fn step(&self, step: String, t0: Instant, r: &Result<String, String>) {
-        let (ok, detail) = match r {
-            Ok(d) => (true, d.clone()),
-            Err(e) => (false, e.clone()),
-        };
-        (self.progress)(&StepReport {
-            step,
-            ok,
-            duration_ms: t0.elapsed().as_secs_f64() * 1000.0,
-            detail,
-        });
-    }
-
-    /// Dirty data written back in the guest and on the host; for a cold
-    /// run both page caches dropped too.
-    async fn settle(&self, cold: bool) -> Result<(), String> {
-        let script = if cold {
-            "sync && echo 3 > /proc/sys/vm/drop_caches"
-        } else {
-            "sync"
-        };
-        self.guest.sh(script, Duration::from_secs(120)).await?;
-        if cold && self.cfg.drop_host_caches {
-            tokio::task::spawn_blocking(host::drop_caches)
-                .await
-                .map_err(|e| e.to_string())??;
-        } else {
-            tokio::task::spawn_blocking(host::sync)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-
-    /// The host's part of [`Bench::settle`], before a host column's run:
-    /// dirty data written back (caches dropped too when `cold`). The
-    /// guest is idle then, with nothing dirty: every fio workload ends
-    /// with its data fsynced or only reads.
-    async fn settle_host(&self, cold: bool) -> Result<(), String> {
-        let cold = cold && self.cfg.drop_host_caches;
-        tokio::task::spawn_blocking(move || {
-            if cold {
-                host::drop_caches()
-            } else {
-                host::sync();
-                Ok(())
-            }
-        })
-        .await
-        .map_err(|e| e.to_string())?
-    }
-
-    /// The files and the tree the workloads use, on one mount (not timed).
-    async fn prepare(&self, side: Side) -> Result<String, String> {
-        let dir = dir_of(side);
-        let s = &self.cfg.sizes;
-        self.guest
-            .sh(
-                &format!("rm -rf {dir} && mkdir -p {dir}"),
-                Duration::from_secs(120),
-            )
-            .await?;
-        for cmd in workload::layout_commands(&dir, s) {
-            self.guest
-                .run(&cmd, bound(s.rand_file.max(s.seq_file), Duration::ZERO))
-                .await?;
-        }
-        let tree = self
-            .guest
-            .run(
-                &[
-                    HELPER.into(),
-                    "tree".into(),
-                    format!("{dir}/tree"),
-                    s.walk_entries.to_string(),
-                ],
-                bound(s.walk_entries as u64 * 4096, Duration::ZERO)
-                    + Duration::from_secs(s.walk_entries as u64 / 50),
-            )
-            .await?;
-        let v: Value =
-            serde_json::from_str(tree.trim()).map_err(|e| format!("tree output: {e}"))?;
-        Ok(format!(
-            "{} and {} laid out, tree of {} entries built in {:.1}s",
-            crust_report::units::human_size(s.rand_file as i64),
-            crust_report::units::human_size(s.seq_file as i64),
-            v["entries"],
-            v["seconds"].as_f64().unwrap_or(0.0)
-        ))
-    }
-
-    /// One run of `w` on one mount or host column, with the host CPU it
-    /// cost. `host_rate`: host fio's result of this repetition (sizes
-    /// qemu-img's time-based rows).
-    async fn run_one(
-        &self,
-        w: &Workload,
-        side: Side,
-        rep: u32,
-        host_rate: Option<f64>,
-    ) -> Result<Run, String> {
-        // The host columns read with O_DIRECT (host fio; qemu-img on a
-        // direct-I/O loop device): no page cache to drop unless the
-        // kernel refused the loop device direct I/O.
-        match side {
-            Side::Block | Side::Virtiofs => self.settle(w.cold()).await?,
-            Side::HostFio => self.settle_host(false).await?,
-            Side::QemuImg => {
-                let buffered = self.host.as_ref().is_some_and(|h| !h.scratch.direct_io);
-                self.settle_host(w.cold() && buffered).await?;
-            }
-        }
-        let (measured, host_cpu_s) = match (side, &self.host) {
-            (Side::Block | Side::Virtiofs, _) => self.run_guest(w, side).await?,
-            (Side::HostFio, Some(h)) => {
-                let s = &self.cfg.sizes;
-                let cmd = baseline::host_fio_command(w, &h.fio_dir, s);
-                let limit = bound(s.rand_file.max(s.seq_file), s.runtime);
-                let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
-                (workload::parse(w, &out)?, cpu)
-            }
-            (Side::QemuImg, Some(h)) => {
-                let s = &self.cfg.sizes;
-                let bytes = h.scratch.device_bytes;
-                let count = baseline::request_count(w, s, bytes, host_rate);
-                let dev = h.scratch.device_path.display().to_string();
-                let cmd = baseline::qemu_img_command(w, &dev, bytes, &h.aio, count);
-                let limit = bound(count * baseline::block_size(w), s.runtime);
-                let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
-                (baseline::parse_qemu_img(w, count, &out)?, cpu)
-            }
-            (Side::HostFio | Side::QemuImg, None) => return Err("no host columns".into()),
-        };
-        Ok(Run {
-            repetition: rep,
-            side,
-            measured,
-            host_cpu_s,
-        })
-    }
-
-    /// `w` on a guest mount: what it measured and QEMU's + virtiofsd's
-    /// CPU seconds over it.
-    async fn run_guest(&self, w: &Workload, side: Side) -> Result<(Measured, f64), String> {
-        let s = &self.cfg.sizes;
-        let limit = match w.kind {
-            workload::Kind::Meta => bound(
-                s.meta_files as u64 * 4096,
-                Duration::from_secs(s.meta_files as u64 / 5),
-            ),
-            workload::Kind::Walk => bound(
-                s.walk_entries as u64 * 512,
-                Duration::from_secs(s.walk_entries as u64 / 100),
-            ),
-            _ => bound(s.rand_file.max(s.seq_file), s.runtime),
-        };
-        let cpu0 = host::total_cpu(&self.pids);
-        let out = self.guest.run(&w.command(&dir_of(side), s), limit).await?;
-        let cpu = host::total_cpu(&self.pids) - cpu0;
-        Ok((workload::parse(w, &out)?, cpu.max(0.0)))
-    }
-
-    /// Where `w` runs: both mounts, then the host columns of a fio
-    /// workload.
-    fn sides(&self, w: &Workload) -> Vec<Side> {
-        let mut v = vec![Side::Block, Side::Virtiofs];
-        if self.host.is_some() && w.is_fio() {
-            v.extend([Side::HostFio, Side::QemuImg]);
-        }
-        v
-    }
-
-    /// Every workload, `repeat` times, block and virtio-fs back to back.
-    async fn measure(&self, errors: &mut Vec<String>) -> Vec<WorkloadResult> {
-        let workloads = Workload::all(&self.cfg.queue_depths);
-        let mut runs: Vec<Vec<Run>> = vec![Vec::new(); workloads.len()];
-        let mut failures = 0;
-        'all: for rep in 0..self.cfg.repeat {
-            for (i, w) in workloads.iter().enumerate() {
-                let mut host_rate = None;
-                for side in self.sides(w) {
-                    if *self.stop.borrow() || failures >= MAX_CONSECUTIVE_FAILURES {
-                        break 'all;
-                    }
-                    let t0 = Instant::now();
-                    let r = self.run_one(w, side, rep, host_rate).await;
-                    if let (Side::HostFio, Ok(run)) = (side, &r) {
-                        host_rate = Some(run.measured.value);
-                    }
-                    let shown = r
-                        .as_ref()
-                        .map(|run| w.unit().format(run.measured.value))
-                        .map_err(Clone::clone);
-                    self.step(
-                        format!("{} {} #{}", w.name(), side.name(), rep + 1),
-                        t0,
-                        &shown,
-                    );
-                    match r {
-                        Ok(run) => {
-                            failures = 0;
-                            runs[i].push(run);
-                        }
-                        Err(_) if *self.stop.borrow() => break 'all,
-                        Err(e) => {
-                            failures += 1;
-                            errors.push(format!(
-                                "{} on {} (repetition {}): {e}",
-                                w.name(),
-                                side.name(),
-                                rep + 1
-                            ));
-                        }
-                    }
-                }
-            }
-        }
-        if failures >= MAX_CONSECUTIVE_FAILURES {
-            errors.push(format!("stopped after {failures} failed runs in a row"));
-        }
-        workloads
-            .into_iter()
-            .zip(runs)
-            .map(|(w, r)| WorkloadResult::new(w, r))
-            .collect()
-    }
-
-    /// The helper's feature probes on one mount: name -> outcome.
-    async fn features(&self, side: Side) -> Result<Vec<(String, String, Outcome)>, String> {
-        let out = self
-            .guest
-            .run(
-                &[
-                    HELPER.into(),
-                    "features".into(),
-                    format!("{}/features", dir_of(side)),
-                ],
-                Duration::from_secs(120),
-            )
-            .await?;
-        let v: Value =
-            serde_json::from_str(out.trim()).map_err(|e| format!("features output: {e}"))?;
-        let list = v["features"]
-            .as_array()
-            .ok_or("features output has no list")?;
-        Ok(list
-            .iter()
-            .map(|f| {
-                let works = f["ok"].as_bool().unwrap_or(false);
-                let detail = if works { &f["detail"] } else { &f["error"] };
-                (
-                    f["name"].as_str().unwrap_or("?").to_string(),
-                    f["checks"].as_str().unwrap_or("").to_string(),
-                    Outcome {
-                        works,
-                        detail: detail.as_str().unwrap_or("").to_string(),
-                    },
-                )
-            })
-            .collect())
-    }
-
-    /// The guest's statfs of one mount.
-    async fn statfs(&self, side: Side) -> Result<Value, String> {
-        let mount = match side {
-            Side::Block => MOUNT_DESTINATION,
-            Side::Virtiofs => VIRTIOFS_DESTINATION,
-            Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest mount"),
-        };
-        let out = self
-            .guest
-            .run(
-                &[HELPER.into(), "statfs".into(), mount.into()],
-                Duration::from_secs(60),
-            )
-            .await?;
-        serde_json::from_str(out.trim()).map_err(|e| format!("statfs output: {e}"))
-    }
-}
-
-/// The guest's statfs of a mount against NodeGetVolumeStats of its volume
-/// (taken between two guest readings, the volume idle).
-async fn statfs_vs_csi(bench: &Bench<'_>, side: Side, flow: &Flow) -> Outcome {
-    let fail = |detail: String| Outcome {
-        works: false,
-        detail,
-    };
-    let before = match bench.statfs(side).await {
-        Ok(v) => v,
-        Err(e) => return fail(e),
-    };
-    let stats = match flow.stats().await {
-        Ok(s) => s,
-        Err(s) => {
-            return fail(format!(
-                "NodeGetVolumeStats: {:?}: {}",
-                s.code(),
-                s.message()
-            ));
-        }
-    };
-    let after = bench.statfs(side).await.unwrap_or(Value::Null);
-    let usage = |unit: csi::volume_usage::Unit| {
-        stats
-            .usage
-            .iter()
-            .find(|u| u.unit == unit as i32)
-            .map(|u| (u.total as u64, u.used as u64, u.available as u64))
-    };
-    let (Some(b), Some(i)) = (
-        usage(csi::volume_usage::Unit::Bytes),
-        usage(csi::volume_usage::Unit::Inodes),
-    ) else {
-        return fail(format!(
-            "NodeGetVolumeStats has no bytes or inodes usage: {stats:?}"
-        ));
-    };
-    let guest = |v: &Value| {
-        let n = |k: &str| v[k].as_u64().unwrap_or(u64::MAX);
-        (
-            (n("bytes_total"), n("bytes_used"), n("bytes_available")),
-            (n("inodes_total"), n("inodes_used"), n("inodes_available")),
-        )
-    };
-    if guest(&before) == (b, i) || guest(&after) == (b, i) {
-        Outcome {
-            works: true,
-            detail: format!(
-                "bytes total/used/available {}/{}/{}, inodes {}/{}/{}",
-                b.0, b.1, b.2, i.0, i.1, i.2
-            ),
-        }
-    } else {
-        fail(format!(
-            "CSI says bytes {b:?} inodes {i:?}, the guest's statfs {:?}",
-            guest(&before)
-        ))
-    }
-}
-
-/// What the report says of each volume: where it is, how the guest sees it.
-fn describe_mounts(rep: &mut GuestIoReport, blk: &Flow, vfs: &Flow, vfs_target: &str, seen: &Seen) {
-    let volume = |f: &Flow, dest: &str, path: String, guest: &(String, String)| MountReport {
-        destination: dest.into(),
-        volume_id: f.volume_id().unwrap_or_default().to_string(),
-        capacity_bytes: f
-            .report()
-            .volume
-            .as_ref()
-            .map(|v| v.capacity_bytes)
-            .unwrap_or(0),
-        fs_type: f
-            .report()
-            .volume
-            .as_ref()
-            .map(|v| v.fs_type.clone())
-            .unwrap_or_default(),
-        path,
-        guest_source: guest.0.clone(),
-        guest_fs_type: guest.1.clone(),
-        host_target: f.target_path().to_string(),
-        host_sees_bench_files: false,
-    };
-    rep.block = volume(
-        blk,
-        MOUNT_DESTINATION,
-        format!(
-            "virtio-blk {}, {}, mounted in the guest (deferred publish)",
-            seen.block.0, seen.block.1
-        ),
-        &seen.block,
-    );
-    rep.virtiofs = volume(
-        vfs,
-        VIRTIOFS_DESTINATION,
-        format!(
-            "host mount {} shared by virtiofsd {} (the containerd shim's settings)",
-            vfs_target,
-            rep.virtiofsd_args.join(" ")
-        ),
-        &seen.virtiofs,
-    );
-}
-
 /// Sets up, measures, tears down. `Err` only when the run could not start
 /// (bad config, set-up failure — already torn down).
 pub async fn run_guest_io(
@@ -780,24 +319,7 @@ pub async fn run_guest_io(
             rpc: "GetPluginInfo",
             status,
         })?;
-    let mut rep = GuestIoReport {
-        driver: info.name,
-        vendor_version: info.vendor_version,
-        run_id: cfg.run_id.clone(),
-        guest_memory_mib: cfg.guest_memory_mib,
-        guest_cpus: cfg.guest_cpus,
-        guest_initrd: cfg
-            .runtime
-            .guest_initrd
-            .as_ref()
-            .map(|p| p.display().to_string()),
-        virtiofsd_args: crust_vmm_args(),
-        repeat: cfg.repeat,
-        queue_depths: cfg.queue_depths.clone(),
-        sizes: Some(cfg.sizes),
-        host_caches_dropped: cfg.drop_host_caches && host::can_drop_caches(),
-        ..Default::default()
-    };
+    let mut rep = new_report(info, &cfg);
     if cfg.drop_host_caches && !host::can_drop_caches() {
         return Err(BenchError::Config(
             "dropping the host's page cache needs root (or pass --keep-host-caches)".into(),
@@ -845,23 +367,7 @@ pub async fn run_guest_io(
         stop: stop.clone(),
     };
     // --- prepare, measure, features --------------------------------------------
-    let mut prepared = true;
-    for side in [Side::Block, Side::Virtiofs] {
-        if *stop.borrow() {
-            break;
-        }
-        let t0 = Instant::now();
-        let r = bench.prepare(side).await;
-        bench.step(format!("prepare {}", side.name()), t0, &r);
-        match r {
-            Ok(n) => rep.notes.push(format!("{}: {n}", side.name())),
-            Err(_) if *stop.borrow() => prepared = false,
-            Err(e) => {
-                rep.errors.push(format!("preparing {}: {e}", side.name()));
-                prepared = false;
-            }
-        }
-    }
+    let prepared = prepare_sides(&bench, &mut rep, &stop).await;
     // Where the bytes land: the host sees the virtio-fs volume's files
     // through its host mount, and nothing of the block volume (not
     // mounted on the host at all).
@@ -894,6 +400,67 @@ pub async fn run_guest_io(
 
     // --- teardown: the pod first (it holds the share of the other) -------------
     drop(bench);
+    rep.cleanup = tear_down(&mut pods, &mut rep.notes).await;
+    rep.interrupted = *stop.borrow();
+    rep.elapsed_secs = t_all.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// The report's header: the driver and the guest's shape.
+fn new_report(
+    info: crust_proto::csi::v1::GetPluginInfoResponse,
+    cfg: &GuestIoConfig,
+) -> GuestIoReport {
+    GuestIoReport {
+        driver: info.name,
+        vendor_version: info.vendor_version,
+        run_id: cfg.run_id.clone(),
+        guest_memory_mib: cfg.guest_memory_mib,
+        guest_cpus: cfg.guest_cpus,
+        guest_initrd: cfg
+            .runtime
+            .guest_initrd
+            .as_ref()
+            .map(|p| p.display().to_string()),
+        virtiofsd_args: crust_vmm_args(),
+        repeat: cfg.repeat,
+        queue_depths: cfg.queue_depths.clone(),
+        sizes: Some(cfg.sizes),
+        host_caches_dropped: cfg.drop_host_caches && host::can_drop_caches(),
+        ..Default::default()
+    }
+}
+
+/// Lays out the bench's files on both mounts; false when a side could not
+/// be prepared (or the run was stopped), so nothing is measured.
+async fn prepare_sides(
+    bench: &Bench<'_>,
+    rep: &mut GuestIoReport,
+    stop: &watch::Receiver<bool>,
+) -> bool {
+    let mut prepared = true;
+    for side in [Side::Block, Side::Virtiofs] {
+        if *stop.borrow() {
+            break;
+        }
+        let t0 = Instant::now();
+        let r = bench.prepare(side).await;
+        bench.step(format!("prepare {}", side.name()), t0, &r);
+        match r {
+            Ok(n) => rep.notes.push(format!("{}: {n}", side.name())),
+            Err(_) if *stop.borrow() => prepared = false,
+            Err(e) => {
+                rep.errors.push(format!("preparing {}: {e}", side.name()));
+                prepared = false;
+            }
+        }
+    }
+    prepared
+}
+
+/// Tears both pods down (the block pod first: it holds the share of the
+/// other) and counts what was undone.
+async fn tear_down(pods: &mut Pods, notes: &mut Vec<String>) -> CleanupReport {
     let mut cleanup = CleanupReport::default();
     for f in pods.in_teardown_order() {
         let before = f.report().steps.len();
@@ -911,7 +478,7 @@ pub async fn run_guest_io(
             }
         }
         // The host-only flow's own remark would read as a problem here.
-        rep.notes.extend(
+        notes.extend(
             f.report()
                 .notes
                 .iter()
@@ -919,10 +486,7 @@ pub async fn run_guest_io(
                 .cloned(),
         );
     }
-    rep.cleanup = cleanup;
-    rep.interrupted = *stop.borrow();
-    rep.elapsed_secs = t_all.elapsed().as_secs_f64();
-    Ok(rep)
+    cleanup
 }
 
 /// Sets up the host columns ([`baseline`]) beside the block volume's
@@ -1027,157 +591,6 @@ fn crust_vmm_args() -> Vec<String> {
         .map(|s| s.to_string())
         .collect()
 }
-
-/// What the guest's /proc/mounts says of each mount: (source, fs type).
-struct Seen {
-    block: (String, String),
-    virtiofs: (String, String),
-    /// The block volume's device on the host (the runtime's state).
-    block_device: String,
-}
-
-/// Both mounts are where they should be in the guest and the bench tools
-/// are there. Returns the guest, the pids whose CPU is counted, and what
-/// the guest's /proc/mounts shows.
-async fn check_sandbox(
-    blk: &Flow,
-    cfg: &GuestIoConfig,
-    stop: watch::Receiver<bool>,
-) -> Result<(Guest, Vec<i32>, Seen), String> {
-    let id = blk.sandbox().ok_or("no sandbox runs")?.to_string();
-    let rt = blk.runtime().clone();
-    let st = rt.json(&["state", &id]).await.map_err(|e| e.to_string())?;
-    let shared = st["sharedMounts"]
-        .as_array()
-        .is_some_and(|m| m.iter().any(|m| m["destination"] == VIRTIOFS_DESTINATION));
-    if !shared {
-        return Err(format!(
-            "the runtime did not share {VIRTIOFS_DESTINATION} over virtio-fs (state: {st}); \
-             crust-runtime needs --share-binds support"
-        ));
-    }
-    if st["volumes"].as_array().map(Vec::len) != Some(1) {
-        return Err(format!(
-            "the sandbox should hold exactly the block volume: {}",
-            st["volumes"]
-        ));
-    }
-    let block_device = st["volumes"][0]["device"]
-        .as_str()
-        .ok_or("no device of the block volume in the sandbox state")?
-        .to_string();
-    let qemu = st["qemu"]["pid"]
-        .as_i64()
-        .ok_or("no QEMU pid in the sandbox state")? as i32;
-    let shim = st["shim"]["pid"]
-        .as_i64()
-        .ok_or("no shim pid in the sandbox state")? as i32;
-    let mut pids = vec![qemu];
-    pids.extend(host::virtiofsd_pids(shim));
-    if pids.len() < 2 {
-        return Err(format!(
-            "no virtiofsd found below the sandbox's shim (pid {shim})"
-        ));
-    }
-    let guest = Guest { rt, id, stop };
-    let mounts = guest
-        .sh("cat /proc/mounts", Duration::from_secs(60))
-        .await?;
-    let find = |dest: &str| {
-        mounts.lines().find_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            (f.len() > 2 && f[1] == dest).then(|| (f[0].to_string(), f[2].to_string()))
-        })
-    };
-    let block = match find(MOUNT_DESTINATION) {
-        Some((dev, fs)) if dev.starts_with("/dev/vd") && fs == cfg.fs_type => (dev, fs),
-        other => {
-            return Err(format!(
-                "{MOUNT_DESTINATION} in the guest is {other:?}, not a {} virtio-blk disk",
-                cfg.fs_type
-            ));
-        }
-    };
-    let virtiofs = match find(VIRTIOFS_DESTINATION) {
-        Some((tag, fs)) if fs == "virtiofs" => (tag, fs),
-        other => {
-            return Err(format!(
-                "{VIRTIOFS_DESTINATION} in the guest is {other:?}, not virtio-fs"
-            ));
-        }
-    };
-    guest
-        .sh(
-            &format!("command -v fio && command -v {HELPER} && fio --version"),
-            Duration::from_secs(60),
-        )
-        .await
-        .map_err(|e| {
-            format!(
-                "the guest image has no fio/{HELPER} ({e}): build the bench image with \
-                 `guest/build-image.sh --bench` and pass it with --guest-kernel/--guest-initrd"
-            )
-        })?;
-    Ok((
-        guest,
-        pids,
-        Seen {
-            block,
-            virtiofs,
-            block_device,
-        },
-    ))
-}
-
-/// Human names of the helper's probes.
-fn feature_label(name: &str) -> &str {
-    match name {
-        "o_direct" => "O_DIRECT",
-        "xattr" => "xattrs (user.*)",
-        "posix_acl" => "POSIX ACLs",
-        "fallocate_punch_hole" => "fallocate + punch hole",
-        "flock" => "flock, two processes",
-        "fcntl_lock" => "fcntl locks, two processes",
-        "inotify" => "inotify",
-        "mmap_shared_write" => "mmap shared writes",
-        other => other,
-    }
-}
-
-async fn feature_table(
-    bench: &Bench<'_>,
-    blk: &Flow,
-    vfs: &Flow,
-) -> Result<Vec<FeatureRow>, String> {
-    let b = bench.features(Side::Block).await?;
-    let v = bench.features(Side::Virtiofs).await?;
-    let mut rows = Vec::new();
-    for (name, checks, outcome) in b {
-        let other = v
-            .iter()
-            .find(|(n, _, _)| *n == name)
-            .map(|(_, _, o)| o.clone())
-            .unwrap_or(Outcome {
-                works: false,
-                detail: "not probed".into(),
-            });
-        rows.push(FeatureRow {
-            feature: feature_label(&name).to_string(),
-            checks,
-            block: outcome,
-            virtiofs: other,
-        });
-    }
-    rows.push(FeatureRow {
-        feature: "statfs = CSI stats".into(),
-        checks: "the guest's statvfs of the mount equals NodeGetVolumeStats (bytes and inodes)"
-            .into(),
-        block: statfs_vs_csi(bench, Side::Block, blk).await,
-        virtiofs: statfs_vs_csi(bench, Side::Virtiofs, vfs).await,
-    });
-    Ok(rows)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

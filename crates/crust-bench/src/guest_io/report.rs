@@ -376,13 +376,10 @@ fn ratio(v: Option<f64>) -> String {
     v.map(|r| format!("{r:.2}×")).unwrap_or_else(|| "-".into())
 }
 
-impl Render for GuestIoReport {
-    fn to_json(&self) -> serde_json::Value {
-        serde_json::to_value(self).expect("report serializes")
-    }
-
-    fn to_text(&self) -> String {
-        let mut out = String::new();
+impl GuestIoReport {
+    /// The run's shape: driver, accelerator, guest, mounts, host columns,
+    /// sizes.
+    fn header_text(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "guest I/O: driver {} {}, run {}, {} ({})",
@@ -445,6 +442,17 @@ impl Render for GuestIoReport {
                 },
             );
         }
+    }
+}
+
+impl Render for GuestIoReport {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("report serializes")
+    }
+
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        self.header_text(&mut out);
         out.push('\n');
         out.push_str(&table(
             &[
