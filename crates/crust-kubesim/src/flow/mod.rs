@@ -12,6 +12,11 @@
 //! Every step is reported as it completes. Whatever a step created is
 //! pushed on an undo stack, so after a failure (or Ctrl-C) exactly the
 //! teardown steps that apply run, in reverse.
+//!
+//! Here: [`Flow`], its phases and the teardown. The steps live by side:
+//! `volume` (the CSI calls), `sandbox` (the bundle and the runtime CLI),
+//! `observe` (df, stats, health); `config` is what the pod asks for,
+//! `report` what the flow says, `host` what kubelet reads from the node.
 
 use std::collections::HashMap;
 use std::future::Future;
