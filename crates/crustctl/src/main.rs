@@ -1,7 +1,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use crustctl::cli::{Cli, EXIT_FAILURE, run, say};
+use crust_report::say;
+use crustctl::cli::{Cli, EXIT_FAILURE, run};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

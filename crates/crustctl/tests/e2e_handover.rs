@@ -25,9 +25,9 @@ mod e2e_support;
 use std::path::Path;
 use std::time::Instant;
 
+use crust_csi_client::Csi;
 use crust_proto::csi::v1 as csi;
 use crust_testkit::{BUSYBOX_IMAGE, Containerd, ContainerdOptions};
-use crustctl::client::Csi;
 use csi::volume_capability::access_mode::Mode;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use e2e_support::*;

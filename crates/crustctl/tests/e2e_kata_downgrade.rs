@@ -24,8 +24,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crust_kubesim::flow::{DeferVia, Flow};
 use crust_proto::csi::v1 as csi;
-use crustctl::flow::{DeferVia, Flow};
 use e2e_support::*;
 use serde_json::Value;
 use tonic::Code;

@@ -21,7 +21,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crust_handoff::FsGroupChangePolicy;
-use crustctl::flow::{DeferVia, Flow, is_mountpoint};
+use crust_kubesim::flow::{DeferVia, Flow, is_mountpoint};
 use e2e_support::*;
 use serde_json::Value;
 use tonic::Code;
@@ -71,7 +71,7 @@ async fn host_mounts_storage_class_records_and_refused_deferral() {
     );
 
     // A new pod, same volume: restaged and republished, the data is there.
-    cfg.pod_uid = crustctl::flow::random_uuid();
+    cfg.pod_uid = crust_kubesim::flow::random_uuid();
     cfg.keep_volume = false;
     let mut again = Flow::new(cfg, csi.clone(), st.progress());
     again.bring_up().await.unwrap();
@@ -104,7 +104,7 @@ async fn host_mounts_storage_class_records_and_refused_deferral() {
     );
     let target = sc.target_path().to_string();
     // The target shows the plugin's placeholder, never the volume.
-    assert!(crustctl::flow::is_placeholder(Path::new(&target)));
+    assert!(crust_kubesim::flow::is_placeholder(Path::new(&target)));
     assert!(!is_mountpoint(Path::new(sc.staging_path().unwrap())));
     let rec = st.crust_root.join(crust_handoff::crust_key(&target));
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;

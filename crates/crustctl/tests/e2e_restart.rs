@@ -11,8 +11,8 @@ mod e2e_support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crust_kubesim::flow::{DeferVia, Flow};
 use crust_proto::csi::v1 as csi;
-use crustctl::flow::{DeferVia, Flow};
 use e2e_support::*;
 
 fn record_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
@@ -97,7 +97,10 @@ async fn plugin_crash_and_upgrade_leave_guests_claims_and_records_alone() {
             );
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        assert!(crustctl::flow::pid_is_qemu(qemu), "{how}: QEMU untouched");
+        assert!(
+            crust_kubesim::flow::pid_is_qemu(qemu),
+            "{how}: QEMU untouched"
+        );
         assert_eq!(
             record_files(&rec),
             before,
@@ -130,8 +133,14 @@ async fn plugin_crash_and_upgrade_leave_guests_claims_and_records_alone() {
         })
         .await
         .unwrap();
-        assert!(!crustctl::flow::is_mountpoint(Path::new(&staging)), "{how}");
-        assert!(crustctl::flow::is_placeholder(Path::new(&target)), "{how}");
+        assert!(
+            !crust_kubesim::flow::is_mountpoint(Path::new(&staging)),
+            "{how}"
+        );
+        assert!(
+            crust_kubesim::flow::is_placeholder(Path::new(&target)),
+            "{how}"
+        );
         // Unpublish while the sandbox runs: refused, nothing changes.
         let e = csi
             .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
@@ -169,6 +178,6 @@ async fn plugin_crash_and_upgrade_leave_guests_claims_and_records_alone() {
         r.error,
         st.plugin_log()
     );
-    assert!(!crustctl::flow::pid_is_qemu(qemu));
+    assert!(!crust_kubesim::flow::pid_is_qemu(qemu));
     st.assert_clean();
 }

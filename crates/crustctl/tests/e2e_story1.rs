@@ -20,11 +20,11 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crust_bench::deferred::{DeferredConfig, measure};
+use crust_bench::{Limit, Scenario};
 use crust_handoff::FsGroupChangePolicy;
+use crust_kubesim::flow::{DeferVia, Flow};
 use crust_proto::csi::v1 as csi;
-use crustctl::bench::deferred::{DeferredConfig, measure};
-use crustctl::bench::{Limit, Scenario};
-use crustctl::flow::{DeferVia, Flow};
 use e2e_support::*;
 
 struct Restored {
@@ -37,7 +37,7 @@ struct Restored {
 
 /// A new volume from `snapshot`, staged and published on the host; what
 /// it holds, then everything undone.
-async fn restore_on_host(st: &Stack, c: &crustctl::client::Csi, snapshot: &str) -> Restored {
+async fn restore_on_host(st: &Stack, c: &crust_csi_client::Csi, snapshot: &str) -> Restored {
     use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
     let cap = csi::VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume {
@@ -175,9 +175,9 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
 
     // --- the host: the volume mounted nowhere, a root-only record -------
     // (the target shows the plugin's placeholder)
-    assert!(crustctl::flow::is_placeholder(Path::new(&target)));
+    assert!(crust_kubesim::flow::is_placeholder(Path::new(&target)));
     assert!(
-        !crustctl::flow::is_mountpoint(Path::new(&staging)),
+        !crust_kubesim::flow::is_mountpoint(Path::new(&staging)),
         "story 1: the staging path stays empty with deferral"
     );
     let rec = st.crust_root.join(crust_handoff::crust_key(&target));
@@ -384,7 +384,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         "{:?}",
         stats.error_samples
     );
-    let row = |s: &crustctl::bench::ScenarioReport, rpc: &str| {
+    let row = |s: &crust_bench::ScenarioReport, rpc: &str| {
         s.rpcs.iter().find(|r| r.rpc == rpc).unwrap().clone()
     };
     assert_eq!(row(stats, "NodeGetVolumeStats").count, 4);
@@ -407,7 +407,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
     flow.tear_down().await;
     let r = flow.report().clone();
     assert!(r.ok, "{:?}: {:?}", r.failed_step, r.error);
-    assert!(!crustctl::flow::pid_is_qemu(qemu));
+    assert!(!crust_kubesim::flow::pid_is_qemu(qemu));
     for step in [
         "runtime kill",
         "runtime delete",
@@ -447,7 +447,7 @@ async fn story1_fsgroup_subpath_stats_expand_and_data_on_the_host() {
         "CreateVolume is idempotent"
     );
     let t = Path::new(host.target_path());
-    assert!(crustctl::flow::is_mountpoint(t));
+    assert!(crust_kubesim::flow::is_mountpoint(t));
     let hello = t.join("app/data/hello.txt");
     assert_eq!(std::fs::read_to_string(&hello).unwrap(), "story1\n");
     assert_eq!(std::fs::metadata(&hello).unwrap().gid(), 2000);

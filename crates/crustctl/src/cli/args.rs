@@ -9,10 +9,11 @@ use crust_handoff::FsGroupChangePolicy;
 use crust_proto::csi::v1::volume_capability::access_mode::Mode;
 use crust_proto::endpoint::Endpoint;
 
-use crate::bench::Scenario;
-use crate::flow::DeferVia;
-use crate::fmt::OutputFormat;
-use crate::parse::{KeyValue, parse_change_policy, parse_duration, parse_key_value, parse_size};
+use crate::parse::{KeyValue, parse_change_policy, parse_key_value};
+use crust_bench::Scenario;
+use crust_kubesim::flow::DeferVia;
+use crust_report::OutputFormat;
+use crust_report::units::{parse_duration, parse_size};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -665,7 +666,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DIR", requires = "pod_mode")]
     pub work_dir: Option<PathBuf>,
     #[command(flatten)]
-    pub guest_io: crate::bench::guest_io::GuestIoArgs,
+    pub guest_io: crust_bench::guest_io::GuestIoArgs,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
 }

@@ -10,12 +10,13 @@ use crust_proto::endpoint::Endpoint;
 
 use super::args::{BenchArgs, DemoArgs, FlowArgs};
 use super::request::map;
-use super::{CliError, EXIT_FAILURE, EXIT_INTERRUPTED, emit, say};
-use crate::bench::{self, BenchConfig, Limit};
-use crate::client::Csi;
+use super::{CliError, EXIT_FAILURE, EXIT_INTERRUPTED, emit};
 use crate::demo::{DemoConfig, run_demo};
-use crate::flow::{DeferVia, Flow, FlowConfig, StepReport, Workload};
-use crate::fmt::OutputFormat;
+use crust_bench::{self as bench, BenchConfig, Limit};
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{DeferVia, Flow, FlowConfig, StepReport, Workload};
+use crust_report::OutputFormat;
+use crust_report::say;
 
 pub(super) async fn bench_cmd(
     ep: &Endpoint,
@@ -312,7 +313,8 @@ pub(super) async fn bench_deferred_cmd(
     };
     let (stop, signals) = stop_on_signals();
     // Set-up and teardown steps go to stderr: stdout is the table.
-    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
+    let progress: crust_kubesim::flow::Progress =
+        std::sync::Arc::new(|s: &StepReport| say(&s.line()));
     let report = bench::deferred::run_deferred(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);
@@ -325,7 +327,7 @@ pub(super) async fn bench_guest_io_cmd(
     a: BenchArgs,
     out: OutputFormat,
 ) -> Result<ExitCode, CliError> {
-    use crate::bench::guest_io::{GuestIoConfig, run_guest_io};
+    use crust_bench::guest_io::{GuestIoConfig, run_guest_io};
     if a.cap.block {
         return Err(CliError::Usage(
             "--guest-io mounts filesystems; --block does not apply".into(),
@@ -370,7 +372,8 @@ pub(super) async fn bench_guest_io_cmd(
     };
     let (stop, signals) = stop_on_signals();
     // Steps go to stderr: stdout is the report.
-    let progress: crate::flow::Progress = std::sync::Arc::new(|s: &StepReport| say(&s.line()));
+    let progress: crust_kubesim::flow::Progress =
+        std::sync::Arc::new(|s: &StepReport| say(&s.line()));
     let report = run_guest_io(&c, cfg, progress, stop).await;
     signals.abort();
     drop_work_dir(&work, made);
@@ -398,8 +401,8 @@ pub(super) async fn bench_guest_io_cmd(
 
 /// `--chart FILE`: the guest-io chart as SVG; false (said) when it could
 /// not be drawn or written.
-fn write_chart(report: &crate::bench::guest_io::report::GuestIoReport, path: &Path) -> bool {
-    let r = crate::bench::guest_io::chart::svg(report)
+fn write_chart(report: &crust_bench::guest_io::report::GuestIoReport, path: &Path) -> bool {
+    let r = crust_bench::guest_io::chart::svg(report)
         .and_then(|svg| std::fs::write(path, svg).map_err(|e| e.to_string()));
     match r {
         Ok(()) => {
@@ -415,7 +418,7 @@ fn write_chart(report: &crate::bench::guest_io::report::GuestIoReport, path: &Pa
 
 /// Step lines as they happen: stdout for text, stderr when stdout is JSON
 /// (write errors ignored, see [`say`]).
-fn progress_printer(out: OutputFormat) -> crate::flow::Progress {
+fn progress_printer(out: OutputFormat) -> crust_kubesim::flow::Progress {
     std::sync::Arc::new(move |s: &StepReport| match out {
         OutputFormat::Text => {
             use std::io::Write;

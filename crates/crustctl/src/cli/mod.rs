@@ -10,9 +10,9 @@
 
 use std::process::ExitCode;
 
-use crate::bench;
-use crate::client::{ConnectError, Csi};
-use crate::fmt::{OutputFormat, Render, render};
+use crust_csi_client::{ConnectError, Csi};
+use crust_report::Render;
+use crust_report::{OutputFormat, render};
 
 mod args;
 mod jobs;
@@ -40,7 +40,7 @@ pub enum CliError {
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
-    Bench(#[from] bench::BenchError),
+    Bench(#[from] crust_bench::BenchError),
 }
 
 trait CodeName {
@@ -123,19 +123,12 @@ fn emit<T: Render>(format: OutputFormat, resp: &T, done: &str) {
     };
 }
 
-/// A line on stderr that never panics: when whoever read our output is
-/// gone (EPIPE), teardown must still run to its end.
-pub fn say(line: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{line}");
-}
-
 #[cfg(test)]
 mod tests {
     use super::request::{capacity, check_name};
     use super::*;
-    use crate::flow::DeferVia;
     use clap::{CommandFactory, Parser};
+    use crust_kubesim::flow::DeferVia;
     use crust_proto::csi::v1::volume_capability::{AccessType, access_mode::Mode};
 
     #[test]

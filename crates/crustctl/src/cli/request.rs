@@ -11,9 +11,9 @@ use super::CliError;
 use super::args::{
     AccessModeArg, CapabilityArgs, ControllerCmd, GroupCmd, NodeCmd, PodArgs, RuntimeArgs,
 };
-use crate::flow::{DeferVia, FlowConfig};
 use crate::parse::{KeyValue, to_map};
-use crate::runtime_cli::RuntimeCli;
+use crust_kubesim::flow::{DeferVia, FlowConfig};
+use crust_kubesim::runtime_cli::RuntimeCli;
 
 impl RuntimeArgs {
     pub fn build(&self) -> RuntimeCli {
@@ -193,6 +193,10 @@ pub(super) enum ControllerReq {
 }
 
 impl ControllerReq {
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one arm per controller subcommand: the flags-to-request table reads best in one place"
+    )]
     pub(super) fn build(cmd: ControllerCmd) -> Result<Self, CliError> {
         use ControllerCmd as C;
         Ok(match cmd {

@@ -3,8 +3,8 @@
 use super::args::IdentityCmd;
 use super::request::{ControllerReq, GroupReq, NodeReq};
 use super::{CliError, emit};
-use crate::client::Csi;
-use crate::fmt::OutputFormat;
+use crust_csi_client::Csi;
+use crust_report::OutputFormat;
 
 /// Identity calls (no request to build).
 pub(super) async fn identity(c: &Csi, cmd: IdentityCmd, out: OutputFormat) -> Result<(), CliError> {

@@ -18,11 +18,11 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{FlowConfig, StepReport};
+use crust_kubesim::runtime_cli::RuntimeCli;
 use crust_proto::endpoint::Endpoint;
-use crustctl::client::Csi;
 use crustctl::demo::PluginProcess;
-use crustctl::flow::{FlowConfig, StepReport};
-use crustctl::runtime_cli::RuntimeCli;
 
 pub const MIB: u64 = 1 << 20;
 
@@ -307,7 +307,7 @@ impl Stack {
         FlowConfig::new(&self.work, self.runtime.clone())
     }
 
-    pub fn progress(&self) -> crustctl::flow::Progress {
+    pub fn progress(&self) -> crust_kubesim::flow::Progress {
         let steps = self.steps.clone();
         Arc::new(move |s: &StepReport| {
             eprintln!("{}", s.line());

@@ -10,8 +10,8 @@ use std::time::Duration;
 use crust_blockdev::{AttachOptions, LoopGuard};
 
 use super::{BenchError, BenchReport, Scenario};
-use crate::fmt::{Render, table};
-use crate::parse::human_duration;
+use crust_report::units::human_duration;
+use crust_report::{Render, table};
 
 /// Loop devices attached to sparse 1 MiB files that nobody uses, as
 /// other software on a node would have; detached and removed on drop.
@@ -64,7 +64,7 @@ impl Drop for IdleLoops {
         // Detach first: the files are busy until then.
         self.loops.clear();
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            crate::cli::say(&format!(
+            crust_report::say(&format!(
                 "warning: could not remove {}: {e}",
                 self.dir.display()
             ));

@@ -11,32 +11,8 @@ use std::fmt::Write as _;
 use crust_proto::csi::v1 as csi;
 use serde_json::{Map, Value, json};
 
-use crate::parse::human_size;
-
-/// How a command prints its result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum OutputFormat {
-    #[default]
-    Text,
-    Json,
-}
-
-/// A response that can be printed for humans or as JSON.
-pub trait Render {
-    fn to_json(&self) -> Value;
-    /// Human-readable text; empty for responses that carry no data.
-    fn to_text(&self) -> String;
-}
-
-/// Renders `v` in `format`; JSON is pretty-printed.
-pub fn render<T: Render + ?Sized>(v: &T, format: OutputFormat) -> String {
-    match format {
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&v.to_json()).expect("a Value always serializes")
-        }
-        OutputFormat::Text => v.to_text(),
-    }
-}
+use crate::units::human_size;
+use crate::{Render, table};
 
 macro_rules! enum_name {
     ($fn:ident, $ty:ty) => {
@@ -300,36 +276,6 @@ fn snapshot_text(out: &mut String, s: &csi::Snapshot) {
     if !s.group_snapshot_id.is_empty() {
         let _ = writeln!(out, "group_snapshot_id: {}", s.group_snapshot_id);
     }
-}
-
-/// Left-aligned columns separated by two spaces.
-pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for r in rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(c);
-            } else {
-                let pad = widths[i] - c.chars().count();
-                s.push_str(c);
-                s.push_str(&" ".repeat(pad + 2));
-            }
-        }
-        s.trim_end().to_string()
-    };
-    let mut out = line(header.to_vec());
-    out.push('\n');
-    for r in rows {
-        out.push_str(&line(r.iter().map(String::as_str).collect()));
-        out.push('\n');
-    }
-    out
 }
 
 fn empty_json() -> Value {
@@ -982,6 +928,7 @@ impl Render for csi::NodeGetStorageHealthResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{OutputFormat, render};
     use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 
     fn hm(pairs: &[(&str, &str)]) -> HashMap<String, String> {
@@ -1338,17 +1285,5 @@ mod tests {
         );
         assert_eq!(csi::NodePublishVolumeResponse {}.to_json(), json!({}));
         assert_eq!(csi::DeleteVolumeResponse {}.to_text(), "");
-    }
-
-    #[test]
-    fn table_aligns() {
-        let t = table(
-            &["A", "LONGER"],
-            &[
-                vec!["xxxx".into(), "1".into()],
-                vec!["y".into(), "2".into()],
-            ],
-        );
-        assert_eq!(t, "A     LONGER\nxxxx  1\ny     2\n");
     }
 }

@@ -162,8 +162,8 @@ fn draw(rep: &GuestIoReport, groups: &[Group], out: &mut String) -> DrawResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::guest_io::report::{Run, Side, WorkloadResult};
-    use crate::bench::guest_io::workload::{Kind, Measured, Workload};
+    use crate::guest_io::report::{Run, Side, WorkloadResult};
+    use crate::guest_io::workload::{Kind, Measured, Workload};
 
     fn run(side: Side, value: f64) -> Run {
         Run {

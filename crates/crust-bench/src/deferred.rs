@@ -22,12 +22,11 @@ use crust_proto::csi::v1 as csi;
 use tokio::sync::watch;
 use tonic::Code;
 
-use super::{
-    BenchError, BenchReport, CleanupReport, Limit, Recorder, Scenario, ScenarioReport, status_text,
-};
-use crate::client::Csi;
-use crate::flow::{DeferVia, Flow, FlowConfig, Progress};
-use crate::parse::human_duration;
+use crate::recorder::{Recorder, status_text};
+use crate::{BenchError, BenchReport, CleanupReport, Limit, Scenario, ScenarioReport};
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{DeferVia, Flow, FlowConfig, Progress};
+use crust_report::units::human_duration;
 
 #[derive(Debug, Clone)]
 pub struct DeferredConfig {

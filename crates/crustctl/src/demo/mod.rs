@@ -3,7 +3,7 @@
 //! In a work directory of its own it prepares the embedded default (a
 //! loop-file pool, the plugin's state, the hand-off roots, the runtime's
 //! root), builds the guest image if it is missing, starts `crust-csi`
-//! with deferral enabled, runs [`crate::flow`] with a workload that
+//! with deferral enabled, runs [`crust_kubesim::flow`] with a workload that
 //! appends timestamps to `/data/out.txt`, and reports what the guest saw
 //! before and after the online expansion, what the plugin reported
 //! through deferral, and that nothing was left behind.
@@ -12,18 +12,26 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::watch;
 
-use crate::client::Csi;
-use crate::flow::{DeferVia, Flow, FlowConfig, FlowReport, Progress, StepReport, Workload};
-use crate::fmt::Render;
-use crate::parse::human_size;
-use crate::runtime_cli::{RuntimeCli, sibling_bin};
+use crust_csi_client::Csi;
+use crust_kubesim::flow::{DeferVia, Flow, FlowConfig, FlowReport, Progress, StepReport, Workload};
+use crust_kubesim::runtime_cli::{RuntimeCli, sibling_bin};
+use crust_report::Render;
+use crust_report::units::human_size;
+
+mod image;
+mod leftovers;
+mod plugin;
+
+pub use image::{ensure_guest_image, workspace_roots};
+use leftovers::sweep;
+pub use leftovers::{Leftovers, find_leftovers};
+pub use plugin::{PluginProcess, log_tail};
 
 /// The demo's workload: a timestamp a second into `/data/out.txt`, each
 /// line flushed to the disk.
@@ -73,43 +81,6 @@ impl Default for DemoConfig {
     }
 }
 
-/// What the final check found still present.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Leftovers {
-    pub loop_devices: Vec<String>,
-    pub mounts: Vec<String>,
-    pub processes: Vec<String>,
-    pub handoff_records: Vec<String>,
-    pub sandboxes: Vec<String>,
-    pub volumes: Vec<String>,
-}
-
-impl Leftovers {
-    pub fn is_empty(&self) -> bool {
-        self.loop_devices.is_empty()
-            && self.mounts.is_empty()
-            && self.processes.is_empty()
-            && self.handoff_records.is_empty()
-            && self.sandboxes.is_empty()
-            && self.volumes.is_empty()
-    }
-
-    fn all(&self) -> Vec<String> {
-        let mut v = Vec::new();
-        for (what, items) in [
-            ("loop device", &self.loop_devices),
-            ("mount", &self.mounts),
-            ("process", &self.processes),
-            ("hand-off record", &self.handoff_records),
-            ("sandbox", &self.sandboxes),
-            ("volume", &self.volumes),
-        ] {
-            v.extend(items.iter().map(|i| format!("{what} {i}")));
-        }
-        v
-    }
-}
-
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct DemoReport {
     pub ok: bool,
@@ -152,84 +123,7 @@ impl Render for DemoReport {
             );
         }
         if let Some(f) = flow {
-            if let Some(g) = &f.guest_volume_path {
-                let _ = writeln!(
-                    o,
-                    "sandbox:    {} (QEMU pid {}), volume at {g} in the guest, /data for the workload",
-                    f.sandbox_id,
-                    f.qemu_pid
-                        .map(|p| p.to_string())
-                        .unwrap_or_else(|| "?".into())
-                );
-            }
-            if let Some(a) = &f.accel {
-                let _ = writeln!(
-                    o,
-                    "accel:      {a}: {}",
-                    f.accel_reason.as_deref().unwrap_or("no reason given")
-                );
-            }
-            for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
-                if let Some(df) = &obs.df {
-                    let _ = writeln!(
-                        o,
-                        "guest df:   {label:<6} expansion  {} total, {} used, {} available",
-                        human_size(df.bytes.total as i64),
-                        human_size(df.bytes.used as i64),
-                        human_size(df.bytes.available as i64)
-                    );
-                }
-            }
-            if let (Some(b), Some(a)) = (&f.before_expand.df, &f.after_expand.df) {
-                let _ = writeln!(
-                    o,
-                    "expansion:  online, while the workload kept writing: {} -> {} ({})",
-                    human_size(b.bytes.total as i64),
-                    human_size(a.bytes.total as i64),
-                    if a.bytes.total > b.bytes.total {
-                        "larger"
-                    } else {
-                        "NOT larger"
-                    }
-                );
-            }
-            for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
-                if let Some(s) = &obs.stats {
-                    let b = s.bytes;
-                    let _ = writeln!(
-                        o,
-                        "CSI stats:  {label:<6} expansion  {} total, {} used, {} available; {} inodes used of {}; health {}",
-                        b.map(|b| human_size(b.total as i64))
-                            .unwrap_or_else(|| "?".into()),
-                        b.map(|b| human_size(b.used as i64))
-                            .unwrap_or_else(|| "?".into()),
-                        b.map(|b| human_size(b.available as i64))
-                            .unwrap_or_else(|| "?".into()),
-                        s.inodes
-                            .map(|i| i.used.to_string())
-                            .unwrap_or_else(|| "?".into()),
-                        s.inodes
-                            .map(|i| i.total.to_string())
-                            .unwrap_or_else(|| "?".into()),
-                        s.health()
-                    );
-                }
-            }
-            for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
-                if let Some(h) = &obs.health {
-                    let _ = writeln!(
-                        o,
-                        "CSI health: {label:<6} expansion  {} (NodeGetVolumeHealth, CSI v1.13)",
-                        h.text()
-                    );
-                }
-            }
-            if f.before_expand.stats.is_some() {
-                let _ = writeln!(
-                    o,
-                    "            (NodeGetVolumeStats with defer_fs_ops: plugin -> crust-runtime crust stats -> guest agent)"
-                );
-            }
+            flow_text(&mut o, f);
         }
         if let Some(n) = self.lines_written {
             let _ = writeln!(o, "workload:   wrote {n} lines to /data/out.txt");
@@ -284,327 +178,86 @@ impl Render for DemoReport {
     }
 }
 
-// ------------------------------------------------------------ the plugin
-
-/// A `crust-csi` child process: SIGTERM (then SIGKILL) and reaped on
-/// drop, so a failing demo or test leaves no plugin behind.
-pub struct PluginProcess {
-    child: Option<std::process::Child>,
-    pub log: PathBuf,
-}
-
-impl PluginProcess {
-    /// Starts `bin args...` with `env` added, stderr and stdout to `log`,
-    /// in its own process group (a Ctrl-C meant for us must not stop the
-    /// plugin before our teardown has used it).
-    pub fn spawn(
-        bin: &Path,
-        args: &[OsString],
-        env: &[(&str, OsString)],
-        log: &Path,
-    ) -> std::io::Result<PluginProcess> {
-        use std::os::unix::process::CommandExt;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        let child = std::process::Command::new(bin)
-            .args(args)
-            .envs(env.iter().map(|(k, v)| (*k, v)))
-            .stdin(Stdio::null())
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .process_group(0)
-            .spawn()?;
-        Ok(PluginProcess {
-            child: Some(child),
-            log: log.to_path_buf(),
-        })
+/// What the flow saw: the sandbox, the accelerator, df, CSI stats and
+/// health before and after the expansion.
+fn flow_text(o: &mut String, f: &FlowReport) {
+    if let Some(g) = &f.guest_volume_path {
+        let _ = writeln!(
+            o,
+            "sandbox:    {} (QEMU pid {}), volume at {g} in the guest, /data for the workload",
+            f.sandbox_id,
+            f.qemu_pid
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "?".into())
+        );
     }
-
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+    if let Some(a) = &f.accel {
+        let _ = writeln!(
+            o,
+            "accel:      {a}: {}",
+            f.accel_reason.as_deref().unwrap_or("no reason given")
+        );
     }
-
-    /// The exit status if it already exited.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
+    for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
+        if let Some(df) = &obs.df {
+            let _ = writeln!(
+                o,
+                "guest df:   {label:<6} expansion  {} total, {} used, {} available",
+                human_size(df.bytes.total as i64),
+                human_size(df.bytes.used as i64),
+                human_size(df.bytes.available as i64)
+            );
+        }
     }
-
-    /// Waits until `socket` accepts connections (or the plugin exits).
-    pub async fn wait_ready(&mut self, socket: &Path, within: Duration) -> Result<(), String> {
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.exited() {
-                return Err(format!("crust-csi exited ({st}) before serving"));
+    if let (Some(b), Some(a)) = (&f.before_expand.df, &f.after_expand.df) {
+        let _ = writeln!(
+            o,
+            "expansion:  online, while the workload kept writing: {} -> {} ({})",
+            human_size(b.bytes.total as i64),
+            human_size(a.bytes.total as i64),
+            if a.bytes.total > b.bytes.total {
+                "larger"
+            } else {
+                "NOT larger"
             }
-            if tokio::net::UnixStream::connect(socket).await.is_ok() {
-                return Ok(());
-            }
-            if t0.elapsed() > within {
-                return Err(format!(
-                    "crust-csi did not serve {} within {within:?}",
-                    socket.display()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        );
+    }
+    for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
+        if let Some(s) = &obs.stats {
+            let b = s.bytes;
+            let _ = writeln!(
+                o,
+                "CSI stats:  {label:<6} expansion  {} total, {} used, {} available; {} inodes used of {}; health {}",
+                b.map(|b| human_size(b.total as i64))
+                    .unwrap_or_else(|| "?".into()),
+                b.map(|b| human_size(b.used as i64))
+                    .unwrap_or_else(|| "?".into()),
+                b.map(|b| human_size(b.available as i64))
+                    .unwrap_or_else(|| "?".into()),
+                s.inodes
+                    .map(|i| i.used.to_string())
+                    .unwrap_or_else(|| "?".into()),
+                s.inodes
+                    .map(|i| i.total.to_string())
+                    .unwrap_or_else(|| "?".into()),
+                s.health()
+            );
         }
     }
-
-    /// SIGTERM, up to `grace` to exit, then SIGKILL. Returns how it ended.
-    pub async fn stop(&mut self, grace: Duration) -> Result<String, String> {
-        let Some(child) = self.child.as_mut() else {
-            return Ok("not running".into());
-        };
-        if let Ok(Some(st)) = child.try_wait() {
-            self.child = None;
-            return Err(format!("crust-csi had already exited ({st})"));
-        }
-        signal(child.id(), rustix::process::Signal::TERM);
-        let t0 = Instant::now();
-        loop {
-            if let Ok(Some(st)) = child.try_wait() {
-                self.child = None;
-                return Ok(format!("exited after SIGTERM ({st})"));
-            }
-            if t0.elapsed() > grace {
-                let _ = child.kill();
-                let st = child.wait();
-                self.child = None;
-                return Err(format!(
-                    "did not exit within {grace:?} of SIGTERM; killed ({st:?})"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    for (label, obs) in [("before", &f.before_expand), ("after", &f.after_expand)] {
+        if let Some(h) = &obs.health {
+            let _ = writeln!(
+                o,
+                "CSI health: {label:<6} expansion  {} (NodeGetVolumeHealth, CSI v1.13)",
+                h.text()
+            );
         }
     }
-
-    /// The last `max` bytes of its log.
-    pub fn log_tail(&self, max: usize) -> String {
-        log_tail(&self.log, max)
-    }
-}
-
-impl Drop for PluginProcess {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            signal(c.id(), rustix::process::Signal::TERM);
-            for _ in 0..100 {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn signal(pid: u32, sig: rustix::process::Signal) {
-    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process(p, sig);
-    }
-}
-
-/// The last `max` bytes of a text file.
-pub fn log_tail(path: &Path, max: usize) -> String {
-    let s = std::fs::read(path).unwrap_or_default();
-    let mut start = s.len().saturating_sub(max);
-    // Start at a line.
-    if start > 0
-        && let Some(nl) = s[start..].iter().position(|b| *b == b'\n')
-    {
-        start += nl + 1;
-    }
-    String::from_utf8_lossy(&s[start..]).into_owned()
-}
-
-// ------------------------------------------------------------ guest image
-
-/// Ancestors of the executable and of the current directory that hold
-/// `guest/build-image.sh` (a crust checkout).
-pub fn workspace_roots() -> Vec<PathBuf> {
-    let mut starts = Vec::new();
-    if let Ok(e) = std::env::current_exe() {
-        starts.push(e);
-    }
-    if let Ok(d) = std::env::current_dir() {
-        starts.push(d);
-    }
-    let mut out: Vec<PathBuf> = Vec::new();
-    for s in starts {
-        for a in s.ancestors() {
-            if a.join("guest/build-image.sh").is_file() && !out.iter().any(|o| o == a) {
-                out.push(a.to_path_buf());
-            }
-        }
-    }
-    out
-}
-
-fn has_image(dir: &Path) -> bool {
-    dir.join("vmlinuz").is_file() && dir.join("initramfs.cpio.gz").is_file()
-}
-
-/// Finds the guest image, or builds it with `guest/build-image.sh` (its
-/// output goes to stderr so progress stays visible). Returns the
-/// directory and whether it was built now.
-pub async fn ensure_guest_image(explicit: Option<&Path>) -> Result<(PathBuf, bool), String> {
-    let env_dir = std::env::var_os("CRUST_GUEST_DIR").map(PathBuf::from);
-    let roots = workspace_roots();
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(d) = explicit {
-        candidates.push(d.to_path_buf());
-    } else {
-        candidates.extend(env_dir.clone());
-        if let Some(d) = std::env::current_exe()
-            .ok()
-            .and_then(|e| e.parent().map(|p| p.join("../guest-image")))
-        {
-            candidates.push(d);
-        }
-        candidates.extend(roots.iter().map(|r| r.join("target/guest-image")));
-    }
-    if let Some(d) = candidates.iter().find(|d| has_image(d)) {
-        return Ok((
-            std::fs::canonicalize(d).unwrap_or_else(|_| d.clone()),
-            false,
-        ));
-    }
-    let Some(root) = roots.first() else {
-        return Err(format!(
-            "no guest image in {} and no crust checkout (guest/build-image.sh) found above the \
-             executable or the current directory; build it with guest/build-image.sh or pass --guest-dir",
-            candidates
-                .iter()
-                .map(|c| c.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    };
-    let out = explicit
-        .map(Path::to_path_buf)
-        .or(env_dir)
-        .unwrap_or_else(|| root.join("target/guest-image"));
-    let script = root.join("guest/build-image.sh");
-    crate::cli::say(&format!(
-        "building the guest image with {} (first run only)...",
-        script.display()
-    ));
-    let st = tokio::process::Command::new("bash")
-        .arg(&script)
-        .arg("--out")
-        .arg(&out)
-        .stdin(Stdio::null())
-        .stdout(std::io::stderr())
-        .stderr(std::io::stderr())
-        .status()
-        .await
-        .map_err(|e| format!("run {}: {e}", script.display()))?;
-    if !st.success() || !has_image(&out) {
-        return Err(format!("{} failed ({st})", script.display()));
-    }
-    Ok((out, true))
-}
-
-// ------------------------------------------------------------ leftovers
-
-/// What of the demo is still on the machine: loop devices backed by the
-/// pool, mounts under the work dir, QEMU processes naming it, hand-off
-/// records and sandboxes in its roots.
-pub fn find_leftovers(work: &Path, pool: &Path, roots: &[&Path], sandboxes: &Path) -> Leftovers {
-    let mut l = Leftovers::default();
-    match crust_blockdev::list_loops() {
-        Ok(loops) => {
-            l.loop_devices = loops
-                .into_iter()
-                .filter(|s| s.backing_file.starts_with(pool))
-                .map(|s| format!("{} ({})", s.path.display(), s.backing_file.display()))
-                .collect()
-        }
-        Err(e) => l
-            .loop_devices
-            .push(format!("cannot list loop devices: {e}")),
-    }
-    match crust_blockdev::mount_info() {
-        Ok(ms) => {
-            l.mounts = ms
-                .into_iter()
-                .filter(|m| m.mount_point.starts_with(work))
-                .map(|m| m.mount_point.display().to_string())
-                .collect()
-        }
-        Err(e) => l.mounts.push(format!("cannot read mountinfo: {e}")),
-    }
-    let needle = work.display().to_string();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let name = e.file_name();
-            let Some(pid) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
-                continue;
-            };
-            if pid == std::process::id() as i32 {
-                continue;
-            }
-            let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
-                continue;
-            };
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit(')')
-                .next()
-                .and_then(|s| s.split_whitespace().next())
-                .is_some_and(|s| s == "Z");
-            if !zombie && cmd.contains(&needle) {
-                l.processes.push(format!("pid {pid}: {}", cmd.trim()));
-            }
-        }
-    }
-    for r in roots {
-        if let Ok(rd) = std::fs::read_dir(r) {
-            l.handoff_records
-                .extend(rd.flatten().map(|e| e.path().display().to_string()));
-        }
-    }
-    if let Ok(rd) = std::fs::read_dir(sandboxes) {
-        l.sandboxes
-            .extend(rd.flatten().map(|e| e.path().display().to_string()));
-    }
-    l
-}
-
-/// Best effort after a failure: unmount what is under the work dir and
-/// detach loop devices on the pool, so removing the work dir is safe.
-fn sweep(work: &Path, pool: &Path) {
-    for _ in 0..4 {
-        let mounts: Vec<PathBuf> = crust_blockdev::mount_info()
-            .map(|ms| {
-                ms.into_iter()
-                    .map(|m| m.mount_point)
-                    .filter(|p| p.starts_with(work))
-                    .collect()
-            })
-            .unwrap_or_default();
-        if mounts.is_empty() {
-            break;
-        }
-        for m in mounts.into_iter().rev() {
-            if crust_blockdev::unmount(&m).is_err() {
-                let _ = rustix::mount::unmount(&m, rustix::mount::UnmountFlags::DETACH);
-            }
-        }
-    }
-    if let Ok(loops) = crust_blockdev::list_loops() {
-        for l in loops
-            .into_iter()
-            .filter(|l| l.backing_file.starts_with(pool))
-        {
-            let _ = crust_blockdev::detach(&l.path);
-        }
+    if f.before_expand.stats.is_some() {
+        let _ = writeln!(
+            o,
+            "            (NodeGetVolumeStats with defer_fs_ops: plugin -> crust-runtime crust stats -> guest agent)"
+        );
     }
 }
 

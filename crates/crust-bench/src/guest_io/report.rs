@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::workload::{Measured, Sizes, Unit, Workload};
-use crate::bench::CleanupReport;
-use crate::fmt::{Render, table};
+use crate::CleanupReport;
+use crust_report::{Render, table};
 
 /// Where a run ran: one of the guest's two mounts, or one of the host
 /// columns ([`super::baseline`]).
@@ -376,13 +376,10 @@ fn ratio(v: Option<f64>) -> String {
     v.map(|r| format!("{r:.2}×")).unwrap_or_else(|| "-".into())
 }
 
-impl Render for GuestIoReport {
-    fn to_json(&self) -> serde_json::Value {
-        serde_json::to_value(self).expect("report serializes")
-    }
-
-    fn to_text(&self) -> String {
-        let mut out = String::new();
+impl GuestIoReport {
+    /// The run's shape: driver, accelerator, guest, mounts, host columns,
+    /// sizes.
+    fn header_text(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "guest I/O: driver {} {}, run {}, {} ({})",
@@ -409,7 +406,7 @@ impl Render for GuestIoReport {
                 out,
                 "  {side:<9} {:<15} {} {} volume {}: {}",
                 m.destination,
-                crate::parse::human_size(m.capacity_bytes),
+                crust_report::units::human_size(m.capacity_bytes),
                 m.fs_type,
                 m.volume_id,
                 m.path
@@ -423,7 +420,7 @@ impl Render for GuestIoReport {
                 h.qemu_img_version,
                 h.qemu_img_aio,
                 h.scratch_device,
-                crate::parse::human_size(h.scratch_bytes as i64),
+                crust_report::units::human_size(h.scratch_bytes as i64),
                 if h.scratch_direct_io { "on" } else { "off" },
             );
         }
@@ -433,8 +430,8 @@ impl Render for GuestIoReport {
                 "{} repetition(s), interleaved block/virtio-fs; queue depths {:?}; random file {}, sequential file {}, {:.0?} per random run; {} files; tree of {} entries; caches dropped before cold runs: guest{}",
                 self.repeat,
                 self.queue_depths,
-                crate::parse::human_size(s.rand_file as i64),
-                crate::parse::human_size(s.seq_file as i64),
+                crust_report::units::human_size(s.rand_file as i64),
+                crust_report::units::human_size(s.seq_file as i64),
                 s.runtime,
                 s.meta_files,
                 s.walk_entries,
@@ -445,6 +442,17 @@ impl Render for GuestIoReport {
                 },
             );
         }
+    }
+}
+
+impl Render for GuestIoReport {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("report serializes")
+    }
+
+    fn to_text(&self) -> String {
+        let mut out = String::new();
+        self.header_text(&mut out);
         out.push('\n');
         out.push_str(&table(
             &[
@@ -506,7 +514,7 @@ impl Render for GuestIoReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::guest_io::workload::Kind;
+    use crate::guest_io::workload::Kind;
 
     fn run(rep: u32, side: Side, value: f64, bytes: u64, cpu: f64) -> Run {
         Run {

@@ -1,3 +1,5 @@
+//! crust-csi-client: a CSI client for crust's tools and tests.
+//!
 //! [`Csi`]: the Identity, Controller and Node clients of one CSI endpoint
 //! over a single channel, with a deadline on every call.
 
