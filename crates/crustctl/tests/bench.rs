@@ -2,6 +2,11 @@
 //! reports every scenario, honours capabilities, sends only standard calls,
 //! and leaves nothing behind — after success, injected errors, or Ctrl-C.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod support;
 
 use std::path::Path;

@@ -6,6 +6,11 @@
 //! unpublish refused while the sandbox runs, a healthy ListVolumes), and
 //! the teardown leaves nothing behind. One guest boot; budget ~60 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::path::Path;

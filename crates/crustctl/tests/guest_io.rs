@@ -26,6 +26,11 @@
 //! builds it beforehand).
 //! The long form is the documented command (README, "Guest I/O").
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod e2e_support;
 
 use std::os::unix::process::CommandExt;
