@@ -179,31 +179,7 @@ impl PoolBackend {
                     })
                 };
             }
-            // A copy keeps its source's sectors: its filesystem was made on them.
-            let (src_path, src_size, block_size) = match source {
-                ContentSource::Snapshot(id) => {
-                    let e = st
-                        .index
-                        .snapshots
-                        .get(id)
-                        .filter(|e| !e.pending)
-                        .ok_or_else(|| BackendError::SnapshotNotFound(id.clone()))?;
-                    (
-                        self.snapshots_dir().join(&e.file),
-                        e.size_bytes,
-                        e.block_size.unwrap_or(LEGACY_BLOCK_SIZE),
-                    )
-                }
-                ContentSource::Volume(id) => {
-                    let e = st
-                        .index
-                        .volumes
-                        .get(id)
-                        .filter(|e| !e.pending)
-                        .ok_or_else(|| BackendError::NotFound(id.clone()))?;
-                    (self.dir.join(&e.file), e.size_bytes, e.block_size())
-                }
-            };
+            let (src_path, src_size, block_size) = self.copy_source(&st, source)?;
             if size_bytes < src_size {
                 return Err(BackendError::OutOfRange(
                     size_bytes,
@@ -267,6 +243,35 @@ impl PoolBackend {
         self.persist(&mut st)?;
         tracing::info!(volume = %volume_id, size = size_bytes, source = ?source, "pool volume created from a copy");
         Ok(alloc)
+    }
+
+    /// The file, size and sector size of a copy's source (a copy keeps
+    /// its source's sectors: its filesystem was made on them).
+    fn copy_source(&self, st: &State, source: &ContentSource) -> Result<(PathBuf, u64, u32)> {
+        Ok(match source {
+            ContentSource::Snapshot(id) => {
+                let e = st
+                    .index
+                    .snapshots
+                    .get(id)
+                    .filter(|e| !e.pending)
+                    .ok_or_else(|| BackendError::SnapshotNotFound(id.clone()))?;
+                (
+                    self.snapshots_dir().join(&e.file),
+                    e.size_bytes,
+                    e.block_size.unwrap_or(LEGACY_BLOCK_SIZE),
+                )
+            }
+            ContentSource::Volume(id) => {
+                let e = st
+                    .index
+                    .volumes
+                    .get(id)
+                    .filter(|e| !e.pending)
+                    .ok_or_else(|| BackendError::NotFound(id.clone()))?;
+                (self.dir.join(&e.file), e.size_bytes, e.block_size())
+            }
+        })
     }
 
     pub(super) fn group_begin(&self, group_id: &str, source_volume_ids: &[String]) -> Result<()> {
