@@ -54,6 +54,17 @@ install_cargo_fuzz() {
   echo "install-deps: building cargo-fuzz $CARGO_FUZZ_VERSION (cargo install, about a minute)"
   cargo install --locked --root /usr/local --version "$CARGO_FUZZ_VERSION" cargo-fuzz
 }
+# rustfmt and clippy for scripts/test.sh's lint gate, which always runs
+# them (components of the toolchain in use, from rustup).
+have_lints() {
+  cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
+}
+install_lints() {
+  have_lints && return 0
+  echo "install-deps: adding rustfmt and clippy (rustup component add)"
+  rustup component add rustfmt clippy
+  have_lints
+}
 # Python packages of the tests, in one virtualenv (the tests find it at
 # $CRUST_TEST_PYTHON or $VENV/bin/python): grpcio (grpc-core) calls crust's
 # gRPC servers; kubernetes-validate checks deploy/kubernetes offline (its
@@ -105,8 +116,9 @@ if [ "${1:-}" = "--if-missing" ]; then
   [ -f /usr/include/seccomp.h ] && [ -f /usr/include/cap-ng.h ] || missing=1
   [ -x /usr/lib/cni/bridge ] || missing=1
   if [ $missing = 0 ]; then
-    have_virtiofsd && have_python_pkgs && have_cargo_fuzz && exit 0
+    have_virtiofsd && have_python_pkgs && have_cargo_fuzz && have_lints && exit 0
     [ "$(id -u)" = 0 ] || { echo "install-deps.sh must run as root" >&2; exit 1; }
+    install_lints
     install_virtiofsd
     install_cargo_fuzz
     install_python_pkgs
@@ -120,6 +132,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 apt-get update
 apt-get install -y --no-install-recommends "${pkgs[@]}"
+install_lints
 install_virtiofsd
 install_cargo_fuzz
 install_python_pkgs

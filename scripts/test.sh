@@ -16,13 +16,10 @@ leaks_before=$(mktemp)
 trap 'rm -f "$leaks_before"' EXIT
 bash scripts/check-leaks.sh --record "$leaks_before"
 # The shape the code keeps: formatting and the workspace lints
-# ([workspace.lints], clippy.toml), as errors.
-if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
-  cargo fmt --all --check
-  cargo clippy --workspace --all-targets --locked -- -D warnings
-else
-  echo "test.sh: cargo fmt/clippy not installed: lint step skipped" >&2
-fi
+# ([workspace.lints], clippy.toml), as errors. Never skipped: install-deps.sh
+# (run above) adds rustfmt and clippy, and a run without them fails here.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
 # No new import circle between the modules of a crate (~1 s; the known
 # ones are listed with a reason in scripts/module-cycles.allow).
 python3 scripts/module-cycles.py --self-test

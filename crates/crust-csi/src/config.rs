@@ -471,86 +471,16 @@ impl Cli {
             ),
         };
         validate_driver_name(&self.driver_name)?;
-        let node_id = match self.node_id {
-            Some(n) => n,
+        let node_id = match &self.node_id {
+            Some(n) => n.clone(),
             None => default_node_id(),
         };
         validate_node_id(&node_id)?;
         if !self.state_dir.is_absolute() {
             return Err(ConfigError::StateDir(self.state_dir));
         }
-        let backend = match self.backend {
-            BackendKind::Pool => {
-                if !self.static_devices.is_empty() || !self.static_device_blank.is_empty() {
-                    return Err(ConfigError::Backend(
-                        "--static-device and --static-device-blank are only valid with --backend static"
-                            .into(),
-                    ));
-                }
-                let capacity_bytes = parse_size(&self.pool_capacity)?;
-                if capacity_bytes == 0 {
-                    return Err(ConfigError::Size(
-                        self.pool_capacity,
-                        "the pool capacity must be greater than zero".into(),
-                    ));
-                }
-                let dir = self.pool_dir.unwrap_or_else(|| self.state_dir.join("pool"));
-                if !dir.is_absolute() {
-                    return Err(ConfigError::Backend(format!(
-                        "--pool-dir {}: must be an absolute path",
-                        dir.display()
-                    )));
-                }
-                BackendConfig::Pool {
-                    dir,
-                    capacity_bytes,
-                }
-            }
-            BackendKind::Static => {
-                if self.static_devices.is_empty() {
-                    return Err(ConfigError::Backend(
-                        "--backend static needs at least one --static-device".into(),
-                    ));
-                }
-                // Each must be a --static-device: checked by the backend,
-                // which compares device numbers, not spellings.
-                BackendConfig::Static {
-                    devices: self.static_devices,
-                    declared_blank: self.static_device_blank,
-                }
-            }
-        };
-        let cli_timeout = parse_duration(&self.runtime_cli_timeout)?;
-        if cli_timeout.is_zero() {
-            return Err(ConfigError::Deferral(
-                "--runtime-cli-timeout must be greater than zero".into(),
-            ));
-        }
-        for (flag, p) in [
-            ("--crust-root", &self.crust_root),
-            ("--kata-root", &self.kata_root),
-            ("--kata-runtime", &self.kata_runtime),
-        ] {
-            if !p.is_absolute() {
-                return Err(ConfigError::Deferral(format!(
-                    "{flag} {}: must be an absolute path",
-                    p.display()
-                )));
-            }
-        }
-        let ops = OpsConfig {
-            layout: self.handoff_layout.to_ops(),
-            crust_root: self.crust_root,
-            kata_root: self.kata_root,
-            kata_runtime: self.kata_runtime,
-            cli_timeout,
-            allowed_target_prefixes: self.allowed_target_prefixes,
-            ..OpsConfig::default()
-        };
-        // Same checks crust_ops makes when the plugin starts: report a
-        // bad prefix as a flag error, not a start-up failure.
-        crust_ops::CrustOps::new(ops.clone())
-            .map_err(|e| ConfigError::Deferral(format!("hand-off settings: {e}")))?;
+        let backend = self.backend_config()?;
+        let ops = self.ops_config()?;
         let hooks = Hooks {
             handover_crash: std::env::var(HANDOVER_CRASH_ENV)
                 .ok()
@@ -584,6 +514,90 @@ impl Cli {
     /// The tracing filter directive for `--log-level`.
     pub fn log_filter(&self) -> String {
         log_filter(&self.log_level)
+    }
+
+    /// Where volume bytes live: the pool (the default) or static devices.
+    fn backend_config(&self) -> Result<BackendConfig, ConfigError> {
+        Ok(match self.backend {
+            BackendKind::Pool => {
+                if !self.static_devices.is_empty() || !self.static_device_blank.is_empty() {
+                    return Err(ConfigError::Backend(
+                        "--static-device and --static-device-blank are only valid with --backend static"
+                            .into(),
+                    ));
+                }
+                let capacity_bytes = parse_size(&self.pool_capacity)?;
+                if capacity_bytes == 0 {
+                    return Err(ConfigError::Size(
+                        self.pool_capacity.clone(),
+                        "the pool capacity must be greater than zero".into(),
+                    ));
+                }
+                let dir = self
+                    .pool_dir
+                    .clone()
+                    .unwrap_or_else(|| self.state_dir.join("pool"));
+                if !dir.is_absolute() {
+                    return Err(ConfigError::Backend(format!(
+                        "--pool-dir {}: must be an absolute path",
+                        dir.display()
+                    )));
+                }
+                BackendConfig::Pool {
+                    dir,
+                    capacity_bytes,
+                }
+            }
+            BackendKind::Static => {
+                if self.static_devices.is_empty() {
+                    return Err(ConfigError::Backend(
+                        "--backend static needs at least one --static-device".into(),
+                    ));
+                }
+                // Each must be a --static-device: checked by the backend,
+                // which compares device numbers, not spellings.
+                BackendConfig::Static {
+                    devices: self.static_devices.clone(),
+                    declared_blank: self.static_device_blank.clone(),
+                }
+            }
+        })
+    }
+
+    /// The hand-off settings, checked as crust_ops checks them at start.
+    fn ops_config(&self) -> Result<OpsConfig, ConfigError> {
+        let cli_timeout = parse_duration(&self.runtime_cli_timeout)?;
+        if cli_timeout.is_zero() {
+            return Err(ConfigError::Deferral(
+                "--runtime-cli-timeout must be greater than zero".into(),
+            ));
+        }
+        for (flag, p) in [
+            ("--crust-root", &self.crust_root),
+            ("--kata-root", &self.kata_root),
+            ("--kata-runtime", &self.kata_runtime),
+        ] {
+            if !p.is_absolute() {
+                return Err(ConfigError::Deferral(format!(
+                    "{flag} {}: must be an absolute path",
+                    p.display()
+                )));
+            }
+        }
+        let ops = OpsConfig {
+            layout: self.handoff_layout.to_ops(),
+            crust_root: self.crust_root.clone(),
+            kata_root: self.kata_root.clone(),
+            kata_runtime: self.kata_runtime.clone(),
+            cli_timeout,
+            allowed_target_prefixes: self.allowed_target_prefixes.clone(),
+            ..OpsConfig::default()
+        };
+        // Same checks crust_ops makes when the plugin starts: report a
+        // bad prefix as a flag error, not a start-up failure.
+        crust_ops::CrustOps::new(ops.clone())
+            .map_err(|e| ConfigError::Deferral(format!("hand-off settings: {e}")))?;
+        Ok(ops)
     }
 }
 

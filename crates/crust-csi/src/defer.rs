@@ -99,37 +99,7 @@ impl Driver {
             supplemental_group_change_policy: policy.map(|p| p.as_str().to_string()),
             ..Publication::host(false, readonly, cap.mode, cap.flags_digest())
         };
-        let repeat = match rec.published.get(&target) {
-            Some(p) if *p == wanted => true,
-            Some(p) if p.deferred => {
-                return Err(NodeError::DeferredWithOtherArgs {
-                    volume: id.to_string(),
-                    target: target.clone(),
-                });
-            }
-            Some(_) => {
-                return Err(NodeError::PublishedOnHostThere {
-                    volume: id.to_string(),
-                    target: target.clone(),
-                });
-            }
-            None => false,
-        };
-        if !repeat {
-            if let Some((t, _)) = rec.deferred_publication() {
-                return Err(NodeError::InGuest {
-                    volume: id,
-                    target: t.clone(),
-                    why: "only one sandbox may use it at a time (ReadWriteOncePod): unpublish it first",
-                });
-            }
-            if let Some((t, _)) = rec.host_publications().next() {
-                return Err(NodeError::OnHost {
-                    volume: id,
-                    target: t.clone(),
-                });
-            }
-        }
+        let repeat = repeat_of(&rec, &target, &wanted)?;
         let mut mount_flags = crate::node::mount_flags_of(&rec, fs, &cap.mount_flags);
         if readonly && !mount_flags.iter().any(|f| f == "ro") {
             mount_flags.push("ro".into());
@@ -538,4 +508,43 @@ impl Driver {
 
 fn clamp(v: u64) -> i64 {
     v.min(i64::MAX as u64) as i64
+}
+
+/// Whether this publish repeats the one recorded at `target` (the same
+/// arguments); a new deferred publication needs the volume published
+/// nowhere else (ReadWriteOncePod).
+fn repeat_of(rec: &VolumeRecord, target: &Path, wanted: &Publication) -> Result<bool> {
+    let id = rec.id.clone();
+    let repeat = match rec.published.get(target) {
+        Some(p) if p == wanted => true,
+        Some(p) if p.deferred => {
+            return Err(NodeError::DeferredWithOtherArgs {
+                volume: id.to_string(),
+                target: target.to_path_buf(),
+            });
+        }
+        Some(_) => {
+            return Err(NodeError::PublishedOnHostThere {
+                volume: id.to_string(),
+                target: target.to_path_buf(),
+            });
+        }
+        None => false,
+    };
+    if !repeat {
+        if let Some((t, _)) = rec.deferred_publication() {
+            return Err(NodeError::InGuest {
+                volume: id,
+                target: t.clone(),
+                why: "only one sandbox may use it at a time (ReadWriteOncePod): unpublish it first",
+            });
+        }
+        if let Some((t, _)) = rec.host_publications().next() {
+            return Err(NodeError::OnHost {
+                volume: id,
+                target: t.clone(),
+            });
+        }
+    }
+    Ok(repeat)
 }

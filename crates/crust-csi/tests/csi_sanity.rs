@@ -15,6 +15,11 @@
 //! beside the checkout (where CI lays it). Without it the tests say so
 //! and pass without running anything.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::BTreeSet;

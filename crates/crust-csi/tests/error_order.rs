@@ -6,6 +6,11 @@
 //! against the plugin's working directory). One case per RPC that
 //! answered otherwise before.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::HashMap;

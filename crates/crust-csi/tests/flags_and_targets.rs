@@ -9,6 +9,11 @@
 //!
 //! Budget: about 10 s for the file on 2 cores.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -6,6 +6,11 @@
 //!
 //! Budget: under 30 s on 2 cores (no guest).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::Path;

@@ -10,6 +10,11 @@
 //! Budget: six TCG guest boots (about 3 s each here), under 4 min on 2
 //! loaded cores.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -3,6 +3,11 @@
 //! failures (backing file removed, filesystem remounted read-only,
 //! mount removed behind the plugin's back).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::Path;

@@ -7,6 +7,11 @@
 //! stale device paths in the records are repaired, and nothing is
 //! formatted (the filesystems' UUIDs are unchanged). Budget ~5 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::HashMap;

@@ -6,6 +6,11 @@
 //!
 //! Time budget: about 60 s on two busy cores.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::BTreeSet;

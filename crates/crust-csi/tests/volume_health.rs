@@ -7,6 +7,11 @@
 //! Time budget: about 40 s on two busy cores (the 1,000-volume paging test
 //! dominates).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::BTreeSet;

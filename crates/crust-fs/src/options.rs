@@ -367,6 +367,27 @@ fn check_value(value: Option<&str>, spec: Value, read_only: bool) -> Result<(), 
     }
 }
 
+/// Why one option word is refused whatever the filesystem: empty, a
+/// character no option has, or on the refused list.
+fn refusal(opt: &str) -> Result<(), &'static str> {
+    if opt.is_empty() {
+        return Err("empty option");
+    }
+    if opt
+        .bytes()
+        .any(|b| b.is_ascii_control() || b == b'/' || b == b' ' || b >= 0x80)
+    {
+        return Err("options may not contain paths, spaces, control or non-ASCII characters");
+    }
+    if let Some((_, reason)) = REFUSED
+        .iter()
+        .find(|(o, _)| *o == opt || opt.split_once('=').is_some_and(|(k, _)| k == *o))
+    {
+        return Err(reason);
+    }
+    Ok(())
+}
+
 /// Validates `options` for `fstype` and splits them into VFS flags and the
 /// filesystem's data string. `readonly` makes the mount read-only whatever
 /// the options say. See the module doc for what is accepted.
@@ -403,23 +424,7 @@ pub fn parse(
             fstype,
             reason: reason.to_string(),
         };
-        if opt.is_empty() {
-            return Err(not_allowed("empty option"));
-        }
-        if opt
-            .bytes()
-            .any(|b| b.is_ascii_control() || b == b'/' || b == b' ' || b >= 0x80)
-        {
-            return Err(not_allowed(
-                "options may not contain paths, spaces, control or non-ASCII characters",
-            ));
-        }
-        if let Some((_, reason)) = REFUSED
-            .iter()
-            .find(|(o, _)| *o == opt || opt.split_once('=').is_some_and(|(k, _)| k == *o))
-        {
-            return Err(not_allowed(reason));
-        }
+        refusal(opt).map_err(not_allowed)?;
         out.words.push(opt.to_string());
         if let Some((_, g)) = GENERIC.iter().find(|(n, _)| *n == opt) {
             match g {

@@ -1,6 +1,11 @@
 //! The store against real directories (tempdir roots): on-disk format,
 //! permissions, every refusal, claims and source lookup.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 use std::fs;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};

@@ -6,6 +6,11 @@
 //!
 //! Time budget: about 2 x 40 s of image builds on a loaded 2-core machine.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::fs;

@@ -114,6 +114,44 @@ pub fn scan(ns: &NetNs) -> Result<PodNetwork, NetError> {
     })
 }
 
+/// A neighbour entry's IP address and MAC, when it has both.
+fn static_neighbour(
+    n: &netlink_packet_route::neighbour::NeighbourMessage,
+) -> Option<(IpAddr, [u8; 6])> {
+    let mut address = None;
+    let mut mac = None;
+    for a in &n.attributes {
+        match a {
+            NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => {
+                address = Some(IpAddr::V4(*ip));
+            }
+            NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip)) => {
+                address = Some(IpAddr::V6(*ip));
+            }
+            NeighbourAttribute::LinkLayerAddress(m) => {
+                mac = <[u8; 6]>::try_from(m.as_slice()).ok();
+            }
+            _ => {}
+        }
+    }
+    Some((address?, mac?))
+}
+
+/// An address message's own address. IPv4: IFA_LOCAL is the interface's
+/// own address (IFA_ADDRESS the peer's on point-to-point links).
+fn own_address(a: &netlink_packet_route::address::AddressMessage) -> Option<IpAddr> {
+    let local = a.attributes.iter().find_map(|x| match x {
+        AddressAttribute::Local(ip) => Some(*ip),
+        _ => None,
+    });
+    local.or_else(|| {
+        a.attributes.iter().find_map(|x| match x {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        })
+    })
+}
+
 fn build(
     links: &[LinkMessage],
     addrs: &[netlink_packet_route::address::AddressMessage],
@@ -144,19 +182,9 @@ fn build(
         let Some(iface) = by_index.get_mut(&a.header.index) else {
             continue;
         };
-        // IPv4: IFA_LOCAL is the interface's own address (IFA_ADDRESS the
-        // peer's on point-to-point links).
-        let local = a.attributes.iter().find_map(|x| match x {
-            AddressAttribute::Local(ip) => Some(*ip),
-            _ => None,
-        });
-        let addr = local.or_else(|| {
-            a.attributes.iter().find_map(|x| match x {
-                AddressAttribute::Address(ip) => Some(*ip),
-                _ => None,
-            })
-        });
-        let Some(address) = addr else { continue };
+        let Some(address) = own_address(a) else {
+            continue;
+        };
         // The guest makes its own link-local address from the same MAC.
         if is_link_local(address) {
             continue;
@@ -205,23 +233,7 @@ fn build(
         let Some(iface) = by_index.get(&n.header.ifindex) else {
             continue;
         };
-        let mut address = None;
-        let mut mac = None;
-        for a in &n.attributes {
-            match a {
-                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => {
-                    address = Some(IpAddr::V4(*ip));
-                }
-                NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip)) => {
-                    address = Some(IpAddr::V6(*ip));
-                }
-                NeighbourAttribute::LinkLayerAddress(m) => {
-                    mac = <[u8; 6]>::try_from(m.as_slice()).ok();
-                }
-                _ => {}
-            }
-        }
-        if let (Some(address), Some(mac)) = (address, mac) {
+        if let Some((address, mac)) = static_neighbour(n) {
             net.config.neighbours.push(NetNeighbour {
                 device: iface.name.clone(),
                 address,

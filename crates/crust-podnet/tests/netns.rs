@@ -8,6 +8,11 @@
 //! routes) is refused by name and leaves the namespace as it was.
 //! Budget: about 1 s.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};

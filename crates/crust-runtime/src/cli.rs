@@ -605,59 +605,76 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
         Command::AddVolume { id, volume_path } => {
             Ok(Outcome::json(&rt.add_volume(&id, &volume_path).await?))
         }
-        Command::Crust(CrustCommand::Capabilities) => Ok(Outcome {
-            stdout: capabilities().to_json() + "\n",
-            ..Default::default()
-        }),
-        Command::Crust(CrustCommand::SandboxState { sandbox_id }) => Ok(Outcome {
-            stdout: rt.sandboxes.liveness(&sandbox_id).to_json() + "\n",
-            ..Default::default()
-        }),
-        Command::Crust(CrustCommand::Stats { target_path }) => {
-            poll::answer(&rt, poll::Poll::CrustStats(&target_path))
-        }
-        Command::Crust(CrustCommand::Resize {
-            target_path,
-            min,
-            max,
-        }) => Ok(Outcome::json(
-            &rt.volume_resize(&target_path, min, max).await?,
-        )),
-        Command::Crust(CrustCommand::Freeze {
-            target_path,
-            max_frozen_ms,
-        }) => rt
-            .volume_freeze(&target_path, max_frozen_ms)
-            .await
-            .map(|()| Outcome::json(&serde_json::json!({}))),
-        Command::Crust(CrustCommand::Thaw { target_path }) => {
-            Ok(Outcome::json(&rt.volume_thaw(&target_path).await?))
-        }
-        Command::Crust(CrustCommand::Throttle {
-            target_path,
-            limits,
-        }) => rt
-            .volume_throttle(&target_path, &limits)
-            .await
-            .map(|()| Outcome::json(&serde_json::json!({}))),
-        Command::DirectVolume(DirectVolumeCommand::Add {
-            volume_path,
-            mount_info,
-        }) => rt
-            .direct_volume_add(&volume_path, &mount_info)
-            .map(|()| Outcome::default()),
-        Command::DirectVolume(DirectVolumeCommand::Remove { volume_path }) => rt
-            .direct_volume_remove(&volume_path)
-            .map(|()| Outcome::default()),
-        Command::DirectVolume(DirectVolumeCommand::Stats { volume_path }) => {
-            poll::answer(&rt, poll::Poll::KataStats(&volume_path))
-        }
-        Command::DirectVolume(DirectVolumeCommand::Resize { volume_path, size }) => Ok(
-            Outcome::json(&rt.volume_resize(&volume_path, size, 0).await?),
-        ),
+        Command::Crust(c) => crust_verb(&rt, c).await,
+        Command::DirectVolume(c) => direct_volume(&rt, c).await,
         Command::Shim { .. } => Err(RuntimeError::new(
             Code::Internal,
             "the shim is not dispatched here",
+        )),
+    }
+}
+
+/// The KEP's `crust` verbs (and crust's own: freeze, thaw, throttle).
+async fn crust_verb(rt: &Runtime, command: CrustCommand) -> Result<Outcome, RuntimeError> {
+    match command {
+        CrustCommand::Capabilities => Ok(Outcome {
+            stdout: capabilities().to_json() + "\n",
+            ..Default::default()
+        }),
+        CrustCommand::SandboxState { sandbox_id } => Ok(Outcome {
+            stdout: rt.sandboxes.liveness(&sandbox_id).to_json() + "\n",
+            ..Default::default()
+        }),
+        CrustCommand::Stats { target_path } => {
+            poll::answer(rt, poll::Poll::CrustStats(&target_path))
+        }
+        CrustCommand::Resize {
+            target_path,
+            min,
+            max,
+        } => Ok(Outcome::json(
+            &rt.volume_resize(&target_path, min, max).await?,
+        )),
+        CrustCommand::Freeze {
+            target_path,
+            max_frozen_ms,
+        } => rt
+            .volume_freeze(&target_path, max_frozen_ms)
+            .await
+            .map(|()| Outcome::json(&serde_json::json!({}))),
+        CrustCommand::Thaw { target_path } => {
+            Ok(Outcome::json(&rt.volume_thaw(&target_path).await?))
+        }
+        CrustCommand::Throttle {
+            target_path,
+            limits,
+        } => rt
+            .volume_throttle(&target_path, &limits)
+            .await
+            .map(|()| Outcome::json(&serde_json::json!({}))),
+    }
+}
+
+/// Kata's `direct-volume` verbs.
+async fn direct_volume(
+    rt: &Runtime,
+    command: DirectVolumeCommand,
+) -> Result<Outcome, RuntimeError> {
+    match command {
+        DirectVolumeCommand::Add {
+            volume_path,
+            mount_info,
+        } => rt
+            .direct_volume_add(&volume_path, &mount_info)
+            .map(|()| Outcome::default()),
+        DirectVolumeCommand::Remove { volume_path } => rt
+            .direct_volume_remove(&volume_path)
+            .map(|()| Outcome::default()),
+        DirectVolumeCommand::Stats { volume_path } => {
+            poll::answer(rt, poll::Poll::KataStats(&volume_path))
+        }
+        DirectVolumeCommand::Resize { volume_path, size } => Ok(Outcome::json(
+            &rt.volume_resize(&volume_path, size, 0).await?,
         )),
     }
 }

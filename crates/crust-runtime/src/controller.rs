@@ -206,28 +206,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
     };
     let (plan, asked_at) = plan;
-    // Persist who we are and what we are about to claim before claiming,
-    // so a crash at any point leaves enough on disk to clean up.
-    state.shim = Some(ProcRef::current());
-    state.volumes = plan.volumes.clone();
-    state.mounts = plan.mounts.clone();
-    // A declined handover leaves a host mount the workload expects: it is
-    // shared over virtio-fs (auto mode's fallback), never skipped.
-    let declined = state.events.iter().any(|e| e.outcome == handover::ON_HOST);
-    let share_dir = ((cfg.share_binds || declined) && !plan.binds.is_empty())
-        .then(|| store.dir(&id).join(share::SHARE_DIR));
-    if share_dir.is_some() {
-        state.shared_mounts = shared_mounts(&plan.binds);
-    } else {
-        state.skipped_mounts = plan.skipped.clone();
-    }
-    store.save(&state)?;
-    for m in &state.skipped_mounts {
-        tracing::warn!(
-            "mount {m} has no hand-off record; the guest cannot see host paths, skipping it \
-             (--share-binds shares them over virtio-fs)"
-        );
-    }
+    let share_dir = record_plan(&cfg, &store, &id, &plan, &mut state)?;
 
     let mut claimed: Vec<Volume> = Vec::new();
     let res = async {
@@ -264,19 +243,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     };
     let (exit_tx, qemu_exit) = watch::channel(None);
     let ctrl = async {
-        let qmp = QmpClient::connect(guest.qmp_socket(), cfg.timeout)
-            .await
-            .map_err(|e| RuntimeError::new(Code::Unavailable, format!("QMP: {e}")))?;
-        let agent = AgentClient::with_timeout(guest.agent_socket(), cfg.timeout);
-        agent.wait_ready(cfg.boot_timeout).await.map_err(|e| {
-            RuntimeError::new(
-                Code::DeadlineExceeded,
-                format!(
-                    "the guest agent did not come up: {e} (console: {})",
-                    guest.console_tail()
-                ),
-            )
-        })?;
+        let (qmp, agent) = connect_guest(&guest, &cfg).await?;
         let attachments = Attachments::default();
         // The first root port is taken first.
         attachments.set_buses(guest.hotplug_buses().into_iter().rev().collect());
@@ -311,7 +278,73 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
     };
     ctrl.guest.set_exit_notifier(exit_tx);
-    for v in &plan.volumes {
+    plug_planned(&ctrl, &plan.volumes, &asked_at).await?;
+    Ok(ctrl)
+}
+
+/// The guest's QMP and agent connections, once its agent answers.
+async fn connect_guest(
+    guest: &Guest,
+    cfg: &Config,
+) -> Result<(QmpClient, AgentClient), RuntimeError> {
+    let qmp = QmpClient::connect(guest.qmp_socket(), cfg.timeout)
+        .await
+        .map_err(|e| RuntimeError::new(Code::Unavailable, format!("QMP: {e}")))?;
+    let agent = AgentClient::with_timeout(guest.agent_socket(), cfg.timeout);
+    agent.wait_ready(cfg.boot_timeout).await.map_err(|e| {
+        RuntimeError::new(
+            Code::DeadlineExceeded,
+            format!(
+                "the guest agent did not come up: {e} (console: {})",
+                guest.console_tail()
+            ),
+        )
+    })?;
+    Ok((qmp, agent))
+}
+
+/// Persists who we are and what we are about to claim before claiming, so
+/// a crash at any point leaves enough on disk to clean up; answers the
+/// sandbox's virtio-fs share directory when it has one.
+fn record_plan(
+    cfg: &Config,
+    store: &SandboxStore,
+    id: &str,
+    plan: &crate::discovery::Plan,
+    state: &mut SandboxState,
+) -> Result<Option<PathBuf>, RuntimeError> {
+    state.shim = Some(ProcRef::current());
+    state.volumes = plan.volumes.clone();
+    state.mounts = plan.mounts.clone();
+    // A declined handover leaves a host mount the workload expects: it is
+    // shared over virtio-fs (auto mode's fallback), never skipped.
+    let declined = state.events.iter().any(|e| e.outcome == handover::ON_HOST);
+    let share_dir = ((cfg.share_binds || declined) && !plan.binds.is_empty())
+        .then(|| store.dir(id).join(share::SHARE_DIR));
+    if share_dir.is_some() {
+        state.shared_mounts = shared_mounts(&plan.binds);
+    } else {
+        state.skipped_mounts = plan.skipped.clone();
+    }
+    store.save(state)?;
+    for m in &state.skipped_mounts {
+        tracing::warn!(
+            "mount {m} has no hand-off record; the guest cannot see host paths, skipping it \
+             (--share-binds shares them over virtio-fs)"
+        );
+    }
+    Ok(share_dir)
+}
+
+/// Plugs the planned volumes into the ready guest; a failure tears the
+/// sandbox down. A handed-over volume's time from request to mounted is
+/// logged and recorded.
+async fn plug_planned(
+    ctrl: &Controller,
+    volumes: &[Volume],
+    asked_at: &HashMap<String, Instant>,
+) -> Result<(), RuntimeError> {
+    for v in volumes {
         let plug_t0 = Instant::now();
         if let Err(e) = ctrl.plug(v).await {
             let e = RuntimeError::from(e);
@@ -332,7 +365,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             handover::crash_point("mounted");
         }
     }
-    Ok(ctrl)
+    Ok(())
 }
 
 /// Runtime-driven deferral: every bundle mount whose source is a mount

@@ -36,20 +36,48 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// Bound on each guest call of a scrape: kata-monitor gives a sandbox 3 s.
 const GUEST_CALL_BOUND: Duration = Duration::from_secs(1);
 
-/// The sandbox's metrics in Prometheus text format 0.0.4. `agent` is None
-/// when the sandbox has no guest (yet, or any more).
-pub async fn sandbox_metrics(
-    state: &SandboxState,
-    agent: Option<&AgentClient>,
-    timeout: Duration,
-) -> String {
-    let timeout = timeout.min(GUEST_CALL_BOUND);
-    let mut out = Text::default();
-    let qemu = state
-        .qemu
-        .as_ref()
-        .filter(|q| q.alive())
-        .and_then(|q| ProcFigures::read(q.pid));
+type Pick = fn(&crate::stats::VolumeUsage) -> u64;
+/// The volume usage families: name, unit, the figure, help.
+const VOLUME_FAMILIES: [(&str, Unit, Pick, &str); 6] = [
+    (
+        "crust_volume_stats_capacity_bytes",
+        Unit::Bytes,
+        |u| u.total,
+        "Size of the volume's filesystem, as the guest sees it.",
+    ),
+    (
+        "crust_volume_stats_used_bytes",
+        Unit::Bytes,
+        |u| u.used,
+        "Bytes used on the volume.",
+    ),
+    (
+        "crust_volume_stats_available_bytes",
+        Unit::Bytes,
+        |u| u.available,
+        "Bytes available on the volume.",
+    ),
+    (
+        "crust_volume_stats_inodes",
+        Unit::Inodes,
+        |u| u.total,
+        "Inodes of the volume's filesystem.",
+    ),
+    (
+        "crust_volume_stats_inodes_used",
+        Unit::Inodes,
+        |u| u.used,
+        "Inodes used.",
+    ),
+    (
+        "crust_volume_stats_inodes_free",
+        Unit::Inodes,
+        |u| u.available,
+        "Inodes free.",
+    ),
+];
+/// The QEMU process's families (`qemu`: its figures while it runs).
+fn hypervisor(out: &mut Text, qemu: Option<&ProcFigures>) {
     out.family(
         "crust_hypervisor_up",
         "gauge",
@@ -60,7 +88,7 @@ pub async fn sandbox_metrics(
         &[],
         f64::from(u8::from(qemu.is_some())),
     );
-    if let Some(p) = &qemu {
+    if let Some(p) = qemu {
         out.one(
             "crust_hypervisor_cpu_seconds_total",
             "counter",
@@ -86,6 +114,23 @@ pub async fn sandbox_metrics(
             p.open_fds as f64,
         );
     }
+}
+
+/// The sandbox's metrics in Prometheus text format 0.0.4. `agent` is None
+/// when the sandbox has no guest (yet, or any more).
+pub async fn sandbox_metrics(
+    state: &SandboxState,
+    agent: Option<&AgentClient>,
+    timeout: Duration,
+) -> String {
+    let timeout = timeout.min(GUEST_CALL_BOUND);
+    let mut out = Text::default();
+    let qemu = state
+        .qemu
+        .as_ref()
+        .filter(|q| q.alive())
+        .and_then(|q| ProcFigures::read(q.pid));
+    hypervisor(&mut out, qemu.as_ref());
     let Some(agent) = agent.filter(|_| qemu.is_some()) else {
         out.one(
             "crust_guest_up",
@@ -120,46 +165,7 @@ pub async fn sandbox_metrics(
             Err(e) => tracing::debug!(target = %v.target, "metrics: {e}"),
         }
     }
-    type Pick = fn(&crate::stats::VolumeUsage) -> u64;
-    let families: [(&str, Unit, Pick, &str); 6] = [
-        (
-            "crust_volume_stats_capacity_bytes",
-            Unit::Bytes,
-            |u| u.total,
-            "Size of the volume's filesystem, as the guest sees it.",
-        ),
-        (
-            "crust_volume_stats_used_bytes",
-            Unit::Bytes,
-            |u| u.used,
-            "Bytes used on the volume.",
-        ),
-        (
-            "crust_volume_stats_available_bytes",
-            Unit::Bytes,
-            |u| u.available,
-            "Bytes available on the volume.",
-        ),
-        (
-            "crust_volume_stats_inodes",
-            Unit::Inodes,
-            |u| u.total,
-            "Inodes of the volume's filesystem.",
-        ),
-        (
-            "crust_volume_stats_inodes_used",
-            Unit::Inodes,
-            |u| u.used,
-            "Inodes used.",
-        ),
-        (
-            "crust_volume_stats_inodes_free",
-            Unit::Inodes,
-            |u| u.available,
-            "Inodes free.",
-        ),
-    ];
-    for (name, unit, pick, help) in families {
+    for (name, unit, pick, help) in VOLUME_FAMILIES {
         out.family(name, "gauge", help);
         for (v, s) in &rows {
             if let Some(u) = s.usage.iter().find(|u| u.unit == unit) {

@@ -532,6 +532,10 @@ mod tests {
     }
 
     #[tokio::test]
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one walk over the HTTP surface, request by request"
+    )]
     async fn http_surface() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("shim.sock");

@@ -8,6 +8,11 @@
 //!
 //! Time budget: about 30 s (one guest boot, one reboot after the kill).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -19,6 +19,11 @@
 //!
 //! Time budget: about 15 s (one TCG boot).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::io::{Read, Write};

@@ -4,6 +4,11 @@
 //! read-only; a missing bind source is refused with nothing left; delete
 //! unmounts the share without touching the data behind it.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::path::Path;

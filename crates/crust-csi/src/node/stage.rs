@@ -147,6 +147,35 @@ fn adopt_leftover_mount(path: &Path, attached: Option<&Path>) -> Result<bool> {
     Ok(true)
 }
 
+/// The staging a NodeStageVolume asks for (compared with a recorded one).
+fn wanted_staging(
+    rec: &VolumeRecord,
+    cap: &Capability,
+    path: &Path,
+    fs_type: Option<FsType>,
+    deferred: bool,
+) -> Result<Staging> {
+    Ok(Staging {
+        path: path.to_path_buf(),
+        device: PathBuf::new(),
+        block: fs_type.is_none(),
+        fs_type,
+        readonly: cap.mode.read_only(),
+        mode: cap.mode,
+        flags_digest: cap.flags_digest(),
+        deferred,
+        host_mount: if deferred {
+            HostMount::UnmountedForDeferral
+        } else {
+            HostMount::Mounted
+        },
+        mount_options: match fs_type {
+            Some(fs) => normalized_options(fs, &mount_flags_of(rec, fs, &cap.mount_flags))?,
+            None => Vec::new(),
+        },
+    })
+}
+
 impl Driver {
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
@@ -171,25 +200,7 @@ impl Driver {
         // Bad mount flags are refused before anything is touched.
         cap.checked_mount_flags(rec.fs_type)?;
         let readonly = cap.mode.read_only();
-        let wanted = Staging {
-            path: path.clone(),
-            device: PathBuf::new(),
-            block: fs_type.is_none(),
-            fs_type,
-            readonly,
-            mode: cap.mode,
-            flags_digest: cap.flags_digest(),
-            deferred,
-            host_mount: if deferred {
-                HostMount::UnmountedForDeferral
-            } else {
-                HostMount::Mounted
-            },
-            mount_options: match fs_type {
-                Some(fs) => normalized_options(fs, &mount_flags_of(&rec, fs, &cap.mount_flags))?,
-                None => Vec::new(),
-            },
-        };
+        let wanted = wanted_staging(&rec, &cap, &path, fs_type, deferred)?;
         let repeat = repeats_staging(&rec, &wanted)?;
         require_dir("staging_target_path", &path)?;
         let attached = self.backend.attached_device(&id)?;

@@ -18,7 +18,6 @@
 //! runs it (guest pids mean nothing on the host; Pids lists them).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -26,7 +25,6 @@ use async_trait::async_trait;
 use containerd_shim::asynchronous::ExitSignal;
 use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
-use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
 use containerd_shim::protos::protobuf::well_known_types::wrappers::StringValue;
 use containerd_shim::protos::protobuf::{Message, MessageDyn, MessageField};
 use containerd_shim::protos::shim_async::Task;
@@ -37,20 +35,25 @@ use containerd_shim_protos::cgroups::metrics::{
     CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
 };
 use containerd_shim_protos::events::task::{
-    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskStart,
+    TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskStart,
 };
 use containerd_shim_protos::topics;
 use crust_agent_proto::{
-    ContainerPids, ContainerStats, ExecProcess, ProcessRef, ProcessSpec, RemoveContainer,
-    ResizePty, SignalProcess, StartContainer, WaitProcess,
+    ContainerPids, ContainerStats, ExecProcess, ProcessRef, RemoveContainer, ResizePty,
+    SignalProcess, StartContainer, WaitProcess,
 };
-use crust_runtime::shim::Code;
-use tokio::sync::watch;
 
 use crate::cgroup::Placement;
-use crate::io::{self, Relay, StdioPaths};
-use crate::pod::{Pod, PodError, PodVm};
-use crate::spec::{self, Role};
+use crate::io::{self, StdioPaths};
+use crate::pod::{Pod, PodVm};
+use crate::spec;
+
+mod create;
+mod procs;
+mod status;
+
+use procs::{Ctr, Exit, Proc, State};
+use status::{agent_err, status, timestamp};
 
 type TtResult<T> = ttrpc::Result<T>;
 
@@ -64,119 +67,6 @@ pub const LSM_TOPIC: &str = "/crust/lsm/not-enforced";
 
 /// How long the output of an exited process gets to drain.
 const DRAIN: Duration = Duration::from_secs(3);
-
-fn status(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
-    ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg.into()))
-}
-
-/// One place where error classes become ttrpc codes.
-fn code_of(c: Code) -> ttrpc::Code {
-    match c {
-        Code::InvalidArgument => ttrpc::Code::INVALID_ARGUMENT,
-        Code::NotFound => ttrpc::Code::NOT_FOUND,
-        Code::AlreadyExists => ttrpc::Code::ALREADY_EXISTS,
-        Code::FailedPrecondition => ttrpc::Code::FAILED_PRECONDITION,
-        Code::OutOfRange => ttrpc::Code::OUT_OF_RANGE,
-        Code::Unavailable => ttrpc::Code::UNAVAILABLE,
-        Code::DeadlineExceeded => ttrpc::Code::DEADLINE_EXCEEDED,
-        Code::Internal => ttrpc::Code::INTERNAL,
-    }
-}
-
-impl From<PodError> for ttrpc::Error {
-    fn from(e: PodError) -> ttrpc::Error {
-        status(code_of(e.code()), e.to_string())
-    }
-}
-
-impl From<spec::SpecError> for ttrpc::Error {
-    fn from(e: spec::SpecError) -> ttrpc::Error {
-        let c = match e {
-            spec::SpecError::Invalid { .. } => ttrpc::Code::INVALID_ARGUMENT,
-            spec::SpecError::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,
-            spec::SpecError::Update(_) => ttrpc::Code::INVALID_ARGUMENT,
-        };
-        status(c, e.to_string())
-    }
-}
-
-fn agent_err(what: &str) -> impl FnOnce(crust_agent_proto::ClientError) -> ttrpc::Error + '_ {
-    move |e| {
-        status(
-            code_of(crust_runtime::volumes::agent_code(&e)),
-            format!("{what}: {e}"),
-        )
-    }
-}
-
-fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    let mut ts = Timestamp::new();
-    ts.seconds = d.as_secs() as i64;
-    ts.nanos = d.subsec_nanos() as i32;
-    ts
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    Created,
-    Running,
-    Stopped,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Exit {
-    code: u32,
-    at: SystemTime,
-}
-
-/// A container's init or exec process.
-struct Proc {
-    exec_id: String,
-    stream: u32,
-    paths: StdioPaths,
-    /// For an exec: what to run at Start.
-    spec: Option<ProcessSpec>,
-    state: Mutex<State>,
-    exit: watch::Sender<Option<Exit>>,
-    relay: tokio::sync::Mutex<Option<Relay>>,
-}
-
-impl Proc {
-    fn new(
-        exec_id: &str,
-        stream: u32,
-        paths: StdioPaths,
-        spec: Option<ProcessSpec>,
-        relay: Relay,
-    ) -> Arc<Proc> {
-        Arc::new(Proc {
-            exec_id: exec_id.to_string(),
-            stream,
-            paths,
-            spec,
-            state: Mutex::new(State::Created),
-            exit: watch::channel(None).0,
-            relay: tokio::sync::Mutex::new(Some(relay)),
-        })
-    }
-
-    fn state(&self) -> State {
-        *self.state.lock().expect("state")
-    }
-
-    fn exited(&self) -> Option<Exit> {
-        *self.exit.borrow()
-    }
-}
-
-struct Ctr {
-    id: String,
-    bundle: PathBuf,
-    owner: bool,
-    init: Arc<Proc>,
-    execs: Mutex<HashMap<String, Arc<Proc>>>,
-}
 
 /// The task service of one shim (one pod).
 pub struct Service {
@@ -406,186 +296,6 @@ impl Service {
                 pod.vm_died(&reason).await;
             }
         });
-    }
-
-    async fn create_task(&self, req: api::CreateTaskRequest) -> TtResult<api::CreateTaskResponse> {
-        if self
-            .containers
-            .lock()
-            .expect("containers")
-            .contains_key(&req.id)
-        {
-            return Err(status(
-                ttrpc::Code::ALREADY_EXISTS,
-                format!("container {} exists", req.id),
-            ));
-        }
-        let bundle = PathBuf::from(&req.bundle);
-        let oci = spec::load(&bundle)?;
-        let mut plan = spec::plan(&oci, &bundle)?;
-        spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
-        self.tell_lsm(&req.id, &plan.lsm).await;
-        let owner = match &plan.role {
-            Role::PodOwner if req.id == self.pod.id => true,
-            Role::Member { sandbox_id } if *sandbox_id == self.pod.id => false,
-            _ => {
-                return Err(status(
-                    ttrpc::Code::FAILED_PRECONDITION,
-                    format!(
-                        "container {} does not belong to pod {}",
-                        req.id, self.pod.id
-                    ),
-                ));
-            }
-        };
-        let paths = StdioPaths {
-            stdin: req.stdin.clone(),
-            stdout: req.stdout.clone(),
-            stderr: req.stderr.clone(),
-            terminal: req.terminal,
-        };
-        let vm = if owner {
-            let placement = match &plan.cgroups_path {
-                Some(p) => Some(
-                    Placement::resolve(p)
-                        .map_err(|e| status(ttrpc::Code::FAILED_PRECONDITION, e))?,
-                ),
-                None => None,
-            };
-            *self.cgroup.lock().expect("cgroup") = placement.clone();
-            // vCPUs follow the CPU limit, within the host's cores.
-            let host = std::thread::available_parallelism()
-                .map(|n| n.get() as u32)
-                .unwrap_or(1);
-            let cpus = plan
-                .cpus
-                .unwrap_or(self.pod.cfg.runtime.cpus)
-                .clamp(1, host.max(self.pod.cfg.runtime.cpus));
-            let boot = self
-                .pod
-                .boot(
-                    &bundle,
-                    self.memory_mib(&plan),
-                    cpus,
-                    placement.as_ref(),
-                    &plan.network,
-                )
-                .await;
-            let vm = match boot {
-                Ok(vm) => vm,
-                Err(e) => return Err(self.fail_create(true, e.into()).await),
-            };
-            self.spawn_vm_watch(vm.clone());
-            vm
-        } else {
-            self.pod.vm().await?
-        };
-        if let Err(e) = self
-            .pod
-            .reserve_memory(&vm, &req.id, plan.memory_limit, plan.pod_memory)
-            .await
-        {
-            return Err(self.fail_create(owner, e.into()).await);
-        }
-        let stream = self.pod.stream();
-        let relay = match io::start(&vm.stdio, stream, &paths) {
-            Ok(r) => r,
-            Err(e) => {
-                return Err(self
-                    .fail_create(owner, status(ttrpc::Code::INVALID_ARGUMENT, e.to_string()))
-                    .await);
-            }
-        };
-        let prepared = self
-            .pod
-            .prepare(&vm, &req.id, &bundle, &plan, &req.rootfs)
-            .await;
-        self.publish_fallbacks(&req.id).await;
-        let mut guest = match prepared {
-            Ok(g) => g,
-            Err(e) => return Err(self.fail_create(owner, e.into()).await),
-        };
-        plan.process.terminal = req.terminal;
-        guest.process.terminal = req.terminal;
-        guest.process.stdio = paths.spec(stream);
-        if let Err(e) = vm
-            .agent
-            .call_with_timeout(guest, self.pod.cfg.runtime.boot_timeout)
-            .await
-        {
-            self.pod.release_container(&req.id);
-            return Err(self
-                .fail_create(owner, agent_err("creating the container in the guest")(e))
-                .await);
-        }
-        if let Err(e) = self.apply_cpu_limit(&vm, &req.id, plan.cpu_max).await {
-            return Err(self.fail_create(owner, e).await);
-        }
-        let pid = vm.guest.proc_ref().pid as u32;
-        let ctr = Arc::new(Ctr {
-            id: req.id.clone(),
-            bundle: bundle.clone(),
-            owner,
-            init: Proc::new("", stream, paths.clone(), None, relay),
-            execs: Mutex::new(HashMap::new()),
-        });
-        self.containers
-            .lock()
-            .expect("containers")
-            .insert(req.id.clone(), ctr);
-        let ev = TaskCreate {
-            container_id: req.id.clone(),
-            bundle: req.bundle.clone(),
-            rootfs: req.rootfs.clone(),
-            io: MessageField::some(TaskIO {
-                stdin: paths.stdin,
-                stdout: paths.stdout,
-                stderr: paths.stderr,
-                terminal: paths.terminal,
-                ..Default::default()
-            }),
-            pid,
-            ..Default::default()
-        };
-        self.publish(topics::TASK_CREATE_EVENT_TOPIC, Box::new(ev))
-            .await;
-        Ok(api::CreateTaskResponse {
-            pid,
-            ..Default::default()
-        })
-    }
-
-    /// A new container's CFS limit, through the resize path (vCPUs
-    /// hot-plugged when the pod's quotas need them); on failure the
-    /// container is removed from the guest again.
-    async fn apply_cpu_limit(
-        &self,
-        vm: &PodVm,
-        cid: &str,
-        cpu: Option<crust_agent_proto::CpuMax>,
-    ) -> TtResult<()> {
-        if cpu.is_none() {
-            return Ok(());
-        }
-        let limits = crate::resize::Limits { memory: None, cpu };
-        if let Err(e) = self.pod.resize(vm, cid, limits).await {
-            let _ = vm.agent.call(RemoveContainer { id: cid.into() }).await;
-            self.pod.release_container(cid);
-            self.pod.forget_limits(cid).await;
-            return Err(e.into());
-        }
-        Ok(())
-    }
-
-    /// A failed Create of the pod's owner ends the VM it booted.
-    async fn fail_create(&self, owner: bool, e: ttrpc::Error) -> ttrpc::Error {
-        if owner {
-            self.pod.teardown().await;
-            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
-                cg.remove();
-            }
-        }
-        e
     }
 
     async fn start_task(&self, req: api::StartRequest) -> TtResult<api::StartResponse> {
