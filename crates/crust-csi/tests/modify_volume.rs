@@ -174,7 +174,8 @@ async fn a_deferred_volume_carries_its_limits_in_the_handoff_record() {
 
     // Consumed by a runtime whose CLI has no `crust throttle`: an error
     // saying the limits are recorded but not live, never a silent OK.
-    consume(&node.crust_root(), &target, "sandbox-1", &runtime_cli());
+    let old_cli = cli_without_throttle(std::path::Path::new(&node.mkdir("bin")));
+    consume(&node.crust_root(), &target, "sandbox-1", &old_cli);
     let s = assert_code(
         modify(&mut c, &id, &[("readBps", "2097152")]).await,
         Code::FailedPrecondition,
@@ -191,4 +192,23 @@ async fn a_deferred_volume_carries_its_limits_in_the_handoff_record() {
     // The claim and the runtime CLI stayed.
     let dir = mi.parent().unwrap();
     assert!(dir.join("sandbox-1").exists() && dir.join("runtime-cli").exists());
+}
+
+/// The test runtime CLI as a runtime without `crust throttle` answers:
+/// its capabilities lack the verb, every other call goes through.
+fn cli_without_throttle(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("cli-without-throttle");
+    let script = format!(
+        "#!/bin/sh\n\
+         if [ \"$1 $2\" = \"crust capabilities\" ]; then\n\
+           echo '{{\"verbs\": [\"capabilities\", \"freeze\", \"resize\", \"sandbox-state\", \"stats\", \"thaw\"]}}'\n\
+           exit 0\n\
+         fi\n\
+         exec '{}' \"$@\"\n",
+        runtime_cli().display()
+    );
+    std::fs::write(&p, script).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
 }
