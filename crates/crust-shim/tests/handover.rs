@@ -202,16 +202,7 @@ async fn ctr_run_takes_a_host_published_volume_into_the_vm_and_gives_it_back() {
         .spawn()
         .unwrap();
     let sleeper = crust_testkit::ChildGuard::new(sleeper);
-    let events = env
-        .ctrd
-        .ctr_cmd("default", &["events"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut events = crust_testkit::ChildGuard::new(events);
-    // `ctr events` subscribes before the container is asked for.
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let events = env.ctrd.events("default");
     let o = env.ctrd.ctr_in(
         "default",
         &[
@@ -231,13 +222,11 @@ async fn ctr_run_takes_a_host_published_volume_into_the_vm_and_gives_it_back() {
     assert!(o.status.success(), "fallback: {o:?}\n{}", env.logs());
     assert_eq!(String::from_utf8_lossy(&o.stdout), "from-vm\nvirtiofs\n");
     assert_eq!(mount_at(&staging).unwrap().1, "ext4", "the host kept it");
-    let _ = events.child().kill();
-    let out = events.into_inner().wait_with_output().unwrap();
-    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    let out = events.lines();
     let line = out
-        .lines()
-        .find(|l| l.contains("/crust/volume/fallback"))
-        .unwrap_or_else(|| panic!("no fallback event: {out}\n{}", env.logs()));
+        .iter()
+        .find(|l| l.contains(crust_shim::task::FALLBACK_TOPIC))
+        .unwrap_or_else(|| panic!("no fallback event: {out:?}\n{}", env.logs()));
     assert!(
         line.contains(&target_s) && line.contains(&format!("pid {}", sleeper.child_id())),
         "{line}"

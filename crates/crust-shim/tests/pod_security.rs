@@ -38,16 +38,7 @@ const CONTAINERD_DEFAULT_CAPS: &[&str] = &[
 #[test]
 fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
     let env = Env::start("default");
-    let events = env
-        .ctrd
-        .ctr_cmd("default", &["events"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut events = crust_testkit::ChildGuard::new(events);
-    // `ctr events` subscribes before the container is asked for.
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let events = env.ctrd.events("default");
     let mut args = vec!["run", "--rm", "--runtime", RUNTIME];
     args.extend(["--apparmor-profile", PROFILE]);
     // ctr has no `ALL`: every default capability but NET_BIND_SERVICE.
@@ -83,14 +74,12 @@ fn an_apparmor_profile_runs_and_is_logged_unless_refused() {
         "one log line naming the profile:\n{log}"
     );
     // And one containerd event, naming the container and the profile.
-    let _ = events.child().kill();
-    let out = events.into_inner().wait_with_output().unwrap();
-    let out = String::from_utf8_lossy(&out.stdout).into_owned();
-    let seen: Vec<&str> = out
-        .lines()
+    let out = events.lines();
+    let seen: Vec<&String> = out
+        .iter()
         .filter(|l| l.contains(crust_shim::task::LSM_TOPIC))
         .collect();
-    assert_eq!(seen.len(), 1, "one event: {out}\n{}", env.logs());
+    assert_eq!(seen.len(), 1, "one event: {out:?}\n{}", env.logs());
     assert!(
         seen[0].contains("aa") && seen[0].contains(PROFILE),
         "{}",

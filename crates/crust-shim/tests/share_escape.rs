@@ -55,12 +55,22 @@ fn guest_exec(env: &Env, pod: &str, script: &str) -> String {
 }
 
 /// Mount points in the test's namespace, but for those below `except`.
-fn mount_points(except: &Path) -> BTreeSet<String> {
+/// The host's mount points, but for those below `except` (this test's
+/// runtime root) and those of other tests' dirs, which come and go while
+/// tests run in parallel (their env and containerd dirs; `mine` are this
+/// test's own and stay checked).
+fn mount_points(except: &Path, mine: &[&Path]) -> BTreeSet<String> {
+    let others = |p: &Path| {
+        ["/tmp/cs-", "/tmp/ctrd-"]
+            .iter()
+            .any(|pre| p.to_string_lossy().starts_with(pre))
+            && !mine.iter().any(|m| p.starts_with(m))
+    };
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
         .filter_map(|l| l.split(' ').nth(4).map(str::to_owned))
-        .filter(|p| !Path::new(p).starts_with(except))
+        .filter(|p| !Path::new(p).starts_with(except) && !others(Path::new(p)))
         .collect()
 }
 
@@ -231,7 +241,8 @@ echo done"#,
     for i in 0..32 {
         std::os::unix::fs::symlink(&host_file, planted.join(format!("m{i}"))).unwrap();
     }
-    let mounts_before = mount_points(&env.runtime_root);
+    let mine = [env.dir.path(), env.ctrd.dir()];
+    let mounts_before = mount_points(&env.runtime_root, &mine);
     let src = d.join("src-file");
     std::fs::write(&src, b"bind source\n").unwrap();
     let m_src = format!(
@@ -271,7 +282,7 @@ echo done"#,
     assert_eq!(std::fs::read(&host_file).unwrap(), b"precious host bytes\n");
     assert!(listing(&host_dir).is_empty());
     assert_eq!(
-        mount_points(&env.runtime_root),
+        mount_points(&env.runtime_root, &mine),
         mounts_before,
         "nothing was mounted outside the share"
     );

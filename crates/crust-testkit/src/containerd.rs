@@ -385,6 +385,20 @@ state = "{state}"
         cmd
     }
 
+    /// `ctr events` of `namespace`, subscribed before this returns (give
+    /// it to [`Events::lines`] once the events of interest happened).
+    pub fn events(&self, namespace: &str) -> Events {
+        let child = self
+            .ctr_cmd(namespace, &["events"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn ctr events");
+        // `ctr events` subscribes a moment after it starts.
+        std::thread::sleep(Duration::from_millis(500));
+        Events(crate::ChildGuard::new(child))
+    }
+
     /// `ctr` that must succeed; returns stdout.
     pub fn ctr_ok(&self, namespace: &str, args: &[&str]) -> String {
         let o = self.ctr_in(namespace, args);
@@ -580,4 +594,23 @@ pub fn ensure_test_images() -> (PathBuf, PathBuf) {
         .expect("run scripts/build-test-images.sh");
     assert!(status.success(), "scripts/build-test-images.sh failed");
     (dir.join("busybox.tar"), dir.join("pause.tar"))
+}
+
+/// A running `ctr events` ([`Containerd::events`]); killed on drop.
+pub struct Events(crate::ChildGuard);
+
+impl Events {
+    /// Stops listening: every event line printed so far.
+    pub fn lines(mut self) -> Vec<String> {
+        let _ = self.0.child().kill();
+        let out = self
+            .0
+            .into_inner()
+            .wait_with_output()
+            .expect("ctr events output");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect()
+    }
 }

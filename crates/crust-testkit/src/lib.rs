@@ -17,7 +17,7 @@ mod qemu;
 pub use alias::{Alias, AliasCase, assert_fsck_clean, losetup, sha256};
 pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
-    PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
+    Events, PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
 };
 pub use disk::{LoopDisk, LoopsUnder, TempMount};
 pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls, venv_python_with};
