@@ -23,7 +23,7 @@ use crust_ops::{ExpandRequest, StageRequest};
 use crust_proto::csi::v1 as csi;
 
 use crate::caps::Capability;
-use crate::driver::Driver;
+use crate::driver::DeferParts;
 use crate::error::{NodeError, PathProblem, alias_err, fs_err, mount_err};
 use crate::health::Condition;
 use crate::node::{mounted_here, remove_created_target, sync_and_unmount};
@@ -76,7 +76,7 @@ fn host_mounts_of(device: &Path) -> Result<Vec<std::path::PathBuf>> {
         .collect())
 }
 
-impl Driver {
+impl DeferParts<'_> {
     /// NodePublishVolume with deferral; the caller checked the request,
     /// the staging and the attached device, and holds the volume's guard.
     pub(crate) fn publish_deferred(
@@ -164,6 +164,7 @@ impl Driver {
         // that is not a VM runtime: a placeholder with no room for data says where
         // the volume went (placeholder.rs).
         let placed = self
+            .node()
             .prepare_target(&mut rec, &target, false, None)
             .and_then(|_| {
                 crate::placeholder::mount(
@@ -299,7 +300,7 @@ impl Driver {
         if rec.handover.is_some() {
             // A handover whose sandbox is gone comes back first (a live
             // one keeps the volume: refused below).
-            match self.take_back(rec, None) {
+            match self.handover().take_back(rec, None) {
                 Ok(()) | Err(crate::error::HandoverError::HeldBySandbox { .. }) => {}
                 Err(e) => tracing::warn!(volume = %id, error = %e, "cannot check the handover"),
             }
@@ -335,7 +336,9 @@ impl Driver {
                 });
             }
             let fs = s.fs_type.unwrap_or(rec.fs_type);
-            let flags = self.check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
+            let flags =
+                self.handover()
+                    .check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
             crust_blockdev::mount_fs(&s.device, &s.path, fs, &flags, s.readonly)
                 .map_err(mount_err)?;
             if rec.returned.take().is_some() {
@@ -424,7 +427,7 @@ impl Driver {
         rec: &VolumeRecord,
         path: &Path,
     ) -> Result<csi::NodeGetVolumeStatsResponse> {
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;
@@ -484,7 +487,7 @@ impl Driver {
         required: u64,
         limit: u64,
     ) -> Result<csi::NodeExpandVolumeResponse> {
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;

@@ -33,8 +33,8 @@ use crust_backend::{BackendError, ContentSource, SnapshotInfo};
 use crust_proto::csi::v1 as csi;
 use sha2::{Digest, Sha256};
 
-use crate::controller::{decode_token_of, encode_token};
-use crate::driver::Driver;
+use crate::controller::{decode_token_of, encode_token, ready_record};
+use crate::driver::SnapshotParts;
 use crate::error::ControllerError;
 use crate::guard::OpGuard;
 use crate::records::History;
@@ -123,7 +123,7 @@ enum Quiesced {
     Nothing,
 }
 
-impl Driver {
+impl SnapshotParts<'_> {
     pub(crate) fn snapshot_proto(&self, s: &SnapshotInfo) -> csi::Snapshot {
         csi::Snapshot {
             size_bytes: s.size_bytes as i64,
@@ -132,7 +132,7 @@ impl Driver {
             creation_time: Some(timestamp(s.created_unix_ms)),
             ready_to_use: true,
             group_snapshot_id: s.group_id.clone().unwrap_or_default(),
-            accessible_topology: vec![self.topology()],
+            accessible_topology: vec![self.cfg.topology()],
         }
     }
 
@@ -173,7 +173,7 @@ impl Driver {
                     });
                 }
             }
-        } else if let Some(why) = self.sandbox_claim(rec, None) {
+        } else if let Some(why) = self.deferred().sandbox_claim(rec, None) {
             return Err(ControllerError::NoWayToFreeze {
                 volume: rec.id.clone(),
                 claim: why,
@@ -232,9 +232,9 @@ impl Driver {
         let mut guards = Vec::with_capacity(ids.len());
         let mut recs = Vec::with_capacity(ids.len());
         for id in ids {
-            let rec = self.ready_record(id)?;
+            let rec = ready_record(self.state, id)?;
             guards.push(self.guards.try_begin(id, op)?);
-            recs.push(self.ready_record(&rec.id)?);
+            recs.push(ready_record(self.state, &rec.id)?);
         }
         Ok((guards, recs))
     }
@@ -289,7 +289,7 @@ impl Driver {
         self.require_snapshots()?;
         if let Some(t) = &req.accessibility_requirements
             && !t.requisite.is_empty()
-            && !t.requisite.iter().any(|t| self.topology_matches(t))
+            && !t.requisite.iter().any(|t| self.cfg.topology_matches(t))
         {
             return Err(ControllerError::OtherTopology {
                 key: self.cfg.topology_key(),
@@ -464,7 +464,7 @@ impl Driver {
                 Ok((s.size_bytes, fs))
             }
             ContentSource::Volume(id) => {
-                let rec = self.ready_record(id)?;
+                let rec = ready_record(self.state, id)?;
                 Ok((rec.capacity_bytes, Some(rec.fs_type)))
             }
         }

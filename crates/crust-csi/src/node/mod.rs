@@ -50,7 +50,7 @@ use csi::node_server::Node;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Capability, FsType};
-use crate::driver::{Driver, blocking};
+use crate::driver::{Driver, NodeParts, blocking};
 use crate::error::NodeError;
 use crate::records::DEFER_CONTEXT_KEY;
 use crate::records::{Phase, VolumeRecord};
@@ -180,7 +180,7 @@ fn node_cap(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
     Capability::from_proto(cap).map_err(NodeError::InvalidArgument)
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// KEP-2857 seam: decides how filesystem operations of a request are
     /// carried out: deferred to the pod's runtime when the request
     /// (`defer_fs_ops`) or the volume context (`deferFsOps=true`) asks for
@@ -195,7 +195,7 @@ impl Driver {
         if !(requested || from_context) {
             return Ok(FsOps::Host);
         }
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         Ok(FsOps::Deferred)
@@ -241,7 +241,7 @@ impl Driver {
         csi::NodeGetInfoResponse {
             node_id: self.cfg.node_id.clone(),
             max_volumes_per_node: self.cfg.max_volumes_per_node,
-            accessible_topology: Some(self.topology()),
+            accessible_topology: Some(self.cfg.topology()),
             supported_file_systems: FsType::NAMES.map(String::from).to_vec(),
         }
     }
@@ -266,7 +266,7 @@ impl Node for NodeService {
         request: Request<csi::NodeStageVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_stage_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_stage_volume(&req)).await?;
         Ok(Response::new(csi::NodeStageVolumeResponse {}))
     }
 
@@ -275,7 +275,7 @@ impl Node for NodeService {
         request: Request<csi::NodeUnstageVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_unstage_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_unstage_volume(&req)).await?;
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
 
@@ -284,7 +284,7 @@ impl Node for NodeService {
         request: Request<csi::NodePublishVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodePublishVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_publish_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_publish_volume(&req)).await?;
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
     }
 
@@ -293,7 +293,7 @@ impl Node for NodeService {
         request: Request<csi::NodeUnpublishVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_unpublish_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_unpublish_volume(&req)).await?;
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
     }
 
@@ -302,7 +302,7 @@ impl Node for NodeService {
         request: Request<csi::NodeGetVolumeStatsRequest>,
     ) -> std::result::Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_get_volume_stats(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_get_volume_stats(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -311,7 +311,7 @@ impl Node for NodeService {
         request: Request<csi::NodeExpandVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeExpandVolumeResponse>, Status> {
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_expand_volume(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_expand_volume(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -321,7 +321,7 @@ impl Node for NodeService {
     ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities: crate::surface::node_capabilities(
-                self.driver.cfg.csi_spec,
+                self.driver.config().csi_spec,
                 self.driver.deferral_enabled(),
             ),
         }))
@@ -331,18 +331,18 @@ impl Node for NodeService {
         &self,
         _request: Request<csi::NodeGetInfoRequest>,
     ) -> std::result::Result<Response<csi::NodeGetInfoResponse>, Status> {
-        Ok(Response::new(self.driver.node_get_info()))
+        Ok(Response::new(self.driver.node().node_get_info()))
     }
 
     async fn node_get_volume_health(
         &self,
         request: Request<csi::NodeGetVolumeHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
+        if !self.driver.config().csi_spec.serves_health_api() {
             return Err(crate::surface::health_api_off("NodeGetVolumeHealth"));
         }
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_get_volume_health(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_get_volume_health(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -350,10 +350,10 @@ impl Node for NodeService {
         &self,
         _request: Request<csi::NodeGetStorageHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
+        if !self.driver.config().csi_spec.serves_health_api() {
             return Err(crate::surface::health_api_off("NodeGetStorageHealth"));
         }
-        let resp = blocking(&self.driver, |d| d.node_get_storage_health()).await?;
+        let resp = blocking(&self.driver, |d| d.node().node_get_storage_health()).await?;
         Ok(Response::new(resp))
     }
 }

@@ -10,7 +10,7 @@ use crust_proto::csi::v1 as csi;
 use super::target::{mounted_source, publication_of, remove_created_target};
 use super::{FsOps, abs_path, context_defers, require};
 use crate::caps::{Access, Capability};
-use crate::driver::Driver;
+use crate::driver::NodeParts;
 use crate::error::{NodeError, alias_err, mount_err};
 use crate::records::PublishStep;
 use crate::records::{HostMount, Publication, Staging, VolumeRecord};
@@ -237,7 +237,7 @@ fn bind(s: &Staging, target: &Path, readonly: bool) -> Result<()> {
     Ok(())
 }
 
-impl Driver {
+impl NodeParts<'_> {
     pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         require(&[
             ("volume_id", !req.volume_id.is_empty()),
@@ -257,7 +257,9 @@ impl Driver {
         let s = staged_for(&rec, &ask)?;
         self.require_staged_device(&rec, &s)?;
         match publish_route(deferral, &rec, &ask)? {
-            PublishRoute::Deferred => self.publish_deferred(req, rec, s, ask.target, ask.cap),
+            PublishRoute::Deferred => self
+                .deferred()
+                .publish_deferred(req, rec, s, ask.target, ask.cap),
             PublishRoute::HandedOver => {
                 tracing::info!(volume = %rec.id, target = %ask.target.display(),
                     "repeated publish of a handed-over target: nothing to do");
@@ -269,7 +271,7 @@ impl Driver {
                 let s = if s.host_mount == HostMount::Mounted {
                     s
                 } else {
-                    self.remount_staging(&mut rec, &ask.cap)?
+                    self.deferred().remount_staging(&mut rec, &ask.cap)?
                 };
                 require_staging_mount(&rec.id, &s)?;
                 self.publish_on_host(rec, s, &ask)
@@ -353,16 +355,16 @@ impl Driver {
             return self.unpublish_unrecorded(rec, &target);
         };
         if p.handed_over {
-            return self.unpublish_handed_over(rec, &target);
+            return self.handover().unpublish_handed_over(rec, &target);
         }
         if p.deferred {
             // Whatever the request says (a kubelet that lost track of the
             // deferral, or a plugin downgraded to --deferral disabled: KEP
             // story 5), the records know the volume was handed to a runtime.
-            return self.unpublish_deferred(rec, &target);
+            return self.deferred().unpublish_deferred(rec, &target);
         }
         if req.defer_fs_ops {
-            return Err(if self.deferral_enabled() {
+            return Err(if self.cfg.deferral.enabled {
                 NodeError::HostPublication {
                     volume: id,
                     path: target,
@@ -416,7 +418,8 @@ impl Driver {
         {
             crust_blockdev::unmount_top(target).map_err(mount_err)?;
         }
-        self.unpublish_unrecorded_deferred(&rec, target)?;
+        self.deferred()
+            .unpublish_unrecorded_deferred(&rec, target)?;
         if remove_created_target(&mut rec, target) {
             self.state.put(rec)?;
         }

@@ -10,7 +10,7 @@ use crust_proto::csi::v1 as csi;
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
 use super::{FsOps, abs_path, node_cap, require};
 use crate::caps::{Access, Capability, FsType};
-use crate::driver::Driver;
+use crate::driver::NodeParts;
 use crate::error::{NodeError, alias_err, fs_err, mount_err};
 use crate::records::{HostMount, Staging, VolumeRecord};
 
@@ -176,7 +176,7 @@ fn wanted_staging(
     })
 }
 
-impl Driver {
+impl NodeParts<'_> {
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
             gate.pass();
@@ -205,7 +205,7 @@ impl Driver {
         require_dir("staging_target_path", &path)?;
         let attached = self.backend.attached_device(&id)?;
         if fs_type.is_some()
-            && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref())
+            && let Some(why) = self.deferred().guest_may_have_fs(&rec, attached.as_deref())
         {
             // kubelet repeats NodeStageVolume on every pod start and after
             // its own restarts: while a sandbox's guest may have the
@@ -215,7 +215,7 @@ impl Driver {
             if !repeat {
                 return Err(NodeError::GuestMayHaveFs { volume: id, why });
             }
-            return self.restage_for_guest(rec, &why);
+            return self.deferred().restage_for_guest(rec, &why);
         }
         let unmount_ours = !repeat
             && fs_type.is_some()
@@ -339,7 +339,7 @@ impl Driver {
         let mut flags = mount_flags_of(rec, fs, &cap.mount_flags);
         if fresh_mount {
             // A filesystem a guest had: checked in userspace first.
-            flags = self.check_after_guest(rec, device, fs, flags)?;
+            flags = self.handover().check_after_guest(rec, device, fs, flags)?;
         }
         let readonly = cap.mode.read_only();
         crust_blockdev::mount_fs(device, path, fs, &flags, readonly).map_err(mount_err)?;

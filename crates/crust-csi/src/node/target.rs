@@ -7,7 +7,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::driver::Driver;
+use crate::driver::NodeParts;
 use crate::error::{NodeError, PathProblem, mount_err};
 use crate::records::PublishStep;
 use crate::records::{Staging, VolumeRecord};
@@ -95,7 +95,7 @@ fn create_target(target: &Path, block: bool) -> Result<()> {
     r.map_err(|e| NodeError::Internal(format!("creating target_path {}: {e}", target.display())))
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// Creates the publish target if missing (checked as
     /// [`check_target`] says); returns whether this call created it.
     /// The record lists the target as the plugin's before it exists, so

@@ -10,7 +10,7 @@ use crust_proto::csi::v1 as csi;
 use super::{check_staging_hint, lookup_path, require};
 use crate::caps::{Capability, FsType};
 use crate::config::Expansion;
-use crate::driver::Driver;
+use crate::driver::NodeParts;
 use crate::error::NodeError;
 use crate::records::{HostMount, VolumeRecord};
 
@@ -58,7 +58,7 @@ enum UsageRoute {
     Host { block: bool, device: PathBuf },
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// `--expansion node`: grows the backing store to the requested size
     /// (the controller does not, since it does not advertise EXPAND_VOLUME)
     /// and records the new capacity. A request within the current size
@@ -171,11 +171,11 @@ impl Driver {
         let rec = self.node_record(&req.volume_id)?;
         let path = lookup_path(&rec, &req.volume_path)?;
         check_staging_hint(&rec, &req.staging_target_path)?;
-        if req.defer_fs_ops && !self.deferral_enabled() {
+        if req.defer_fs_ops && !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let (block, device) = match self.usage_route(&rec, &path, req.defer_fs_ops)? {
-            UsageRoute::Guest => return self.stats_deferred(&rec, &path),
+            UsageRoute::Guest => return self.deferred().stats_deferred(&rec, &path),
             UsageRoute::Host { block, device } => (block, device),
         };
         let mut cond = self.health.condition(&rec);
@@ -268,7 +268,7 @@ impl Driver {
             Some(c) => Some(Capability::from_proto(c).map_err(NodeError::InvalidArgument)?),
             None => None,
         };
-        if req.defer_fs_ops && !self.deferral_enabled() {
+        if req.defer_fs_ops && !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
@@ -284,7 +284,9 @@ impl Driver {
                     ));
                 }
                 self.grow_backing_on_node(&mut rec, required, limit)?;
-                return self.expand_deferred(&rec, &path, required, limit);
+                return self
+                    .deferred()
+                    .expand_deferred(&rec, &path, required, limit);
             }
             UsageRoute::Host { block, device } => (block, device),
         };
