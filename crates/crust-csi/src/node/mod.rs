@@ -51,7 +51,7 @@ use tonic::{Request, Response, Status};
 
 use crate::caps::{Capability, FsType};
 use crate::driver::{Driver, NodeParts, blocking};
-use crate::error::NodeError;
+use crate::error::{NodeError, RouteError};
 use crate::records::DEFER_CONTEXT_KEY;
 use crate::records::{Phase, VolumeRecord};
 
@@ -137,9 +137,12 @@ pub(crate) fn require(fields: &[(&'static str, bool)]) -> Result<()> {
 /// working directory; one with `.` or `..`) is a path where the volume is
 /// not, NOT_FOUND like any other. Empty is checked by [`require`].
 pub(crate) fn lookup_path(rec: &VolumeRecord, p: &str) -> Result<PathBuf> {
-    as_recorded(p).ok_or_else(|| NodeError::UnknownPath {
-        volume: rec.id.clone(),
-        path: PathBuf::from(p),
+    as_recorded(p).ok_or_else(|| {
+        RouteError::UnknownPath {
+            volume: rec.id.clone(),
+            path: PathBuf::from(p),
+        }
+        .into()
     })
 }
 
@@ -159,10 +162,11 @@ pub(crate) fn check_staging_hint(rec: &VolumeRecord, p: &str) -> Result<()> {
     let staged_here =
         as_recorded(p).is_some_and(|p| rec.staging.as_ref().is_some_and(|s| s.path == p));
     if !staged_here {
-        return Err(NodeError::NotStagedAt {
+        return Err(RouteError::NotStagedAt {
             volume: rec.id.clone(),
             path: PathBuf::from(p),
-        });
+        }
+        .into());
     }
     Ok(())
 }

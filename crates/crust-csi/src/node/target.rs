@@ -8,7 +8,7 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::driver::NodeParts;
-use crate::error::{NodeError, PathProblem, mount_err};
+use crate::error::{NodeError, PathProblem, PublishError, mount_err};
 use crate::records::PublishStep;
 use crate::records::{Staging, VolumeRecord};
 
@@ -35,9 +35,10 @@ pub(crate) fn require_dir(field: &'static str, p: &Path) -> Result<()> {
 pub(crate) fn check_parent(target: &Path) -> Result<()> {
     match target.parent() {
         Some(parent) if !fs::metadata(parent).is_ok_and(|m| m.is_dir()) => {
-            Err(NodeError::MissingParent {
+            Err(PublishError::MissingParent {
                 path: parent.to_path_buf(),
-            })
+            }
+            .into())
         }
         _ => Ok(()),
     }

@@ -11,7 +11,7 @@ use super::{check_staging_hint, lookup_path, require};
 use crate::caps::{Capability, FsType};
 use crate::config::Expansion;
 use crate::driver::NodeParts;
-use crate::error::NodeError;
+use crate::error::{ExpandError, NodeError, RouteError};
 use crate::records::{HostMount, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -32,19 +32,21 @@ pub(crate) fn refreshed_device_size(
             .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
     };
     if required > size {
-        return Err(NodeError::DeviceTooSmall {
+        return Err(ExpandError::DeviceTooSmall {
             volume: id.to_string(),
             device: device.to_path_buf(),
             size,
             required,
-        });
+        }
+        .into());
     }
     if limit != 0 && size > limit {
-        return Err(NodeError::DeviceAboveLimit {
+        return Err(ExpandError::DeviceAboveLimit {
             volume: id.to_string(),
             size,
             limit,
-        });
+        }
+        .into());
     }
     Ok(size)
 }
@@ -77,11 +79,12 @@ impl NodeParts<'_> {
                 size,
                 limit,
                 sector,
-            } => NodeError::NoSectorMultiple {
+            } => ExpandError::NoSectorMultiple {
                 size,
                 limit,
                 sector,
-            },
+            }
+            .into(),
             other => NodeError::Internal(other.to_string()),
         })?;
         let grown = self.backend.expand(&rec.id, target)?;
@@ -102,38 +105,41 @@ impl NodeParts<'_> {
         match published {
             Some(p) if p.deferred => return Ok(UsageRoute::Guest),
             Some(_) if requested => {
-                return Err(NodeError::HostPublication {
+                return Err(RouteError::HostPublication {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     call: "NodeGetVolumeStats or NodeExpandVolume",
-                });
+                }
+                .into());
             }
             None if requested => {
                 return Err(if rec.staging.as_ref().is_some_and(|s| s.path == path) {
-                    NodeError::StagingPathNotTarget {
+                    RouteError::StagingPathNotTarget {
                         volume: id.clone(),
                         path: path.to_path_buf(),
                     }
                 } else {
-                    NodeError::NotADeferredPublication {
+                    RouteError::NotADeferredPublication {
                         volume: id.clone(),
                         path: path.to_path_buf(),
                     }
-                });
+                }
+                .into());
             }
             _ => {}
         }
         let Some(s) = &rec.staging else {
-            return Err(NodeError::NotOnNode { volume: id.clone() });
+            return Err(RouteError::NotOnNode { volume: id.clone() }.into());
         };
         if let Some(p) = published {
             if p.handed_over {
-                return Err(NodeError::NotOnHost {
+                return Err(RouteError::NotOnHost {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     why: "it was handed to a VM sandbox and returned, and stays unmounted \
                           until a host publication needs it",
-                });
+                }
+                .into());
             }
             return Ok(UsageRoute::Host {
                 block: p.block,
@@ -142,22 +148,24 @@ impl NodeParts<'_> {
         }
         if s.path == path {
             if !s.block && s.host_mount != HostMount::Mounted {
-                return Err(NodeError::NotOnHost {
+                return Err(RouteError::NotOnHost {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     why: "its filesystem is left to a pod's runtime (deferred filesystem \
                           operations)",
-                });
+                }
+                .into());
             }
             return Ok(UsageRoute::Host {
                 block: s.block,
                 device: s.device.clone(),
             });
         }
-        Err(NodeError::UnknownPath {
+        Err(RouteError::UnknownPath {
             volume: id.clone(),
             path: path.to_path_buf(),
-        })
+        }
+        .into())
     }
 
     pub fn node_get_volume_stats(
@@ -328,9 +336,10 @@ impl NodeParts<'_> {
             if fs == FsType::Ext4 && !crust_blockdev::can_grow_ext4_online() {
                 // The kernel's online ext4 resize needs CAP_SYS_RESOURCE.
                 if super::stage::fs_needs_grow(&device, FsType::Ext4)? {
-                    return Err(NodeError::CannotGrowOnline {
+                    return Err(ExpandError::CannotGrowOnline {
                         device: device.clone(),
-                    });
+                    }
+                    .into());
                 }
             } else {
                 crust_blockdev::grow_fs(&device, &s.path, fs).map_err(|e| {
