@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 
 use crate::controller::{decode_token_of, encode_token, ready_record};
 use crate::driver::SnapshotParts;
-use crate::error::ControllerError;
+use crate::error::{ControllerError, SnapshotError};
 use crate::guard::OpGuard;
 use crate::records::History;
 use crate::records::{HostMount, VolumeRecord};
@@ -167,17 +167,19 @@ impl SnapshotParts<'_> {
                 // No runtime consumed the record: no guest has it mounted.
                 Err(crust_ops::OpsError::NotConsumed(_)) => {}
                 Err(e) => {
-                    return Err(ControllerError::GuestFreezeFailed {
+                    return Err(SnapshotError::GuestFreezeFailed {
                         volume: rec.id.clone(),
                         cause: e.to_string(),
-                    });
+                    }
+                    .into());
                 }
             }
         } else if let Some(why) = self.deferred().sandbox_claim(rec, None) {
-            return Err(ControllerError::NoWayToFreeze {
+            return Err(SnapshotError::NoWayToFreeze {
                 volume: rec.id.clone(),
                 claim: why,
-            });
+            }
+            .into());
         }
         let Some(s) = &rec.staging else {
             return Ok(Quiesced::Nothing);
@@ -185,7 +187,7 @@ impl SnapshotParts<'_> {
         if !s.block && s.host_mount == HostMount::Mounted && !s.readonly {
             let frozen =
                 crust_blockdev::freeze(&s.path, FREEZE_TIMEOUT, MAX_FROZEN).map_err(|e| {
-                    ControllerError::HostFreezeFailed {
+                    SnapshotError::HostFreezeFailed {
                         volume: rec.id.clone(),
                         cause: e.to_string(),
                     }
@@ -194,7 +196,7 @@ impl SnapshotParts<'_> {
         }
         // A raw, read-only or unmounted device: push what sits in the
         // device's page cache to the backing store before it is copied.
-        flush_device(&s.device).map_err(|e| ControllerError::FlushFailed {
+        flush_device(&s.device).map_err(|e| SnapshotError::FlushFailed {
             volume: rec.id.clone(),
             device: s.device.clone(),
             cause: e.to_string(),
@@ -205,19 +207,24 @@ impl SnapshotParts<'_> {
     /// Ends a quiesce; an error means the copy may not be consistent.
     fn release(&self, q: Quiesced) -> Result<()> {
         match q {
-            Quiesced::Frozen(f) => f.thaw().map_err(|e| ControllerError::ThawFailed {
-                cause: e.to_string(),
+            Quiesced::Frozen(f) => f.thaw().map_err(|e| {
+                SnapshotError::ThawFailed {
+                    cause: e.to_string(),
+                }
+                .into()
             }),
             Quiesced::GuestFrozen { volume, target } => match self.ops.thaw(&target) {
                 Ok(true) => Ok(()),
-                Ok(false) => Err(ControllerError::GuestThawedEarly {
+                Ok(false) => Err(SnapshotError::GuestThawedEarly {
                     volume,
                     limit: MAX_FROZEN,
-                }),
-                Err(e) => Err(ControllerError::GuestThawUnconfirmed {
+                }
+                .into()),
+                Err(e) => Err(SnapshotError::GuestThawUnconfirmed {
                     volume,
                     cause: e.to_string(),
-                }),
+                }
+                .into()),
             },
             Quiesced::Nothing => Ok(()),
         }
@@ -321,7 +328,7 @@ impl SnapshotParts<'_> {
 
     fn existing_snapshot(&self, s: &SnapshotInfo, source: &str) -> Result<csi::Snapshot> {
         if s.source_volume_id != source || s.group_id.is_some() {
-            return Err(ControllerError::SnapshotOfOtherVolume {
+            return Err(SnapshotError::SnapshotOfOtherVolume {
                 snapshot: s.snapshot_id.clone(),
                 volume: s.source_volume_id.clone(),
                 group: s
@@ -330,7 +337,8 @@ impl SnapshotParts<'_> {
                     .map(|g| format!(" (in group {g})"))
                     .unwrap_or_default(),
                 asked: crate::controller::shown(source),
-            });
+            }
+            .into());
         }
         Ok(self.snapshot_proto(s))
     }
@@ -496,10 +504,11 @@ impl SnapshotParts<'_> {
         match self.backend.get_group(&gid)? {
             Some((g, true)) if g.source_volume_ids == sources => return self.group_proto(&gid),
             Some((g, _)) if g.source_volume_ids != sources => {
-                return Err(ControllerError::GroupOfOtherVolumes {
+                return Err(SnapshotError::GroupOfOtherVolumes {
                     group: gid.to_string(),
                     volumes: g.source_volume_ids,
-                });
+                }
+                .into());
             }
             // Pending (an earlier attempt stopped half way): cut it again,
             // whole, in one freeze.
@@ -546,7 +555,7 @@ impl SnapshotParts<'_> {
             let s =
                 self.backend
                     .get_snapshot(id)?
-                    .ok_or_else(|| ControllerError::GroupMemberGone {
+                    .ok_or_else(|| SnapshotError::GroupMemberGone {
                         member: id.clone(),
                         group: gid.to_string(),
                     })?;

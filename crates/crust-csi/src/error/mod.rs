@@ -52,7 +52,10 @@ use crate::state::StateError;
 
 mod node;
 pub use node::{ExpandError, NodeError, PathProblem, PublishError, RouteError, StageError};
+
+mod snapshot;
 pub(crate) use node::{alias_err, fs_err, mount_err};
+pub use snapshot::SnapshotError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
@@ -134,54 +137,6 @@ pub enum ControllerError {
         name: String,
         existing: String,
     },
-    /// A snapshot name reused for another source.
-    #[error("snapshot {snapshot} already exists for volume {volume}{group}, not for {asked}")]
-    SnapshotOfOtherVolume {
-        snapshot: String,
-        volume: String,
-        /// " (in group …)" or empty.
-        group: String,
-        asked: String,
-    },
-    #[error("group snapshot {group} already exists for volumes {volumes:?}")]
-    GroupOfOtherVolumes { group: String, volumes: Vec<String> },
-    #[error("internal error: member {member} of group snapshot {group} is gone")]
-    GroupMemberGone { member: String, group: String },
-    /// A guest has the volume mounted and would not freeze it.
-    #[error(
-        "volume {volume} cannot be copied consistently: it is used by a pod's guest and \
-         freezing it there failed: {cause}"
-    )]
-    GuestFreezeFailed { volume: String, cause: String },
-    /// A sandbox claims the volume, but through no publication of ours.
-    #[error(
-        "volume {volume} cannot be copied consistently: {claim}, and no deferred publication \
-         of this plugin names the target to freeze it through"
-    )]
-    NoWayToFreeze { volume: String, claim: String },
-    #[error("internal error: volume {volume}: {cause}")]
-    HostFreezeFailed { volume: String, cause: String },
-    #[error("internal error: flushing {} of volume {volume}: {cause}", device.display())]
-    FlushFailed {
-        volume: String,
-        device: PathBuf,
-        cause: String,
-    },
-    #[error("internal error: snapshot not consistent: {cause}")]
-    ThawFailed { cause: String },
-    #[error(
-        "internal error: snapshot of volume {volume} not consistent: the guest thawed it (time \
-         limit {limit:?}) before the copy finished"
-    )]
-    GuestThawedEarly {
-        volume: String,
-        limit: std::time::Duration,
-    },
-    #[error(
-        "internal error: snapshot of volume {volume} not consistent: cannot confirm the guest \
-         kept it frozen until the copy finished: {cause}"
-    )]
-    GuestThawUnconfirmed { volume: String, cause: String },
     /// DeleteVolume of a volume a node still uses.
     #[error("volume {volume} is still {use_}; {first} first")]
     InUse {
@@ -220,11 +175,20 @@ pub enum ControllerError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     State(#[from] StateError),
+    /// CreateSnapshot and the group snapshot RPCs; their codes are the family's.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
 }
 
 impl From<ControllerError> for Status {
     fn from(e: ControllerError) -> Status {
         let code = match &e {
+            ControllerError::Snapshot(_) => {
+                let ControllerError::Snapshot(f) = e else {
+                    unreachable!()
+                };
+                return f.into();
+            }
             ControllerError::Missing(_)
             | ControllerError::InvalidArgument(_)
             | ControllerError::BadMountFlags(_)
@@ -232,13 +196,10 @@ impl From<ControllerError> for Status {
             ControllerError::NotFound(_) => Code::NotFound,
             ControllerError::ExistsWithOtherArgs { .. }
             | ControllerError::ExistsWithOtherSize { .. }
-            | ControllerError::BackingExistsWithOtherSize { .. }
-            | ControllerError::SnapshotOfOtherVolume { .. }
-            | ControllerError::GroupOfOtherVolumes { .. } => Code::AlreadyExists,
-            ControllerError::GuestFreezeFailed { .. }
-            | ControllerError::NoWayToFreeze { .. }
-            | ControllerError::InUse { .. }
-            | ControllerError::Undetachable { .. } => Code::FailedPrecondition,
+            | ControllerError::BackingExistsWithOtherSize { .. } => Code::AlreadyExists,
+            ControllerError::InUse { .. } | ControllerError::Undetachable { .. } => {
+                Code::FailedPrecondition
+            }
             ControllerError::LimitBelowMinimum { .. }
             | ControllerError::NoSectorMultiple { .. }
             | ControllerError::LimitBelowSource { .. }
@@ -252,14 +213,7 @@ impl From<ControllerError> for Status {
                 Code::InvalidArgument | Code::NotFound => Code::Internal,
                 c => c,
             },
-            ControllerError::IdCollision { .. }
-            | ControllerError::GroupMemberGone { .. }
-            | ControllerError::HostFreezeFailed { .. }
-            | ControllerError::FlushFailed { .. }
-            | ControllerError::ThawFailed { .. }
-            | ControllerError::GuestThawedEarly { .. }
-            | ControllerError::GuestThawUnconfirmed { .. }
-            | ControllerError::State(_) => Code::Internal,
+            ControllerError::IdCollision { .. } | ControllerError::State(_) => Code::Internal,
         };
         status(code, &e)
     }
@@ -385,7 +339,7 @@ mod tests {
             "volume vol-a is already staged at /st with deferred filesystem operations \
              (deferFsOps=true); unstage it first to change that"
         );
-        let s: Status = ControllerError::GuestThawedEarly {
+        let s: Status = SnapshotError::GuestThawedEarly {
             volume: "vol-b".into(),
             limit: std::time::Duration::from_secs(60),
         }
