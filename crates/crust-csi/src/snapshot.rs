@@ -9,7 +9,7 @@
 //! * Snapshots are independent of their source: deleting a volume keeps
 //!   its snapshots usable (the spec's preferred behaviour), so DeleteVolume
 //!   never fails because of them.
-//! * Consistency ([`Driver::quiesce`]): a filesystem mounted on the host is
+//! * Consistency (`SnapshotParts::quiesce`): a filesystem mounted on the host is
 //!   frozen (FIFREEZE) around the copy, with a deadline and a guaranteed
 //!   thaw; a volume published with deferral and consumed by a sandbox is
 //!   frozen inside that guest (crust_ops → `<runtime-cli> crust freeze`
@@ -112,7 +112,7 @@ fn timestamp(ms: i64) -> prost_types::Timestamp {
 }
 
 /// What makes one volume consistent while it is copied; released on drop
-/// (a host freeze) or by [`Driver::release`] (a guest freeze).
+/// (a host freeze) or by `SnapshotParts::release` (a guest freeze).
 enum Quiesced {
     Frozen(crust_blockdev::Frozen),
     /// Frozen inside the pod's guest, through crust_ops and its runtime.

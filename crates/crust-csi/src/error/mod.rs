@@ -37,7 +37,9 @@
 //!   INTERNAL).
 //!
 //! Variants are named by cause and carry the facts their message needs;
-//! each enum maps them to codes in one match. Two carry a message instead:
+//! each enum maps them to codes in one match. A service's enum may wrap a
+//! family of its routes' own errors (the Node service's in `node.rs`, the
+//! snapshot RPCs' [`SnapshotError`]), which then keeps its own mapping. Two carry a message instead:
 //! `InvalidArgument` (the request's own fault, naming the field) and
 //! `Internal` (an unexpected host failure, with what was being done).
 

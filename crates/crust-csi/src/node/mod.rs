@@ -20,7 +20,7 @@
 //!   (missing, a file where a directory is needed, something else mounted
 //!   there) is FAILED_PRECONDITION and nothing on the node is changed.
 //!
-//! KEP-2857: [`Driver::fs_ops_route`] decides whether a request's
+//! KEP-2857: `NodeParts::fs_ops_route` decides whether a request's
 //! filesystem operations are deferred to the pod's runtime (`defer_fs_ops`
 //! in the request, or `deferFsOps=true` in the volume context); the
 //! deferred paths are in `defer.rs`. With `--deferral disabled` a request
@@ -212,7 +212,7 @@ impl NodeParts<'_> {
         }
     }
 
-    /// [`Driver::node_record`] for NodeStage/NodePublish, which carry the
+    /// `NodeParts::node_record` for NodeStage/NodePublish, which carry the
     /// volume context: a volume of another node (named by the record or
     /// by the context's `<driver>/node`) is FAILED_PRECONDITION naming
     /// that node, the spec's code for a CO exceeding a volume's
