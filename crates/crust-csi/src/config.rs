@@ -173,6 +173,24 @@ impl Config {
         format!("{}/node", self.driver_name)
     }
 
+    /// This node's topology segments: `{ "<driver>/node": <node-id> }`.
+    pub(crate) fn segments(&self) -> std::collections::HashMap<String, String> {
+        std::collections::HashMap::from([(self.topology_key(), self.node_id.clone())])
+    }
+
+    pub(crate) fn topology(&self) -> crust_proto::csi::v1::Topology {
+        crust_proto::csi::v1::Topology {
+            segments: self.segments(),
+        }
+    }
+
+    /// Whether a topology requirement entry selects this node: every
+    /// segment it names must be one of ours with the same value.
+    pub(crate) fn topology_matches(&self, t: &crust_proto::csi::v1::Topology) -> bool {
+        let ours = self.segments();
+        !t.segments.is_empty() && t.segments.iter().all(|(k, v)| ours.get(k) == Some(v))
+    }
+
     /// A pool-backed configuration with defaults for everything else;
     /// convenient for tests and for `crustctl demo`.
     pub fn pool(socket: PathBuf, state_dir: PathBuf, pool_dir: PathBuf, capacity: u64) -> Config {

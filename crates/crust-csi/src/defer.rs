@@ -23,8 +23,10 @@ use crust_ops::{ExpandRequest, StageRequest};
 use crust_proto::csi::v1 as csi;
 
 use crate::caps::Capability;
-use crate::driver::Driver;
-use crate::error::{NodeError, PathProblem, alias_err, fs_err, mount_err};
+use crate::driver::DeferParts;
+use crate::error::{
+    NodeError, PathProblem, PublishError, StageError, alias_err, fs_err, mount_err,
+};
 use crate::health::Condition;
 use crate::node::{mounted_here, remove_created_target, sync_and_unmount};
 use crate::records::DEFER_CONTEXT_KEY;
@@ -76,7 +78,7 @@ fn host_mounts_of(device: &Path) -> Result<Vec<std::path::PathBuf>> {
         .collect())
 }
 
-impl Driver {
+impl DeferParts<'_> {
     /// NodePublishVolume with deferral; the caller checked the request,
     /// the staging and the attached device, and holds the volume's guard.
     pub(crate) fn publish_deferred(
@@ -133,10 +135,11 @@ impl Driver {
                 .filter(|m| *m != s.path)
                 .collect();
             if !elsewhere.is_empty() {
-                return Err(NodeError::MountedElsewhere {
+                return Err(PublishError::MountedElsewhere {
                     volume: id,
                     at: elsewhere,
-                });
+                }
+                .into());
             }
         }
         let mut unmounted_now = false;
@@ -164,6 +167,7 @@ impl Driver {
         // that is not a VM runtime: a placeholder with no room for data says where
         // the volume went (placeholder.rs).
         let placed = self
+            .node()
             .prepare_target(&mut rec, &target, false, None)
             .and_then(|_| {
                 crate::placeholder::mount(
@@ -299,29 +303,31 @@ impl Driver {
         if rec.handover.is_some() {
             // A handover whose sandbox is gone comes back first (a live
             // one keeps the volume: refused below).
-            match self.take_back(rec, None) {
+            match self.handover().take_back(rec, None) {
                 Ok(()) | Err(crate::error::HandoverError::HeldBySandbox { .. }) => {}
                 Err(e) => tracing::warn!(volume = %id, error = %e, "cannot check the handover"),
             }
         }
         if let Some((t, _)) = rec.deferred_publication() {
-            return Err(NodeError::InGuest {
+            return Err(PublishError::InGuest {
                 volume: id,
                 target: t.clone(),
                 why: "a sandbox's guest may have its filesystem mounted, and mounting it on the \
                       host as well would corrupt it (two kernels); unpublish it first",
-            });
+            }
+            .into());
         }
         // A remount that crashed before it was recorded is adopted.
         if !mounted_here(&s.device, &s.path)? {
             if let Some(why) = self.sandbox_claim(rec, Some(&s.device)) {
-                return Err(NodeError::GuestMayHaveFs { volume: id, why });
+                return Err(StageError::GuestMayHaveFs { volume: id, why }.into());
             }
             if crust_blockdev::is_device_held_exclusively(&s.device).unwrap_or(false) {
-                return Err(NodeError::DeviceHeld {
+                return Err(PublishError::DeviceHeld {
                     volume: id,
                     device: s.device.clone(),
-                });
+                }
+                .into());
             }
             // QEMU opens a guest's disk without O_EXCL: look for openers.
             crust_blockdev::ensure_no_other_openers(&s.device, crust_blockdev::fs::MOUNT)
@@ -329,13 +335,16 @@ impl Driver {
             crust_blockdev::ensure_no_aliases(&s.device, crust_blockdev::fs::MOUNT)
                 .map_err(alias_err)?;
             if cap.flags_digest() != s.flags_digest {
-                return Err(NodeError::StageFlagsDiffer {
+                return Err(PublishError::StageFlagsDiffer {
                     volume: id,
                     staging: s.path.clone(),
-                });
+                }
+                .into());
             }
             let fs = s.fs_type.unwrap_or(rec.fs_type);
-            let flags = self.check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
+            let flags =
+                self.handover()
+                    .check_after_guest(rec, &s.device, fs, cap.mount_flags.clone())?;
             crust_blockdev::mount_fs(&s.device, &s.path, fs, &flags, s.readonly)
                 .map_err(mount_err)?;
             if rec.returned.take().is_some() {
@@ -424,7 +433,7 @@ impl Driver {
         rec: &VolumeRecord,
         path: &Path,
     ) -> Result<csi::NodeGetVolumeStatsResponse> {
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;
@@ -484,13 +493,16 @@ impl Driver {
         required: u64,
         limit: u64,
     ) -> Result<csi::NodeExpandVolumeResponse> {
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let target = utf8("volume_path", path)?;
-        let s = rec.staging.as_ref().ok_or_else(|| NodeError::NotStaged {
-            volume: rec.id.clone(),
-        })?;
+        let s = rec
+            .staging
+            .as_ref()
+            .ok_or_else(|| PublishError::NotStaged {
+                volume: rec.id.clone(),
+            })?;
         let device = &s.device;
         let size = crate::node::refreshed_device_size(&rec.id, device, required, limit)?;
         let capacity = self.ops.expand(ExpandRequest {
@@ -518,32 +530,36 @@ fn repeat_of(rec: &VolumeRecord, target: &Path, wanted: &Publication) -> Result<
     let repeat = match rec.published.get(target) {
         Some(p) if p == wanted => true,
         Some(p) if p.deferred => {
-            return Err(NodeError::DeferredWithOtherArgs {
+            return Err(PublishError::DeferredWithOtherArgs {
                 volume: id.to_string(),
                 target: target.to_path_buf(),
-            });
+            }
+            .into());
         }
         Some(_) => {
-            return Err(NodeError::PublishedOnHostThere {
+            return Err(PublishError::PublishedOnHostThere {
                 volume: id.to_string(),
                 target: target.to_path_buf(),
-            });
+            }
+            .into());
         }
         None => false,
     };
     if !repeat {
         if let Some((t, _)) = rec.deferred_publication() {
-            return Err(NodeError::InGuest {
+            return Err(PublishError::InGuest {
                 volume: id,
                 target: t.clone(),
                 why: "only one sandbox may use it at a time (ReadWriteOncePod): unpublish it first",
-            });
+            }
+            .into());
         }
         if let Some((t, _)) = rec.host_publications().next() {
-            return Err(NodeError::OnHost {
+            return Err(PublishError::OnHost {
                 volume: id,
                 target: t.clone(),
-            });
+            }
+            .into());
         }
     }
     Ok(repeat)

@@ -4,13 +4,25 @@
 //! Operations are written as synchronous functions on [`Driver`] and run on
 //! tokio's blocking pool (they call mkfs, mount, ioctls and fsync); the
 //! gRPC services are thin async wrappers around them.
+//!
+//! The driver's parts are private to this module. Each service reaches
+//! them through its own facade (a borrowed view holding only the parts it
+//! uses), and one service calls another only through a conversion listed
+//! here, so the compiler holds every service to its boundary:
+//!
+//! | facade | parts | may call |
+//! |---|---|---|
+//! | [`IdentityParts`] | config, backend | |
+//! | [`ControllerParts`] | config, backend, records, guards, health, metrics, crust_ops | snapshots (CreateVolume from a source) |
+//! | [`SnapshotParts`] (also group snapshots) | config, backend, records, guards, crust_ops | deferred (the sandbox that claims a volume) |
+//! | [`NodeParts`] | config, backend, records, guards, health, metrics | deferred, handover |
+//! | [`DeferParts`] | config, backend, records, health, metrics, crust_ops | node (a target), handover |
+//! | [`HandoverParts`] | config, records, guards, health, crust_ops | node (records) |
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crust_backend::Backend;
 use crust_ops::CrustOps;
-use crust_proto::csi::v1 as csi;
 use tonic::Status;
 
 use crate::config::Config;
@@ -21,16 +33,16 @@ use crate::metrics::Metrics;
 use crate::state::StateStore;
 
 pub struct Driver {
-    pub(crate) cfg: Config,
-    pub(crate) backend: Arc<dyn Backend>,
-    pub(crate) state: StateStore,
-    pub(crate) guards: OpGuards,
-    pub(crate) health: HealthMonitor,
+    cfg: Config,
+    backend: Arc<dyn Backend>,
+    state: StateStore,
+    guards: OpGuards,
+    health: HealthMonitor,
     /// crust_ops in process. Present even with deferral disabled, so
     /// records of volumes published with deferral before a downgrade can
     /// still be removed on unpublish.
-    pub(crate) ops: Arc<CrustOps>,
-    pub(crate) metrics: Arc<Metrics>,
+    ops: Arc<CrustOps>,
+    metrics: Arc<Metrics>,
 }
 
 impl Driver {
@@ -55,7 +67,7 @@ impl Driver {
             metrics: Arc::new(Metrics::new()),
         };
         driver.reconcile();
-        driver.repair_handovers();
+        driver.handover().repair_handovers();
         if !crust_blockdev::can_grow_ext4_online() {
             tracing::warn!(
                 "no CAP_SYS_RESOURCE: mounted ext4 volumes cannot be grown online; they are \
@@ -201,22 +213,199 @@ impl Driver {
         self.cfg.deferral.enabled
     }
 
-    /// This node's topology segments: `{ "<driver>/node": <node-id> }`.
-    pub(crate) fn segments(&self) -> HashMap<String, String> {
-        HashMap::from([(self.cfg.topology_key(), self.cfg.node_id.clone())])
+    /// The backend's kind, as logged and in GetPluginInfo's manifest.
+    pub(crate) fn backend_kind(&self) -> &'static str {
+        self.backend.kind()
     }
 
-    pub(crate) fn topology(&self) -> csi::Topology {
-        csi::Topology {
-            segments: self.segments(),
+    /// Whether the backend can take snapshots (the capabilities offered).
+    pub(crate) fn supports_snapshots(&self) -> bool {
+        self.backend.supports_snapshots()
+    }
+
+    pub(crate) fn identity(&self) -> IdentityParts<'_> {
+        IdentityParts {
+            cfg: &self.cfg,
+            backend: &self.backend,
         }
     }
 
-    /// Whether a topology requirement entry selects this node: every
-    /// segment it names must be one of ours with the same value.
-    pub(crate) fn topology_matches(&self, t: &csi::Topology) -> bool {
-        let ours = self.segments();
-        !t.segments.is_empty() && t.segments.iter().all(|(k, v)| ours.get(k) == Some(v))
+    pub(crate) fn controller(&self) -> ControllerParts<'_> {
+        ControllerParts {
+            d: self,
+            cfg: &self.cfg,
+            backend: &self.backend,
+            state: &self.state,
+            guards: &self.guards,
+            health: &self.health,
+            metrics: &self.metrics,
+            ops: &self.ops,
+        }
+    }
+
+    pub(crate) fn snapshots(&self) -> SnapshotParts<'_> {
+        SnapshotParts {
+            d: self,
+            cfg: &self.cfg,
+            backend: &self.backend,
+            state: &self.state,
+            guards: &self.guards,
+            ops: &self.ops,
+        }
+    }
+
+    pub(crate) fn node(&self) -> NodeParts<'_> {
+        NodeParts {
+            d: self,
+            cfg: &self.cfg,
+            backend: &self.backend,
+            state: &self.state,
+            guards: &self.guards,
+            health: &self.health,
+            metrics: &self.metrics,
+        }
+    }
+
+    fn deferred(&self) -> DeferParts<'_> {
+        DeferParts {
+            d: self,
+            cfg: &self.cfg,
+            backend: &self.backend,
+            state: &self.state,
+            health: &self.health,
+            metrics: &self.metrics,
+            ops: &self.ops,
+        }
+    }
+
+    pub(crate) fn handover(&self) -> HandoverParts<'_> {
+        HandoverParts {
+            d: self,
+            cfg: &self.cfg,
+            state: &self.state,
+            guards: &self.guards,
+            health: &self.health,
+            ops: &self.ops,
+        }
+    }
+
+    /// The health monitor, for its unit tests.
+    #[cfg(test)]
+    pub(crate) fn health_monitor(&self) -> &HealthMonitor {
+        &self.health
+    }
+}
+
+/// What the Identity service reads.
+pub(crate) struct IdentityParts<'a> {
+    pub(crate) cfg: &'a Config,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+}
+
+/// What the Controller service (and ControllerModifyVolume, controller
+/// volume health) uses.
+pub(crate) struct ControllerParts<'a> {
+    d: &'a Driver,
+    pub(crate) cfg: &'a Config,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    pub(crate) state: &'a StateStore,
+    pub(crate) guards: &'a OpGuards,
+    pub(crate) health: &'a HealthMonitor,
+    pub(crate) metrics: &'a Arc<Metrics>,
+    /// ControllerModifyVolume hands new I/O limits to a guest.
+    pub(crate) ops: &'a Arc<CrustOps>,
+}
+
+impl<'a> ControllerParts<'a> {
+    /// A volume made from a snapshot or another volume is filled by the
+    /// snapshot service.
+    pub(crate) fn snapshots(&self) -> SnapshotParts<'a> {
+        self.d.snapshots()
+    }
+}
+
+/// What the snapshot and group snapshot RPCs use: no health monitor, no
+/// metrics.
+pub(crate) struct SnapshotParts<'a> {
+    d: &'a Driver,
+    pub(crate) cfg: &'a Config,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    pub(crate) state: &'a StateStore,
+    pub(crate) guards: &'a OpGuards,
+    /// A guest that has the volume mounted freezes it.
+    pub(crate) ops: &'a Arc<CrustOps>,
+}
+
+impl<'a> SnapshotParts<'a> {
+    /// Which sandbox claims a volume (to freeze it in its guest).
+    pub(crate) fn deferred(&self) -> DeferParts<'a> {
+        self.d.deferred()
+    }
+}
+
+/// What the Node service uses; crust_ops only through [`DeferParts`].
+pub(crate) struct NodeParts<'a> {
+    d: &'a Driver,
+    pub(crate) cfg: &'a Config,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    pub(crate) state: &'a StateStore,
+    pub(crate) guards: &'a OpGuards,
+    pub(crate) health: &'a HealthMonitor,
+    pub(crate) metrics: &'a Arc<Metrics>,
+}
+
+impl<'a> NodeParts<'a> {
+    /// A publication, stats poll or expansion with deferred filesystem
+    /// operations.
+    pub(crate) fn deferred(&self) -> DeferParts<'a> {
+        self.d.deferred()
+    }
+
+    /// A volume handed to a guest and coming back.
+    pub(crate) fn handover(&self) -> HandoverParts<'a> {
+        self.d.handover()
+    }
+}
+
+/// What the deferred routes (KEP-2857, through crust_ops) use: no guards
+/// of their own (the Node RPC that calls them holds one).
+pub(crate) struct DeferParts<'a> {
+    d: &'a Driver,
+    pub(crate) cfg: &'a Config,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    pub(crate) state: &'a StateStore,
+    pub(crate) health: &'a HealthMonitor,
+    pub(crate) metrics: &'a Arc<Metrics>,
+    pub(crate) ops: &'a Arc<CrustOps>,
+}
+
+impl<'a> DeferParts<'a> {
+    /// A deferred publication's target is prepared as a host one is.
+    pub(crate) fn node(&self) -> NodeParts<'a> {
+        self.d.node()
+    }
+
+    /// A volume a runtime took is taken back before it goes elsewhere.
+    pub(crate) fn handover(&self) -> HandoverParts<'a> {
+        self.d.handover()
+    }
+}
+
+/// What the Handover service uses: no backend (a handover moves mounts
+/// and records, never the backing store).
+pub(crate) struct HandoverParts<'a> {
+    d: &'a Driver,
+    pub(crate) cfg: &'a Config,
+    pub(crate) state: &'a StateStore,
+    pub(crate) guards: &'a OpGuards,
+    pub(crate) health: &'a HealthMonitor,
+    pub(crate) ops: &'a Arc<CrustOps>,
+}
+
+impl<'a> HandoverParts<'a> {
+    /// A handover finds the volume's record as the Node RPCs do.
+    pub(crate) fn node(&self) -> NodeParts<'a> {
+        self.d.node()
     }
 }
 

@@ -29,7 +29,7 @@ impl GroupController for GroupControllerService {
     ) -> Result<Response<csi::GroupControllerGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::GroupControllerGetCapabilitiesResponse {
             capabilities: crate::surface::group_controller_capabilities(
-                self.driver.backend.supports_snapshots(),
+                self.driver.supports_snapshots(),
             ),
         }))
     }
@@ -39,7 +39,10 @@ impl GroupController for GroupControllerService {
         request: Request<csi::CreateVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::CreateVolumeGroupSnapshotResponse>, Status> {
         let req = request.into_inner();
-        let group = blocking(&self.driver, move |d| d.create_volume_group_snapshot(&req)).await?;
+        let group = blocking(&self.driver, move |d| {
+            d.snapshots().create_volume_group_snapshot(&req)
+        })
+        .await?;
         Ok(Response::new(csi::CreateVolumeGroupSnapshotResponse {
             group_snapshot: Some(group),
         }))
@@ -50,7 +53,10 @@ impl GroupController for GroupControllerService {
         request: Request<csi::DeleteVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::DeleteVolumeGroupSnapshotResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.delete_volume_group_snapshot(&req)).await?;
+        blocking(&self.driver, move |d| {
+            d.snapshots().delete_volume_group_snapshot(&req)
+        })
+        .await?;
         Ok(Response::new(csi::DeleteVolumeGroupSnapshotResponse {}))
     }
 
@@ -59,7 +65,10 @@ impl GroupController for GroupControllerService {
         request: Request<csi::GetVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::GetVolumeGroupSnapshotResponse>, Status> {
         let req = request.into_inner();
-        let group = blocking(&self.driver, move |d| d.get_volume_group_snapshot(&req)).await?;
+        let group = blocking(&self.driver, move |d| {
+            d.snapshots().get_volume_group_snapshot(&req)
+        })
+        .await?;
         Ok(Response::new(csi::GetVolumeGroupSnapshotResponse {
             group_snapshot: Some(group),
         }))

@@ -55,7 +55,7 @@ use pb::declined::Reason;
 use pb::runtime_capability::Type as Cap;
 use tonic::{Request, Response, Status};
 
-use crate::driver::Driver;
+use crate::driver::{Driver, HandoverParts};
 use crate::error::mount_err;
 use crate::error::{HandoverError, NodeError};
 use crate::node::{DeferMode, mounted_here, publication_of, sync_and_unmount};
@@ -142,7 +142,7 @@ fn utf8(p: &Path) -> Result<&str> {
         .ok_or_else(|| HandoverError::InvalidArgument(format!("{} is not UTF-8", p.display())))
 }
 
-impl Driver {
+impl HandoverParts<'_> {
     /// HandOver: see the module doc.
     pub fn hand_over(&self, req: &pb::HandOverRequest) -> Result<pb::HandOverResponse> {
         let ask = Ask::from_proto(req)?;
@@ -153,7 +153,7 @@ impl Driver {
         if let Some(gate) = &self.cfg.hooks.handover_gate {
             gate.pass();
         }
-        let Ok(mut rec) = self.node_record(&id) else {
+        let Ok(mut rec) = self.node().node_record(&id) else {
             return Ok(not_published(&ask.target).answer());
         };
         self.settle_handover(&mut rec)?;
@@ -187,7 +187,7 @@ impl Driver {
             return Ok(());
         };
         let _guard = self.guards.try_begin(&id, "HandBack")?;
-        let Ok(mut rec) = self.node_record(&id) else {
+        let Ok(mut rec) = self.node().node_record(&id) else {
             return Ok(());
         };
         self.settle_handover(&mut rec)?;
@@ -225,7 +225,7 @@ impl Driver {
                 format!("volume {id} is published at {t} as raw block: no filesystem to hand over"),
             ));
         }
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(Decline::new(
                 Reason::DeferralDisabled,
                 "the plugin runs with --deferral disabled",
@@ -734,7 +734,7 @@ impl Driver {
     }
 }
 
-impl Driver {
+impl HandoverParts<'_> {
     /// Before the host kernel mounts a filesystem that a guest had raw
     /// access to (`rec.returned`): a userspace check must pass, and the
     /// mount gets `nosuid,nodev` whatever the capability asked. Returns
@@ -936,7 +936,8 @@ impl pb::handover_server::Handover for HandoverService {
     ) -> std::result::Result<Response<pb::HandOverResponse>, Status> {
         require_root(&request)?;
         let req = request.into_inner();
-        let resp = crate::driver::blocking(&self.driver, move |d| d.hand_over(&req)).await?;
+        let resp =
+            crate::driver::blocking(&self.driver, move |d| d.handover().hand_over(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -946,7 +947,7 @@ impl pb::handover_server::Handover for HandoverService {
     ) -> std::result::Result<Response<pb::HandBackResponse>, Status> {
         require_root(&request)?;
         let req = request.into_inner();
-        crate::driver::blocking(&self.driver, move |d| d.hand_back(&req)).await?;
+        crate::driver::blocking(&self.driver, move |d| d.handover().hand_back(&req)).await?;
         Ok(Response::new(pb::HandBackResponse {}))
     }
 }

@@ -730,13 +730,13 @@ mod tests {
         });
         let d = driver_with(b.clone(), Duration::from_secs(60), Duration::from_secs(5));
         let r = rec("vol-a");
-        assert!(!d.health.condition(&r).abnormal);
+        assert!(!d.health_monitor().condition(&r).abnormal);
         *b.state.lock().unwrap() = BackingState::Missing("file gone".into());
         // cached
-        assert!(!d.health.condition(&r).abnormal);
+        assert!(!d.health_monitor().condition(&r).abnormal);
         assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
-        d.health.forget("vol-a");
-        let c = d.health.condition(&r);
+        d.health_monitor().forget("vol-a");
+        let c = d.health_monitor().condition(&r);
         assert!(c.abnormal);
         assert!(c.message.contains("file gone"), "{}", c.message);
     }
@@ -751,15 +751,15 @@ mod tests {
         let d = driver_with(b.clone(), Duration::ZERO, Duration::from_millis(100));
         let r = rec("vol-h");
         let t0 = Instant::now();
-        let c = d.health.condition(&r);
+        let c = d.health_monitor().condition(&r);
         assert!(c.abnormal && c.message.contains("not responding"), "{c:?}");
         assert!(t0.elapsed() < Duration::from_millis(1000));
         // second call joins the running check instead of starting another
-        let c = d.health.condition(&r);
+        let c = d.health_monitor().condition(&r);
         assert!(c.abnormal);
         assert_eq!(b.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
         // bounded() refuses to pile up behind a hung op
-        let hm = &d.health;
+        let hm = d.health_monitor();
         let e = hm
             .bounded("statvfs /x", || {
                 std::thread::sleep(Duration::from_millis(800))
@@ -772,7 +772,7 @@ mod tests {
         // after the hang clears, checks run again
         std::thread::sleep(Duration::from_millis(1600));
         *b.delay.lock().unwrap() = Duration::ZERO;
-        assert!(!d.health.condition(&r).abnormal);
+        assert!(!d.health_monitor().condition(&r).abnormal);
         assert_eq!(hm.bounded("statvfs /x", || 1).unwrap(), 1);
     }
 }

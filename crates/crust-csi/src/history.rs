@@ -17,7 +17,7 @@ use crust_backend::Blankness;
 use crust_blockdev::BlankProof;
 
 use crate::caps::FsType;
-use crate::error::NodeError;
+use crate::error::{NodeError, StageError};
 use crate::records::{History, Inherited};
 use crate::records::{SourceRecord, VolumeRecord};
 
@@ -74,10 +74,13 @@ pub fn format_proof(
     fs: FsType,
     blankness: impl FnOnce() -> Result<Blankness, NodeError>,
 ) -> Result<BlankProof, NodeError> {
-    let refuse = |found: String| NodeError::WouldOverwrite {
-        volume: rec.id.clone(),
-        found,
-        refused: format!("create {fs} on it"),
+    let refuse = |found: String| -> NodeError {
+        StageError::WouldOverwrite {
+            volume: rec.id.clone(),
+            found,
+            refused: format!("create {fs} on it"),
+        }
+        .into()
     };
     if rec.raw_block_used {
         return Err(refuse(
@@ -87,14 +90,15 @@ pub fn format_proof(
         ));
     }
     if let Some(done) = rec.formatted {
-        return Err(NodeError::WouldOverwrite {
+        return Err(StageError::WouldOverwrite {
             volume: rec.id.clone(),
             found: format!(
                 "was formatted with {done} by this plugin before (itself or the volume it was \
                  copied from) and now looks blank (wiped or replaced behind the plugin's back?)"
             ),
             refused: "format it again".into(),
-        });
+        }
+        .into());
     }
     if let Some(src) = &rec.content_source {
         return match rec.inherited.as_ref().and_then(|i| i.history.as_ref()) {
@@ -133,12 +137,13 @@ pub fn format_proof(
             device,
             done_bytes,
             total_bytes,
-        } => Err(NodeError::BlankCheckRunning {
+        } => Err(StageError::BlankCheckRunning {
             volume: rec.id.clone(),
             device,
             done_bytes,
             total_bytes,
-        }),
+        }
+        .into()),
         Blankness::HoldsData {
             device,
             offset,

@@ -7,10 +7,10 @@ use crust_proto::csi::v1 as csi;
 use csi::identity_server::Identity;
 use tonic::{Request, Response, Status};
 
-use crate::driver::{Driver, blocking};
+use crate::driver::{Driver, IdentityParts, blocking};
 use crate::error::IdentityError;
 
-impl Driver {
+impl IdentityParts<'_> {
     pub fn plugin_info(&self) -> csi::GetPluginInfoResponse {
         let manifest = HashMap::from([
             ("backend".to_string(), self.backend.kind().to_string()),
@@ -18,7 +18,7 @@ impl Driver {
             ("topology-key".to_string(), self.cfg.topology_key()),
             (
                 "deferral".to_string(),
-                if self.deferral_enabled() {
+                if self.cfg.deferral.enabled {
                     "enabled"
                 } else {
                     "disabled"
@@ -78,7 +78,7 @@ impl Identity for IdentityService {
         &self,
         _request: Request<csi::GetPluginInfoRequest>,
     ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
-        Ok(Response::new(self.driver.plugin_info()))
+        Ok(Response::new(self.driver.identity().plugin_info()))
     }
 
     async fn get_plugin_capabilities(
@@ -87,8 +87,8 @@ impl Identity for IdentityService {
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
             capabilities: crate::surface::plugin_capabilities(
-                self.driver.cfg.csi_spec,
-                self.driver.backend.supports_snapshots(),
+                self.driver.config().csi_spec,
+                self.driver.supports_snapshots(),
             ),
         }))
     }
@@ -97,7 +97,7 @@ impl Identity for IdentityService {
         &self,
         _request: Request<csi::ProbeRequest>,
     ) -> Result<Response<csi::ProbeResponse>, Status> {
-        let resp = blocking(&self.driver, |d| d.probe()).await?;
+        let resp = blocking(&self.driver, |d| d.identity().probe()).await?;
         Ok(Response::new(resp))
     }
 }

@@ -13,14 +13,14 @@
 use crust_ops::LimitsApplied;
 use crust_proto::csi::v1 as csi;
 
-use crate::driver::Driver;
+use crate::driver::ControllerParts;
 use crate::error::ControllerError;
 use crate::records::HandoverPhase;
 use crate::records::VolumeRecord;
 
 type Result<T> = std::result::Result<T, ControllerError>;
 
-impl Driver {
+impl ControllerParts<'_> {
     pub fn controller_modify_volume(&self, req: &csi::ControllerModifyVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(ControllerError::Missing("volume_id"));

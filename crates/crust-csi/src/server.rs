@@ -120,7 +120,7 @@ where
         socket = %socket.path.display(),
         driver = %driver.config().driver_name,
         node = %driver.config().node_id,
-        backend = driver.backend.kind(),
+        backend = driver.backend_kind(),
         "serving CSI"
     );
 

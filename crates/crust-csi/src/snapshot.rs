@@ -9,7 +9,7 @@
 //! * Snapshots are independent of their source: deleting a volume keeps
 //!   its snapshots usable (the spec's preferred behaviour), so DeleteVolume
 //!   never fails because of them.
-//! * Consistency ([`Driver::quiesce`]): a filesystem mounted on the host is
+//! * Consistency (`SnapshotParts::quiesce`): a filesystem mounted on the host is
 //!   frozen (FIFREEZE) around the copy, with a deadline and a guaranteed
 //!   thaw; a volume published with deferral and consumed by a sandbox is
 //!   frozen inside that guest (crust_ops → `<runtime-cli> crust freeze`
@@ -33,9 +33,9 @@ use crust_backend::{BackendError, ContentSource, SnapshotInfo};
 use crust_proto::csi::v1 as csi;
 use sha2::{Digest, Sha256};
 
-use crate::controller::{decode_token_of, encode_token};
-use crate::driver::Driver;
-use crate::error::ControllerError;
+use crate::controller::{decode_token_of, encode_token, ready_record};
+use crate::driver::SnapshotParts;
+use crate::error::{ControllerError, SnapshotError};
 use crate::guard::OpGuard;
 use crate::records::History;
 use crate::records::{HostMount, VolumeRecord};
@@ -112,7 +112,7 @@ fn timestamp(ms: i64) -> prost_types::Timestamp {
 }
 
 /// What makes one volume consistent while it is copied; released on drop
-/// (a host freeze) or by [`Driver::release`] (a guest freeze).
+/// (a host freeze) or by `SnapshotParts::release` (a guest freeze).
 enum Quiesced {
     Frozen(crust_blockdev::Frozen),
     /// Frozen inside the pod's guest, through crust_ops and its runtime.
@@ -123,7 +123,7 @@ enum Quiesced {
     Nothing,
 }
 
-impl Driver {
+impl SnapshotParts<'_> {
     pub(crate) fn snapshot_proto(&self, s: &SnapshotInfo) -> csi::Snapshot {
         csi::Snapshot {
             size_bytes: s.size_bytes as i64,
@@ -132,7 +132,7 @@ impl Driver {
             creation_time: Some(timestamp(s.created_unix_ms)),
             ready_to_use: true,
             group_snapshot_id: s.group_id.clone().unwrap_or_default(),
-            accessible_topology: vec![self.topology()],
+            accessible_topology: vec![self.cfg.topology()],
         }
     }
 
@@ -167,17 +167,19 @@ impl Driver {
                 // No runtime consumed the record: no guest has it mounted.
                 Err(crust_ops::OpsError::NotConsumed(_)) => {}
                 Err(e) => {
-                    return Err(ControllerError::GuestFreezeFailed {
+                    return Err(SnapshotError::GuestFreezeFailed {
                         volume: rec.id.clone(),
                         cause: e.to_string(),
-                    });
+                    }
+                    .into());
                 }
             }
-        } else if let Some(why) = self.sandbox_claim(rec, None) {
-            return Err(ControllerError::NoWayToFreeze {
+        } else if let Some(why) = self.deferred().sandbox_claim(rec, None) {
+            return Err(SnapshotError::NoWayToFreeze {
                 volume: rec.id.clone(),
                 claim: why,
-            });
+            }
+            .into());
         }
         let Some(s) = &rec.staging else {
             return Ok(Quiesced::Nothing);
@@ -185,7 +187,7 @@ impl Driver {
         if !s.block && s.host_mount == HostMount::Mounted && !s.readonly {
             let frozen =
                 crust_blockdev::freeze(&s.path, FREEZE_TIMEOUT, MAX_FROZEN).map_err(|e| {
-                    ControllerError::HostFreezeFailed {
+                    SnapshotError::HostFreezeFailed {
                         volume: rec.id.clone(),
                         cause: e.to_string(),
                     }
@@ -194,7 +196,7 @@ impl Driver {
         }
         // A raw, read-only or unmounted device: push what sits in the
         // device's page cache to the backing store before it is copied.
-        flush_device(&s.device).map_err(|e| ControllerError::FlushFailed {
+        flush_device(&s.device).map_err(|e| SnapshotError::FlushFailed {
             volume: rec.id.clone(),
             device: s.device.clone(),
             cause: e.to_string(),
@@ -205,19 +207,24 @@ impl Driver {
     /// Ends a quiesce; an error means the copy may not be consistent.
     fn release(&self, q: Quiesced) -> Result<()> {
         match q {
-            Quiesced::Frozen(f) => f.thaw().map_err(|e| ControllerError::ThawFailed {
-                cause: e.to_string(),
+            Quiesced::Frozen(f) => f.thaw().map_err(|e| {
+                SnapshotError::ThawFailed {
+                    cause: e.to_string(),
+                }
+                .into()
             }),
             Quiesced::GuestFrozen { volume, target } => match self.ops.thaw(&target) {
                 Ok(true) => Ok(()),
-                Ok(false) => Err(ControllerError::GuestThawedEarly {
+                Ok(false) => Err(SnapshotError::GuestThawedEarly {
                     volume,
                     limit: MAX_FROZEN,
-                }),
-                Err(e) => Err(ControllerError::GuestThawUnconfirmed {
+                }
+                .into()),
+                Err(e) => Err(SnapshotError::GuestThawUnconfirmed {
                     volume,
                     cause: e.to_string(),
-                }),
+                }
+                .into()),
             },
             Quiesced::Nothing => Ok(()),
         }
@@ -232,9 +239,9 @@ impl Driver {
         let mut guards = Vec::with_capacity(ids.len());
         let mut recs = Vec::with_capacity(ids.len());
         for id in ids {
-            let rec = self.ready_record(id)?;
+            let rec = ready_record(self.state, id)?;
             guards.push(self.guards.try_begin(id, op)?);
-            recs.push(self.ready_record(&rec.id)?);
+            recs.push(ready_record(self.state, &rec.id)?);
         }
         Ok((guards, recs))
     }
@@ -289,7 +296,7 @@ impl Driver {
         self.require_snapshots()?;
         if let Some(t) = &req.accessibility_requirements
             && !t.requisite.is_empty()
-            && !t.requisite.iter().any(|t| self.topology_matches(t))
+            && !t.requisite.iter().any(|t| self.cfg.topology_matches(t))
         {
             return Err(ControllerError::OtherTopology {
                 key: self.cfg.topology_key(),
@@ -321,7 +328,7 @@ impl Driver {
 
     fn existing_snapshot(&self, s: &SnapshotInfo, source: &str) -> Result<csi::Snapshot> {
         if s.source_volume_id != source || s.group_id.is_some() {
-            return Err(ControllerError::SnapshotOfOtherVolume {
+            return Err(SnapshotError::SnapshotOfOtherVolume {
                 snapshot: s.snapshot_id.clone(),
                 volume: s.source_volume_id.clone(),
                 group: s
@@ -330,7 +337,8 @@ impl Driver {
                     .map(|g| format!(" (in group {g})"))
                     .unwrap_or_default(),
                 asked: crate::controller::shown(source),
-            });
+            }
+            .into());
         }
         Ok(self.snapshot_proto(s))
     }
@@ -464,7 +472,7 @@ impl Driver {
                 Ok((s.size_bytes, fs))
             }
             ContentSource::Volume(id) => {
-                let rec = self.ready_record(id)?;
+                let rec = ready_record(self.state, id)?;
                 Ok((rec.capacity_bytes, Some(rec.fs_type)))
             }
         }
@@ -496,10 +504,11 @@ impl Driver {
         match self.backend.get_group(&gid)? {
             Some((g, true)) if g.source_volume_ids == sources => return self.group_proto(&gid),
             Some((g, _)) if g.source_volume_ids != sources => {
-                return Err(ControllerError::GroupOfOtherVolumes {
+                return Err(SnapshotError::GroupOfOtherVolumes {
                     group: gid.to_string(),
                     volumes: g.source_volume_ids,
-                });
+                }
+                .into());
             }
             // Pending (an earlier attempt stopped half way): cut it again,
             // whole, in one freeze.
@@ -546,7 +555,7 @@ impl Driver {
             let s =
                 self.backend
                     .get_snapshot(id)?
-                    .ok_or_else(|| ControllerError::GroupMemberGone {
+                    .ok_or_else(|| SnapshotError::GroupMemberGone {
                         member: id.clone(),
                         group: gid.to_string(),
                     })?;

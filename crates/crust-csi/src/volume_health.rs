@@ -26,13 +26,13 @@ use std::path::Path;
 use crust_proto::csi::v1 as csi;
 
 use crate::controller::{decode_token, encode_token};
-use crate::driver::Driver;
+use crate::driver::{ControllerParts, NodeParts};
 use crate::error::{ControllerError, NodeError};
 use crate::health::{Assessment, Problem, Status};
 use crate::node::as_recorded;
 use crate::records::VolumeRecord;
 
-impl Driver {
+impl NodeParts<'_> {
     pub fn node_get_volume_health(
         &self,
         req: &csi::NodeGetVolumeHealthRequest,
@@ -88,6 +88,51 @@ impl Driver {
         Ok(csi::NodeGetStorageHealthResponse { backend_health })
     }
 
+    /// What `path` (a publish path the CO names) says about the volume:
+    /// nothing more for a host publication (its mount is checked in the
+    /// assessment), the guest's view for a deferred one, INACCESSIBLE when
+    /// the volume is not published there.
+    fn publication_problems(&self, rec: &VolumeRecord, path: &str) -> Vec<Problem> {
+        let found = as_recorded(path).and_then(|p| rec.published.get(&p).map(|x| (x.deferred, p)));
+        match found {
+            Some((true, p)) => self.deferred_problems(rec, &p),
+            Some(_) => Vec::new(),
+            None => vec![Problem::new(
+                Status::Inaccessible,
+                "NotPublished",
+                format!("volume {} is not published at {path} on this node", rec.id),
+            )],
+        }
+    }
+
+    /// The guest's view of a deferred publication, through crust_ops and
+    /// the runtime that consumed it.
+    fn deferred_problems(&self, rec: &VolumeRecord, target: &Path) -> Vec<Problem> {
+        let Some(t) = target.to_str() else {
+            return Vec::new();
+        };
+        match self.deferred().deferred_condition(t) {
+            Ok(None) => Vec::new(),
+            Ok(Some(c)) if !c.abnormal => Vec::new(),
+            Ok(Some(c)) => vec![Problem::new(
+                Status::Degraded,
+                "GuestReportedAbnormal",
+                format!("the pod's guest reports: {}", c.message),
+            )],
+            Err(e) => vec![Problem::new(
+                Status::Inaccessible,
+                "RuntimeUnreachable",
+                format!(
+                    "cannot learn the health of volume {} from the runtime using it at {}: {e}",
+                    rec.id,
+                    target.display()
+                ),
+            )],
+        }
+    }
+}
+
+impl ControllerParts<'_> {
     pub fn controller_get_volume_health(
         &self,
         req: &csi::ControllerGetVolumeHealthRequest,
@@ -137,49 +182,6 @@ impl Driver {
     /// The volume as the controller sees it: the host's signals.
     fn controller_assessment(&self, rec: &VolumeRecord) -> Assessment {
         self.health.assess(rec)
-    }
-
-    /// What `path` (a publish path the CO names) says about the volume:
-    /// nothing more for a host publication (its mount is checked in the
-    /// assessment), the guest's view for a deferred one, INACCESSIBLE when
-    /// the volume is not published there.
-    fn publication_problems(&self, rec: &VolumeRecord, path: &str) -> Vec<Problem> {
-        let found = as_recorded(path).and_then(|p| rec.published.get(&p).map(|x| (x.deferred, p)));
-        match found {
-            Some((true, p)) => self.deferred_problems(rec, &p),
-            Some(_) => Vec::new(),
-            None => vec![Problem::new(
-                Status::Inaccessible,
-                "NotPublished",
-                format!("volume {} is not published at {path} on this node", rec.id),
-            )],
-        }
-    }
-
-    /// The guest's view of a deferred publication, through crust_ops and
-    /// the runtime that consumed it.
-    fn deferred_problems(&self, rec: &VolumeRecord, target: &Path) -> Vec<Problem> {
-        let Some(t) = target.to_str() else {
-            return Vec::new();
-        };
-        match self.deferred_condition(t) {
-            Ok(None) => Vec::new(),
-            Ok(Some(c)) if !c.abnormal => Vec::new(),
-            Ok(Some(c)) => vec![Problem::new(
-                Status::Degraded,
-                "GuestReportedAbnormal",
-                format!("the pod's guest reports: {}", c.message),
-            )],
-            Err(e) => vec![Problem::new(
-                Status::Inaccessible,
-                "RuntimeUnreachable",
-                format!(
-                    "cannot learn the health of volume {} from the runtime using it at {}: {e}",
-                    rec.id,
-                    target.display()
-                ),
-            )],
-        }
     }
 }
 

@@ -20,7 +20,7 @@
 //!   (missing, a file where a directory is needed, something else mounted
 //!   there) is FAILED_PRECONDITION and nothing on the node is changed.
 //!
-//! KEP-2857: [`Driver::fs_ops_route`] decides whether a request's
+//! KEP-2857: `NodeParts::fs_ops_route` decides whether a request's
 //! filesystem operations are deferred to the pod's runtime (`defer_fs_ops`
 //! in the request, or `deferFsOps=true` in the volume context); the
 //! deferred paths are in `defer.rs`. With `--deferral disabled` a request
@@ -50,8 +50,8 @@ use csi::node_server::Node;
 use tonic::{Request, Response, Status};
 
 use crate::caps::{Capability, FsType};
-use crate::driver::{Driver, blocking};
-use crate::error::NodeError;
+use crate::driver::{Driver, NodeParts, blocking};
+use crate::error::{NodeError, RouteError};
 use crate::records::DEFER_CONTEXT_KEY;
 use crate::records::{Phase, VolumeRecord};
 
@@ -137,9 +137,12 @@ pub(crate) fn require(fields: &[(&'static str, bool)]) -> Result<()> {
 /// working directory; one with `.` or `..`) is a path where the volume is
 /// not, NOT_FOUND like any other. Empty is checked by [`require`].
 pub(crate) fn lookup_path(rec: &VolumeRecord, p: &str) -> Result<PathBuf> {
-    as_recorded(p).ok_or_else(|| NodeError::UnknownPath {
-        volume: rec.id.clone(),
-        path: PathBuf::from(p),
+    as_recorded(p).ok_or_else(|| {
+        RouteError::UnknownPath {
+            volume: rec.id.clone(),
+            path: PathBuf::from(p),
+        }
+        .into()
     })
 }
 
@@ -159,10 +162,11 @@ pub(crate) fn check_staging_hint(rec: &VolumeRecord, p: &str) -> Result<()> {
     let staged_here =
         as_recorded(p).is_some_and(|p| rec.staging.as_ref().is_some_and(|s| s.path == p));
     if !staged_here {
-        return Err(NodeError::NotStagedAt {
+        return Err(RouteError::NotStagedAt {
             volume: rec.id.clone(),
             path: PathBuf::from(p),
-        });
+        }
+        .into());
     }
     Ok(())
 }
@@ -180,7 +184,7 @@ fn node_cap(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
     Capability::from_proto(cap).map_err(NodeError::InvalidArgument)
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// KEP-2857 seam: decides how filesystem operations of a request are
     /// carried out: deferred to the pod's runtime when the request
     /// (`defer_fs_ops`) or the volume context (`deferFsOps=true`) asks for
@@ -195,7 +199,7 @@ impl Driver {
         if !(requested || from_context) {
             return Ok(FsOps::Host);
         }
-        if !self.deferral_enabled() {
+        if !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         Ok(FsOps::Deferred)
@@ -208,7 +212,7 @@ impl Driver {
         }
     }
 
-    /// [`Driver::node_record`] for NodeStage/NodePublish, which carry the
+    /// `NodeParts::node_record` for NodeStage/NodePublish, which carry the
     /// volume context: a volume of another node (named by the record or
     /// by the context's `<driver>/node`) is FAILED_PRECONDITION naming
     /// that node, the spec's code for a CO exceeding a volume's
@@ -241,7 +245,7 @@ impl Driver {
         csi::NodeGetInfoResponse {
             node_id: self.cfg.node_id.clone(),
             max_volumes_per_node: self.cfg.max_volumes_per_node,
-            accessible_topology: Some(self.topology()),
+            accessible_topology: Some(self.cfg.topology()),
             supported_file_systems: FsType::NAMES.map(String::from).to_vec(),
         }
     }
@@ -266,7 +270,7 @@ impl Node for NodeService {
         request: Request<csi::NodeStageVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_stage_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_stage_volume(&req)).await?;
         Ok(Response::new(csi::NodeStageVolumeResponse {}))
     }
 
@@ -275,7 +279,7 @@ impl Node for NodeService {
         request: Request<csi::NodeUnstageVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_unstage_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_unstage_volume(&req)).await?;
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
     }
 
@@ -284,7 +288,7 @@ impl Node for NodeService {
         request: Request<csi::NodePublishVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodePublishVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_publish_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_publish_volume(&req)).await?;
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
     }
 
@@ -293,7 +297,7 @@ impl Node for NodeService {
         request: Request<csi::NodeUnpublishVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| d.node_unpublish_volume(&req)).await?;
+        blocking(&self.driver, move |d| d.node().node_unpublish_volume(&req)).await?;
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
     }
 
@@ -302,7 +306,7 @@ impl Node for NodeService {
         request: Request<csi::NodeGetVolumeStatsRequest>,
     ) -> std::result::Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_get_volume_stats(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_get_volume_stats(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -311,7 +315,7 @@ impl Node for NodeService {
         request: Request<csi::NodeExpandVolumeRequest>,
     ) -> std::result::Result<Response<csi::NodeExpandVolumeResponse>, Status> {
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_expand_volume(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_expand_volume(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -321,7 +325,7 @@ impl Node for NodeService {
     ) -> std::result::Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities: crate::surface::node_capabilities(
-                self.driver.cfg.csi_spec,
+                self.driver.config().csi_spec,
                 self.driver.deferral_enabled(),
             ),
         }))
@@ -331,18 +335,18 @@ impl Node for NodeService {
         &self,
         _request: Request<csi::NodeGetInfoRequest>,
     ) -> std::result::Result<Response<csi::NodeGetInfoResponse>, Status> {
-        Ok(Response::new(self.driver.node_get_info()))
+        Ok(Response::new(self.driver.node().node_get_info()))
     }
 
     async fn node_get_volume_health(
         &self,
         request: Request<csi::NodeGetVolumeHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
+        if !self.driver.config().csi_spec.serves_health_api() {
             return Err(crate::surface::health_api_off("NodeGetVolumeHealth"));
         }
         let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.node_get_volume_health(&req)).await?;
+        let resp = blocking(&self.driver, move |d| d.node().node_get_volume_health(&req)).await?;
         Ok(Response::new(resp))
     }
 
@@ -350,10 +354,10 @@ impl Node for NodeService {
         &self,
         _request: Request<csi::NodeGetStorageHealthRequest>,
     ) -> std::result::Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
+        if !self.driver.config().csi_spec.serves_health_api() {
             return Err(crate::surface::health_api_off("NodeGetStorageHealth"));
         }
-        let resp = blocking(&self.driver, |d| d.node_get_storage_health()).await?;
+        let resp = blocking(&self.driver, |d| d.node().node_get_storage_health()).await?;
         Ok(Response::new(resp))
     }
 }

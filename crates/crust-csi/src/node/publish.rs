@@ -10,8 +10,8 @@ use crust_proto::csi::v1 as csi;
 use super::target::{mounted_source, publication_of, remove_created_target};
 use super::{FsOps, abs_path, context_defers, require};
 use crate::caps::{Access, Capability};
-use crate::driver::Driver;
-use crate::error::{NodeError, alias_err, mount_err};
+use crate::driver::NodeParts;
+use crate::error::{NodeError, PublishError, RouteError, alias_err, mount_err};
 use crate::records::PublishStep;
 use crate::records::{HostMount, Publication, Staging, VolumeRecord};
 
@@ -114,15 +114,16 @@ fn staged_for(rec: &VolumeRecord, ask: &PublishAsk) -> Result<Staging> {
             });
         }
         None => {
-            return Err(NodeError::NotStaged { volume: id.clone() });
+            return Err(PublishError::NotStaged { volume: id.clone() }.into());
         }
     };
     let block = ask.block();
     if block != s.block {
-        return Err(NodeError::StagedForOtherAccess {
+        return Err(PublishError::StagedForOtherAccess {
             volume: id.clone(),
             staged_block: s.block,
-        });
+        }
+        .into());
     }
     if let Access::Mount { fs_type: Some(f) } = ask.cap.access
         && Some(f) != s.fs_type
@@ -153,12 +154,13 @@ fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) ->
             return Ok(true);
         }
         Some(p) => {
-            return Err(NodeError::PublishedWithOtherArgs {
+            return Err(PublishError::PublishedWithOtherArgs {
                 volume: id.to_string(),
                 target: target.to_path_buf(),
                 readonly: p.readonly,
                 mode: p.mode,
-            });
+            }
+            .into());
         }
         None => {}
     }
@@ -172,20 +174,22 @@ fn check_publication(rec: &VolumeRecord, target: &Path, wanted: &Publication) ->
         } else {
             wanted.mode
         };
-        return Err(NodeError::SingleTarget {
+        return Err(PublishError::SingleTarget {
             volume: id.clone(),
             other: t.to_path_buf(),
             mode,
-        });
+        }
+        .into());
     }
     if wanted.block
         && let Some((t, _)) = others.iter().find(|(_, p)| p.readonly != wanted.readonly)
     {
-        return Err(NodeError::ReadOnlyMix {
+        return Err(PublishError::ReadOnlyMix {
             volume: id.clone(),
             other: t.to_path_buf(),
             other_readonly: !wanted.readonly,
-        });
+        }
+        .into());
     }
     Ok(false)
 }
@@ -199,10 +203,11 @@ fn publish_route(deferral: FsOps, rec: &VolumeRecord, ask: &PublishAsk) -> Resul
     }
     match rec.published.get(&ask.target) {
         Some(p) if p.handed_over => Ok(PublishRoute::HandedOver),
-        Some(p) if p.deferred => Err(NodeError::PublishedDeferredThere {
+        Some(p) if p.deferred => Err(PublishError::PublishedDeferredThere {
             volume: rec.id.clone(),
             target: ask.target.clone(),
-        }),
+        }
+        .into()),
         _ if ask.block() => Ok(PublishRoute::Block),
         _ => Ok(PublishRoute::Filesystem),
     }
@@ -215,10 +220,11 @@ fn require_staging_mount(id: &str, s: &Staging) -> Result<()> {
         .map_err(|e| NodeError::Internal(e.to_string()))?;
     match crust_blockdev::find_mount(&s.path).map_err(mount_err)? {
         Some(m) if (m.major, m.minor) == numbers => Ok(()),
-        _ => Err(NodeError::StagingNotMounted {
+        _ => Err(PublishError::StagingNotMounted {
             volume: id.to_string(),
             path: s.path.clone(),
-        }),
+        }
+        .into()),
     }
 }
 
@@ -237,7 +243,7 @@ fn bind(s: &Staging, target: &Path, readonly: bool) -> Result<()> {
     Ok(())
 }
 
-impl Driver {
+impl NodeParts<'_> {
     pub fn node_publish_volume(&self, req: &csi::NodePublishVolumeRequest) -> Result<()> {
         require(&[
             ("volume_id", !req.volume_id.is_empty()),
@@ -257,7 +263,9 @@ impl Driver {
         let s = staged_for(&rec, &ask)?;
         self.require_staged_device(&rec, &s)?;
         match publish_route(deferral, &rec, &ask)? {
-            PublishRoute::Deferred => self.publish_deferred(req, rec, s, ask.target, ask.cap),
+            PublishRoute::Deferred => self
+                .deferred()
+                .publish_deferred(req, rec, s, ask.target, ask.cap),
             PublishRoute::HandedOver => {
                 tracing::info!(volume = %rec.id, target = %ask.target.display(),
                     "repeated publish of a handed-over target: nothing to do");
@@ -269,7 +277,7 @@ impl Driver {
                 let s = if s.host_mount == HostMount::Mounted {
                     s
                 } else {
-                    self.remount_staging(&mut rec, &ask.cap)?
+                    self.deferred().remount_staging(&mut rec, &ask.cap)?
                 };
                 require_staging_mount(&rec.id, &s)?;
                 self.publish_on_host(rec, s, &ask)
@@ -283,10 +291,11 @@ impl Driver {
     fn require_staged_device(&self, rec: &VolumeRecord, s: &Staging) -> Result<()> {
         let attached = self.backend.attached_device(&rec.id)?;
         if attached.as_deref() != Some(s.device.as_path()) {
-            return Err(NodeError::DeviceGone {
+            return Err(PublishError::DeviceGone {
                 volume: rec.id.clone(),
                 device: s.device.clone(),
-            });
+            }
+            .into());
         }
         Ok(())
     }
@@ -353,21 +362,22 @@ impl Driver {
             return self.unpublish_unrecorded(rec, &target);
         };
         if p.handed_over {
-            return self.unpublish_handed_over(rec, &target);
+            return self.handover().unpublish_handed_over(rec, &target);
         }
         if p.deferred {
             // Whatever the request says (a kubelet that lost track of the
             // deferral, or a plugin downgraded to --deferral disabled: KEP
             // story 5), the records know the volume was handed to a runtime.
-            return self.unpublish_deferred(rec, &target);
+            return self.deferred().unpublish_deferred(rec, &target);
         }
         if req.defer_fs_ops {
-            return Err(if self.deferral_enabled() {
-                NodeError::HostPublication {
+            return Err(if self.cfg.deferral.enabled {
+                RouteError::HostPublication {
                     volume: id,
                     path: target,
                     call: "NodeUnpublishVolume",
                 }
+                .into()
             } else {
                 NodeError::DeferralUnsupported
             });
@@ -416,7 +426,8 @@ impl Driver {
         {
             crust_blockdev::unmount_top(target).map_err(mount_err)?;
         }
-        self.unpublish_unrecorded_deferred(&rec, target)?;
+        self.deferred()
+            .unpublish_unrecorded_deferred(&rec, target)?;
         if remove_created_target(&mut rec, target) {
             self.state.put(rec)?;
         }

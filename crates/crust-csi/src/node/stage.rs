@@ -10,8 +10,8 @@ use crust_proto::csi::v1 as csi;
 use super::target::{mounted_here, mounted_source, require_dir, sync_and_unmount};
 use super::{FsOps, abs_path, node_cap, require};
 use crate::caps::{Access, Capability, FsType};
-use crate::driver::Driver;
-use crate::error::{NodeError, alias_err, fs_err, mount_err};
+use crate::driver::NodeParts;
+use crate::error::{NodeError, StageError, alias_err, fs_err, mount_err};
 use crate::records::{HostMount, Staging, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -63,16 +63,18 @@ fn staged_fs_type(rec: &VolumeRecord, cap: &Capability) -> Result<Option<FsType>
     let id = &rec.id;
     let block = cap.access.is_block();
     if block && !rec.allows_block() {
-        return Err(NodeError::CreatedForOtherAccess {
+        return Err(StageError::CreatedForOtherAccess {
             volume: id.clone(),
             created_block: false,
-        });
+        }
+        .into());
     }
     if !block && !rec.allows_mount() {
-        return Err(NodeError::CreatedForOtherAccess {
+        return Err(StageError::CreatedForOtherAccess {
             volume: id.clone(),
             created_block: true,
-        });
+        }
+        .into());
     }
     let fs_type = match cap.access {
         Access::Block => None,
@@ -100,29 +102,32 @@ fn repeats_staging(rec: &VolumeRecord, wanted: &Staging) -> Result<bool> {
         return Ok(false);
     };
     if s.path != *path {
-        return Err(NodeError::AlreadyStagedElsewhere {
+        return Err(StageError::AlreadyStagedElsewhere {
             volume: id.clone(),
             staged: s.path.clone(),
-        });
+        }
+        .into());
     }
     let same = s.block == wanted.block
         && s.fs_type == wanted.fs_type
         && s.mode == wanted.mode
         && s.flags_digest == wanted.flags_digest;
     if !same {
-        return Err(NodeError::StagedWithOtherCapability {
+        return Err(StageError::StagedWithOtherCapability {
             volume: id.to_string(),
             path: path.to_path_buf(),
             block: s.block,
             mode: s.mode,
-        });
+        }
+        .into());
     }
     if s.deferred != wanted.deferred {
-        return Err(NodeError::StagedWithOtherDeferral {
+        return Err(StageError::StagedWithOtherDeferral {
             volume: id.to_string(),
             path: path.to_path_buf(),
             deferred: s.deferred,
-        });
+        }
+        .into());
     }
     Ok(true)
 }
@@ -176,7 +181,7 @@ fn wanted_staging(
     })
 }
 
-impl Driver {
+impl NodeParts<'_> {
     fn stage_gate(&self) {
         if let Some(gate) = &self.cfg.hooks.stage_gate {
             gate.pass();
@@ -205,7 +210,7 @@ impl Driver {
         require_dir("staging_target_path", &path)?;
         let attached = self.backend.attached_device(&id)?;
         if fs_type.is_some()
-            && let Some(why) = self.guest_may_have_fs(&rec, attached.as_deref())
+            && let Some(why) = self.deferred().guest_may_have_fs(&rec, attached.as_deref())
         {
             // kubelet repeats NodeStageVolume on every pod start and after
             // its own restarts: while a sandbox's guest may have the
@@ -213,9 +218,9 @@ impl Driver {
             // nor mounts it (QEMU does not hold the device O_EXCL, so
             // nothing else would stop a host e2fsck).
             if !repeat {
-                return Err(NodeError::GuestMayHaveFs { volume: id, why });
+                return Err(StageError::GuestMayHaveFs { volume: id, why }.into());
             }
-            return self.restage_for_guest(rec, &why);
+            return self.deferred().restage_for_guest(rec, &why);
         }
         let unmount_ours = !repeat
             && fs_type.is_some()
@@ -339,7 +344,7 @@ impl Driver {
         let mut flags = mount_flags_of(rec, fs, &cap.mount_flags);
         if fresh_mount {
             // A filesystem a guest had: checked in userspace first.
-            flags = self.check_after_guest(rec, device, fs, flags)?;
+            flags = self.handover().check_after_guest(rec, device, fs, flags)?;
         }
         let readonly = cap.mode.read_only();
         crust_blockdev::mount_fs(device, path, fs, &flags, readonly).map_err(mount_err)?;
@@ -370,10 +375,11 @@ impl Driver {
             && !ours_mounted
             && crust_blockdev::is_device_held_exclusively(device).unwrap_or(true)
         {
-            return Err(NodeError::FormatRunning {
+            return Err(StageError::FormatRunning {
                 volume: id,
                 device: device.to_path_buf(),
-            });
+            }
+            .into());
         }
         let found =
             crust_blockdev::probe_fs(device).map_err(|e| NodeError::Internal(e.to_string()))?;
@@ -424,11 +430,12 @@ impl Driver {
             // Our own format, interrupted: never published, so nothing but
             // the half-made filesystem can be there.
             _ if interrupted && !rec.raw_block_used => mkfs(rec, BlankProof::RedoOwnFormat),
-            p => Err(NodeError::WouldOverwrite {
+            p => Err(StageError::WouldOverwrite {
                 volume: id,
                 found: format!("holds {p}, not {fs}"),
                 refused: "format or mount it (data is never overwritten)".into(),
-            }),
+            }
+            .into()),
         }
     }
 
@@ -454,10 +461,11 @@ impl Driver {
             });
         }
         if !rec.published.is_empty() {
-            return Err(NodeError::StillPublished {
+            return Err(StageError::StillPublished {
                 volume: id,
                 targets: rec.published.keys().cloned().collect(),
-            });
+            }
+            .into());
         }
         if !s.block && crust_blockdev::is_mountpoint(&path).map_err(mount_err)? {
             // Only this volume's own staging mount is removed (a host
@@ -478,7 +486,7 @@ impl Driver {
         }
         self.backend
             .detach(&id)
-            .map_err(|e| NodeError::Undetachable {
+            .map_err(|e| StageError::Undetachable {
                 volume: id.clone(),
                 device: s.device.clone(),
                 reason: e.to_string(),

@@ -7,8 +7,8 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use crate::driver::Driver;
-use crate::error::{NodeError, PathProblem, mount_err};
+use crate::driver::NodeParts;
+use crate::error::{NodeError, PathProblem, PublishError, mount_err};
 use crate::records::PublishStep;
 use crate::records::{Staging, VolumeRecord};
 
@@ -35,9 +35,10 @@ pub(crate) fn require_dir(field: &'static str, p: &Path) -> Result<()> {
 pub(crate) fn check_parent(target: &Path) -> Result<()> {
     match target.parent() {
         Some(parent) if !fs::metadata(parent).is_ok_and(|m| m.is_dir()) => {
-            Err(NodeError::MissingParent {
+            Err(PublishError::MissingParent {
                 path: parent.to_path_buf(),
-            })
+            }
+            .into())
         }
         _ => Ok(()),
     }
@@ -95,7 +96,7 @@ fn create_target(target: &Path, block: bool) -> Result<()> {
     r.map_err(|e| NodeError::Internal(format!("creating target_path {}: {e}", target.display())))
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// Creates the publish target if missing (checked as
     /// [`check_target`] says); returns whether this call created it.
     /// The record lists the target as the plugin's before it exists, so

@@ -10,8 +10,8 @@ use crust_proto::csi::v1 as csi;
 use super::{check_staging_hint, lookup_path, require};
 use crate::caps::{Capability, FsType};
 use crate::config::Expansion;
-use crate::driver::Driver;
-use crate::error::NodeError;
+use crate::driver::NodeParts;
+use crate::error::{ExpandError, NodeError, RouteError};
 use crate::records::{HostMount, VolumeRecord};
 
 type Result<T> = std::result::Result<T, NodeError>;
@@ -32,19 +32,21 @@ pub(crate) fn refreshed_device_size(
             .map_err(|e| NodeError::Internal(format!("reading device size: {e}")))?,
     };
     if required > size {
-        return Err(NodeError::DeviceTooSmall {
+        return Err(ExpandError::DeviceTooSmall {
             volume: id.to_string(),
             device: device.to_path_buf(),
             size,
             required,
-        });
+        }
+        .into());
     }
     if limit != 0 && size > limit {
-        return Err(NodeError::DeviceAboveLimit {
+        return Err(ExpandError::DeviceAboveLimit {
             volume: id.to_string(),
             size,
             limit,
-        });
+        }
+        .into());
     }
     Ok(size)
 }
@@ -58,7 +60,7 @@ enum UsageRoute {
     Host { block: bool, device: PathBuf },
 }
 
-impl Driver {
+impl NodeParts<'_> {
     /// `--expansion node`: grows the backing store to the requested size
     /// (the controller does not, since it does not advertise EXPAND_VOLUME)
     /// and records the new capacity. A request within the current size
@@ -77,11 +79,12 @@ impl Driver {
                 size,
                 limit,
                 sector,
-            } => NodeError::NoSectorMultiple {
+            } => ExpandError::NoSectorMultiple {
                 size,
                 limit,
                 sector,
-            },
+            }
+            .into(),
             other => NodeError::Internal(other.to_string()),
         })?;
         let grown = self.backend.expand(&rec.id, target)?;
@@ -102,38 +105,41 @@ impl Driver {
         match published {
             Some(p) if p.deferred => return Ok(UsageRoute::Guest),
             Some(_) if requested => {
-                return Err(NodeError::HostPublication {
+                return Err(RouteError::HostPublication {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     call: "NodeGetVolumeStats or NodeExpandVolume",
-                });
+                }
+                .into());
             }
             None if requested => {
                 return Err(if rec.staging.as_ref().is_some_and(|s| s.path == path) {
-                    NodeError::StagingPathNotTarget {
+                    RouteError::StagingPathNotTarget {
                         volume: id.clone(),
                         path: path.to_path_buf(),
                     }
                 } else {
-                    NodeError::NotADeferredPublication {
+                    RouteError::NotADeferredPublication {
                         volume: id.clone(),
                         path: path.to_path_buf(),
                     }
-                });
+                }
+                .into());
             }
             _ => {}
         }
         let Some(s) = &rec.staging else {
-            return Err(NodeError::NotOnNode { volume: id.clone() });
+            return Err(RouteError::NotOnNode { volume: id.clone() }.into());
         };
         if let Some(p) = published {
             if p.handed_over {
-                return Err(NodeError::NotOnHost {
+                return Err(RouteError::NotOnHost {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     why: "it was handed to a VM sandbox and returned, and stays unmounted \
                           until a host publication needs it",
-                });
+                }
+                .into());
             }
             return Ok(UsageRoute::Host {
                 block: p.block,
@@ -142,22 +148,24 @@ impl Driver {
         }
         if s.path == path {
             if !s.block && s.host_mount != HostMount::Mounted {
-                return Err(NodeError::NotOnHost {
+                return Err(RouteError::NotOnHost {
                     volume: id.clone(),
                     path: path.to_path_buf(),
                     why: "its filesystem is left to a pod's runtime (deferred filesystem \
                           operations)",
-                });
+                }
+                .into());
             }
             return Ok(UsageRoute::Host {
                 block: s.block,
                 device: s.device.clone(),
             });
         }
-        Err(NodeError::UnknownPath {
+        Err(RouteError::UnknownPath {
             volume: id.clone(),
             path: path.to_path_buf(),
-        })
+        }
+        .into())
     }
 
     pub fn node_get_volume_stats(
@@ -171,11 +179,11 @@ impl Driver {
         let rec = self.node_record(&req.volume_id)?;
         let path = lookup_path(&rec, &req.volume_path)?;
         check_staging_hint(&rec, &req.staging_target_path)?;
-        if req.defer_fs_ops && !self.deferral_enabled() {
+        if req.defer_fs_ops && !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let (block, device) = match self.usage_route(&rec, &path, req.defer_fs_ops)? {
-            UsageRoute::Guest => return self.stats_deferred(&rec, &path),
+            UsageRoute::Guest => return self.deferred().stats_deferred(&rec, &path),
             UsageRoute::Host { block, device } => (block, device),
         };
         let mut cond = self.health.condition(&rec);
@@ -268,7 +276,7 @@ impl Driver {
             Some(c) => Some(Capability::from_proto(c).map_err(NodeError::InvalidArgument)?),
             None => None,
         };
-        if req.defer_fs_ops && !self.deferral_enabled() {
+        if req.defer_fs_ops && !self.cfg.deferral.enabled {
             return Err(NodeError::DeferralUnsupported);
         }
         let _guard = self.guards.try_begin(&req.volume_id, "NodeExpandVolume")?;
@@ -284,7 +292,9 @@ impl Driver {
                     ));
                 }
                 self.grow_backing_on_node(&mut rec, required, limit)?;
-                return self.expand_deferred(&rec, &path, required, limit);
+                return self
+                    .deferred()
+                    .expand_deferred(&rec, &path, required, limit);
             }
             UsageRoute::Host { block, device } => (block, device),
         };
@@ -326,9 +336,10 @@ impl Driver {
             if fs == FsType::Ext4 && !crust_blockdev::can_grow_ext4_online() {
                 // The kernel's online ext4 resize needs CAP_SYS_RESOURCE.
                 if super::stage::fs_needs_grow(&device, FsType::Ext4)? {
-                    return Err(NodeError::CannotGrowOnline {
+                    return Err(ExpandError::CannotGrowOnline {
                         device: device.clone(),
-                    });
+                    }
+                    .into());
                 }
             } else {
                 crust_blockdev::grow_fs(&device, &s.path, fs).map_err(|e| {

@@ -25,24 +25,23 @@
 //!   published here (there is no ControllerPublish for local volumes).
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use crust_backend::{BackendError, ContentSource};
 use crust_handoff::IoLimits;
 use crust_proto::csi::v1 as csi;
-use csi::controller_server::Controller;
-use tonic::{Request, Response, Status};
 
 use crate::caps::{Access, CapSpec, Capability, FsType};
-use crate::config::{DEFAULT_VOLUME_SIZE, Expansion};
-use crate::driver::{Driver, blocking};
+use crate::config::DEFAULT_VOLUME_SIZE;
+use crate::driver::ControllerParts;
 use crate::error::ControllerError;
 use crate::records::{
     Phase, RECORD_VERSION, SourceRecord, VolumeRecord, is_valid_volume_id, volume_id_for,
 };
-use crate::surface::health_api_off;
+
+mod service;
+pub use service::ControllerService;
 
 /// Longest accepted CreateVolume name (bytes).
 pub const MAX_NAME_LEN: usize = 128;
@@ -251,7 +250,7 @@ fn cap_set(caps: &[CapSpec]) -> HashSet<&CapSpec> {
     caps.iter().collect()
 }
 
-impl Driver {
+impl ControllerParts<'_> {
     fn backend_min_size(&self) -> u64 {
         self.backend
             .capacity()
@@ -331,7 +330,7 @@ impl Driver {
             return Err(ControllerError::Missing("volume_capabilities"));
         }
         let caps = parse_caps(&req.volume_capabilities)?;
-        let params = parse_params_with(&req.parameters, self.deferral_enabled())?;
+        let params = parse_params_with(&req.parameters, self.cfg.deferral.enabled)?;
         let fs_type = effective_fs(&params, &caps)?;
         check_mount_flags(fs_type, &caps)?;
         if params.defer && caps.iter().all(|c| c.access.is_block()) {
@@ -347,7 +346,7 @@ impl Driver {
         let (required, limit) = range(req.capacity_range.as_ref())?;
         if let Some(t) = &req.accessibility_requirements
             && !t.requisite.is_empty()
-            && !t.requisite.iter().any(|t| self.topology_matches(t))
+            && !t.requisite.iter().any(|t| self.cfg.topology_matches(t))
         {
             return Err(ControllerError::OtherTopology {
                 key: self.cfg.topology_key(),
@@ -369,7 +368,7 @@ impl Driver {
         // The source's size is the least the new volume can have.
         let required = match &source {
             Some(src) => {
-                let (src_size, src_fs) = self.content_source_facts(src)?;
+                let (src_size, src_fs) = self.snapshots().content_source_facts(src)?;
                 if let Some(f) = src_fs
                     && wants_fs
                     && f != fs_type
@@ -473,7 +472,7 @@ impl Driver {
         }
         let created = match source {
             None => self.create_plain(&id, size, rec.limit_bytes, no_record),
-            Some(src) => match self.fill_from(&id, size, src) {
+            Some(src) => match self.snapshots().fill_from(&id, size, src) {
                 Ok((n, history)) => {
                     // The copy's data is its source's, and so is its past.
                     rec.inherit(SourceRecord::from(src), history);
@@ -593,10 +592,7 @@ impl Driver {
 
     /// A Ready record or NOT_FOUND.
     pub(crate) fn ready_record(&self, id: &str) -> Result<VolumeRecord> {
-        match self.state.get(id) {
-            Some(r) if r.phase == Phase::Ready => Ok(r),
-            _ => Err(ControllerError::NotFound(id.to_string())),
-        }
+        ready_record(self.state, id)
     }
 
     pub fn validate_volume_capabilities(
@@ -643,7 +639,7 @@ impl Driver {
             }
         }
         if !req.parameters.is_empty() {
-            match parse_params_with(&req.parameters, self.deferral_enabled()) {
+            match parse_params_with(&req.parameters, self.cfg.deferral.enabled) {
                 Ok(p) if p.kept == rec.parameters => {}
                 Ok(_) => {
                     return Ok(unconfirmed(
@@ -741,7 +737,7 @@ impl Driver {
     }
 
     pub fn get_capacity(&self, req: &csi::GetCapacityRequest) -> Result<csi::GetCapacityResponse> {
-        let params = parse_params_with(&req.parameters, self.deferral_enabled())?;
+        let params = parse_params_with(&req.parameters, self.cfg.deferral.enabled)?;
         let zero = csi::GetCapacityResponse {
             available_capacity: 0,
             maximum_volume_size: Some(0),
@@ -752,7 +748,7 @@ impl Driver {
             return Ok(zero);
         };
         if let Some(t) = &req.accessible_topology
-            && !self.topology_matches(t)
+            && !self.cfg.topology_matches(t)
         {
             return Ok(zero);
         }
@@ -898,193 +894,12 @@ pub(crate) fn decode_token_of(token: &str, valid: fn(&str) -> bool) -> Result<St
     Ok(id)
 }
 
-/// The tonic Controller service.
-#[derive(Clone)]
-pub struct ControllerService {
-    driver: Arc<Driver>,
-}
-
-impl ControllerService {
-    pub fn new(driver: Arc<Driver>) -> Self {
-        ControllerService { driver }
-    }
-}
-
-fn unimplemented(rpc: &str) -> Status {
-    Status::unimplemented(format!("{rpc} is not supported by this plugin"))
-}
-
-#[tonic::async_trait]
-impl Controller for ControllerService {
-    async fn create_volume(
-        &self,
-        request: Request<csi::CreateVolumeRequest>,
-    ) -> std::result::Result<Response<csi::CreateVolumeResponse>, Status> {
-        let req = request.into_inner();
-        let volume = blocking(&self.driver, move |d| d.create_volume(&req)).await?;
-        Ok(Response::new(csi::CreateVolumeResponse {
-            volume: Some(volume),
-        }))
-    }
-
-    async fn delete_volume(
-        &self,
-        request: Request<csi::DeleteVolumeRequest>,
-    ) -> std::result::Result<Response<csi::DeleteVolumeResponse>, Status> {
-        let id = request.into_inner().volume_id;
-        blocking(&self.driver, move |d| d.delete_volume(&id)).await?;
-        Ok(Response::new(csi::DeleteVolumeResponse {}))
-    }
-
-    async fn controller_publish_volume(
-        &self,
-        _request: Request<csi::ControllerPublishVolumeRequest>,
-    ) -> std::result::Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
-        Err(unimplemented("ControllerPublishVolume"))
-    }
-
-    async fn controller_unpublish_volume(
-        &self,
-        _request: Request<csi::ControllerUnpublishVolumeRequest>,
-    ) -> std::result::Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
-        Err(unimplemented("ControllerUnpublishVolume"))
-    }
-
-    async fn validate_volume_capabilities(
-        &self,
-        request: Request<csi::ValidateVolumeCapabilitiesRequest>,
-    ) -> std::result::Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.validate_volume_capabilities(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn list_volumes(
-        &self,
-        request: Request<csi::ListVolumesRequest>,
-    ) -> std::result::Result<Response<csi::ListVolumesResponse>, Status> {
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.list_volumes(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn get_capacity(
-        &self,
-        request: Request<csi::GetCapacityRequest>,
-    ) -> std::result::Result<Response<csi::GetCapacityResponse>, Status> {
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.get_capacity(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn controller_get_capabilities(
-        &self,
-        _request: Request<csi::ControllerGetCapabilitiesRequest>,
-    ) -> std::result::Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
-        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
-            capabilities: crate::surface::controller_capabilities(
-                self.driver.cfg.csi_spec,
-                self.driver.backend.supports_snapshots(),
-                self.driver.cfg.expansion,
-            ),
-        }))
-    }
-
-    async fn create_snapshot(
-        &self,
-        request: Request<csi::CreateSnapshotRequest>,
-    ) -> std::result::Result<Response<csi::CreateSnapshotResponse>, Status> {
-        let req = request.into_inner();
-        let snapshot = blocking(&self.driver, move |d| d.create_snapshot(&req)).await?;
-        Ok(Response::new(csi::CreateSnapshotResponse {
-            snapshot: Some(snapshot),
-        }))
-    }
-
-    async fn delete_snapshot(
-        &self,
-        request: Request<csi::DeleteSnapshotRequest>,
-    ) -> std::result::Result<Response<csi::DeleteSnapshotResponse>, Status> {
-        let req = request.into_inner();
-        blocking(&self.driver, move |d| d.delete_snapshot(&req)).await?;
-        Ok(Response::new(csi::DeleteSnapshotResponse {}))
-    }
-
-    async fn list_snapshots(
-        &self,
-        request: Request<csi::ListSnapshotsRequest>,
-    ) -> std::result::Result<Response<csi::ListSnapshotsResponse>, Status> {
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.list_snapshots(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn get_snapshot(
-        &self,
-        request: Request<csi::GetSnapshotRequest>,
-    ) -> std::result::Result<Response<csi::GetSnapshotResponse>, Status> {
-        let req = request.into_inner();
-        let snapshot = blocking(&self.driver, move |d| d.get_snapshot(&req)).await?;
-        Ok(Response::new(csi::GetSnapshotResponse {
-            snapshot: Some(snapshot),
-        }))
-    }
-
-    async fn controller_expand_volume(
-        &self,
-        request: Request<csi::ControllerExpandVolumeRequest>,
-    ) -> std::result::Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
-        if self.driver.cfg.expansion == Expansion::Node {
-            return Err(Status::unimplemented(
-                "ControllerExpandVolume is not offered (--expansion node): NodeExpandVolume grows \
-                 the volume on its node",
-            ));
-        }
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.controller_expand_volume(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn controller_get_volume(
-        &self,
-        request: Request<csi::ControllerGetVolumeRequest>,
-    ) -> std::result::Result<Response<csi::ControllerGetVolumeResponse>, Status> {
-        let id = request.into_inner().volume_id;
-        let resp = blocking(&self.driver, move |d| d.controller_get_volume(&id)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn controller_modify_volume(
-        &self,
-        request: Request<csi::ControllerModifyVolumeRequest>,
-    ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
-        let req = request.into_inner();
-        blocking(&self.driver, move |d| d.controller_modify_volume(&req)).await?;
-        Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
-    }
-
-    async fn controller_get_volume_health(
-        &self,
-        request: Request<csi::ControllerGetVolumeHealthRequest>,
-    ) -> std::result::Result<Response<csi::ControllerGetVolumeHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
-            return Err(health_api_off("ControllerGetVolumeHealth"));
-        }
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.controller_get_volume_health(&req)).await?;
-        Ok(Response::new(resp))
-    }
-
-    async fn controller_list_volume_health(
-        &self,
-        request: Request<csi::ControllerListVolumeHealthRequest>,
-    ) -> std::result::Result<Response<csi::ControllerListVolumeHealthResponse>, Status> {
-        if !self.driver.cfg.csi_spec.serves_health_api() {
-            return Err(health_api_off("ControllerListVolumeHealth"));
-        }
-        let req = request.into_inner();
-        let resp = blocking(&self.driver, move |d| d.controller_list_volume_health(&req)).await?;
-        Ok(Response::new(resp))
+/// A Ready record or NOT_FOUND (also for the snapshot RPCs, which name
+/// their source volume).
+pub(crate) fn ready_record(state: &crate::state::StateStore, id: &str) -> Result<VolumeRecord> {
+    match state.get(id) {
+        Some(r) if r.phase == Phase::Ready => Ok(r),
+        _ => Err(ControllerError::NotFound(id.to_string())),
     }
 }
 
