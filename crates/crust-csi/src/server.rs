@@ -115,15 +115,8 @@ where
         }
         None => None,
     };
-    let (listener, socket) = bind_socket(&driver.config().socket)?;
-    tracing::info!(
-        socket = %socket.path.display(),
-        driver = %driver.config().driver_name,
-        node = %driver.config().node_id,
-        backend = driver.backend_kind(),
-        "serving CSI"
-    );
-
+    // The Handover socket is bound before the CSI socket: whoever waits
+    // for the CSI socket (kubelet, a runtime, a test) finds both.
     let handover = match &driver.config().handover_socket {
         Some(path) => match bind_socket(path) {
             Ok(bound) => {
@@ -139,6 +132,15 @@ where
         },
         None => None,
     };
+    let (listener, socket) = bind_socket(&driver.config().socket)?;
+    tracing::info!(
+        socket = %socket.path.display(),
+        driver = %driver.config().driver_name,
+        node = %driver.config().node_id,
+        backend = driver.backend_kind(),
+        "serving CSI"
+    );
+
     let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
     if let Some((listener, guard)) = handover {
         let mut stop = fired_rx.clone();
