@@ -495,9 +495,6 @@ fn writer_loop(writer: Arc<Writer>, rx: mpsc::Receiver<Outgoing>) {
     }
 }
 
-/// Serves the agent protocol on the virtio-serial port until the process
-/// ends. Survives the host disconnecting: reads then return EOF, the
-/// partial frame is dropped and the port is polled until the host is back.
 type Job = Box<dyn FnOnce() + Send>;
 
 /// Spare handler threads. A request goes to a waiting one; when none
@@ -572,17 +569,24 @@ fn outgoing(resp: &Response, written: Option<mpsc::Sender<()>>, conn: u64) -> Op
     })
 }
 
-#[allow(
-    clippy::too_many_lines,
-    reason = "start-up then the channel loop; its split into steps waits for the agent's parallel edits (users namespaces, resize) to land"
-)]
+/// Serves the agent protocol on the virtio-serial port until the process
+/// ends. Survives the host disconnecting: reads then return EOF, the
+/// partial frame is dropped and the port is polled until the host is back.
 pub fn run(cfg: Config) -> Result<(), RunFailure> {
     log!("version {} starting", env!("CARGO_PKG_VERSION"));
     if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {
         log!("creating {GUEST_VOLUME_ROOT}: {e}");
     }
     let _ = rustix::fs::chmod("/run/crust", Mode::from_raw_mode(0o700));
-    let port = open_port(&cfg)?;
+    let (port, reader) = open_ports(&cfg)?;
+    let dispatch = Dispatch::start(port);
+    channel_loop(&reader, &dispatch)
+}
+
+/// The port and a second descriptor of it for the read loop (the first
+/// goes to the writer).
+fn open_ports(cfg: &Config) -> Result<(OwnedFd, OwnedFd), RunFailure> {
+    let port = open_port(cfg)?;
     let reader = port.try_clone().map_err(|e| RunFailure::Open {
         path: "port (dup)".into(),
         errno: Errno::from_io_error(&e).unwrap_or(Errno::IO),
@@ -593,35 +597,12 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
             .as_deref()
             .map_or(cfg.port_name.clone(), |p| p.display().to_string())
     );
+    Ok((port, reader))
+}
 
-    let (tx, rx) = mpsc::channel::<Outgoing>();
-    let connection = Arc::new(AtomicU64::new(0));
-    let writer = Arc::new(Writer {
-        port: Mutex::new(port),
-        connection: connection.clone(),
-    });
-    {
-        let writer = writer.clone();
-        std::thread::spawn(move || writer_loop(writer, rx));
-    }
-    if let Err(e) = Containers::init_guest() {
-        log!("container support incomplete: {e}");
-    }
-    let agent = Arc::new(Agent::new(Containers::new(
-        crate::container::stdio::StdioPort::open(),
-    )));
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let handlers = Handlers::start(SPARE_HANDLERS);
-
-    let send = |tx: &mpsc::Sender<Outgoing>,
-                resp: &Response,
-                written: Option<mpsc::Sender<()>>,
-                conn: u64| {
-        if let Some(out) = outgoing(resp, written, conn) {
-            let _ = tx.send(out);
-        }
-    };
-
+/// Reads frames off the port for as long as the process lives, following
+/// the host as it goes and comes back.
+fn channel_loop(reader: &OwnedFd, dispatch: &Dispatch) -> Result<(), RunFailure> {
     let mut dec = FrameDecoder::new();
     let mut buf = vec![0u8; 64 * 1024];
     let mut connected = false;
@@ -632,7 +613,7 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                 if connected {
                     log!("host disconnected");
                     connected = false;
-                    connection.fetch_add(1, Ordering::SeqCst);
+                    dispatch.connection.fetch_add(1, Ordering::SeqCst);
                 }
                 dec.reset();
                 std::thread::sleep(RECONNECT_POLL);
@@ -643,78 +624,9 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                     connected = true;
                 }
                 dec.push(&buf[..n]);
-                let conn = connection.load(Ordering::SeqCst);
+                let conn = dispatch.connection.load(Ordering::SeqCst);
                 while let Some(f) = dec.next_frame() {
-                    let body = match f {
-                        Ok(b) => b,
-                        Err(e @ FrameError::TooLarge { .. }) => {
-                            log!("refusing frame: {e}");
-                            let r = Response::err(
-                                0,
-                                AgentError::new(ErrorCode::InvalidArgument, e.to_string()),
-                            );
-                            send(&tx, &r, None, conn);
-                            continue;
-                        }
-                        Err(e) => {
-                            log!("bad frame: {e}");
-                            continue;
-                        }
-                    };
-                    let received = Instant::now();
-                    let req = match parse_request(&body) {
-                        Ok(r) => r,
-                        Err((id, err)) => {
-                            log!("bad request (id {id}): {}", err.message);
-                            send(&tx, &Response::err(id, err), None, conn);
-                            continue;
-                        }
-                    };
-                    if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
-                        in_flight.fetch_sub(1, Ordering::SeqCst);
-                        let e = AgentError::new(
-                            ErrorCode::ResourceExhausted,
-                            format!("more than {MAX_IN_FLIGHT} requests in flight"),
-                        );
-                        send(&tx, &Response::err(req.id, e), None, conn);
-                        continue;
-                    }
-                    let (agent, w, busy) = (agent.clone(), writer.clone(), in_flight.clone());
-                    let id = req.id;
-                    let tx2 = tx.clone();
-                    let job: Job = Box::new(move || {
-                        let (resp, after) = agent.handle(req, received);
-                        if after == After::PowerOff {
-                            // Reply first, but a vanished host (write
-                            // blocked) must not keep the VM up.
-                            // Through the writer thread, so a blocked write
-                            // cannot hold this one past its timeout.
-                            let (wtx, wrx) = mpsc::channel();
-                            send(&tx2, &resp, Some(wtx), conn);
-                            let _ = wrx.recv_timeout(Duration::from_secs(3));
-                            std::thread::sleep(Duration::from_millis(200));
-                            power_off();
-                        }
-                        if let Some(out) = outgoing(&resp, None, conn) {
-                            w.write(out);
-                        }
-                        busy.fetch_sub(1, Ordering::SeqCst);
-                    });
-                    let spawned = match handlers.offer(job) {
-                        Ok(()) => Ok(()),
-                        Err(job) => std::thread::Builder::new()
-                            .name(format!("req-{id}"))
-                            .spawn(job)
-                            .map(drop),
-                    };
-                    if let Err(e) = spawned {
-                        in_flight.fetch_sub(1, Ordering::SeqCst);
-                        let e = AgentError::new(
-                            ErrorCode::ResourceExhausted,
-                            format!("cannot start a handler thread: {e}"),
-                        );
-                        send(&tx, &Response::err(id, e), None, conn);
-                    }
+                    dispatch.frame(f, conn);
                 }
             }
             Err(Errno::INTR) | Err(Errno::AGAIN) => {}
@@ -724,5 +636,148 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
                 std::thread::sleep(RECONNECT_POLL * 4);
             }
         }
+    }
+}
+
+/// What the read loop hands requests to: the writer, the agent, the
+/// in-flight count and the spare handlers.
+struct Dispatch {
+    tx: mpsc::Sender<Outgoing>,
+    writer: Arc<Writer>,
+    connection: Arc<AtomicU64>,
+    agent: Arc<Agent>,
+    in_flight: Arc<AtomicUsize>,
+    handlers: Arc<Handlers>,
+}
+
+impl Dispatch {
+    /// Starts the writer thread, readies the guest for containers and
+    /// starts the spare handlers.
+    fn start(port: OwnedFd) -> Dispatch {
+        let (tx, rx) = mpsc::channel::<Outgoing>();
+        let connection = Arc::new(AtomicU64::new(0));
+        let writer = Arc::new(Writer {
+            port: Mutex::new(port),
+            connection: connection.clone(),
+        });
+        {
+            let writer = writer.clone();
+            std::thread::spawn(move || writer_loop(writer, rx));
+        }
+        if let Err(e) = Containers::init_guest() {
+            log!("container support incomplete: {e}");
+        }
+        let agent = Arc::new(Agent::new(Containers::new(
+            crate::container::stdio::StdioPort::open(),
+        )));
+        Dispatch {
+            tx,
+            writer,
+            connection,
+            agent,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            handlers: Handlers::start(SPARE_HANDLERS),
+        }
+    }
+
+    /// Queues a reply for the writer thread.
+    fn send(&self, resp: &Response, conn: u64) {
+        send(&self.tx, resp, None, conn);
+    }
+
+    /// One frame off the port: refused, or parsed and handed to a handler.
+    fn frame(&self, f: Result<Vec<u8>, FrameError>, conn: u64) {
+        let body = match f {
+            Ok(b) => b,
+            Err(e @ FrameError::TooLarge { .. }) => {
+                log!("refusing frame: {e}");
+                let r = Response::err(
+                    0,
+                    AgentError::new(ErrorCode::InvalidArgument, e.to_string()),
+                );
+                self.send(&r, conn);
+                return;
+            }
+            Err(e) => {
+                log!("bad frame: {e}");
+                return;
+            }
+        };
+        let received = Instant::now();
+        let req = match parse_request(&body) {
+            Ok(r) => r,
+            Err((id, err)) => {
+                log!("bad request (id {id}): {}", err.message);
+                self.send(&Response::err(id, err), conn);
+                return;
+            }
+        };
+        if self.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            let e = AgentError::new(
+                ErrorCode::ResourceExhausted,
+                format!("more than {MAX_IN_FLIGHT} requests in flight"),
+            );
+            self.send(&Response::err(req.id, e), conn);
+            return;
+        }
+        self.dispatch(req, received, conn);
+    }
+
+    /// Runs `req` on a spare handler, or a new thread when none waits; the
+    /// handler writes its own reply.
+    fn dispatch(&self, req: Request, received: Instant, conn: u64) {
+        let (agent, w, busy) = (
+            self.agent.clone(),
+            self.writer.clone(),
+            self.in_flight.clone(),
+        );
+        let id = req.id;
+        let tx2 = self.tx.clone();
+        let job: Job = Box::new(move || {
+            let (resp, after) = agent.handle(req, received);
+            if after == After::PowerOff {
+                // Reply first, but a vanished host (write
+                // blocked) must not keep the VM up.
+                // Through the writer thread, so a blocked write
+                // cannot hold this one past its timeout.
+                let (wtx, wrx) = mpsc::channel();
+                send(&tx2, &resp, Some(wtx), conn);
+                let _ = wrx.recv_timeout(Duration::from_secs(3));
+                std::thread::sleep(Duration::from_millis(200));
+                power_off();
+            }
+            if let Some(out) = outgoing(&resp, None, conn) {
+                w.write(out);
+            }
+            busy.fetch_sub(1, Ordering::SeqCst);
+        });
+        let spawned = match self.handlers.offer(job) {
+            Ok(()) => Ok(()),
+            Err(job) => std::thread::Builder::new()
+                .name(format!("req-{id}"))
+                .spawn(job)
+                .map(drop),
+        };
+        if let Err(e) = spawned {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            let e = AgentError::new(
+                ErrorCode::ResourceExhausted,
+                format!("cannot start a handler thread: {e}"),
+            );
+            self.send(&Response::err(id, e), conn);
+        }
+    }
+}
+
+/// Queues `resp` for the writer thread (`written` is told once it is out).
+fn send(
+    tx: &mpsc::Sender<Outgoing>,
+    resp: &Response,
+    written: Option<mpsc::Sender<()>>,
+    conn: u64,
+) {
+    if let Some(out) = outgoing(resp, written, conn) {
+        let _ = tx.send(out);
     }
 }

@@ -348,10 +348,9 @@ impl Volumes {
         })
     }
 
-    #[allow(
-        clippy::too_many_lines,
-        reason = "every check before the first mount, then the mount and fsGroup; its split waits for the agent's parallel edits (users namespaces, resize) to land"
-    )]
+    /// Mounts a volume's disk (found by serial) at its guest path after
+    /// every check that can refuse it, then applies fsGroup. A volume
+    /// mounted already is answered from its mount (idempotent).
     pub fn mount(
         &self,
         req: &MountVolume,
@@ -367,124 +366,11 @@ impl Volumes {
             return self.mounted_already(req, entry, &opts, &target, deadline);
         }
 
-        // Give up a little before the caller's deadline so the NotFound
-        // answer arrives instead of a client-side timeout.
-        let until = deadline.map_or(Instant::now() + DISK_WAIT, |d| {
-            d.checked_sub(Duration::from_millis(300))
-                .unwrap_or(d)
-                .min(Instant::now() + DISK_WAIT)
-        });
-        let disk = sys::wait_for_disk(&req.serial, until).map_err(|seen| VolumeError::NoDisk {
-            serial: req.serial.clone(),
-            seen: if seen.is_empty() {
-                "none".into()
-            } else {
-                seen.iter()
-                    .map(|d| format!("{}={:?}", d.name, d.serial))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            },
-        })?;
-        // The node, then the serial once more: a device replaced since
-        // wait_for_disk read it gets no node, so stats read its serial.
-        let disk_node = sys::disk_node(&disk.name)
-            .filter(|_| sys::disk_serial(&disk.name).as_deref() == Some(req.serial.as_str()));
+        let (disk, disk_node) = find_disk(req, deadline)?;
         let dev = disk.dev_path();
-        if let Some(m) = sys::mounts()
-            .into_iter()
-            .find(|m| m.source == dev.to_string_lossy())
-        {
-            return Err(VolumeError::DiskInUse {
-                serial: req.serial.clone(),
-                disk: disk.name.clone(),
-                at: m.mount_point.display().to_string(),
-            });
-        }
-        if !opts.readonly && sys::disk_readonly(&disk.name) {
-            return Err(VolumeError::DiskReadOnly {
-                serial: req.serial.clone(),
-                disk: disk.name.clone(),
-            });
-        }
-        sys::ensure_filesystem(req.fstype).map_err(VolumeError::FsSupport)?;
-        match sys::detect_fs(&dev)
-            .map_err(|e| io("read", &dev, Errno::from_io_error(&e).unwrap_or(Errno::IO)))?
-        {
-            Detected::Fs(found) if found == req.fstype => {}
-            Detected::Fs(found) => {
-                return Err(VolumeError::WrongFs {
-                    serial: req.serial.clone(),
-                    disk: disk.name.clone(),
-                    found: format!("an {found} filesystem"),
-                    want: req.fstype,
-                });
-            }
-            Detected::Unknown => {
-                return Err(VolumeError::WrongFs {
-                    serial: req.serial.clone(),
-                    disk: disk.name.clone(),
-                    found: format!(
-                        "no {} filesystem (unformatted?)",
-                        FsType::supported_alternatives()
-                    ),
-                    want: req.fstype,
-                });
-            }
-        }
-        if let (Some(preen), false) = (&req.fstype.spec().preen, opts.readonly) {
-            // Like kubelet: preen before a read-write mount (ext4: e2fsck
-            // -p; 1 and 2 = fixed, 4 and above = not).
-            let args = process::fs_tool_command(preen, dev.to_string_lossy().into_owned());
-            let left = deadline.map_or(Duration::from_secs(300), |d| {
-                d.saturating_duration_since(Instant::now())
-            });
-            let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| VolumeError::Fsck {
-                tool: preen.program,
-                disk: disk.name.clone(),
-                code: -1,
-                output: e.to_string(),
-            })?;
-            if !preen.ok.contains(&out.code) {
-                return Err(VolumeError::Fsck {
-                    tool: preen.program,
-                    disk: disk.name.clone(),
-                    code: out.code,
-                    output: out.text(),
-                });
-            }
-        }
-
-        std::fs::create_dir_all(&target).map_err(|e| {
-            io(
-                "mkdir",
-                &target,
-                Errno::from_io_error(&e).unwrap_or(Errno::IO),
-            )
-        })?;
-        let data =
-            std::ffi::CString::new(opts.data.clone()).expect("validated options have no NUL");
-        if let Err(errno) = rustix::mount::mount(
-            dev.as_path(),
-            target.as_path(),
-            req.fstype.as_str(),
-            opts.flags,
-            (!opts.data.is_empty()).then_some(data.as_c_str()),
-        ) {
-            let _ = std::fs::remove_dir(&target);
-            let kmsg = sys::kmsg_tail(&[disk.name.as_str()], 3);
-            let hint = if kmsg.is_empty() {
-                String::new()
-            } else {
-                format!(" (kernel: {})", kmsg.join(" / "))
-            };
-            return Err(VolumeError::MountFailed {
-                disk: disk.name.clone(),
-                fstype: req.fstype,
-                target: target.display().to_string(),
-                errno,
-                hint,
-            });
-        }
+        check_disk(req, &disk, &opts)?;
+        preen(req, &disk, &opts, deadline)?;
+        mount_disk(req, &disk, &opts, &target)?;
         let mount = sys::mount_identity(&target);
         self.records.lock().expect("records").insert(
             req.volume.clone(),
@@ -785,6 +671,158 @@ impl Volumes {
             )),
         }
     }
+}
+
+/// The volume's disk, waited for by serial, and its sysfs node (None when
+/// the disk was replaced meanwhile).
+fn find_disk(
+    req: &MountVolume,
+    deadline: Option<Instant>,
+) -> Result<(sys::Disk, Option<u64>), VolumeError> {
+    // Give up a little before the caller's deadline so the NotFound
+    // answer arrives instead of a client-side timeout.
+    let until = deadline.map_or(Instant::now() + DISK_WAIT, |d| {
+        d.checked_sub(Duration::from_millis(300))
+            .unwrap_or(d)
+            .min(Instant::now() + DISK_WAIT)
+    });
+    let disk = sys::wait_for_disk(&req.serial, until).map_err(|seen| VolumeError::NoDisk {
+        serial: req.serial.clone(),
+        seen: if seen.is_empty() {
+            "none".into()
+        } else {
+            seen.iter()
+                .map(|d| format!("{}={:?}", d.name, d.serial))
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+    })?;
+    // The node, then the serial once more: a device replaced since
+    // wait_for_disk read it gets no node, so stats read its serial.
+    let disk_node = sys::disk_node(&disk.name)
+        .filter(|_| sys::disk_serial(&disk.name).as_deref() == Some(req.serial.as_str()));
+    Ok((disk, disk_node))
+}
+
+/// Refuses a disk mounted elsewhere, a read-only disk for a read-write
+/// mount, and one without the filesystem asked for.
+fn check_disk(
+    req: &MountVolume,
+    disk: &sys::Disk,
+    opts: &options::ParsedOptions,
+) -> Result<(), VolumeError> {
+    let dev = disk.dev_path();
+    if let Some(m) = sys::mounts()
+        .into_iter()
+        .find(|m| m.source == dev.to_string_lossy())
+    {
+        return Err(VolumeError::DiskInUse {
+            serial: req.serial.clone(),
+            disk: disk.name.clone(),
+            at: m.mount_point.display().to_string(),
+        });
+    }
+    if !opts.readonly && sys::disk_readonly(&disk.name) {
+        return Err(VolumeError::DiskReadOnly {
+            serial: req.serial.clone(),
+            disk: disk.name.clone(),
+        });
+    }
+    sys::ensure_filesystem(req.fstype).map_err(VolumeError::FsSupport)?;
+    match sys::detect_fs(&dev)
+        .map_err(|e| io("read", &dev, Errno::from_io_error(&e).unwrap_or(Errno::IO)))?
+    {
+        Detected::Fs(found) if found == req.fstype => Ok(()),
+        Detected::Fs(found) => Err(VolumeError::WrongFs {
+            serial: req.serial.clone(),
+            disk: disk.name.clone(),
+            found: format!("an {found} filesystem"),
+            want: req.fstype,
+        }),
+        Detected::Unknown => Err(VolumeError::WrongFs {
+            serial: req.serial.clone(),
+            disk: disk.name.clone(),
+            found: format!(
+                "no {} filesystem (unformatted?)",
+                FsType::supported_alternatives()
+            ),
+            want: req.fstype,
+        }),
+    }
+}
+
+/// Like kubelet: preen before a read-write mount (ext4: e2fsck -p; 1 and
+/// 2 = fixed, 4 and above = not). A filesystem without a preen step, or a
+/// read-only mount, is left as it is.
+fn preen(
+    req: &MountVolume,
+    disk: &sys::Disk,
+    opts: &options::ParsedOptions,
+    deadline: Option<Instant>,
+) -> Result<(), VolumeError> {
+    let (Some(preen), false) = (&req.fstype.spec().preen, opts.readonly) else {
+        return Ok(());
+    };
+    let args = process::fs_tool_command(preen, disk.dev_path().to_string_lossy().into_owned());
+    let left = deadline.map_or(Duration::from_secs(300), |d| {
+        d.saturating_duration_since(Instant::now())
+    });
+    let out = process::run(&args, &[], left, 64 * 1024).map_err(|e| VolumeError::Fsck {
+        tool: preen.program,
+        disk: disk.name.clone(),
+        code: -1,
+        output: e.to_string(),
+    })?;
+    if !preen.ok.contains(&out.code) {
+        return Err(VolumeError::Fsck {
+            tool: preen.program,
+            disk: disk.name.clone(),
+            code: out.code,
+            output: out.text(),
+        });
+    }
+    Ok(())
+}
+
+/// Creates the mount point and mounts the disk there; a refused mount
+/// removes the mount point again and says what the kernel logged.
+fn mount_disk(
+    req: &MountVolume,
+    disk: &sys::Disk,
+    opts: &options::ParsedOptions,
+    target: &Path,
+) -> Result<(), VolumeError> {
+    std::fs::create_dir_all(target).map_err(|e| {
+        io(
+            "mkdir",
+            target,
+            Errno::from_io_error(&e).unwrap_or(Errno::IO),
+        )
+    })?;
+    let data = std::ffi::CString::new(opts.data.clone()).expect("validated options have no NUL");
+    if let Err(errno) = rustix::mount::mount(
+        disk.dev_path().as_path(),
+        target,
+        req.fstype.as_str(),
+        opts.flags,
+        (!opts.data.is_empty()).then_some(data.as_c_str()),
+    ) {
+        let _ = std::fs::remove_dir(target);
+        let kmsg = sys::kmsg_tail(&[disk.name.as_str()], 3);
+        let hint = if kmsg.is_empty() {
+            String::new()
+        } else {
+            format!(" (kernel: {})", kmsg.join(" / "))
+        };
+        return Err(VolumeError::MountFailed {
+            disk: disk.name.clone(),
+            fstype: req.fstype,
+            target: target.display().to_string(),
+            errno,
+            hint,
+        });
+    }
+    Ok(())
 }
 
 /// The wire policy as the ownership walk spells it.

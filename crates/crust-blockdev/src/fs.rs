@@ -1,7 +1,6 @@
 //! Creating and growing filesystems. These exec the filesystem tools
 //! through [`crate::tool`], the crate's one runner of programs.
 
-use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::device::{self, DeviceError};
@@ -26,21 +25,10 @@ pub enum FsError {
         device.display()
     )]
     HoldsData { device: PathBuf, offset: u64 },
-    #[error("{0} not found in PATH, /usr/sbin or /sbin")]
-    ToolNotFound(&'static str),
-    #[error("running {tool}: {source}")]
-    Spawn {
-        tool: &'static str,
-        #[source]
-        source: io::Error,
-    },
-    #[error("{tool} on {target} failed ({status}): {stderr}")]
-    Tool {
-        tool: &'static str,
-        target: PathBuf,
-        status: String,
-        stderr: String,
-    },
+    /// A tool was missing, could not start, or failed; the messages are
+    /// the runner's own.
+    #[error(transparent)]
+    Tool(#[from] ToolError),
     #[error(
         "{what} needs the {capability} capability, which this process does not have (unmount and use grow_fs_offline, or grant the capability)"
     )]
@@ -88,31 +76,14 @@ pub enum FsError {
     Mount(#[from] crate::mount::MountError),
 }
 
-impl From<ToolError> for FsError {
-    fn from(e: ToolError) -> FsError {
-        match e {
-            ToolError::NotFound(tool) => FsError::ToolNotFound(tool),
-            ToolError::Spawn { tool, source } => FsError::Spawn { tool, source },
-            ToolError::Failed {
-                tool,
-                target,
-                status,
-                stderr,
-            } => FsError::Tool {
-                tool,
-                target,
-                status,
-                stderr,
-            },
-        }
-    }
-}
-
 impl FsError {
     /// Whether the failing step ran a filesystem tool (which may have
     /// written to the device), rather than refusing before it.
     pub fn tool_ran(&self) -> bool {
-        matches!(self, FsError::Tool { .. } | FsError::CheckFailed { .. })
+        matches!(
+            self,
+            FsError::Tool(ToolError::Failed { .. }) | FsError::CheckFailed { .. }
+        )
     }
 }
 
@@ -333,7 +304,7 @@ pub const CHECK: &str = "check a filesystem another kernel may have mounted";
 pub fn check_unmounted(dev: &Path, fstype: FsType) -> Result<(), FsError> {
     require_unused(dev, "a filesystem check", CHECK)?;
     let failed = |tool, e: FsError| match e {
-        FsError::Tool { status, stderr, .. } => FsError::CheckFailed {
+        FsError::Tool(ToolError::Failed { status, stderr, .. }) => FsError::CheckFailed {
             tool,
             fstype,
             device: dev.to_path_buf(),
@@ -386,5 +357,43 @@ mod tests {
             FsError::OfflineGrowUnsupported(FsType::Xfs).to_string(),
             "xfs cannot be grown offline (xfs_growfs needs a mounted filesystem)"
         );
+    }
+
+    /// The runner's errors read the same inside an [`FsError`] (callers
+    /// log and return these texts), and only a tool that ran counts as
+    /// having touched the device.
+    #[test]
+    fn tool_errors_keep_their_messages() {
+        let cases = [
+            (
+                ToolError::NotFound("mkfs.xfs"),
+                "mkfs.xfs not found in PATH, /usr/sbin or /sbin",
+                false,
+            ),
+            (
+                ToolError::Spawn {
+                    tool: "resize2fs",
+                    source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+                },
+                "running resize2fs: permission denied",
+                false,
+            ),
+            (
+                ToolError::Failed {
+                    tool: "mkfs.ext4",
+                    target: PathBuf::from("/dev/loop9"),
+                    status: "exit status: 1".into(),
+                    stderr: "bad".into(),
+                },
+                "mkfs.ext4 on /dev/loop9 failed (exit status: 1): bad",
+                true,
+            ),
+        ];
+        for (tool_error, text, ran) in cases {
+            assert_eq!(tool_error.to_string(), text);
+            let e = FsError::from(tool_error);
+            assert_eq!(e.to_string(), text);
+            assert_eq!(e.tool_ran(), ran, "{e}");
+        }
     }
 }

@@ -94,6 +94,7 @@ pub use mount::{
 };
 pub use path::{MAX_PATH_LEN, PathError, validate_abs_path};
 pub use probe::{Probe, ProbeError, fs_bytes, fs_needs_grow, probe_fs};
+pub use tool::ToolError;
 pub use usage::{Usage, UsageError, usage};
 pub use users::{FsUser, Use, filesystem_users};
 pub use zeros::{SCAN_CHUNK, ZeroScan, first_data_offset, scan_for_data};

@@ -6,8 +6,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Why a program did not run or did not succeed. The messages are
-/// [`crate::FsError`]'s for the same causes, which it converts into.
+/// Why a program did not run or did not succeed. [`crate::FsError::Tool`]
+/// carries it as it is, so both say the same.
 #[derive(Debug, thiserror::Error)]
 pub enum ToolError {
     #[error("{0} not found in PATH, /usr/sbin or /sbin")]

@@ -9,7 +9,6 @@ use crate::discovery::Discovery;
 use crate::error::RuntimeError;
 use crate::records::{LayoutKind, Volume};
 use crate::sandbox::SandboxStore;
-use crust_shim_api::Code;
 
 /// The full runtime CLI's file name.
 pub const FULL_CLI: &str = "crust-runtime";
@@ -35,7 +34,7 @@ pub fn recorded_cli() -> Result<String, RuntimeError> {
     cli_in(dir)
         .into_os_string()
         .into_string()
-        .map_err(|_| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))
+        .map_err(|_| RuntimeError::ExeNotUtf8)
 }
 
 /// The `crust-runtime` executable that is running, found through
@@ -46,7 +45,7 @@ pub fn this_executable() -> Result<String, RuntimeError> {
         .map_err(RuntimeError::io("locating this executable"))?;
     exe.to_str()
         .map(str::to_owned)
-        .ok_or_else(|| RuntimeError::new(Code::Internal, "executable path is not UTF-8"))
+        .ok_or(RuntimeError::ExeNotUtf8)
 }
 
 /// Claims `v` for sandbox `id` and, in the CRUST layout, records
@@ -68,14 +67,11 @@ pub fn claim(
         if let Err(e) = s.release(&v.target, id) {
             tracing::warn!(target = %v.target, "releasing the claim: {e}");
         }
-        return Err(RuntimeError::new(
-            Code::FailedPrecondition,
-            format!(
-                "the hand-off record for {} changed while sandbox {id} was claiming it \
-                 ({reason}); nothing was attached, retry",
-                v.target
-            ),
-        ));
+        return Err(RuntimeError::RecordChanged {
+            target: v.target.clone(),
+            sandbox: id.to_string(),
+            reason,
+        });
     }
     if v.layout == LayoutKind::Crust
         && let Err(e) = s.set_runtime_cli(&v.target, runtime_cli)
@@ -130,6 +126,7 @@ mod tests {
     }
 
     use super::*;
+    use crate::shim::Code;
     use crust_handoff::MountInfo;
     use std::os::unix::fs::PermissionsExt;
 

@@ -12,7 +12,6 @@ use crust_handoff::{DEFAULT_CRUST_ROOT, DEFAULT_KATA_ROOT};
 use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
 use crate::runtime::Runtime;
-use crust_shim_api::Code;
 
 /// The QEMU looked up on PATH unless --qemu says otherwise.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
@@ -168,12 +167,7 @@ impl GlobalOpts {
         }
         EnvOnly::try_parse_from(["crust-runtime"])
             .map(|e| e.global)
-            .map_err(|e| {
-                RuntimeError::new(
-                    Code::InvalidArgument,
-                    format!("settings from the environment: {e}"),
-                )
-            })
+            .map_err(RuntimeError::EnvSettings)
     }
 
     pub fn config(&self) -> Config {
@@ -488,10 +482,7 @@ pub fn parse_signal(s: &str) -> Result<i32, RuntimeError> {
             return Ok(n);
         }
     }
-    Err(RuntimeError::new(
-        Code::InvalidArgument,
-        format!("unknown signal {s:?}"),
-    ))
+    Err(RuntimeError::UnknownSignal(s.to_string()))
 }
 
 /// The `crust` verbs this CLI answers (cross-team contract 1).
@@ -607,10 +598,7 @@ pub async fn dispatch(cfg: Config, command: Command) -> Result<Outcome, RuntimeE
         }
         Command::Crust(c) => crust_verb(&rt, c).await,
         Command::DirectVolume(c) => direct_volume(&rt, c).await,
-        Command::Shim { .. } => Err(RuntimeError::new(
-            Code::Internal,
-            "the shim is not dispatched here",
-        )),
+        Command::Shim { .. } => Err(RuntimeError::ShimNotDispatched),
     }
 }
 

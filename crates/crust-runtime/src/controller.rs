@@ -29,13 +29,13 @@ use crate::records::{Volume, WorkloadMount};
 use crate::runtime::ReadyLine;
 use crate::sandbox::SandboxStore;
 use crate::share;
-use crate::shim::{self, ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
+use crate::shim::{self, ApiError, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crate::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
     VolumeStats,
 };
 use crate::vm::Guest;
-use crate::volumes::{self, VolumeError};
+use crate::volumes::{self, AgentCallError, VolumeError};
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -84,50 +84,25 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
         Ok(c) => Arc::new(c),
         Err(e) => {
             tracing::error!("sandbox {id}: {e}");
-            let api: ApiError = e.into();
-            let line = ReadyLine {
-                ok: false,
-                error: Some(api),
-            };
-            let _ = writeln!(
-                ready,
-                "{}",
-                serde_json::to_string(&line).expect("serializable")
-            );
+            report_failure(&mut ready, e);
             return 1;
         }
     };
     let listener = match shim::bind(&store.socket(&id)) {
         Ok(l) => l,
         Err(e) => {
-            let msg = format!("binding the shim socket: {e}");
-            ctrl.teardown(Some(msg.clone())).await;
-            let line = ReadyLine {
-                ok: false,
-                error: Some(ApiError::new(Code::Internal, msg)),
-            };
-            let _ = writeln!(
-                ready,
-                "{}",
-                serde_json::to_string(&line).expect("serializable")
-            );
+            let e = RuntimeError::ShimSocket(e);
+            ctrl.teardown(Some(e.to_string())).await;
+            report_failure(&mut ready, e);
             return 1;
         }
     };
     // Where Kata's CLI looks for it, too (a drop-in for kata-runtime).
     if let Err(msg) = crate::katashim::link(&cfg_kata_dirs, &id, &store.socket(&id)) {
-        let msg = format!("linking the shim socket for Kata's CLI: {msg}");
-        ctrl.teardown(Some(msg.clone())).await;
+        let e = RuntimeError::KataLink(msg);
+        ctrl.teardown(Some(e.to_string())).await;
         let _ = std::fs::remove_file(store.socket(&id));
-        let line = ReadyLine {
-            ok: false,
-            error: Some(ApiError::new(Code::Internal, msg)),
-        };
-        let _ = writeln!(
-            ready,
-            "{}",
-            serde_json::to_string(&line).expect("serializable")
-        );
+        report_failure(&mut ready, e);
         return 1;
     }
     let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -167,6 +142,20 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
     let _ = std::fs::remove_file(store.socket(&id));
     tracing::info!("shim of sandbox {id} exits");
     0
+}
+
+/// Tells the waiting CLI on the readiness pipe why the sandbox is not
+/// ready (the API's error: code and message).
+fn report_failure(ready: &mut File, e: RuntimeError) {
+    let line = ReadyLine {
+        ok: false,
+        error: Some(ApiError::from(e)),
+    };
+    let _ = writeln!(
+        ready,
+        "{}",
+        serde_json::to_string(&line).expect("serializable")
+    );
 }
 
 /// Keeps the original stdout (the readiness pipe) and points fd 1 at
@@ -289,17 +278,15 @@ async fn connect_guest(
 ) -> Result<(QmpClient, AgentClient), RuntimeError> {
     let qmp = QmpClient::connect(guest.qmp_socket(), cfg.timeout)
         .await
-        .map_err(|e| RuntimeError::new(Code::Unavailable, format!("QMP: {e}")))?;
+        .map_err(RuntimeError::QmpConnect)?;
     let agent = AgentClient::with_timeout(guest.agent_socket(), cfg.timeout);
-    agent.wait_ready(cfg.boot_timeout).await.map_err(|e| {
-        RuntimeError::new(
-            Code::DeadlineExceeded,
-            format!(
-                "the guest agent did not come up: {e} (console: {})",
-                guest.console_tail()
-            ),
-        )
-    })?;
+    agent
+        .wait_ready(cfg.boot_timeout)
+        .await
+        .map_err(|cause| RuntimeError::AgentNotReady {
+            cause,
+            console: guest.console_tail(),
+        })?;
     Ok((qmp, agent))
 }
 
@@ -493,10 +480,11 @@ impl Controller {
     }
 
     fn not_running(&self, reason: &str) -> ApiError {
-        ApiError::new(
-            Code::Unavailable,
-            format!("sandbox {} is not running ({reason})", self.id),
-        )
+        RuntimeError::SandboxDown {
+            id: self.id.clone(),
+            reason: reason.to_string(),
+        }
+        .into()
     }
 
     fn volume_lock(&self, vol: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -580,7 +568,7 @@ impl Controller {
 
     /// The volume a stats/resize path names: its target (volume path),
     /// its host device (what Kata's CLI sends), or its guest mount path.
-    fn find_volume(&self, path: &str) -> ApiResult<Volume> {
+    fn find_volume(&self, path: &str) -> Result<Volume, RuntimeError> {
         let st = self.state.lock().expect("state lock");
         st.volumes
             .iter()
@@ -591,11 +579,9 @@ impl Controller {
                     .find(|v| v.device == path || volumes::guest_path(v) == path)
             })
             .cloned()
-            .ok_or_else(|| {
-                ApiError::new(
-                    Code::NotFound,
-                    format!("sandbox {} has no volume {path}", self.id),
-                )
+            .ok_or_else(|| RuntimeError::NoVolume {
+                sandbox: self.id.clone(),
+                path: path.to_string(),
             })
     }
 
@@ -665,10 +651,11 @@ impl ShimHandler for Controller {
         }
         let st = self.snapshot();
         if st.status != Status::Created {
-            return Err(ApiError::new(
-                Code::FailedPrecondition,
-                format!("sandbox {} is {}, not created", self.id, st.status.as_str()),
-            ));
+            return Err(RuntimeError::NotCreated {
+                id: self.id.clone(),
+                status: st.status.as_str(),
+            }
+            .into());
         }
         let b = &self.bundle;
         let user =
@@ -699,12 +686,7 @@ impl ShimHandler for Controller {
         self.agent
             .call_with_timeout(req, self.cfg.boot_timeout)
             .await
-            .map_err(|e| {
-                ApiError::new(
-                    volumes::agent_code(&e),
-                    format!("starting the workload: {e}"),
-                )
-            })?;
+            .map_err(AgentCallError::of("starting the workload"))?;
         Ok(self.update(|s| s.status = Status::Running))
     }
 
@@ -712,12 +694,11 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        self.agent.signal_workload(signal).await.map_err(|e| {
-            ApiError::new(
-                volumes::agent_code(&e),
-                format!("signalling the workload: {e}"),
-            )
-        })
+        Ok(self
+            .agent
+            .signal_workload(signal)
+            .await
+            .map_err(AgentCallError::of("signalling the workload"))?)
     }
 
     async fn shutdown(&self) -> ApiResult<()> {
@@ -814,21 +795,15 @@ impl ShimHandler for Controller {
         let (layout, mi) = self
             .discovery
             .exact(&volume_path)
-            .map_err(|e| ApiError::from(RuntimeError::from(e)))?
-            .ok_or_else(|| {
-                ApiError::new(
-                    Code::NotFound,
-                    format!("no hand-off record for {volume_path}"),
-                )
+            .map_err(RuntimeError::from)?
+            .ok_or_else(|| RuntimeError::NoRecord {
+                what: volume_path.clone(),
             })?;
         let v = Volume::from_record(layout, &volume_path, &mi, false);
         volumes::check_before_boot(&self.discovery, std::slice::from_ref(&v))
             .map_err(ApiError::from)?;
         if self.snapshot().volumes.iter().any(|o| o.id == v.id) {
-            return Err(ApiError::new(
-                Code::AlreadyExists,
-                format!("volume id {} is taken", v.id),
-            ));
+            return Err(RuntimeError::VolumeIdTaken(v.id).into());
         }
         // Record before claiming so a crash leaves the claim releasable.
         self.update(|s| s.volumes.push(v.clone()));
@@ -850,17 +825,18 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        volumes::exec_in_guest(&self.agent, req, self.cfg.timeout).await
+        Ok(volumes::exec_in_guest(&self.agent, req, self.cfg.timeout).await?)
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        let r =
-            self.agent.workload_log(MAX_LOG_TAIL).await.map_err(|e| {
-                ApiError::new(volumes::agent_code(&e), format!("workload log: {e}"))
-            })?;
+        let r = self
+            .agent
+            .workload_log(MAX_LOG_TAIL)
+            .await
+            .map_err(AgentCallError::of("workload log"))?;
         Ok(LogsResponse { output: r.data })
     }
 }

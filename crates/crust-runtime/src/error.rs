@@ -1,14 +1,22 @@
-//! The error of a runtime command, with the class the CLI reports.
+//! The error of a runtime command, one variant per cause. Which API code
+//! each cause answers is decided at the API edge alone
+//! ([`crate::shim::codes`]): the domain code names what went wrong, never
+//! how the shim API or containerd reports it. The causes below the
+//! wrapped errors carry no `source`, as the message they replace had
+//! none: error chains read as before.
 
-use crust_handoff::{ErrorKind, HandoffError};
+use std::path::PathBuf;
+use std::time::Duration;
 
-use crate::beneath::BeneathError;
+use crust_agent_proto::{ClientError, FreezeLimitError};
+use crust_handoff::{HandoffError, QosError};
+
 use crate::bundle::BundleError;
 use crate::discovery::DiscoveryError;
 use crate::sandbox::SandboxError;
 use crate::share::ShareError;
-use crate::shim::{ApiError, Code, ShimError};
-use crate::volumes::VolumeError;
+use crate::shim::ShimError;
+use crate::volumes::{AgentCallError, VolumeError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -26,81 +34,139 @@ pub enum RuntimeError {
     Volume(#[from] VolumeError),
     #[error(transparent)]
     Share(#[from] ShareError),
-    #[error("{message}")]
-    Coded { code: Code, message: String },
+    #[error(transparent)]
+    AgentCall(#[from] AgentCallError),
     #[error("{context}: {source}")]
     Io {
         context: String,
         #[source]
         source: std::io::Error,
     },
+
+    // ---- the command line and the sandbox's life ----------------------
+    #[error("settings from the environment: {0}")]
+    EnvSettings(clap::Error),
+    #[error("unknown signal {0:?}")]
+    UnknownSignal(String),
+    /// `crust-runtime shim` reached the ordinary dispatch.
+    #[error("the shim is not dispatched here")]
+    ShimNotDispatched,
+    #[error("{what} {} not found (build it with guest/build-image.sh)", path.display())]
+    GuestImageMissing { what: &'static str, path: PathBuf },
+    #[error("sandbox {id} was not ready within {wait:?}")]
+    ShimNotReady { id: String, wait: Duration },
+    /// The shim's ready line said it failed, without an error.
+    #[error("the shim failed without saying why")]
+    ShimFailedSilently,
+    #[error(
+        "the shim of sandbox {id} exited before the sandbox was ready; its log ends with:\n{log_tail}"
+    )]
+    ShimExited { id: String, log_tail: String },
+    #[error("binding the shim socket: {0}")]
+    ShimSocket(std::io::Error),
+    #[error("linking the shim socket for Kata's CLI: {0}")]
+    KataLink(String),
+    #[error("sandbox {id} does not exist")]
+    NoSandbox { id: String },
+    #[error("sandbox {id} is {status}, not created")]
+    NotCreated { id: String, status: &'static str },
+    #[error("sandbox {id} is {status}, not running")]
+    NotRunning { id: String, status: &'static str },
+    #[error("sandbox {id} is running; kill it first or use --force")]
+    StillRunning { id: String },
+    /// The shim's VM is gone or going: it cannot serve the call.
+    #[error("sandbox {id} is not running ({reason})")]
+    SandboxDown { id: String, reason: String },
+    #[error("sandbox {id} stopped without a workload exit status: {reason}")]
+    NoExitStatus { id: String, reason: String },
+
+    // ---- the guest -----------------------------------------------------
+    #[error("launching QEMU: {0}")]
+    Launch(crust_vmm::VmError),
+    /// QEMU started but the agent did not answer in time.
+    #[error("the guest agent did not come up: {0}")]
+    GuestNotReady(crust_vmm::VmError),
+    #[error("the guest agent did not come up: {cause} (console: {console})")]
+    AgentNotReady { cause: ClientError, console: String },
+    #[error("QMP: {0}")]
+    QmpConnect(crust_qmp::QmpError),
+
+    // ---- volumes -------------------------------------------------------
+    /// `what` is the volume path, or `volume <path>` where it reads better.
+    #[error("no hand-off record for {what}")]
+    NoRecord { what: String },
+    #[error("volume {target} is not used by any sandbox")]
+    Unclaimed { target: String },
+    /// Why the sandbox that claimed a volume cannot serve it now.
+    #[error("{0}")]
+    NotServed(String),
+    #[error("sandbox {sandbox} has no volume {path}")]
+    NoVolume { sandbox: String, path: String },
+    #[error("volume id {0} is taken")]
+    VolumeIdTaken(String),
+    #[error(
+        "the hand-off record for {target} changed while sandbox {sandbox} was claiming it \
+         ({reason}); nothing was attached, retry"
+    )]
+    RecordChanged {
+        target: String,
+        sandbox: String,
+        reason: String,
+    },
+    #[error("executable path is not UTF-8")]
+    ExeNotUtf8,
+    #[error("{0}")]
+    BadFreezeLimit(FreezeLimitError),
+    #[error("{0}")]
+    BadIoLimits(QosError),
+    #[error("max {max} is smaller than min {min}")]
+    MaxBelowMin { min: u64, max: u64 },
+    #[error(
+        "volume {target} has {capacity} bytes after the resize, outside [{min}, {}]",
+        bound(*max)
+    )]
+    ResizedOutOfRange {
+        target: String,
+        capacity: u64,
+        min: u64,
+        /// 0: unbounded.
+        max: u64,
+    },
+    #[error("--mount-info: {0}")]
+    BadMountInfo(String),
+    /// `direct-volume add` of a device someone holds (mounted, claimed).
+    #[error("{0}")]
+    DeviceHeld(crust_blockdev::ClaimError),
+
+    // ---- runtime-driven handover (crust-csi's Handover service) ---------
+    #[error("deferral is required for {target} but the handover service cannot be reached: {why}")]
+    HandoverRequired { target: String, why: String },
+    #[error("{0}")]
+    HandoverUnreachable(String),
+    #[error("the handover service answered nothing for {target}")]
+    HandoverSilent { target: String },
+    #[error("{what} did not answer within {after:?}")]
+    HandoverTimeout { what: String, after: Duration },
+    /// The plugin's own refusal, with its gRPC code.
+    #[error("crust-csi would not hand over {target}: {message}")]
+    HandoverRefused {
+        target: String,
+        code: tonic::Code,
+        message: String,
+    },
+}
+
+fn bound(max: u64) -> String {
+    if max > 0 {
+        max.to_string()
+    } else {
+        "unbounded".into()
+    }
 }
 
 impl RuntimeError {
-    pub fn new(code: Code, message: impl Into<String>) -> RuntimeError {
-        RuntimeError::Coded {
-            code,
-            message: message.into(),
-        }
-    }
-
     pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
         let context = context.into();
         move |source| RuntimeError::Io { context, source }
-    }
-
-    pub fn code(&self) -> Code {
-        match self {
-            RuntimeError::Bundle(BundleError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Code::NotFound
-            }
-            RuntimeError::Bundle(_) => Code::InvalidArgument,
-            RuntimeError::Discovery(DiscoveryError::InvalidSource { .. }) => Code::InvalidArgument,
-            RuntimeError::Discovery(DiscoveryError::Record { source, .. }) => handoff_code(source),
-            RuntimeError::Discovery(DiscoveryError::Config(_)) => Code::InvalidArgument,
-            RuntimeError::Sandbox(SandboxError::InvalidId(..)) => Code::InvalidArgument,
-            RuntimeError::Sandbox(SandboxError::AlreadyExists(_)) => Code::AlreadyExists,
-            RuntimeError::Sandbox(SandboxError::NotFound(_)) => Code::NotFound,
-            RuntimeError::Sandbox(_) => Code::Internal,
-            RuntimeError::Shim(ShimError::Api(e)) => e.code,
-            RuntimeError::Shim(ShimError::Timeout { .. }) => Code::DeadlineExceeded,
-            RuntimeError::Shim(ShimError::Unreachable { .. }) => Code::Unavailable,
-            RuntimeError::Shim(ShimError::Protocol(_)) => Code::Internal,
-            RuntimeError::Handoff(e) => handoff_code(e),
-            RuntimeError::Volume(e) => e.code(),
-            RuntimeError::Share(ShareError::Source { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Code::InvalidArgument
-            }
-            // Something in the share that crust did not put there.
-            RuntimeError::Share(ShareError::Beneath(
-                BeneathError::Planted { .. } | BeneathError::Escape { .. },
-            )) => Code::FailedPrecondition,
-            RuntimeError::Share(_) => Code::Internal,
-            RuntimeError::Coded { code, .. } => *code,
-            RuntimeError::Io { .. } => Code::Internal,
-        }
-    }
-}
-
-pub fn handoff_code(e: &HandoffError) -> Code {
-    match e.kind() {
-        ErrorKind::InvalidArgument => Code::InvalidArgument,
-        ErrorKind::NotFound => Code::NotFound,
-        ErrorKind::AlreadyExists => Code::AlreadyExists,
-        ErrorKind::FailedPrecondition => Code::FailedPrecondition,
-        ErrorKind::Internal => Code::Internal,
-    }
-}
-
-impl From<RuntimeError> for ApiError {
-    fn from(e: RuntimeError) -> ApiError {
-        match e {
-            RuntimeError::Shim(ShimError::Api(a)) => a,
-            e => ApiError::new(e.code(), e.to_string()),
-        }
     }
 }

@@ -29,7 +29,6 @@ use crate::config::Config;
 use crate::discovery::Discovery;
 use crate::error::RuntimeError;
 use crate::records::LayoutKind;
-use crust_shim_api::Code;
 // The records' old paths, which crust-shim uses.
 pub use crate::records::{DEFER_ANNOTATION, HANDED_OVER, ON_HOST, VolumeEvent};
 
@@ -145,12 +144,10 @@ impl Handover {
         let client = match self.client().await {
             Ok(c) => c,
             Err(why) if required => {
-                return Err(RuntimeError::new(
-                    Code::FailedPrecondition,
-                    format!(
-                        "deferral is required for {target} but the handover service cannot be reached: {why}"
-                    ),
-                ));
+                return Err(RuntimeError::HandoverRequired {
+                    target: target.to_string(),
+                    why,
+                });
             }
             Err(why) => return Ok(Answer::Unreachable(why)),
         };
@@ -183,10 +180,9 @@ impl Handover {
                 }
             }
             None => {
-                return Err(RuntimeError::new(
-                    Code::Internal,
-                    format!("the handover service answered nothing for {target}"),
-                ));
+                return Err(RuntimeError::HandoverSilent {
+                    target: target.to_string(),
+                });
             }
         })
     }
@@ -197,7 +193,7 @@ impl Handover {
         let client = self
             .client()
             .await
-            .map_err(|why| RuntimeError::new(Code::Unavailable, why))?;
+            .map_err(RuntimeError::HandoverUnreachable)?;
         let req = pb::HandBackRequest {
             target_path: target.to_string(),
             sandbox_id: sandbox.to_string(),
@@ -331,32 +327,21 @@ where
             Ok(Err(s)) if s.code() == tonic::Code::Aborted && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            Ok(Err(s)) => return Err(status_error(target, s)),
+            Ok(Err(s)) => {
+                return Err(RuntimeError::HandoverRefused {
+                    target: target.to_string(),
+                    code: s.code(),
+                    message: s.message().to_string(),
+                });
+            }
             Err(_) => {
-                return Err(RuntimeError::new(
-                    Code::DeadlineExceeded,
-                    format!("{what} did not answer within {CALL_TIMEOUT:?}"),
-                ));
+                return Err(RuntimeError::HandoverTimeout {
+                    what: what.to_string(),
+                    after: CALL_TIMEOUT,
+                });
             }
         }
     }
-}
-
-fn status_error(target: &str, s: tonic::Status) -> RuntimeError {
-    let code = match s.code() {
-        tonic::Code::InvalidArgument => Code::InvalidArgument,
-        tonic::Code::NotFound => Code::NotFound,
-        tonic::Code::AlreadyExists => Code::AlreadyExists,
-        tonic::Code::FailedPrecondition | tonic::Code::Aborted => Code::FailedPrecondition,
-        tonic::Code::OutOfRange => Code::OutOfRange,
-        tonic::Code::Unavailable => Code::Unavailable,
-        tonic::Code::DeadlineExceeded => Code::DeadlineExceeded,
-        _ => Code::Internal,
-    };
-    RuntimeError::new(
-        code,
-        format!("crust-csi would not hand over {target}: {}", s.message()),
-    )
 }
 
 /// Test-only: the handover step at which a runtime shim kills itself

@@ -27,7 +27,8 @@
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`runtime`]: the CLI side of every command.
 //! - [`stats`]: JSON shapes of stats and resize.
-//! - [`cli`], [`config`], [`error`]: flags, settings, error classes.
+//! - [`cli`], [`config`], [`error`]: flags, settings, error causes (their
+//!   API codes: [`shim::codes`]).
 
 pub mod beneath;
 pub mod bundle;

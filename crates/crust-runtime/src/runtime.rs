@@ -19,7 +19,7 @@ use crate::error::RuntimeError;
 use crate::records::{LayoutKind, Volume};
 use crate::records::{ProcRef, SandboxState, Status};
 use crate::sandbox::SandboxStore;
-use crate::shim::{ApiError, Code, ExecRequest, ExecResponse, ShimClient, ShimError};
+use crate::shim::{ApiError, ExecRequest, ExecResponse, ShimClient, ShimError};
 use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
 use crate::volumes;
 
@@ -104,13 +104,10 @@ impl Runtime {
             ("guest initrd", &self.cfg.guest_initrd),
         ] {
             if !p.is_file() {
-                return Err(RuntimeError::new(
-                    Code::FailedPrecondition,
-                    format!(
-                        "{what} {} not found (build it with guest/build-image.sh)",
-                        p.display()
-                    ),
-                ));
+                return Err(RuntimeError::GuestImageMissing {
+                    what,
+                    path: p.clone(),
+                });
             }
         }
         self.sandboxes.create(id)?;
@@ -162,29 +159,26 @@ impl Runtime {
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(RuntimeError::new(
-                    Code::DeadlineExceeded,
-                    format!("sandbox {id} was not ready within {wait:?}"),
-                ));
+                return Err(RuntimeError::ShimNotReady {
+                    id: id.to_string(),
+                    wait,
+                });
             }
         };
         match serde_json::from_str::<ReadyLine>(line.trim()) {
             Ok(ReadyLine { ok: true, .. }) => Ok(()),
             Ok(ReadyLine { error, .. }) => {
                 let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
-                Err(RuntimeError::Shim(ShimError::Api(error.unwrap_or_else(
-                    || ApiError::new(Code::Internal, "the shim failed without saying why"),
-                ))))
+                Err(error.map_or(RuntimeError::ShimFailedSilently, |e| {
+                    RuntimeError::Shim(ShimError::Api(e))
+                }))
             }
             Err(_) => {
                 let _ = wait_child(&mut child, SHIM_EXIT_WAIT);
-                let tail = log_tail(&self.sandboxes.log(id), 2000);
-                Err(RuntimeError::new(
-                    Code::Internal,
-                    format!(
-                        "the shim of sandbox {id} exited before the sandbox was ready; its log ends with:\n{tail}"
-                    ),
-                ))
+                Err(RuntimeError::ShimExited {
+                    id: id.to_string(),
+                    log_tail: log_tail(&self.sandboxes.log(id), 2000),
+                })
             }
         }
     }
@@ -228,10 +222,10 @@ impl Runtime {
     pub async fn start(&self, id: &str) -> Result<SandboxState> {
         let st = self.load(id)?;
         if st.status != Status::Created {
-            return Err(RuntimeError::new(
-                Code::FailedPrecondition,
-                format!("sandbox {id} is {}, not created", st.status.as_str()),
-            ));
+            return Err(RuntimeError::NotCreated {
+                id: id.to_string(),
+                status: st.status.as_str(),
+            });
         }
         Ok(self.client(id).start().await?)
     }
@@ -250,10 +244,10 @@ impl Runtime {
     pub async fn kill(&self, id: &str, signal: i32) -> Result<()> {
         let st = self.load(id)?;
         if st.status != Status::Running {
-            return Err(RuntimeError::new(
-                Code::FailedPrecondition,
-                format!("sandbox {id} is {}, not running", st.status.as_str()),
-            ));
+            return Err(RuntimeError::NotRunning {
+                id: id.to_string(),
+                status: st.status.as_str(),
+            });
         }
         Ok(self.client(id).kill(signal).await?)
     }
@@ -273,18 +267,12 @@ impl Runtime {
                 if force {
                     return Ok(());
                 }
-                return Err(RuntimeError::new(
-                    Code::NotFound,
-                    format!("sandbox {id} does not exist"),
-                ));
+                return Err(RuntimeError::NoSandbox { id: id.to_string() });
             }
             Err(e) => return Err(e),
         };
         if st.status == Status::Running && !force {
-            return Err(RuntimeError::new(
-                Code::FailedPrecondition,
-                format!("sandbox {id} is running; kill it first or use --force"),
-            ));
+            return Err(RuntimeError::StillRunning { id: id.to_string() });
         }
         if let Some(shim) = st.shim.filter(ProcRef::alive) {
             let client = self
@@ -323,13 +311,10 @@ impl Runtime {
         self.delete(id, true).await?;
         match st.exit_status {
             Some(code) => Ok(Some(code)),
-            None => Err(RuntimeError::new(
-                Code::Unavailable,
-                format!(
-                    "sandbox {id} stopped without a workload exit status: {}",
-                    st.reason.as_deref().unwrap_or("unknown reason")
-                ),
-            )),
+            None => Err(RuntimeError::NoExitStatus {
+                id: id.to_string(),
+                reason: st.reason.unwrap_or_else(|| "unknown reason".into()),
+            }),
         }
     }
 
@@ -365,21 +350,18 @@ impl Runtime {
         &self,
         volume_path: &str,
     ) -> Result<std::result::Result<String, VolumeStats>> {
-        let (layout, _) = self.discovery.exact(volume_path)?.ok_or_else(|| {
-            RuntimeError::new(
-                Code::NotFound,
-                format!("no hand-off record for volume {volume_path}"),
-            )
-        })?;
+        let (layout, _) =
+            self.discovery
+                .exact(volume_path)?
+                .ok_or_else(|| RuntimeError::NoRecord {
+                    what: format!("volume {volume_path}"),
+                })?;
         let claimant = self
             .discovery
             .store(layout)
             .claimant(volume_path)?
-            .ok_or_else(|| {
-                RuntimeError::new(
-                    Code::FailedPrecondition,
-                    format!("volume {volume_path} is not used by any sandbox"),
-                )
+            .ok_or_else(|| RuntimeError::Unclaimed {
+                target: volume_path.to_string(),
             })?;
         // These words are for people; whether a claim may go is decided
         // by `crust sandbox-state` (SandboxStore::liveness), never by them.
@@ -441,8 +423,7 @@ impl Runtime {
     /// `crust freeze`: the sandbox serving `volume_path` freezes it.
     pub async fn volume_freeze(&self, volume_path: &str, max_frozen_ms: u64) -> Result<()> {
         // Before any record or guest is looked at.
-        crust_agent_proto::freeze_limit(max_frozen_ms)
-            .map_err(|e| RuntimeError::new(Code::InvalidArgument, e.to_string()))?;
+        crust_agent_proto::freeze_limit(max_frozen_ms).map_err(RuntimeError::BadFreezeLimit)?;
         let id = self.serving(volume_path)?;
         let req = crate::stats::FreezeRequest {
             volume_path: volume_path.to_string(),
@@ -464,8 +445,7 @@ impl Runtime {
     /// I/O limits (wire form, empty = none) to its device.
     pub async fn volume_throttle(&self, volume_path: &str, limits: &str) -> Result<()> {
         // Before any record or guest is looked at.
-        crust_handoff::IoLimits::from_wire(limits)
-            .map_err(|e| RuntimeError::new(Code::InvalidArgument, e.to_string()))?;
+        crust_handoff::IoLimits::from_wire(limits).map_err(RuntimeError::BadIoLimits)?;
         let id = self.serving(volume_path)?;
         let req = crate::stats::ThrottleRequest {
             volume_path: volume_path.to_string(),
@@ -478,10 +458,7 @@ impl Runtime {
     fn serving(&self, volume_path: &str) -> Result<String> {
         match self.serving_sandbox(volume_path)? {
             Ok(id) => Ok(id),
-            Err(abnormal) => Err(RuntimeError::new(
-                Code::Unavailable,
-                abnormal.volume_condition.message,
-            )),
+            Err(abnormal) => Err(RuntimeError::NotServed(abnormal.volume_condition.message)),
         }
     }
 
@@ -493,20 +470,9 @@ impl Runtime {
         max: u64,
     ) -> Result<ResizeResponse> {
         if max > 0 && max < min {
-            return Err(RuntimeError::new(
-                Code::InvalidArgument,
-                format!("max {max} is smaller than min {min}"),
-            ));
+            return Err(RuntimeError::MaxBelowMin { min, max });
         }
-        let id = match self.serving_sandbox(volume_path)? {
-            Ok(id) => id,
-            Err(abnormal) => {
-                return Err(RuntimeError::new(
-                    Code::Unavailable,
-                    abnormal.volume_condition.message,
-                ));
-            }
-        };
+        let id = self.serving(volume_path)?;
         let req = ResizeRequest {
             volume_path: volume_path.to_string(),
             size: min,
@@ -515,18 +481,12 @@ impl Runtime {
         let client = self.client(&id).with_timeout(self.cfg.boot_timeout);
         let resp = client.resize(&req).await?;
         if resp.capacity_bytes < min || (max > 0 && resp.capacity_bytes > max) {
-            return Err(RuntimeError::new(
-                Code::OutOfRange,
-                format!(
-                    "volume {volume_path} has {} bytes after the resize, outside [{min}, {}]",
-                    resp.capacity_bytes,
-                    if max > 0 {
-                        max.to_string()
-                    } else {
-                        "unbounded".into()
-                    }
-                ),
-            ));
+            return Err(RuntimeError::ResizedOutOfRange {
+                target: volume_path.to_string(),
+                capacity: resp.capacity_bytes,
+                min,
+                max,
+            });
         }
         Ok(resp)
     }
@@ -544,8 +504,7 @@ impl Runtime {
     /// namespace, no exclusive holder): the host's own disk, or a volume
     /// mounted on the host, is refused.
     pub fn direct_volume_add(&self, volume_path: &str, mount_info: &str) -> Result<()> {
-        let bad =
-            |m: String| RuntimeError::new(Code::InvalidArgument, format!("--mount-info: {m}"));
+        let bad = RuntimeError::BadMountInfo;
         let store = self.discovery.store(LayoutKind::Kata);
         let mi = store.normalized(&MountInfo::from_json(mount_info.as_bytes()).map_err(bad)?);
         store.check_target(volume_path)?;
@@ -560,7 +519,7 @@ impl Runtime {
                 Path::new(&mi.device),
                 crust_blockdev::HAND_TO_GUEST,
             )
-            .map_err(|e| RuntimeError::new(Code::FailedPrecondition, e.to_string()))?;
+            .map_err(RuntimeError::DeviceHeld)?;
         }
         store.stage_bytes(volume_path, mount_info.as_bytes())?;
         Ok(())

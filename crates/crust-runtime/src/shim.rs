@@ -24,6 +24,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
 mod blocking;
+pub mod codes;
 
 use crate::records::SandboxState;
 use crate::records::Volume;
@@ -37,6 +38,8 @@ pub use crust_shim_api::{
     LogsResponse, MAX_BODY, percent_decode, percent_encode,
 };
 use crust_shim_api::{Call, call::kata_endpoint};
+
+pub use codes::{agent_code, handoff_code};
 
 /// What the shim process implements behind the HTTP surface.
 pub trait ShimHandler: Send + Sync + 'static {

@@ -11,7 +11,6 @@ use tokio::sync::{Mutex, watch};
 use crate::config::{Accel, Config};
 use crate::error::RuntimeError;
 use crate::records::ProcRef;
-use crust_shim_api::Code;
 
 /// Empty PCIe root ports reserved for volume hot-plug.
 pub const HOTPLUG_PORTS: u32 = 8;
@@ -75,11 +74,8 @@ impl Guest {
     ) -> Result<Guest, RuntimeError> {
         let id = vc.name.clone();
         let vm = Vm::boot(vc, ready_timeout).await.map_err(|e| match e {
-            crust_vmm::VmError::NotReady { .. } => RuntimeError::new(
-                Code::DeadlineExceeded,
-                format!("the guest agent did not come up: {e}"),
-            ),
-            e => RuntimeError::new(Code::Internal, format!("launching QEMU: {e}")),
+            crust_vmm::VmError::NotReady { .. } => RuntimeError::GuestNotReady(e),
+            e => RuntimeError::Launch(e),
         })?;
         let accel = vm.accel_choice();
         if accel.fallback {

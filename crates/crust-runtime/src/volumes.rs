@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crust_agent_proto::{
-    AgentClient, ClientError, ErrorCode, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, MountVolume,
+    AgentClient, ClientError, FsGroupPolicy, FsType, GUEST_VOLUME_ROOT, MountVolume,
     MountVolumeReply,
 };
 use crust_handoff::{FsGroupChangePolicy, IoLimits};
@@ -14,7 +14,6 @@ use crust_qmp::{QmpClient, QmpError};
 
 use crate::records::Volume;
 use crate::stats::{Unit, VolumeCondition, VolumeStats, VolumeUsage};
-use crust_shim_api::{ApiError, Code};
 
 /// How long the guest gets to release a hot-unplugged disk.
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,27 +53,18 @@ pub enum VolumeError {
     },
 }
 
-impl VolumeError {
-    pub fn code(&self) -> Code {
-        match self {
-            VolumeError::Qmp { source, .. } => match source {
-                QmpError::InvalidArgument(_) => Code::InvalidArgument,
-                QmpError::Timeout { .. } => Code::DeadlineExceeded,
-                QmpError::Disconnected(_) => Code::Unavailable,
-                _ => Code::Internal,
-            },
-            VolumeError::Agent { source, .. } => agent_code(source),
-            VolumeError::HostDevice { .. } => Code::FailedPrecondition,
-            VolumeError::OutOfRange { .. } => Code::OutOfRange,
-            VolumeError::Precondition { .. } => Code::FailedPrecondition,
-            VolumeError::BadLimits { .. } => Code::InvalidArgument,
-        }
-    }
+/// A guest agent call about the sandbox rather than one volume (the
+/// workload, exec): `what` names it in the message.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {cause}")]
+pub struct AgentCallError {
+    pub what: &'static str,
+    pub cause: ClientError,
 }
 
-impl From<VolumeError> for ApiError {
-    fn from(e: VolumeError) -> ApiError {
-        ApiError::new(e.code(), e.to_string())
+impl AgentCallError {
+    pub fn of(what: &'static str) -> impl FnOnce(ClientError) -> AgentCallError {
+        move |cause| AgentCallError { what, cause }
     }
 }
 
@@ -84,7 +74,7 @@ pub async fn exec_in_guest(
     agent: &AgentClient,
     req: crust_shim_api::ExecRequest,
     slack: std::time::Duration,
-) -> Result<crust_shim_api::ExecResponse, crust_shim_api::ApiError> {
+) -> Result<crust_shim_api::ExecResponse, AgentCallError> {
     let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
     let r = agent
         .call_with_timeout(
@@ -96,31 +86,12 @@ pub async fn exec_in_guest(
             timeout + slack,
         )
         .await
-        .map_err(|e| crust_shim_api::ApiError::new(agent_code(&e), format!("exec: {e}")))?;
+        .map_err(AgentCallError::of("exec"))?;
     Ok(crust_shim_api::ExecResponse {
         exit_code: r.exit_code,
         stdout: r.stdout,
         stderr: r.stderr,
     })
-}
-
-/// The API code for an agent failure: a silent agent is a deadline, a
-/// gone one is unavailable, the agent's own codes map one to one.
-pub fn agent_code(e: &ClientError) -> Code {
-    match e {
-        ClientError::Timeout { .. } | ClientError::NotReady { .. } => Code::DeadlineExceeded,
-        ClientError::Connect { .. } | ClientError::Disconnected => Code::Unavailable,
-        ClientError::Agent(a) => match a.code {
-            ErrorCode::InvalidArgument => Code::InvalidArgument,
-            ErrorCode::NotFound => Code::NotFound,
-            ErrorCode::AlreadyExists => Code::AlreadyExists,
-            ErrorCode::FailedPrecondition => Code::FailedPrecondition,
-            ErrorCode::DeadlineExceeded => Code::DeadlineExceeded,
-            ErrorCode::ResourceExhausted => Code::OutOfRange,
-            _ => Code::Internal,
-        },
-        _ => Code::Internal,
-    }
 }
 
 fn qmp_err(v: &Volume, what: &'static str) -> impl FnOnce(QmpError) -> VolumeError {
@@ -618,6 +589,7 @@ pub async fn resize(
 mod tests {
     use super::*;
     use crate::records::LayoutKind;
+    use crate::shim::Code;
     use crust_handoff::MountInfo;
 
     #[test]

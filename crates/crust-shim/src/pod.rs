@@ -27,7 +27,7 @@ use crust_runtime::handover::{self, Handover, VolumeEvent};
 use crust_runtime::plug::{self, Attachments, GuestPorts};
 use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crust_runtime::share;
-use crust_runtime::shim::Code;
+use crust_runtime::shim::{Code, agent_code};
 use crust_runtime::vm::Guest;
 use crust_runtime::volumes;
 use rustix::mount::MountAttrFlags;
@@ -59,6 +59,20 @@ pub enum PodError {
     UserNamespace(String),
     #[error(transparent)]
     Resize(#[from] crate::resize::ResizeError),
+    #[error("pod {0} already runs a VM")]
+    AlreadyRuns(String),
+    /// The guest cannot be given the memory a container needs.
+    #[error("pod {pod}: {why}")]
+    NoMemory {
+        pod: String,
+        why: crate::resize::ResizeError,
+    },
+    #[error("no free hot-plug slot left in the pod's VM")]
+    NoHotplugSlot,
+    #[error("no host block device {major}:{minor}")]
+    NoHostDevice { major: i64, minor: i64 },
+    #[error("{} is not a block device", .0.display())]
+    NotBlockDevice(PathBuf),
 }
 
 impl PodError {
@@ -74,10 +88,13 @@ impl PodError {
             PodError::Runtime(e) => e.code(),
             PodError::Host { .. } => Code::Internal,
             PodError::VmGone(_) => Code::Unavailable,
-            PodError::Agent(e) => volumes::agent_code(e),
+            PodError::Agent(e) => agent_code(e),
             PodError::Network(_) => Code::FailedPrecondition,
             PodError::UserNamespace(_) => Code::InvalidArgument,
             PodError::Resize(e) => e.code(),
+            PodError::AlreadyRuns(_) => Code::AlreadyExists,
+            PodError::NoMemory { .. } | PodError::NoHotplugSlot => Code::FailedPrecondition,
+            PodError::NoHostDevice { .. } | PodError::NotBlockDevice(_) => Code::InvalidArgument,
         }
     }
 }
@@ -252,11 +269,7 @@ impl Pod {
         if self.store.exists(&self.id) {
             let old = self.store.load(&self.id).ok();
             if old.as_ref().is_some_and(|s| s.holds_volumes()) {
-                return Err(RuntimeError::new(
-                    Code::AlreadyExists,
-                    format!("pod {} already runs a VM", self.id),
-                )
-                .into());
+                return Err(PodError::AlreadyRuns(self.id.clone()));
             }
             let _ = self.store.remove(&self.id);
         }
@@ -677,9 +690,13 @@ impl Pod {
         if needed <= s.held_mib {
             return Ok(());
         }
-        let step = crate::resize::grow_step(&s, needed, self.cfg.max_memory_mib).map_err(|e| {
-            RuntimeError::new(Code::FailedPrecondition, format!("pod {}: {e}", self.id))
-        })?;
+        let step =
+            crate::resize::grow_step(&s, needed, self.cfg.max_memory_mib).map_err(|why| {
+                PodError::NoMemory {
+                    pod: self.id.clone(),
+                    why,
+                }
+            })?;
         crate::resize::grow(vm, &mut s, step).await?;
         tracing::info!("pod {}: guest memory {} MiB", self.id, s.held_mib);
         Ok(())
@@ -721,12 +738,7 @@ impl Pod {
         if plugged.contains(&serial) {
             return Ok(serial);
         }
-        let bus = self.attachments.take_bus().ok_or_else(|| {
-            PodError::from(RuntimeError::new(
-                Code::FailedPrecondition,
-                "no free hot-plug slot left in the pod's VM",
-            ))
-        })?;
+        let bus = self.attachments.take_bus().ok_or(PodError::NoHotplugSlot)?;
         let node = format!("crustd-{id}");
         let res = async {
             let io = vm.qmp.blockdev_add_file(&node, &host, false).await?;
@@ -841,19 +853,10 @@ fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
             u.lines()
                 .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_owned))
         })
-        .ok_or_else(|| {
-            PodError::from(RuntimeError::new(
-                Code::InvalidArgument,
-                format!("no host block device {major}:{minor}"),
-            ))
-        })?;
+        .ok_or(PodError::NoHostDevice { major, minor })?;
     let path = Path::new("/dev").join(name);
     if !crust_blockdev::is_block_device(&path) {
-        return Err(RuntimeError::new(
-            Code::InvalidArgument,
-            format!("{} is not a block device", path.display()),
-        )
-        .into());
+        return Err(PodError::NotBlockDevice(path));
     }
     Ok(path)
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crust_agent_proto::{ClientError, CpuMax, ErrorCode, OnlineCpus, UpdateContainer};
 use crust_runtime::shim::Code;
-use crust_runtime::volumes;
+use crust_runtime::shim::agent_code;
 
 use crate::config::ShimConfig;
 use crate::vm::PodVm;
@@ -143,7 +143,7 @@ impl ResizeError {
                 Code::FailedPrecondition
             }
             ResizeError::BalloonStuck { .. } | ResizeError::Vm { .. } => Code::Internal,
-            ResizeError::Agent(e) => volumes::agent_code(e),
+            ResizeError::Agent(e) => agent_code(e),
         }
     }
 }

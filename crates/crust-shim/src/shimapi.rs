@@ -153,7 +153,7 @@ impl ShimHandler for Pod {
             .vm()
             .await
             .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        volumes::exec_in_guest(&vm.agent, req, self.cfg.runtime.timeout).await
+        Ok(volumes::exec_in_guest(&vm.agent, req, self.cfg.runtime.timeout).await?)
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {

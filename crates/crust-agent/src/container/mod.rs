@@ -227,35 +227,56 @@ impl Containers {
         }
     }
 
-    #[allow(
-        clippy::too_many_lines,
-        reason = "the container's checks, rootfs and init in order; its split waits for the agent's parallel edits (users namespaces, resize) to land"
-    )]
+    /// Checks the request, waits for its disks, plans its namespaces,
+    /// then has the init helper build the container; its init waits for
+    /// [`Containers::start`].
     pub fn create(&self, req: &CreateContainer) -> Result<ProcessReply> {
-        if !valid_id(&req.id) {
-            return Err(ContainerError::Invalid(format!(
-                "container id {:?} is invalid",
-                req.id
-            )));
-        }
-        validate_process(&req.process)?;
-        crust_agent_proto::check_sysctls(&req.sysctl, &req.ipc, &req.uts)
-            .map_err(ContainerError::Invalid)?;
-        check_user_namespace(req)?;
-        let mut volumes = Vec::new();
-        for m in &req.mounts {
-            rootfs::components(&m.destination).map_err(ContainerError::Invalid)?;
-            if let MountSource::Volume { volume, .. } = &m.source {
-                crate::volume::validate_name(volume)
-                    .map_err(|e| ContainerError::Invalid(e.to_string()))?;
-                if !volumes.contains(volume) {
-                    volumes.push(volume.clone());
-                }
-            }
-        }
+        let volumes = check_create(req)?;
         if self.map.lock().expect("containers").contains_key(&req.id) {
             return Err(ContainerError::Exists(format!("container {:?}", req.id)));
         }
+        let rootfs = self.shared_paths(req)?;
+        let devices = wait_for_devices(&req.devices)?;
+        let ns = self.namespaces(req)?;
+        hostname::apply_from_binds(&req.mounts);
+        let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
+        std::fs::create_dir_all(&mountpoint)
+            .map_err(io(format!("mkdir {}", mountpoint.display())))?;
+        let cg =
+            cgroup::create(&req.id, req.memory_limit_bytes).map_err(ContainerError::Internal)?;
+        let spec = InitSpec {
+            mode: InitMode::Create {
+                rootfs,
+                mountpoint,
+                rootfs_readonly: req.rootfs_readonly,
+                mounts: req.mounts.clone(),
+                masked_paths: req.masked_paths.clone(),
+                readonly_paths: req.readonly_paths.clone(),
+                devices,
+                ipc: ns.ipc,
+                uts: ns.uts,
+                hostname: req.hostname.clone(),
+                sysctl: req.sysctl.clone(),
+                user: ns.user,
+            },
+            cgroup: Some(cg),
+            process: req.process.clone(),
+            seccomp: req.seccomp.clone(),
+        };
+        let spawned = match self.spawn(&spec, ns.pid) {
+            Ok(s) => s,
+            Err(e) => {
+                cgroup::remove(&req.id, Duration::from_secs(5));
+                let _ = std::fs::remove_dir_all(Path::new(CONTAINERS_DIR).join(&req.id));
+                return Err(e);
+            }
+        };
+        self.await_ready(req, spawned, ns.holder, volumes)
+    }
+
+    /// The rootfs in the share (a directory), and every share a mount
+    /// names resolved: none may leave the share.
+    fn shared_paths(&self, req: &CreateContainer) -> Result<PathBuf> {
         let rootfs = {
             let _g = self.shares.lock().expect("shares");
             share_path(&req.rootfs).map_err(ContainerError::Invalid)?
@@ -272,32 +293,15 @@ impl Containers {
                 share_path(s).map_err(ContainerError::Invalid)?;
             }
         }
-        let mut devices = Vec::new();
-        for d in &req.devices {
-            rootfs::components(&d.path).map_err(ContainerError::Invalid)?;
-            let until = std::time::Instant::now() + Duration::from_secs(30);
-            let disk = crate::sys::wait_for_disk(&d.serial, until).map_err(|seen| {
-                ContainerError::Invalid(format!(
-                    "no disk with serial {:?} in the guest (disks: {})",
-                    d.serial,
-                    seen.iter()
-                        .map(|x| x.serial.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            })?;
-            devices.push(init::DeviceNode {
-                source: disk.dev_path(),
-                path: d.path.clone(),
-                mode: d.mode.unwrap_or(0o660),
-                uid: d.uid.unwrap_or(0),
-                gid: d.gid.unwrap_or(0),
-            });
-        }
+        Ok(rootfs)
+    }
+
+    /// The namespaces the helper joins or creates; a new user namespace
+    /// is held by a [`userns::Holder`] until the helper has joined it.
+    fn namespaces(&self, req: &CreateContainer) -> Result<Namespaces> {
         let ipc = self.ns_plan(&req.ipc, "ipc")?;
         let uts = self.ns_plan(&req.uts, "uts")?;
         let pid = self.ns_plan(&req.pid, "pid")?;
-        // Alive until the helper has joined the namespace (`ready`).
         let holder = match &req.user.source {
             NamespaceSource::New => Some(
                 userns::Holder::new(&req.user.uid_mappings, &req.user.gid_mappings)
@@ -309,39 +313,24 @@ impl Containers {
             Some(h) => init::NsPlan::Join(h.pid()),
             None => self.ns_plan(&req.user.source, "user")?,
         };
-        hostname::apply_from_binds(&req.mounts);
-        let mountpoint = Path::new(CONTAINERS_DIR).join(&req.id).join("rootfs");
-        std::fs::create_dir_all(&mountpoint)
-            .map_err(io(format!("mkdir {}", mountpoint.display())))?;
-        let cg =
-            cgroup::create(&req.id, req.memory_limit_bytes).map_err(ContainerError::Internal)?;
-        let spec = InitSpec {
-            mode: InitMode::Create {
-                rootfs,
-                mountpoint,
-                rootfs_readonly: req.rootfs_readonly,
-                mounts: req.mounts.clone(),
-                masked_paths: req.masked_paths.clone(),
-                readonly_paths: req.readonly_paths.clone(),
-                devices,
-                ipc,
-                uts,
-                hostname: req.hostname.clone(),
-                sysctl: req.sysctl.clone(),
-                user,
-            },
-            cgroup: Some(cg),
-            process: req.process.clone(),
-            seccomp: req.seccomp.clone(),
-        };
-        let spawned = match self.spawn(&spec, pid) {
-            Ok(s) => s,
-            Err(e) => {
-                cgroup::remove(&req.id, Duration::from_secs(5));
-                let _ = std::fs::remove_dir_all(Path::new(CONTAINERS_DIR).join(&req.id));
-                return Err(e);
-            }
-        };
+        Ok(Namespaces {
+            ipc,
+            uts,
+            pid,
+            user,
+            holder,
+        })
+    }
+
+    /// Waits for the helper's `ready`, then records the container and
+    /// watches its init; a helper that fails is reaped with what it made.
+    fn await_ready(
+        &self,
+        req: &CreateContainer,
+        spawned: Spawned,
+        holder: Option<userns::Holder>,
+        volumes: Vec<String>,
+    ) -> Result<ProcessReply> {
         let Spawned {
             child,
             mut sync,
@@ -754,6 +743,72 @@ fn spawn_in_pid_ns(cmd: &mut Command, plan: init::NsPlan) -> Result<Child> {
         .join()
         .map_err(|_| ContainerError::Internal("the spawning thread panicked".into()))?
     })
+}
+
+/// What [`Containers::create`] plans, in the helper's terms.
+struct Namespaces {
+    ipc: init::NsPlan,
+    uts: init::NsPlan,
+    pid: init::NsPlan,
+    user: init::NsPlan,
+    /// Alive until the helper has joined the namespace (`ready`).
+    holder: Option<userns::Holder>,
+}
+
+/// The checks of a create that need nothing but the request: id, process,
+/// sysctls, user namespace, mount destinations and volume names. Answers
+/// the volumes the container uses, each once.
+fn check_create(req: &CreateContainer) -> Result<Vec<String>> {
+    if !valid_id(&req.id) {
+        return Err(ContainerError::Invalid(format!(
+            "container id {:?} is invalid",
+            req.id
+        )));
+    }
+    validate_process(&req.process)?;
+    crust_agent_proto::check_sysctls(&req.sysctl, &req.ipc, &req.uts)
+        .map_err(ContainerError::Invalid)?;
+    check_user_namespace(req)?;
+    let mut volumes = Vec::new();
+    for m in &req.mounts {
+        rootfs::components(&m.destination).map_err(ContainerError::Invalid)?;
+        if let MountSource::Volume { volume, .. } = &m.source {
+            crate::volume::validate_name(volume)
+                .map_err(|e| ContainerError::Invalid(e.to_string()))?;
+            if !volumes.contains(volume) {
+                volumes.push(volume.clone());
+            }
+        }
+    }
+    Ok(volumes)
+}
+
+/// Each device the container asks for, found by its disk's serial (a
+/// hot-plugged disk may take a while to appear).
+fn wait_for_devices(wanted: &[crust_agent_proto::BlockDevice]) -> Result<Vec<init::DeviceNode>> {
+    let mut devices = Vec::new();
+    for d in wanted {
+        rootfs::components(&d.path).map_err(ContainerError::Invalid)?;
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        let disk = crate::sys::wait_for_disk(&d.serial, until).map_err(|seen| {
+            ContainerError::Invalid(format!(
+                "no disk with serial {:?} in the guest (disks: {})",
+                d.serial,
+                seen.iter()
+                    .map(|x| x.serial.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        devices.push(init::DeviceNode {
+            source: disk.dev_path(),
+            path: d.path.clone(),
+            mode: d.mode.unwrap_or(0o660),
+            uid: d.uid.unwrap_or(0),
+            gid: d.gid.unwrap_or(0),
+        });
+    }
+    Ok(devices)
 }
 
 /// [`crust_agent_proto::check_user_namespace`] with the filesystems of

@@ -49,7 +49,7 @@ pub(super) fn agent_err(
 ) -> impl FnOnce(crust_agent_proto::ClientError) -> ttrpc::Error + '_ {
     move |e| {
         status(
-            code_of(crust_runtime::volumes::agent_code(&e)),
+            code_of(crust_runtime::shim::agent_code(&e)),
             format!("{what}: {e}"),
         )
     }
