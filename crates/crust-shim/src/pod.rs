@@ -40,6 +40,8 @@ pub use crate::vm::PodVm;
 pub use crust_runtime::share::SHARE_TAG;
 /// Grace for the guest to power off after the agent's Shutdown.
 const POWEROFF_WAIT: Duration = Duration::from_secs(15);
+/// A teardown step slower than this is worth a warning in the log.
+const SLOW_STEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -782,34 +784,37 @@ impl Pod {
 
     /// Unmounts the volumes in the guest, powers it off (or kills it),
     /// releases the claims, removes the share and the sandbox record.
-    /// Idempotent.
+    /// Idempotent. Each step is logged with its time, so a teardown that
+    /// hangs names the step in the shim's log.
     pub async fn teardown(&self) {
-        let _g = self.boot.lock().await;
+        let _g = match self.boot.try_lock() {
+            Ok(g) => g,
+            Err(_) => {
+                tracing::info!("teardown of pod {} waits for a boot or teardown", self.id);
+                self.boot.lock().await
+            }
+        };
         let vm = self.vm.write().await.take();
         let vols: Vec<Volume> = self.snapshot().map(|s| s.volumes).unwrap_or_default();
-        if let Some(vm) = &vm {
-            if vm.exit.borrow().is_none() {
-                for v in &vols {
-                    if let Err(e) = volumes::unmount(&vm.agent, v, self.cfg.runtime.timeout).await {
-                        tracing::warn!("{e}");
-                    }
-                }
-                if let Err(e) = vm.agent.shutdown().await {
-                    tracing::warn!("agent shutdown: {e}");
-                }
-                if !vm.guest.wait_exit(POWEROFF_WAIT).await {
-                    let _ = tokio::time::timeout(self.cfg.runtime.timeout, vm.qmp.quit()).await;
-                    if !vm.guest.wait_exit(Duration::from_secs(5)).await {
-                        vm.guest.kill().await;
-                    }
-                }
-            } else {
-                vm.guest.kill().await;
+        tracing::info!(
+            "teardown of pod {}: {} volume(s), VM {}",
+            self.id,
+            vols.len(),
+            match &vm {
+                None => "not booted",
+                Some(v) if v.exit.borrow().is_none() => "running",
+                Some(_) => "gone",
             }
+        );
+        if let Some(vm) = &vm {
+            timed("stopping the VM", self.stop_vm(vm, &vols)).await;
         }
         // QEMU is gone (powered off, or killed and reaped): the holds on the
         // devices, then the claims, then the taps.
-        plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &vols);
+        timed("releasing the devices and claims", async {
+            plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &vols);
+        })
+        .await;
         if let Some(s) = self.snapshot() {
             crate::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
         }
@@ -817,11 +822,14 @@ impl Pod {
             .snapshot()
             .map(|s| s.handover_asked)
             .unwrap_or_default();
-        handover::give_back(
-            &Handover::new(&self.cfg.runtime),
-            &self.discovery,
-            &self.id,
-            &asked,
+        timed(
+            "giving handed-over volumes back",
+            handover::give_back(
+                &Handover::new(&self.cfg.runtime),
+                &self.discovery,
+                &self.id,
+                &asked,
+            ),
         )
         .await;
         self.update(|s| s.status = Status::Stopped);
@@ -829,6 +837,30 @@ impl Pod {
         self.remove_share();
         let _ = self.store.remove(&self.id);
         *self.state.lock().expect("state") = None;
+        tracing::info!("teardown of pod {} done", self.id);
+    }
+
+    /// A live guest: its volumes unmounted, then powered off, else quit
+    /// through QMP, else killed. A dead one: reaped.
+    async fn stop_vm(&self, vm: &PodVm, vols: &[Volume]) {
+        if vm.exit.borrow().is_some() {
+            vm.guest.kill().await;
+            return;
+        }
+        for v in vols {
+            if let Err(e) = volumes::unmount(&vm.agent, v, self.cfg.runtime.timeout).await {
+                tracing::warn!("{e}");
+            }
+        }
+        if let Err(e) = vm.agent.shutdown().await {
+            tracing::warn!("agent shutdown: {e}");
+        }
+        if !vm.guest.wait_exit(POWEROFF_WAIT).await {
+            let _ = tokio::time::timeout(self.cfg.runtime.timeout, vm.qmp.quit()).await;
+            if !vm.guest.wait_exit(Duration::from_secs(5)).await {
+                vm.guest.kill().await;
+            }
+        }
     }
 
     /// After QEMU died on its own: the record says so, which makes the
@@ -842,6 +874,26 @@ impl Pod {
             s.reason = Some(format!("QEMU exited ({reason})"));
         });
     }
+}
+
+/// Runs one teardown step. A step still running after [`SLOW_STEP`] is
+/// logged then and again when it ends, so a hung one names itself.
+async fn timed<T>(what: &str, step: impl std::future::Future<Output = T>) -> T {
+    let t = Instant::now();
+    let step = std::pin::pin!(step);
+    let mut step = step;
+    tokio::select! {
+        out = &mut step => {
+            tracing::debug!("teardown: {what} took {:?}", t.elapsed());
+            return out;
+        }
+        () = tokio::time::sleep(SLOW_STEP) => {
+            tracing::warn!("teardown: {what} still running after {SLOW_STEP:?}");
+        }
+    }
+    let out = step.await;
+    tracing::warn!("teardown: {what} took {:?}", t.elapsed());
+    out
 }
 
 /// The host block device node with number `major:minor`.

@@ -565,7 +565,11 @@ impl Task for Service {
         req: api::DeleteRequest,
     ) -> TtResult<api::DeleteResponse> {
         tracing::info!("Delete {} {}", req.id, req.exec_id);
-        self.delete_task(req).await
+        let r = self.delete_task(req).await;
+        if let Err(e) = &r {
+            tracing::warn!("Delete: {e:?}");
+        }
+        r
     }
 
     async fn state(
@@ -720,9 +724,15 @@ impl Task for Service {
     }
 
     async fn shutdown(&self, _: &TtrpcContext, _req: api::ShutdownRequest) -> TtResult<api::Empty> {
-        if !self.containers.lock().expect("containers").is_empty() {
-            return Ok(api::Empty::new());
+        {
+            let left = self.containers.lock().expect("containers");
+            if !left.is_empty() {
+                let ids: Vec<&String> = left.keys().collect();
+                tracing::info!("Shutdown: staying for {} container(s): {ids:?}", ids.len());
+                return Ok(api::Empty::new());
+            }
         }
+        tracing::info!("Shutdown: no container left, the shim ends");
         self.pod.teardown().await;
         // Answer first: the server stops once the exit is signalled.
         let exit = self.exit.clone();
