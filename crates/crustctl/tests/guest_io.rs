@@ -21,8 +21,10 @@
 //!   reaper for test processes killed outright.
 //!
 //! Budget (TCG, debug build, one guest each, 2 cores): about 35 s and
-//! 25 s here, plus ~10 s for the host columns in the first (measured:
-//! 1.2 s set-up, 8.8 s for the 16 host runs); the bench image is built
+//! 25 s here, plus ~15 s for the host columns in the first (measured:
+//! 1.2 s set-up, 8.8 s for the 16 host fio and qemu-img runs; the 8 runs
+//! of fio on the loop device added 10 s at load 11, where the whole test
+//! took 215 s); the bench image is built
 //! once (~45 s, cached by guest/build-image.sh's stamp; scripts/test.sh
 //! builds it beforehand).
 //! The long form is the documented command (README, "Guest I/O").
