@@ -7,9 +7,10 @@
 //!   not mounted on the host), fio and the metadata workloads run on both,
 //!   the native-feature table is produced (with the failure virtio-fs
 //!   really has: no POSIX ACLs), every number of the JSON report parses,
-//!   the host columns (host fio, qemu-img bench beside the block volume's
-//!   backing file) have a positive result for every fio workload and none
-//!   for the metadata ones, `--chart` writes an SVG with one bar group per
+//!   the host columns (host fio beside the block volume's backing file,
+//!   fio and qemu-img bench on a scratch loop device there) have a
+//!   positive result and ratios for every fio workload and none for the
+//!   metadata ones, `--chart` writes an SVG with one bar group per
 //!   fio workload, and nothing is left behind (the scratch loop device
 //!   and directory of the host columns included).
 //! - `guest_io_interrupted_mid_run_leaves_nothing`: SIGTERM while fio runs
@@ -20,8 +21,10 @@
 //!   reaper for test processes killed outright.
 //!
 //! Budget (TCG, debug build, one guest each, 2 cores): about 35 s and
-//! 25 s here, plus ~10 s for the host columns in the first (measured:
-//! 1.2 s set-up, 8.8 s for the 16 host runs); the bench image is built
+//! 25 s here, plus ~15 s for the host columns in the first (measured:
+//! 1.2 s set-up, 8.8 s for the 16 host fio and qemu-img runs; the 8 runs
+//! of fio on the loop device added 10 s at load 11, where the whole test
+//! took 215 s); the bench image is built
 //! once (~45 s, cached by guest/build-image.sh's stamp; scripts/test.sh
 //! builds it beforehand).
 //! The long form is the documented command (README, "Guest I/O").
@@ -327,6 +330,9 @@ fn check_host_columns(r: &Value) {
     assert_eq!(dir.parent(), backing.parent(), "{h}");
     assert!(!dir.exists(), "{} left behind", dir.display());
     assert_eq!(h["scratch_direct_io"], true, "{h}");
+    // The loop column's queue settings, as sysfs had them.
+    assert!(h["scratch_scheduler"].is_string(), "{h}");
+    assert!(num(&h["scratch_nr_requests"], "nr_requests") > 0.0, "{h}");
     assert!(
         ["io_uring", "native", "threads"].contains(&h["qemu_img_aio"].as_str().unwrap()),
         "{h}"
@@ -344,23 +350,33 @@ fn check_host_columns(r: &Value) {
             // No host equivalent.
             assert_eq!(w["host_fio"]["runs"], 0, "{name}");
             assert_eq!(w["qemu_img"]["runs"], 0, "{name}");
+            assert_eq!(w["loop_fio"]["runs"], 0, "{name}");
             assert!(w["block_vs_host"].is_null(), "{name}");
+            assert!(w["loop_vs_host"].is_null(), "{name}");
             continue;
         }
-        for col in ["host_fio", "qemu_img"] {
+        for col in ["host_fio", "loop_fio", "qemu_img"] {
             assert_eq!(w[col]["runs"], 1, "{name} {col}");
             assert!(num(&w[col]["median"], name) > 0.0, "{name} {col}");
             assert!(num(&w[col]["cpu_s_per_gib"], name) >= 0.0, "{name} {col}");
         }
-        for ratio in ["block_vs_host", "qemu_img_vs_host"] {
+        for ratio in [
+            "block_vs_host",
+            "qemu_img_vs_host",
+            "qemu_img_vs_loop",
+            "loop_vs_host",
+        ] {
             let v = num(&w[ratio], name);
             assert!(v.is_finite() && v > 0.0, "{name} {ratio}: {v}");
         }
         let runs = w["runs"].as_array().unwrap();
         let host = runs.iter().find(|x| x["side"] == "host-fio").unwrap();
+        let on_loop = runs.iter().find(|x| x["side"] == "loop-fio").unwrap();
         if name.starts_with("seq") {
-            // host fio moved the whole file, as the guest did.
+            // host fio and fio on the loop device moved the whole file's
+            // worth, as the guest did.
             assert_eq!(host["bytes"], r["sizes"]["seq_file"], "{name}");
+            assert_eq!(on_loop["bytes"], r["sizes"]["seq_file"], "{name}");
         }
         assert!(runs.iter().any(|x| x["side"] == "qemu-img"), "{name}: {w}");
     }
@@ -386,7 +402,7 @@ fn check_chart(path: &Path, fio_workloads: &[&str]) {
             "{kind} {depth}: {texts:?}"
         );
     }
-    for colour in ["#4D4D4D", "#8C6BB1", "#1F77B4", "#FF7F0E"] {
+    for colour in ["#4D4D4D", "#2CA02C", "#8C6BB1", "#1F77B4", "#FF7F0E"] {
         let bars = doc
             .descendants()
             .filter(|n| n.has_tag_name("rect"))

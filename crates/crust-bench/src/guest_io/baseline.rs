@@ -4,6 +4,10 @@
 //! - **host fio**: the guest's fio jobs with `--direct=1` added, on files
 //!   in a scratch directory beside the block volume's backing file (the
 //!   same filesystem): the physical limit.
+//! - **fio on the loop device**: the same fio jobs, O_DIRECT, on the
+//!   scratch loop device below: the kernel's loop driver alone, so that
+//!   qemu-img ÷ host fio splits into qemu-img ÷ loop fio (QEMU's block
+//!   layer) and loop fio ÷ host fio (the loop driver).
 //! - **qemu-img bench**: QEMU's own block layer without a guest
 //!   (`-f raw -t none`, `-i io_uring`, else `native`, else `threads`) on a
 //!   scratch loop device attached with direct I/O, as the pool attaches
@@ -43,6 +47,40 @@ pub fn host_fio_command(w: &Workload, dir: &str, s: &Sizes) -> Vec<String> {
     let mut c = w.command(dir, s);
     c.push("--direct=1".into());
     c
+}
+
+/// The guest's fio job on the scratch loop device, O_DIRECT: the loop
+/// driver without QEMU, so qemu-img's gap to host fio splits into the
+/// loop device's part and QEMU's. Random rows use the device's first
+/// random-file bytes, sequential rows its first sequential-file bytes
+/// (all written before: no read finds a hole). Empty for the metadata
+/// workloads.
+pub fn loop_fio_command(w: &Workload, dev: &str, s: &Sizes) -> Vec<String> {
+    let mut c = w.fio_job(dev, s);
+    if !c.is_empty() {
+        c.push("--direct=1".into());
+    }
+    c
+}
+
+/// The active I/O scheduler in a `queue/scheduler` line
+/// (`none [mq-deadline] kyber`).
+pub fn active_scheduler(line: &str) -> Option<&str> {
+    line.split_whitespace()
+        .find_map(|s| s.strip_prefix('[')?.strip_suffix(']'))
+}
+
+/// The scratch device's queue settings (scheduler, nr_requests) from
+/// sysfs: the loop column's results depend on them.
+fn queue_settings(dev: &Path) -> (Option<String>, Option<u32>) {
+    let Some(name) = dev.file_name().and_then(|n| n.to_str()) else {
+        return (None, None);
+    };
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/block/{name}/queue/{f}")).ok();
+    (
+        read("scheduler").and_then(|l| active_scheduler(&l).map(String::from)),
+        read("nr_requests").and_then(|n| n.trim().parse().ok()),
+    )
 }
 
 /// Writes `bytes` to `dev` once (not timed), so reads find data.
@@ -377,12 +415,15 @@ impl HostSide {
         .unwrap_or("qemu-img")
         .trim()
         .to_string();
+        let (scheduler, nr_requests) = queue_settings(&scratch.device_path);
         let report = HostReport {
             backing_file: backing,
             dir: fio_dir.clone(),
             scratch_device: dev,
             scratch_bytes: bytes,
             scratch_direct_io: scratch.direct_io,
+            scratch_scheduler: scheduler,
+            scratch_nr_requests: nr_requests,
             qemu_img_aio: aio.clone(),
             qemu_img_version: version,
         };
@@ -517,6 +558,58 @@ mod tests {
         assert!(
             parse_qemu_img(&w(Kind::SeqRead, 1), 1, "Run completed in 0.000 seconds.").is_err()
         );
+    }
+
+    /// The loop column runs the guest's fio job on the device itself,
+    /// O_DIRECT: random rows on its first random-file bytes, sequential
+    /// rows on its first sequential-file bytes; nothing for metadata.
+    #[test]
+    fn loop_fio_command_lines() {
+        let s = Sizes::short(); // 16 MiB random, 32 MiB sequential
+        let c = loop_fio_command(&w(Kind::RandRead, 16), "/dev/loop7", &s);
+        let host = host_fio_command(&w(Kind::RandRead, 16), "/pool/x", &s);
+        let same = |a: &[String], b: &[String]| {
+            let strip = |v: &[String]| {
+                v.iter()
+                    .filter(|x| !x.starts_with("--filename="))
+                    .cloned()
+                    .collect::<Vec<_>>()
+            };
+            strip(a) == strip(b)
+        };
+        assert!(same(&c, &host), "{c:?}\n{host:?}");
+        for want in [
+            "--filename=/dev/loop7",
+            "--size=16777216",
+            "--rw=randread",
+            "--iodepth=16",
+            "--direct=1",
+        ] {
+            assert!(c.contains(&want.to_string()), "{want} not in {c:?}");
+        }
+        let c = loop_fio_command(&w(Kind::SeqWrite, 1), "/dev/loop7", &s);
+        for want in [
+            "--size=33554432",
+            "--rw=write",
+            "--end_fsync=1",
+            "--direct=1",
+        ] {
+            assert!(c.contains(&want.to_string()), "{want} not in {c:?}");
+        }
+        let c = loop_fio_command(&w(Kind::RandWriteFsync, 1), "/dev/loop7", &s);
+        assert!(c.contains(&"--fsync=1".to_string()) && c.contains(&"--size=16777216".to_string()));
+        assert!(loop_fio_command(&w(Kind::Meta, 1), "/dev/loop7", &s).is_empty());
+        assert!(loop_fio_command(&w(Kind::Walk, 1), "/dev/loop7", &s).is_empty());
+    }
+
+    #[test]
+    fn reads_the_active_scheduler() {
+        assert_eq!(
+            active_scheduler("none [mq-deadline] kyber bfq\n"),
+            Some("mq-deadline")
+        );
+        assert_eq!(active_scheduler("[none] mq-deadline"), Some("none"));
+        assert_eq!(active_scheduler("none\n"), None);
     }
 
     #[test]

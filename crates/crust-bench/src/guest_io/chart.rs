@@ -1,6 +1,6 @@
 //! The chart of `bench --guest-io --chart FILE`: an SVG (plotters, SVG
-//! backend only) of grouped bars per fio workload: host fio, qemu-img
-//! bench, guest block, guest virtio-fs. The workloads' units differ, so
+//! backend only) of grouped bars per fio workload: host fio, fio on the
+//! loop device, qemu-img bench, guest block, guest virtio-fs. The workloads' units differ, so
 //! every bar is its result ÷ host fio's (the physical limit = 1); a group
 //! without a host column is scaled to its largest bar instead.
 
@@ -11,8 +11,9 @@ use super::report::{GuestIoReport, SideSummary};
 use super::workload::Unit;
 
 /// The bars of a group, in drawing order, with their colours.
-pub const SERIES: [(&str, RGBColor); 4] = [
+pub const SERIES: [(&str, RGBColor); 5] = [
     ("host fio (O_DIRECT)", RGBColor(0x4d, 0x4d, 0x4d)),
+    ("fio on the loop device", RGBColor(0x2c, 0xa0, 0x2c)),
     ("qemu-img bench", RGBColor(0x8c, 0x6b, 0xb1)),
     ("guest block (crust)", RGBColor(0x1f, 0x77, 0xb4)),
     ("guest virtio-fs", RGBColor(0xff, 0x7f, 0x0e)),
@@ -26,7 +27,7 @@ const HEIGHT: u32 = 620;
 pub struct Group {
     pub workload: String,
     pub unit: Unit,
-    pub values: [Option<f64>; 4],
+    pub values: [Option<f64>; SERIES.len()],
 }
 
 impl Group {
@@ -45,7 +46,7 @@ impl Group {
     }
 
     /// Each bar ÷ [`Group::base`].
-    pub fn scaled(&self) -> [Option<f64>; 4] {
+    pub fn scaled(&self) -> [Option<f64>; SERIES.len()] {
         let base = self.base();
         self.values.map(|v| Some(v? / base?))
     }
@@ -60,7 +61,13 @@ pub fn groups(rep: &GuestIoReport) -> Vec<Group> {
         .map(|w| Group {
             workload: w.workload.clone(),
             unit: w.unit,
-            values: [m(&w.host_fio), m(&w.qemu_img), m(&w.block), m(&w.virtiofs)],
+            values: [
+                m(&w.host_fio),
+                m(&w.loop_fio),
+                m(&w.qemu_img),
+                m(&w.block),
+                m(&w.virtiofs),
+            ],
         })
         .filter(|g| g.base().is_some())
         .collect()
@@ -78,6 +85,14 @@ pub fn svg(rep: &GuestIoReport) -> Result<String, String> {
 }
 
 type DrawResult = Result<(), DrawingAreaErrorKind<std::io::Error>>;
+
+/// Width of a group's slot each bar takes (a 0.1 margin either side).
+const SLOT: f64 = 0.8 / SERIES.len() as f64;
+
+/// Left edge of series `i`'s bar in group `g`.
+fn bar_x(g: usize, i: usize) -> f64 {
+    g as f64 + 0.1 + SLOT * i as f64
+}
 
 fn draw(rep: &GuestIoReport, groups: &[Group], out: &mut String) -> DrawResult {
     let root = SVGBackend::with_string(out, (WIDTH, HEIGHT)).into_drawing_area();
@@ -108,8 +123,11 @@ fn draw(rep: &GuestIoReport, groups: &[Group], out: &mut String) -> DrawResult {
     for (i, (name, colour)) in SERIES.iter().enumerate() {
         let bars = groups.iter().enumerate().filter_map(move |(g, group)| {
             let v = group.scaled()[i]?;
-            let x0 = g as f64 + 0.1 + 0.2 * i as f64;
-            Some(Rectangle::new([(x0, 0.0), (x0 + 0.18, v)], colour.filled()))
+            let x0 = bar_x(g, i);
+            Some(Rectangle::new(
+                [(x0, 0.0), (x0 + SLOT * 0.9, v)],
+                colour.filled(),
+            ))
         });
         chart
             .draw_series(bars)?
@@ -117,7 +135,7 @@ fn draw(rep: &GuestIoReport, groups: &[Group], out: &mut String) -> DrawResult {
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled()));
         let labels = groups.iter().enumerate().filter_map(move |(g, group)| {
             let v = group.scaled()[i]?;
-            let x = g as f64 + 0.19 + 0.2 * i as f64;
+            let x = bar_x(g, i) + SLOT * 0.45;
             let style = ("sans-serif", 11)
                 .into_font()
                 .color(&BLACK)
@@ -183,13 +201,22 @@ mod tests {
     fn report() -> GuestIoReport {
         let w = |kind, queue_depth| Workload { kind, queue_depth };
         let all = [
-            (w(Kind::RandRead, 16), [4000.0, 3600.0, 2000.0, 500.0]),
-            (w(Kind::SeqRead, 1), [4e8, 3.6e8, 1e8, 8e7]),
+            (
+                w(Kind::RandRead, 16),
+                [4000.0, 3200.0, 3600.0, 2000.0, 500.0],
+            ),
+            (w(Kind::SeqRead, 1), [4e8, 3e8, 3.6e8, 1e8, 8e7]),
         ];
         let mut workloads: Vec<WorkloadResult> = all
             .iter()
             .map(|(w, v)| {
-                let sides = [Side::HostFio, Side::QemuImg, Side::Block, Side::Virtiofs];
+                let sides = [
+                    Side::HostFio,
+                    Side::LoopFio,
+                    Side::QemuImg,
+                    Side::Block,
+                    Side::Virtiofs,
+                ];
                 WorkloadResult::new(*w, sides.iter().zip(v).map(|(s, v)| run(*s, *v)).collect())
             })
             .collect();
@@ -217,10 +244,16 @@ mod tests {
         assert_eq!(g[0].workload, "randread-4k-qd16");
         assert_eq!(
             g[0].scaled(),
-            [Some(1.0), Some(0.9), Some(0.5), Some(0.125)]
+            [Some(1.0), Some(0.8), Some(0.9), Some(0.5), Some(0.125)]
         );
-        assert_eq!(g[1].scaled()[2], Some(0.25));
-        assert_eq!(g[2].scaled(), [None, None, Some(0.5), Some(1.0)]);
+        assert_eq!(g[1].scaled()[1], Some(0.75));
+        assert_eq!(g[1].scaled()[3], Some(0.25));
+        assert_eq!(g[2].scaled(), [None, None, None, Some(0.5), Some(1.0)]);
+        // Every series' bar inside its group's slot, none overlapping.
+        let last = SERIES.len() - 1;
+        assert!((bar_x(1, 0) - 1.1).abs() < 1e-9);
+        assert!(bar_x(1, last) + SLOT * 0.9 <= 1.9 + 1e-9);
+        assert!((1..=last).all(|i| bar_x(0, i - 1) + SLOT * 0.9 < bar_x(0, i)));
     }
 
     #[test]
@@ -234,9 +267,9 @@ mod tests {
             let hex = format!("fill=\"#{:02X}{:02X}{:02X}\"", c.0, c.1, c.2);
             s.to_uppercase().matches(&hex.to_uppercase()).count()
         };
-        // Host fio and qemu-img: two groups + the legend; block and
+        // The host columns: two groups + the legend; block and
         // virtio-fs: three groups + the legend.
-        assert_eq!(SERIES.map(|(_, c)| fills(c)), [3, 3, 4, 4], "{s}");
+        assert_eq!(SERIES.map(|(_, c)| fills(c)), [3, 3, 3, 4, 4], "{s}");
         for label in [
             "randread-4k",
             "seqread-1m",

@@ -81,7 +81,9 @@ pub(crate) fn dir_of(side: Side) -> String {
     match side {
         Side::Block => format!("{MOUNT_DESTINATION}/{BENCH_DIR}"),
         Side::Virtiofs => format!("{VIRTIOFS_DESTINATION}/{BENCH_DIR}"),
-        Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest directory"),
+        Side::HostFio | Side::LoopFio | Side::QemuImg => {
+            unreachable!("a host column has no guest directory")
+        }
     }
 }
 
@@ -193,13 +195,13 @@ impl Bench<'_> {
         rep: u32,
         host_rate: Option<f64>,
     ) -> Result<Run, String> {
-        // The host columns read with O_DIRECT (host fio; qemu-img on a
-        // direct-I/O loop device): no page cache to drop unless the
+        // The host columns read with O_DIRECT (host fio; fio and qemu-img
+        // on a direct-I/O loop device): no page cache to drop unless the
         // kernel refused the loop device direct I/O.
         match side {
             Side::Block | Side::Virtiofs => self.settle(w.cold()).await?,
             Side::HostFio => self.settle_host(false).await?,
-            Side::QemuImg => {
+            Side::LoopFio | Side::QemuImg => {
                 let buffered = self.host.as_ref().is_some_and(|h| !h.scratch.direct_io);
                 self.settle_host(w.cold() && buffered).await?;
             }
@@ -209,6 +211,14 @@ impl Bench<'_> {
             (Side::HostFio, Some(h)) => {
                 let s = &self.cfg.sizes;
                 let cmd = baseline::host_fio_command(w, &h.fio_dir, s);
+                let limit = bound(s.rand_file.max(s.seq_file), s.runtime);
+                let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
+                (workload::parse(w, &out)?, cpu)
+            }
+            (Side::LoopFio, Some(h)) => {
+                let s = &self.cfg.sizes;
+                let dev = h.scratch.device_path.display().to_string();
+                let cmd = baseline::loop_fio_command(w, &dev, s);
                 let limit = bound(s.rand_file.max(s.seq_file), s.runtime);
                 let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
                 (workload::parse(w, &out)?, cpu)
@@ -223,7 +233,9 @@ impl Bench<'_> {
                 let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
                 (baseline::parse_qemu_img(w, count, &out)?, cpu)
             }
-            (Side::HostFio | Side::QemuImg, None) => return Err("no host columns".into()),
+            (Side::HostFio | Side::LoopFio | Side::QemuImg, None) => {
+                return Err("no host columns".into());
+            }
         };
         Ok(Run {
             repetition: rep,
@@ -263,7 +275,7 @@ impl Bench<'_> {
     pub(crate) fn sides(&self, w: &Workload) -> Vec<Side> {
         let mut v = vec![Side::Block, Side::Virtiofs];
         if self.host.is_some() && w.is_fio() {
-            v.extend([Side::HostFio, Side::QemuImg]);
+            v.extend([Side::HostFio, Side::LoopFio, Side::QemuImg]);
         }
         v
     }
@@ -366,7 +378,9 @@ impl Bench<'_> {
         let mount = match side {
             Side::Block => MOUNT_DESTINATION,
             Side::Virtiofs => VIRTIOFS_DESTINATION,
-            Side::HostFio | Side::QemuImg => unreachable!("a host column has no guest mount"),
+            Side::HostFio | Side::LoopFio | Side::QemuImg => {
+                unreachable!("a host column has no guest mount")
+            }
         };
         let out = self
             .guest

@@ -19,9 +19,10 @@
 //! is written back in the guest and on the host before each run, and read
 //! workloads start from cold caches (guest and host page caches dropped).
 //! Host CPU is QEMU's plus virtiofsd's `utime + stime` from `/proc` over
-//! each run. Each fio workload also runs in two host columns between the
-//! guest's runs ([`baseline`]): the same fio job on the host and
-//! `qemu-img bench`, beside the block volume's backing file. Then every
+//! each run. Each fio workload also runs in three host columns between the
+//! guest's runs ([`baseline`]): the same fio job on the host beside the
+//! block volume's backing file, the same fio job on a scratch direct-I/O
+//! loop device there, and `qemu-img bench` on that device. Then every
 //! native-feature probe runs on both mounts, and the guest's statfs of
 //! each is compared with NodeGetVolumeStats. [`chart`] draws the
 //! comparison.
@@ -122,7 +123,8 @@ pub struct GuestIoArgs {
     /// is machine-wide); reads may then be served from the host's cache.
     #[arg(long, requires = "guest_io")]
     pub keep_host_caches: bool,
-    /// Guest I/O: run the host columns (host fio, qemu-img bench) in this
+    /// Guest I/O: run the host columns (host fio, fio on a scratch loop
+    /// device, qemu-img bench on it) in this
     /// directory instead of beside the block volume's backing file (for
     /// drivers whose volumes are not loop devices).
     #[arg(long, requires = "guest_io", conflicts_with = "no_host_columns")]

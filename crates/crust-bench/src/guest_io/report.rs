@@ -1,7 +1,8 @@
 //! The report of `bench --guest-io`: every run, the per-workload summary
 //! (median and range over the repetitions; block ÷ virtio-fs, block ÷ host
-//! fio, qemu-img ÷ host fio), the native feature table, and its text and
-//! JSON renderings.
+//! fio, qemu-img ÷ host fio, and that last one split in two: qemu-img ÷ fio
+//! on the loop device, fio on the loop device ÷ host fio), the native
+//! feature table, and its text and JSON renderings.
 
 use std::fmt::Write as _;
 
@@ -20,6 +21,8 @@ pub enum Side {
     Virtiofs,
     /// The same fio job on the host, O_DIRECT, beside the backing file.
     HostFio,
+    /// The same fio job, O_DIRECT, on the scratch loop device there.
+    LoopFio,
     /// `qemu-img bench` on a scratch loop device there.
     QemuImg,
 }
@@ -30,6 +33,7 @@ impl Side {
             Side::Block => "block",
             Side::Virtiofs => "virtio-fs",
             Side::HostFio => "host fio",
+            Side::LoopFio => "loop fio",
             Side::QemuImg => "qemu-img",
         }
     }
@@ -74,12 +78,19 @@ pub struct WorkloadResult {
     /// The host columns (fio workloads only; `runs` 0 otherwise).
     pub host_fio: SideSummary,
     pub qemu_img: SideSummary,
+    /// fio on qemu-img's scratch loop device.
+    pub loop_fio: SideSummary,
     /// Median block ÷ median virtio-fs of the result (higher: block faster).
     pub ratio: Option<f64>,
     /// Guest block ÷ host fio: how close the guest gets to the disk.
     pub block_vs_host: Option<f64>,
-    /// qemu-img bench ÷ host fio: what QEMU's block layer alone keeps.
+    /// qemu-img bench ÷ host fio: what the loop device and QEMU's block
+    /// layer keep.
     pub qemu_img_vs_host: Option<f64>,
+    /// qemu-img bench ÷ fio on the loop device: QEMU's block layer alone.
+    pub qemu_img_vs_loop: Option<f64>,
+    /// fio on the loop device ÷ host fio: the loop driver alone.
+    pub loop_vs_host: Option<f64>,
     /// Host CPU per GiB, block ÷ virtio-fs (lower: block cheaper).
     pub cpu_ratio: Option<f64>,
     pub runs: Vec<Run>,
@@ -144,6 +155,9 @@ pub struct HostReport {
     pub scratch_device: String,
     pub scratch_bytes: u64,
     pub scratch_direct_io: bool,
+    /// Its I/O scheduler and `nr_requests` as the run found them (sysfs).
+    pub scratch_scheduler: Option<String>,
+    pub scratch_nr_requests: Option<u32>,
     /// qemu-img's `-i` (the best the host takes).
     pub qemu_img_aio: String,
     pub qemu_img_version: String,
@@ -289,6 +303,7 @@ impl WorkloadResult {
         let virtiofs = summarize(&of(Side::Virtiofs), w.is_fio());
         let host_fio = summarize(&of(Side::HostFio), w.is_fio());
         let qemu_img = summarize(&of(Side::QemuImg), w.is_fio());
+        let loop_fio = summarize(&of(Side::LoopFio), w.is_fio());
         let cpu_ratio = match (block.cpu_s_per_gib, virtiofs.cpu_s_per_gib) {
             (Some(b), Some(v)) if v > 0.0 => Some(b / v),
             _ => None,
@@ -301,10 +316,13 @@ impl WorkloadResult {
             ratio: quotient(&block, &virtiofs),
             block_vs_host: quotient(&block, &host_fio),
             qemu_img_vs_host: quotient(&qemu_img, &host_fio),
+            qemu_img_vs_loop: quotient(&qemu_img, &loop_fio),
+            loop_vs_host: quotient(&loop_fio, &host_fio),
             block,
             virtiofs,
             host_fio,
             qemu_img,
+            loop_fio,
             cpu_ratio,
             runs,
         }
@@ -333,8 +351,12 @@ fn workload_rows(workloads: &[WorkloadResult]) -> Vec<Vec<String>> {
     let mut rows = Vec::new();
     for w in workloads {
         let mut sides = vec![(Side::Block, &w.block), (Side::Virtiofs, &w.virtiofs)];
-        if w.host_fio.runs > 0 || w.qemu_img.runs > 0 {
-            sides.extend([(Side::HostFio, &w.host_fio), (Side::QemuImg, &w.qemu_img)]);
+        if w.host_fio.runs > 0 || w.loop_fio.runs > 0 || w.qemu_img.runs > 0 {
+            sides.extend([
+                (Side::HostFio, &w.host_fio),
+                (Side::LoopFio, &w.loop_fio),
+                (Side::QemuImg, &w.qemu_img),
+            ]);
         }
         for (i, (side, s)) in sides.into_iter().enumerate() {
             let cpu = match s.cpu_s_per_gib {
@@ -358,6 +380,8 @@ fn workload_rows(workloads: &[WorkloadResult]) -> Vec<Vec<String>> {
                 first(w.cpu_ratio),
                 first(w.block_vs_host),
                 first(w.qemu_img_vs_host),
+                first(w.qemu_img_vs_loop),
+                first(w.loop_vs_host),
             ]);
         }
     }
@@ -415,13 +439,16 @@ impl GuestIoReport {
         if let Some(h) = &self.host {
             let _ = writeln!(
                 out,
-                "  host      beside {}: fio O_DIRECT; {} bench -t none -i {} on {} ({}, direct I/O {})",
+                "  host      beside {}: fio O_DIRECT; fio O_DIRECT and {} bench -t none -i {} on {} ({}, direct I/O {}, scheduler {}, nr_requests {})",
                 h.backing_file,
                 h.qemu_img_version,
                 h.qemu_img_aio,
                 h.scratch_device,
                 crust_report::units::human_size(h.scratch_bytes as i64),
                 if h.scratch_direct_io { "on" } else { "off" },
+                h.scratch_scheduler.as_deref().unwrap_or("?"),
+                h.scratch_nr_requests
+                    .map_or_else(|| "?".to_string(), |n| n.to_string()),
             );
         }
         if let Some(s) = &self.sizes {
@@ -466,11 +493,13 @@ impl Render for GuestIoReport {
                 "CPU B÷V",
                 "BLOCK÷HOST",
                 "QEMU÷HOST",
+                "QEMU÷LOOP",
+                "LOOP÷HOST",
             ],
             &workload_rows(&self.workloads),
         ));
         out.push_str(
-            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk); host fio's and qemu-img's own CPU per GiB. HOST: the same fio job on the host, O_DIRECT, beside the block volume's backing file; QEMU: qemu-img bench there (no random mode: a fixed stride).\n",
+            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk); host fio's, loop fio's and qemu-img's own CPU per GiB. HOST: the same fio job on the host, O_DIRECT, beside the block volume's backing file; LOOP: that fio job, O_DIRECT, on the scratch direct-I/O loop device there (the loop driver alone); QEMU: qemu-img bench on that device (QEMU's block layer; no random mode: a fixed stride).\n",
         );
         if let Some(c) = &self.cpu_split {
             let _ = writeln!(out, "{}", c.sentence(self.accel.as_deref()));
@@ -571,8 +600,9 @@ mod tests {
         assert_eq!(r.ratio, None, "no virtio-fs run: no ratio");
     }
 
-    /// The host columns: their medians, guest block ÷ host fio and
-    /// qemu-img ÷ host fio, CPU per GiB of each.
+    /// The host columns: their medians, guest block ÷ host fio,
+    /// qemu-img ÷ host fio and its two parts (qemu-img ÷ loop fio, loop
+    /// fio ÷ host fio), CPU per GiB of each.
     #[test]
     fn host_column_ratios() {
         let w = Workload {
@@ -589,6 +619,8 @@ mod tests {
                 run(0, Side::QemuImg, 10000.0, gib / 2, 0.5),
                 run(1, Side::HostFio, 8000.0, gib / 4, 0.25),
                 run(1, Side::QemuImg, 8000.0, gib / 2, 0.5),
+                run(0, Side::LoopFio, 5000.0, gib / 8, 0.25),
+                run(1, Side::LoopFio, 7000.0, gib / 8, 0.25),
             ],
         );
         assert_eq!((r.host_fio.runs, r.host_fio.median), (2, 10000.0));
@@ -596,11 +628,17 @@ mod tests {
         assert_eq!(r.ratio, Some(3.0));
         assert_eq!(r.block_vs_host, Some(0.3));
         assert_eq!(r.qemu_img_vs_host, Some(0.9));
+        assert_eq!((r.loop_fio.runs, r.loop_fio.median), (2, 6000.0));
+        // 0.9 = 0.6 (the loop driver) × 1.5 (QEMU's block layer).
+        assert_eq!(r.loop_vs_host, Some(0.6));
+        assert_eq!(r.qemu_img_vs_loop, Some(1.5));
+        assert_eq!(r.loop_fio.cpu_s_per_gib, Some(2.0));
         assert_eq!(r.host_fio.cpu_s_per_gib, Some(1.0));
         assert_eq!(r.qemu_img.cpu_s_per_gib, Some(1.0));
         // A workload without host columns has no such ratio.
         let m = WorkloadResult::new(w, vec![run(0, Side::Block, 1.0, gib, 1.0)]);
         assert_eq!((m.block_vs_host, m.qemu_img_vs_host), (None, None));
+        assert_eq!((m.qemu_img_vs_loop, m.loop_vs_host), (None, None));
 
         // Block 6 s/GiB against qemu-img 1 s/GiB: 5/6 is the guest.
         let split = CpuSplit::of(&[r.clone(), m]).unwrap();
@@ -622,8 +660,14 @@ mod tests {
         for want in [
             "BLOCK÷HOST",
             "QEMU÷HOST",
+            "QEMU÷LOOP",
+            "LOOP÷HOST",
             "host fio",
+            "loop fio",
             "qemu-img",
+            "6000 IOPS (5000–7000)",
+            "0.60×",
+            "1.50×",
             "10000 IOPS (8000–12000)",
             "0.30×",
             "0.90×",
@@ -637,6 +681,10 @@ mod tests {
         assert_eq!(j["workloads"][0]["qemu_img_vs_host"], 0.9);
         assert_eq!(j["workloads"][0]["host_fio"]["median"], 10000.0);
         assert_eq!(j["workloads"][0]["runs"][2]["side"], "host-fio");
+        assert_eq!(j["workloads"][0]["loop_vs_host"], 0.6);
+        assert_eq!(j["workloads"][0]["qemu_img_vs_loop"], 1.5);
+        assert_eq!(j["workloads"][0]["loop_fio"]["median"], 6000.0);
+        assert_eq!(j["workloads"][0]["runs"][6]["side"], "loop-fio");
         assert_eq!(j["cpu_split"]["qemu_img_s_per_gib"], 1.0);
     }
 

@@ -187,47 +187,7 @@ impl Workload {
     /// The guest command line, working in `dir` (the bench directory of
     /// one mount).
     pub fn command(&self, dir: &str, s: &Sizes) -> Vec<String> {
-        let fio = |file: &str, size: u64, rw: &str, bs: &str| {
-            let mut a: Vec<String> = [
-                "fio",
-                "--name=crust",
-                "--output-format=json",
-                "--ioengine=io_uring",
-                "--percentile_list=50:99",
-                "--randrepeat=0",
-                "--invalidate=1",
-            ]
-            .map(String::from)
-            .to_vec();
-            a.push(format!("--filename={dir}/{file}"));
-            a.push(format!("--size={size}"));
-            a.push(format!("--rw={rw}"));
-            a.push(format!("--bs={bs}"));
-            a.push(format!("--iodepth={}", self.queue_depth));
-            a
-        };
         match self.kind {
-            Kind::RandWriteFsync => {
-                let mut a = fio("rand.dat", s.rand_file, "randwrite", "4k");
-                a.push("--time_based".into());
-                a.push(format!("--runtime={}ms", s.runtime.as_millis().max(1)));
-                a.push("--norandommap".into());
-                a.push("--fsync=1".into());
-                a
-            }
-            Kind::RandRead => {
-                // Each block at most once (fio's random map, no time-based
-                // wrap-around): every read misses the dropped caches.
-                let mut a = fio("rand.dat", s.rand_file, "randread", "4k");
-                a.push(format!("--runtime={}ms", s.runtime.as_millis().max(1)));
-                a
-            }
-            Kind::SeqWrite => {
-                let mut a = fio("seq.dat", s.seq_file, "write", "1m");
-                a.push("--end_fsync=1".into());
-                a
-            }
-            Kind::SeqRead => fio("seq.dat", s.seq_file, "read", "1m"),
             Kind::Meta => vec![
                 HELPER.into(),
                 "meta".into(),
@@ -236,7 +196,55 @@ impl Workload {
                 s.meta_file_size.to_string(),
             ],
             Kind::Walk => vec![HELPER.into(), "walk".into(), format!("{dir}/tree")],
+            Kind::RandWriteFsync | Kind::RandRead => self.fio_job(&format!("{dir}/rand.dat"), s),
+            Kind::SeqWrite | Kind::SeqRead => self.fio_job(&format!("{dir}/seq.dat"), s),
         }
+    }
+
+    /// The fio job of a fio workload on `filename`: a file, or a block
+    /// device of which it uses the first `size` bytes (the random file's
+    /// or the sequential file's). Empty for the metadata workloads.
+    pub fn fio_job(&self, filename: &str, s: &Sizes) -> Vec<String> {
+        let (size, rw, bs) = match self.kind {
+            Kind::RandWriteFsync => (s.rand_file, "randwrite", "4k"),
+            Kind::RandRead => (s.rand_file, "randread", "4k"),
+            Kind::SeqWrite => (s.seq_file, "write", "1m"),
+            Kind::SeqRead => (s.seq_file, "read", "1m"),
+            Kind::Meta | Kind::Walk => return Vec::new(),
+        };
+        let mut a: Vec<String> = [
+            "fio",
+            "--name=crust",
+            "--output-format=json",
+            "--ioengine=io_uring",
+            "--percentile_list=50:99",
+            "--randrepeat=0",
+            "--invalidate=1",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.push(format!("--filename={filename}"));
+        a.push(format!("--size={size}"));
+        a.push(format!("--rw={rw}"));
+        a.push(format!("--bs={bs}"));
+        a.push(format!("--iodepth={}", self.queue_depth));
+        let runtime = format!("--runtime={}ms", s.runtime.as_millis().max(1));
+        match self.kind {
+            Kind::RandWriteFsync => {
+                a.extend([
+                    "--time_based".into(),
+                    runtime,
+                    "--norandommap".into(),
+                    "--fsync=1".into(),
+                ]);
+            }
+            // Each block at most once (fio's random map, no time-based
+            // wrap-around): every read misses the dropped caches.
+            Kind::RandRead => a.push(runtime),
+            Kind::SeqWrite => a.push("--end_fsync=1".into()),
+            _ => {}
+        }
+        a
     }
 }
 
