@@ -63,30 +63,6 @@ pub fn mount_identity(path: &Path) -> Option<MountIdentity> {
     })
 }
 
-/// `openat2` with `O_CLOEXEC`, retried on EAGAIN (the kernel's answer
-/// under `RESOLVE_*` flags when a rename or mount raced the lookup) and
-/// EINTR: the one loop every beneath/in-root lookup of the agent uses.
-pub fn openat2<P: rustix::path::Arg + Copy>(
-    dir: &impl std::os::fd::AsFd,
-    path: P,
-    flags: rustix::fs::OFlags,
-    mode: rustix::fs::Mode,
-    resolve: rustix::fs::ResolveFlags,
-) -> Result<std::os::fd::OwnedFd, rustix::io::Errno> {
-    loop {
-        match rustix::fs::openat2(
-            dir,
-            path,
-            flags | rustix::fs::OFlags::CLOEXEC,
-            mode,
-            resolve,
-        ) {
-            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
-            other => return other,
-        }
-    }
-}
-
 /// A mountinfo field with its octal escapes undone (`crust-mountinfo`).
 fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&crust_mountinfo::unescape(s.as_bytes())).into_owned()
