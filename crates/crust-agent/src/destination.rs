@@ -95,7 +95,7 @@ fn names(dest: &Path) -> Vec<&OsStr> {
 
 /// One component, never following a symlink (trailing ones included).
 fn open_one(dir: &impl AsFd, name: &OsStr, flags: OFlags, mode: Mode) -> Result<OwnedFd, Errno> {
-    crate::sys::openat2(
+    crust_openat2::openat2(
         dir,
         name,
         flags,

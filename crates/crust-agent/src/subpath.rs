@@ -58,7 +58,7 @@ pub fn components(subpath: &str) -> Result<Vec<&str>, SubpathError> {
 
 fn resolve(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
     let path = if path.is_empty() { "." } else { path };
-    crate::sys::openat2(
+    crust_openat2::openat2(
         root,
         path,
         flags,

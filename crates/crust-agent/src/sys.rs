@@ -17,9 +17,9 @@ pub struct MountEntry {
     pub root: String,
     pub fstype: String,
     pub source: String,
-    /// Per-mount options (`rw`, `noatime`, ...).
+    /// Per-mount options (`rw`, `noatime`, ...), unescaped, no empty ones.
     pub mount_options: Vec<String>,
-    /// Superblock options (`rw`, `errors=remount-ro`, ...).
+    /// Superblock options (`rw`, `errors=remount-ro`, ...), likewise.
     pub super_options: Vec<String>,
 }
 
@@ -63,69 +63,37 @@ pub fn mount_identity(path: &Path) -> Option<MountIdentity> {
     })
 }
 
-/// `openat2` with `O_CLOEXEC`, retried on EAGAIN (the kernel's answer
-/// under `RESOLVE_*` flags when a rename or mount raced the lookup) and
-/// EINTR: the one loop every beneath/in-root lookup of the agent uses.
-pub fn openat2<P: rustix::path::Arg + Copy>(
-    dir: &impl std::os::fd::AsFd,
-    path: P,
-    flags: rustix::fs::OFlags,
-    mode: rustix::fs::Mode,
-    resolve: rustix::fs::ResolveFlags,
-) -> Result<std::os::fd::OwnedFd, rustix::io::Errno> {
-    loop {
-        match rustix::fs::openat2(
-            dir,
-            path,
-            flags | rustix::fs::OFlags::CLOEXEC,
-            mode,
-            resolve,
-        ) {
-            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
-            other => return other,
+impl From<crust_mountinfo::MountEntry> for MountEntry {
+    fn from(e: crust_mountinfo::MountEntry) -> Self {
+        MountEntry {
+            identity: MountIdentity {
+                id: e.mount_id.into(),
+                dev: (e.major, e.minor),
+            },
+            root: e.root.to_string_lossy().into_owned(),
+            mount_point: e.mount_point,
+            fstype: e.fs_type,
+            source: e.source,
+            mount_options: e.mount_options,
+            super_options: e.super_options,
         }
     }
 }
 
-/// A mountinfo field with its octal escapes undone (`crust-mountinfo`).
-fn unescape(s: &str) -> String {
-    String::from_utf8_lossy(&crust_mountinfo::unescape(s.as_bytes())).into_owned()
-}
-
-/// Parses mountinfo text.
-pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else {
-            continue;
-        };
-        if sep < 6 || fields.len() < sep + 4 {
-            continue;
-        }
-        let dev = fields[2]
-            .split_once(':')
-            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
-        let (Ok(id), Some(dev)) = (fields[0].parse(), dev) else {
-            continue;
-        };
-        out.push(MountEntry {
-            identity: MountIdentity { id, dev },
-            root: unescape(fields[3]),
-            mount_point: PathBuf::from(unescape(fields[4])),
-            mount_options: fields[5].split(',').map(str::to_owned).collect(),
-            fstype: fields[sep + 1].to_owned(),
-            source: unescape(fields[sep + 2]),
-            super_options: fields[sep + 3].split(',').map(str::to_owned).collect(),
-        });
-    }
-    out
+/// Parses mountinfo text with `crust-mountinfo`, skipping a line it
+/// refuses: one odd mount must not hide every other from the agent.
+pub fn parse_mountinfo(text: impl AsRef<[u8]>) -> Vec<MountEntry> {
+    crust_mountinfo::entries(text.as_ref())
+        .filter_map(Result::ok)
+        .map(MountEntry::from)
+        .collect()
 }
 
 /// Current mount table of this process's namespace.
 pub fn mounts() -> Vec<MountEntry> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .map(|t| parse_mountinfo(&t))
+    // Bytes: a mount point the kernel prints unescaped need not be UTF-8.
+    std::fs::read("/proc/self/mountinfo")
+        .map(parse_mountinfo)
         .unwrap_or_default()
 }
 
@@ -384,10 +352,12 @@ mod tests {
         let m = parse_mountinfo(text);
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].mount_point, Path::new("/mnt/back\\400\\\\slash"));
+        // The path's own bytes (no lossy UTF-8): `\376` and `\377`
+        // are two mount points, not one.
         let m = parse_mountinfo("1 2 3:4 / /a\\777\\377\\040 rw - ext4 /dev/x rw\n");
         assert_eq!(
             m[0].mount_point.as_os_str().as_encoded_bytes(),
-            b"/a\\777\xef\xbf\xbd "
+            b"/a\\777\xff "
         );
     }
 
@@ -423,6 +393,21 @@ mod tests {
         // A line without a numeric id or device is skipped, not misread.
         assert!(parse_mountinfo("x 1 0:5 / /a rw - ext4 /dev/vdb rw\n").is_empty());
         assert!(parse_mountinfo("7 1 05 / /a rw - ext4 /dev/vdb rw\n").is_empty());
+    }
+
+    #[test]
+    fn a_bad_or_non_utf8_line_hides_no_other_mount() {
+        // The kernel does not escape bytes above 0x7f; a bad line between
+        // good ones is skipped alone.
+        let text = b"1 0 0:1 / / rw - rootfs rootfs rw\n\
+                     2 1 0:2 / /odd\xff rw - tmpfs tmpfs rw\n\
+                     3 1 0:3 / /broken rw ext4 /dev/vdb rw\n\
+                     4 1 254:16 / /run/crust/volumes/v1 ro - ext4 /dev/vdb rw\n";
+        let m = parse_mountinfo(text);
+        let ids: Vec<u64> = m.iter().map(|e| e.identity.id).collect();
+        assert_eq!(ids, [1, 2, 4]);
+        assert_eq!(m[1].mount_point.as_os_str().as_encoded_bytes(), b"/odd\xff");
+        assert!(m[2].is_readonly());
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod history;
 pub mod identity;
 pub mod metrics;
 pub mod node;
+mod paging;
 mod placeholder;
 pub mod qos;
 pub mod records;

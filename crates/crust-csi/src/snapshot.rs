@@ -33,10 +33,11 @@ use crust_backend::{BackendError, ContentSource, SnapshotInfo};
 use crust_proto::csi::v1 as csi;
 use sha2::{Digest, Sha256};
 
-use crate::controller::{decode_token_of, encode_token, ready_record};
+use crate::controller::ready_record;
 use crate::driver::SnapshotParts;
 use crate::error::{ControllerError, SnapshotError};
 use crate::guard::OpGuard;
+use crate::paging::{decode_token_of, encode_token};
 use crate::records::History;
 use crate::records::{HostMount, VolumeRecord};
 
@@ -98,10 +99,20 @@ fn check_parameters(params: &HashMap<String, String>) -> Result<()> {
     {
         Some(k) => Err(ControllerError::InvalidArgument(format!(
             "unknown snapshot parameter {}; this plugin takes none",
-            crate::controller::shown(k)
+            shown(k)
         ))),
         None => Ok(()),
     }
+}
+
+/// A caller's string as error messages show it: control characters
+/// escaped, at most 128 characters.
+fn shown(s: &str) -> String {
+    let mut out: String = s.chars().take(128).flat_map(char::escape_debug).collect();
+    if s.chars().count() > 128 {
+        out.push('…');
+    }
+    out
 }
 
 fn timestamp(ms: i64) -> prost_types::Timestamp {
@@ -336,7 +347,7 @@ impl SnapshotParts<'_> {
                     .as_ref()
                     .map(|g| format!(" (in group {g})"))
                     .unwrap_or_default(),
-                asked: crate::controller::shown(source),
+                asked: shown(source),
             }
             .into());
         }

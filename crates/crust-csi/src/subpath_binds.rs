@@ -88,10 +88,10 @@ pub fn restore(fs_root: &Path, b: &SubpathBind) -> Result<(), SubpathBindError> 
     } else {
         b.root.as_path()
     };
-    let fd = rustix::fs::openat2(
+    let fd = crust_openat2::openat2(
         &root,
         rel,
-        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        OFlags::PATH | OFlags::NOFOLLOW,
         Mode::empty(),
         ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
     )
@@ -135,10 +135,10 @@ pub fn bind_placeholder(target: &Path, b: &SubpathBind) -> Result<(), SubpathBin
         };
         let last = i + 1 == parts.len();
         if last && is_file {
-            match rustix::fs::openat2(
+            match crust_openat2::openat2(
                 &dir,
                 *name,
-                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY,
                 Mode::from_raw_mode(0o444),
                 beneath,
             ) {
@@ -152,11 +152,11 @@ pub fn bind_placeholder(target: &Path, b: &SubpathBind) -> Result<(), SubpathBin
             }
         }
         let flags = if last && is_file {
-            OFlags::PATH | OFlags::CLOEXEC
+            OFlags::PATH
         } else {
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC
+            OFlags::PATH | OFlags::DIRECTORY
         };
-        dir = rustix::fs::openat2(&dir, *name, flags, Mode::empty(), beneath)
+        dir = crust_openat2::openat2(&dir, *name, flags, Mode::empty(), beneath)
             .map_err(|e| fail(e.into()))?;
     }
     let via = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));

@@ -25,11 +25,11 @@ use std::path::Path;
 
 use crust_proto::csi::v1 as csi;
 
-use crate::controller::{decode_token, encode_token};
 use crate::driver::{ControllerParts, NodeParts};
 use crate::error::{ControllerError, NodeError};
 use crate::health::{Assessment, Problem, Status};
 use crate::node::as_recorded;
+use crate::paging::{decode_token, encode_token};
 use crate::records::VolumeRecord;
 
 impl NodeParts<'_> {

@@ -109,61 +109,71 @@ fn split_opts(field: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// Parses the contents of a mountinfo file (see `proc(5)`).
+/// Parses the contents of a mountinfo file (see `proc(5)`): every line,
+/// or the first one the kernel would not write.
 pub fn parse(text: &[u8]) -> Result<Vec<MountEntry>, ParseError> {
-    let mut out = Vec::new();
-    for (idx, line) in text.split(|&b| b == b'\n').enumerate() {
-        if line.is_empty() {
-            continue;
-        }
-        let bad = |reason: &str| ParseError {
-            line: idx + 1,
-            reason: reason.to_owned(),
-        };
-        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
-        let sep = fields
-            .iter()
-            .position(|f| *f == b"-")
-            .ok_or_else(|| bad("no \" - \" separator"))?;
-        if sep < 6 || fields.len() < sep + 4 {
-            return Err(bad("too few fields"));
-        }
-        let num = |f: &[u8], what: &str| -> Result<u32, ParseError> {
-            std::str::from_utf8(f)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| bad(what))
-        };
-        let (maj, min) = {
-            let mm = fields[2];
-            let colon = mm
-                .iter()
-                .position(|&b| b == b':')
-                .ok_or_else(|| bad("bad major:minor"))?;
-            (
-                num(&mm[..colon], "bad major")?,
-                num(&mm[colon + 1..], "bad minor")?,
-            )
-        };
-        let path = unescape_path;
-        out.push(MountEntry {
-            mount_id: num(fields[0], "bad mount id")?,
-            parent_id: num(fields[1], "bad parent id")?,
-            major: maj,
-            minor: min,
-            root: path(fields[3]),
-            mount_point: path(fields[4]),
-            mount_options: split_opts(fields[5]),
-            optional_fields: fields[6..sep]
-                .iter()
-                .map(|f| String::from_utf8_lossy(f).into_owned())
-                .collect(),
-            fs_type: String::from_utf8_lossy(&unescape(fields[sep + 1])).into_owned(),
-            source: String::from_utf8_lossy(&unescape(fields[sep + 2])).into_owned(),
-            super_options: split_opts(fields[sep + 3]),
-        });
+    entries(text).collect()
+}
+
+/// Each non-empty line of a mountinfo file, parsed on its own: for a
+/// reader that skips a line it cannot read instead of failing the table
+/// (the guest agent).
+pub fn entries(text: &[u8]) -> impl Iterator<Item = Result<MountEntry, ParseError>> + '_ {
+    text.split(|&b| b == b'\n')
+        .enumerate()
+        .filter(|(_, line)| !line.is_empty())
+        .map(|(idx, line)| {
+            parse_line(line).map_err(|reason| ParseError {
+                line: idx + 1,
+                reason: reason.to_owned(),
+            })
+        })
+}
+
+/// One line (without its newline), or why the kernel would not write it.
+fn parse_line(line: &[u8]) -> Result<MountEntry, &'static str> {
+    let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+    let sep = fields
+        .iter()
+        .position(|f| *f == b"-")
+        .ok_or("no \" - \" separator")?;
+    if sep < 6 || fields.len() < sep + 4 {
+        return Err("too few fields");
     }
-    Ok(out)
+    let num = |f: &[u8], what: &'static str| -> Result<u32, &'static str> {
+        std::str::from_utf8(f)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or(what)
+    };
+    let (maj, min) = {
+        let mm = fields[2];
+        let colon = mm
+            .iter()
+            .position(|&b| b == b':')
+            .ok_or("bad major:minor")?;
+        (
+            num(&mm[..colon], "bad major")?,
+            num(&mm[colon + 1..], "bad minor")?,
+        )
+    };
+    let path = unescape_path;
+    Ok(MountEntry {
+        mount_id: num(fields[0], "bad mount id")?,
+        parent_id: num(fields[1], "bad parent id")?,
+        major: maj,
+        minor: min,
+        root: path(fields[3]),
+        mount_point: path(fields[4]),
+        mount_options: split_opts(fields[5]),
+        optional_fields: fields[6..sep]
+            .iter()
+            .map(|f| String::from_utf8_lossy(f).into_owned())
+            .collect(),
+        fs_type: String::from_utf8_lossy(&unescape(fields[sep + 1])).into_owned(),
+        source: String::from_utf8_lossy(&unescape(fields[sep + 2])).into_owned(),
+        super_options: split_opts(fields[sep + 3]),
+    })
 }
 
 #[cfg(test)]
@@ -203,5 +213,25 @@ mod tests {
         let bad = parse(b"1 2 3:4 / /a rw ext4 /dev/x rw\n").unwrap_err();
         assert_eq!(bad.line, 1);
         assert!(parse(b"x 2 3:4 / /a rw - ext4 /dev/x rw\n").is_err());
+    }
+
+    #[test]
+    fn entries_are_read_line_by_line() {
+        let t = b"1 0 0:1 / / rw - rootfs rootfs rw\n\
+                  \n\
+                  x 1 0:2 / /bad rw - ext4 /dev/x rw\n\
+                  3 1 0:3 / /next\\040one ro - xfs /dev/y ro\n";
+        let lines: Vec<_> = entries(t).collect();
+        assert_eq!(lines.len(), 3, "the empty line is no entry");
+        assert_eq!(lines[0].as_ref().unwrap().mount_point, PathBuf::from("/"));
+        let bad = lines[1].as_ref().unwrap_err();
+        assert_eq!((bad.line, bad.reason.as_str()), (3, "bad mount id"));
+        assert_eq!(
+            lines[2].as_ref().unwrap().mount_point,
+            PathBuf::from("/next one")
+        );
+        // `parse` refuses the table at its first bad line.
+        assert_eq!(parse(t).unwrap_err(), *bad);
+        assert_eq!(parse(b"").unwrap(), []);
     }
 }

@@ -89,7 +89,7 @@ pub fn open_root(dir: &Path) -> Result<OwnedFd, BeneathError> {
 /// open the link itself, so `RESOLVE_NO_SYMLINKS` refuses it).
 pub fn open(root: BorrowedFd<'_>, rel: &str, flags: OFlags) -> Result<OwnedFd, BeneathError> {
     components(rel)?;
-    rustix::fs::openat2(root, rel, flags | OFlags::CLOEXEC, Mode::empty(), RESOLVE)
+    crust_openat2::openat2(root, rel, flags, Mode::empty(), RESOLVE)
         .map_err(|e| BeneathError::io("opening", rel, e))
 }
 
@@ -125,10 +125,10 @@ pub fn create_dir(root: BorrowedFd<'_>, rel: &str, mode: u32) -> Result<OwnedFd,
 /// point) and opens it; an existing entry is refused as `Planted`.
 pub fn create_file(root: BorrowedFd<'_>, rel: &str) -> Result<OwnedFd, BeneathError> {
     let (dir, name) = parent(root, rel)?;
-    rustix::fs::openat2(
+    crust_openat2::openat2(
         &dir,
         name,
-        OFlags::CREATE | OFlags::EXCL | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        OFlags::CREATE | OFlags::EXCL | OFlags::RDONLY | OFlags::NOFOLLOW,
         Mode::from_raw_mode(0o600),
         RESOLVE,
     )

@@ -24,7 +24,7 @@ pub enum Leaf {
 
 fn open_in(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
     let path = if path.is_empty() { "." } else { path };
-    crate::sys::openat2(
+    crust_openat2::openat2(
         root,
         path,
         flags,

@@ -26,8 +26,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use base64::Engine;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use crust_backend::{BackendError, ContentSource};
 use crust_handoff::IoLimits;
 use crust_proto::csi::v1 as csi;
@@ -36,6 +34,7 @@ use crate::caps::{Access, CapSpec, Capability, FsType};
 use crate::config::DEFAULT_VOLUME_SIZE;
 use crate::driver::ControllerParts;
 use crate::error::ControllerError;
+use crate::paging::{decode_token, encode_token};
 use crate::records::{
     Phase, RECORD_VERSION, SourceRecord, VolumeRecord, is_valid_volume_id, volume_id_for,
 };
@@ -865,35 +864,6 @@ fn content_source(src: Option<&csi::VolumeContentSource>) -> Result<Option<Conte
     }
 }
 
-/// A caller's string as error messages show it: control characters
-/// escaped, at most 128 characters.
-pub(crate) fn shown(s: &str) -> String {
-    let mut out: String = s.chars().take(128).flat_map(char::escape_debug).collect();
-    if s.chars().count() > 128 {
-        out.push('…');
-    }
-    out
-}
-
-pub(crate) fn encode_token(id: &str) -> String {
-    URL_SAFE_NO_PAD.encode(id.as_bytes())
-}
-
-pub(crate) fn decode_token(token: &str) -> Result<String> {
-    decode_token_of(token, is_valid_volume_id)
-}
-
-/// A paging token carrying an id `valid` accepts, or ABORTED.
-pub(crate) fn decode_token_of(token: &str, valid: fn(&str) -> bool) -> Result<String> {
-    let bad = || ControllerError::BadToken(token.to_string());
-    let bytes = URL_SAFE_NO_PAD.decode(token).map_err(|_| bad())?;
-    let id = String::from_utf8(bytes).map_err(|_| bad())?;
-    if !valid(&id) {
-        return Err(bad());
-    }
-    Ok(id)
-}
-
 /// A Ready record or NOT_FOUND (also for the snapshot RPCs, which name
 /// their source volume).
 pub(crate) fn ready_record(state: &crate::state::StateStore, id: &str) -> Result<VolumeRecord> {
@@ -972,21 +942,11 @@ mod tests {
     }
 
     #[test]
-    fn names_and_tokens() {
+    fn names() {
         assert!(validate_name("pvc-1").is_ok());
         assert!(validate_name("").is_err());
         assert!(validate_name(&"x".repeat(128)).is_ok());
         assert!(validate_name(&"x".repeat(129)).is_err());
         assert!(validate_name("a\nb").is_err());
-        let id = volume_id_for("x");
-        assert_eq!(decode_token(&encode_token(&id)).unwrap(), id);
-        assert!(matches!(
-            decode_token("!!!"),
-            Err(ControllerError::BadToken(_))
-        ));
-        assert!(matches!(
-            decode_token(&encode_token("vol-nothex")),
-            Err(ControllerError::BadToken(_))
-        ));
     }
 }
