@@ -287,7 +287,8 @@ for t in "${targets[@]}"; do
   work="$tdir/corpus/$t"
   arts="$tdir/artifacts/$t"
   mkdir -p "$work" "$arts"
-  log="$tdir/$t.log"
+  # Per mode: a CI smoke beside a long run must not overwrite its log.
+  log="$tdir/$t.$mode.log"
   echo "fuzz.sh: $t for ${secs} s"
   # New inputs go to the run's corpus ($work); the committed seeds are
   # read only. -malloc_limit_mb: no input of a few KiB may make a parser
@@ -303,7 +304,7 @@ for t in "${targets[@]}"; do
   # A crash on a seed ends the run before any of these is printed.
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1 || true)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1 || true)
-  cov=$({ grep -oE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
+  cov=$({ grep -aoE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
   summary+=("$(printf '%-16s %6s s %10s execs %7s execs/s  cov %s' "$t" "$secs" "${runs:-?}" "${rate:-?}" "${cov:-?}")")
   if [ "$mode" = long ]; then
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%FT%H:%MZ)" "$t" "$(($(date +%s) - started))" \
@@ -312,14 +313,14 @@ for t in "${targets[@]}"; do
   if [ $rc != 0 ]; then
     failed+=("$t")
     echo "fuzz.sh: $t FAILED (exit $rc); its log's end:" >&2
-    grep -vE '^#[0-9]+' "$log" | tail -40 >&2
-    grep -m1 -A1 'panicked at' "$log" >&2 || true
+    grep -avE '^#[0-9]+' "$log" | tail -40 >&2
+    grep -a -m1 -A1 'panicked at' "$log" >&2 || true
     art=$(ls -t "$arts" 2>/dev/null | head -1 || true)
     [ -n "$art" ] && echo "fuzz.sh: replay: $bin $arts/$art" >&2
   fi
   if [ "$save" = 1 ] && [ $rc = 0 ]; then
     # Minimized: only inputs that add coverage over the committed seeds.
-    in_ns "$t" "$bin" -merge=1 "$(corpus_of "$t")" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.merge.log" 2>&1
+    in_ns "$t" "$bin" -merge=1 "$(corpus_of "$t")" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.$mode.merge.log" 2>&1
     echo "fuzz.sh: $t: $(corpus_of "$t") now $(find "$(corpus_of "$t")" -type f | wc -l) inputs"
   fi
 done
