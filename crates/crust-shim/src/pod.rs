@@ -880,8 +880,7 @@ impl Pod {
 /// logged then and again when it ends, so a hung one names itself.
 async fn timed<T>(what: &str, step: impl std::future::Future<Output = T>) -> T {
     let t = Instant::now();
-    let step = std::pin::pin!(step);
-    let mut step = step;
+    let mut step = std::pin::pin!(step);
     tokio::select! {
         out = &mut step => {
             tracing::debug!("teardown: {what} took {:?}", t.elapsed());
