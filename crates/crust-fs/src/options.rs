@@ -511,17 +511,24 @@ fn check_ext4_journal(data: &[&str]) -> Result<(), OptionError> {
         });
     }
     // Without the journal (noload, norecovery) the kernel refuses every
-    // journal setting that differs from its default.
-    if data.iter().any(|o| matches!(*o, "noload" | "norecovery")) {
+    // journal setting that differs from its default, and any `data=` at
+    // all, even `ordered` ("can't mount with data=, fs mounted w/o
+    // journal": found by the kernel target).
+    let no_journal = data.iter().find_map(|o| match *o {
+        "noload" => Some("noload"),
+        "norecovery" => Some("norecovery"),
+        _ => None,
+    });
+    if let Some(no_journal) = no_journal {
         let journal_setting = data.iter().find(|o| {
             matches!(**o, "journal_async_commit" | "journal_checksum")
                 || o.strip_prefix("commit=")
                     .is_some_and(|v| !matches!(v, "0" | "5"))
-                || o.strip_prefix("data=").is_some_and(|v| v != "ordered")
+                || o.starts_with("data=")
         });
         if let Some(o) = journal_setting {
             return Err(OptionError::Conflict {
-                name: "noload",
+                name: no_journal,
                 reason: format!("leaves no journal for {}", option_key(o)),
             });
         }
@@ -682,7 +689,16 @@ mod tests {
         for o in ["commit=2", "data=journal", "journal_checksum"] {
             assert!(p(FsType::Ext4, &["noload", o], true).is_err(), "{o}");
         }
-        assert!(p(FsType::Ext4, &["noload", "commit=5", "data=ordered"], true).is_ok());
+        assert!(p(FsType::Ext4, &["noload", "commit=5"], true).is_ok());
+        // Even the default data mode, named, is refused without a journal
+        // (the kernel target's input, kept).
+        let e = p(
+            FsType::Ext4,
+            &["noatime", "norecovery", "data=ordered", "ro", "nosuid"],
+            false,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("data"), "{e}");
         // Octal to the kernel, decimal to a reader: refused.
         for o in ["resuid=0207924707", "resgid=010", "commit=05"] {
             assert!(p(FsType::Ext4, &[o], false).is_err(), "{o}");
