@@ -335,8 +335,8 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
             &pod,
         ));
     }
-    for address in sockets.iter().filter(|a| !a.is_empty() && !alive(a)) {
-        let _ = std::fs::remove_file(socket_path(address));
+    for address in sockets.iter().filter(|a| !a.is_empty()) {
+        remove_dead_socket(address);
     }
     if pod == flags.id {
         cleanup_pod(&cfg, &store, &pod);
@@ -363,6 +363,21 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
 
 /// How long `delete` waits for a shim that is still exiting.
 const SHIM_EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// Removes a dead shim's socket. A killed shim's connections close
+/// before its listening socket does (containerd runs `delete` on the
+/// first), so a socket that still answers is given [`SHIM_EXIT_GRACE`]
+/// to die; one that answers after that belongs to a live shim and stays.
+fn remove_dead_socket(address: &str) {
+    let until = std::time::Instant::now() + SHIM_EXIT_GRACE;
+    while alive(address) {
+        if std::time::Instant::now() >= until {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(socket_path(address));
+}
 
 /// Releases a dead shim's pod: kills its QEMU if it still runs, drops its
 /// claims, undoes the share, removes the record.
@@ -395,4 +410,42 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
         tracing::warn!("pod {pod}: {e}");
     }
     let _ = store.remove(pod);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    fn scratch(name: &str) -> (tempfile::TempDir, String) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join(name);
+        let a = format!("unix://{}", p.display());
+        (d, a)
+    }
+
+    /// A shim still exiting (its socket answers for a moment) loses its
+    /// socket once it stops answering, within the grace.
+    #[test]
+    fn a_dying_shims_socket_is_removed_once_it_stops_answering() {
+        let (_d, a) = scratch("dying.sock");
+        let l = UnixListener::bind(socket_path(&a)).unwrap();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(l);
+        });
+        remove_dead_socket(&a);
+        t.join().unwrap();
+        assert!(!Path::new(socket_path(&a)).exists());
+    }
+
+    /// A socket that still answers after the grace is a live shim's: kept.
+    #[test]
+    fn a_live_shims_socket_stays() {
+        let (_d, a) = scratch("live.sock");
+        let _l = UnixListener::bind(socket_path(&a)).unwrap();
+        remove_dead_socket(&a);
+        assert!(Path::new(socket_path(&a)).exists());
+        assert!(alive(&a));
+    }
 }

@@ -389,7 +389,16 @@ async fn the_guest_holds_its_devices(door: Door) {
     // --- live QoS through this door (issue 28): ControllerModifyVolume, as
     // the resizer sends for a VolumeAttributesClass, reaches the sandbox
     // serving the volume and the guest's direct reads slow to the limit.
-    let unthrottled = direct_read_iops(&w);
+    // The unthrottled rate is bound by the guest's CPU (a TCG guest
+    // spawning dd): on a loaded host one sample can fall near the limit,
+    // so take the best of up to three before judging.
+    let mut unthrottled = direct_read_iops(&w);
+    for _ in 0..2 {
+        if unthrottled > 2.0 * f64::from(THROTTLE_IOPS) {
+            break;
+        }
+        unthrottled = unthrottled.max(direct_read_iops(&w));
+    }
     csi.controller_modify_volume(csi::ControllerModifyVolumeRequest {
         volume_id: deferred_vol.volume_id.clone(),
         mutable_parameters: [("iops".to_string(), THROTTLE_IOPS.to_string())].into(),
