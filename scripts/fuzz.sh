@@ -3,7 +3,8 @@
 # another process's bytes. Targets live in fuzz/ (its own cargo workspace).
 #
 #   scripts/fuzz.sh --smoke [TARGET...]        CI: build, ~20 s per target, fail on any crash
-#                                              (given no target: all but the long-form-only ones)
+#                                              (given no target: all but the long-form-only ones,
+#                                              and as root mount_options_kernel)
 #   scripts/fuzz.sh --long [SECONDS] [TARGET...]  SECONDS per target (default 3600)
 #   scripts/fuzz.sh --long 3600 --save ...     then minimize the run's corpus into fuzz/corpus/
 #   scripts/fuzz.sh --coverage [TARGET...]     line coverage of the committed corpora:
@@ -20,7 +21,8 @@
 # Long-form only (not in the smoke unless named): csi_request, whose
 # build (crust-csi and its gRPC stack with the sanitizer, the fuzz
 # manifest's `csi` feature) alone takes about 8 minutes on two cores; and
-# mount_options_kernel, the allow-list against real mounts (root; this
+# mount_options_kernel (which the smoke runs too when it is root), the
+# allow-list against real mounts (root; this
 # script gives it an ext4 and an xfs loop device and runs it in a private
 # mount namespace, where it first drops the mount copies it does not use,
 # so it pins no other mount of the node; it shares mount_options' corpus
@@ -56,7 +58,7 @@ while [ $# -gt 0 ]; do
     --ledger) mode=ledger ;;
     --coverage) mode=coverage ;;
     -h | --help)
-      sed -n '2,37p' "$0"
+      sed -n '2,39p' "$0"
       exit 0
       ;;
     -*)
@@ -67,7 +69,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$mode" ] || { sed -n '2,37p' "$0" >&2; exit 2; }
+[ -n "$mode" ] || { sed -n '2,39p' "$0" >&2; exit 2; }
 
 all_targets=$(sed -n 's/^name = "\([a-z0-9_]*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^crust-fuzz$' || true)
 if [ "$mode" = list ]; then
@@ -92,9 +94,20 @@ if [ "$mode" = ledger ]; then
   exit 0
 fi
 long_only="csi_request mount_options_kernel oci_plan"
+build_all=0
 if [ ${#targets[@]} -eq 0 ]; then
+  build_all=1
   if [ "$mode" = smoke ]; then
     mapfile -t targets < <(grep -vxF -f <(tr ' ' '\n' <<<"$long_only") <<<"$all_targets")
+    # As root the smoke also replays mount_options' corpus against real
+    # mounts: a run of mount_options grows that corpus, and only the
+    # kernel target tells whether what it found still mounts (it is
+    # built with the others: it needs no feature).
+    if [ "$(id -u)" = 0 ]; then
+      targets+=(mount_options_kernel)
+    else
+      echo "fuzz.sh: mount_options_kernel skipped (needs root for its loop devices)" >&2
+    fi
   else
     mapfile -t targets <<<"$all_targets"
   fi
@@ -260,10 +273,9 @@ build() {
     exit 1
   fi
 }
-# Given no target `cargo fuzz build` builds them all in one cargo run.
-# (the smoke's: all but the long-form-only ones, which need a feature).
-if [ "${targets[*]}" = "$(echo $all_targets)" ] ||
-  { [ "$mode" = smoke ] && [ "${targets[*]}" = "$(grep -vxF -f <(tr ' ' '\n' <<<"$long_only") <<<"$all_targets" | xargs)" ]; }; then
+# Given no target `cargo fuzz build` builds them all in one cargo run
+# (but those whose feature is not asked for).
+if [ "$build_all" = 1 ] || [ "${targets[*]}" = "$(echo $all_targets)" ]; then
   build
 else
   for t in "${targets[@]}"; do build "$t"; done
