@@ -141,8 +141,12 @@ cleanup() {
   fi
   rm -rf "$scratch"
   # handoff_record's fixed device path: only a run that used it removes
-  # it (another fuzz.sh may be running it).
-  if [[ " ${targets[*]} " == *" handoff_record "* ]]; then rm -rf /dev/shm/crust-fuzz-handoff; fi
+  # it, and only when no other run's handoff_record still reads it (a CI
+  # smoke beside a long run had taken it away from the long run).
+  if [[ " ${targets[*]} " == *" handoff_record "* ]] &&
+    ! pgrep -f '/release/handoff_record ' >/dev/null; then
+    rm -rf /dev/shm/crust-fuzz-handoff
+  fi
 }
 trap cleanup EXIT
 export CRUST_FUZZ_SCRATCH="$scratch"
