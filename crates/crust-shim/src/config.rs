@@ -127,6 +127,29 @@ impl ShimConfig {
     }
 }
 
+/// A configuration for the crate's unit tests: the defaults, with every
+/// state root under `dir`.
+#[cfg(test)]
+pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
+    let mut runtime = EnvOpts::try_parse_from(Vec::<String>::new())
+        .expect("defaults parse")
+        .global
+        .config();
+    runtime.root = dir.join("rt");
+    runtime.crust_root = dir.join("crust");
+    runtime.kata_root = dir.join("kata");
+    runtime.handover_endpoint = String::new();
+    ShimConfig {
+        runtime,
+        runtime_cli: "/x".into(),
+        overhead_mib: 160,
+        virtiofsd: "virtiofsd".into(),
+        max_memory_mib: 8192,
+        max_cpus: 0,
+        lsm_policy: LsmPolicy::Ignore,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -784,9 +784,21 @@ impl Pod {
 
     /// Unmounts the volumes in the guest, powers it off (or kills it),
     /// releases the claims, removes the share and the sandbox record.
-    /// Idempotent. Each step is logged with its time, so a teardown that
-    /// hangs names the step in the shim's log.
-    pub async fn teardown(&self) {
+    /// Idempotent. Runs to its end in a task of its own: the RPC that asks
+    /// for it (Delete, Shutdown) is dropped at containerd's deadline (ttrpc
+    /// cancels a handler whose request timed out, and containerd gives a
+    /// TaskExit's Delete 10 s), and a teardown cut there would leave the
+    /// VM, the record, the share and the shim itself behind.
+    pub async fn teardown(self: &Arc<Self>) {
+        let pod = Arc::clone(self);
+        if let Err(e) = tokio::spawn(async move { pod.teardown_steps().await }).await {
+            tracing::error!("teardown of pod {}: {e}", self.id);
+        }
+    }
+
+    /// [`Self::teardown`]'s steps, each logged with its time, so a
+    /// teardown that hangs names the step in the shim's log.
+    async fn teardown_steps(&self) {
         let _g = match self.boot.try_lock() {
             Ok(g) => g,
             Err(_) => {
@@ -941,4 +953,46 @@ fn mount_rootfs(
         _ => share::mount_into(root, rel, &fs),
     };
     Ok(res.map_err(RuntimeError::from)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// containerd drops a Delete or Shutdown at its deadline (ttrpc then
+    /// drops the handler's future): the teardown it started still runs
+    /// to its end. Here the caller gives up while the teardown waits for
+    /// a boot; once the boot ends, the pod's record is gone all the same.
+    #[tokio::test]
+    async fn a_teardown_outlives_its_caller_giving_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::config::for_tests(dir.path());
+        for d in [
+            &cfg.runtime.root,
+            &cfg.runtime.crust_root,
+            &cfg.runtime.kata_root,
+        ] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let bundle = dir.path().join("bundle");
+        std::fs::create_dir_all(&bundle).unwrap();
+        let pod = Arc::new(Pod::new("p-deadline", cfg).unwrap());
+        pod.create_record(&bundle).unwrap();
+        assert!(pod.store().exists("p-deadline"));
+
+        let boot = pod.boot.lock().await;
+        let gave_up = tokio::time::timeout(Duration::from_millis(50), pod.teardown()).await;
+        assert!(gave_up.is_err(), "the teardown waits for the boot");
+        drop(boot);
+
+        let until = Instant::now() + Duration::from_secs(10);
+        while pod.store().exists("p-deadline") && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            !pod.store().exists("p-deadline"),
+            "the record outlived a teardown whose caller gave up"
+        );
+        assert!(pod.snapshot().is_none());
+    }
 }

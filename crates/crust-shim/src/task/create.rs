@@ -208,10 +208,7 @@ impl Service {
     /// A failed Create of the pod's owner ends the VM it booted.
     pub(super) async fn fail_create(&self, owner: bool, e: ttrpc::Error) -> ttrpc::Error {
         if owner {
-            self.pod.teardown().await;
-            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
-                cg.remove();
-            }
+            self.end_pod().await;
         }
         e
     }

@@ -282,6 +282,23 @@ impl Service {
         });
     }
 
+    /// The pod's teardown, then its cgroup (empty once QEMU is gone), in
+    /// a task of their own that outlives this RPC if containerd's deadline
+    /// drops it (see [`Pod::teardown`]).
+    async fn end_pod(&self) {
+        let pod = self.pod.clone();
+        let cgroup = self.cgroup.lock().expect("cgroup").take();
+        let end = tokio::spawn(async move {
+            pod.teardown().await;
+            if let Some(cg) = cgroup {
+                cg.remove();
+            }
+        });
+        if let Err(e) = end.await {
+            tracing::error!("ending pod {}: {e}", self.pod.id);
+        }
+    }
+
     /// When the VM dies on its own, what it held is released at once.
     fn spawn_vm_watch(&self, vm: Arc<PodVm>) {
         let pod = self.pod.clone();
@@ -411,10 +428,7 @@ impl Service {
         self.pod.forget_limits(&req.id).await;
         self.containers.lock().expect("containers").remove(&req.id);
         if c.owner {
-            self.pod.teardown().await;
-            if let Some(cg) = self.cgroup.lock().expect("cgroup").take() {
-                cg.remove();
-            }
+            self.end_pod().await;
         }
         let ev = TaskDelete {
             container_id: req.id.clone(),
@@ -733,13 +747,20 @@ impl Task for Service {
             }
         }
         tracing::info!("Shutdown: no container left, the shim ends");
-        self.pod.teardown().await;
-        // Answer first: the server stops once the exit is signalled.
+        // The shim ends even if containerd stops waiting for this answer
+        // (its Shutdown has a 3 s deadline, at which ttrpc drops this
+        // handler): the teardown and the exit live in their own task.
+        let pod = self.pod.clone();
         let exit = self.exit.clone();
+        let (done, torn_down) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
+            pod.teardown().await;
+            let _ = done.send(());
+            // Answer first: the server stops once the exit is signalled.
             tokio::time::sleep(Duration::from_millis(200)).await;
             exit.signal();
         });
+        let _ = torn_down.await;
         Ok(api::Empty::new())
     }
 
