@@ -206,7 +206,7 @@ dict_of() {
 # coverage summary's figure.
 parser_files_of() {
   case "$1" in
-    handoff_record) echo crates/crust-handoff/src/{mountinfo,store,validate}.rs ;;
+    handoff_record) echo crates/crust-handoff/src/{mountinfo,validate}.rs crates/crust-handoff/src/store/{mod,layout,dirs,fsio}.rs ;;
     agent_frame) echo crates/crust-agent-proto/src/{frame,messages,network}.rs ;;
     mountinfo) echo crates/crust-mountinfo/src/lib.rs crates/crust-agent/src/sys.rs ;;
     mount_options | mount_options_kernel) echo crates/crust-fs/src/options.rs ;;
@@ -214,7 +214,7 @@ parser_files_of() {
     containerd_config) echo crates/crust-node-install/src/containerd.rs ;;
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
-    csi_request) echo crates/crust-csi/src/{controller,caps}.rs crates/crust-csi/src/node/mod.rs ;;
+    csi_request) echo crates/crust-csi/src/controller/{mod,service}.rs crates/crust-csi/src/{caps,paging}.rs crates/crust-csi/src/node/mod.rs ;;
     oci_plan) echo crates/crust-shim/src/spec.rs ;;
   esac
 }
