@@ -336,7 +336,16 @@ for t in "${targets[@]}"; do
   fi
   if [ "$save" = 1 ] && [ $rc = 0 ]; then
     # Minimized: only inputs that add coverage over the committed seeds.
-    in_ns "$t" "$bin" -merge=1 "$(corpus_of "$t")" "$work" -dict="$(dict_of "$t")" >"$tdir/$t.$mode.merge.log" 2>&1
+    # An input that crashes here is skipped by the merge and kept with
+    # the artifacts; any crash fails the run (a merge is no place for it).
+    before=$(find "$arts" -type f | wc -l)
+    if ! in_ns "$t" "$bin" -merge=1 -artifact_prefix="$arts/" "$(corpus_of "$t")" "$work" \
+      -dict="$(dict_of "$t")" >"$tdir/$t.$mode.merge.log" 2>&1 ||
+      [ "$(find "$arts" -type f | wc -l)" != "$before" ]; then
+      failed+=("$t")
+      echo "fuzz.sh: $t: the merge into $(corpus_of "$t") crashed: $tdir/$t.$mode.merge.log, $arts/" >&2
+      grep -a -m1 -A1 'panicked at' "$tdir/$t.$mode.merge.log" >&2 || true
+    fi
     echo "fuzz.sh: $t: $(corpus_of "$t") now $(find "$(corpus_of "$t")" -type f | wc -l) inputs"
   fi
 done

@@ -156,18 +156,7 @@ mod tests {
 
     #[test]
     fn memory_follows_the_limits() {
-        let mut c = ShimConfig {
-            runtime: EnvOpts::try_parse_from(Vec::<String>::new())
-                .unwrap()
-                .global
-                .config(),
-            runtime_cli: "/x".into(),
-            overhead_mib: 160,
-            virtiofsd: "virtiofsd".into(),
-            max_memory_mib: 8192,
-            max_cpus: 0,
-            lsm_policy: LsmPolicy::Ignore,
-        };
+        let mut c = for_tests(Path::new("/nonexistent"));
         c.runtime.memory_mib = 256;
         assert_eq!(c.guest_memory_mib(0), 256);
         assert_eq!(c.guest_memory_mib(512 << 20), 672);
