@@ -176,6 +176,9 @@ kernel_setup() {
   done
   mkdir -p "$scratch/mnt"
   export CRUST_FUZZ_MNT="$scratch/mnt"
+  # The namespace the target must not run in: this shell's.
+  CRUST_FUZZ_HOST_MNTNS=$(readlink /proc/$$/ns/mnt)
+  export CRUST_FUZZ_HOST_MNTNS
 }
 in_ns() {
   if [ "$1" = mount_options_kernel ]; then
@@ -240,7 +243,13 @@ if [ "$mode" = coverage ]; then
   summary=()
   for t in "${targets[@]}"; do
     log="$ctdir/$t.log"
-    [ "$t" = mount_options_kernel ] && [ -z "${CRUST_FUZZ_MNT:-}" ] && kernel_setup
+    if [ "$t" = mount_options_kernel ]; then
+      # Its lines of options.rs are mount_options' (same corpus, same
+      # parser first); under cargo-fuzz's coverage runner its scratch
+      # mount point's unmount answers EBUSY.
+      echo "fuzz.sh: mount_options_kernel skipped: see mount_options" >&2
+      continue
+    fi
     if ! in_ns "$t" cargo +nightly fuzz coverage --fuzz-dir fuzz --target-dir "$ctdir" --sanitizer none \
       "${features[@]}" --llvm-path "$llvm" "$t" "$(corpus_of "$t")" >"$log" 2>&1; then
       grep -vE '^\s+(Compiling|Downloaded|Downloading)' "$log" | tail -30 >&2

@@ -71,14 +71,17 @@ fn is_build_dependent(word: &str) -> bool {
 /// of the copies of every mount it does not use: otherwise each would
 /// stay pinned for the whole run (a test's loop device could not be
 /// detached, a host volume not be grown) while only the namespace holds
-/// them. Refuses to run in init's namespace, the node's own. (Not the
-/// parent's: libFuzzer's merge starts its inner runs through `sh -c`,
-/// a parent inside the same private namespace.)
+/// them. Refuses to run in the namespace `scripts/fuzz.sh` was started in
+/// (`CRUST_FUZZ_HOST_MNTNS`): not the parent's, since libFuzzer's merge
+/// starts its inner runs through `sh -c` inside the private namespace, and
+/// not init's, which a root in a container may not read.
 fn leave_only_what_is_used(keep: &[&Path]) {
-    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).expect("mount namespace");
+    let host = std::env::var_os("CRUST_FUZZ_HOST_MNTNS")
+        .expect("CRUST_FUZZ_HOST_MNTNS is not set: run this target through scripts/fuzz.sh");
+    let own = std::fs::read_link("/proc/self/ns/mnt").expect("own mount namespace");
     assert_ne!(
-        ns("self"),
-        ns("1"),
+        own,
+        PathBuf::from(host),
         "mount_options_kernel must run in a private mount namespace (unshare -m): see scripts/fuzz.sh"
     );
     let text = std::fs::read("/proc/self/mountinfo").expect("mountinfo");
