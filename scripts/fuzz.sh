@@ -202,6 +202,7 @@ dict_of() {
     shim_http) echo fuzz/dict/http.dict ;;
     h2_authority) echo fuzz/dict/h2.dict ;;
     csi_request) echo fuzz/dict/csi.dict ;;
+    peer_request) echo fuzz/dict/peer.dict ;;
   esac
 }
 
@@ -219,6 +220,7 @@ parser_files_of() {
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
     csi_request) echo crates/crust-csi/src/controller/{mod,service}.rs crates/crust-csi/src/{caps,paging}.rs crates/crust-csi/src/node/mod.rs ;;
     oci_plan) echo crates/crust-shim/src/spec.rs ;;
+    peer_request) echo crates/crust-peer-seal/src/lib.rs ;;
   esac
 }
 

@@ -275,6 +275,7 @@ def check_semantics(docs):
             fail("health monitor runs per node: no leader election")
         if spec.get("serviceAccountName") != "crust-csi-node":
             fail("crust-csi-node must use the crust-csi-node account")
+        check_peers(docs, node, csi)
 
     rc = by_kind(docs, "RuntimeClass", "crust")
     if rc:
@@ -338,6 +339,39 @@ def check_semantics(docs):
         sa = spec.get("serviceAccountName")
         if sa and (d["metadata"]["namespace"], sa) not in accounts:
             fail(f"{d['kind']} {d['metadata']['name']}: no ServiceAccount {sa}")
+
+
+def check_peers(docs, node, csi):
+    """ModifyVolume across nodes: the plugin serves and asks peers on the
+    port the headless Service names, with the optional key Secret."""
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in csi.get("args", []) if "=" in a}
+    port = args.get("--peer-address", "").rpartition(":")[2]
+    if not port:
+        fail("crust-csi args lack --peer-address")
+        return
+    named = {p["name"]: str(p["containerPort"]) for p in csi.get("ports", [])}
+    svc = next((d for d in docs if d["kind"] == "Service"
+                and d["metadata"]["name"] == "crust-csi-peers"), None)
+    if svc is None:
+        fail("no Service crust-csi-peers")
+        return
+    s = svc["spec"]
+    if s.get("clusterIP") != "None" or not s.get("publishNotReadyAddresses"):
+        fail("crust-csi-peers must be headless and publish not-ready addresses")
+    labels = node["spec"]["template"]["metadata"]["labels"]
+    if not s.get("selector") or any(labels.get(k) != v for k, v in s["selector"].items()):
+        fail("crust-csi-peers does not select the crust-csi-node pods")
+    sp = s.get("ports", [{}])[0]
+    if named.get(sp.get("targetPort")) != port or str(sp.get("port")) != port:
+        fail("crust-csi-peers' port is not crust-csi's --peer-address port")
+    if args.get("--peers") != f"crust-csi-peers:{port}":
+        fail(f"crust-csi --peers must be crust-csi-peers:{port}")
+    key = args.get("--peer-key-file", "")
+    vols = {v["name"]: v for v in node["spec"]["template"]["spec"].get("volumes", [])}
+    mounted = [m for m in csi.get("volumeMounts", []) if key.startswith(m["mountPath"] + "/")]
+    secret = vols.get(mounted[0]["name"], {}).get("secret", {}) if mounted else {}
+    if secret.get("secretName") != "crust-csi-peer-key" or secret.get("optional") is not True:
+        fail("--peer-key-file must be in the optional Secret crust-csi-peer-key")
 
 
 def check_examples(base, examples):

@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/csi.proto",
         "proto/runtime.proto",
         "proto/handover.proto",
+        "proto/peer.proto",
     ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");

@@ -38,6 +38,32 @@ pub enum ConfigError {
     StateDir(PathBuf),
     #[error("{0}")]
     Deferral(String),
+    #[error("{0}")]
+    Peer(String),
+}
+
+/// How this plugin reaches the other nodes' plugins, and is reached by
+/// them, for controller RPCs of volumes another node owns (`crate::peer`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// Where the other nodes' requests are served (TCP); None: not served.
+    pub listen: Option<SocketAddr>,
+    /// `host:port` of the other nodes' plugins, each resolved to all its
+    /// addresses at every request (a headless Service's name gives every
+    /// node); empty: a volume not on this node is NOT_FOUND.
+    pub peers: Vec<String>,
+    /// The key every node shares, read at each request (a Secret that is
+    /// created or rotated later is picked up without a restart).
+    pub key_file: Option<PathBuf>,
+    /// How long a forwarded request may take, the owner's work included.
+    pub timeout: Duration,
+}
+
+impl PeerConfig {
+    /// Whether a ModifyVolume of an unknown volume is asked of the peers.
+    pub fn forwards(&self) -> bool {
+        !self.peers.is_empty()
+    }
 }
 
 /// Which backend serves the volumes.
@@ -144,6 +170,9 @@ pub struct Config {
     pub metrics_address: Option<SocketAddr>,
     /// Which service grows a volume's backing store.
     pub expansion: Expansion,
+    /// Node-to-node requests (ControllerModifyVolume of another node's
+    /// volume); off by default.
+    pub peer: PeerConfig,
     pub hooks: Hooks,
 }
 
@@ -211,6 +240,7 @@ impl Config {
             csi_spec: CsiSpec::Both,
             metrics_address: None,
             expansion: Expansion::Controller,
+            peer: PeerConfig::default(),
             hooks: Hooks::default(),
         }
     }
@@ -410,6 +440,28 @@ pub struct Cli {
     #[arg(long, env = "CRUST_CSI_EXPANSION", value_enum, default_value_t = Expansion::Controller)]
     pub expansion: Expansion,
 
+    /// Serve other nodes' crust-csi on this TCP address (e.g. 0.0.0.0:9811):
+    /// ControllerModifyVolume of a volume this node owns, sealed with
+    /// --peer-key-file. Needs --peer-key-file.
+    #[arg(long, env = "CRUST_CSI_PEER_ADDRESS")]
+    pub peer_address: Option<SocketAddr>,
+
+    /// The other nodes' crust-csi, comma-separated host:port (a headless
+    /// Service's name resolves to every node): a ControllerModifyVolume of
+    /// a volume not on this node is passed to them. Needs --peer-key-file.
+    #[arg(long, env = "CRUST_CSI_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
+
+    /// The key all nodes share (at least 32 bytes; a Secret's file), read
+    /// at each peer request.
+    #[arg(long, env = "CRUST_CSI_PEER_KEY_FILE")]
+    pub peer_key_file: Option<PathBuf>,
+
+    /// How long a request passed to the other nodes may take, the owner's
+    /// live change included (the external-resizer's --timeout is longer).
+    #[arg(long, env = "CRUST_CSI_PEER_TIMEOUT", default_value = "45s")]
+    pub peer_timeout: String,
+
     /// Log level: error, warn, info, debug, trace, a klog-style number
     /// (0-2 info, 3-4 debug, 5+ trace) or a tracing filter directive.
     #[arg(
@@ -499,6 +551,7 @@ impl Cli {
         }
         let backend = self.backend_config()?;
         let ops = self.ops_config()?;
+        let peer = self.peer_config()?;
         let hooks = Hooks {
             handover_crash: std::env::var(HANDOVER_CRASH_ENV)
                 .ok()
@@ -525,7 +578,37 @@ impl Cli {
             csi_spec: self.csi_spec,
             metrics_address: self.metrics_address,
             expansion: self.expansion,
+            peer,
             hooks,
+        })
+    }
+
+    /// `--peer-*`: both directions need the key; every peer names a port.
+    fn peer_config(&self) -> Result<PeerConfig, ConfigError> {
+        let peers: Vec<String> = self
+            .peers
+            .iter()
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty())
+            .collect();
+        for p in &peers {
+            let port = p.rsplit_once(':').map(|(_, port)| port.parse::<u16>());
+            if !matches!(port, Some(Ok(n)) if n > 0) {
+                return Err(ConfigError::Peer(format!(
+                    "--peers {p:?}: expected host:port (e.g. crust-csi-peers.crust-system.svc:9811)"
+                )));
+            }
+        }
+        if (self.peer_address.is_some() || !peers.is_empty()) && self.peer_key_file.is_none() {
+            return Err(ConfigError::Peer(
+                "--peer-address and --peers need --peer-key-file (the key all nodes share)".into(),
+            ));
+        }
+        Ok(PeerConfig {
+            listen: self.peer_address,
+            peers,
+            key_file: self.peer_key_file.clone(),
+            timeout: parse_duration(&self.peer_timeout)?.max(Duration::from_secs(1)),
         })
     }
 
@@ -801,6 +884,41 @@ mod tests {
         assert!(bad(&["--state-dir", "rel"]));
         assert_eq!(log_filter("5"), "trace");
         assert_eq!(log_filter("debug"), "debug");
+    }
+
+    #[test]
+    fn peer_flags_need_the_key_and_ports() {
+        let parse = |args: &[&str]| {
+            let mut v = vec!["crust-csi", "--node-id", "n1"];
+            v.extend_from_slice(args);
+            Cli::parse_from(v).into_config()
+        };
+        let off = parse(&[]).unwrap().peer;
+        assert!(!off.forwards() && off.listen.is_none());
+        let on = parse(&[
+            "--peer-address=0.0.0.0:9811",
+            "--peers",
+            "crust-csi-peers.crust-system.svc:9811, 10.0.0.2:9811",
+            "--peer-key-file=/etc/crust-csi/peer/key",
+        ])
+        .unwrap()
+        .peer;
+        assert!(on.forwards());
+        assert_eq!(
+            on.peers,
+            ["crust-csi-peers.crust-system.svc:9811", "10.0.0.2:9811"]
+        );
+        assert_eq!(on.timeout, Duration::from_secs(45));
+        for bad in [
+            &["--peers=h:9811"][..],
+            &["--peer-address=0.0.0.0:9811"],
+            &["--peers=nohost", "--peer-key-file=/k"],
+            &["--peers=h:0", "--peer-key-file=/k"],
+            &["--peers=h:99999", "--peer-key-file=/k"],
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("--peer"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

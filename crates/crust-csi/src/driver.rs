@@ -416,9 +416,22 @@ where
     T: Send + 'static,
     E: Into<Status> + Send + 'static,
 {
+    blocking_typed(driver, f).await?.map_err(Into::into)
+}
+
+/// [`blocking`], keeping the operation's own error for the caller to act
+/// on (the outer error: the operation panicked).
+pub(crate) async fn blocking_typed<T, E, F>(
+    driver: &Arc<Driver>,
+    f: F,
+) -> Result<Result<T, E>, Status>
+where
+    F: FnOnce(&Driver) -> Result<T, E> + Send + 'static,
+    T: Send + 'static,
+    E: Send + 'static,
+{
     let d = driver.clone();
-    match tokio::task::spawn_blocking(move || f(&d)).await {
-        Ok(r) => r.map_err(Into::into),
-        Err(e) => Err(Status::internal(format!("operation panicked: {e}"))),
-    }
+    tokio::task::spawn_blocking(move || f(&d))
+        .await
+        .map_err(|e| Status::internal(format!("operation panicked: {e}")))
 }

@@ -36,6 +36,7 @@ pub mod identity;
 pub mod metrics;
 pub mod node;
 mod paging;
+pub mod peer;
 mod placeholder;
 pub mod qos;
 pub mod records;
@@ -49,10 +50,10 @@ mod workers;
 
 pub use config::{
     BackendConfig, Cli, Config, CsiSpec, DEFAULT_DRIVER_NAME, DEFAULT_HANDOVER_ENDPOINT,
-    DEFAULT_VOLUME_SIZE, DeferralConfig, Expansion, Gate, HANDOVER_CRASH_ENV, Hooks,
+    DEFAULT_VOLUME_SIZE, DeferralConfig, Expansion, Gate, HANDOVER_CRASH_ENV, Hooks, PeerConfig,
 };
 pub use driver::Driver;
-pub use error::{ControllerError, HandoverError, IdentityError, NodeError, ServeError};
+pub use error::{ControllerError, HandoverError, IdentityError, NodeError, PeerError, ServeError};
 pub use records::volume_id_for;
 pub use server::{build_backend, serve, serve_with_backend};
 

@@ -11,6 +11,9 @@
 //! On shutdown in-flight RPCs finish (bounded by
 //! [`SHUTDOWN_GRACE`]) and the socket is removed.
 //!
+//! With `--peer-address`, other nodes' plugins are served over TCP
+//! ([`crate::peer`]).
+//!
 //! With `--metrics-address`, Prometheus metrics are served at
 //! `http://<address>/metrics` (see [`crate::metrics`]); every RPC passes
 //! through the metrics layer.
@@ -98,23 +101,8 @@ where
         .map_err(|e| ServeError::Backend(e.to_string()))??;
     // The metrics endpoint is bound first: a bad address stops the plugin
     // before it serves anything.
-    let metrics_listener = match driver.config().metrics_address {
-        Some(address) => {
-            let l = crate::metrics::bind(address)
-                .await
-                .map_err(|source| ServeError::Metrics {
-                    address: address.to_string(),
-                    source,
-                })?;
-            let bound = l.local_addr().map_err(|source| ServeError::Metrics {
-                address: address.to_string(),
-                source,
-            })?;
-            tracing::info!("metrics endpoint listening on http://{bound}/metrics");
-            Some(l)
-        }
-        None => None,
-    };
+    let metrics_listener = bind_metrics(driver.config().metrics_address).await?;
+    let peer_listener = crate::peer::bind(driver.config()).await?;
     // The Handover socket is bound before the CSI socket: whoever waits
     // for the CSI socket (kubelet, a runtime, a test) finds both.
     let handover = match &driver.config().handover_socket {
@@ -158,6 +146,9 @@ where
             }
         });
     }
+    if let Some(l) = peer_listener {
+        tokio::spawn(crate::peer::serve(l, driver.clone(), fired_rx.clone()));
+    }
     if let Some(l) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             l,
@@ -197,6 +188,23 @@ where
     drop(socket);
     tracing::info!("stopped");
     result
+}
+
+/// Binds `--metrics-address`, if given.
+async fn bind_metrics(
+    address: Option<std::net::SocketAddr>,
+) -> Result<Option<tokio::net::TcpListener>, ServeError> {
+    let Some(address) = address else {
+        return Ok(None);
+    };
+    let metrics_err = |source| ServeError::Metrics {
+        address: address.to_string(),
+        source,
+    };
+    let l = crate::metrics::bind(address).await.map_err(metrics_err)?;
+    let bound = l.local_addr().map_err(metrics_err)?;
+    tracing::info!("metrics endpoint listening on http://{bound}/metrics");
+    Ok(Some(l))
 }
 
 /// Removes the socket on drop if it is still the one we created.

@@ -71,6 +71,14 @@ fn a_broken_copy_fails_validation() {
         "mountPropagation: Bidirectional",
         "mountPropagation: None",
     );
+    // The peers' Service losing its not-ready pods, and the key Secret
+    // made mandatory (a node would not start before it exists).
+    edit(
+        "base/csi-peers.yaml",
+        "publishNotReadyAddresses: true",
+        "publishNotReadyAddresses: false",
+    );
+    edit("base/csi-node.yaml", "optional: true", "optional: false");
     // An example pod back on hostNetwork, and its claim on a class base
     // does not install.
     edit(
@@ -90,6 +98,8 @@ fn a_broken_copy_fails_validation() {
         "sidecar csi-provisioner",
         "verbs ['*'] beyond",
         "Bidirectional",
+        "crust-csi-peers must be headless",
+        "optional Secret crust-csi-peer-key",
         "pod crust-demo uses hostNetwork",
         "StorageClass crust-ext5, which base lacks",
     ] {

@@ -6,6 +6,8 @@
 //! - [`runtime::v1alpha1`]: the KEP-2857 `Runtime` service of crust_ops.
 //! - [`handover::v1alpha1`]: crust-csi's `Handover` service (runtime-driven
 //!   deferral: a VM runtime takes a host-published volume into its guest).
+//! - [`peer::v1alpha1`]: crust-csi to crust-csi across nodes (a
+//!   ModifyVolume for a volume another node owns, sealed with a shared key).
 //! - [`server::incoming`]: how every crust gRPC server accepts
 //!   connections (the unix-socket `:authority` of non-Go clients is
 //!   rewritten before h2 sees it, see [`authority`]).
@@ -28,6 +30,13 @@ pub mod handover {
     pub mod v1alpha1 {
         #![allow(clippy::all, clippy::pedantic)]
         tonic::include_proto!("crust.handover.v1alpha1");
+    }
+}
+
+pub mod peer {
+    pub mod v1alpha1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        tonic::include_proto!("crust.peer.v1alpha1");
     }
 }
 

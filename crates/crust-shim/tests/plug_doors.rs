@@ -15,6 +15,10 @@
 //!
 //! * ControllerModifyVolume (`iops`) on the deferred volume while it runs:
 //!   the guest's direct reads fall to the limit, live, through that door.
+//!   For the containerd door it is sent, as in a cluster, to another
+//!   node's crust-csi (where the external-resizer runs), which passes it
+//!   to this node's over the peer port (README "ModifyVolume across
+//!   nodes").
 //!
 //! Budget: per door containerd + crust-csi + two TCG boots, ~30 s; the two
 //! tests run side by side (two VM slots).
@@ -32,7 +36,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Env, Leftovers, qemus_under, start_plugin};
+use common::{Env, Leftovers, qemus_under};
 use crust_proto::csi::v1 as csi;
 use crust_testkit::BUSYBOX_IMAGE;
 
@@ -331,7 +335,12 @@ async fn the_guest_holds_its_devices(door: Door) {
         pool: env.dir.path().join("pool"),
         cgroup_parent: None,
     };
-    let plugin = start_plugin(&env).await;
+    // This node and the resizer's node serve each other's peer ports.
+    let key = env.dir.path().join("peer-key");
+    std::fs::write(&key, "plug-doors-peer-key-of-at-least-32-bytes\n").unwrap();
+    let (here, there) = (common::free_port(), common::free_port());
+    let plugin =
+        common::start_plugin_with(&env, &common::peer_flags(here, &[here, there], &key)).await;
     let csi = plugin.csi().await;
     let uid = "31000000-0000-4000-8000-000000000031";
     let deferred_vol = common::publish(&env, &csi, "pvc-deferred", uid, true).await;
@@ -399,13 +408,28 @@ async fn the_guest_holds_its_devices(door: Door) {
         }
         unthrottled = unthrottled.max(direct_read_iops(&w));
     }
-    csi.controller_modify_volume(csi::ControllerModifyVolumeRequest {
+    let modify = csi::ControllerModifyVolumeRequest {
         volume_id: deferred_vol.volume_id.clone(),
         mutable_parameters: [("iops".to_string(), THROTTLE_IOPS.to_string())].into(),
         ..Default::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{door:?}: ModifyVolume: {e}\n{}", logs()));
+    };
+    let _resizer_node = match door {
+        Door::Cli => {
+            csi.controller_modify_volume(modify)
+                .await
+                .map(drop)
+                .unwrap_or_else(|e| panic!("{door:?}: ModifyVolume: {e}\n{}", logs()));
+            None
+        }
+        Door::Containerd => {
+            let other =
+                common::start_other_node(&env, &common::peer_flags(there, &[here, there], &key))
+                    .await;
+            other.csi().await.controller_modify_volume(modify).await.map(drop)
+                .unwrap_or_else(|e| panic!("{door:?}: ModifyVolume through the resizer's node: {e}\n{}\n--- resizer's node\n{}", logs(), other.proc.log_tail(3000)));
+            Some(other)
+        }
+    };
     let throttled = direct_read_iops(&w);
     eprintln!("[{door:?}] direct reads: {unthrottled:.0} IOPS, at {THROTTLE_IOPS}: {throttled:.0}");
     let limit = THROTTLE_IOPS as f64;

@@ -9,18 +9,23 @@ use csi::controller_server::Controller;
 use tonic::{Request, Response, Status};
 
 use crate::config::Expansion;
-use crate::driver::{Driver, blocking};
+use crate::driver::{Driver, blocking, blocking_typed};
+use crate::error::ControllerError;
+use crate::peer::Forwarder;
 use crate::surface::health_api_off;
 
 /// The tonic Controller service.
 #[derive(Clone)]
 pub struct ControllerService {
     driver: Arc<Driver>,
+    /// Other nodes' plugins, asked about volumes this node does not have.
+    peers: Option<Arc<Forwarder>>,
 }
 
 impl ControllerService {
     pub fn new(driver: Arc<Driver>) -> Self {
-        ControllerService { driver }
+        let peers = Forwarder::of(&driver);
+        ControllerService { driver, peers }
     }
 }
 
@@ -182,10 +187,16 @@ impl Controller for ControllerService {
         request: Request<csi::ControllerModifyVolumeRequest>,
     ) -> std::result::Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
         let req = request.into_inner();
-        blocking(&self.driver, move |d| {
-            d.controller().controller_modify_volume(&req)
+        let local = req.clone();
+        let here = blocking_typed(&self.driver, move |d| {
+            d.controller().controller_modify_volume(&local)
         })
         .await?;
+        // Not this node's volume: its owner's plugin answers (crate::peer).
+        match (here, &self.peers) {
+            (Err(ControllerError::NotFound(_)), Some(peers)) => peers.modify_volume(req).await?,
+            (here, _) => here?,
+        }
         Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
     }
 

@@ -245,6 +245,67 @@ fn backend_code(e: &BackendError) -> Code {
     }
 }
 
+/// Why a ControllerModifyVolume passed between nodes' plugins failed
+/// (`crate::peer`), on either side.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// The shared key is missing or unusable (its Secret not created yet).
+    #[error("{0} (the Secret crust-csi-peer-key: README, Install on Kubernetes)")]
+    Key(#[from] crust_peer_seal::KeyError),
+    /// A request this node received and refused.
+    #[error("peer request refused: {0}")]
+    Refused(#[from] crust_peer_seal::Refusal),
+    #[error("cannot draw a nonce: {0}")]
+    Nonce(String),
+    /// `--peers` gave no address to ask.
+    #[error("volume {volume} is not on node {node}, and no other node could be asked: {reason}")]
+    NoPeers {
+        volume: String,
+        node: String,
+        reason: String,
+    },
+    /// Every node asked answered that it does not have the volume.
+    #[error("volume {volume} is on none of the {asked} nodes' plugins asked from node {node}")]
+    Nowhere {
+        volume: String,
+        node: String,
+        asked: usize,
+    },
+    /// Some nodes did not answer, and the owner may be one of them.
+    #[error(
+        "volume {volume} is not on node {node}, and {unanswered} of the {asked} nodes' plugins asked did not answer (the owner may be one of them): {detail}"
+    )]
+    Unanswered {
+        volume: String,
+        node: String,
+        asked: usize,
+        unanswered: usize,
+        detail: String,
+    },
+    /// The owner's plugin answered with an error: its code is the answer.
+    #[error("the plugin at {address} (the volume's node): {message}")]
+    Owner {
+        address: String,
+        code: Code,
+        message: String,
+    },
+}
+
+impl From<PeerError> for Status {
+    fn from(e: PeerError) -> Status {
+        let code = match &e {
+            PeerError::Key(_) => Code::FailedPrecondition,
+            PeerError::Refused(crust_peer_seal::Refusal::Flooded) => Code::ResourceExhausted,
+            PeerError::Refused(_) => Code::Unauthenticated,
+            PeerError::Nonce(_) => Code::Internal,
+            PeerError::NoPeers { .. } | PeerError::Unanswered { .. } => Code::Unavailable,
+            PeerError::Nowhere { .. } => Code::NotFound,
+            PeerError::Owner { code, .. } => *code,
+        };
+        status(code, &e)
+    }
+}
+
 /// Errors that stop the server from starting or running.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -260,6 +321,12 @@ pub enum ServeError {
     Ops(#[from] crust_ops::OpsError),
     #[error("metrics endpoint {address}: {source}")]
     Metrics {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("peer endpoint {address}: {source}")]
+    Peer {
         address: String,
         #[source]
         source: std::io::Error,

@@ -284,11 +284,16 @@ pub fn handover_socket(dir: &Path) -> PathBuf {
 }
 
 pub async fn start_plugin(env: &Env) -> Plugin {
+    start_plugin_with(env, &[]).await
+}
+
+/// The test's crust-csi (node `shim-node`) with `extra` flags.
+pub async fn start_plugin_with(env: &Env, extra: &[String]) -> Plugin {
     let pods = env.pods_dir.as_path();
     let d = env.dir.path();
     let socket = d.join("csi/csi.sock");
     std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
-    let args: Vec<OsString> = [
+    let mut args: Vec<OsString> = [
         "--endpoint".into(),
         format!("unix://{}", socket.display()),
         "--node-id".into(),
@@ -315,6 +320,7 @@ pub async fn start_plugin(env: &Env) -> Plugin {
     .into_iter()
     .map(OsString::from)
     .collect();
+    args.extend(extra.iter().map(OsString::from));
     let rt_env: Vec<(&str, OsString)> = vec![
         ("CRUST_RUNTIME_ROOT", env.runtime_root.clone().into()),
         ("CRUST_RUNTIME_CRUST_ROOT", env.crust_root.clone().into()),
@@ -327,6 +333,64 @@ pub async fn start_plugin(env: &Env) -> Plugin {
         panic!("{e}\n{}", p.log_tail(4000));
     }
     Plugin { proc: p, socket }
+}
+
+/// A second crust-csi playing another node (`resizer-node`, no volumes,
+/// its own directories), where the cluster's external-resizer would send
+/// ControllerModifyVolume: `peer_flags` name the nodes' peer ports and key.
+pub async fn start_other_node(env: &Env, peer_flags: &[String]) -> Plugin {
+    let d = env.dir.path().join("resizer-node");
+    std::fs::create_dir_all(&d).unwrap();
+    let socket = d.join("csi.sock");
+    let mut args: Vec<OsString> = [
+        "--endpoint".into(),
+        format!("unix://{}", socket.display()),
+        "--node-id".into(),
+        "resizer-node".into(),
+        "--state-dir".into(),
+        d.join("state").display().to_string(),
+        "--pool-dir".into(),
+        d.join("pool").display().to_string(),
+        "--pool-capacity".into(),
+        "1Gi".into(),
+        "--deferral".into(),
+        "disabled".into(),
+        "--handover-endpoint".into(),
+        String::new(),
+        "--crust-root".into(),
+        d.join("crust").display().to_string(),
+        "--kata-root".into(),
+        d.join("kata").display().to_string(),
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect();
+    args.extend(peer_flags.iter().map(OsString::from));
+    let bin = crust_testkit::workspace_bin("crust-csi");
+    let mut p = PluginProcess::spawn(&bin, &args, &[], &d.join("crust-csi.log")).unwrap();
+    if let Err(e) = p.wait_ready(&socket, Duration::from_secs(30)).await {
+        panic!("{e}\n{}", p.log_tail(4000));
+    }
+    Plugin { proc: p, socket }
+}
+
+/// The flags of a node serving peers on `own` and asking `all`.
+pub fn peer_flags(own: u16, all: &[u16], key: &Path) -> Vec<String> {
+    let peers: Vec<String> = all.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    vec![
+        format!("--peer-address=127.0.0.1:{own}"),
+        format!("--peers={}", peers.join(",")),
+        format!("--peer-key-file={}", key.display()),
+    ]
+}
+
+/// A loopback port free at the moment.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub fn mount_cap(fs_group: Option<u32>) -> csi::VolumeCapability {
