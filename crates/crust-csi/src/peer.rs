@@ -236,7 +236,7 @@ impl PeerService {
     pub fn new(driver: Arc<Driver>) -> PeerService {
         PeerService {
             driver,
-            seen: ReplayCache::new(),
+            seen: ReplayCache::since(crust_peer_seal::now_unix_ms()),
         }
     }
 

@@ -9,9 +9,10 @@
 //! a volume on no node is NOT_FOUND; the owner down is UNAVAILABLE (the
 //! resizer retries), then OK once it is back; a missing or different key
 //! is FAILED_PRECONDITION or UNAVAILABLE, and the fixed key is used
-//! without a restart. And the attacker on the pod network: a forged seal, a replayed
-//! request, a stale one and an oversized one are refused, and B's record
-//! stays byte for byte. About 3 s.
+//! without a restart. And the attacker on the pod network: a forged seal,
+//! another key, a stale request, an oversized one and a replayed one (also
+//! replayed to the owner's next process after a restart) are refused, and
+//! B's record stays byte for byte. Under a second.
 
 mod common;
 
@@ -187,6 +188,12 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
 
     // B down: UNAVAILABLE (retried), never NOT_FOUND; B back: applied.
+    // A request B took before it went down cannot be replayed to the new
+    // process, which has not seen its nonce.
+    let taken = sealed(&key, &body(&id, "400"));
+    raw.modify_volume(taken.clone()).await.unwrap();
+    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    drop(raw);
     drop(cb);
     b.crash();
     let s = assert_code(
@@ -195,6 +202,17 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     );
     assert!(s.message().contains("did not answer"), "{}", s.message());
     b.start();
+    let s = peer_client(pb)
+        .await
+        .modify_volume(taken)
+        .await
+        .unwrap_err();
+    assert!(
+        s.code() == Code::Unauthenticated
+            && s.message().contains("before this node's plugin started"),
+        "{s:?}"
+    );
+    assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
     modify(&mut ca, &id, &[("iops", "250")]).await.unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 250}));
 

@@ -11,7 +11,9 @@
 //!   body is parsed);
 //! - **fresh**: issued within [`CLOCK_WINDOW_MS`] of the receiver's clock;
 //! - **new**: its nonce not seen by this receiver inside that window (a
-//!   captured request replayed later could undo a newer change).
+//!   captured request replayed later could undo a newer change), and
+//!   issued after the receiver started (a restarted receiver has forgotten
+//!   the nonces it saw).
 //!
 //! The body is JSON (bounded, unknown fields refused). It is not secret:
 //! I/O limits and a volume id.
@@ -189,6 +191,10 @@ pub enum Refusal {
     OutsideWindow { skew_ms: i64 },
     #[error("already received (a replayed request)")]
     Replayed,
+    #[error(
+        "issued before this node's plugin started (it may have been received by the previous one; send a new request)"
+    )]
+    BeforeStart,
     #[error("more than {REPLAY_CACHE_MAX} requests inside the clock window")]
     Flooded,
 }
@@ -198,14 +204,30 @@ pub enum Refusal {
 #[derive(Debug, Default)]
 pub struct ReplayCache {
     seen: Mutex<HashMap<String, i64>>,
+    /// Requests issued earlier are refused: the nonces a previous process
+    /// admitted are gone, so one of its requests could be replayed now.
+    not_before_ms: i64,
 }
 
 impl ReplayCache {
+    /// A cache that admits any issue time the clock window allows.
     pub fn new() -> ReplayCache {
         ReplayCache::default()
     }
 
+    /// A receiver's cache made at its start (`now_unix_ms()`): requests
+    /// issued before it are refused (a sender retries with a new one).
+    pub fn since(start_ms: i64) -> ReplayCache {
+        ReplayCache {
+            not_before_ms: start_ms,
+            ..ReplayCache::default()
+        }
+    }
+
     fn admit(&self, nonce: &str, issued: i64, now: i64) -> Result<(), Refusal> {
+        if issued < self.not_before_ms {
+            return Err(Refusal::BeforeStart);
+        }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if seen.contains_key(nonce) {
             return Err(Refusal::Replayed);
@@ -360,6 +382,34 @@ mod tests {
         let later = 6 + CLOCK_WINDOW_MS;
         full.admit("x", later, later).unwrap();
         assert_eq!(full.len(), 1);
+    }
+
+    #[test]
+    fn a_restarted_receiver_refuses_what_its_predecessor_may_have_seen() {
+        let k = key(5);
+        let b = body("vol-1");
+        let s = seal(&k, &b);
+        let before = ReplayCache::new();
+        assert!(open(&k, &s.body, &s.mac, b.issued_unix_ms, &before).is_ok());
+        // The process restarts: its nonces are gone, the request is not.
+        let after = ReplayCache::since(b.issued_unix_ms + 1);
+        assert_eq!(
+            open(&k, &s.body, &s.mac, b.issued_unix_ms + 5, &after),
+            Err(Refusal::BeforeStart)
+        );
+        assert!(after.is_empty());
+        let fresh = body("vol-1");
+        let fs = seal(&k, &fresh);
+        assert!(
+            open(
+                &k,
+                &fs.body,
+                &fs.mac,
+                fresh.issued_unix_ms,
+                &ReplayCache::since(fresh.issued_unix_ms)
+            )
+            .is_ok()
+        );
     }
 
     #[test]
