@@ -14,6 +14,11 @@
 //! replayed to the owner's next process after a restart) are refused, and
 //! B's record stays byte for byte. Under a second.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, top to bottom"
+)]
+
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
