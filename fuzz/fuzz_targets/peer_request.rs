@@ -2,7 +2,7 @@
 //! what crust-csi's peer port reads from anyone on the pod network.
 //! Input: one byte choosing how the rest arrives, then the rest:
 //! - even: `mac (32 bytes) || body`, as an attacker without the key sends
-//!   it: always refused, and nothing is remembered;
+//!   it (or answers it): always refused, and nothing is remembered;
 //! - odd: a body sealed with the node's key (a sender that has it): the
 //!   JSON, nonce, clock and replay checks see arbitrary bodies.
 //!
@@ -11,7 +11,9 @@
 //! that opens to the same request; a refusal leaves the cache unchanged.
 #![no_main]
 
-use crust_peer_seal::{CLOCK_WINDOW_MS, PeerKey, Refusal, ReplayCache, open, seal, seal_bytes};
+use crust_peer_seal::{
+    CLOCK_WINDOW_MS, PeerKey, Refusal, ReplayCache, open, open_answer, seal, seal_bytes,
+};
 use libfuzzer_sys::fuzz_target;
 
 /// The receiver's clock: fixed, so seeds and the dictionary can hit it
@@ -28,13 +30,19 @@ fuzz_target!(|data: &[u8]| {
         let (mac, body) = rest.split_at(rest.len().min(32));
         assert!(open(&key, body, mac, NOW_MS, &cache).is_err());
         assert!(cache.is_empty());
+        // Nor as an answer (what a sender reads back from a peer port).
+        assert!(open_answer(&key, body, mac, "0123456789abcdef0123456789abcdef").is_err());
         return;
     }
     let sealed = seal_bytes(&key, rest.to_vec());
     match open(&key, &sealed.body, &sealed.mac, NOW_MS, &cache) {
         Ok(body) => {
             assert_eq!(body.nonce.len(), 32);
-            assert!(body.nonce.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')));
+            assert!(
+                body.nonce
+                    .bytes()
+                    .all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+            );
             assert!((NOW_MS - body.issued_unix_ms).abs() <= CLOCK_WINDOW_MS);
             assert_eq!(cache.len(), 1);
             assert_eq!(

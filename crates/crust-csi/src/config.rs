@@ -440,7 +440,7 @@ pub struct Cli {
     #[arg(long, env = "CRUST_CSI_EXPANSION", value_enum, default_value_t = Expansion::Controller)]
     pub expansion: Expansion,
 
-    /// Serve other nodes' crust-csi on this TCP address (e.g. 0.0.0.0:9811):
+    /// Serve other nodes' crust-csi on this TCP address (e.g. [::]:9811):
     /// ControllerModifyVolume of a volume this node owns, sealed with
     /// --peer-key-file. Needs --peer-key-file.
     #[arg(long, env = "CRUST_CSI_PEER_ADDRESS")]
@@ -896,7 +896,7 @@ mod tests {
         let off = parse(&[]).unwrap().peer;
         assert!(!off.forwards() && off.listen.is_none());
         let on = parse(&[
-            "--peer-address=0.0.0.0:9811",
+            "--peer-address=[::]:9811",
             "--peers",
             "crust-csi-peers.crust-system.svc:9811, 10.0.0.2:9811",
             "--peer-key-file=/etc/crust-csi/peer/key",

@@ -703,6 +703,7 @@ mod tests {
             returned: None,
             created_targets: Default::default(),
             io_limits: Default::default(),
+            limits_issued_ms: 0,
         }
     }
 

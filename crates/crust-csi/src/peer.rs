@@ -4,20 +4,23 @@
 //! the cluster, beside one node's plugin. That plugin, finding no such
 //! volume of its own, passes the request to the other nodes' plugins
 //! (`--peers`, every address of a headless Service) and answers with the
-//! owner's answer:
+//! owner's answer. Each node answers with a sealed [`Answer`] (whether it
+//! has the volume, and its own outcome); an answer that does not open with
+//! the key, for this very request, counts as no answer:
 //!
-//! - an owner that applied it: OK;
-//! - an owner that refused or failed: the owner's code and message;
-//! - every node asked answered "not mine": NOT_FOUND;
-//! - some did not answer (down, unreachable, another key): UNAVAILABLE,
-//!   which the resizer retries, so a volume whose node is briefly away is
-//!   modified when it is back, never left at NOT_FOUND;
+//! - one owner: its outcome (OK, or its code and message);
+//! - two owners: INTERNAL (a volume id on two nodes is a fault to fix);
+//! - no owner, and every node answered "not mine": NOT_FOUND;
+//! - no owner, and some did not answer (down, unreachable, another key):
+//!   UNAVAILABLE, which the resizer retries, so a volume whose node is
+//!   briefly away is modified when it is back;
 //! - the shared key missing: FAILED_PRECONDITION.
 //!
 //! The receiving side ([`PeerService`], `--peer-address`) opens the sealed
 //! body (`crust_peer_seal`: key, clock, nonce) and runs the same
-//! `controller_modify_volume` as the CSI door, for its own volumes only: a
-//! passed request is never passed on again.
+//! `modify_volume` as the CSI door, for its own volumes only (a passed
+//! request is never passed on again), refusing one issued no later than
+//! the volume's latest change (a delayed or replayed request).
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -25,15 +28,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crust_peer_seal::{ModifyVolumeBody, PeerKey, ReplayCache, Sealed};
+use crust_peer_seal::{Answer, ModifyVolumeBody, PeerKey, ReplayCache, Sealed};
 use crust_proto::csi::v1 as csi;
 use crust_proto::peer::v1alpha1 as wire;
 use tonic::{Code, Request, Response, Status};
 use wire::peer_client::PeerClient;
 
 use crate::config::PeerConfig;
-use crate::driver::{Driver, blocking};
-use crate::error::{PeerError, ServeError};
+use crate::driver::{Driver, blocking_typed};
+use crate::error::{ControllerError, PeerError, ServeError};
+use crate::qos::Issued;
 
 /// How long connecting to one peer may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -82,7 +86,7 @@ impl Forwarder {
         )
         .map_err(|e| PeerError::Nonce(e.to_string()))?;
         let sealed = crust_peer_seal::seal(&key, &body);
-        let answers = ask_all(&addresses, &sealed, self.cfg.timeout).await;
+        let answers = ask_all(&addresses, &sealed, &key, &body.nonce, self.cfg.timeout).await;
         let verdict = verdict(&req.volume_id, &self.node_id, &answers);
         tracing::info!(
             volume = %req.volume_id,
@@ -120,23 +124,25 @@ impl Forwarder {
     }
 }
 
+/// What one address said: a sealed answer to this request, or why there
+/// is none.
+type Heard = (SocketAddr, Result<Answer, String>);
+
 /// Sends `sealed` to every address at once; each answer with its address.
 async fn ask_all(
     addresses: &[SocketAddr],
     sealed: &Sealed,
+    key: &PeerKey,
+    nonce: &str,
     timeout: Duration,
-) -> Vec<(SocketAddr, Result<(), Status>)> {
+) -> Vec<Heard> {
     let mut set = tokio::task::JoinSet::new();
     for &a in addresses {
-        let sealed = sealed.clone();
+        let (sealed, key, nonce) = (sealed.clone(), key.clone(), nonce.to_string());
         set.spawn(async move {
-            let answer = tokio::time::timeout(timeout, ask(a, sealed, timeout))
+            let answer = tokio::time::timeout(timeout, ask(a, sealed, &key, &nonce, timeout))
                 .await
-                .unwrap_or_else(|_| {
-                    Err(Status::deadline_exceeded(format!(
-                        "no answer within {timeout:?}"
-                    )))
-                });
+                .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")));
             (a, answer)
         });
     }
@@ -150,77 +156,78 @@ async fn ask_all(
     answers
 }
 
-async fn ask(address: SocketAddr, sealed: Sealed, timeout: Duration) -> Result<(), Status> {
+async fn ask(
+    address: SocketAddr,
+    sealed: Sealed,
+    key: &PeerKey,
+    nonce: &str,
+    timeout: Duration,
+) -> Result<Answer, String> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .map_err(|e| e.to_string())?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(timeout)
         .connect()
         .await
-        .map_err(|e| Status::unavailable(format!("connect: {e}")))?;
-    PeerClient::new(channel)
+        .map_err(|e| format!("connect: {e}"))?;
+    let reply = PeerClient::new(channel)
         .modify_volume(wire::SealedRequest {
             body: sealed.body,
             mac: sealed.mac,
         })
         .await
-        .map(drop)
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    crust_peer_seal::open_answer(key, &reply.body, &reply.mac, nonce)
+        .map_err(|e| format!("an answer that is not this node's to trust: {e}"))
 }
 
-/// Codes that do not come from the volume's owner: "not mine", or no
-/// usable answer at all (transport, timeout, another key, an older plugin
-/// without the service).
-fn not_from_owner(code: Code) -> bool {
-    matches!(
-        code,
-        Code::NotFound
-            | Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::Cancelled
-            | Code::Unknown
-            | Code::Unauthenticated
-            | Code::ResourceExhausted
-            | Code::Unimplemented
-    )
-}
-
-/// The one answer for the caller out of the peers' answers (the module
+/// The one answer for the caller out of the nodes' answers (the module
 /// doc gives the rules).
-fn verdict(
-    volume: &str,
-    node: &str,
-    answers: &[(SocketAddr, Result<(), Status>)],
-) -> Result<(), PeerError> {
-    if answers.iter().any(|(_, r)| r.is_ok()) {
-        return Ok(());
+fn verdict(volume: &str, node: &str, heard: &[Heard]) -> Result<(), PeerError> {
+    let owners: Vec<(&SocketAddr, &Answer)> = heard
+        .iter()
+        .filter_map(|(a, r)| r.as_ref().ok().filter(|x| x.owner).map(|x| (a, x)))
+        .collect();
+    match owners.as_slice() {
+        [] => {}
+        [(_, a)] if a.code == 0 => return Ok(()),
+        [(address, a)] => {
+            return Err(PeerError::Owner {
+                address: address.to_string(),
+                node: a.node.clone(),
+                code: Code::from(a.code),
+                message: a.message.clone(),
+            });
+        }
+        many => {
+            return Err(PeerError::ManyOwners {
+                volume: volume.to_string(),
+                nodes: many
+                    .iter()
+                    .map(|(address, a)| {
+                        format!("{} ({address}, code {:?})", a.node, Code::from(a.code))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
     }
-    let failed = || {
-        answers
-            .iter()
-            .filter_map(|(a, r)| r.as_ref().err().map(|s| (a, s)))
-    };
-    if let Some((a, s)) = failed().find(|(_, s)| !not_from_owner(s.code())) {
-        return Err(PeerError::Owner {
-            address: a.to_string(),
-            code: s.code(),
-            message: s.message().to_string(),
-        });
-    }
-    let unanswered: Vec<String> = failed()
-        .filter(|(_, s)| s.code() != Code::NotFound)
-        .map(|(a, s)| format!("{a}: {:?}: {}", s.code(), s.message()))
+    let unanswered: Vec<String> = heard
+        .iter()
+        .filter_map(|(a, r)| r.as_ref().err().map(|e| format!("{a}: {e}")))
         .collect();
     if unanswered.is_empty() {
         return Err(PeerError::Nowhere {
             volume: volume.to_string(),
             node: node.to_string(),
-            asked: answers.len(),
+            asked: heard.len(),
         });
     }
     Err(PeerError::Unanswered {
         volume: volume.to_string(),
         node: node.to_string(),
-        asked: answers.len(),
+        asked: heard.len(),
         unanswered: unanswered.len(),
         detail: unanswered.join("; "),
     })
@@ -240,16 +247,46 @@ impl PeerService {
         }
     }
 
-    /// The sealed body, if this node's key opens it and it is fresh.
-    fn open(&self, sealed: &wire::SealedRequest) -> Result<ModifyVolumeBody, PeerError> {
-        let key = PeerKey::read(key_file(&self.driver.config().peer)?)?;
-        Ok(crust_peer_seal::open(
+    /// The key, and the sealed body if the key opens it and it is fresh.
+    async fn open(
+        &self,
+        sealed: &wire::SealedRequest,
+    ) -> Result<(PeerKey, ModifyVolumeBody), PeerError> {
+        let path = key_file(&self.driver.config().peer)?.clone();
+        let key = tokio::task::spawn_blocking(move || PeerKey::read(&path))
+            .await
+            .map_err(|e| PeerError::Nonce(e.to_string()))??;
+        let body = crust_peer_seal::open(
             &key,
             &sealed.body,
             &sealed.mac,
             crust_peer_seal::now_unix_ms(),
             &self.seen,
-        )?)
+        )?;
+        Ok((key, body))
+    }
+
+    /// This node's answer: whether it has the volume, and what its own
+    /// ControllerModifyVolume said.
+    fn answer(&self, nonce: String, outcome: Result<(), ControllerError>) -> Answer {
+        let node = self.driver.config().node_id.clone();
+        let (owner, code, message) = match outcome {
+            Ok(()) => (true, Code::Ok, String::new()),
+            Err(ControllerError::NotFound(_) | ControllerError::Missing(_)) => {
+                (false, Code::NotFound, format!("not on node {node}"))
+            }
+            Err(e) => {
+                let s = Status::from(e);
+                (true, s.code(), s.message().to_string())
+            }
+        };
+        Answer {
+            nonce,
+            node,
+            owner,
+            code: code as i32,
+            message,
+        }
     }
 }
 
@@ -260,8 +297,9 @@ impl wire::peer_server::Peer for PeerService {
         request: Request<wire::SealedRequest>,
     ) -> Result<Response<wire::ModifyVolumeReply>, Status> {
         let from = request.remote_addr();
-        let body = self.open(request.get_ref()).inspect_err(|e| {
+        let (key, body) = self.open(request.get_ref()).await.map_err(|e| {
             tracing::warn!(from = ?from, "peer ModifyVolume refused: {e}");
+            e.for_the_sender()
         })?;
         tracing::info!(volume = %body.volume_id, from_node = %body.from_node, from = ?from, "ModifyVolume from a peer");
         let req = csi::ControllerModifyVolumeRequest {
@@ -269,11 +307,16 @@ impl wire::peer_server::Peer for PeerService {
             mutable_parameters: body.mutable_parameters.into_iter().collect(),
             ..Default::default()
         };
-        blocking(&self.driver, move |d| {
-            d.controller().controller_modify_volume(&req)
+        let issued = Issued::Passed(body.issued_unix_ms);
+        let outcome = blocking_typed(&self.driver, move |d| {
+            d.controller().modify_volume(&req, issued)
         })
         .await?;
-        Ok(Response::new(wire::ModifyVolumeReply {}))
+        let sealed = crust_peer_seal::seal_answer(&key, &self.answer(body.nonce, outcome));
+        Ok(Response::new(wire::ModifyVolumeReply {
+            body: sealed.body,
+            mac: sealed.mac,
+        }))
     }
 }
 
@@ -293,9 +336,21 @@ pub async fn bind(cfg: &crate::Config) -> Result<Option<tokio::net::TcpListener>
         address: address.to_string(),
         source,
     };
-    let l = tokio::net::TcpListener::bind(address)
-        .await
-        .map_err(peer_err)?;
+    let l = match tokio::net::TcpListener::bind(address).await {
+        // `[::]` where the pod has no IPv6: the IPv4 wildcard instead.
+        Err(e)
+            if address.ip() == std::net::Ipv6Addr::UNSPECIFIED
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+                ) =>
+        {
+            tracing::warn!("no IPv6 for {address} ({e}): serving peers on IPv4 only");
+            tokio::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, address.port())).await
+        }
+        r => r,
+    }
+    .map_err(peer_err)?;
     let bound = l.local_addr().map_err(peer_err)?;
     tracing::info!("serving other nodes' plugins on {bound}");
     Ok(Some(l))
@@ -309,8 +364,14 @@ pub async fn serve(
 ) {
     let svc = wire::peer_server::PeerServer::new(PeerService::new(driver))
         .max_decoding_message_size(MESSAGE_MAX_BYTES);
+    // Anyone on the pod network reaches this port: few streams per
+    // connection, and idle connections found out.
     let r = tonic::transport::Server::builder()
         .timeout(Duration::from_secs(120))
+        .concurrency_limit_per_connection(4)
+        .max_concurrent_streams(Some(8))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(svc)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -332,44 +393,102 @@ mod tests {
         SocketAddr::from(([10, 0, 0, 1], port))
     }
 
+    fn said(node: &str, owner: bool, code: Code, message: &str) -> Result<Answer, String> {
+        Ok(Answer {
+            nonce: "n".into(),
+            node: node.into(),
+            owner,
+            code: code as i32,
+            message: message.into(),
+        })
+    }
+
     fn code_of(r: Result<(), PeerError>) -> Code {
         Status::from(r.unwrap_err()).code()
     }
 
     #[test]
-    fn the_owners_answer_wins_and_silence_is_never_not_found() {
-        let nf = || Err(Status::not_found("no"));
-        // One OK among "not mine": OK.
-        assert!(verdict("v", "n", &[(at(1), nf()), (at(2), Ok(()))]).is_ok());
-        // The owner refused: its code, even beside a node that is down.
+    fn only_the_owners_sealed_answer_counts() {
+        let not_mine = |n: &str| said(n, false, Code::NotFound, "not on node");
+        // The owner applied it.
+        assert!(
+            verdict(
+                "v",
+                "a",
+                &[
+                    (at(1), not_mine("a")),
+                    (at(2), said("b", true, Code::Ok, ""))
+                ]
+            )
+            .is_ok()
+        );
+        // The owner refused: its code, beside a node that is down and one
+        // that does not have it.
         let r = verdict(
             "v",
-            "n",
+            "a",
             &[
-                (at(1), Err(Status::unavailable("down"))),
-                (at(2), Err(Status::invalid_argument("iops: not digits"))),
-                (at(3), nf()),
+                (at(1), Err("connect: refused".into())),
+                (
+                    at(2),
+                    said("b", true, Code::InvalidArgument, "iops: not digits"),
+                ),
+                (at(3), not_mine("c")),
             ],
         );
         let s = Status::from(r.unwrap_err());
         assert_eq!(s.code(), Code::InvalidArgument);
-        assert!(s.message().contains("iops: not digits") && s.message().contains("10.0.0.1:2"));
+        assert!(
+            s.message().contains("iops: not digits") && s.message().contains("node b"),
+            "{}",
+            s.message()
+        );
+        // An owner's failure is its code even when a transport would use
+        // the same one.
+        let r = verdict(
+            "v",
+            "a",
+            &[(at(2), said("b", true, Code::Unavailable, "runtime gone"))],
+        );
+        assert_eq!(code_of(r), Code::Unavailable);
         // Everyone says "not mine": NOT_FOUND.
         assert_eq!(
-            code_of(verdict("v", "n", &[(at(1), nf()), (at(2), nf())])),
+            code_of(verdict(
+                "v",
+                "a",
+                &[(at(1), not_mine("a")), (at(2), not_mine("b"))]
+            )),
             Code::NotFound
         );
-        // Someone did not answer (down, timed out, another key): retry.
-        for silent in [
-            Status::unavailable("connect"),
-            Status::deadline_exceeded("slow"),
-            Status::unauthenticated("seal"),
-            Status::unimplemented("old plugin"),
-        ] {
-            let r = verdict("v", "n", &[(at(1), nf()), (at(2), Err(silent))]);
-            assert_eq!(code_of(r), Code::Unavailable);
-        }
-        // Nobody to ask.
-        assert_eq!(code_of(verdict("v", "n", &[])), Code::NotFound);
+        // Someone gave no trusted answer (down, another key, an unsealed
+        // "OK"): retry, never OK and never NOT_FOUND.
+        let r = verdict(
+            "v",
+            "a",
+            &[
+                (at(1), not_mine("a")),
+                (
+                    at(2),
+                    Err("an answer that is not this node's to trust".into()),
+                ),
+            ],
+        );
+        assert_eq!(code_of(r), Code::Unavailable);
+        // Two owners: a fault, said as such.
+        let r = verdict(
+            "v",
+            "a",
+            &[
+                (at(1), said("b", true, Code::Ok, "")),
+                (at(2), said("c", true, Code::Ok, "")),
+            ],
+        );
+        let s = Status::from(r.unwrap_err());
+        assert_eq!(s.code(), Code::Internal);
+        assert!(
+            s.message().contains("b (") && s.message().contains("c ("),
+            "{}",
+            s.message()
+        );
     }
 }

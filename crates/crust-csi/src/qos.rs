@@ -20,8 +20,28 @@ use crate::records::VolumeRecord;
 
 type Result<T> = std::result::Result<T, ControllerError>;
 
+/// Where a ControllerModifyVolume was issued, for ordering it against
+/// the volume's others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Issued {
+    /// Through this node's CSI socket, now.
+    Here,
+    /// Passed from another node, issued at this time of its clock (Unix
+    /// ms): refused unless later than the volume's latest change.
+    Passed(i64),
+}
+
 impl ControllerParts<'_> {
     pub fn controller_modify_volume(&self, req: &csi::ControllerModifyVolumeRequest) -> Result<()> {
+        self.modify_volume(req, Issued::Here)
+    }
+
+    /// [`Self::controller_modify_volume`] for either door.
+    pub fn modify_volume(
+        &self,
+        req: &csi::ControllerModifyVolumeRequest,
+        issued: Issued,
+    ) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(ControllerError::Missing("volume_id"));
         }
@@ -34,12 +54,24 @@ impl ControllerParts<'_> {
         let _guard = self.guards.try_begin(&rec.id, "ControllerModifyVolume")?;
         let mut rec = self.ready_record(&req.volume_id)?;
         let limits = rec.io_limits.merged(&req.mutable_parameters)?;
-        if limits != rec.io_limits {
+        let issued_ms = match issued {
+            Issued::Here => crust_peer_seal::now_unix_ms().max(rec.limits_issued_ms),
+            Issued::Passed(t) if t <= rec.limits_issued_ms => {
+                return Err(ControllerError::Superseded {
+                    volume: rec.id,
+                    issued_ms: t,
+                    latest_ms: rec.limits_issued_ms,
+                });
+            }
+            Issued::Passed(t) => t,
+        };
+        if limits != rec.io_limits || issued_ms != rec.limits_issued_ms {
             rec.io_limits = limits;
+            rec.limits_issued_ms = issued_ms;
             self.state.put(rec.clone())?;
         }
         let applied = self.apply_io_limits(&rec)?;
-        tracing::info!(volume = %rec.id, limits = %limits.to_wire(), applied, "volume modified");
+        tracing::info!(volume = %rec.id, limits = %limits.to_wire(), applied, ?issued, "volume modified");
         Ok(())
     }
 

@@ -437,6 +437,7 @@ pub(crate) mod tests_support {
             returned: None,
             created_targets: BTreeSet::new(),
             io_limits: Default::default(),
+            limits_issued_ms: 0,
         }
     }
 }

@@ -12,7 +12,10 @@
 //! without a restart. And the attacker on the pod network: a forged seal,
 //! another key, a stale request, an oversized one and a replayed one (also
 //! replayed to the owner's next process after a restart) are refused, and
-//! B's record stays byte for byte. Under a second.
+//! B's record stays byte for byte; a request held back and let go after
+//! a newer change is answered "superseded" and changes nothing; a server
+//! that takes B's address and answers "OK" without the key is not
+//! believed. Under a second.
 
 #![allow(
     clippy::too_many_lines,
@@ -108,6 +111,63 @@ fn body(id: &str, iops: &str) -> ModifyVolumeBody {
     .unwrap()
 }
 
+/// A server on a peer's address that answers every request "OK" in a
+/// reply it cannot seal.
+struct Impostor {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+struct Yes;
+
+#[tonic::async_trait]
+impl wire::peer_server::Peer for Yes {
+    async fn modify_volume(
+        &self,
+        _: tonic::Request<wire::SealedRequest>,
+    ) -> Result<tonic::Response<wire::ModifyVolumeReply>, tonic::Status> {
+        Ok(tonic::Response::new(wire::ModifyVolumeReply {
+            body: br#"{"nonce":"","node":"node-b","owner":true,"code":0,"message":""}"#.to_vec(),
+            mac: vec![0; 32],
+        }))
+    }
+}
+
+impl Impostor {
+    async fn serve(port: u16) -> Impostor {
+        let l = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(wire::peer_server::PeerServer::new(Yes))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(l),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
+                .await;
+        });
+        Impostor {
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+}
+
+impl Drop for Impostor {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     let keys = tempfile::tempdir().unwrap();
@@ -192,6 +252,31 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     );
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
 
+    // A request held back by someone on the path and let go after a newer
+    // change: B answers (sealed, to whoever sent it) that it is superseded,
+    // and keeps the newer limits.
+    let held = body(&id, "5");
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    let reply = raw
+        .modify_volume(sealed(&key, &held))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = crust_peer_seal::open_answer(
+        &PeerKey::read(&key).unwrap(),
+        &reply.body,
+        &reply.mac,
+        &held.nonce,
+    )
+    .unwrap();
+    assert!(
+        answer.owner && answer.node == "node-b" && answer.code == Code::Aborted as i32,
+        "{answer:?}"
+    );
+    assert!(answer.message.contains("latest change"), "{answer:?}");
+    assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
+
     // B down: UNAVAILABLE (retried), never NOT_FOUND; B back: applied.
     // A request B took before it went down cannot be replayed to the new
     // process, which has not seen its nonce.
@@ -206,6 +291,19 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
         Code::Unavailable,
     );
     assert!(s.message().contains("did not answer"), "{}", s.message());
+    // Whoever takes B's address meanwhile and answers "OK" without the
+    // key is not believed.
+    let impostor = Impostor::serve(pb).await;
+    let s = assert_code(
+        modify(&mut ca, &id, &[("iops", "250")]).await,
+        Code::Unavailable,
+    );
+    assert!(
+        s.message().contains("not this node's to trust"),
+        "{}",
+        s.message()
+    );
+    drop(impostor);
     b.start();
     let s = peer_client(pb)
         .await

@@ -43,6 +43,9 @@ pub const REPLAY_CACHE_MAX: usize = 65_536;
 /// Binds a seal to this request kind: a MAC made for another body kind
 /// (a future RPC) never opens as a ModifyVolume.
 const DOMAIN: &[u8] = b"crust.peer.v1alpha1.ModifyVolume\n";
+/// The same for the receiver's answer: a request's seal never passes as
+/// an answer's, or the reverse.
+const ANSWER_DOMAIN: &[u8] = b"crust.peer.v1alpha1.ModifyVolumeAnswer\n";
 const NONCE_BYTES: usize = 16;
 
 /// The key all nodes' plugins share (a Kubernetes Secret's file).
@@ -108,10 +111,14 @@ impl PeerKey {
     }
 
     fn mac(&self) -> Hmac<Sha256> {
+        self.mac_for(DOMAIN)
+    }
+
+    fn mac_for(&self, domain: &[u8]) -> Hmac<Sha256> {
         // HMAC takes a key of any length.
         let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC accepts every key length"));
-        m.update(DOMAIN);
+        m.update(domain);
         m
     }
 }
@@ -174,6 +181,54 @@ pub fn seal_bytes(key: &PeerKey, body: Vec<u8>) -> Sealed {
     }
 }
 
+/// A receiver's answer to one request, sealed so that the sender trusts
+/// only what a node holding the key said about that very request (an
+/// unsealed "OK" from whoever holds a peer's address counts as no answer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Answer {
+    /// The request's nonce.
+    pub nonce: String,
+    /// The answering node's id.
+    pub node: String,
+    /// Whether the answering node has the volume (its code is then the
+    /// volume's answer; otherwise "not mine").
+    pub owner: bool,
+    /// The gRPC code of the answering node's own ControllerModifyVolume
+    /// (0: applied).
+    pub code: i32,
+    pub message: String,
+}
+
+/// Encodes and seals an answer.
+pub fn seal_answer(key: &PeerKey, answer: &Answer) -> Sealed {
+    let body = serde_json::to_vec(answer)
+        .unwrap_or_else(|_| unreachable!("strings and integers always encode"));
+    let mut m = key.mac_for(ANSWER_DOMAIN);
+    m.update(&body);
+    Sealed {
+        mac: m.finalize().into_bytes().to_vec(),
+        body,
+    }
+}
+
+/// Opens an answer to the request whose nonce is `nonce`: the seal, then
+/// the body, then that it answers this request.
+pub fn open_answer(key: &PeerKey, body: &[u8], mac: &[u8], nonce: &str) -> Result<Answer, Refusal> {
+    if body.len() > BODY_MAX_BYTES {
+        return Err(Refusal::TooLarge(body.len()));
+    }
+    let mut m = key.mac_for(ANSWER_DOMAIN);
+    m.update(body);
+    m.verify_slice(mac).map_err(|_| Refusal::BadSeal)?;
+    let answer: Answer =
+        serde_json::from_slice(body).map_err(|e| Refusal::Malformed(e.to_string()))?;
+    if answer.nonce != nonce {
+        return Err(Refusal::OtherRequest);
+    }
+    Ok(answer)
+}
+
 /// Why a sealed request was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
@@ -191,6 +246,8 @@ pub enum Refusal {
     OutsideWindow { skew_ms: i64 },
     #[error("already received (a replayed request)")]
     Replayed,
+    #[error("an answer to another request")]
+    OtherRequest,
     #[error(
         "issued before this node's plugin started (it may have been received by the previous one; send a new request)"
     )]
@@ -382,6 +439,40 @@ mod tests {
         let later = 6 + CLOCK_WINDOW_MS;
         full.admit("x", later, later).unwrap();
         assert_eq!(full.len(), 1);
+    }
+
+    #[test]
+    fn answers_open_only_for_their_request_and_never_as_requests() {
+        let k = key(6);
+        let b = body("vol-1");
+        let a = Answer {
+            nonce: b.nonce.clone(),
+            node: "node-b".into(),
+            owner: true,
+            code: 0,
+            message: String::new(),
+        };
+        let s = seal_answer(&k, &a);
+        assert_eq!(open_answer(&k, &s.body, &s.mac, &b.nonce), Ok(a.clone()));
+        assert_eq!(
+            open_answer(&k, &s.body, &s.mac, &"0".repeat(32)),
+            Err(Refusal::OtherRequest)
+        );
+        assert_eq!(
+            open_answer(&key(7), &s.body, &s.mac, &b.nonce),
+            Err(Refusal::BadSeal)
+        );
+        // Domains: an answer's seal does not open as a request, nor the
+        // reverse.
+        assert_eq!(
+            open(&k, &s.body, &s.mac, b.issued_unix_ms, &ReplayCache::new()),
+            Err(Refusal::BadSeal)
+        );
+        let r = seal(&k, &b);
+        assert_eq!(
+            open_answer(&k, &r.body, &r.mac, &b.nonce),
+            Err(Refusal::BadSeal)
+        );
     }
 
     #[test]

@@ -315,6 +315,7 @@ impl ControllerParts<'_> {
             returned: None,
             created_targets: Default::default(),
             io_limits: ask.io_limits,
+            limits_issued_ms: 0,
         };
         let rec = self.allocate(rec, ask.source.as_ref(), existing.is_none())?;
         tracing::info!(volume = %id, name = %req.name, size = rec.capacity_bytes, fs = %rec.fs_type, "volume created");

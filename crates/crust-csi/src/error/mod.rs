@@ -154,6 +154,16 @@ pub enum ControllerError {
     },
     #[error("starting_token {} is not a token this plugin issued", crust_fs::quote(.0))]
     BadToken(String),
+    /// A ControllerModifyVolume passed from another node, issued no
+    /// later than the volume's latest change (delayed or replayed).
+    #[error(
+        "volume {volume}: this ModifyVolume was issued at {issued_ms} (Unix ms), not after the volume's latest change at {latest_ms}; send a new one"
+    )]
+    Superseded {
+        volume: String,
+        issued_ms: i64,
+        latest_ms: i64,
+    },
     /// CreateVolume's or ControllerModifyVolume's mutable parameters.
     #[error(transparent)]
     BadIoLimits(#[from] crust_handoff::QosError),
@@ -207,7 +217,9 @@ impl From<ControllerError> for Status {
             | ControllerError::LimitBelowSource { .. }
             | ControllerError::CannotShrink { .. } => Code::OutOfRange,
             ControllerError::OtherTopology { .. } => Code::ResourceExhausted,
-            ControllerError::BadToken(_) | ControllerError::Busy(_) => Code::Aborted,
+            ControllerError::BadToken(_)
+            | ControllerError::Busy(_)
+            | ControllerError::Superseded { .. } => Code::Aborted,
             ControllerError::Backend(b) => backend_code(b),
             // The request was good: a record or argument the runtime
             // refused is the node's state, not the caller's fault.
@@ -283,12 +295,29 @@ pub enum PeerError {
         detail: String,
     },
     /// The owner's plugin answered with an error: its code is the answer.
-    #[error("the plugin at {address} (the volume's node): {message}")]
+    #[error("node {node}'s plugin ({address}), which has the volume: {message}")]
     Owner {
         address: String,
+        node: String,
         code: Code,
         message: String,
     },
+    /// More than one node says it has the volume.
+    #[error("volume {volume} is on more than one node: {nodes}")]
+    ManyOwners { volume: String, nodes: String },
+}
+
+impl PeerError {
+    /// The status a refused sender gets: the receiver's own key problem
+    /// (its path, its length) stays in the receiver's log.
+    pub fn for_the_sender(self) -> Status {
+        match self {
+            PeerError::Key(_) => Status::unauthenticated(
+                "the receiving node's peer key is not usable (its log says why)",
+            ),
+            e => e.into(),
+        }
+    }
 }
 
 impl From<PeerError> for Status {
@@ -297,7 +326,7 @@ impl From<PeerError> for Status {
             PeerError::Key(_) => Code::FailedPrecondition,
             PeerError::Refused(crust_peer_seal::Refusal::Flooded) => Code::ResourceExhausted,
             PeerError::Refused(_) => Code::Unauthenticated,
-            PeerError::Nonce(_) => Code::Internal,
+            PeerError::Nonce(_) | PeerError::ManyOwners { .. } => Code::Internal,
             PeerError::NoPeers { .. } | PeerError::Unanswered { .. } => Code::Unavailable,
             PeerError::Nowhere { .. } => Code::NotFound,
             PeerError::Owner { code, .. } => *code,

@@ -197,6 +197,16 @@ pub struct VolumeRecord {
     /// for the volume, applied by a guest's runtime (README, "Live QoS").
     #[serde(default, skip_serializing_if = "IoLimits::is_unlimited")]
     pub io_limits: IoLimits,
+    /// When the latest ControllerModifyVolume was issued (Unix ms: a
+    /// passed request's sender clock, or this node's for its own door). A
+    /// request passed from another node issued no later is refused, so a
+    /// delayed or replayed one never undoes a newer change (crate::peer).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub limits_issued_ms: i64,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
 }
 
 impl VolumeRecord {
