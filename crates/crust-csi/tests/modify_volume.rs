@@ -8,38 +8,9 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::*;
 use crust_proto::csi::v1 as csi;
 use tonic::Code;
-
-fn params(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-async fn modify(c: &mut Clients, id: &str, pairs: &[(&str, &str)]) -> Result<(), tonic::Status> {
-    c.ctl
-        .controller_modify_volume(csi::ControllerModifyVolumeRequest {
-            volume_id: id.into(),
-            mutable_parameters: params(pairs),
-            ..Default::default()
-        })
-        .await
-        .map(drop)
-}
-
-fn record_bytes(node: &TestNode, id: &str) -> Vec<u8> {
-    std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap()
-}
-
-fn limits_of(node: &TestNode, id: &str) -> serde_json::Value {
-    let v: serde_json::Value = serde_json::from_slice(&record_bytes(node, id)).unwrap();
-    v["io_limits"].clone()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
@@ -60,12 +31,15 @@ async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
 
     // Order: missing fields, then NOT_FOUND, then the values.
     assert_code(
-        modify(&mut c, "", &[("iops", "1")]).await,
+        modify_limits(&mut c, "", &[("iops", "1")]).await,
         Code::InvalidArgument,
     );
-    assert_code(modify(&mut c, "nope", &[]).await, Code::InvalidArgument);
     assert_code(
-        modify(&mut c, "nope", &[("XXX_FakeKey", "1")]).await,
+        modify_limits(&mut c, "nope", &[]).await,
+        Code::InvalidArgument,
+    );
+    assert_code(
+        modify_limits(&mut c, "nope", &[("XXX_FakeKey", "1")]).await,
         Code::NotFound,
     );
 
@@ -84,7 +58,7 @@ async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
         &[("iopsBurst", "50")],
         &[("burstSeconds", "4")],
     ] {
-        let s = assert_code(modify(&mut c, &id, bad).await, Code::InvalidArgument);
+        let s = assert_code(modify_limits(&mut c, &id, bad).await, Code::InvalidArgument);
         assert!(
             bad.iter().any(|(k, _)| s.message().contains(k)),
             "{bad:?}: {}",
@@ -98,7 +72,7 @@ async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
     }
 
     // A merge: keys given replace, 0 lifts, the rest stay.
-    modify(
+    modify_limits(
         &mut c,
         &id,
         &[("iops", "0"), ("readIops", "300"), ("writeBps", "4096")],
@@ -107,14 +81,16 @@ async fn modify_checks_in_order_changes_nothing_on_bad_input_and_persists() {
     .unwrap();
     let want = serde_json::json!({"readIops": 300, "writeBps": 4096});
     assert_eq!(limits_of(&node, &id), want);
-    modify(&mut c, &id, &[("readIops", "300")]).await.unwrap(); // idempotent
+    modify_limits(&mut c, &id, &[("readIops", "300")])
+        .await
+        .unwrap(); // idempotent
 
     // Kept across a restart of the plugin.
     node.stop();
     node.start();
     let mut c = node.clients().await;
     assert_eq!(limits_of(&node, &id), want);
-    modify(&mut c, &id, &[("readIops", "0"), ("writeBps", "0")])
+    modify_limits(&mut c, &id, &[("readIops", "0"), ("writeBps", "0")])
         .await
         .unwrap();
     assert_eq!(limits_of(&node, &id), serde_json::Value::Null, "unlimited");
@@ -164,7 +140,7 @@ async fn a_deferred_volume_carries_its_limits_in_the_handoff_record() {
     assert_eq!(metadata(&mi), serde_json::json!({"ioLimits": "iops=200"}));
 
     // No runtime consumed it yet: the record takes the change, for the plug.
-    modify(&mut c, &id, &[("iops", "0"), ("readBps", "1048576")])
+    modify_limits(&mut c, &id, &[("iops", "0"), ("readBps", "1048576")])
         .await
         .unwrap();
     assert_eq!(
@@ -177,7 +153,7 @@ async fn a_deferred_volume_carries_its_limits_in_the_handoff_record() {
     let old_cli = cli_without_throttle(std::path::Path::new(&node.mkdir("bin")));
     consume(&node.crust_root(), &target, "sandbox-1", &old_cli);
     let s = assert_code(
-        modify(&mut c, &id, &[("readBps", "2097152")]).await,
+        modify_limits(&mut c, &id, &[("readBps", "2097152")]).await,
         Code::FailedPrecondition,
     );
     assert!(

@@ -24,12 +24,11 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use common::*;
 use crust_peer_seal::{ModifyVolumeBody, PeerKey};
-use crust_proto::csi::v1 as csi;
 use crust_proto::peer::v1alpha1 as wire;
 use tonic::Code;
 use wire::peer_client::PeerClient;
@@ -63,29 +62,6 @@ fn peer_node(id: &str, own: u16, all: &[u16], key: &Path) -> TestNode {
     ]);
     n.start();
     n
-}
-
-async fn modify(c: &mut Clients, id: &str, pairs: &[(&str, &str)]) -> Result<(), tonic::Status> {
-    c.ctl
-        .controller_modify_volume(csi::ControllerModifyVolumeRequest {
-            volume_id: id.into(),
-            mutable_parameters: pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect::<HashMap<_, _>>(),
-            ..Default::default()
-        })
-        .await
-        .map(drop)
-}
-
-fn record_bytes(node: &TestNode, id: &str) -> Vec<u8> {
-    std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap()
-}
-
-fn limits_of(node: &TestNode, id: &str) -> serde_json::Value {
-    let v: serde_json::Value = serde_json::from_slice(&record_bytes(node, id)).unwrap();
-    v["io_limits"].clone()
 }
 
 async fn peer_client(port: u16) -> PeerClient<tonic::transport::Channel> {
@@ -190,22 +166,27 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     );
 
     // Through A (the resizer's plugin): applied on B.
-    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "200")])
+        .await
+        .unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
 
     // The owner's refusal is the answer, and changes nothing.
     let before = record_bytes(&b, &id);
     let s = assert_code(
-        modify(&mut ca, &id, &[("iops", "fast")]).await,
+        modify_limits(&mut ca, &id, &[("iops", "fast")]).await,
         Code::InvalidArgument,
     );
     assert!(s.message().contains("iops"), "{}", s.message());
     assert_eq!(record_bytes(&b, &id), before);
     // Missing fields are still refused first, by A itself.
-    assert_code(modify(&mut ca, &id, &[]).await, Code::InvalidArgument);
+    assert_code(
+        modify_limits(&mut ca, &id, &[]).await,
+        Code::InvalidArgument,
+    );
     // On no node at all.
     let s = assert_code(
-        modify(
+        modify_limits(
             &mut ca,
             "vol-0000000000000000000000000000dead",
             &[("iops", "1")],
@@ -244,7 +225,9 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     let captured = sealed(&key, &body(&id, "300"));
     raw.modify_volume(captured.clone()).await.unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 300}));
-    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "200")])
+        .await
+        .unwrap();
     let s = raw.modify_volume(captured).await.unwrap_err();
     assert!(
         s.code() == Code::Unauthenticated && s.message().contains("replayed"),
@@ -257,7 +240,9 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     // and keeps the newer limits.
     let held = body(&id, "5");
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "200")])
+        .await
+        .unwrap();
     let reply = raw
         .modify_volume(sealed(&key, &held))
         .await
@@ -282,12 +267,14 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     // process, which has not seen its nonce.
     let taken = sealed(&key, &body(&id, "400"));
     raw.modify_volume(taken.clone()).await.unwrap();
-    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "200")])
+        .await
+        .unwrap();
     drop(raw);
     drop(cb);
     b.crash();
     let s = assert_code(
-        modify(&mut ca, &id, &[("iops", "250")]).await,
+        modify_limits(&mut ca, &id, &[("iops", "250")]).await,
         Code::Unavailable,
     );
     assert!(s.message().contains("did not answer"), "{}", s.message());
@@ -295,7 +282,7 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     // key is not believed.
     let impostor = Impostor::serve(pb).await;
     let s = assert_code(
-        modify(&mut ca, &id, &[("iops", "250")]).await,
+        modify_limits(&mut ca, &id, &[("iops", "250")]).await,
         Code::Unavailable,
     );
     assert!(
@@ -316,7 +303,9 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
         "{s:?}"
     );
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
-    modify(&mut ca, &id, &[("iops", "250")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "250")])
+        .await
+        .unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 250}));
 
     // The key file absent (its Secret not created yet): FAILED_PRECONDITION
@@ -324,7 +313,7 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     let moved = keys.path().join("moved");
     std::fs::rename(&key, &moved).unwrap();
     let s = assert_code(
-        modify(&mut ca, &id, &[("iops", "10")]).await,
+        modify_limits(&mut ca, &id, &[("iops", "10")]).await,
         Code::FailedPrecondition,
     );
     assert!(
@@ -334,7 +323,9 @@ async fn a_modify_reaches_the_volumes_node_and_nothing_else_gets_in() {
     );
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 250}));
     std::fs::rename(&moved, &key).unwrap();
-    modify(&mut ca, &id, &[("iops", "10")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "10")])
+        .await
+        .unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 10}));
 }
 
@@ -357,7 +348,7 @@ async fn nodes_with_different_keys_answer_unavailable_not_not_found() {
         .volume_id;
     let before = record_bytes(&b, &id);
     let s = assert_code(
-        modify(&mut ca, &id, &[("iops", "200")]).await,
+        modify_limits(&mut ca, &id, &[("iops", "200")]).await,
         Code::Unavailable,
     );
     assert!(s.message().contains("seal"), "{}", s.message());
@@ -372,6 +363,8 @@ async fn nodes_with_different_keys_answer_unavailable_not_not_found() {
     );
     // The operator fixes A's key (the Secret updated): no restart needed.
     std::fs::copy(&kb, &ka).unwrap();
-    modify(&mut ca, &id, &[("iops", "200")]).await.unwrap();
+    modify_limits(&mut ca, &id, &[("iops", "200")])
+        .await
+        .unwrap();
     assert_eq!(limits_of(&b, &id), serde_json::json!({"iops": 200}));
 }

@@ -750,3 +750,38 @@ pub fn host_mounted(p: &str) -> bool {
         .iter()
         .any(|(m, src)| m == Path::new(p) && src != crust_handoff::PLACEHOLDER_SOURCE)
 }
+
+/// Mutable parameters from pairs.
+pub fn params(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// ControllerModifyVolume with the given mutable parameters.
+pub async fn modify_limits(
+    c: &mut Clients,
+    id: &str,
+    pairs: &[(&str, &str)],
+) -> Result<(), tonic::Status> {
+    c.ctl
+        .controller_modify_volume(csi::ControllerModifyVolumeRequest {
+            volume_id: id.into(),
+            mutable_parameters: params(pairs),
+            ..Default::default()
+        })
+        .await
+        .map(drop)
+}
+
+/// The bytes of a volume's record on `node`.
+pub fn record_bytes(node: &TestNode, id: &str) -> Vec<u8> {
+    std::fs::read(node.state.join(format!("volumes/{id}.json"))).unwrap()
+}
+
+/// The I/O limits in a volume's record on `node`.
+pub fn limits_of(node: &TestNode, id: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(&record_bytes(node, id)).unwrap();
+    v["io_limits"].clone()
+}
