@@ -45,13 +45,19 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest gRPC message the peer service decodes.
 pub const MESSAGE_MAX_BYTES: usize = crust_peer_seal::BODY_MAX_BYTES + 1024;
 
-fn key_file(cfg: &PeerConfig) -> Result<&PathBuf, PeerError> {
-    cfg.key_file.as_ref().ok_or_else(|| {
+/// The shared key, read now (off the async threads) for both sides: a
+/// Secret created or rotated after the start is used at once.
+async fn read_key(cfg: &PeerConfig) -> Result<PeerKey, PeerError> {
+    let path: PathBuf = cfg.key_file.clone().ok_or_else(|| {
         PeerError::Key(crust_peer_seal::KeyError::Read {
             path: PathBuf::new(),
             source: std::io::Error::other("no --peer-key-file"),
         })
-    })
+    })?;
+    tokio::task::spawn_blocking(move || PeerKey::read(&path))
+        .await
+        .map_err(|e| PeerError::Internal(format!("reading the peer key: {e}")))?
+        .map_err(PeerError::Key)
 }
 
 /// The sending side: asks the other nodes' plugins.
@@ -77,14 +83,14 @@ impl Forwarder {
         &self,
         req: csi::ControllerModifyVolumeRequest,
     ) -> Result<(), PeerError> {
-        let key = PeerKey::read(key_file(&self.cfg)?)?;
+        let key = read_key(&self.cfg).await?;
         let addresses = self.resolve(&req.volume_id).await?;
         let body = ModifyVolumeBody::new(
             &req.volume_id,
             req.mutable_parameters.into_iter().collect(),
             &self.node_id,
         )
-        .map_err(|e| PeerError::Nonce(e.to_string()))?;
+        .map_err(|e| PeerError::Internal(format!("drawing a nonce: {e}")))?;
         let sealed = crust_peer_seal::seal(&key, &body);
         let answers = ask_all(&addresses, &sealed, &key, &body.nonce, self.cfg.timeout).await;
         let verdict = verdict(&req.volume_id, &self.node_id, &answers);
@@ -252,10 +258,7 @@ impl PeerService {
         &self,
         sealed: &wire::SealedRequest,
     ) -> Result<(PeerKey, ModifyVolumeBody), PeerError> {
-        let path = key_file(&self.driver.config().peer)?.clone();
-        let key = tokio::task::spawn_blocking(move || PeerKey::read(&path))
-            .await
-            .map_err(|e| PeerError::Nonce(e.to_string()))??;
+        let key = read_key(&self.driver.config().peer).await?;
         let body = crust_peer_seal::open(
             &key,
             &sealed.body,

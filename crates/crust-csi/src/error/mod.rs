@@ -267,8 +267,9 @@ pub enum PeerError {
     /// A request this node received and refused.
     #[error("peer request refused: {0}")]
     Refused(#[from] crust_peer_seal::Refusal),
-    #[error("cannot draw a nonce: {0}")]
-    Nonce(String),
+    /// A host failure on this side (no random bytes, a panicked read).
+    #[error("{0}")]
+    Internal(String),
     /// `--peers` gave no address to ask.
     #[error("volume {volume} is not on node {node}, and no other node could be asked: {reason}")]
     NoPeers {
@@ -326,7 +327,7 @@ impl From<PeerError> for Status {
             PeerError::Key(_) => Code::FailedPrecondition,
             PeerError::Refused(crust_peer_seal::Refusal::Flooded) => Code::ResourceExhausted,
             PeerError::Refused(_) => Code::Unauthenticated,
-            PeerError::Nonce(_) | PeerError::ManyOwners { .. } => Code::Internal,
+            PeerError::Internal(_) | PeerError::ManyOwners { .. } => Code::Internal,
             PeerError::NoPeers { .. } | PeerError::Unanswered { .. } => Code::Unavailable,
             PeerError::Nowhere { .. } => Code::NotFound,
             PeerError::Owner { code, .. } => *code,
