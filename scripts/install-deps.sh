@@ -131,7 +131,19 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 apt-get update
-apt-get install -y --no-install-recommends "${pkgs[@]}"
+# Some machines ship a newer qemu-utils (a backport, from no configured
+# repository) that Breaks the repository's qemu-system-common: pin
+# qemu-utils to the QEMU the guests run, downgrading it if needed, so that
+# qemu-img and the emulator are one release.
+qemu_version=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
+apt_extra=()
+if [ -n "$qemu_version" ] && [ "$qemu_version" != "(none)" ]; then
+  for i in "${!pkgs[@]}"; do
+    [ "${pkgs[$i]}" = qemu-utils ] && pkgs[$i]="qemu-utils=$qemu_version"
+  done
+  apt_extra=(--allow-downgrades)
+fi
+apt-get install -y --no-install-recommends "${apt_extra[@]}" "${pkgs[@]}"
 install_lints
 install_virtiofsd
 install_cargo_fuzz
