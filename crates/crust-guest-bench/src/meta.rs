@@ -111,11 +111,32 @@ pub fn walk(dir: &Path) -> Result<Value, String> {
         }
         Ok(())
     }
+    let before = device_reads(dir);
     let t0 = Instant::now();
     let mut n = 0;
     visit(dir, &mut n)?;
     let s = t0.elapsed().max(Duration::from_nanos(1)).as_secs_f64();
-    Ok(json!({"entries": n, "seconds": s, "entries_per_s": n as f64 / s}))
+    let mut out = json!({"entries": n, "seconds": s, "entries_per_s": n as f64 / s});
+    // What the walk read from the device under it (none for virtio-fs).
+    if let (Some(b), Some(a)) = (before, device_reads(dir)) {
+        out["device_reads"] = json!(a.0.saturating_sub(b.0));
+        out["device_read_bytes"] = json!(a.1.saturating_sub(b.1) * 512);
+    }
+    Ok(out)
+}
+
+/// Reads completed and sectors read by the block device of `p`'s
+/// filesystem (`/sys/dev/block/MAJ:MIN/stat`); `None` when it has none.
+fn device_reads(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = fs::metadata(p).ok()?.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let stat = fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat")).ok()?;
+    let f: Vec<u64> = stat
+        .split_whitespace()
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    Some((*f.first()?, *f.get(2)?))
 }
 
 #[cfg(test)]
@@ -152,5 +173,7 @@ mod tests {
             assert_eq!(make_tree(&d, n).unwrap()["entries"], n);
             assert_eq!(walk(&d).unwrap()["entries"], n, "tree of {n}");
         }
+        // A filesystem without a block device (virtio-fs, proc) reports no reads.
+        assert_eq!(device_reads(Path::new("/proc")), None);
     }
 }

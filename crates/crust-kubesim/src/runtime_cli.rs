@@ -73,6 +73,9 @@ pub struct RuntimeCli {
     /// crust-csi's Handover socket (`CRUST_RUNTIME_HANDOVER_ENDPOINT`,
     /// `unix://…`; empty: never asked).
     pub handover_endpoint: Option<String>,
+    /// Volumes through the host page cache, the A/B path of
+    /// `bench --guest-io --host-cache` (`CRUST_RUNTIME_HOST_CACHE=true`).
+    pub host_cache: bool,
     /// Bound on each command.
     pub timeout: Duration,
 }
@@ -93,6 +96,7 @@ impl RuntimeCli {
             cpus: None,
             share_binds: false,
             handover_endpoint: None,
+            host_cache: false,
             timeout: DEFAULT_RUNTIME_TIMEOUT,
         }
     }
@@ -134,6 +138,9 @@ impl RuntimeCli {
         }
         if let Some(e) = &self.handover_endpoint {
             v.push(("CRUST_RUNTIME_HANDOVER_ENDPOINT", e.into()));
+        }
+        if self.host_cache {
+            v.push(("CRUST_RUNTIME_HOST_CACHE", "true".into()));
         }
         v
     }

@@ -56,28 +56,54 @@ impl std::fmt::Display for BlockIo {
     }
 }
 
+/// `CRUST_RUNTIME_HOST_CACHE=true`: every volume is opened through the
+/// host page cache (`cache.direct=off`, `aio=threads`), the path before
+/// direct I/O. An A/B switch for measurements (`bench --guest-io
+/// --host-cache`); the host, not the pod, then pays for the cache.
+pub const HOST_CACHE_ENV: &str = "CRUST_RUNTIME_HOST_CACHE";
+
+/// Buffered with threads: the last resort, or the A/B path.
+const BUFFERED: BlockIo = BlockIo {
+    direct: false,
+    aio: Aio::Threads,
+};
+
+/// Whether [`HOST_CACHE_ENV`] asks for the host page cache; read once.
+pub fn host_cache_forced() -> bool {
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let on = std::env::var(HOST_CACHE_ENV).is_ok_and(|v| v == "true" || v == "1");
+        if on {
+            tracing::warn!("{HOST_CACHE_ENV}: volumes go through the host page cache");
+        }
+        on
+    })
+}
+
 impl BlockIo {
     /// What to try for a node, best first: direct I/O with each engine
-    /// the kernel offers, then buffered with threads.
+    /// the kernel offers, then buffered with threads (only that under
+    /// [`HOST_CACHE_ENV`]).
     pub fn candidates() -> Vec<BlockIo> {
-        let mut out: Vec<BlockIo> = host_engines()
+        Self::candidates_of(host_engines(), host_cache_forced())
+    }
+
+    fn candidates_of(engines: &[Aio], host_cache: bool) -> Vec<BlockIo> {
+        if host_cache {
+            return vec![BUFFERED];
+        }
+        let mut out: Vec<BlockIo> = engines
             .iter()
             .map(|&aio| BlockIo { direct: true, aio })
             .collect();
-        out.push(BlockIo {
-            direct: false,
-            aio: Aio::Threads,
-        });
+        out.push(BUFFERED);
         out
     }
 
     /// The best the host offers, for a disk on QEMU's command line (which
     /// cannot be retried with the next choice).
     pub fn host_best() -> BlockIo {
-        BlockIo {
-            direct: true,
-            aio: host_engines()[0],
-        }
+        Self::candidates()[0]
     }
 
     /// The `cache` and `aio` members of a `file`/`host_device` node's
@@ -155,5 +181,12 @@ mod tests {
         assert_eq!(n["cache"]["direct"], true);
         assert_eq!(n["cache"]["no-flush"], false);
         assert_eq!(n["aio"], c[0].aio.as_str());
+    }
+
+    #[test]
+    fn the_host_cache_switch_leaves_only_the_buffered_path() {
+        let engines = [Aio::IoUring, Aio::Native, Aio::Threads];
+        assert_eq!(BlockIo::candidates_of(&engines, false).len(), 4);
+        assert_eq!(BlockIo::candidates_of(&engines, true), vec![BUFFERED]);
     }
 }

@@ -43,7 +43,7 @@ mod ids;
 mod resize;
 mod types;
 mod wire;
-pub use blockio::{Aio, BlockIo, host_engines};
+pub use blockio::{Aio, BlockIo, HOST_CACHE_ENV, host_cache_forced, host_engines};
 
 pub use block::{IoThrottle, VirtioBlkOptions};
 pub use ids::{

@@ -258,12 +258,15 @@ impl Bench<'_> {
                 s.meta_files as u64 * 4096,
                 Duration::from_secs(s.meta_files as u64 / 5),
             ),
-            workload::Kind::Walk => bound(
+            workload::Kind::Walk | workload::Kind::WalkWarm => bound(
                 s.walk_entries as u64 * 512,
                 Duration::from_secs(s.walk_entries as u64 / 100),
             ),
             _ => bound(s.rand_file.max(s.seq_file), s.runtime),
         };
+        if let Some(warm_up) = w.warm_up(&dir_of(side), s) {
+            self.guest.run(&warm_up, limit).await?;
+        }
         let cpu0 = host::total_cpu(&self.pids);
         let out = self.guest.run(&w.command(&dir_of(side), s), limit).await?;
         let cpu = host::total_cpu(&self.pids) - cpu0;

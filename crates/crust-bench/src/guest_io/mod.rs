@@ -132,6 +132,11 @@ pub struct GuestIoArgs {
     /// Guest I/O: no host columns (they need fio and qemu-img on the host).
     #[arg(long, requires = "guest_io")]
     pub no_host_columns: bool,
+    /// Guest I/O: QEMU opens the block volume through the host page cache
+    /// (`cache.direct=off`, `aio=threads`: the path before direct I/O), to
+    /// compare the two paths; the report says so.
+    #[arg(long, requires = "guest_io")]
+    pub host_cache: bool,
     /// Guest I/O: also draw the comparison as an SVG chart into FILE.
     #[arg(long, value_name = "FILE", requires = "guest_io")]
     pub chart: Option<PathBuf>,
@@ -158,6 +163,8 @@ pub struct GuestIoConfig {
     pub guest_memory_mib: u32,
     pub guest_cpus: u32,
     pub drop_host_caches: bool,
+    /// QEMU through the host page cache ([`GuestIoArgs::host_cache`]).
+    pub host_cache: bool,
     /// Run the host columns ([`baseline`]).
     pub host_columns: bool,
     /// Where; `None`: beside the block volume's backing file.
@@ -184,6 +191,7 @@ impl GuestIoConfig {
             guest_memory_mib: 1024,
             guest_cpus: 2,
             drop_host_caches: true,
+            host_cache: false,
             host_columns: true,
             host_dir: None,
             pod_uid: crust_kubesim::flow::random_uuid(),
@@ -242,6 +250,7 @@ impl GuestIoConfig {
             ));
         }
         self.drop_host_caches = !a.keep_host_caches;
+        self.host_cache = a.host_cache;
         self.host_columns = !a.no_host_columns;
         self.host_dir = a.host_dir.clone();
         Ok(())
@@ -253,6 +262,7 @@ impl GuestIoConfig {
     pub fn block_flow(&self, virtiofs_target: &str) -> FlowConfig {
         let mut rt = self.runtime.clone();
         rt.share_binds = true;
+        rt.host_cache = self.host_cache;
         rt.memory_mib = Some(self.guest_memory_mib);
         rt.cpus = Some(self.guest_cpus);
         let mut f = self.flow(rt, "blk");
@@ -429,6 +439,7 @@ fn new_report(
         queue_depths: cfg.queue_depths.clone(),
         sizes: Some(cfg.sizes),
         host_caches_dropped: cfg.drop_host_caches && host::can_drop_caches(),
+        qemu_host_cache: cfg.host_cache,
         ..Default::default()
     }
 }
@@ -683,6 +694,17 @@ mod tests {
         );
         assert_eq!(b.defer_via, DeferVia::Request);
         assert!(b.runtime.share_binds && !v.runtime.share_binds);
+        // Direct I/O unless asked; the switch reaches the block flow's runtime only.
+        assert!(!b.runtime.host_cache);
+        let mut hc = c.clone();
+        hc.apply(&args(&["--short", "--host-cache"])).unwrap();
+        let hb = hc.block_flow("/t/vfs");
+        assert!(hb.runtime.host_cache && !hc.virtiofs_flow().runtime.host_cache);
+        assert!(
+            hb.runtime
+                .env()
+                .contains(&("CRUST_RUNTIME_HOST_CACHE", "true".into()))
+        );
         assert_eq!(b.runtime.memory_mib, Some(1024));
         let spec = crust_kubesim::flow::bundle_spec(&b, "/t/blk");
         let mounts = spec["mounts"].as_array().unwrap();

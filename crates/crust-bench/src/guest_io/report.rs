@@ -192,6 +192,8 @@ pub struct GuestIoReport {
     pub queue_depths: Vec<u32>,
     pub sizes: Option<Sizes>,
     pub host_caches_dropped: bool,
+    /// The block volume went through the host page cache (`--host-cache`).
+    pub qemu_host_cache: bool,
     /// Where the host columns ran; `None` when they did not.
     pub host: Option<HostReport>,
     pub workloads: Vec<WorkloadResult>,
@@ -454,7 +456,7 @@ impl GuestIoReport {
         if let Some(s) = &self.sizes {
             let _ = writeln!(
                 out,
-                "{} repetition(s), interleaved block/virtio-fs; queue depths {:?}; random file {}, sequential file {}, {:.0?} per random run; {} files; tree of {} entries; caches dropped before cold runs: guest{}",
+                "{} repetition(s), interleaved block/virtio-fs; queue depths {:?}; random file {}, sequential file {}, {:.0?} per random run; {} files; tree of {} entries; caches dropped before cold runs: guest{}{}",
                 self.repeat,
                 self.queue_depths,
                 crust_report::units::human_size(s.rand_file as i64),
@@ -466,6 +468,11 @@ impl GuestIoReport {
                     " and host"
                 } else {
                     " only"
+                },
+                if self.qemu_host_cache {
+                    "; block volume through the host page cache (--host-cache: cache.direct=off aio=threads)"
+                } else {
+                    ""
                 },
             );
         }
