@@ -72,9 +72,12 @@ const BUFFERED: BlockIo = BlockIo {
 pub fn host_cache_forced() -> bool {
     static FORCED: OnceLock<bool> = OnceLock::new();
     *FORCED.get_or_init(|| {
-        let on = std::env::var(HOST_CACHE_ENV).is_ok_and(|v| v == "true" || v == "1");
+        let v = std::env::var(HOST_CACHE_ENV).unwrap_or_default();
+        let on = matches!(v.as_str(), "true" | "1");
         if on {
             tracing::warn!("{HOST_CACHE_ENV}: volumes go through the host page cache");
+        } else if !matches!(v.as_str(), "" | "false" | "0") {
+            tracing::warn!("{HOST_CACHE_ENV}={v:?} is not true/1/false/0: direct I/O kept");
         }
         on
     })
