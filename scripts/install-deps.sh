@@ -134,10 +134,12 @@ apt-get update
 # Some machines ship a newer qemu-utils (a backport, from no configured
 # repository) that Breaks the repository's qemu-system-common: pin
 # qemu-utils to the QEMU the guests run, downgrading it if needed, so that
-# qemu-img and the emulator are one release.
-qemu_version=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
+# qemu-img and the emulator are one release (only when a repository has
+# that qemu-utils: a locally installed emulator keeps the old behaviour).
+qemu_version=$(LC_ALL=C apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
 apt_extra=()
-if [ -n "$qemu_version" ] && [ "$qemu_version" != "(none)" ]; then
+if [ -n "$qemu_version" ] && [ "$qemu_version" != "(none)" ] &&
+  LC_ALL=C apt-cache madison qemu-utils | awk -F' [|] ' '{print $2}' | grep -qxF "$qemu_version"; then
   for i in "${!pkgs[@]}"; do
     [ "${pkgs[$i]}" = qemu-utils ] && pkgs[$i]="qemu-utils=$qemu_version"
   done

@@ -157,6 +157,11 @@ impl RuntimeCli {
     ) -> Result<RuntimeOutput, RuntimeCliError> {
         use tokio::io::AsyncReadExt;
         let mut cmd = tokio::process::Command::new(&self.bin);
+        // A switch exported in the caller's shell must not turn the
+        // direct-I/O side of an A/B into the buffered one unseen.
+        if !self.host_cache {
+            cmd.env_remove("CRUST_RUNTIME_HOST_CACHE");
+        }
         cmd.args(args)
             .envs(self.env())
             .stdin(Stdio::null())

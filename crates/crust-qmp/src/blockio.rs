@@ -73,14 +73,27 @@ pub fn host_cache_forced() -> bool {
     static FORCED: OnceLock<bool> = OnceLock::new();
     *FORCED.get_or_init(|| {
         let v = std::env::var(HOST_CACHE_ENV).unwrap_or_default();
-        let on = matches!(v.as_str(), "true" | "1");
-        if on {
-            tracing::warn!("{HOST_CACHE_ENV}: volumes go through the host page cache");
-        } else if !matches!(v.as_str(), "" | "false" | "0") {
-            tracing::warn!("{HOST_CACHE_ENV}={v:?} is not true/1/false/0: direct I/O kept");
+        let on = parse_switch(&v);
+        match on {
+            Some(true) => {
+                tracing::warn!("{HOST_CACHE_ENV}: volumes go through the host page cache")
+            }
+            Some(false) => {}
+            None => {
+                tracing::warn!("{HOST_CACHE_ENV}={v:?} is not true/1/false/0: direct I/O kept")
+            }
         }
-        on
+        on == Some(true)
     })
+}
+
+/// `true`/`1` on, `false`/`0`/unset off, anything else unknown.
+fn parse_switch(v: &str) -> Option<bool> {
+    match v {
+        "true" | "1" => Some(true),
+        "" | "false" | "0" => Some(false),
+        _ => None,
+    }
 }
 
 impl BlockIo {
@@ -191,5 +204,11 @@ mod tests {
         let engines = [Aio::IoUring, Aio::Native, Aio::Threads];
         assert_eq!(BlockIo::candidates_of(&engines, false).len(), 4);
         assert_eq!(BlockIo::candidates_of(&engines, true), vec![BUFFERED]);
+        assert_eq!(parse_switch("true"), Some(true));
+        assert_eq!(parse_switch("1"), Some(true));
+        assert_eq!(parse_switch(""), Some(false));
+        assert_eq!(parse_switch("0"), Some(false));
+        assert_eq!(parse_switch("yes"), None);
+        assert_eq!(parse_switch("TRUE"), None);
     }
 }

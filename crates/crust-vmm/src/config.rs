@@ -96,7 +96,8 @@ impl DiskSpec {
     /// Arguments of QMP `blockdev-add` for this disk (also used verbatim as
     /// the `-blockdev` JSON of boot disks): raw format over `host_device`
     /// or `file`, O_DIRECT (`cache.direct=on`) with the best engine the
-    /// host allows ([`crust_qmp::BlockIo::host_best`]).
+    /// host allows ([`crust_qmp::BlockIo::host_best`]; buffered only under
+    /// the A/B switch [`crust_qmp::HOST_CACHE_ENV`]).
     pub fn blockdev_add_args(&self) -> Value {
         let is_blk = std::fs::metadata(&self.path)
             .map(|m| is_block(&m))

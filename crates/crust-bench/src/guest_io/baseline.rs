@@ -211,13 +211,7 @@ pub fn parse_qemu_img(w: &Workload, count: u64, stdout: &str) -> Result<Measured
         Unit::Iops => count as f64 / secs,
         _ => bytes as f64 / secs,
     };
-    Ok(Measured {
-        value,
-        bytes,
-        p50_us: None,
-        p99_us: None,
-        seconds: secs,
-    })
+    Ok(Measured::new(value, bytes, None, None, secs))
 }
 
 /// The block volume's backing file: `device` must be a loop device.

@@ -187,13 +187,7 @@ mod tests {
         Run {
             repetition: 0,
             side,
-            measured: Measured {
-                value,
-                bytes: 1 << 20,
-                p50_us: None,
-                p99_us: None,
-                seconds: 1.0,
-            },
+            measured: Measured::new(value, 1 << 20, None, None, 1.0),
             host_cpu_s: 0.1,
         }
     }

@@ -265,7 +265,10 @@ impl Bench<'_> {
             _ => bound(s.rand_file.max(s.seq_file), s.runtime),
         };
         if let Some(warm_up) = w.warm_up(&dir_of(side), s) {
-            self.guest.run(&warm_up, limit).await?;
+            self.guest
+                .run(&warm_up, limit)
+                .await
+                .map_err(|e| format!("warm-up walk: {e}"))?;
         }
         let cpu0 = host::total_cpu(&self.pids);
         let out = self.guest.run(&w.command(&dir_of(side), s), limit).await?;

@@ -556,13 +556,7 @@ mod tests {
         Run {
             repetition: rep,
             side,
-            measured: Measured {
-                value,
-                bytes,
-                p50_us: Some(value / 10.0),
-                p99_us: Some(value),
-                seconds: 1.0,
-            },
+            measured: Measured::new(value, bytes, Some(value / 10.0), Some(value), 1.0),
             host_cpu_s: cpu,
         }
     }

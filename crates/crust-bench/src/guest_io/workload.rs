@@ -294,6 +294,33 @@ pub struct Measured {
     pub p99_us: Option<f64>,
     /// The tool's own measured time.
     pub seconds: f64,
+    /// A walk's reads from the block device under its tree; absent where
+    /// the filesystem has no device of its own (virtio-fs, btrfs, overlay).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_reads: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_read_bytes: Option<u64>,
+}
+
+impl Measured {
+    /// Figures without device counts.
+    pub fn new(
+        value: f64,
+        bytes: u64,
+        p50_us: Option<f64>,
+        p99_us: Option<f64>,
+        seconds: f64,
+    ) -> Measured {
+        Measured {
+            value,
+            bytes,
+            p50_us,
+            p99_us,
+            seconds,
+            device_reads: None,
+            device_read_bytes: None,
+        }
+    }
 }
 
 fn f(v: &Value, path: &[&str]) -> Option<f64> {
@@ -312,20 +339,17 @@ pub fn parse(w: &Workload, stdout: &str) -> Result<Measured, String> {
     let num =
         |path: &[&str]| f(&v, path).ok_or_else(|| format!("no {} in the output", path.join(".")));
     match w.kind {
-        Kind::Meta => Ok(Measured {
-            value: num(&["files_per_s"])?,
-            bytes: (num(&["files"])? * num(&["file_size"])?) as u64,
-            p50_us: Some(num(&["create_fsync_stat", "p50_us"])?),
-            p99_us: Some(num(&["create_fsync_stat", "p99_us"])?),
-            seconds: num(&["seconds"])?,
-        }),
+        Kind::Meta => Ok(Measured::new(
+            num(&["files_per_s"])?,
+            (num(&["files"])? * num(&["file_size"])?) as u64,
+            Some(num(&["create_fsync_stat", "p50_us"])?),
+            Some(num(&["create_fsync_stat", "p99_us"])?),
+            num(&["seconds"])?,
+        )),
         Kind::Walk | Kind::WalkWarm => Ok(Measured {
-            value: num(&["entries_per_s"])?,
-            // Read from the block device under the tree (virtio-fs: none).
-            bytes: f(&v, &["device_read_bytes"]).unwrap_or(0.0) as u64,
-            p50_us: None,
-            p99_us: None,
-            seconds: num(&["seconds"])?,
+            device_reads: v.get("device_reads").and_then(Value::as_u64),
+            device_read_bytes: v.get("device_read_bytes").and_then(Value::as_u64),
+            ..Measured::new(num(&["entries_per_s"])?, 0, None, None, num(&["seconds"])?)
         }),
         _ => {
             let job = v
@@ -367,13 +391,13 @@ pub fn parse(w: &Workload, stdout: &str) -> Result<Measured, String> {
                     .and_then(Value::as_f64)
                     .map(|ns| ns / 1000.0)
             };
-            Ok(Measured {
+            Ok(Measured::new(
                 value,
                 bytes,
-                p50_us: pct("50.000000"),
-                p99_us: pct("99.000000"),
-                seconds: runtime_ms / 1000.0,
-            })
+                pct("50.000000"),
+                pct("99.000000"),
+                runtime_ms / 1000.0,
+            ))
         }
     }
 }
@@ -509,6 +533,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!((m.value, m.p50_us, m.bytes), (27390.5, None, 0));
+        // No device under the tree: unknown, not zero.
+        assert_eq!((m.device_reads, m.device_read_bytes), (None, None));
         let walk = r#"{"entries":2000,"entries_per_s":9000.0,"seconds":0.2,"device_reads":41,"device_read_bytes":1048576}"#;
         let m = parse(
             &Workload {
@@ -518,6 +544,9 @@ mod tests {
             walk,
         )
         .unwrap();
-        assert_eq!((m.value, m.bytes), (9000.0, 1 << 20));
+        assert_eq!(
+            (m.value, m.device_reads, m.device_read_bytes),
+            (9000.0, Some(41), Some(1 << 20))
+        );
     }
 }
