@@ -108,8 +108,8 @@ pub(crate) fn describe_mounts(
         blk,
         MOUNT_DESTINATION,
         format!(
-            "virtio-blk {}, {}, mounted in the guest (deferred publish)",
-            seen.block.0, seen.block.1
+            "virtio-blk {}, {}, mounted in the guest (deferred publish); QEMU {}",
+            seen.block.0, seen.block.1, seen.block_io
         ),
         &seen.block,
     );
@@ -131,6 +131,35 @@ pub(crate) struct Seen {
     pub(crate) virtiofs: (String, String),
     /// The block volume's device on the host (the runtime's state).
     pub(crate) block_device: String,
+    /// How QEMU does the block volume's I/O, as the runtime recorded it
+    /// (`cache.direct=on aio=io_uring`).
+    pub(crate) block_io: String,
+}
+
+/// The runtime's record of how QEMU opened the volume (`blockIo` of its
+/// state, one entry), checked against what the bench asked for: an A/B
+/// whose modes did not take effect measures nothing.
+fn block_io_of(st: &serde_json::Value, host_cache: bool) -> Result<String, String> {
+    let io = st["blockIo"]
+        .as_object()
+        .and_then(|m| (m.len() == 1).then(|| m.values().next()).flatten())
+        .ok_or_else(|| {
+            format!(
+                "the runtime's state records no I/O mode of the block volume: {}",
+                st["blockIo"]
+            )
+        })?;
+    let (direct, aio) = (io["direct"].as_bool(), io["aio"].as_str());
+    let (Some(direct), Some(aio)) = (direct, aio) else {
+        return Err(format!("unreadable I/O mode in the runtime's state: {io}"));
+    };
+    if host_cache && direct {
+        return Err("--host-cache did not take effect: QEMU opened the volume with O_DIRECT (does the runtime know CRUST_RUNTIME_HOST_CACHE?)".into());
+    }
+    Ok(format!(
+        "cache.direct={} aio={aio}",
+        if direct { "on" } else { "off" }
+    ))
 }
 
 /// Both mounts are where they should be in the guest and the bench tools
@@ -159,6 +188,7 @@ pub(crate) async fn check_sandbox(
             st["volumes"]
         ));
     }
+    let block_io = block_io_of(&st, cfg.host_cache)?;
     let block_device = st["volumes"][0]["device"]
         .as_str()
         .ok_or("no device of the block volume in the sandbox state")?
@@ -222,6 +252,7 @@ pub(crate) async fn check_sandbox(
             block,
             virtiofs,
             block_device,
+            block_io,
         },
     ))
 }
@@ -273,4 +304,35 @@ pub(crate) async fn feature_table(
         virtiofs: statfs_vs_csi(bench, Side::Virtiofs, vfs).await,
     });
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_recorded_io_mode_must_match_the_ask() {
+        let st = |direct: bool| json!({"blockIo": {"/k/pods/p/volumes/v/mount": {"direct": direct, "aio": "io_uring"}}});
+        assert_eq!(
+            block_io_of(&st(true), false).unwrap(),
+            "cache.direct=on aio=io_uring"
+        );
+        // Buffered without asking is the runtime's fallback: reported, not refused.
+        assert_eq!(
+            block_io_of(&st(false), false).unwrap(),
+            "cache.direct=off aio=io_uring"
+        );
+        assert!(block_io_of(&st(false), true).is_ok());
+        assert!(
+            block_io_of(&st(true), true)
+                .unwrap_err()
+                .contains("--host-cache did not take effect")
+        );
+        // No record, two records, or an unreadable one: refused.
+        assert!(block_io_of(&json!({}), false).is_err());
+        let two = json!({"blockIo": {"a": {"direct": true, "aio": "native"}, "b": {"direct": true, "aio": "native"}}});
+        assert!(block_io_of(&two, false).is_err());
+        assert!(block_io_of(&json!({"blockIo": {"a": {"direct": "yes"}}}), false).is_err());
+    }
 }
