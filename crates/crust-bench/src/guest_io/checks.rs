@@ -140,26 +140,22 @@ pub(crate) struct Seen {
 /// state, one entry), checked against what the bench asked for: an A/B
 /// whose modes did not take effect measures nothing.
 fn block_io_of(st: &serde_json::Value, host_cache: bool) -> Result<String, String> {
-    let io = st["blockIo"]
+    let one = st["blockIo"]
         .as_object()
-        .and_then(|m| (m.len() == 1).then(|| m.values().next()).flatten())
+        .filter(|m| m.len() == 1)
+        .and_then(|m| m.values().next())
         .ok_or_else(|| {
             format!(
                 "the runtime's state records no I/O mode of the block volume: {}",
                 st["blockIo"]
             )
         })?;
-    let (direct, aio) = (io["direct"].as_bool(), io["aio"].as_str());
-    let (Some(direct), Some(aio)) = (direct, aio) else {
-        return Err(format!("unreadable I/O mode in the runtime's state: {io}"));
-    };
-    if host_cache && direct {
+    let io: crust_qmp::BlockIo = serde_json::from_value(one.clone())
+        .map_err(|e| format!("unreadable I/O mode in the runtime's state: {one}: {e}"))?;
+    if host_cache && io.direct {
         return Err("--host-cache did not take effect: QEMU opened the volume with O_DIRECT (does the runtime know CRUST_RUNTIME_HOST_CACHE?)".into());
     }
-    Ok(format!(
-        "cache.direct={} aio={aio}",
-        if direct { "on" } else { "off" }
-    ))
+    Ok(io.to_string())
 }
 
 /// Both mounts are where they should be in the guest and the bench tools
