@@ -2,11 +2,12 @@
 //! wiping.
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, StatxFlags};
+use rustix::io::Errno;
 
 use crate::sys;
 
@@ -71,6 +72,19 @@ pub(crate) fn size_of_fd(fd: &OwnedFd, path: &Path) -> Result<u64, DeviceError> 
     unsafe { sys::ioctl_ptr(fd, linux_raw_sys::ioctl::BLKGETSIZE64, &mut size) }
         .map_err(|e| DeviceError::io(path, e))?;
     Ok(size)
+}
+
+/// Writes back and drops the block device's own page cache
+/// (`BLKFLSBUF`): what the host reads through the device node next comes
+/// from its backing store. Needed where something writes that store
+/// around the device (QEMU on a loop device's backing file). Without
+/// `CAP_SYS_ADMIN` the kernel refuses: `Ok(false)`.
+pub fn flush_device_cache(fd: BorrowedFd<'_>, path: &Path) -> Result<bool, DeviceError> {
+    match sys::ioctl_int(fd, linux_raw_sys::ioctl::BLKFLSBUF, 0) {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(sys::errno(&e), Some(Errno::PERM) | Some(Errno::ACCESS)) => Ok(false),
+        Err(e) => Err(DeviceError::io(path, e)),
+    }
 }
 
 /// Size in bytes of a block device (`BLKGETSIZE64`).

@@ -107,10 +107,18 @@ pub const HAND_TO_GUEST: &str = "hand it to a guest";
 /// mount, format, check or exclusively open the device. For a regular
 /// file (a VM image under a configured file-device root) it is a plain
 /// descriptor: files have no exclusive open.
+///
+/// The device's own page cache is flushed ([`flush_device_cache`]) when
+/// the hold is taken and when it drops: a guest's QEMU may write the
+/// device's backing store around it (a loop device's file), and no host
+/// use between holds may read what the cache kept from before.
+///
+/// [`flush_device_cache`]: crate::device::flush_device_cache
 #[derive(Debug)]
 pub struct ExclusiveDevice {
     fd: OwnedFd,
     path: PathBuf,
+    block: bool,
 }
 
 impl ExclusiveDevice {
@@ -122,7 +130,30 @@ impl ExclusiveDevice {
     /// (a file device: QEMU gets a copy of the same descriptor, so the
     /// path is never looked up again).
     pub fn regular_file(fd: OwnedFd, path: PathBuf) -> ExclusiveDevice {
-        ExclusiveDevice { fd, path }
+        ExclusiveDevice {
+            fd,
+            path,
+            block: false,
+        }
+    }
+
+    /// [`flush_device_cache`](crate::device::flush_device_cache) through
+    /// the hold (nothing for a regular file).
+    pub fn flush_cache(&self) -> Result<(), DeviceError> {
+        if self.block && !device::flush_device_cache(self.fd.as_fd(), &self.path)? {
+            tracing::debug!(device = %self.path.display(),
+                "BLKFLSBUF refused (no CAP_SYS_ADMIN): its page cache kept");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ExclusiveDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.flush_cache() {
+            tracing::warn!(device = %self.path.display(), %e,
+                "flushing its page cache as the hold drops");
+        }
     }
 }
 
@@ -169,10 +200,7 @@ fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDe
                         source: e.into(),
                     }
                 })?;
-            return Ok(ExclusiveDevice {
-                fd,
-                path: path.to_path_buf(),
-            });
+            return Ok(ExclusiveDevice::regular_file(fd, path.to_path_buf()));
         }
         _ => return Err(DeviceError::NotBlockDevice(path.to_path_buf()).into()),
     }
@@ -194,10 +222,14 @@ fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDe
     if !sysfs_holders(major, minor).is_empty() {
         return Err(in_use());
     }
-    Ok(ExclusiveDevice {
+    let dev = ExclusiveDevice {
         fd,
         path: path.to_path_buf(),
-    })
+        block: true,
+    };
+    // Nothing the cache kept from before this hold is read as current.
+    dev.flush_cache()?;
+    Ok(dev)
 }
 
 /// [`claim_exclusive`] and let go at once: a check that nobody holds the

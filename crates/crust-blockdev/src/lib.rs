@@ -15,6 +15,8 @@
 //!   named from `/proc` only after a refusal) and no other device exposes
 //!   its data ([`alias`]), and the [`ExclusiveDevice`] the runtime keeps
 //!   while a guest may use a device. [`ensure_released`]: the release proof.
+//! * [`bypass`]: [`route`], a loop device's whole backing file proven by
+//!   descriptor, for QEMU to skip the loop driver.
 //! * [`alias`]: [`ensure_no_aliases`]: other loop devices bound to the
 //!   same backing inode, loops stacked on the device, kernel holders.
 //! * [`probe`]: [`probe_fs`] reads superblocks so a device holding data is
@@ -45,6 +47,7 @@
 //! wrapped in [`with_timeout`] (see [`fs_health_with_timeout`]).
 
 pub mod alias;
+pub mod bypass;
 pub mod copy;
 pub mod device;
 pub mod freeze;
@@ -63,11 +66,12 @@ pub mod users;
 pub mod zeros;
 
 pub use alias::{ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliases};
+pub use bypass::{Route, backing_file_bytes, route};
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
     DeviceError, OPENERS_SCAN_LIMIT, Opener, block_device_size, device_major_minor, device_openers,
-    is_block_device, is_device_held_exclusively, is_device_in_use, logical_block_size,
-    set_read_only, sysfs_name, wipe_edges, zero_out_fast,
+    flush_device_cache, is_block_device, is_device_held_exclusively, is_device_in_use,
+    logical_block_size, set_read_only, sysfs_name, wipe_edges, zero_out_fast,
 };
 pub use freeze::{FreezeError, Frozen, freeze, freeze_unguarded, thaw_if_frozen};
 pub use fs::{

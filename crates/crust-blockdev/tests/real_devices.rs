@@ -1028,3 +1028,155 @@ fn claims_name_the_partitions_of_an_alias() {
         .to_string();
     assert!(msg.contains(guard.path().to_str().unwrap()), "{msg}");
 }
+
+/// A loop device `losetup` made (a window of a file), detached on drop.
+struct Losetup(PathBuf);
+
+impl Losetup {
+    fn attach(args: &[&str], file: &Path) -> Losetup {
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .args(args)
+            .arg(file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        Losetup(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+    }
+}
+
+impl Drop for Losetup {
+    fn drop(&mut self) {
+        let _ = detach(&self.0);
+    }
+}
+
+fn route_reason(dev: &Path, writable: bool) -> String {
+    match route(dev, writable) {
+        Route::Device(why) => why,
+        Route::BackingFile(_) => panic!("{} was bypassed", dev.display()),
+    }
+}
+
+#[test]
+fn route_hands_out_only_the_whole_proven_backing_file() {
+    use std::os::unix::fs::MetadataExt;
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "vol.img", 8 * MIB);
+    let guard = LoopGuard::attach(&img, rw()).unwrap();
+    let dev = guard.path().to_path_buf();
+
+    // The whole file, read-write: the descriptor is that inode, writable.
+    let Route::BackingFile(fd) = route(&dev, true) else {
+        panic!("{}", route_reason(&dev, true))
+    };
+    let file = File::from(fd);
+    let meta = file.metadata().unwrap();
+    assert_eq!(meta.ino(), std::fs::metadata(&img).unwrap().ino());
+    file.write_all_at(b"through the file", 4096).unwrap();
+    let mut back = [0u8; 16];
+    File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut back, 4096)
+        .unwrap();
+    assert_eq!(&back, b"through the file");
+    assert_eq!(backing_file_bytes(&dev).unwrap(), 8 * MIB);
+
+    // The block layer's read-only flag: no writable file.
+    set_read_only(&dev, true).unwrap();
+    assert!(route_reason(&dev, true).contains("read-only"));
+    let Route::BackingFile(ro) = route(&dev, false) else {
+        panic!("a read-only route was refused")
+    };
+    assert!(File::from(ro).write_all_at(b"x", 0).is_err());
+    set_read_only(&dev, false).unwrap();
+
+    // The path now names another file (bound over it): not the loop's.
+    let other = sparse(dir.path(), "other.img", 8 * MIB);
+    bind_mount(&other, &img, false).unwrap();
+    let bound = MountGuard::new(&img);
+    let why = route_reason(&dev, true);
+    assert!(why.contains("the loop reads inode"), "{why}");
+    drop(bound);
+
+    // The file replaced under its name: the loop reads the old inode.
+    std::fs::rename(&other, &img).unwrap();
+    assert!(route_reason(&dev, true).contains("deleted or replaced"));
+}
+
+#[test]
+fn route_keeps_windows_read_only_loops_and_other_devices() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "vol.img", 8 * MIB);
+    let window = Losetup::attach(&["--offset", "1048576"], &img);
+    assert!(route_reason(&window.0, false).contains("offset 1048576"));
+    let limited = Losetup::attach(&["--sizelimit", "4194304"], &img);
+    let why = route_reason(&limited.0, false);
+    assert!(why.contains("4194304"), "{why}");
+
+    let ro = LoopGuard::attach(
+        &img,
+        AttachOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(route_reason(ro.path(), true).contains("read-only"));
+    assert!(matches!(route(ro.path(), false), Route::BackingFile(_)));
+
+    // A block device that is no loop (the window's own node, detached).
+    let gone = window.0.clone();
+    drop(window);
+    let why = route_reason(&gone, true);
+    assert!(why.contains("bound to no file"), "{why}");
+}
+
+#[test]
+fn holds_flush_what_the_device_cache_kept_from_before() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse(dir.path(), "vol.img", 8 * MIB);
+    let guard = LoopGuard::attach(
+        &img,
+        AttachOptions {
+            direct_io: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let dev = guard.path().to_path_buf();
+    let read_dev = |f: &File| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, 0).unwrap();
+        b
+    };
+    // A reader that keeps the device open keeps its page cache too
+    // (udev's probe, a monitoring tool), here while a guest has it.
+    let reader = File::open(&dev).unwrap();
+    let hold = claim_exclusive(&dev, true, HAND_TO_GUEST).unwrap();
+    assert_eq!(read_dev(&reader), [0; 8]);
+
+    // The guest's QEMU writes the backing file around the loop device.
+    let Route::BackingFile(fd) = route(&dev, true) else {
+        panic!("{}", route_reason(&dev, true))
+    };
+    File::from(fd).write_all_at(b"guest!!!", 0).unwrap();
+    assert_eq!(read_dev(&reader), [0; 8], "the stale cache this guards");
+    drop(hold);
+    assert_eq!(&read_dev(&reader), b"guest!!!");
+
+    // A hold taken after a holder that never flushed (a crashed runtime).
+    File::from(match route(&dev, true) {
+        Route::BackingFile(fd) => fd,
+        Route::Device(why) => panic!("{why}"),
+    })
+    .write_all_at(b"crashed!", 0)
+    .unwrap();
+    assert_eq!(read_dev(&reader), *b"guest!!!");
+    let next = claim_exclusive(&dev, false, crust_blockdev::fs::FORMAT).unwrap();
+    assert_eq!(&read_dev(&reader), b"crashed!");
+    drop(next);
+}

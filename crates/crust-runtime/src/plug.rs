@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use crust_agent_proto::AgentClient;
 use crust_blockdev::ExclusiveDevice;
-use crust_qmp::{BlockIo, QmpClient};
+use crust_qmp::QmpClient;
 
 use crate::discovery::Discovery;
-use crate::records::Volume;
+use crate::records::{Volume, VolumeIo};
 use crate::volumes::{self, VolumeError};
 
 /// What the plug routine needs of a running guest.
@@ -110,7 +110,7 @@ pub async fn plug(
     att: &Attachments,
     g: &GuestPorts<'_>,
     v: &Volume,
-) -> Result<Option<BlockIo>, VolumeError> {
+) -> Result<Option<VolumeIo>, VolumeError> {
     let _one = att.plugging.lock().await;
     if att.is_plugged(&v.id) {
         return Ok(None);
@@ -121,7 +121,7 @@ pub async fn plug(
     })?;
     match plug_on(g, v, &bus).await {
         Ok((hold, io)) => {
-            tracing::info!(target = %v.target, device = %v.device, "volume in the guest; QEMU does its I/O with {io}");
+            tracing::info!(target = %v.target, device = %v.device, "volume in the guest; QEMU does its I/O on {io}");
             att.plugged.lock().expect("plugged").insert(
                 v.id.clone(),
                 Attached {
@@ -148,7 +148,7 @@ async fn plug_on(
     g: &GuestPorts<'_>,
     v: &Volume,
     bus: &str,
-) -> Result<(ExclusiveDevice, BlockIo), (VolumeError, Option<ExclusiveDevice>)> {
+) -> Result<(ExclusiveDevice, VolumeIo), (VolumeError, Option<ExclusiveDevice>)> {
     // The doors check this before booting; a plug never goes without it.
     volumes::check_for_guest(v).map_err(|e| (e, None))?;
     // A file device is opened once, by the one rule; QEMU gets that

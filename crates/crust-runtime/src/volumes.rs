@@ -12,7 +12,7 @@ use crust_agent_proto::{
 use crust_handoff::{FsGroupChangePolicy, IoLimits};
 use crust_qmp::{QmpClient, QmpError};
 
-use crate::records::Volume;
+use crate::records::{Volume, VolumeIo};
 use crate::stats::{Unit, VolumeCondition, VolumeStats, VolumeUsage};
 
 /// How long the guest gets to release a hot-unplugged disk.
@@ -282,28 +282,48 @@ pub fn open_file_device(
     .map_err(|reason| host_device_error(v, reason))
 }
 
-/// Hot-plugs `v` on PCIe root port `bus`: its block device by path (a
-/// node under /dev, checked again now), or `file`, the descriptor of its
-/// file device ([`open_file_device`]), which QEMU gets as it is. Returns
-/// how QEMU does its I/O (direct, engine). The guest sees the host
-/// device's sector size (a filesystem it makes must mount on the host).
-/// Idempotent (crust-qmp is).
+/// Hot-plugs `v` on PCIe root port `bus`: its block device (a node
+/// under /dev, checked again now), or `file`, the descriptor of its file
+/// device ([`open_file_device`]), which QEMU gets as it is. A loop device
+/// that maps a whole file proven its own ([`crust_blockdev::route`]) is
+/// opened by QEMU on that file, by descriptor: QEMU does the loop
+/// driver's work itself, and the sandbox's exclusive hold on the loop
+/// device still keeps the host away. Returns what QEMU opened and how
+/// (direct, engine). The guest sees the host device's sector size (a
+/// filesystem it makes must mount on the host). Idempotent (crust-qmp
+/// is).
 pub async fn attach(
     qmp: &QmpClient,
     v: &Volume,
     bus: Option<&str>,
     file: Option<std::os::fd::OwnedFd>,
-) -> Result<crust_qmp::BlockIo, VolumeError> {
-    let (io, block_size) = match file {
-        Some(fd) => (qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await, 0),
+) -> Result<VolumeIo, VolumeError> {
+    let (io, block_size, backing_file) = match file {
+        Some(fd) => (
+            qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await,
+            0,
+            false,
+        ),
         None => {
             check_host_device(v)?;
-            let bs = crust_blockdev::logical_block_size(Path::new(&v.device))
+            let dev = Path::new(&v.device);
+            let bs = crust_blockdev::logical_block_size(dev)
                 .map_err(|e| host_device_error(v, e.to_string()))?;
-            let io = qmp
-                .blockdev_add_file(&v.node_name, Path::new(&v.device), v.readonly)
-                .await;
-            (io, bs)
+            match crust_blockdev::route(dev, !v.readonly) {
+                crust_blockdev::Route::BackingFile(fd) => {
+                    let io = qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await;
+                    (io, bs, true)
+                }
+                crust_blockdev::Route::Device(why) => {
+                    tracing::info!(target = %v.target, device = %v.device,
+                        "QEMU opens the device itself: {why}");
+                    (
+                        qmp.blockdev_add_file(&v.node_name, dev, v.readonly).await,
+                        bs,
+                        false,
+                    )
+                }
+            }
         }
     };
     let io = io.map_err(qmp_err(v, "blockdev-add"))?;
@@ -318,7 +338,7 @@ pub async fn attach(
         let _ = qmp.blockdev_del(&v.node_name).await;
         return Err(qmp_err(v, "device_add")(e));
     }
-    Ok(io)
+    Ok(VolumeIo { io, backing_file })
 }
 
 /// The I/O limits `v`'s record carries (none: unlimited).
@@ -520,6 +540,46 @@ pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {
     })
 }
 
+/// QEMU grows a node opened on a loop device's backing file by
+/// truncating that file to the size given: refused unless that is the
+/// file's size now (a second expansion may have grown it since the loop
+/// device was refreshed; the caller retries).
+async fn never_shrink_backing_file(
+    qmp: &QmpClient,
+    v: &Volume,
+    size: u64,
+) -> Result<(), VolumeError> {
+    if !crust_blockdev::is_block_device(Path::new(&v.device)) {
+        return Ok(());
+    }
+    let on_file = qmp
+        .query_named_block_nodes()
+        .await
+        .map_err(qmp_err(v, "query-named-block-nodes"))?
+        .into_iter()
+        .any(|n| n.node_name == v.node_name && n.driver == "file");
+    if !on_file {
+        return Ok(());
+    }
+    let dev = v.device.clone();
+    let file_bytes =
+        tokio::task::spawn_blocking(move || crust_blockdev::backing_file_bytes(Path::new(&dev)))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|reason| host_device_error(v, format!("its backing file: {reason}")))?;
+    if file_bytes != size {
+        return Err(VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: format!(
+                "the host device {} has {size} bytes but its backing file {file_bytes}: it changed during the resize; retry",
+                v.device
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Online expansion: refresh the host device, `block_resize` the QEMU node
 /// to the device's size, grow the filesystem in the guest. Refuses before
 /// touching anything when the device is smaller than `min_bytes` or larger
@@ -560,6 +620,7 @@ pub async fn resize(
             ),
         });
     }
+    never_shrink_backing_file(qmp, v, size).await?;
     qmp.block_resize(&v.node_name, size)
         .await
         .map_err(qmp_err(v, "block_resize"))?;

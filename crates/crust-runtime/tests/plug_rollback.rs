@@ -1,8 +1,8 @@
 //! The shared plug routine's hold and rollback against a scripted QMP peer
 //! (no guest: the agent is absent, so every guest mount fails) on a real
-//! loop device. At `blockdev-add` and at `blockdev-del` the peer checks
-//! that the host cannot open the device `O_EXCL`: the hold spans QEMU's
-//! use. A failed mount whose detach works leaves the device free and the
+//! loop device. From `add-fd` (the device's backing file, by descriptor)
+//! to `remove-fd` the peer checks that the host cannot open the device
+//! `O_EXCL`: the hold spans QEMU's use. A failed mount whose detach works leaves the device free and the
 //! bus returned; a detach that fails keeps the device held until QEMU is
 //! gone; a device mounted on the host is refused before any QMP command.
 //! Budget: under a second.
@@ -62,6 +62,8 @@ fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
                     json!({"return": {}})
                 }
                 "query-named-block-nodes" | "query-block" => json!({"return": []}),
+                // The loop device's backing file comes by descriptor.
+                "add-fd" => json!({"return": {"fdset-id": 1, "fd": 9}}),
                 _ => json!({"return": {}}),
             };
             let mut reply = reply;
@@ -97,7 +99,7 @@ async fn plug_with(
     stuck: bool,
 ) -> (
     Attachments,
-    Result<Option<crust_qmp::BlockIo>, VolumeError>,
+    Result<Option<crust_runtime::records::VolumeIo>, VolumeError>,
     Seen,
 ) {
     let sock = dir.join(format!("{name}.qmp"));
@@ -137,6 +139,9 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
         commands(&seen),
         [
             "qmp_capabilities",
+            // The loop device's backing file, by descriptor (issue 28).
+            "query-named-block-nodes",
+            "add-fd",
             "blockdev-add",
             // Queues for the VM's vCPUs, the device's own iothread.
             "query-hotpluggable-cpus",
@@ -145,11 +150,13 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
             "device_add",
             "device_del",
             "query-iothreads",
-            "blockdev-del"
+            "blockdev-del",
+            "remove-fd"
         ]
     );
+    assert!(held_at(&seen, "add-fd"), "held before QEMU has the file");
     assert!(held_at(&seen, "blockdev-add"), "held before QEMU opens it");
-    assert!(held_at(&seen, "blockdev-del"), "held until QEMU let go");
+    assert!(held_at(&seen, "remove-fd"), "held until QEMU let go");
     assert!(!held(disk.dev()), "free after the rollback");
     assert_eq!(att.take_bus().as_deref(), Some("crust-rp0"), "bus returned");
     assert!(att.volumes().is_empty());

@@ -1,5 +1,6 @@
 //! A pool volume in a real guest, through the data path crust sets up: the
-//! pool's direct-I/O loop device, hot-plugged by crust-qmp with
+//! pool's direct-I/O loop device, held exclusively, its backing file
+//! ([`crust_blockdev::route`]) hot-plugged by crust-qmp by descriptor with
 //! `cache.direct=on`, the host's best aio engine, a queue per vCPU and an
 //! iothread. Shows what issue 28 asks of it: the guest's writes leave no
 //! trace in the host page cache, a guest fsync is a flush QEMU passes on,
@@ -124,6 +125,14 @@ async fn write_and_measure(g: &Guest, mnt: &str, file: &Path, dev: &Path, mib: u
     (f1.saturating_sub(f0), d1.saturating_sub(d0))
 }
 
+/// The descriptor crust's runtime hands QEMU for a whole-file loop device.
+fn backing_route(dev: &Path) -> std::os::fd::OwnedFd {
+    match crust_blockdev::route(dev, true) {
+        crust_blockdev::Route::BackingFile(fd) => fd,
+        crust_blockdev::Route::Device(why) => panic!("{} kept: {why}", dev.display()),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     crust_testkit::require_root();
@@ -153,10 +162,17 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     .unwrap();
     let g = Guest::boot_with("dio", vec![], |c| c.cpus = 2).await;
     let qmp = QmpClient::connect(g.vm.qmp_socket(), T).await.unwrap();
+    let hold = crust_blockdev::claim_exclusive(&dev, true, crust_blockdev::HAND_TO_GUEST).unwrap();
     let io = qmp
-        .blockdev_add_file("dio-node", &dev, false)
+        .blockdev_add_fd("dio-node", backing_route(&dev), false)
         .await
         .unwrap();
+    let node = qmp.query_named_block_nodes().await.unwrap();
+    assert!(
+        node.iter()
+            .any(|n| n.node_name == "dio-node" && n.driver == "file"),
+        "{node:?}"
+    );
     assert_eq!(
         io,
         BlockIo {
@@ -192,7 +208,7 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
 
     // --- a 4 KiB-sector device: the guest sees 4 KiB sectors too (a
     // filesystem it makes mounts on the host); unplug takes the iothread.
-    qmp.blockdev_add_file("n4k", lo4k.path(), false)
+    qmp.blockdev_add_fd("n4k", backing_route(lo4k.path()), false)
         .await
         .unwrap();
     let opts4k = VirtioBlkOptions {
@@ -253,6 +269,7 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     drop(qmp);
     let mut g = g;
     g.vm.kill().unwrap();
+    drop(hold);
     pool.detach("v").unwrap();
     let fresh = pool.attach("v").unwrap();
     let st = crust_blockdev::loop_status(&fresh).unwrap().unwrap();

@@ -204,7 +204,10 @@ fn guest_io_short_form_end_to_end() {
     );
     // The mode QEMU opened the volume with, from the runtime's state: the
     // best this host allows, direct I/O.
-    let want = format!("QEMU {}", crust_qmp::BlockIo::host_best());
+    let want = format!(
+        "QEMU on the loop device's backing file, {}",
+        crust_qmp::BlockIo::host_best()
+    );
     assert!(b["path"].as_str().unwrap().ends_with(&want), "{b}: {want}");
     // The host sees the virtio-fs volume's files through its host mount;
     // the block volume is not mounted on the host at all.

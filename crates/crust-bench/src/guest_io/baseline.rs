@@ -9,11 +9,13 @@
 //!   qemu-img ÷ host fio splits into qemu-img ÷ loop fio (QEMU's block
 //!   layer) and loop fio ÷ host fio (the loop driver).
 //! - **qemu-img bench**: QEMU's own block layer without a guest
-//!   (`-f raw -t none`, `-i io_uring`, else `native`, else `threads`) on a
-//!   scratch loop device attached with direct I/O, as the pool attaches
-//!   volumes, over a file in that directory. The volume's own device is
-//!   not used: the guest has it mounted, and qemu-img would write under
-//!   its filesystem. The scratch device is as big as the workloads' files
+//!   (`-f raw -t none`, `-i io_uring`, else `native`, else `threads`) on
+//!   what crust's runtime has QEMU open for a volume on a scratch loop
+//!   device attached with direct I/O, as the pool attaches volumes, over a
+//!   file in that directory: that file, when the loop driver can be
+//!   skipped ([`crust_blockdev::route`]), else the device. The volume's
+//!   own device is not used: the guest has it mounted, and qemu-img would
+//!   write under its filesystem. The scratch device is as big as the workloads' files
 //!   (not the volume): every block it reads must have been written, or
 //!   the backing filesystem answers holes without touching the disk.
 //!
@@ -272,6 +274,10 @@ impl Drop for ScratchDir {
 pub struct Scratch {
     pub device: crust_blockdev::LoopGuard,
     pub device_path: PathBuf,
+    /// What qemu-img benches: what crust's runtime has QEMU open for a
+    /// volume on this device ([`crust_blockdev::route`]), its backing
+    /// file when the loop driver can be skipped.
+    pub qemu_img_target: PathBuf,
     pub device_bytes: u64,
     pub direct_io: bool,
     pub dir: ScratchDir,
@@ -299,9 +305,14 @@ impl Scratch {
             .ok()
             .flatten()
             .is_some_and(|s| s.direct_io);
+        let qemu_img_target = match crust_blockdev::route(&device_path, true) {
+            crust_blockdev::Route::BackingFile(_) => file,
+            crust_blockdev::Route::Device(_) => device_path.clone(),
+        };
         Ok(Scratch {
             device,
             device_path,
+            qemu_img_target,
             device_bytes: bytes,
             direct_io,
             dir,
@@ -396,7 +407,8 @@ impl HostSide {
             .map_err(|e| e.to_string())??;
         let dev = scratch.device_path.display().to_string();
         run_host(&prefill_command(&dev, bytes), setup_bound(bytes), stop).await?;
-        let aio = choose_aio(&dev, stop).await?;
+        let target = scratch.qemu_img_target.display().to_string();
+        let aio = choose_aio(&target, stop).await?;
         let version = run_host(
             &["qemu-img".into(), "--version".into()],
             Duration::from_secs(30),
@@ -414,6 +426,7 @@ impl HostSide {
             backing_file: backing,
             dir: fio_dir.clone(),
             scratch_device: dev,
+            qemu_img_target: target,
             scratch_bytes: bytes,
             scratch_direct_io: scratch.direct_io,
             scratch_scheduler: scheduler,

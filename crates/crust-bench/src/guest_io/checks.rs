@@ -108,7 +108,7 @@ pub(crate) fn describe_mounts(
         blk,
         MOUNT_DESTINATION,
         format!(
-            "virtio-blk {}, {}, mounted in the guest (deferred publish); QEMU {}",
+            "virtio-blk {}, {}, mounted in the guest (deferred publish); QEMU on {}",
             seen.block.0, seen.block.1, seen.block_io
         ),
         &seen.block,
@@ -131,8 +131,9 @@ pub(crate) struct Seen {
     pub(crate) virtiofs: (String, String),
     /// The block volume's device on the host (the runtime's state).
     pub(crate) block_device: String,
-    /// How QEMU does the block volume's I/O, as the runtime recorded it
-    /// (`cache.direct=on aio=io_uring`).
+    /// What QEMU opened for the block volume and how it does the I/O, as
+    /// the runtime recorded it ("the loop device's backing file,
+    /// cache.direct=on aio=io_uring").
     pub(crate) block_io: String,
 }
 
@@ -150,9 +151,9 @@ fn block_io_of(st: &serde_json::Value, host_cache: bool) -> Result<String, Strin
                 st["blockIo"]
             )
         })?;
-    let io: crust_qmp::BlockIo = serde_json::from_value(one.clone())
+    let io: crust_runtime::records::VolumeIo = serde_json::from_value(one.clone())
         .map_err(|e| format!("unreadable I/O mode in the runtime's state: {one}: {e}"))?;
-    if host_cache && io.direct {
+    if host_cache && io.io.direct {
         return Err("--host-cache did not take effect: QEMU opened the volume with O_DIRECT (does the runtime know CRUST_RUNTIME_HOST_CACHE?)".into());
     }
     Ok(io.to_string())
@@ -309,15 +310,21 @@ mod tests {
 
     #[test]
     fn the_recorded_io_mode_must_match_the_ask() {
-        let st = |direct: bool| json!({"blockIo": {"/k/pods/p/volumes/v/mount": {"direct": direct, "aio": "io_uring"}}});
+        let st = |direct: bool| json!({"blockIo": {"/k/pods/p/volumes/v/mount": {"direct": direct, "aio": "io_uring", "backingFile": true}}});
         assert_eq!(
             block_io_of(&st(true), false).unwrap(),
-            "cache.direct=on aio=io_uring"
+            "the loop device's backing file, cache.direct=on aio=io_uring"
         );
         // Buffered without asking is the runtime's fallback: reported, not refused.
         assert_eq!(
             block_io_of(&st(false), false).unwrap(),
-            "cache.direct=off aio=io_uring"
+            "the loop device's backing file, cache.direct=off aio=io_uring"
+        );
+        // A record from before the route was recorded: the device.
+        let old = json!({"blockIo": {"t": {"direct": true, "aio": "native"}}});
+        assert_eq!(
+            block_io_of(&old, false).unwrap(),
+            "the device, cache.direct=on aio=native"
         );
         assert!(block_io_of(&st(false), true).is_ok());
         assert!(

@@ -227,8 +227,8 @@ impl Bench<'_> {
                 let s = &self.cfg.sizes;
                 let bytes = h.scratch.device_bytes;
                 let count = baseline::request_count(w, s, bytes, host_rate);
-                let dev = h.scratch.device_path.display().to_string();
-                let cmd = baseline::qemu_img_command(w, &dev, bytes, &h.aio, count);
+                let target = h.scratch.qemu_img_target.display().to_string();
+                let cmd = baseline::qemu_img_command(w, &target, bytes, &h.aio, count);
                 let limit = bound(count * baseline::block_size(w), s.runtime);
                 let (out, cpu) = baseline::run_host(&cmd, limit, &self.stop).await?;
                 (baseline::parse_qemu_img(w, count, &out)?, cpu)

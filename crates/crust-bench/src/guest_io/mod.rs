@@ -22,7 +22,8 @@
 //! each run. Each fio workload also runs in three host columns between the
 //! guest's runs ([`baseline`]): the same fio job on the host beside the
 //! block volume's backing file, the same fio job on a scratch direct-I/O
-//! loop device there, and `qemu-img bench` on that device. Then every
+//! loop device there, and `qemu-img bench` on what crust's QEMU opens for
+//! that device (its backing file). Then every
 //! native-feature probe runs on both mounts, and the guest's statfs of
 //! each is compared with NodeGetVolumeStats. [`chart`] draws the
 //! comparison.
@@ -124,7 +125,7 @@ pub struct GuestIoArgs {
     #[arg(long, requires = "guest_io")]
     pub keep_host_caches: bool,
     /// Guest I/O: run the host columns (host fio, fio on a scratch loop
-    /// device, qemu-img bench on it) in this
+    /// device, qemu-img bench on its backing file) in this
     /// directory instead of beside the block volume's backing file (for
     /// drivers whose volumes are not loop devices).
     #[arg(long, requires = "guest_io", conflicts_with = "no_host_columns")]
@@ -541,7 +542,7 @@ async fn host_columns(
                 "fio in {}, qemu-img -i {} on {}",
                 h.fio_dir,
                 h.aio,
-                h.scratch.device_path.display()
+                h.scratch.qemu_img_target.display()
             ),
             Err(e) => e.clone(),
         },

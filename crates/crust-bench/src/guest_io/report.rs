@@ -1,7 +1,7 @@
 //! The report of `bench --guest-io`: every run, the per-workload summary
 //! (median and range over the repetitions; block ÷ virtio-fs, block ÷ host
-//! fio, qemu-img ÷ host fio, and that last one split in two: qemu-img ÷ fio
-//! on the loop device, fio on the loop device ÷ host fio), the native
+//! fio, qemu-img ÷ host fio, qemu-img ÷ fio on the loop device, fio on
+//! the loop device ÷ host fio), the native
 //! feature table, and its text and JSON renderings.
 
 use std::fmt::Write as _;
@@ -23,7 +23,8 @@ pub enum Side {
     HostFio,
     /// The same fio job, O_DIRECT, on the scratch loop device there.
     LoopFio,
-    /// `qemu-img bench` on a scratch loop device there.
+    /// `qemu-img bench` on what crust's QEMU opens for that device (its
+    /// backing file, the loop driver skipped).
     QemuImg,
 }
 
@@ -78,16 +79,17 @@ pub struct WorkloadResult {
     /// The host columns (fio workloads only; `runs` 0 otherwise).
     pub host_fio: SideSummary,
     pub qemu_img: SideSummary,
-    /// fio on qemu-img's scratch loop device.
+    /// fio on the scratch loop device.
     pub loop_fio: SideSummary,
     /// Median block ÷ median virtio-fs of the result (higher: block faster).
     pub ratio: Option<f64>,
     /// Guest block ÷ host fio: how close the guest gets to the disk.
     pub block_vs_host: Option<f64>,
-    /// qemu-img bench ÷ host fio: what the loop device and QEMU's block
-    /// layer keep.
+    /// qemu-img bench ÷ host fio: what the block layer crust configures
+    /// keeps.
     pub qemu_img_vs_host: Option<f64>,
-    /// qemu-img bench ÷ fio on the loop device: QEMU's block layer alone.
+    /// qemu-img bench ÷ fio on the loop device: crust's QEMU path against
+    /// the kernel's loop driver.
     pub qemu_img_vs_loop: Option<f64>,
     /// fio on the loop device ÷ host fio: the loop driver alone.
     pub loop_vs_host: Option<f64>,
@@ -151,8 +153,12 @@ pub struct HostReport {
     /// The scratch directory beside it (host fio's files, the scratch
     /// device's file; removed at the end).
     pub dir: String,
-    /// qemu-img's scratch loop device and its size.
+    /// The scratch loop device (loop fio's) and its size.
     pub scratch_device: String,
+    /// What qemu-img benches: the scratch device's backing file when
+    /// crust's runtime would have QEMU skip the loop driver, else the
+    /// device.
+    pub qemu_img_target: String,
     pub scratch_bytes: u64,
     pub scratch_direct_io: bool,
     /// Its I/O scheduler and `nr_requests` as the run found them (sysfs).
@@ -441,16 +447,17 @@ impl GuestIoReport {
         if let Some(h) = &self.host {
             let _ = writeln!(
                 out,
-                "  host      beside {}: fio O_DIRECT; fio O_DIRECT and {} bench -t none -i {} on {} ({}, direct I/O {}, scheduler {}, nr_requests {})",
+                "  host      beside {}: fio O_DIRECT; fio O_DIRECT on {} ({}, direct I/O {}, scheduler {}, nr_requests {}); {} bench -t none -i {} on {}, what crust's QEMU opens for that device",
                 h.backing_file,
-                h.qemu_img_version,
-                h.qemu_img_aio,
                 h.scratch_device,
                 crust_report::units::human_size(h.scratch_bytes as i64),
                 if h.scratch_direct_io { "on" } else { "off" },
                 h.scratch_scheduler.as_deref().unwrap_or("?"),
                 h.scratch_nr_requests
                     .map_or_else(|| "?".to_string(), |n| n.to_string()),
+                h.qemu_img_version,
+                h.qemu_img_aio,
+                h.qemu_img_target,
             );
         }
         if let Some(s) = &self.sizes {
@@ -506,7 +513,7 @@ impl Render for GuestIoReport {
             &workload_rows(&self.workloads),
         ));
         out.push_str(
-            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk); host fio's, loop fio's and qemu-img's own CPU per GiB. HOST: the same fio job on the host, O_DIRECT, beside the block volume's backing file; LOOP: that fio job, O_DIRECT, on the scratch direct-I/O loop device there (the loop driver alone); QEMU: qemu-img bench on that device (QEMU's block layer; no random mode: a fixed stride).\n",
+            "P50/P99: fsync latency for randwrite-fsync, completion latency for fio reads/writes, one file's create+write+fsync+stat for meta. HOST CPU: QEMU + virtiofsd per GiB moved (total seconds for meta/walk); host fio's, loop fio's and qemu-img's own CPU per GiB. HOST: the same fio job on the host, O_DIRECT, beside the block volume's backing file; LOOP: that fio job, O_DIRECT, on the scratch direct-I/O loop device there (the loop driver alone); QEMU: qemu-img bench on what crust's QEMU opens for that device, its backing file (QEMU's block layer, the loop driver skipped; no random mode: a fixed stride).\n",
         );
         if let Some(c) = &self.cpu_split {
             let _ = writeln!(out, "{}", c.sentence(self.accel.as_deref()));

@@ -11,5 +11,7 @@ mod volume;
 
 pub use annotations::DEFER_ANNOTATION;
 pub use event::{HANDED_OVER, ON_HOST, VolumeEvent};
-pub use sandbox::{OCI_VERSION, ProcRef, SandboxState, SharedMount, Status, proc_start_time};
+pub use sandbox::{
+    OCI_VERSION, ProcRef, SandboxState, SharedMount, Status, VolumeIo, proc_start_time,
+};
 pub use volume::{LayoutKind, Volume, WorkloadMount, volume_id};

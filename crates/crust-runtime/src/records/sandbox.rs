@@ -33,6 +33,29 @@ impl Status {
 
 /// A process identified by pid and start time (so a recycled pid is not
 /// mistaken for it).
+/// What QEMU opened for a plugged volume, and how it does the I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeIo {
+    #[serde(flatten)]
+    pub io: crust_qmp::BlockIo,
+    /// The loop device's backing file, the loop driver skipped
+    /// ([`crust_blockdev::route`]); false: the device itself.
+    #[serde(default)]
+    pub backing_file: bool,
+}
+
+impl std::fmt::Display for VolumeIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on = if self.backing_file {
+            "the loop device's backing file"
+        } else {
+            "the device"
+        };
+        write!(f, "{on}, {}", self.io)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcRef {
     pub pid: i32,
@@ -102,10 +125,10 @@ pub struct SandboxState {
     pub accel: Option<crust_vmm::AccelChoice>,
     #[serde(default)]
     pub volumes: Vec<Volume>,
-    /// How QEMU does each plugged volume's I/O (O_DIRECT or not, the
-    /// engine), by target path.
+    /// How QEMU does each plugged volume's I/O (on what, O_DIRECT or
+    /// not, the engine), by target path.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub block_io: std::collections::BTreeMap<String, crust_qmp::BlockIo>,
+    pub block_io: std::collections::BTreeMap<String, VolumeIo>,
     #[serde(default)]
     pub mounts: Vec<WorkloadMount>,
     /// Host-path mounts without a hand-off record (not visible in the guest).
