@@ -16,7 +16,7 @@
 //! [`crate::ExclusiveDevice`] flushes it when a hold is taken and when it
 //! drops.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use linux_raw_sys::loop_device as ld;
@@ -35,11 +35,13 @@ pub enum Route {
     Device(String),
 }
 
-/// The route for I/O on `dev` (a block device node), opened `writable`
-/// or read-only. Never an error: whatever cannot be proven keeps the
-/// device.
-pub fn route(dev: &Path, writable: bool) -> Route {
-    match backing_file(dev, writable).and_then(Proven::whole) {
+/// The route for I/O on the block device `held` is open on (the hold a
+/// consumer keeps meanwhile; `dev` names it in messages), `writable` or
+/// read-only. Every question goes to that descriptor, never to a path
+/// that may name another device by now. Never an error: whatever cannot
+/// be proven keeps the device.
+pub fn route(held: BorrowedFd<'_>, dev: &Path, writable: bool) -> Route {
+    match backing_file(held, dev, writable).and_then(Proven::whole) {
         Ok(fd) => Route::BackingFile(fd),
         Err(reason) => Route::Device(reason),
     }
@@ -71,18 +73,25 @@ impl Proven {
     }
 }
 
-fn backing_file(dev: &Path, writable: bool) -> Result<Proven, String> {
-    let status = match loopdev::loop_status(dev) {
+fn backing_file(held: BorrowedFd<'_>, dev: &Path, writable: bool) -> Result<Proven, String> {
+    let st = rustix::fs::fstat(held).map_err(|e| format!("{}: {e}", dev.display()))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
+        return Err("not a block device".into());
+    }
+    let name = device::sysfs_name_of(rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev))
+        .map_err(|e| format!("its sysfs entry: {e}"))?;
+    let status = match loopdev::status_of(&name) {
         Ok(Some(s)) => s,
-        Ok(None) => return Err("a loop device bound to no file".into()),
-        Err(loopdev::LoopError::NotLoop(_)) => return Err("not a loop device".into()),
+        Ok(None) if name.starts_with("loop") => {
+            return Err("a loop device bound to no file".into());
+        }
+        Ok(None) => return Err("not a loop device".into()),
         Err(e) => return Err(e.to_string()),
     };
-    let loop_fd = device::open_block(dev, OFlags::RDONLY).map_err(|e| e.to_string())?;
     // SAFETY: plain integer/array struct; all-zero is valid.
     let mut info: ld::loop_info64 = unsafe { std::mem::zeroed() };
     // SAFETY: LOOP_GET_STATUS64 writes one struct loop_info64.
-    unsafe { sys::ioctl_ptr(&loop_fd, ld::LOOP_GET_STATUS64, &mut info) }
+    unsafe { sys::ioctl_ptr(held, ld::LOOP_GET_STATUS64, &mut info) }
         .map_err(|e| format!("LOOP_GET_STATUS64: {e}"))?;
     if info.lo_number != status.number {
         return Err(format!(
@@ -102,9 +111,7 @@ fn backing_file(dev: &Path, writable: bool) -> Result<Proven, String> {
     if info.lo_rdevice != 0 {
         return Err("its backing file is a device node".into());
     }
-    if writable
-        && (info.lo_flags & ld::LO_FLAGS_READ_ONLY as u32 != 0 || device_read_only(&loop_fd))
-    {
+    if writable && (info.lo_flags & ld::LO_FLAGS_READ_ONLY as u32 != 0 || device_read_only(held)) {
         return Err("it is read-only, the volume read-write".into());
     }
     if status.backing_deleted {
@@ -133,7 +140,7 @@ fn backing_file(dev: &Path, writable: bool) -> Result<Proven, String> {
     )
     .map_err(|e| format!("reopening its backing file {name}: {e}"))?;
     let file_bytes = identify(&fd, want, &name)?;
-    let device_bytes = device::size_of_fd(&loop_fd, dev).map_err(|e| e.to_string())?;
+    let device_bytes = device::size_of_borrowed(held, dev).map_err(|e| e.to_string())?;
     Ok(Proven {
         fd,
         file_bytes,
@@ -161,16 +168,16 @@ fn identify(fd: &OwnedFd, want: (DevNum, u64), name: &str) -> Result<u64, String
 }
 
 /// The block layer's read-only flag (`BLKROGET`: set by `BLKROSET` too).
-fn device_read_only(fd: &OwnedFd) -> bool {
+fn device_read_only(fd: BorrowedFd<'_>) -> bool {
     let mut ro: i32 = 0;
     // SAFETY: BLKROGET writes one int.
-    unsafe { sys::ioctl_ptr(fd.as_fd(), linux_raw_sys::ioctl::BLKROGET, &mut ro) }.is_ok()
-        && ro != 0
+    unsafe { sys::ioctl_ptr(fd, linux_raw_sys::ioctl::BLKROGET, &mut ro) }.is_ok() && ro != 0
 }
 
 /// The size of `dev`'s backing file now, proven the loop's (a node opened
 /// on that file must never be resized below it: QEMU truncates a file to
 /// the size it is given).
 pub fn backing_file_bytes(dev: &Path) -> Result<u64, String> {
-    backing_file(dev, false).map(|p| p.file_bytes)
+    let fd = device::open_block(dev, OFlags::RDONLY).map_err(|e| e.to_string())?;
+    backing_file(fd.as_fd(), dev, false).map(|p| p.file_bytes)
 }

@@ -2,7 +2,7 @@
 //! wiping.
 
 use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,10 @@ pub(crate) fn open_block(path: &Path, flags: OFlags) -> Result<OwnedFd, DeviceEr
 }
 
 pub(crate) fn size_of_fd(fd: &OwnedFd, path: &Path) -> Result<u64, DeviceError> {
+    size_of_borrowed(fd.as_fd(), path)
+}
+
+pub(crate) fn size_of_borrowed(fd: BorrowedFd<'_>, path: &Path) -> Result<u64, DeviceError> {
     let mut size: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64.
     unsafe { sys::ioctl_ptr(fd, linux_raw_sys::ioctl::BLKGETSIZE64, &mut size) }

@@ -138,13 +138,18 @@ impl ExclusiveDevice {
     }
 
     /// [`flush_device_cache`](crate::device::flush_device_cache) through
-    /// the hold (nothing for a regular file).
-    pub fn flush_cache(&self) -> Result<(), DeviceError> {
-        if self.block && !device::flush_device_cache(self.fd.as_fd(), &self.path)? {
+    /// the hold (nothing for a regular file). `Ok(false)`: the kernel
+    /// refused (no `CAP_SYS_ADMIN`), the cache may be stale.
+    pub fn flush_cache(&self) -> Result<bool, DeviceError> {
+        if !self.block {
+            return Ok(true);
+        }
+        let flushed = device::flush_device_cache(self.fd.as_fd(), &self.path)?;
+        if !flushed {
             tracing::debug!(device = %self.path.display(),
                 "BLKFLSBUF refused (no CAP_SYS_ADMIN): its page cache kept");
         }
-        Ok(())
+        Ok(flushed)
     }
 }
 

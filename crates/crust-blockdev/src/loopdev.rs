@@ -348,6 +348,12 @@ fn loop_name(dev: &Path) -> Result<String, LoopError> {
     Ok(name)
 }
 
+/// Status of the loop device with kernel name `name` (`loop3`); `Ok(None)`
+/// when it is not bound to a file or `name` is no loop device.
+pub(crate) fn status_of(name: &str) -> Result<Option<LoopStatus>, LoopError> {
+    status_by_name(name)
+}
+
 /// Status of one loop device; `Ok(None)` when it is not bound to a file.
 /// `Err(NotLoop)` for other block devices.
 pub fn loop_status(dev: &Path) -> Result<Option<LoopStatus>, LoopError> {

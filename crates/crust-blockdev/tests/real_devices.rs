@@ -1051,8 +1051,14 @@ impl Drop for Losetup {
     }
 }
 
+/// [`route`] asked through a descriptor of `dev`, as a hold would.
+fn route_of(dev: &Path, writable: bool) -> Route {
+    let held = File::open(dev).unwrap();
+    route(std::os::fd::AsFd::as_fd(&held), dev, writable)
+}
+
 fn route_reason(dev: &Path, writable: bool) -> String {
-    match route(dev, writable) {
+    match route_of(dev, writable) {
         Route::Device(why) => why,
         Route::BackingFile(_) => panic!("{} was bypassed", dev.display()),
     }
@@ -1068,7 +1074,7 @@ fn route_hands_out_only_the_whole_proven_backing_file() {
     let dev = guard.path().to_path_buf();
 
     // The whole file, read-write: the descriptor is that inode, writable.
-    let Route::BackingFile(fd) = route(&dev, true) else {
+    let Route::BackingFile(fd) = route_of(&dev, true) else {
         panic!("{}", route_reason(&dev, true))
     };
     let file = File::from(fd);
@@ -1086,7 +1092,7 @@ fn route_hands_out_only_the_whole_proven_backing_file() {
     // The block layer's read-only flag: no writable file.
     set_read_only(&dev, true).unwrap();
     assert!(route_reason(&dev, true).contains("read-only"));
-    let Route::BackingFile(ro) = route(&dev, false) else {
+    let Route::BackingFile(ro) = route_of(&dev, false) else {
         panic!("a read-only route was refused")
     };
     assert!(File::from(ro).write_all_at(b"x", 0).is_err());
@@ -1125,13 +1131,26 @@ fn route_keeps_windows_read_only_loops_and_other_devices() {
     )
     .unwrap();
     assert!(route_reason(ro.path(), true).contains("read-only"));
-    assert!(matches!(route(ro.path(), false), Route::BackingFile(_)));
+    assert!(matches!(route_of(ro.path(), false), Route::BackingFile(_)));
 
-    // A block device that is no loop (the window's own node, detached).
+    // A loop device bound to nothing (the window's own node, detached).
     let gone = window.0.clone();
     drop(window);
     let why = route_reason(&gone, true);
     assert!(why.contains("bound to no file"), "{why}");
+
+    // A block device that is no loop (the machine's disk, read-only open).
+    let disk = std::fs::read_dir("/sys/block")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with("loop"))
+        .map(|n| PathBuf::from(format!("/dev/{n}")))
+        .find(|p| is_block_device(p) && File::open(p).is_ok());
+    match disk {
+        Some(d) => assert_eq!(route_reason(&d, false), "not a loop device"),
+        None => eprintln!("no block device but loops here: not-a-loop case skipped"),
+    }
 }
 
 #[test]
@@ -1160,7 +1179,7 @@ fn holds_flush_what_the_device_cache_kept_from_before() {
     assert_eq!(read_dev(&reader), [0; 8]);
 
     // The guest's QEMU writes the backing file around the loop device.
-    let Route::BackingFile(fd) = route(&dev, true) else {
+    let Route::BackingFile(fd) = route_of(&dev, true) else {
         panic!("{}", route_reason(&dev, true))
     };
     File::from(fd).write_all_at(b"guest!!!", 0).unwrap();
@@ -1169,7 +1188,7 @@ fn holds_flush_what_the_device_cache_kept_from_before() {
     assert_eq!(&read_dev(&reader), b"guest!!!");
 
     // A hold taken after a holder that never flushed (a crashed runtime).
-    File::from(match route(&dev, true) {
+    File::from(match route_of(&dev, true) {
         Route::BackingFile(fd) => fd,
         Route::Device(why) => panic!("{why}"),
     })

@@ -192,10 +192,7 @@ impl QmpClient {
             "discard": "unmap",
         });
         match self.blockdev_add_best(node_name, args, Some(&ours)).await {
-            Ok(io) => {
-                self.shared.lock().fdsets.insert(node_name.to_string(), set);
-                Ok(io)
-            }
+            Ok(io) => Ok(io),
             Err(e) => {
                 let _ = self.execute("remove-fd", json!({ "fdset-id": set })).await;
                 Err(e)
@@ -230,19 +227,58 @@ impl QmpClient {
         self.remove_fdsets(node_name).await
     }
 
-    /// `remove-fd` for the fd set this client made for `node_name`, if
-    /// any (one another client made stays until QEMU exits).
+    /// `remove-fd` for every fd set made for `node_name`, found by its tag
+    /// in `query-fdsets` (also one a client before a restart made), and
+    /// `closefd` of the descriptor QEMU kept for it ([`keep_fd`]).
+    ///
+    /// [`keep_fd`]: Self::keep_fd
     async fn remove_fdsets(&self, node_name: &str) -> Result<(), QmpError> {
-        let Some(set) = self.shared.lock().fdsets.get(node_name).copied() else {
-            return Ok(());
-        };
-        match self.execute("remove-fd", json!({ "fdset-id": set })).await {
-            // Already gone is fine.
-            Ok(_) | Err(QmpError::Command { .. }) => {}
-            Err(e) => return Err(e),
+        for set in self.fdsets_tagged(&[fdset_tag(node_name)]).await? {
+            match self.execute("remove-fd", json!({ "fdset-id": set })).await {
+                // Already gone is fine.
+                Ok(_) | Err(QmpError::Command { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
-        self.shared.lock().fdsets.remove(node_name);
-        Ok(())
+        match self
+            .execute("closefd", json!({ "fdname": keep_tag(node_name) }))
+            .await
+        {
+            // None kept is fine.
+            Ok(_) | Err(QmpError::Command { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The ids of the fd sets holding a descriptor tagged with one of `tags`.
+    async fn fdsets_tagged(&self, tags: &[String]) -> Result<Vec<u64>, QmpError> {
+        let sets: Vec<types::FdSet> = self.query("query-fdsets", json!({})).await?;
+        Ok(sets
+            .into_iter()
+            .filter(|s| {
+                s.fds
+                    .iter()
+                    .any(|f| f.opaque.as_ref().is_some_and(|o| tags.contains(o)))
+            })
+            .map(|s| s.id)
+            .collect())
+    }
+
+    /// Gives QEMU a descriptor to keep, not to open: `getfd` under a name
+    /// made from `node_name`, closed with that node by
+    /// [`blockdev_del`](Self::blockdev_del). Not an fd set: QEMU closes a
+    /// set no node uses once no QMP client is connected, while a named
+    /// descriptor stays until `closefd` or QEMU's exit. crust hands QEMU a
+    /// copy of its exclusive hold on a loop device whose backing file the
+    /// node reads, so that the device stays held, and QEMU is seen using
+    /// it, for as long as QEMU may write the file, even if its runtime dies.
+    ///
+    /// Idempotent: the name's earlier descriptor is replaced.
+    pub async fn keep_fd(&self, node_name: &str, fd: OwnedFd) -> Result<(), QmpError> {
+        validate_node_name(node_name)?;
+        self.execute_with_fd("getfd", json!({ "fdname": keep_tag(node_name) }), fd)
+            .await
+            .map(drop)
     }
 
     /// Hot-plugs a `virtio-blk-pci` device `id` backed by node `node_name`.
@@ -549,6 +585,12 @@ impl Default for VirtioBlkOptions {
 /// The `opaque` tag of the fd set made for block node `node_name`.
 pub(crate) fn fdset_tag(node_name: &str) -> String {
     format!("crust-node:{node_name}")
+}
+
+/// The name of the descriptor QEMU keeps for `node_name`
+/// ([`QmpClient::keep_fd`]).
+pub(crate) fn keep_tag(node_name: &str) -> String {
+    format!("crust-keep-{node_name}")
 }
 
 pub(crate) async fn file_driver(path: &Path) -> Result<&'static str, QmpError> {

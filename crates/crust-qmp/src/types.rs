@@ -229,3 +229,18 @@ pub(crate) fn flatten_pci(buses: Vec<RawPciBus>) -> Vec<PciDevice> {
     }
     out
 }
+
+/// One entry of `query-fdsets`.
+#[derive(Deserialize)]
+pub(crate) struct FdSet {
+    #[serde(rename = "fdset-id")]
+    pub(crate) id: u64,
+    #[serde(default)]
+    pub(crate) fds: Vec<FdSetFd>,
+}
+
+#[derive(Deserialize)]
+pub(crate) struct FdSetFd {
+    #[serde(default)]
+    pub(crate) opaque: Option<String>,
+}

@@ -25,8 +25,6 @@ pub(crate) struct State {
     pub(crate) closed: Option<QmpError>,
     /// Dropped on close so event receivers see the end of the stream.
     pub(crate) events: Option<broadcast::Sender<QmpEvent>>,
-    /// Block nodes this client opened from an fd set, and the set's id.
-    pub(crate) fdsets: HashMap<String, u64>,
     /// How this client opened each block node.
     pub(crate) opened: HashMap<String, BlockIo>,
     /// `query-hotpluggable-cpus`' count, asked once.

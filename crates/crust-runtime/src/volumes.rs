@@ -284,19 +284,22 @@ pub fn open_file_device(
 
 /// Hot-plugs `v` on PCIe root port `bus`: its block device (a node
 /// under /dev, checked again now), or `file`, the descriptor of its file
-/// device ([`open_file_device`]), which QEMU gets as it is. A loop device
-/// that maps a whole file proven its own ([`crust_blockdev::route`]) is
-/// opened by QEMU on that file, by descriptor: QEMU does the loop
-/// driver's work itself, and the sandbox's exclusive hold on the loop
-/// device still keeps the host away. Returns what QEMU opened and how
-/// (direct, engine). The guest sees the host device's sector size (a
-/// filesystem it makes must mount on the host). Idempotent (crust-qmp
-/// is).
+/// device ([`open_file_device`]), which QEMU gets as it is. `hold` is the
+/// sandbox's hold on the device ([`hold_host_device`]). A loop device
+/// that maps a whole file proven its own ([`bypass`]) is opened by QEMU on
+/// that file, by descriptor: QEMU does the loop driver's work itself.
+/// QEMU then also keeps a copy of the hold ([`QmpClient::keep_fd`]), so
+/// the host stays away from the device, and sees QEMU using it, for as
+/// long as QEMU may write the file, even if this runtime dies. Returns
+/// what QEMU opened and how (direct, engine). The guest sees the host
+/// device's sector size (a filesystem it makes must mount on the host).
+/// Idempotent (crust-qmp is).
 pub async fn attach(
     qmp: &QmpClient,
     v: &Volume,
     bus: Option<&str>,
     file: Option<std::os::fd::OwnedFd>,
+    hold: Option<&crust_blockdev::ExclusiveDevice>,
 ) -> Result<VolumeIo, VolumeError> {
     let (io, block_size, backing_file) = match file {
         Some(fd) => (
@@ -309,20 +312,23 @@ pub async fn attach(
             let dev = Path::new(&v.device);
             let bs = crust_blockdev::logical_block_size(dev)
                 .map_err(|e| host_device_error(v, e.to_string()))?;
-            match crust_blockdev::route(dev, !v.readonly) {
-                crust_blockdev::Route::BackingFile(fd) => {
-                    let io = qmp.blockdev_add_fd(&v.node_name, fd, v.readonly).await;
+            match hold.map(|h| bypass(v, h)).transpose()?.flatten() {
+                Some((file, keep)) => {
+                    qmp.keep_fd(&v.node_name, keep)
+                        .await
+                        .map_err(qmp_err(v, "add-fd"))?;
+                    let io = qmp.blockdev_add_fd(&v.node_name, file, v.readonly).await;
+                    if io.is_err() {
+                        // The kept copy of the hold goes with the node.
+                        let _ = qmp.blockdev_del(&v.node_name).await;
+                    }
                     (io, bs, true)
                 }
-                crust_blockdev::Route::Device(why) => {
-                    tracing::info!(target = %v.target, device = %v.device,
-                        "QEMU opens the device itself: {why}");
-                    (
-                        qmp.blockdev_add_file(&v.node_name, dev, v.readonly).await,
-                        bs,
-                        false,
-                    )
-                }
+                None => (
+                    qmp.blockdev_add_file(&v.node_name, dev, v.readonly).await,
+                    bs,
+                    false,
+                ),
             }
         }
     };
@@ -339,6 +345,47 @@ pub async fn attach(
         return Err(qmp_err(v, "device_add")(e));
     }
     Ok(VolumeIo { io, backing_file })
+}
+
+/// For a volume on a loop device: its backing file for QEMU
+/// ([`crust_blockdev::route`], asked through the sandbox's `hold`) and a
+/// copy of the hold for QEMU to keep. None keeps the device itself, with
+/// the reason logged: a loop that is not a whole file proven its own, or
+/// a device page cache this process cannot flush (no `CAP_SYS_ADMIN`: a
+/// host reader after the guest could then read what it cached before).
+fn bypass(
+    v: &Volume,
+    hold: &crust_blockdev::ExclusiveDevice,
+) -> Result<Option<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)>, VolumeError> {
+    use std::os::fd::AsFd;
+    let dev = Path::new(&v.device);
+    let file = match crust_blockdev::route(hold.as_fd(), dev, !v.readonly) {
+        crust_blockdev::Route::BackingFile(fd) => fd,
+        crust_blockdev::Route::Device(why) => {
+            tracing::info!(target = %v.target, device = %v.device,
+                "QEMU opens the device itself: {why}");
+            return Ok(None);
+        }
+    };
+    match hold.flush_cache() {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(target = %v.target, device = %v.device,
+                "QEMU opens the device itself: its page cache cannot be flushed here (no CAP_SYS_ADMIN)");
+            return Ok(None);
+        }
+        Err(e) => {
+            return Err(host_device_error(
+                v,
+                format!("flushing its page cache: {e}"),
+            ));
+        }
+    }
+    let keep = hold
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| host_device_error(v, format!("duplicating the hold: {e}")))?;
+    Ok(Some((file, keep)))
 }
 
 /// The I/O limits `v`'s record carries (none: unlimited).
@@ -544,7 +591,7 @@ pub async fn refresh_host_size(v: &Volume) -> Result<u64, VolumeError> {
 /// truncating that file to the size given: refused unless that is the
 /// file's size now (a second expansion may have grown it since the loop
 /// device was refreshed; the caller retries).
-async fn never_shrink_backing_file(
+pub async fn never_shrink_backing_file(
     qmp: &QmpClient,
     v: &Volume,
     size: u64,

@@ -1,11 +1,12 @@
 //! The shared plug routine's hold and rollback against a scripted QMP peer
 //! (no guest: the agent is absent, so every guest mount fails) on a real
-//! loop device. From `add-fd` (the device's backing file, by descriptor)
-//! to `remove-fd` the peer checks that the host cannot open the device
+//! loop device. From `getfd` (QEMU's copy of the hold) and `add-fd` (the
+//! device's backing file, by descriptor) to `closefd` the peer checks that the host cannot open the device
 //! `O_EXCL`: the hold spans QEMU's use. A failed mount whose detach works leaves the device free and the
 //! bus returned; a detach that fails keeps the device held until QEMU is
 //! gone; a device mounted on the host is refused before any QMP command.
-//! Budget: under a second.
+//! A resize of a node on the backing file is refused at a size that is not
+//! the file's own. Budget: under a second.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -45,12 +46,34 @@ fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
             .await
             .unwrap();
         let mut lines = BufReader::new(rd).lines();
+        // The fd sets handed out: (id, opaque tag).
+        let mut sets: Vec<(u64, String)> = Vec::new();
         while let Ok(Some(line)) = lines.next_line().await {
             let req: Value = serde_json::from_str(&line).unwrap();
             let cmd = req["execute"].as_str().unwrap().to_string();
             log.lock().unwrap().push((cmd.clone(), held(&dev)));
             let mut out = String::new();
+            let fdset_reply = match cmd.as_str() {
+                "add-fd" => {
+                    let id = sets.len() as u64 + 1;
+                    let tag = req["arguments"]["opaque"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string();
+                    sets.push((id, tag));
+                    Some(json!({"return": {"fdset-id": id, "fd": 9}}))
+                }
+                "remove-fd" => {
+                    let id = req["arguments"]["fdset-id"].as_u64();
+                    sets.retain(|(s, _)| Some(*s) != id);
+                    Some(json!({"return": {}}))
+                }
+                "query-fdsets" => Some(json!({"return": sets.iter().map(|(id, tag)|
+                    json!({"fdset-id": id, "fds": [{"fd": 9, "opaque": tag}]})).collect::<Vec<_>>()})),
+                _ => None,
+            };
             let reply = match cmd.as_str() {
+                _ if fdset_reply.is_some() => fdset_reply.unwrap(),
                 "device_del" if stuck => {
                     json!({"error": {"class": "GenericError", "desc": "stuck"}})
                 }
@@ -62,8 +85,6 @@ fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
                     json!({"return": {}})
                 }
                 "query-named-block-nodes" | "query-block" => json!({"return": []}),
-                // The loop device's backing file comes by descriptor.
-                "add-fd" => json!({"return": {"fdset-id": 1, "fd": 9}}),
                 _ => json!({"return": {}}),
             };
             let mut reply = reply;
@@ -139,7 +160,9 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
         commands(&seen),
         [
             "qmp_capabilities",
-            // The loop device's backing file, by descriptor (issue 28).
+            // QEMU keeps a copy of the hold on the device (issue 28)...
+            "getfd",
+            // ... and opens its backing file, by descriptor.
             "query-named-block-nodes",
             "add-fd",
             "blockdev-add",
@@ -151,12 +174,15 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
             "device_del",
             "query-iothreads",
             "blockdev-del",
-            "remove-fd"
+            "query-fdsets",
+            "remove-fd",
+            "closefd"
         ]
     );
     assert!(held_at(&seen, "add-fd"), "held before QEMU has the file");
     assert!(held_at(&seen, "blockdev-add"), "held before QEMU opens it");
-    assert!(held_at(&seen, "remove-fd"), "held until QEMU let go");
+    assert!(held_at(&seen, "getfd"), "held before QEMU keeps a copy");
+    assert!(held_at(&seen, "closefd"), "held until QEMU let go");
     assert!(!held(disk.dev()), "free after the rollback");
     assert_eq!(att.take_bus().as_deref(), Some("crust-rp0"), "bus returned");
     assert!(att.volumes().is_empty());
@@ -182,4 +208,83 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
     assert_eq!(att.take_bus().as_deref(), Some("crust-rp0"));
     drop(m);
     assert!(!held(disk.dev()));
+}
+
+/// A QMP peer whose only node is `node` on driver `drv`; records the
+/// commands it gets.
+fn nodes_qmp(sock: PathBuf, node: String, drv: &'static str) -> Seen {
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+    tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        let (rd, mut wr) = s.into_split();
+        let greeting = json!({"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 0},
+            "package": ""}, "capabilities": []}});
+        wr.write_all(format!("{greeting}\n").as_bytes())
+            .await
+            .unwrap();
+        let mut lines = BufReader::new(rd).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let req: Value = serde_json::from_str(&line).unwrap();
+            let cmd = req["execute"].as_str().unwrap().to_string();
+            log.lock().unwrap().push((cmd.clone(), false));
+            let mut reply = match cmd.as_str() {
+                "query-named-block-nodes" => json!({"return": [{"node-name": node,
+                    "drv": drv, "file": "/dev/fdset/1", "ro": false}]}),
+                _ => json!({"return": {}}),
+            };
+            reply["id"] = req["id"].clone();
+            wr.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
+        }
+    });
+    seen
+}
+
+/// QEMU grows a node opened on the loop device's backing file by
+/// truncating the file to the size it is given: a size that is not the
+/// file's own now (the file grew again after the loop device was
+/// refreshed) is refused before `block_resize`, and the file keeps its
+/// bytes. A node on the device itself is not the file's business.
+#[tokio::test]
+async fn a_resize_never_truncates_the_backing_file() {
+    crust_testkit::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("r.img");
+    let disk = LoopDisk::with_fs(img.clone(), 16 << 20, FsType::Ext4);
+    let v = Volume::from_record(
+        LayoutKind::Crust,
+        "/pods/u/volumes/kubernetes.io~csi/r/mount",
+        &MountInfo::block(disk.dev_str(), "ext4"),
+        false,
+    );
+    // A second expansion grew the file; the loop device still has 16 MiB.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    for (drv, refused) in [("file", true), ("host_device", false)] {
+        let sock = dir.path().join(format!("{drv}.qmp"));
+        let seen = nodes_qmp(sock.clone(), v.node_name.clone(), drv);
+        let qmp = QmpClient::connect(&sock, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let res = crust_runtime::volumes::never_shrink_backing_file(&qmp, &v, 16 << 20).await;
+        if refused {
+            let e = res.unwrap_err();
+            assert!(e.to_string().contains("retry"), "{e}");
+        } else {
+            res.unwrap();
+        }
+        assert!(!commands(&seen).contains(&"block_resize".to_string()));
+        // The file's own size passes.
+        if drv == "file" {
+            crust_runtime::volumes::never_shrink_backing_file(&qmp, &v, 32 << 20)
+                .await
+                .unwrap();
+        }
+    }
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 32 << 20);
 }

@@ -469,11 +469,15 @@ async fn the_guest_holds_its_devices(door: Door) {
     let devices = [dev(&deferred), dev(&auto)];
     for (d, t) in devices.iter().zip([&deferred, &auto]) {
         assert_eq!(claimant(t).as_deref(), Some("user"), "{door:?}: {t}");
-        // QEMU skips the loop driver: it has the backing file, the
-        // runtime's hold has the device.
+        // QEMU skips the loop driver: it has the backing file, and keeps
+        // a copy of the runtime's hold on the device.
         assert!(
             qemu_has_open(&env.runtime_root, &backing_of(d)),
             "{door:?}: QEMU has the backing file of {d:?}"
+        );
+        assert!(
+            qemu_has_open(&env.runtime_root, d),
+            "{door:?}: QEMU keeps {d:?} open"
         );
         let e = exclusive_open(d).expect_err("the host's O_EXCL open must fail");
         assert_eq!(e, rustix::io::Errno::BUSY, "{door:?}: {d:?}");

@@ -2,7 +2,8 @@
 //! pool's direct-I/O loop device, held exclusively, its backing file
 //! ([`crust_blockdev::route`]) hot-plugged by crust-qmp by descriptor with
 //! `cache.direct=on`, the host's best aio engine, a queue per vCPU and an
-//! iothread. Shows what issue 28 asks of it: the guest's writes leave no
+//! iothread; QEMU keeps a copy of the hold on the device, which holds it
+//! even once the QMP client that gave it is gone. Shows what issue 28 asks of it: the guest's writes leave no
 //! trace in the host page cache, a guest fsync is a flush QEMU passes on,
 //! every acknowledged fsync survives a SIGKILL of QEMU (read back through
 //! a fresh direct-I/O loop device; a power cut cannot be tested here), a
@@ -127,7 +128,8 @@ async fn write_and_measure(g: &Guest, mnt: &str, file: &Path, dev: &Path, mib: u
 
 /// The descriptor crust's runtime hands QEMU for a whole-file loop device.
 fn backing_route(dev: &Path) -> std::os::fd::OwnedFd {
-    match crust_blockdev::route(dev, true) {
+    let held = std::fs::File::open(dev).unwrap();
+    match crust_blockdev::route(std::os::fd::AsFd::as_fd(&held), dev, true) {
         crust_blockdev::Route::BackingFile(fd) => fd,
         crust_blockdev::Route::Device(why) => panic!("{} kept: {why}", dev.display()),
     }
@@ -163,6 +165,15 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     let g = Guest::boot_with("dio", vec![], |c| c.cpus = 2).await;
     let qmp = QmpClient::connect(g.vm.qmp_socket(), T).await.unwrap();
     let hold = crust_blockdev::claim_exclusive(&dev, true, crust_blockdev::HAND_TO_GUEST).unwrap();
+    // QEMU keeps a copy of the hold, as crust's runtime hands it over.
+    qmp.keep_fd(
+        "dio-node",
+        std::os::fd::AsFd::as_fd(&hold)
+            .try_clone_to_owned()
+            .unwrap(),
+    )
+    .await
+    .unwrap();
     let io = qmp
         .blockdev_add_fd("dio-node", backing_route(&dev), false)
         .await
@@ -266,10 +277,27 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
         acked = n;
     }
     assert!(flushes(&qmp, "dio-dev").await >= fl1 + acked);
+    // QEMU writes the backing file, not the device: with the runtime's
+    // hold and QMP connection gone (a runtime that died), the copy QEMU
+    // keeps still holds the device, and the host sees QEMU with it open.
+    drop(hold);
     drop(qmp);
+    std::thread::sleep(Duration::from_millis(300));
+    let free = crust_blockdev::ensure_device_free(&dev, "test");
+    assert!(
+        free.as_ref().is_err_and(|e| e.is_refusal()),
+        "the device is free while QEMU writes its file: {free:?}"
+    );
+    let qemu = g.vm.pid();
+    assert!(
+        crust_blockdev::device_openers(&dev)
+            .unwrap()
+            .iter()
+            .any(|o| o.pid == qemu),
+        "QEMU is not seen with the device open"
+    );
     let mut g = g;
     g.vm.kill().unwrap();
-    drop(hold);
     pool.detach("v").unwrap();
     let fresh = pool.attach("v").unwrap();
     let st = crust_blockdev::loop_status(&fresh).unwrap().unwrap();

@@ -5,9 +5,9 @@
 //!   in a scratch directory beside the block volume's backing file (the
 //!   same filesystem): the physical limit.
 //! - **fio on the loop device**: the same fio jobs, O_DIRECT, on the
-//!   scratch loop device below: the kernel's loop driver alone, so that
-//!   qemu-img ÷ host fio splits into qemu-img ÷ loop fio (QEMU's block
-//!   layer) and loop fio ÷ host fio (the loop driver).
+//!   scratch loop device below: the kernel's loop driver alone, the path
+//!   crust's QEMU skips where it can (loop fio ÷ host fio is that
+//!   driver's cost).
 //! - **qemu-img bench**: QEMU's own block layer without a guest
 //!   (`-f raw -t none`, `-i io_uring`, else `native`, else `threads`) on
 //!   what crust's runtime has QEMU open for a volume on a scratch loop
@@ -305,10 +305,13 @@ impl Scratch {
             .ok()
             .flatten()
             .is_some_and(|s| s.direct_io);
-        let qemu_img_target = match crust_blockdev::route(&device_path, true) {
-            crust_blockdev::Route::BackingFile(_) => file,
-            crust_blockdev::Route::Device(_) => device_path.clone(),
-        };
+        let held = std::fs::File::open(&device_path)
+            .map_err(|e| format!("{}: {e}", device_path.display()))?;
+        let qemu_img_target =
+            match crust_blockdev::route(std::os::fd::AsFd::as_fd(&held), &device_path, true) {
+                crust_blockdev::Route::BackingFile(_) => file,
+                crust_blockdev::Route::Device(_) => device_path.clone(),
+            };
         Ok(Scratch {
             device,
             device_path,

@@ -31,8 +31,6 @@ impl Status {
     }
 }
 
-/// A process identified by pid and start time (so a recycled pid is not
-/// mistaken for it).
 /// What QEMU opened for a plugged volume, and how it does the I/O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -56,6 +54,8 @@ impl std::fmt::Display for VolumeIo {
     }
 }
 
+/// A process identified by pid and start time (so a recycled pid is not
+/// mistaken for it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcRef {
     pub pid: i32,
