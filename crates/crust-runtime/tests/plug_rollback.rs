@@ -30,10 +30,18 @@ fn held(dev: &Path) -> bool {
     crust_blockdev::ensure_device_free(dev, "test").is_err()
 }
 
-/// A QMP peer answering one connection: `device_del` succeeds (with its
-/// DEVICE_DELETED event) unless `stuck`, then it fails as a device QEMU
-/// cannot let go of.
-fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
+/// What a scripted QMP peer answers a command: its reply, and an event
+/// it sends first.
+type Answer = (Value, Option<Value>);
+
+/// A QMP peer answering one connection with `answer`; it logs each
+/// command with whether the host's exclusive open of `dev` (if any)
+/// failed at that moment.
+fn serve_qmp(
+    sock: PathBuf,
+    dev: Option<PathBuf>,
+    mut answer: impl FnMut(&str, &Value) -> Answer + Send + 'static,
+) -> Seen {
     let seen: Seen = Arc::default();
     let log = seen.clone();
     let listener = tokio::net::UnixListener::bind(&sock).unwrap();
@@ -46,54 +54,62 @@ fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
             .await
             .unwrap();
         let mut lines = BufReader::new(rd).lines();
-        // The fd sets handed out: (id, opaque tag).
-        let mut sets: Vec<(u64, String)> = Vec::new();
         while let Ok(Some(line)) = lines.next_line().await {
             let req: Value = serde_json::from_str(&line).unwrap();
             let cmd = req["execute"].as_str().unwrap().to_string();
-            log.lock().unwrap().push((cmd.clone(), held(&dev)));
-            let mut out = String::new();
-            let fdset_reply = match cmd.as_str() {
-                "add-fd" => {
-                    let id = sets.len() as u64 + 1;
-                    let tag = req["arguments"]["opaque"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_string();
-                    sets.push((id, tag));
-                    Some(json!({"return": {"fdset-id": id, "fd": 9}}))
-                }
-                "remove-fd" => {
-                    let id = req["arguments"]["fdset-id"].as_u64();
-                    sets.retain(|(s, _)| Some(*s) != id);
-                    Some(json!({"return": {}}))
-                }
-                "query-fdsets" => Some(json!({"return": sets.iter().map(|(id, tag)|
-                    json!({"fdset-id": id, "fds": [{"fd": 9, "opaque": tag}]})).collect::<Vec<_>>()})),
-                _ => None,
-            };
-            let reply = match cmd.as_str() {
-                _ if fdset_reply.is_some() => fdset_reply.unwrap(),
-                "device_del" if stuck => {
-                    json!({"error": {"class": "GenericError", "desc": "stuck"}})
-                }
-                "device_del" => {
-                    let ev = json!({"event": "DEVICE_DELETED",
-                        "data": {"device": req["arguments"]["id"]},
-                        "timestamp": {"seconds": 0, "microseconds": 0}});
-                    out.push_str(&format!("{ev}\n"));
-                    json!({"return": {}})
-                }
-                "query-named-block-nodes" | "query-block" => json!({"return": []}),
-                _ => json!({"return": {}}),
-            };
-            let mut reply = reply;
+            let busy = dev.as_deref().is_some_and(held);
+            log.lock().unwrap().push((cmd.clone(), busy));
+            let (mut reply, event) = answer(&cmd, &req);
             reply["id"] = req["id"].clone();
+            let mut out = event.map(|e| format!("{e}\n")).unwrap_or_default();
             out.push_str(&format!("{reply}\n"));
             wr.write_all(out.as_bytes()).await.unwrap();
         }
     });
     seen
+}
+
+/// A QMP peer answering one connection: `device_del` succeeds (with its
+/// DEVICE_DELETED event) unless `stuck`, then it fails as a device QEMU
+/// cannot let go of; fd sets are kept as QEMU keeps them.
+fn fake_qmp(sock: PathBuf, dev: PathBuf, stuck: bool) -> Seen {
+    // The fd sets handed out: (id, opaque tag).
+    let mut sets: Vec<(u64, String)> = Vec::new();
+    serve_qmp(sock, Some(dev), move |cmd, req| match cmd {
+        "add-fd" => {
+            let id = sets.len() as u64 + 1;
+            let tag = req["arguments"]["opaque"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            sets.push((id, tag));
+            (json!({"return": {"fdset-id": id, "fd": 9}}), None)
+        }
+        "remove-fd" => {
+            let id = req["arguments"]["fdset-id"].as_u64();
+            sets.retain(|(s, _)| Some(*s) != id);
+            (json!({"return": {}}), None)
+        }
+        "query-fdsets" => {
+            let list: Vec<Value> = sets
+                .iter()
+                .map(|(id, tag)| json!({"fdset-id": id, "fds": [{"fd": 9, "opaque": tag}]}))
+                .collect();
+            (json!({ "return": list }), None)
+        }
+        "device_del" if stuck => (
+            json!({"error": {"class": "GenericError", "desc": "stuck"}}),
+            None,
+        ),
+        "device_del" => {
+            let ev = json!({"event": "DEVICE_DELETED",
+                "data": {"device": req["arguments"]["id"]},
+                "timestamp": {"seconds": 0, "microseconds": 0}});
+            (json!({"return": {}}), Some(ev))
+        }
+        "query-named-block-nodes" | "query-block" => (json!({"return": []}), None),
+        _ => (json!({"return": {}}), None),
+    })
 }
 
 fn commands(seen: &Seen) -> Vec<String> {
@@ -210,35 +226,15 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
     assert!(!held(disk.dev()));
 }
 
-/// A QMP peer whose only node is `node` on driver `drv`; records the
-/// commands it gets.
+/// A QMP peer whose only node is `node` on driver `drv`.
 fn nodes_qmp(sock: PathBuf, node: String, drv: &'static str) -> Seen {
-    let seen: Seen = Arc::default();
-    let log = seen.clone();
-    let listener = tokio::net::UnixListener::bind(&sock).unwrap();
-    tokio::spawn(async move {
-        let (s, _) = listener.accept().await.unwrap();
-        let (rd, mut wr) = s.into_split();
-        let greeting = json!({"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 0},
-            "package": ""}, "capabilities": []}});
-        wr.write_all(format!("{greeting}\n").as_bytes())
-            .await
-            .unwrap();
-        let mut lines = BufReader::new(rd).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
-            let req: Value = serde_json::from_str(&line).unwrap();
-            let cmd = req["execute"].as_str().unwrap().to_string();
-            log.lock().unwrap().push((cmd.clone(), false));
-            let mut reply = match cmd.as_str() {
-                "query-named-block-nodes" => json!({"return": [{"node-name": node,
-                    "drv": drv, "file": "/dev/fdset/1", "ro": false}]}),
-                _ => json!({"return": {}}),
-            };
-            reply["id"] = req["id"].clone();
-            wr.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
-        }
-    });
-    seen
+    serve_qmp(sock, None, move |cmd, _| match cmd {
+        "query-named-block-nodes" => (
+            json!({"return": [{"node-name": node, "drv": drv, "file": "/dev/fdset/1", "ro": false}]}),
+            None,
+        ),
+        _ => (json!({"return": {}}), None),
+    })
 }
 
 /// QEMU grows a node opened on the loop device's backing file by
