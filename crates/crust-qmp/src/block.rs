@@ -227,12 +227,21 @@ impl QmpClient {
         self.remove_fdsets(node_name).await
     }
 
-    /// `remove-fd` for every fd set made for `node_name`, found by its tag
-    /// in `query-fdsets` (also one a client before a restart made), and
-    /// `closefd` of the descriptor QEMU kept for it ([`keep_fd`]).
+    /// `closefd` of the descriptor QEMU kept for `node_name` ([`keep_fd`]),
+    /// first (what keeps the host away), then `remove-fd` of every fd set
+    /// made for it, found by its tag in `query-fdsets` (also one a client
+    /// before a restart made).
     ///
     /// [`keep_fd`]: Self::keep_fd
     async fn remove_fdsets(&self, node_name: &str) -> Result<(), QmpError> {
+        match self
+            .execute("closefd", json!({ "fdname": keep_tag(node_name) }))
+            .await
+        {
+            // None kept is fine.
+            Ok(_) | Err(QmpError::Command { .. }) => {}
+            Err(e) => return Err(e),
+        }
         for set in self.fdsets_tagged(&[fdset_tag(node_name)]).await? {
             match self.execute("remove-fd", json!({ "fdset-id": set })).await {
                 // Already gone is fine.
@@ -240,19 +249,17 @@ impl QmpClient {
                 Err(e) => return Err(e),
             }
         }
-        match self
-            .execute("closefd", json!({ "fdname": keep_tag(node_name) }))
-            .await
-        {
-            // None kept is fine.
-            Ok(_) | Err(QmpError::Command { .. }) => Ok(()),
-            Err(e) => Err(e),
-        }
+        Ok(())
     }
 
-    /// The ids of the fd sets holding a descriptor tagged with one of `tags`.
+    /// The ids of the fd sets holding a descriptor tagged with one of `tags`
+    /// (none where QEMU refuses the query).
     async fn fdsets_tagged(&self, tags: &[String]) -> Result<Vec<u64>, QmpError> {
-        let sets: Vec<types::FdSet> = self.query("query-fdsets", json!({})).await?;
+        let sets: Vec<types::FdSet> = match self.query("query-fdsets", json!({})).await {
+            Ok(sets) => sets,
+            Err(QmpError::Command { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
         Ok(sets
             .into_iter()
             .filter(|s| {
@@ -266,9 +273,11 @@ impl QmpClient {
 
     /// Gives QEMU a descriptor to keep, not to open: `getfd` under a name
     /// made from `node_name`, closed with that node by
-    /// [`blockdev_del`](Self::blockdev_del). Not an fd set: QEMU closes a
-    /// set no node uses once no QMP client is connected, while a named
-    /// descriptor stays until `closefd` or QEMU's exit. crust hands QEMU a
+    /// [`blockdev_del`](Self::blockdev_del). Not an fd set: QEMU 7.2
+    /// closes a set no node uses once no QMP client is connected (while
+    /// the VM runs), while a named descriptor stays until `closefd` or
+    /// QEMU's exit. crust's QEMU has one QMP monitor, so every client of
+    /// it sees the name. crust hands QEMU a
     /// copy of its exclusive hold on a loop device whose backing file the
     /// node reads, so that the device stays held, and QEMU is seen using
     /// it, for as long as QEMU may write the file, even if its runtime dies.

@@ -52,7 +52,8 @@ impl QmpEvent {
 pub struct BlockNode {
     /// Node name (`#block123` for nodes QEMU named itself).
     pub node_name: String,
-    /// Image file name (the host path for `file`/`host_device` nodes).
+    /// Image file name (the host path for `file`/`host_device` nodes
+    /// opened by path, `/dev/fdset/N` for those opened by descriptor).
     pub file: String,
     /// Virtual size in bytes: what the guest sees.
     pub size: u64,

@@ -293,7 +293,8 @@ pub fn open_file_device(
 /// long as QEMU may write the file, even if this runtime dies. Returns
 /// what QEMU opened and how (direct, engine). The guest sees the host
 /// device's sector size (a filesystem it makes must mount on the host).
-/// Idempotent (crust-qmp is).
+/// Idempotent (crust-qmp is) while the route stays the same; a sandbox
+/// plugs a volume once ([`crate::plug`]).
 pub async fn attach(
     qmp: &QmpClient,
     v: &Volume,
@@ -316,7 +317,7 @@ pub async fn attach(
                 Some((file, keep)) => {
                     qmp.keep_fd(&v.node_name, keep)
                         .await
-                        .map_err(qmp_err(v, "add-fd"))?;
+                        .map_err(qmp_err(v, "getfd"))?;
                     let io = qmp.blockdev_add_fd(&v.node_name, file, v.readonly).await;
                     if io.is_err() {
                         // The kept copy of the hold goes with the node.

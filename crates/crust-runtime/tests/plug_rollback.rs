@@ -1,7 +1,7 @@
 //! The shared plug routine's hold and rollback against a scripted QMP peer
 //! (no guest: the agent is absent, so every guest mount fails) on a real
 //! loop device. From `getfd` (QEMU's copy of the hold) and `add-fd` (the
-//! device's backing file, by descriptor) to `closefd` the peer checks that the host cannot open the device
+//! device's backing file, by descriptor) to `remove-fd` the peer checks that the host cannot open the device
 //! `O_EXCL`: the hold spans QEMU's use. A failed mount whose detach works leaves the device free and the
 //! bus returned; a detach that fails keeps the device held until QEMU is
 //! gone; a device mounted on the host is refused before any QMP command.
@@ -190,15 +190,15 @@ async fn the_hold_spans_qemus_use_and_every_rollback() {
             "device_del",
             "query-iothreads",
             "blockdev-del",
+            "closefd",
             "query-fdsets",
-            "remove-fd",
-            "closefd"
+            "remove-fd"
         ]
     );
     assert!(held_at(&seen, "add-fd"), "held before QEMU has the file");
     assert!(held_at(&seen, "blockdev-add"), "held before QEMU opens it");
     assert!(held_at(&seen, "getfd"), "held before QEMU keeps a copy");
-    assert!(held_at(&seen, "closefd"), "held until QEMU let go");
+    assert!(held_at(&seen, "remove-fd"), "held until QEMU let go");
     assert!(!held(disk.dev()), "free after the rollback");
     assert_eq!(att.take_bus().as_deref(), Some("crust-rp0"), "bus returned");
     assert!(att.volumes().is_empty());

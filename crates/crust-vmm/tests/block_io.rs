@@ -219,6 +219,16 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
 
     // --- a 4 KiB-sector device: the guest sees 4 KiB sectors too (a
     // filesystem it makes mounts on the host); unplug takes the iothread.
+    let hold4k =
+        crust_blockdev::claim_exclusive(lo4k.path(), true, crust_blockdev::HAND_TO_GUEST).unwrap();
+    qmp.keep_fd(
+        "n4k",
+        std::os::fd::AsFd::as_fd(&hold4k)
+            .try_clone_to_owned()
+            .unwrap(),
+    )
+    .await
+    .unwrap();
     qmp.blockdev_add_fd("n4k", backing_route(lo4k.path()), false)
         .await
         .unwrap();
@@ -240,6 +250,10 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     assert_eq!(lbs.trim(), "4096");
     qmp.device_del("d4k", T).await.unwrap();
     qmp.blockdev_del("n4k").await.unwrap();
+    // QEMU let go of its copy of the hold with the node, while it runs.
+    drop(hold4k);
+    crust_blockdev::ensure_device_free(lo4k.path(), "test")
+        .expect("the unplugged device is free while QEMU runs");
     assert_eq!(qmp.query_iothreads().await.unwrap(), ["iothread-dio-dev"]);
     drop(lo4k);
 
