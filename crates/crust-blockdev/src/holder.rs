@@ -119,6 +119,9 @@ pub struct ExclusiveDevice {
     fd: OwnedFd,
     path: PathBuf,
     block: bool,
+    /// The flush when the hold was taken worked (false without
+    /// `CAP_SYS_ADMIN`).
+    flushable: bool,
 }
 
 impl ExclusiveDevice {
@@ -134,13 +137,20 @@ impl ExclusiveDevice {
             fd,
             path,
             block: false,
+            flushable: true,
         }
+    }
+
+    /// Whether this process can flush the device's page cache: the flush
+    /// when the hold was taken worked (always, for a regular file).
+    pub fn cache_flushable(&self) -> bool {
+        self.flushable
     }
 
     /// [`flush_device_cache`](crate::device::flush_device_cache) through
     /// the hold (nothing for a regular file). `Ok(false)`: the kernel
     /// refused (no `CAP_SYS_ADMIN`), the cache may be stale.
-    pub fn flush_cache(&self) -> Result<bool, DeviceError> {
+    fn flush_cache(&self) -> Result<bool, DeviceError> {
         if !self.block {
             return Ok(true);
         }
@@ -227,13 +237,14 @@ fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDe
     if !sysfs_holders(major, minor).is_empty() {
         return Err(in_use());
     }
-    let dev = ExclusiveDevice {
+    let mut dev = ExclusiveDevice {
         fd,
         path: path.to_path_buf(),
         block: true,
+        flushable: false,
     };
     // Nothing the cache kept from before this hold is read as current.
-    dev.flush_cache()?;
+    dev.flushable = dev.flush_cache()?;
     Ok(dev)
 }
 

@@ -224,7 +224,7 @@ impl QmpClient {
             }
         }
         self.shared.lock().opened.remove(node_name);
-        self.remove_fdsets(node_name).await
+        self.release_descriptors(node_name).await
     }
 
     /// `closefd` of the descriptor QEMU kept for `node_name` ([`keep_fd`]),
@@ -233,7 +233,7 @@ impl QmpClient {
     /// before a restart made).
     ///
     /// [`keep_fd`]: Self::keep_fd
-    async fn remove_fdsets(&self, node_name: &str) -> Result<(), QmpError> {
+    async fn release_descriptors(&self, node_name: &str) -> Result<(), QmpError> {
         match self
             .execute("closefd", json!({ "fdname": keep_tag(node_name) }))
             .await

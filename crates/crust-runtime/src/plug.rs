@@ -175,7 +175,7 @@ async fn plug_on(
         }
     };
     let res = async {
-        let io = volumes::attach(g.qmp, v, Some(bus), file, Some(&hold)).await?;
+        let io = volumes::attach(g.qmp, v, Some(bus), file, &hold).await?;
         // Before the guest mounts it: the workload never sees it unthrottled.
         let limits = volumes::io_limits(v)?;
         if !limits.is_unlimited() {

@@ -300,7 +300,7 @@ pub async fn attach(
     v: &Volume,
     bus: Option<&str>,
     file: Option<std::os::fd::OwnedFd>,
-    hold: Option<&crust_blockdev::ExclusiveDevice>,
+    hold: &crust_blockdev::ExclusiveDevice,
 ) -> Result<VolumeIo, VolumeError> {
     let (io, block_size, backing_file) = match file {
         Some(fd) => (
@@ -313,7 +313,7 @@ pub async fn attach(
             let dev = Path::new(&v.device);
             let bs = crust_blockdev::logical_block_size(dev)
                 .map_err(|e| host_device_error(v, e.to_string()))?;
-            match hold.map(|h| bypass(v, h)).transpose()?.flatten() {
+            match bypass(v, hold)? {
                 Some((file, keep)) => {
                     qmp.keep_fd(&v.node_name, keep)
                         .await
@@ -368,19 +368,11 @@ fn bypass(
             return Ok(None);
         }
     };
-    match hold.flush_cache() {
-        Ok(true) => {}
-        Ok(false) => {
-            tracing::warn!(target = %v.target, device = %v.device,
-                "QEMU opens the device itself: its page cache cannot be flushed here (no CAP_SYS_ADMIN)");
-            return Ok(None);
-        }
-        Err(e) => {
-            return Err(host_device_error(
-                v,
-                format!("flushing its page cache: {e}"),
-            ));
-        }
+    // The hold flushed the cache when taken; QEMU has written nothing yet.
+    if !hold.cache_flushable() {
+        tracing::warn!(target = %v.target, device = %v.device,
+            "QEMU opens the device itself: its page cache cannot be flushed here (no CAP_SYS_ADMIN)");
+        return Ok(None);
     }
     let keep = hold
         .as_fd()
