@@ -32,7 +32,7 @@ use std::time::Duration;
 use common::*;
 use crust_agent_proto::{FsType, MountVolume};
 use crust_backend::{Backend, PoolBackend, PoolConfig};
-use crust_blockdev::{LoopGuard, MountGuard};
+use crust_blockdev::{ExclusiveDevice, LoopGuard, MountGuard};
 use crust_qmp::{BlockIo, QmpClient, VirtioBlkOptions};
 use serde_json::Value;
 
@@ -126,13 +126,23 @@ async fn write_and_measure(g: &Guest, mnt: &str, file: &Path, dev: &Path, mib: u
     (f1.saturating_sub(f0), d1.saturating_sub(d0))
 }
 
-/// The descriptor crust's runtime hands QEMU for a whole-file loop device.
-fn backing_route(dev: &Path) -> std::os::fd::OwnedFd {
+/// Opens `dev` in QEMU as node `node` the way crust's runtime plugs a
+/// whole-file loop device: the exclusive hold, a copy of it for QEMU to
+/// keep, and the routed backing file by descriptor. Returns the hold and
+/// how QEMU opened the file.
+async fn plug_held(qmp: &QmpClient, node: &str, dev: &Path) -> (ExclusiveDevice, BlockIo) {
+    let hold = crust_blockdev::claim_exclusive(dev, true, crust_blockdev::HAND_TO_GUEST).unwrap();
+    let keep = std::os::fd::AsFd::as_fd(&hold)
+        .try_clone_to_owned()
+        .unwrap();
+    qmp.keep_fd(node, keep).await.unwrap();
     let held = std::fs::File::open(dev).unwrap();
-    match crust_blockdev::route(std::os::fd::AsFd::as_fd(&held), dev, true) {
+    let file = match crust_blockdev::route(std::os::fd::AsFd::as_fd(&held), dev, true) {
         crust_blockdev::Route::BackingFile(fd) => fd,
         crust_blockdev::Route::Device(why) => panic!("{} kept: {why}", dev.display()),
-    }
+    };
+    let io = qmp.blockdev_add_fd(node, file, false).await.unwrap();
+    (hold, io)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,20 +174,7 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     .unwrap();
     let g = Guest::boot_with("dio", vec![], |c| c.cpus = 2).await;
     let qmp = QmpClient::connect(g.vm.qmp_socket(), T).await.unwrap();
-    let hold = crust_blockdev::claim_exclusive(&dev, true, crust_blockdev::HAND_TO_GUEST).unwrap();
-    // QEMU keeps a copy of the hold, as crust's runtime hands it over.
-    qmp.keep_fd(
-        "dio-node",
-        std::os::fd::AsFd::as_fd(&hold)
-            .try_clone_to_owned()
-            .unwrap(),
-    )
-    .await
-    .unwrap();
-    let io = qmp
-        .blockdev_add_fd("dio-node", backing_route(&dev), false)
-        .await
-        .unwrap();
+    let (hold, io) = plug_held(&qmp, "dio-node", &dev).await;
     let node = qmp.query_named_block_nodes().await.unwrap();
     assert!(
         node.iter()
@@ -219,19 +216,7 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
 
     // --- a 4 KiB-sector device: the guest sees 4 KiB sectors too (a
     // filesystem it makes mounts on the host); unplug takes the iothread.
-    let hold4k =
-        crust_blockdev::claim_exclusive(lo4k.path(), true, crust_blockdev::HAND_TO_GUEST).unwrap();
-    qmp.keep_fd(
-        "n4k",
-        std::os::fd::AsFd::as_fd(&hold4k)
-            .try_clone_to_owned()
-            .unwrap(),
-    )
-    .await
-    .unwrap();
-    qmp.blockdev_add_fd("n4k", backing_route(lo4k.path()), false)
-        .await
-        .unwrap();
+    let (hold4k, _) = plug_held(&qmp, "n4k", lo4k.path()).await;
     let opts4k = VirtioBlkOptions {
         block_size: crust_blockdev::logical_block_size(lo4k.path()).unwrap(),
         ..Default::default()
