@@ -347,6 +347,27 @@ cat >"$STAGE/init" <<'EOF'
 # crust guest init. Stays PID 1 (reaping orphans while it waits) and keeps
 # crust-agent running; the agent powers the VM off on Shutdown.
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# First, on the kernel's initramfs: move the image onto a tmpfs and make
+# that the root. The initramfs (rootfs) is the root of every mount
+# namespace and can never be pivoted away from, so on it a container could
+# only be chrooted, and a chroot is left through `..`. From a tmpfs root
+# each container pivot_roots into its rootfs and detaches the guest's tree,
+# as runc does (docs/security.md). Each entry is removed once copied, so
+# the image is held twice only one top-level directory at a time; /bin
+# goes first and its copy serves the rest. /init stays: switch_root takes
+# it as the proof that it is leaving an initramfs, then frees the rest.
+if [ ! -e /.crust-root ]; then
+	mount -t tmpfs -o mode=0755 root /mnt || { echo "init: no tmpfs for the root; powering off"; poweroff -f; }
+	cp -a /bin /mnt/ && rm -rf /bin
+	export PATH=/mnt/bin
+	for e in /* /.[!.]*; do
+		case $e in /mnt | /proc | /sys | /dev | '/.[!.]*') continue ;; esac
+		cp -a "$e" /mnt/ && [ "$e" = /init ] || rm -rf "$e"
+	done
+	mkdir -p /mnt/proc /mnt/sys /mnt/dev /mnt/mnt
+	: >/mnt/.crust-root
+	exec switch_root /mnt /init
+fi
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount -t devtmpfs -o nosuid devtmpfs /dev
@@ -384,7 +405,7 @@ if [ -f "$KCONFIG" ]; then cp "$KCONFIG" "$OUT/vmlinuz.config.tmp"; fi
 # the guest runs.
 LISTING=$(gzip -dc "$OUT/initramfs.cpio.gz.tmp" | cpio -t --quiet) ||
 	die "the packed initramfs does not read back"
-for f in init usr/sbin/crust-agent bin/busybox ${HELPER:+usr/sbin/crust-guest-bench}; do
+for f in init usr/sbin/crust-agent bin/busybox bin/switch_root ${HELPER:+usr/sbin/crust-guest-bench}; do
 	grep -qx "\(\./\)\?$f" <<<"$LISTING" || die "the packed initramfs lacks $f"
 done
 mv -f "$OUT/initramfs.cpio.gz.tmp" "$OUT/initramfs.cpio.gz"

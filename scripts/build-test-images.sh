@@ -4,7 +4,9 @@
 #   <out>/busybox.tar  OCI layout: busybox-static with every applet linked in
 #                      /bin, plus Debian's iputils `ping` (busybox's has no
 #                      `-M do`) and `iperf3` in /usr/bin with the libraries
-#                      ldd names; cmd ["sh"]; ref crust.test/busybox:latest
+#                      ldd names, and crust-escape (scripts/test-images/
+#                      escape.c, static: the confinement tests' break-out
+#                      attempts); cmd ["sh"]; ref crust.test/busybox:latest
 #   <out>/pause.tar    OCI layout: busybox-static as /bin/sleep, entrypoint
 #                      ["/bin/sleep", "infinity"]; ref crust.test/pause:latest
 # Import with `ctr images import <tar>` (the ref name is in index.json).
@@ -53,14 +55,17 @@ PING=/usr/bin/ping
 IPERF3=/usr/bin/iperf3
 [ -x "$PING" ] || die "$PING missing: apt-get install -y iputils-ping"
 [ -x "$IPERF3" ] || die "$IPERF3 missing: apt-get install -y iperf3"
+ESCAPE_SRC=$ROOT/scripts/test-images/escape.c
+command -v gcc >/dev/null || die "gcc not found: apt-get install -y gcc libc6-dev"
 # The loader and every library ldd resolves for PROG.
 libs_of() { ldd "$1" | awk '/=> \//{print $3} /^\t\/lib/{print $1}'; }
 pkg_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo "not-from-dpkg"; }
 
 KEY=$(
 	{
-		echo "format 2"
-		sha256sum "${BASH_SOURCE[0]}" "$BUSYBOX" "$PING" "$IPERF3" \
+		echo "format 3"
+		echo "gcc $(gcc -dumpfullversion) libc6-dev $(pkg_version libc6-dev)"
+		sha256sum "${BASH_SOURCE[0]}" "$BUSYBOX" "$PING" "$IPERF3" "$ESCAPE_SRC" \
 			$(libs_of "$PING") $(libs_of "$IPERF3") | cut -d' ' -f1
 		echo "umoci $(pkg_version umoci)"
 	} | sha256sum | cut -d' ' -f1
@@ -126,6 +131,7 @@ setup_busybox() {
 	# capability: the tests' containers run as root with CAP_NET_RAW.
 	add_prog "$PING" "$r"
 	add_prog "$IPERF3" "$r"
+	gcc -static -O2 -Wall -Werror -o "$r/usr/bin/crust-escape" "$ESCAPE_SRC"
 	printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$r/etc/passwd"
 	printf 'root:x:0:\nnogroup:x:65534:\n' >"$r/etc/group"
 }

@@ -12,7 +12,8 @@ pkgs=(
   busybox-static          # guest userland
   e2fsprogs xfsprogs      # mkfs/resize on the host and in the guest
   cpio gzip kmod          # building the initramfs
-  libc6-dev               # libc.a for the static guest agent
+  gcc libc6-dev           # libc.a for the static guest agent; the static crust-escape of
+                          # the test image (scripts/build-test-images.sh)
   util-linux              # losetup/mount used by test guards; flock (guest/build-image.sh); wipefs (libblkid signatures
                           # before a format), unshare (a mount in another namespace)
   containerd runc         # the private containerd of the shim tests (ctr, CRI plugin); the
@@ -108,7 +109,7 @@ if [ "${1:-}" = "--if-missing" ]; then
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 qemu-img busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
     xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
-    strip pkg-config fio ip ping iperf3 iptables; do
+    strip pkg-config fio ip ping iperf3 iptables gcc; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

@@ -7,15 +7,24 @@
 //! need not be running.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 const ROOT: &str = "/sys/fs/cgroup";
 /// v1 controllers the VM's processes are placed under, when mounted.
 const V1_CONTROLLERS: &[&str] = &["memory", "cpu,cpuacct", "cpu", "cpuacct", "pids", "blkio"];
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Placement {
     pub dirs: Vec<PathBuf>,
     pub v2: bool,
+    /// The directories [`Placement::create`] made, parents first: the
+    /// only ones [`Placement::remove`] takes away (a group that was there
+    /// before the pod belongs to someone else). Shared by clones.
+    created: Arc<Mutex<Vec<PathBuf>>>,
+    /// Where [`Placement::enter_self`] found this process, per group.
+    origins: Arc<Mutex<Vec<PathBuf>>>,
+    /// `cgroups_path` below each hierarchy's root.
+    rel: PathBuf,
 }
 
 impl Placement {
@@ -39,6 +48,9 @@ impl Placement {
             return Ok(Placement {
                 dirs: vec![root.join(rel)],
                 v2: true,
+                created: Arc::default(),
+                origins: Arc::default(),
+                rel: rel.into(),
             });
         }
         let mut dirs = Vec::new();
@@ -58,31 +70,93 @@ impl Placement {
                 root.display()
             ));
         }
-        Ok(Placement { dirs, v2: false })
+        Ok(Placement {
+            dirs,
+            v2: false,
+            created: Arc::default(),
+            origins: Arc::default(),
+            rel: rel.into(),
+        })
     }
 
     pub fn resolve(cgroups_path: &str) -> Result<Placement, String> {
         Placement::resolve_in(Path::new(ROOT), cgroups_path)
     }
 
-    /// Creates the groups and moves `pids` into them.
-    pub fn enter(&self, pids: &[i32]) -> Result<(), String> {
+    /// Creates the groups (and missing parents), recording each directory
+    /// made, so the VM's processes can be born in them.
+    pub fn create(&self) -> Result<(), String> {
+        let mut created = self.created.lock().expect("created");
         for d in &self.dirs {
-            std::fs::create_dir_all(d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
-            for pid in pids {
-                std::fs::write(d.join("cgroup.procs"), pid.to_string())
-                    .map_err(|e| format!("moving {pid} into {}: {e}", d.display()))?;
+            let mut missing: Vec<&Path> = d.ancestors().take_while(|a| !a.exists()).collect();
+            missing.reverse();
+            for m in missing {
+                match std::fs::create_dir(m) {
+                    Ok(()) => created.push(m.to_path_buf()),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(format!("mkdir {}: {e}", m.display())),
+                }
             }
         }
         Ok(())
     }
 
-    /// Removes the groups once empty (best effort: the container manager
-    /// may remove them too).
+    /// Removes the groups [`Placement::create`] made, deepest first, once
+    /// empty (best effort: the container manager may remove them too).
     pub fn remove(&self) {
-        for d in &self.dirs {
+        let created = std::mem::take(&mut *self.created.lock().expect("created"));
+        for d in created.iter().rev() {
             let _ = std::fs::remove_dir(d);
         }
+    }
+
+    /// Moves this process (the pod's shim, one per pod) into the groups,
+    /// remembering where it was: from here on what it allocates for the
+    /// pod is charged to the pod, as QEMU's and virtiofsd's pages are.
+    pub fn enter_self(&self) -> Result<(), String> {
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+        let mut origins = self.origins.lock().expect("origins");
+        for d in &self.dirs {
+            let base = d
+                .ancestors()
+                .nth(self.rel.components().count())
+                .ok_or_else(|| format!("{} has no hierarchy root", d.display()))?;
+            let from = own_group(&own, base, self.v2)
+                .ok_or_else(|| format!("this process has no group in {}", base.display()))?;
+            std::fs::write(d.join("cgroup.procs"), std::process::id().to_string())
+                .map_err(|e| format!("moving the shim into {}: {e}", d.display()))?;
+            origins.push(from);
+        }
+        Ok(())
+    }
+
+    /// Moves this process back where [`Placement::enter_self`] found it
+    /// (best effort), so the pod's groups can be removed.
+    pub fn leave_self(&self) {
+        let origins = std::mem::take(&mut *self.origins.lock().expect("origins"));
+        for o in origins {
+            if let Err(e) = std::fs::write(o.join("cgroup.procs"), std::process::id().to_string()) {
+                tracing::warn!("moving the shim back to {}: {e}", o.display());
+            }
+        }
+    }
+
+    /// The memory limit of the group above the sandbox's (kubelet's pod
+    /// cgroup), when it has one: v1 `memory.limit_in_bytes`, v2
+    /// `memory.max` ("max" and v1's page-rounded "unlimited" are none).
+    pub fn parent_memory_limit(&self) -> Option<u64> {
+        let (dir, file) = if self.v2 {
+            (self.dirs.first()?, "memory.max")
+        } else {
+            let memory = self
+                .dirs
+                .iter()
+                .find(|d| d.components().any(|c| c.as_os_str() == "memory"))?;
+            (memory, "memory.limit_in_bytes")
+        };
+        let text = std::fs::read_to_string(dir.parent()?.join(file)).ok()?;
+        text.trim().parse::<u64>().ok().filter(|l| *l < 1 << 62)
     }
 
     /// Whether `pid` is in every group.
@@ -93,6 +167,23 @@ impl Placement {
                 .unwrap_or(false)
         })
     }
+}
+
+/// The directory of this process's group in the hierarchy mounted at
+/// `base`, from `/proc/self/cgroup` text (`id:controllers:path`; v2's line
+/// has no controllers, a v1 line names the base's).
+fn own_group(proc_self_cgroup: &str, base: &Path, v2: bool) -> Option<PathBuf> {
+    let name = base.file_name()?.to_str()?;
+    let mut want: Vec<&str> = name.split(',').collect();
+    want.sort_unstable();
+    proc_self_cgroup.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        let mut have: Vec<&str> = ctrl.split(',').collect();
+        have.sort_unstable();
+        let hit = if v2 { ctrl.is_empty() } else { have == want };
+        hit.then(|| base.join(path.trim_start_matches('/')))
+    })
 }
 
 /// The cgroupfs path (relative, no leading `/`) of the systemd driver's
@@ -182,6 +273,43 @@ mod tests {
                 "memory/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice/cri-containerd-c1.scope"
             )
         );
+    }
+
+    #[test]
+    fn own_group_per_hierarchy() {
+        let text = "9:name=systemd:/\n4:memory:/a/b\n2:cpu,cpuacct:/c\n0::/d\n";
+        let root = Path::new("/sys/fs/cgroup");
+        assert_eq!(
+            own_group(text, &root.join("memory"), false),
+            Some(root.join("memory/a/b"))
+        );
+        assert_eq!(
+            own_group(text, &root.join("cpu,cpuacct"), false),
+            Some(root.join("cpu,cpuacct/c"))
+        );
+        assert_eq!(own_group(text, &root.join("pids"), false), None);
+        assert_eq!(own_group(text, root, true), Some(root.join("d")));
+    }
+
+    #[test]
+    fn only_groups_it_made_are_removed() {
+        let t = tempfile::tempdir().unwrap();
+        let v2 = t.path();
+        std::fs::write(v2.join("cgroup.controllers"), "memory").unwrap();
+        // Someone else's: the pod's parent, and a group already at the
+        // pod's own path.
+        std::fs::create_dir_all(v2.join("kubepods/pod1")).unwrap();
+        let theirs = Placement::resolve_in(v2, "kubepods/pod1").unwrap();
+        theirs.create().unwrap();
+        theirs.remove();
+        assert!(v2.join("kubepods/pod1").is_dir(), "a group it found stays");
+        // Made here, with a missing parent: both go, the older parent stays.
+        let ours = Placement::resolve_in(v2, "kubepods/pod2/sb").unwrap();
+        ours.clone().create().unwrap();
+        assert!(v2.join("kubepods/pod2/sb").is_dir());
+        ours.remove();
+        assert!(!v2.join("kubepods/pod2").exists());
+        assert!(v2.join("kubepods").is_dir());
     }
 
     #[test]

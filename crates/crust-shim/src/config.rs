@@ -51,6 +51,14 @@ struct EnvOpts {
     lsm_policy: LsmPolicy,
 }
 
+/// A pod's [`crate::spec::CRUST_MEMORY`] annotation above a cap.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {} = {asked} asks for {cap}", crate::spec::CRUST_MEMORY)]
+pub struct MemoryAskRefused {
+    pub asked: u64,
+    pub cap: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct ShimConfig {
     pub runtime: Config,
@@ -114,6 +122,43 @@ impl ShimConfig {
         }
     }
 
+    /// The pod's memory in bytes: what kubelet sent (`kubelet`: the
+    /// sandbox's memory, else the first container's limit), or what the
+    /// pod's own annotation asks for when it stays within the node's cap
+    /// ([`ShimConfig::max_memory_mib`], guest overhead included) and the
+    /// pod's limits (kubelet's, and the pod cgroup's `cgroup_limit`).
+    /// Anything else is refused, naming the annotation and the cap.
+    pub fn pod_memory(
+        &self,
+        kubelet: Option<u64>,
+        asked: Option<u64>,
+        cgroup_limit: Option<u64>,
+    ) -> Result<Option<u64>, MemoryAskRefused> {
+        let Some(asked) = asked else {
+            return Ok(kubelet);
+        };
+        let refuse = |cap: String| MemoryAskRefused { asked, cap };
+        let guest = self.guest_memory_mib(asked);
+        if guest > self.max_memory_mib {
+            return Err(refuse(format!(
+                "a {guest} MiB guest with the overhead, above the node's cap of {} MiB \
+                 (CRUST_SHIM_MAX_MEMORY_MIB)",
+                self.max_memory_mib
+            )));
+        }
+        for (limit, whose) in [
+            (kubelet, crate::spec::SANDBOX_MEMORY),
+            (cgroup_limit, "the pod cgroup's memory limit"),
+        ] {
+            if let Some(l) = limit.filter(|l| asked > *l) {
+                return Err(refuse(format!(
+                    "above the pod's own limit ({whose}: {l} bytes)"
+                )));
+            }
+        }
+        Ok(Some(asked))
+    }
+
     /// Guest memory for a pod whose containers ask for `limits` bytes in
     /// total (0: unknown): the limits plus the overhead, at least the
     /// configured default.
@@ -161,5 +206,40 @@ mod tests {
         assert_eq!(c.guest_memory_mib(0), 256);
         assert_eq!(c.guest_memory_mib(512 << 20), 672);
         assert_eq!(c.guest_memory_mib((512 << 20) + 1), 673);
+    }
+
+    #[test]
+    fn a_pods_own_memory_annotation_stays_within_the_caps() {
+        let mut c = for_tests(Path::new("/nonexistent"));
+        c.overhead_mib = 96;
+        c.max_memory_mib = 8192;
+        const GIB: u64 = 1 << 30;
+        // Without the annotation: kubelet's figure, whatever it is.
+        assert_eq!(c.pod_memory(Some(GIB), None, None), Ok(Some(GIB)));
+        assert_eq!(c.pod_memory(None, None, Some(GIB)), Ok(None));
+        // Less than kubelet's and the cgroup's, within the cap: taken.
+        assert_eq!(
+            c.pod_memory(Some(2 * GIB), Some(GIB), Some(2 * GIB)),
+            Ok(Some(GIB))
+        );
+        // 16 GiB on an 8 GiB node; 8 GiB plus the guest overhead too.
+        for asked in [16 * GIB, 8 * GIB] {
+            let e = c.pod_memory(None, Some(asked), None).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("io.crust.memory-bytes")
+                    && msg.contains("CRUST_SHIM_MAX_MEMORY_MIB")
+                    && msg.contains("8192 MiB"),
+                "{msg}"
+            );
+        }
+        // More than the pod's own limits.
+        let e = c.pod_memory(Some(GIB), Some(2 * GIB), None).unwrap_err();
+        assert!(
+            e.to_string().contains("io.kubernetes.cri.sandbox-memory"),
+            "{e}"
+        );
+        let e = c.pod_memory(None, Some(2 * GIB), Some(GIB)).unwrap_err();
+        assert!(e.to_string().contains("pod cgroup's memory limit"), "{e}");
     }
 }

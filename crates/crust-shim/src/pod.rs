@@ -351,15 +351,18 @@ impl Pod {
         }];
         vc.virtiofsd_binary = self.cfg.virtiofsd.clone();
         vc.nics = net.map(|a| a.nics.clone()).unwrap_or_default();
-        let guest = Guest::launch_config(vc, rt.boot_timeout).await?;
+        // QEMU and virtiofsd are born in the pod's cgroup: every page they
+        // ever allocate is charged to the pod.
+        // The shim serves this pod alone: it joins too (and leaves at the
+        // end, [`crate::task`]'s end_pod, so the groups can go).
         if let Some(cg) = cgroup {
-            let mut pids = vec![guest.proc_ref().pid];
-            pids.extend(guest.virtiofsd().iter().map(|d| d.pid));
-            if let Err(e) = cg.enter(&pids) {
-                guest.kill().await;
-                return Err(PodError::host("placing QEMU in the pod's cgroup", e));
-            }
+            cg.create()
+                .map_err(|e| PodError::host("creating the pod's cgroup", e))?;
+            cg.enter_self()
+                .map_err(|e| PodError::host("placing the shim in the pod's cgroup", e))?;
+            vc.cgroups = cg.dirs.clone();
         }
+        let guest = Guest::launch_config(vc, rt.boot_timeout).await?;
         self.update(|s| {
             s.qemu = Some(guest.proc_ref());
             s.pid = Some(guest.proc_ref().pid);

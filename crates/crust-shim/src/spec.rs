@@ -210,8 +210,13 @@ pub struct ContainerPlan {
     /// `root.path`, absolute (used when containerd passes no rootfs mounts).
     pub root_path: PathBuf,
     pub memory_limit: Option<u64>,
-    /// The pod's memory when the spec says (sandbox annotations).
+    /// The pod's memory as kubelet sent it (containerd 1.7+'s sandbox
+    /// annotation).
     pub pod_memory: Option<u64>,
+    /// What the pod's own [`CRUST_MEMORY`] annotation asks for: anyone who
+    /// can create a pod sets it, so it is held to the caps
+    /// ([`crate::config::ShimConfig::pod_memory`]).
+    pub asked_memory: Option<u64>,
     /// vCPUs the CPU limit asks for (the pod's, else the container's own):
     /// the CFS quota over the period, rounded up.
     pub cpus: Option<u32>,
@@ -514,10 +519,21 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         .filter(|l| *l > 0)
         .map(|l| l as u64);
     let a = spec.annotations().clone().unwrap_or_default();
-    let pod_memory = [CRUST_MEMORY, SANDBOX_MEMORY]
-        .iter()
-        .find_map(|k| a.get(*k)?.parse::<u64>().ok())
+    let pod_memory = a
+        .get(SANDBOX_MEMORY)
+        .and_then(|v| v.parse::<u64>().ok())
         .filter(|m| *m > 0);
+    let asked_memory = match a.get(CRUST_MEMORY) {
+        None => None,
+        Some(v) => match v.parse::<u64>() {
+            Ok(m) if m > 0 => Some(m),
+            _ => {
+                return Err(invalid(format!(
+                    "annotation {CRUST_MEMORY} = {v:?}: not a positive byte count"
+                )));
+            }
+        },
+    };
     let cfs = |quota: Option<i64>, period: Option<u64>| match (quota, period) {
         (Some(q), Some(p)) if q > 0 && p > 0 => Some((q as u64).div_ceil(p) as u32),
         _ => None,
@@ -572,6 +588,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         root_path,
         memory_limit,
         pod_memory,
+        asked_memory,
         cgroups_path: linux
             .cgroups_path()
             .as_ref()
@@ -697,7 +714,7 @@ mod tests {
         );
         assert_eq!(p.root_path, PathBuf::from("/b/rootfs"));
         assert_eq!(p.memory_limit, Some(256 << 20));
-        assert_eq!(p.pod_memory, Some(512 << 20));
+        assert_eq!((p.pod_memory, p.asked_memory), (None, Some(512 << 20)));
         assert_eq!(p.cpus, None);
         let mut v = base();
         v["linux"]["resources"]["cpu"] = json!({"quota": 150000, "period": 100000});

@@ -27,26 +27,6 @@ use common::{Env, exec};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
-/// What kubelet sends for a non-privileged container (its defaults).
-const MASKED: &[&str] = &[
-    "/proc/acpi",
-    "/proc/kcore",
-    "/proc/keys",
-    "/proc/latency_stats",
-    "/proc/timer_list",
-    "/proc/timer_stats",
-    "/proc/sched_debug",
-    "/proc/scsi",
-    "/sys/firmware",
-];
-const READONLY: &[&str] = &[
-    "/proc/bus",
-    "/proc/fs",
-    "/proc/irq",
-    "/proc/sys",
-    "/proc/sysrq-trigger",
-];
-
 fn profile(kind: cri::security_profile::ProfileType, file: &str) -> Option<cri::SecurityProfile> {
     Some(cri::SecurityProfile {
         profile_type: kind as i32,
@@ -84,8 +64,8 @@ fn config(name: &str, security: cri::LinuxContainerSecurityContext) -> cri::Cont
                 namespace_options: security
                     .namespace_options
                     .or(namespaces(cri::NamespaceMode::Container)),
-                masked_paths: MASKED.iter().map(|s| s.to_string()).collect(),
-                readonly_paths: READONLY.iter().map(|s| s.to_string()).collect(),
+                masked_paths: common::strings(common::KUBELET_MASKED_PATHS),
+                readonly_paths: common::strings(common::KUBELET_READONLY_PATHS),
                 ..security
             }),
         }),

@@ -286,6 +286,10 @@ pub struct VmConfig {
     /// parent-death signal; meant for tests). Off by default so a VM can
     /// outlive the process that launched it.
     pub die_with_parent: bool,
+    /// Cgroup directories (one per v1 hierarchy, or the v2 group) that
+    /// QEMU and every virtiofsd join before they exec, so everything they
+    /// allocate is charged there (the pod's cgroup). Must exist.
+    pub cgroups: Vec<PathBuf>,
     /// Where `Accel::Auto` keeps its per-host-boot verdict (root-only);
     /// `None` probes on every boot.
     pub accel_cache: Option<PathBuf>,
@@ -336,6 +340,7 @@ impl VmConfig {
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             firmware: None,
             die_with_parent: false,
+            cgroups: Vec::new(),
             accel_cache: Some(PathBuf::from(DEFAULT_ACCEL_CACHE)),
             kvm_probe_timeout: DEFAULT_KVM_PROBE_TIMEOUT,
             kvm_boot_timeout: DEFAULT_KVM_BOOT_TIMEOUT,

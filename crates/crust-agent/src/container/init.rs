@@ -3,16 +3,19 @@
 //! reads its [`InitSpec`] from the sync socket (fd number in
 //! `CRUST_INIT_SYNC`), builds the container's view (a private mount
 //! namespace, the rootfs bind, the OCI mounts, masked and read-only paths,
-//! sysctls, the cgroup), chroots into it, takes on the OOM score, user,
+//! sysctls, the cgroup), pivots into it, takes on the OOM score, user,
 //! rlimits, capabilities and terminal, loads the seccomp filter last, and
 //! `exec`s the process. The agent starts it already in the container's
 //! PID namespace (see [`super::spawn_in_pid_ns`]): a namespace changes
 //! only for a process's children.
 //!
-//! Why chroot and not pivot_root: the guest runs from its initramfs
-//! (rootfs), which cannot be pivoted away from. The VM is the pod's
-//! isolation boundary; inside it, each container gets its own mount
-//! namespace so its mounts are its own.
+//! Why pivot_root and not chroot: the container's mount namespace starts
+//! as a copy of the agent's, with every share, volume and other
+//! container's rootfs in it. A chroot leaves all of that one `..` away
+//! for any process holding CAP_SYS_CHROOT (containerd's default set); a
+//! pivot_root followed by a detach of the old root removes it from the
+//! namespace, as runc does. The guest's `/init` moves the image off the
+//! initramfs first, which could not be pivoted away from.
 //!
 //! Sync protocol (a socketpair, close-on-exec in the helper):
 //! agent → helper: the spec as one JSON line. A new container then answers
@@ -239,8 +242,20 @@ fn command(p: &ProcessSpec) -> std::process::Command {
 
 /// Everything between the agent's fork and the process's `exec`.
 fn setup(spec: &InitSpec) -> Result<(), String> {
+    // First, through the guest's /sys and /proc: a container's own mount
+    // namespace has neither (or only its read-only view).
+    if let Some(cg) = &spec.cgroup {
+        std::fs::write(cg.join("cgroup.procs"), "0")
+            .map_err(err(format!("joining cgroup {}", cg.display())))?;
+    }
+    // While the helper is root with every capability (lowering needs
+    // CAP_SYS_RESOURCE).
+    if let Some(adj) = spec.process.oom_score_adj {
+        std::fs::write("/proc/self/oom_score_adj", adj.to_string())
+            .map_err(err(format!("process.oomScoreAdj {adj}")))?;
+    }
     let userns: Option<OwnedFd>;
-    let root: OwnedFd = match &spec.mode {
+    let root: Option<OwnedFd> = match &spec.mode {
         InitMode::Create {
             rootfs,
             mountpoint,
@@ -296,41 +311,49 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
                 )
                 .map_err(err("read-only rootfs"))?;
             }
-            open_dir(mountpoint)?
+            Some(open_dir(mountpoint)?)
         }
         InitMode::Exec { init_pid } => {
             userns = super::userns::of_other(*init_pid)?;
             let ns = ns_fd(*init_pid, "mnt")?;
             // The container's IPC and UTS, whichever they are.
             enter_ipc_uts(NsPlan::Join(*init_pid), NsPlan::Join(*init_pid), "")?;
-            let root = open_dir(Path::new(&format!("/proc/{init_pid}/root")))?;
+            // Entering the namespace sets root and cwd to its root, the
+            // container's rootfs (as runc's exec does); never the init's
+            // own root, which the container's processes may have changed.
             rustix::thread::move_into_link_name_space(
                 ns.as_fd(),
                 Some(rustix::thread::LinkNameSpaceType::Mount),
             )
             .map_err(err("setns into the container"))?;
-            root
+            None
         }
     };
-    if let Some(cg) = &spec.cgroup {
-        std::fs::write(cg.join("cgroup.procs"), "0")
-            .map_err(err(format!("joining cgroup {}", cg.display())))?;
+    // Last, as the guest's root did everything above (the pivot needs
+    // CAP_SYS_ADMIN over the mount namespace, which the user namespace
+    // does not own).
+    if let Some(root) = root {
+        pivot_into(root)?;
     }
-    // While the helper is root with every capability (lowering needs
-    // CAP_SYS_RESOURCE), through the guest's /proc.
-    if let Some(adj) = spec.process.oom_score_adj {
-        std::fs::write("/proc/self/oom_score_adj", adj.to_string())
-            .map_err(err(format!("process.oomScoreAdj {adj}")))?;
-    }
-    // Last, as the guest's root did everything above; before chroot,
-    // which a process must not be in to enter a user namespace.
     if let Some(ns) = &userns {
         super::userns::join(ns)?;
     }
-    rustix::process::fchdir(&root).map_err(err("chdir to the rootfs"))?;
-    rustix::process::chroot(".").map_err(err("chroot"))?;
-    drop(root);
     enter_process(&spec.process)
+}
+
+/// Makes `root` (a mount point in this private mount namespace) the
+/// namespace's root and detaches everything else: after it no path,
+/// `..`, chroot or `/proc` link of this namespace leads out of `root`.
+fn pivot_into(root: OwnedFd) -> Result<(), String> {
+    rustix::process::fchdir(&root).map_err(err("chdir to the rootfs"))?;
+    drop(root);
+    // new_root and put_old the same directory: the old root is stacked
+    // on the new one, then detached from it (no directory is needed in
+    // the container's rootfs, which may be read-only).
+    rustix::process::pivot_root(".", ".").map_err(err("pivot_root into the rootfs"))?;
+    rustix::mount::unmount(".", rustix::mount::UnmountFlags::DETACH)
+        .map_err(err("detaching the guest's root"))?;
+    rustix::process::chdir("/").map_err(err("chdir /"))
 }
 
 /// `net.ipv4.x` is `/proc/sys/net/ipv4/x`; a name with slashes is a path.

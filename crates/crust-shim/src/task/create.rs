@@ -43,9 +43,16 @@ impl Service {
         } else {
             self.pod.vm().await?
         };
+        // Every container's spec carries the pod's annotations: each is
+        // held to the caps, not only the one that sized the VM.
+        let placement = self.cgroup.lock().expect("cgroup").clone();
+        if let Err(e) = self.pod_memory(&plan, placement.as_ref()) {
+            return Err(self.fail_create(owner, e).await);
+        }
+        let pod_limit = plan.asked_memory.or(plan.pod_memory);
         if let Err(e) = self
             .pod
-            .reserve_memory(&vm, &req.id, plan.memory_limit, plan.pod_memory)
+            .reserve_memory(&vm, &req.id, plan.memory_limit, pod_limit)
             .await
         {
             return Err(self.fail_create(owner, e.into()).await);
@@ -132,6 +139,7 @@ impl Service {
             ),
             None => None,
         };
+        let memory = self.pod_memory(plan, placement.as_ref())?;
         *self.cgroup.lock().expect("cgroup") = placement.clone();
         let host = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
@@ -144,7 +152,7 @@ impl Service {
             .pod
             .boot(
                 bundle,
-                self.memory_mib(plan),
+                self.pod.cfg.guest_memory_mib(memory.unwrap_or(0)),
                 cpus,
                 placement.as_ref(),
                 &plan.network,

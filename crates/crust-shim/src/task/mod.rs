@@ -202,11 +202,20 @@ impl Service {
         }
     }
 
-    /// Memory for the pod's VM: the pod's annotation when there is one,
-    /// else the first container's own limit.
-    fn memory_mib(&self, plan: &spec::ContainerPlan) -> u32 {
-        let limits = plan.pod_memory.or(plan.memory_limit).unwrap_or(0);
-        self.pod.cfg.guest_memory_mib(limits)
+    /// The pod's memory in bytes (see [`crate::config::ShimConfig::pod_memory`]):
+    /// kubelet's sandbox memory, else the first container's own limit, or
+    /// the pod's annotation within the caps; refused before QEMU starts.
+    fn pod_memory(
+        &self,
+        plan: &spec::ContainerPlan,
+        placement: Option<&Placement>,
+    ) -> TtResult<Option<u64>> {
+        let kubelet = plan.pod_memory.or(plan.memory_limit);
+        let cgroup_limit = placement.and_then(Placement::parent_memory_limit);
+        self.pod
+            .cfg
+            .pod_memory(kubelet, plan.asked_memory, cgroup_limit)
+            .map_err(|e| status(ttrpc::Code::INVALID_ARGUMENT, e.to_string()))
     }
 
     /// Waits for a started process to exit, lets its output drain,
@@ -291,6 +300,7 @@ impl Service {
         let end = tokio::spawn(async move {
             pod.teardown().await;
             if let Some(cg) = cgroup {
+                cg.leave_self();
                 cg.remove();
             }
         });

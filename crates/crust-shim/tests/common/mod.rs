@@ -16,6 +16,30 @@ use crustctl::demo::PluginProcess;
 
 pub const MIB: u64 = 1 << 20;
 
+/// What kubelet sends for a non-privileged container (procMount Default).
+pub const KUBELET_MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+];
+pub const KUBELET_READONLY_PATHS: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+pub fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
 /// Everything one test needs: the guest slot, containerd, crust's roots.
 pub struct Env {
     pub ctrd: Containerd,

@@ -8,6 +8,7 @@
 
 mod cmdline;
 mod rundir;
+mod spawn;
 mod virtiofsd;
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -556,15 +557,7 @@ fn spawn_qemu(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Result<
             });
         }
     }
-    if cfg.die_with_parent {
-        // SAFETY: a single raw prctl between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-                Ok(())
-            });
-        }
-    }
+    spawn::born_in_vm_cgroups(&mut cmd, cfg)?;
     cmd.spawn().map_err(|source| VmError::Spawn {
         binary: cfg.qemu_binary.clone(),
         source,

@@ -4,8 +4,6 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rustix::process::Signal;
-
 use super::rundir::{RunPaths, io_err, tail};
 use crate::VmError;
 use crate::config::{ShareSpec, VIRTIOFSD_ARGS, VmConfig};
@@ -56,15 +54,7 @@ pub(crate) async fn start_virtiofsd(
         .stdout(log)
         .stderr(log2)
         .process_group(0);
-    if cfg.die_with_parent {
-        // SAFETY: a single raw prctl between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-                Ok(())
-            });
-        }
-    }
+    super::spawn::born_in_vm_cgroups(&mut cmd, cfg)?;
     let failed = |reason: String| VmError::Virtiofsd {
         tag: sh.tag.clone(),
         reason,

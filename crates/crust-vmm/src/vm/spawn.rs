@@ -1,0 +1,124 @@
+//! What every process of a VM (QEMU, each virtiofsd) gets between fork
+//! and exec: the VM's cgroups joined, and the parent-death signal when
+//! asked. Joining before exec matters for memory: cgroups never move a
+//! charge already made, so a process moved in after it started leaves its
+//! start-up pages (QEMU's guest RAM touched at boot, TCG's translation
+//! buffer, virtiofsd's worker) charged to whoever started it.
+
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+
+use rustix::fs::{Mode, OFlags};
+use rustix::process::Signal;
+
+use crate::VmError;
+use crate::config::VmConfig;
+
+/// Sets up `cmd` to be born in `cfg.cgroups` (and to die with its parent
+/// when `cfg.die_with_parent`). The cgroups' `cgroup.procs` are opened
+/// here, in the parent, so a missing group fails the launch by name
+/// before anything runs; the child only writes `0` (itself) to each.
+pub(super) fn born_in_vm_cgroups(cmd: &mut Command, cfg: &VmConfig) -> Result<(), VmError> {
+    let procs: Vec<OwnedFd> = cfg
+        .cgroups
+        .iter()
+        .map(|dir| open_procs(dir))
+        .collect::<Result<_, _>>()?;
+    let die = cfg.die_with_parent;
+    if procs.is_empty() && !die {
+        return Ok(());
+    }
+    // SAFETY: between fork and exec the child makes only raw system calls
+    // (prctl, write) on descriptors it owns; nothing allocates or locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if die {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+            }
+            for fd in &procs {
+                rustix::io::write(fd, b"0")?;
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+fn open_procs(dir: &Path) -> Result<OwnedFd, VmError> {
+    let file = dir.join("cgroup.procs");
+    rustix::fs::open(&file, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| VmError::InvalidConfig(format!("the VM's cgroup {}: {e}", dir.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    #[test]
+    fn a_missing_cgroup_fails_before_anything_runs() {
+        let mut cfg = VmConfig::new("t", "/k", "/i", "/r");
+        cfg.cgroups = vec![PathBuf::from("/nonexistent/cgroup")];
+        let mut cmd = Command::new("true");
+        let e = born_in_vm_cgroups(&mut cmd, &cfg).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/cgroup"), "{e}");
+    }
+
+    /// A group of its own under each hierarchy this machine mounts that a
+    /// child can be placed in: v1's memory controller and the v2 tree
+    /// (the unified mount of a v1 host, or the root of a v2 host).
+    fn hierarchies() -> Vec<(PathBuf, String)> {
+        let name = format!("crust-vmm-spawn-{}", std::process::id());
+        let mut out = Vec::new();
+        for (mount, tag) in [
+            ("/sys/fs/cgroup/memory", "memory"),
+            ("/sys/fs/cgroup/unified", ""),
+            ("/sys/fs/cgroup", ""),
+        ] {
+            let base = Path::new(mount);
+            let v2 = base.join("cgroup.controllers").exists();
+            if base.join("cgroup.procs").exists() && (tag.is_empty() == v2) {
+                out.push((base.join(&name), format!("{tag}:/{name}")));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_child_is_born_in_the_vm_cgroups() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("SKIPPED: creating cgroups needs root");
+            return;
+        }
+        let groups = hierarchies();
+        if groups.is_empty() {
+            eprintln!("SKIPPED: no cgroup hierarchy to place a child in");
+            return;
+        }
+        for (dir, _) in &groups {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        let mut cfg = VmConfig::new("t", "/k", "/i", "/r");
+        cfg.cgroups = groups.iter().map(|(d, _)| d.clone()).collect();
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/cgroup");
+        born_in_vm_cgroups(&mut cmd, &cfg).unwrap();
+        let out = cmd.output().unwrap();
+        for (dir, _) in &groups {
+            let _ = std::fs::remove_dir(dir);
+        }
+        let seen = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{seen}");
+        // `/proc/self/cgroup` lines are `id:controllers:path`; the v2
+        // tree's controllers field is empty.
+        for (_, want) in &groups {
+            assert!(
+                seen.lines()
+                    .any(|l| l.split_once(':').map(|x| x.1) == Some(want)),
+                "{want} not in:\n{seen}"
+            );
+        }
+    }
+}
