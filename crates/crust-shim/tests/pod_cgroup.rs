@@ -11,7 +11,10 @@
 //! - containerd's cgroup grows by less than 4 MiB for the pod (the
 //!   shim's start-up, before it can know the pod's cgroup);
 //! - at teardown the sandbox's cgroup, which the shim made, is gone, and
-//!   the parent the test made before the pod is left in place.
+//!   the parent the test made before the pod is left in place;
+//! - a pod whose own `io.crust.memory-bytes` asks for 16 GiB (the node's
+//!   cap is 8) or for more than its cgroup's limit is refused before any
+//!   QEMU starts, the message naming the annotation and the cap.
 //!
 //! The memory figures are v1's `memory.usage_in_bytes` (these machines)
 //! or v2's `memory.current`. Budget: one TCG guest, ~30 s.
@@ -152,12 +155,57 @@ async fn the_whole_vm_is_charged_to_the_pod() {
         pool: env.dir.path().join("pool"),
         cgroup_parent: Some(parent.clone()),
     };
-    std::fs::create_dir_all(mem_root.join(parent.trim_start_matches('/'))).unwrap();
+    let parent_dir = mem_root.join(parent.trim_start_matches('/'));
+    std::fs::create_dir_all(&parent_dir).unwrap();
+    // kubelet's pod limit on the pod's cgroup: 1 GiB.
+    let limit_file = if memory_root().1 == "memory.current" {
+        "memory.max"
+    } else {
+        "memory.limit_in_bytes"
+    };
+    std::fs::write(parent_dir.join(limit_file), (1u64 << 30).to_string()).unwrap();
 
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let mut sandbox =
         common::host_network_sandbox("charged", "9f8a1c2e-0000-4000-8000-00000c9a0001", 0);
     sandbox.linux.as_mut().unwrap().cgroup_parent = parent.clone();
+
+    // The pod's own annotation sizes no VM past the node's cap (8 GiB by
+    // default) or the pod's limit: refused before QEMU starts, naming it.
+    for (asked, needles) in [
+        (
+            16u64 << 30,
+            ["io.crust.memory-bytes", "CRUST_SHIM_MAX_MEMORY_MIB"],
+        ),
+        (
+            2 << 30,
+            ["io.crust.memory-bytes", "the pod cgroup's memory limit"],
+        ),
+    ] {
+        let mut greedy = sandbox.clone();
+        let meta = greedy.metadata.as_mut().unwrap();
+        meta.name = format!("greedy-{}", asked >> 30);
+        meta.uid = format!("9f8a1c2e-0000-4000-8000-00000c9a{:04x}", asked >> 30);
+        greedy
+            .annotations
+            .insert("io.crust.memory-bytes".into(), asked.to_string());
+        let e = cri
+            .runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(greedy),
+                runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+            })
+            .await
+            .expect_err("a VM above the caps");
+        for n in needles {
+            assert!(e.message().contains(n), "{n:?} in: {e}");
+        }
+        assert!(
+            common::qemus_under(&env.runtime_root).is_empty(),
+            "no QEMU started for {asked} bytes"
+        );
+    }
+
     let before = usage(&ctrd_cg);
     let (sb, cid) = env
         .start_busybox_pod(&mut cri, &sandbox, &["sleep", "100000"], Vec::new())
@@ -215,23 +263,9 @@ async fn the_whole_vm_is_charged_to_the_pod() {
         "containerd's cgroup grew by {ctrd_growth} bytes for one pod"
     );
 
-    cri.runtime
-        .stop_pod_sandbox(cri::StopPodSandboxRequest {
-            pod_sandbox_id: sb.clone(),
-        })
-        .await
-        .unwrap();
-    cri.runtime
-        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
-            pod_sandbox_id: sb.clone(),
-        })
-        .await
-        .unwrap();
+    common::stop_and_remove_sandbox(&mut cri, &sb).await;
     assert!(!pod_dir.exists(), "the sandbox's own cgroup is removed");
-    assert!(
-        mem_root.join(parent.trim_start_matches('/')).is_dir(),
-        "the parent made before the pod stays"
-    );
+    assert!(parent_dir.is_dir(), "the parent made before the pod stays");
 }
 
 /// Moves what is left in a test cgroup to its parent and removes it.

@@ -162,21 +162,6 @@ async fn observe(cri: &mut Cri, pod: &Pod, needle: &str) -> BTreeSet<String> {
     seen
 }
 
-async fn remove(cri: &mut Cri, pod: &Pod) {
-    cri.runtime
-        .stop_pod_sandbox(cri::StopPodSandboxRequest {
-            pod_sandbox_id: pod.sandbox.clone(),
-        })
-        .await
-        .unwrap();
-    cri.runtime
-        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
-            pod_sandbox_id: pod.sandbox.clone(),
-        })
-        .await
-        .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_with_default_capabilities_stays_in_its_root() {
     let env = Env::start(crust_testkit::CRI_NAMESPACE);
@@ -243,13 +228,13 @@ async fn a_container_with_default_capabilities_stays_in_its_root() {
     // The pod runs on: the sibling still has its file, its data untouched.
     let (code, out) = exec(&mut cri, &pod.sibling, &format!("cat /data/{needle}")).await;
     assert_eq!((code, out.as_str()), (0, "the sibling's data"));
-    remove(&mut cri, &pod).await;
+    common::stop_and_remove_sandbox(&mut cri, &pod.sandbox).await;
 
     // The same pod under runc: the reference.
     match try_pod(&mut cri, &env, "", &needle, &shared).await {
         Ok(pod) => {
             let runc = observe(&mut cri, &pod, &needle).await;
-            remove(&mut cri, &pod).await;
+            common::stop_and_remove_sandbox(&mut cri, &pod.sandbox).await;
             assert_eq!(
                 crust,
                 runc,

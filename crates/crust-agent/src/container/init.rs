@@ -108,7 +108,7 @@ pub enum NsPlan {
     Join(u32),
 }
 
-/// Opens `/proc/<pid>/ns/<name>` (before any chroot).
+/// Opens `/proc/<pid>/ns/<name>` (through the guest's /proc, before the pivot).
 fn ns_fd(pid: u32, name: &str) -> Result<OwnedFd, String> {
     rustix::fs::open(
         format!("/proc/{pid}/ns/{name}").as_str(),

@@ -6,7 +6,7 @@
 //! its `uid_map`/`gid_map` (any mapping, one write each, as the kernel
 //! wants), and the init helper joins it by pid. The helper builds the
 //! container's mounts as the guest's root first and joins the namespace
-//! last, right before `chroot`: the mount, IPC and UTS namespaces stay the
+//! last, right after the `pivot_root`: the mount, IPC and UTS namespaces stay the
 //! guest root's, so the container cannot mount or set a hostname, and
 //! mounts that need the guest's root (proc of its PID namespace, sysfs,
 //! the virtio-fs binds) work as without a user namespace.

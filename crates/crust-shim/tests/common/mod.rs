@@ -514,6 +514,22 @@ pub async fn exec(cri: &mut crust_cri::Cri, cid: &str, script: &str) -> (i32, St
     exec_timeout(cri, cid, script, 60).await
 }
 
+/// StopPodSandbox then RemovePodSandbox, as kubelet ends a pod.
+pub async fn stop_and_remove_sandbox(cri: &mut crust_cri::Cri, sandbox: &str) {
+    cri.runtime
+        .stop_pod_sandbox(crust_cri::v1::StopPodSandboxRequest {
+            pod_sandbox_id: sandbox.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("StopPodSandbox {sandbox}: {e}"));
+    cri.runtime
+        .remove_pod_sandbox(crust_cri::v1::RemovePodSandboxRequest {
+            pod_sandbox_id: sandbox.into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("RemovePodSandbox {sandbox}: {e}"));
+}
+
 /// [`exec`] with its own timeout in seconds.
 pub async fn exec_timeout(
     cri: &mut crust_cri::Cri,
