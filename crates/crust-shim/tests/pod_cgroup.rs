@@ -140,21 +140,23 @@ fn check_all_in(env: &Env, pod_cg: &str, when: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_vm_is_charged_to_the_pod() {
+    let me = std::process::id();
+    // The pod's parent, made before the pod: not the shim's to remove.
+    // Its guard is dropped after containerd and the pod's VM are gone
+    // (declared first), so a failed run leaves no group either.
+    let parent = format!("/crust-test-pod-{me}");
+    let _leftovers = common::Leftovers {
+        pool: std::env::temp_dir().join(format!("crust-pod-cgroup-{me}-no-pool")),
+        cgroup_parent: Some(parent.clone()),
+    };
     let env = Env::start(crust_testkit::CRI_NAMESPACE);
     let (mem_root, _) = memory_root();
-    let me = std::process::id();
     // containerd in a cgroup of the test's own (its shims are born there).
     let ctrd_cg = mem_root.join(format!("crust-test-ctrd-{me}"));
     std::fs::create_dir_all(&ctrd_cg).unwrap();
     let _ctrd_cg_guard = CgroupDir(ctrd_cg.clone());
     let ctrd_pid = env.ctrd.pid().expect("containerd's pid");
     std::fs::write(ctrd_cg.join("cgroup.procs"), ctrd_pid.to_string()).unwrap();
-    // The pod's parent, made before the pod: not the shim's to remove.
-    let parent = format!("/crust-test-pod-{me}");
-    let _leftovers = common::Leftovers {
-        pool: env.dir.path().join("pool"),
-        cgroup_parent: Some(parent.clone()),
-    };
     let parent_dir = mem_root.join(parent.trim_start_matches('/'));
     std::fs::create_dir_all(&parent_dir).unwrap();
     // kubelet's pod limit on the pod's cgroup: 1 GiB.
