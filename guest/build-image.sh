@@ -362,7 +362,11 @@ if [ ! -e /.crust-root ]; then
 	export PATH=/mnt/bin
 	for e in /* /.[!.]*; do
 		case $e in /mnt | /proc | /sys | /dev | '/.[!.]*') continue ;; esac
-		cp -a "$e" /mnt/ && [ "$e" = /init ] || rm -rf "$e"
+		if ! cp -a "$e" /mnt/; then
+			echo "init: copying $e to the tmpfs root failed (too little guest memory?); powering off"
+			poweroff -f
+		fi
+		[ "$e" = /init ] || rm -rf "$e"
 	done
 	mkdir -p /mnt/proc /mnt/sys /mnt/dev /mnt/mnt
 	: >/mnt/.crust-root
