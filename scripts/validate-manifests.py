@@ -2,7 +2,7 @@
 """Offline validation of deploy/kubernetes (no API server needed).
 
 1. Every manifest file, and every kustomization (base, overlays/example,
-   uninstall) rendered, is validated against the Kubernetes OpenAPI schemas
+   overlays/no-kvm, uninstall) rendered, is validated against the Kubernetes OpenAPI schemas
    that the `kubernetes-validate` package ships (strict: unknown fields are
    errors), for each version in KUBERNETES_VERSIONS.
 2. Rendering: a small renderer of the kustomize features these files use
@@ -32,7 +32,7 @@ import yaml
 ROOT = Path(os.environ.get("CRUST_MANIFESTS_DIR")
             or Path(__file__).resolve().parent.parent / "deploy" / "kubernetes")
 KUBERNETES_VERSIONS = ["1.35.0", "1.37.0"]
-KUSTOMIZATIONS = ["base", "overlays/example", "uninstall"]
+KUSTOMIZATIONS = ["base", "overlays/example", "overlays/no-kvm", "uninstall"]
 
 SIDECARS = {
     "csi-provisioner": "registry.k8s.io/sig-storage/csi-provisioner:v6.3.0",
@@ -374,6 +374,12 @@ def check_peers(docs, node, csi):
         fail("--peer-key-file must be in the optional Secret crust-csi-peer-key")
 
 
+def mebibytes(quantity):
+    """A memory quantity in Mi or Gi, in MiB."""
+    units = {"Mi": 1, "Gi": 1024}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
 def check_examples(base, examples):
     """What an example asks of the cluster, the base installs: its pod's
     RuntimeClass, its claims' StorageClasses, and the claims it mounts.
@@ -440,6 +446,11 @@ def main():
     if node is None or node["spec"]["template"]["spec"]["containers"][0]["image"] != \
             "registry.example.com/crust/crust-csi:0.1.0":
         fail("overlay: image not retargeted")
+    no_kvm = by_kind(rendered.get("overlays/no-kvm", []), "RuntimeClass", "crust")
+    base_rc = by_kind(rendered.get("base", []), "RuntimeClass", "crust")
+    if not no_kvm or not base_rc or mebibytes(no_kvm["overhead"]["podFixed"]["memory"]) <= \
+            mebibytes(base_rc["overhead"]["podFixed"]["memory"]):
+        fail("overlays/no-kvm: the RuntimeClass's podFixed memory must exceed base's (TCG costs more)")
     renderer = "kubectl kustomize and the built-in renderer" if kubectl else "the built-in renderer"
     print(f"validate-manifests: {len(files)} files ({count} objects) and "
           f"{len(KUSTOMIZATIONS)} kustomizations rendered by {renderer}, "

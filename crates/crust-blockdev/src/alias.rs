@@ -211,6 +211,17 @@ fn list(aliases: &[Alias]) -> String {
 /// block device exposes its data; see the module doc. `action` completes
 /// the message ("refusing to {action}").
 pub fn ensure_no_aliases(device: &Path, action: &'static str) -> Result<(), AliasError> {
+    ensure_no_aliases_but(device, action, &mut |_| false).map(drop)
+}
+
+/// [`ensure_no_aliases`], except for the aliases `keep` accepts, which
+/// are returned (a caller that accepts one holds it too). Any other alias
+/// still refuses the device, all of them named.
+pub fn ensure_no_aliases_but(
+    device: &Path,
+    action: &'static str,
+    keep: &mut dyn FnMut(&Alias) -> bool,
+) -> Result<Vec<Alias>, AliasError> {
     let unknown = |reason: String| AliasError::Unknown {
         device: device.to_path_buf(),
         reason,
@@ -237,12 +248,13 @@ pub fn ensure_no_aliases(device: &Path, action: &'static str) -> Result<(), Alia
         Instant::now() + ALIAS_SCAN_LIMIT,
     )
     .map_err(unknown)?;
-    if aliases.is_empty() {
-        return Ok(());
+    let (kept, others): (Vec<Alias>, Vec<Alias>) = aliases.into_iter().partition(|a| keep(a));
+    if others.is_empty() {
+        return Ok(kept);
     }
     Err(AliasError::Found {
         device: device.to_path_buf(),
-        aliases,
+        aliases: others,
         action,
     })
 }

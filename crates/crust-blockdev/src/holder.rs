@@ -193,6 +193,42 @@ pub fn claim_exclusive(
     Ok(dev)
 }
 
+/// A device held together with the aliases its claimant accepted
+/// ([`claim_exclusive_keeping`]), each held too.
+pub struct HeldWithAliases {
+    pub device: ExclusiveDevice,
+    /// The accepted aliases' holds (their kernel names in the same order
+    /// as [`HeldWithAliases::names`]).
+    pub aliases: Vec<ExclusiveDevice>,
+    pub names: Vec<String>,
+}
+
+/// [`claim_exclusive`], except that the aliases `keep` accepts (a loop the
+/// node's own tooling stacks on the device, such as kubelet's
+/// keep-busy loop of a block volume) do not refuse it: each is held
+/// exclusively as well, so the host can neither mount nor open the data
+/// through it while the device is held. Any other alias refuses.
+pub fn claim_exclusive_keeping(
+    path: &Path,
+    writable: bool,
+    action: &'static str,
+    keep: &mut dyn FnMut(&crate::alias::Alias) -> bool,
+) -> Result<HeldWithAliases, ClaimError> {
+    let device = hold(path, writable, action)?;
+    let kept = crate::alias::ensure_no_aliases_but(path, action, keep)?;
+    let mut aliases = Vec::new();
+    let mut names = Vec::new();
+    for a in kept {
+        aliases.push(hold(&Path::new("/dev").join(&a.name), writable, action)?);
+        names.push(a.name);
+    }
+    Ok(HeldWithAliases {
+        device,
+        aliases,
+        names,
+    })
+}
+
 /// The `O_EXCL` open and sysfs holder check of [`claim_exclusive`],
 /// without the alias scan.
 fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDevice, ClaimError> {

@@ -65,7 +65,9 @@ pub mod usage;
 pub mod users;
 pub mod zeros;
 
-pub use alias::{ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliases};
+pub use alias::{
+    ALIAS_SCAN_LIMIT, Alias, AliasError, AliasKind, ensure_no_aliases, ensure_no_aliases_but,
+};
 pub use bypass::{Route, backing_file_bytes, route};
 pub use copy::{CopyError, CopyMethod, CopyOutcome, clone_file};
 pub use device::{
@@ -84,8 +86,9 @@ pub use health::{
     fs_health, fs_health_with_timeout, with_timeout,
 };
 pub use holder::{
-    ClaimError, ExclusiveDevice, HAND_TO_GUEST, Holder, claim_exclusive, ensure_device_free,
-    ensure_released, mounts_everywhere_of, name_holders,
+    ClaimError, ExclusiveDevice, HAND_TO_GUEST, HeldWithAliases, Holder, claim_exclusive,
+    claim_exclusive_keeping, ensure_device_free, ensure_released, mounts_everywhere_of,
+    name_holders,
 };
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach, dio_block_size,

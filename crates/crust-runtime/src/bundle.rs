@@ -91,6 +91,10 @@ pub struct Bundle {
     /// containers have one.
     #[serde(default)]
     pub user_namespace: bool,
+    /// The host block devices of `linux.devices`: only the shim's
+    /// containers get them (through the raw-device plug routine).
+    #[serde(default)]
+    pub devices: Vec<String>,
 }
 
 impl Bundle {
@@ -108,6 +112,15 @@ impl Bundle {
             return Err(BundleError::Invalid {
                 path: self.dir.display().to_string(),
                 reason: "linux.seccomp: the crust-runtime CLI's workload cannot be filtered; run it through containerd-shim-crust-v2".into(),
+            });
+        }
+        if !self.devices.is_empty() {
+            return Err(BundleError::Invalid {
+                path: self.dir.display().to_string(),
+                reason: format!(
+                    "linux.devices ({}): the crust-runtime CLI's workload gets no host device; run it through containerd-shim-crust-v2, which plugs them held exclusively",
+                    self.devices.join(", ")
+                ),
             });
         }
         Ok(())
@@ -230,6 +243,14 @@ impl Bundle {
                     .flatten()
                     .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)
             }),
+            devices: spec
+                .linux()
+                .as_ref()
+                .and_then(|l| l.devices().clone())
+                .unwrap_or_default()
+                .iter()
+                .map(|d| format!("{} ({}:{})", d.path().display(), d.major(), d.minor()))
+                .collect(),
         })
     }
 }
@@ -422,6 +443,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("has no user namespace"), "{e}");
+        // A raw device the CLI cannot hold is refused, not ignored.
+        let mut s = spec(json!([]));
+        s["linux"] =
+            json!({"devices": [{"path": "/dev/xvda", "type": "b", "major": 7, "minor": 3}]});
+        let e = parse(s)
+            .unwrap()
+            .refuse_unfiltered()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("linux.devices (/dev/xvda (7:3))"), "{e}");
         let mut s = spec(json!([]));
         s.as_object_mut().unwrap().remove("process");
         assert!(parse(s).unwrap_err().to_string().contains("no process"));

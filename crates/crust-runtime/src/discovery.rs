@@ -516,6 +516,7 @@ mod tests {
             defer_required: false,
             seccomp: false,
             user_namespace: false,
+            devices: Vec::new(),
         }
     }
 

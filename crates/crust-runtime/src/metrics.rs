@@ -359,6 +359,7 @@ mod tests {
                 defer_required: false,
                 seccomp: false,
                 user_namespace: false,
+                devices: Vec::new(),
             },
         );
         st.qemu = Some(me);

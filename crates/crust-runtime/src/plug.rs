@@ -43,6 +43,11 @@ struct Attached {
     volume: Volume,
     bus: String,
     hold: Option<ExclusiveDevice>,
+    /// Other devices exposing the same data that are held with it (a raw
+    /// device's kubelet loop, [`volumes::KubeletLoop`]).
+    also: Vec<ExclusiveDevice>,
+    /// A raw device node for a container, not a mounted volume.
+    raw: bool,
 }
 
 /// A sandbox's hot-plug buses and the volumes plugged on them, each with
@@ -77,10 +82,13 @@ impl Attachments {
         self.plugged.lock().expect("plugged").contains_key(id)
     }
 
-    /// The volumes plugged into the guest.
+    /// The volumes plugged into the guest (not the raw devices).
     pub fn volumes(&self) -> Vec<Volume> {
         let p = self.plugged.lock().expect("plugged");
-        p.values().map(|a| a.volume.clone()).collect()
+        p.values()
+            .filter(|a| !a.raw)
+            .map(|a| a.volume.clone())
+            .collect()
     }
 
     /// QEMU has exited (and been reaped): no guest can use the devices any
@@ -89,6 +97,7 @@ impl Attachments {
     pub fn guest_gone(&self) {
         for a in self.plugged.lock().expect("plugged").values_mut() {
             a.hold = None;
+            a.also.clear();
         }
         self.stranded.lock().expect("stranded").clear();
     }
@@ -128,6 +137,8 @@ pub async fn plug(
                     volume: v.clone(),
                     bus,
                     hold: Some(hold),
+                    also: Vec::new(),
+                    raw: false,
                 },
             );
             Ok(Some(io))
@@ -140,6 +151,66 @@ pub async fn plug(
             Err(e)
         }
     }
+}
+
+/// Plugs the raw device `v` ([`Volume::raw_device`], a container's OCI
+/// `linux.devices` entry) into the guest once per sandbox, by the same
+/// rule as a volume: the exclusive hold ([`volumes::hold_raw_device`]:
+/// refused when mounted, held or exposed by another device, except this
+/// pod's kubelet loop, which is held too), the same `blockdev-add` +
+/// `device_add` ([`volumes::attach`]: QEMU keeps a copy of the hold), no
+/// filesystem and no mount; the container gets a device node. Returns
+/// false when it was plugged already. On failure nothing of it is left.
+pub async fn plug_raw(
+    att: &Attachments,
+    g: &GuestPorts<'_>,
+    v: &Volume,
+    kubelet: &volumes::KubeletLoop,
+) -> Result<bool, VolumeError> {
+    let _one = att.plugging.lock().await;
+    if att.is_plugged(&v.id) {
+        return Ok(false);
+    }
+    let bus = att.take_bus().ok_or_else(|| VolumeError::Precondition {
+        target: v.target.clone(),
+        reason: "no free hot-plug slot left in the guest".into(),
+    })?;
+    let held = match volumes::hold_raw_device(v, kubelet) {
+        Ok(h) => h,
+        Err(e) => {
+            att.return_bus(bus);
+            return Err(e);
+        }
+    };
+    if let Err(e) = volumes::attach(g.qmp, v, Some(&bus), None, &held.device).await {
+        if let Err(d) = volumes::detach(g.qmp, v).await {
+            tracing::error!(device = %v.device,
+                "rolling back a failed plug: {d}; the device stays held until QEMU exits");
+            let mut stranded = att.stranded.lock().expect("stranded");
+            stranded.push(held.device);
+            stranded.extend(held.aliases);
+        }
+        att.return_bus(bus);
+        return Err(e);
+    }
+    tracing::info!(device = %v.device, readonly = v.readonly, "raw device in the guest");
+    att.plugged.lock().expect("plugged").insert(
+        v.id.clone(),
+        Attached {
+            volume: v.clone(),
+            bus,
+            hold: Some(held.device),
+            also: held.aliases,
+            raw: true,
+        },
+    );
+    Ok(true)
+}
+
+/// [`plug_raw`]'s hold taken and let go: a sandbox whose first container
+/// names a device that is mounted or held is refused before its VM boots.
+pub fn check_raw(v: &Volume, kubelet: &volumes::KubeletLoop) -> Result<(), VolumeError> {
+    volumes::hold_raw_device(v, kubelet).map(drop)
 }
 
 /// The steps of [`plug`]; on failure, the hold of a device that may still

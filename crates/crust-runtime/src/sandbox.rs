@@ -267,6 +267,7 @@ mod tests {
             defer_required: false,
             seccomp: false,
             user_namespace: false,
+            devices: Vec::new(),
         }
     }
 

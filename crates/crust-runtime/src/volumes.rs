@@ -252,6 +252,78 @@ pub fn hold_host_device(v: &Volume) -> Result<crust_blockdev::ExclusiveDevice, V
     })
 }
 
+/// kubelet's keep-busy loop of one pod's block volume: for every
+/// `volumeDevices` claim kubelet bind-mounts the device node at
+/// `<globalMapPath>/<podUID>` (under `<kubelet root>/plugins/`, in a
+/// `volumeDevices` directory) and binds a loop device to that path
+/// (`MapBlockVolume` → `AttachFileDevice`), so the device stays busy while
+/// the pod uses it. That loop reads the device itself: the alias scan
+/// would refuse it, and it is the one alias a raw device may have.
+#[derive(Debug, Clone)]
+pub struct KubeletLoop {
+    /// kubelet's root directory (the parent of its pods directory).
+    pub kubelet_root: std::path::PathBuf,
+    /// The pod's uid; without one no loop is kubelet's.
+    pub pod_uid: Option<String>,
+}
+
+impl KubeletLoop {
+    /// Whether `backing` (a loop's backing file) is this pod's map path.
+    pub fn is_map_path(&self, backing: &Path) -> bool {
+        let Some(uid) = self.pod_uid.as_deref() else {
+            return false;
+        };
+        let Ok(rest) = backing.strip_prefix(self.kubelet_root.join("plugins")) else {
+            return false;
+        };
+        let parts: Vec<&std::ffi::OsStr> = rest.iter().collect();
+        parts.len() >= 3
+            && parts.contains(&std::ffi::OsStr::new("volumeDevices"))
+            && parts.last().is_some_and(|l| *l == uid)
+            && !parts.iter().any(|p| *p == ".." || *p == ".")
+    }
+
+    /// Whether `alias` of the device named `device` (kernel name) is this
+    /// pod's keep-busy loop: a loop reading the device itself whose
+    /// backing file is the pod's map path.
+    fn accepts(&self, device: &str, alias: &crust_blockdev::Alias) -> bool {
+        let crust_blockdev::AliasKind::StackedOn { of } = &alias.kind else {
+            return false;
+        };
+        if of != device {
+            return false;
+        }
+        match crust_blockdev::loop_status(&Path::new("/dev").join(&alias.name)) {
+            Ok(Some(st)) => !st.backing_deleted && self.is_map_path(&st.backing_file),
+            _ => false,
+        }
+    }
+}
+
+/// The sandbox's hold on a raw device ([`Volume::raw_device`]), the same
+/// rule as a volume's ([`hold_host_device`]: refused when mounted,
+/// held, or exposed by another device, naming it), except that this
+/// pod's kubelet loop ([`KubeletLoop`]) is held too instead of refusing.
+pub fn hold_raw_device(
+    v: &Volume,
+    kubelet: &KubeletLoop,
+) -> Result<crust_blockdev::HeldWithAliases, VolumeError> {
+    let dev = Path::new(&v.device);
+    let name =
+        crust_blockdev::device::sysfs_name(dev).map_err(|e| host_device_error(v, e.to_string()))?;
+    let held = crust_blockdev::claim_exclusive_keeping(
+        dev,
+        !v.readonly,
+        crust_blockdev::HAND_TO_GUEST,
+        &mut |a| kubelet.accepts(&name, a),
+    )
+    .map_err(|e| host_device_error(v, e.to_string()))?;
+    for n in &held.names {
+        tracing::info!(device = %v.device, "kubelet's loop /dev/{n} on it held too");
+    }
+    Ok(held)
+}
+
 /// A refusal of `v`'s host device.
 pub fn host_device_error(v: &Volume, reason: String) -> VolumeError {
     VolumeError::HostDevice {
@@ -692,6 +764,31 @@ mod tests {
     use crate::records::LayoutKind;
     use crate::shim::Code;
     use crust_handoff::MountInfo;
+
+    #[test]
+    fn kubelet_loop_map_path_is_this_pods_only() {
+        let k = KubeletLoop {
+            kubelet_root: "/var/lib/kubelet".into(),
+            pod_uid: Some("u1".into()),
+        };
+        let csi = "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/pv1/dev";
+        assert!(k.is_map_path(Path::new(&format!("{csi}/u1"))));
+        // In-tree plugins keep the same shape under their own directory.
+        assert!(k.is_map_path(Path::new(
+            "/var/lib/kubelet/plugins/kubernetes.io/local-volume/volumeDevices/pv2/u1"
+        )));
+        for other in [
+            format!("{csi}/u2"),                                  // another pod's
+            "/var/lib/kubelet/pods/u1/volumeDevices/x/u1".into(), // not a map path
+            "/srv/plugins/volumeDevices/pv/u1".into(),            // not kubelet's
+            "/var/lib/kubelet/plugins/x/dev/u1".into(),           // no volumeDevices
+            format!("{csi}/../pv9/dev/u1"),
+        ] {
+            assert!(!k.is_map_path(Path::new(&other)), "{other}");
+        }
+        let no_pod = KubeletLoop { pod_uid: None, ..k };
+        assert!(!no_pod.is_map_path(Path::new(&format!("{csi}/u1"))));
+    }
 
     #[test]
     fn codes_and_paths() {

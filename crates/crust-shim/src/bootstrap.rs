@@ -26,6 +26,7 @@ use containerd_shim::protos::ttrpc::r#async::Server;
 use crust_runtime::discovery::Discovery;
 use crust_runtime::sandbox::SandboxStore;
 
+use crate::cgroup::Placement;
 use crate::config::ShimConfig;
 use crate::pod::Pod;
 use crate::spec::{self, Role};
@@ -65,12 +66,20 @@ pub fn main() -> i32 {
     }
 }
 
-/// The pod (grouping) id of the container whose bundle is `bundle`.
-pub fn pod_id(bundle: &Path, id: &str) -> anyhow::Result<String> {
+/// The pod (grouping) id of the container whose bundle is `bundle`, and
+/// the pod's cgroup placement when that container owns the pod.
+pub fn pod_of(bundle: &Path, id: &str) -> anyhow::Result<(String, Option<Placement>)> {
     let oci = spec::load(bundle)?;
     Ok(match spec::role(&oci) {
-        Role::Member { sandbox_id } => sandbox_id,
-        Role::PodOwner => id.to_string(),
+        Role::Member { sandbox_id } => (sandbox_id, None),
+        Role::PodOwner => {
+            let placement = oci
+                .linux()
+                .as_ref()
+                .and_then(|l| l.cgroups_path().as_ref())
+                .and_then(|p| Placement::resolve(&p.to_string_lossy()).ok());
+            (id.to_string(), placement)
+        }
     })
 }
 
@@ -87,13 +96,13 @@ fn start(flags: &Flags) -> anyhow::Result<()> {
     let _ = std::io::stdin().read_to_end(&mut stdin);
     let caller = start_reply::detect(&stdin, flags);
     let bundle = std::env::current_dir()?;
-    let pod = pod_id(&bundle, &flags.id)?;
+    let (pod, cgroup) = pod_of(&bundle, &flags.id)?;
     let address = match caller.socket_dir() {
         Some(dir) => start_reply::address_in(dir, &flags.address, &flags.namespace, &pod),
         None => containerd_shim::socket_address(&flags.address, &flags.namespace, &pod),
     };
     if !alive(&address) {
-        spawn_shim(flags, &pod, &address)?;
+        spawn_shim(flags, &pod, &address, cgroup.as_ref())?;
     }
     // containerd 1.x finds the shim again after a restart by this file.
     std::fs::write(bundle.join("address"), &address).context("writing the address file")?;
@@ -105,8 +114,15 @@ fn start(flags: &Flags) -> anyhow::Result<()> {
 }
 
 /// Starts the serving shim for `pod` in its own session and waits until
-/// it listens on `address`.
-fn spawn_shim(flags: &Flags, pod: &str, address: &str) -> anyhow::Result<()> {
+/// it listens on `address`. With the pod's cgroup known, the shim is born
+/// in it ([`born_in_pod_cgroup`]); a cgroup that cannot be made here is
+/// left to the serving shim, whose Create reports it.
+fn spawn_shim(
+    flags: &Flags,
+    pod: &str,
+    address: &str,
+    cgroup: Option<&Placement>,
+) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -135,13 +151,22 @@ fn spawn_shim(flags: &Flags, pod: &str, address: &str) -> anyhow::Result<()> {
             Ok(())
         });
     }
-    let mut child = cmd.spawn().context("spawning the shim")?;
+    let born = cgroup.filter(|cg| born_in_pod_cgroup(&mut cmd, cg));
+    let spawned = cmd.spawn().context("spawning the shim");
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) => {
+            born.inspect(|cg| cg.remove());
+            return Err(e);
+        }
+    };
     let out = child.stdout.take().expect("piped");
     let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
+    let _ = BufReader::new(out).read_line(&mut line);
     if line.trim() != "ok" {
         let _ = child.kill();
         let _ = child.wait();
+        born.inspect(|cg| cg.remove());
         let line = line.trim();
         bail!(
             "the shim for pod {pod} failed to start: {}",
@@ -154,6 +179,29 @@ fn spawn_shim(flags: &Flags, pod: &str, address: &str) -> anyhow::Result<()> {
     }
     // The shim runs on; its parent (this process) exits and init reaps it.
     Ok(())
+}
+
+/// Makes the pod's groups and sets `cmd` to be born in them, handing the
+/// shim what it needs to leave and remove them at the pod's end
+/// ([`Placement::hand_over`]): from its first page the shim is charged
+/// to the pod, as QEMU and virtiofsd are. False (and nothing left made)
+/// when that cannot be done; the shim then joins at boot.
+fn born_in_pod_cgroup(cmd: &mut Command, cg: &Placement) -> bool {
+    let handed = cg.create().and_then(|()| cg.hand_over()).and_then(|h| {
+        crust_vmm::born_in_cgroups(cmd, &cg.dirs, false)
+            .map_err(|(dir, e)| format!("{}: {e}", dir.display()))
+            .map(|()| h)
+    });
+    match handed {
+        Ok(h) => {
+            cmd.env(crate::cgroup::HANDED_ENV, h);
+            true
+        }
+        Err(_) => {
+            cg.remove();
+            false
+        }
+    }
 }
 
 /// Tracing to containerd's shim log FIFO (`log` in the bundle), which
@@ -248,6 +296,14 @@ fn signal_ready() {
 
 async fn serve_async(flags: &Flags) -> anyhow::Result<()> {
     let cfg = ShimConfig::from_env()?;
+    let born = match Placement::handed() {
+        Some(Ok(p)) => Some(p),
+        Some(Err(e)) => {
+            tracing::warn!("the pod's cgroup handed by start: {e}; joining at boot");
+            None
+        }
+        None => None,
+    };
     let ttrpc_address = std::env::var("TTRPC_ADDRESS").context("TTRPC_ADDRESS is not set")?;
     let path = socket_path(&flags.socket).to_string();
     if let Some(dir) = Path::new(&path).parent() {
@@ -257,7 +313,12 @@ async fn serve_async(flags: &Flags) -> anyhow::Result<()> {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
             if alive(&path) {
-                // Another shim of this pod won the race; it serves.
+                // Another shim of this pod won the race; it serves (and
+                // holds the groups, so removing them fails harmlessly).
+                if let Some(cg) = born {
+                    cg.leave_self();
+                    cg.remove();
+                }
                 signal_ready();
                 return Ok(());
             }
@@ -279,6 +340,7 @@ async fn serve_async(flags: &Flags) -> anyhow::Result<()> {
         flags.namespace.clone(),
         publisher,
         exit.clone(),
+        born,
     ));
     let mut services = std::collections::HashMap::new();
     for name in TASK_SERVICES {
@@ -318,7 +380,7 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     };
     let cfg = ShimConfig::from_env()?;
     // The bundle may already be gone; then the container is its own pod.
-    let pod = pod_id(&bundle, &flags.id).unwrap_or_else(|_| flags.id.clone());
+    let pod = pod_of(&bundle, &flags.id).map_or_else(|_| flags.id.clone(), |(p, _)| p);
     let store = SandboxStore::new(cfg.runtime.root.clone());
     let share = store.dir(&pod).join("share");
     // The dead shim's socket: the bundle's address file names it, but

@@ -25,7 +25,24 @@ pub struct Placement {
     origins: Arc<Mutex<Vec<PathBuf>>>,
     /// `cgroups_path` below each hierarchy's root.
     rel: PathBuf,
+    /// The spec's `linux.cgroupsPath` this placement was resolved from.
+    source: String,
 }
+
+/// What `shim start` hands the serving shim it spawned in the pod's
+/// groups ([`Placement::hand_over`]): which groups it made (the serving
+/// shim removes them at the end) and where the shim came from (where it
+/// goes back to, so the groups can be removed).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Handed {
+    cgroups_path: String,
+    created: Vec<PathBuf>,
+    origins: Vec<PathBuf>,
+}
+
+/// The environment variable carrying [`Handed`] from `shim start` to the
+/// serving shim.
+pub const HANDED_ENV: &str = "CRUST_SHIM_BORN_IN_CGROUP";
 
 impl Placement {
     /// The directories of `cgroups_path` under `root` (`/sys/fs/cgroup`).
@@ -51,6 +68,7 @@ impl Placement {
                 created: Arc::default(),
                 origins: Arc::default(),
                 rel: rel.into(),
+                source: cgroups_path.into(),
             });
         }
         let mut dirs = Vec::new();
@@ -76,6 +94,7 @@ impl Placement {
             created: Arc::default(),
             origins: Arc::default(),
             rel: rel.into(),
+            source: cgroups_path.into(),
         })
     }
 
@@ -110,25 +129,89 @@ impl Placement {
         }
     }
 
-    /// Moves this process (the pod's shim, one per pod) into the groups,
-    /// remembering where it was: from here on what it allocates for the
-    /// pod is charged to the pod, as QEMU's and virtiofsd's pages are.
-    pub fn enter_self(&self) -> Result<(), String> {
+    /// The spec's `linux.cgroupsPath` this placement was resolved from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// This process's own group in each hierarchy of the placement.
+    fn own_groups(&self) -> Result<Vec<PathBuf>, String> {
         let own = std::fs::read_to_string("/proc/self/cgroup")
             .map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+        self.dirs
+            .iter()
+            .map(|d| {
+                let base = d
+                    .ancestors()
+                    .nth(self.rel.components().count())
+                    .ok_or_else(|| format!("{} has no hierarchy root", d.display()))?;
+                own_group(&own, base, self.v2)
+                    .ok_or_else(|| format!("this process has no group in {}", base.display()))
+            })
+            .collect()
+    }
+
+    /// Moves this process (the pod's shim, one per pod) into the groups,
+    /// remembering where it was: from here on what it allocates for the
+    /// pod is charged to the pod, as QEMU's and virtiofsd's pages are. A
+    /// shim born in the groups ([`Placement::take_over`]) is there already
+    /// and keeps the origins it was handed.
+    pub fn enter_self(&self) -> Result<(), String> {
         let mut origins = self.origins.lock().expect("origins");
+        if !origins.is_empty() {
+            return Ok(());
+        }
+        let from = self.own_groups()?;
         for d in &self.dirs {
-            let base = d
-                .ancestors()
-                .nth(self.rel.components().count())
-                .ok_or_else(|| format!("{} has no hierarchy root", d.display()))?;
-            let from = own_group(&own, base, self.v2)
-                .ok_or_else(|| format!("this process has no group in {}", base.display()))?;
             std::fs::write(d.join("cgroup.procs"), std::process::id().to_string())
                 .map_err(|e| format!("moving the shim into {}: {e}", d.display()))?;
-            origins.push(from);
         }
+        *origins = from;
         Ok(())
+    }
+
+    /// What `shim start`, which made the groups for a shim it is about to
+    /// spawn in them, hands that shim (through [`HANDED_ENV`]): the groups
+    /// it made and its own groups (containerd's), where the serving shim
+    /// returns at the pod's end.
+    pub fn hand_over(&self) -> Result<String, String> {
+        let handed = Handed {
+            cgroups_path: self.source.clone(),
+            created: self.created.lock().expect("created").clone(),
+            origins: self.own_groups()?,
+        };
+        serde_json::to_string(&handed).map_err(|e| e.to_string())
+    }
+
+    /// The placement this shim was born in, when `shim start` handed one
+    /// ([`HANDED_ENV`]).
+    pub fn handed() -> Option<Result<Placement, String>> {
+        let text = std::env::var(HANDED_ENV).ok()?;
+        Some(Placement::take_over(Path::new(ROOT), &text))
+    }
+
+    /// The placement a shim born in the pod's groups was handed by
+    /// `shim start` ([`Placement::hand_over`]), resolved again from the
+    /// same `cgroupsPath` under `root`: the groups it made are this shim's
+    /// to remove. Text that does not parse, or resolves elsewhere than it
+    /// says, is no placement.
+    pub fn take_over(root: &Path, text: &str) -> Result<Placement, String> {
+        let handed: Handed =
+            serde_json::from_str(text).map_err(|e| format!("{HANDED_ENV}: {e}"))?;
+        let p = Placement::resolve_in(root, &handed.cgroups_path)?;
+        // Only a placement's own directories or their parents below the
+        // hierarchies' root.
+        let inside =
+            |d: &PathBuf| d.starts_with(root) && p.dirs.iter().any(|mine| mine.starts_with(d));
+        if !handed.created.iter().all(inside) || handed.origins.len() != p.dirs.len() {
+            return Err(format!(
+                "{HANDED_ENV} does not match {}",
+                handed.cgroups_path
+            ));
+        }
+        *p.created.lock().expect("created") = handed.created;
+        *p.origins.lock().expect("origins") = handed.origins;
+        Ok(p)
     }
 
     /// Moves this process back where [`Placement::enter_self`] found it
@@ -310,6 +393,36 @@ mod tests {
         ours.remove();
         assert!(!v2.join("kubepods/pod2").exists());
         assert!(v2.join("kubepods").is_dir());
+    }
+
+    #[test]
+    fn a_shim_born_in_the_groups_removes_what_start_made() {
+        let t = tempfile::tempdir().unwrap();
+        let v2 = t.path();
+        std::fs::write(v2.join("cgroup.controllers"), "memory").unwrap();
+        std::fs::create_dir_all(v2.join("kubepods")).unwrap();
+        let made = Placement::resolve_in(v2, "kubepods/pod3/sb").unwrap();
+        made.create().unwrap();
+        let handed = serde_json::json!({
+            "cgroups_path": "kubepods/pod3/sb",
+            "created": [v2.join("kubepods/pod3"), v2.join("kubepods/pod3/sb")],
+            "origins": [v2.join("ctrd")],
+        })
+        .to_string();
+        let taken = Placement::take_over(v2, &handed).unwrap();
+        assert_eq!(taken.source(), "kubepods/pod3/sb");
+        taken.remove();
+        assert!(!v2.join("kubepods/pod3").exists(), "start's groups go");
+        assert!(v2.join("kubepods").is_dir(), "the older parent stays");
+        // A handed group outside the placement is refused, not removed.
+        let stray = serde_json::json!({
+            "cgroups_path": "kubepods/pod3/sb",
+            "created": [v2.join("kubepods/other")],
+            "origins": [v2.join("ctrd")],
+        })
+        .to_string();
+        assert!(Placement::take_over(v2, &stray).is_err());
+        assert!(Placement::take_over(v2, "not json").is_err());
     }
 
     #[test]

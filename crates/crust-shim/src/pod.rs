@@ -136,8 +136,6 @@ pub struct Pod {
     plug_lock: tokio::sync::Mutex<()>,
     /// The VM's memory and vCPUs and what the containers ask of them.
     pub(crate) sizing: tokio::sync::Mutex<crate::resize::Sizing>,
-    /// Serials of hot-plugged raw block devices.
-    devices: tokio::sync::Mutex<Vec<String>>,
     /// Stops the crust shim API server.
     api_stop: Mutex<Option<watch::Sender<bool>>>,
     /// Handed-over targets -> when they were asked for (latency events).
@@ -161,7 +159,6 @@ impl Pod {
             attachments: Attachments::default(),
             plug_lock: Default::default(),
             sizing: Default::default(),
-            devices: Default::default(),
             api_stop: Mutex::new(None),
             asked_at: Mutex::new(HashMap::new()),
             fallbacks: Mutex::new(Vec::new()),
@@ -491,8 +488,9 @@ impl Pod {
             self.plug(vm, v).await?;
         }
         let mut devices = Vec::new();
+        let kubelet = kubelet_loop(&discovery, &b);
         for d in &plan.devices {
-            let serial = self.plug_device(vm, d).await?;
+            let serial = self.plug_device(vm, d, &kubelet).await?;
             devices.push(crust_agent_proto::BlockDevice {
                 serial,
                 path: d.path.clone(),
@@ -722,56 +720,41 @@ impl Pod {
     }
 
     /// Hot-plugs the host block device `d` names (by major:minor, as the
-    /// OCI spec gives it) once per pod; returns its virtio-blk serial.
+    /// OCI spec gives it) once per pod, through the plug routine every
+    /// door uses for devices ([`plug::plug_raw`]: exclusive hold, alias
+    /// check, kubelet's loop held too); returns its virtio-blk serial.
     async fn plug_device(
         &self,
         vm: &PodVm,
         d: &crate::spec::HostDevice,
+        kubelet: &volumes::KubeletLoop,
     ) -> Result<String, PodError> {
-        let host = host_block_device(d.major, d.minor)?;
-        let key = format!("dev:{}", host.display());
-        let id: String = {
-            use sha2::Digest;
-            sha2::Sha256::digest(key.as_bytes())
-                .iter()
-                .take(6)
-                .map(|b| format!("{b:02x}"))
-                .collect()
+        let v = raw_volume(d)?;
+        let ports = GuestPorts {
+            qmp: &vm.qmp,
+            agent: &vm.agent,
+            mount_timeout: self.cfg.runtime.boot_timeout,
+            file_device_roots: &self.cfg.runtime.file_device_roots,
         };
-        let serial = format!("crustd{id}");
-        let mut plugged = self.devices.lock().await;
-        if plugged.contains(&serial) {
-            return Ok(serial);
+        plug::plug_raw(&self.attachments, &ports, &v, kubelet)
+            .await
+            .map_err(RuntimeError::from)?;
+        Ok(v.serial)
+    }
+
+    /// The raw devices of a pod's first container, checked before its VM
+    /// boots: one mounted or held on the host refuses the pod then.
+    pub fn check_devices(&self, bundle: &Path, plan: &ContainerPlan) -> Result<(), PodError> {
+        if plan.devices.is_empty() {
+            return Ok(());
         }
-        let bus = self.attachments.take_bus().ok_or(PodError::NoHotplugSlot)?;
-        let node = format!("crustd-{id}");
-        let res = async {
-            let io = vm.qmp.blockdev_add_file(&node, &host, false).await?;
-            tracing::info!(device = %host.display(), "device in the guest; QEMU does its I/O with {io}");
-            let opts = crust_qmp::VirtioBlkOptions {
-                block_size: crust_blockdev::logical_block_size(&host).unwrap_or(0),
-                ..Default::default()
-            };
-            if let Err(e) = vm
-                .qmp
-                .device_add_virtio_blk(&format!("vblkd-{id}"), &node, &serial, Some(&bus), &opts)
-                .await
-            {
-                let _ = vm.qmp.blockdev_del(&node).await;
-                return Err(e);
-            }
-            Ok(())
+        let b = Bundle::load(bundle).map_err(RuntimeError::from)?;
+        let discovery = self.discovery.for_bundle(&b).map_err(RuntimeError::from)?;
+        let kubelet = kubelet_loop(&discovery, &b);
+        for d in &plan.devices {
+            plug::check_raw(&raw_volume(d)?, &kubelet).map_err(RuntimeError::from)?;
         }
-        .await;
-        if let Err(e) = res {
-            self.attachments.return_bus(bus);
-            return Err(PodError::host(
-                format!("hot-plugging {}", host.display()),
-                e,
-            ));
-        }
-        plugged.push(serial.clone());
-        Ok(serial)
+        Ok(())
     }
 
     /// Undoes a container's host side (its rootfs and binds in the share).
@@ -911,6 +894,27 @@ async fn timed<T>(what: &str, step: impl std::future::Future<Output = T>) -> T {
 }
 
 /// The host block device node with number `major:minor`.
+/// The raw device record of `d`: its host node, read-only when the
+/// container may not write it.
+fn raw_volume(d: &crate::spec::HostDevice) -> Result<Volume, PodError> {
+    Ok(Volume::raw_device(
+        &host_block_device(d.major, d.minor)?,
+        d.readonly,
+    ))
+}
+
+/// kubelet's keep-busy loop rule for `b`'s pod: kubelet's root is the
+/// parent of the pods directory its discovery found.
+fn kubelet_loop(discovery: &Discovery, b: &Bundle) -> volumes::KubeletLoop {
+    volumes::KubeletLoop {
+        kubelet_root: Path::new(discovery.pods_dir())
+            .parent()
+            .unwrap_or(Path::new("/var/lib/kubelet"))
+            .to_path_buf(),
+        pod_uid: b.pod_uid.clone(),
+    }
+}
+
 fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
     let uevent = format!("/sys/dev/block/{major}:{minor}/uevent");
     let name = std::fs::read_to_string(&uevent)

@@ -296,6 +296,10 @@ pub struct HostDevice {
     pub mode: Option<u32>,
     pub uid: Option<u32>,
     pub gid: Option<u32>,
+    /// The device cgroup allows the container no write to it (kubelet's
+    /// `volumeDevices` with `readOnly`: permissions `r`): QEMU gets it
+    /// read-only too.
+    pub readonly: bool,
 }
 
 pub fn role(spec: &Spec) -> Role {
@@ -657,6 +661,11 @@ fn seccomp(s: &oci_spec::runtime::LinuxSeccomp) -> Result<Seccomp, String> {
 }
 
 fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<HostDevice> {
+    let rules = linux
+        .resources()
+        .as_ref()
+        .and_then(|r| r.devices().clone())
+        .unwrap_or_default();
     linux
         .devices()
         .as_deref()
@@ -669,8 +678,27 @@ fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<HostDevice> {
             mode: d.file_mode(),
             uid: d.uid(),
             gid: d.gid(),
+            readonly: !may_write(&rules, d.major(), d.minor()),
         })
         .collect()
+}
+
+/// Whether the device cgroup rules let the container write block device
+/// `major:minor`: the last rule that matches decides, as in runc's
+/// emulation of the v1 device controller (no rule: no access).
+fn may_write(rules: &[oci_spec::runtime::LinuxDeviceCgroup], major: i64, minor: i64) -> bool {
+    use oci_spec::runtime::LinuxDeviceType;
+    rules
+        .iter()
+        .rfind(|r| {
+            matches!(
+                r.typ(),
+                None | Some(LinuxDeviceType::A | LinuxDeviceType::B)
+            ) && r.major().is_none_or(|m| m == major)
+                && r.minor().is_none_or(|m| m == minor)
+                && r.access().as_deref().is_none_or(|a| a.contains('w'))
+        })
+        .is_some_and(|r| r.allow())
 }
 
 #[cfg(test)]
@@ -770,6 +798,31 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_device_the_cgroup_lets_no_one_write_is_read_only() {
+        let rules = |r: serde_json::Value| -> Vec<oci_spec::runtime::LinuxDeviceCgroup> {
+            serde_json::from_value(r).unwrap()
+        };
+        let deny_all = json!({"allow": false, "access": "rwm"});
+        // kubelet's volumeDevices: "mrw", or "r" with readOnly.
+        let rw = rules(
+            json!([deny_all, {"allow": true, "type": "b", "major": 7, "minor": 3, "access": "mrw"}]),
+        );
+        let ro = rules(
+            json!([deny_all, {"allow": true, "type": "b", "major": 7, "minor": 3, "access": "r"}]),
+        );
+        assert!(may_write(&rw, 7, 3));
+        assert!(!may_write(&ro, 7, 3));
+        assert!(!may_write(&rw, 7, 4), "another device");
+        assert!(!may_write(&[], 7, 3), "no rule: no access");
+        // The last matching rule decides.
+        let later_deny = rules(
+            json!([{"allow": true, "access": "rwm"}, {"allow": false, "type": "b", "major": 7, "access": "w"}]),
+        );
+        assert!(!may_write(&later_deny, 7, 3));
+        assert!(may_write(&later_deny, 8, 0));
     }
 
     #[test]

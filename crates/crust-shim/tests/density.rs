@@ -67,8 +67,9 @@ fn rollup(pid: i32) -> Mem {
 /// QEMU's resident memory split: (guest RAM, TCG translation buffer,
 /// the rest). Guest RAM is the mapping of the guest's size (or larger:
 /// hot-plugged DIMMs are mappings of their own, counted too when they
-/// are memfds); the translation buffer is QEMU's one executable anonymous
-/// mapping.
+/// are memfds); the translation buffer is QEMU's executable anonymous
+/// mappings (one region per 2 MiB between guard pages with several
+/// vCPUs).
 fn qemu_split(pid: i32, guest_bytes: u64) -> (u64, u64, u64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
     let (mut ram, mut tb, mut other) = (0, 0, 0);
@@ -82,7 +83,7 @@ fn qemu_split(pid: i32, guest_bytes: u64) -> (u64, u64, u64) {
             let perms = it.next().unwrap_or("");
             let path = l.split_whitespace().nth(5).unwrap_or("");
             let size = b - a;
-            kind = if perms.contains('x') && path.is_empty() && size >= 16 * MIB {
+            kind = if perms.contains('x') && path.is_empty() {
                 2
             } else if size >= guest_bytes || path.starts_with("/memfd:crust") {
                 1

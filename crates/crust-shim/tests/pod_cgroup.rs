@@ -8,8 +8,9 @@
 //!   anonymous and shared PSS (their pages were charged there from the
 //!   first one: they are born in the cgroup, not moved after they
 //!   started; file pages are the node's shared page cache);
-//! - containerd's cgroup grows by less than 4 MiB for the pod (the
-//!   shim's start-up, before it can know the pod's cgroup);
+//! - the pod's shim is born in the pod's cgroup (`shim start` makes the
+//!   groups and spawns it there), so containerd's cgroup grows by less
+//!   than 2 MiB for the pod, and a refused pod leaves no group behind;
 //! - at teardown the sandbox's cgroup, which the shim made, is gone, and
 //!   the parent the test made before the pod is left in place;
 //! - a pod whose own `io.crust.memory-bytes` asks for 16 GiB (the node's
@@ -206,6 +207,14 @@ async fn the_whole_vm_is_charged_to_the_pod() {
             common::qemus_under(&env.runtime_root).is_empty(),
             "no QEMU started for {asked} bytes"
         );
+        // The groups its shim was born in went with the refusal.
+        let left: Vec<_> = std::fs::read_dir(&parent_dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.file_name())
+            .collect();
+        assert!(left.is_empty(), "groups left by a refused pod: {left:?}");
     }
 
     let before = usage(&ctrd_cg);
@@ -218,6 +227,7 @@ async fn the_whole_vm_is_charged_to_the_pod() {
     // After boot.
     let booted_pss = check_all_in(&env, &pod_cg, "after boot");
     let booted = usage(&pod_dir);
+    let booted_held = unreclaimable(&pod_dir);
     let ctrd_growth = usage(&ctrd_cg).saturating_sub(before);
     eprintln!(
         "after boot: pod cgroup {} MiB, sandbox PSS {} MiB, containerd's cgroup +{} KiB",
@@ -240,6 +250,7 @@ async fn the_whole_vm_is_charged_to_the_pod() {
     assert_eq!(code, 0, "{out}");
     let filled_pss = check_all_in(&env, &pod_cg, "after filling");
     let filled = usage(&pod_dir);
+    let filled_held = unreclaimable(&pod_dir);
     let ctrd_growth = usage(&ctrd_cg).saturating_sub(before);
     eprintln!(
         "filled: pod cgroup {} MiB, sandbox PSS {} MiB, containerd's cgroup +{} KiB",
@@ -252,16 +263,17 @@ async fn the_whole_vm_is_charged_to_the_pod() {
         "the pod's cgroup holds {filled} bytes, its processes' PSS is {filled_pss}"
     );
     // Not all 56 MiB are new pages: the guest reuses some it freed after
-    // boot (the initramfs it moved), which QEMU had already touched.
+    // boot (the initramfs it moved), which QEMU had already touched; 28
+    // to 43 MiB were new in runs here. The host's page cache is left out
+    // (it comes and goes with reclaim).
     assert!(
-        filled >= booted + 28 * MIB,
-        "the guest's 56 MiB reached the pod's cgroup: {booted} -> {filled}"
+        filled_held >= booted_held + 16 * MIB,
+        "the guest's 56 MiB reached the pod's cgroup: {booted_held} -> {filled_held}"
     );
-    // What stays with containerd is the shim's start-up before it knows
-    // the pod's cgroup (about 3 MiB here; the issue's 2 MiB would need
-    // the shim born in the pod's cgroup too: README, issue 41's note).
+    // The shim is born in the pod's cgroup too: what stays with
+    // containerd is its own work for the pod and `shim start`'s moment.
     assert!(
-        ctrd_growth < 4 * MIB,
+        ctrd_growth < 2 * MIB,
         "containerd's cgroup grew by {ctrd_growth} bytes for one pod"
     );
 
@@ -282,4 +294,245 @@ impl Drop for CgroupDir {
         }
         let _ = std::fs::remove_dir(&self.0);
     }
+}
+
+/// `overhead.podFixed.memory` of the RuntimeClass crust ships, in bytes:
+/// the base's (KVM nodes) or the no-kvm overlay's (TCG).
+fn pod_fixed(tcg: bool) -> u64 {
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes");
+    let (file, key) = if tcg {
+        ("overlays/no-kvm/kustomization.yaml", "value:")
+    } else {
+        ("base/runtimeclass.yaml", "memory:")
+    };
+    let text = std::fs::read_to_string(deploy.join(file)).unwrap();
+    let after = text
+        .split_once("podFixed")
+        .unwrap_or_else(|| panic!("{file}: no podFixed"))
+        .1;
+    let mib = after
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(key))
+        .and_then(|v| v.trim().strip_suffix("Mi"))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("{file}: no podFixed memory in Mi"));
+    mib * MIB
+}
+
+/// What the pod cgroup `dir` holds that the host cannot reclaim without
+/// swap: anonymous memory, shared memory (guest RAM is a memfd) and
+/// kernel memory. Not the page cache of what virtiofsd read and wrote,
+/// which the host reclaims under the pod's limit.
+fn unreclaimable(dir: &Path) -> u64 {
+    let stat = std::fs::read_to_string(dir.join("memory.stat")).unwrap_or_default();
+    let field = |name: &str| {
+        stat.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    if stat.lines().any(|l| l.starts_with("total_rss ")) {
+        let kmem = std::fs::read_to_string(dir.join("memory.kmem.usage_in_bytes"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        field("total_rss") + field("total_shmem") + kmem
+    } else {
+        field("anon") + field("shmem") + field("kernel")
+    }
+}
+
+/// The host OOM kills in the memory cgroup `dir` (v1 `memory.oom_control`,
+/// v2 `memory.events`).
+fn host_oom_kills(dir: &Path) -> u64 {
+    ["memory.oom_control", "memory.events"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+        .flat_map(|t| {
+            t.lines()
+                .filter_map(|l| l.strip_prefix("oom_kill ")?.trim().parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// Resident bytes of TCG's translation buffer in QEMU `pid`: its
+/// executable anonymous mappings (one per region, 2 MiB each between
+/// guard pages with several vCPUs; none under KVM).
+fn tcg_buffer(pid: i32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let (mut total, mut tb) = (0, false);
+    for l in text.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let Some((a, b)) = f.first().and_then(|r| r.split_once('-'))
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            tb = f.get(1).is_some_and(|p| p.contains('x')) && f.len() == 5 && b > a;
+        } else if tb && let Some(v) = l.strip_prefix("Rss:") {
+            total += v
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
+                * 1024;
+        }
+    }
+    total
+}
+
+/// Issue 41, item 4: the RuntimeClass's podFixed holds. A container with
+/// a memory limit fills the guest's page cache (a file larger than the
+/// guest, written and read back), then asks for more than its own limit:
+/// the guest kills it inside its limit, the host kills nothing, QEMU
+/// lives on. The most the pod's cgroup held that the host could not
+/// reclaim (sampled every 50 ms), less the container's limit, is the
+/// pod's fixed cost: it must be within the podFixed shipped for this
+/// accelerator (deploy/, the no-kvm overlay without KVM), so under
+/// kubelet's pod limit (the containers' limits plus podFixed) a full pod
+/// is never pushed by the host. Under TCG the same cost less the
+/// translation buffer (the KVM estimate from its parts) must be within
+/// the KVM podFixed. Budget: one TCG guest, ~30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filled_pod_stays_within_its_limit_plus_pod_fixed() {
+    const LIMIT: u64 = 128 * MIB;
+    let me = std::process::id();
+    let parent = format!("/crust-test-fixed-{me}");
+    let _leftovers = common::Leftovers {
+        pool: std::env::temp_dir().join(format!("crust-pod-fixed-{me}-no-pool")),
+        cgroup_parent: Some(parent.clone()),
+    };
+    let env = Env::start(crust_testkit::CRI_NAMESPACE);
+    let (mem_root, usage_file) = memory_root();
+    let parent_dir = mem_root.join(parent.trim_start_matches('/'));
+    std::fs::create_dir_all(&parent_dir).unwrap();
+    let limit_file = if usage_file == "memory.current" {
+        "memory.max"
+    } else {
+        "memory.limit_in_bytes"
+    };
+    // A limit well above kubelet's (the container's limit plus podFixed),
+    // so what the pod takes is measured, not capped; the measure is then
+    // held to kubelet's figure.
+    std::fs::write(parent_dir.join(limit_file), (1u64 << 30).to_string()).unwrap();
+
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let mut sandbox =
+        common::host_network_sandbox("fixed", "9f8a1c2e-0000-4000-8000-00000c9a0f1d", 0);
+    sandbox.linux.as_mut().unwrap().cgroup_parent = parent.clone();
+    // The pod's memory as kubelet's sandbox resources give it.
+    sandbox
+        .annotations
+        .insert("io.crust.memory-bytes".into(), LIMIT.to_string());
+    let linux = cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            memory_limit_in_bytes: LIMIT as i64,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (sb, cid) = env
+        .start_busybox_pod_with(
+            &mut cri,
+            &sandbox,
+            &["sleep", "100000"],
+            Vec::new(),
+            Some(linux),
+        )
+        .await;
+    let procs = sandbox_processes(&env.runtime_root);
+    let (qemu, qemu_cmd) = procs
+        .iter()
+        .find(|(_, c)| c.contains("qemu"))
+        .cloned()
+        .expect("the pod's QEMU");
+    let cmdline = std::fs::read(format!("/proc/{qemu}/cmdline")).unwrap();
+    let tcg = !String::from_utf8_lossy(&cmdline).contains("\0kvm");
+    let fixed = pod_fixed(tcg);
+
+    // The most the pod's cgroup held that the host cannot reclaim.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (stop, dir) = (stop.clone(), parent_dir.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(unreclaimable(&dir));
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            peak.max(unreclaimable(&dir))
+        })
+    };
+    let (code, out) = common::exec_timeout(
+        &mut cri,
+        &cid,
+        "g=$(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) && \
+         dd if=/dev/zero of=/fill bs=1M count=$((g + 64)) 2>&1 && cat /fill > /dev/null && \
+         grep -E '^(MemTotal|MemFree|Cached)' /proc/meminfo",
+        600,
+    )
+    .await;
+    assert_eq!(code, 0, "filling the page cache: {out}");
+    let (code, greedy) = common::exec_timeout(
+        &mut cri,
+        &cid,
+        &format!(
+            "dd if=/dev/zero of=/dev/null bs={}M count=1 2>&1",
+            LIMIT / MIB + 64
+        ),
+        300,
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.join().unwrap();
+    let tb = if tcg { tcg_buffer(qemu) } else { 0 };
+    let cost = peak.saturating_sub(LIMIT);
+    eprintln!(
+        "{}: page cache filled ({}), container limit {} MiB; pod cgroup peak {} MiB \
+         unreclaimable, beyond the limit {} MiB (TCG translation buffer {} MiB); \
+         podFixed {} MiB",
+        if tcg { "TCG" } else { "KVM" },
+        out.split_whitespace().collect::<Vec<_>>().join(" "),
+        LIMIT / MIB,
+        peak / MIB,
+        cost / MIB,
+        tb / MIB,
+        fixed / MIB
+    );
+    assert!(
+        code != 0 && !greedy.contains("records out"),
+        "a container past its limit is killed in the guest: {code} {greedy}"
+    );
+    assert!(
+        Path::new(&format!("/proc/{qemu}")).exists(),
+        "the pod's QEMU ({qemu_cmd}) lives on"
+    );
+    assert_eq!(
+        host_oom_kills(&parent_dir),
+        0,
+        "the host killed nothing in the pod's cgroup"
+    );
+    assert!(
+        cost <= fixed,
+        "the pod cost {} MiB beyond its limit, podFixed is {} MiB",
+        cost / MIB,
+        fixed / MIB
+    );
+    if tcg {
+        assert!(
+            cost - tb.min(cost) <= pod_fixed(false),
+            "the KVM estimate (the same parts without TCG's buffer) {} MiB is above the KVM \
+             podFixed {} MiB",
+            (cost - tb.min(cost)) / MIB,
+            pod_fixed(false) / MIB
+        );
+    }
+    let (code, out) = exec(&mut cri, &cid, "echo alive").await;
+    assert_eq!((code, out.trim()), (0, "alive"), "the pod still answers");
+    common::stop_and_remove_sandbox(&mut cri, &sb).await;
 }

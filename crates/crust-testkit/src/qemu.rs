@@ -42,7 +42,7 @@ impl HangingKvmQemu {
 # A QEMU whose KVM hangs: -accel kvm runs the machine paused under TCG.
 accel=tcg; name=""; prev=""
 for a do
-  case "$prev" in -accel) accel=$a ;; -name) name=${{a%%,*}} ;; esac
+  case "$prev" in -accel) accel=${{a%%,*}} ;; -name) name=${{a%%,*}} ;; esac
   prev=$a
 done
 echo "$$ $accel $name" >> "{log}"

@@ -26,6 +26,12 @@ async fn main() {
             dir.path().join("run"),
         );
         cfg.die_with_parent = true;
+        if let Some(tb) = std::env::var("CRUST_TCG_TB_MIB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            cfg.tcg_tb_mib = tb;
+        }
         let t0 = Instant::now();
         let mut vm = Vm::launch(cfg).await.expect("launch");
         let launched = t0.elapsed();
@@ -35,6 +41,10 @@ async fn main() {
             .await
             .unwrap_or_else(|e| panic!("{e}\n{}", vm.failure_context()));
         let ready = t0.elapsed();
+        println!(
+            "boot {i}: TCG translation buffer resident {} KiB",
+            tb_resident_kib(vm.pid())
+        );
         agent.shutdown().await.expect("shutdown");
         let exit = vm.wait_exit(Duration::from_secs(30)).await;
         let gone = t0.elapsed();
@@ -46,4 +56,27 @@ async fn main() {
     }
     times.sort();
     println!("median launch -> ping: {:?}", times[times.len() / 2]);
+}
+
+/// Resident KiB of QEMU's executable anonymous mappings (TCG's
+/// translation buffer, in regions with several vCPUs; none under KVM).
+fn tb_resident_kib(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let (mut total, mut tb) = (0, false);
+    for l in text.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let Some((a, b)) = f.first().and_then(|r| r.split_once('-'))
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            tb = f.get(1).is_some_and(|p| p.contains('x')) && f.len() == 5 && b > a;
+        } else if tb && let Some(v) = l.strip_prefix("Rss:") {
+            total += v
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0);
+        }
+    }
+    total
 }

@@ -298,6 +298,11 @@ pub struct VmConfig {
     /// How long an `Auto` boot under KVM may take to reach the agent
     /// before it is retried under TCG ([`crate::Vm::boot`]).
     pub kvm_boot_timeout: Duration,
+    /// The size of TCG's translation buffer in MiB (QEMU's `tb-size`): its
+    /// pages are touched as code is translated and never given back, so
+    /// it bounds what emulation adds to the pod's memory. 0: QEMU's own
+    /// default (up to 1 GiB). Unused under KVM.
+    pub tcg_tb_mib: u32,
 }
 
 /// Default [`VmConfig::accel_cache`].
@@ -308,6 +313,8 @@ pub const DEFAULT_ACCEL_CACHE: &str = "/run/crust-vmm";
 pub const DEFAULT_KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default [`VmConfig::kvm_boot_timeout`]: generous for a proven KVM.
 pub const DEFAULT_KVM_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Default [`VmConfig::tcg_tb_mib`].
+pub const DEFAULT_TCG_TB_MIB: u32 = 32;
 
 /// qboot as packaged by Debian's qemu-system-data.
 pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
@@ -344,6 +351,7 @@ impl VmConfig {
             accel_cache: Some(PathBuf::from(DEFAULT_ACCEL_CACHE)),
             kvm_probe_timeout: DEFAULT_KVM_PROBE_TIMEOUT,
             kvm_boot_timeout: DEFAULT_KVM_BOOT_TIMEOUT,
+            tcg_tb_mib: DEFAULT_TCG_TB_MIB,
         }
     }
 

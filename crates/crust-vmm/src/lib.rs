@@ -61,7 +61,7 @@ pub use config::{
     MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, NicSpec, QBOOT,
     ShareSpec, VHOST_NET, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
-pub use vm::{RunPaths, Vm, VmExit, VmState, tail};
+pub use vm::{RunPaths, Vm, VmExit, VmState, born_in_cgroups, tail};
 
 /// Name of the agent's virtio-serial port (matches
 /// `crust_agent_proto::AGENT_PORT_NAME`).

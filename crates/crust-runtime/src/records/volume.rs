@@ -81,6 +81,31 @@ impl Volume {
         }
     }
 
+    /// A host block device a container gets as a device node (OCI
+    /// `linux.devices`, kubelet's `volumeDevices`): no filesystem, no
+    /// record; its target names the device (`dev:/dev/loop3`), which no
+    /// volume path can be.
+    pub fn raw_device(host: &std::path::Path, readonly: bool) -> Volume {
+        let target = format!("dev:{}", host.display());
+        let id = volume_id(&target);
+        Volume {
+            serial: format!("crust{id}"),
+            node_name: format!("crust-{id}"),
+            device_id: format!("vblk-{id}"),
+            id,
+            layout: LayoutKind::Crust,
+            target,
+            device: host.display().to_string(),
+            fstype: String::new(),
+            options: Vec::new(),
+            fs_group: None,
+            fs_group_policy: None,
+            readonly,
+            create_fs: false,
+            io_limits: None,
+        }
+    }
+
     pub fn fs_group_change_policy(&self) -> Option<FsGroupChangePolicy> {
         self.fs_group_policy
             .as_deref()

@@ -133,14 +133,16 @@ impl Service {
     /// The owner's Create: the pod's cgroup placement, then the VM boot
     /// (its vCPUs follow the CPU limit, within the host's cores).
     async fn boot_vm(&self, bundle: &Path, plan: &spec::ContainerPlan) -> TtResult<Arc<PodVm>> {
-        let placement = match &plan.cgroups_path {
-            Some(p) => Some(
-                Placement::resolve(p).map_err(|e| status(ttrpc::Code::FAILED_PRECONDITION, e))?,
-            ),
-            None => None,
-        };
-        let memory = self.pod_memory(plan, placement.as_ref())?;
+        let placement = self.placement(plan.cgroups_path.as_deref())?;
         *self.cgroup.lock().expect("cgroup") = placement.clone();
+        let memory = match self.pod_memory(plan, placement.as_ref()) {
+            Ok(m) => m,
+            Err(e) => return Err(self.fail_create(true, e).await),
+        };
+        // A device the host holds refuses the pod before QEMU starts.
+        if let Err(e) = self.pod.check_devices(bundle, plan) {
+            return Err(self.fail_create(true, e.into()).await);
+        }
         let host = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);
@@ -164,6 +166,25 @@ impl Service {
         };
         self.spawn_vm_watch(vm.clone());
         Ok(vm)
+    }
+
+    /// The pod's cgroup placement: the one this shim was born in when it
+    /// is the spec's, else resolved from the spec.
+    fn placement(&self, cgroups_path: Option<&str>) -> TtResult<Option<Placement>> {
+        let Some(path) = cgroups_path else {
+            return Ok(None);
+        };
+        let born = self.cgroup.lock().expect("cgroup").take();
+        if let Some(cg) = born {
+            if cg.source() == path {
+                return Ok(Some(cg));
+            }
+            cg.leave_self();
+            cg.remove();
+        }
+        Placement::resolve(path)
+            .map(Some)
+            .map_err(|e| status(ttrpc::Code::FAILED_PRECONDITION, e))
     }
 
     /// Records the created container and tells containerd (`/tasks/create`).

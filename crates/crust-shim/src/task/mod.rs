@@ -86,6 +86,7 @@ impl Service {
         namespace: String,
         publisher: Arc<RemotePublisher>,
         exit: Arc<ExitSignal>,
+        born_in: Option<Placement>,
     ) -> Service {
         Service {
             pod,
@@ -93,7 +94,7 @@ impl Service {
             publisher,
             containers: Mutex::new(HashMap::new()),
             exit,
-            cgroup: Mutex::new(None),
+            cgroup: Mutex::new(born_in),
             lsm_logged: Mutex::new(Default::default()),
         }
     }
@@ -763,8 +764,15 @@ impl Task for Service {
         let pod = self.pod.clone();
         let exit = self.exit.clone();
         let (done, torn_down) = tokio::sync::oneshot::channel();
+        let cgroup = self.cgroup.lock().expect("cgroup").take();
         tokio::spawn(async move {
             pod.teardown().await;
+            // A pod that never booted still leaves the groups the shim
+            // was born in.
+            if let Some(cg) = cgroup {
+                cg.leave_self();
+                cg.remove();
+            }
             let _ = done.send(());
             // Answer first: the server stops once the exit is signalled.
             tokio::time::sleep(Duration::from_millis(200)).await;

@@ -40,6 +40,9 @@ pub(crate) fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) 
     push(&["-machine", "q35"]);
     match accel {
         ResolvedAccel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        ResolvedAccel::Tcg if cfg.tcg_tb_mib > 0 => {
+            push(&["-accel", &format!("tcg,tb-size={}", cfg.tcg_tb_mib)]);
+        }
         ResolvedAccel::Tcg => push(&["-accel", "tcg"]),
     }
     let mem = if cfg.memory_hotplug() {
@@ -202,7 +205,7 @@ mod tests {
         let joined = a.join(" ");
         for want in [
             "-machine q35",
-            "-accel tcg",
+            "-accel tcg,tb-size=32",
             "-nodefaults -no-user-config -nographic -no-reboot",
             "unix:/run/x,,y/qmp.sock,server=on,wait=off",
             "socket,id=crust-agent,path=/run/x,,y/agent.sock,server=on,wait=off",

@@ -22,6 +22,7 @@ use rustix::process::{Pid, Signal};
 use cmdline::qemu_args;
 pub use rundir::{DaemonRef, RunPaths, VmExit, VmState, tail};
 use rundir::{io_err, is_our_qemu, proc_start_time, read_state, write_atomic};
+pub use spawn::born_in_cgroups;
 use virtiofsd::{DaemonGuard, start_virtiofsd};
 
 use crate::VmError;

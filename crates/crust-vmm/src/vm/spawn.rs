@@ -7,7 +7,7 @@
 
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use rustix::fs::{Mode, OFlags};
@@ -17,16 +17,29 @@ use crate::VmError;
 use crate::config::VmConfig;
 
 /// Sets up `cmd` to be born in `cfg.cgroups` (and to die with its parent
-/// when `cfg.die_with_parent`). The cgroups' `cgroup.procs` are opened
-/// here, in the parent, so a missing group fails the launch by name
-/// before anything runs; the child only writes `0` (itself) to each.
+/// when `cfg.die_with_parent`): [`born_in_cgroups`] with the VM's groups.
 pub(super) fn born_in_vm_cgroups(cmd: &mut Command, cfg: &VmConfig) -> Result<(), VmError> {
-    let procs: Vec<OwnedFd> = cfg
-        .cgroups
+    born_in_cgroups(cmd, &cfg.cgroups, cfg.die_with_parent).map_err(|(dir, e)| {
+        VmError::InvalidConfig(format!("the VM's cgroup {}: {e}", dir.display()))
+    })
+}
+
+/// Sets up `cmd` to be born in the cgroups `dirs` (and to die with its
+/// parent when `die_with_parent`): the one routine for every process a
+/// sandbox starts (QEMU, each virtiofsd, the pod's shim). The groups'
+/// `cgroup.procs` are opened here, in the parent, so a missing group fails
+/// by name (the error's directory) before anything runs; the child only
+/// writes `0` (itself) to each.
+pub fn born_in_cgroups(
+    cmd: &mut Command,
+    dirs: &[PathBuf],
+    die_with_parent: bool,
+) -> Result<(), (PathBuf, rustix::io::Errno)> {
+    let procs: Vec<OwnedFd> = dirs
         .iter()
-        .map(|dir| open_procs(dir))
+        .map(|dir| open_procs(dir).map_err(|e| (dir.clone(), e)))
         .collect::<Result<_, _>>()?;
-    let die = cfg.die_with_parent;
+    let die = die_with_parent;
     if procs.is_empty() && !die {
         return Ok(());
     }
@@ -46,16 +59,17 @@ pub(super) fn born_in_vm_cgroups(cmd: &mut Command, cfg: &VmConfig) -> Result<()
     Ok(())
 }
 
-fn open_procs(dir: &Path) -> Result<OwnedFd, VmError> {
-    let file = dir.join("cgroup.procs");
-    rustix::fs::open(&file, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())
-        .map_err(|e| VmError::InvalidConfig(format!("the VM's cgroup {}: {e}", dir.display())))
+fn open_procs(dir: &Path) -> Result<OwnedFd, rustix::io::Errno> {
+    rustix::fs::open(
+        dir.join("cgroup.procs"),
+        OFlags::WRONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
 
     #[test]
     fn a_missing_cgroup_fails_before_anything_runs() {
