@@ -168,6 +168,9 @@ pub struct Config {
     pub csi_spec: CsiSpec,
     /// Where `/metrics` is served (Prometheus text format); None: not served.
     pub metrics_address: Option<SocketAddr>,
+    /// How long a connection to the peer or metrics port (both reachable
+    /// from the pod network) may stay without a request.
+    pub listener_idle: Duration,
     /// Which service grows a volume's backing store.
     pub expansion: Expansion,
     /// Node-to-node requests (ControllerModifyVolume of another node's
@@ -239,6 +242,7 @@ impl Config {
             deferral: DeferralConfig::default(),
             csi_spec: CsiSpec::Both,
             metrics_address: None,
+            listener_idle: Duration::from_secs(30),
             expansion: Expansion::Controller,
             peer: PeerConfig::default(),
             hooks: Hooks::default(),
@@ -431,6 +435,12 @@ pub struct Cli {
     #[arg(long, env = "CRUST_CSI_METRICS_ADDRESS")]
     pub metrics_address: Option<SocketAddr>,
 
+    /// A connection to the peer or metrics port (reachable from the pod
+    /// network) that holds no request this long is closed; a client
+    /// reconnects at its next request.
+    #[arg(long, env = "CRUST_CSI_LISTENER_IDLE_TIMEOUT", default_value = "30s")]
+    pub listener_idle_timeout: String,
+
     /// Who grows a volume's backing store: `controller` (ControllerExpandVolume,
     /// then NodeExpandVolume grows the filesystem) or `node` (EXPAND_VOLUME
     /// is not advertised by the controller; NodeExpandVolume grows the
@@ -577,6 +587,8 @@ impl Cli {
             },
             csi_spec: self.csi_spec,
             metrics_address: self.metrics_address,
+            listener_idle: parse_duration(&self.listener_idle_timeout)?
+                .max(Duration::from_millis(100)),
             expansion: self.expansion,
             peer,
             hooks,

@@ -12,6 +12,10 @@
 //! * `csi_rpc_requests_total{method, code}` (counter) and
 //!   `csi_rpc_duration_seconds{method}` (histogram) for every CSI RPC,
 //!   measured by a tower layer around the gRPC server ([`RpcMetricsLayer`]).
+//! * `listener_refused_connections_total{listener, reason}` (counter),
+//!   `listener_idle_closed_connections_total{listener}` (counter) and
+//!   `listener_open_connections{listener}` (gauge) for the TCP listeners
+//!   the pod network reaches (`peer`, `metrics`; [`crust_tcp_guard`]).
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -47,6 +51,17 @@ struct MethodLabels {
     method: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabels {
+    listener: String,
+    reason: String,
+}
+
 type HistogramFamily = Family<MethodLabels, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -63,6 +78,11 @@ pub struct Metrics {
     abnormal_volumes: Mutex<HashSet<String>>,
     rpc_requests: Family<RpcLabels, Counter>,
     rpc_duration: HistogramFamily,
+    /// The guarded listeners' own counters, copied in at each scrape.
+    listeners: Mutex<Vec<(&'static str, Arc<crust_tcp_guard::Counters>)>>,
+    refused: Family<RefusalLabels, Counter>,
+    idle_closed: Family<ListenerLabels, Counter>,
+    open: Family<ListenerLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -106,6 +126,24 @@ impl Metrics {
             "Time to answer a CSI RPC, by method",
             rpc_duration.clone(),
         );
+        let refused = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "listener_refused_connections",
+            "TCP connections closed at accept, by listener and bound (full, per_peer)",
+            refused.clone(),
+        );
+        let idle_closed = Family::<ListenerLabels, Counter>::default();
+        registry.register(
+            "listener_idle_closed_connections",
+            "TCP connections closed for holding no request, by listener",
+            idle_closed.clone(),
+        );
+        let open = Family::<ListenerLabels, Gauge>::default();
+        registry.register(
+            "listener_open_connections",
+            "TCP connections open now, by listener",
+            open.clone(),
+        );
         Metrics {
             registry,
             deferred_publishes,
@@ -113,6 +151,55 @@ impl Metrics {
             abnormal_volumes: Mutex::default(),
             rpc_requests,
             rpc_duration,
+            listeners: Mutex::default(),
+            refused,
+            idle_closed,
+            open,
+        }
+    }
+
+    /// Reports the guarded listener `name`'s counters from now on.
+    pub fn watch_listener(&self, name: &'static str, counters: Arc<crust_tcp_guard::Counters>) {
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((name, counters));
+    }
+
+    /// Copies the listeners' counters into the registry's.
+    fn sync_listeners(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let catch_up = |c: &Counter, now: u64| {
+            let seen = c.get();
+            if now > seen {
+                c.inc_by(now - seen);
+            }
+        };
+        for (name, c) in self
+            .listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let listener = name.to_string();
+            for (reason, n) in [
+                ("full", c.refused_full.load(Relaxed)),
+                ("per_peer", c.refused_per_peer.load(Relaxed)),
+            ] {
+                let labels = RefusalLabels {
+                    listener: listener.clone(),
+                    reason: reason.into(),
+                };
+                catch_up(&self.refused.get_or_create(&labels), n);
+            }
+            let labels = ListenerLabels { listener };
+            catch_up(
+                &self.idle_closed.get_or_create(&labels),
+                c.closed_idle.load(Relaxed),
+            );
+            self.open
+                .get_or_create(&labels)
+                .set(c.open.load(Relaxed) as i64);
         }
     }
 
@@ -155,6 +242,7 @@ impl Metrics {
 
     /// The OpenMetrics text of every metric.
     pub fn encode(&self) -> String {
+        self.sync_listeners();
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -281,35 +369,45 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListene
     tokio::net::TcpListener::bind(address).await
 }
 
-/// Serves `GET /metrics` until `shutdown` fires.
+/// The metrics listener's bounds: Prometheus scrapes with one connection
+/// per target, so a few (the idle time is `--listener-idle-timeout`'s).
+pub const METRICS_LIMITS: crust_tcp_guard::Limits = crust_tcp_guard::Limits {
+    connections: 64,
+    per_peer: 8,
+    idle: std::time::Duration::from_secs(10),
+};
+
+/// Serves `GET /metrics` until `shutdown` fires, under `limits`
+/// ([`crust_tcp_guard`]: anyone on the pod network reaches this port).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
+    limits: crust_tcp_guard::Limits,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     use hyper::server::conn::http1;
     use hyper::service::service_fn;
+    let counters = Arc::new(crust_tcp_guard::Counters::default());
+    metrics.watch_listener("metrics", counters.clone());
+    let mut incoming = crust_tcp_guard::incoming(listener, limits, counters, "metrics endpoint");
     loop {
-        let (stream, _) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics endpoint: accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+        let conn = tokio::select! {
+            c = incoming.accept() => c,
             _ = shutdown.changed() => return,
         };
         let metrics = metrics.clone();
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
+            let activity = conn.activity().clone();
             let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let metrics = metrics.clone();
+                let _busy = activity.begin();
                 async move { Ok::<_, Infallible>(respond(&metrics, &req)) }
             });
-            let conn =
-                http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            let conn = http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.idle)
+                .serve_connection(hyper_util::rt::TokioIo::new(conn), svc);
             tokio::pin!(conn);
             tokio::select! {
                 r = conn.as_mut() => {

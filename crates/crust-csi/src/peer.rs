@@ -359,25 +359,39 @@ pub async fn bind(cfg: &crate::Config) -> Result<Option<tokio::net::TcpListener>
     Ok(Some(l))
 }
 
-/// The peer service on its TCP listener until `stop` turns true.
+/// The peer listener's bounds: a node's plugins ask one request at a
+/// time per volume, over one connection each (the idle time is
+/// `--listener-idle-timeout`'s).
+pub const PEER_LIMITS: crust_tcp_guard::Limits = crust_tcp_guard::Limits {
+    connections: 256,
+    per_peer: 16,
+    idle: Duration::from_secs(30),
+};
+
+/// The peer service on its TCP listener until `stop` turns true, under
+/// `limits` ([`crust_tcp_guard`]: anyone on the pod network reaches it).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     driver: Arc<Driver>,
+    limits: crust_tcp_guard::Limits,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let counters = Arc::new(crust_tcp_guard::Counters::default());
+    driver.metrics().watch_listener("peer", counters.clone());
     let svc = wire::peer_server::PeerServer::new(PeerService::new(driver))
         .max_decoding_message_size(MESSAGE_MAX_BYTES);
-    // Anyone on the pod network reaches this port: few streams per
-    // connection, and idle connections found out.
+    // Few streams per connection; a request's own time is bounded here,
+    // a connection's time without one by the guard.
     let r = tonic::transport::Server::builder()
         .timeout(Duration::from_secs(120))
         .concurrency_limit_per_connection(4)
         .max_concurrent_streams(Some(8))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(crust_tcp_guard::TrackRequestsLayer)
         .add_service(svc)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            crust_tcp_guard::incoming(listener, limits, counters, "peer service"),
             async move {
                 let _ = stop.wait_for(|s| *s).await;
             },

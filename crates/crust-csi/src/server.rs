@@ -146,13 +146,27 @@ where
             }
         });
     }
+    // The pod network reaches these two: their connections fit below the
+    // open-file limit with a reserve for the CSI socket and the node's work.
+    let idle = driver.config().listener_idle;
+    let fit = |l: crust_tcp_guard::Limits| crust_tcp_guard::Limits {
+        connections: crust_tcp_guard::descriptor_budget(l.connections, 2, DESCRIPTOR_RESERVE),
+        idle,
+        ..l
+    };
     if let Some(l) = peer_listener {
-        tokio::spawn(crate::peer::serve(l, driver.clone(), fired_rx.clone()));
+        tokio::spawn(crate::peer::serve(
+            l,
+            driver.clone(),
+            fit(crate::peer::PEER_LIMITS),
+            fired_rx.clone(),
+        ));
     }
     if let Some(l) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             l,
             driver.metrics().clone(),
+            fit(crate::metrics::METRICS_LIMITS),
             fired_rx.clone(),
         ));
     }
@@ -189,6 +203,10 @@ where
     tracing::info!("stopped");
     result
 }
+
+/// Descriptors kept for everything but the pod-reachable listeners: the
+/// CSI and Handover sockets, mounts, devices, records, the runtime CLI.
+const DESCRIPTOR_RESERVE: u64 = 512;
 
 /// Binds `--metrics-address`, if given.
 async fn bind_metrics(
