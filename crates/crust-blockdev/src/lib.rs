@@ -55,6 +55,7 @@ pub mod fs;
 pub mod gate;
 pub mod health;
 pub mod holder;
+pub mod identity;
 pub mod loopdev;
 pub mod mount;
 pub mod path;
@@ -90,6 +91,7 @@ pub use holder::{
     claim_exclusive_keeping, ensure_device_free, ensure_released, mounts_everywhere_of,
     name_holders,
 };
+pub use identity::{DeviceIdentity, identity_of};
 pub use loopdev::{
     AttachOptions, LoopDevice, LoopError, LoopGuard, LoopInfo, LoopStatus, detach, dio_block_size,
     find_all_by_backing, find_by_backing, list_loops, loop_status, refresh_capacity,

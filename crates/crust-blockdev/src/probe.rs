@@ -233,6 +233,9 @@ pub struct Signature {
     pub kind: String,
     #[serde(deserialize_with = "hex_offset")]
     pub offset: u64,
+    /// The filesystem's (or table's) UUID, where it has one.
+    #[serde(default)]
+    pub uuid: Option<String>,
 }
 
 fn hex_offset<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -325,11 +328,13 @@ mod tests {
             vec![
                 Signature {
                     kind: "ext4".into(),
-                    offset: 0x438
+                    offset: 0x438,
+                    uuid: Some("a8".into()),
                 },
                 Signature {
                     kind: "dos".into(),
-                    offset: 0x1fe
+                    offset: 0x1fe,
+                    uuid: None,
                 }
             ]
         );

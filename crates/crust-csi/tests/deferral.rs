@@ -338,9 +338,12 @@ async fn context_deferral_stages_without_mounting_and_publish_writes_the_crust_r
         p.send(&mut c).await.unwrap();
     }
     let dir = crust_record(&node, &target);
-    let want = format!(
-        r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"100","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
-        lo.path.display()
+    let want = with_device_identity(
+        &format!(
+            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"100","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
+            lo.path.display()
+        ),
+        &lo.path,
     );
     assert_eq!(
         std::fs::read_to_string(dir.join("mountInfo.json")).unwrap(),
@@ -395,9 +398,12 @@ async fn context_deferral_stages_without_mounting_and_publish_writes_the_crust_r
     let lo2 = the_loop(&node);
     assert_eq!(
         std::fs::read_to_string(crust_record(&node, &target2).join("mountInfo.json")).unwrap(),
-        format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
-            lo2.path.display()
+        with_device_identity(
+            &format!(
+                r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
+                lo2.path.display()
+            ),
+            &lo2.path,
         )
     );
     let mut guest = GuestMount::new(&lo2.path, &node.path("guest/ctx"), "ext4");
@@ -473,9 +479,12 @@ async fn request_deferral_unmounts_the_staging_mount_and_a_host_publish_remounts
     assert_empty_target(&t2);
     assert_eq!(
         std::fs::read_to_string(crust_record(&node, &t2).join("mountInfo.json")).unwrap(),
-        format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
-            lo.path.display()
+        with_device_identity(
+            &format!(
+                r#"{{"volume-type":"block","device":"{}","fstype":"ext4"}}"#,
+                lo.path.display()
+            ),
+            &lo.path,
         )
     );
     let state: serde_json::Value = serde_json::from_slice(
@@ -551,9 +560,12 @@ async fn kata_and_both_layouts_write_their_records() {
         p.send(&mut c).await.unwrap();
         p.send(&mut c).await.unwrap();
         let lo = the_loop(&node);
-        let want = format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"Always"}},"options":["ro"]}}"#,
-            lo.path.display()
+        let want = with_device_identity(
+            &format!(
+                r#"{{"volume-type":"block","device":"{}","fstype":"ext4","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"Always"}},"options":["ro"]}}"#,
+                lo.path.display()
+            ),
+            &lo.path,
         );
         let kata = kata_record(&node, &target);
         // Kata's Rust runtime takes only `directvol` in its layout.
@@ -1107,9 +1119,12 @@ async fn one_deferred_publication_per_volume_and_crashed_publishes_are_cleaned()
     let lo = the_loop(&node);
     assert_eq!(
         std::fs::read_to_string(crust_record(&node, &t2).join("mountInfo.json")).unwrap(),
-        format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["ro"]}}"#,
-            lo.path.display()
+        with_device_identity(
+            &format!(
+                r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["ro"]}}"#,
+                lo.path.display()
+            ),
+            &lo.path,
         )
     );
     c.unpublish(&id, &t2).await.unwrap();
@@ -1741,9 +1756,12 @@ async fn deferred_publish_applies_the_mount_option_allow_list_and_never_echoes_a
     let lo = the_loop(&node);
     assert_eq!(
         std::fs::read_to_string(crust_record(&node, &target).join("mountInfo.json")).unwrap(),
-        format!(
-            r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["noatime","commit=30"]}}"#,
-            lo.path.display()
+        with_device_identity(
+            &format!(
+                r#"{{"volume-type":"block","device":"{}","fstype":"ext4","options":["noatime","commit=30"]}}"#,
+                lo.path.display()
+            ),
+            &lo.path,
         )
     );
     assert!(kata_record(&node, &target).join("mountInfo.json").exists());

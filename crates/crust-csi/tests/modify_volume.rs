@@ -133,9 +133,19 @@ async fn a_deferred_volume_carries_its_limits_in_the_handoff_record() {
         .crust_root()
         .join(crust_handoff::crust_key(&target))
         .join("mountInfo.json");
+    // The metadata besides the device's identity, which every change
+    // keeps (the record goes on proving its device).
     let metadata = |mi: &std::path::Path| -> serde_json::Value {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(mi).unwrap()).unwrap();
-        v["metadata"].clone()
+        let mut md = v["metadata"].clone();
+        let id = md.as_object_mut().unwrap().remove("deviceIdentity");
+        assert!(
+            id.as_ref()
+                .and_then(|i| i.as_str())
+                .is_some_and(|i| i.starts_with("file:")),
+            "{v}"
+        );
+        md
     };
     assert_eq!(metadata(&mi), serde_json::json!({"ioLimits": "iops=200"}));
 

@@ -27,8 +27,8 @@ pub use error::{ErrorKind, HandoffError, Result};
 pub use kubelet::kubelet_volumes_layer;
 pub use liveness::{Capabilities, SandboxLiveness, SandboxState};
 pub use mountinfo::{
-    CREATE_FILESYSTEM_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY, FS_GROUP_KEY,
-    FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL,
+    CREATE_FILESYSTEM_KEY, DEVICE_IDENTITY_KEY, ENCRYPTION_KEY_KEY, FS_GROUP_CHANGE_POLICY_KEY,
+    FS_GROUP_KEY, FsGroupChangePolicy, MountInfo, VOLUME_TYPE_BLOCK, VOLUME_TYPE_DIRECTVOL,
 };
 pub use qos::{IO_LIMITS_KEY, IoLimits, QosError};
 pub use store::{

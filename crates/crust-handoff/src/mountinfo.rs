@@ -13,6 +13,12 @@ pub const FS_GROUP_CHANGE_POLICY_KEY: &str = "fsGroupChangePolicy";
 pub const CREATE_FILESYSTEM_KEY: &str = "createFilesystem";
 /// Kata: encrypt the volume with this key. crust refuses it.
 pub const ENCRYPTION_KEY_KEY: &str = "encryptionKey";
+/// crust's own key: what proves the device is the one the record was
+/// written for ([`crust_blockdev::DeviceIdentity`]'s text form), checked
+/// at every plug. Kata ignores metadata it does not know; a crust older
+/// than this key refuses records that carry it (upgrade every node's
+/// runtime before its plugin).
+pub const DEVICE_IDENTITY_KEY: &str = "deviceIdentity";
 
 /// The volume type of a CRUST-layout record (the KEP's examples).
 pub const VOLUME_TYPE_BLOCK: &str = "block";

@@ -208,11 +208,15 @@ pub fn check_metadata(md: &BTreeMap<String, String>) -> Result<(), String> {
             crate::qos::IO_LIMITS_KEY => {
                 crate::qos::IoLimits::from_wire(v).map_err(|e| e.to_string())?;
             }
+            crate::mountinfo::DEVICE_IDENTITY_KEY => {
+                v.parse::<crust_blockdev::DeviceIdentity>()?;
+            }
             other => {
                 return Err(format!(
                     "metadata key {other:?} is not allowed (allowed: {FS_GROUP_KEY}, \
-                     {FS_GROUP_CHANGE_POLICY_KEY}, {})",
-                    crate::qos::IO_LIMITS_KEY
+                     {FS_GROUP_CHANGE_POLICY_KEY}, {}, {})",
+                    crate::qos::IO_LIMITS_KEY,
+                    crate::mountinfo::DEVICE_IDENTITY_KEY
                 ));
             }
         }
@@ -509,7 +513,13 @@ mod tests {
             check_metadata(&md("fsGroupChangePolicy", "OnRootMismatch")),
             Ok(())
         );
+        assert_eq!(
+            check_metadata(&md("deviceIdentity", "file:259:1:1234:99")),
+            Ok(())
+        );
         for (k, v) in [
+            ("deviceIdentity", "file:1:2"),
+            ("deviceIdentity", "disk:x"),
             ("fsGroup", "4294967296"),
             ("fsGroup", "-1"),
             ("fsGroup", "+1"),

@@ -113,6 +113,34 @@ impl StageRequest {
     }
 }
 
+/// `mi` with its device's identity ([`crust_handoff::DEVICE_IDENTITY_KEY`]),
+/// which every plug checks by descriptor: a record must prove it names the
+/// device it was written for, as device paths are reused. A file device
+/// (Kata's) has none; a disk that has none (no WWN, serial or filesystem
+/// UUID) is recorded without, and said.
+fn with_identity(mut mi: MountInfo) -> MountInfo {
+    use std::os::fd::AsFd;
+    let dev = std::path::Path::new(&mi.device);
+    if !crust_blockdev::is_block_device(dev) {
+        return mi;
+    }
+    let id = rustix::fs::open(
+        dev,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| e.to_string())
+    .and_then(|fd| crust_blockdev::identity_of(fd.as_fd(), dev));
+    match id {
+        Ok(id) => {
+            mi.metadata
+                .insert(crust_handoff::DEVICE_IDENTITY_KEY.into(), id.to_string());
+        }
+        Err(e) => tracing::warn!(device = %mi.device, "the record carries no device identity: {e}"),
+    }
+    mi
+}
+
 /// Where [`CrustOps::set_io_limits`] got the limits to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LimitsApplied {
@@ -310,7 +338,7 @@ impl CrustOps {
     pub fn stage(&self, mut req: StageRequest) -> Result<(), OpsError> {
         self.check_target(&req.target_path)?;
         normalize_flags(&mut req)?;
-        let mi = req.mount_info();
+        let mi = with_identity(req.mount_info());
         let target = &req.target_path;
         // All layouts are checked before any is written.
         self.check_stage(target, &mi)?;
@@ -347,7 +375,7 @@ impl CrustOps {
         })?;
         store.check_target(&req.target_path)?;
         normalize_flags(&mut req)?;
-        let mi = req.mount_info();
+        let mi = with_identity(req.mount_info());
         let target = &req.target_path;
         let mine = store.inspect(target).is_ok_and(|st| {
             st.mount_info == store.normalized(&mi) && st.claimant.as_deref() == Some(sandbox)

@@ -158,8 +158,20 @@ async fn full_flow(fs: &str, size: i64, grown: i64) {
     );
     assert!(!crust_root.join(crust_key(&second)).exists());
     let dir = crust_root.join(crust_key(&target));
+    // The record proves which device it names (its backing file).
+    let identity = {
+        use std::os::fd::AsFd;
+        let fd = rustix::fs::open(
+            lo.dev(),
+            rustix::fs::OFlags::RDONLY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        crust_blockdev::identity_of(fd.as_fd(), lo.dev()).unwrap()
+    };
+    assert!(identity.to_string().starts_with("file:"), "{identity}");
     let expected = format!(
-        r#"{{"volume-type":"block","device":"{}","fstype":"{fs}","metadata":{{"fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
+        r#"{{"volume-type":"block","device":"{}","fstype":"{fs}","metadata":{{"deviceIdentity":"{identity}","fsGroup":"2000","fsGroupChangePolicy":"OnRootMismatch"}},"options":["noatime"]}}"#,
         lo.dev().display()
     );
     assert_eq!(

@@ -50,6 +50,39 @@ impl NetNs {
         &self.path
     }
 
+    /// The processes other than this one that live in this namespace,
+    /// as (pid, command name): a pod's own processes (a runc pod's pause)
+    /// make it that pod's, not a sandbox's to take. A crust pod has none
+    /// on the host (its workload is in the guest). Compared by the
+    /// namespace's inode, as `/proc/<pid>/ns/net` leads to it.
+    pub fn holders(&self) -> Vec<(i32, String)> {
+        let Ok(me) = rustix::fs::fstat(self.fd.as_fd()) else {
+            return Vec::new();
+        };
+        let own = std::process::id() as i32;
+        let mut out = Vec::new();
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return out;
+        };
+        for e in procs.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
+                continue;
+            };
+            if pid == own {
+                continue;
+            }
+            // A process that exits meanwhile holds nothing.
+            let Ok(st) = rustix::fs::stat(e.path().join("ns/net")) else {
+                continue;
+            };
+            if (st.st_dev, st.st_ino) == (me.st_dev, me.st_ino) {
+                let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+                out.push((pid, comm.trim().to_string()));
+            }
+        }
+        out
+    }
+
     /// Runs `f` on a new thread inside the namespace and returns its
     /// result. The thread ends with `f`: no thread of the caller's ever
     /// changes namespace.

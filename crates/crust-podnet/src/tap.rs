@@ -124,6 +124,25 @@ pub fn attach(
     guest: &GuestNet,
     queues: u32,
 ) -> Result<Vec<Tap>, NetError> {
+    // One sandbox per namespace: another sandbox's redirect shows as a
+    // taken ingress hook (the check below); another pod's processes here.
+    let held = ns.holders();
+    if !held.is_empty() {
+        let named: Vec<String> = held
+            .iter()
+            .take(4)
+            .map(|(pid, comm)| format!("pid {pid} ({comm})"))
+            .collect();
+        return Err(NetError::Namespace {
+            path: ns.path().to_string(),
+            reason: format!(
+                "other processes live in it ({}{}): it is another pod's, and one network \
+                 namespace serves one sandbox",
+                named.join(", "),
+                if held.len() > 4 { ", ..." } else { "" }
+            ),
+        });
+    }
     crate::check(net, guest)?;
     let links = net.links.clone();
     let ns2 = ns.clone();

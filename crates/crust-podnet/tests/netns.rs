@@ -472,3 +472,50 @@ fn masters_ports_and_policy_routes_are_refused_by_name() {
     pod.inside(&["link", "set", "eth0", "master", "br9"]);
     refused(&pod, &["eth0", "port of br9"]);
 }
+
+/// One sandbox per network namespace (issue 42, item 5). A namespace
+/// another pod's processes live in (a runc pod's pause, played by a
+/// `sleep` entered with `ip netns exec`) is refused, naming the process,
+/// and left as it was. Once a sandbox's redirect is in place, a second
+/// attach to the same namespace is refused (its ingress hook is taken)
+/// and the first sandbox keeps its redirect.
+#[test]
+fn another_pods_namespace_is_refused() {
+    let pod = Pod::new("h");
+    let mut pause = Command::new("ip")
+        .args(["netns", "exec", &pod.name, "sleep", "600"])
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while NetNs::open(&pod.path()).unwrap().holders().is_empty() {
+        assert!(
+            Instant::now() < until,
+            "the sleep never entered the namespace"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    refused(
+        &pod,
+        &["other processes live in it", "(sleep)", "one sandbox"],
+    );
+    let _ = pause.kill();
+    let _ = pause.wait();
+
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let net = scan(&ns).unwrap();
+    let first = attach(&ns, &net, &GuestNet::default(), 1).unwrap();
+    let redirect = tc_ingress(&pod, "eth0");
+    assert!(redirect.contains("mirred"), "{redirect}");
+    let second = attach(&ns, &scan(&ns).unwrap(), &GuestNet::default(), 1)
+        .map(|t| t.len())
+        .unwrap_err()
+        .to_string();
+    assert!(second.contains("ingress qdisc"), "{second}");
+    assert_eq!(
+        tc_ingress(&pod, "eth0"),
+        redirect,
+        "the first sandbox keeps its redirect"
+    );
+    drop(first);
+    detach(&ns, &["eth0".to_string()]).unwrap();
+}

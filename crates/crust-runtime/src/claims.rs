@@ -95,6 +95,12 @@ pub fn still_as_planned(s: &crust_handoff::Store, v: &Volume) -> Result<(), Stri
             return Err(format!("{what} {planned} became {now}"));
         }
     }
+    if now.identity != v.identity {
+        return Err(format!(
+            "device identity {:?} became {:?}",
+            v.identity, now.identity
+        ));
+    }
     if now.options != v.options {
         return Err(format!("options {:?} became {:?}", v.options, now.options));
     }

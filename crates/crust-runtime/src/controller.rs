@@ -708,7 +708,13 @@ impl ShimHandler for Controller {
 
     async fn metrics(&self) -> ApiResult<String> {
         let agent = self.qemu_exited().is_none().then_some(&self.agent);
-        Ok(crate::metrics::sandbox_metrics(&self.snapshot(), agent, self.cfg.timeout).await)
+        Ok(crate::metrics::sandbox_metrics(
+            &self.snapshot(),
+            agent,
+            &self.attachments,
+            self.cfg.timeout,
+        )
+        .await)
     }
 
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
@@ -725,7 +731,7 @@ impl ShimHandler for Controller {
                 self.id
             )));
         }
-        Ok(volumes::stats(&self.agent, &v, self.cfg.timeout).await?)
+        Ok(plug::stats(&self.attachments, &self.agent, &v, self.cfg.timeout).await?)
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {

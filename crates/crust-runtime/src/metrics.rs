@@ -17,7 +17,7 @@
 //! | `crust_guest_uptime_seconds` | gauge | | the agent's uptime |
 //! | `crust_volume_stats_{capacity,used,available}_bytes` | gauge | `volume_path`, `device` | the guest's statvfs of each volume |
 //! | `crust_volume_stats_inodes{,_used,_free}` | gauge | `volume_path`, `device` | the same, inodes |
-//! | `crust_volume_stats_health_status_abnormal` | gauge | `volume_path`, `device` | 1 when the guest reports the volume abnormal |
+//! | `crust_volume_stats_health_status_abnormal` | gauge | `volume_path`, `device` | 1 when the guest reports the volume abnormal, or another host device exposes its data while the guest has it |
 //!
 //! A part that cannot be read (QEMU gone, the agent silent) is left out,
 //! never reported as zero; the `*_up` gauges say why.
@@ -121,6 +121,7 @@ fn hypervisor(out: &mut Text, qemu: Option<&ProcFigures>) {
 pub async fn sandbox_metrics(
     state: &SandboxState,
     agent: Option<&AgentClient>,
+    att: &crate::plug::Attachments,
     timeout: Duration,
 ) -> String {
     let timeout = timeout.min(GUEST_CALL_BOUND);
@@ -160,7 +161,8 @@ pub async fn sandbox_metrics(
     );
     let mut rows = Vec::new();
     for v in &state.volumes {
-        match crate::volumes::stats(agent, v, timeout).await {
+        // The stats a poll gets: an alias on the host makes it abnormal.
+        match crate::plug::stats(att, agent, v, timeout).await {
             Ok(s) => rows.push((v, s)),
             Err(e) => tracing::debug!(target = %v.target, "metrics: {e}"),
         }
@@ -363,7 +365,7 @@ mod tests {
             },
         );
         st.qemu = Some(me);
-        let body = sandbox_metrics(&st, None, Duration::from_secs(1)).await;
+        let body = sandbox_metrics(&st, None, &Default::default(), Duration::from_secs(1)).await;
         let n = check_text_format(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert_eq!(n, 6, "{body}");
         assert!(body.contains("\ncrust_hypervisor_up 1\n"), "{body}");
@@ -377,7 +379,7 @@ mod tests {
         assert!(threads >= 1.0, "{body}");
         // Gone: only the up gauges, saying so.
         st.qemu = None;
-        let body = sandbox_metrics(&st, None, Duration::from_secs(1)).await;
+        let body = sandbox_metrics(&st, None, &Default::default(), Duration::from_secs(1)).await;
         assert_eq!(check_text_format(&body), Ok(2), "{body}");
         assert!(body.contains("\ncrust_hypervisor_up 0\n"), "{body}");
         assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");

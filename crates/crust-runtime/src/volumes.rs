@@ -324,6 +324,56 @@ pub fn hold_raw_device(
     Ok(held)
 }
 
+/// Checks by descriptor (`hold`, the sandbox's hold on the device) that
+/// the device is the one `v`'s record was written for: a record names its
+/// device by path, and paths are reused (a detached loop's number goes to
+/// the next attach of any file). A mismatch refuses the plug, naming both
+/// identities; nothing is attached. A record without an identity (one
+/// Kata's CSI driver wrote, or an older crust) is plugged as before, the
+/// identity found logged.
+pub fn check_identity(
+    v: &Volume,
+    hold: &crust_blockdev::ExclusiveDevice,
+) -> Result<(), VolumeError> {
+    use std::os::fd::AsFd;
+    let found = crust_blockdev::identity_of(hold.as_fd(), Path::new(&v.device));
+    let Some(want) = &v.identity else {
+        match found {
+            Ok(id) => tracing::info!(target = %v.target, device = %v.device,
+                "the record carries no device identity; the device is {id}"),
+            Err(e) => tracing::info!(target = %v.target, device = %v.device,
+                "the record carries no device identity; the device has none: {e}"),
+        }
+        return Ok(());
+    };
+    let want: crust_blockdev::DeviceIdentity =
+        want.parse().map_err(|e| VolumeError::Precondition {
+            target: v.target.clone(),
+            reason: format!(
+                "record metadata {}: {e}",
+                crust_handoff::DEVICE_IDENTITY_KEY
+            ),
+        })?;
+    let found = found.map_err(|e| {
+        host_device_error(
+            v,
+            format!(
+                "cannot tell whether it is the device the record was written for ({want}): {e}"
+            ),
+        )
+    })?;
+    if found != want {
+        return Err(host_device_error(
+            v,
+            format!(
+                "is not the device the hand-off record was written for: the record names {want}, \
+                 the device is {found} (device paths are reused; the record is stale)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A refusal of `v`'s host device.
 pub fn host_device_error(v: &Volume, reason: String) -> VolumeError {
     VolumeError::HostDevice {

@@ -131,7 +131,7 @@ pub struct Pod {
     next_stream: AtomicU32,
     /// Hot-plug buses, the volumes plugged and mounted in the guest, and
     /// the exclusive holds on their host devices.
-    attachments: Attachments,
+    pub(crate) attachments: Attachments,
     /// One volume plug (claim included) at a time.
     plug_lock: tokio::sync::Mutex<()>,
     /// The VM's memory and vCPUs and what the containers ask of them.

@@ -74,6 +74,7 @@ impl ShimHandler for Pod {
         Ok(crust_runtime::metrics::sandbox_metrics(
             &st,
             vm.as_ref().map(|vm| &vm.agent),
+            &self.attachments,
             self.cfg.runtime.timeout,
         )
         .await)
@@ -90,7 +91,10 @@ impl ShimHandler for Pod {
                 )));
             }
         };
-        Ok(volumes::stats(&vm.agent, &v, self.cfg.runtime.timeout).await?)
+        Ok(
+            crust_runtime::plug::stats(&self.attachments, &vm.agent, &v, self.cfg.runtime.timeout)
+                .await?,
+        )
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {

@@ -31,6 +31,7 @@
 
 mod common;
 
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
@@ -408,6 +409,31 @@ async fn the_guest_holds_its_devices(door: Door) {
     }
     phase("running");
 
+    // --- a host tool's second loop device on the live volume's pool file
+    // (issue 42, item 7): the next stats poll says abnormal, naming it.
+    let live = PathBuf::from(records.inspect(&deferred).unwrap().mount_info.device);
+    let second = Command::new("losetup")
+        .args(["-f", "--show", "--read-only"])
+        .arg(backing_of(&live))
+        .output()
+        .unwrap();
+    assert!(second.status.success(), "{}", text(&second));
+    let second = String::from_utf8_lossy(&second.stdout).trim().to_string();
+    let stats = cli(&env, &["crust", "stats", &deferred]);
+    let _ = Command::new("losetup").args(["-d", &second]).status();
+    let said: serde_json::Value = serde_json::from_slice(&stats.stdout)
+        .unwrap_or_else(|e| panic!("{door:?}: stats: {e}: {}", text(&stats)));
+    let condition = &said["volume_condition"];
+    assert!(
+        condition["abnormal"] == true
+            && condition["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains(&second),
+        "{door:?}: stats with {second} on the pool file: {said}"
+    );
+    phase("second loop reported");
+
     // --- live QoS through this door (issue 28): ControllerModifyVolume, as
     // the resizer sends for a VolumeAttributesClass, reaches the sandbox
     // serving the volume and the guest's direct reads slow to the limit.
@@ -544,6 +570,76 @@ async fn the_guest_holds_its_devices(door: Door) {
         let _ = env.ctrd.ctr_in(NS, &["containers", "rm", "intruder"]);
     }
     phase("refused");
+
+    // --- a stale record (issue 42, item 2): the deferred volume's loop is
+    // detached by an operator and its path goes to another volume; the
+    // record still names the path. The start is refused naming both
+    // identities, and the other volume is not touched.
+    drop(_host_mount);
+    let record_id = records.inspect(&deferred).unwrap().mount_info.metadata
+        [crust_handoff::DEVICE_IDENTITY_KEY]
+        .clone();
+    let detached = Command::new("losetup").arg("-d").arg(dev).status().unwrap();
+    assert!(detached.success());
+    let other = env.dir.path().join("pool").join("other-volume.img");
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "truncate -s 64M {o} && mkfs.ext4 -q -E root_owner=0:0 {o} && losetup {d} {o}",
+            o = other.display(),
+            d = dev.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(st.success(), "{door:?}: the other volume on {dev:?}");
+    let sum = |p: &Path| {
+        use sha2::Digest;
+        sha2::Sha256::digest(std::fs::read(p).unwrap())
+    };
+    let before = sum(&other);
+    let stale = door.start(
+        &env,
+        "stale",
+        &[("/data", &deferred)],
+        "echo x > /data/x; sync; exec sleep 600",
+    );
+    let err = match stale {
+        Ok(w) => {
+            drop(w);
+            panic!(
+                "{door:?}: a stale record plugged another volume\n{}",
+                logs()
+            );
+        }
+        Err(e) => e,
+    };
+    let found = crust_blockdev::identity_of(
+        rustix::fs::open(dev, rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty())
+            .unwrap()
+            .as_fd(),
+        dev,
+    )
+    .unwrap()
+    .to_string();
+    assert_ne!(found, record_id);
+    assert!(
+        err.contains(&record_id) && err.contains(&found),
+        "{door:?}: the refusal names both identities ({record_id}, {found}): {err}"
+    );
+    assert_eq!(
+        sum(&other),
+        before,
+        "{door:?}: the other volume is untouched"
+    );
+    assert_eq!(claimant(&deferred), None, "{door:?}: no claim left");
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "{door:?}: no VM left"
+    );
+    if let Door::Containerd = door {
+        let _ = env.ctrd.ctr_in(NS, &["containers", "rm", "stale"]);
+    }
+    phase("stale record refused");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -785,3 +785,29 @@ pub fn limits_of(node: &TestNode, id: &str) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_slice(&record_bytes(node, id)).unwrap();
     v["io_limits"].clone()
 }
+
+/// `record` (a hand-off record's expected bytes, without the identity)
+/// as the writer makes it for `device`: with the device's identity
+/// (`deviceIdentity`, read now from the device) first in its metadata.
+pub fn with_device_identity(record: &str, device: &Path) -> String {
+    use std::os::fd::AsFd;
+    let fd = rustix::fs::open(
+        device,
+        rustix::fs::OFlags::RDONLY,
+        rustix::fs::Mode::empty(),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", device.display()));
+    let id = crust_blockdev::identity_of(fd.as_fd(), device).unwrap();
+    let key = format!(r#""deviceIdentity":"{id}""#);
+    if record.contains(r#""metadata":{"#) {
+        return record.replacen(r#""metadata":{"#, &format!(r#""metadata":{{{key},"#), 1);
+    }
+    let at = record.find(r#""fstype":""#).expect("an fstype") + r#""fstype":""#.len();
+    let end = at + record[at..].find('"').expect("a closed fstype") + 1;
+    format!(
+        "{}{}{}",
+        &record[..end],
+        format_args!(r#","metadata":{{{key}}}"#),
+        &record[end..]
+    )
+}

@@ -52,6 +52,11 @@ pub struct Volume {
     /// applied at every plug; checked by `volumes::check_for_guest`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_limits: Option<String>,
+    /// What proves the device is the one the record was written for
+    /// (metadata `deviceIdentity`, its text form), checked by descriptor
+    /// at every plug (`volumes::check_identity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 impl Volume {
@@ -78,6 +83,7 @@ impl Volume {
             // Records are validated on read; an unreadable value is false.
             create_fs: mi.create_filesystem().ok().flatten().unwrap_or(false),
             io_limits: mi.metadata.get(crust_handoff::IO_LIMITS_KEY).cloned(),
+            identity: mi.metadata.get(crust_handoff::DEVICE_IDENTITY_KEY).cloned(),
         }
     }
 
@@ -103,6 +109,7 @@ impl Volume {
             readonly,
             create_fs: false,
             io_limits: None,
+            identity: None,
         }
     }
 
