@@ -33,35 +33,13 @@ use crust_proto::peer::v1alpha1 as wire;
 use tonic::Code;
 use wire::peer_client::PeerClient;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn write_key(path: &Path, fill: char) {
     std::fs::write(path, format!("{}\n", fill.to_string().repeat(44))).unwrap();
 }
 
 /// A node serving peers on `own`, asking `all`, with the key at `key`.
 fn peer_node(id: &str, own: u16, all: &[u16], key: &Path) -> TestNode {
-    let peers: Vec<String> = all.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    let mut n = TestNode::unstarted(&["--pool-capacity", "2Gi"], "0s");
-    n.node_id = id.to_string();
-    n.extra.extend([
-        "--peer-address".to_string(),
-        format!("127.0.0.1:{own}"),
-        "--peers".to_string(),
-        peers.join(","),
-        "--peer-key-file".to_string(),
-        key.to_str().unwrap().to_string(),
-        "--peer-timeout".to_string(),
-        "10s".to_string(),
-    ]);
-    n.start();
-    n
+    common::peer_node(id, own, all, key, &["--peer-timeout".into(), "10s".into()])
 }
 
 async fn peer_client(port: u16) -> PeerClient<tonic::transport::Channel> {

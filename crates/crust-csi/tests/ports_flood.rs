@@ -22,7 +22,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -31,31 +30,6 @@ use common::*;
 use crust_proto::csi::v1 as csi;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn peer_node(id: &str, own: u16, all: &[u16], key: &Path, more: &[String]) -> TestNode {
-    let peers: Vec<String> = all.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    let mut n = TestNode::unstarted(&["--pool-capacity", "2Gi"], "0s");
-    n.node_id = id.to_string();
-    n.extra.extend([
-        "--peer-address".to_string(),
-        format!("127.0.0.1:{own}"),
-        "--peers".to_string(),
-        peers.join(","),
-        "--peer-key-file".to_string(),
-        key.to_str().unwrap().to_string(),
-    ]);
-    n.extra.extend(more.iter().cloned());
-    n.start();
-    n
-}
 
 /// A connection to `to` from the loopback address `from`.
 async fn connect_from(from: &str, to: SocketAddr) -> std::io::Result<TcpStream> {

@@ -711,7 +711,7 @@ impl ShimHandler for Controller {
         Ok(crate::metrics::sandbox_metrics(
             &self.snapshot(),
             agent,
-            &self.attachments,
+            self.attachments.alias_watch(),
             self.cfg.timeout,
         )
         .await)
@@ -731,7 +731,13 @@ impl ShimHandler for Controller {
                 self.id
             )));
         }
-        Ok(plug::stats(&self.attachments, &self.agent, &v, self.cfg.timeout).await?)
+        Ok(crate::alias_watch::stats(
+            self.attachments.alias_watch(),
+            &self.agent,
+            &v,
+            self.cfg.timeout,
+        )
+        .await?)
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {

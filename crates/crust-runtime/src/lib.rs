@@ -30,6 +30,7 @@
 //! - [`cli`], [`config`], [`error`]: flags, settings, error causes (their
 //!   API codes: [`shim::codes`]).
 
+pub mod alias_watch;
 pub mod beneath;
 pub mod bundle;
 pub mod claims;

@@ -121,7 +121,7 @@ fn hypervisor(out: &mut Text, qemu: Option<&ProcFigures>) {
 pub async fn sandbox_metrics(
     state: &SandboxState,
     agent: Option<&AgentClient>,
-    att: &crate::plug::Attachments,
+    alias: &crate::alias_watch::AliasWatch,
     timeout: Duration,
 ) -> String {
     let timeout = timeout.min(GUEST_CALL_BOUND);
@@ -162,7 +162,7 @@ pub async fn sandbox_metrics(
     let mut rows = Vec::new();
     for v in &state.volumes {
         // The stats a poll gets: an alias on the host makes it abnormal.
-        match crate::plug::stats(att, agent, v, timeout).await {
+        match crate::alias_watch::stats(alias, agent, v, timeout).await {
             Ok(s) => rows.push((v, s)),
             Err(e) => tracing::debug!(target = %v.target, "metrics: {e}"),
         }

@@ -74,7 +74,7 @@ impl ShimHandler for Pod {
         Ok(crust_runtime::metrics::sandbox_metrics(
             &st,
             vm.as_ref().map(|vm| &vm.agent),
-            &self.attachments,
+            self.attachments.alias_watch(),
             self.cfg.runtime.timeout,
         )
         .await)
@@ -91,10 +91,13 @@ impl ShimHandler for Pod {
                 )));
             }
         };
-        Ok(
-            crust_runtime::plug::stats(&self.attachments, &vm.agent, &v, self.cfg.runtime.timeout)
-                .await?,
+        Ok(crust_runtime::alias_watch::stats(
+            self.attachments.alias_watch(),
+            &vm.agent,
+            &v,
+            self.cfg.runtime.timeout,
         )
+        .await?)
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {

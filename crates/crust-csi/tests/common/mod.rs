@@ -811,3 +811,31 @@ pub fn with_device_identity(record: &str, device: &Path) -> String {
         &record[end..]
     )
 }
+
+/// A TCP port on loopback nobody listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A node serving peers on `own`, asking `all`, with the key at `key`,
+/// and `more` flags.
+pub fn peer_node(id: &str, own: u16, all: &[u16], key: &Path, more: &[String]) -> TestNode {
+    let peers: Vec<String> = all.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut n = TestNode::unstarted(&["--pool-capacity", "2Gi"], "0s");
+    n.node_id = id.to_string();
+    n.extra.extend([
+        "--peer-address".to_string(),
+        format!("127.0.0.1:{own}"),
+        "--peers".to_string(),
+        peers.join(","),
+        "--peer-key-file".to_string(),
+        key.to_str().unwrap().to_string(),
+    ]);
+    n.extra.extend(more.iter().cloned());
+    n.start();
+    n
+}
