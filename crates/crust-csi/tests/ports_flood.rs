@@ -233,7 +233,7 @@ async fn a_pod_cannot_stall_the_plugin_through_its_ports() {
     // Meanwhile the node's own work, and a legitimate peer.
     let cpu0 = (cpu_seconds(b_pid), Instant::now());
     let limit = soft_nofile(b_pid);
-    let mut worst = Duration::ZERO;
+    let (mut worst_probe, mut worst_create) = (Duration::ZERO, Duration::ZERO);
     let mut most_fds = 0;
     let mut i = 0;
     // Until every part of the flood is in and 12 s have passed.
@@ -248,7 +248,7 @@ async fn a_pod_cannot_stall_the_plugin_through_its_ports() {
             .probe(csi::ProbeRequest {})
             .await
             .expect("Probe during the flood");
-        worst = worst.max(t.elapsed());
+        worst_probe = worst_probe.max(t.elapsed());
         let t = Instant::now();
         cb.create(create_req(
             &format!("during-{i}"),
@@ -257,7 +257,7 @@ async fn a_pod_cannot_stall_the_plugin_through_its_ports() {
         ))
         .await
         .expect("CreateVolume during the flood");
-        worst = worst.max(t.elapsed());
+        worst_create = worst_create.max(t.elapsed());
         most_fds = most_fds.max(open_fds(b_pid));
         i += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -277,12 +277,16 @@ async fn a_pod_cannot_stall_the_plugin_through_its_ports() {
     let opened: usize = floods.iter().filter_map(Flood::opened).sum();
     drop(floods);
     eprintln!(
-        "flood: {opened} connections opened; B answered within {worst:?} ({i} Probe + \
-         CreateVolume), CPU {:.1} %, at most {most_fds} of {limit} descriptors",
+        "flood: {opened} connections opened; B answered {i} Probe within {worst_probe:?} and \
+         {i} CreateVolume within {worst_create:?}, CPU {:.1} %, at most {most_fds} of {limit} \
+         descriptors",
         cpu * 100.0
     );
     assert!(opened >= 20_000, "the flood opened {opened} connections");
-    assert!(worst < Duration::from_secs(1), "an answer took {worst:?}");
+    assert!(
+        worst_probe < Duration::from_secs(1) && worst_create < Duration::from_secs(1),
+        "Probe took up to {worst_probe:?}, CreateVolume up to {worst_create:?}"
+    );
     assert!(cpu < 0.10, "B used {:.1} % CPU", cpu * 100.0);
     assert!(most_fds < 1024, "B held {most_fds} descriptors");
     assert!(

@@ -288,6 +288,8 @@ pub struct Incoming {
 }
 
 const BACKOFF_FIRST: Duration = Duration::from_millis(10);
+/// Connections closed at accept before one poll yields.
+const CLOSE_BATCH: usize = 64;
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// [`Incoming`] for `listener`; `what` names it in logs.
@@ -326,7 +328,14 @@ impl Incoming {
     }
 
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Guarded> {
+        // Connections closed at accept in this poll: a flood yields to the
+        // process's other tasks every so many.
+        let mut closed = 0;
         loop {
+            if closed >= CLOSE_BATCH {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
             if let Some(b) = &mut self.backoff {
                 if b.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
@@ -339,6 +348,7 @@ impl Incoming {
                     self.next_backoff = BACKOFF_FIRST;
                     // Over a bound: closed here, at once.
                     let Some(slot) = self.shared.admit(peer.ip()) else {
+                        closed += 1;
                         continue;
                     };
                     let _ = io.set_nodelay(true);
