@@ -106,6 +106,30 @@ impl std::str::FromStr for DeviceIdentity {
     }
 }
 
+impl DeviceIdentity {
+    /// Whether `found` (read from the device now) is the device `self`
+    /// (a record's) names. A backing file's generation is compared when
+    /// both sides have one: the plugin that wrote the record may see the
+    /// pool under another path (a container's mount) and read none.
+    pub fn matches(&self, found: &DeviceIdentity) -> bool {
+        match (self, found) {
+            (
+                DeviceIdentity::BackingFile {
+                    dev: d1,
+                    ino: i1,
+                    generation: g1,
+                },
+                DeviceIdentity::BackingFile {
+                    dev: d2,
+                    ino: i2,
+                    generation: g2,
+                },
+            ) => d1 == d2 && i1 == i2 && (g1.is_none() || g2.is_none() || g1 == g2),
+            _ => self == found,
+        }
+    }
+}
+
 /// The identity of the block device open at `fd` (its node `path` only
 /// for the filesystem-UUID fallback and messages).
 pub fn identity_of(fd: BorrowedFd<'_>, path: &Path) -> Result<DeviceIdentity, String> {
@@ -219,6 +243,13 @@ mod tests {
             let id: DeviceIdentity = s.parse().unwrap();
             assert_eq!(id.to_string(), s);
         }
+        // A generation only one side could read does not refuse.
+        let with: DeviceIdentity = "file:7:0:12:5".parse().unwrap();
+        let without: DeviceIdentity = "file:7:0:12:-".parse().unwrap();
+        let other_gen: DeviceIdentity = "file:7:0:12:6".parse().unwrap();
+        let other_ino: DeviceIdentity = "file:7:0:13:-".parse().unwrap();
+        assert!(with.matches(&without) && without.matches(&with));
+        assert!(!with.matches(&other_gen) && !without.matches(&other_ino));
         for bad in [
             "",
             "file:1:2:3",

@@ -362,7 +362,7 @@ pub fn check_identity(
             ),
         )
     })?;
-    if found != want {
+    if !want.matches(&found) {
         return Err(host_device_error(
             v,
             format!(
