@@ -309,8 +309,10 @@ async fn a_pod_cannot_stall_the_plugin_through_its_ports() {
             &format!("listener_open_connections{{listener=\"{listener}\"}}"),
         );
         assert!(refused > 10_000.0, "{listener}: {refused} refused\n{text}");
-        // The 16 idle and 16 slow ones each pod got were closed as idle.
-        assert!(idle >= 32.0, "{listener}: {idle} closed as idle\n{text}");
+        // The idle pod's 16 were closed as idle; the slow pod's went as
+        // idle too, or at once on the protocol error its bytes are (the
+        // peer port speaks HTTP/2, whose preface "G" is not).
+        assert!(idle >= 16.0, "{listener}: {idle} closed as idle\n{text}");
         // The scrape itself is the only one left.
         assert!(open <= 1.0, "{listener}: {open} still open\n{text}");
     }

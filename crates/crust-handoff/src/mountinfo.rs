@@ -65,6 +65,22 @@ impl FsGroupChangePolicy {
 }
 
 impl MountInfo {
+    /// Whether this record (on disk) already says what `wanted` says: the
+    /// same, or the same but for the device identity an older crust could
+    /// not write (a republish after an upgrade keeps that record, and the
+    /// sandbox holding it).
+    pub fn is_staged_as(&self, wanted: &MountInfo) -> bool {
+        if self == wanted {
+            return true;
+        }
+        if self.metadata.contains_key(DEVICE_IDENTITY_KEY) {
+            return false;
+        }
+        let mut without = wanted.clone();
+        without.metadata.remove(DEVICE_IDENTITY_KEY);
+        *self == without
+    }
+
     /// A block volume with no metadata and no options.
     pub fn block(device: impl Into<String>, fstype: impl Into<String>) -> Self {
         MountInfo {
@@ -387,6 +403,26 @@ pub fn parse_fs_group(v: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_older_record_without_the_identity_is_the_same_record() {
+        let old = MountInfo::block("/dev/loop3", "ext4");
+        let mut new = old.clone();
+        new.metadata
+            .insert(DEVICE_IDENTITY_KEY.into(), "file:7:0:12:5".into());
+        assert!(old.is_staged_as(&new), "an upgrade's republish");
+        assert!(new.is_staged_as(&new));
+        // A record that carries an identity must carry the same one.
+        let mut other = new.clone();
+        other
+            .metadata
+            .insert(DEVICE_IDENTITY_KEY.into(), "file:7:0:13:5".into());
+        assert!(!new.is_staged_as(&other));
+        // Anything else that differs is a different record.
+        let mut moved = new.clone();
+        moved.device = "/dev/loop4".into();
+        assert!(!old.is_staged_as(&moved));
+    }
 
     fn sample() -> MountInfo {
         let mut mi = MountInfo::block("/dev/loop3", "ext4");

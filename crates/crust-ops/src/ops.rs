@@ -342,9 +342,10 @@ impl CrustOps {
         let target = &req.target_path;
         // All layouts are checked before any is written.
         self.check_stage(target, &mi)?;
-        let unchanged = self
-            .stores()
-            .all(|s| s.read(target).is_ok_and(|old| old == s.normalized(&mi)));
+        let unchanged = self.stores().all(|s| {
+            s.read(target)
+                .is_ok_and(|old| old.is_staged_as(&s.normalized(&mi)))
+        });
         if !unchanged {
             check_device_free(&mi.device)?;
         }
@@ -378,7 +379,8 @@ impl CrustOps {
         let mi = with_identity(req.mount_info());
         let target = &req.target_path;
         let mine = store.inspect(target).is_ok_and(|st| {
-            st.mount_info == store.normalized(&mi) && st.claimant.as_deref() == Some(sandbox)
+            st.mount_info.is_staged_as(&store.normalized(&mi))
+                && st.claimant.as_deref() == Some(sandbox)
         });
         if !mine {
             check_device_free(&mi.device)?;

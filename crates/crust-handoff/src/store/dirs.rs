@@ -271,7 +271,7 @@ pub(super) fn compare_staged(
     }
     let existing = read_bounded(dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, path)?
         .and_then(|b| MountInfo::from_json(&b).ok());
-    if existing.as_ref() == Some(mi) {
+    if existing.as_ref().is_some_and(|old| old.is_staged_as(mi)) {
         return Ok(Staged::Same);
     }
     if let Some(by) = first_sandbox(entries) {
