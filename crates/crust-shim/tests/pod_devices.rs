@@ -67,6 +67,23 @@ fn loop_device(dir: &Path, name: &str, undo: &mut Undo) -> (PathBuf, PathBuf) {
     (PathBuf::from(dev), file)
 }
 
+/// A device with ext4 mounted on the host at `<dir>/host-mnt`, holding
+/// `marker` ("host-marker"): (device, mount point).
+fn host_mounted_device(dir: &Path, undo: &mut Undo) -> (PathBuf, PathBuf) {
+    let (dev, _) = loop_device(dir, "mounted.img", undo);
+    run(&format!("mkfs.ext4 -q {}", dev.display()));
+    let at = dir.join("host-mnt");
+    std::fs::create_dir_all(&at).unwrap();
+    run(&format!(
+        "mount {} {} && echo host-marker > {}/marker",
+        dev.display(),
+        at.display(),
+        at.display()
+    ));
+    undo.0.push(format!("umount {}", at.display()));
+    (dev, at)
+}
+
 /// kubelet's keep-busy loop for `dev` and this pod (`MapBlockVolume`):
 /// the device node bind-mounted at `<globalMapPath>/<podUID>` and a loop
 /// bound to that path.
@@ -177,17 +194,7 @@ async fn raw_devices_are_held_like_volumes() {
     run(&format!("mkfs.ext4 -q {}", free.display()));
     let keep_busy = kubelet_loop(&kubelet_root, &free, &mut undo);
     // A device mounted on the host, with a marker.
-    let (mounted, _) = loop_device(&work, "mounted.img", &mut undo);
-    run(&format!("mkfs.ext4 -q {}", mounted.display()));
-    let host_mnt = work.join("host-mnt");
-    std::fs::create_dir_all(&host_mnt).unwrap();
-    run(&format!(
-        "mount {} {} && echo host-marker > {}/marker",
-        mounted.display(),
-        host_mnt.display(),
-        host_mnt.display()
-    ));
-    undo.0.push(format!("umount {}", host_mnt.display()));
+    let (mounted, host_mnt) = host_mounted_device(&work, &mut undo);
     // A device another tool stacked a loop on.
     let (aliased, _) = loop_device(&work, "aliased.img", &mut undo);
     let foreign = run(&format!("losetup -f --show {}", aliased.display()));
@@ -303,17 +310,7 @@ fn a_held_device_refuses_the_pod_before_qemu_starts() {
     let work = env.dir.path().join("devices");
     std::fs::create_dir_all(&work).unwrap();
     let mut undo = Undo::default();
-    let (mounted, _) = loop_device(&work, "mounted.img", &mut undo);
-    run(&format!("mkfs.ext4 -q {}", mounted.display()));
-    let host_mnt = work.join("host-mnt");
-    std::fs::create_dir_all(&host_mnt).unwrap();
-    run(&format!(
-        "mount {} {} && echo host-marker > {}/marker",
-        mounted.display(),
-        host_mnt.display(),
-        host_mnt.display()
-    ));
-    undo.0.push(format!("umount {}", host_mnt.display()));
+    let (mounted, host_mnt) = host_mounted_device(&work, &mut undo);
     // QEMUs of this test's runtime root, seen from the start on.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = {
