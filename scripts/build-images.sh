@@ -275,6 +275,10 @@ if [ -n "$virtiofsd" ]; then
 else
   echo "build-images: virtiofsd not installed (cargo install virtiofsd); payload without it"
 fi
+# nft: the shim's anti-spoofing table and its reading of a pod
+# namespace's rules (it looks next to itself first).
+copy_elf_payload "$(find_tool nft)" "$pl" bin/nft
+components+=(nft)
 qemu="$(find_tool qemu-system-x86_64)"
 copy_elf_payload "$qemu" "$pl" bin/qemu-system-x86_64
 # Debian builds TCG as a module; QEMU loads modules from <bin>/../lib/<triplet>/qemu.

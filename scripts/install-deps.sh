@@ -26,7 +26,11 @@ pkgs=(
   iproute2 iputils-ping   # pod networking tests: namespaces, veths, tc; ping with -M do
   containernetworking-plugins  # CNI plugins (bridge, host-local, portmap, loopback) of the
                           # private containerd's CRI pods (/usr/lib/cni)
-  iptables                # what the bridge and portmap plugins program (hostPort)
+  iptables                # what the bridge and portmap plugins program (hostPort); the pod
+                          # namespace rules tests (iptables-legacy, iptables-nft)
+  nftables                # nft: the anti-spoofing table in each pod namespace (the shim
+                          # needs it on a node) and reading a namespace's rules
+  tcpdump                 # captures on the test bridges (anti-spoofing tests)
   iperf3                  # pod network throughput (crustctl bench, issue 26)
   golang-go               # tools/kata-record-decode: Kata's record decoding (crust-handoff's kata_differential test)
 )
@@ -109,7 +113,7 @@ if [ "${1:-}" = "--if-missing" ]; then
   # crates/crust-fs/tests/scripts.rs).
   for t in qemu-system-x86_64 qemu-img busybox mkfs.ext4 e2fsck resize2fs mkfs.xfs xfs_growfs \
     xfs_repair xfs_io cpio losetup wipefs unshare flock containerd ctr runc umoci jq patchelf \
-    strip pkg-config fio ip ping iperf3 iptables gcc; do
+    strip pkg-config fio ip ping iperf3 iptables nft tcpdump gcc; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || missing=1
   done
   ls /boot/vmlinuz-*cloud-amd64 >/dev/null 2>&1 || missing=1

@@ -127,6 +127,7 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
         "usr/share/crust/payload/bin/crust-runtime",
         "usr/share/crust/payload/bin/crust-runtime-poll",
         "usr/share/crust/payload/bin/qemu-system-x86_64",
+        "usr/share/crust/payload/bin/nft",
         "usr/share/crust/payload/lib/ld-linux-x86-64.so.2",
         "usr/share/crust/payload/share/seabios/bios-256k.bin",
         "usr/share/crust/payload/guest-image/vmlinuz",
@@ -188,6 +189,13 @@ fn images_build_reproducibly_and_the_node_payload_runs_self_contained() {
             "{cli}"
         );
     }
+    // The shim's nft runs from the payload alone (its libraries beside it).
+    assert!(components.contains(&"nft"), "{components:?}");
+    let r = run_in(host.path(), &["/opt/crust/bin/nft", "--version"]);
+    assert!(
+        String::from_utf8_lossy(&r.stdout).starts_with("nftables v"),
+        "{r:?}"
+    );
     let r = run_in(
         host.path(),
         &["/opt/crust/bin/qemu-system-x86_64", "--version"],

@@ -19,9 +19,17 @@
 //!   egress. CNI's interface is not changed otherwise; QEMU gets the taps'
 //!   descriptors. [`detach`] removes exactly what `attach` added, so CNI's
 //!   DEL finds its namespace as it left it.
+//! * [`guard`]: with anti-spoofing on (the default), the guest's
+//!   direction goes through an nftables `netdev` chain on the tap that
+//!   drops forged frames, counts them and forwards the rest.
+//! * [`netfilter`]: the rules already in the namespace, which the guest's
+//!   traffic would bypass, for the caller to refuse or report.
 
 mod check;
+pub mod guard;
+pub mod netfilter;
 mod netns;
+mod nft;
 mod scan;
 mod tap;
 
@@ -29,6 +37,15 @@ pub use check::{GuestNet, IPV6_MIN_MTU, Refusal, VIRTIO_NET_MTU, check};
 pub use netns::NetNs;
 pub use scan::{PodLink, PodNetwork, scan};
 pub use tap::{Tap, attach, detach, tap_name};
+
+/// Whether the guest's frames are checked for forged addresses
+/// ([`guard`]): on unless a pod says otherwise (router/VRRP pods).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AntiSpoof {
+    #[default]
+    On,
+    Off,
+}
 
 use crust_agent_proto::ConfigureNetwork;
 
@@ -52,6 +69,21 @@ pub enum NetError {
         name: String,
         #[source]
         reason: Refusal,
+    },
+    /// A netfilter tool failed or is missing.
+    #[error("{what}: {reason}")]
+    Tool { what: String, reason: String },
+    /// The namespace holds netfilter rules the guest's traffic would
+    /// bypass.
+    #[error(
+        "network namespace {path}: netfilter rules there would not see the guest's traffic \
+         (it crosses the namespace below its IP stack): {}; the node's \
+         CRUST_SHIM_NETNS_RULES=ignore runs such pods anyway",
+        found.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    Rules {
+        path: String,
+        found: Vec<netfilter::RuleFinding>,
     },
     #[error("{what}: {source}")]
     Io {

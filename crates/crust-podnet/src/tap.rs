@@ -9,8 +9,9 @@ use netlink_packet_route::link::{LinkAttribute, LinkMessage};
 use netlink_packet_route::tc::TcHandle;
 use rtnetlink::{Handle, LinkUnspec};
 
+use crate::guard::Guarded;
 use crate::scan::PodLink;
-use crate::{GuestNet, NetError, NetNs, PodNetwork};
+use crate::{AntiSpoof, GuestNet, NetError, NetNs, PodNetwork};
 
 /// `TUNSETIFF` (`_IOW('T', 202, int)`).
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
@@ -83,12 +84,20 @@ async fn index_of(h: &Handle, name: &str) -> Result<u32, NetError> {
     }
 }
 
-/// Both directions between `link` and `tap`.
-async fn redirect(h: &Handle, link: &PodLink, tap: u32, tap_name: &str) -> Result<(), NetError> {
-    for (from, to, what) in [
-        (link.index, tap, &link.name),
-        (tap, link.index, &tap_name.to_string()),
-    ] {
+/// tc redirects between `link` and `tap`: towards the guest always, and
+/// from it unless the guard forwards that way ([`crate::guard`]).
+async fn redirect(
+    h: &Handle,
+    link: &PodLink,
+    tap: u32,
+    tap_name: &str,
+    from_guest: bool,
+) -> Result<(), NetError> {
+    let mut ways = vec![(link.index, tap, link.name.clone())];
+    if from_guest {
+        ways.push((tap, link.index, tap_name.to_string()));
+    }
+    for (from, to, what) in ways {
         h.qdisc()
             .add(from as i32)
             .ingress()
@@ -117,12 +126,13 @@ async fn redirect(h: &Handle, link: &PodLink, tap: u32, tap_name: &str) -> Resul
 /// nothing). `queues` > 1 makes multi-queue taps (one descriptor per
 /// queue). On failure nothing is left: qdiscs added are removed (the
 /// check proved none was there before) and the taps vanish with their
-/// descriptors.
+/// descriptors; the guard's table is removed.
 pub fn attach(
     ns: &NetNs,
     net: &PodNetwork,
     guest: &GuestNet,
     queues: u32,
+    spoof: AntiSpoof,
 ) -> Result<Vec<Tap>, NetError> {
     // One sandbox per namespace: another sandbox's redirect shows as a
     // taken ingress hook (the check below); another pod's processes here.
@@ -146,6 +156,7 @@ pub fn attach(
     crate::check(net, guest)?;
     let links = net.links.clone();
     let ns2 = ns.clone();
+    let guarded = spoof == AntiSpoof::On;
     let made = ns.netlink(move |h| async move {
         let mut taps = Vec::new();
         for (i, link) in links.iter().enumerate() {
@@ -166,7 +177,13 @@ pub fn attach(
                 mtu: link.mtu,
                 fds,
             });
-            redirect(&h, link, index, &name).await?;
+            redirect(&h, link, index, &name, !guarded).await?;
+        }
+        Ok(taps)
+    });
+    let made = made.and_then(|taps| {
+        if guarded {
+            crate::guard::install(ns, &guarded_links(net, &taps))?;
         }
         Ok(taps)
     });
@@ -179,10 +196,30 @@ pub fn attach(
     made
 }
 
-/// Removes what [`attach`] added: the ingress qdisc (with its filter) of
-/// each of `links`, and every crust tap. Idempotent; runs after the VM
-/// exited or when the shim that attached is gone.
+/// What the guard allows each tap's guest to claim: its interface's MAC
+/// and the addresses CNI gave it.
+fn guarded_links(net: &PodNetwork, taps: &[Tap]) -> Vec<Guarded> {
+    taps.iter()
+        .map(|t| Guarded {
+            tap: t.name.clone(),
+            link: t.link.clone(),
+            mac: t.mac,
+            addresses: net
+                .config
+                .interfaces
+                .iter()
+                .filter(|i| i.name == t.link)
+                .flat_map(|i| i.addresses.iter().map(|a| a.address))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Removes what [`attach`] added: the guard's table, the ingress qdisc
+/// (with its filter) of each of `links`, and every crust tap. Idempotent;
+/// runs after the VM exited or when the shim that attached is gone.
 pub fn detach(ns: &NetNs, links: &[String]) -> Result<(), NetError> {
+    crate::guard::remove(ns);
     let links = links.to_vec();
     ns.netlink(move |h| async move {
         let all: Vec<LinkMessage> = h

@@ -17,7 +17,7 @@ use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crust_podnet::{GuestNet, NetNs, attach, detach, scan};
+use crust_podnet::{AntiSpoof, GuestNet, NetNs, attach, detach, guard, scan};
 
 /// A named namespace with a veth into it; removed on drop.
 struct Pod {
@@ -215,7 +215,7 @@ fn scan_attach_and_detach_a_cni_shaped_namespace() {
     assert_eq!(net.config.neighbours[0].mac, "02:00:00:00:00:09");
 
     // Two queues: two descriptors, one tap.
-    let taps = attach(&ns, &net, &GuestNet::default(), 2).unwrap();
+    let taps = attach(&ns, &net, &GuestNet::default(), 2, AntiSpoof::On).unwrap();
     assert_eq!(taps.len(), 1);
     assert_eq!(taps[0].fds.len(), 2);
     let links = pod.inside(&["-j", "link", "show", "crusttap0"]);
@@ -228,9 +228,12 @@ fn scan_attach_and_detach_a_cni_shaped_namespace() {
         tc.contains("protocol all") && tc.contains("mirred"),
         "eth0 redirects: {tc}"
     );
+    // The guest's direction is the guard's: checked, then forwarded.
+    assert!(tc_ingress(&pod, "crusttap0").is_empty());
+    let table = nft(&pod, &["list", "table", "netdev", guard::GUARD_TABLE]);
     assert!(
-        tc_ingress(&pod, "crusttap0").contains("mirred"),
-        "the tap redirects"
+        table.contains("device \"crusttap0\"") && table.contains("fwd to \"eth0\""),
+        "{table}"
     );
 
     // Host -> pod: the host's ARP request for the pod comes out of a tap queue.
@@ -297,7 +300,195 @@ fn scan_attach_and_detach_a_cni_shaped_namespace() {
     detach(&ns, &names).unwrap();
     assert!(tc_ingress(&pod, "eth0").is_empty());
     assert!(!pod.inside(&["link"]).contains("crusttap"));
+    assert!(
+        nft(&pod, &["list", "ruleset"]).is_empty(),
+        "the guard's table is gone"
+    );
     assert_eq!(state(), before);
+}
+
+/// `nft args` in the pod's namespace.
+fn nft(pod: &Pod, args: &[&str]) -> String {
+    let o = Command::new("ip")
+        .args(["netns", "exec", &pod.name, "nft"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "nft {args:?}: {o:?}");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// tcpdump on an interface of the host, from listening to [`Capture::stop`].
+struct Capture(std::process::Child);
+
+impl Capture {
+    /// Once tcpdump says it listens (its stderr's "listening on").
+    fn start(dev: &str) -> Capture {
+        use std::io::BufRead;
+        let mut c = Command::new("tcpdump")
+            .args(["-n", "-e", "-l", "-U", "-i", dev])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("tcpdump (scripts/install-deps.sh installs it)");
+        let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("listening on") {
+            line.clear();
+            assert!(err.read_line(&mut line).unwrap() > 0, "tcpdump ended");
+        }
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+        Capture(c)
+    }
+
+    fn stop(mut self) -> String {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(&self.0),
+            rustix::process::Signal::INT,
+        );
+        let mut out = String::new();
+        std::io::Read::read_to_string(self.0.stdout.as_mut().unwrap(), &mut out).unwrap();
+        let _ = self.0.wait();
+        out
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An Ethernet frame behind the tap's 10-byte virtio-net header.
+fn frame(dst: [u8; 6], src: [u8; 6], ethertype: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; 10];
+    f.extend(dst);
+    f.extend(src);
+    f.extend(ethertype);
+    f.extend(payload);
+    f
+}
+
+/// An ARP request "who has `target`? tell `sender` at `sha`".
+fn arp_request(sha: [u8; 6], sender: [u8; 4], target: [u8; 4]) -> Vec<u8> {
+    let mut p = vec![0, 1, 0x08, 0, 6, 4, 0, 1];
+    p.extend(sha);
+    p.extend(sender);
+    p.extend([0; 6]);
+    p.extend(target);
+    frame([0xff; 6], sha, &[0x08, 0x06], &p)
+}
+
+/// A UDP datagram from `src` to 10.99.0.1:9.
+fn udp4(mac: [u8; 6], src: [u8; 4]) -> Vec<u8> {
+    let mut h = vec![0x45, 0, 0, 32, 0, 1, 0, 0, 64, 17, 0, 0];
+    h.extend(src);
+    h.extend([10, 99, 0, 1]);
+    let sum = h
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], c[1]])))
+        .sum::<u32>();
+    let sum = !(((sum & 0xffff) + (sum >> 16)) as u16);
+    h[10..12].copy_from_slice(&sum.to_be_bytes());
+    h.extend([0x30, 0x39, 0, 9, 0, 12, 0, 0, b'h', b'i', b'!', b'\n']);
+    frame([0xff; 6], mac, &[0x08, 0x00], &h)
+}
+
+/// An ICMPv6 message of `typ` from fe80::1 to all nodes, `body` after
+/// its 4-byte header (hop limit 255, as ND wants).
+fn icmp6(mac: [u8; 6], typ: u8, body: &[u8]) -> Vec<u8> {
+    let len = (4 + body.len()) as u16;
+    let mut p = vec![0x60, 0, 0, 0];
+    p.extend(len.to_be_bytes());
+    p.extend([58, 255]);
+    p.extend("fe80::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+    p.extend("ff02::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+    p.extend([typ, 0, 0, 0]);
+    p.extend(body);
+    frame([0x33, 0x33, 0, 0, 0, 1], mac, &[0x86, 0xdd], &p)
+}
+
+/// Issue 42, item 6: what a hostile guest writes into its tap. Without
+/// the guard (a pod that turned it off) every forged frame reaches the
+/// host's side of the veth, which proves the capture sees them; with it,
+/// none does, each is counted under its reason, and the pod's own frames
+/// still pass.
+#[test]
+fn forged_frames_from_the_guest_never_reach_the_pods_interface() {
+    let pod = Pod::new("g");
+    let ns = NetNs::open(&pod.path()).unwrap();
+    let net = scan(&ns).unwrap();
+    let own4 = [10, 99, 0, 2];
+    let other4 = [10, 99, 0, 9];
+    let forged_mac = [0x02, 0, 0, 0, 0, 0x77];
+    let mut na_other = vec![0x20, 0, 0, 0];
+    na_other.extend("fd00:99::9".parse::<std::net::Ipv6Addr>().unwrap().octets());
+    let send = |mac: [u8; 6], fd: &std::os::fd::OwnedFd| {
+        let forged = [
+            arp_request(mac, other4, [10, 99, 0, 1]),
+            arp_request(forged_mac, own4, [10, 99, 0, 1]),
+            udp4(mac, other4),
+            icmp6(mac, 136, &na_other),
+            icmp6(mac, 134, &[64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+            frame(
+                [0xff; 6],
+                mac,
+                &[0x81, 0x00, 0, 5, 0x08, 0x06],
+                &[0, 1, 0x08, 0, 6, 4, 0, 1],
+            ),
+        ];
+        for f in forged
+            .iter()
+            .chain([&arp_request(mac, own4, [10, 99, 0, 1]), &udp4(mac, own4)])
+        {
+            rustix::io::write(fd, f).unwrap();
+        }
+    };
+    let forged_seen = |cap: &str| -> Vec<&str> {
+        [
+            "10.99.0.9",
+            "02:00:00:00:00:77",
+            "fd00:99::9",
+            "router advertisement",
+            "802.1Q",
+        ]
+        .into_iter()
+        .filter(|n| cap.contains(n))
+        .collect()
+    };
+
+    let taps = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::Off).unwrap();
+    let cap = Capture::start(&pod.host_if);
+    send(taps[0].mac, &taps[0].fds[0]);
+    let open = cap.stop();
+    assert_eq!(forged_seen(&open).len(), 5, "without the guard: {open}");
+    drop(taps);
+    detach(&ns, &["eth0".to_string()]).unwrap();
+
+    let taps = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::On).unwrap();
+    let cap = Capture::start(&pod.host_if);
+    send(taps[0].mac, &taps[0].fds[0]);
+    let guarded = cap.stop();
+    assert_eq!(forged_seen(&guarded), Vec::<&str>::new(), "{guarded}");
+    assert!(
+        guarded.contains("tell 10.99.0.2") && guarded.contains("10.99.0.2.12345 > 10.99.0.1.9"),
+        "the pod's own frames pass: {guarded}"
+    );
+    let dropped = guard::dropped(&ns, &["eth0".to_string()]).unwrap();
+    let count = |reason: &str| {
+        dropped
+            .iter()
+            .filter(|d| d.interface == "eth0" && d.reason == reason)
+            .map(|d| d.packets)
+            .sum::<u64>()
+    };
+    for (reason, n) in [("arp", 1), ("mac", 1), ("ipv4", 1), ("nd", 2), ("other", 1)] {
+        assert_eq!(count(reason), n, "{reason}: {dropped:?}");
+    }
+    drop(taps);
+    detach(&ns, &["eth0".to_string()]).unwrap();
 }
 
 /// A second network (as Multus adds): a macvlan interface beside CNI's
@@ -331,7 +522,7 @@ fn a_macvlan_second_interface_gets_its_own_tap() {
     assert_eq!(kinds, [("eth0", "veth"), ("net1", "macvlan")]);
     let net1 = &net.config.interfaces[1];
     assert_eq!(net1.addresses[0].address.to_string(), "10.98.0.2");
-    let taps = attach(&ns, &net, &GuestNet::default(), 1).unwrap();
+    let taps = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::Off).unwrap();
     let pairs: Vec<(&str, &str)> = taps
         .iter()
         .map(|t| (t.name.as_str(), t.link.as_str()))
@@ -400,7 +591,7 @@ fn refused(pod: &Pod, needles: &[&str]) {
     let before = dump(pod);
     let ns = NetNs::open(&pod.path()).unwrap();
     let net = scan(&ns).unwrap();
-    let e = attach(&ns, &net, &GuestNet::default(), 1)
+    let e = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::On)
         .map(|t| t.len())
         .unwrap_err()
         .to_string();
@@ -503,13 +694,19 @@ fn another_pods_namespace_is_refused() {
 
     let ns = NetNs::open(&pod.path()).unwrap();
     let net = scan(&ns).unwrap();
-    let first = attach(&ns, &net, &GuestNet::default(), 1).unwrap();
+    let first = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::On).unwrap();
     let redirect = tc_ingress(&pod, "eth0");
     assert!(redirect.contains("mirred"), "{redirect}");
-    let second = attach(&ns, &scan(&ns).unwrap(), &GuestNet::default(), 1)
-        .map(|t| t.len())
-        .unwrap_err()
-        .to_string();
+    let second = attach(
+        &ns,
+        &scan(&ns).unwrap(),
+        &GuestNet::default(),
+        1,
+        AntiSpoof::On,
+    )
+    .map(|t| t.len())
+    .unwrap_err()
+    .to_string();
     assert!(second.contains("ingress qdisc"), "{second}");
     assert_eq!(
         tc_ingress(&pod, "eth0"),
@@ -518,4 +715,85 @@ fn another_pods_namespace_is_refused() {
     );
     drop(first);
     detach(&ns, &["eth0".to_string()]).unwrap();
+}
+
+/// `cmd args` in the pod's namespace, which must succeed.
+fn inside_ns(pod: &Pod, cmd: &str, args: &[&str]) {
+    let o = Command::new("ip")
+        .args(["netns", "exec", &pod.name, cmd])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{cmd} {args:?}: {o:?}");
+}
+
+/// Issue 42, item 4: what netfilter holds in the namespace, in each of
+/// its three forms. Tables that only listing made (legacy iptables makes
+/// its tables when asked) and crust's own guard are not rules; a DROP
+/// policy is, and so is each rule, under its backend, table and chain.
+#[test]
+fn netfilter_rules_in_the_namespace_are_found_by_backend_table_and_chain() {
+    use crust_podnet::netfilter::inspect;
+    let pod = Pod::new("f");
+    let ns = NetNs::open(&pod.path()).unwrap();
+    assert_eq!(inspect(&ns).unwrap(), vec![], "a new namespace");
+    // Listing makes empty tables in both iptables backends.
+    inside_ns(&pod, "iptables-legacy", &["-t", "nat", "-L", "-n"]);
+    inside_ns(&pod, "iptables-nft", &["-t", "filter", "-L", "-n"]);
+    // The guard's own table is not the namespace's rules.
+    let taps = attach(
+        &ns,
+        &scan(&ns).unwrap(),
+        &GuestNet::default(),
+        1,
+        AntiSpoof::On,
+    )
+    .unwrap();
+    assert_eq!(inspect(&ns).unwrap(), vec![], "empty tables and the guard");
+    drop(taps);
+    detach(&ns, &["eth0".to_string()]).unwrap();
+
+    inside_ns(&pod, "iptables-legacy", &["-P", "OUTPUT", "DROP"]);
+    inside_ns(
+        &pod,
+        "iptables-nft",
+        &[
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-p",
+            "tcp",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "15001",
+        ],
+    );
+    inside_ns(
+        &pod,
+        "ip6tables-legacy",
+        &["-A", "INPUT", "-p", "tcp", "-j", "DROP"],
+    );
+    inside_ns(
+        &pod,
+        "nft",
+        &[
+            "add table inet mesh; add chain inet mesh out { type filter hook output priority 0; policy drop; }",
+        ],
+    );
+    let found: Vec<String> = inspect(&ns)
+        .unwrap()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        found,
+        [
+            "nftables inet mesh out: policy drop",
+            "nftables ip nat PREROUTING: 1 rule",
+            "iptables-legacy filter OUTPUT: policy DROP",
+            "ip6tables-legacy filter INPUT: 1 rule",
+        ]
+    );
 }

@@ -49,6 +49,27 @@ struct EnvOpts {
         default_value = "ignore"
     )]
     lsm_policy: LsmPolicy,
+    /// Netfilter rules already in a pod's network namespace, which the
+    /// guest's traffic would bypass: `refuse` the pod (and publish an
+    /// event naming them) or `ignore` them (logged).
+    #[arg(
+        long,
+        env = "CRUST_SHIM_NETNS_RULES",
+        value_enum,
+        default_value = "refuse"
+    )]
+    netns_rules: NetnsRules,
+}
+
+/// What the shim does with netfilter rules in a pod's namespace
+/// (`CRUST_SHIM_NETNS_RULES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum NetnsRules {
+    /// Fail the sandbox, naming the tables and chains.
+    #[default]
+    Refuse,
+    /// Run the pod; the rules are logged and do not apply to it.
+    Ignore,
 }
 
 /// A pod's [`crate::spec::CRUST_MEMORY`] annotation above a cap.
@@ -69,6 +90,7 @@ pub struct ShimConfig {
     /// 0: the host's cores ([`ShimConfig::max_vcpus`]).
     pub max_cpus: u32,
     pub lsm_policy: LsmPolicy,
+    pub netns_rules: NetnsRules,
 }
 
 impl ShimConfig {
@@ -108,6 +130,7 @@ impl ShimConfig {
             max_memory_mib: o.max_memory_mib,
             max_cpus: o.max_cpus,
             lsm_policy: o.lsm_policy,
+            netns_rules: o.netns_rules,
         })
     }
 
@@ -192,6 +215,7 @@ pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
         max_memory_mib: 8192,
         max_cpus: 0,
         lsm_policy: LsmPolicy::Ignore,
+        netns_rules: NetnsRules::Refuse,
     }
 }
 

@@ -7,10 +7,23 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crust_agent_proto::AgentClient;
-use crust_podnet::{GuestNet, NetError, NetNs, PodNetwork};
+use crust_podnet::{AntiSpoof, GuestNet, NetError, NetNs, PodNetwork};
 use crust_vmm::NicSpec;
 
+use crate::config::NetnsRules;
 use crate::spec::PodNetworkSpec;
+
+/// containerd event topic of a pod refused for the netfilter rules in its
+/// namespace: a JSON `google.protobuf.StringValue` naming them.
+pub const NETFILTER_TOPIC: &str = "/crust/network/netfilter-rules";
+
+/// How a pod's namespace is taken: the node's rule for netfilter rules
+/// found there, and the pod's anti-spoofing choice.
+#[derive(Debug, Clone, Copy)]
+pub struct NetPolicy {
+    pub rules: NetnsRules,
+    pub anti_spoofing: AntiSpoof,
+}
 
 /// What a booting pod attached; detached on failure by [`Attached::undo`].
 pub struct Attached {
@@ -46,19 +59,26 @@ pub fn guest_net(kernel: &Path) -> GuestNet {
 /// Reads the pod's namespace and, once crust-podnet's check says `guest`
 /// can take it (else the error names the interface and nothing changed),
 /// makes a tap per interface: one queue per vCPU. `Host` and `Empty` give
-/// no NIC (the guest has only `lo`).
+/// no NIC (the guest has only `lo`). Netfilter rules in the namespace
+/// refuse the pod first, unless the node ignores them.
 pub fn attach(
     spec: &PodNetworkSpec,
     cpus: u32,
     guest: &GuestNet,
+    policy: NetPolicy,
 ) -> Result<Option<Attached>, NetError> {
     let PodNetworkSpec::Namespace(path) = spec else {
         return Ok(None);
     };
     let t0 = std::time::Instant::now();
     let ns = NetNs::open(path)?;
+    check_rules(&ns, policy.rules)?;
     let net = crust_podnet::scan(&ns)?;
-    let taps = crust_podnet::attach(&ns, &net, guest, cpus.max(1))?;
+    if policy.anti_spoofing == AntiSpoof::Off {
+        tracing::warn!(netns = %path, "anti-spoofing off for this pod ({}): its guest may send \
+            frames from any address", crate::spec::CRUST_ANTI_SPOOFING);
+    }
+    let taps = crust_podnet::attach(&ns, &net, guest, cpus.max(1), policy.anti_spoofing)?;
     let nics = taps
         .into_iter()
         .map(|t| NicSpec {
@@ -70,6 +90,68 @@ pub fn attach(
     tracing::info!(netns = %path, interfaces = ?net.links.iter().map(|l| &l.name).collect::<Vec<_>>(),
         elapsed_ms = t0.elapsed().as_millis() as u64, "pod network mirrored into the VM");
     Ok(Some(Attached { ns, net, nics }))
+}
+
+/// Netfilter rules in the pod's namespace would not see the guest's
+/// traffic: refused, or logged when the node ignores them.
+fn check_rules(ns: &NetNs, rules: NetnsRules) -> Result<(), NetError> {
+    let found = crust_podnet::netfilter::inspect(ns)?;
+    if found.is_empty() {
+        return Ok(());
+    }
+    let err = NetError::Rules {
+        path: ns.path().to_string(),
+        found,
+    };
+    match rules {
+        NetnsRules::Refuse => Err(err),
+        NetnsRules::Ignore => {
+            tracing::warn!("ignored (CRUST_SHIM_NETNS_RULES=ignore): {err}");
+            Ok(())
+        }
+    }
+}
+
+/// The [`NETFILTER_TOPIC`] event's body for a refusal, if `e` is one.
+pub fn rules_event(pod: &str, e: &NetError) -> Option<String> {
+    let NetError::Rules { path, found } = e else {
+        return None;
+    };
+    let rules: Vec<serde_json::Value> = found
+        .iter()
+        .map(|f| {
+            serde_json::json!({"backend": f.backend, "table": f.table, "chain": f.chain,
+                "rules": f.rules, "policy": f.policy})
+        })
+        .collect();
+    Some(
+        serde_json::json!({"sandbox_id": pod, "netns": path, "action": "refused",
+            "rules": rules, "reason": e.to_string()})
+        .to_string(),
+    )
+}
+
+/// The anti-spoofing guard's drop counters as Prometheus text: family
+/// `crust_pod_network_spoofed_frames_total{interface,reason}`. A pod
+/// without the guard (or whose namespace is gone) has no samples.
+pub fn guard_metrics(netns: Option<&str>, links: &[String]) -> String {
+    let name = "crust_pod_network_spoofed_frames_total";
+    let mut out = format!(
+        "# HELP {name} Frames from the guest dropped for a forged address (interface, reason: \
+         mac, arp, ipv4, ipv6, nd, other).\n# TYPE {name} counter\n"
+    );
+    let Some(ns) = netns.and_then(|p| NetNs::open(p).ok()) else {
+        return out;
+    };
+    for d in crust_podnet::guard::dropped(&ns, links).unwrap_or_default() {
+        out.push_str(&format!(
+            "{name}{{interface=\"{}\",reason=\"{}\"}} {}\n",
+            d.interface.replace('\\', "\\\\").replace('"', "\\\""),
+            d.reason,
+            d.packets
+        ));
+    }
+    out
 }
 
 /// Gives the guest the pod's addresses, routes and neighbours; without a

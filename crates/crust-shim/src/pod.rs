@@ -219,6 +219,7 @@ impl Pod {
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
         network: &crate::spec::PodNetworkSpec,
+        policy: crate::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
         let _g = self.boot.lock().await;
         if let Some(v) = self.vm.read().await.clone() {
@@ -226,7 +227,7 @@ impl Pod {
         }
         self.create_record(bundle)?;
         self.serve_api()?;
-        let res = self.launch(memory_mib, cpus, cgroup, network).await;
+        let res = self.launch(memory_mib, cpus, cgroup, network, policy).await;
         match res {
             Ok(vm) => {
                 *self.vm.write().await = Some(vm.clone());
@@ -305,11 +306,12 @@ impl Pod {
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
         network: &crate::spec::PodNetworkSpec,
+        policy: crate::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
         // Checked and attached first: a network that cannot go into a VM
         // fails the sandbox before anything boots.
         let guest = crate::net::guest_net(&self.cfg.runtime.guest_kernel);
-        let net = crate::net::attach(network, cpus, &guest)?;
+        let net = crate::net::attach(network, cpus, &guest, policy)?;
         if let Some(a) = &net {
             self.update(|s| {
                 s.network_namespace = Some(a.ns.path().to_string());

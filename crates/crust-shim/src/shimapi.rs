@@ -71,13 +71,21 @@ impl ShimHandler for Pod {
     async fn metrics(&self) -> ApiResult<String> {
         let st = ShimHandler::state(self).await?;
         let vm = self.vm().await.ok();
-        Ok(crust_runtime::metrics::sandbox_metrics(
+        let mut text = crust_runtime::metrics::sandbox_metrics(
             &st,
             vm.as_ref().map(|vm| &vm.agent),
             self.attachments.alias_watch(),
             self.cfg.runtime.timeout,
         )
-        .await)
+        .await;
+        let (netns, links) = (st.network_namespace.clone(), st.network_links.clone());
+        let guard = tokio::task::spawn_blocking(move || {
+            crate::net::guard_metrics(netns.as_deref(), &links)
+        })
+        .await
+        .unwrap_or_default();
+        text.push_str(&guard);
+        Ok(text)
     }
 
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {

@@ -29,6 +29,10 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// `io.crust.*` pod annotations through `pod_annotations`).
 pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 pub const CRUST_MEMORY: &str = "io.crust.memory-bytes";
+/// `off` lets the pod's guest send frames from any address (routers,
+/// VRRP): the anti-spoofing guard of `crust_podnet::guard` is on
+/// otherwise. Logged when off.
+pub const CRUST_ANTI_SPOOFING: &str = "io.crust.network.anti-spoofing";
 /// The pod's CPU limit (containerd 1.7+) as a CFS quota and period.
 pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
 pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
@@ -227,6 +231,8 @@ pub struct ContainerPlan {
     pub devices: Vec<HostDevice>,
     /// The pod's network (what the sandbox's VM gets).
     pub network: PodNetworkSpec,
+    /// The pod's [`CRUST_ANTI_SPOOFING`] annotation.
+    pub anti_spoofing: crust_podnet::AntiSpoof,
     /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
     pub lsm: Vec<LsmSetting>,
     /// The container's IPC, UTS and PID namespaces in the guest (see
@@ -565,8 +571,18 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             ),
         },
     };
+    let anti_spoofing = match a.get(CRUST_ANTI_SPOOFING).map(String::as_str) {
+        None | Some("on") => crust_podnet::AntiSpoof::On,
+        Some("off") => crust_podnet::AntiSpoof::Off,
+        Some(v) => {
+            return Err(invalid(format!(
+                "annotation {CRUST_ANTI_SPOOFING} = {v:?}: \"on\" or \"off\""
+            )));
+        }
+    };
     let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
+        anti_spoofing,
         user: user_namespace(spec, &linux, process.user.as_ref())?,
         pid,
         sysctl,
@@ -1025,6 +1041,25 @@ mod tests {
         assert_eq!(
             net(json!([{"type": "network", "path": "/var/run/netns/cni-1"}])),
             PodNetworkSpec::Namespace("/var/run/netns/cni-1".into())
+        );
+    }
+
+    #[test]
+    fn anti_spoofing_is_on_unless_the_pod_turns_it_off() {
+        let with = |value: Option<&str>| {
+            let mut v = base();
+            if let Some(x) = value {
+                v["annotations"][CRUST_ANTI_SPOOFING] = json!(x);
+            }
+            plan(&spec(v), Path::new("/b")).map(|p| p.anti_spoofing)
+        };
+        assert_eq!(with(None).unwrap(), crust_podnet::AntiSpoof::On);
+        assert_eq!(with(Some("on")).unwrap(), crust_podnet::AntiSpoof::On);
+        assert_eq!(with(Some("off")).unwrap(), crust_podnet::AntiSpoof::Off);
+        let e = with(Some("no")).unwrap_err().to_string();
+        assert!(
+            e.contains(CRUST_ANTI_SPOOFING) && e.contains("\"no\""),
+            "{e}"
         );
     }
 

@@ -57,12 +57,15 @@ struct PodOpts<'a> {
     port: Option<(i32, i32)>,
     /// `Pod` (CNI) or `Node` (hostNetwork).
     network: cri::NamespaceMode,
+    /// The pod's annotations (containerd hands crust the `io.crust.*` ones).
+    annotations: &'a [(&'a str, &'a str)],
 }
 
 const CRUST_CNI: PodOpts<'static> = PodOpts {
     handler: crust_testkit::CRUST_HANDLER,
     port: None,
     network: cri::NamespaceMode::Pod,
+    annotations: &[],
 };
 
 /// The CRI sandbox config of test pod `name` (its log directory made).
@@ -144,8 +147,13 @@ async fn try_pod(
         handler,
         port,
         network,
+        annotations,
     } = opts;
-    let config = sandbox_config(env, name, uid, port, network);
+    let mut config = sandbox_config(env, name, uid, port, network);
+    config.annotations = annotations
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let sandbox = cri
         .runtime
         .run_pod_sandbox(cri::RunPodSandboxRequest {
@@ -947,6 +955,10 @@ async fn bench_network() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
     let (env, _bridge, _ipam) = bench_env();
+    // CRUST_BENCH_ANTI_SPOOFING=off: the crust pods without the guard.
+    let guard = std::env::var("CRUST_BENCH_ANTI_SPOOFING").unwrap_or_else(|_| "on".into());
+    eprintln!("anti-spoofing: {guard}");
+    let anti_spoofing = [(crust_shim::spec::CRUST_ANTI_SPOOFING, guard.as_str())];
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let server = "exec iperf3 -s";
     let mut pods = Vec::new();
@@ -962,6 +974,7 @@ async fn bench_network() {
         let uid = format!("26f00000-0000-4000-8000-{i:012}");
         let opts = PodOpts {
             handler,
+            annotations: &anti_spoofing,
             ..CRUST_CNI
         };
         match try_pod(&mut cri, &env, name, &uid, server, opts).await {
@@ -1134,4 +1147,326 @@ fn ipv4_env(
         Some(conflist.to_string()),
     );
     (env, bridge, ipam_dir)
+}
+
+/// A chained CNI plugin shaped like istio-cni: on ADD it programs the
+/// pod's namespace with iptables (RULES) and passes the result on.
+const MESH_PLUGIN: &str = r#"#!/bin/sh
+conf=$(cat)
+case "$CNI_COMMAND" in
+ADD) nsenter --net="$CNI_NETNS" sh -c 'RULES' >&2 || exit 1
+     printf '%s' "$conf" | jq -c '.prevResult + {cniVersion: .cniVersion}' ;;
+VERSION) echo '{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}' ;;
+esac
+"#;
+
+/// A containerd whose CNI list is a bridge network `10.<octet>.<pid>.0/24`
+/// followed by [`MESH_PLUGIN`] running `rules` in each pod's namespace.
+fn mesh_env(
+    prefix: &str,
+    octet: u8,
+    rules: &str,
+    extra_env: Vec<(String, String)>,
+) -> (Env, Bridge, tempfile::TempDir, String) {
+    let n = std::process::id() % 250;
+    let bridge = Bridge(format!("{prefix}{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "crust-test",
+        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.{octet}.{n}.0/24")}]],
+                     "routes": [{"dst": "0.0.0.0/0"}],
+                     "dataDir": ipam_dir.path().display().to_string()}},
+            {"type": "crust-mesh"}]
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        extra_env,
+        Some(conflist.to_string()),
+    );
+    let plugin = env.ctrd.dir().join("cni/bin/crust-mesh");
+    std::fs::write(&plugin, MESH_PLUGIN.replace("RULES", rules)).unwrap();
+    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    (env, bridge, ipam_dir, format!("10.{octet}.{n}"))
+}
+
+/// Issue 42, must-show 4 (its default): rules a mesh's CNI plugin put in
+/// the pod's namespace (istio-cni's REDIRECT, an OUTPUT DROP policy)
+/// would not see the guest's traffic, so the pod is refused before any
+/// VM starts: the error names each table and chain, containerd's event
+/// stream carries the same, and CNI's DEL still frees the address. No
+/// guest boots: about 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netfilter_rules_in_the_pod_namespace_refuse_the_pod_with_an_event() {
+    let rules = "iptables -w -P OUTPUT DROP && \
+                 iptables -w -t nat -A PREROUTING -p tcp -j REDIRECT --to-ports 15001";
+    let (env, _bridge, ipam_dir, _) = mesh_env("crbm", 86, rules, Vec::new());
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let events = env.ctrd.events(crust_testkit::CRI_NAMESPACE);
+    let e = try_pod(
+        &mut cri,
+        &env,
+        "net-mesh",
+        "42d40000-0000-4000-8000-000000000001",
+        "exec sleep 600",
+        CRUST_CNI,
+    )
+    .await
+    .map(|p| p.sandbox)
+    .expect_err("a pod whose namespace has netfilter rules must not start");
+    for needle in [
+        "netfilter rules",
+        "ip filter OUTPUT: policy drop",
+        "ip nat PREROUTING: 1 rule",
+        "CRUST_SHIM_NETNS_RULES=ignore",
+    ] {
+        assert!(e.contains(needle), "{needle:?} not in: {e}\n{}", env.logs());
+    }
+    assert!(qemus_under(&env.runtime_root).is_empty(), "no VM");
+    let out = events.lines();
+    let line = out
+        .iter()
+        .find(|l| l.contains(crust_shim::net::NETFILTER_TOPIC))
+        .unwrap_or_else(|| panic!("no netfilter event: {out:?}\n{}", env.logs()));
+    assert!(
+        line.contains("refused") && line.contains("PREROUTING") && line.contains("OUTPUT"),
+        "{line}"
+    );
+    assert!(leased(ipam_dir.path()).is_empty(), "DEL freed the address");
+}
+
+/// Runs `script` as the guest's root, outside any container (the pod's
+/// shim API `/exec`): a compromised guest kernel is the attacker here.
+async fn guest_exec(env: &Env, sandbox: &str, script: &str) -> String {
+    let client = crust_runtime::shim::ShimClient::new(
+        env.runtime_root
+            .join(sandbox)
+            .join(crust_runtime::sandbox::SHIM_SOCKET),
+        Duration::from_secs(60),
+    );
+    let req = crust_runtime::shim::ExecRequest {
+        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: vec![],
+        timeout_ms: Some(60_000),
+    };
+    let r = client
+        .exec(&req)
+        .await
+        .unwrap_or_else(|e| panic!("guest exec: {e}"));
+    format!("{}{}", r.stdout, r.stderr)
+}
+
+/// The pod shim's `/metrics` (what kata-monitor scrapes).
+fn shim_metrics(env: &Env, sandbox: &str) -> String {
+    let sock = env
+        .runtime_root
+        .join(sandbox)
+        .join(crust_runtime::sandbox::SHIM_SOCKET);
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// A sample's value in Prometheus text (0 when absent).
+fn sample(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name_and_labels))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Another "pod" on the bridge, played by a namespace with a veth (a
+/// runc pod's network, without runc); removed on drop.
+struct Victim {
+    ns: String,
+    host_if: String,
+}
+
+impl Victim {
+    fn new(bridge: &str, addr: &str) -> Victim {
+        let v = Victim {
+            ns: format!("crust-victim-{}", std::process::id()),
+            host_if: format!("vv{}", std::process::id() % 100_000),
+        };
+        let ip = |args: &[&str]| {
+            let o = Command::new("ip").args(args).output().unwrap();
+            assert!(o.status.success(), "ip {args:?}: {o:?}");
+        };
+        ip(&["netns", "add", &v.ns]);
+        ip(&[
+            "link", "add", &v.host_if, "type", "veth", "peer", "name", "eth0", "netns", &v.ns,
+        ]);
+        ip(&["link", "set", &v.host_if, "master", bridge, "up"]);
+        ip(&[
+            "-n",
+            &v.ns,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &v.ns, "link", "set", "eth0", "up"]);
+        v
+    }
+
+    fn mac(&self) -> String {
+        let o = Command::new("ip")
+            .args(["-n", &self.ns, "-j", "link", "show", "eth0"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v[0]["address"].as_str().unwrap().to_string()
+    }
+}
+
+impl Drop for Victim {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .status();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// tcpdump on a host interface, from listening until [`Capture::stop`].
+struct Capture(std::process::Child);
+
+impl Capture {
+    fn start(dev: &str) -> Capture {
+        use std::io::BufRead;
+        let mut c = Command::new("tcpdump")
+            .args(["-n", "-e", "-l", "-U", "-i", dev])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("tcpdump (scripts/install-deps.sh installs it)");
+        let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("listening on") {
+            line.clear();
+            assert!(err.read_line(&mut line).unwrap() > 0, "tcpdump ended");
+        }
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+        Capture(c)
+    }
+
+    fn stop(mut self) -> String {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = Command::new("kill")
+            .args(["-INT", &self.0.id().to_string()])
+            .status();
+        let mut out = String::new();
+        self.0
+            .stdout
+            .as_mut()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        let _ = self.0.wait();
+        out
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 42, must-show 6, from a real guest: its root claims another
+/// pod's address (a namespace on the same bridge) with gratuitous ARP and
+/// sends IPv4 from it. The bridge's capture shows none of it, the node's
+/// neighbour entry keeps the other pod's MAC, the shim's metrics count
+/// the drops, and the pod's own traffic passes. The node here ignores
+/// namespace rules (`CRUST_SHIM_NETNS_RULES=ignore`), and this pod's
+/// namespace holds one: it starts all the same, and the shim says so.
+/// One TCG guest, about 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_forging_another_pods_address_reaches_nobody() {
+    let (env, bridge, _ipam, net) = mesh_env(
+        "crbs",
+        85,
+        "iptables -w -A INPUT -p tcp --dport 9 -j ACCEPT",
+        vec![("CRUST_SHIM_NETNS_RULES".into(), "ignore".into())],
+    );
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let pod = try_pod(
+        &mut cri,
+        &env,
+        "net-spoof",
+        "42d60000-0000-4000-8000-000000000001",
+        "exec sleep 600",
+        CRUST_CNI,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
+    assert!(
+        env.logs().contains("CRUST_SHIM_NETNS_RULES=ignore"),
+        "the ignored rule is logged\n{}",
+        env.logs()
+    );
+    let (gateway, other) = (format!("{net}.1"), format!("{net}.200"));
+    let victim = Victim::new(&bridge.0, &other);
+    let ping = Command::new("ping")
+        .args(["-c", "1", "-W", "3", &other])
+        .output()
+        .unwrap();
+    assert!(ping.status.success(), "the host reaches the other pod");
+    let neigh = || {
+        let o = Command::new("ip")
+            .args(["neigh", "show", &other, "dev", &bridge.0])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    assert!(neigh().contains(&victim.mac()), "{}", neigh());
+
+    let mac = guest_exec(&env, &pod.sandbox, "cat /sys/class/net/eth0/address").await;
+    let mac = mac.trim().to_string();
+    let cap = Capture::start(&bridge.0);
+    let out = guest_exec(
+        &env,
+        &pod.sandbox,
+        &format!(
+            "ping -c 1 -W 3 {gateway} >/dev/null && echo own-traffic-ok
+             ip addr add {other}/32 dev eth0
+             arping -U -c 2 -I eth0 {other}
+             ping -c 2 -W 1 -I {other} {gateway}
+             ip addr del {other}/32 dev eth0"
+        ),
+    )
+    .await;
+    let seen = cap.stop();
+    assert!(out.contains("own-traffic-ok"), "{out}");
+    let forged: Vec<&str> = seen
+        .lines()
+        .filter(|l| l.contains(&format!("{mac} >")) && l.contains(&other))
+        .collect();
+    assert!(
+        forged.is_empty(),
+        "forged frames on the bridge: {forged:?}\n{out}"
+    );
+    assert!(
+        seen.lines()
+            .any(|l| l.contains(&format!("{mac} >")) && l.contains(&pod.ips[0].to_string())),
+        "the pod's own frames pass: {seen}"
+    );
+    assert!(neigh().contains(&victim.mac()), "{}", neigh());
+    let m = shim_metrics(&env, &pod.sandbox);
+    let family = "crust_pod_network_spoofed_frames_total";
+    for reason in ["arp", "ipv4"] {
+        let n = sample(
+            &m,
+            &format!("{family}{{interface=\"eth0\",reason=\"{reason}\"}}"),
+        );
+        assert!(n >= 1.0, "{reason}: {n}\n{m}");
+    }
+    remove_pod(&mut cri, &env, &pod.sandbox).await;
 }

@@ -158,11 +158,22 @@ impl Service {
                 cpus,
                 placement.as_ref(),
                 &plan.network,
+                crate::net::NetPolicy {
+                    rules: self.pod.cfg.netns_rules,
+                    anti_spoofing: plan.anti_spoofing,
+                },
             )
             .await;
         let vm = match boot {
             Ok(vm) => vm,
-            Err(e) => return Err(self.fail_create(true, e.into()).await),
+            Err(e) => {
+                if let crate::pod::PodError::Network(n) = &e
+                    && let Some(body) = crate::net::rules_event(&self.pod.id, n)
+                {
+                    self.publish_json(crate::net::NETFILTER_TOPIC, body).await;
+                }
+                return Err(self.fail_create(true, e.into()).await);
+            }
         };
         self.spawn_vm_watch(vm.clone());
         Ok(vm)

@@ -114,6 +114,15 @@ impl Service {
         }
     }
 
+    /// A JSON body as a `google.protobuf.StringValue` event on `topic`.
+    async fn publish_json(&self, topic: &str, body: String) {
+        let msg = StringValue {
+            value: body,
+            ..Default::default()
+        };
+        self.publish(topic, Box::new(msg)).await;
+    }
+
     /// Each declined handover (an `auto` volume left on the host and
     /// shared over virtio-fs) as a containerd event on
     /// [`FALLBACK_TOPIC`]: a JSON `google.protobuf.StringValue` naming the
