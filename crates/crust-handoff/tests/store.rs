@@ -1205,3 +1205,47 @@ fn stage_claimed_writes_the_claim_before_the_record() {
         Err(HandoffError::Unsupported(_))
     ));
 }
+
+/// Issue 42, item 2: a record another tool wrote (Kata's driver: no
+/// device identity) gets the identity found at the first plug, in both
+/// layouts, and keeps the rest of the record; an identity already there
+/// is never replaced; no record is NOT_FOUND.
+#[test]
+fn the_first_plugs_identity_is_pinned_once() {
+    for layout in [Layout::Kata, Layout::Crust] {
+        let f = fixture(layout, Policy::default());
+        let dev = block_dev();
+        let missing = f
+            .store
+            .pin_device_identity(TARGET, "file:7:0:12:5")
+            .unwrap_err();
+        assert_eq!(missing.kind(), ErrorKind::NotFound, "{missing}");
+        f.store.stage(TARGET, &sample(&dev)).unwrap();
+        assert!(
+            f.store
+                .pin_device_identity(TARGET, "file:7:0:12:5")
+                .unwrap()
+        );
+        let mi = f.store.read(TARGET).unwrap();
+        assert_eq!(
+            mi.metadata
+                .get(crust_handoff::DEVICE_IDENTITY_KEY)
+                .map(String::as_str),
+            Some("file:7:0:12:5")
+        );
+        assert_eq!(
+            (mi.device.as_str(), mi.fs_group()),
+            (dev.as_str(), Some(100))
+        );
+        assert!(
+            !f.store
+                .pin_device_identity(TARGET, "file:7:0:99:5")
+                .unwrap()
+        );
+        assert_eq!(
+            f.store.read(TARGET).unwrap().metadata[crust_handoff::DEVICE_IDENTITY_KEY],
+            "file:7:0:12:5",
+            "never replaced"
+        );
+    }
+}

@@ -557,6 +557,7 @@ impl Controller {
             agent: &self.agent,
             mount_timeout: self.cfg.boot_timeout,
             file_device_roots: &self.cfg.file_device_roots,
+            records: Some(&self.discovery),
         };
         if let Some(io) = plug::plug(&self.attachments, &ports, v).await? {
             self.update(|s| {

@@ -35,6 +35,10 @@ pub struct GuestPorts<'a> {
     ///
     /// [`Config::file_device_roots`]: crate::config::Config::file_device_roots
     pub file_device_roots: &'a [std::path::PathBuf],
+    /// The hand-off stores a volume's record is in: a record without a
+    /// device identity gets the one found at its first plug. None where
+    /// no record stands behind the volume.
+    pub records: Option<&'a Discovery>,
 }
 
 /// A volume in the guest: the bus it sits on and the hold on its device
@@ -232,6 +236,8 @@ async fn plug_on(
     // A file device is opened once, by the one rule; QEMU gets that
     // descriptor and the hold is a copy of it.
     let file = volumes::open_file_device(v, g.file_device_roots).map_err(|e| (e, None))?;
+    // The identity to record once the plug succeeded (a record without one).
+    let mut pin = None;
     let hold = match &file {
         Some(fd) => {
             if v.create_fs {
@@ -248,7 +254,7 @@ async fn plug_on(
             let hold = volumes::hold_host_device(v).map_err(|e| (e, None))?;
             // Before anything is written or attached: the device is the
             // record's, proven through the hold.
-            volumes::check_identity(v, &hold).map_err(|e| (e, None))?;
+            pin = volumes::check_identity(v, &hold).map_err(|e| (e, None))?;
             if v.create_fs && !v.readonly {
                 // mkfs needs the device to itself: the hold goes for it.
                 drop(hold);
@@ -256,7 +262,7 @@ async fn plug_on(
                     .await
                     .map_err(|e| (e, None))?;
                 let hold = volumes::hold_host_device(v).map_err(|e| (e, None))?;
-                volumes::check_identity(v, &hold).map_err(|e| (e, None))?;
+                pin = volumes::check_identity(v, &hold).map_err(|e| (e, None))?;
                 hold
             } else {
                 hold
@@ -277,7 +283,12 @@ async fn plug_on(
     }
     .await;
     match res {
-        Ok(io) => Ok((hold, io)),
+        Ok(io) => {
+            if let (Some(id), Some(records)) = (pin, g.records) {
+                pin_identity(records, v, &id);
+            }
+            Ok((hold, io))
+        }
         Err(e) => match volumes::detach(g.qmp, v).await {
             // Both steps are idempotent: Ok means QEMU has no such node.
             Ok(()) => Err((e, None)),
@@ -287,6 +298,23 @@ async fn plug_on(
                 Err((e, Some(hold)))
             }
         },
+    }
+}
+
+/// Records `id` in `v`'s hand-off record, which had none (Kata's driver
+/// writes none): the device this first plug proved exclusive is the one
+/// every later plug must find. A record that cannot take it is logged;
+/// the plug stands, as it would have before identities existed.
+fn pin_identity(records: &Discovery, v: &Volume, id: &crust_blockdev::DeviceIdentity) {
+    match records
+        .store(v.layout)
+        .pin_device_identity(&v.target, &id.to_string())
+    {
+        Ok(true) => tracing::info!(target = %v.target, device = %v.device,
+            "the record named its device by path alone: {id} recorded, every later plug is held to it"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(target = %v.target, device = %v.device,
+            "recording the device identity {id}: {e}"),
     }
 }
 

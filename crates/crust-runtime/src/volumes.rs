@@ -329,22 +329,24 @@ pub fn hold_raw_device(
 /// device by path, and paths are reused (a detached loop's number goes to
 /// the next attach of any file). A mismatch refuses the plug, naming both
 /// identities; nothing is attached. A record without an identity (one
-/// Kata's CSI driver wrote, or an older crust) is plugged as before, the
-/// identity found logged.
+/// Kata's CSI driver wrote, or an older crust) is plugged as before, and
+/// the identity found is returned for the caller to record once the plug
+/// succeeded ([`crate::plug`]), so every later plug is held to it.
 pub fn check_identity(
     v: &Volume,
     hold: &crust_blockdev::ExclusiveDevice,
-) -> Result<(), VolumeError> {
+) -> Result<Option<crust_blockdev::DeviceIdentity>, VolumeError> {
     use std::os::fd::AsFd;
     let found = crust_blockdev::identity_of(hold.as_fd(), Path::new(&v.device));
     let Some(want) = &v.identity else {
-        match found {
-            Ok(id) => tracing::info!(target = %v.target, device = %v.device,
-                "the record carries no device identity; the device is {id}"),
-            Err(e) => tracing::info!(target = %v.target, device = %v.device,
-                "the record carries no device identity; the device has none: {e}"),
-        }
-        return Ok(());
+        return Ok(match found {
+            Ok(id) => Some(id),
+            Err(e) => {
+                tracing::info!(target = %v.target, device = %v.device,
+                    "the record carries no device identity; the device has none: {e}");
+                None
+            }
+        });
     };
     let want: crust_blockdev::DeviceIdentity =
         want.parse().map_err(|e| VolumeError::Precondition {
@@ -371,7 +373,7 @@ pub fn check_identity(
             ),
         ));
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A refusal of `v`'s host device.

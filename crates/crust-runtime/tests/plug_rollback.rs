@@ -150,6 +150,7 @@ async fn plug_with(
         agent: &agent,
         mount_timeout: Duration::from_millis(200),
         file_device_roots: &[],
+        records: None,
     };
     let v = Volume::from_record(
         LayoutKind::Crust,

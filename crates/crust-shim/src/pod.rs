@@ -631,6 +631,7 @@ impl Pod {
             agent: &vm.agent,
             mount_timeout: self.cfg.runtime.boot_timeout,
             file_device_roots: &self.cfg.runtime.file_device_roots,
+            records: Some(&self.discovery),
         };
         match plug::plug(&self.attachments, &ports, v).await {
             Ok(Some(io)) => {
@@ -737,6 +738,7 @@ impl Pod {
             agent: &vm.agent,
             mount_timeout: self.cfg.runtime.boot_timeout,
             file_device_roots: &self.cfg.runtime.file_device_roots,
+            records: None,
         };
         plug::plug_raw(&self.attachments, &ports, &v, kubelet)
             .await

@@ -375,6 +375,34 @@ async fn the_guest_holds_its_devices(door: Door) {
     };
     phase("published");
 
+    // A record that names its device by path alone (as Kata's CSI driver
+    // writes them, or an older crust): the first plug records the identity
+    // it finds, which must be the one crust-ops wrote, and the stale record
+    // at the end is refused by it.
+    let written = records.inspect(&deferred).unwrap().mount_info.metadata
+        [crust_handoff::DEVICE_IDENTITY_KEY]
+        .clone();
+    let file = records
+        .record_dir(&deferred)
+        .unwrap()
+        .join("mountInfo.json");
+    let mut mi: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    mi["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove(crust_handoff::DEVICE_IDENTITY_KEY);
+    std::fs::write(&file, serde_json::to_vec(&mi).unwrap()).unwrap();
+    let pinned = || {
+        records
+            .inspect(&deferred)
+            .unwrap()
+            .mount_info
+            .metadata
+            .get(crust_handoff::DEVICE_IDENTITY_KEY)
+            .cloned()
+    };
+    assert_eq!(pinned(), None);
+
     // --- while the guest uses both volumes, the host cannot have them -------
     let w = door
         .start(
@@ -407,6 +435,11 @@ async fn the_guest_holds_its_devices(door: Door) {
         let said = env.shim_log_all().matches(&want).count();
         assert_eq!(said, 2, "{want:?} in the shim's log\n{}", logs());
     }
+    assert_eq!(
+        pinned().as_ref(),
+        Some(&written),
+        "{door:?}: the first plug records the device's identity"
+    );
     phase("running");
 
     // --- a host tool's second loop device on the live volume's pool file

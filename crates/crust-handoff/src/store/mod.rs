@@ -270,6 +270,34 @@ impl Store {
         Ok(true)
     }
 
+    /// Records `identity` (metadata [`crate::DEVICE_IDENTITY_KEY`]) in the
+    /// record staged for `target` when it has none: a record another tool
+    /// wrote (Kata's CSI driver) names its device by path alone, and the
+    /// device found there at the first plug is the one every later plug
+    /// must find. An identity already there is never replaced. No record:
+    /// [`HandoffError::NotFound`]. Returns whether it wrote.
+    pub fn pin_device_identity(&self, target: &str, identity: &str) -> Result<bool> {
+        let key = self.check_target(target)?;
+        let Some(root) = self.open_root(false)? else {
+            return Err(HandoffError::NotFound(target.to_string()));
+        };
+        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
+            return Err(HandoffError::NotFound(target.to_string()));
+        };
+        let path = self.display(&key);
+        let bytes = read_bounded(&dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, &path)?
+            .ok_or_else(|| HandoffError::NotFound(target.to_string()))?;
+        let mut mi = MountInfo::from_json(&bytes).map_err(|e| HandoffError::bad(&path, e))?;
+        if mi.metadata.contains_key(crate::DEVICE_IDENTITY_KEY) {
+            return Ok(false);
+        }
+        mi.metadata
+            .insert(crate::DEVICE_IDENTITY_KEY.into(), identity.to_string());
+        let (_, json) = self.checked_record(target, &mi)?;
+        write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)?;
+        Ok(true)
+    }
+
     /// Writes the record for `target` already claimed by `sandbox_id`
     /// (and, CRUST layout, with its `runtime_cli`): the claim and the CLI
     /// are written first and `mountInfo.json` last, so a reader sees
