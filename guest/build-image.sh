@@ -145,6 +145,12 @@ fi
 E2FSCK=$(tool e2fsck e2fsprogs)
 RESIZE2FS=$(tool resize2fs e2fsprogs)
 XFS_GROWFS=$(tool xfs_growfs xfsprogs)
+# iptables-restore (its nftables backend) for a pod namespace's rules
+# carried into the guest (CRUST_SHIM_NETNS_RULES=guest), with the
+# extensions it loads at run time (-m owner, -j REDIRECT...).
+XTABLES=$(tool xtables-nft-multi iptables)
+XTABLES_EXT=/usr/lib/x86_64-linux-gnu/xtables
+need "$XTABLES_EXT/libxt_REDIRECT.so" iptables
 FIO=
 if [ "$BENCH" = 1 ]; then
 	FIO=$(tool fio fio)
@@ -187,6 +193,13 @@ HOTPLUG_MODULES="pciehp acpiphp"
 # Filesystems, loaded by the agent on first mount (xfs.ko alone costs over a
 # second of boot under TCG). Built-in ones need nothing.
 FS_MODULES="ext4 xfs virtiofs"
+# Netfilter, loaded by the agent before it applies carried rules: the
+# nftables core and what iptables-nft's common rules need (NAT and
+# REDIRECT, conntrack state, owner, mark, multiport, addrtype, comment,
+# REJECT, LOG). Dependencies (nf_conntrack, nf_nat...) come along.
+NF_MODULES="nf_tables nft_compat nft_chain_nat nft_nat nft_redir nft_masq nft_ct nft_reject_inet
+	nft_limit x_tables xt_tcpudp xt_REDIRECT xt_owner xt_mark xt_conntrack xt_multiport
+	xt_addrtype xt_comment xt_LOG ipt_REJECT ip6t_REJECT xt_nat"
 
 norm() { echo "$1" | tr '-' '_'; }
 declare -A MODPATH MODDEPS BUILTIN
@@ -239,8 +252,14 @@ for fs in $FS_MODULES; do
 	require_module "$fs"
 	FS_ORDER[$fs]="${ORDER[*]}"
 done
+SEEN=()
+for k in "${!BOOT_SEEN[@]}"; do SEEN[$k]=1; done
+ORDER=()
+for m in $NF_MODULES; do require_module "$m"; done
+NF_ORDER="${ORDER[*]}"
 ALL_MODULES="${BOOT_ORDER[*]}"
 for fs in $FS_MODULES; do ALL_MODULES="$ALL_MODULES ${FS_ORDER[$fs]}"; done
+ALL_MODULES="$ALL_MODULES | netfilter $NF_ORDER"
 if [ -f "$KCONFIG" ] && ! grep -Eq '^CONFIG_HOTPLUG_PCI_(PCIE|ACPI)=[ym]' "$KCONFIG"; then
 	die "$KCONFIG has neither PCIe nor ACPI PCI hot-plug"
 fi
@@ -252,7 +271,7 @@ KEY=$(
 		echo "format 1"
 		sha256sum "${BASH_SOURCE[0]}" "$AGENT" "$VMLINUZ" | cut -d' ' -f1
 		echo "kernel $KVER $(pkg_version "linux-image-$KVER")"
-		for p in busybox-static e2fsprogs xfsprogs libc6 liburcu8; do echo "$p $(pkg_version $p)"; done
+		for p in busybox-static e2fsprogs xfsprogs libc6 liburcu8 iptables libnftnl11 libmnl0; do echo "$p $(pkg_version $p)"; done
 		if [ "$BENCH" = 1 ]; then
 			# fio's libraries come from many packages: hash what ldd resolves.
 			echo "bench $(pkg_version fio)"
@@ -297,6 +316,17 @@ add_prog() {
 add_prog "$E2FSCK" /usr/sbin/e2fsck
 add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
+add_prog "$XTABLES" /usr/sbin/xtables-nft-multi
+for a in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
+	ln -s xtables-nft-multi "$STAGE/usr/sbin/$a"
+done
+mkdir -p "$STAGE$XTABLES_EXT"
+for so in "$XTABLES_EXT"/*.so; do
+	add_prog "$so" "$so"
+done
+# Proof that iptables runs on the image's libraries alone.
+chroot "$STAGE" /usr/sbin/iptables --version >/dev/null 2>&1 ||
+	die "iptables does not start on the image's libraries: $(chroot "$STAGE" /usr/sbin/iptables --version 2>&1 | head -n 3)"
 cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
 # The image holds the agent the key names (not one rebuilt since).
 [ "$(sha256sum <"$STAGE/usr/sbin/crust-agent")" = "$AGENT_SUM" ] ||
@@ -334,6 +364,11 @@ for fs in $FS_MODULES; do
 		add_module "$m"
 		echo "$m" >>"$STAGE/etc/modules.d/$fs"
 	done
+done
+: >"$STAGE/etc/modules.d/netfilter"
+for m in $NF_ORDER; do
+	add_module "$m"
+	echo "$m" >>"$STAGE/etc/modules.d/netfilter"
 done
 
 ln -s /proc/self/mounts "$STAGE/etc/mtab"
@@ -427,3 +462,4 @@ if [ "$BENCH" = 1 ]; then
 fi
 say "  modules  boot: ${BOOT_ORDER[*]}"
 for fs in $FS_MODULES; do say "           on first $fs mount: ${FS_ORDER[$fs]:-(built in)}"; done
+say "           for carried netfilter rules: $NF_ORDER"

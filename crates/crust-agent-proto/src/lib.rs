@@ -29,8 +29,8 @@ pub use containers::*;
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use messages::*;
 pub use network::{
-    ConfigureNetwork, ConfigureNetworkReply, NetAddress, NetInterface, NetNeighbour, NetRoute,
-    RouteScope,
+    ConfigureNetwork, ConfigureNetworkReply, GuestRules, NetAddress, NetInterface, NetNeighbour,
+    NetRoute, RouteScope,
 };
 pub use stdio::STDIO_PORT_NAME;
 

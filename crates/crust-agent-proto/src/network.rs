@@ -17,7 +17,23 @@ pub struct ConfigureNetwork {
     /// whose gateway they reach).
     pub routes: Vec<NetRoute>,
     pub neighbours: Vec<NetNeighbour>,
+    /// The netfilter rules of the pod's namespace, carried into the
+    /// guest's (the host's `CRUST_SHIM_NETNS_RULES=guest`): applied after
+    /// the interfaces, before any container starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netfilter: Option<GuestRules>,
 }
+
+/// iptables rules in `iptables-save` format, per family, for
+/// `iptables-restore` in the guest (its nftables backend). Empty: none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestRules {
+    pub ipv4: String,
+    pub ipv6: String,
+}
+
+/// Bound on each family's rules (istio's whole set is about 4 KiB).
+pub const MAX_RULES_BYTES: usize = 128 * 1024;
 
 /// One interface CNI made in the pod's namespace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +150,15 @@ pub fn validate(req: &ConfigureNetwork) -> Result<(), String> {
         }
         parse_mac(&n.mac).ok_or_else(|| format!("neighbour {}: MAC {:?}", n.address, n.mac))?;
     }
+    if let Some(r) = &req.netfilter {
+        for (family, text) in [("ipv4", &r.ipv4), ("ipv6", &r.ipv6)] {
+            if text.len() > MAX_RULES_BYTES || text.contains('\0') {
+                return Err(format!(
+                    "netfilter {family} rules: more than {MAX_RULES_BYTES} bytes, or a NUL"
+                ));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -215,6 +240,7 @@ mod tests {
                 metric: 0,
             }],
             neighbours: vec![],
+            netfilter: None,
         };
         validate(&req).unwrap();
         req.routes[0].gateway = Some("fe80::1".parse().unwrap());
@@ -235,5 +261,24 @@ mod tests {
             ..eth0()
         }];
         assert!(validate(&req).is_err());
+    }
+
+    #[test]
+    fn carried_rules_are_bounded() {
+        let mut req = ConfigureNetwork {
+            netfilter: Some(GuestRules {
+                ipv4: "*nat\nCOMMIT\n".into(),
+                ipv6: String::new(),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(validate(&req), Ok(()));
+        req.netfilter.as_mut().unwrap().ipv6 = "x".repeat(MAX_RULES_BYTES + 1);
+        assert!(validate(&req).unwrap_err().contains("ipv6"));
+        req.netfilter.as_mut().unwrap().ipv6 = "*filter\0".into();
+        assert!(validate(&req).unwrap_err().contains("NUL"));
+        // Absent from the wire when there are none (older agents).
+        let json = serde_json::to_string(&ConfigureNetwork::default()).unwrap();
+        assert!(!json.contains("netfilter"), "{json}");
     }
 }

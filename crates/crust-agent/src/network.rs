@@ -85,6 +85,9 @@ pub enum NetError {
     Netlink { step: String, errno: Errno },
     #[error("writing {path}: {error}")]
     Sysctl { path: String, error: String },
+    /// The pod namespace's rules could not be applied in the guest.
+    #[error("netfilter rules from the pod's namespace: {0}")]
+    Netfilter(String),
 }
 
 impl From<NetError> for AgentError {
@@ -96,7 +99,7 @@ impl From<NetError> for AgentError {
             SharedMac { .. } | NameTaken { .. } | NoIpv6(_) | AlreadyConfigured => {
                 ErrorCode::FailedPrecondition
             }
-            Netlink { .. } | Sysctl { .. } => ErrorCode::Internal,
+            Netlink { .. } | Sysctl { .. } | Netfilter(_) => ErrorCode::Internal,
         };
         AgentError::new(code, e.to_string())
     }
@@ -137,12 +140,54 @@ impl Network {
         let plan = preflight(req, &links)?;
         *state = State::Failed(req.clone());
         apply(&mut nl, req, &plan)?;
+        if let Some(rules) = &req.netfilter {
+            apply_rules(rules)?;
+        }
         let reply = ConfigureNetworkReply {
             interfaces: req.interfaces.iter().map(|i| i.name.clone()).collect(),
         };
         *state = State::Done(req.clone(), reply.clone());
         Ok(reply)
     }
+}
+
+/// Applies the pod namespace's iptables rules in the guest, each family
+/// with `iptables-restore` (the image's nftables backend) after loading
+/// the image's netfilter modules. Before any container starts, so no
+/// workload ever runs without them.
+fn apply_rules(rules: &crust_agent_proto::GuestRules) -> Result<(), NetError> {
+    use std::io::Write;
+    if rules.ipv4.is_empty() && rules.ipv6.is_empty() {
+        return Ok(());
+    }
+    crate::sys::load_module_group("netfilter").map_err(NetError::Netfilter)?;
+    for (tool, text) in [
+        ("/usr/sbin/iptables-restore", &rules.ipv4),
+        ("/usr/sbin/ip6tables-restore", &rules.ipv6),
+    ] {
+        if text.is_empty() {
+            continue;
+        }
+        let fail = |e: String| NetError::Netfilter(format!("{tool}: {e}"));
+        let mut child = std::process::Command::new(tool)
+            .arg("-w")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| fail(e.to_string()))?;
+        if let Some(mut pipe) = child.stdin.take() {
+            pipe.write_all(text.as_bytes())
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+        if !out.status.success() {
+            return Err(fail(
+                String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A guest link as a dump shows it.

@@ -267,14 +267,7 @@ pub fn ensure_filesystem_named(name: &str) -> Result<(), String> {
             list_path.display()
         )
     })?;
-    for m in list.split_whitespace() {
-        let ko = Path::new("/lib/modules").join(format!("{m}.ko"));
-        let f = std::fs::File::open(&ko).map_err(|e| format!("opening {}: {e}", ko.display()))?;
-        match rustix::system::finit_module(&f, c"", 0) {
-            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-            Err(e) => return Err(format!("loading kernel module {m}: {e}")),
-        }
-    }
+    load_modules(&list)?;
     if filesystem_registered(name) {
         Ok(())
     } else {
@@ -283,6 +276,28 @@ pub fn ensure_filesystem_named(name: &str) -> Result<(), String> {
             list.trim()
         ))
     }
+}
+
+/// Loads the modules the image lists in `/etc/modules.d/<group>`, in
+/// order (a group that is not a filesystem: `netfilter`); ones already
+/// loaded are fine.
+pub fn load_module_group(group: &str) -> Result<(), String> {
+    let list_path = Path::new("/etc/modules.d").join(group);
+    let list = std::fs::read_to_string(&list_path)
+        .map_err(|e| format!("{} is unreadable: {e}", list_path.display()))?;
+    load_modules(&list)
+}
+
+fn load_modules(list: &str) -> Result<(), String> {
+    for m in list.split_whitespace() {
+        let ko = Path::new("/lib/modules").join(format!("{m}.ko"));
+        let f = std::fs::File::open(&ko).map_err(|e| format!("opening {}: {e}", ko.display()))?;
+        match rustix::system::finit_module(&f, c"", 0) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("loading kernel module {m}: {e}")),
+        }
+    }
+    Ok(())
 }
 
 /// Reads a small sysfs attribute, trimmed.

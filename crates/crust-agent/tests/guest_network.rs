@@ -146,6 +146,7 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
             metric: 0,
         }],
         neighbours: vec![],
+        netfilter: None,
     };
     // The time a pod start spends here, beside a round trip that does
     // nothing (the protocol's own share).

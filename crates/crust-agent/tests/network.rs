@@ -113,6 +113,7 @@ fn pod_network() -> ConfigureNetwork {
             address: "10.88.0.1".parse().unwrap(),
             mac: "02:00:00:00:00:99".into(),
         }],
+        netfilter: None,
     }
 }
 

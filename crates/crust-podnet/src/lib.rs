@@ -78,12 +78,24 @@ pub enum NetError {
     #[error(
         "network namespace {path}: netfilter rules there would not see the guest's traffic \
          (it crosses the namespace below its IP stack): {}; the node's \
-         CRUST_SHIM_NETNS_RULES=ignore runs such pods anyway",
+         CRUST_SHIM_NETNS_RULES=guest applies iptables rules in the guest instead, \
+         CRUST_SHIM_NETNS_RULES=ignore runs such pods without them",
         found.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
     )]
     Rules {
         path: String,
         found: Vec<netfilter::RuleFinding>,
+    },
+    /// The namespace's rules cannot be carried into the guest.
+    #[error(
+        "network namespace {path}: its netfilter rules cannot be carried into the guest: {what} \
+         (found: {})",
+        found.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    Uncarried {
+        path: String,
+        found: Vec<netfilter::RuleFinding>,
+        what: String,
     },
     #[error("{what}: {source}")]
     Io {
@@ -94,6 +106,14 @@ pub enum NetError {
 }
 
 impl NetError {
+    /// [`NetError::Rules`] as rules that cannot be carried, for `what`.
+    pub(crate) fn carry_refused(self, what: String) -> NetError {
+        match self {
+            NetError::Rules { path, found } => NetError::Uncarried { path, found, what },
+            other => other,
+        }
+    }
+
     fn netlink(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetError {
         let what = what.into();
         move |source| NetError::Netlink { what, source }

@@ -85,6 +85,87 @@ pub fn inspect(ns: &NetNs) -> Result<Vec<RuleFinding>, NetError> {
     Ok(found)
 }
 
+/// The tables iptables-nft makes (in families `ip` and `ip6`): their
+/// rules are carried in `iptables-save` form, which keeps xtables matches
+/// (`-m owner`) that nft's own listing cannot restore.
+const IPTABLES_TABLES: [&str; 5] = ["filter", "nat", "mangle", "raw", "security"];
+
+/// The rules of `ns` in the form the guest restores them
+/// (`iptables-restore`, per family): what `CRUST_SHIM_NETNS_RULES=guest`
+/// carries. iptables rules only, from one backend per family; anything
+/// else with rules (a native nftables table, iptables in both backends)
+/// is refused by name rather than half carried.
+pub fn carry(ns: &NetNs, found: &[RuleFinding]) -> Result<crust_agent_proto::GuestRules, NetError> {
+    let refuse = |what: String| {
+        NetError::Rules {
+            path: ns.path().to_string(),
+            found: found.to_vec(),
+        }
+        .carry_refused(what)
+    };
+    let mut rules = crust_agent_proto::GuestRules::default();
+    for (family, nft_family, legacy, save_nft, save_legacy) in [
+        (
+            "ipv4",
+            "ip",
+            "iptables-legacy",
+            "iptables-nft-save",
+            "iptables-legacy-save",
+        ),
+        (
+            "ipv6",
+            "ip6",
+            "ip6tables-legacy",
+            "ip6tables-nft-save",
+            "ip6tables-legacy-save",
+        ),
+    ] {
+        let nft_rules = found.iter().any(|f| {
+            f.backend == "nftables"
+                && IPTABLES_TABLES
+                    .iter()
+                    .any(|t| f.table == format!("{nft_family} {t}"))
+        });
+        let legacy_rules = found.iter().any(|f| f.backend == legacy);
+        let tool = match (nft_rules, legacy_rules) {
+            (false, false) => continue,
+            (true, true) => {
+                return Err(refuse(format!(
+                    "{family} rules are in both iptables backends (nft and legacy)"
+                )));
+            }
+            (true, false) => save_nft,
+            (false, true) => save_legacy,
+        };
+        let path = nft::locate(tool)
+            .ok_or_else(|| refuse(format!("{tool} is not on the node (package iptables)")))?;
+        let text = nft::run_in(ns, &path, &[], None)?;
+        if text.len() > crust_agent_proto::network::MAX_RULES_BYTES {
+            return Err(refuse(format!(
+                "{tool}: more than {} bytes",
+                crust_agent_proto::network::MAX_RULES_BYTES
+            )));
+        }
+        match family {
+            "ipv4" => rules.ipv4 = text,
+            _ => rules.ipv6 = text,
+        }
+    }
+    if let Some(other) = found.iter().find(|f| {
+        f.backend == "nftables"
+            && !["ip", "ip6"].iter().any(|fam| {
+                IPTABLES_TABLES
+                    .iter()
+                    .any(|t| f.table == format!("{fam} {t}"))
+            })
+    }) {
+        return Err(refuse(format!(
+            "{other} is a native nftables table; only iptables rules can be carried"
+        )));
+    }
+    Ok(rules)
+}
+
 /// The legacy tables the kernel made in `ns` (`/proc/thread-self/net`:
 /// the reading thread's namespace, not the process's).
 fn legacy_tables(ns: &NetNs, file: &str) -> Result<Vec<String>, NetError> {

@@ -731,9 +731,12 @@ fn inside_ns(pod: &Pod, cmd: &str, args: &[&str]) {
 /// its three forms. Tables that only listing made (legacy iptables makes
 /// its tables when asked) and crust's own guard are not rules; a DROP
 /// policy is, and so is each rule, under its backend, table and chain.
+/// What `guest` mode carries is iptables-save text; iptables rules in
+/// both backends of one family, and a native nftables table, are refused
+/// by name rather than half carried.
 #[test]
 fn netfilter_rules_in_the_namespace_are_found_by_backend_table_and_chain() {
-    use crust_podnet::netfilter::inspect;
+    use crust_podnet::netfilter::{carry, inspect};
     let pod = Pod::new("f");
     let ns = NetNs::open(&pod.path()).unwrap();
     assert_eq!(inspect(&ns).unwrap(), vec![], "a new namespace");
@@ -753,7 +756,6 @@ fn netfilter_rules_in_the_namespace_are_found_by_backend_table_and_chain() {
     drop(taps);
     detach(&ns, &["eth0".to_string()]).unwrap();
 
-    inside_ns(&pod, "iptables-legacy", &["-P", "OUTPUT", "DROP"]);
     inside_ns(
         &pod,
         "iptables-nft",
@@ -770,6 +772,19 @@ fn netfilter_rules_in_the_namespace_are_found_by_backend_table_and_chain() {
             "15001",
         ],
     );
+    // What `guest` mode carries: iptables-nft's rules, restorable.
+    let carried = carry(&ns, &inspect(&ns).unwrap()).unwrap();
+    assert!(
+        carried
+            .ipv4
+            .contains("-A PREROUTING -p tcp -j REDIRECT --to-ports 15001")
+            && carried.ipv4.contains("COMMIT"),
+        "{carried:?}"
+    );
+    assert!(carried.ipv6.is_empty(), "{carried:?}");
+    inside_ns(&pod, "iptables-legacy", &["-P", "OUTPUT", "DROP"]);
+    let both = carry(&ns, &inspect(&ns).unwrap()).unwrap_err().to_string();
+    assert!(both.contains("both iptables backends"), "{both}");
     inside_ns(
         &pod,
         "ip6tables-legacy",
@@ -781,6 +796,17 @@ fn netfilter_rules_in_the_namespace_are_found_by_backend_table_and_chain() {
         &[
             "add table inet mesh; add chain inet mesh out { type filter hook output priority 0; policy drop; }",
         ],
+    );
+    let not_iptables: Vec<_> = inspect(&ns)
+        .unwrap()
+        .into_iter()
+        .filter(|f| f.backend != "nftables" || f.table == "inet mesh")
+        .filter(|f| f.backend != "iptables-legacy")
+        .collect();
+    let native = carry(&ns, &not_iptables).unwrap_err().to_string();
+    assert!(
+        native.contains("inet mesh out") && native.contains("native nftables"),
+        "{native}"
     );
     let found: Vec<String> = inspect(&ns)
         .unwrap()

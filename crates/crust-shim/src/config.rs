@@ -51,7 +51,8 @@ struct EnvOpts {
     lsm_policy: LsmPolicy,
     /// Netfilter rules already in a pod's network namespace, which the
     /// guest's traffic would bypass: `refuse` the pod (and publish an
-    /// event naming them) or `ignore` them (logged).
+    /// event naming them), apply them in the `guest` (iptables rules), or
+    /// `ignore` them (logged).
     #[arg(
         long,
         env = "CRUST_SHIM_NETNS_RULES",
@@ -68,6 +69,10 @@ pub enum NetnsRules {
     /// Fail the sandbox, naming the tables and chains.
     #[default]
     Refuse,
+    /// Apply the namespace's iptables rules in the guest's network
+    /// namespace before any container starts (a mesh's REDIRECT to its
+    /// sidecar works there); rules that cannot be carried refuse the pod.
+    Guest,
     /// Run the pod; the rules are logged and do not apply to it.
     Ignore,
 }

@@ -72,8 +72,9 @@ pub fn attach(
     };
     let t0 = std::time::Instant::now();
     let ns = NetNs::open(path)?;
-    check_rules(&ns, policy.rules)?;
-    let net = crust_podnet::scan(&ns)?;
+    let carried = check_rules(&ns, policy.rules)?;
+    let mut net = crust_podnet::scan(&ns)?;
+    net.config.netfilter = carried;
     if policy.anti_spoofing == AntiSpoof::Off {
         tracing::warn!(netns = %path, "anti-spoofing off for this pod ({}): its guest may send \
             frames from any address", crate::spec::CRUST_ANTI_SPOOFING);
@@ -93,28 +94,41 @@ pub fn attach(
 }
 
 /// Netfilter rules in the pod's namespace would not see the guest's
-/// traffic: refused, or logged when the node ignores them.
-fn check_rules(ns: &NetNs, rules: NetnsRules) -> Result<(), NetError> {
+/// traffic: refused, carried into the guest (what the agent is to
+/// apply), or logged when the node ignores them.
+fn check_rules(
+    ns: &NetNs,
+    rules: NetnsRules,
+) -> Result<Option<crust_agent_proto::GuestRules>, NetError> {
     let found = crust_podnet::netfilter::inspect(ns)?;
     if found.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
-    let err = NetError::Rules {
-        path: ns.path().to_string(),
-        found,
-    };
     match rules {
-        NetnsRules::Refuse => Err(err),
+        NetnsRules::Refuse => Err(NetError::Rules {
+            path: ns.path().to_string(),
+            found,
+        }),
+        NetnsRules::Guest => {
+            let carried = crust_podnet::netfilter::carry(ns, &found)?;
+            tracing::info!(netns = %ns.path(), rules = ?found.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "the namespace's netfilter rules go into the guest (CRUST_SHIM_NETNS_RULES=guest)");
+            Ok(Some(carried))
+        }
         NetnsRules::Ignore => {
+            let err = NetError::Rules {
+                path: ns.path().to_string(),
+                found,
+            };
             tracing::warn!("ignored (CRUST_SHIM_NETNS_RULES=ignore): {err}");
-            Ok(())
+            Ok(None)
         }
     }
 }
 
 /// The [`NETFILTER_TOPIC`] event's body for a refusal, if `e` is one.
 pub fn rules_event(pod: &str, e: &NetError) -> Option<String> {
-    let NetError::Rules { path, found } = e else {
+    let (NetError::Rules { path, found } | NetError::Uncarried { path, found, .. }) = e else {
         return None;
     };
     let rules: Vec<serde_json::Value> = found

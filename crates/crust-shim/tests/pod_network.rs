@@ -1470,3 +1470,127 @@ async fn a_guest_forging_another_pods_address_reaches_nobody() {
     }
     remove_pod(&mut cri, &env, &pod.sandbox).await;
 }
+
+/// A second container `name` in `sandbox` (of pod `(name, uid)`)
+/// running `script` as `uid`.
+async fn add_container(
+    cri: &mut Cri,
+    env: &Env,
+    sandbox: &str,
+    (pod, pod_uid): (&str, &str),
+    name: &str,
+    uid: i64,
+    script: &str,
+) -> String {
+    let config = sandbox_config(env, pod, pod_uid, None, cri::NamespaceMode::Pod);
+    let id = cri
+        .runtime
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox.into(),
+            config: Some(cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: name.into(),
+                    attempt: 0,
+                }),
+                image: Some(cri::ImageSpec {
+                    image: crust_testkit::BUSYBOX_IMAGE.into(),
+                    ..Default::default()
+                }),
+                command: vec!["sh".into(), "-c".into(), script.into()],
+                log_path: format!("{name}.log"),
+                linux: Some(cri::LinuxContainerConfig {
+                    security_context: Some(cri::LinuxContainerSecurityContext {
+                        run_as_user: Some(cri::Int64Value { value: uid }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            sandbox_config: Some(config),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", env.logs()))
+        .into_inner()
+        .container_id;
+    cri.runtime
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}\n{}", env.logs()));
+    id
+}
+
+/// Issue 42, must-show 4 (`CRUST_SHIM_NETNS_RULES=guest`): a mesh's CNI
+/// plugin programs the pod's namespace as istio-cni does (nat OUTPUT to a
+/// chain that returns for loopback and for the sidecar's uid 1337 and
+/// REDIRECTs every other TCP connection to the sidecar's port 15001),
+/// plus a filter rule dropping ICMP out. The shim carries those rules
+/// into the guest before any container starts: the app container's
+/// connection to the gateway's port 80 is answered by the sidecar
+/// container, its ping to the gateway is dropped, and the rules are
+/// there in the guest (iptables-nft). The host namespace keeps its own.
+/// One TCG guest, about 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_guest_mode_a_meshs_rules_apply_inside_the_guest() {
+    let rules = "iptables -w -t nat -N MESH_OUT && \
+                 iptables -w -t nat -A MESH_OUT -d 127.0.0.1/32 -j RETURN && \
+                 iptables -w -t nat -A MESH_OUT -m owner --uid-owner 1337 -j RETURN && \
+                 iptables -w -t nat -A MESH_OUT -p tcp -j REDIRECT --to-ports 15001 && \
+                 iptables -w -t nat -A OUTPUT -p tcp -j MESH_OUT && \
+                 iptables -w -A OUTPUT -p icmp -j DROP";
+    let (env, _bridge, _ipam, net) = mesh_env(
+        "crbg",
+        84,
+        rules,
+        vec![("CRUST_SHIM_NETNS_RULES".into(), "guest".into())],
+    );
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let uid = "42d40000-0000-4000-8000-000000000002";
+    let pod = try_pod(
+        &mut cri,
+        &env,
+        "net-meshed",
+        uid,
+        "exec sleep 600",
+        CRUST_CNI,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", env.logs()));
+    add_container(
+        &mut cri,
+        &env,
+        &pod.sandbox,
+        ("net-meshed", uid),
+        "sidecar",
+        1337,
+        "while true; do echo from-sidecar | nc -l -p 15001; done",
+    )
+    .await;
+    let gateway = format!("{net}.1");
+    let (_, out) = exec(
+        &mut cri,
+        &pod.container,
+        &format!(
+            "for i in $(seq 50); do r=$(nc -w 3 {gateway} 80 </dev/null); \
+             [ -n \"$r\" ] && break; sleep 0.2; done; echo \"tcp:$r\"; \
+             ping -c 1 -W 2 {gateway} >/dev/null 2>&1 && echo ping:passed || echo ping:dropped"
+        ),
+    )
+    .await;
+    assert!(
+        out.contains("tcp:from-sidecar"),
+        "the app's connection reaches the sidecar: {out}\n{}",
+        env.logs()
+    );
+    assert!(out.contains("ping:dropped"), "ICMP out is dropped: {out}");
+    let guest = guest_exec(&env, &pod.sandbox, "iptables -t nat -S; iptables -S OUTPUT").await;
+    assert!(
+        guest.contains("-A MESH_OUT -p tcp -j REDIRECT --to-ports 15001")
+            && guest.contains("--uid-owner 1337")
+            && guest.contains("-A OUTPUT -p icmp -j DROP"),
+        "the rules in the guest: {guest}"
+    );
+    remove_pod(&mut cri, &env, &pod.sandbox).await;
+}
