@@ -302,31 +302,35 @@ for applet in $("$BUSYBOX" --list); do
 	[ -e "$STAGE/bin/$applet" ] || ln -s busybox "$STAGE/bin/$applet"
 done
 
-# Copies a dynamically linked program and the libraries ldd names.
+# Copies a dynamically linked program and the libraries ldd names (into
+# $3, default the image's root; libraries the image has are not copied).
 add_prog() {
-	local src=$1 dst=$2 lib
-	cp -L "$src" "$STAGE$dst"
+	local src=$1 dst=$2 root=${3:-$STAGE} lib
+	mkdir -p "$root$(dirname "$dst")"
+	cp -L "$src" "$root$dst"
 	for lib in $(ldd "$src" | awk '/=> \//{print $3} /^\t\/lib/{print $1}'); do
-		if [ ! -e "$STAGE$lib" ]; then
-			mkdir -p "$STAGE$(dirname "$lib")"
-			cp -L "$lib" "$STAGE$lib"
+		if [ ! -e "$STAGE$lib" ] && [ ! -e "$root$lib" ]; then
+			mkdir -p "$root$(dirname "$lib")"
+			cp -L "$lib" "$root$lib"
 		fi
 	done
 }
 add_prog "$E2FSCK" /usr/sbin/e2fsck
 add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
-add_prog "$XTABLES" /usr/sbin/xtables-nft-multi
+# The netfilter payload (iptables and its modules) is staged apart and
+# packed into the image as one archive of its own, which the agent
+# unpacks only for a pod whose rules it carries: inflating it at every
+# boot cost about 0.6 s under TCG.
+NFSTAGE=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-nf.XXXXXX")
+trap 'rm -rf "$STAGE" "$NFSTAGE"' EXIT
+add_prog "$XTABLES" /usr/sbin/xtables-nft-multi "$NFSTAGE"
 for a in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
-	ln -s xtables-nft-multi "$STAGE/usr/sbin/$a"
+	ln -s xtables-nft-multi "$NFSTAGE/usr/sbin/$a"
 done
-mkdir -p "$STAGE$XTABLES_EXT"
 for so in "$XTABLES_EXT"/*.so; do
-	add_prog "$so" "$so"
+	add_prog "$so" "$so" "$NFSTAGE"
 done
-# Proof that iptables runs on the image's libraries alone.
-chroot "$STAGE" /usr/sbin/iptables --version >/dev/null 2>&1 ||
-	die "iptables does not start on the image's libraries: $(chroot "$STAGE" /usr/sbin/iptables --version 2>&1 | head -n 3)"
 cp "$AGENT" "$STAGE/usr/sbin/crust-agent"
 # The image holds the agent the key names (not one rebuilt since).
 [ "$(sha256sum <"$STAGE/usr/sbin/crust-agent")" = "$AGENT_SUM" ] ||
@@ -339,14 +343,16 @@ if [ "$BENCH" = 1 ]; then
 		die "fio does not start on the image's libraries: $(chroot "$STAGE" /usr/bin/fio --version 2>&1 | head -n 3)"
 fi
 
-# Decompressed here so the guest needs no xz/zstd.
+# Decompressed here so the guest needs no xz/zstd (into $2, default the
+# image's root).
 add_module() {
-	local m=$1 src=$MODDIR/${MODPATH[$1]}
+	local m=$1 src=$MODDIR/${MODPATH[$1]} root=${2:-$STAGE}
+	mkdir -p "$root/lib/modules"
 	case $src in
-	*.ko) cp "$src" "$STAGE/lib/modules/$m.ko" ;;
-	*.ko.xz) xz -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
-	*.ko.zst) zstd -qdc "$src" >"$STAGE/lib/modules/$m.ko" ;;
-	*.ko.gz) gzip -dc "$src" >"$STAGE/lib/modules/$m.ko" ;;
+	*.ko) cp "$src" "$root/lib/modules/$m.ko" ;;
+	*.ko.xz) xz -dc "$src" >"$root/lib/modules/$m.ko" ;;
+	*.ko.zst) zstd -qdc "$src" >"$root/lib/modules/$m.ko" ;;
+	*.ko.gz) gzip -dc "$src" >"$root/lib/modules/$m.ko" ;;
 	*) die "unknown module format: $src" ;;
 	esac
 }
@@ -365,11 +371,27 @@ for fs in $FS_MODULES; do
 		echo "$m" >>"$STAGE/etc/modules.d/$fs"
 	done
 done
-: >"$STAGE/etc/modules.d/netfilter"
+mkdir -p "$NFSTAGE/etc/modules.d"
+: >"$NFSTAGE/etc/modules.d/netfilter"
 for m in $NF_ORDER; do
-	add_module "$m"
-	echo "$m" >>"$STAGE/etc/modules.d/netfilter"
+	[ -e "$STAGE/lib/modules/$m.ko" ] || add_module "$m" "$NFSTAGE"
+	echo "$m" >>"$NFSTAGE/etc/modules.d/netfilter"
 done
+# Proof that iptables runs on the image's libraries plus the payload's.
+NFCHECK=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-nfcheck.XXXXXX")
+cp -a "$STAGE/." "$NFSTAGE/." "$NFCHECK/" 2>/dev/null || { cp -a "$STAGE/." "$NFCHECK/"; cp -a "$NFSTAGE/." "$NFCHECK/"; }
+if ! chroot "$NFCHECK" /usr/sbin/iptables --version >/dev/null 2>&1; then
+	why=$(chroot "$NFCHECK" /usr/sbin/iptables --version 2>&1 | head -n 3)
+	rm -rf "$NFCHECK"
+	die "iptables does not start on the image's libraries: $why"
+fi
+rm -rf "$NFCHECK"
+mkdir -p "$STAGE/usr/lib/crust"
+(
+	cd "$NFSTAGE"
+	find . -print0 | LC_ALL=C sort -z |
+		cpio --null --create --format=newc --owner=0:0 --reproducible --quiet
+) | gzip -9 -n >"$STAGE/usr/lib/crust/netfilter.cpio.gz"
 
 ln -s /proc/self/mounts "$STAGE/etc/mtab"
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$STAGE/etc/passwd"

@@ -278,6 +278,36 @@ pub fn ensure_filesystem_named(name: &str) -> Result<(), String> {
     }
 }
 
+/// Unpacks the image's optional payload `/usr/lib/crust/<name>.cpio.gz`
+/// (programs, libraries, modules and their `/etc/modules.d` list) onto
+/// the guest's root, once: kept packed, it costs nothing at boot.
+pub fn unpack_payload(name: &str) -> Result<(), String> {
+    let done = Path::new("/run/crust").join(format!("{name}.unpacked"));
+    if done.exists() {
+        return Ok(());
+    }
+    let archive = format!("/usr/lib/crust/{name}.cpio.gz");
+    if !Path::new(&archive).exists() {
+        return Err(format!("the guest image has no {archive}"));
+    }
+    let out = std::process::Command::new("/bin/busybox")
+        .args([
+            "sh",
+            "-c",
+            &format!("cd / && gunzip -c {archive} | cpio -idmu"),
+        ])
+        .output()
+        .map_err(|e| format!("unpacking {archive}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "unpacking {archive}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let _ = std::fs::create_dir_all("/run/crust");
+    std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))
+}
+
 /// Loads the modules the image lists in `/etc/modules.d/<group>`, in
 /// order (a group that is not a filesystem: `netfilter`); ones already
 /// loaded are fine.

@@ -1585,6 +1585,15 @@ async fn with_guest_mode_a_meshs_rules_apply_inside_the_guest() {
         env.logs()
     );
     assert!(out.contains("ping:dropped"), "ICMP out is dropped: {out}");
+    // What carrying costs the pod's start (unpacking iptables and its
+    // modules in the guest, loading them, restoring): the note's figure.
+    for line in env
+        .logs()
+        .lines()
+        .filter(|l| l.contains("guest network configured"))
+    {
+        eprintln!("{line}");
+    }
     let guest = guest_exec(&env, &pod.sandbox, "iptables -t nat -S; iptables -S OUTPUT").await;
     assert!(
         guest.contains("-A MESH_OUT -p tcp -j REDIRECT --to-ports 15001")

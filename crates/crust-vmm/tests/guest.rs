@@ -546,10 +546,20 @@ async fn hotplug_health_and_channel_robustness() {
     }
     a.mount_volume(mount_req("e", "crust-hp-ext", FsType::Ext4))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| {
+            panic!(
+                "mounting the hot-plugged ext4: {e}\n{}",
+                g.vm.failure_context()
+            )
+        });
     a.mount_volume(mount_req("x", "crust-hp-xfs", FsType::Xfs))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| {
+            panic!(
+                "mounting the hot-plugged xfs: {e}\n{}",
+                g.vm.failure_context()
+            )
+        });
     g.sh("echo hot > /run/crust/volumes/e/f && sync").await;
 
     // xfs online growth.
