@@ -96,6 +96,11 @@ fn runtime_table(handler: &Handler) -> Table {
     rt["runtime_path"] = value(handler.shim.to_string_lossy().as_ref());
     // A privileged pod's host devices must not be passed into its VM.
     rt["privileged_without_host_devices"] = value(true);
+    // The pod's own settings for crust (memory-bytes, anti-spoofing):
+    // containerd hands a runtime only the pod annotations listed here.
+    let mut annotations = Array::new();
+    annotations.push("io.crust.*");
+    rt["pod_annotations"] = value(annotations);
     rt
 }
 
@@ -351,6 +356,14 @@ mod tests {
                 Some("/opt/crust/bin/containerd-shim-crust-v2")
             );
             assert_eq!(rt["privileged_without_host_devices"].as_bool(), Some(true));
+            // The pod's io.crust.* annotations reach crust.
+            let listed: Vec<&str> = rt["pod_annotations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|v| v.as_str())
+                .collect();
+            assert_eq!(listed, ["io.crust.*"], "{text}");
             assert_eq!(doc["plugins"].as_table().unwrap().len(), 1, "{text}");
         }
     }

@@ -176,6 +176,7 @@ state = "{state}"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}]
       runtime_type = "{rtype}"
       pod_annotations = ["io.crust.*"]
+      privileged_without_host_devices = true
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni}/bin"
     conf_dir = "{cni}/conf"

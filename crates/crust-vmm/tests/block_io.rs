@@ -199,7 +199,12 @@ async fn pool_volume_in_a_guest_direct_io_durability_discard_and_queues() {
     g.agent
         .mount_volume(mount_req("v", "crust-dio"))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| {
+            panic!(
+                "mounting the hot-plugged volume: {e}\n{}",
+                g.vm.failure_context()
+            )
+        });
     let mnt = "/run/crust/volumes/v";
 
     // --- multi-queue: a queue per vCPU, the device's own iothread --------
