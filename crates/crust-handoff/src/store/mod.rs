@@ -244,6 +244,26 @@ impl Store {
     /// and reads it again at every plug. The claim and `runtime-cli` stay.
     /// No record: [`HandoffError::NotFound`]. Returns whether it changed.
     pub fn set_io_limits(&self, target: &str, limits: &crate::IoLimits) -> Result<bool> {
+        self.update_metadata(target, |metadata| {
+            let before = metadata.get(crate::IO_LIMITS_KEY).cloned();
+            if limits.is_unlimited() {
+                metadata.remove(crate::IO_LIMITS_KEY);
+            } else {
+                metadata.insert(crate::IO_LIMITS_KEY.into(), limits.to_wire());
+            }
+            metadata.get(crate::IO_LIMITS_KEY) != before.as_ref()
+        })
+    }
+
+    /// Applies `change` to the metadata of the record staged for `target`
+    /// under the record's lock, claimed or not (the claim and `runtime-cli`
+    /// stay), and writes the record back atomically when `change` says it
+    /// changed something. No record: [`HandoffError::NotFound`].
+    fn update_metadata(
+        &self,
+        target: &str,
+        change: impl FnOnce(&mut std::collections::BTreeMap<String, String>) -> bool,
+    ) -> Result<bool> {
         let key = self.check_target(target)?;
         let Some(root) = self.open_root(false)? else {
             return Err(HandoffError::NotFound(target.to_string()));
@@ -255,14 +275,7 @@ impl Store {
         let bytes = read_bounded(&dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, &path)?
             .ok_or_else(|| HandoffError::NotFound(target.to_string()))?;
         let mut mi = MountInfo::from_json(&bytes).map_err(|e| HandoffError::bad(&path, e))?;
-        let before = mi.metadata.get(crate::IO_LIMITS_KEY).cloned();
-        if limits.is_unlimited() {
-            mi.metadata.remove(crate::IO_LIMITS_KEY);
-        } else {
-            mi.metadata
-                .insert(crate::IO_LIMITS_KEY.into(), limits.to_wire());
-        }
-        if mi.metadata.get(crate::IO_LIMITS_KEY) == before.as_ref() {
+        if !change(&mut mi.metadata) {
             return Ok(false);
         }
         let (_, json) = self.checked_record(target, &mi)?;
@@ -277,25 +290,13 @@ impl Store {
     /// must find. An identity already there is never replaced. No record:
     /// [`HandoffError::NotFound`]. Returns whether it wrote.
     pub fn pin_device_identity(&self, target: &str, identity: &str) -> Result<bool> {
-        let key = self.check_target(target)?;
-        let Some(root) = self.open_root(false)? else {
-            return Err(HandoffError::NotFound(target.to_string()));
-        };
-        let Some(dir) = self.lock_record_dir(&root, &key, false)? else {
-            return Err(HandoffError::NotFound(target.to_string()));
-        };
-        let path = self.display(&key);
-        let bytes = read_bounded(&dir, MOUNT_INFO_FILE, MAX_RECORD_SIZE, &path)?
-            .ok_or_else(|| HandoffError::NotFound(target.to_string()))?;
-        let mut mi = MountInfo::from_json(&bytes).map_err(|e| HandoffError::bad(&path, e))?;
-        if mi.metadata.contains_key(crate::DEVICE_IDENTITY_KEY) {
-            return Ok(false);
-        }
-        mi.metadata
-            .insert(crate::DEVICE_IDENTITY_KEY.into(), identity.to_string());
-        let (_, json) = self.checked_record(target, &mi)?;
-        write_atomic(&dir, MOUNT_INFO_FILE, json.as_bytes(), &path)?;
-        Ok(true)
+        self.update_metadata(target, |metadata| {
+            if metadata.contains_key(crate::DEVICE_IDENTITY_KEY) {
+                return false;
+            }
+            metadata.insert(crate::DEVICE_IDENTITY_KEY.into(), identity.to_string());
+            true
+        })
     }
 
     /// Writes the record for `target` already claimed by `sandbox_id`
