@@ -318,49 +318,6 @@ fn nft(pod: &Pod, args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// tcpdump on an interface of the host, from listening to [`Capture::stop`].
-struct Capture(std::process::Child);
-
-impl Capture {
-    /// Once tcpdump says it listens (its stderr's "listening on").
-    fn start(dev: &str) -> Capture {
-        use std::io::BufRead;
-        let mut c = Command::new("tcpdump")
-            .args(["-n", "-e", "-l", "-U", "-i", dev])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("tcpdump (scripts/install-deps.sh installs it)");
-        let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
-        let mut line = String::new();
-        while !line.contains("listening on") {
-            line.clear();
-            assert!(err.read_line(&mut line).unwrap() > 0, "tcpdump ended");
-        }
-        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-        Capture(c)
-    }
-
-    fn stop(mut self) -> String {
-        std::thread::sleep(Duration::from_millis(500));
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.0),
-            rustix::process::Signal::INT,
-        );
-        let mut out = String::new();
-        std::io::Read::read_to_string(self.0.stdout.as_mut().unwrap(), &mut out).unwrap();
-        let _ = self.0.wait();
-        out
-    }
-}
-
-impl Drop for Capture {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// An Ethernet frame behind the tap's 10-byte virtio-net header.
 fn frame(dst: [u8; 6], src: [u8; 6], ethertype: &[u8], payload: &[u8]) -> Vec<u8> {
     let mut f = vec![0u8; 10];
@@ -460,7 +417,7 @@ fn forged_frames_from_the_guest_never_reach_the_pods_interface() {
     };
 
     let taps = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::Off).unwrap();
-    let cap = Capture::start(&pod.host_if);
+    let cap = crust_testkit::Capture::start(&pod.host_if);
     send(taps[0].mac, &taps[0].fds[0]);
     let open = cap.stop();
     assert_eq!(forged_seen(&open).len(), 5, "without the guard: {open}");
@@ -468,7 +425,7 @@ fn forged_frames_from_the_guest_never_reach_the_pods_interface() {
     detach(&ns, &["eth0".to_string()]).unwrap();
 
     let taps = attach(&ns, &net, &GuestNet::default(), 1, AntiSpoof::On).unwrap();
-    let cap = Capture::start(&pod.host_if);
+    let cap = crust_testkit::Capture::start(&pod.host_if);
     send(taps[0].mac, &taps[0].fds[0]);
     let guarded = cap.stop();
     assert_eq!(forged_seen(&guarded), Vec::<&str>::new(), "{guarded}");

@@ -1334,52 +1334,6 @@ impl Drop for Victim {
     }
 }
 
-/// tcpdump on a host interface, from listening until [`Capture::stop`].
-struct Capture(std::process::Child);
-
-impl Capture {
-    fn start(dev: &str) -> Capture {
-        use std::io::BufRead;
-        let mut c = Command::new("tcpdump")
-            .args(["-n", "-e", "-l", "-U", "-i", dev])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("tcpdump (scripts/install-deps.sh installs it)");
-        let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
-        let mut line = String::new();
-        while !line.contains("listening on") {
-            line.clear();
-            assert!(err.read_line(&mut line).unwrap() > 0, "tcpdump ended");
-        }
-        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-        Capture(c)
-    }
-
-    fn stop(mut self) -> String {
-        std::thread::sleep(Duration::from_millis(500));
-        let _ = Command::new("kill")
-            .args(["-INT", &self.0.id().to_string()])
-            .status();
-        let mut out = String::new();
-        self.0
-            .stdout
-            .as_mut()
-            .unwrap()
-            .read_to_string(&mut out)
-            .unwrap();
-        let _ = self.0.wait();
-        out
-    }
-}
-
-impl Drop for Capture {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Issue 42, must-show 6, from a real guest: its root claims another
 /// pod's address (a namespace on the same bridge) with gratuitous ARP and
 /// sends IPv4 from it. The bridge's capture shows none of it, the node's
@@ -1430,7 +1384,7 @@ async fn a_guest_forging_another_pods_address_reaches_nobody() {
 
     let mac = guest_exec(&env, &pod.sandbox, "cat /sys/class/net/eth0/address").await;
     let mac = mac.trim().to_string();
-    let cap = Capture::start(&bridge.0);
+    let cap = crust_testkit::Capture::start(&bridge.0);
     let out = guest_exec(
         &env,
         &pod.sandbox,

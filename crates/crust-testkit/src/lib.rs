@@ -9,12 +9,14 @@
 //! makes the devices a host tool may stack on or beside them.
 
 mod alias;
+mod capture;
 mod containerd;
 mod disk;
 mod python;
 mod qemu;
 
 pub use alias::{Alias, AliasCase, assert_fsck_clean, losetup, sha256};
+pub use capture::Capture;
 pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
     Events, PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
