@@ -200,6 +200,11 @@ FS_MODULES="ext4 xfs virtiofs"
 NF_MODULES="nf_tables nft_compat nft_chain_nat nft_nat nft_redir nft_masq nft_ct nft_reject_inet
 	nft_limit x_tables xt_tcpudp xt_REDIRECT xt_owner xt_mark xt_conntrack xt_multiport
 	xt_addrtype xt_comment xt_LOG ipt_REJECT ip6t_REJECT xt_nat"
+# Network devices a container with NET_ADMIN may make, loaded on demand by
+# the kernel through the image's /sbin/modprobe (the agent binary), as on
+# a host: bridges, veth pairs, tun/tap, dummies, VXLAN, MACVLAN/IPVLAN,
+# VLANs; and nftables' fib lookups and the bridge's netfilter hooks.
+NET_MODULES="bridge veth tun dummy vxlan macvlan ipvlan 8021q nft_fib_inet br_netfilter"
 
 norm() { echo "$1" | tr '-' '_'; }
 declare -A MODPATH MODDEPS BUILTIN
@@ -257,9 +262,12 @@ for k in "${!BOOT_SEEN[@]}"; do SEEN[$k]=1; done
 ORDER=()
 for m in $NF_MODULES; do require_module "$m"; done
 NF_ORDER="${ORDER[*]}"
+for m in $NET_MODULES; do require_module "$m"; done
+# Everything the network payload holds (netfilter first).
+PAYLOAD_ORDER="${ORDER[*]}"
 ALL_MODULES="${BOOT_ORDER[*]}"
 for fs in $FS_MODULES; do ALL_MODULES="$ALL_MODULES ${FS_ORDER[$fs]}"; done
-ALL_MODULES="$ALL_MODULES | netfilter $NF_ORDER"
+ALL_MODULES="$ALL_MODULES | netfilter $NF_ORDER | network $PAYLOAD_ORDER"
 if [ -f "$KCONFIG" ] && ! grep -Eq '^CONFIG_HOTPLUG_PCI_(PCIE|ACPI)=[ym]' "$KCONFIG"; then
 	die "$KCONFIG has neither PCIe nor ACPI PCI hot-plug"
 fi
@@ -318,10 +326,11 @@ add_prog() {
 add_prog "$E2FSCK" /usr/sbin/e2fsck
 add_prog "$RESIZE2FS" /usr/sbin/resize2fs
 add_prog "$XFS_GROWFS" /usr/sbin/xfs_growfs
-# The netfilter payload (iptables and its modules) is staged apart and
-# packed into the image as one archive of its own, which the agent
-# unpacks only for a pod whose rules it carries: inflating it at every
-# boot cost about 0.6 s under TCG.
+# The network payload (iptables, the netfilter modules and the network
+# device modules) is staged apart and packed into the image as one archive
+# of its own, unpacked only when a pod's carried rules or the kernel's
+# first module request need it: inflating it at every boot cost about
+# 0.6 s under TCG.
 NFSTAGE=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-nf.XXXXXX")
 trap 'rm -rf "$STAGE" "$NFSTAGE"' EXIT
 add_prog "$XTABLES" /usr/sbin/xtables-nft-multi "$NFSTAGE"
@@ -374,9 +383,29 @@ done
 mkdir -p "$NFSTAGE/etc/modules.d"
 : >"$NFSTAGE/etc/modules.d/netfilter"
 for m in $NF_ORDER; do
-	[ -e "$STAGE/lib/modules/$m.ko" ] || add_module "$m" "$NFSTAGE"
 	echo "$m" >>"$NFSTAGE/etc/modules.d/netfilter"
 done
+for m in $PAYLOAD_ORDER; do
+	[ -e "$STAGE/lib/modules/$m.ko" ] || add_module "$m" "$NFSTAGE"
+done
+# The indexes of the image's /sbin/modprobe (crust-agent run under that
+# name; the kernel runs it for a module it lacks): each module's load
+# order, and depmod's aliases for the modules the image has.
+declare -A IN_IMAGE
+for m in "${BOOT_ORDER[@]}" $PAYLOAD_ORDER; do IN_IMAGE[$m]=1; done
+for fs in $FS_MODULES; do for m in ${FS_ORDER[$fs]}; do IN_IMAGE[$m]=1; done; done
+for m in $(printf '%s\n' "${!IN_IMAGE[@]}" | LC_ALL=C sort); do
+	SEEN=()
+	ORDER=()
+	visit "$m"
+	echo "$m ${ORDER[*]}"
+done >"$STAGE/etc/modules.order"
+awk "$modname_awk"'
+	NR == FNR { want[$1] = 1; next }
+	$1 == "alias" && (mod($3) in want) { print "alias " $2 " " mod($3) }' \
+	<(printf '%s\n' "${!IN_IMAGE[@]}") "$MODDIR/modules.alias" >"$STAGE/etc/modules.alias"
+grep -q ' bridge$' "$STAGE/etc/modules.alias" || die "$MODDIR/modules.alias names no alias of bridge"
+ln -s /usr/sbin/crust-agent "$STAGE/sbin/modprobe"
 # Proof that iptables runs on the image's libraries plus the payload's.
 NFCHECK=$(mktemp -d "${TMPDIR:-/tmp}/crust-guest-nfcheck.XXXXXX")
 cp -a "$STAGE/." "$NFSTAGE/." "$NFCHECK/" 2>/dev/null || { cp -a "$STAGE/." "$NFCHECK/"; cp -a "$NFSTAGE/." "$NFCHECK/"; }
@@ -391,7 +420,7 @@ mkdir -p "$STAGE/usr/lib/crust"
 	cd "$NFSTAGE"
 	find . -print0 | LC_ALL=C sort -z |
 		cpio --null --create --format=newc --owner=0:0 --reproducible --quiet
-) | gzip -9 -n >"$STAGE/usr/lib/crust/netfilter.cpio.gz"
+) | gzip -9 -n >"$STAGE/usr/lib/crust/network.cpio.gz"
 
 ln -s /proc/self/mounts "$STAGE/etc/mtab"
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$STAGE/etc/passwd"
@@ -485,3 +514,4 @@ fi
 say "  modules  boot: ${BOOT_ORDER[*]}"
 for fs in $FS_MODULES; do say "           on first $fs mount: ${FS_ORDER[$fs]:-(built in)}"; done
 say "           for carried netfilter rules: $NF_ORDER"
+say "           on demand (/sbin/modprobe), unpacked on first use: $PAYLOAD_ORDER"

@@ -134,6 +134,11 @@ pub struct ContainerMount {
     /// devpts and mqueue their data options (`size=`, `mode=`, ...).
     #[serde(default)]
     pub options: Vec<String>,
+    /// A share source's host mounts below it (relative paths): reached
+    /// before the bind, so they come with it as mounts of their own and a
+    /// read-only bind leaves them their own flags, as runc's does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub submounts: Vec<String>,
 }
 
 /// Create a container: mount namespace, rootfs, mounts; the init process
@@ -545,6 +550,11 @@ pub struct ProcessExit {
     /// Exit status, or 128+signal when killed (what containerd reports).
     pub exit_code: i32,
     pub signal: Option<i32>,
+    /// Processes of the container the guest's OOM killer killed during
+    /// its life (its cgroup's `memory.events` `oom_kill`; init only, 0 for
+    /// an exec). Absent from an older agent: 0.
+    #[serde(default)]
+    pub oom_kills: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

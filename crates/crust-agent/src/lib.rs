@@ -25,6 +25,7 @@
 
 pub mod container;
 pub mod destination;
+pub mod modprobe;
 pub mod network;
 pub mod options;
 pub mod port;

@@ -19,6 +19,15 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The image's /sbin/modprobe is this binary: the kernel's requests.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "modprobe")
+    {
+        std::process::exit(crust_agent::modprobe::main(&argv[1..]));
+    }
     // The agent re-executes itself as a container's init helper.
     if std::env::args_os().nth(1).as_deref()
         == Some(std::ffi::OsStr::new(crust_agent::container::init::INIT_ARG))

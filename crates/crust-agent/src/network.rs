@@ -160,7 +160,7 @@ fn apply_rules(rules: &crust_agent_proto::GuestRules) -> Result<(), NetError> {
     if rules.ipv4.is_empty() && rules.ipv6.is_empty() {
         return Ok(());
     }
-    crate::sys::unpack_payload("netfilter").map_err(NetError::Netfilter)?;
+    crate::sys::unpack_payload(crate::modprobe::PAYLOAD).map_err(NetError::Netfilter)?;
     crate::sys::load_module_group("netfilter").map_err(NetError::Netfilter)?;
     for (tool, text) in [
         ("/usr/sbin/iptables-restore", &rules.ipv4),

@@ -286,6 +286,17 @@ pub fn unpack_payload(name: &str) -> Result<(), String> {
     if done.exists() {
         return Ok(());
     }
+    // The agent and the kernel's modprobe may both want it at once: one
+    // unpacks, the other waits and finds it done.
+    let _ = std::fs::create_dir_all("/run/crust");
+    let lock_path = Path::new("/run/crust").join(format!("{name}.lock"));
+    let lock =
+        std::fs::File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
+    if done.exists() {
+        return Ok(());
+    }
     let archive = format!("/usr/lib/crust/{name}.cpio.gz");
     if !Path::new(&archive).exists() {
         return Err(format!("the guest image has no {archive}"));
@@ -304,7 +315,6 @@ pub fn unpack_payload(name: &str) -> Result<(), String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    let _ = std::fs::create_dir_all("/run/crust");
     std::fs::write(&done, b"").map_err(|e| format!("{}: {e}", done.display()))
 }
 

@@ -214,6 +214,7 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
                 source: MountSource::Share(share_ref("c/hostname")),
                 readonly: true,
                 options: vec![],
+                submounts: vec![],
             }],
             masked_paths: vec![],
             readonly_paths: vec![],

@@ -155,11 +155,65 @@ fn rename_path(e: BeneathError, rel: &str) -> BeneathError {
 const HOST_SIDE: MountAttrFlags =
     MountAttrFlags::MOUNT_ATTR_NOSUID.union(MountAttrFlags::MOUNT_ATTR_NODEV);
 
+/// How a bind is read-only, as runc has it: OCI `ro` makes the named
+/// mount read-only and leaves mounts below it as they are (a tmpfs inside
+/// a read-only volume stays writable); `rro` (CRI's recursive read-only)
+/// makes every mount of the tree read-only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadOnly {
+    #[default]
+    No,
+    Top,
+    Recursive,
+}
+
+impl ReadOnly {
+    /// From OCI mount options: `rro` wins over `ro`.
+    pub fn from_options<S: AsRef<str>>(options: &[S]) -> ReadOnly {
+        let has = |o: &str| options.iter().any(|x| x.as_ref() == o);
+        if has("rro") {
+            ReadOnly::Recursive
+        } else if has("ro") {
+            ReadOnly::Top
+        } else {
+            ReadOnly::No
+        }
+    }
+}
+
+impl From<bool> for ReadOnly {
+    fn from(readonly: bool) -> ReadOnly {
+        if readonly {
+            ReadOnly::Top
+        } else {
+            ReadOnly::No
+        }
+    }
+}
+
+/// Which mounts made later below a bind's host source reach the guest
+/// (OCI `rprivate`, `rslave`; the kernel's MS_* propagation types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Propagation {
+    /// None (CRI's default): the tree is what it was when bound.
+    #[default]
+    Private,
+    /// HostToContainer: mounts made below the source on the host after the
+    /// bind appear in the share (and in the guest, as virtio-fs
+    /// submounts); none flows back.
+    Slave,
+}
+
 /// Binds host `source` (recursively) onto the mount point `target`. The
-/// tree is cloned detached, made read-only recursively when asked (before
-/// it is attached, so every propagated copy is read-only too), then moved
-/// onto the descriptor.
-pub fn bind(source: &Path, target: BorrowedFd<'_>, readonly: bool) -> Result<(), BeneathError> {
+/// tree is cloned detached, given its propagation and read-only as asked
+/// (before it is attached, so every propagated copy is the same), then
+/// moved onto the descriptor.
+pub fn bind(
+    source: &Path,
+    target: BorrowedFd<'_>,
+    readonly: ReadOnly,
+    propagation: Propagation,
+) -> Result<(), BeneathError> {
     let shown = source.display().to_string();
     let tree = rustix::mount::open_tree(
         rustix::fs::CWD,
@@ -170,11 +224,21 @@ pub fn bind(source: &Path, target: BorrowedFd<'_>, readonly: bool) -> Result<(),
     )
     .map_err(|e| BeneathError::io("cloning the mount tree of", &shown, e))?;
     let mut attrs = HOST_SIDE;
-    if readonly {
+    if readonly == ReadOnly::Recursive {
         attrs |= MountAttrFlags::MOUNT_ATTR_RDONLY;
     }
-    set_attrs_recursive(tree.as_fd(), attrs)
+    // A clone of a shared mount joins its peer group: without this, mounts
+    // would flow between the host source and the share both ways.
+    let propagation = match propagation {
+        Propagation::Private => libc::MS_PRIVATE,
+        Propagation::Slave => libc::MS_SLAVE,
+    };
+    set_attrs(tree.as_fd(), attrs, propagation, true)
         .map_err(|e| BeneathError::io("setting mount attributes on", &shown, e))?;
+    if readonly == ReadOnly::Top {
+        set_attrs(tree.as_fd(), MountAttrFlags::MOUNT_ATTR_RDONLY, 0, false)
+            .map_err(|e| BeneathError::io("making read-only", &shown, e))?;
+    }
     attach(tree.as_fd(), target, &shown)
 }
 
@@ -307,14 +371,24 @@ struct MountAttr {
     userns_fd: u64,
 }
 
-/// mount_setattr(2) with `AT_RECURSIVE` on a (detached) tree; rustix has
-/// no wrapper for it.
-fn set_attrs_recursive(tree: BorrowedFd<'_>, attrs: MountAttrFlags) -> Result<(), Errno> {
+/// mount_setattr(2) on a (detached) tree, `recursive` or its top mount
+/// only; rustix has no wrapper for it.
+fn set_attrs(
+    tree: BorrowedFd<'_>,
+    attrs: MountAttrFlags,
+    propagation: u64,
+    recursive: bool,
+) -> Result<(), Errno> {
     let attr = MountAttr {
         attr_set: u64::from(attrs.bits()),
         attr_clr: 0,
-        propagation: 0,
+        propagation,
         userns_fd: 0,
+    };
+    let flags = if recursive {
+        libc::AT_EMPTY_PATH | libc::AT_RECURSIVE
+    } else {
+        libc::AT_EMPTY_PATH
     };
     // SAFETY: a valid fd, a NUL-terminated empty path and a live
     // `mount_attr` of the size passed; the kernel only reads it.
@@ -323,7 +397,7 @@ fn set_attrs_recursive(tree: BorrowedFd<'_>, attrs: MountAttrFlags) -> Result<()
             libc::SYS_mount_setattr,
             tree.as_raw_fd(),
             c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
+            flags,
             &attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )

@@ -432,7 +432,13 @@ fn make_share(dir: &Path, mounts: &[SharedMount]) -> Result<PathBuf, RuntimeErro
     let res = share::make(dir).and_then(|view| {
         let root = share::open(dir)?;
         for m in mounts {
-            share::bind_into(root.as_fd(), &m.path, Path::new(&m.source), m.readonly)?;
+            share::bind_into(
+                root.as_fd(),
+                &m.path,
+                Path::new(&m.source),
+                m.readonly.into(),
+                share::Propagation::Private,
+            )?;
         }
         Ok(view)
     });

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
 use crate::beneath::{self, BeneathError, FsSpec};
+pub use crate::beneath::{Propagation, ReadOnly};
 
 /// The virtio-fs tag of a sandbox's share.
 pub const SHARE_TAG: &str = "crust-pod";
@@ -89,15 +90,19 @@ pub fn create_dir(root: BorrowedFd<'_>, rel: &str) -> Result<OwnedFd, ShareError
 }
 
 /// Binds host `source` (file or directory, recursively) at `rel` in the
-/// share, creating the mount point (refused if anything is there already).
-/// `readonly` makes the whole host-side tree read-only before it is
-/// attached, so no write from the guest reaches the source.
+/// share, creating the mount point (refused if anything is there already),
+/// read-only and with the propagation asked (see [`beneath::bind`]).
+/// Returns the mounts below `source` that came with it, relative to it:
+/// the guest has to reach each before it binds the directory into a
+/// container, or a read-only bind would make them read-only too (a
+/// virtio-fs submount mounted on first use takes its parent's flags).
 pub fn bind_into(
     root: BorrowedFd<'_>,
     rel: &str,
     source: &Path,
-    readonly: bool,
-) -> Result<(), ShareError> {
+    readonly: ReadOnly,
+    propagation: Propagation,
+) -> Result<Vec<String>, ShareError> {
     let meta = std::fs::metadata(source).map_err(|e| ShareError::Source {
         path: source.display().to_string(),
         source: e,
@@ -107,8 +112,18 @@ pub fn bind_into(
     } else {
         beneath::create_file(root, rel)?
     };
-    beneath::bind(source, target.as_fd(), readonly)?;
-    Ok(())
+    beneath::bind(source, target.as_fd(), readonly, propagation)?;
+    if !meta.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut below: Vec<String> = mounts_below(source)
+        .iter()
+        .filter_map(|m| m.strip_prefix(source).ok()?.to_str().map(String::from))
+        .filter(|r| !r.is_empty())
+        .collect();
+    below.sort();
+    below.dedup();
+    Ok(below)
 }
 
 /// Mounts a filesystem (a container's rootfs) at a new directory `rel`.
@@ -249,7 +264,7 @@ mod tests {
         let view = make(&share).unwrap();
         assert_eq!(view, t.path().join("sb/share.guest"));
         let root = open(&share).unwrap();
-        bind_into(root.as_fd(), "m0", &src, false).unwrap();
+        bind_into(root.as_fd(), "m0", &src, ReadOnly::No, Propagation::Private).unwrap();
         assert_eq!(std::fs::read(share.join("m0/keep")).unwrap(), b"data");
         assert_eq!(std::fs::read(view.join("m0/keep")).unwrap(), b"data");
         drop(root);
@@ -259,32 +274,42 @@ mod tests {
         assert!(mounts_below(t.path()).is_empty());
     }
 
-    /// What virtiofsd serves: nothing can be created at the share's root or
-    /// in a container's directory; a rw bind is writable; a read-only file
-    /// or directory bind is read-only in the view and in the share itself,
-    /// also below a mount inside the bound directory (recursive).
+    /// The guest view is read-only but for what is bound read-write. A
+    /// read-only bind is read-only as runc has it: the bound directory
+    /// only, a mount inside it keeps its own attributes (and is named so
+    /// the guest can reach it first); `rro` makes it read-only too.
     #[test]
     fn guest_view_is_read_only_but_for_rw_mounts() {
         let Some(t) = Scratch::new() else { return };
-        let (rw, ro, sub) = (
+        let (rw, ro, rro, sub) = (
             t.path().join("rw"),
             t.path().join("ro"),
+            t.path().join("rro"),
             t.path().join("sub"),
         );
-        for d in [&rw, &ro, &sub] {
+        for d in [&rw, &ro, &rro, &sub] {
             std::fs::create_dir(d).unwrap();
         }
-        std::fs::create_dir(ro.join("inner")).unwrap();
-        rustix::mount::mount_bind(&sub, ro.join("inner")).unwrap();
+        for d in [&ro, &rro] {
+            std::fs::create_dir(d.join("inner")).unwrap();
+            rustix::mount::mount_bind(&sub, d.join("inner")).unwrap();
+        }
         let file = t.path().join("file");
         std::fs::write(&file, b"host bytes").unwrap();
         let share = t.path().join("sb/share");
         let view = make(&share).unwrap();
         let root = open(&share).unwrap();
         create_dir(root.as_fd(), "c1").unwrap();
-        bind_into(root.as_fd(), "c1/m0", &rw, false).unwrap();
-        bind_into(root.as_fd(), "c1/m1", &ro, true).unwrap();
-        bind_into(root.as_fd(), "c1/m2", &file, true).unwrap();
+        let private = Propagation::Private;
+        assert!(
+            bind_into(root.as_fd(), "c1/m0", &rw, ReadOnly::No, private)
+                .unwrap()
+                .is_empty()
+        );
+        let below = bind_into(root.as_fd(), "c1/m1", &ro, ReadOnly::Top, private).unwrap();
+        assert_eq!(below, vec!["inner".to_string()]);
+        bind_into(root.as_fd(), "c1/m2", &file, ReadOnly::Top, private).unwrap();
+        bind_into(root.as_fd(), "c1/m3", &rro, ReadOnly::Recursive, private).unwrap();
 
         let erofs = |r: std::io::Result<()>, what: &str| {
             let e = r.expect_err(what);
@@ -302,9 +327,10 @@ mod tests {
         assert_eq!(std::fs::read(rw.join("new")).unwrap(), b"ok");
         for base in [&view, &share] {
             erofs(std::fs::write(base.join("c1/m1/new"), b"x"), "ro dir bind");
+            erofs(std::fs::write(base.join("c1/m3/new"), b"x"), "rro dir bind");
             erofs(
-                std::fs::write(base.join("c1/m1/inner/new"), b"x"),
-                "ro, recursively",
+                std::fs::write(base.join("c1/m3/inner/new"), b"x"),
+                "rro, recursively",
             );
             erofs(
                 std::fs::OpenOptions::new()
@@ -314,13 +340,85 @@ mod tests {
                 "ro file bind",
             );
         }
+        // Not recursive: the mount inside the read-only bind is writable.
+        std::fs::write(view.join("c1/m1/inner/new"), b"inner").unwrap();
+        assert_eq!(std::fs::read(sub.join("new")).unwrap(), b"inner");
         assert_eq!(std::fs::read(&file).unwrap(), b"host bytes");
         assert_eq!(std::fs::read_dir(&ro).unwrap().count(), 1, "only 'inner'");
-        assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 0);
         drop(root);
         remove(&share).unwrap();
-        rustix::mount::unmount(ro.join("inner"), UnmountFlags::empty()).unwrap();
+        for d in [&ro, &rro] {
+            rustix::mount::unmount(d.join("inner"), UnmountFlags::empty()).unwrap();
+        }
         assert!(mounts_below(t.path()).is_empty());
+    }
+
+    /// A mount made on the host below a bind's source after the bind
+    /// reaches the share with HostToContainer (`rslave`), and not with the
+    /// default; a mount made in the share never reaches the host, even
+    /// when the source sits on a shared mount (a clone would join its
+    /// peer group).
+    #[test]
+    fn later_host_mounts_reach_the_share_only_with_host_to_container() {
+        let Some(t) = Scratch::new() else { return };
+        let host = t.path().join("host");
+        std::fs::create_dir(&host).unwrap();
+        rustix::mount::mount_bind(&host, &host).unwrap();
+        rustix::mount::mount_change(&host, MountPropagationFlags::SHARED).unwrap();
+        let (slave, private, extra) = (
+            host.join("slave"),
+            host.join("private"),
+            t.path().join("extra"),
+        );
+        for d in [&slave, &private, &extra] {
+            std::fs::create_dir(d).unwrap();
+        }
+        std::fs::write(extra.join("marker"), b"m").unwrap();
+        let share = t.path().join("sb/share");
+        let view = make(&share).unwrap();
+        let root = open(&share).unwrap();
+        create_dir(root.as_fd(), "c1").unwrap();
+        bind_into(
+            root.as_fd(),
+            "c1/s",
+            &slave,
+            ReadOnly::No,
+            Propagation::Slave,
+        )
+        .unwrap();
+        bind_into(
+            root.as_fd(),
+            "c1/p",
+            &private,
+            ReadOnly::No,
+            Propagation::Private,
+        )
+        .unwrap();
+        for d in [&slave, &private] {
+            std::fs::create_dir(d.join("later")).unwrap();
+            rustix::mount::mount_bind(&extra, d.join("later")).unwrap();
+        }
+        for base in [&share, &view] {
+            assert!(
+                base.join("c1/s/later/marker").exists(),
+                "rslave: {}",
+                base.display()
+            );
+            assert!(
+                !base.join("c1/p/later/marker").exists(),
+                "rprivate: {}",
+                base.display()
+            );
+        }
+        // Nothing flows back to the host.
+        std::fs::create_dir(share.join("c1/s/back")).unwrap();
+        rustix::mount::mount_bind(&extra, share.join("c1/s/back")).unwrap();
+        assert!(
+            !slave.join("back/marker").exists(),
+            "a share mount reached the host"
+        );
+        drop(root);
+        remove(&share).unwrap();
     }
 
     /// The share escape, one path kind at a time: the guest planted a
@@ -342,6 +440,9 @@ mod tests {
         let share = t.path().join("sb/share");
         make(&share).unwrap();
         let root = open(&share).unwrap();
+        let bind = |rel: &str, src: &Path, ro: ReadOnly| {
+            bind_into(root.as_fd(), rel, src, ro, Propagation::Private).map(drop)
+        };
         // Every planted link points into the scratch dir, so a mount that
         // followed one shows there (the whole table would also see other
         // tests' mounts).
@@ -384,15 +485,15 @@ mod tests {
         link("c3/rootfs", &host_dir);
         planted(mount_into(root.as_fd(), "c3/rootfs", &overlay), "c3/rootfs");
         link("c3/m0", &host_file);
-        planted(bind_into(root.as_fd(), "c3/m0", &src_file, true), "c3/m0");
+        planted(bind("c3/m0", &src_file, ReadOnly::Top), "c3/m0");
         link("c3/m1", &host_dir);
-        planted(bind_into(root.as_fd(), "c3/m1", &src_dir, false), "c3/m1");
+        planted(bind("c3/m1", &src_dir, ReadOnly::No), "c3/m1");
         // A rootfs bind (no snapshotter mounts) is a directory bind too.
         link("c3/m2", &host_dir);
-        planted(bind_into(root.as_fd(), "c3/m2", &src_dir, false), "c3/m2");
+        planted(bind("c3/m2", &src_dir, ReadOnly::No), "c3/m2");
         // A symlinked parent on the way is never followed.
         link("c3/via", &t.path().join("sb"));
-        match bind_into(root.as_fd(), "c3/via/x", &src_file, false) {
+        match bind("c3/via/x", &src_file, ReadOnly::No) {
             Err(ShareError::Beneath(BeneathError::Escape { path })) => assert_eq!(path, "c3/via"),
             other => panic!("{other:?}"),
         }
@@ -400,9 +501,9 @@ mod tests {
         // A regular file planted where a directory bind goes, and the
         // reverse: refused as well.
         std::fs::write(share.join("c3/m3"), b"").unwrap();
-        planted(bind_into(root.as_fd(), "c3/m3", &src_dir, false), "c3/m3");
+        planted(bind("c3/m3", &src_dir, ReadOnly::No), "c3/m3");
         std::fs::create_dir(share.join("c3/m4")).unwrap();
-        planted(bind_into(root.as_fd(), "c3/m4", &src_file, false), "c3/m4");
+        planted(bind("c3/m4", &src_file, ReadOnly::No), "c3/m4");
 
         assert_eq!(std::fs::read(&host_file).unwrap(), b"precious");
         assert_eq!(std::fs::read_dir(&host_dir).unwrap().count(), 0);
@@ -420,9 +521,9 @@ mod tests {
         mount_into(root.as_fd(), "c4/rootfs", &overlay).unwrap();
         std::fs::write(share.join("c4/rootfs/written"), b"w").unwrap();
         assert!(t.path().join("upper/written").exists());
-        bind_into(root.as_fd(), "c4/m0", &src_file, true).unwrap();
+        bind("c4/m0", &src_file, ReadOnly::Top).unwrap();
         assert_eq!(std::fs::read(share.join("c4/m0")).unwrap(), b"bind source");
-        bind_into(root.as_fd(), "c4/m1", &src_dir, false).unwrap();
+        bind("c4/m1", &src_dir, ReadOnly::No).unwrap();
         assert_eq!(mounts_below(&share.join("c4")).len(), 3);
         remove_container(&share, "c4").unwrap();
         assert!(mounts_below(&share).is_empty() && !share.join("c4").exists());

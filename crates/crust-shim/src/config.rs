@@ -8,7 +8,7 @@ use clap::Parser;
 use crust_runtime::cli::GlobalOpts;
 use crust_runtime::config::Config;
 
-use crate::spec::LsmPolicy;
+use crate::spec::{HostNamespace, LsmPolicy};
 
 /// Memory the guest gets on top of its containers' limits: the kernel
 /// (about 54 MiB reserved at boot by this image's kernel), the agent, the
@@ -60,6 +60,15 @@ struct EnvOpts {
         default_value = "refuse"
     )]
     netns_rules: NetnsRules,
+    /// Host namespaces (`ipc`, `pid`, comma-separated) a container may ask
+    /// for and get the guest's own instead; any other is refused.
+    #[arg(
+        long,
+        env = "CRUST_SHIM_HOST_NAMESPACES",
+        value_enum,
+        value_delimiter = ','
+    )]
+    host_namespaces: Vec<HostNamespace>,
 }
 
 /// What the shim does with netfilter rules in a pod's namespace
@@ -96,6 +105,7 @@ pub struct ShimConfig {
     pub max_cpus: u32,
     pub lsm_policy: LsmPolicy,
     pub netns_rules: NetnsRules,
+    pub host_namespaces: Vec<HostNamespace>,
 }
 
 impl ShimConfig {
@@ -136,6 +146,7 @@ impl ShimConfig {
             max_cpus: o.max_cpus,
             lsm_policy: o.lsm_policy,
             netns_rules: o.netns_rules,
+            host_namespaces: o.host_namespaces,
         })
     }
 
@@ -221,6 +232,7 @@ pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
         max_cpus: 0,
         lsm_policy: LsmPolicy::Ignore,
         netns_rules: NetnsRules::Refuse,
+        host_namespaces: Vec::new(),
     }
 }
 

@@ -449,43 +449,7 @@ impl Pod {
         let root = share.as_fd();
         share::create_dir(root, cid).map_err(RuntimeError::from)?;
         mount_rootfs(root, &format!("{cid}/rootfs"), rootfs, &plan.root_path)?;
-        let mut mounts = Vec::new();
-        for (i, m) in plan.mounts.iter().enumerate() {
-            match m {
-                Planned::Guest(g) => mounts.push(g.clone()),
-                Planned::HostBind {
-                    destination,
-                    source,
-                    readonly,
-                    options,
-                } => {
-                    if let Some(w) = vplan.mounts.iter().find(|w| &w.destination == destination) {
-                        mounts.push(ContainerMount {
-                            destination: destination.clone(),
-                            source: MountSource::Volume {
-                                volume: w.volume.clone(),
-                                subpath: (!w.subpath.is_empty()).then(|| w.subpath.clone()),
-                            },
-                            readonly: *readonly || w.readonly,
-                            options: options.clone(),
-                        });
-                        continue;
-                    }
-                    let name = format!("m{i}");
-                    share::bind_into(root, &format!("{cid}/{name}"), source, *readonly)
-                        .map_err(RuntimeError::from)?;
-                    mounts.push(ContainerMount {
-                        destination: destination.clone(),
-                        source: MountSource::Share(ShareRef {
-                            tag: SHARE_TAG.into(),
-                            path: format!("{cid}/{name}"),
-                        }),
-                        readonly: *readonly,
-                        options: options.clone(),
-                    });
-                }
-            }
-        }
+        let mounts = container_mounts(root, cid, plan, &vplan)?;
         for v in &vplan.volumes {
             self.plug(vm, v).await?;
         }
@@ -935,6 +899,65 @@ fn host_block_device(major: i64, minor: i64) -> Result<PathBuf, PodError> {
     Ok(path)
 }
 
+/// The container's mounts as the guest takes them: a crust volume's bind
+/// names the volume; any other host path is bound into the share (with
+/// its read-only kind and propagation) and named there.
+fn container_mounts(
+    root: BorrowedFd<'_>,
+    cid: &str,
+    plan: &ContainerPlan,
+    vplan: &crust_runtime::discovery::Plan,
+) -> Result<Vec<ContainerMount>, PodError> {
+    let mut mounts = Vec::new();
+    for (i, m) in plan.mounts.iter().enumerate() {
+        match m {
+            Planned::Guest(g) => mounts.push(g.clone()),
+            Planned::HostBind {
+                destination,
+                source,
+                readonly,
+                propagation,
+                options,
+            } => {
+                let ro = *readonly != share::ReadOnly::No;
+                if let Some(w) = vplan.mounts.iter().find(|w| &w.destination == destination) {
+                    mounts.push(ContainerMount {
+                        destination: destination.clone(),
+                        source: MountSource::Volume {
+                            volume: w.volume.clone(),
+                            subpath: (!w.subpath.is_empty()).then(|| w.subpath.clone()),
+                        },
+                        readonly: ro || w.readonly,
+                        options: options.clone(),
+                        submounts: Vec::new(),
+                    });
+                    continue;
+                }
+                let name = format!("m{i}");
+                let submounts = share::bind_into(
+                    root,
+                    &format!("{cid}/{name}"),
+                    source,
+                    *readonly,
+                    *propagation,
+                )
+                .map_err(RuntimeError::from)?;
+                mounts.push(ContainerMount {
+                    destination: destination.clone(),
+                    source: MountSource::Share(ShareRef {
+                        tag: SHARE_TAG.into(),
+                        path: format!("{cid}/{name}"),
+                    }),
+                    readonly: ro,
+                    options: options.clone(),
+                    submounts,
+                });
+            }
+        }
+    }
+    Ok(mounts)
+}
+
 /// Mounts the container's rootfs (the snapshotter's mounts, usually one
 /// overlay) at `rel` in the share; with no mounts, binds `root_path`.
 fn mount_rootfs(
@@ -944,7 +967,15 @@ fn mount_rootfs(
     root_path: &Path,
 ) -> Result<(), PodError> {
     if rootfs.is_empty() {
-        return Ok(share::bind_into(root, rel, root_path, false).map_err(RuntimeError::from)?);
+        share::bind_into(
+            root,
+            rel,
+            root_path,
+            share::ReadOnly::No,
+            share::Propagation::Private,
+        )
+        .map_err(RuntimeError::from)?;
+        return Ok(());
     }
     if rootfs.len() > 1 {
         return Err(PodError::host(
@@ -959,8 +990,10 @@ fn mount_rootfs(
             root,
             rel,
             Path::new(&m.source),
-            fs.attrs.contains(MountAttrFlags::MOUNT_ATTR_RDONLY),
-        ),
+            fs.attrs.contains(MountAttrFlags::MOUNT_ATTR_RDONLY).into(),
+            share::Propagation::Private,
+        )
+        .map(drop),
         _ => share::mount_into(root, rel, &fs),
     };
     Ok(res.map_err(RuntimeError::from)?)

@@ -19,6 +19,7 @@ use crust_agent_proto::{
     Capabilities, ContainerMount, IdMapping, MountSource, NamespaceSource, ProcessSpec, Rlimit,
     Seccomp, UserNamespace, WorkloadUser,
 };
+use crust_runtime::share::{Propagation, ReadOnly};
 use oci_spec::runtime::Spec;
 
 /// CRI annotations naming a container's role and pod.
@@ -148,6 +149,58 @@ impl std::fmt::Display for LsmSetting {
     }
 }
 
+/// A host namespace a node may let its pods ask for
+/// (`CRUST_SHIM_HOST_NAMESPACES`); the container then runs in the guest's
+/// own namespace of that type, never the host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum HostNamespace {
+    /// `ipc=NODE` (hostIPC).
+    Ipc,
+    /// `pid=NODE` (hostPID).
+    Pid,
+}
+
+impl std::fmt::Display for HostNamespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HostNamespace::Ipc => "ipc",
+            HostNamespace::Pid => "pid",
+        })
+    }
+}
+
+/// The one rule for host IPC and PID namespaces. containerd leaves a
+/// namespace out of the spec for `ipc=NODE` / `pid=NODE`; a VM cannot
+/// join the host's, so such a container is refused, naming the setting,
+/// unless the node lets it run in the guest's namespace instead.
+pub fn check_host_namespaces(
+    ipc: &NamespaceSource,
+    pid: &NamespaceSource,
+    allowed: &[HostNamespace],
+) -> Result<(), SpecError> {
+    for (ns, source, what) in [
+        (
+            HostNamespace::Ipc,
+            ipc,
+            "ipc=NODE (hostIPC: the host's shared memory and message queues)",
+        ),
+        (
+            HostNamespace::Pid,
+            pid,
+            "pid=NODE (hostPID: the host's processes)",
+        ),
+    ] {
+        if *source == NamespaceSource::Guest && !allowed.contains(&ns) {
+            return Err(SpecError::Unsupported(format!(
+                "{what}: a crust pod runs in a VM, which cannot share the host's {ns} namespace; \
+                 a node can run such containers in the guest's own {ns} namespace with \
+                 CRUST_SHIM_HOST_NAMESPACES={ns}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// What the shim does with an [`LsmSetting`] (`CRUST_SHIM_LSM_POLICY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LsmPolicy {
@@ -197,7 +250,11 @@ pub enum Planned {
     HostBind {
         destination: String,
         source: PathBuf,
-        readonly: bool,
+        /// `ro` (this mount) or `rro` (every mount below it too).
+        readonly: ReadOnly,
+        /// Mounts made later below the source on the host: `rslave`
+        /// (HostToContainer) carries them, the default does not.
+        propagation: Propagation,
         options: Vec<String>,
     },
 }
@@ -250,6 +307,25 @@ pub struct ContainerPlan {
     /// by `crust_agent_proto::check_user_namespace`; the volumes' part
     /// once they are known, before any is plugged).
     pub user: UserNamespace,
+}
+
+/// A bind's propagation (CRI's MountPropagation as containerd writes it).
+/// Bidirectional (`rshared`) needs mounts made in the guest to reach the
+/// host, which virtio-fs cannot carry: refused, naming the mount.
+fn propagation(destination: &str, options: &[String]) -> Result<Propagation, SpecError> {
+    let has = |o: &[&str]| options.iter().any(|x| o.contains(&x.as_str()));
+    if has(&["rshared", "shared"]) {
+        return Err(SpecError::Unsupported(format!(
+            "mount {destination}: Bidirectional mount propagation (rshared): mounts made in \
+             the guest cannot reach the host through virtio-fs (HostToContainer, rslave, is \
+             carried: host mounts made later below the source appear in the container)"
+        )));
+    }
+    Ok(if has(&["rslave", "slave"]) {
+        Propagation::Slave
+    } else {
+        Propagation::Private
+    })
 }
 
 /// Where a container's namespace of type `typ` comes from in the guest:
@@ -468,7 +544,8 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
         }
         let destination = m.destination().to_string_lossy().into_owned();
         let options = m.options().clone().unwrap_or_default();
-        let readonly = options.iter().any(|o| o == "ro");
+        let read_only = ReadOnly::from_options(&options);
+        let readonly = read_only != ReadOnly::No;
         let typ = m.typ().clone().unwrap_or_default();
         let is_bind = typ == "bind" || options.iter().any(|o| o == "bind" || o == "rbind");
         let rest: Vec<String> = options
@@ -482,6 +559,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
                 source: MountSource::PodShm,
                 readonly,
                 options: Vec::new(),
+                submounts: Vec::new(),
             }));
             continue;
         }
@@ -496,10 +574,12 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
                     source.display()
                 )));
             }
+            let propagation = propagation(&destination, &options)?;
             mounts.push(Planned::HostBind {
                 destination,
                 source,
-                readonly,
+                readonly: read_only,
+                propagation,
                 options: rest,
             });
             continue;
@@ -512,6 +592,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
             source: kind,
             readonly,
             options: rest,
+            submounts: Vec::new(),
         }));
     }
     let linux = spec.linux().clone().unwrap_or_default();
@@ -802,7 +883,7 @@ mod tests {
                 ..
             } => {
                 assert_eq!(destination, "/etc/hosts");
-                assert!(readonly);
+                assert_eq!(*readonly, ReadOnly::Top);
                 assert_eq!(options, &vec!["rprivate".to_string()]);
             }
             other => panic!("{other:?}"),
@@ -810,7 +891,7 @@ mod tests {
         assert!(matches!(
             &p.mounts[4],
             Planned::HostBind {
-                readonly: false,
+                readonly: ReadOnly::No,
                 ..
             }
         ));
@@ -909,6 +990,32 @@ mod tests {
         let p = plan(&spec(v), Path::new("/b")).unwrap();
         assert!(p.lsm.is_empty());
         check_lsm(&p.lsm, LsmPolicy::Refuse).unwrap();
+    }
+
+    #[test]
+    fn host_ipc_and_pid_are_refused_unless_the_node_allows_them() {
+        // containerd's ipc=NODE / pid=NODE: the type left out of the spec.
+        let mut v = base();
+        v["linux"]["namespaces"] = json!([{"type": "mount"}]);
+        let p = plan(&spec(v), Path::new("/b")).unwrap();
+        let e = check_host_namespaces(&p.ipc, &p.pid, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ipc=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=ipc"),
+            "{e}"
+        );
+        let e = check_host_namespaces(&p.ipc, &p.pid, &[HostNamespace::Ipc])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("pid=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=pid"),
+            "{e}"
+        );
+        check_host_namespaces(&p.ipc, &p.pid, &[HostNamespace::Pid, HostNamespace::Ipc]).unwrap();
+        // A pod's own namespaces are never refused.
+        let p = plan(&spec(base()), Path::new("/b")).unwrap();
+        check_host_namespaces(&p.ipc, &p.pid, &[]).unwrap();
     }
 
     #[test]

@@ -68,6 +68,7 @@ fn mount(dest: &str, source: MountSource, readonly: bool, options: &[&str]) -> C
         source,
         readonly,
         options: options.iter().map(|s| s.to_string()).collect(),
+        submounts: Vec::new(),
     }
 }
 

@@ -96,6 +96,21 @@ pub fn remove(id: &str, wait: Duration) {
     let _ = std::fs::remove_dir(&p);
 }
 
+/// How many of the group's processes an OOM killer has killed, the
+/// group's memory limit or the guest's memory running out
+/// (`memory.events` counts both, descendants included).
+pub fn oom_kills(id: &str) -> u64 {
+    let events = std::fs::read_to_string(path(id).join("memory.events")).unwrap_or_default();
+    oom_kill_count(&events)
+}
+
+fn oom_kill_count(events: &str) -> u64 {
+    events
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 fn read_u64(p: &Path) -> Option<u64> {
     std::fs::read_to_string(p).ok()?.trim().parse().ok()
 }
@@ -204,4 +219,18 @@ pub fn set_limits(
         done.push((file, old));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::oom_kill_count;
+
+    #[test]
+    fn oom_kills_are_read_from_memory_events() {
+        let events = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(oom_kill_count(events), 2);
+        // oom_group_kill must not be taken for oom_kill.
+        assert_eq!(oom_kill_count("oom_group_kill 5\n"), 0);
+        assert_eq!(oom_kill_count(""), 0);
+    }
 }

@@ -464,7 +464,8 @@ pub fn split_options(readonly: bool, options: &[String]) -> (MountFlags, String)
     let mut data = Vec::new();
     for o in options {
         match o.as_str() {
-            "ro" => flags |= MountFlags::RDONLY,
+            // rro: the host side made every mount below read-only.
+            "ro" | "rro" => flags |= MountFlags::RDONLY,
             "nosuid" => flags |= MountFlags::NOSUID,
             "nodev" => flags |= MountFlags::NODEV,
             "noexec" => flags |= MountFlags::NOEXEC,
@@ -494,6 +495,7 @@ fn mount_one(root: &OwnedFd, m: &ContainerMount, userns: Option<&OwnedFd>) -> Re
     match &m.source {
         MountSource::Share(s) => {
             let src = crate::container::share_path(s)?;
+            reach_submounts(&src, &m.submounts);
             bind(root, &src, &m.destination, flags)
         }
         MountSource::Volume { volume, subpath } => {
@@ -545,6 +547,25 @@ fn mount_one(root: &OwnedFd, m: &ContainerMount, userns: Option<&OwnedFd>) -> Re
                 None,
             )
             .map_err(err("mount -t cgroup2"))
+        }
+    }
+}
+
+/// Opens each host mount below a share source so virtio-fs mounts it now
+/// (on first use it would inherit the flags of the mount it is reached
+/// through: a read-only bind would make it read-only). One that cannot be
+/// reached (unmounted on the host since) is skipped.
+fn reach_submounts(src: &Path, submounts: &[String]) {
+    for rel in submounts {
+        let p = Path::new(rel);
+        if !p
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+        {
+            continue;
+        }
+        if let Err(e) = std::fs::File::open(src.join(p)) {
+            eprintln!("crust-agent: submount {rel} of {}: {e}", src.display());
         }
     }
 }

@@ -679,6 +679,8 @@ impl Containers {
                     },
                     Err(_) => (255, None),
                 };
+                // Read before the rest is killed: those kills are ours.
+                let oom_kills = container.as_deref().map_or(0, cgroup::oom_kills);
                 if let Some(id) = &container {
                     cgroup::kill_all(id);
                 }
@@ -686,6 +688,7 @@ impl Containers {
                     pid: proc.pid,
                     exit_code,
                     signal,
+                    oom_kills,
                 });
                 proc.cv.notify_all();
             })

@@ -30,6 +30,7 @@ impl Service {
         let oci = spec::load(&bundle)?;
         let mut plan = spec::plan(&oci, &bundle)?;
         spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
+        spec::check_host_namespaces(&plan.ipc, &plan.pid, &self.pod.cfg.host_namespaces)?;
         self.tell_lsm(&req.id, &plan.lsm).await;
         let owner = self.owner_of(&req.id, &plan.role)?;
         let paths = StdioPaths {

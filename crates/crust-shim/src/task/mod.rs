@@ -35,7 +35,7 @@ use containerd_shim_protos::cgroups::metrics::{
     CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
 };
 use containerd_shim_protos::events::task::{
-    TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskStart,
+    TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskOOM, TaskStart,
 };
 use containerd_shim_protos::topics;
 use crust_agent_proto::{
@@ -238,9 +238,9 @@ impl Service {
                 container: cid.clone(),
                 exec_id: (!p.exec_id.is_empty()).then(|| p.exec_id.clone()),
             };
-            let code = loop {
+            let (code, oom_kills) = loop {
                 if vm.exit.borrow().is_some() {
-                    break 137;
+                    break (137, 0);
                 }
                 let w = vm
                     .agent
@@ -255,7 +255,7 @@ impl Service {
                 match w {
                     Ok(w) => {
                         if let Some(e) = w.exited {
-                            break e.exit_code.clamp(0, 255) as u32;
+                            break (e.exit_code.clamp(0, 255) as u32, e.oom_kills);
                         }
                     }
                     Err(e) => {
@@ -271,6 +271,28 @@ impl Service {
             };
             if let Some(relay) = p.relay.lock().await.as_mut() {
                 relay.drained(DRAIN).await;
+            }
+            if oom_kills > 0 && p.exec_id.is_empty() {
+                // Before the exit, as runc's shim has it: CRI's status
+                // reason is then "OOMKilled" from the first look.
+                tracing::info!(
+                    "container {cid}: {oom_kills} process(es) killed by the guest's OOM killer"
+                );
+                let ev = TaskOOM {
+                    container_id: cid.clone(),
+                    ..Default::default()
+                };
+                if let Err(e) = publisher
+                    .publish(
+                        ttrpc::context::Context::default(),
+                        topics::TASK_OOM_EVENT_TOPIC,
+                        &ns,
+                        Box::new(ev),
+                    )
+                    .await
+                {
+                    tracing::warn!("publishing the OOM kill in {cid}: {e}");
+                }
             }
             let at = SystemTime::now();
             *p.state.lock().expect("state") = State::Stopped;

@@ -1,0 +1,80 @@
+//! Issue 43, must-show 6: a pod asking for the host's IPC or PID namespace
+//! (`hostIPC`, `hostPID`: CRI's NamespaceMode NODE) is refused through CRI
+//! with an error naming the setting, before any VM starts: a VM cannot
+//! share them, and running it silently in the guest's namespaces would
+//! differ from what the pod was promised. Budget: no guest boots, ~3 s.
+
+mod common;
+
+use common::{Env, qemus_under};
+use crust_cri::Cri;
+use crust_cri::v1 as cri;
+
+async fn refused(env: &Env, cri: &mut Cri, name: &str, options: cri::NamespaceOption) -> String {
+    let mut sandbox = common::host_network_sandbox(
+        name,
+        &format!("43c00000-0000-4000-8000-0000000000{}", name.len()),
+        0,
+    );
+    sandbox
+        .linux
+        .as_mut()
+        .unwrap()
+        .security_context
+        .as_mut()
+        .unwrap()
+        .namespace_options = Some(options);
+    let e = cri
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(sandbox),
+            runtime_handler: crust_testkit::CRUST_HANDLER.into(),
+        })
+        .await
+        .map(|r| r.into_inner().pod_sandbox_id)
+        .expect_err("a host namespace must be refused");
+    assert!(
+        qemus_under(&env.runtime_root).is_empty(),
+        "no VM for {name}"
+    );
+    e.message().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_ipc_and_host_pid_pods_are_refused_naming_the_setting() {
+    let env = Env::start(crust_testkit::CRI_NAMESPACE);
+    let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
+    let node = cri::NamespaceMode::Node as i32;
+    let e = refused(
+        &env,
+        &mut cri,
+        "host-ipc",
+        cri::NamespaceOption {
+            network: node,
+            ipc: node,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(
+        e.contains("ipc=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=ipc"),
+        "{e}\n{}",
+        env.logs()
+    );
+    let e = refused(
+        &env,
+        &mut cri,
+        "host-pid-x",
+        cri::NamespaceOption {
+            network: node,
+            pid: node,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(
+        e.contains("pid=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=pid"),
+        "{e}\n{}",
+        env.logs()
+    );
+}
