@@ -54,34 +54,16 @@ async fn start_bidirectional(
     sandbox: &cri::PodSandboxConfig,
     host: &Path,
 ) -> tonic::Status {
-    let both = cri
-        .runtime
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sb.into(),
-            config: Some(cri::ContainerConfig {
-                metadata: Some(cri::ContainerMetadata {
-                    name: "both-ways".into(),
-                    attempt: 0,
-                }),
-                image: Some(cri::ImageSpec {
-                    image: crust_testkit::BUSYBOX_IMAGE.into(),
-                    ..Default::default()
-                }),
-                command: common::strings(&["sleep", "600"]),
-                mounts: vec![cri::Mount {
-                    container_path: "/both".into(),
-                    host_path: host.display().to_string(),
-                    propagation: cri::MountPropagation::PropagationBidirectional as i32,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-            sandbox_config: Some(sandbox.clone()),
-        })
+    let mount = cri::Mount {
+        container_path: "/both".into(),
+        host_path: host.display().to_string(),
+        propagation: cri::MountPropagation::PropagationBidirectional as i32,
+        ..Default::default()
+    };
+    let config = common::busybox_container("both-ways", &["sleep", "600"], vec![mount], None);
+    let both = common::create_container(cri, sb, sandbox, config)
         .await
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}"))
-        .into_inner()
-        .container_id;
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
     cri.runtime
         .start_container(cri::StartContainerRequest { container_id: both })
         .await

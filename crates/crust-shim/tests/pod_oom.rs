@@ -30,17 +30,7 @@ fn limited(limit: i64) -> cri::LinuxContainerConfig {
 async fn exited(cri: &mut Cri, env: &Env, cid: &str) -> (i32, String) {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
-        let s = cri
-            .runtime
-            .container_status(cri::ContainerStatusRequest {
-                container_id: cid.into(),
-                verbose: false,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status
-            .unwrap();
+        let s = common::container_status(cri, cid).await;
         if s.state == cri::ContainerState::ContainerExited as i32 {
             return (s.exit_code, s.reason);
         }
@@ -78,29 +68,15 @@ async fn a_container_over_its_memory_limit_is_reported_oomkilled() {
     );
 
     // The control: the same exit code without an OOM kill.
-    let crash = cri
-        .runtime
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sb.clone(),
-            config: Some(cri::ContainerConfig {
-                metadata: Some(cri::ContainerMetadata {
-                    name: "crash".into(),
-                    attempt: 0,
-                }),
-                image: Some(cri::ImageSpec {
-                    image: crust_testkit::BUSYBOX_IMAGE.into(),
-                    ..Default::default()
-                }),
-                command: common::strings(&["sh", "-c", "kill -9 $$"]),
-                linux: Some(limited(LIMIT)),
-                ..Default::default()
-            }),
-            sandbox_config: Some(sandbox.clone()),
-        })
+    let crash = common::busybox_container(
+        "crash",
+        &["sh", "-c", "kill -9 $$"],
+        vec![],
+        Some(limited(LIMIT)),
+    );
+    let crash = common::create_container(&mut cri, &sb, &sandbox, crash)
         .await
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", env.logs()))
-        .into_inner()
-        .container_id;
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", env.logs()));
     cri.runtime
         .start_container(cri::StartContainerRequest {
             container_id: crash.clone(),

@@ -623,31 +623,11 @@ impl Env {
             .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.logs()))
             .into_inner()
             .pod_sandbox_id;
-        let cid = cri
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: sb.clone(),
-                config: Some(cri::ContainerConfig {
-                    metadata: Some(cri::ContainerMetadata {
-                        name: "app".into(),
-                        attempt: 0,
-                    }),
-                    image: Some(cri::ImageSpec {
-                        image: crust_testkit::BUSYBOX_IMAGE.into(),
-                        ..Default::default()
-                    }),
-                    command: command.iter().map(|c| c.to_string()).collect(),
-                    mounts,
-                    log_path: BUSYBOX_POD_LOG.into(),
-                    linux,
-                    ..Default::default()
-                }),
-                sandbox_config: Some(sandbox.clone()),
-            })
+        let mut config = busybox_container("app", command, mounts, linux);
+        config.log_path = BUSYBOX_POD_LOG.into();
+        let cid = create_container(cri, &sb, sandbox, config)
             .await
-            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.logs()))
-            .into_inner()
-            .container_id;
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.logs()));
         cri.runtime
             .start_container(cri::StartContainerRequest {
                 container_id: cid.clone(),
@@ -656,4 +636,64 @@ impl Env {
             .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.logs()));
         (sb, cid)
     }
+}
+
+/// A busybox container `name` running `command` with `mounts` and its
+/// `linux` settings (no log path).
+pub fn busybox_container(
+    name: &str,
+    command: &[&str],
+    mounts: Vec<crust_cri::v1::Mount>,
+    linux: Option<crust_cri::v1::LinuxContainerConfig>,
+) -> crust_cri::v1::ContainerConfig {
+    use crust_cri::v1 as cri;
+    cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: crust_testkit::BUSYBOX_IMAGE.into(),
+            ..Default::default()
+        }),
+        command: strings(command),
+        mounts,
+        linux,
+        ..Default::default()
+    }
+}
+
+/// CreateContainer of `config` in sandbox `sb` (containerd only records
+/// it: the shim sees it at StartContainer).
+pub async fn create_container(
+    cri: &mut crust_cri::Cri,
+    sb: &str,
+    sandbox: &crust_cri::v1::PodSandboxConfig,
+    config: crust_cri::v1::ContainerConfig,
+) -> Result<String, tonic::Status> {
+    cri.runtime
+        .create_container(crust_cri::v1::CreateContainerRequest {
+            pod_sandbox_id: sb.into(),
+            config: Some(config),
+            sandbox_config: Some(sandbox.clone()),
+        })
+        .await
+        .map(|r| r.into_inner().container_id)
+}
+
+/// CRI ContainerStatus of `cid` (panics when there is none).
+pub async fn container_status(
+    cri: &mut crust_cri::Cri,
+    cid: &str,
+) -> crust_cri::v1::ContainerStatus {
+    cri.runtime
+        .container_status(crust_cri::v1::ContainerStatusRequest {
+            container_id: cid.into(),
+            verbose: false,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ContainerStatus {cid}: {e}"))
+        .into_inner()
+        .status
+        .unwrap_or_else(|| panic!("ContainerStatus {cid}: no status"))
 }
