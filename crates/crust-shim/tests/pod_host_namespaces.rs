@@ -10,12 +10,13 @@ use common::{Env, qemus_under};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
 
-async fn refused(env: &Env, cri: &mut Cri, name: &str, options: cri::NamespaceOption) -> String {
-    let mut sandbox = common::host_network_sandbox(
-        name,
-        &format!("43c00000-0000-4000-8000-0000000000{}", name.len()),
-        0,
-    );
+async fn refused(
+    env: &Env,
+    cri: &mut Cri,
+    (name, uid): (&str, &str),
+    options: cri::NamespaceOption,
+) -> String {
+    let mut sandbox = common::host_network_sandbox(name, uid, 0);
     sandbox
         .linux
         .as_mut()
@@ -45,36 +46,35 @@ async fn host_ipc_and_host_pid_pods_are_refused_naming_the_setting() {
     let env = Env::start(crust_testkit::CRI_NAMESPACE);
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let node = cri::NamespaceMode::Node as i32;
-    let e = refused(
-        &env,
-        &mut cri,
-        "host-ipc",
-        cri::NamespaceOption {
-            network: node,
-            ipc: node,
-            ..Default::default()
-        },
-    )
-    .await;
-    assert!(
-        e.contains("ipc=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=ipc"),
-        "{e}\n{}",
-        env.logs()
-    );
-    let e = refused(
-        &env,
-        &mut cri,
-        "host-pid-x",
-        cri::NamespaceOption {
-            network: node,
-            pid: node,
-            ..Default::default()
-        },
-    )
-    .await;
-    assert!(
-        e.contains("pid=NODE") && e.contains("CRUST_SHIM_HOST_NAMESPACES=pid"),
-        "{e}\n{}",
-        env.logs()
-    );
+    let host_ipc = cri::NamespaceOption {
+        network: node,
+        ipc: node,
+        ..Default::default()
+    };
+    let host_pid = cri::NamespaceOption {
+        network: node,
+        pid: node,
+        ..Default::default()
+    };
+    for (pod, options, setting, opt_in) in [
+        (
+            ("host-ipc", "43c00000-0000-4000-8000-000000000001"),
+            host_ipc,
+            "ipc=NODE",
+            "=ipc",
+        ),
+        (
+            ("host-pid", "43c00000-0000-4000-8000-000000000002"),
+            host_pid,
+            "pid=NODE",
+            "=pid",
+        ),
+    ] {
+        let e = refused(&env, &mut cri, pod, options).await;
+        assert!(
+            e.contains(setting) && e.contains(&format!("CRUST_SHIM_HOST_NAMESPACES{opt_in}")),
+            "{e}\n{}",
+            env.logs()
+        );
+    }
 }
