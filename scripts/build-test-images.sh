@@ -9,6 +9,10 @@
 #                      attempts); cmd ["sh"]; ref crust.test/busybox:latest
 #   <out>/pause.tar    OCI layout: busybox-static as /bin/sleep, entrypoint
 #                      ["/bin/sleep", "infinity"]; ref crust.test/pause:latest
+#   <out>/webserver.tar OCI layout: the busybox image's files plus /www, whose
+#                      index.html busybox httpd serves on port 80 (the
+#                      entrypoint): critest's web-server image stand-in;
+#                      ref crust.test/webserver:latest
 # Import with `ctr images import <tar>` (the ref name is in index.json).
 # <out> is target/test-images (or $CRUST_TEST_IMAGES_DIR, or --out DIR).
 # Skips the rebuild when a sha256 over every input matches the stamp.
@@ -63,7 +67,7 @@ pkg_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo "not-from
 
 KEY=$(
 	{
-		echo "format 3"
+		echo "format 4"
 		echo "gcc $(gcc -dumpfullversion) libc6-dev $(pkg_version libc6-dev)"
 		sha256sum "${BASH_SOURCE[0]}" "$BUSYBOX" "$PING" "$IPERF3" "$ESCAPE_SRC" \
 			$(libs_of "$PING") $(libs_of "$IPERF3") | cut -d' ' -f1
@@ -72,7 +76,7 @@ KEY=$(
 )
 STAMP=$OUT/.stamp
 if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] &&
-	[ -f "$OUT/busybox.tar" ] && [ -f "$OUT/pause.tar" ]; then
+	[ -f "$OUT/busybox.tar" ] && [ -f "$OUT/pause.tar" ] && [ -f "$OUT/webserver.tar" ]; then
 	say "up to date in $OUT (key ${KEY:0:12})"
 	exit 0
 fi
@@ -142,7 +146,17 @@ setup_pause() {
 	cp "$BUSYBOX" "$r/bin/sleep"
 }
 
+setup_webserver() {
+	setup_busybox "$1"
+	mkdir -p "$1/www"
+	echo '<html><body>crust test web server</body></html>' >"$1/www/index.html"
+}
+
 image busybox "crust.test/busybox:latest" setup_busybox --config.cmd sh
+image webserver "crust.test/webserver:latest" setup_webserver \
+	--config.entrypoint /bin/httpd --config.entrypoint=-f --config.entrypoint=-p \
+	--config.entrypoint 80 --config.entrypoint=-h --config.entrypoint /www \
+	--config.exposedports 80/tcp
 image pause "crust.test/pause:latest" setup_pause \
 	--config.entrypoint /bin/sleep --config.cmd infinity
 

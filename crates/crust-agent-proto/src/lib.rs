@@ -10,12 +10,16 @@
 //!   [`AgentError`] whose [`ErrorCode`] maps onto gRPC codes.
 //! * Containers ([`containers`]): several per guest, rootfs over virtio-fs,
 //!   their stdio multiplexed on a second port ([`stdio`]).
+//! * Port-forward ([`forward`]): host TCP connections carried to the
+//!   guest's `localhost` on a third port, with per-stream windows.
 //! * Host client ([`AgentClient`], feature `client`, on by default): tokio,
 //!   concurrent calls multiplexed by id, per-call timeouts, reconnects.
 
 pub mod containers;
+pub mod forward;
 pub mod frame;
 pub mod messages;
+pub mod mux;
 pub mod network;
 pub mod stdio;
 pub mod user;
@@ -26,6 +30,7 @@ mod client;
 #[cfg(feature = "client")]
 pub use client::{AgentClient, ClientError, DEFAULT_TIMEOUT};
 pub use containers::*;
+pub use forward::FORWARD_PORT_NAME;
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use messages::*;
 pub use network::{

@@ -11,18 +11,15 @@
 //! guest write blocks while the host is not reading (or not connected, as
 //! when the shim restarts), so output is held in the pipes, not dropped.
 //!
-//! A frame is a 9-byte header, stream id (u32 BE, chosen by the host, never
-//! 0), [`Kind`] (u8), payload length (u32 BE, at most [`MAX_PAYLOAD`]),
-//! then the payload. Host → guest: [`Kind::Stdin`], [`Kind::StdinClose`];
+//! Frames are [`crate::mux`]'s: stream id (chosen by the host, never 0),
+//! [`Kind`], payload. Host → guest: [`Kind::Stdin`], [`Kind::StdinClose`];
 //! guest → host: [`Kind::Stdout`], [`Kind::Stderr`] and their `Eof`.
 
 /// Name of the virtio-serial port carrying the stdio frames.
 pub const STDIO_PORT_NAME: &str = "org.crust.stdio";
 
-pub const HEADER_LEN: usize = 9;
-
-/// Largest payload of one frame.
-pub const MAX_PAYLOAD: usize = 64 * 1024;
+use crate::mux::RawDecoder;
+pub use crate::mux::{HEADER_LEN, MAX_PAYLOAD};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -68,13 +65,7 @@ pub enum StdioError {
 /// Encodes one frame; `data` longer than [`MAX_PAYLOAD`] must be split by
 /// the caller ([`encode_chunks`]).
 pub fn encode(stream: u32, kind: Kind, data: &[u8]) -> Vec<u8> {
-    debug_assert!(data.len() <= MAX_PAYLOAD);
-    let mut out = Vec::with_capacity(HEADER_LEN + data.len());
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.push(kind as u8);
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    out.extend_from_slice(data);
-    out
+    crate::mux::encode(stream, kind as u8, data)
 }
 
 /// Encodes `data` as as many frames as it takes.
@@ -90,7 +81,7 @@ pub fn encode_chunks(stream: u32, kind: Kind, data: &[u8]) -> Vec<u8> {
 /// the stream is out of sync: the caller resets (reconnects).
 #[derive(Debug, Default)]
 pub struct Decoder {
-    buf: Vec<u8>,
+    raw: RawDecoder,
 }
 
 impl Decoder {
@@ -99,32 +90,25 @@ impl Decoder {
     }
 
     pub fn push(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
+        self.raw.push(data);
     }
 
     pub fn reset(&mut self) {
-        self.buf.clear();
+        self.raw.reset();
     }
 
     pub fn next_frame(&mut self) -> Option<Result<Frame, StdioError>> {
-        if self.buf.len() < HEADER_LEN {
-            return None;
-        }
-        let stream = u32::from_be_bytes(self.buf[0..4].try_into().expect("4 bytes"));
-        let kind = self.buf[4];
-        let len = u32::from_be_bytes(self.buf[5..9].try_into().expect("4 bytes")) as usize;
-        if len > MAX_PAYLOAD {
-            return Some(Err(StdioError::TooLarge(len)));
-        }
-        let Some(kind) = Kind::from_u8(kind) else {
-            return Some(Err(StdioError::UnknownKind(kind)));
-        };
-        if self.buf.len() < HEADER_LEN + len {
-            return None;
-        }
-        let data = self.buf[HEADER_LEN..HEADER_LEN + len].to_vec();
-        self.buf.drain(..HEADER_LEN + len);
-        Some(Ok(Frame { stream, kind, data }))
+        Some(match self.raw.next_frame()? {
+            Err(len) => Err(StdioError::TooLarge(len)),
+            Ok(f) => match Kind::from_u8(f.kind) {
+                Some(kind) => Ok(Frame {
+                    stream: f.stream,
+                    kind,
+                    data: f.data,
+                }),
+                None => Err(StdioError::UnknownKind(f.kind)),
+            },
+        })
     }
 }
 
@@ -136,13 +120,10 @@ mod host {
     use std::collections::HashMap;
     use std::path::PathBuf;
     use std::sync::{Arc, Mutex};
-    use std::time::Duration;
 
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::UnixStream;
     use tokio::sync::mpsc;
 
-    use super::{Decoder, Kind, encode, encode_chunks};
+    use super::{Kind, encode, encode_chunks};
 
     /// What the guest sent for one stream.
     #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,55 +174,25 @@ mod host {
         }
     }
 
-    async fn run(socket: PathBuf, streams: Streams, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
-        let mut pending: Option<Vec<u8>> = None;
-        loop {
-            let conn = match UnixStream::connect(&socket).await {
-                Ok(c) => c,
-                Err(_) if socket.exists() => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                Err(_) => return,
+    async fn run(socket: PathBuf, streams: Streams, rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+        let port = crate::mux::host::Port {
+            socket,
+            greeting: None,
+            resend: true,
+        };
+        let frame = |f: crate::mux::RawFrame| {
+            let out = match Kind::from_u8(f.kind) {
+                Some(Kind::Stdout) => Output::Stdout(f.data),
+                Some(Kind::Stderr) => Output::Stderr(f.data),
+                Some(Kind::StdoutEof) => Output::StdoutEof,
+                Some(Kind::StderrEof) => Output::StderrEof,
+                _ => return,
             };
-            let (mut rd, mut wr) = conn.into_split();
-            let mut dec = Decoder::new();
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                tokio::select! {
-                    n = rd.read(&mut buf) => {
-                        let n = match n { Ok(0) | Err(_) => break, Ok(n) => n };
-                        dec.push(&buf[..n]);
-                        while let Some(f) = dec.next_frame() {
-                            let Ok(f) = f else { break };
-                            let out = match f.kind {
-                                Kind::Stdout => Output::Stdout(f.data),
-                                Kind::Stderr => Output::Stderr(f.data),
-                                Kind::StdoutEof => Output::StdoutEof,
-                                Kind::StderrEof => Output::StderrEof,
-                                Kind::Stdin | Kind::StdinClose => continue,
-                            };
-                            if let Some(tx) = streams.lock().expect("streams").get(&f.stream) {
-                                let _ = tx.send(out);
-                            }
-                        }
-                    }
-                    msg = async {
-                        match pending.take() {
-                            Some(m) => Some(m),
-                            None => rx.recv().await,
-                        }
-                    } => {
-                        let Some(m) = msg else { return };
-                        if wr.write_all(&m).await.is_err() {
-                            pending = Some(m);
-                            break;
-                        }
-                    }
-                }
+            if let Some(tx) = streams.lock().expect("streams").get(&f.stream) {
+                let _ = tx.send(out);
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        };
+        crate::mux::host::serve(port, rx, frame, || {}).await;
     }
 }
 

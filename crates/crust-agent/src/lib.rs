@@ -17,6 +17,8 @@
 //! * The pod's network ([`network`]): each virtio-net NIC, found by MAC,
 //!   gets the name, MTU, addresses, routes and neighbours of the interface
 //!   CNI made in the pod's namespace.
+//! * Port-forward ([`forward`]): host connections to a pod port reach the
+//!   guest's `localhost:<port>` over a third port.
 //! * Every request runs on its own thread, so a slow Exec never holds up a
 //!   Ping; mount-changing operations are serialized.
 //!
@@ -25,6 +27,7 @@
 
 pub mod container;
 pub mod destination;
+pub mod forward;
 pub mod modprobe;
 pub mod network;
 pub mod options;

@@ -670,6 +670,7 @@ impl Dispatch {
             let writer = writer.clone();
             std::thread::spawn(move || writer_loop(writer, rx));
         }
+        crate::forward::start();
         if let Err(e) = Containers::init_guest() {
             log!("container support incomplete: {e}");
         }

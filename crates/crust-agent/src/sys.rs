@@ -375,22 +375,19 @@ pub fn read_attr(path: impl AsRef<Path>) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..len]).trim().to_owned())
 }
 
-/// `FIFREEZE` (`_IOWR('X', 119, int)`; the argument is unused).
-const FIFREEZE: rustix::ioctl::Opcode = 0xC004_5877;
-/// `FITHAW` (`_IOWR('X', 120, int)`).
-const FITHAW: rustix::ioctl::Opcode = 0xC004_5878;
-
 /// Freezes the filesystem `dir` (an open directory on it) belongs to:
 /// flushes it and blocks new writes until [`thaw_fs`].
 pub fn freeze_fs(dir: &rustix::fd::OwnedFd) -> rustix::io::Result<()> {
-    // SAFETY: FIFREEZE takes no argument the kernel reads.
-    unsafe { rustix::ioctl::ioctl(dir, rustix::ioctl::NoArg::<FIFREEZE>::new()) }
+    crust_sys::fs::freeze(dir).map_err(errno)
 }
 
 /// Thaws the filesystem `dir` belongs to; EINVAL when it is not frozen.
 pub fn thaw_fs(dir: &rustix::fd::OwnedFd) -> rustix::io::Result<()> {
-    // SAFETY: FITHAW takes no argument the kernel reads.
-    unsafe { rustix::ioctl::ioctl(dir, rustix::ioctl::NoArg::<FITHAW>::new()) }
+    crust_sys::fs::thaw(dir).map_err(errno)
+}
+
+fn errno(e: std::io::Error) -> rustix::io::Errno {
+    rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO)
 }
 
 #[cfg(test)]

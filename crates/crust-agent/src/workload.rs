@@ -1,6 +1,7 @@
 //! The guest's single workload: volume bind mounts (with subPath), the
 //! process, its log, signals and stop.
 
+use crust_sys::spawn::ChildSetup;
 use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::{AsFd, OwnedFd};
@@ -356,15 +357,13 @@ fn spawn(spec: &StartWorkload) -> Result<Child, WorkloadError> {
             .map(|g| Gid::from_raw(*g))
             .collect();
         let (uid, gid) = (Uid::from_raw(user.uid), Gid::from_raw(user.gid));
-        // SAFETY: only raw syscalls between fork and exec, no allocation.
-        unsafe {
-            cmd.pre_exec(move || {
-                rustix::thread::set_thread_groups(&groups)?;
-                rustix::thread::set_thread_gid(gid)?;
-                rustix::thread::set_thread_uid(uid)?;
-                Ok(())
-            });
-        }
+        ChildSetup::new()
+            .identity(uid, gid, groups)
+            .apply(&mut cmd)
+            .map_err(|source| WorkloadError::Spawn {
+                program: spec.args[0].clone(),
+                source,
+            })?;
     }
     cmd.spawn().map_err(|source| WorkloadError::Spawn {
         program: spec.args[0].clone(),

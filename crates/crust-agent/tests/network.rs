@@ -19,9 +19,7 @@ const MAC_B: &str = "02:00:00:00:00:0b";
 fn in_netns(f: impl FnOnce() + Send + 'static) {
     crust_testkit::require_root();
     std::thread::spawn(move || {
-        // SAFETY: NEWNET touches no memory, fd table or filesystem state
-        // that other threads share.
-        unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }
+        crust_sys::ns::unshare(rustix::thread::UnshareFlags::NEWNET)
             .expect("unshare(CLONE_NEWNET)");
         f();
     })

@@ -54,7 +54,7 @@ fn pool_volumes_bypass_the_host_page_cache() {
         .custom_flags(libc_o_direct())
         .open(&dev)
         .unwrap();
-    let buf = AlignedBuf::new(MIB as usize, 0x5a);
+    let buf = crust_sys::buf::AlignedBuf::filled(MIB as usize, 0x5a);
     for _ in 0..written / MIB {
         f.write_all(buf.as_slice()).unwrap();
     }
@@ -152,34 +152,4 @@ fn mkfs(tool: &str, dev: &Path) {
 
 fn libc_o_direct() -> i32 {
     rustix::fs::OFlags::DIRECT.bits() as i32
-}
-
-/// A page-aligned buffer (O_DIRECT needs aligned memory).
-struct AlignedBuf {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl AlignedBuf {
-    fn new(len: usize, fill: u8) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
-        // SAFETY: non-zero size; freed in Drop with the same layout.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        assert!(!ptr.is_null());
-        // SAFETY: ptr is valid for len bytes.
-        unsafe { ptr.write_bytes(fill, len) };
-        AlignedBuf { ptr, layout }
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: initialised in new, alive until drop.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
 }

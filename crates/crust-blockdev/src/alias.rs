@@ -36,7 +36,6 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use linux_raw_sys::loop_device as ld;
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
@@ -441,17 +440,14 @@ fn query_loop(name: &str) -> LoopQuery {
         // Removed meanwhile (or its node not here): the caller tells by sysfs.
         Err(e) => return LoopQuery::Failed(format!("opening {path}: {e}")),
     };
-    // SAFETY: plain integer/array struct; all-zero is valid.
-    let mut info: ld::loop_info64 = unsafe { std::mem::zeroed() };
-    // SAFETY: LOOP_GET_STATUS64 writes one struct loop_info64.
-    match unsafe { sys::ioctl_ptr(&fd, ld::LOOP_GET_STATUS64, &mut info) } {
+    match crust_sys::loopdev::get_status(&fd) {
         // A stale node (another device's number) must not answer for
         // loopN: the kernel's own index says which loop answered.
-        Ok(_) if name[4..].parse() != Ok(info.lo_number) => LoopQuery::Failed(format!(
+        Ok(info) if name[4..].parse() != Ok(info.lo_number) => LoopQuery::Failed(format!(
             "{path} answers as loop{}: a stale device node",
             info.lo_number
         )),
-        Ok(_) => LoopQuery::Bound(LoopBacking {
+        Ok(info) => LoopQuery::Bound(LoopBacking {
             dev: DevNum::from_kernel(info.lo_device),
             ino: info.lo_inode,
             rdev: (info.lo_rdevice != 0).then(|| DevNum::from_kernel(info.lo_rdevice)),

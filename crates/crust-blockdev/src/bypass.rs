@@ -23,7 +23,7 @@ use linux_raw_sys::loop_device as ld;
 use rustix::fs::{FileType, Mode, OFlags};
 
 use crate::alias::DevNum;
-use crate::{device, loopdev, sys};
+use crate::{device, loopdev};
 
 /// Where a consumer of a loop device should do its I/O.
 #[derive(Debug)]
@@ -88,11 +88,8 @@ fn backing_file(held: BorrowedFd<'_>, dev: &Path, writable: bool) -> Result<Prov
         Ok(None) => return Err("not a loop device".into()),
         Err(e) => return Err(e.to_string()),
     };
-    // SAFETY: plain integer/array struct; all-zero is valid.
-    let mut info: ld::loop_info64 = unsafe { std::mem::zeroed() };
-    // SAFETY: LOOP_GET_STATUS64 writes one struct loop_info64.
-    unsafe { sys::ioctl_ptr(held, ld::LOOP_GET_STATUS64, &mut info) }
-        .map_err(|e| format!("LOOP_GET_STATUS64: {e}"))?;
+    let info =
+        crust_sys::loopdev::get_status(held).map_err(|e| format!("LOOP_GET_STATUS64: {e}"))?;
     if info.lo_number != status.number {
         return Err(format!(
             "the node answers as loop{}, sysfs was read for loop{}",
@@ -169,9 +166,7 @@ fn identify(fd: &OwnedFd, want: (DevNum, u64), name: &str) -> Result<u64, String
 
 /// The block layer's read-only flag (`BLKROGET`: set by `BLKROSET` too).
 fn device_read_only(fd: BorrowedFd<'_>) -> bool {
-    let mut ro: i32 = 0;
-    // SAFETY: BLKROGET writes one int.
-    unsafe { sys::ioctl_ptr(fd, linux_raw_sys::ioctl::BLKROGET, &mut ro) }.is_ok() && ro != 0
+    crust_sys::blk::read_only(fd).unwrap_or(false)
 }
 
 /// The size of `dev`'s backing file now, proven the loop's (a node opened

@@ -71,11 +71,7 @@ pub(crate) fn size_of_fd(fd: &OwnedFd, path: &Path) -> Result<u64, DeviceError> 
 }
 
 pub(crate) fn size_of_borrowed(fd: BorrowedFd<'_>, path: &Path) -> Result<u64, DeviceError> {
-    let mut size: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64.
-    unsafe { sys::ioctl_ptr(fd, linux_raw_sys::ioctl::BLKGETSIZE64, &mut size) }
-        .map_err(|e| DeviceError::io(path, e))?;
-    Ok(size)
+    crust_sys::blk::size_bytes(fd).map_err(|e| DeviceError::io(path, e))
 }
 
 /// Writes back and drops the block device's own page cache
@@ -84,7 +80,7 @@ pub(crate) fn size_of_borrowed(fd: BorrowedFd<'_>, path: &Path) -> Result<u64, D
 /// around the device (QEMU on a loop device's backing file). Without
 /// `CAP_SYS_ADMIN` the kernel refuses: `Ok(false)`.
 pub fn flush_device_cache(fd: BorrowedFd<'_>, path: &Path) -> Result<bool, DeviceError> {
-    match sys::ioctl_int(fd, linux_raw_sys::ioctl::BLKFLSBUF, 0) {
+    match crust_sys::blk::flush_buffers(fd) {
         Ok(_) => Ok(true),
         Err(e) if matches!(sys::errno(&e), Some(Errno::PERM) | Some(Errno::ACCESS)) => Ok(false),
         Err(e) => Err(DeviceError::io(path, e)),
@@ -102,10 +98,7 @@ pub fn block_device_size(path: &Path) -> Result<u64, DeviceError> {
 /// through it, this does.
 pub fn set_read_only(path: &Path, read_only: bool) -> Result<(), DeviceError> {
     let fd = open_block(path, OFlags::RDONLY)?;
-    let mut v: i32 = read_only.into();
-    // SAFETY: BLKROSET reads one int through the pointer.
-    unsafe { sys::ioctl_ptr(&fd, linux_raw_sys::ioctl::BLKROSET, &mut v) }
-        .map_err(|e| DeviceError::io(path, e))?;
+    crust_sys::blk::set_read_only(&fd, read_only).map_err(|e| DeviceError::io(path, e))?;
     Ok(())
 }
 

@@ -77,7 +77,7 @@ pub fn freeze(
     let worker = std::thread::Builder::new()
         .name("crust-freeze".into())
         .spawn(move || -> io::Result<()> {
-            if let Err(e) = sys::ioctl_int(&dir, linux_raw_sys::ioctl::FIFREEZE, 0) {
+            if let Err(e) = crust_sys::fs::freeze(&dir) {
                 let _ = frozen_tx.send(Err(e));
                 return Ok(());
             }
@@ -86,7 +86,7 @@ pub fn freeze(
             if let Err(mpsc::RecvTimeoutError::Timeout) = release_rx.recv_timeout(max_frozen) {
                 early.store(true, Ordering::SeqCst);
             }
-            sys::ioctl_int(&dir, linux_raw_sys::ioctl::FITHAW, 0).map(drop)
+            crust_sys::fs::thaw(&dir)
         })
         .map_err(|source| FreezeError::Freeze {
             path: path.clone(),
@@ -118,14 +118,14 @@ pub fn freeze(
 /// and exits (a runtime CLI); in-process copies use [`freeze`].
 pub fn freeze_unguarded(mountpoint: &Path) -> io::Result<()> {
     let dir = File::open(mountpoint)?;
-    sys::ioctl_int(&dir, linux_raw_sys::ioctl::FIFREEZE, 0).map(drop)
+    crust_sys::fs::freeze(&dir)
 }
 
 /// Thaws `mountpoint` if it is frozen (a process that froze it died before
 /// thawing: a freeze outlives its process). Ok(true) if it was frozen.
 pub fn thaw_if_frozen(mountpoint: &Path) -> io::Result<bool> {
     let dir = File::open(mountpoint)?;
-    match sys::ioctl_int(&dir, linux_raw_sys::ioctl::FITHAW, 0) {
+    match crust_sys::fs::thaw(&dir) {
         Ok(_) => Ok(true),
         // Not frozen.
         Err(e) if sys::errno(&e) == Some(rustix::io::Errno::INVAL) => Ok(false),

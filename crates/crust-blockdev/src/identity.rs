@@ -18,14 +18,12 @@
 //! The text form (`file:7:0:1234:56`, `wwn:…`, `serial:…`, `fs-uuid:…`)
 //! is what records carry.
 
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 
-use linux_raw_sys::loop_device as ld;
 use rustix::fs::{FileType, Mode, OFlags};
 
 use crate::alias::DevNum;
-use crate::sys;
 
 /// Longest text value (WWN, serial, UUID) an identity carries.
 const MAX_VALUE: usize = 128;
@@ -181,10 +179,7 @@ pub fn identity_of(fd: BorrowedFd<'_>, path: &Path) -> Result<DeviceIdentity, St
 }
 
 fn loop_identity(fd: BorrowedFd<'_>, sysfs: &Path, path: &Path) -> Result<DeviceIdentity, String> {
-    // SAFETY: plain integer/array struct; all-zero is valid.
-    let mut info: ld::loop_info64 = unsafe { std::mem::zeroed() };
-    // SAFETY: LOOP_GET_STATUS64 writes one struct loop_info64.
-    unsafe { sys::ioctl_ptr(fd, ld::LOOP_GET_STATUS64, &mut info) }
+    let info = crust_sys::loopdev::get_status(fd)
         .map_err(|e| format!("LOOP_GET_STATUS64 on {}: {e}", path.display()))?;
     let dev = DevNum::from_kernel(info.lo_device);
     let ino = info.lo_inode;
@@ -214,22 +209,13 @@ fn backing_generation(sysfs: &Path, dev: DevNum, ino: u64) -> Option<u64> {
     if DevNum::from_stat(st.st_dev) != dev || st.st_ino != ino {
         return None;
     }
-    let mut generation: std::ffi::c_long = 0;
-    // SAFETY: FS_IOC_GETVERSION writes one long.
-    unsafe {
-        sys::ioctl_ptr(
-            f.as_fd(),
-            linux_raw_sys::ioctl::FS_IOC_GETVERSION,
-            &mut generation,
-        )
-    }
-    .ok()?;
-    Some(generation as u64)
+    crust_sys::fs::inode_generation(&f).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     #[test]
     fn text_form_round_trips_and_bad_text_is_refused() {

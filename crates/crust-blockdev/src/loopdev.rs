@@ -6,7 +6,7 @@
 //! [`find_by_backing`] finds them again through sysfs.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -156,8 +156,8 @@ impl LoopDevice {
             .map_err(|e| open_err(Path::new(LOOP_CONTROL))(e.into()))?;
 
         for _ in 0..ATTACH_ATTEMPTS {
-            let number = sys::ioctl_int(&control, ld::LOOP_CTL_GET_FREE, 0)
-                .map_err(LoopError::NoFreeDevice)?;
+            let number =
+                crust_sys::loopdev::ctl_get_free(&control).map_err(LoopError::NoFreeDevice)?;
             let device = PathBuf::from(format!("/dev/loop{number}"));
             let dev = match rustix::fs::open(&device, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
             {
@@ -211,13 +211,8 @@ pub fn dio_block_size(backing: &Path) -> io::Result<u32> {
     Ok(align.clamp(512, 4096).next_power_of_two())
 }
 
-fn zeroed_info() -> ld::loop_info64 {
-    // SAFETY: plain integer/array struct; all-zero is valid.
-    unsafe { std::mem::zeroed() }
-}
-
 fn configure(dev: &OwnedFd, file: &OwnedFd, name: &Path, opts: AttachOptions) -> io::Result<()> {
-    let mut info = zeroed_info();
+    let mut info = crust_sys::loopdev::zeroed_info();
     let mut flags = 0u32;
     if opts.read_only {
         flags |= ld::LO_FLAGS_READ_ONLY as u32;
@@ -231,13 +226,10 @@ fn configure(dev: &OwnedFd, file: &OwnedFd, name: &Path, opts: AttachOptions) ->
     let n = bytes.len().min(info.lo_file_name.len() - 1);
     info.lo_file_name[..n].copy_from_slice(&bytes[..n]);
 
-    // SAFETY: zeroed loop_config is valid; fields set below.
-    let mut cfg: ld::loop_config = unsafe { std::mem::zeroed() };
-    cfg.fd = file.as_raw_fd() as u32;
+    let mut cfg = crust_sys::loopdev::zeroed_config();
     cfg.block_size = opts.block_size;
     cfg.info = info;
-    // SAFETY: LOOP_CONFIGURE takes a struct loop_config.
-    match unsafe { sys::ioctl_ptr(dev, ld::LOOP_CONFIGURE, &mut cfg) } {
+    match crust_sys::loopdev::configure(dev, rustix::fd::AsFd::as_fd(file), &cfg) {
         Ok(_) => Ok(()),
         Err(e) if matches!(sys::errno(&e), Some(Errno::INVAL) | Some(Errno::NOTTY)) => {
             configure_legacy(dev, file, info, opts).map_err(|legacy| {
@@ -256,23 +248,22 @@ fn configure_legacy(
     mut info: ld::loop_info64,
     opts: AttachOptions,
 ) -> io::Result<()> {
-    sys::ioctl_int(dev, ld::LOOP_SET_FD, file.as_raw_fd() as usize)?;
+    crust_sys::loopdev::set_fd(dev, rustix::fd::AsFd::as_fd(file))?;
     // READ_ONLY follows from the open mode; DIRECT_IO has its own ioctl.
     info.lo_flags = 0;
-    // SAFETY: LOOP_SET_STATUS64 takes a struct loop_info64.
-    if let Err(e) = unsafe { sys::ioctl_ptr(dev, ld::LOOP_SET_STATUS64, &mut info) } {
-        let _ = sys::ioctl_int(dev, ld::LOOP_CLR_FD, 0);
+    if let Err(e) = crust_sys::loopdev::set_status(dev, &info) {
+        let _ = crust_sys::loopdev::clr_fd(dev);
         return Err(e);
     }
     if opts.block_size != 0
-        && let Err(e) = sys::ioctl_int(dev, ld::LOOP_SET_BLOCK_SIZE, opts.block_size as usize)
+        && let Err(e) = crust_sys::loopdev::set_block_size(dev, opts.block_size)
     {
-        let _ = sys::ioctl_int(dev, ld::LOOP_CLR_FD, 0);
+        let _ = crust_sys::loopdev::clr_fd(dev);
         return Err(e);
     }
     if opts.direct_io {
         // Best effort, as with LOOP_CONFIGURE.
-        let _ = sys::ioctl_int(dev, ld::LOOP_SET_DIRECT_IO, 1);
+        let _ = crust_sys::loopdev::set_direct_io(dev, true);
     }
     Ok(())
 }
@@ -425,7 +416,7 @@ pub fn find_all_by_backing(path: &Path) -> Result<Vec<LoopStatus>, LoopError> {
 pub fn refresh_capacity(dev: &Path) -> Result<u64, LoopError> {
     loop_name(dev)?;
     let fd = device::open_block(dev, OFlags::RDONLY)?;
-    sys::ioctl_int(&fd, ld::LOOP_SET_CAPACITY, 0).map_err(|source| LoopError::Ioctl {
+    crust_sys::loopdev::set_capacity(&fd).map_err(|source| LoopError::Ioctl {
         op: "LOOP_SET_CAPACITY",
         device: dev.to_path_buf(),
         source,
@@ -504,7 +495,7 @@ pub fn detach(dev: &Path) -> Result<(), LoopError> {
             Err(e) => return Err(e.into()),
         }
     };
-    match sys::ioctl_int(&fd, ld::LOOP_CLR_FD, 0) {
+    match crust_sys::loopdev::clr_fd(&fd) {
         Ok(_) => {}
         Err(e) if sys::errno(&e) == Some(Errno::NXIO) => return Ok(()),
         Err(source) => {
@@ -542,14 +533,10 @@ fn undo_autoclear(dev: &Path) {
     let Ok(fd) = device::open_block(dev, OFlags::RDONLY) else {
         return;
     };
-    let mut info = zeroed_info();
-    // SAFETY: LOOP_GET/SET_STATUS64 take a struct loop_info64.
-    unsafe {
-        if sys::ioctl_ptr(&fd, ld::LOOP_GET_STATUS64, &mut info).is_ok() {
-            info.lo_flags &= !(ld::LO_FLAGS_AUTOCLEAR as u32);
-            if let Err(e) = sys::ioctl_ptr(&fd, ld::LOOP_SET_STATUS64, &mut info) {
-                tracing::warn!(device = %dev.display(), %e, "could not cancel deferred loop detach");
-            }
+    if let Ok(mut info) = crust_sys::loopdev::get_status(&fd) {
+        info.lo_flags &= !(ld::LO_FLAGS_AUTOCLEAR as u32);
+        if let Err(e) = crust_sys::loopdev::set_status(&fd, &info) {
+            tracing::warn!(device = %dev.display(), %e, "could not cancel deferred loop detach");
         }
     }
 }

@@ -83,8 +83,6 @@ fn device_openers_scan_latency() {
     stats("device_openers", v);
 }
 
-type Remove = rustix::ioctl::IntegerSetter<{ linux_raw_sys::loop_device::LOOP_CTL_REMOVE }>;
-
 /// Loop devices a host tool attached (sparse files of their own), detached
 /// on drop, and the devices this added to the node removed again, so it
 /// is left with the devices it had.
@@ -139,8 +137,7 @@ impl Drop for ForeignLoops {
             return;
         };
         for n in added {
-            // SAFETY: LOOP_CTL_REMOVE takes the device number as an integer.
-            let _ = unsafe { rustix::ioctl::ioctl(&ctl, Remove::new_usize(n as usize)) };
+            let _ = crust_sys::loopdev::ctl_remove(&ctl, n);
         }
     }
 }

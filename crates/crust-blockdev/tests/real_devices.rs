@@ -28,18 +28,6 @@ fn rw() -> AttachOptions {
     AttachOptions::default()
 }
 
-/// Pseudo-random bytes without a dependency (xorshift).
-fn noise(len: usize, mut seed: u64) -> Vec<u8> {
-    (0..len)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed as u8
-        })
-        .collect()
-}
-
 #[test]
 fn attach_find_detach_round_trip() {
     crust_testkit::require_root();
@@ -72,7 +60,7 @@ fn attach_find_detach_round_trip() {
     assert!(list_loops().unwrap().iter().any(|s| s.path == dev));
 
     // Bytes written through the device land in the file.
-    let data = noise(4096, 7);
+    let data = crust_testkit::noise(4096, 7);
     let f = OpenOptions::new().write(true).open(&dev).unwrap();
     f.write_all_at(&data, 8192).unwrap();
     f.sync_all().unwrap();
@@ -297,7 +285,7 @@ fn probe_blank_unknown_and_refuse_mkfs_on_data() {
 
     // Data written behind the device's back (into the file) is still seen:
     // probing bypasses the page cache that the first probe filled.
-    let junk = noise(512, 42);
+    let junk = crust_testkit::noise(512, 42);
     let f = File::options().read(true).write(true).open(&img).unwrap();
     f.write_all_at(&junk, 100_000).unwrap();
     f.sync_all().unwrap();
@@ -315,7 +303,8 @@ fn probe_blank_unknown_and_refuse_mkfs_on_data() {
 
     // Non-zero bytes only near the end also count.
     f.write_all_at(&[0u8; 512], 100_000).unwrap();
-    f.write_all_at(&noise(64, 3), 16 * MIB - 1000).unwrap();
+    f.write_all_at(&crust_testkit::noise(64, 3), 16 * MIB - 1000)
+        .unwrap();
     f.sync_all().unwrap();
     assert!(matches!(probe_fs(&dev).unwrap(), Probe::Unknown(_)));
 
@@ -362,7 +351,7 @@ fn mkfs_mount_write_remount_read_back() {
             Err(MountError::ReadOnlyMismatch { .. })
         ));
 
-        let data = noise(300_000, 9);
+        let data = crust_testkit::noise(300_000, 9);
         std::fs::write(mnt.join("payload"), &data).unwrap();
         let u = usage(&mnt).unwrap();
         assert!(u.bytes_total > 0 && u.bytes_total <= size);
@@ -931,7 +920,7 @@ fn debugfs_cat(image: &Path, file: &str) -> Vec<u8> {
 fn claims_refuse_devices_whose_data_another_device_exposes() {
     crust_testkit::require_root();
     let dir = tempfile::tempdir().unwrap();
-    let data = noise(256 * 1024, 24);
+    let data = crust_testkit::noise(256 * 1024, 24);
     for case in crust_testkit::AliasCase::ALL {
         let img = sparse(dir.path(), "vol.img", 32 * MIB);
         let guard = LoopGuard::attach(&img, rw()).unwrap();

@@ -62,17 +62,5 @@ pub use server::{build_backend, serve, serve_with_backend};
 /// memory at 1,024 volumes was 73 MiB instead of 20; the plugin is not
 /// allocation-bound. Call first thing in `main`, before any thread starts.
 pub fn limit_malloc_arenas() {
-    #[cfg(target_env = "gnu")]
-    {
-        // glibc's M_ARENA_MAX (malloc.h).
-        const M_ARENA_MAX: std::ffi::c_int = -8;
-        unsafe extern "C" {
-            fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-        }
-        // SAFETY: mallopt only sets an allocator tunable; M_ARENA_MAX takes
-        // any positive count and is safe to set at any time.
-        unsafe {
-            mallopt(M_ARENA_MAX, 2);
-        }
-    }
+    crust_sys::malloc::limit_arenas(2);
 }

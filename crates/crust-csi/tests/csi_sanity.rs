@@ -214,9 +214,9 @@ fn names(list: &[&str]) -> BTreeSet<String> {
 
 async fn sanity(spec: &str, deferral: Deferral) {
     let Some(bin) = sanity_binary() else {
-        eprintln!(
-            "SKIPPED: csi-sanity not found: set CRUST_CSI_SANITY or lay \
-             ../shared/tools/csi-sanity beside the checkout (its README says how to build it)"
+        crust_testkit::missing_tool(
+            "csi-sanity not found: set CRUST_CSI_SANITY or lay \
+             ../shared/tools/csi-sanity beside the checkout (its README says how to build it)",
         );
         return;
     };

@@ -490,18 +490,17 @@ async fn a_killed_runtime_is_repaired_by_the_next_delete() {
         let st = rt.state("hg-kill");
         let shim = st["shim"]["pid"].as_i64().unwrap() as i32;
         let qemu = st["qemu"]["pid"].as_i64().unwrap() as i32;
-        // SAFETY: plain kill(2) of a pid this test's runtime started.
-        unsafe { libc::kill(shim, libc::SIGKILL) };
+        let pid = |n: i32| rustix::process::Pid::from_raw(n).unwrap();
+        let alive = |n: i32| rustix::process::test_kill_process(pid(n)).is_ok();
+        let _ = rustix::process::kill_process(pid(shim), rustix::process::Signal::KILL);
         let deadline = Instant::now() + std::time::Duration::from_secs(10);
-        // SAFETY: kill(pid, 0) only probes.
-        while unsafe { libc::kill(shim, 0) } == 0 && Instant::now() < deadline {
+        while alive(shim) && Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
         // The volume is still the guest's: kubelet cannot take it.
         assert!(!host_mounted(&target));
         rt.ok(&["delete", "--force", "hg-kill"]);
-        // SAFETY: probe only.
-        assert_ne!(unsafe { libc::kill(qemu, 0) }, 0, "QEMU survived delete");
+        assert!(!alive(qemu), "QEMU survived delete");
     }
     assert!(!host_mounted(&target), "repair mounted the target");
     assert!(!host_mounted(&staging), "repair mounted staging");

@@ -247,8 +247,8 @@ mod tests {
     }
 
     fn root_stat(gid: u32, mode: u32) -> Stat {
-        // SAFETY: Stat is a plain C struct; all-zero is a valid value.
-        let mut st: Stat = unsafe { std::mem::zeroed() };
+        // A real directory's stat, then the fields the rules read.
+        let mut st = rustix::fs::stat("/").unwrap();
         st.st_gid = gid;
         st.st_mode = 0o040000 | mode;
         st

@@ -5,12 +5,13 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Read;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crust_sys::buf::AlignedBuf;
+use crust_sys::lock::{self as posix_lock, PosixLock};
 use rustix::fs::{FallocateFlags, FlockOperation, XattrFlags};
 use serde_json::{Value, json};
 
@@ -108,33 +109,6 @@ pub fn statfs(p: &Path) -> Result<Value, String> {
     }))
 }
 
-/// A page-aligned heap buffer (O_DIRECT needs aligned memory).
-struct Aligned {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Aligned {
-    fn new(len: usize) -> Aligned {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).expect("layout");
-        // SAFETY: non-zero size; freed in Drop with the same layout.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null(), "out of memory");
-        Aligned { ptr, layout }
-    }
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: ptr owns layout.size() initialized bytes.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new() with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
-}
-
 fn o_direct(d: &Path) -> Probe {
     let p = d.join("direct");
     let f = OpenOptions::new()
@@ -149,15 +123,17 @@ fn o_direct(d: &Path) -> Probe {
     if !flags.contains(rustix::fs::OFlags::DIRECT) {
         return Err("O_DIRECT was dropped from the open file's flags".into());
     }
-    let mut w = Aligned::new(4096);
-    for (i, b) in w.bytes().iter_mut().enumerate() {
+    let mut w = AlignedBuf::new(4096);
+    for (i, b) in w.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    f.write_at(w.bytes(), 0)
+    f.write_at(w.as_slice(), 0)
         .map_err(ctx("O_DIRECT write", &p))?;
-    let mut r = Aligned::new(4096);
-    let n = f.read_at(r.bytes(), 0).map_err(ctx("O_DIRECT read", &p))?;
-    if n != 4096 || r.bytes() != w.bytes() {
+    let mut r = AlignedBuf::new(4096);
+    let n = f
+        .read_at(r.as_mut_slice(), 0)
+        .map_err(ctx("O_DIRECT read", &p))?;
+    if n != 4096 || r.as_slice() != w.as_slice() {
         return Err(format!(
             "O_DIRECT read back {n} bytes that differ from what was written"
         ));
@@ -337,12 +313,12 @@ fn locks(d: &Path, exe: &Path, kind: &str) -> Probe {
         .map_err(ctx("create", &p))?;
     match kind {
         "flock" => rustix::fs::flock(&f, FlockOperation::LockExclusive).map_err(rx("flock", &p))?,
-        _ => fcntl_setlk(&f, libc::F_WRLCK as i16).map_err(ctx("F_SETLK", &p))?,
+        _ => posix_lock::set(&f, PosixLock::Write).map_err(ctx("F_SETLK", &p))?,
     }
     let held = probe_lock_child(exe, kind, &p)?;
     match kind {
         "flock" => rustix::fs::flock(&f, FlockOperation::Unlock).map_err(rx("unlock", &p))?,
-        _ => fcntl_setlk(&f, libc::F_UNLCK as i16).map_err(ctx("F_SETLK unlock", &p))?,
+        _ => posix_lock::set(&f, PosixLock::Unlock).map_err(ctx("F_SETLK unlock", &p))?,
     }
     let free = probe_lock_child(exe, kind, &p)?;
     if held["locked"] == true {
@@ -365,18 +341,6 @@ fn locks(d: &Path, exe: &Path, kind: &str) -> Probe {
         "second process while held: {}; after unlock: locked",
         held["error"].as_str().unwrap_or("?")
     ))
-}
-
-fn fcntl_setlk(f: &File, typ: i16) -> std::io::Result<()> {
-    // SAFETY: a zeroed flock is valid; fcntl reads it.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = typ;
-    fl.l_whence = libc::SEEK_SET as i16;
-    // SAFETY: valid fd and flock pointer.
-    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &fl) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn probe_lock_child(exe: &Path, kind: &str, p: &Path) -> Result<Value, String> {
@@ -410,16 +374,8 @@ pub fn probe_lock(kind: &str, p: &Path) -> Result<Value, String> {
             },
         );
     }
-    // SAFETY: a zeroed flock is valid; fcntl fills it.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as i16;
-    fl.l_whence = libc::SEEK_SET as i16;
-    // SAFETY: valid fd and flock pointer.
-    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETLK, &mut fl) } < 0 {
-        return Err(format!("F_GETLK: {}", std::io::Error::last_os_error()));
-    }
-    let holder = (fl.l_type != libc::F_UNLCK as i16).then_some(fl.l_pid);
-    Ok(match fcntl_setlk(&f, libc::F_WRLCK as i16) {
+    let holder = posix_lock::holder(&f).map_err(|e| format!("F_GETLK: {e}"))?;
+    Ok(match posix_lock::set(&f, PosixLock::Write) {
         Ok(()) => json!({"locked": true, "holder_pid": holder}),
         Err(e) => json!({"locked": false, "error": e.to_string(), "holder_pid": holder}),
     })
@@ -481,7 +437,6 @@ fn inotify(d: &Path) -> Probe {
 }
 
 fn mmap_shared(d: &Path) -> Probe {
-    use rustix::mm::{MapFlags, MsyncFlags, ProtFlags};
     const LEN: usize = 64 << 10;
     let p = d.join("mapped");
     let f = OpenOptions::new()
@@ -493,23 +448,8 @@ fn mmap_shared(d: &Path) -> Probe {
         .map_err(ctx("create", &p))?;
     f.set_len(LEN as u64).map_err(ctx("ftruncate", &p))?;
     let pattern: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8 + 1).collect();
-    // SAFETY: a fresh shared mapping of our own file, unmapped below; no
-    // other reference to the memory exists.
-    unsafe {
-        let addr = rustix::mm::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            &f,
-            0,
-        )
-        .map_err(rx("mmap MAP_SHARED", &p))?;
-        std::ptr::copy_nonoverlapping(pattern.as_ptr(), addr.cast::<u8>(), LEN);
-        let synced = rustix::mm::msync(addr, LEN, MsyncFlags::SYNC);
-        let _ = rustix::mm::munmap(addr, LEN);
-        synced.map_err(rx("msync", &p))?;
-    }
+    crust_sys::mm::write_through_mapping(&f, &pattern)
+        .map_err(ctx("mmap MAP_SHARED + msync", &p))?;
     let mut other = vec![0u8; LEN];
     File::open(&p)
         .map_err(ctx("open", &p))?

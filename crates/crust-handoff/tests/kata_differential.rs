@@ -10,7 +10,8 @@
 //! Both must agree on accept/refuse and on every decoded field, but for
 //! the differences in [`Difference`]: each is crust being stricter (or
 //! refusing a group Kata would mishandle) on purpose, and says why.
-//! Skipped, saying so, without a `go` (Debian's golang-go).
+//! Skipped, saying so, without a `go` (Debian's golang-go); failed
+//! instead under `CI=true`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -280,8 +281,8 @@ fn compare(bytes: &[u8], go: &GoVerdict) -> Result<Vec<Difference>, String> {
 #[test]
 fn crust_reads_records_as_kata_does_but_for_listed_differences() {
     let Some(bin) = build_decoder() else {
-        eprintln!(
-            "kata_differential: SKIPPED: no `go` on PATH (Debian's golang-go, scripts/install-deps.sh)"
+        crust_testkit::missing_tool(
+            "kata_differential: no `go` on PATH (Debian's golang-go, scripts/install-deps.sh)",
         );
         return;
     };

@@ -81,15 +81,14 @@ enum Cmd {
 
 fn wait_for_termination() {
     // As PID 1 of a container SIGTERM has no default action: wait for it.
-    // SAFETY: plain libc signal-set calls on a local set.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        let mut sig = 0;
-        libc::sigwait(&set, &mut sig);
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    match signal_hook::iterator::Signals::new([SIGTERM, SIGINT]) {
+        Ok(mut signals) => {
+            let _ = signals.forever().next();
+        }
+        // Without handlers the default actions end the process anyway
+        // (but for PID 1): nothing better to wait on.
+        Err(e) => eprintln!("crust-node-install: cannot wait for signals: {e}"),
     }
 }
 

@@ -459,7 +459,7 @@ fn without_blocking<T: Send + 'static>(
         Err(_) => {
             let _ = fs::OpenOptions::new()
                 .write(true)
-                .custom_flags(libc::O_NONBLOCK)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
                 .open(unblock);
             panic!("blocked on {}", unblock.display());
         }

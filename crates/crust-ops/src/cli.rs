@@ -40,17 +40,37 @@ pub fn check_executable(path: &str) -> Result<(), OpsError> {
     Ok(())
 }
 
+/// How a runtime CLI is run: its time limit, and variables added to the
+/// environment it inherits (a node whose runtime was installed with
+/// non-default roots names them here, as `CRUST_RUNTIME_*`).
+#[derive(Debug, Clone, Default)]
+pub struct CliCall {
+    pub timeout: Duration,
+    pub env: Vec<(String, String)>,
+}
+
+impl CliCall {
+    pub fn timeout(timeout: Duration) -> CliCall {
+        CliCall {
+            timeout,
+            env: Vec::new(),
+        }
+    }
+}
+
 /// Runs `program args...`, returns its stdout when it exits 0 in time.
 ///
 /// Synchronous: the calling thread polls the CLI's stdout, stderr and
 /// pidfd until the CLI exits and both pipes are closed, or the timeout
 /// kills its whole process group. No async runtime and no helper thread:
 /// the plugin calls this from the thread already serving the request.
-pub fn run(program: &str, args: &[&str], timeout: Duration) -> Result<Vec<u8>, OpsError> {
+pub fn run(program: &str, args: &[&str], call: &CliCall) -> Result<Vec<u8>, OpsError> {
     let op = args.join(" ");
+    let timeout = call.timeout;
     let deadline = Instant::now() + timeout;
     let mut child = Command::new(program)
         .args(args)
+        .envs(call.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -262,11 +282,16 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let ok = script(d.path(), "ok", "echo \"$@\"");
         assert_eq!(
-            run(&ok, &["crust", "stats", "/a b"], Duration::from_secs(10)).unwrap(),
+            run(
+                &ok,
+                &["crust", "stats", "/a b"],
+                &CliCall::timeout(Duration::from_secs(10))
+            )
+            .unwrap(),
             b"crust stats /a b\n"
         );
         let fail = script(d.path(), "fail", "echo 'no such sandbox' >&2; exit 3");
-        let e = run(&fail, &["x"], Duration::from_secs(10)).unwrap_err();
+        let e = run(&fail, &["x"], &CliCall::timeout(Duration::from_secs(10))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal);
         let msg = e.to_string();
         assert!(
@@ -274,10 +299,15 @@ mod tests {
             "{msg}"
         );
         let big = script(d.path(), "big", "head -c 2000000 /dev/zero");
-        let e = run(&big, &[], Duration::from_secs(10)).unwrap_err();
+        let e = run(&big, &[], &CliCall::timeout(Duration::from_secs(10))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal);
         assert!(e.to_string().contains("exceeds"), "{e}");
-        let e = run("/nonexistent/cli", &[], Duration::from_secs(10)).unwrap_err();
+        let e = run(
+            "/nonexistent/cli",
+            &[],
+            &CliCall::timeout(Duration::from_secs(10)),
+        )
+        .unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     }
 
@@ -296,7 +326,7 @@ mod tests {
             ),
         );
         let t0 = Instant::now();
-        let e = run(&hang, &[], Duration::from_millis(500)).unwrap_err();
+        let e = run(&hang, &[], &CliCall::timeout(Duration::from_millis(500))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
         assert!(
             t0.elapsed() < Duration::from_secs(15),
@@ -330,7 +360,7 @@ mod tests {
         // Exits 0 at once; a background child keeps stdout open for
         // longer than the timeout: the answer is the exit's, not a timeout.
         let cli = script(d.path(), "bg", "echo ok; (sleep 30) & exit 0");
-        let out = run(&cli, &[], Duration::from_secs(3)).unwrap();
+        let out = run(&cli, &[], &CliCall::timeout(Duration::from_secs(3))).unwrap();
         assert_eq!(out, b"ok\n");
     }
 

@@ -51,6 +51,8 @@ pub struct OpsConfig {
     pub kata_runtime: PathBuf,
     /// How long a runtime CLI may take before it is killed.
     pub cli_timeout: Duration,
+    /// Variables added to every runtime CLI's environment.
+    pub cli_env: Vec<(String, String)>,
     /// Targets must lie beneath one of these; empty: any absolute path.
     pub allowed_target_prefixes: Vec<String>,
     /// Regular files beneath these are accepted as devices (tests, images).
@@ -77,6 +79,7 @@ impl Default for OpsConfig {
             kata_root: crust_handoff::DEFAULT_KATA_ROOT.into(),
             kata_runtime: DEFAULT_KATA_RUNTIME.into(),
             cli_timeout: DEFAULT_CLI_TIMEOUT,
+            cli_env: Vec::new(),
             allowed_target_prefixes: Vec::new(),
             file_device_roots: Vec::new(),
             allowed_fstypes: Policy::default().allowed_fstypes,
@@ -198,7 +201,7 @@ pub struct CrustOps {
     crust: Option<Store>,
     kata: Option<Store>,
     kata_runtime: String,
-    cli_timeout: Duration,
+    cli: cli::CliCall,
     kata_shim_dirs: Vec<PathBuf>,
     /// `crust capabilities` answers, per CLI path and modification time.
     capabilities: Mutex<HashMap<(String, Option<SystemTime>), Capabilities>>,
@@ -233,7 +236,10 @@ impl CrustOps {
             crust,
             kata,
             kata_runtime,
-            cli_timeout: cfg.cli_timeout,
+            cli: cli::CliCall {
+                timeout: cfg.cli_timeout,
+                env: cfg.cli_env,
+            },
             kata_shim_dirs: cfg.kata_shim_dirs,
             capabilities: Mutex::new(HashMap::new()),
         })
@@ -448,7 +454,7 @@ impl CrustOps {
         if let Some(c) = self.capabilities.lock().expect("cache").get(&key) {
             return c.clone();
         }
-        let answer = cli::run(cli, &["crust", "capabilities"], self.cli_timeout);
+        let answer = cli::run(cli, &["crust", "capabilities"], &self.cli);
         let caps = match answer {
             Ok(out) => Capabilities::parse(&out).unwrap_or_else(|_| Capabilities::minimal()),
             // Not cached: a slow CLI may answer next time.
@@ -484,7 +490,7 @@ impl CrustOps {
                     format!("its runtime CLI {cli} cannot report sandbox state"),
                 ));
             }
-            let answer = cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout);
+            let answer = cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], &self.cli);
             return Some(match answer.map(|out| SandboxLiveness::parse(&out, &by)) {
                 Ok(Ok(l)) => ClaimantState {
                     sandbox: by,
@@ -559,7 +565,7 @@ impl CrustOps {
                 "its runtime CLI {cli} cannot report sandbox state (no `crust {VERB_SANDBOX_STATE}`)"
             )));
         }
-        let out = match cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], self.cli_timeout) {
+        let out = match cli::run(&cli, &["crust", VERB_SANDBOX_STATE, &by], &self.cli) {
             Ok(out) => out,
             Err(OpsError::CliFailed { status, .. })
                 if status == format!("exit code {UNSUPPORTED_EXIT}") =>
@@ -638,12 +644,12 @@ impl CrustOps {
     pub fn stats(&self, target: &str) -> Result<VolumeStats, OpsError> {
         match self.route(target)? {
             Route::CrustCli(cli) => {
-                let out = cli::run(&cli, &["crust", "stats", target], self.cli_timeout)?;
+                let out = cli::run(&cli, &["crust", "stats", target], &self.cli)?;
                 parse::parse_stats(&out).map_err(|reason| bad_output(&cli, "crust stats", reason))
             }
             Route::Kata(kata) => {
                 let args = ["direct-volume", "stats", "--volume-path", target];
-                let out = cli::run(&kata, &args, self.cli_timeout)?;
+                let out = cli::run(&kata, &args, &self.cli)?;
                 parse::parse_stats(&out)
                     .map_err(|reason| bad_output(&kata, "direct-volume stats", reason))
             }
@@ -662,11 +668,7 @@ impl CrustOps {
             .map_err(|e| OpsError::InvalidArgument(e.to_string()))?;
         let cli = self.cli_offering(target, VERB_FREEZE)?;
         let ms = ms.to_string();
-        cli::run(
-            &cli,
-            &["crust", "freeze", target, ms.as_str()],
-            self.cli_timeout,
-        )?;
+        cli::run(&cli, &["crust", "freeze", target, ms.as_str()], &self.cli)?;
         tracing::info!(target = %target, "frozen in the guest");
         Ok(())
     }
@@ -676,7 +678,7 @@ impl CrustOps {
     /// consistent), Ok(false) when the runtime's time limit thawed it first.
     pub fn thaw(&self, target: &str) -> Result<bool, OpsError> {
         let cli = self.cli_offering(target, VERB_THAW)?;
-        let out = cli::run(&cli, &["crust", "thaw", target], self.cli_timeout)?;
+        let out = cli::run(&cli, &["crust", "thaw", target], &self.cli)?;
         let v: serde_json::Value = serde_json::from_slice(&out)
             .map_err(|e| bad_output(&cli, "crust thaw", e.to_string()))?;
         let was_frozen = v.get("was_frozen").and_then(|b| b.as_bool());
@@ -723,7 +725,7 @@ impl CrustOps {
         cli::run(
             &cli,
             &["crust", VERB_THROTTLE, target, wire.as_str()],
-            self.cli_timeout,
+            &self.cli,
         )?;
         tracing::info!(target = %target, limits = %wire, "I/O limits applied in the guest");
         Ok(LimitsApplied::Live)
@@ -768,7 +770,7 @@ impl CrustOps {
             Route::CrustCli(cli) => {
                 let (smin, smax) = (min.to_string(), max.to_string());
                 let args = ["crust", "resize", target, smin.as_str(), smax.as_str()];
-                let out = cli::run(&cli, &args, self.cli_timeout)?;
+                let out = cli::run(&cli, &args, &self.cli)?;
                 let cap = parse::parse_resize(&out)
                     .map_err(|reason| bad_output(&cli, "crust resize", reason))?;
                 if cap < min || (max != 0 && cap > max) {
@@ -797,7 +799,7 @@ impl CrustOps {
                     "--size",
                     s.as_str(),
                 ];
-                cli::run(&kata, &args, self.cli_timeout)?;
+                cli::run(&kata, &args, &self.cli)?;
                 size
             }
         };

@@ -160,13 +160,7 @@ pub fn install(ns: &NetNs, links: &[Guarded]) -> Result<(), NetError> {
 /// Removes the guard's table: idempotent, and a node without `nft` can
 /// have made none.
 pub fn remove(ns: &NetNs) {
-    let Some(nft) = nft::locate("nft") else {
-        return;
-    };
-    let script = format!("table netdev {GUARD_TABLE}\ndelete table netdev {GUARD_TABLE}\n");
-    if let Err(e) = nft::run_in(ns, &nft, &["-f", "-"], Some(script)) {
-        tracing::warn!(netns = %ns.path(), "removing the anti-spoofing table: {e}");
-    }
+    nft::delete_table(ns, "netdev", GUARD_TABLE, "the anti-spoofing table");
 }
 
 /// The guard's drop counters, by interface (`links[i]` is the `i`th

@@ -22,10 +22,13 @@
 //! * [`guard`]: with anti-spoofing on (the default), the guest's
 //!   direction goes through an nftables `netdev` chain on the tap that
 //!   drops forged frames, counts them and forwards the rest.
+//! * [`forward`]: port-forward's redirect of the namespace's loopback
+//!   TCP connections to a host listener that relays them to the guest.
 //! * [`netfilter`]: the rules already in the namespace, which the guest's
 //!   traffic would bypass, for the caller to refuse or report.
 
 mod check;
+pub mod forward;
 pub mod guard;
 pub mod netfilter;
 mod netns;

@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use crate::forward::FORWARD_TABLE;
 use crate::guard::GUARD_TABLE;
 use crate::nft;
 use crate::{NetError, NetNs};
@@ -184,7 +185,10 @@ pub fn from_nft_json(json: &str) -> Result<Vec<RuleFinding>, NetError> {
         reason: format!("unreadable output: {e}"),
     })?;
     let mut chains: BTreeMap<(String, String), RuleFinding> = BTreeMap::new();
-    let ours = |o: &serde_json::Value| o["family"] == "netdev" && o["table"] == GUARD_TABLE;
+    let ours = |o: &serde_json::Value| {
+        (o["family"] == "netdev" && o["table"] == GUARD_TABLE)
+            || (o["family"] == "inet" && o["table"] == FORWARD_TABLE)
+    };
     let text = |o: &serde_json::Value, k: &str| o[k].as_str().unwrap_or("?").to_string();
     for o in v["nftables"].as_array().into_iter().flatten() {
         let (obj, chain, policy) = if let Some(c) = o.get("chain").filter(|c| !ours(c)) {
@@ -272,8 +276,14 @@ mod tests {
           {"chain": {"family": "ip", "table": "filter", "name": "INPUT", "handle": 1, "type": "filter", "hook": "input", "prio": 0, "policy": "accept"}},
           {"table": {"family": "netdev", "name": "crust_guard", "handle": 2}},
           {"chain": {"family": "netdev", "table": "crust_guard", "name": "l0", "handle": 1, "type": "filter", "hook": "ingress", "prio": 0, "policy": "drop"}},
-          {"rule": {"family": "netdev", "table": "crust_guard", "chain": "l0", "handle": 3, "expr": []}}]}"#;
+          {"rule": {"family": "netdev", "table": "crust_guard", "chain": "l0", "handle": 3, "expr": []}},
+          {"table": {"family": "inet", "name": "crust_forward", "handle": 4}},
+          {"chain": {"family": "inet", "table": "crust_forward", "name": "output", "handle": 1, "type": "nat", "hook": "output", "prio": -100, "policy": "accept"}},
+          {"rule": {"family": "inet", "table": "crust_forward", "chain": "output", "handle": 2, "expr": []}}]}"#;
         assert_eq!(from_nft_json(json).unwrap(), vec![]);
+        // The same table in another family is not ours.
+        let theirs = json.replace("\"inet\"", "\"ip\"");
+        assert_eq!(from_nft_json(&theirs).unwrap().len(), 1);
     }
 
     #[test]

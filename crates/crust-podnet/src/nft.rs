@@ -72,6 +72,18 @@ pub(crate) fn run_in(
     })
 }
 
+/// Deletes `table` of `family` in `ns` if there: idempotent, and a node
+/// without `nft` can have made none. A failure is logged as `what`.
+pub(crate) fn delete_table(ns: &NetNs, family: &str, table: &str, what: &str) {
+    let Some(nft) = locate("nft") else {
+        return;
+    };
+    let script = format!("table {family} {table}\ndelete table {family} {table}\n");
+    if let Err(e) = run_in(ns, &nft, &["-f", "-"], Some(script)) {
+        tracing::warn!(netns = %ns.path(), "removing {what}: {e}");
+    }
+}
+
 /// `nft`, or an error saying what needs it.
 pub(crate) fn nft(why: &str) -> Result<PathBuf, NetError> {
     locate("nft").ok_or_else(|| NetError::Tool {

@@ -2,7 +2,7 @@
 //! ways (an ingress qdisc on each, a `u32` match-all filter): works with
 //! any CNI plugin and leaves its interface as it made it.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use futures::TryStreamExt;
 use netlink_packet_route::link::{LinkAttribute, LinkMessage};
@@ -13,8 +13,6 @@ use crate::guard::Guarded;
 use crate::scan::PodLink;
 use crate::{AntiSpoof, GuestNet, NetError, NetNs, PodNetwork};
 
-/// `TUNSETIFF` (`_IOW('T', 202, int)`).
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 /// tc's ingress qdisc handle and the filter's parent (`ffff:`).
 const INGRESS_PARENT: u32 = 0xffff_0000;
 /// `ETH_P_ALL` (every protocol) as tc wants it: in network byte order.
@@ -38,13 +36,6 @@ pub fn tap_name(i: usize) -> String {
     format!("{TAP_PREFIX}{i}")
 }
 
-#[repr(C)]
-struct IfReq {
-    name: [u8; libc::IFNAMSIZ],
-    flags: libc::c_short,
-    _pad: [u8; 22],
-}
-
 /// Opens one queue of tap `name` in the calling thread's namespace.
 fn open_tap(name: &str, multi_queue: bool) -> Result<OwnedFd, NetError> {
     let io = |what: &str| {
@@ -57,21 +48,11 @@ fn open_tap(name: &str, multi_queue: bool) -> Result<OwnedFd, NetError> {
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| io("opening /dev/net/tun")(e.into()))?;
-    let mut req = IfReq {
-        name: [0; libc::IFNAMSIZ],
-        flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short,
-        _pad: [0; 22],
-    };
+    let mut flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
     if multi_queue {
-        req.flags |= libc::IFF_MULTI_QUEUE as libc::c_short;
+        flags |= libc::IFF_MULTI_QUEUE as libc::c_short;
     }
-    req.name[..name.len()].copy_from_slice(name.as_bytes());
-    // SAFETY: a valid tun descriptor and a live, correctly laid out ifreq
-    // (name, then the flags union member) that the kernel reads and writes.
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETIFF, &mut req as *mut IfReq) };
-    if r != 0 {
-        return Err(io("TUNSETIFF")(std::io::Error::last_os_error()));
-    }
+    crust_sys::tun::set_iff(&fd, name, flags).map_err(io("TUNSETIFF"))?;
     Ok(fd)
 }
 
@@ -216,10 +197,12 @@ fn guarded_links(net: &PodNetwork, taps: &[Tap]) -> Vec<Guarded> {
 }
 
 /// Removes what [`attach`] added: the guard's table, the ingress qdisc
-/// (with its filter) of each of `links`, and every crust tap. Idempotent;
+/// (with its filter) of each of `links`, and every crust tap; and
+/// [`crate::forward`]'s redirect. Idempotent;
 /// runs after the VM exited or when the shim that attached is gone.
 pub fn detach(ns: &NetNs, links: &[String]) -> Result<(), NetError> {
     crate::guard::remove(ns);
+    crate::forward::remove(ns);
     let links = links.to_vec();
     ns.netlink(move |h| async move {
         let all: Vec<LinkMessage> = h

@@ -151,29 +151,15 @@ pub fn host_engines() -> &'static [Aio] {
 }
 
 fn io_uring_works() -> bool {
-    let mut params = rustix::io_uring::io_uring_params::default();
-    // SAFETY: params is a valid, zeroed io_uring_params; the ring (and
-    // its fd) is dropped at once, nothing is mapped.
-    match unsafe { rustix::io_uring::io_uring_setup(1, &mut params) } {
-        Ok(_fd) => true,
-        Err(e) => {
-            tracing::debug!("io_uring_setup: {e}");
-            false
-        }
-    }
+    crust_sys::aio::io_uring_works()
+        .inspect_err(|e| tracing::debug!("io_uring_setup: {e}"))
+        .is_ok()
 }
 
 fn linux_aio_works() -> bool {
-    let mut ctx: libc::c_ulong = 0;
-    // SAFETY: io_setup writes one aio_context_t to ctx.
-    let r = unsafe { libc::syscall(libc::SYS_io_setup, 1 as libc::c_long, &raw mut ctx) };
-    if r != 0 {
-        tracing::debug!("io_setup: {}", std::io::Error::last_os_error());
-        return false;
-    }
-    // SAFETY: ctx came from io_setup above.
-    unsafe { libc::syscall(libc::SYS_io_destroy, ctx) };
-    true
+    crust_sys::aio::linux_aio_works()
+        .inspect_err(|e| tracing::debug!("io_setup: {e}"))
+        .is_ok()
 }
 
 #[cfg(test)]

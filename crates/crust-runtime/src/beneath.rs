@@ -362,51 +362,20 @@ fn attach(tree: BorrowedFd<'_>, target: BorrowedFd<'_>, what: &str) -> Result<()
     .map_err(|e| BeneathError::io("attaching", what, e))
 }
 
-/// `struct mount_attr` of mount_setattr(2).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
 /// mount_setattr(2) on a (detached) tree, `recursive` or its top mount
-/// only; rustix has no wrapper for it.
+/// only.
 fn set_attrs(
     tree: BorrowedFd<'_>,
     attrs: MountAttrFlags,
     propagation: u64,
     recursive: bool,
 ) -> Result<(), Errno> {
-    let attr = MountAttr {
-        attr_set: u64::from(attrs.bits()),
-        attr_clr: 0,
+    let attr = crust_sys::mount::MountAttr {
+        set: u64::from(attrs.bits()),
         propagation,
-        userns_fd: 0,
+        ..Default::default()
     };
-    let flags = if recursive {
-        libc::AT_EMPTY_PATH | libc::AT_RECURSIVE
-    } else {
-        libc::AT_EMPTY_PATH
-    };
-    // SAFETY: a valid fd, a NUL-terminated empty path and a live
-    // `mount_attr` of the size passed; the kernel only reads it.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            flags,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::INVAL))
-    }
+    crust_sys::mount::setattr(tree, recursive, &attr)
 }
 
 /// Detaches the topmost mount at `rel` below `root`, reached by descriptor

@@ -5,8 +5,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,8 +40,6 @@ type ApiResult<T> = Result<T, ApiError>;
 
 /// Grace the workload gets between SIGTERM and SIGKILL at teardown.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How long the guest gets to power off after the agent's Shutdown.
-const POWEROFF_WAIT: Duration = Duration::from_secs(15);
 /// Workload status polling period (TCG guests are slow: keep it sparse).
 const WORKLOAD_POLL: Duration = Duration::from_millis(500);
 
@@ -205,7 +202,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         }
         let mut vc = Guest::config(&cfg, &store.vm_dir(&id), &id);
         if let Some(dir) = &share_dir {
-            let view = make_share(dir, &state.shared_mounts)?;
+            let view = share::make_with_binds(dir, &state.shared_mounts)?;
             vc.shares = vec![crust_vmm::ShareSpec {
                 tag: share::SHARE_TAG.into(),
                 dir: view,
@@ -225,7 +222,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Err(e) => {
             release_all(&discovery, &id, &claimed);
             handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
-            remove_share(share_dir.as_deref());
+            share_dir.as_deref().inspect(|d| share::remove_logged(d));
             mark_failed(&store, &mut state, &e);
             return Err(e);
         }
@@ -261,7 +258,7 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             // The guest is dropped (killed) by the failed future.
             release_all(&discovery, &id, &claimed);
             handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
-            remove_share(share_dir.as_deref());
+            share_dir.as_deref().inspect(|d| share::remove_logged(d));
             mark_failed(&store, &mut state, &e);
             return Err(e);
         }
@@ -355,11 +352,26 @@ async fn plug_planned(
     Ok(())
 }
 
-/// Runtime-driven deferral: every bundle mount whose source is a mount
-/// point without a hand-off record is offered to crust-csi's Handover
-/// service. A handed-over volume now has a record claimed by this
-/// sandbox, so the plan that follows treats it as any deferred volume.
-/// Returns when each handed-over target was asked, for the latency log.
+/// The CLI door's sandbox record: in memory, saved on every change.
+struct Saved<'a> {
+    store: &'a SandboxStore,
+    state: &'a mut SandboxState,
+}
+
+impl handover::StateLog for Saved<'_> {
+    fn answered(&self, source: &str) -> bool {
+        self.state.events.iter().any(|e| e.target == source)
+    }
+
+    fn update(&mut self, f: impl FnOnce(&mut SandboxState)) -> Result<(), RuntimeError> {
+        f(self.state);
+        Ok(self.store.save(self.state)?)
+    }
+}
+
+/// Offers the bundle's crust-csi host publications for hand-over
+/// ([`handover::take_published_volumes`]); returns when each handed-over
+/// target was asked, for the latency log.
 async fn take_published_volumes(
     handover: &Handover,
     discovery: &Discovery,
@@ -367,48 +379,16 @@ async fn take_published_volumes(
     store: &SandboxStore,
     state: &mut SandboxState,
 ) -> Result<HashMap<String, Instant>, RuntimeError> {
-    let mut asked_at = HashMap::new();
     if !handover.configured() {
-        return Ok(asked_at);
+        return Ok(HashMap::new());
     }
     let cli = recorded_cli()?;
-    for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
-        let Some(offered) =
-            handover::offer_path(discovery, m.source.as_deref().unwrap_or_default())
-        else {
-            continue;
-        };
-        let source = offered.as_str();
-        if state.handover_asked.iter().any(|a| a == source) {
-            continue;
-        }
-        // On disk before asking: the answer may be a record we claim.
-        state.handover_asked.push(source.to_string());
-        store.save(state)?;
-        let t0 = Instant::now();
-        match handover
-            .offer(
-                source,
-                &m.destination,
-                &state.id,
-                &cli,
-                bundle.defer_required,
-            )
-            .await?
-        {
-            Some(ev) => {
-                if ev.outcome == handover::HANDED_OVER {
-                    asked_at.insert(source.to_string(), t0);
-                }
-                state.events.push(ev);
-                store.save(state)?;
-                handover::crash_point("answered");
-            }
-            None => state.handover_asked.retain(|a| a != source),
-        }
-        store.save(state)?;
-    }
-    Ok(asked_at)
+    let id = state.id.clone();
+    let mut log = Saved { store, state };
+    let mut taken = handover::Taken::default();
+    handover::take_published_volumes(handover, discovery, bundle, &id, &cli, &mut log, &mut taken)
+        .await?;
+    Ok(taken.asked_at)
 }
 
 /// Where each bind goes in the share: `m<i>` in bundle order.
@@ -423,37 +403,6 @@ fn shared_mounts(binds: &[HostBind]) -> Vec<SharedMount> {
             readonly: b.readonly,
         })
         .collect()
-}
-
-/// The share with every bind in place (read-only ones read-only on the
-/// host side too); returns the guest view virtiofsd serves. On failure
-/// nothing is left.
-fn make_share(dir: &Path, mounts: &[SharedMount]) -> Result<PathBuf, RuntimeError> {
-    let res = share::make(dir).and_then(|view| {
-        let root = share::open(dir)?;
-        for m in mounts {
-            share::bind_into(
-                root.as_fd(),
-                &m.path,
-                Path::new(&m.source),
-                m.readonly.into(),
-                share::Propagation::Private,
-            )?;
-        }
-        Ok(view)
-    });
-    res.map_err(|e| {
-        remove_share(Some(dir));
-        RuntimeError::from(e)
-    })
-}
-
-fn remove_share(dir: Option<&Path>) {
-    if let Some(dir) = dir
-        && let Err(e) = share::remove(dir)
-    {
-        tracing::error!("{e}");
-    }
 }
 
 fn mark_failed(store: &SandboxStore, state: &mut SandboxState, e: &RuntimeError) {
@@ -601,41 +550,26 @@ impl Controller {
         }
         self.stopping.store(true, Ordering::SeqCst);
         let st = self.snapshot();
-        if self.qemu_exited().is_none() {
-            if st.status == Status::Running
-                && let Err(e) = self.agent.stop_workload(STOP_GRACE).await
-            {
-                tracing::warn!("stopping the workload: {e}");
-            }
-            for v in &st.volumes {
-                if let Err(e) = volumes::unmount(&self.agent, v, self.cfg.timeout).await {
-                    tracing::warn!("{e}");
-                }
-            }
-            if let Err(e) = self.agent.shutdown().await {
-                tracing::warn!("agent shutdown: {e}");
-            }
-            if !self.guest.wait_exit(POWEROFF_WAIT).await {
-                tracing::warn!("the guest did not power off; quitting QEMU");
-                let _ = tokio::time::timeout(self.cfg.timeout, self.qmp.quit()).await;
-                if !self.guest.wait_exit(Duration::from_secs(5)).await {
-                    self.guest.kill().await;
-                }
-            }
-        } else {
-            self.guest.kill().await;
-        }
+        let stop = crate::vm::GuestStop {
+            guest: &self.guest,
+            qmp: &self.qmp,
+            agent: &self.agent,
+            timeout: self.cfg.timeout,
+            workload_grace: (st.status == Status::Running).then_some(STOP_GRACE),
+        };
+        crate::vm::stop_guest(stop, &st.volumes, self.qemu_exited().is_none()).await;
         // QEMU has exited (or was killed): the holds, then the claims.
-        plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &st.volumes);
-        handover::give_back(
-            &Handover::new(&self.cfg),
+        plug::release_host_side(
+            &self.attachments,
             &self.discovery,
+            &Handover::new(&self.cfg),
             &self.id,
+            &st.volumes,
             &st.handover_asked,
         )
         .await;
         if !st.shared_mounts.is_empty() {
-            remove_share(Some(&self.store.dir(&self.id).join(share::SHARE_DIR)));
+            share::remove_logged(&self.store.dir(&self.id).join(share::SHARE_DIR));
         }
         self.update(|s| {
             s.status = Status::Stopped;

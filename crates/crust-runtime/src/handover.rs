@@ -17,6 +17,7 @@
 //! crashed), the plugin takes it back later on its own (no claim, or the
 //! claimant `stopped`, and the device free).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -25,10 +26,11 @@ use crust_proto::handover::v1alpha1 as pb;
 use pb::handover_client::HandoverClient;
 use pb::runtime_capability::Type as Cap;
 
+use crate::bundle::Bundle;
 use crate::config::Config;
 use crate::discovery::Discovery;
 use crate::error::RuntimeError;
-use crate::records::LayoutKind;
+use crate::records::{LayoutKind, SandboxState};
 // The records' old paths, which crust-shim uses.
 pub use crate::records::{DEFER_ANNOTATION, HANDED_OVER, ON_HOST, VolumeEvent};
 
@@ -286,6 +288,90 @@ impl Handover {
             plug_ms: None,
         }))
     }
+}
+
+/// What [`take_published_volumes`] did.
+#[derive(Debug, Default)]
+pub struct Taken {
+    /// When each handed-over source was asked (the hand-off latency log).
+    pub asked_at: HashMap<String, Instant>,
+    /// The declined offers: each volume stays a host mount shared over
+    /// virtio-fs, as its event says (the shim publishes them).
+    pub fallbacks: Vec<VolumeEvent>,
+}
+
+/// A sandbox's record as a front door keeps it: read, and changed and
+/// saved in one step.
+pub trait StateLog {
+    /// Whether the offer of `source` was answered already (its event is on
+    /// record): it is not offered again.
+    fn answered(&self, source: &str) -> bool;
+    fn update(&mut self, f: impl FnOnce(&mut SandboxState)) -> Result<(), RuntimeError>;
+}
+
+/// Runtime-driven deferral, the one routine of both doors: each mount of
+/// `bundle` whose source is a crust-csi host publication (a mount point
+/// without a hand-off record) is offered to the plugin's Handover service.
+/// Handed over, it has a record `sandbox` claims and is planned like any
+/// deferred volume; declined, its host mount is shared over virtio-fs.
+///
+/// Each offer is on disk (`handover_asked`) before it is made: the answer
+/// may be a record this sandbox claims. An offer the plugin answered
+/// "not mine" (or could not be asked) is taken back off the record. An
+/// offer that failed stays on it, and the error is returned: the teardown
+/// then gives it back, which is a no-op for a volume never handed, so a
+/// volume the plugin may have handed before the failure is never stranded;
+/// a later call (kubelet's retry) offers it again, as it has no answer.
+/// What was taken before an error is in `taken` all the same (declined
+/// offers' events are published either way).
+pub async fn take_published_volumes(
+    handover: &Handover,
+    discovery: &Discovery,
+    bundle: &Bundle,
+    sandbox: &str,
+    runtime_cli: &str,
+    log: &mut impl StateLog,
+    taken: &mut Taken,
+) -> Result<(), RuntimeError> {
+    if !handover.configured() {
+        return Ok(());
+    }
+    for m in bundle.mounts.iter().filter(|m| m.source_is_path()) {
+        let Some(source) = offer_path(discovery, m.source.as_deref().unwrap_or_default()) else {
+            continue;
+        };
+        if log.answered(&source) {
+            continue;
+        }
+        log.update(|s| {
+            if !s.handover_asked.contains(&source) {
+                s.handover_asked.push(source.clone());
+            }
+        })?;
+        let t0 = Instant::now();
+        let answer = handover
+            .offer(
+                &source,
+                &m.destination,
+                sandbox,
+                runtime_cli,
+                bundle.defer_required,
+            )
+            .await?;
+        match answer {
+            Some(ev) => {
+                if ev.outcome == HANDED_OVER {
+                    taken.asked_at.insert(source.clone(), t0);
+                } else if ev.outcome == ON_HOST {
+                    taken.fallbacks.push(ev.clone());
+                }
+                log.update(|s| s.events.push(ev))?;
+                crash_point("answered");
+            }
+            None => log.update(|s| s.handover_asked.retain(|a| *a != source))?,
+        }
+    }
+    Ok(())
 }
 
 /// Releases `sandbox`'s claims on handed-over records and hands the

@@ -43,7 +43,9 @@ pub mod handover;
 pub mod katashim;
 pub mod metrics;
 pub mod plug;
-pub mod records;
+/// What a sandbox persists (its own crate, so tools read the records
+/// without linking the runtime).
+pub use crust_sandbox_records as records;
 pub mod runtime;
 pub mod sandbox;
 pub mod share;

@@ -251,13 +251,8 @@ impl ProcFigures {
         // stat(5): utime 14, stime 15, num_threads 20, rss 24 (1-based,
         // counting pid and comm): here shifted by 3.
         let num = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok());
-        // SAFETY: sysconf only reads configuration values.
-        let (ticks, page) = unsafe {
-            (
-                libc::sysconf(libc::_SC_CLK_TCK) as f64,
-                libc::sysconf(libc::_SC_PAGESIZE) as u64,
-            )
-        };
+        let ticks = rustix::param::clock_ticks_per_second() as f64;
+        let page = rustix::param::page_size() as u64;
         let open_fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
             .map(|d| d.count() as u64)
             .unwrap_or(0);
@@ -346,24 +341,7 @@ mod tests {
     #[tokio::test]
     async fn this_process_as_the_hypervisor_in_text_format() {
         let me = crate::records::ProcRef::current();
-        let mut st = SandboxState::new(
-            "sb",
-            &crate::bundle::Bundle {
-                dir: "/b".into(),
-                args: vec![],
-                env: vec![],
-                cwd: "/".into(),
-                uid: 0,
-                gid: 0,
-                additional_gids: vec![],
-                mounts: vec![],
-                pod_uid: None,
-                defer_required: false,
-                seccomp: false,
-                user_namespace: false,
-                devices: Vec::new(),
-            },
-        );
+        let mut st = SandboxState::for_bundle_dir("sb", "/b".into());
         st.qemu = Some(me);
         let body = sandbox_metrics(&st, None, &Default::default(), Duration::from_secs(1)).await;
         let n = check_text_format(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));

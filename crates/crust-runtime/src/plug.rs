@@ -326,3 +326,20 @@ pub fn release_after_exit(att: &Attachments, discovery: &Discovery, id: &str, vo
     att.forget_all();
     crate::claims::release_all(discovery, id, volumes);
 }
+
+/// The host side of a sandbox whose guest is gone, the one order both
+/// doors use: [`release_after_exit`] (holds, then claims), then the
+/// volumes handed over by crust-csi given back (`asked`, every offer on
+/// record). What the door keeps besides (a network, a share, the record)
+/// goes after this.
+pub async fn release_host_side(
+    att: &Attachments,
+    discovery: &Discovery,
+    handover: &crate::handover::Handover,
+    id: &str,
+    volumes: &[Volume],
+    asked: &[String],
+) {
+    release_after_exit(att, discovery, id, volumes);
+    crate::handover::give_back(handover, discovery, id, asked).await;
+}

@@ -4,7 +4,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -120,7 +119,8 @@ impl Runtime {
     }
 
     async fn spawn_shim(&self, id: &str, bundle: &Bundle) -> Result<()> {
-        self.sandboxes.save(&SandboxState::new(id, bundle))?;
+        self.sandboxes
+            .save(&SandboxState::for_bundle_dir(id, bundle.dir.clone()))?;
         let exe = std::env::current_exe().map_err(RuntimeError::io("locating this executable"))?;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -137,15 +137,10 @@ impl Runtime {
             .stdin(Stdio::null())
             .stdout(wr)
             .stderr(log);
-        // SAFETY: setsid is async-signal-safe; nothing else runs in the child.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        crust_sys::spawn::ChildSetup::new()
+            .new_session()
+            .apply(&mut cmd)
+            .map_err(RuntimeError::io("setting up the shim's start"))?;
         let mut child = cmd.spawn().map_err(RuntimeError::io("spawning the shim"))?;
         drop(cmd); // closes our copy of the pipe's write end
         let reader = tokio::task::spawn_blocking(move || {

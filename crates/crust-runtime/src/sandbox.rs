@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crust_handoff::SandboxLiveness;
 
-use crate::bundle::Bundle;
 // The records' old paths, which crust-shim and the tests use.
 pub use crate::records::{
     OCI_VERSION, ProcRef, SandboxState, SharedMount, Status, proc_start_time,
@@ -40,12 +39,6 @@ pub enum SandboxError {
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
     let context = context.into();
     move |source| SandboxError::Io { context, source }
-}
-
-impl SandboxState {
-    pub fn new(id: &str, bundle: &Bundle) -> SandboxState {
-        SandboxState::for_bundle_dir(id, bundle.dir.clone())
-    }
 }
 
 /// `<root>/<id>/...` for every sandbox.
@@ -252,6 +245,7 @@ fn fsync_dir(dir: &Path) -> Result<(), SandboxError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bundle::Bundle;
 
     fn bundle() -> Bundle {
         Bundle {
@@ -290,7 +284,7 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o777, 0o700);
         assert!(matches!(store.load("sb1"), Err(SandboxError::NotFound(_))));
-        let mut st = SandboxState::new("sb1", &bundle());
+        let mut st = SandboxState::for_bundle_dir("sb1", bundle().dir);
         st.shim = Some(ProcRef::current());
         store.save(&st).unwrap();
         assert_eq!(store.load("sb1").unwrap(), st);
@@ -360,7 +354,7 @@ mod tests {
             }
             .alive()
         );
-        let mut st = SandboxState::new("x", &bundle());
+        let mut st = SandboxState::for_bundle_dir("x", bundle().dir);
         st.status = Status::Running;
         st.shim = Some(ProcRef {
             start_time: me.start_time + 1,

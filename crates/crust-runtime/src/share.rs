@@ -11,6 +11,7 @@ use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
 use crate::beneath::{self, BeneathError, FsSpec};
 pub use crate::beneath::{Propagation, ReadOnly};
+use crate::records::SharedMount;
 
 /// The virtio-fs tag of a sandbox's share.
 pub const SHARE_TAG: &str = "crust-pod";
@@ -197,6 +198,34 @@ fn still_mounted(dir: &Path) -> Result<(), ShareError> {
             .collect::<Vec<_>>()
             .join(", "),
     })
+}
+
+/// The share at `dir` with `binds` in place (each at its `path`, read-only
+/// ones read-only on the host side too), the one way both doors make a
+/// sandbox's share; returns the guest view virtiofsd serves. On failure
+/// nothing is left.
+pub fn make_with_binds(dir: &Path, binds: &[SharedMount]) -> Result<PathBuf, ShareError> {
+    let res = make(dir).and_then(|view| {
+        let root = open(dir)?;
+        for m in binds {
+            bind_into(
+                root.as_fd(),
+                &m.path,
+                Path::new(&m.source),
+                m.readonly.into(),
+                Propagation::Private,
+            )?;
+        }
+        Ok(view)
+    });
+    res.inspect_err(|_| remove_logged(dir))
+}
+
+/// [`remove`], logging what it could not undo (a teardown goes on).
+pub fn remove_logged(dir: &Path) {
+    if let Err(e) = remove(dir) {
+        tracing::error!("{e}");
+    }
 }
 
 /// Unmounts everything in and below a share (and its guest view) and

@@ -23,6 +23,7 @@ pub struct Guest {
     qmp_socket: PathBuf,
     agent_socket: PathBuf,
     stdio_socket: PathBuf,
+    forward_socket: PathBuf,
     virtiofsd: Vec<ProcRef>,
     ports: Vec<String>,
     accel: AccelChoice,
@@ -93,6 +94,7 @@ impl Guest {
             qmp_socket: vm.qmp_socket().to_path_buf(),
             agent_socket: vm.agent_socket().to_path_buf(),
             stdio_socket: vm.stdio_socket().to_path_buf(),
+            forward_socket: vm.forward_socket().to_path_buf(),
             virtiofsd: vm
                 .state()
                 .virtiofsd
@@ -123,6 +125,11 @@ impl Guest {
     /// The stdio port's socket (container stdio).
     pub fn stdio_socket(&self) -> &Path {
         &self.stdio_socket
+    }
+
+    /// The port-forward port's socket.
+    pub fn forward_socket(&self) -> &Path {
+        &self.forward_socket
     }
 
     /// The virtiofsd daemons of the VM's shares.
@@ -206,5 +213,53 @@ fn describe(e: &VmExit) -> String {
         (_, Some(s)) => format!("killed by signal {s}"),
         (Some(c), None) => format!("exit status {c}"),
         (None, None) => "exited".into(),
+    }
+}
+
+/// How long a guest asked to power off may take before QEMU is told to
+/// quit.
+pub const POWEROFF_WAIT: Duration = Duration::from_secs(15);
+
+/// A live guest and what stopping it needs.
+pub struct GuestStop<'a> {
+    pub guest: &'a Guest,
+    pub qmp: &'a crust_qmp::QmpClient,
+    pub agent: &'a crust_agent_proto::AgentClient,
+    /// The bound on each agent or QMP request.
+    pub timeout: Duration,
+    /// The CLI's workload is asked to stop within this grace before its
+    /// volumes are unmounted (containers are stopped by their own door).
+    pub workload_grace: Option<Duration>,
+}
+
+/// Stops a sandbox's guest, the one order both doors use: a dead QEMU is
+/// reaped; a live guest has its workload stopped (when asked), its
+/// volumes unmounted (each filesystem clean on its device), then is
+/// powered off, else QEMU quits through QMP, else it is killed. Returns
+/// once QEMU is gone; a step that fails is logged and the next one runs.
+pub async fn stop_guest(s: GuestStop<'_>, volumes: &[crate::records::Volume], running: bool) {
+    if !running {
+        s.guest.kill().await;
+        return;
+    }
+    if let Some(grace) = s.workload_grace
+        && let Err(e) = s.agent.stop_workload(grace).await
+    {
+        tracing::warn!("stopping the workload: {e}");
+    }
+    for v in volumes {
+        if let Err(e) = crate::volumes::unmount(s.agent, v, s.timeout).await {
+            tracing::warn!("{e}");
+        }
+    }
+    if let Err(e) = s.agent.shutdown().await {
+        tracing::warn!("agent shutdown: {e}");
+    }
+    if !s.guest.wait_exit(POWEROFF_WAIT).await {
+        tracing::warn!("the guest did not power off; quitting QEMU");
+        let _ = tokio::time::timeout(s.timeout, s.qmp.quit()).await;
+        if !s.guest.wait_exit(Duration::from_secs(5)).await {
+            s.guest.kill().await;
+        }
     }
 }

@@ -44,7 +44,6 @@ fn bad_input_and_hung_guest() {
     let mut env = Env::new();
     // Short agent/shim bound so the hung-guest case answers quickly.
     env.timeout_ms = 3000;
-    env.export_runtime_config();
     {
         // --- refused before anything starts -----------------------------------
         let ghost = env.target("pod-g", "pv-ghost");

@@ -46,7 +46,6 @@ fn host_root_disk() -> Option<String> {
 #[test]
 fn mounted_devices_are_refused_liveness_is_typed_and_qemu_death_is_survived() {
     let env = Env::new();
-    env.export_runtime_config();
     {
         // --- the typed liveness verbs ------------------------------------------
         let caps = env.json(&["crust", "capabilities"]);

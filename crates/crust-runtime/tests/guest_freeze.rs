@@ -37,7 +37,6 @@ fn device_digest(dev: &str) -> String {
 #[test]
 fn freeze_blocks_writers_keeps_the_device_still_and_thaws() {
     let env = Env::new();
-    env.export_runtime_config();
     let disk = env.disk("f.img", 64 * MIB, FsType::Ext4);
     let target = env.target("pod-f", "pv-f");
     env.stage(

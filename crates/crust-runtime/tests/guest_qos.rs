@@ -56,7 +56,6 @@ fn limits(iops: u64) -> IoLimits {
 #[test]
 fn modify_volume_throttles_a_running_guest_and_every_later_plug() {
     let env = Env::new();
-    env.export_runtime_config();
     let disk = env.disk("q.img", 64 * MIB, FsType::Ext4);
     let target = env.target("pod-q", "pv-q");
     env.stage(

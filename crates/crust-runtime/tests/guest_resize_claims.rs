@@ -22,7 +22,6 @@ use crust_testkit::VmSlot;
 #[test]
 fn online_resize_claims_and_qemu_death() {
     let env = Env::new();
-    env.export_runtime_config();
     {
         let disk = env.disk("r.img", 64 * MIB, FsType::Ext4);
         let target = env.target("pod-r", "pv-r");

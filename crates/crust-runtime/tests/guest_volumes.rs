@@ -86,7 +86,6 @@ fn mount_line<'a>(mounts: &'a str, mountpoint: &str) -> &'a str {
 #[test]
 fn volumes_in_guest() {
     let env = Env::new();
-    env.export_runtime_config();
     {
         // --- disks and records --------------------------------------------
         // a: ext4, CRUST layout, fsGroup 2000 Always, also used via subPath.

@@ -10,7 +10,7 @@
 //!   prints a `DeleteResponse`.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::process::CommandExt;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use containerd_shim::protos::shim_async::create_task;
 use containerd_shim::protos::ttrpc::r#async::Server;
 use crust_runtime::discovery::Discovery;
 use crust_runtime::sandbox::SandboxStore;
+use crust_sys::spawn::ChildSetup;
 
 use crate::cgroup::Placement;
 use crate::config::ShimConfig;
@@ -143,15 +144,22 @@ fn spawn_shim(
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-    // SAFETY: setsid only, between fork and exec: the shim outlives this
-    // process and containerd restarts.
-    unsafe {
-        cmd.pre_exec(|| {
-            rustix::process::setsid()?;
-            Ok(())
-        });
+    // A session of its own: the shim outlives this process and
+    // containerd's restarts.
+    let mut setup = ChildSetup::new().new_session();
+    let born = match cgroup {
+        Some(cg) => born_in_pod_cgroup(&mut cmd, cg).map(|procs| {
+            setup = procs
+                .into_iter()
+                .fold(std::mem::take(&mut setup), ChildSetup::cgroup);
+            cg
+        }),
+        None => None,
+    };
+    if let Err(e) = setup.apply(&mut cmd) {
+        born.inspect(|cg| cg.remove());
+        return Err(e).context("setting up the shim's start");
     }
-    let born = cgroup.filter(|cg| born_in_pod_cgroup(&mut cmd, cg));
     let spawned = cmd.spawn().context("spawning the shim");
     let mut child = match spawned {
         Ok(c) => c,
@@ -181,25 +189,26 @@ fn spawn_shim(
     Ok(())
 }
 
-/// Makes the pod's groups and sets `cmd` to be born in them, handing the
-/// shim what it needs to leave and remove them at the pod's end
-/// ([`Placement::hand_over`]): from its first page the shim is charged
-/// to the pod, as QEMU and virtiofsd are. False (and nothing left made)
-/// when that cannot be done; the shim then joins at boot.
-fn born_in_pod_cgroup(cmd: &mut Command, cg: &Placement) -> bool {
+/// Makes the pod's groups and returns their open `cgroup.procs` for the
+/// shim to be born in, handing it what it needs to leave and remove them
+/// at the pod's end ([`Placement::hand_over`]): from its first page the
+/// shim is charged to the pod, as QEMU and virtiofsd are. None (and
+/// nothing left made) when that cannot be done; the shim then joins at
+/// boot.
+fn born_in_pod_cgroup(cmd: &mut Command, cg: &Placement) -> Option<Vec<OwnedFd>> {
     let handed = cg.create().and_then(|()| cg.hand_over()).and_then(|h| {
-        crust_vmm::born_in_cgroups(cmd, &cg.dirs, false)
+        crust_vmm::open_cgroup_procs(&cg.dirs)
             .map_err(|(dir, e)| format!("{}: {e}", dir.display()))
-            .map(|()| h)
+            .map(|procs| (h, procs))
     });
     match handed {
-        Ok(h) => {
+        Ok((h, procs)) => {
             cmd.env(crate::cgroup::HANDED_ENV, h);
-            true
+            Some(procs)
         }
         Err(_) => {
             cg.remove();
-            false
+            None
         }
     }
 }

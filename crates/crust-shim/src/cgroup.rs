@@ -120,12 +120,17 @@ impl Placement {
         Ok(())
     }
 
-    /// Removes the groups [`Placement::create`] made, deepest first, once
-    /// empty (best effort: the container manager may remove them too).
+    /// Removes the groups [`Placement::create`] made, deepest first. What
+    /// is still in one (a virtiofsd finishing its exit after QEMU's) is the
+    /// pod's and goes with it: killed, then waited for, a bounded while.
+    /// A group that stays is logged (the container manager may remove it
+    /// too).
     pub fn remove(&self) {
         let created = std::mem::take(&mut *self.created.lock().expect("created"));
         for d in created.iter().rev() {
-            let _ = std::fs::remove_dir(d);
+            if let Err(e) = remove_emptied(d) {
+                tracing::warn!("the pod's cgroup {} stays: {e}", d.display());
+            }
         }
     }
 
@@ -314,6 +319,34 @@ pub fn systemd_path(cgroups_path: &str) -> Result<String, String> {
         format!("{prefix}-{name}.scope")
     });
     Ok(dirs.join("/"))
+}
+
+/// How long a pod's cgroup may take to empty once its processes were told
+/// to go.
+const EMPTY_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `rmdir` of a cgroup, killing what is left in it first and retrying while
+/// the kernel still counts an exiting process.
+fn remove_emptied(dir: &Path) -> std::io::Result<()> {
+    let deadline = std::time::Instant::now() + EMPTY_WAIT;
+    loop {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => {}
+        }
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        let me = std::process::id() as i32;
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            if pid != me
+                && let Some(p) = rustix::process::Pid::from_raw(pid)
+            {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use clap::Parser;
 use crust_runtime::cli::GlobalOpts;
 use crust_runtime::config::Config;
 
-use crate::spec::{HostNamespace, LsmPolicy};
+use crate::spec::{HostNamespace, HostNetwork, LsmPolicy};
 
 /// Memory the guest gets on top of its containers' limits: the kernel
 /// (about 54 MiB reserved at boot by this image's kernel), the agent, the
@@ -69,6 +69,15 @@ struct EnvOpts {
         value_delimiter = ','
     )]
     host_namespaces: Vec<HostNamespace>,
+    /// A `hostNetwork` pod: `refuse` it, or give its guest the host's
+    /// connectivity through QEMU's `user` (user-mode, NAT) network.
+    #[arg(
+        long,
+        env = "CRUST_SHIM_HOST_NETWORK",
+        value_enum,
+        default_value = "refuse"
+    )]
+    host_network: HostNetwork,
 }
 
 /// What the shim does with netfilter rules in a pod's namespace
@@ -106,6 +115,7 @@ pub struct ShimConfig {
     pub lsm_policy: LsmPolicy,
     pub netns_rules: NetnsRules,
     pub host_namespaces: Vec<HostNamespace>,
+    pub host_network: HostNetwork,
 }
 
 impl ShimConfig {
@@ -147,6 +157,7 @@ impl ShimConfig {
             lsm_policy: o.lsm_policy,
             netns_rules: o.netns_rules,
             host_namespaces: o.host_namespaces,
+            host_network: o.host_network,
         })
     }
 
@@ -233,6 +244,7 @@ pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
         lsm_policy: LsmPolicy::Ignore,
         netns_rules: NetnsRules::Refuse,
         host_namespaces: Vec::new(),
+        host_network: HostNetwork::Refuse,
     }
 }
 

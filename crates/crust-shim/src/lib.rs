@@ -16,12 +16,14 @@
 //! - [`shimapi`]: the crust shim API of the pod (`crust stats|resize`).
 //! - [`spec`]: OCI spec → guest container request, mount by mount.
 //! - [`io`]: stdio FIFOs ↔ the guest's stdio port.
+//! - [`forward`]: port-forward, the pod namespace's loopback ↔ the guest's.
 //! - [`cgroup`]: the VM in the sandbox's cgroup.
 //! - [`config`]: settings from the environment.
 
 pub mod bootstrap;
 pub mod cgroup;
 pub mod config;
+pub mod forward;
 pub mod io;
 pub mod net;
 pub mod pod;

@@ -59,7 +59,7 @@ pub fn guest_net(kernel: &Path) -> GuestNet {
 /// Reads the pod's namespace and, once crust-podnet's check says `guest`
 /// can take it (else the error names the interface and nothing changed),
 /// makes a tap per interface: one queue per vCPU. `Host` and `Empty` give
-/// no NIC (the guest has only `lo`). Netfilter rules in the namespace
+/// no tap ([`GuestLink`] says what they get). Netfilter rules in the namespace
 /// refuse the pod first, unless the node ignores them.
 pub fn attach(
     spec: &PodNetworkSpec,
@@ -168,10 +168,67 @@ pub fn guard_metrics(netns: Option<&str>, links: &[String]) -> String {
     out
 }
 
-/// Gives the guest the pod's addresses, routes and neighbours; without a
-/// pod network (`hostNetwork`, an empty namespace) only `lo` comes up.
-pub async fn configure(agent: &AgentClient, a: Option<&Attached>) -> Result<(), String> {
-    let req = a.map(|a| a.net.config.clone()).unwrap_or_default();
+/// What the guest's network is made of.
+pub enum GuestLink<'a> {
+    /// CNI's interfaces, mirrored.
+    Pod(&'a Attached),
+    /// A `hostNetwork` pod the node lets run on QEMU's user-mode network
+    /// ([`crate::spec::HostNetwork::User`]).
+    UserMode,
+    /// An empty namespace of its own: `lo` only, as under runc.
+    LoopbackOnly,
+}
+
+/// The guest side of [`NicSpec::user_mode`]: QEMU's addresses for it.
+pub fn user_mode_request() -> crust_agent_proto::ConfigureNetwork {
+    use crust_agent_proto::{NetAddress, NetInterface, NetRoute, RouteScope};
+    let guest = std::net::IpAddr::V4(crust_vmm::USER_NET_GUEST);
+    let prefix = crust_vmm::USER_NET_PREFIX;
+    let net = std::net::Ipv4Addr::from(
+        u32::from(crust_vmm::USER_NET_GUEST) & (u32::MAX << (32 - prefix)),
+    );
+    crust_agent_proto::ConfigureNetwork {
+        interfaces: vec![NetInterface {
+            name: "eth0".into(),
+            mac: crust_vmm::USER_NET_MAC.into(),
+            mtu: 1500,
+            addresses: vec![NetAddress {
+                address: guest,
+                prefix_len: prefix,
+            }],
+        }],
+        routes: vec![
+            NetRoute {
+                destination: net.into(),
+                prefix_len: prefix,
+                gateway: None,
+                device: "eth0".into(),
+                source: Some(guest),
+                scope: RouteScope::Link,
+                metric: 0,
+            },
+            NetRoute {
+                destination: std::net::Ipv4Addr::UNSPECIFIED.into(),
+                prefix_len: 0,
+                gateway: Some(crust_vmm::USER_NET_GATEWAY.into()),
+                device: "eth0".into(),
+                source: None,
+                scope: RouteScope::Universe,
+                metric: 0,
+            },
+        ],
+        neighbours: Vec::new(),
+        netfilter: None,
+    }
+}
+
+/// Gives the guest its addresses, routes and neighbours.
+pub async fn configure(agent: &AgentClient, link: GuestLink<'_>) -> Result<(), String> {
+    let req = match link {
+        GuestLink::Pod(a) => a.net.config.clone(),
+        GuestLink::UserMode => user_mode_request(),
+        GuestLink::LoopbackOnly => Default::default(),
+    };
     let t0 = std::time::Instant::now();
     let reply = agent
         .call(req)

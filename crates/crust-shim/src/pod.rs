@@ -38,8 +38,6 @@ use crate::spec::{ContainerPlan, Limits, Planned};
 pub use crate::vm::PodVm;
 
 pub use crust_runtime::share::SHARE_TAG;
-/// Grace for the guest to power off after the agent's Shutdown.
-const POWEROFF_WAIT: Duration = Duration::from_secs(15);
 /// A teardown step slower than this is worth a warning in the log.
 const SLOW_STEP: Duration = Duration::from_secs(5);
 
@@ -61,6 +59,9 @@ pub enum PodError {
     UserNamespace(String),
     #[error(transparent)]
     Resize(#[from] crate::resize::ResizeError),
+    /// What the spec asks and a crust VM refuses (hostNetwork at boot).
+    #[error(transparent)]
+    Spec(#[from] crate::spec::SpecError),
     #[error("pod {0} already runs a VM")]
     AlreadyRuns(String),
     /// The guest cannot be given the memory a container needs.
@@ -94,6 +95,7 @@ impl PodError {
             PodError::Network(_) => Code::FailedPrecondition,
             PodError::UserNamespace(_) => Code::InvalidArgument,
             PodError::Resize(e) => e.code(),
+            PodError::Spec(e) => e.code(),
             PodError::AlreadyRuns(_) => Code::AlreadyExists,
             PodError::NoMemory { .. } | PodError::NoHotplugSlot => Code::FailedPrecondition,
             PodError::NoHostDevice { .. } | PodError::NotBlockDevice(_) => Code::InvalidArgument,
@@ -291,13 +293,11 @@ impl Pod {
     /// later reach virtiofsd's own mount namespace. Returns its read-only
     /// guest view, which is what virtiofsd serves.
     fn make_share(&self) -> Result<PathBuf, PodError> {
-        Ok(share::make(&self.share_dir()).map_err(RuntimeError::from)?)
+        Ok(share::make_with_binds(&self.share_dir(), &[]).map_err(RuntimeError::from)?)
     }
 
     fn remove_share(&self) {
-        if let Err(e) = share::remove(&self.share_dir()) {
-            tracing::warn!("{e}");
-        }
+        share::remove_logged(&self.share_dir());
     }
 
     async fn launch(
@@ -310,6 +310,8 @@ impl Pod {
     ) -> Result<Arc<PodVm>, PodError> {
         // Checked and attached first: a network that cannot go into a VM
         // fails the sandbox before anything boots.
+        crate::spec::check_host_network(network, self.cfg.host_network)?;
+        let user_mode = *network == crate::spec::PodNetworkSpec::Host;
         let guest = crate::net::guest_net(&self.cfg.runtime.guest_kernel);
         let net = crate::net::attach(network, cpus, &guest, policy)?;
         if let Some(a) = &net {
@@ -319,7 +321,7 @@ impl Pod {
             });
         }
         let res = self
-            .launch_with(memory_mib, cpus, cgroup, net.as_ref())
+            .launch_with(memory_mib, cpus, cgroup, net.as_ref(), user_mode)
             .await;
         if res.is_err()
             && let Some(a) = &net
@@ -335,6 +337,7 @@ impl Pod {
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
         net: Option<&crate::net::Attached>,
+        user_mode: bool,
     ) -> Result<Arc<PodVm>, PodError> {
         let share = self.make_share()?;
         let rt = &self.cfg.runtime;
@@ -349,7 +352,11 @@ impl Pod {
             dir: share,
         }];
         vc.virtiofsd_binary = self.cfg.virtiofsd.clone();
-        vc.nics = net.map(|a| a.nics.clone()).unwrap_or_default();
+        vc.nics = match net {
+            Some(a) => a.nics.clone(),
+            None if user_mode => vec![crust_vmm::NicSpec::user_mode()],
+            None => Vec::new(),
+        };
         // QEMU and virtiofsd are born in the pod's cgroup: every page they
         // ever allocate is charged to the pod.
         // The shim serves this pod alone: it joins too (and leaves at the
@@ -383,7 +390,12 @@ impl Pod {
                 format!("{e} ({ctx})"),
             ));
         }
-        if let Err(e) = crate::net::configure(&agent, net).await {
+        let link = match net {
+            Some(a) => crate::net::GuestLink::Pod(a),
+            None if user_mode => crate::net::GuestLink::UserMode,
+            None => crate::net::GuestLink::LoopbackOnly,
+        };
+        if let Err(e) = crate::net::configure(&agent, link).await {
             guest.kill().await;
             return Err(PodError::host("the pod's network", e));
         }
@@ -391,12 +403,14 @@ impl Pod {
         guest.set_exit_notifier(exit_tx);
         self.attachments.set_buses(guest.hotplug_buses());
         let stdio = StdioMux::new(guest.stdio_socket());
+        let forward = net.and_then(|a| crate::forward::start(&a.ns, guest.forward_socket()));
         self.update(|s| s.status = Status::Running);
         Ok(Arc::new(PodVm {
             guest,
             qmp,
             agent,
             stdio,
+            forward,
             exit,
         }))
     }
@@ -488,71 +502,39 @@ impl Pod {
         })
     }
 
-    /// Runtime-driven deferral: each bind of the container whose source is
-    /// a crust-csi host publication (a mount point without a hand-off
-    /// record) is offered to the plugin's Handover service. Handed over,
-    /// it has a record this pod claims and is plugged like any deferred
-    /// volume; declined, its host mount is shared over virtio-fs, as the
-    /// pod's event says.
+    /// Offers the container's crust-csi host publications for hand-over
+    /// ([`handover::take_published_volumes`], the routine both doors
+    /// share): a handed-over volume is plugged like any deferred volume, a
+    /// declined one is shared over virtio-fs and published as an event.
     async fn take_published_volumes(
         &self,
         discovery: &Discovery,
         b: &Bundle,
     ) -> Result<(), PodError> {
         let handover = Handover::new(&self.cfg.runtime);
-        if !handover.configured() {
-            return Ok(());
-        }
-        for m in b.mounts.iter().filter(|m| m.source_is_path()) {
-            let Some(offered) =
-                handover::offer_path(discovery, m.source.as_deref().unwrap_or_default())
-            else {
-                continue;
-            };
-            let source = offered.as_str();
-            let asked = self
-                .snapshot()
-                .is_some_and(|s| s.handover_asked.iter().any(|a| a == source));
-            if asked {
-                continue;
-            }
-            // Recorded before asking: the answer may be a record we claim.
-            self.update(|s| s.handover_asked.push(source.to_string()));
-            let t0 = Instant::now();
-            let offered = handover
-                .offer(
-                    source,
-                    &m.destination,
-                    &self.id,
-                    &self.cfg.runtime_cli,
-                    b.defer_required,
-                )
-                .await;
-            let offered = match offered {
-                Ok(o) => o,
-                Err(e) => {
-                    // Refused (deferral required) or failed: nothing claimed.
-                    self.update(|s| s.handover_asked.retain(|a| a != source));
-                    return Err(e.into());
-                }
-            };
-            // Only a handed-over volume gets plugged (and its entry taken).
-            if offered
-                .as_ref()
-                .is_some_and(|e| e.outcome == handover::HANDED_OVER)
-            {
-                let mut asked = self.asked_at.lock().expect("asked_at");
-                asked.insert(source.to_string(), t0);
-            }
-            if let Some(ev) = offered.as_ref().filter(|e| e.outcome == handover::ON_HOST) {
-                self.fallbacks.lock().expect("fallbacks").push(ev.clone());
-            }
-            self.update(|s| match offered {
-                Some(ev) => s.events.push(ev),
-                None => s.handover_asked.retain(|a| a != source),
-            });
-        }
-        Ok(())
+        let mut log = PodLog(self);
+        let mut taken = handover::Taken::default();
+        let r = handover::take_published_volumes(
+            &handover,
+            discovery,
+            b,
+            &self.id,
+            &self.cfg.runtime_cli,
+            &mut log,
+            &mut taken,
+        )
+        .await;
+        // What was taken before a failure counts too (its events are
+        // published, its handed-over volumes timed).
+        self.asked_at
+            .lock()
+            .expect("asked_at")
+            .extend(taken.asked_at);
+        self.fallbacks
+            .lock()
+            .expect("fallbacks")
+            .extend(taken.fallbacks);
+        Ok(r?)
     }
 
     /// The declined handovers since the last call (the task service
@@ -776,28 +758,27 @@ impl Pod {
             timed("stopping the VM", self.stop_vm(vm, &vols)).await;
         }
         // QEMU is gone (powered off, or killed and reaped): the holds on the
-        // devices, then the claims, then the taps.
-        timed("releasing the devices and claims", async {
-            plug::release_after_exit(&self.attachments, &self.discovery, &self.id, &vols);
-        })
-        .await;
-        if let Some(s) = self.snapshot() {
-            crate::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
-        }
+        // devices, the claims and the handed-over volumes, as in every door;
+        // then the taps.
         let asked = self
             .snapshot()
             .map(|s| s.handover_asked)
             .unwrap_or_default();
         timed(
-            "giving handed-over volumes back",
-            handover::give_back(
-                &Handover::new(&self.cfg.runtime),
+            "releasing the devices and claims, giving handed-over volumes back",
+            plug::release_host_side(
+                &self.attachments,
                 &self.discovery,
+                &Handover::new(&self.cfg.runtime),
                 &self.id,
+                &vols,
                 &asked,
             ),
         )
         .await;
+        if let Some(s) = self.snapshot() {
+            crate::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
+        }
         self.update(|s| s.status = Status::Stopped);
         self.stop_api();
         self.remove_share();
@@ -806,27 +787,18 @@ impl Pod {
         tracing::info!("teardown of pod {} done", self.id);
     }
 
-    /// A live guest: its volumes unmounted, then powered off, else quit
-    /// through QMP, else killed. A dead one: reaped.
+    /// [`crust_runtime::vm::stop_guest`]: containers are stopped by
+    /// containerd before the pod (and die with the guest otherwise).
     async fn stop_vm(&self, vm: &PodVm, vols: &[Volume]) {
-        if vm.exit.borrow().is_some() {
-            vm.guest.kill().await;
-            return;
-        }
-        for v in vols {
-            if let Err(e) = volumes::unmount(&vm.agent, v, self.cfg.runtime.timeout).await {
-                tracing::warn!("{e}");
-            }
-        }
-        if let Err(e) = vm.agent.shutdown().await {
-            tracing::warn!("agent shutdown: {e}");
-        }
-        if !vm.guest.wait_exit(POWEROFF_WAIT).await {
-            let _ = tokio::time::timeout(self.cfg.runtime.timeout, vm.qmp.quit()).await;
-            if !vm.guest.wait_exit(Duration::from_secs(5)).await {
-                vm.guest.kill().await;
-            }
-        }
+        let stop = crust_runtime::vm::GuestStop {
+            guest: &vm.guest,
+            qmp: &vm.qmp,
+            agent: &vm.agent,
+            timeout: self.cfg.runtime.timeout,
+            workload_grace: None,
+        };
+        let running = vm.exit.borrow().is_none();
+        crust_runtime::vm::stop_guest(stop, vols, running).await;
     }
 
     /// After QEMU died on its own: the record says so, which makes the
@@ -997,6 +969,28 @@ fn mount_rootfs(
         _ => share::mount_into(root, rel, &fs),
     };
     Ok(res.map_err(RuntimeError::from)?)
+}
+
+/// The pod's sandbox record as the hand-over routine reads and saves it.
+struct PodLog<'a>(&'a Pod);
+
+impl handover::StateLog for PodLog<'_> {
+    fn answered(&self, source: &str) -> bool {
+        let g = self.0.state.lock().expect("state");
+        g.as_ref()
+            .is_some_and(|s| s.events.iter().any(|e| e.target == source))
+    }
+
+    fn update(&mut self, f: impl FnOnce(&mut SandboxState)) -> Result<(), RuntimeError> {
+        let mut g = self.0.state.lock().expect("state");
+        match g.as_mut() {
+            Some(st) => {
+                f(st);
+                Ok(self.0.store.save(st)?)
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]

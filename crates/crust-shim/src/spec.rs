@@ -49,6 +49,17 @@ pub enum SpecError {
     Update(String),
 }
 
+impl SpecError {
+    /// The status code every door answers this error with.
+    pub fn code(&self) -> crust_runtime::shim::Code {
+        use crust_runtime::shim::Code;
+        match self {
+            SpecError::Invalid { .. } | SpecError::Update(_) => Code::InvalidArgument,
+            SpecError::Unsupported(_) => Code::FailedPrecondition,
+        }
+    }
+}
+
 /// containerd's type URL for the `LinuxResources` of a task Update (JSON).
 pub const LINUX_RESOURCES_URL: &str =
     "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
@@ -197,6 +208,35 @@ pub fn check_host_namespaces(
                  CRUST_SHIM_HOST_NAMESPACES={ns}"
             )));
         }
+    }
+    Ok(())
+}
+
+/// What a node gives a `hostNetwork` pod (`CRUST_SHIM_HOST_NETWORK`). A
+/// VM cannot join the host's network namespace; without a choice here
+/// its guest would have only `lo`, a pod silently without network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum HostNetwork {
+    /// Refuse the pod, naming the setting.
+    #[default]
+    Refuse,
+    /// One NIC on QEMU's user-mode network: connections out go through
+    /// the host's stack as the host's (its loopback as 10.0.2.2), as a
+    /// runc hostNetwork pod's would; the guest's listening ports are not
+    /// the host's.
+    User,
+}
+
+/// The one rule for `hostNetwork` (no network namespace in the spec):
+/// refused, naming the setting, unless the node chose [`HostNetwork::User`].
+pub fn check_host_network(network: &PodNetworkSpec, mode: HostNetwork) -> Result<(), SpecError> {
+    if *network == PodNetworkSpec::Host && mode == HostNetwork::Refuse {
+        return Err(SpecError::Unsupported(
+            "hostNetwork (network=NODE): a crust pod runs in a VM, which cannot share the host's \
+             network namespace; a node can give such pods the host's outbound connectivity \
+             through a user-mode network with CRUST_SHIM_HOST_NETWORK=user"
+                .into(),
+        ));
     }
     Ok(())
 }
@@ -361,7 +401,7 @@ pub fn namespace(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PodNetworkSpec {
     /// No network namespace in the spec: the node's network
-    /// (`hostNetwork`); the guest has only `lo`.
+    /// (`hostNetwork`): refused or user-mode ([`check_host_network`]).
     Host,
     /// A namespace of its own that the runtime makes (no CNI): only `lo`.
     Empty,
@@ -1016,6 +1056,24 @@ mod tests {
         // A pod's own namespaces are never refused.
         let p = plan(&spec(base()), Path::new("/b")).unwrap();
         check_host_namespaces(&p.ipc, &p.pid, &[]).unwrap();
+    }
+
+    #[test]
+    fn host_network_is_refused_unless_the_node_chose_user_mode() {
+        let e = check_host_network(&PodNetworkSpec::Host, HostNetwork::Refuse).unwrap_err();
+        assert_eq!(e.code(), crust_runtime::shim::Code::FailedPrecondition);
+        let e = e.to_string();
+        assert!(
+            e.contains("hostNetwork") && e.contains("CRUST_SHIM_HOST_NETWORK=user"),
+            "{e}"
+        );
+        check_host_network(&PodNetworkSpec::Host, HostNetwork::User).unwrap();
+        for own in [
+            PodNetworkSpec::Empty,
+            PodNetworkSpec::Namespace("/x".into()),
+        ] {
+            check_host_network(&own, HostNetwork::Refuse).unwrap();
+        }
     }
 
     #[test]

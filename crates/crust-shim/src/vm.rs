@@ -13,6 +13,8 @@ pub struct PodVm {
     pub qmp: QmpClient,
     pub agent: AgentClient,
     pub stdio: StdioMux,
+    /// Port-forward into the guest; `None` without a pod network.
+    pub forward: Option<crate::forward::Forwarder>,
     /// Some(reason) once QEMU has exited.
     pub exit: watch::Receiver<Option<String>>,
 }

@@ -14,6 +14,11 @@
 //!   the device or its backing file (sampled throughout), the host mount and its file are
 //!   untouched, no claim is left.
 //!
+//! * QEMU killed under a running workload: the door's delete releases the
+//!   holds and claims of both volumes (one teardown routine), and what the
+//!   guest synced is on each device.
+//! * ControllerExpandVolume + NodeExpandVolume of both volumes while the
+//!   workload runs: each filesystem grows in the guest (`df`).
 //! * ControllerModifyVolume (`iops`) on the deferred volume while it runs:
 //!   the guest's direct reads fall to the limit, live, through that door.
 //!   For the containerd door it is sent, as in a cluster, to another
@@ -356,9 +361,8 @@ async fn the_guest_holds_its_devices(door: Door) {
     let uid = "31000000-0000-4000-8000-000000000031";
     let deferred_vol = common::publish(&env, &csi, "pvc-deferred", uid, true).await;
     let deferred = deferred_vol.target.clone();
-    let auto = common::publish(&env, &csi, "pvc-auto", uid, false)
-        .await
-        .target;
+    let auto_vol = common::publish(&env, &csi, "pvc-auto", uid, false).await;
+    let auto = auto_vol.target.clone();
     let records = crust_handoff::Store::new(
         crust_handoff::Layout::Crust,
         env.crust_root.clone(),
@@ -467,6 +471,72 @@ async fn the_guest_holds_its_devices(door: Door) {
     );
     phase("second loop reported");
 
+    // --- online expansion through this door: ControllerExpand + NodeExpand
+    // of the deferred and the handed-over volume grow each filesystem in
+    // the guest (crust_ops asks the runtime CLI the door recorded).
+    let df_total = |dir: &str| -> u64 {
+        let out = w
+            .exec(&format!("df -k {dir} | tail -1"))
+            .unwrap_or_else(|| panic!("{door:?}: df {dir}\n{}", logs()));
+        out.split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap()
+            * 1024
+    };
+    let grown = 128 * common::MIB;
+    let volumes = [
+        (
+            deferred_vol.volume_id.clone(),
+            deferred.clone(),
+            Some(deferred_vol.staging.clone()),
+            "/data",
+            true,
+        ),
+        (
+            auto_vol.volume_id.clone(),
+            auto.clone(),
+            Some(auto_vol.staging.clone()),
+            "/auto",
+            false,
+        ),
+    ];
+    for (id, target, staging, dir, deferred_ops) in volumes {
+        let before = df_total(dir);
+        csi.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: grown as i64,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(common::mount_cap(None)),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{door:?}: ControllerExpandVolume {dir}: {e}\n{}", logs()));
+        csi.node_expand_volume(csi::NodeExpandVolumeRequest {
+            volume_id: id,
+            volume_path: target,
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: grown as i64,
+                limit_bytes: 0,
+            }),
+            staging_target_path: staging.unwrap_or_default(),
+            volume_capability: Some(common::mount_cap(None)),
+            defer_fs_ops: deferred_ops,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{door:?}: NodeExpandVolume {dir}: {e}\n{}", logs()));
+        let after = df_total(dir);
+        assert!(
+            after > before + 50 * common::MIB,
+            "{door:?}: {dir} in the guest grew {before} -> {after}\n{}",
+            logs()
+        );
+    }
+    phase("expanded");
+
     // --- live QoS through this door (issue 28): ControllerModifyVolume, as
     // the resizer sends for a VolumeAttributesClass, reaches the sandbox
     // serving the volume and the guest's direct reads slow to the limit.
@@ -556,6 +626,85 @@ async fn the_guest_holds_its_devices(door: Door) {
         "{door:?}: no VM left"
     );
     phase("released");
+
+    // --- teardown after a kill: QEMU dies under a running workload; the
+    // door's delete still releases the holds, the claims and the
+    // handed-over volume (one teardown routine for both doors), and what
+    // the guest synced before is on the device.
+    let w = door
+        .start(
+            &env,
+            "killed",
+            &[("/data", &deferred), ("/auto", &auto)],
+            "echo k > /data/k && echo k > /auto/k && sync && exec sleep 600",
+        )
+        .unwrap_or_else(|e| panic!("{door:?}: start: {e}\n{}", logs()));
+    let until = Instant::now() + Duration::from_secs(60);
+    while w.exec("cat /data/k /auto/k").as_deref() != Some("k\nk\n") {
+        assert!(Instant::now() < until, "{door:?}: never wrote\n{}", logs());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(w.exec("sync").is_some());
+    let qemus = qemus_under(&env.runtime_root);
+    assert_eq!(qemus.len(), 1, "{door:?}: one VM");
+    for pid in &qemus {
+        let pid = rustix::process::Pid::from_raw(*pid).unwrap();
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+    let until = Instant::now() + Duration::from_secs(30);
+    while !qemus_under(&env.runtime_root).is_empty() {
+        assert!(Instant::now() < until, "{door:?}: QEMU outlived SIGKILL");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(w);
+    // containerd's side: a forced delete right after the VM's death was
+    // seen once (1 in 4 full runs) not to reach the shim; kubelet retries
+    // its cleanup, and so does this check, saying how often it had to.
+    if let Door::Containerd = door {
+        let until = Instant::now() + Duration::from_secs(30);
+        let mut retries = 0;
+        while [&deferred, &auto].iter().any(|t| claimant(t).is_some()) && Instant::now() < until {
+            retries += 1;
+            let _ = env.ctrd.ctr_in(NS, &["task", "delete", "-f", "killed"]);
+            let _ = env.ctrd.ctr_in(NS, &["containers", "rm", "killed"]);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        eprintln!("[{door:?}] cleanup after the kill retried {retries} time(s)");
+    }
+    for (d, t) in devices.iter().zip([&deferred, &auto]) {
+        assert_eq!(
+            claimant(t),
+            None,
+            "{door:?}: {t} released after the kill\n{}",
+            logs()
+        );
+        assert!(
+            exclusive_open(d).is_ok(),
+            "{door:?}: {d:?} free after the kill"
+        );
+        let probe = env.dir.path().join("after-kill");
+        // `ro` without `noload`: the journal the kill left is replayed.
+        std::fs::create_dir_all(&probe).unwrap();
+        let o = Command::new("mount")
+            .args(["-o", "ro"])
+            .arg(d)
+            .arg(&probe)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{door:?}: mounting {d:?} after the kill: {}",
+            text(&o)
+        );
+        let m = crust_blockdev::MountGuard::new(&probe);
+        assert_eq!(
+            std::fs::read(probe.join("k")).unwrap(),
+            b"k\n",
+            "{door:?}: {d:?}"
+        );
+        drop(m);
+    }
+    phase("released after a kill");
 
     // --- the deferred volume's device mounted on the host after publish ---
     let host_view = env.dir.path().join("host-view");

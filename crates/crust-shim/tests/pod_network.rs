@@ -30,18 +30,9 @@ use std::net::{IpAddr, TcpListener, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Env, exec, qemus_under};
+use common::{Bridge, Env, exec, ipv4_env, qemus_under};
 use crust_cri::Cri;
 use crust_cri::v1 as cri;
-
-/// The test's bridge; deleted on drop (CNI's DEL leaves bridges).
-struct Bridge(String);
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-    }
-}
 
 struct Pod {
     sandbox: String,
@@ -245,30 +236,6 @@ fn leased_by(dir: &std::path::Path, sandbox: &str) -> Vec<IpAddr> {
         .collect()
 }
 
-/// The pod's network namespace (its name under /var/run/netns), from the
-/// sandbox's runtime spec in CRI's verbose status.
-async fn netns_of(cri: &mut Cri, sandbox: &str) -> String {
-    let st = cri
-        .runtime
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: sandbox.into(),
-            verbose: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let info: serde_json::Value = serde_json::from_str(&st.info["info"]).unwrap();
-    let path = info["runtimeSpec"]["linux"]["namespaces"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["type"] == "network")
-        .and_then(|n| n["path"].as_str())
-        .unwrap()
-        .to_string();
-    path.rsplit('/').next().unwrap().to_string()
-}
-
 /// `ip route` lines as `<dst> [via <gw>] dev <dev>` (busybox's and
 /// iproute2's print the rest differently), link-local and multicast
 /// left out (each kernel makes its own), sorted.
@@ -405,7 +372,7 @@ async fn two_crust_pods_on_a_cni_bridge() {
     leases.sort();
     assert_eq!(in_guest, leases, "guest addresses vs host-local's: {addrs}");
     assert!(a.ips.contains(&a4) && a.ips.contains(&a6));
-    let netns = netns_of(&mut cri, &a.sandbox).await;
+    let netns = common::netns_of(&mut cri, &a.sandbox).await;
     for family in ["-4", "-6"] {
         let (_, guest) = exec(&mut cri, &a.container, &format!("ip {family} route")).await;
         let o = Command::new("ip")
@@ -578,7 +545,8 @@ async fn two_crust_pods_on_a_cni_bridge() {
     assert!(!links.contains("crusttap"), "{links}");
     // Pod c is left running, as by a test that panics: the testkit's
     // guard runs CNI's DEL and removes its namespace with the tap in it.
-    let c_netns = std::path::Path::new("/var/run/netns").join(netns_of(&mut cri, &c.sandbox).await);
+    let c_netns =
+        std::path::Path::new("/var/run/netns").join(common::netns_of(&mut cri, &c.sandbox).await);
     assert!(c_netns.exists());
     let runtime_root = env.runtime_root.clone();
     drop(env);
@@ -1124,31 +1092,6 @@ fn bench_env() -> (Env, Bridge, tempfile::TempDir) {
     ipv4_env("crbr", 88, vec![("CRUST_RUNTIME_ACCEL".into(), accel)])
 }
 
-/// A containerd whose CRI puts pods on one IPv4 bridge network
-/// `10.<octet>.<pid>.0/24` (bridge `<prefix><pid>`).
-fn ipv4_env(
-    prefix: &str,
-    octet: u8,
-    extra_env: Vec<(String, String)>,
-) -> (Env, Bridge, tempfile::TempDir) {
-    let n = std::process::id() % 250;
-    let bridge = Bridge(format!("{prefix}{}", std::process::id() % 100_000));
-    let ipam_dir = tempfile::tempdir().unwrap();
-    let conflist = serde_json::json!({
-        "cniVersion": "1.0.0", "name": "crust-test",
-        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.{octet}.{n}.0/24")}]],
-                     "routes": [{"dst": "0.0.0.0/0"}],
-                     "dataDir": ipam_dir.path().display().to_string()}}]
-    });
-    let env = Env::start_full(
-        crust_testkit::CRI_NAMESPACE,
-        extra_env,
-        Some(conflist.to_string()),
-    );
-    (env, bridge, ipam_dir)
-}
-
 /// A chained CNI plugin shaped like istio-cni: on ADD it programs the
 /// pod's namespace with iptables (RULES) and passes the result on.
 const MESH_PLUGIN: &str = r#"#!/bin/sh
@@ -1168,26 +1111,16 @@ fn mesh_env(
     rules: &str,
     extra_env: Vec<(String, String)>,
 ) -> (Env, Bridge, tempfile::TempDir, String) {
-    let n = std::process::id() % 250;
-    let bridge = Bridge(format!("{prefix}{}", std::process::id() % 100_000));
-    let ipam_dir = tempfile::tempdir().unwrap();
-    let conflist = serde_json::json!({
-        "cniVersion": "1.0.0", "name": "crust-test",
-        "plugins": [{"type": "bridge", "bridge": bridge.0, "isGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": format!("10.{octet}.{n}.0/24")}]],
-                     "routes": [{"dst": "0.0.0.0/0"}],
-                     "dataDir": ipam_dir.path().display().to_string()}},
-            {"type": "crust-mesh"}]
-    });
-    let env = Env::start_full(
-        crust_testkit::CRI_NAMESPACE,
+    let (env, bridge, ipam_dir) = common::bridge_env(
+        prefix,
+        octet,
+        vec![serde_json::json!({"type": "crust-mesh"})],
         extra_env,
-        Some(conflist.to_string()),
     );
     let plugin = env.ctrd.dir().join("cni/bin/crust-mesh");
     std::fs::write(&plugin, MESH_PLUGIN.replace("RULES", rules)).unwrap();
     std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    (env, bridge, ipam_dir, format!("10.{octet}.{n}"))
+    (env, bridge, ipam_dir, common::ipv4_net(octet))
 }
 
 /// Issue 42, must-show 4 (its default): rules a mesh's CNI plugin put in

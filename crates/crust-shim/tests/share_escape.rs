@@ -54,7 +54,6 @@ fn guest_exec(env: &Env, pod: &str, script: &str) -> String {
     format!("{}{}", r.stdout, r.stderr)
 }
 
-/// Mount points in the test's namespace, but for those below `except`.
 /// The host's mount points, but for those below `except` (this test's
 /// runtime root) and those of other tests' dirs, which come and go while
 /// tests run in parallel (their env and containerd dirs; `mine` are this
@@ -73,6 +72,11 @@ fn mount_points(except: &Path, mine: &[&Path]) -> BTreeSet<String> {
         p.to_string_lossy()
             .strip_prefix("/tmp/containerd-mount")
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            // Named network namespaces (bind mounts of nsfs files) that
+            // other tests' CNI pods make and drop: this test makes none, and
+            // nothing in a share can name one (a CI run saw critest's).
+            || p.parent() == Some(Path::new("/run/netns"))
+            || p.parent() == Some(Path::new("/var/run/netns"))
     };
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()

@@ -35,6 +35,9 @@ pub const CRUST_RUNTIME_TYPE: &str = "io.containerd.crust.v2";
 /// Image refs built by `scripts/build-test-images.sh`.
 pub const BUSYBOX_IMAGE: &str = "crust.test/busybox:latest";
 pub const PAUSE_IMAGE: &str = "crust.test/pause:latest";
+/// busybox httpd serving a page on port 80 as its entrypoint (critest's
+/// web-server image): `webserver.tar` in [`test_images_dir`].
+pub const WEBSERVER_IMAGE: &str = "crust.test/webserver:latest";
 /// containerd's CRI namespace.
 pub const CRI_NAMESPACE: &str = "k8s.io";
 
@@ -217,14 +220,11 @@ state = "{state}"
             .stdout(log)
             .stderr(log2)
             .process_group(0);
-        // SAFETY: one raw prctl between fork and exec. A test that dies
-        // takes its containerd along.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-                Ok(())
-            });
-        }
+        // A test that dies takes its containerd along.
+        crust_sys::spawn::ChildSetup::new()
+            .death_signal(Signal::KILL)
+            .apply(&mut cmd)
+            .expect("containerd's start");
         let child = cmd
             .spawn()
             .expect("start containerd (apt-get install containerd)");

@@ -19,7 +19,8 @@ pub use alias::{Alias, AliasCase, assert_fsck_clean, losetup, sha256};
 pub use capture::Capture;
 pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
-    Events, PAUSE_IMAGE, ensure_test_images, pid_alive, test_images_dir, unmount_below,
+    Events, PAUSE_IMAGE, WEBSERVER_IMAGE, ensure_test_images, pid_alive, test_images_dir,
+    unmount_below,
 };
 pub use disk::{LoopDisk, LoopsUnder, TempMount};
 pub use python::{DEFAULT_VENV, PyAnswer, grpc_python, grpc_python_calls, venv_python_with};
@@ -147,6 +148,30 @@ pub fn require_root() {
         rustix::process::geteuid().is_root(),
         "this test needs root (loop devices, mounts)"
     );
+}
+
+/// `len` pseudo-random bytes from `seed`, not 0 (xorshift): data no
+/// shifted or truncated copy of itself matches, without a dependency.
+pub fn noise(len: usize, mut seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
+/// A test that cannot run without an outside tool (csi-sanity, critest)
+/// calls this when the tool is missing: under `CI=true` (what
+/// scripts/test.sh sets) that fails the test, since CI lays the tools out
+/// and a skip there would hide lost coverage; elsewhere the test says it
+/// skipped and why.
+pub fn missing_tool(what: &str) {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    assert!(!ci, "{what} (CI=true: a missing tool fails the test)");
+    eprintln!("SKIPPED: {what}");
 }
 
 /// Kills and reaps a child process when dropped, so a failing test leaves

@@ -29,13 +29,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
-use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
 use serde::{Deserialize, Serialize};
 
 use crate::VmError;
-pub use crate::accel_choice::{AccelChoice, ResolvedAccel};
 use crate::config::{Accel, VmConfig};
 use crate::vm::Vm;
+pub use crust_sandbox_records::{AccelChoice, ResolvedAccel};
 
 /// Name of the verdict file in the cache directory.
 pub const CACHE_FILE: &str = "accel.json";
@@ -407,29 +406,7 @@ async fn probe(cfg: &VmConfig) -> Result<(ResolvedAccel, String, Duration), VmEr
     outcome.map(|(a, r)| (a, r, t0.elapsed()))
 }
 
-/// An argument-less ioctl whose return value is the result.
-struct IntIoctl(Opcode);
-
-// SAFETY: no pointer argument is passed and the result is the raw return
-// value of a successful call.
-unsafe impl Ioctl for IntIoctl {
-    type Output = IoctlOutput;
-    const IS_MUTATING: bool = false;
-    fn opcode(&self) -> Opcode {
-        self.0
-    }
-    fn as_ptr(&mut self) -> *mut core::ffi::c_void {
-        core::ptr::null_mut()
-    }
-    unsafe fn output_from_ptr(
-        out: IoctlOutput,
-        _: *mut core::ffi::c_void,
-    ) -> rustix::io::Result<IoctlOutput> {
-        Ok(out)
-    }
-}
-
-const KVM_API_VERSION: IoctlOutput = 12;
+const KVM_API_VERSION: i32 = 12;
 
 /// Whether /dev/kvm opens read-write, speaks API 12 and can create a VM.
 /// Necessary for KVM, far from sufficient (see the module doc): only an
@@ -439,21 +416,8 @@ pub fn kvm_usable() -> bool {
     else {
         return false;
     };
-    // SAFETY: KVM_GET_API_VERSION takes no argument.
-    let version = unsafe { rustix::ioctl::ioctl(&kvm, IntIoctl(opcode::none(0xAE, 0x00))) };
-    if version != Ok(KVM_API_VERSION) {
-        return false;
-    }
-    // SAFETY: KVM_CREATE_VM with machine type 0 (passed as the null
-    // pointer) returns a new VM descriptor.
-    match unsafe { rustix::ioctl::ioctl(&kvm, IntIoctl(opcode::none(0xAE, 0x01))) } {
-        Ok(fd) if fd >= 0 => {
-            // SAFETY: the kernel just gave us this descriptor.
-            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
-            true
-        }
-        _ => false,
-    }
+    crust_sys::kvm::api_version(&kvm).ok() == Some(KVM_API_VERSION)
+        && crust_sys::kvm::create_vm(&kvm).is_ok()
 }
 
 #[cfg(test)]

@@ -206,7 +206,8 @@ impl ShareSpec {
 
 /// A virtio-net NIC on a tap the caller opened (one descriptor per
 /// queue; several make a multi-queue NIC). QEMU inherits the descriptors,
-/// so it never opens a tap by name.
+/// so it never opens a tap by name. Without descriptors
+/// ([`NicSpec::user_mode`]) the NIC is on QEMU's user-mode network.
 #[derive(Debug, Clone)]
 pub struct NicSpec {
     /// `aa:bb:cc:dd:ee:ff`: the guest finds its interface by it.
@@ -216,14 +217,48 @@ pub struct NicSpec {
     pub fds: Vec<std::sync::Arc<std::os::fd::OwnedFd>>,
 }
 
+/// QEMU's user-mode network (`-netdev user`, NAT through the host's own
+/// sockets): the guest's address, the gateway (the host; its loopback
+/// too) and the DNS forwarder, on [`USER_NET_PREFIX`].
+pub const USER_NET_GUEST: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 15);
+pub const USER_NET_GATEWAY: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 2);
+pub const USER_NET_DNS: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 3);
+pub const USER_NET_PREFIX: u8 = 24;
+/// The user-mode NIC's MAC (locally administered, QEMU's usual).
+pub const USER_NET_MAC: &str = "52:54:00:12:34:56";
+
 /// `/dev/vhost-net`: the in-kernel virtio-net data path, used when the
 /// host has it.
 pub const VHOST_NET: &str = "/dev/vhost-net";
 
 impl NicSpec {
+    /// A NIC on QEMU's user-mode network ([`USER_NET_GUEST`]).
+    pub fn user_mode() -> NicSpec {
+        NicSpec {
+            mac: USER_NET_MAC.into(),
+            mtu: 1500,
+            fds: Vec::new(),
+        }
+    }
+
     /// QEMU's `-netdev` and `-device` values for NIC `i`.
     pub fn qemu_args(&self, i: usize, vhost: bool) -> (String, String) {
         use std::os::fd::AsRawFd;
+        if self.fds.is_empty() {
+            let net = std::net::Ipv4Addr::from(
+                u32::from(USER_NET_GUEST) & (u32::MAX << (32 - USER_NET_PREFIX)),
+            );
+            return (
+                format!(
+                    "user,id=crust-net{i},net={net}/{USER_NET_PREFIX},host={USER_NET_GATEWAY},\
+                     dhcpstart={USER_NET_GUEST},dns={USER_NET_DNS},ipv6=off"
+                ),
+                format!(
+                    "virtio-net-pci,id=crust-nic{i},netdev=crust-net{i},mac={},romfile=",
+                    self.mac
+                ),
+            );
+        }
         let fds: Vec<String> = self.fds.iter().map(|f| f.as_raw_fd().to_string()).collect();
         let fd_arg = match fds.as_slice() {
             [one] => format!("fd={one}"),

@@ -10,7 +10,8 @@
 //! * QMP on `<run_dir>/qmp.sock` (server, no wait);
 //! * a `virtserialport` named `org.crust.agent` on `<run_dir>/agent.sock`
 //!   (server, no wait), for `crust_agent_proto::AgentClient`, and one named
-//!   `org.crust.stdio` on `stdio.sock` for container stdio;
+//!   `org.crust.stdio` on `stdio.sock` for container stdio and one named
+//!   `org.crust.forward` on `forward.sock` for port-forward;
 //! * each boot disk as `-blockdev` (raw over `host_device`/`file`,
 //!   `cache.direct=off`, `aio=threads`) + `virtio-blk-pci` with its serial,
 //!   on its own `pcie-root-port` `crust-boot<i>`;
@@ -45,7 +46,6 @@
 //! finds it again with [`Vm::attach`]`(run_dir)` (pid + start time +
 //! command line check against `vm.json`).
 
-mod accel_choice;
 mod boot;
 mod config;
 mod vm;
@@ -59,9 +59,10 @@ pub use accel::{AccelChoice, ResolvedAccel, auto_overhead, kvm_usable};
 pub use config::{
     Accel, DEFAULT_ACCEL_CACHE, DEFAULT_KVM_BOOT_TIMEOUT, DEFAULT_KVM_PROBE_TIMEOUT, DiskSpec,
     MAX_ROOT_PORTS, MAX_SERIAL_LEN, MAX_SHARES, MAX_TAG_LEN, MEMORY_SLOTS, NicSpec, QBOOT,
-    ShareSpec, VHOST_NET, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
+    ShareSpec, USER_NET_DNS, USER_NET_GATEWAY, USER_NET_GUEST, USER_NET_MAC, USER_NET_PREFIX,
+    VHOST_NET, VIRTIOFSD_ARGS, VmConfig, boot_port_id, hotplug_port_id, valid_serial,
 };
-pub use vm::{RunPaths, Vm, VmExit, VmState, born_in_cgroups, tail};
+pub use vm::{RunPaths, Vm, VmExit, VmState, open_cgroup_procs, tail};
 
 /// Name of the agent's virtio-serial port (matches
 /// `crust_agent_proto::AGENT_PORT_NAME`).
@@ -70,6 +71,10 @@ pub const AGENT_PORT_NAME: &str = "org.crust.agent";
 /// Name of the container stdio port (matches
 /// `crust_agent_proto::STDIO_PORT_NAME`).
 pub const STDIO_PORT_NAME: &str = "org.crust.stdio";
+
+/// Name of the port-forward port (matches
+/// `crust_agent_proto::FORWARD_PORT_NAME`).
+pub const FORWARD_PORT_NAME: &str = "org.crust.forward";
 
 /// Errors launching, finding or stopping a VM.
 #[derive(Debug, thiserror::Error)]

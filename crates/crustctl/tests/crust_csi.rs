@@ -89,8 +89,8 @@ fn json(o: &Output) -> Value {
 #[test]
 fn bench_against_crust_csi_leaves_nothing_behind() {
     let Some(bin) = crust_csi_bin() else {
-        eprintln!(
-            "SKIPPED: crust-csi is not built next to this test; run `cargo build -p crust-csi` first"
+        crust_testkit::missing_tool(
+            "crust-csi is not built next to this test; run `cargo build -p crust-csi` first",
         );
         return;
     };

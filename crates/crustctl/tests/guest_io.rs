@@ -36,7 +36,6 @@
 
 mod e2e_support;
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -107,13 +106,10 @@ fn bench_command(st: &Stack, kernel: &Path, initrd: &Path) -> Command {
     .arg(kernel)
     .arg("--guest-initrd")
     .arg(initrd);
-    // SAFETY: only an async-signal-safe prctl between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
-            Ok(())
-        });
-    }
+    crust_sys::spawn::ChildSetup::new()
+        .death_signal(rustix::process::Signal::TERM)
+        .apply(&mut cmd)
+        .unwrap();
     cmd
 }
 

@@ -78,9 +78,7 @@ mod tests {
             return;
         }
         std::thread::spawn(|| {
-            // SAFETY: NEWUTS touches nothing other threads share.
-            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWUTS) }
-                .unwrap();
+            crust_sys::ns::unshare(rustix::thread::UnshareFlags::NEWUTS).unwrap();
             set("web-0").unwrap();
             assert_eq!(rustix::system::uname().nodename().to_bytes(), b"web-0");
         })

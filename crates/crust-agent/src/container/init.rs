@@ -24,7 +24,7 @@
 //! closes the socket (EOF); a failure writes `{"error": "..."}` first.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -132,8 +132,7 @@ fn enter_ipc_uts(ipc: NsPlan, uts: NsPlan, hostname: &str) -> Result<(), String>
     ] {
         match plan {
             NsPlan::Inherit => {}
-            // SAFETY: single-threaded process; no fd table is unshared.
-            NsPlan::New => unsafe { rustix::thread::unshare_unsafe(flag) }
+            NsPlan::New => crust_sys::ns::unshare(flag)
                 .map_err(err(format!("unshare of the {name} namespace")))?,
             NsPlan::Join(pid) => join_ns(&ns_fd(pid, name)?, typ, name)?,
         }
@@ -171,8 +170,13 @@ pub fn main() -> ! {
             std::process::exit(125);
         }
     };
-    // SAFETY: the agent passed this fd to us and nothing else owns it.
-    let sync = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sync = match crust_sys::fd::inherited(fd) {
+        Ok(fd) => fd,
+        Err(e) => {
+            eprintln!("{INIT_ARG}: {SYNC_ENV}={fd}: {e}");
+            std::process::exit(125);
+        }
+    };
     let _ = rustix::io::fcntl_setfd(&sync, rustix::io::FdFlags::CLOEXEC);
     let mut sync = UnixStream::from(sync);
     let fail = |sync: &mut UnixStream, msg: String| -> ! {
@@ -279,8 +283,7 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             for (name, value) in sysctl {
                 write_sysctl(name, value)?;
             }
-            // SAFETY: single-threaded process; no fd table is unshared.
-            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
+            crust_sys::ns::unshare(rustix::thread::UnshareFlags::NEWNS)
                 .map_err(err("unshare(CLONE_NEWNS)"))?;
             rustix::mount::mount_change(
                 "/",

@@ -15,11 +15,12 @@ pub mod seccomp;
 pub mod stdio;
 pub mod userns;
 
+use crust_sys::spawn::ChildSetup;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -621,15 +622,11 @@ impl Containers {
             .stdin(io_setup.child_stdin)
             .stdout(io_setup.child_stdout)
             .stderr(io_setup.child_stderr);
-        // SAFETY: one raw fcntl between fork and exec: the sync socket is
-        // the only close-on-exec fd the helper must keep.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = std::os::fd::BorrowedFd::borrow_raw(sync_fd);
-                rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
-                Ok(())
-            });
-        }
+        // The sync socket is the only close-on-exec fd the helper keeps.
+        ChildSetup::new()
+            .keep(child_sync.as_fd())
+            .apply(&mut cmd)
+            .map_err(io("setting up the helper's start"))?;
         let child = spawn_in_pid_ns(&mut cmd, pid)?;
         // The child's ends must close here, or EOF never comes.
         drop(cmd);
@@ -728,9 +725,8 @@ fn spawn_in_pid_ns(cmd: &mut Command, plan: init::NsPlan) -> Result<Child> {
         s.spawn(move || {
             match (plan, &ns) {
                 (init::NsPlan::New, _) => {
-                    // SAFETY: NEWPID changes only where this thread's
-                    // children go; no shared fd table or fs is unshared.
-                    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWPID) }
+                    // NEWPID changes only where this thread's children go.
+                    crust_sys::ns::unshare(rustix::thread::UnshareFlags::NEWPID)
                         .map_err(io("unshare(CLONE_NEWPID)"))?
                 }
                 (init::NsPlan::Join(_), Some(f)) => rustix::thread::move_into_link_name_space(

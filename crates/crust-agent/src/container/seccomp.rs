@@ -186,30 +186,7 @@ mod tests {
         }
     }
 
-    /// An i386 syscall through `int 0x80` (32-bit arguments): -errno or
-    /// the result.
-    fn int80(nr: u32, a: u32, b: u32) -> i32 {
-        let ret: i64;
-        // SAFETY: the syscalls used take no pointers (or a null one, which
-        // the kernel checks); every register the entry may change is
-        // declared.
-        unsafe {
-            // rbx is LLVM's: swapped in and out around the trap.
-            std::arch::asm!(
-                "xchg {a}, rbx",
-                "int 0x80",
-                "xchg {a}, rbx",
-                a = inout(reg) a as u64 => _,
-                inlateout("rax") nr as i64 => ret,
-                in("rcx") b as u64,
-                lateout("r8") _, lateout("r9") _, lateout("r10") _, lateout("r11") _,
-            );
-        }
-        ret as i32
-    }
-
-    const I386_GETPID: u32 = 20;
-    const I386_MKDIR: u32 = 39;
+    use crust_sys::compat32::{Compat32Call, call as int80};
 
     #[test]
     fn rules_errno_and_argument_conditions_are_enforced() {
@@ -261,7 +238,12 @@ mod tests {
                 "syscalls": [{"names": ["mkdir"], "action": "SCMP_ACT_ERRNO", "errnoRet": 123}]
             }))
         };
-        let probe = || (int80(I386_GETPID, 0, 0) > 0, int80(I386_MKDIR, 0, 0));
+        let probe = || {
+            (
+                int80(Compat32Call::Getpid) > 0,
+                int80(Compat32Call::MkdirNull),
+            )
+        };
         // Unfiltered: getpid works, mkdir(NULL) is EFAULT.
         assert_eq!(probe(), (true, -14));
         // Listed: the i386 mkdir is denied by the same rule, getpid allowed.

@@ -26,9 +26,9 @@
 //! - tmpfs, `/dev`, `/dev/shm`, mqueue, devpts, proc and sysfs: mounted by
 //!   the guest's root, owned by an id outside the mapping (65534 inside).
 
+use crust_sys::spawn::ChildSetup;
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
 
 use crust_agent_proto::IdMapping;
@@ -58,14 +58,11 @@ impl Holder {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        // SAFETY: one raw syscall between fork and exec, in the child,
-        // which is single-threaded as unshare(CLONE_NEWUSER) requires.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWUSER)?;
-                Ok(())
-            });
-        }
+        // In the child, single-threaded as unshare(CLONE_NEWUSER) requires.
+        ChildSetup::new()
+            .unshare(rustix::thread::UnshareFlags::NEWUSER)
+            .apply(&mut cmd)
+            .map_err(|e| format!("creating the user namespace: {e}"))?;
         let child = cmd
             .spawn()
             .map_err(|e| format!("creating the user namespace: {e}"))?;
@@ -107,15 +104,6 @@ fn write_map(pid: u32, file: &str, field: &str, map: &[IdMapping]) -> Result<(),
     Ok(())
 }
 
-/// `struct mount_attr` of mount_setattr(2).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
 /// Binds `src` (an `O_PATH` fd in a volume) on `target` (an `O_PATH` fd in
 /// the container's root) as an idmapped mount through `userns`, with the
 /// read-only/nosuid/nodev/noexec bits of `flags`.
@@ -144,30 +132,13 @@ pub fn bind_idmapped(
             set |= a;
         }
     }
-    let attr = MountAttr {
-        attr_set: u64::from(set.bits()),
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: userns.as_raw_fd() as u64,
+    let attr = crust_sys::mount::MountAttr {
+        set: u64::from(set.bits()),
+        userns: Some(userns.as_fd()),
+        ..Default::default()
     };
-    // SAFETY: mount_setattr(2) with a valid fd, an empty C string and a
-    // struct of the size passed; rustix has no wrapper for it.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if rc != 0 {
-        return Err(format!(
-            "idmapping the volume (mount_setattr MOUNT_ATTR_IDMAP): {}",
-            std::io::Error::last_os_error()
-        ));
-    }
+    crust_sys::mount::setattr(tree.as_fd(), false, &attr)
+        .map_err(|e| format!("idmapping the volume (mount_setattr MOUNT_ATTR_IDMAP): {e}"))?;
     rustix::mount::move_mount(
         tree.as_fd(),
         "",

@@ -232,16 +232,7 @@ pub fn backing_file(device: &Path) -> Result<PathBuf, String> {
 
 /// CPU seconds (user + system) of this process's waited-for children.
 pub fn children_cpu_seconds() -> f64 {
-    // SAFETY: getrusage only writes the struct it is given.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        if libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) != 0 {
-            return 0.0;
-        }
-        ru
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    crust_sys::rusage::children_cpu().map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The scratch directory of the host columns; removed (with what is in

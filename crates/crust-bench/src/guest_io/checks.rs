@@ -151,7 +151,7 @@ fn block_io_of(st: &serde_json::Value, host_cache: bool) -> Result<String, Strin
                 st["blockIo"]
             )
         })?;
-    let io: crust_runtime::records::VolumeIo = serde_json::from_value(one.clone())
+    let io: crust_sandbox_records::VolumeIo = serde_json::from_value(one.clone())
         .map_err(|e| format!("unreadable I/O mode in the runtime's state: {one}: {e}"))?;
     if host_cache && io.io.direct {
         return Err("--host-cache did not take effect: QEMU opened the volume with O_DIRECT (does the runtime know CRUST_RUNTIME_HOST_CACHE?)".into());

@@ -25,6 +25,38 @@ fn ticks_per_second() -> f64 {
     rustix::param::clock_ticks_per_second() as f64
 }
 
+/// The settings a running virtiofsd was started with: its arguments but
+/// for the socket and the shared directory (which name this run).
+pub fn virtiofsd_settings(pid: i32) -> Vec<String> {
+    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return Vec::new();
+    };
+    let args: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .skip(1)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    settings_of(&args)
+}
+
+fn settings_of(args: &[String]) -> Vec<String> {
+    const PER_RUN: [&str; 2] = ["--socket-path", "--shared-dir"];
+    let mut out = Vec::new();
+    let mut skip_value = false;
+    for a in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        if PER_RUN.contains(&a.as_str()) {
+            skip_value = true;
+        } else if !PER_RUN.iter().any(|f| a.starts_with(&format!("{f}="))) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
 /// The virtiofsd processes below `parent` (the sandbox's shim starts one
 /// per share; with `--sandbox namespace` it forks a child that serves).
 pub fn virtiofsd_pids(parent: i32) -> Vec<i32> {
@@ -90,6 +122,22 @@ pub fn can_drop_caches() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_virtiofsd_s_settings_leave_out_what_names_the_run() {
+        let args: Vec<String> = [
+            "--socket-path",
+            "/run/x/vfs.sock",
+            "--shared-dir=/run/x/share",
+            "--cache",
+            "auto",
+            "--xattr",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(settings_of(&args), ["--cache", "auto", "--xattr"]);
+        assert!(virtiofsd_settings(i32::MAX).is_empty());
+    }
 
     #[test]
     fn stat_fields() {

@@ -10,8 +10,8 @@
 //! - **virtio-fs**: published on the host (no deferral, `deferFsOps=false`
 //!   so no runtime can take it over) and bound into the same sandbox at
 //!   `/data-virtiofs`; the runtime (`--share-binds`) shares it through
-//!   virtiofsd with exactly the containerd shim's settings
-//!   ([`crust_vmm::VIRTIOFSD_ARGS`]).
+//!   virtiofsd with exactly the containerd shim's settings (read back
+//!   from the running virtiofsd for the report).
 //!
 //! The sandbox runs the bench guest image (`guest/build-image.sh --bench`:
 //! fio and `crust-guest-bench`). Every workload runs on both mounts back to
@@ -365,6 +365,12 @@ pub async fn run_guest_io(
             return Err(BenchError::Setup(e));
         }
     };
+    // What the share's virtiofsd really ran with (pids: QEMU, then the
+    // virtiofsd processes found below the shim).
+    rep.virtiofsd_args = pids
+        .get(1)
+        .map(|&p| host::virtiofsd_settings(p))
+        .unwrap_or_default();
     let (blk, vfs) = (pods.blk.as_ref().expect("set up above"), &pods.vfs);
     describe_mounts(&mut rep, blk, vfs, &vfs_target, &seen);
     rep.accel = blk.report().accel.clone();
@@ -435,7 +441,6 @@ fn new_report(
             .guest_initrd
             .as_ref()
             .map(|p| p.display().to_string()),
-        virtiofsd_args: crust_vmm_args(),
         repeat: cfg.repeat,
         queue_depths: cfg.queue_depths.clone(),
         sizes: Some(cfg.sizes),
@@ -599,12 +604,6 @@ impl Drop for Pods {
     }
 }
 
-fn crust_vmm_args() -> Vec<String> {
-    crust_vmm::VIRTIOFSD_ARGS
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-}
 #[cfg(test)]
 mod tests {
     use super::*;

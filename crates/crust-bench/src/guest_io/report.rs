@@ -192,7 +192,8 @@ pub struct GuestIoReport {
     pub guest_initrd: Option<String>,
     pub block: MountReport,
     pub virtiofs: MountReport,
-    /// The virtiofsd settings (crust_vmm::VIRTIOFSD_ARGS, the shim's).
+    /// The settings the share's virtiofsd ran with (read from its
+    /// command line: the sandbox's own).
     pub virtiofsd_args: Vec<String>,
     pub repeat: u32,
     pub queue_depths: Vec<u32>,

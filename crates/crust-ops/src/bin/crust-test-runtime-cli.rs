@@ -289,16 +289,8 @@ fn resize(backing: &str, loopdev: &str, mount: &str, min: u64, max: u64) -> Resu
             .map_err(|e| format!("grow {backing}: {e}"))?;
         file.sync_all().map_err(|e| e.to_string())?;
         let dev = File::open(loopdev).map_err(|e| format!("{loopdev}: {e}"))?;
-        // SAFETY: LOOP_SET_CAPACITY takes no argument.
-        unsafe {
-            rustix::ioctl::ioctl(
-                &dev,
-                rustix::ioctl::NoArg::<
-                    { linux_raw_sys::loop_device::LOOP_SET_CAPACITY as rustix::ioctl::Opcode },
-                >::new(),
-            )
-        }
-        .map_err(|e| format!("LOOP_SET_CAPACITY {loopdev}: {e}"))?;
+        crust_sys::loopdev::set_capacity(&dev)
+            .map_err(|e| format!("LOOP_SET_CAPACITY {loopdev}: {e}"))?;
     }
     let m = File::open(mount).map_err(|e| format!("{mount}: {e}"))?;
     let fs_type = rustix::fs::fstatfs(&m)
@@ -343,11 +335,8 @@ fn exec(tool: &str, args: &[&str]) -> Result<(), String> {
 /// Data blocks times block size, from XFS_IOC_FSGEOMETRY_V1 (struct
 /// xfs_fsop_geom_v1: 112 bytes; blocksize at 0, datablocks at 32).
 fn xfs_size(mount: &File) -> Result<u64, String> {
-    const GEOM_V1: rustix::ioctl::Opcode = rustix::ioctl::opcode::read::<[u64; 14]>(b'X', 100);
-    // SAFETY: the kernel fills a struct xfs_fsop_geom_v1 of this size.
     let g =
-        unsafe { rustix::ioctl::ioctl(mount, rustix::ioctl::Getter::<GEOM_V1, [u64; 14]>::new()) }
-            .map_err(|e| format!("XFS_IOC_FSGEOMETRY_V1: {e}"))?;
+        crust_sys::fs::xfs_geometry_v1(mount).map_err(|e| format!("XFS_IOC_FSGEOMETRY_V1: {e}"))?;
     let block_size = g[0] & 0xffff_ffff;
     Ok(g[4] * block_size)
 }

@@ -207,12 +207,11 @@ impl Env {
         LoopDisk::with_fs(self.files.join(name), size, fstype)
     }
 
-    /// Makes the runtime CLI that crust_ops runs (the binary a sandbox
-    /// records as its `runtime-cli`, started without flags) use this env's
-    /// roots, as a deployment does through `CRUST_RUNTIME_*`. The
-    /// environment is process-wide: call it first thing in a test binary
-    /// with a single test, before any thread or child is started.
-    pub fn export_runtime_config(&self) {
+    /// This env's settings as a deployment gives them to the runtime CLI
+    /// that crust_ops runs (the binary a sandbox records as its
+    /// `runtime-cli`, started without flags): `CRUST_RUNTIME_*`, passed
+    /// through [`crust_ops::OpsConfig::cli_env`].
+    pub fn runtime_env(&self) -> Vec<(String, String)> {
         let vars = [
             ("CRUST_RUNTIME_ROOT", self.root.display().to_string()),
             ("CRUST_RUNTIME_CRUST_ROOT", self.crust.display().to_string()),
@@ -233,10 +232,7 @@ impl Env {
             ("CRUST_RUNTIME_KATA_SHIM_DIRS", self.kata_shim_dirs()),
             ("CRUST_RUNTIME_TIMEOUT_MS", self.timeout_ms.to_string()),
         ];
-        for (k, v) in vars {
-            // SAFETY: see above: no other thread reads the environment yet.
-            unsafe { std::env::set_var(k, v) };
-        }
+        vars.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
 
     /// crust_ops for this env's CRUST-layout records (what the CSI plugin
@@ -246,6 +242,7 @@ impl Env {
             crust_root: self.crust.clone(),
             kata_root: self.kata.clone(),
             cli_timeout: Duration::from_secs(60),
+            cli_env: self.runtime_env(),
             ..Default::default()
         })
         .unwrap()

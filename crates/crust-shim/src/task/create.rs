@@ -31,6 +31,7 @@ impl Service {
         let mut plan = spec::plan(&oci, &bundle)?;
         spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
         spec::check_host_namespaces(&plan.ipc, &plan.pid, &self.pod.cfg.host_namespaces)?;
+        spec::check_host_network(&plan.network, self.pod.cfg.host_network)?;
         self.tell_lsm(&req.id, &plan.lsm).await;
         let owner = self.owner_of(&req.id, &plan.role)?;
         let paths = StdioPaths {

@@ -39,8 +39,8 @@ use containerd_shim_protos::events::task::{
 };
 use containerd_shim_protos::topics;
 use crust_agent_proto::{
-    ContainerPids, ContainerStats, ExecProcess, ProcessRef, RemoveContainer, ResizePty,
-    SignalProcess, StartContainer, WaitProcess,
+    ClientError, ContainerPids, ContainerStats, ExecProcess, ProcessRef, RemoveContainer,
+    ResizePty, SignalProcess, StartContainer, WaitProcess,
 };
 
 use crate::cgroup::Placement;
@@ -548,7 +548,11 @@ impl Service {
             return Err(status(ttrpc::Code::NOT_FOUND, "process already finished"));
         }
         let vm = self.pod.vm().await?;
-        vm.agent
+        if vm.exit.borrow().is_some() {
+            return Err(dead_vm_kill(&vm, &p).await);
+        }
+        let signalled = vm
+            .agent
             .call(SignalProcess {
                 process: ProcessRef {
                     container: req.id.clone(),
@@ -557,9 +561,32 @@ impl Service {
                 signal: req.signal as i32,
                 all: req.all,
             })
-            .await
-            .map_err(agent_err("signalling"))?;
-        Ok(())
+            .await;
+        match signalled {
+            Ok(_) => Ok(()),
+            // The VM may be dying under the call (the agent's socket gone):
+            // its watch says so within a few polls. An answer of the agent
+            // is not that.
+            Err(e) => {
+                let transport = matches!(
+                    e,
+                    ClientError::Connect { .. }
+                        | ClientError::Disconnected
+                        | ClientError::Timeout { .. }
+                );
+                let mut exit = vm.exit.clone();
+                let died = transport
+                    && matches!(
+                        tokio::time::timeout(VM_EXIT_NOTICE, exit.wait_for(|x| x.is_some())).await,
+                        Ok(Ok(_))
+                    );
+                if died {
+                    Err(dead_vm_kill(&vm, &p).await)
+                } else {
+                    Err(agent_err("signalling")(e))
+                }
+            }
+        }
     }
 
     async fn state_task(&self, req: api::StateRequest) -> TtResult<api::StateResponse> {
@@ -853,4 +880,28 @@ impl Task for Service {
         self.pod.resize(&vm, &req.id, limits).await?;
         Ok(api::Empty::new())
     }
+}
+
+/// How long a failed signal waits for the VM's exit watch (QEMU is polled
+/// every 100 ms).
+const VM_EXIT_NOTICE: Duration = Duration::from_secs(2);
+/// How long a kill on a dead VM waits for the process's exit record (its
+/// waiter records 137 once its output has drained).
+const DEAD_VM_EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// A kill of a process whose VM is gone: it died with the VM, and its
+/// waiter records that (137, as SIGKILL) and tells containerd. Answered as
+/// runc answers a kill of a finished process (NOT_FOUND), once the exit is
+/// on record, so containerd's forced delete goes on to wait and delete.
+async fn dead_vm_kill(vm: &PodVm, p: &Proc) -> ttrpc::Error {
+    // A process never started has no waiter: nothing to wait for.
+    if p.state() != State::Created {
+        let mut rx = p.exit.subscribe();
+        let _ = tokio::time::timeout(DEAD_VM_EXIT_WAIT, rx.wait_for(|e| e.is_some())).await;
+    }
+    let why = vm.exit.borrow().clone().unwrap_or_default();
+    status(
+        ttrpc::Code::NOT_FOUND,
+        format!("process already finished: the pod's VM exited ({why})"),
+    )
 }

@@ -35,12 +35,7 @@ impl From<PodError> for ttrpc::Error {
 
 impl From<spec::SpecError> for ttrpc::Error {
     fn from(e: spec::SpecError) -> ttrpc::Error {
-        let c = match e {
-            spec::SpecError::Invalid { .. } => ttrpc::Code::INVALID_ARGUMENT,
-            spec::SpecError::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,
-            spec::SpecError::Update(_) => ttrpc::Code::INVALID_ARGUMENT,
-        };
-        status(c, e.to_string())
+        status(code_of(e.code()), e.to_string())
     }
 }
 

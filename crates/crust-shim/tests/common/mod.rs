@@ -132,6 +132,14 @@ impl Env {
                 dir.path().join("shim.log").display().to_string(),
             ),
         ];
+        // Most tests' pods use hostNetwork for want of CNI: the node lets
+        // them (a test of the refusal says otherwise in `extra_env`).
+        if !extra_env
+            .iter()
+            .any(|(k, _)| k == "CRUST_SHIM_HOST_NETWORK")
+        {
+            env.push(("CRUST_SHIM_HOST_NETWORK".into(), "user".into()));
+        }
         env.extend(extra_env);
         let ctrd = Containerd::start(ContainerdOptions {
             shim_dir: Some(shim_bin().parent().unwrap().to_path_buf()),
@@ -696,4 +704,82 @@ pub async fn container_status(
         .into_inner()
         .status
         .unwrap_or_else(|| panic!("ContainerStatus {cid}: no status"))
+}
+
+/// The pod's network namespace (its name under /var/run/netns), from the
+/// sandbox's runtime spec in CRI's verbose status.
+pub async fn netns_of(cri: &mut crust_cri::Cri, sandbox: &str) -> String {
+    let st = cri
+        .runtime
+        .pod_sandbox_status(crust_cri::v1::PodSandboxStatusRequest {
+            pod_sandbox_id: sandbox.into(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let info: serde_json::Value = serde_json::from_str(&st.info["info"]).unwrap();
+    let path = info["runtimeSpec"]["linux"]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["type"] == "network")
+        .and_then(|n| n["path"].as_str())
+        .unwrap()
+        .to_string();
+    path.rsplit('/').next().unwrap().to_string()
+}
+
+/// The test's bridge; deleted on drop (CNI's DEL leaves bridges).
+pub struct Bridge(pub String);
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.0])
+            .status();
+    }
+}
+
+/// A containerd whose CRI puts pods on one IPv4 bridge network
+/// `10.<octet>.<pid>.0/24` (bridge `<prefix><pid>`).
+pub fn ipv4_env(
+    prefix: &str,
+    octet: u8,
+    extra_env: Vec<(String, String)>,
+) -> (Env, Bridge, tempfile::TempDir) {
+    bridge_env(prefix, octet, Vec::new(), extra_env)
+}
+
+/// The first three octets of [`ipv4_env`]'s network.
+pub fn ipv4_net(octet: u8) -> String {
+    format!("10.{octet}.{}", std::process::id() % 250)
+}
+
+/// [`ipv4_env`] with `chained` plugins after the bridge in the CNI list.
+pub fn bridge_env(
+    prefix: &str,
+    octet: u8,
+    chained: Vec<serde_json::Value>,
+    extra_env: Vec<(String, String)>,
+) -> (Env, Bridge, tempfile::TempDir) {
+    let bridge = Bridge(format!("{prefix}{}", std::process::id() % 100_000));
+    let ipam_dir = tempfile::tempdir().unwrap();
+    let mut plugins = vec![serde_json::json!({
+        "type": "bridge", "bridge": bridge.0, "isGateway": true,
+        "ipam": {"type": "host-local",
+                 "ranges": [[{"subnet": format!("{}.0/24", ipv4_net(octet))}]],
+                 "routes": [{"dst": "0.0.0.0/0"}],
+                 "dataDir": ipam_dir.path().display().to_string()}
+    })];
+    plugins.extend(chained);
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "crust-test", "plugins": plugins
+    });
+    let env = Env::start_full(
+        crust_testkit::CRI_NAMESPACE,
+        extra_env,
+        Some(conflist.to_string()),
+    );
+    (env, bridge, ipam_dir)
 }

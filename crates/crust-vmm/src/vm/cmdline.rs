@@ -3,9 +3,9 @@
 use serde_json::json;
 
 use super::rundir::{RunPaths, esc};
-use crate::accel_choice::ResolvedAccel;
 use crate::config::{VmConfig, boot_port_id, hotplug_port_id};
-use crate::{AGENT_PORT_NAME, STDIO_PORT_NAME};
+use crate::{AGENT_PORT_NAME, FORWARD_PORT_NAME, STDIO_PORT_NAME};
+use crust_sandbox_records::ResolvedAccel;
 
 const BASE_CMDLINE: &[&str] = &[
     "console=ttyS0",
@@ -114,6 +114,13 @@ pub(crate) fn qemu_args(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) 
         ),
         "-device",
         &format!("virtserialport,bus=crust-vser.0,chardev=crust-stdio,name={STDIO_PORT_NAME}"),
+        "-chardev",
+        &format!(
+            "socket,id=crust-forward,path={},server=on,wait=off",
+            esc(&paths.forward_socket)
+        ),
+        "-device",
+        &format!("virtserialport,bus=crust-vser.0,chardev=crust-forward,name={FORWARD_PORT_NAME}"),
     ]);
     for (i, sh) in cfg.shares.iter().enumerate() {
         push(&[

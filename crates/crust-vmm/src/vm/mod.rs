@@ -22,12 +22,12 @@ use rustix::process::{Pid, Signal};
 use cmdline::qemu_args;
 pub use rundir::{DaemonRef, RunPaths, VmExit, VmState, tail};
 use rundir::{io_err, is_our_qemu, proc_start_time, read_state, write_atomic};
-pub use spawn::born_in_cgroups;
+pub use spawn::open_cgroup_procs;
 use virtiofsd::{DaemonGuard, start_virtiofsd};
 
 use crate::VmError;
-use crate::accel_choice::{AccelChoice, ResolvedAccel};
 use crate::config::{DiskSpec, VmConfig, boot_port_id, hotplug_port_id};
+use crust_sandbox_records::{AccelChoice, ResolvedAccel};
 
 /// How long QEMU gets to create its sockets before launch gives up.
 pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(15);
@@ -254,6 +254,10 @@ impl Vm {
         &self.paths.stdio_socket
     }
 
+    pub fn forward_socket(&self) -> &Path {
+        &self.paths.forward_socket
+    }
+
     pub fn console_log(&self) -> &Path {
         &self.paths.console_log
     }
@@ -468,6 +472,7 @@ impl Vm {
             &self.paths.qmp_socket,
             &self.paths.agent_socket,
             &self.paths.stdio_socket,
+            &self.paths.forward_socket,
             &self.paths.pid_file,
             &self.paths.state_file,
         ] {
@@ -509,6 +514,7 @@ fn prepare_run_dir(paths: &RunPaths) -> Result<(), VmError> {
         &paths.qmp_socket,
         &paths.agent_socket,
         &paths.stdio_socket,
+        &paths.forward_socket,
         &paths.pid_file,
         &paths.state_file,
     ] {
@@ -539,26 +545,18 @@ fn spawn_qemu(cfg: &VmConfig, accel: ResolvedAccel, paths: &RunPaths) -> Result<
         .stdout(log)
         .stderr(log2)
         .process_group(0);
-    let inherited: Vec<i32> = cfg
+    // The NICs' descriptors are kept by QEMU alone (cleared close-on-exec
+    // in its child only, so no other process of ours inherits a tap).
+    let setup = cfg
         .nics
         .iter()
-        .flat_map(|n| n.fds.iter().map(|f| std::os::fd::AsRawFd::as_raw_fd(&**f)))
-        .collect();
-    if !inherited.is_empty() {
-        // SAFETY: only fcntl between fork and exec, on descriptors the
-        // config keeps open; the flag is cleared in the child alone, so
-        // no other process of ours inherits a tap.
-        unsafe {
-            cmd.pre_exec(move || {
-                for fd in &inherited {
-                    let f = rustix::fd::BorrowedFd::borrow_raw(*fd);
-                    rustix::io::fcntl_setfd(f, rustix::io::FdFlags::empty())?;
-                }
-                Ok(())
-            });
-        }
-    }
-    spawn::born_in_vm_cgroups(&mut cmd, cfg)?;
+        .flat_map(|n| n.fds.iter())
+        .fold(spawn::vm_child(cfg)?, |s, fd| {
+            s.keep(std::os::fd::AsFd::as_fd(&**fd))
+        });
+    setup
+        .apply(&mut cmd)
+        .map_err(|e| VmError::InvalidConfig(format!("QEMU's start: {e}")))?;
     cmd.spawn().map_err(|source| VmError::Spawn {
         binary: cfg.qemu_binary.clone(),
         source,

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::VmError;
-use crate::accel_choice::ResolvedAccel;
 use crate::config::{DiskSpec, ShareSpec};
+use crust_sandbox_records::ResolvedAccel;
 
 /// Files in a VM's run directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +22,8 @@ pub struct RunPaths {
     pub agent_socket: PathBuf,
     /// The stdio port of container processes (`org.crust.stdio`).
     pub stdio_socket: PathBuf,
+    /// The port-forward port (`org.crust.forward`).
+    pub forward_socket: PathBuf,
     /// Guest serial console.
     pub console_log: PathBuf,
     /// QEMU's own stdout/stderr.
@@ -49,6 +51,7 @@ impl RunPaths {
             qmp_socket: d.join("qmp.sock"),
             agent_socket: d.join("agent.sock"),
             stdio_socket: d.join("stdio.sock"),
+            forward_socket: d.join("forward.sock"),
             console_log: d.join("console.log"),
             qemu_log: d.join("qemu.log"),
             pid_file: d.join("qemu.pid"),

@@ -6,57 +6,38 @@
 //! buffer, virtiofsd's worker) charged to whoever started it.
 
 use std::os::fd::OwnedFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use crust_sys::spawn::ChildSetup;
 use rustix::fs::{Mode, OFlags};
 use rustix::process::Signal;
 
 use crate::VmError;
 use crate::config::VmConfig;
 
-/// Sets up `cmd` to be born in `cfg.cgroups` (and to die with its parent
-/// when `cfg.die_with_parent`): [`born_in_cgroups`] with the VM's groups.
-pub(super) fn born_in_vm_cgroups(cmd: &mut Command, cfg: &VmConfig) -> Result<(), VmError> {
-    born_in_cgroups(cmd, &cfg.cgroups, cfg.die_with_parent).map_err(|(dir, e)| {
+/// The setup of every process of the VM: born in `cfg.cgroups`, and dying
+/// with its parent when `cfg.die_with_parent`. Callers add what is theirs
+/// (descriptors to keep) and apply it.
+pub(super) fn vm_child(cfg: &VmConfig) -> Result<ChildSetup, VmError> {
+    let procs = open_cgroup_procs(&cfg.cgroups).map_err(|(dir, e)| {
         VmError::InvalidConfig(format!("the VM's cgroup {}: {e}", dir.display()))
-    })
+    })?;
+    let mut setup = ChildSetup::new();
+    if cfg.die_with_parent {
+        setup = setup.death_signal(Signal::KILL);
+    }
+    Ok(procs.into_iter().fold(setup, ChildSetup::cgroup))
 }
 
-/// Sets up `cmd` to be born in the cgroups `dirs` (and to die with its
-/// parent when `die_with_parent`): the one routine for every process a
-/// sandbox starts (QEMU, each virtiofsd, the pod's shim). The groups'
-/// `cgroup.procs` are opened here, in the parent, so a missing group fails
-/// by name (the error's directory) before anything runs; the child only
-/// writes `0` (itself) to each.
-pub fn born_in_cgroups(
-    cmd: &mut Command,
-    dirs: &[PathBuf],
-    die_with_parent: bool,
-) -> Result<(), (PathBuf, rustix::io::Errno)> {
-    let procs: Vec<OwnedFd> = dirs
-        .iter()
+/// The `cgroup.procs` of each of `dirs`, open for the child to write
+/// itself into before exec: the one routine for every process a sandbox
+/// starts (QEMU, each virtiofsd, the pod's shim). Opened here, in the
+/// parent, so a missing group fails by name (the error's directory) before
+/// anything runs.
+pub fn open_cgroup_procs(dirs: &[PathBuf]) -> Result<Vec<OwnedFd>, (PathBuf, rustix::io::Errno)> {
+    dirs.iter()
         .map(|dir| open_procs(dir).map_err(|e| (dir.clone(), e)))
-        .collect::<Result<_, _>>()?;
-    let die = die_with_parent;
-    if procs.is_empty() && !die {
-        return Ok(());
-    }
-    // SAFETY: between fork and exec the child makes only raw system calls
-    // (prctl, write) on descriptors it owns; nothing allocates or locks.
-    unsafe {
-        cmd.pre_exec(move || {
-            if die {
-                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-            }
-            for fd in &procs {
-                rustix::io::write(fd, b"0")?;
-            }
-            Ok(())
-        });
-    }
-    Ok(())
+        .collect()
 }
 
 fn open_procs(dir: &Path) -> Result<OwnedFd, rustix::io::Errno> {
@@ -70,13 +51,13 @@ fn open_procs(dir: &Path) -> Result<OwnedFd, rustix::io::Errno> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::process::Command;
 
     #[test]
     fn a_missing_cgroup_fails_before_anything_runs() {
         let mut cfg = VmConfig::new("t", "/k", "/i", "/r");
         cfg.cgroups = vec![PathBuf::from("/nonexistent/cgroup")];
-        let mut cmd = Command::new("true");
-        let e = born_in_vm_cgroups(&mut cmd, &cfg).unwrap_err();
+        let e = vm_child(&cfg).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/cgroup"), "{e}");
     }
 
@@ -118,7 +99,7 @@ mod tests {
         cfg.cgroups = groups.iter().map(|(d, _)| d.clone()).collect();
         let mut cmd = Command::new("cat");
         cmd.arg("/proc/self/cgroup");
-        born_in_vm_cgroups(&mut cmd, &cfg).unwrap();
+        vm_child(&cfg).unwrap().apply(&mut cmd).unwrap();
         let out = cmd.output().unwrap();
         for (dir, _) in &groups {
             let _ = std::fs::remove_dir(dir);

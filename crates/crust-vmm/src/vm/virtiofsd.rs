@@ -54,7 +54,9 @@ pub(crate) async fn start_virtiofsd(
         .stdout(log)
         .stderr(log2)
         .process_group(0);
-    super::spawn::born_in_vm_cgroups(&mut cmd, cfg)?;
+    super::spawn::vm_child(cfg)?
+        .apply(&mut cmd)
+        .map_err(|e| VmError::InvalidConfig(format!("virtiofsd's start: {e}")))?;
     let failed = |reason: String| VmError::Virtiofsd {
         tag: sh.tag.clone(),
         reason,

@@ -1,5 +1,5 @@
 //! A deferred volume and its mounts, as a sandbox consumes them (found by
-//! `crate::discovery`).
+//! `crust_runtime::discovery`).
 
 use crust_handoff::{FsGroupChangePolicy, Layout, MountInfo};
 use serde::{Deserialize, Serialize};

@@ -1,5 +1,6 @@
 //! The accelerator a VM runs under and why: plain data that the VM's
-//! record ([`crate::VmState`]) keeps and [`crate::accel`] decides.
+//! record (`crust_vmm::VmState`) and the sandbox's state keep and
+//! `crust_vmm::accel` decides.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +33,7 @@ pub struct AccelChoice {
 }
 
 impl AccelChoice {
-    pub(crate) fn new(accel: ResolvedAccel, reason: impl Into<String>) -> AccelChoice {
+    pub fn new(accel: ResolvedAccel, reason: impl Into<String>) -> AccelChoice {
         AccelChoice {
             accel,
             reason: reason.into(),

@@ -1,5 +1,5 @@
 //! Everything persisted about one sandbox (`<root>/<id>/state.json`,
-//! stored by `crate::sandbox`).
+//! stored by `crust_runtime::sandbox`).
 
 use std::path::PathBuf;
 
@@ -38,7 +38,7 @@ pub struct VolumeIo {
     #[serde(flatten)]
     pub io: crust_qmp::BlockIo,
     /// The loop device's backing file, the loop driver skipped
-    /// ([`crust_blockdev::route`]); false: the device itself.
+    /// (`crust_blockdev::route`); false: the device itself.
     #[serde(default)]
     pub backing_file: bool,
 }
@@ -122,7 +122,7 @@ pub struct SandboxState {
     /// The guest's accelerator and why it was chosen (a hanging KVM boot
     /// retried under TCG shows `fallback: true`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accel: Option<crust_vmm::AccelChoice>,
+    pub accel: Option<crate::AccelChoice>,
     #[serde(default)]
     pub volumes: Vec<Volume>,
     /// How QEMU does each plugged volume's I/O (on what, O_DIRECT or

@@ -4,11 +4,13 @@
 //! import no service (discovery, sandbox store, shim, volumes…); the
 //! services import them. A change to a persisted format starts here.
 
+mod accel;
 mod annotations;
 mod event;
 mod sandbox;
 mod volume;
 
+pub use accel::{AccelChoice, ResolvedAccel};
 pub use annotations::DEFER_ANNOTATION;
 pub use event::{HANDED_OVER, ON_HOST, VolumeEvent};
 pub use sandbox::{
