@@ -24,7 +24,7 @@
 //! ioctl and a close of its node; no per-device sysfs file is read on that
 //! path, as a sysfs lookup costs more than the ioctl. It runs at stage,
 //! claim and hot-plug time, and on a stats poll at most once per volume
-//! per `crust_runtime::alias_watch::ALIAS_RESCAN` (30 s); `tests/bench.rs`
+//! per `crust_sandbox::alias_watch::ALIAS_RESCAN` (30 s); `tests/bench.rs`
 //! measures it with 1,000 loops attached.
 //! The scan is bounded by [`ALIAS_SCAN_LIMIT`] and fails closed. A loop
 //! device unbound or removed while it is scanned is no alias.

@@ -16,25 +16,25 @@ use crust_agent_proto::{
 use crust_qmp::QmpClient;
 use tokio::sync::watch;
 
-use crate::bundle::Bundle;
-use crate::claims::{claim, recorded_cli, release_all};
-use crate::config::Config;
-use crate::discovery::{Discovery, HostBind};
-use crate::error::RuntimeError;
-use crate::handover::{self, Handover};
-use crate::plug::{self, Attachments, GuestPorts};
-use crate::records::{ProcRef, SandboxState, SharedMount, Status};
-use crate::records::{Volume, WorkloadMount};
 use crate::runtime::ReadyLine;
-use crate::sandbox::SandboxStore;
-use crate::share;
-use crate::shim::{self, ApiError, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
-use crate::stats::{
+use crust_sandbox::bundle::Bundle;
+use crust_sandbox::claims::{claim, recorded_cli, release_all};
+use crust_sandbox::config::Config;
+use crust_sandbox::discovery::{Discovery, HostBind};
+use crust_sandbox::error::RuntimeError;
+use crust_sandbox::handover::{self, Handover};
+use crust_sandbox::plug::{self, Attachments, GuestPorts};
+use crust_sandbox::records::{ProcRef, SandboxState, SharedMount, Status};
+use crust_sandbox::records::{Volume, WorkloadMount};
+use crust_sandbox::sandbox::SandboxStore;
+use crust_sandbox::share;
+use crust_sandbox::shim::{self, ApiError, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
+use crust_sandbox::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
     VolumeStats,
 };
-use crate::vm::Guest;
-use crate::volumes::{self, AgentCallError, VolumeError};
+use crust_sandbox::vm::Guest;
+use crust_sandbox::volumes::{self, AgentCallError, VolumeError};
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -95,7 +95,7 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
         }
     };
     // Where Kata's CLI looks for it, too (a drop-in for kata-runtime).
-    if let Err(msg) = crate::katashim::link(&cfg_kata_dirs, &id, &store.socket(&id)) {
+    if let Err(msg) = crust_sandbox::katashim::link(&cfg_kata_dirs, &id, &store.socket(&id)) {
         let e = RuntimeError::KataLink(msg);
         ctrl.teardown(Some(e.to_string())).await;
         let _ = std::fs::remove_file(store.socket(&id));
@@ -135,7 +135,7 @@ pub async fn run_shim(cfg: Config, id: String) -> i32 {
         }
     }
     let _ = server.await;
-    crate::katashim::unlink(&cfg_kata_dirs, &id, &store.socket(&id));
+    crust_sandbox::katashim::unlink(&cfg_kata_dirs, &id, &store.socket(&id));
     let _ = std::fs::remove_file(store.socket(&id));
     tracing::info!("shim of sandbox {id} exits");
     0
@@ -294,7 +294,7 @@ fn record_plan(
     cfg: &Config,
     store: &SandboxStore,
     id: &str,
-    plan: &crate::discovery::Plan,
+    plan: &crust_sandbox::discovery::Plan,
     state: &mut SandboxState,
 ) -> Result<Option<PathBuf>, RuntimeError> {
     state.shim = Some(ProcRef::current());
@@ -550,14 +550,14 @@ impl Controller {
         }
         self.stopping.store(true, Ordering::SeqCst);
         let st = self.snapshot();
-        let stop = crate::vm::GuestStop {
+        let stop = crust_sandbox::vm::GuestStop {
             guest: &self.guest,
             qmp: &self.qmp,
             agent: &self.agent,
             timeout: self.cfg.timeout,
             workload_grace: (st.status == Status::Running).then_some(STOP_GRACE),
         };
-        crate::vm::stop_guest(stop, &st.volumes, self.qemu_exited().is_none()).await;
+        crust_sandbox::vm::stop_guest(stop, &st.volumes, self.qemu_exited().is_none()).await;
         // QEMU has exited (or was killed): the holds, then the claims.
         plug::release_host_side(
             &self.attachments,
@@ -649,7 +649,7 @@ impl ShimHandler for Controller {
 
     async fn metrics(&self) -> ApiResult<String> {
         let agent = self.qemu_exited().is_none().then_some(&self.agent);
-        Ok(crate::metrics::sandbox_metrics(
+        Ok(crust_sandbox::metrics::sandbox_metrics(
             &self.snapshot(),
             agent,
             self.attachments.alias_watch(),
@@ -672,7 +672,7 @@ impl ShimHandler for Controller {
                 self.id
             )));
         }
-        Ok(crate::alias_watch::stats(
+        Ok(crust_sandbox::alias_watch::stats(
             self.attachments.alias_watch(),
             &self.agent,
             &v,

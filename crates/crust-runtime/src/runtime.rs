@@ -11,16 +11,16 @@ use std::time::{Duration, Instant};
 use crust_handoff::{HandoffError, MountInfo};
 use serde::{Deserialize, Serialize};
 
-use crate::bundle::Bundle;
-use crate::config::Config;
-use crate::discovery::Discovery;
-use crate::error::RuntimeError;
-use crate::records::{LayoutKind, Volume};
-use crate::records::{ProcRef, SandboxState, Status};
-use crate::sandbox::SandboxStore;
-use crate::shim::{ApiError, ExecRequest, ExecResponse, ShimClient, ShimError};
-use crate::stats::{ResizeRequest, ResizeResponse, VolumeStats};
-use crate::volumes;
+use crust_sandbox::bundle::Bundle;
+use crust_sandbox::config::Config;
+use crust_sandbox::discovery::Discovery;
+use crust_sandbox::error::RuntimeError;
+use crust_sandbox::records::{LayoutKind, Volume};
+use crust_sandbox::records::{ProcRef, SandboxState, Status};
+use crust_sandbox::sandbox::SandboxStore;
+use crust_sandbox::shim::{ApiError, ExecRequest, ExecResponse, ShimClient, ShimError};
+use crust_sandbox::stats::{ResizeRequest, ResizeResponse, VolumeStats};
+use crust_sandbox::volumes;
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
@@ -34,8 +34,6 @@ pub struct ReadyLine {
 
 /// How long `delete` waits for a shim to exit after `/shutdown`.
 const SHIM_EXIT_WAIT: Duration = Duration::from_secs(20);
-/// How long a killed process gets to disappear.
-const KILL_WAIT: Duration = Duration::from_secs(10);
 
 pub struct Runtime {
     pub cfg: Config,
@@ -88,7 +86,7 @@ impl Runtime {
         let discovery = self.discovery.for_bundle(&bundle)?;
         let plan = discovery.plan(&bundle)?;
         // Every record checked before a VM starts (issue 25).
-        crate::volumes::check_before_boot(&discovery, &plan.volumes)?;
+        crust_sandbox::volumes::check_before_boot(&discovery, &plan.volumes)?;
         for v in &plan.volumes {
             let claimant = self.discovery.store(v.layout).claimant(&v.target)?;
             if let Some(other) = claimant.filter(|o| o != id && self.sandboxes.holds_volumes(o)) {
@@ -186,10 +184,10 @@ impl Runtime {
                 .shim
                 .filter(|s| s.alive() && s.pid != std::process::id() as i32)
             {
-                kill_and_wait(shim);
+                crust_sandbox::sandbox::kill_and_wait(shim);
             }
             if let Some(q) = st.qemu.filter(ProcRef::alive) {
-                kill_and_wait(q);
+                crust_sandbox::sandbox::kill_and_wait(q);
             }
             for v in &st.volumes {
                 if let Err(e) = self.discovery.store(v.layout).release(&v.target, id) {
@@ -199,7 +197,9 @@ impl Runtime {
             // Handed-over volumes not planned yet (the shim died right
             // after the plugin answered): crust-csi takes an unclaimed
             // volume back at kubelet's next unpublish, or a handover.
-            let crust = self.discovery.store(crate::records::LayoutKind::Crust);
+            let crust = self
+                .discovery
+                .store(crust_sandbox::records::LayoutKind::Crust);
             for t in &st.handover_asked {
                 if let Err(e) = crust.release(t, id)
                     && !matches!(e, crust_handoff::HandoffError::NotFound(_))
@@ -208,7 +208,7 @@ impl Runtime {
                 }
             }
         }
-        crate::katashim::unlink(&self.cfg.kata_shim_dirs, id, &self.sandboxes.socket(id));
+        crust_sandbox::katashim::unlink(&self.cfg.kata_shim_dirs, id, &self.sandboxes.socket(id));
         if let Err(e) = self.sandboxes.remove(id) {
             tracing::warn!("removing sandbox {id}: {e}");
         }
@@ -253,7 +253,7 @@ impl Runtime {
         SandboxStore::check_id(id)?;
         let st = match self.load(id) {
             Ok(st) => st,
-            Err(RuntimeError::Sandbox(crate::sandbox::SandboxError::NotFound(_))) => {
+            Err(RuntimeError::Sandbox(crust_sandbox::sandbox::SandboxError::NotFound(_))) => {
                 if self.sandboxes.exists(id) {
                     // A create that died before writing its state.
                     self.cleanup_dead(id);
@@ -362,7 +362,7 @@ impl Runtime {
         // by `crust sandbox-state` (SandboxStore::liveness), never by them.
         let st = match self.sandboxes.load(&claimant) {
             Ok(st) => st,
-            Err(crate::sandbox::SandboxError::NotFound(_)) => {
+            Err(crust_sandbox::sandbox::SandboxError::NotFound(_)) => {
                 return Ok(Err(VolumeStats::abnormal(format!(
                     "sandbox {claimant} is unknown to runtime root {} (state unknown)",
                     self.cfg.root.display()
@@ -420,7 +420,7 @@ impl Runtime {
         // Before any record or guest is looked at.
         crust_agent_proto::freeze_limit(max_frozen_ms).map_err(RuntimeError::BadFreezeLimit)?;
         let id = self.serving(volume_path)?;
-        let req = crate::stats::FreezeRequest {
+        let req = crust_sandbox::stats::FreezeRequest {
             volume_path: volume_path.to_string(),
             max_frozen_ms,
         };
@@ -428,9 +428,12 @@ impl Runtime {
     }
 
     /// `crust thaw`.
-    pub async fn volume_thaw(&self, volume_path: &str) -> Result<crate::stats::ThawResponse> {
+    pub async fn volume_thaw(
+        &self,
+        volume_path: &str,
+    ) -> Result<crust_sandbox::stats::ThawResponse> {
         let id = self.serving(volume_path)?;
-        let req = crate::stats::ThawRequest {
+        let req = crust_sandbox::stats::ThawRequest {
             volume_path: volume_path.to_string(),
         };
         Ok(self.client(&id).thaw(&req).await?)
@@ -442,7 +445,7 @@ impl Runtime {
         // Before any record or guest is looked at.
         crust_handoff::IoLimits::from_wire(limits).map_err(RuntimeError::BadIoLimits)?;
         let id = self.serving(volume_path)?;
-        let req = crate::stats::ThrottleRequest {
+        let req = crust_sandbox::stats::ThrottleRequest {
             volume_path: volume_path.to_string(),
             limits: limits.to_string(),
         };
@@ -552,20 +555,6 @@ fn wait_child(
             return child.wait().ok();
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// SIGKILL and wait until the process is gone (or a zombie).
-pub fn kill_and_wait(p: ProcRef) {
-    if !p.alive() {
-        return;
-    }
-    if let Some(pid) = rustix::process::Pid::from_raw(p.pid) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    }
-    let deadline = Instant::now() + KILL_WAIT;
-    while p.alive() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

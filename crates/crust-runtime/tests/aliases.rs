@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crust_handoff::{Layout, MountInfo, Policy, Store};
-use crust_runtime::discovery::{LayoutKind, Volume};
+use crust_sandbox::discovery::{LayoutKind, Volume};
 use crust_testkit::{AliasCase, LoopDisk};
 use tonic::Code;
 
@@ -108,7 +108,7 @@ fn knock(
                 &MountInfo::block(dev, "ext4"),
                 false,
             );
-            crust_runtime::volumes::hold_host_device(&v)
+            crust_sandbox::volumes::hold_host_device(&v)
                 .map(drop)
                 .map_err(|e| (Some(format!("{:?}", e.code())), e.to_string()))
         }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::*;
 use crust_blockdev::FsType;
 use crust_handoff::{Layout, MountInfo};
-use crust_runtime::sandbox::SandboxStore;
+use crust_sandbox::sandbox::SandboxStore;
 use crust_testkit::VmSlot;
 
 #[test]

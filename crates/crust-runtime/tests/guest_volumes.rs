@@ -330,8 +330,8 @@ fn volumes_in_guest() {
             assert_eq!(kata["usage"][0]["unit"], 1, "{kata}");
             assert_eq!(kata["usage"][1]["unit"], 2, "{kata}");
             assert_eq!(
-                serde_json::from_value::<crust_runtime::stats::VolumeStats>(kata).unwrap(),
-                serde_json::from_value::<crust_runtime::stats::VolumeStats>(stats.clone()).unwrap()
+                serde_json::from_value::<crust_sandbox::stats::VolumeStats>(kata).unwrap(),
+                serde_json::from_value::<crust_sandbox::stats::VolumeStats>(stats.clone()).unwrap()
             );
         }
 
@@ -351,7 +351,7 @@ fn volumes_in_guest() {
         // The shim answers in Kata's spelling (units as numbers), the
         // CLI in the KEP's: the same figures.
         let as_stats = |v: &Value| {
-            serde_json::from_value::<crust_runtime::stats::VolumeStats>(v.clone()).unwrap()
+            serde_json::from_value::<crust_sandbox::stats::VolumeStats>(v.clone()).unwrap()
         };
         assert_eq!(code, 200);
         assert_eq!(by_target["usage"][0]["unit"], 1, "{by_target}");
@@ -449,7 +449,7 @@ fn volumes_in_guest() {
         assert_eq!(st["exitStatus"], 143, "{st}");
         assert!(pid_alive(qemu), "the VM must stay up until delete");
         // The stopped workload's VM still holds the volumes.
-        assert!(crust_runtime::sandbox::SandboxStore::new(&env.root).holds_volumes("vols"));
+        assert!(crust_sandbox::sandbox::SandboxStore::new(&env.root).holds_volumes("vols"));
         // So crust_ops (a NodeUnpublishVolume arriving before the sandbox is
         // deleted) keeps the record: the runtime says the sandbox runs.
         let e = env.unstage(&td).unwrap_err();

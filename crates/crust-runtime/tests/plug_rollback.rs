@@ -16,9 +16,9 @@ use crust_agent_proto::AgentClient;
 use crust_blockdev::FsType;
 use crust_handoff::MountInfo;
 use crust_qmp::QmpClient;
-use crust_runtime::discovery::{LayoutKind, Volume};
-use crust_runtime::plug::{self, Attachments, GuestPorts};
-use crust_runtime::volumes::VolumeError;
+use crust_sandbox::discovery::{LayoutKind, Volume};
+use crust_sandbox::plug::{self, Attachments, GuestPorts};
+use crust_sandbox::volumes::VolumeError;
 use crust_testkit::LoopDisk;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -136,7 +136,7 @@ async fn plug_with(
     stuck: bool,
 ) -> (
     Attachments,
-    Result<Option<crust_runtime::records::VolumeIo>, VolumeError>,
+    Result<Option<crust_sandbox::records::VolumeIo>, VolumeError>,
     Seen,
 ) {
     let sock = dir.join(format!("{name}.qmp"));
@@ -268,7 +268,7 @@ async fn a_resize_never_truncates_the_backing_file() {
         let qmp = QmpClient::connect(&sock, Duration::from_secs(5))
             .await
             .unwrap();
-        let res = crust_runtime::volumes::never_shrink_backing_file(&qmp, &v, 16 << 20).await;
+        let res = crust_sandbox::volumes::never_shrink_backing_file(&qmp, &v, 16 << 20).await;
         if refused {
             let e = res.unwrap_err();
             assert!(e.to_string().contains("retry"), "{e}");
@@ -278,7 +278,7 @@ async fn a_resize_never_truncates_the_backing_file() {
         assert!(!commands(&seen).contains(&"block_resize".to_string()));
         // The file's own size passes.
         if drv == "file" {
-            crust_runtime::volumes::never_shrink_backing_file(&qmp, &v, 32 << 20)
+            crust_sandbox::volumes::never_shrink_backing_file(&qmp, &v, 32 << 20)
                 .await
                 .unwrap();
         }

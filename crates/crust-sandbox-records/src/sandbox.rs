@@ -1,5 +1,5 @@
 //! Everything persisted about one sandbox (`<root>/<id>/state.json`,
-//! stored by `crust_runtime::sandbox`).
+//! stored by `crust_sandbox::sandbox`).
 
 use std::path::PathBuf;
 

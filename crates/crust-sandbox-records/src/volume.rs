@@ -1,5 +1,5 @@
 //! A deferred volume and its mounts, as a sandbox consumes them (found by
-//! `crust_runtime::discovery`).
+//! `crust_sandbox::discovery`).
 
 use crust_handoff::{FsGroupChangePolicy, Layout, MountInfo};
 use serde::{Deserialize, Serialize};

@@ -23,8 +23,8 @@ use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim::protos::protobuf::{Message, MessageField};
 use containerd_shim::protos::shim_async::create_task;
 use containerd_shim::protos::ttrpc::r#async::Server;
-use crust_runtime::discovery::Discovery;
-use crust_runtime::sandbox::SandboxStore;
+use crust_sandbox::discovery::Discovery;
+use crust_sandbox::sandbox::SandboxStore;
 use crust_sys::spawn::ChildSetup;
 
 use crate::cgroup::Placement;
@@ -412,7 +412,7 @@ fn delete(flags: &Flags) -> anyhow::Result<()> {
     if pod == flags.id {
         cleanup_pod(&cfg, &store, &pod);
     } else {
-        if let Err(e) = crust_runtime::share::remove_container(&share, &flags.id) {
+        if let Err(e) = crust_sandbox::share::remove_container(&share, &flags.id) {
             tracing::warn!("container {}: {e}", flags.id);
         }
     }
@@ -471,13 +471,13 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
         return;
     }
     if let Some(q) = st.qemu.filter(|q| q.alive()) {
-        crust_runtime::runtime::kill_and_wait(q);
+        crust_sandbox::sandbox::kill_and_wait(q);
     }
     crate::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
     if let Ok(d) = Discovery::for_config(&cfg.runtime) {
-        crust_runtime::claims::release_all(&d, pod, &st.volumes);
+        crust_sandbox::claims::release_all(&d, pod, &st.volumes);
     }
-    if let Err(e) = crust_runtime::share::remove(&store.dir(pod).join("share")) {
+    if let Err(e) = crust_sandbox::share::remove(&store.dir(pod).join("share")) {
         tracing::warn!("pod {pod}: {e}");
     }
     let _ = store.remove(pod);

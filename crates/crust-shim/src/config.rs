@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use crust_runtime::cli::GlobalOpts;
-use crust_runtime::config::Config;
+use crust_sandbox::config::Config;
+use crust_sandbox::settings::GlobalOpts;
 
 use crate::spec::{HostNamespace, HostNetwork, LsmPolicy};
 
@@ -123,7 +123,7 @@ impl ShimConfig {
         let o = EnvOpts::try_parse_from(Vec::<String>::new())?;
         let runtime_cli = match o.runtime_cli {
             Some(p) => p,
-            None => crust_runtime::claims::cli_in(
+            None => crust_sandbox::claims::cli_in(
                 std::env::current_exe()?
                     .parent()
                     .unwrap_or(Path::new("/usr/local/bin")),

@@ -9,7 +9,7 @@
 //! - [`start_reply`]: answering `start` in the caller's format (containerd
 //!   1.x, 2.0–2.2, 2.3+).
 //! - [`task`]: the task service.
-//! - [`pod`]: the pod's VM, share, volumes; shared code with crust-runtime.
+//! - [`pod`]: the pod's VM, share, volumes; its lifecycle routines are crust-sandbox's.
 //! - [`vm`]: the handles of a booted pod VM.
 //! - [`resize`]: in-place resize (task Update): cgroup limits in the guest,
 //!   memory and vCPU hot-plug, the balloon.

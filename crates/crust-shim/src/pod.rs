@@ -3,7 +3,7 @@
 //! virtio-fs share for the containers' rootfs and binds, deferred volumes
 //! hot-plugged as virtio-blk, and torn down with the pod.
 //!
-//! The pod is also a crust-runtime sandbox: its `state.json` (shim and
+//! The pod is also a crust sandbox: its `state.json` (shim and
 //! QEMU pids, volumes) lives in the same store and its shim API socket
 //! answers `crust stats|resize`, so the `crust-runtime` CLI that the claim
 //! names serves crust_ops for containerd pods exactly as for its own.
@@ -18,18 +18,18 @@ use std::time::{Duration, Instant};
 use crust_agent_proto::stdio::StdioMux;
 use crust_agent_proto::{AgentClient, ContainerMount, CreateContainer, MountSource, ShareRef};
 use crust_qmp::QmpClient;
-use crust_runtime::beneath::FsSpec;
-use crust_runtime::bundle::Bundle;
-use crust_runtime::claims::{claim, release_all};
-use crust_runtime::discovery::{Discovery, Volume};
-use crust_runtime::error::RuntimeError;
-use crust_runtime::handover::{self, Handover, VolumeEvent};
-use crust_runtime::plug::{self, Attachments, GuestPorts};
-use crust_runtime::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
-use crust_runtime::share;
-use crust_runtime::shim::{Code, agent_code};
-use crust_runtime::vm::Guest;
-use crust_runtime::volumes;
+use crust_sandbox::beneath::FsSpec;
+use crust_sandbox::bundle::Bundle;
+use crust_sandbox::claims::{claim, release_all};
+use crust_sandbox::discovery::{Discovery, Volume};
+use crust_sandbox::error::RuntimeError;
+use crust_sandbox::handover::{self, Handover, VolumeEvent};
+use crust_sandbox::plug::{self, Attachments, GuestPorts};
+use crust_sandbox::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
+use crust_sandbox::share;
+use crust_sandbox::shim::{Code, agent_code};
+use crust_sandbox::vm::Guest;
+use crust_sandbox::volumes;
 use rustix::mount::MountAttrFlags;
 use tokio::sync::watch;
 
@@ -37,7 +37,7 @@ use crate::config::ShimConfig;
 use crate::spec::{ContainerPlan, Limits, Planned};
 pub use crate::vm::PodVm;
 
-pub use crust_runtime::share::SHARE_TAG;
+pub use crust_sandbox::share::SHARE_TAG;
 /// A teardown step slower than this is worth a warning in the log.
 const SLOW_STEP: Duration = Duration::from_secs(5);
 
@@ -107,7 +107,7 @@ impl PodError {
 /// each must take an idmapped mount. Before any is claimed or plugged.
 fn check_idmap(
     plan: &ContainerPlan,
-    vplan: &crust_runtime::discovery::Plan,
+    vplan: &crust_sandbox::discovery::Plan,
 ) -> Result<(), PodError> {
     let volumes: Vec<(&str, &str)> = vplan
         .mounts
@@ -250,13 +250,13 @@ impl Pod {
 
     /// Serves the crust shim API on the pod's `shim.sock`.
     fn serve_api(self: &Arc<Self>) -> Result<(), PodError> {
-        let listener = crust_runtime::shim::bind(&self.store.socket(&self.id))
+        let listener = crust_sandbox::shim::bind(&self.store.socket(&self.id))
             .map_err(|e| PodError::host("binding the crust shim API socket", e))?;
         let (tx, _) = watch::channel(false);
         *self.api_stop.lock().expect("api") = Some(tx.clone());
         // The pod is its own shim API handler (crate::shimapi implements
         // it), so this module needs no name from there.
-        tokio::spawn(crust_runtime::shim::serve(listener, self.clone(), tx));
+        tokio::spawn(crust_sandbox::shim::serve(listener, self.clone(), tx));
         Ok(())
     }
 
@@ -454,11 +454,11 @@ impl Pod {
         let discovery = self.discovery.for_bundle(&b).map_err(RuntimeError::from)?;
         self.take_published_volumes(&discovery, &b).await?;
         let vplan = discovery.plan(&b).map_err(RuntimeError::from)?;
-        crust_runtime::volumes::check_before_boot(&discovery, &vplan.volumes)
+        crust_sandbox::volumes::check_before_boot(&discovery, &vplan.volumes)
             .map_err(RuntimeError::from)?;
         check_idmap(plan, &vplan)?;
         // Every step in the share by descriptor from its root: the guest
-        // may have written there (see crust_runtime::beneath).
+        // may have written there (see crust_sandbox::beneath).
         let share = share::open(&self.share_dir()).map_err(RuntimeError::from)?;
         let root = share.as_fd();
         share::create_dir(root, cid).map_err(RuntimeError::from)?;
@@ -787,10 +787,10 @@ impl Pod {
         tracing::info!("teardown of pod {} done", self.id);
     }
 
-    /// [`crust_runtime::vm::stop_guest`]: containers are stopped by
+    /// [`crust_sandbox::vm::stop_guest`]: containers are stopped by
     /// containerd before the pod (and die with the guest otherwise).
     async fn stop_vm(&self, vm: &PodVm, vols: &[Volume]) {
-        let stop = crust_runtime::vm::GuestStop {
+        let stop = crust_sandbox::vm::GuestStop {
             guest: &vm.guest,
             qmp: &vm.qmp,
             agent: &vm.agent,
@@ -798,7 +798,7 @@ impl Pod {
             workload_grace: None,
         };
         let running = vm.exit.borrow().is_none();
-        crust_runtime::vm::stop_guest(stop, vols, running).await;
+        crust_sandbox::vm::stop_guest(stop, vols, running).await;
     }
 
     /// After QEMU died on its own: the record says so, which makes the
@@ -878,7 +878,7 @@ fn container_mounts(
     root: BorrowedFd<'_>,
     cid: &str,
     plan: &ContainerPlan,
-    vplan: &crust_runtime::discovery::Plan,
+    vplan: &crust_sandbox::discovery::Plan,
 ) -> Result<Vec<ContainerMount>, PodError> {
     let mut mounts = Vec::new();
     for (i, m) in plan.mounts.iter().enumerate() {

@@ -20,8 +20,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crust_agent_proto::{ClientError, CpuMax, ErrorCode, OnlineCpus, UpdateContainer};
-use crust_runtime::shim::Code;
-use crust_runtime::shim::agent_code;
+use crust_sandbox::shim::Code;
+use crust_sandbox::shim::agent_code;
 
 use crate::config::ShimConfig;
 use crate::vm::PodVm;

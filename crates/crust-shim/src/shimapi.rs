@@ -4,14 +4,14 @@
 //! stats|resize`) reaches containerd pods through it. Lifecycle endpoints
 //! belong to containerd here and are refused.
 
-use crust_runtime::discovery::Volume;
-use crust_runtime::sandbox::SandboxState;
-use crust_runtime::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
-use crust_runtime::stats::{
+use crust_sandbox::discovery::Volume;
+use crust_sandbox::sandbox::SandboxState;
+use crust_sandbox::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
+use crust_sandbox::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
     VolumeStats,
 };
-use crust_runtime::volumes;
+use crust_sandbox::volumes;
 
 use crate::pod::Pod;
 
@@ -71,7 +71,7 @@ impl ShimHandler for Pod {
     async fn metrics(&self) -> ApiResult<String> {
         let st = ShimHandler::state(self).await?;
         let vm = self.vm().await.ok();
-        let mut text = crust_runtime::metrics::sandbox_metrics(
+        let mut text = crust_sandbox::metrics::sandbox_metrics(
             &st,
             vm.as_ref().map(|vm| &vm.agent),
             self.attachments.alias_watch(),
@@ -99,7 +99,7 @@ impl ShimHandler for Pod {
                 )));
             }
         };
-        Ok(crust_runtime::alias_watch::stats(
+        Ok(crust_sandbox::alias_watch::stats(
             self.attachments.alias_watch(),
             &vm.agent,
             &v,

@@ -19,7 +19,7 @@ use crust_agent_proto::{
     Capabilities, ContainerMount, IdMapping, MountSource, NamespaceSource, ProcessSpec, Rlimit,
     Seccomp, UserNamespace, WorkloadUser,
 };
-use crust_runtime::share::{Propagation, ReadOnly};
+use crust_sandbox::share::{Propagation, ReadOnly};
 use oci_spec::runtime::Spec;
 
 /// CRI annotations naming a container's role and pod.
@@ -51,8 +51,8 @@ pub enum SpecError {
 
 impl SpecError {
     /// The status code every door answers this error with.
-    pub fn code(&self) -> crust_runtime::shim::Code {
-        use crust_runtime::shim::Code;
+    pub fn code(&self) -> crust_sandbox::shim::Code {
+        use crust_sandbox::shim::Code;
         match self {
             SpecError::Invalid { .. } | SpecError::Update(_) => Code::InvalidArgument,
             SpecError::Unsupported(_) => Code::FailedPrecondition,
@@ -1061,7 +1061,7 @@ mod tests {
     #[test]
     fn host_network_is_refused_unless_the_node_chose_user_mode() {
         let e = check_host_network(&PodNetworkSpec::Host, HostNetwork::Refuse).unwrap_err();
-        assert_eq!(e.code(), crust_runtime::shim::Code::FailedPrecondition);
+        assert_eq!(e.code(), crust_sandbox::shim::Code::FailedPrecondition);
         let e = e.to_string();
         assert!(
             e.contains("hostNetwork") && e.contains("CRUST_SHIM_HOST_NETWORK=user"),

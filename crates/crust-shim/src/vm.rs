@@ -4,7 +4,7 @@
 use crust_agent_proto::AgentClient;
 use crust_agent_proto::stdio::StdioMux;
 use crust_qmp::QmpClient;
-use crust_runtime::vm::Guest;
+use crust_sandbox::vm::Guest;
 use tokio::sync::watch;
 
 /// A booted pod VM.

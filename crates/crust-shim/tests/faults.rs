@@ -424,7 +424,7 @@ async fn memory_restart_faults_and_bad_input() {
     // The volume claimed by another live pod.
     let other = env.runtime_root.join("other");
     std::fs::create_dir_all(&other).unwrap();
-    let me = crust_runtime::sandbox::ProcRef::current();
+    let me = crust_sandbox::sandbox::ProcRef::current();
     let st = serde_json::json!({
         "ociVersion": "1.0.2", "id": "other", "status": "running", "bundle": "/",
         "shim": me, "qemu": me, "created": 0

@@ -510,7 +510,7 @@ async fn two_crust_pods_on_a_cni_bridge() {
 
     // The shim of pod b dies (SIGKILL): kubelet's teardown still works,
     // host-local frees its address, and a new pod gets a network.
-    let store = crust_runtime::sandbox::SandboxStore::new(env.runtime_root.clone());
+    let store = crust_sandbox::sandbox::SandboxStore::new(env.runtime_root.clone());
     let shim = store.load(&b.sandbox).unwrap().shim.unwrap().pid;
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(shim).unwrap(),
@@ -956,7 +956,7 @@ async fn bench_network() {
             Err(e) => panic!("{e}\n{}", env.logs()),
         }
     }
-    let store = crust_runtime::sandbox::SandboxStore::new(env.runtime_root.clone());
+    let store = crust_sandbox::sandbox::SandboxStore::new(env.runtime_root.clone());
     let mut qemus = Vec::new();
     for (_, p) in &pods[..2] {
         let st = store.load(&p.sandbox).unwrap();
@@ -1171,13 +1171,13 @@ async fn netfilter_rules_in_the_pod_namespace_refuse_the_pod_with_an_event() {
 /// Runs `script` as the guest's root, outside any container (the pod's
 /// shim API `/exec`): a compromised guest kernel is the attacker here.
 async fn guest_exec(env: &Env, sandbox: &str, script: &str) -> String {
-    let client = crust_runtime::shim::ShimClient::new(
+    let client = crust_sandbox::shim::ShimClient::new(
         env.runtime_root
             .join(sandbox)
-            .join(crust_runtime::sandbox::SHIM_SOCKET),
+            .join(crust_sandbox::sandbox::SHIM_SOCKET),
         Duration::from_secs(60),
     );
-    let req = crust_runtime::shim::ExecRequest {
+    let req = crust_sandbox::shim::ExecRequest {
         args: vec!["/bin/sh".into(), "-c".into(), script.into()],
         env: vec![],
         timeout_ms: Some(60_000),
@@ -1194,7 +1194,7 @@ fn shim_metrics(env: &Env, sandbox: &str) -> String {
     let sock = env
         .runtime_root
         .join(sandbox)
-        .join(crust_runtime::sandbox::SHIM_SOCKET);
+        .join(crust_sandbox::sandbox::SHIM_SOCKET);
     let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")

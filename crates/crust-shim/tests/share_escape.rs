@@ -36,13 +36,13 @@ const GUEST_SHARE: &str = "/run/crust/shares/crust-pod";
 
 /// Runs `script` as the guest's root, outside any container.
 fn guest_exec(env: &Env, pod: &str, script: &str) -> String {
-    let client = crust_runtime::shim::ShimClient::new(
+    let client = crust_sandbox::shim::ShimClient::new(
         env.runtime_root
             .join(pod)
-            .join(crust_runtime::sandbox::SHIM_SOCKET),
+            .join(crust_sandbox::sandbox::SHIM_SOCKET),
         std::time::Duration::from_secs(60),
     );
-    let req = crust_runtime::shim::ExecRequest {
+    let req = crust_sandbox::shim::ExecRequest {
         args: vec!["/bin/sh".into(), "-c".into(), script.into()],
         env: vec![],
         timeout_ms: Some(60_000),

@@ -35,7 +35,13 @@ fn links(package: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_plugin_and_the_tools_parts_never_link_the_vm_stack() {
-    let vm_stack = ["crust-vmm", "crust-runtime", "crust-shim", "crust-podnet"];
+    let vm_stack = [
+        "crust-vmm",
+        "crust-sandbox",
+        "crust-runtime",
+        "crust-shim",
+        "crust-podnet",
+    ];
     for package in [
         "crust-csi",
         "crust-ops",
@@ -57,4 +63,20 @@ fn the_plugin_and_the_tools_parts_never_link_the_vm_stack() {
     }
     // The check sees a link where there is one.
     assert!(links("crust-shim").contains("crust-vmm"));
+}
+
+#[test]
+fn each_door_stands_on_the_sandbox_and_not_on_the_other_door() {
+    for (door, other) in [
+        ("crust-shim", "crust-runtime"),
+        ("crust-runtime", "crust-shim"),
+    ] {
+        let linked = links(door);
+        assert!(linked.contains("crust-sandbox"), "{door}: {linked:?}");
+        assert!(!linked.contains(other), "{door} links {other}");
+    }
+    let sandbox = links("crust-sandbox");
+    for door in ["crust-shim", "crust-runtime"] {
+        assert!(!sandbox.contains(door), "crust-sandbox links {door}");
+    }
 }

@@ -24,7 +24,7 @@ fn main() -> ExitCode {
         let argv0 = std::path::PathBuf::from(std::env::args_os().next()?);
         argv0.is_absolute().then_some(argv0)
     });
-    let Some(full) = exe.map(|e| e.with_file_name(crust_runtime::claims::FULL_CLI)) else {
+    let Some(full) = exe.map(|e| e.with_file_name(crust_sandbox::claims::FULL_CLI)) else {
         eprintln!("error: cannot locate this executable (no /proc/self/exe, relative argv[0])");
         return ExitCode::FAILURE;
     };

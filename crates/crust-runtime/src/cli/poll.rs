@@ -10,8 +10,8 @@
 //! Both paths print through [`answer`].
 
 use super::{GlobalOpts, Outcome};
-use crate::error::RuntimeError;
 use crate::runtime::Runtime;
+use crust_sandbox::error::RuntimeError;
 
 /// A per-poll verb and its volume path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

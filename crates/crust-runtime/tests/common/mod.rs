@@ -447,7 +447,7 @@ pub fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T
 
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn pid_alive(pid: i32) -> bool {
-    crust_runtime::sandbox::proc_start_time(pid).is_some()
+    crust_sandbox::sandbox::proc_start_time(pid).is_some()
 }
 
 /// `df -P -B1 <path>` parsed: (total, used, available).

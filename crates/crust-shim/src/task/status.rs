@@ -4,7 +4,7 @@ use std::time::SystemTime;
 
 use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
 use containerd_shim::protos::ttrpc;
-use crust_runtime::shim::Code;
+use crust_sandbox::shim::Code;
 
 use crate::pod::PodError;
 use crate::spec;
@@ -44,7 +44,7 @@ pub(super) fn agent_err(
 ) -> impl FnOnce(crust_agent_proto::ClientError) -> ttrpc::Error + '_ {
     move |e| {
         status(
-            code_of(crust_runtime::shim::agent_code(&e)),
+            code_of(crust_sandbox::shim::agent_code(&e)),
             format!("{what}: {e}"),
         )
     }

@@ -57,7 +57,7 @@ impl Guest {
         vc.die_with_parent = true;
         // A self-contained install (/opt/crust) brings its own QEMU and
         // firmware; never mix it with the host's. An explicit --qemu wins.
-        if cfg.qemu == std::path::Path::new(crate::cli::DEFAULT_QEMU)
+        if cfg.qemu == std::path::Path::new(crate::settings::DEFAULT_QEMU)
             && let Some(qemu) = Config::bundled("qemu-system-x86_64")
         {
             vc.qemu_binary = qemu;

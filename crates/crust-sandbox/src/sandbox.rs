@@ -5,6 +5,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crust_handoff::SandboxLiveness;
 
@@ -240,6 +241,23 @@ fn fsync_dir(dir: &Path) -> Result<(), SandboxError> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(io(format!("fsync {}", dir.display())))
+}
+
+/// How long a killed process gets to disappear.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// SIGKILL and wait until the process is gone (or a zombie).
+pub fn kill_and_wait(p: ProcRef) {
+    if !p.alive() {
+        return;
+    }
+    if let Some(pid) = rustix::process::Pid::from_raw(p.pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+    let deadline = Instant::now() + KILL_WAIT;
+    while p.alive() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! One plug and one release of a deferred volume in a running guest, for
-//! both front doors (this crate's shim, [`crate::controller`], and the
-//! containerd shim's pod): createFilesystem, the exclusive hold on the
+//! both front doors (the CLI's per-sandbox process and the containerd
+//! shim's pod): createFilesystem, the exclusive hold on the
 //! host device, hot-plug, guest mount, and the rollback of each step.
 //!
 //! The hold ([`crust_blockdev::ExclusiveDevice`]) covers the whole time a

@@ -1,0 +1,49 @@
+//! crust-sandbox: a sandbox's life on the host, one library for both front
+//! doors (the `crust-runtime` CLI's per-sandbox process and
+//! `containerd-shim-crust-v2`). A rule that protects data (claims, the
+//! exclusive hold, device identity, path resolution beneath a guest-written
+//! tree) lives here once, and both doors call it.
+//!
+//! - [`settings`]: the `CRUST_RUNTIME_*` settings (flags or environment)
+//!   and the [`config::Config`] they make.
+//! - [`bundle`]: OCI `config.json` parsing and validation.
+//! - [`discovery`]: which mounts are deferred volumes (hand-off lookup with
+//!   parent probing bounded by kubelet's `pods/<uid>/volumes`).
+//! - [`sandbox`]: the on-disk sandbox state store and claim liveness.
+//! - [`claims`]: claiming and releasing hand-off records for a sandbox.
+//! - [`handover`]: asking crust-csi to hand a host-published volume over
+//!   (and back), with the guest's declared capabilities and filesystems.
+//! - [`vm`]: the QEMU guest (adapter over crust-vmm): boot and stop.
+//! - [`share`]: the sandbox's virtio-fs share directory on the host.
+//! - [`beneath`]: host steps inside a guest-writable tree, by descriptor.
+//! - [`plug`]: the one plug (createFilesystem, exclusive hold, hot-plug,
+//!   mount, rollback) and release both front doors use.
+//! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
+//! - [`alias_watch`]: a second loop device on a live volume.
+//! - [`shim`]: the per-sandbox HTTP API (server and client, error codes),
+//!   which crust_ops and the CLI call on either door.
+//! - [`katashim`]: the links Kata's tools look for.
+//! - [`metrics`], [`stats`]: what a sandbox reports.
+//! - [`error`]: error causes (their API codes: [`shim::codes`]).
+
+pub mod alias_watch;
+pub mod beneath;
+pub mod bundle;
+pub mod claims;
+pub mod config;
+pub mod discovery;
+pub mod error;
+pub mod handover;
+pub mod katashim;
+pub mod metrics;
+pub mod plug;
+/// What a sandbox persists (its own crate, so tools read the records
+/// without linking the sandbox).
+pub use crust_sandbox_records as records;
+pub mod sandbox;
+pub mod settings;
+pub mod share;
+pub mod shim;
+pub mod stats;
+pub mod vm;
+pub mod volumes;
