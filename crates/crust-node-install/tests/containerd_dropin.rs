@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 const DROPIN: &str = "deploy/systemd/containerd.service.d/crust.conf";
 
 /// Crates whose binaries run with containerd's environment, or share it.
-const READERS: [&str; 5] = [
+const READERS: [&str; 6] = [
+    "crust-sandbox",
     "crust-runtime",
     "crust-shim",
     "crust-vmm",
@@ -148,7 +149,7 @@ fn the_containerd_dropin_names_only_what_the_binaries_read() {
     }
     // Both sides' Handover defaults agree.
     assert_eq!(
-        const_value("crates/crust-runtime/src/handover.rs", "DEFAULT_ENDPOINT"),
+        const_value("crates/crust-sandbox/src/handover.rs", "DEFAULT_ENDPOINT"),
         const_value(
             "crates/crust-csi/src/config.rs",
             "DEFAULT_HANDOVER_ENDPOINT"

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,6 +23,7 @@ use crust_sandbox::config::Config;
 use crust_sandbox::discovery::{Discovery, HostBind};
 use crust_sandbox::error::RuntimeError;
 use crust_sandbox::handover::{self, Handover};
+use crust_sandbox::net;
 use crust_sandbox::plug::{self, Attachments, GuestPorts};
 use crust_sandbox::records::{ProcRef, SandboxState, SharedMount, Status};
 use crust_sandbox::records::{Volume, WorkloadMount};
@@ -194,42 +195,43 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
     let (plan, asked_at) = plan;
     let share_dir = record_plan(&cfg, &store, &id, &plan, &mut state)?;
 
+    let undo = |claimed| Undo {
+        store: &store,
+        discovery: &discovery,
+        handover: &handover,
+        claimed,
+        share_dir: share_dir.as_deref(),
+    };
     let mut claimed: Vec<Volume> = Vec::new();
     let res = async {
         for v in &plan.volumes {
             claim(&discovery, &store, &id, v, &recorded_cli()?)?;
             claimed.push(v.clone());
         }
-        let mut vc = Guest::config(&cfg, &store.vm_dir(&id), &id);
-        if let Some(dir) = &share_dir {
-            let view = share::make_with_binds(dir, &state.shared_mounts)?;
-            vc.shares = vec![crust_vmm::ShareSpec {
-                tag: share::SHARE_TAG.into(),
-                dir: view,
-            }];
-            vc.virtiofsd_binary = cfg.virtiofsd.clone();
-        }
+        let (vc, network) = vm_config(&cfg, &store, &bundle, share_dir.as_deref(), &mut state)?;
         let guest = Guest::launch_config(vc, cfg.boot_timeout).await?;
         state.qemu = Some(guest.proc_ref());
         state.pid = Some(guest.proc_ref().pid);
         state.accel = Some(guest.accel_choice());
         store.save(&state)?;
-        Ok::<_, RuntimeError>(guest)
+        Ok::<_, RuntimeError>((guest, network))
     }
     .await;
-    let guest = match res {
+    let (guest, network) = match res {
         Ok(g) => g,
         Err(e) => {
-            release_all(&discovery, &id, &claimed);
-            handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
-            share_dir.as_deref().inspect(|d| share::remove_logged(d));
-            mark_failed(&store, &mut state, &e);
+            undo(&claimed).run(&mut state, &e).await;
             return Err(e);
         }
     };
     let (exit_tx, qemu_exit) = watch::channel(None);
     let ctrl = async {
         let (qmp, agent) = connect_guest(&guest, &cfg).await?;
+        if let Some(a) = &network {
+            net::configure(&agent, net::GuestLink::Pod(a))
+                .await
+                .map_err(RuntimeError::GuestNetwork)?;
+        }
         let attachments = Attachments::default();
         // The first root port is taken first.
         attachments.set_buses(guest.hotplug_buses().into_iter().rev().collect());
@@ -256,16 +258,88 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         Ok(c) => c,
         Err(e) => {
             // The guest is dropped (killed) by the failed future.
-            release_all(&discovery, &id, &claimed);
-            handover::give_back(&handover, &discovery, &id, &state.handover_asked).await;
-            share_dir.as_deref().inspect(|d| share::remove_logged(d));
-            mark_failed(&store, &mut state, &e);
+            undo(&claimed).run(&mut state, &e).await;
             return Err(e);
         }
     };
     ctrl.guest.set_exit_notifier(exit_tx);
     plug_planned(&ctrl, &plan.volumes, &asked_at).await?;
     Ok(ctrl)
+}
+
+/// What a setup that failed after its claims undoes, in teardown order
+/// (the guest is gone already: killed when its handle dropped): the taps,
+/// the claims, the handed-over volumes, the share; the record says why.
+struct Undo<'a> {
+    store: &'a SandboxStore,
+    discovery: &'a Discovery,
+    handover: &'a Handover,
+    claimed: &'a [Volume],
+    share_dir: Option<&'a Path>,
+}
+
+impl Undo<'_> {
+    async fn run(self, state: &mut SandboxState, e: &RuntimeError) {
+        net::detach_recorded(state.network_namespace.as_deref(), &state.network_links);
+        release_all(self.discovery, &state.id, self.claimed);
+        handover::give_back(
+            self.handover,
+            self.discovery,
+            &state.id,
+            &state.handover_asked,
+        )
+        .await;
+        self.share_dir.inspect(|d| share::remove_logged(d));
+        mark_failed(self.store, state, e);
+    }
+}
+
+/// The guest's devices besides volumes: the bundle's network (attached
+/// and recorded before QEMU starts, so a failure from here on, or a dead
+/// controller, detaches it by the record) and the virtio-fs share.
+fn vm_config(
+    cfg: &Config,
+    store: &SandboxStore,
+    bundle: &Bundle,
+    share_dir: Option<&Path>,
+    state: &mut SandboxState,
+) -> Result<(crust_vmm::VmConfig, Option<net::Attached>), RuntimeError> {
+    let mut vc = Guest::config(cfg, &store.vm_dir(&state.id), &state.id);
+    let network = attach_network(cfg, bundle)?;
+    if let Some(a) = &network {
+        state.network_namespace = Some(a.ns.path().to_string());
+        state.network_links = a.links();
+        store.save(state)?;
+        vc.nics = a.nics.clone();
+    }
+    if let Some(dir) = share_dir {
+        let view = share::make_with_binds(dir, &state.shared_mounts)?;
+        vc.shares = vec![crust_vmm::ShareSpec {
+            tag: share::SHARE_TAG.into(),
+            dir: view,
+        }];
+        vc.virtiofsd_binary = cfg.virtiofsd.clone();
+    }
+    Ok((vc, network))
+}
+
+/// The bundle's network namespace mirrored as the VM's NICs, as the
+/// containerd door mirrors a pod's (none named: the guest has `lo` only).
+fn attach_network(cfg: &Config, bundle: &Bundle) -> Result<Option<net::Attached>, RuntimeError> {
+    let Some(path) = &bundle.network_namespace else {
+        return Ok(None);
+    };
+    let policy = net::NetPolicy {
+        rules: cfg.netns_rules,
+        anti_spoofing: if bundle.anti_spoofing_off {
+            crust_podnet::AntiSpoof::Off
+        } else {
+            crust_podnet::AntiSpoof::On
+        },
+    };
+    let guest = net::guest_net(&cfg.guest_kernel);
+    let spec = net::PodNetworkSpec::Namespace(path.clone());
+    Ok(net::attach(&spec, cfg.cpus, &guest, policy)?)
 }
 
 /// The guest's QMP and agent connections, once its agent answers.
@@ -568,6 +642,8 @@ impl Controller {
             &st.handover_asked,
         )
         .await;
+        // Then the taps, as the containerd door does.
+        net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
         if !st.shared_mounts.is_empty() {
             share::remove_logged(&self.store.dir(&self.id).join(share::SHARE_DIR));
         }

@@ -189,6 +189,7 @@ impl Runtime {
             if let Some(q) = st.qemu.filter(ProcRef::alive) {
                 crust_sandbox::sandbox::kill_and_wait(q);
             }
+            crust_sandbox::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
             for v in &st.volumes {
                 if let Err(e) = self.discovery.store(v.layout).release(&v.target, id) {
                     tracing::warn!(target = %v.target, "releasing the claim: {e}");

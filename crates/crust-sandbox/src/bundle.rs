@@ -1,5 +1,6 @@
 //! OCI bundle parsing: the parts of `config.json` a VM runtime without a
-//! shared root filesystem can honour (process args/env/cwd/user, mounts).
+//! shared root filesystem can honour (process args/env/cwd/user, mounts,
+//! the network namespace).
 //! The guest brings its own root filesystem, so `root.path` is not used.
 
 use std::path::{Path, PathBuf};
@@ -95,6 +96,14 @@ pub struct Bundle {
     /// containers get them (through the raw-device plug routine).
     #[serde(default)]
     pub devices: Vec<String>,
+    /// The network namespace `linux.namespaces` names (CNI's): its
+    /// interfaces go into the guest ([`crate::net`]). None: the guest has
+    /// `lo` only.
+    #[serde(default)]
+    pub network_namespace: Option<String>,
+    /// The bundle's `io.crust.network.anti-spoofing` is `off`.
+    #[serde(default)]
+    pub anti_spoofing_off: bool,
 }
 
 impl Bundle {
@@ -225,6 +234,13 @@ impl Bundle {
         let defer_required = spec.annotations().as_ref().is_some_and(|a| {
             a.get(crate::records::DEFER_ANNOTATION).map(String::as_str) == Some("required")
         });
+        let network_namespace = match crate::net::PodNetworkSpec::of(&spec).map_err(invalid)? {
+            crate::net::PodNetworkSpec::Namespace(p) => Some(p),
+            crate::net::PodNetworkSpec::Host | crate::net::PodNetworkSpec::Empty => None,
+        };
+        let anti_spoofing =
+            crate::net::anti_spoofing(&spec.annotations().clone().unwrap_or_default())
+                .map_err(invalid)?;
         Ok(Bundle {
             dir: dir.to_path_buf(),
             args,
@@ -251,6 +267,8 @@ impl Bundle {
                 .iter()
                 .map(|d| format!("{} ({}:{})", d.path().display(), d.major(), d.minor()))
                 .collect(),
+            network_namespace,
+            anti_spoofing_off: anti_spoofing == crust_podnet::AntiSpoof::Off,
         })
     }
 }

@@ -60,6 +60,9 @@ pub struct Config {
     pub handover_endpoint: String,
     /// Directories beneath which a regular file may be a volume's disk.
     pub file_device_roots: Vec<PathBuf>,
+    /// Netfilter rules in a sandbox's network namespace (the CLI door;
+    /// the containerd shim has `CRUST_SHIM_NETNS_RULES`).
+    pub netns_rules: crate::net::NetnsRules,
 }
 
 /// Where Kata's CSI driver (csi-kata-directvolume) keeps its volumes'

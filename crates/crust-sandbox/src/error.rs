@@ -36,6 +36,13 @@ pub enum RuntimeError {
     Share(#[from] ShareError),
     #[error(transparent)]
     AgentCall(#[from] AgentCallError),
+    /// The sandbox's network namespace cannot go into its VM (or holds
+    /// netfilter rules the node refuses).
+    #[error(transparent)]
+    Network(#[from] crust_podnet::NetError),
+    /// The guest did not take its network.
+    #[error("the sandbox's network: {0}")]
+    GuestNetwork(String),
     #[error("{context}: {source}")]
     Io {
         context: String,

@@ -23,6 +23,7 @@
 //! - [`shim`]: the per-sandbox HTTP API (server and client, error codes),
 //!   which crust_ops and the CLI call on either door.
 //! - [`katashim`]: the links Kata's tools look for.
+//! - [`net`]: the sandbox's network namespace mirrored into its VM.
 //! - [`metrics`], [`stats`]: what a sandbox reports.
 //! - [`error`]: error causes (their API codes: [`shim::codes`]).
 
@@ -36,6 +37,7 @@ pub mod error;
 pub mod handover;
 pub mod katashim;
 pub mod metrics;
+pub mod net;
 pub mod plug;
 /// What a sandbox persists (its own crate, so tools read the records
 /// without linking the sandbox).

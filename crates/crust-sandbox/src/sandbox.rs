@@ -280,6 +280,8 @@ mod tests {
             seccomp: false,
             user_namespace: false,
             devices: Vec::new(),
+            network_namespace: None,
+            anti_spoofing_off: false,
         }
     }
 

@@ -138,6 +138,16 @@ pub struct GlobalOpts {
         global = true
     )]
     pub file_device_roots: Vec<String>,
+    /// What a bundle's network namespace holding netfilter rules gets:
+    /// refused, carried into the guest, or ignored (logged).
+    #[arg(
+        long,
+        env = "CRUST_RUNTIME_NETNS_RULES",
+        value_enum,
+        default_value = "refuse",
+        global = true
+    )]
+    pub netns_rules: crate::net::NetnsRules,
 }
 
 impl GlobalOpts {
@@ -196,6 +206,7 @@ impl GlobalOpts {
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)
                 .collect(),
+            netns_rules: self.netns_rules,
         }
     }
 }

@@ -473,7 +473,7 @@ pub fn cleanup_pod(cfg: &ShimConfig, store: &SandboxStore, pod: &str) {
     if let Some(q) = st.qemu.filter(|q| q.alive()) {
         crust_sandbox::sandbox::kill_and_wait(q);
     }
-    crate::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
+    crust_sandbox::net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
     if let Ok(d) = Discovery::for_config(&cfg.runtime) {
         crust_sandbox::claims::release_all(&d, pod, &st.volumes);
     }

@@ -53,8 +53,12 @@ struct EnvOpts {
     /// guest's traffic would bypass: `refuse` the pod (and publish an
     /// event naming them), apply them in the `guest` (iptables rules), or
     /// `ignore` them (logged).
+    /// (The runtime CLI's `CRUST_RUNTIME_NETNS_RULES` is the same choice
+    /// for its door; the shim takes its own, which it puts in the runtime
+    /// settings it passes on.)
     #[arg(
-        long,
+        id = "shim_netns_rules",
+        long = "shim-netns-rules",
         env = "CRUST_SHIM_NETNS_RULES",
         value_enum,
         default_value = "refuse"
@@ -80,20 +84,7 @@ struct EnvOpts {
     host_network: HostNetwork,
 }
 
-/// What the shim does with netfilter rules in a pod's namespace
-/// (`CRUST_SHIM_NETNS_RULES`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum NetnsRules {
-    /// Fail the sandbox, naming the tables and chains.
-    #[default]
-    Refuse,
-    /// Apply the namespace's iptables rules in the guest's network
-    /// namespace before any container starts (a mesh's REDIRECT to its
-    /// sidecar works there); rules that cannot be carried refuse the pod.
-    Guest,
-    /// Run the pod; the rules are logged and do not apply to it.
-    Ignore,
-}
+pub use crust_sandbox::net::NetnsRules;
 
 /// A pod's [`crate::spec::CRUST_MEMORY`] annotation above a cap.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -113,7 +104,6 @@ pub struct ShimConfig {
     /// 0: the host's cores ([`ShimConfig::max_vcpus`]).
     pub max_cpus: u32,
     pub lsm_policy: LsmPolicy,
-    pub netns_rules: NetnsRules,
     pub host_namespaces: Vec<HostNamespace>,
     pub host_network: HostNetwork,
 }
@@ -147,6 +137,7 @@ impl ShimConfig {
                 }
             }
         }
+        runtime.netns_rules = o.netns_rules;
         Ok(ShimConfig {
             runtime,
             runtime_cli: runtime_cli.to_string_lossy().into_owned(),
@@ -155,7 +146,6 @@ impl ShimConfig {
             max_memory_mib: o.max_memory_mib,
             max_cpus: o.max_cpus,
             lsm_policy: o.lsm_policy,
-            netns_rules: o.netns_rules,
             host_namespaces: o.host_namespaces,
             host_network: o.host_network,
         })
@@ -242,7 +232,6 @@ pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
         max_memory_mib: 8192,
         max_cpus: 0,
         lsm_policy: LsmPolicy::Ignore,
-        netns_rules: NetnsRules::Refuse,
         host_namespaces: Vec::new(),
         host_network: HostNetwork::Refuse,
     }
@@ -251,6 +240,17 @@ pub(crate) fn for_tests(dir: &Path) -> ShimConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shim's own settings and the runtime's it flattens in never
+    /// share a name (clap panics at the shim's start otherwise, before
+    /// it can say anything to containerd).
+    #[test]
+    fn the_shims_settings_and_the_runtimes_do_not_clash() {
+        use clap::CommandFactory;
+        EnvOpts::command().debug_assert();
+        let c = for_tests(Path::new("/nonexistent"));
+        assert_eq!(c.runtime.netns_rules, NetnsRules::Refuse);
+    }
 
     #[test]
     fn memory_follows_the_limits() {

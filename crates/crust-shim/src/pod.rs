@@ -221,7 +221,7 @@ impl Pod {
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
         network: &crate::spec::PodNetworkSpec,
-        policy: crate::net::NetPolicy,
+        policy: crust_sandbox::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
         let _g = self.boot.lock().await;
         if let Some(v) = self.vm.read().await.clone() {
@@ -306,14 +306,14 @@ impl Pod {
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
         network: &crate::spec::PodNetworkSpec,
-        policy: crate::net::NetPolicy,
+        policy: crust_sandbox::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
         // Checked and attached first: a network that cannot go into a VM
         // fails the sandbox before anything boots.
         crate::spec::check_host_network(network, self.cfg.host_network)?;
         let user_mode = *network == crate::spec::PodNetworkSpec::Host;
-        let guest = crate::net::guest_net(&self.cfg.runtime.guest_kernel);
-        let net = crate::net::attach(network, cpus, &guest, policy)?;
+        let guest = crust_sandbox::net::guest_net(&self.cfg.runtime.guest_kernel);
+        let net = crust_sandbox::net::attach(network, cpus, &guest, policy)?;
         if let Some(a) = &net {
             self.update(|s| {
                 s.network_namespace = Some(a.ns.path().to_string());
@@ -336,7 +336,7 @@ impl Pod {
         memory_mib: u32,
         cpus: u32,
         cgroup: Option<&crate::cgroup::Placement>,
-        net: Option<&crate::net::Attached>,
+        net: Option<&crust_sandbox::net::Attached>,
         user_mode: bool,
     ) -> Result<Arc<PodVm>, PodError> {
         let share = self.make_share()?;
@@ -391,11 +391,11 @@ impl Pod {
             ));
         }
         let link = match net {
-            Some(a) => crate::net::GuestLink::Pod(a),
-            None if user_mode => crate::net::GuestLink::UserMode,
-            None => crate::net::GuestLink::LoopbackOnly,
+            Some(a) => crust_sandbox::net::GuestLink::Pod(a),
+            None if user_mode => crust_sandbox::net::GuestLink::UserMode,
+            None => crust_sandbox::net::GuestLink::LoopbackOnly,
         };
-        if let Err(e) = crate::net::configure(&agent, link).await {
+        if let Err(e) = crust_sandbox::net::configure(&agent, link).await {
             guest.kill().await;
             return Err(PodError::host("the pod's network", e));
         }
@@ -777,7 +777,7 @@ impl Pod {
         )
         .await;
         if let Some(s) = self.snapshot() {
-            crate::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
+            crust_sandbox::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
         }
         self.update(|s| s.status = Status::Stopped);
         self.stop_api();

@@ -80,7 +80,7 @@ impl ShimHandler for Pod {
         .await;
         let (netns, links) = (st.network_namespace.clone(), st.network_links.clone());
         let guard = tokio::task::spawn_blocking(move || {
-            crate::net::guard_metrics(netns.as_deref(), &links)
+            crust_sandbox::net::guard_metrics(netns.as_deref(), &links)
         })
         .await
         .unwrap_or_default();

@@ -30,10 +30,7 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// `io.crust.*` pod annotations through `pod_annotations`).
 pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 pub const CRUST_MEMORY: &str = "io.crust.memory-bytes";
-/// `off` lets the pod's guest send frames from any address (routers,
-/// VRRP): the anti-spoofing guard of `crust_podnet::guard` is on
-/// otherwise. Logged when off.
-pub const CRUST_ANTI_SPOOFING: &str = "io.crust.network.anti-spoofing";
+pub use crust_sandbox::net::{CRUST_ANTI_SPOOFING, PodNetworkSpec};
 /// The pod's CPU limit (containerd 1.7+) as a CFS quota and period.
 pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
 pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
@@ -397,18 +394,6 @@ pub fn namespace(
     }
 }
 
-/// Where a pod's network comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PodNetworkSpec {
-    /// No network namespace in the spec: the node's network
-    /// (`hostNetwork`): refused or user-mode ([`check_host_network`]).
-    Host,
-    /// A namespace of its own that the runtime makes (no CNI): only `lo`.
-    Empty,
-    /// CNI's namespace at this path: its interfaces go into the guest.
-    Namespace(String),
-}
-
 /// A host block device the container gets as a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostDevice {
@@ -675,32 +660,8 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     );
     let cpu_max = own_cpu_max(&linux).map_err(invalid)?;
     let own_cpus = cpu_max.and_then(|c| Some(c.quota_us?.div_ceil(c.period_us) as u32));
-    let network = match linux
-        .namespaces()
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network)
-    {
-        None => PodNetworkSpec::Host,
-        Some(n) => match n.path() {
-            None => PodNetworkSpec::Empty,
-            Some(p) => PodNetworkSpec::Namespace(
-                p.to_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| invalid("the network namespace path is not UTF-8".into()))?,
-            ),
-        },
-    };
-    let anti_spoofing = match a.get(CRUST_ANTI_SPOOFING).map(String::as_str) {
-        None | Some("on") => crust_podnet::AntiSpoof::On,
-        Some("off") => crust_podnet::AntiSpoof::Off,
-        Some(v) => {
-            return Err(invalid(format!(
-                "annotation {CRUST_ANTI_SPOOFING} = {v:?}: \"on\" or \"off\""
-            )));
-        }
-    };
+    let network = PodNetworkSpec::of(spec).map_err(invalid)?;
+    let anti_spoofing = crust_sandbox::net::anti_spoofing(&a).map_err(invalid)?;
     let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
         anti_spoofing,

@@ -26,8 +26,12 @@
 //!   to this node's over the peer port (README "ModifyVolume across
 //!   nodes").
 //!
-//! Budget: per door containerd + crust-csi + two TCG boots, ~30 s; the two
-//! tests run side by side (two VM slots).
+//! * The network (`the_guest_takes_the_network_namespace`): a namespace
+//!   with netfilter rules refused by name, a CNI namespace mirrored into
+//!   the guest and left as CNI made it.
+//!
+//! Budget: per door containerd + crust-csi + two TCG boots, ~30 s, and
+//! ~15 s for the network; the door tests run side by side (two VM slots).
 
 #![allow(
     clippy::too_many_lines,
@@ -137,6 +141,19 @@ impl Door {
         binds: &[(&str, &str)],
         script: &str,
     ) -> Result<Workload<'a>, String> {
+        self.start_in(env, id, binds, script, None)
+    }
+
+    /// [`Door::start`] in the network namespace at `netns` (its OCI
+    /// `linux.namespaces` entry: the CLI's bundle, `ctr run --with-ns`).
+    fn start_in<'a>(
+        self,
+        env: &'a Env,
+        id: &str,
+        binds: &[(&str, &str)],
+        script: &str,
+        netns: Option<&str>,
+    ) -> Result<Workload<'a>, String> {
         let w = Workload {
             env,
             door: self,
@@ -153,7 +170,7 @@ impl Door {
                             "source": src, "options": ["rbind", "rprivate"]})
                     })
                     .collect();
-                let spec = serde_json::json!({
+                let mut spec = serde_json::json!({
                     "ociVersion": "1.0.2",
                     "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
                         "args": ["sh", "-c", script],
@@ -161,6 +178,10 @@ impl Door {
                     "root": {"path": "rootfs"},
                     "mounts": mounts,
                 });
+                if let Some(p) = netns {
+                    spec["linux"] =
+                        serde_json::json!({"namespaces": [{"type": "network", "path": p}]});
+                }
                 std::fs::write(bundle.join("config.json"), spec.to_string()).unwrap();
                 let o = cli(env, &["create", "--bundle", bundle.to_str().unwrap(), id]);
                 if o.status.success() {
@@ -177,6 +198,10 @@ impl Door {
                 let mut args = vec!["run", "-d", "--runtime", RUNTIME];
                 for m in &mounts {
                     args.extend(["--mount", m.as_str()]);
+                }
+                let with_ns = netns.map(|p| format!("network:{p}"));
+                if let Some(ns) = &with_ns {
+                    args.extend(["--with-ns", ns.as_str()]);
                 }
                 args.extend([BUSYBOX_IMAGE, id, "sh", "-c", script]);
                 env.ctrd.ctr_in(NS, &args)
@@ -832,4 +857,92 @@ async fn cli_door_holds_the_device_while_the_guest_uses_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containerd_door_holds_the_device_while_the_guest_uses_it() {
     the_guest_holds_its_devices(Door::Containerd).await;
+}
+
+/// Both doors take a network namespace through crust-sandbox's `net`: one
+/// with netfilter rules is refused naming them and nothing is attached;
+/// a CNI namespace is mirrored (the guest's `eth0` has CNI's address and
+/// route and reaches CNI's gateway) and left as CNI made it after the
+/// workload is removed. Budget: per door containerd + one TCG boot, ~15 s.
+async fn the_guest_takes_the_network_namespace(door: Door) {
+    let env = Env::start(NS);
+    let tag = format!("{door:?}").to_lowercase();
+    let cni = crust_testkit::CniNamespace::new(env.dir.path(), &tag);
+    let before = cni.links();
+    let in_ns = |args: &[&str]| {
+        let o = Command::new("nsenter")
+            .arg(format!("--net={}", cni.path()))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+    };
+
+    in_ns(&[
+        "iptables-nft",
+        "-A",
+        "INPUT",
+        "-p",
+        "tcp",
+        "--dport",
+        "9",
+        "-j",
+        "DROP",
+    ]);
+    let err = door
+        .start_in(
+            &env,
+            &format!("{tag}-rules"),
+            &[],
+            "sleep 600",
+            Some(&cni.path()),
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{door:?}: a namespace with netfilter rules was taken"));
+    assert!(err.contains("INPUT"), "{door:?}: {err}\n{}", env.logs());
+    assert_eq!(cni.links(), before, "{door:?}: refused, yet attached");
+    if let Door::Containerd = door {
+        let _ = env
+            .ctrd
+            .ctr_in(NS, &["containers", "rm", &format!("{tag}-rules")]);
+    }
+    in_ns(&["nft", "delete", "table", "ip", "filter"]);
+
+    let w = door
+        .start_in(
+            &env,
+            &format!("{tag}-net"),
+            &[],
+            "sleep 600",
+            Some(&cni.path()),
+        )
+        .unwrap_or_else(|e| panic!("{door:?}: {e}\n{}", env.logs()));
+    assert!(cni.links().len() > before.len(), "{door:?}: no tap");
+    let addrs = w.exec("ip -o -4 addr show dev eth0").unwrap_or_default();
+    assert!(addrs.contains(&cni.address), "{door:?}: {addrs}");
+    let routes = w.exec("ip -4 route").unwrap_or_default();
+    assert!(
+        routes.contains(&format!("default via {}", cni.gateway)),
+        "{door:?}: {routes}"
+    );
+    assert!(
+        w.exec(&format!("ping -c 2 -W 5 {}", cni.gateway)).is_some(),
+        "{door:?}: the gateway is not reached"
+    );
+    drop(w);
+    assert_eq!(
+        cni.links(),
+        before,
+        "{door:?}: the namespace is not as CNI left it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_door_takes_the_network_namespace() {
+    the_guest_takes_the_network_namespace(Door::Cli).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containerd_door_takes_the_network_namespace() {
+    the_guest_takes_the_network_namespace(Door::Containerd).await;
 }

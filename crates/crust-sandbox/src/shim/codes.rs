@@ -54,6 +54,8 @@ impl RuntimeError {
             E::Volume(e) => e.code(),
             E::Share(e) => share_code(e),
             E::AgentCall(e) => agent_code(&e.cause),
+            E::Network(_) => Code::FailedPrecondition,
+            E::GuestNetwork(_) => Code::Internal,
             E::Io { .. } => Code::Internal,
             E::EnvSettings(_)
             | E::UnknownSignal(_)

@@ -160,8 +160,8 @@ impl Service {
                 cpus,
                 placement.as_ref(),
                 &plan.network,
-                crate::net::NetPolicy {
-                    rules: self.pod.cfg.netns_rules,
+                crust_sandbox::net::NetPolicy {
+                    rules: self.pod.cfg.runtime.netns_rules,
                     anti_spoofing: plan.anti_spoofing,
                 },
             )
