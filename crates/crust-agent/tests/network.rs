@@ -3,13 +3,12 @@
 //! links stand in for the guest's virtio-net NICs, found by MAC, and
 //! iproute2's JSON output is the observer. Root only. Budget: < 2 s.
 
-use std::process::Command;
-
 use crust_agent::network::Network;
 use crust_agent_proto::{
     AgentError, ConfigureNetwork, ErrorCode, NetAddress, NetInterface, NetNeighbour, NetRoute,
     RouteScope,
 };
+use crust_testkit::ip;
 use serde_json::Value;
 
 const MAC_A: &str = "02:00:00:00:00:0a";
@@ -25,16 +24,6 @@ fn in_netns(f: impl FnOnce() + Send + 'static) {
     })
     .join()
     .unwrap_or_else(|p| std::panic::resume_unwind(p));
-}
-
-fn ip(args: &[&str]) -> String {
-    let out = Command::new("ip").args(args).output().expect("ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 fn ipj(args: &[&str]) -> Value {

@@ -18,21 +18,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crust_podnet::{AntiSpoof, GuestNet, NetNs, attach, detach, guard, scan};
+use crust_testkit::ip;
 
 /// A named namespace with a veth into it; removed on drop.
 struct Pod {
     name: String,
     host_if: String,
-}
-
-fn ip(args: &[&str]) -> String {
-    let o = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        o.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 impl Pod {

@@ -273,6 +273,28 @@ impl Bundle {
     }
 }
 
+/// A bundle of `/bin/true` with `mounts` and nothing else, for unit tests.
+#[cfg(test)]
+pub(crate) fn for_tests(mounts: Vec<BundleMount>) -> Bundle {
+    Bundle {
+        dir: "/b".into(),
+        args: vec!["/bin/true".into()],
+        env: vec![],
+        cwd: "/".into(),
+        uid: 0,
+        gid: 0,
+        additional_gids: vec![],
+        mounts,
+        pod_uid: None,
+        defer_required: false,
+        seccomp: false,
+        user_namespace: false,
+        devices: Vec::new(),
+        network_namespace: None,
+        anti_spoofing_off: false,
+    }
+}
+
 /// The pod uid every annotation naming one agrees on. Two that disagree
 /// are refused: one of them was not set by the container manager.
 fn pod_uid(

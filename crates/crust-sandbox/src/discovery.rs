@@ -503,23 +503,7 @@ mod tests {
     }
 
     fn bundle(mounts: Vec<BundleMount>) -> Bundle {
-        Bundle {
-            dir: "/b".into(),
-            args: vec!["/bin/true".into()],
-            env: vec![],
-            cwd: "/".into(),
-            uid: 0,
-            gid: 0,
-            additional_gids: vec![],
-            mounts,
-            pod_uid: None,
-            defer_required: false,
-            seccomp: false,
-            user_namespace: false,
-            devices: Vec::new(),
-            network_namespace: None,
-            anti_spoofing_off: false,
-        }
+        crate::bundle::for_tests(mounts)
     }
 
     fn bind(dest: &str, src: &str, ro: bool) -> BundleMount {

@@ -266,23 +266,7 @@ mod tests {
     use crate::bundle::Bundle;
 
     fn bundle() -> Bundle {
-        Bundle {
-            dir: "/b".into(),
-            args: vec!["/bin/true".into()],
-            env: vec![],
-            cwd: "/".into(),
-            uid: 0,
-            gid: 0,
-            additional_gids: vec![],
-            mounts: vec![],
-            pod_uid: None,
-            defer_required: false,
-            seccomp: false,
-            user_namespace: false,
-            devices: Vec::new(),
-            network_namespace: None,
-            anti_spoofing_off: false,
-        }
+        crate::bundle::for_tests(Vec::new())
     }
 
     #[test]

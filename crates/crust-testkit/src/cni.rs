@@ -23,7 +23,7 @@ pub struct CniNamespace {
 }
 
 /// `ip ARGS` on the host; its stdout, panicking on failure.
-fn ip(args: &[&str]) -> String {
+pub fn ip(args: &[&str]) -> String {
     let o = Command::new("ip").args(args).output().unwrap();
     assert!(
         o.status.success(),

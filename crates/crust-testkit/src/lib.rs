@@ -18,7 +18,7 @@ mod qemu;
 
 pub use alias::{Alias, AliasCase, assert_fsck_clean, losetup, sha256};
 pub use capture::Capture;
-pub use cni::CniNamespace;
+pub use cni::{CniNamespace, ip};
 pub use containerd::{
     BUSYBOX_IMAGE, CRI_NAMESPACE, CRUST_HANDLER, CRUST_RUNTIME_TYPE, Containerd, ContainerdOptions,
     Events, PAUSE_IMAGE, WEBSERVER_IMAGE, ensure_test_images, pid_alive, test_images_dir,
