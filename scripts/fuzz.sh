@@ -27,7 +27,7 @@
 # mount namespace, where it first drops the mount copies it does not use,
 # so it pins no other mount of the node; it shares mount_options' corpus
 # and dictionary); and oci_plan, the shim's OCI spec -> container plan
-# (the `shim` feature: containerd-shim and its stack with the sanitizer).
+# (the `shim` feature: the sandbox crate's stack with the sanitizer).
 #
 # Needs the nightly toolchain and cargo-fuzz (scripts/install-deps.sh);
 # --coverage also Debian's llvm-N (llvm-cov, llvm-profdata) where N is the
@@ -219,7 +219,7 @@ parser_files_of() {
     shim_http) echo crates/crust-shim-api/src/call.rs ;;
     h2_authority) echo crates/crust-h2-authority/src/lib.rs ;;
     csi_request) echo crates/crust-csi/src/controller/{mod,service}.rs crates/crust-csi/src/{caps,paging}.rs crates/crust-csi/src/node/mod.rs ;;
-    oci_plan) echo crates/crust-shim/src/spec.rs ;;
+    oci_plan) echo crates/crust-sandbox/src/spec.rs ;;
     peer_request) echo crates/crust-peer-seal/src/lib.rs ;;
   esac
 }

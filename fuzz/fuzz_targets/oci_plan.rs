@@ -1,7 +1,8 @@
 //! Long form only (the `shim` feature): a container's OCI spec, as
 //! containerd writes config.json into the bundle, read by the crust shim
-//! and turned into what the guest runs (`spec::load` + `spec::plan`), and
-//! the LinuxResources of a task Update (`spec::update_limits`).
+//! and turned into what the guest runs (crust-sandbox's `spec::load` +
+//! `spec::plan`), and the LinuxResources of a task Update
+//! (`spec::update_limits`).
 //! Invariants: no panic; malformed input is an error, never a plan; a plan
 //! runs something, shares only absolute host paths without `..`, mounts
 //! each destination once, names a valid namespace set and passes the
@@ -12,7 +13,7 @@
 
 use std::path::{Component, Path};
 
-use crust_shim::spec::{self, Planned};
+use crust_sandbox::spec::{self, Planned};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -23,11 +23,13 @@ use crust_sandbox::config::Config;
 use crust_sandbox::discovery::{Discovery, HostBind};
 use crust_sandbox::error::RuntimeError;
 use crust_sandbox::handover::{self, Handover};
+use crust_sandbox::lifecycle::{self, BootSpec, Recorded};
 use crust_sandbox::net;
 use crust_sandbox::plug::{self, Attachments, GuestPorts};
 use crust_sandbox::records::{ProcRef, SandboxState, SharedMount, Status};
 use crust_sandbox::records::{Volume, WorkloadMount};
 use crust_sandbox::sandbox::SandboxStore;
+use crust_sandbox::served::{Reach, Served, VolumeLocks};
 use crust_sandbox::share;
 use crust_sandbox::shim::{self, ApiError, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crust_sandbox::stats::{
@@ -57,8 +59,8 @@ pub struct Controller {
     /// Hot-plug buses, plugged volumes and the exclusive holds on their
     /// host devices (kept while the guest may use them).
     attachments: Attachments,
-    /// One resize / hot-plug at a time per volume.
-    volume_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One resize / throttle at a time per volume.
+    volume_locks: VolumeLocks,
     hotplug: tokio::sync::Mutex<()>,
     teardown: tokio::sync::Mutex<bool>,
     stopping: AtomicBool,
@@ -208,68 +210,47 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
             claim(&discovery, &store, &id, v, &recorded_cli()?)?;
             claimed.push(v.clone());
         }
-        let (vc, network) = vm_config(&cfg, &store, &bundle, share_dir.as_deref(), &mut state)?;
-        let guest = Guest::launch_config(vc, cfg.boot_timeout).await?;
-        state.qemu = Some(guest.proc_ref());
-        state.pid = Some(guest.proc_ref().pid);
-        state.accel = Some(guest.accel_choice());
-        store.save(&state)?;
-        Ok::<_, RuntimeError>((guest, network))
+        let spec = boot_spec(&cfg, &store, &bundle, share_dir.as_deref(), &state)?;
+        let mut record = |step: Recorded<'_>| {
+            step.apply(&mut state);
+            Ok(store.save(&state)?)
+        };
+        lifecycle::boot(spec, &mut record).await
     }
     .await;
-    let (guest, network) = match res {
-        Ok(g) => g,
+    let booted = match res {
+        Ok(b) => b,
         Err(e) => {
             undo(&claimed).run(&mut state, &e).await;
             return Err(e);
         }
     };
-    let (exit_tx, qemu_exit) = watch::channel(None);
-    let ctrl = async {
-        let (qmp, agent) = connect_guest(&guest, &cfg).await?;
-        if let Some(a) = &network {
-            net::configure(&agent, net::GuestLink::Pod(a))
-                .await
-                .map_err(RuntimeError::GuestNetwork)?;
-        }
-        let attachments = Attachments::default();
-        // The first root port is taken first.
-        attachments.set_buses(guest.hotplug_buses().into_iter().rev().collect());
-        Ok::<_, RuntimeError>(Controller {
-            state: Mutex::new(state.clone()),
-            attachments,
-            volume_locks: Mutex::new(HashMap::new()),
-            hotplug: tokio::sync::Mutex::new(()),
-            teardown: tokio::sync::Mutex::new(false),
-            stopping: AtomicBool::new(false),
-            qemu_exit,
-            cfg: cfg.clone(),
-            id: id.clone(),
-            store: store.clone(),
-            discovery: discovery.clone(),
-            bundle,
-            guest,
-            qmp,
-            agent,
-        })
-    }
-    .await;
-    let ctrl = match ctrl {
-        Ok(c) => c,
-        Err(e) => {
-            // The guest is dropped (killed) by the failed future.
-            undo(&claimed).run(&mut state, &e).await;
-            return Err(e);
-        }
+    let attachments = Attachments::default();
+    attachments.set_buses(booted.guest.hotplug_buses());
+    let ctrl = Controller {
+        state: Mutex::new(state.clone()),
+        attachments,
+        volume_locks: VolumeLocks::default(),
+        hotplug: tokio::sync::Mutex::new(()),
+        teardown: tokio::sync::Mutex::new(false),
+        stopping: AtomicBool::new(false),
+        qemu_exit: booted.exit,
+        cfg: cfg.clone(),
+        id: id.clone(),
+        store: store.clone(),
+        discovery: discovery.clone(),
+        bundle,
+        guest: booted.guest,
+        qmp: booted.qmp,
+        agent: booted.agent,
     };
-    ctrl.guest.set_exit_notifier(exit_tx);
     plug_planned(&ctrl, &plan.volumes, &asked_at).await?;
     Ok(ctrl)
 }
 
 /// What a setup that failed after its claims undoes, in teardown order
-/// (the guest is gone already: killed when its handle dropped): the taps,
-/// the claims, the handed-over volumes, the share; the record says why.
+/// (a failed boot killed its guest and removed its taps): the claims, the
+/// handed-over volumes, the share; the record says why.
 struct Undo<'a> {
     store: &'a SandboxStore,
     discovery: &'a Discovery,
@@ -280,7 +261,6 @@ struct Undo<'a> {
 
 impl Undo<'_> {
     async fn run(self, state: &mut SandboxState, e: &RuntimeError) {
-        net::detach_recorded(state.network_namespace.as_deref(), &state.network_links);
         release_all(self.discovery, &state.id, self.claimed);
         handover::give_back(
             self.handover,
@@ -294,40 +274,29 @@ impl Undo<'_> {
     }
 }
 
-/// The guest's devices besides volumes: the bundle's network (attached
-/// and recorded before QEMU starts, so a failure from here on, or a dead
-/// controller, detaches it by the record) and the virtio-fs share.
-fn vm_config(
-    cfg: &Config,
+/// What the CLI door boots: the configured guest with the virtio-fs share
+/// (when the sandbox has one) and the bundle's network namespace, if it
+/// names one (mirrored as the VM's NICs, as the containerd door mirrors a
+/// pod's; none named: the guest has `lo` only).
+fn boot_spec<'a>(
+    cfg: &'a Config,
     store: &SandboxStore,
     bundle: &Bundle,
     share_dir: Option<&Path>,
-    state: &mut SandboxState,
-) -> Result<(crust_vmm::VmConfig, Option<net::Attached>), RuntimeError> {
-    let mut vc = Guest::config(cfg, &store.vm_dir(&state.id), &state.id);
-    let network = attach_network(cfg, bundle)?;
-    if let Some(a) = &network {
-        state.network_namespace = Some(a.ns.path().to_string());
-        state.network_links = a.links();
-        store.save(state)?;
-        vc.nics = a.nics.clone();
-    }
+    state: &SandboxState,
+) -> Result<BootSpec<'a>, RuntimeError> {
+    let mut vm = Guest::config(cfg, &store.vm_dir(&state.id), &state.id);
     if let Some(dir) = share_dir {
         let view = share::make_with_binds(dir, &state.shared_mounts)?;
-        vc.shares = vec![crust_vmm::ShareSpec {
+        vm.shares = vec![crust_vmm::ShareSpec {
             tag: share::SHARE_TAG.into(),
             dir: view,
         }];
-        vc.virtiofsd_binary = cfg.virtiofsd.clone();
+        vm.virtiofsd_binary = cfg.virtiofsd.clone();
     }
-    Ok((vc, network))
-}
-
-/// The bundle's network namespace mirrored as the VM's NICs, as the
-/// containerd door mirrors a pod's (none named: the guest has `lo` only).
-fn attach_network(cfg: &Config, bundle: &Bundle) -> Result<Option<net::Attached>, RuntimeError> {
-    let Some(path) = &bundle.network_namespace else {
-        return Ok(None);
+    let network = match &bundle.network_namespace {
+        Some(path) => net::PodNetworkSpec::Namespace(path.clone()),
+        None => net::PodNetworkSpec::Empty,
     };
     let policy = net::NetPolicy {
         rules: cfg.netns_rules,
@@ -337,28 +306,12 @@ fn attach_network(cfg: &Config, bundle: &Bundle) -> Result<Option<net::Attached>
             crust_podnet::AntiSpoof::On
         },
     };
-    let guest = net::guest_net(&cfg.guest_kernel);
-    let spec = net::PodNetworkSpec::Namespace(path.clone());
-    Ok(net::attach(&spec, cfg.cpus, &guest, policy)?)
-}
-
-/// The guest's QMP and agent connections, once its agent answers.
-async fn connect_guest(
-    guest: &Guest,
-    cfg: &Config,
-) -> Result<(QmpClient, AgentClient), RuntimeError> {
-    let qmp = QmpClient::connect(guest.qmp_socket(), cfg.timeout)
-        .await
-        .map_err(RuntimeError::QmpConnect)?;
-    let agent = AgentClient::with_timeout(guest.agent_socket(), cfg.timeout);
-    agent
-        .wait_ready(cfg.boot_timeout)
-        .await
-        .map_err(|cause| RuntimeError::AgentNotReady {
-            cause,
-            console: guest.console_tail(),
-        })?;
-    Ok((qmp, agent))
+    Ok(BootSpec {
+        cfg,
+        vm,
+        network,
+        policy,
+    })
 }
 
 /// Persists who we are and what we are about to claim before claiming, so
@@ -410,16 +363,7 @@ async fn plug_planned(
             return Err(e);
         }
         if let Some(t0) = asked_at.get(&v.target) {
-            let ms = t0.elapsed().as_millis() as u64;
-            let plug_ms = plug_t0.elapsed().as_millis() as u64;
-            tracing::info!(target = %v.target, elapsed_ms = ms, plug_ms,
-                "handed-over volume mounted in the guest (handover request to mounted)");
-            ctrl.update(|s| {
-                if let Some(ev) = s.events.iter_mut().find(|e| e.target == v.target) {
-                    ev.elapsed_ms = Some(ms);
-                    ev.plug_ms = Some(plug_ms);
-                }
-            });
+            ctrl.update(handover::mounted(&v.target, *t0, plug_t0));
             handover::crash_point("mounted");
         }
     }
@@ -516,15 +460,6 @@ impl Controller {
         .into()
     }
 
-    fn volume_lock(&self, vol: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.volume_locks
-            .lock()
-            .expect("locks")
-            .entry(vol.to_string())
-            .or_default()
-            .clone()
-    }
-
     /// Marks the sandbox stopped when QEMU exits on its own.
     fn spawn_qemu_watch(self: &Arc<Self>) {
         let me = self.clone();
@@ -596,23 +531,26 @@ impl Controller {
         Ok(())
     }
 
-    /// The volume a stats/resize path names: its target (volume path),
-    /// its host device (what Kata's CLI sends), or its guest mount path.
-    fn find_volume(&self, path: &str) -> Result<Volume, RuntimeError> {
-        let st = self.state.lock().expect("state lock");
-        st.volumes
-            .iter()
-            .find(|v| v.target == path)
-            .or_else(|| {
-                st.volumes
-                    .iter()
-                    .find(|v| v.device == path || volumes::guest_path(v) == path)
-            })
-            .cloned()
-            .ok_or_else(|| RuntimeError::NoVolume {
-                sandbox: self.id.clone(),
-                path: path.to_string(),
-            })
+    /// The sandbox as its shim API serves it ([`Served`]).
+    fn served(&self) -> Served<'_> {
+        let reach = if self.qemu_exited().is_some() {
+            Reach::Down("QEMU exited".into())
+        } else if self.stopping.load(Ordering::SeqCst) {
+            Reach::Down("shutting down".into())
+        } else {
+            Reach::Live {
+                qmp: &self.qmp,
+                agent: &self.agent,
+            }
+        };
+        Served {
+            state: self.snapshot(),
+            reach,
+            attachments: &self.attachments,
+            locks: &self.volume_locks,
+            timeout: self.cfg.timeout,
+            slow_timeout: self.cfg.boot_timeout,
+        }
     }
 
     /// Stops the workload, unmounts, powers the guest off (killing it if
@@ -631,22 +569,17 @@ impl Controller {
             timeout: self.cfg.timeout,
             workload_grace: (st.status == Status::Running).then_some(STOP_GRACE),
         };
-        crust_sandbox::vm::stop_guest(stop, &st.volumes, self.qemu_exited().is_none()).await;
-        // QEMU has exited (or was killed): the holds, then the claims.
-        plug::release_host_side(
-            &self.attachments,
-            &self.discovery,
-            &Handover::new(&self.cfg),
-            &self.id,
-            &st.volumes,
-            &st.handover_asked,
-        )
+        let share = self.store.dir(&self.id).join(share::SHARE_DIR);
+        lifecycle::teardown(lifecycle::Teardown {
+            id: &self.id,
+            guest: Some((stop, self.qemu_exited().is_none())),
+            attachments: &self.attachments,
+            discovery: &self.discovery,
+            handover: &Handover::new(&self.cfg),
+            state: &st,
+            share: (!st.shared_mounts.is_empty()).then_some(share.as_path()),
+        })
         .await;
-        // Then the taps, as the containerd door does.
-        net::detach_recorded(st.network_namespace.as_deref(), &st.network_links);
-        if !st.shared_mounts.is_empty() {
-            share::remove_logged(&self.store.dir(&self.id).join(share::SHARE_DIR));
-        }
         self.update(|s| {
             s.status = Status::Stopped;
             if let Some(f) = failure {
@@ -724,88 +657,27 @@ impl ShimHandler for Controller {
     }
 
     async fn metrics(&self) -> ApiResult<String> {
-        let agent = self.qemu_exited().is_none().then_some(&self.agent);
-        Ok(crust_sandbox::metrics::sandbox_metrics(
-            &self.snapshot(),
-            agent,
-            self.attachments.alias_watch(),
-            self.cfg.timeout,
-        )
-        .await)
+        Ok(self.served().metrics().await)
     }
 
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
-        let v = self.find_volume(&path)?;
-        if self.qemu_exited().is_some() {
-            return Ok(VolumeStats::abnormal(format!(
-                "sandbox {} is not running (QEMU exited)",
-                self.id
-            )));
-        }
-        if self.stopping.load(Ordering::SeqCst) {
-            return Ok(VolumeStats::abnormal(format!(
-                "sandbox {} is shutting down",
-                self.id
-            )));
-        }
-        Ok(crust_sandbox::alias_watch::stats(
-            self.attachments.alias_watch(),
-            &self.agent,
-            &v,
-            self.cfg.timeout,
-        )
-        .await?)
+        self.served().stats(&path).await
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
-        let v = self.find_volume(&req.volume_path)?;
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        let lock = self.volume_lock(&v.id);
-        let _g = lock.lock().await;
-        let capacity_bytes = volumes::resize(
-            &self.qmp,
-            &self.agent,
-            &v,
-            req.size,
-            req.max_bytes,
-            self.cfg.boot_timeout,
-        )
-        .await?;
-        Ok(ResizeResponse { capacity_bytes })
+        self.served().resize(req).await
     }
 
     async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
-        let v = self.find_volume(&req.volume_path)?;
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        Ok(volumes::freeze(
-            &self.agent,
-            &v,
-            Duration::from_millis(req.max_frozen_ms),
-            self.cfg.timeout,
-        )
-        .await?)
+        self.served().freeze(req).await
     }
 
     async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
-        let v = self.find_volume(&req.volume_path)?;
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        Ok(volumes::thaw(&self.agent, &v, self.cfg.timeout).await?)
+        self.served().thaw(req).await
     }
 
     async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
-        let v = self.find_volume(&req.volume_path)?;
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        let lock = self.volume_lock(&v.id);
-        let _g = lock.lock().await;
-        Ok(volumes::throttle_request(&self.qmp, &v, &req.limits).await?)
+        self.served().throttle(req).await
     }
 
     async fn add_volume(&self, volume_path: String) -> ApiResult<Volume> {
@@ -816,7 +688,7 @@ impl ShimHandler for Controller {
             return Err(self.not_running("shutting down"));
         }
         let _g = self.hotplug.lock().await;
-        if let Ok(v) = self.find_volume(&volume_path)
+        if let Ok(v) = self.served().volume(&volume_path)
             && v.target == volume_path
         {
             return Ok(v);
@@ -851,10 +723,7 @@ impl ShimHandler for Controller {
     }
 
     async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        Ok(volumes::exec_in_guest(&self.agent, req, self.cfg.timeout).await?)
+        self.served().exec(req).await
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {

@@ -430,6 +430,29 @@ where
     }
 }
 
+/// A handed-over volume is mounted in the guest: its time from the
+/// handover request (`asked`) and of the plug alone (`plug_t0`) are logged,
+/// and the returned step writes them into its event in the record.
+pub fn mounted(target: &str, asked: Instant, plug_t0: Instant) -> impl FnOnce(&mut SandboxState) {
+    let (ms, plug_ms) = (
+        asked.elapsed().as_millis() as u64,
+        plug_t0.elapsed().as_millis() as u64,
+    );
+    tracing::info!(
+        target,
+        elapsed_ms = ms,
+        plug_ms,
+        "handed-over volume mounted in the guest (handover request to mounted)"
+    );
+    let target = target.to_string();
+    move |s: &mut SandboxState| {
+        if let Some(ev) = s.events.iter_mut().find(|e| e.target == target) {
+            ev.elapsed_ms = Some(ms);
+            ev.plug_ms = Some(plug_ms);
+        }
+    }
+}
+
 /// Test-only: the handover step at which a runtime shim kills itself
 /// (`answered`, `attached`, `mounted`), for the crash tests.
 pub const CRASH_ENV: &str = "CRUST_RUNTIME_TEST_HANDOVER_CRASH";

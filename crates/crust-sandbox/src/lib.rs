@@ -14,6 +14,7 @@
 //! - [`handover`]: asking crust-csi to hand a host-published volume over
 //!   (and back), with the guest's declared capabilities and filesystems.
 //! - [`vm`]: the QEMU guest (adapter over crust-vmm): boot and stop.
+//! - [`lifecycle`]: a sandbox's boot and teardown, one sequence each.
 //! - [`share`]: the sandbox's virtio-fs share directory on the host.
 //! - [`beneath`]: host steps inside a guest-writable tree, by descriptor.
 //! - [`plug`]: the one plug (createFilesystem, exclusive hold, hot-plug,
@@ -22,30 +23,44 @@
 //! - [`alias_watch`]: a second loop device on a live volume.
 //! - [`shim`]: the per-sandbox HTTP API (server and client, error codes),
 //!   which crust_ops and the CLI call on either door.
+//! - [`served`]: what that API serves about a sandbox's volumes, its
+//!   metrics and its guest, for both doors.
 //! - [`katashim`]: the links Kata's tools look for.
-//! - [`net`]: the sandbox's network namespace mirrored into its VM.
+//! - [`net`]: the sandbox's network namespace mirrored into its VM;
+//!   [`forward`]: port-forward, the namespace's loopback to the guest's.
+//! - [`spec`]: an OCI spec to the guest's container request, mount by
+//!   mount (what a VM refuses, refused by name).
+//! - [`cgroup`]: the sandbox's cgroup, which QEMU and virtiofsd are born in.
+//! - [`resize`]: in-place resize of a container: its cgroup in the guest,
+//!   memory and vCPU hot-plug, the balloon.
 //! - [`metrics`], [`stats`]: what a sandbox reports.
 //! - [`error`]: error causes (their API codes: [`shim::codes`]).
 
 pub mod alias_watch;
 pub mod beneath;
 pub mod bundle;
+pub mod cgroup;
 pub mod claims;
 pub mod config;
 pub mod discovery;
 pub mod error;
+pub mod forward;
 pub mod handover;
 pub mod katashim;
+pub mod lifecycle;
 pub mod metrics;
 pub mod net;
 pub mod plug;
 /// What a sandbox persists (its own crate, so tools read the records
 /// without linking the sandbox).
 pub use crust_sandbox_records as records;
+pub mod resize;
 pub mod sandbox;
+pub mod served;
 pub mod settings;
 pub mod share;
 pub mod shim;
+pub mod spec;
 pub mod stats;
 pub mod vm;
 pub mod volumes;

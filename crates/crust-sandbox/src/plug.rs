@@ -70,9 +70,10 @@ pub struct Attachments {
 }
 
 impl Attachments {
-    /// The guest's hot-plug buses, the one to take first last.
+    /// The guest's hot-plug buses in its order: the first is taken first
+    /// (both doors plug in the same order).
     pub fn set_buses(&self, buses: Vec<String>) {
-        *self.free.lock().expect("buses") = buses;
+        *self.free.lock().expect("buses") = buses.into_iter().rev().collect();
     }
 
     /// A free bus (for other hot-plugged devices, too).

@@ -263,3 +263,16 @@ pub async fn stop_guest(s: GuestStop<'_>, volumes: &[crate::records::Volume], ru
         }
     }
 }
+
+/// A booted pod VM: the handles that the containerd door's pod, in-place
+/// resize ([`crate::resize`]) and its task service use to reach it.
+pub struct PodVm {
+    pub guest: Guest,
+    pub qmp: crust_qmp::QmpClient,
+    pub agent: crust_agent_proto::AgentClient,
+    pub stdio: crust_agent_proto::stdio::StdioMux,
+    /// Port-forward into the guest; `None` without a pod network.
+    pub forward: Option<crate::forward::Forwarder>,
+    /// Some(reason) once QEMU has exited.
+    pub exit: watch::Receiver<Option<String>>,
+}

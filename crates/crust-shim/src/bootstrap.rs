@@ -27,12 +27,12 @@ use crust_sandbox::discovery::Discovery;
 use crust_sandbox::sandbox::SandboxStore;
 use crust_sys::spawn::ChildSetup;
 
-use crate::cgroup::Placement;
 use crate::config::ShimConfig;
 use crate::pod::Pod;
-use crate::spec::{self, Role};
 use crate::start_reply;
 use crate::task::Service;
+use crust_sandbox::cgroup::Placement;
+use crust_sandbox::spec::{self, Role};
 
 /// The ttrpc service names the task service answers under: containerd 1.x
 /// speaks v2, containerd 2.x v3 (same messages, another package name).
@@ -203,7 +203,7 @@ fn born_in_pod_cgroup(cmd: &mut Command, cg: &Placement) -> Option<Vec<OwnedFd>>
     });
     match handed {
         Ok((h, procs)) => {
-            cmd.env(crate::cgroup::HANDED_ENV, h);
+            cmd.env(crust_sandbox::cgroup::HANDED_ENV, h);
             Some(procs)
         }
         Err(_) => {

@@ -8,7 +8,7 @@ use clap::Parser;
 use crust_sandbox::config::Config;
 use crust_sandbox::settings::GlobalOpts;
 
-use crate::spec::{HostNamespace, HostNetwork, LsmPolicy};
+use crust_sandbox::spec::{HostNamespace, HostNetwork, LsmPolicy};
 
 /// Memory the guest gets on top of its containers' limits: the kernel
 /// (about 54 MiB reserved at boot by this image's kernel), the agent, the
@@ -86,9 +86,12 @@ struct EnvOpts {
 
 pub use crust_sandbox::net::NetnsRules;
 
-/// A pod's [`crate::spec::CRUST_MEMORY`] annotation above a cap.
+/// A pod's [`crust_sandbox::spec::CRUST_MEMORY`] annotation above a cap.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("annotation {} = {asked} asks for {cap}", crate::spec::CRUST_MEMORY)]
+#[error(
+    "annotation {} = {asked} asks for {cap}",
+    crust_sandbox::spec::CRUST_MEMORY
+)]
 pub struct MemoryAskRefused {
     pub asked: u64,
     pub cap: String,
@@ -151,6 +154,14 @@ impl ShimConfig {
         })
     }
 
+    /// The bounds in-place resize holds a pod's VM to.
+    pub fn bounds(&self) -> crust_sandbox::resize::Bounds {
+        crust_sandbox::resize::Bounds {
+            overhead_mib: self.overhead_mib,
+            max_memory_mib: self.max_memory_mib,
+        }
+    }
+
     /// How many vCPUs a pod's VM can grow to (QEMU's `maxcpus`).
     pub fn max_vcpus(&self) -> u32 {
         match self.max_cpus {
@@ -187,7 +198,7 @@ impl ShimConfig {
             )));
         }
         for (limit, whose) in [
-            (kubelet, crate::spec::SANDBOX_MEMORY),
+            (kubelet, crust_sandbox::spec::SANDBOX_MEMORY),
             (cgroup_limit, "the pod cgroup's memory limit"),
         ] {
             if let Some(l) = limit.filter(|l| asked > *l) {

@@ -9,27 +9,17 @@
 //! - [`start_reply`]: answering `start` in the caller's format (containerd
 //!   1.x, 2.0–2.2, 2.3+).
 //! - [`task`]: the task service.
-//! - [`pod`]: the pod's VM, share, volumes; its lifecycle routines are crust-sandbox's.
-//! - [`vm`]: the handles of a booted pod VM.
-//! - [`resize`]: in-place resize (task Update): cgroup limits in the guest,
-//!   memory and vCPU hot-plug, the balloon.
+//! - [`pod`]: the pod's VM, share, volumes; its lifecycle routines, OCI
+//!   spec translation, cgroup, resize and port-forward are crust-sandbox's.
 //! - [`shimapi`]: the crust shim API of the pod (`crust stats|resize`).
-//! - [`spec`]: OCI spec → guest container request, mount by mount.
 //! - [`io`]: stdio FIFOs ↔ the guest's stdio port.
-//! - [`forward`]: port-forward, the pod namespace's loopback ↔ the guest's.
-//! - [`cgroup`]: the VM in the sandbox's cgroup.
 //! - [`config`]: settings from the environment.
 
 pub mod bootstrap;
-pub mod cgroup;
 pub mod config;
-pub mod forward;
 pub mod io;
 pub mod net;
 pub mod pod;
-pub mod resize;
 pub mod shimapi;
-pub mod spec;
 pub mod start_reply;
 pub mod task;
-pub mod vm;

@@ -13,17 +13,17 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crust_agent_proto::stdio::StdioMux;
-use crust_agent_proto::{AgentClient, ContainerMount, CreateContainer, MountSource, ShareRef};
-use crust_qmp::QmpClient;
+use crust_agent_proto::{ContainerMount, CreateContainer, MountSource, ShareRef};
 use crust_sandbox::beneath::FsSpec;
 use crust_sandbox::bundle::Bundle;
 use crust_sandbox::claims::{claim, release_all};
 use crust_sandbox::discovery::{Discovery, Volume};
 use crust_sandbox::error::RuntimeError;
 use crust_sandbox::handover::{self, Handover, VolumeEvent};
+use crust_sandbox::lifecycle::{self, BootSpec, Recorded};
 use crust_sandbox::plug::{self, Attachments, GuestPorts};
 use crust_sandbox::sandbox::{ProcRef, SandboxState, SandboxStore, Status};
 use crust_sandbox::share;
@@ -34,12 +34,10 @@ use rustix::mount::MountAttrFlags;
 use tokio::sync::watch;
 
 use crate::config::ShimConfig;
-use crate::spec::{ContainerPlan, Limits, Planned};
-pub use crate::vm::PodVm;
+use crust_sandbox::spec::{ContainerPlan, Limits, Planned};
+use crust_sandbox::vm::PodVm;
 
 pub use crust_sandbox::share::SHARE_TAG;
-/// A teardown step slower than this is worth a warning in the log.
-const SLOW_STEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -51,24 +49,22 @@ pub enum PodError {
     VmGone(String),
     #[error("guest agent: {0}")]
     Agent(#[from] crust_agent_proto::ClientError),
-    #[error("the pod's network cannot go into its VM: {0}")]
-    Network(#[from] crust_podnet::NetError),
     /// A user namespace the guest cannot honour (a mapping, a volume's
     /// filesystem): `crust_agent_proto::check_user_namespace`.
     #[error("user namespace: {0}")]
     UserNamespace(String),
     #[error(transparent)]
-    Resize(#[from] crate::resize::ResizeError),
+    Resize(#[from] crust_sandbox::resize::ResizeError),
     /// What the spec asks and a crust VM refuses (hostNetwork at boot).
     #[error(transparent)]
-    Spec(#[from] crate::spec::SpecError),
+    Spec(#[from] crust_sandbox::spec::SpecError),
     #[error("pod {0} already runs a VM")]
     AlreadyRuns(String),
     /// The guest cannot be given the memory a container needs.
     #[error("pod {pod}: {why}")]
     NoMemory {
         pod: String,
-        why: crate::resize::ResizeError,
+        why: crust_sandbox::resize::ResizeError,
     },
     #[error("no free hot-plug slot left in the pod's VM")]
     NoHotplugSlot,
@@ -92,7 +88,6 @@ impl PodError {
             PodError::Host { .. } => Code::Internal,
             PodError::VmGone(_) => Code::Unavailable,
             PodError::Agent(e) => agent_code(e),
-            PodError::Network(_) => Code::FailedPrecondition,
             PodError::UserNamespace(_) => Code::InvalidArgument,
             PodError::Resize(e) => e.code(),
             PodError::Spec(e) => e.code(),
@@ -137,7 +132,9 @@ pub struct Pod {
     /// One volume plug (claim included) at a time.
     plug_lock: tokio::sync::Mutex<()>,
     /// The VM's memory and vCPUs and what the containers ask of them.
-    pub(crate) sizing: tokio::sync::Mutex<crate::resize::Sizing>,
+    pub(crate) sizing: tokio::sync::Mutex<crust_sandbox::resize::Sizing>,
+    /// One volume resize or throttle at a time.
+    pub(crate) volume_locks: crust_sandbox::served::VolumeLocks,
     /// Stops the crust shim API server.
     api_stop: Mutex<Option<watch::Sender<bool>>>,
     /// Handed-over targets -> when they were asked for (latency events).
@@ -161,6 +158,7 @@ impl Pod {
             attachments: Attachments::default(),
             plug_lock: Default::default(),
             sizing: Default::default(),
+            volume_locks: Default::default(),
             api_stop: Mutex::new(None),
             asked_at: Mutex::new(HashMap::new()),
             fallbacks: Mutex::new(Vec::new()),
@@ -219,8 +217,8 @@ impl Pod {
         bundle: &Path,
         memory_mib: u32,
         cpus: u32,
-        cgroup: Option<&crate::cgroup::Placement>,
-        network: &crate::spec::PodNetworkSpec,
+        cgroup: Option<&crust_sandbox::cgroup::Placement>,
+        network: &crust_sandbox::net::PodNetworkSpec,
         policy: crust_sandbox::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
         let _g = self.boot.lock().await;
@@ -243,6 +241,8 @@ impl Pod {
                 self.stop_api();
                 self.remove_share();
                 let _ = self.store.remove(&self.id);
+                // Gone with its record: a later teardown has nothing to save.
+                *self.state.lock().expect("state") = None;
                 Err(e)
             }
         }
@@ -300,45 +300,19 @@ impl Pod {
         share::remove_logged(&self.share_dir());
     }
 
+    /// The pod's VM through the one boot both doors use
+    /// ([`lifecycle::boot`]), with the pod's sizing, share and cgroup.
     async fn launch(
         &self,
         memory_mib: u32,
         cpus: u32,
-        cgroup: Option<&crate::cgroup::Placement>,
-        network: &crate::spec::PodNetworkSpec,
+        cgroup: Option<&crust_sandbox::cgroup::Placement>,
+        network: &crust_sandbox::net::PodNetworkSpec,
         policy: crust_sandbox::net::NetPolicy,
     ) -> Result<Arc<PodVm>, PodError> {
-        // Checked and attached first: a network that cannot go into a VM
-        // fails the sandbox before anything boots.
-        crate::spec::check_host_network(network, self.cfg.host_network)?;
-        let user_mode = *network == crate::spec::PodNetworkSpec::Host;
-        let guest = crust_sandbox::net::guest_net(&self.cfg.runtime.guest_kernel);
-        let net = crust_sandbox::net::attach(network, cpus, &guest, policy)?;
-        if let Some(a) = &net {
-            self.update(|s| {
-                s.network_namespace = Some(a.ns.path().to_string());
-                s.network_links = a.links();
-            });
-        }
-        let res = self
-            .launch_with(memory_mib, cpus, cgroup, net.as_ref(), user_mode)
-            .await;
-        if res.is_err()
-            && let Some(a) = &net
-        {
-            a.undo();
-        }
-        res
-    }
-
-    async fn launch_with(
-        &self,
-        memory_mib: u32,
-        cpus: u32,
-        cgroup: Option<&crate::cgroup::Placement>,
-        net: Option<&crust_sandbox::net::Attached>,
-        user_mode: bool,
-    ) -> Result<Arc<PodVm>, PodError> {
+        // A network that cannot go into a VM fails the sandbox before
+        // anything boots.
+        crust_sandbox::spec::check_host_network(network, self.cfg.host_network)?;
         let share = self.make_share()?;
         let rt = &self.cfg.runtime;
         let mut vc = Guest::config(rt, &self.store.vm_dir(&self.id), &self.id);
@@ -346,17 +320,13 @@ impl Pod {
         vc.cpus = cpus;
         vc.max_memory_mib = self.cfg.max_memory_mib.max(memory_mib);
         vc.max_cpus = self.cfg.max_vcpus().max(cpus);
-        *self.sizing.lock().await = crate::resize::Sizing::booted(memory_mib, cpus, vc.max_cpus);
+        *self.sizing.lock().await =
+            crust_sandbox::resize::Sizing::booted(memory_mib, cpus, vc.max_cpus);
         vc.shares = vec![crust_vmm::ShareSpec {
             tag: SHARE_TAG.into(),
             dir: share,
         }];
         vc.virtiofsd_binary = self.cfg.virtiofsd.clone();
-        vc.nics = match net {
-            Some(a) => a.nics.clone(),
-            None if user_mode => vec![crust_vmm::NicSpec::user_mode()],
-            None => Vec::new(),
-        };
         // QEMU and virtiofsd are born in the pod's cgroup: every page they
         // ever allocate is charged to the pod.
         // The shim serves this pod alone: it joins too (and leaves at the
@@ -368,50 +338,31 @@ impl Pod {
                 .map_err(|e| PodError::host("placing the shim in the pod's cgroup", e))?;
             vc.cgroups = cg.dirs.clone();
         }
-        let guest = Guest::launch_config(vc, rt.boot_timeout).await?;
-        self.update(|s| {
-            s.qemu = Some(guest.proc_ref());
-            s.pid = Some(guest.proc_ref().pid);
-            s.accel = Some(guest.accel_choice());
-        });
-        let qmp = match QmpClient::connect(guest.qmp_socket(), rt.timeout).await {
-            Ok(q) => q,
-            Err(e) => {
-                guest.kill().await;
-                return Err(PodError::host("QMP", e));
-            }
+        let spec = BootSpec {
+            cfg: rt,
+            vm: vc,
+            network: network.clone(),
+            policy,
         };
-        let agent = AgentClient::with_timeout(guest.agent_socket(), rt.timeout);
-        if let Err(e) = agent.wait_ready(rt.boot_timeout).await {
-            let ctx = guest.console_tail();
-            guest.kill().await;
-            return Err(PodError::host(
-                "the guest agent did not come up",
-                format!("{e} ({ctx})"),
-            ));
-        }
-        let link = match net {
-            Some(a) => crust_sandbox::net::GuestLink::Pod(a),
-            None if user_mode => crust_sandbox::net::GuestLink::UserMode,
-            None => crust_sandbox::net::GuestLink::LoopbackOnly,
+        let mut record = |step: Recorded<'_>| {
+            self.update(|s| step.apply(s));
+            Ok(())
         };
-        if let Err(e) = crust_sandbox::net::configure(&agent, link).await {
-            guest.kill().await;
-            return Err(PodError::host("the pod's network", e));
-        }
-        let (exit_tx, exit) = watch::channel(None);
-        guest.set_exit_notifier(exit_tx);
-        self.attachments.set_buses(guest.hotplug_buses());
-        let stdio = StdioMux::new(guest.stdio_socket());
-        let forward = net.and_then(|a| crate::forward::start(&a.ns, guest.forward_socket()));
+        let booted = lifecycle::boot(spec, &mut record).await?;
+        self.attachments.set_buses(booted.guest.hotplug_buses());
+        let stdio = StdioMux::new(booted.guest.stdio_socket());
+        let forward = booted
+            .network
+            .as_ref()
+            .and_then(|a| crust_sandbox::forward::start(&a.ns, booted.guest.forward_socket()));
         self.update(|s| s.status = Status::Running);
         Ok(Arc::new(PodVm {
-            guest,
-            qmp,
-            agent,
+            guest: booted.guest,
+            qmp: booted.qmp,
+            agent: booted.agent,
             stdio,
             forward,
-            exit,
+            exit: booted.exit,
         }))
     }
 
@@ -599,30 +550,15 @@ impl Pod {
     /// A handed-over volume is mounted in the guest: its event gets the
     /// request-to-mounted and hot-plug-and-mount times.
     fn note_handover_latency(&self, target: &str, plug_t0: Instant) {
-        let Some(t0) = self.asked_at.lock().expect("asked_at").remove(target) else {
-            return;
-        };
-        let (ms, plug_ms) = (
-            t0.elapsed().as_millis() as u64,
-            plug_t0.elapsed().as_millis() as u64,
-        );
-        tracing::info!(
-            target,
-            elapsed_ms = ms,
-            plug_ms,
-            "handed-over volume mounted in the guest (handover request to mounted)"
-        );
-        self.update(|s| {
-            if let Some(ev) = s.events.iter_mut().find(|e| e.target == target) {
-                ev.elapsed_ms = Some(ms);
-                ev.plug_ms = Some(plug_ms);
-            }
-        });
+        let asked = self.asked_at.lock().expect("asked_at").remove(target);
+        if let Some(t0) = asked {
+            self.update(handover::mounted(target, t0, plug_t0));
+        }
     }
 
     /// Makes the guest's memory cover the pod's: the overhead plus the
     /// larger of the pod's own limit and its containers' limits (the
-    /// balloon deflated, then DIMMs added: [`crate::resize::grow`]).
+    /// balloon deflated, then DIMMs added: [`crust_sandbox::resize::grow`]).
     /// Never shrinks.
     pub async fn reserve_memory(
         &self,
@@ -642,23 +578,22 @@ impl Pod {
         if needed <= s.held_mib {
             return Ok(());
         }
-        let step =
-            crate::resize::grow_step(&s, needed, self.cfg.max_memory_mib).map_err(|why| {
-                PodError::NoMemory {
-                    pod: self.id.clone(),
-                    why,
-                }
-            })?;
-        crate::resize::grow(vm, &mut s, step).await?;
+        let step = crust_sandbox::resize::grow_step(&s, needed, self.cfg.max_memory_mib).map_err(
+            |why| PodError::NoMemory {
+                pod: self.id.clone(),
+                why,
+            },
+        )?;
+        crust_sandbox::resize::grow(vm, &mut s, step).await?;
         tracing::info!("pod {}: guest memory {} MiB", self.id, s.held_mib);
         Ok(())
     }
 
-    /// In-place resize of container `cid` ([`crate::resize::apply`]),
+    /// In-place resize of container `cid` ([`crust_sandbox::resize::apply`]),
     /// one at a time per pod.
     pub async fn resize(&self, vm: &PodVm, cid: &str, new: Limits) -> Result<(), PodError> {
         let mut s = self.sizing.lock().await;
-        Ok(crate::resize::apply(vm, &mut s, cid, new, &self.cfg, &self.id).await?)
+        Ok(crust_sandbox::resize::apply(vm, &mut s, cid, new, self.cfg.bounds(), &self.id).await?)
     }
 
     /// A container left: its limits no longer count (the VM keeps its size).
@@ -675,7 +610,7 @@ impl Pod {
     async fn plug_device(
         &self,
         vm: &PodVm,
-        d: &crate::spec::HostDevice,
+        d: &crust_sandbox::spec::HostDevice,
         kubelet: &volumes::KubeletLoop,
     ) -> Result<String, PodError> {
         let v = raw_volume(d)?;
@@ -754,51 +689,37 @@ impl Pod {
                 Some(_) => "gone",
             }
         );
-        if let Some(vm) = &vm {
-            timed("stopping the VM", self.stop_vm(vm, &vols)).await;
-        }
-        // QEMU is gone (powered off, or killed and reaped): the holds on the
-        // devices, the claims and the handed-over volumes, as in every door;
-        // then the taps.
-        let asked = self
+        // No record: nothing recorded to release.
+        let state = self
             .snapshot()
-            .map(|s| s.handover_asked)
-            .unwrap_or_default();
-        timed(
-            "releasing the devices and claims, giving handed-over volumes back",
-            plug::release_host_side(
-                &self.attachments,
-                &self.discovery,
-                &Handover::new(&self.cfg.runtime),
-                &self.id,
-                &vols,
-                &asked,
-            ),
-        )
+            .unwrap_or_else(|| SandboxState::for_bundle_dir(&self.id, PathBuf::new()));
+        let share = self.share_dir();
+        lifecycle::teardown(lifecycle::Teardown {
+            id: &self.id,
+            // Containers are stopped by containerd before the pod (and die
+            // with the guest otherwise).
+            guest: vm.as_ref().map(|vm| {
+                let stop = crust_sandbox::vm::GuestStop {
+                    guest: &vm.guest,
+                    qmp: &vm.qmp,
+                    agent: &vm.agent,
+                    timeout: self.cfg.runtime.timeout,
+                    workload_grace: None,
+                };
+                (stop, vm.exit.borrow().is_none())
+            }),
+            attachments: &self.attachments,
+            discovery: &self.discovery,
+            handover: &Handover::new(&self.cfg.runtime),
+            state: &state,
+            share: Some(&share),
+        })
         .await;
-        if let Some(s) = self.snapshot() {
-            crust_sandbox::net::detach_recorded(s.network_namespace.as_deref(), &s.network_links);
-        }
         self.update(|s| s.status = Status::Stopped);
         self.stop_api();
-        self.remove_share();
         let _ = self.store.remove(&self.id);
         *self.state.lock().expect("state") = None;
         tracing::info!("teardown of pod {} done", self.id);
-    }
-
-    /// [`crust_sandbox::vm::stop_guest`]: containers are stopped by
-    /// containerd before the pod (and die with the guest otherwise).
-    async fn stop_vm(&self, vm: &PodVm, vols: &[Volume]) {
-        let stop = crust_sandbox::vm::GuestStop {
-            guest: &vm.guest,
-            qmp: &vm.qmp,
-            agent: &vm.agent,
-            timeout: self.cfg.runtime.timeout,
-            workload_grace: None,
-        };
-        let running = vm.exit.borrow().is_none();
-        crust_sandbox::vm::stop_guest(stop, vols, running).await;
     }
 
     /// After QEMU died on its own: the record says so, which makes the
@@ -814,29 +735,10 @@ impl Pod {
     }
 }
 
-/// Runs one teardown step. A step still running after [`SLOW_STEP`] is
-/// logged then and again when it ends, so a hung one names itself.
-async fn timed<T>(what: &str, step: impl std::future::Future<Output = T>) -> T {
-    let t = Instant::now();
-    let mut step = std::pin::pin!(step);
-    tokio::select! {
-        out = &mut step => {
-            tracing::debug!("teardown: {what} took {:?}", t.elapsed());
-            return out;
-        }
-        () = tokio::time::sleep(SLOW_STEP) => {
-            tracing::warn!("teardown: {what} still running after {SLOW_STEP:?}");
-        }
-    }
-    let out = step.await;
-    tracing::warn!("teardown: {what} took {:?}", t.elapsed());
-    out
-}
-
 /// The host block device node with number `major:minor`.
 /// The raw device record of `d`: its host node, read-only when the
 /// container may not write it.
-fn raw_volume(d: &crate::spec::HostDevice) -> Result<Volume, PodError> {
+fn raw_volume(d: &crust_sandbox::spec::HostDevice) -> Result<Volume, PodError> {
     Ok(Volume::raw_device(
         &host_block_device(d.major, d.minor)?,
         d.readonly,
@@ -996,6 +898,7 @@ impl handover::StateLog for PodLog<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// containerd drops a Delete or Shutdown at its deadline (ttrpc then
     /// drops the handler's future): the teardown it started still runs

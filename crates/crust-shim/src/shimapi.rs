@@ -6,14 +6,16 @@
 
 use crust_sandbox::discovery::Volume;
 use crust_sandbox::sandbox::SandboxState;
+use crust_sandbox::served::{Reach, Served};
 use crust_sandbox::shim::{ApiError, Code, ExecRequest, ExecResponse, LogsResponse, ShimHandler};
 use crust_sandbox::stats::{
     FreezeRequest, ResizeRequest, ResizeResponse, ThawRequest, ThawResponse, ThrottleRequest,
     VolumeStats,
 };
-use crust_sandbox::volumes;
+use crust_sandbox::vm::PodVm;
 
-use crate::pod::Pod;
+use crate::pod::{Pod, PodError};
+use std::sync::Arc;
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -28,22 +30,31 @@ fn managed(pod: &Pod) -> ApiError {
     )
 }
 
-/// The pod's volume named by `path`: its target, host device or guest path.
-fn volume(pod: &Pod, path: &str) -> ApiResult<Volume> {
-    let vols = pod.snapshot().map(|s| s.volumes).unwrap_or_default();
-    vols.iter()
-        .find(|v| v.target == path)
-        .or_else(|| {
-            vols.iter()
-                .find(|v| v.device == path || volumes::guest_path(v) == path)
-        })
-        .cloned()
-        .ok_or_else(|| {
-            ApiError::new(
-                Code::NotFound,
-                format!("pod {} has no volume {path}", pod.id),
-            )
-        })
+/// The pod's sandbox record.
+fn record(pod: &Pod) -> ApiResult<SandboxState> {
+    pod.snapshot()
+        .ok_or_else(|| ApiError::new(Code::NotFound, format!("pod {} has no sandbox", pod.id)))
+}
+
+/// The pod as its shim API serves it: `vm` is [`Pod::vm`]'s answer.
+fn served<'a>(pod: &'a Pod, vm: &'a Result<Arc<PodVm>, PodError>) -> ApiResult<Served<'a>> {
+    let state = record(pod)?;
+    let reach = match vm {
+        Ok(vm) => Reach::Live {
+            qmp: &vm.qmp,
+            agent: &vm.agent,
+        },
+        Err(PodError::VmGone(r)) => Reach::Down(r.clone()),
+        Err(e) => Reach::Down(e.to_string()),
+    };
+    Ok(Served {
+        state,
+        reach,
+        attachments: &pod.attachments,
+        locks: &pod.volume_locks,
+        timeout: pod.cfg.runtime.timeout,
+        slow_timeout: pod.cfg.runtime.boot_timeout,
+    })
 }
 
 /// The pod serves its own shim API: implemented here, at the API edge,
@@ -52,8 +63,7 @@ fn volume(pod: &Pod, path: &str) -> ApiResult<Volume> {
 /// [`Pod::resize`], which resizes a container).
 impl ShimHandler for Pod {
     async fn state(&self) -> ApiResult<SandboxState> {
-        self.snapshot()
-            .ok_or_else(|| ApiError::new(Code::NotFound, format!("pod {} has no sandbox", self.id)))
+        record(self)
     }
 
     async fn start(&self) -> ApiResult<SandboxState> {
@@ -69,94 +79,33 @@ impl ShimHandler for Pod {
     }
 
     async fn metrics(&self) -> ApiResult<String> {
-        let st = ShimHandler::state(self).await?;
-        let vm = self.vm().await.ok();
-        let mut text = crust_sandbox::metrics::sandbox_metrics(
-            &st,
-            vm.as_ref().map(|vm| &vm.agent),
-            self.attachments.alias_watch(),
-            self.cfg.runtime.timeout,
-        )
-        .await;
-        let (netns, links) = (st.network_namespace.clone(), st.network_links.clone());
-        let guard = tokio::task::spawn_blocking(move || {
-            crust_sandbox::net::guard_metrics(netns.as_deref(), &links)
-        })
-        .await
-        .unwrap_or_default();
-        text.push_str(&guard);
-        Ok(text)
+        let vm = self.vm().await;
+        Ok(served(self, &vm)?.metrics().await)
     }
 
     async fn stats(&self, path: String) -> ApiResult<VolumeStats> {
-        let v = volume(self, &path)?;
-        let vm = match self.vm().await {
-            Ok(vm) => vm,
-            Err(e) => {
-                return Ok(VolumeStats::abnormal(format!(
-                    "pod {} is not running ({e})",
-                    self.id
-                )));
-            }
-        };
-        Ok(crust_sandbox::alias_watch::stats(
-            self.attachments.alias_watch(),
-            &vm.agent,
-            &v,
-            self.cfg.runtime.timeout,
-        )
-        .await?)
+        let vm = self.vm().await;
+        served(self, &vm)?.stats(&path).await
     }
 
     async fn resize(&self, req: ResizeRequest) -> ApiResult<ResizeResponse> {
-        let v = volume(self, &req.volume_path)?;
-        let vm = self
-            .vm()
-            .await
-            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        let capacity_bytes = volumes::resize(
-            &vm.qmp,
-            &vm.agent,
-            &v,
-            req.size,
-            req.max_bytes,
-            self.cfg.runtime.boot_timeout,
-        )
-        .await?;
-        Ok(ResizeResponse { capacity_bytes })
+        let vm = self.vm().await;
+        served(self, &vm)?.resize(req).await
     }
 
     async fn freeze(&self, req: FreezeRequest) -> ApiResult<()> {
-        let v = volume(self, &req.volume_path)?;
-        let vm = self
-            .vm()
-            .await
-            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        Ok(volumes::freeze(
-            &vm.agent,
-            &v,
-            std::time::Duration::from_millis(req.max_frozen_ms),
-            self.cfg.runtime.timeout,
-        )
-        .await?)
+        let vm = self.vm().await;
+        served(self, &vm)?.freeze(req).await
     }
 
     async fn thaw(&self, req: ThawRequest) -> ApiResult<ThawResponse> {
-        let v = volume(self, &req.volume_path)?;
-        let vm = self
-            .vm()
-            .await
-            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        Ok(volumes::thaw(&vm.agent, &v, self.cfg.runtime.timeout).await?)
+        let vm = self.vm().await;
+        served(self, &vm)?.thaw(req).await
     }
 
     async fn throttle(&self, req: ThrottleRequest) -> ApiResult<()> {
-        let v = volume(self, &req.volume_path)?;
-        let vm = self
-            .vm()
-            .await
-            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        Ok(volumes::throttle_request(&vm.qmp, &v, &req.limits).await?)
+        let vm = self.vm().await;
+        served(self, &vm)?.throttle(req).await
     }
 
     async fn add_volume(&self, _volume_path: String) -> ApiResult<Volume> {
@@ -164,11 +113,8 @@ impl ShimHandler for Pod {
     }
 
     async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
-        let vm = self
-            .vm()
-            .await
-            .map_err(|e| ApiError::new(Code::Unavailable, e.to_string()))?;
-        Ok(volumes::exec_in_guest(&vm.agent, req, self.cfg.runtime.timeout).await?)
+        let vm = self.vm().await;
+        served(self, &vm)?.exec(req).await
     }
 
     async fn logs(&self) -> ApiResult<LogsResponse> {

@@ -926,7 +926,7 @@ async fn bench_network() {
     // CRUST_BENCH_ANTI_SPOOFING=off: the crust pods without the guard.
     let guard = std::env::var("CRUST_BENCH_ANTI_SPOOFING").unwrap_or_else(|_| "on".into());
     eprintln!("anti-spoofing: {guard}");
-    let anti_spoofing = [(crust_shim::spec::CRUST_ANTI_SPOOFING, guard.as_str())];
+    let anti_spoofing = [(crust_sandbox::net::CRUST_ANTI_SPOOFING, guard.as_str())];
     let mut cri = Cri::connect(&env.ctrd.endpoint()).await.unwrap();
     let server = "exec iperf3 -s";
     let mut pods = Vec::new();

@@ -13,12 +13,14 @@ use containerd_shim_protos::topics;
 use crust_agent_proto::RemoveContainer;
 
 use super::procs::{Ctr, Proc};
-use super::status::{agent_err, status};
+use super::status::{agent_err, spec_err, status};
 use super::{Service, TtResult};
-use crate::cgroup::Placement;
 use crate::io::{self, StdioPaths};
-use crate::pod::PodVm;
-use crate::spec::{self, Role};
+use crate::pod::PodError;
+use crust_sandbox::cgroup::Placement;
+use crust_sandbox::error::RuntimeError;
+use crust_sandbox::spec::{self, Role};
+use crust_sandbox::vm::PodVm;
 
 impl Service {
     pub(super) async fn create_task(
@@ -27,11 +29,12 @@ impl Service {
     ) -> TtResult<api::CreateTaskResponse> {
         self.check_new(&req.id)?;
         let bundle = PathBuf::from(&req.bundle);
-        let oci = spec::load(&bundle)?;
-        let mut plan = spec::plan(&oci, &bundle)?;
-        spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy)?;
-        spec::check_host_namespaces(&plan.ipc, &plan.pid, &self.pod.cfg.host_namespaces)?;
-        spec::check_host_network(&plan.network, self.pod.cfg.host_network)?;
+        let oci = spec::load(&bundle).map_err(spec_err)?;
+        let mut plan = spec::plan(&oci, &bundle).map_err(spec_err)?;
+        spec::check_lsm(&plan.lsm, self.pod.cfg.lsm_policy).map_err(spec_err)?;
+        spec::check_host_namespaces(&plan.ipc, &plan.pid, &self.pod.cfg.host_namespaces)
+            .map_err(spec_err)?;
+        spec::check_host_network(&plan.network, self.pod.cfg.host_network).map_err(spec_err)?;
         self.tell_lsm(&req.id, &plan.lsm).await;
         let owner = self.owner_of(&req.id, &plan.role)?;
         let paths = StdioPaths {
@@ -169,7 +172,7 @@ impl Service {
         let vm = match boot {
             Ok(vm) => vm,
             Err(e) => {
-                if let crate::pod::PodError::Network(n) = &e
+                if let PodError::Runtime(RuntimeError::Network(n)) = &e
                     && let Some(body) = crate::net::rules_event(&self.pod.id, n)
                 {
                     self.publish_json(crate::net::NETFILTER_TOPIC, body).await;
@@ -237,7 +240,7 @@ impl Service {
         if cpu.is_none() {
             return Ok(());
         }
-        let limits = crate::resize::Limits { memory: None, cpu };
+        let limits = crust_sandbox::spec::Limits { memory: None, cpu };
         if let Err(e) = self.pod.resize(vm, cid, limits).await {
             let _ = vm.agent.call(RemoveContainer { id: cid.into() }).await;
             self.pod.release_container(cid);

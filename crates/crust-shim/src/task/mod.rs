@@ -11,7 +11,7 @@
 //! | Wait | until the waiter saw the exit |
 //! | Delete | agent RemoveContainer, share entries undone; the pod's owner also ends the VM; `/tasks/delete` |
 //! | State, Pids, Stats, ResizePty, CloseIO, Connect, Shutdown | as named |
-//! | Update | new memory/CPU limits in place ([`crate::resize`]) |
+//! | Update | new memory/CPU limits in place ([`crust_sandbox::resize`]) |
 //! | Pause, Resume, Checkpoint | UNIMPLEMENTED |
 //!
 //! Every process reports the pid of the pod's QEMU: the host process that
@@ -43,17 +43,18 @@ use crust_agent_proto::{
     ResizePty, SignalProcess, StartContainer, WaitProcess,
 };
 
-use crate::cgroup::Placement;
 use crate::io::{self, StdioPaths};
-use crate::pod::{Pod, PodVm};
-use crate::spec;
+use crate::pod::Pod;
+use crust_sandbox::cgroup::Placement;
+use crust_sandbox::spec;
+use crust_sandbox::vm::PodVm;
 
 mod create;
 mod procs;
 mod status;
 
 use procs::{Ctr, Exit, Proc, State};
-use status::{agent_err, status, timestamp};
+use status::{agent_err, spec_err, status, timestamp};
 
 type TtResult<T> = ttrpc::Result<T>;
 
@@ -865,7 +866,7 @@ impl Task for Service {
         ))
     }
 
-    /// In-place resize ([`crate::resize`]): the container's cgroup in the
+    /// In-place resize ([`crust_sandbox::resize`]): the container's cgroup in the
     /// guest, the VM's memory and vCPUs; all or nothing.
     async fn update(&self, _: &TtrpcContext, req: api::UpdateTaskRequest) -> TtResult<api::Empty> {
         self.ctr(&req.id)?;
@@ -875,7 +876,7 @@ impl Task for Service {
                 format!("update of {}: no resources", req.id),
             )
         })?;
-        let limits = spec::update_limits(&any.type_url, &any.value)?;
+        let limits = spec::update_limits(&any.type_url, &any.value).map_err(spec_err)?;
         let vm = self.pod.vm().await?;
         self.pod.resize(&vm, &req.id, limits).await?;
         Ok(api::Empty::new())

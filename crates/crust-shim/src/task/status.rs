@@ -7,7 +7,7 @@ use containerd_shim::protos::ttrpc;
 use crust_sandbox::shim::Code;
 
 use crate::pod::PodError;
-use crate::spec;
+use crust_sandbox::spec;
 
 pub(super) fn status(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg.into()))
@@ -33,10 +33,8 @@ impl From<PodError> for ttrpc::Error {
     }
 }
 
-impl From<spec::SpecError> for ttrpc::Error {
-    fn from(e: spec::SpecError) -> ttrpc::Error {
-        status(code_of(e.code()), e.to_string())
-    }
+pub(super) fn spec_err(e: spec::SpecError) -> ttrpc::Error {
+    status(code_of(e.code()), e.to_string())
 }
 
 pub(super) fn agent_err(

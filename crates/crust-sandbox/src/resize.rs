@@ -20,13 +20,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crust_agent_proto::{ClientError, CpuMax, ErrorCode, OnlineCpus, UpdateContainer};
-use crust_sandbox::shim::Code;
-use crust_sandbox::shim::agent_code;
 
-use crate::config::ShimConfig;
+use crate::shim::{Code, agent_code};
+use crate::spec::{Limits, MEMORY_FIELD};
 use crate::vm::PodVm;
-
-pub use crate::spec::{CPU_FIELD, Limits, MEMORY_FIELD};
 
 /// Hot-plugged memory comes in 128 MiB blocks on x86-64.
 const BLOCK_MIB: u32 = 128;
@@ -36,6 +33,14 @@ const GIVE_BACK_MARGIN_MIB: u64 = 32;
 const SETTLE: Duration = Duration::from_secs(15);
 /// Close enough to the balloon's target.
 const BALLOON_SLACK_MIB: u64 = 4;
+
+/// The node's bounds on a pod VM's memory (its door's settings).
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// What the guest itself needs besides its containers.
+    pub overhead_mib: u32,
+    pub max_memory_mib: u32,
+}
 
 /// The pod VM's size and what its containers ask of it.
 #[derive(Debug, Default)]
@@ -313,7 +318,7 @@ pub async fn apply(
     s: &mut Sizing,
     cid: &str,
     new: Limits,
-    cfg: &ShimConfig,
+    bounds: Bounds,
     pod_id: &str,
 ) -> Result<(), ResizeError> {
     let info = vm.agent.call(crust_agent_proto::GuestInfo {}).await?;
@@ -321,8 +326,8 @@ pub async fn apply(
         s,
         cid,
         new,
-        cfg.overhead_mib,
-        cfg.max_memory_mib,
+        bounds.overhead_mib,
+        bounds.max_memory_mib,
         info.mem_available_bytes >> 20,
     )?;
     let old = Limits {

@@ -15,11 +15,12 @@ use std::path::{Path, PathBuf};
 
 use std::collections::BTreeMap;
 
+use crate::net::PodNetworkSpec;
+use crate::share::{Propagation, ReadOnly};
 use crust_agent_proto::{
     Capabilities, ContainerMount, IdMapping, MountSource, NamespaceSource, ProcessSpec, Rlimit,
     Seccomp, UserNamespace, WorkloadUser,
 };
-use crust_sandbox::share::{Propagation, ReadOnly};
 use oci_spec::runtime::Spec;
 
 /// CRI annotations naming a container's role and pod.
@@ -30,7 +31,6 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// `io.crust.*` pod annotations through `pod_annotations`).
 pub const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 pub const CRUST_MEMORY: &str = "io.crust.memory-bytes";
-pub use crust_sandbox::net::{CRUST_ANTI_SPOOFING, PodNetworkSpec};
 /// The pod's CPU limit (containerd 1.7+) as a CFS quota and period.
 pub const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
 pub const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
@@ -48,8 +48,8 @@ pub enum SpecError {
 
 impl SpecError {
     /// The status code every door answers this error with.
-    pub fn code(&self) -> crust_sandbox::shim::Code {
-        use crust_sandbox::shim::Code;
+    pub fn code(&self) -> crate::shim::Code {
+        use crate::shim::Code;
         match self {
             SpecError::Invalid { .. } | SpecError::Update(_) => Code::InvalidArgument,
             SpecError::Unsupported(_) => Code::FailedPrecondition,
@@ -313,7 +313,7 @@ pub struct ContainerPlan {
     pub pod_memory: Option<u64>,
     /// What the pod's own [`CRUST_MEMORY`] annotation asks for: anyone who
     /// can create a pod sets it, so it is held to the caps
-    /// ([`crate::config::ShimConfig::pod_memory`]).
+    /// (the containerd door's `pod_memory`).
     pub asked_memory: Option<u64>,
     /// vCPUs the CPU limit asks for (the pod's, else the container's own):
     /// the CFS quota over the period, rounded up.
@@ -325,7 +325,7 @@ pub struct ContainerPlan {
     pub devices: Vec<HostDevice>,
     /// The pod's network (what the sandbox's VM gets).
     pub network: PodNetworkSpec,
-    /// The pod's [`CRUST_ANTI_SPOOFING`] annotation.
+    /// The pod's [`crate::net::CRUST_ANTI_SPOOFING`] annotation.
     pub anti_spoofing: crust_podnet::AntiSpoof,
     /// AppArmor profile / SELinux label the spec asks for (see [`check_lsm`]).
     pub lsm: Vec<LsmSetting>,
@@ -661,7 +661,7 @@ pub fn plan(spec: &Spec, bundle: &Path) -> Result<ContainerPlan, SpecError> {
     let cpu_max = own_cpu_max(&linux).map_err(invalid)?;
     let own_cpus = cpu_max.and_then(|c| Some(c.quota_us?.div_ceil(c.period_us) as u32));
     let network = PodNetworkSpec::of(spec).map_err(invalid)?;
-    let anti_spoofing = crust_sandbox::net::anti_spoofing(&a).map_err(invalid)?;
+    let anti_spoofing = crate::net::anti_spoofing(&a).map_err(invalid)?;
     let (ipc, uts, pid, sysctl) = namespaces_and_sysctls(spec, &linux)?;
     Ok(ContainerPlan {
         anti_spoofing,
@@ -802,6 +802,7 @@ fn may_write(rules: &[oci_spec::runtime::LinuxDeviceCgroup], major: i64, minor: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::CRUST_ANTI_SPOOFING;
     use serde_json::json;
 
     fn spec(v: serde_json::Value) -> Spec {
@@ -1022,7 +1023,7 @@ mod tests {
     #[test]
     fn host_network_is_refused_unless_the_node_chose_user_mode() {
         let e = check_host_network(&PodNetworkSpec::Host, HostNetwork::Refuse).unwrap_err();
-        assert_eq!(e.code(), crust_sandbox::shim::Code::FailedPrecondition);
+        assert_eq!(e.code(), crate::shim::Code::FailedPrecondition);
         let e = e.to_string();
         assert!(
             e.contains("hostNetwork") && e.contains("CRUST_SHIM_HOST_NETWORK=user"),
