@@ -395,33 +395,6 @@ impl AgentClient {
         .map(|_| ())
     }
 
-    pub async fn start_workload(
-        &self,
-        req: StartWorkload,
-    ) -> Result<StartWorkloadReply, ClientError> {
-        self.call(req).await
-    }
-
-    pub async fn workload_status(&self) -> Result<WorkloadState, ClientError> {
-        self.call(WorkloadStatus {}).await
-    }
-
-    pub async fn workload_log(&self, tail_bytes: u64) -> Result<WorkloadLogReply, ClientError> {
-        self.call(WorkloadLog { tail_bytes }).await
-    }
-
-    pub async fn signal_workload(&self, signal: i32) -> Result<(), ClientError> {
-        self.call(SignalWorkload { signal }).await.map(|_| ())
-    }
-
-    /// TERM, then KILL after `grace`; the call's own timeout is `grace`
-    /// plus a margin.
-    pub async fn stop_workload(&self, grace: Duration) -> Result<WorkloadState, ClientError> {
-        let timeout_ms = grace.as_millis() as u64;
-        self.call_with_timeout(StopWorkload { timeout_ms }, grace + Duration::from_secs(10))
-            .await
-    }
-
     /// Runs `args` in the guest, killed after `timeout`.
     pub async fn exec<S: AsRef<str>>(
         &self,
@@ -432,6 +405,7 @@ impl AgentClient {
             args: args.iter().map(|a| a.as_ref().to_owned()).collect(),
             env: Vec::new(),
             timeout_ms: timeout.as_millis() as u64,
+            container: None,
         };
         self.call_with_timeout(req, timeout + Duration::from_secs(10))
             .await
@@ -470,6 +444,7 @@ impl Drop for PendingGuard<'_> {
 mod tests {
     //! The client against a scripted agent on a real unix socket.
     use super::*;
+    use crate::GuestInfo;
     use crate::frame::FrameDecoder;
     use tokio::io::AsyncReadExt;
     use tokio::net::UnixListener;
@@ -538,7 +513,7 @@ mod tests {
         let (p, st, slow) = tokio::join!(
             client.ping(),
             client.stat_volume("v"),
-            client.call_with_timeout(WorkloadStatus {}, Duration::from_millis(300)),
+            client.call_with_timeout(GuestInfo {}, Duration::from_millis(300)),
         );
         assert_eq!(p.unwrap(), pong());
         let err = st.unwrap_err();
@@ -547,7 +522,7 @@ mod tests {
         assert!(matches!(
             slow,
             Err(ClientError::Timeout {
-                op: "workload_status",
+                op: "guest_info",
                 ..
             })
         ));

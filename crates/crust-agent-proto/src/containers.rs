@@ -10,9 +10,9 @@
 //! runs [`RemoveContainer`] frees everything.
 //!
 //! Wire example: `{"id": 4, "op": "create_container", "args": {"id": "c1",
-//! "rootfs": {"tag": "pod", "path": "c1/rootfs"}, "process": {"args":
-//! ["sh"], "stdio": {"stream": 3, "stdout": true}}, "mounts": [{"destination":
-//! "/proc", "source": {"kind": "proc"}}]}}`.
+//! "rootfs": {"kind": "share", "tag": "pod", "path": "c1/rootfs"},
+//! "process": {"args": ["sh"], "stdio": {"stream": 3, "stdout": true}},
+//! "mounts": [{"destination": "/proc", "source": {"kind": "proc"}}]}}`.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +27,17 @@ pub const GUEST_SHARE_ROOT: &str = "/run/crust/shares";
 pub struct ShareRef {
     pub tag: String,
     pub path: String,
+}
+
+/// A container's root filesystem.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Rootfs {
+    /// A directory of a virtio-fs share (an image's rootfs).
+    Share(ShareRef),
+    /// The guest's own root, bound into the container's mount namespace:
+    /// the runtime CLI's workload, which runs on the guest's tools.
+    Guest,
 }
 
 /// Which streams of a process travel over the stdio port, and under which
@@ -147,7 +158,7 @@ pub struct ContainerMount {
 pub struct CreateContainer {
     /// `[A-Za-z0-9._-]`, at most 128 bytes.
     pub id: String,
-    pub rootfs: ShareRef,
+    pub rootfs: Rootfs,
     #[serde(default)]
     pub rootfs_readonly: bool,
     pub process: ProcessSpec,
@@ -685,7 +696,7 @@ mod tests {
     fn create_container_wire_shape() {
         let v = json!({
             "id": "c1",
-            "rootfs": {"tag": "pod", "path": "c1/rootfs"},
+            "rootfs": {"kind": "share", "tag": "pod", "path": "c1/rootfs"},
             "process": {"args": ["sh"], "stdio": {"stream": 3, "stdout": true}},
             "mounts": [
                 {"destination": "/proc", "source": {"kind": "proc"}},
@@ -694,6 +705,13 @@ mod tests {
             ]
         });
         let c: CreateContainer = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(
+            c.rootfs,
+            Rootfs::Share(ShareRef {
+                tag: "pod".into(),
+                path: "c1/rootfs".into()
+            })
+        );
         assert_eq!(c.process.stdio.stream, 3);
         assert!(!c.process.terminal);
         assert_eq!(c.mounts[0].source, MountSource::Proc);

@@ -48,8 +48,6 @@ pub const PROTOCOL_VERSION: u32 = 2;
 /// Where the agent mounts volume `<v>`: `/run/crust/volumes/<v>`.
 pub const GUEST_VOLUME_ROOT: &str = "/run/crust/volumes";
 
-/// Cap on [`WorkloadLog::tail_bytes`].
-pub const MAX_LOG_TAIL: u64 = 256 * 1024;
 
 /// Cap on each of [`ExecReply::stdout`] and [`ExecReply::stderr`].
 pub const MAX_EXEC_OUTPUT: usize = 256 * 1024;

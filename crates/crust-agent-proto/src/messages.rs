@@ -40,11 +40,6 @@ pub enum Operation {
     StatVolume(StatVolume),
     GrowVolume(GrowVolume),
     UnmountVolume(UnmountVolume),
-    StartWorkload(StartWorkload),
-    WorkloadStatus(WorkloadStatus),
-    WorkloadLog(WorkloadLog),
-    SignalWorkload(SignalWorkload),
-    StopWorkload(StopWorkload),
     Exec(Exec),
     Shutdown(Shutdown),
     CreateContainer(CreateContainer),
@@ -73,11 +68,6 @@ pub const OPERATION_NAMES: &[&str] = &[
     "stat_volume",
     "grow_volume",
     "unmount_volume",
-    "start_workload",
-    "workload_status",
-    "workload_log",
-    "signal_workload",
-    "stop_workload",
     "exec",
     "shutdown",
     "create_container",
@@ -107,11 +97,6 @@ impl Operation {
             Operation::StatVolume(_) => StatVolume::NAME,
             Operation::GrowVolume(_) => GrowVolume::NAME,
             Operation::UnmountVolume(_) => UnmountVolume::NAME,
-            Operation::StartWorkload(_) => StartWorkload::NAME,
-            Operation::WorkloadStatus(_) => WorkloadStatus::NAME,
-            Operation::WorkloadLog(_) => WorkloadLog::NAME,
-            Operation::SignalWorkload(_) => SignalWorkload::NAME,
-            Operation::StopWorkload(_) => StopWorkload::NAME,
             Operation::Exec(_) => Exec::NAME,
             Operation::Shutdown(_) => Shutdown::NAME,
             Operation::CreateContainer(_) => CreateContainer::NAME,
@@ -250,11 +235,6 @@ call!(GrowVolume => GrowVolumeReply, "grow_volume");
 call!(FreezeVolume => Empty, "freeze_volume");
 call!(ThawVolume => ThawVolumeReply, "thaw_volume");
 call!(UnmountVolume => Empty, "unmount_volume");
-call!(StartWorkload => StartWorkloadReply, "start_workload");
-call!(WorkloadStatus => WorkloadState, "workload_status");
-call!(WorkloadLog => WorkloadLogReply, "workload_log");
-call!(SignalWorkload => Empty, "signal_workload");
-call!(StopWorkload => WorkloadState, "stop_workload");
 call!(Exec => ExecReply, "exec");
 call!(Shutdown => Empty, "shutdown");
 call!(CreateContainer => ProcessReply, "create_container");
@@ -444,116 +424,10 @@ pub struct ThawVolumeReply {
 }
 
 /// Sync and unmount; a volume that is not mounted is a success. Refused
-/// with FailedPrecondition while a running workload uses it.
+/// with FailedPrecondition while a container binds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnmountVolume {
     pub volume: String,
-}
-
-/// Start the guest's single workload process after bind-mounting volumes.
-///
-/// Idempotent: a running workload with an identical spec is a success;
-/// a different one is AlreadyExists. An exited workload may be replaced.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StartWorkload {
-    /// argv; `args[0]` is looked up in the workload's PATH.
-    pub args: Vec<String>,
-    /// `KEY=VALUE` entries; the environment is exactly this (plus a default
-    /// PATH when none is given).
-    #[serde(default)]
-    pub env: Vec<String>,
-    /// Working directory inside the guest; default `/`.
-    #[serde(default)]
-    pub cwd: Option<String>,
-    #[serde(default)]
-    pub mounts: Vec<WorkloadMount>,
-    /// Run as this user instead of root.
-    #[serde(default)]
-    pub user: Option<WorkloadUser>,
-    /// Files or directories of virtio-fs shares bound for the workload
-    /// (host binds the runtime shares instead of skipping them).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub shares: Vec<WorkloadShare>,
-}
-
-/// A path of a virtio-fs share made visible at `destination`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadShare {
-    pub share: crate::containers::ShareRef,
-    /// Absolute guest path; created if missing.
-    pub destination: String,
-    #[serde(default)]
-    pub readonly: bool,
-}
-
-/// A volume (or a subdirectory/file of it) made visible at `destination`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadMount {
-    pub volume: String,
-    /// Relative path beneath the volume root. Resolved without leaving the
-    /// volume (symlinks included); missing directories are created.
-    #[serde(default)]
-    pub subpath: Option<String>,
-    /// Absolute guest path; created if missing.
-    pub destination: String,
-    #[serde(default)]
-    pub readonly: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StartWorkloadReply {
-    pub pid: u32,
-}
-
-/// Current workload state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadStatus {}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "state", rename_all = "snake_case")]
-pub enum WorkloadState {
-    NotStarted,
-    Running {
-        pid: u32,
-    },
-    Exited {
-        pid: u32,
-        /// Exit status when it exited normally.
-        exit_code: Option<i32>,
-        /// Terminating signal when it was killed.
-        signal: Option<i32>,
-    },
-}
-
-/// The end of the workload's combined stdout/stderr log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadLog {
-    /// At most this many bytes from the end (capped by the agent at
-    /// [`crate::MAX_LOG_TAIL`]).
-    pub tail_bytes: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkloadLogReply {
-    /// The bytes, lossily decoded as UTF-8.
-    pub data: String,
-    /// Total log size.
-    pub size: u64,
-    /// Whether earlier bytes were left out.
-    pub truncated: bool,
-}
-
-/// Send a signal (1..=64) to the workload's process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SignalWorkload {
-    pub signal: i32,
-}
-
-/// SIGTERM the workload's process group, SIGKILL after `timeout_ms`, and
-/// return the final state. Not running is a success.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StopWorkload {
-    pub timeout_ms: u64,
 }
 
 /// Run a command to completion (diagnostics and tests).
@@ -564,6 +438,10 @@ pub struct Exec {
     pub env: Vec<String>,
     /// Killed (process group) after this long → DeadlineExceeded.
     pub timeout_ms: u64,
+    /// Run in this container's mount namespace (its root, its mounts),
+    /// which lasts until the container is removed; none: the guest's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -673,35 +551,11 @@ mod tests {
             }
             .into(),
             UnmountVolume { volume: "a".into() }.into(),
-            StartWorkload {
-                args: vec!["sh".into()],
-                env: vec![],
-                cwd: None,
-                mounts: vec![WorkloadMount {
-                    volume: "a".into(),
-                    subpath: Some("x/y".into()),
-                    destination: "/data".into(),
-                    readonly: true,
-                }],
-                user: None,
-                shares: vec![WorkloadShare {
-                    share: crate::containers::ShareRef {
-                        tag: "crust-pod".into(),
-                        path: "m1".into(),
-                    },
-                    destination: "/shared".into(),
-                    readonly: false,
-                }],
-            }
-            .into(),
-            WorkloadStatus {}.into(),
-            WorkloadLog { tail_bytes: 10 }.into(),
-            SignalWorkload { signal: 15 }.into(),
-            StopWorkload { timeout_ms: 10 }.into(),
             Exec {
                 args: vec!["df".into()],
                 env: vec![],
                 timeout_ms: 10,
+                container: Some("w".into()),
             }
             .into(),
             Shutdown {}.into(),
@@ -762,20 +616,18 @@ mod tests {
     }
 
     #[test]
-    fn workload_state_shape() {
-        let s = WorkloadState::Exited {
-            pid: 4,
-            exit_code: None,
-            signal: Some(9),
-        };
+    fn rootfs_shape() {
         assert_eq!(
-            serde_json::to_value(s).unwrap(),
-            json!({"state": "exited", "pid": 4, "exit_code": null, "signal": 9})
+            serde_json::to_value(Rootfs::Guest).unwrap(),
+            json!({"kind": "guest"})
         );
-        assert_eq!(
-            serde_json::to_value(WorkloadState::NotStarted).unwrap(),
-            json!({"state": "not_started"})
-        );
+        let share = Rootfs::Share(ShareRef {
+            tag: "pod".into(),
+            path: "c/rootfs".into(),
+        });
+        let v = serde_json::to_value(&share).unwrap();
+        assert_eq!(v, json!({"kind": "share", "tag": "pod", "path": "c/rootfs"}));
+        assert_eq!(serde_json::from_value::<Rootfs>(v).unwrap(), share);
     }
 
     #[test]

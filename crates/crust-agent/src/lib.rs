@@ -7,13 +7,12 @@
 //!   ([`options`]), and given Kubernetes fsGroup semantics (`crust_fsgroup`).
 //! * Stats come from statvfs; health from the mount table, ext4's error
 //!   counter, disk presence and a read probe ([`volume`]).
-//! * The workload gets bind mounts resolved beneath the volume root with
-//!   openat2 ([`subpath`]), mounted on destinations opened without
-//!   following any symlink ([`destination`]), and logs to `/run/crust/workload.log`
-//!   ([`workload`]).
-//! * Containers ([`container`]): the pod's containers, each in its own
-//!   mount namespace over a rootfs shared with virtio-fs, with a cgroup,
-//!   exec processes, terminals and stdio over the second port.
+//! * Containers ([`container`]): every process the host asks for runs in
+//!   one, in its own mount namespace over a rootfs shared with virtio-fs
+//!   (a pod's containers) or over the guest's own root (the runtime CLI's
+//!   workload), with a cgroup, volume binds resolved beneath the volume
+//!   root with openat2 ([`subpath`]), exec processes, terminals and stdio
+//!   over the second port.
 //! * The pod's network ([`network`]): each virtio-net NIC, found by MAC,
 //!   gets the name, MTU, addresses, routes and neighbours of the interface
 //!   CNI made in the pod's namespace.
@@ -26,7 +25,6 @@
 //! guest, reaps orphans and restarts the agent if it dies.
 
 pub mod container;
-pub mod destination;
 pub mod forward;
 pub mod modprobe;
 pub mod network;
@@ -37,6 +35,5 @@ pub mod server;
 pub mod subpath;
 pub mod sys;
 pub mod volume;
-pub mod workload;
 
 pub use server::{Config, RunFailure, run};

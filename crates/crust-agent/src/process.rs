@@ -140,6 +140,18 @@ pub fn run(
     timeout: Duration,
     cap: usize,
 ) -> Result<Output, RunError> {
+    run_in(args, env, timeout, cap, None)
+}
+
+/// [`run`] in the mount namespace `mount_ns` refers to, when given (a
+/// container's: its root, its mounts; the program is looked up there).
+pub fn run_in(
+    args: &[String],
+    env: &[String],
+    timeout: Duration,
+    cap: usize,
+    mount_ns: Option<std::os::fd::OwnedFd>,
+) -> Result<Output, RunError> {
     let (program, rest) = args.split_first().ok_or(RunError::Empty)?;
     let mut cmd = Command::new(program);
     cmd.args(rest)
@@ -155,6 +167,15 @@ pub fn run(
             Some((k, v)) => cmd.env(k, v),
             None => cmd.env(kv, ""),
         };
+    }
+    if let Some(ns) = mount_ns {
+        crust_sys::spawn::ChildSetup::new()
+            .mount_namespace(ns)
+            .apply(&mut cmd)
+            .map_err(|source| RunError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
     }
     let mut child = cmd.spawn().map_err(|source| RunError::Spawn {
         program: program.clone(),

@@ -21,7 +21,6 @@ use crate::container::Containers;
 use crate::network::Network;
 use crate::process::{self, RunError};
 use crate::volume::Volumes;
-use crate::workload::Workloads;
 
 /// Requests handled at once; more get ResourceExhausted.
 const MAX_IN_FLIGHT: usize = 64;
@@ -56,7 +55,6 @@ struct Outgoing {
 /// Agent state shared by the handler threads.
 pub struct Agent {
     volumes: Volumes,
-    workloads: Workloads,
     containers: Containers,
     network: Network,
     /// Serializes operations that change mounts.
@@ -68,7 +66,6 @@ impl Agent {
     fn new(containers: Containers) -> Self {
         Agent {
             volumes: Volumes::default(),
-            workloads: Workloads::default(),
             containers,
             network: Network::default(),
             mutate: Mutex::new(()),
@@ -138,21 +135,6 @@ impl Agent {
                 Operation::UnmountVolume(u) => {
                     let _g = self.lock();
                     crate::volume::validate_name(&u.volume)?;
-                    let (running, dests) = self.workloads.uses(&u.volume);
-                    if running && !dests.is_empty() {
-                        return Err(AgentError::new(
-                            ErrorCode::FailedPrecondition,
-                            format!(
-                                "volume {:?} is in use by the running workload at {}; stop the workload first",
-                                u.volume,
-                                dests
-                                    .iter()
-                                    .map(|d| d.display().to_string())
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            ),
-                        ));
-                    }
                     let users = self.containers.using_volume(&u.volume);
                     if !users.is_empty() {
                         return Err(AgentError::new(
@@ -164,28 +146,15 @@ impl Agent {
                             ),
                         ));
                     }
-                    self.workloads.release_binds(Some(&u.volume));
                     self.volumes.unmount(&u.volume)?;
                     serde_json::to_value(Empty {})
                 }
-                Operation::StartWorkload(s) => {
-                    let _g = self.lock();
-                    serde_json::to_value(self.workloads.start(&s, &self.volumes)?)
-                }
-                Operation::WorkloadStatus(_) => serde_json::to_value(self.workloads.status()),
-                Operation::WorkloadLog(l) => {
-                    serde_json::to_value(self.workloads.log(l.tail_bytes)?)
-                }
-                Operation::SignalWorkload(s) => {
-                    self.workloads.signal(s.signal)?;
-                    serde_json::to_value(Empty {})
-                }
-                Operation::StopWorkload(s) => {
-                    let grace = Duration::from_millis(s.timeout_ms);
-                    serde_json::to_value(self.workloads.stop(grace))
-                }
                 Operation::Exec(e) => {
-                    serde_json::to_value(self.exec(&e.args, &e.env, e.timeout_ms, deadline)?)
+                    let ns = match &e.container {
+                        Some(c) => Some(self.containers.mount_ns(c)?),
+                        None => None,
+                    };
+                    serde_json::to_value(self.exec(&e.args, &e.env, e.timeout_ms, ns, deadline)?)
                 }
                 Operation::Shutdown(_) => {
                     self.shutdown_prepare();
@@ -258,13 +227,14 @@ impl Agent {
         args: &[String],
         env: &[String],
         timeout_ms: u64,
+        mount_ns: Option<OwnedFd>,
         deadline: Option<Instant>,
     ) -> Result<ExecReply, AgentError> {
         let mut timeout = Duration::from_millis(timeout_ms.max(1));
         if let Some(d) = deadline {
             timeout = timeout.min(d.saturating_duration_since(Instant::now()));
         }
-        match process::run(args, env, timeout, MAX_EXEC_OUTPUT) {
+        match process::run_in(args, env, timeout, MAX_EXEC_OUTPUT, mount_ns) {
             Ok(o) => Ok(ExecReply {
                 exit_code: o.code,
                 signal: o.signal,
@@ -287,17 +257,14 @@ impl Agent {
         }
     }
 
-    /// Stops the workload and unmounts everything; errors are logged, not
-    /// fatal, since the guest is going away either way.
+    /// Removes the containers and unmounts everything; errors are logged,
+    /// not fatal, since the guest is going away either way.
     fn shutdown_prepare(&self) {
         log!("shutdown requested");
         for id in self.containers.ids() {
             let _ = self.containers.remove(&id);
         }
         let _g = self.lock();
-        let state = self.workloads.stop(Duration::from_secs(5));
-        log!("workload: {state:?}");
-        self.workloads.release_binds(None);
         for v in self.volumes.mounted() {
             match self.volumes.unmount(&v) {
                 Ok(()) => log!("unmounted volume {v}"),
@@ -582,6 +549,9 @@ pub fn run(cfg: Config) -> Result<(), RunFailure> {
     log!("version {} starting", env!("CARGO_PKG_VERSION"));
     if let Err(e) = std::fs::create_dir_all(GUEST_VOLUME_ROOT) {
         log!("creating {GUEST_VOLUME_ROOT}: {e}");
+    }
+    if let Err(e) = crate::volume::share_root() {
+        log!("making / a shared mount: {e}");
     }
     let _ = rustix::fs::chmod("/run/crust", Mode::from_raw_mode(0o700));
     let (port, reader) = open_ports(&cfg)?;

@@ -212,6 +212,14 @@ fn wait_for_size(disk: &str, want: Option<u64>, deadline: Option<Instant>) -> Op
     }
 }
 
+/// Makes the guest's root mount shared: a guest-rooted container (the
+/// runtime CLI's workload) holds a slave copy of it, so a volume mounted
+/// below [`GUEST_VOLUME_ROOT`] after the container started (a hot-plug)
+/// is there too. Idempotent (the agent may be restarted).
+pub fn share_root() -> rustix::io::Result<()> {
+    rustix::mount::mount_change("/", rustix::mount::MountPropagationFlags::SHARED)
+}
+
 pub fn mount_path(volume: &str) -> PathBuf {
     Path::new(GUEST_VOLUME_ROOT).join(volume)
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crust_agent_proto::{
     AgentClient, ConfigureNetwork, ContainerMount, CreateContainer, Exec, MountSource, NetAddress,
-    NetInterface, NetRoute, ProcessSpec, RouteScope, ShareRef,
+    NetInterface, NetRoute, ProcessSpec, Rootfs, RouteScope, ShareRef,
 };
 use crust_vmm::{Accel, ShareSpec, Vm, VmConfig};
 use rustix::mount::{MountPropagationFlags, UnmountFlags};
@@ -38,6 +38,7 @@ async fn sh(agent: &AgentClient, script: &str) -> String {
             args: vec!["sh".into(), "-c".into(), script.into()],
             env: vec!["PATH=/usr/sbin:/usr/bin:/sbin:/bin".into()],
             timeout_ms: 20_000,
+            container: None,
         })
         .await
         .expect("exec");
@@ -202,7 +203,7 @@ async fn a_guest_nic_gets_the_pods_interface_and_reaches_the_host() {
     agent
         .call(CreateContainer {
             id: "c".into(),
-            rootfs: share_ref("c/rootfs"),
+            rootfs: Rootfs::Share(share_ref("c/rootfs")),
             rootfs_readonly: false,
             process: ProcessSpec {
                 args: vec!["sh".into()],

@@ -10,9 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crust_agent_proto::{
-    AgentClient, MAX_LOG_TAIL, ShareRef, StartWorkload, WorkloadShare, WorkloadState, WorkloadUser,
-};
+use crust_agent_proto::AgentClient;
+use crust_agent_proto::stdio::StdioMux;
 use crust_qmp::QmpClient;
 use tokio::sync::watch;
 
@@ -27,7 +26,7 @@ use crust_sandbox::lifecycle::{self, BootSpec, Recorded};
 use crust_sandbox::net;
 use crust_sandbox::plug::{self, Attachments, GuestPorts};
 use crust_sandbox::records::{ProcRef, SandboxState, SharedMount, Status};
-use crust_sandbox::records::{Volume, WorkloadMount};
+use crust_sandbox::records::Volume;
 use crust_sandbox::sandbox::SandboxStore;
 use crust_sandbox::served::{Reach, Served, VolumeLocks};
 use crust_sandbox::share;
@@ -37,7 +36,8 @@ use crust_sandbox::stats::{
     VolumeStats,
 };
 use crust_sandbox::vm::Guest;
-use crust_sandbox::volumes::{self, AgentCallError, VolumeError};
+use crust_sandbox::volumes::{self, VolumeError};
+use crust_sandbox::workload;
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -56,6 +56,11 @@ pub struct Controller {
     guest: Guest,
     qmp: QmpClient,
     agent: AgentClient,
+    /// The guest's stdio port: the workload's output.
+    stdio: StdioMux,
+    /// Whether the workload's container was created (until teardown
+    /// removes it).
+    started: AtomicBool,
     /// Hot-plug buses, plugged volumes and the exclusive holds on their
     /// host devices (kept while the guest may use them).
     attachments: Attachments,
@@ -240,6 +245,8 @@ async fn setup(cfg: Config, id: String, store: SandboxStore) -> Result<Controlle
         store: store.clone(),
         discovery: discovery.clone(),
         bundle,
+        stdio: StdioMux::new(booted.guest.stdio_socket()),
+        started: AtomicBool::new(false),
         guest: booted.guest,
         qmp: booted.qmp,
         agent: booted.agent,
@@ -487,27 +494,26 @@ impl Controller {
         let me = self.clone();
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(WORKLOAD_POLL).await;
                 if me.stopping.load(Ordering::SeqCst) || me.qemu_exited().is_some() {
                     return;
                 }
                 if me.snapshot().status != Status::Running {
+                    tokio::time::sleep(WORKLOAD_POLL).await;
                     continue;
                 }
-                match me.agent.workload_status().await {
-                    Ok(WorkloadState::Exited {
-                        exit_code, signal, ..
-                    }) => {
-                        let code = exit_code.or(signal.map(|s| 128 + s)).unwrap_or(-1);
-                        tracing::info!("workload exited with {code}");
+                match workload::wait(&me.agent).await {
+                    Ok(exit) => {
+                        tracing::info!("workload exited with {}", exit.exit_code);
                         me.update(|s| {
                             s.status = Status::Stopped;
-                            s.exit_status = Some(code);
+                            s.exit_status = Some(exit.exit_code);
                         });
                         return;
                     }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!("workload status: {e}"),
+                    Err(e) => {
+                        tracing::debug!("waiting for the workload: {e}");
+                        tokio::time::sleep(WORKLOAD_POLL).await;
+                    }
                 }
             }
         });
@@ -550,6 +556,11 @@ impl Controller {
             locks: &self.volume_locks,
             timeout: self.cfg.timeout,
             slow_timeout: self.cfg.boot_timeout,
+            // The workload's view (its root and binds), once it exists.
+            exec_in: self
+                .started
+                .load(Ordering::SeqCst)
+                .then(|| workload::ID.to_string()),
         }
     }
 
@@ -561,18 +572,25 @@ impl Controller {
             return;
         }
         self.stopping.store(true, Ordering::SeqCst);
+        let running = self.qemu_exited().is_none();
+        if running && self.started.swap(false, Ordering::SeqCst) {
+            lifecycle::timed(
+                "teardown: stopping the workload",
+                workload::stop(&self.agent, STOP_GRACE),
+            )
+            .await;
+        }
         let st = self.snapshot();
         let stop = crust_sandbox::vm::GuestStop {
             guest: &self.guest,
             qmp: &self.qmp,
             agent: &self.agent,
             timeout: self.cfg.timeout,
-            workload_grace: (st.status == Status::Running).then_some(STOP_GRACE),
         };
         let share = self.store.dir(&self.id).join(share::SHARE_DIR);
         lifecycle::teardown(lifecycle::Teardown {
             id: &self.id,
-            guest: Some((stop, self.qemu_exited().is_none())),
+            guest: Some((stop, running)),
             attachments: &self.attachments,
             discovery: &self.discovery,
             handover: &Handover::new(&self.cfg),
@@ -607,36 +625,14 @@ impl ShimHandler for Controller {
             }
             .into());
         }
-        let b = &self.bundle;
-        let user =
-            (b.uid != 0 || b.gid != 0 || !b.additional_gids.is_empty()).then(|| WorkloadUser {
-                uid: b.uid,
-                gid: b.gid,
-                supplemental_gids: b.additional_gids.clone(),
-            });
-        let req = StartWorkload {
-            args: b.args.clone(),
-            env: b.env.clone(),
-            cwd: Some(b.cwd.clone()),
-            mounts: st.mounts.iter().map(agent_mount).collect(),
-            user,
-            shares: st
-                .shared_mounts
-                .iter()
-                .map(|m| WorkloadShare {
-                    share: ShareRef {
-                        tag: share::SHARE_TAG.into(),
-                        path: m.path.clone(),
-                    },
-                    destination: m.destination.clone(),
-                    readonly: m.readonly,
-                })
-                .collect(),
-        };
-        self.agent
-            .call_with_timeout(req, self.cfg.boot_timeout)
-            .await
-            .map_err(AgentCallError::of("starting the workload"))?;
+        let req = workload::request(&self.bundle, &st, share::SHARE_TAG);
+        let log = workload::log_path(&self.store.dir(&self.id));
+        self.started.store(true, Ordering::SeqCst);
+        let started = workload::start(&self.agent, &self.stdio, req, &log, self.cfg.boot_timeout);
+        if let Err(e) = started.await {
+            self.started.store(false, Ordering::SeqCst);
+            return Err(e.into());
+        }
         Ok(self.update(|s| s.status = Status::Running))
     }
 
@@ -644,11 +640,7 @@ impl ShimHandler for Controller {
         if let Some(r) = self.qemu_exited() {
             return Err(self.not_running(&format!("QEMU exited: {r}")));
         }
-        Ok(self
-            .agent
-            .signal_workload(signal)
-            .await
-            .map_err(AgentCallError::of("signalling the workload"))?)
+        Ok(workload::signal(&self.agent, signal).await?)
     }
 
     async fn shutdown(&self) -> ApiResult<()> {
@@ -726,24 +718,14 @@ impl ShimHandler for Controller {
         self.served().exec(req).await
     }
 
+    /// The workload's log is on the host: it answers after the guest
+    /// is gone, too.
     async fn logs(&self) -> ApiResult<LogsResponse> {
-        if let Some(r) = self.qemu_exited() {
-            return Err(self.not_running(&format!("QEMU exited: {r}")));
-        }
-        let r = self
-            .agent
-            .workload_log(MAX_LOG_TAIL)
-            .await
-            .map_err(AgentCallError::of("workload log"))?;
-        Ok(LogsResponse { output: r.data })
-    }
-}
-
-fn agent_mount(m: &WorkloadMount) -> crust_agent_proto::WorkloadMount {
-    crust_agent_proto::WorkloadMount {
-        volume: m.volume.clone(),
-        subpath: (!m.subpath.is_empty()).then(|| m.subpath.clone()),
-        destination: m.destination.clone(),
-        readonly: m.readonly,
+        let log = workload::log_path(&self.store.dir(&self.id));
+        let output = workload::tail(&log).map_err(|source| RuntimeError::Io {
+            context: format!("reading the workload's log {}", log.display()),
+            source,
+        })?;
+        Ok(LogsResponse { output })
     }
 }

@@ -21,6 +21,8 @@
 //!   mount, rollback) and release both front doors use.
 //! - [`volumes`]: hot-plug, mount, stats and resize of one volume.
 //! - [`alias_watch`]: a second loop device on a live volume.
+//! - [`workload`]: the runtime CLI's workload, a container on the guest's
+//!   own root, with its log on the host.
 //! - [`shim`]: the per-sandbox HTTP API (server and client, error codes),
 //!   which crust_ops and the CLI call on either door.
 //! - [`served`]: what that API serves about a sandbox's volumes, its
@@ -64,3 +66,4 @@ pub mod spec;
 pub mod stats;
 pub mod vm;
 pub mod volumes;
+pub mod workload;

@@ -59,6 +59,9 @@ pub struct Served<'a> {
     pub timeout: Duration,
     /// The bound on a slow one (a mount, a filesystem grown).
     pub slow_timeout: Duration,
+    /// The container whose mount namespace `exec` runs in (the CLI's
+    /// workload, once created); none: the guest's.
+    pub exec_in: Option<String>,
 }
 
 impl<'a> Served<'a> {
@@ -143,7 +146,8 @@ impl<'a> Served<'a> {
     /// A command in the guest (the CLI's `exec`).
     pub async fn exec(&self, req: ExecRequest) -> ApiResult<ExecResponse> {
         let (_, agent) = self.live()?;
-        Ok(volumes::exec_in_guest(agent, req, self.timeout).await?)
+        let container = self.exec_in.clone();
+        Ok(volumes::exec_in_guest(agent, req, container, self.timeout).await?)
     }
 
     /// The sandbox's metrics: QEMU, the guest, its volumes, and the pod
@@ -193,6 +197,7 @@ mod tests {
             locks,
             timeout: Duration::from_secs(1),
             slow_timeout: Duration::from_secs(1),
+            exec_in: None,
         }
     }
 

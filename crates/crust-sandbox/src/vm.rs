@@ -227,25 +227,17 @@ pub struct GuestStop<'a> {
     pub agent: &'a crust_agent_proto::AgentClient,
     /// The bound on each agent or QMP request.
     pub timeout: Duration,
-    /// The CLI's workload is asked to stop within this grace before its
-    /// volumes are unmounted (containers are stopped by their own door).
-    pub workload_grace: Option<Duration>,
 }
 
 /// Stops a sandbox's guest, the one order both doors use: a dead QEMU is
-/// reaped; a live guest has its workload stopped (when asked), its
-/// volumes unmounted (each filesystem clean on its device), then is
+/// reaped; a live guest (whose containers its door stopped and removed)
+/// has its volumes unmounted (each filesystem clean on its device), then is
 /// powered off, else QEMU quits through QMP, else it is killed. Returns
 /// once QEMU is gone; a step that fails is logged and the next one runs.
 pub async fn stop_guest(s: GuestStop<'_>, volumes: &[crate::records::Volume], running: bool) {
     if !running {
         s.guest.kill().await;
         return;
-    }
-    if let Some(grace) = s.workload_grace
-        && let Err(e) = s.agent.stop_workload(grace).await
-    {
-        tracing::warn!("stopping the workload: {e}");
     }
     for v in volumes {
         if let Err(e) = crate::volumes::unmount(s.agent, v, s.timeout).await {

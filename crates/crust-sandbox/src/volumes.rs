@@ -68,11 +68,13 @@ impl AgentCallError {
     }
 }
 
-/// The shim API's `/exec`: runs a command in the guest, waiting its own
-/// timeout (default 30 s) plus `slack` for the agent's answer.
+/// The shim API's `/exec`: runs a command in the guest (in `container`'s
+/// mount namespace when given), waiting its own timeout (default 30 s)
+/// plus `slack` for the agent's answer.
 pub async fn exec_in_guest(
     agent: &AgentClient,
     req: crust_shim_api::ExecRequest,
+    container: Option<String>,
     slack: std::time::Duration,
 ) -> Result<crust_shim_api::ExecResponse, AgentCallError> {
     let timeout = std::time::Duration::from_millis(req.timeout_ms.unwrap_or(30_000));
@@ -82,6 +84,7 @@ pub async fn exec_in_guest(
                 args: req.args,
                 env: req.env,
                 timeout_ms: timeout.as_millis() as u64,
+                container,
             },
             timeout + slack,
         )

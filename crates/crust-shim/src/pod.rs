@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crust_agent_proto::stdio::StdioMux;
-use crust_agent_proto::{ContainerMount, CreateContainer, MountSource, ShareRef};
+use crust_agent_proto::{ContainerMount, CreateContainer, MountSource, Rootfs, ShareRef};
 use crust_sandbox::beneath::FsSpec;
 use crust_sandbox::bundle::Bundle;
 use crust_sandbox::claims::{claim, release_all};
@@ -432,10 +432,10 @@ impl Pod {
         }
         Ok(CreateContainer {
             id: cid.to_string(),
-            rootfs: ShareRef {
+            rootfs: Rootfs::Share(ShareRef {
                 tag: SHARE_TAG.into(),
                 path: format!("{cid}/rootfs"),
-            },
+            }),
             rootfs_readonly: plan.rootfs_readonly,
             process: plan.process.clone(),
             mounts,
@@ -704,7 +704,6 @@ impl Pod {
                     qmp: &vm.qmp,
                     agent: &vm.agent,
                     timeout: self.cfg.runtime.timeout,
-                    workload_grace: None,
                 };
                 (stop, vm.exit.borrow().is_none())
             }),

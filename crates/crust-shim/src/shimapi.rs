@@ -54,6 +54,7 @@ fn served<'a>(pod: &'a Pod, vm: &'a Result<Arc<PodVm>, PodError>) -> ApiResult<S
         locks: &pod.volume_locks,
         timeout: pod.cfg.runtime.timeout,
         slow_timeout: pod.cfg.runtime.boot_timeout,
+        exec_in: None,
     })
 }
 

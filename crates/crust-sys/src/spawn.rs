@@ -2,12 +2,12 @@
 //!
 //! Only raw system calls run in the child (no allocation, no locks), in a
 //! fixed order: a new session, the cgroups it is born in, new namespaces,
-//! descriptors it keeps, the identity it runs as (after which it may no
+//! a mount namespace it enters, descriptors it keeps, the identity it runs as (after which it may no
 //! longer be allowed the rest), and last the parent-death signal (a change
 //! of identity clears it).
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -21,6 +21,8 @@ pub struct ChildSetup {
     death_signal: Option<Signal>,
     cgroup_procs: Vec<OwnedFd>,
     unshare: Option<UnshareFlags>,
+    /// A mount namespace to enter (`setns`).
+    mount_ns: Option<OwnedFd>,
     /// A duplicate of each kept descriptor (close-on-exec) and the number
     /// the child must have it under.
     keep: Vec<(OwnedFd, RawFd)>,
@@ -58,6 +60,14 @@ impl ChildSetup {
     /// [`crate::ns::unshare`]: namespace flags only).
     pub fn unshare(mut self, flags: UnshareFlags) -> ChildSetup {
         self.unshare = Some(flags);
+        self
+    }
+
+    /// The child enters the mount namespace `ns` refers to (an open
+    /// `/proc/<pid>/ns/mnt`): its root and working directory become the
+    /// namespace's root, and the program is looked up there.
+    pub fn mount_namespace(mut self, ns: OwnedFd) -> ChildSetup {
+        self.mount_ns = Some(ns);
         self
     }
 
@@ -106,6 +116,7 @@ impl ChildSetup {
             && self.death_signal.is_none()
             && self.cgroup_procs.is_empty()
             && self.unshare.is_none()
+            && self.mount_ns.is_none()
             && self.keep.is_empty()
             && self.identity.is_none()
     }
@@ -121,6 +132,12 @@ impl ChildSetup {
             // SAFETY: namespace flags only (checked in apply), in a
             // single-threaded child.
             unsafe { rustix::thread::unshare_unsafe(flags) }?;
+        }
+        if let Some(ns) = &self.mount_ns {
+            rustix::thread::move_into_link_name_space(
+                ns.as_fd(),
+                Some(rustix::thread::LinkNameSpaceType::Mount),
+            )?;
         }
         for (dup, number) in &self.keep {
             // dup2 onto the number the program expects: the new descriptor
@@ -173,6 +190,41 @@ mod tests {
         let ids: Vec<&str> = text.split_whitespace().collect();
         assert_eq!(ids.len(), 2, "{text}");
         assert_eq!(ids[0], ids[1], "{text}");
+    }
+
+    /// Needs root (CAP_SYS_ADMIN for unshare and setns).
+    #[test]
+    fn a_child_enters_the_mount_namespace_it_is_given() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        // A namespace of its own, held by a sleeping child.
+        let mut holder = Command::new("sleep");
+        holder.arg("30");
+        ChildSetup::new()
+            .unshare(UnshareFlags::NEWNS)
+            .apply(&mut holder)
+            .unwrap();
+        let mut holder = holder.spawn().unwrap();
+        let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+        let theirs = ns(holder.id());
+        assert_ne!(theirs, ns(std::process::id()));
+        let fd = std::fs::File::open(format!("/proc/{}/ns/mnt", holder.id())).unwrap();
+        let mut cmd = Command::new("readlink");
+        cmd.arg("/proc/self/ns/mnt").stdout(Stdio::piped());
+        ChildSetup::new()
+            .mount_namespace(fd.into())
+            .apply(&mut cmd)
+            .unwrap();
+        let out = cmd.output().unwrap();
+        let _ = holder.kill();
+        let _ = holder.wait();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            theirs.to_string_lossy()
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crust_agent_proto::stdio::{Output, StdioMux};
 use crust_agent_proto::{
     AgentClient, Capabilities, ClientError, ContainerMount, CreateContainer, ErrorCode,
     ExecProcess, MountSource, NamespaceSource, ProcessRef, ProcessSpec, RemoveContainer, ResizePty,
-    Rlimit, ShareRef, SignalProcess, StartContainer, StdioSpec, WaitProcess, WorkloadUser,
+    Rlimit, Rootfs, ShareRef, SignalProcess, StartContainer, StdioSpec, WaitProcess, WorkloadUser,
 };
 use crust_vmm::{Accel, ShareSpec, Vm, VmConfig};
 use rustix::mount::{MountPropagationFlags, UnmountFlags};
@@ -177,10 +177,10 @@ async fn containers_in_a_guest() {
         panic!("agent not ready: {e}\n{}", vm.failure_context());
     }
     let mux = StdioMux::new(vm.stdio_socket());
-    let rootfs = ShareRef {
+    let rootfs = Rootfs::Share(ShareRef {
         tag: "pod".into(),
         path: "c/rootfs".into(),
-    };
+    });
 
     // 1. Output, exit code, user and groups, a read-only bind from the share.
     let mut rx = mux.register(1);
@@ -626,10 +626,10 @@ async fn containers_in_a_guest() {
     // 6. Bad input: clear errors, nothing left behind.
     let bad = |id: &str, path: &str, args: &[&str]| CreateContainer {
         id: id.into(),
-        rootfs: ShareRef {
+        rootfs: Rootfs::Share(ShareRef {
             tag: "pod".into(),
             path: path.into(),
-        },
+        }),
         rootfs_readonly: false,
         process: proc(args, 0),
         mounts: std_mounts(),

@@ -14,9 +14,11 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::time::Duration;
 
 use common::*;
+use crust_agent_proto::stdio::{Output, StdioMux};
 use crust_agent_proto::{
-    ErrorCode, FsGroupPolicy, FsType, MountVolume, StartWorkload, WorkloadMount, WorkloadState,
-    WorkloadUser, frame,
+    ContainerMount, ContainerPids, CreateContainer, ErrorCode, Exec, FsGroupPolicy, FsType,
+    MountSource, MountVolume, ProcessRef, ProcessSpec, RemoveContainer, Rootfs, SignalProcess,
+    StartContainer, StdioSpec, WaitProcess, WorkloadUser, frame,
 };
 use crust_testkit::LoopDisk;
 use crust_vmm::{DiskSpec, Vm, VmConfig, VmError};
@@ -32,6 +34,52 @@ fn mount_req(volume: &str, serial: &str, fstype: FsType) -> MountVolume {
         readonly: false,
         fs_group: None,
         fs_group_policy: None,
+    }
+}
+
+/// A container on the guest's own root, as the runtime CLI runs its
+/// workload.
+fn guest_rooted(
+    id: &str,
+    args: &[&str],
+    mounts: Vec<ContainerMount>,
+    user: Option<WorkloadUser>,
+) -> CreateContainer {
+    CreateContainer {
+        id: id.into(),
+        rootfs: Rootfs::Guest,
+        rootfs_readonly: false,
+        process: ProcessSpec {
+            args: args.iter().map(|a| a.to_string()).collect(),
+            env: vec!["PATH=/usr/bin:/bin".into()],
+            user,
+            ..Default::default()
+        },
+        mounts,
+        masked_paths: vec![],
+        readonly_paths: vec![],
+        memory_limit_bytes: None,
+        devices: vec![],
+        ipc: Default::default(),
+        uts: Default::default(),
+        hostname: String::new(),
+        pid: Default::default(),
+        sysctl: Default::default(),
+        seccomp: None,
+        user: Default::default(),
+    }
+}
+
+fn vol(volume: &str, subpath: Option<&str>, destination: &str, readonly: bool) -> ContainerMount {
+    ContainerMount {
+        destination: destination.into(),
+        source: MountSource::Volume {
+            volume: volume.into(),
+            subpath: subpath.map(String::from),
+        },
+        readonly,
+        options: vec![],
+        submounts: vec![],
     }
 }
 
@@ -283,57 +331,43 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
     assert_eq!(guest_df(&g, "-P -B1", v).await.0, grown.fs_total_bytes);
 
     // --- subPath escape refused, nothing mounted -----------------------------------
+    // (the runtime CLI's workload: a container on the guest's own root)
     for sp in ["escape/etc", "escape2", "../x", "/etc"] {
         let r = a
-            .start_workload(StartWorkload {
-                args: vec!["true".into()],
-                env: vec![],
-                cwd: None,
-                mounts: vec![WorkloadMount {
-                    volume: "ext".into(),
-                    subpath: Some(sp.into()),
-                    destination: "/data".into(),
-                    readonly: false,
-                }],
-                user: None,
-                shares: Vec::new(),
-            })
+            .call(guest_rooted(
+                "esc",
+                &["true"],
+                vec![vol("ext", Some(sp), "/data", false)],
+                None,
+            ))
             .await;
         assert_eq!(code_of(r), ErrorCode::InvalidArgument, "subPath {sp}");
     }
     assert!(g.mount_line("/data").await.is_none());
     assert_eq!(
-        a.workload_status().await.unwrap(),
-        WorkloadState::NotStarted
+        code_of(a.call(ContainerPids { id: "esc".into() }).await),
+        ErrorCode::NotFound,
+        "nothing left of a refused container"
     );
 
-    // --- a nested destination through a symlink in a volume: nothing mounted --------
+    // --- a nested destination through a symlink in a volume: nothing mounted ------
+    // On the guest's own root no destination follows a symlink: the
+    // container shares the guest's filesystem, where a symlink the volume
+    // planted would have the agent make directories in the guest's tools.
     let mounts_before = g.sh("cat /proc/mounts").await;
     let sbin_before = g.sh("ls -la /usr/sbin /run/crust/volumes").await;
     assert!(sbin_before.contains(" e2fsck\n"), "{sbin_before}");
     for nested in ["/data/logs", "/data/logs/bin", "/data/state/volumes/ext"] {
         let r = a
-            .start_workload(StartWorkload {
-                args: vec!["true".into()],
-                env: vec![],
-                cwd: None,
-                mounts: vec![
-                    WorkloadMount {
-                        volume: "ext".into(),
-                        subpath: Some("trap".into()),
-                        destination: "/data".into(),
-                        readonly: false,
-                    },
-                    WorkloadMount {
-                        volume: "xfsv".into(),
-                        subpath: None,
-                        destination: nested.into(),
-                        readonly: false,
-                    },
+            .call(guest_rooted(
+                "nested",
+                &["true"],
+                vec![
+                    vol("ext", Some("trap"), "/data", false),
+                    vol("xfsv", None, nested, false),
                 ],
-                user: None,
-                shares: Vec::new(),
-            })
+                None,
+            ))
             .await;
         match r {
             Err(crust_agent_proto::ClientError::Agent(e)) => {
@@ -342,7 +376,6 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
             }
             other => panic!("{nested}: expected InvalidArgument, got {other:?}"),
         }
-        // The /data bind made first is rolled back.
         assert_eq!(g.sh("cat /proc/mounts").await, mounts_before, "{nested}");
     }
     assert_eq!(
@@ -354,82 +387,87 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
             .await,
         "/usr/sbin\n/run/crust\n"
     );
-    assert_eq!(
-        a.workload_status().await.unwrap(),
-        WorkloadState::NotStarted
-    );
 
     // --- the workload: non-root, writes via fsGroup, read-only xfs ----------------
-    let spec = StartWorkload {
-        args: ["sh", "-c", "echo hello-from-guest > /data/out.txt && sync; \
-                if touch /xfs/nope 2>/dev/null; then echo xfs-writable; else echo xfs-readonly; fi; \
-                id -u; echo started; exec sleep 600"]
-            .map(String::from)
-            .to_vec(),
-        env: vec!["HOME=/".into()],
-        cwd: Some("/data".into()),
-        mounts: vec![
-            WorkloadMount {
-                volume: "ext".into(),
-                subpath: Some("app/data".into()),
-                destination: "/data".into(),
-                readonly: false,
-            },
-            WorkloadMount {
-                volume: "xfsv".into(),
-                subpath: None,
-                destination: "/xfs".into(),
-                readonly: true,
-            },
-            // Nested in /data through real directories: made and bound.
-            WorkloadMount {
-                volume: "xfsv".into(),
-                subpath: None,
-                destination: "/data/nested/xfs".into(),
-                readonly: true,
-            },
+    let mux = StdioMux::new(g.vm.stdio_socket());
+    let mut out = mux.register(1);
+    let mut spec = guest_rooted(
+        "w",
+        &[
+            "sh",
+            "-c",
+            "echo hello-from-guest > /data/out.txt && sync; \
+             if touch /xfs/nope 2>/dev/null; then echo xfs-writable; else echo xfs-readonly; fi; \
+             id -u; echo started; exec sleep 600",
         ],
-        user: Some(WorkloadUser {
+        vec![
+            vol("ext", Some("app/data"), "/data", false),
+            vol("xfsv", None, "/xfs", true),
+            // Nested in /data through real directories: made and bound.
+            vol("xfsv", None, "/data/nested/xfs", true),
+        ],
+        Some(WorkloadUser {
             uid: 1000,
             gid: 1000,
             supplemental_gids: vec![2000, 3001],
         }),
-        shares: Vec::new(),
-    };
-    let started = a.start_workload(spec.clone()).await.unwrap();
-    assert_eq!(
-        a.start_workload(spec.clone()).await.unwrap(),
-        started,
-        "idempotent"
     );
+    spec.process.env = vec!["HOME=/".into(), "PATH=/usr/bin:/bin".into()];
+    spec.process.cwd = Some("/data".into());
+    spec.process.stdio = StdioSpec {
+        stream: 1,
+        stdin: false,
+        stdout: true,
+        stderr: true,
+    };
+    let started = a.call(spec.clone()).await.unwrap();
+    a.call(StartContainer { id: "w".into() }).await.unwrap();
     let mut log = String::new();
-    for _ in 0..200 {
-        log = a.workload_log(4096).await.unwrap().data;
-        if log.contains("started") {
-            break;
+    while !log.contains("started") {
+        match tokio::time::timeout(Duration::from_secs(20), out.recv()).await {
+            Ok(Some(Output::Stdout(d) | Output::Stderr(d))) => {
+                log.push_str(&String::from_utf8_lossy(&d));
+            }
+            Ok(Some(_)) => {}
+            other => panic!("no output from the workload ({other:?}): {log:?}"),
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(log, "xfs-readonly\n1000\nstarted\n");
-    assert_eq!(
-        a.workload_status().await.unwrap(),
-        WorkloadState::Running { pid: started.pid }
+    let in_w = |script: &str| {
+        let req = Exec {
+            args: vec!["sh".into(), "-c".into(), script.into()],
+            env: vec![],
+            timeout_ms: 20_000,
+            container: Some("w".into()),
+        };
+        a.call_with_timeout(req, Duration::from_secs(30))
+    };
+    let its_mounts = g.sh(&format!("cat /proc/{}/mounts", started.pid)).await;
+    let line = |dest: &str| {
+        its_mounts
+            .lines()
+            .find(|l| l.split(' ').nth(1) == Some(dest))
+            .unwrap_or_else(|| panic!("{dest} not bound: {its_mounts}"))
+            .to_string()
+    };
+    assert!(line("/xfs").contains(" xfs ro,"), "{}", line("/xfs"));
+    assert!(line("/data/nested/xfs").contains(" xfs ro,"));
+    assert!(
+        g.mount_line("/xfs").await.is_none(),
+        "the binds are the workload's, not the guest's"
     );
-    let xfs_line = g.mount_line("/xfs").await.expect("/xfs bound");
-    assert!(xfs_line.contains(" xfs ro,"), "{xfs_line}");
-    let nested_line = g
-        .mount_line("/data/nested/xfs")
-        .await
-        .expect("/data/nested/xfs bound");
-    assert!(nested_line.contains(" xfs ro,"), "{nested_line}");
     assert_eq!(
-        g.sh("stat -c '%F' /run/crust/volumes/ext/app/data/nested/xfs && ls /data/nested/xfs")
-            .await,
+        in_w("stat -c '%F' /run/crust/volumes/ext/app/data/nested/xfs && ls /data/nested/xfs")
+            .await
+            .unwrap()
+            .stdout,
         "directory\nkeep\n"
     );
     assert_eq!(
-        g.sh("stat -c '%u %g %a' /data/out.txt /run/crust/volumes/ext/app/data")
-            .await,
+        in_w("stat -c '%u %g %a' /data/out.txt /run/crust/volumes/ext/app/data")
+            .await
+            .unwrap()
+            .stdout,
         "1000 2000 644\n0 2000 2775\n"
     );
     assert_eq!(
@@ -437,11 +475,10 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         ErrorCode::FailedPrecondition,
         "in use by the workload"
     );
-    let mut other = spec.clone();
-    other.args = vec!["true".into()];
     assert_eq!(
-        code_of(a.start_workload(other).await),
-        ErrorCode::AlreadyExists
+        code_of(a.call(spec).await),
+        ErrorCode::AlreadyExists,
+        "one container per id"
     );
 
     // A slow Exec does not hold up a Ping.
@@ -458,14 +495,40 @@ async fn volumes_fsgroup_subpath_workload_and_shutdown() {
         ErrorCode::DeadlineExceeded
     );
 
-    let stopped = a.stop_workload(Duration::from_secs(5)).await.unwrap();
+    let init = ProcessRef {
+        container: "w".into(),
+        exec_id: None,
+    };
+    a.call(SignalProcess {
+        process: init.clone(),
+        signal: 15,
+        all: true,
+    })
+    .await
+    .unwrap();
+    let stopped = a
+        .call(WaitProcess {
+            process: init,
+            timeout_ms: 10_000,
+        })
+        .await
+        .unwrap()
+        .exited
+        .expect("exited on TERM");
     assert_eq!(
-        stopped,
-        WorkloadState::Exited {
-            pid: started.pid,
-            exit_code: None,
-            signal: Some(15)
-        }
+        (stopped.pid, stopped.exit_code, stopped.signal),
+        (started.pid, 143, Some(15))
+    );
+    // Its namespace is held until it is removed: its view stays readable.
+    assert_eq!(
+        in_w("cat /data/out.txt").await.unwrap().stdout,
+        "hello-from-guest\n"
+    );
+    a.call(RemoveContainer { id: "w".into() }).await.unwrap();
+    assert_eq!(
+        code_of(in_w("true").await),
+        ErrorCode::NotFound,
+        "gone with the container"
     );
 
     // --- health ------------------------------------------------------------------

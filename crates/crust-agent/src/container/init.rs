@@ -37,8 +37,7 @@ use rustix::mount::{MountFlags, MountPropagationFlags};
 use rustix::process::{Gid, Resource, Uid};
 use serde::{Deserialize, Serialize};
 
-use super::rootfs::{self, Leaf};
-use crate::destination::proc_fd;
+use super::rootfs::{self, Leaf, proc_fd};
 
 /// argv[1] that selects the helper.
 pub const INIT_ARG: &str = "__container-init";
@@ -66,8 +65,12 @@ pub struct InitSpec {
 pub enum InitMode {
     /// A new container.
     Create {
-        /// Guest path of the rootfs source (inside a share).
+        /// Guest path of the rootfs source (inside a share, or `/`).
         rootfs: PathBuf,
+        /// The rootfs is the guest's own: its mounts stay slaves of the
+        /// guest's, so volumes mounted later reach the container too.
+        #[serde(default)]
+        guest_root: bool,
         /// Empty directory the rootfs is bound on (in the new namespace).
         mountpoint: PathBuf,
         rootfs_readonly: bool,
@@ -262,6 +265,7 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
     let root: Option<OwnedFd> = match &spec.mode {
         InitMode::Create {
             rootfs,
+            guest_root,
             mountpoint,
             rootfs_readonly,
             mounts,
@@ -285,11 +289,18 @@ fn setup(spec: &InitSpec) -> Result<(), String> {
             }
             crust_sys::ns::unshare(rustix::thread::UnshareFlags::NEWNS)
                 .map_err(err("unshare(CLONE_NEWNS)"))?;
-            rustix::mount::mount_change(
-                "/",
-                MountPropagationFlags::PRIVATE | MountPropagationFlags::REC,
-            )
-            .map_err(err("making / private"))?;
+            if *guest_root {
+                rootfs::refuse_symlinks();
+            }
+            // Nothing the container mounts reaches the guest; a guest-rooted
+            // one still receives the guest's later volume mounts.
+            let propagation = if *guest_root {
+                MountPropagationFlags::DOWNSTREAM
+            } else {
+                MountPropagationFlags::PRIVATE
+            };
+            rustix::mount::mount_change("/", propagation | MountPropagationFlags::REC)
+                .map_err(err("setting the propagation of /"))?;
             rustix::mount::mount_bind_recursive(rootfs, mountpoint)
                 .map_err(err(format!("binding the rootfs {}", rootfs.display())))?;
             let root = open_dir(mountpoint)?;

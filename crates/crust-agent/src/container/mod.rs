@@ -31,7 +31,7 @@ use crust_agent_proto::stdio::Kind;
 use crust_agent_proto::{
     AgentError, ContainerStatsReply, CreateContainer, ErrorCode, ExecProcess, GUEST_SHARE_ROOT,
     MountSource, NamespaceSource, PidsReply, ProcessExit, ProcessRef, ProcessReply, ProcessSpec,
-    ResizePty, Seccomp, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
+    ResizePty, Rootfs, Seccomp, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
 };
 use rustix::fs::{Mode, OFlags};
 
@@ -110,6 +110,10 @@ struct Container {
     volumes: Vec<String>,
     /// Its seccomp profile, which every exec gets too.
     seccomp: Option<Seccomp>,
+    /// A guest-rooted container's mount namespace (the runtime CLI's
+    /// workload), held until the container is removed: the CLI's `exec`
+    /// runs there, also after the init exited, and its volumes stay in use.
+    mount_ns: Mutex<Option<OwnedFd>>,
 }
 
 /// The containers of this guest.
@@ -202,6 +206,19 @@ impl Containers {
         cgroup::init_root()
     }
 
+    /// A descriptor of container `id`'s mount namespace.
+    pub fn mount_ns(&self, id: &str) -> Result<OwnedFd> {
+        let c = self.get(id)?;
+        let held = c.mount_ns.lock().expect("mount_ns");
+        let ns = held.as_ref().ok_or_else(|| {
+            ContainerError::Precondition(format!(
+                "container {id:?} does not run on the guest's root: exec into it instead"
+            ))
+        })?;
+        ns.try_clone()
+            .map_err(io(format!("container {id:?}: its mount namespace")))
+    }
+
     fn get(&self, id: &str) -> Result<Arc<Container>> {
         self.map
             .lock()
@@ -248,6 +265,7 @@ impl Containers {
         let spec = InitSpec {
             mode: InitMode::Create {
                 rootfs,
+                guest_root: matches!(req.rootfs, Rootfs::Guest),
                 mountpoint,
                 rootfs_readonly: req.rootfs_readonly,
                 mounts: req.mounts.clone(),
@@ -275,19 +293,25 @@ impl Containers {
         self.await_ready(req, spawned, ns.holder, volumes)
     }
 
-    /// The rootfs in the share (a directory), and every share a mount
-    /// names resolved: none may leave the share.
+    /// The rootfs (a directory of a share, or the guest's root), and every
+    /// share a mount names resolved: none may leave the share.
     fn shared_paths(&self, req: &CreateContainer) -> Result<PathBuf> {
-        let rootfs = {
-            let _g = self.shares.lock().expect("shares");
-            share_path(&req.rootfs).map_err(ContainerError::Invalid)?
+        let rootfs = match &req.rootfs {
+            Rootfs::Guest => PathBuf::from("/"),
+            Rootfs::Share(share) => {
+                let path = {
+                    let _g = self.shares.lock().expect("shares");
+                    share_path(share).map_err(ContainerError::Invalid)?
+                };
+                if !path.is_dir() {
+                    return Err(ContainerError::Invalid(format!(
+                        "rootfs {} is not a directory in the share",
+                        share.path
+                    )));
+                }
+                path
+            }
         };
-        if !rootfs.is_dir() {
-            return Err(ContainerError::Invalid(format!(
-                "rootfs {} is not a directory in the share",
-                req.rootfs.path
-            )));
-        }
         for m in &req.mounts {
             if let MountSource::Share(s) = &m.source {
                 let _g = self.shares.lock().expect("shares");
@@ -347,6 +371,18 @@ impl Containers {
                 "setting up the container",
             )));
         }
+        // The helper waits for its start: its namespace is the container's.
+        let mount_ns = matches!(req.rootfs, Rootfs::Guest)
+            .then(|| std::fs::File::open(format!("/proc/{}/ns/mnt", proc.pid)))
+            .transpose()
+            .map_err(io(format!("container {:?}: its mount namespace", req.id)));
+        let mount_ns = match mount_ns {
+            Ok(ns) => ns.map(OwnedFd::from),
+            Err(e) => {
+                self.reap_failed(&req.id, child, &proc);
+                return Err(e);
+            }
+        };
         let c = Arc::new(Container {
             id: req.id.clone(),
             init: proc.clone(),
@@ -355,6 +391,7 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             volumes,
             seccomp: req.seccomp.clone(),
+            mount_ns: Mutex::new(mount_ns),
         });
         self.map
             .lock()
@@ -573,6 +610,8 @@ impl Containers {
         };
         // A never-started helper exits when its sync socket closes.
         drop(c.start.lock().expect("start").take());
+        // Its mounts go with the last process in the namespace.
+        drop(c.mount_ns.lock().expect("mount_ns").take());
         cgroup::kill_all(id);
         let guard = c.init.exit.lock().expect("exit");
         let _ = c
@@ -595,7 +634,10 @@ impl Containers {
             .lock()
             .expect("containers")
             .values()
-            .filter(|c| c.volumes.iter().any(|v| v == volume) && c.init.exited().is_none())
+            .filter(|c| {
+                c.volumes.iter().any(|v| v == volume)
+                    && (c.init.exited().is_none() || c.mount_ns.lock().expect("mount_ns").is_some())
+            })
             .map(|c| c.id.clone())
             .collect()
     }

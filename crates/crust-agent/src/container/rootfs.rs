@@ -1,8 +1,7 @@
 //! Container mount destinations, resolved as the container will see them.
 //!
-//! Unlike the single-workload binds (`crate::destination`, which refuse
-//! every symlink), a container's destination is looked up inside its own
-//! root with `openat2(RESOLVE_IN_ROOT)`: images carry symlinks such as
+//! A container's destination is looked up inside its own root with
+//! `openat2(RESOLVE_IN_ROOT)`: images carry symlinks such as
 //! `/var/run -> /run` that kubelet's mounts (the service-account token at
 //! `/var/run/secrets/...`) must go through, and the kernel keeps every
 //! step, `..` and absolute symlinks included, inside the container's root.
@@ -10,6 +9,7 @@
 //! be reached.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::path::{Component, Path};
 
 use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
@@ -22,15 +22,41 @@ pub enum Leaf {
     File,
 }
 
+/// Set once, before anything is resolved, by an init helper building a
+/// container on the guest's own root: there a symlink that a volume's
+/// content planted would make the agent create directories or files in
+/// the guest's tree (one filesystem with the container's), so no
+/// destination may go through one.
+static NO_SYMLINKS: AtomicBool = AtomicBool::new(false);
+
+/// Destinations of this container are resolved without any symlink.
+pub fn refuse_symlinks() {
+    NO_SYMLINKS.store(true, Ordering::SeqCst);
+}
+
 fn open_in(root: &impl AsFd, path: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
     let path = if path.is_empty() { "." } else { path };
-    crust_openat2::openat2(
-        root,
-        path,
-        flags,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
-    )
+    let mut resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS;
+    if NO_SYMLINKS.load(Ordering::SeqCst) {
+        resolve |= ResolveFlags::NO_SYMLINKS;
+    }
+    crust_openat2::openat2(root, path, flags, Mode::empty(), resolve)
+}
+
+/// `dest`'s error for `op` failing with `e`.
+fn dest_error(dest: &str, op: &str, e: Errno) -> String {
+    if e == Errno::LOOP && NO_SYMLINKS.load(Ordering::SeqCst) {
+        return format!(
+            "destination {dest}: a symlink on the way (on the guest's root no destination follows one)"
+        );
+    }
+    format!("destination {dest}: {op}: {e}")
+}
+
+/// The `/proc/self/fd` path of `fd`, for calls that take a path (a
+/// mount's target).
+pub fn proc_fd(fd: &impl std::os::fd::AsRawFd) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 /// The normal components of an absolute destination (`..` refused).
@@ -60,7 +86,7 @@ pub fn components(dest: &str) -> Result<Vec<String>, String> {
 /// missing directories (0755) and, for a file leaf, an empty file.
 pub fn open(root: &impl AsFd, dest: &str, leaf: Leaf) -> Result<OwnedFd, String> {
     let comps = components(dest)?;
-    let err = |op: &str, e: Errno| format!("destination {dest}: {op}: {e}");
+    let err = |op: &str, e: Errno| dest_error(dest, op, e);
     for i in 0..comps.len() {
         let prefix = comps[..=i].join("/");
         let last = i + 1 == comps.len();
@@ -123,7 +149,7 @@ pub fn open_existing(root: &impl AsFd, dest: &str) -> Result<Option<OwnedFd>, St
     match open_in(root, &comps.join("/"), OFlags::PATH) {
         Ok(fd) => Ok(Some(fd)),
         Err(Errno::NOENT) => Ok(None),
-        Err(e) => Err(format!("{dest}: {e}")),
+        Err(e) => Err(dest_error(dest, "open", e)),
     }
 }
 
@@ -137,7 +163,7 @@ mod tests {
     }
 
     fn path_of(fd: &OwnedFd) -> std::path::PathBuf {
-        std::fs::read_link(crate::destination::proc_fd(fd)).unwrap()
+        std::fs::read_link(proc_fd(fd)).unwrap()
     }
 
     #[test]
