@@ -48,6 +48,5 @@ pub const PROTOCOL_VERSION: u32 = 2;
 /// Where the agent mounts volume `<v>`: `/run/crust/volumes/<v>`.
 pub const GUEST_VOLUME_ROOT: &str = "/run/crust/volumes";
 
-
 /// Cap on each of [`ExecReply::stdout`] and [`ExecReply::stderr`].
 pub const MAX_EXEC_OUTPUT: usize = 256 * 1024;

@@ -626,7 +626,10 @@ mod tests {
             path: "c/rootfs".into(),
         });
         let v = serde_json::to_value(&share).unwrap();
-        assert_eq!(v, json!({"kind": "share", "tag": "pod", "path": "c/rootfs"}));
+        assert_eq!(
+            v,
+            json!({"kind": "share", "tag": "pod", "path": "c/rootfs"})
+        );
         assert_eq!(serde_json::from_value::<Rootfs>(v).unwrap(), share);
     }
 

@@ -643,7 +643,7 @@ impl Volumes {
     }
 
     /// Syncs and unmounts; not mounted is success. The caller makes sure
-    /// no workload bind mount still uses it.
+    /// no container binds it still.
     pub fn unmount(&self, volume: &str) -> Result<(), VolumeError> {
         validate_name(volume)?;
         let target = mount_path(volume);

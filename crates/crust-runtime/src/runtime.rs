@@ -81,7 +81,7 @@ impl Runtime {
                 .join(bundle_dir)
         };
         let bundle = Bundle::load(&dir)?;
-        bundle.refuse_unfiltered()?;
+        bundle.refuse_unsupported()?;
         // A kubelet root mismatch fails here, before any handover.
         let discovery = self.discovery.for_bundle(&bundle)?;
         let plan = discovery.plan(&bundle)?;

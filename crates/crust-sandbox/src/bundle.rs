@@ -83,11 +83,14 @@ pub struct Bundle {
     /// fails the container instead of falling back to the host mount.
     #[serde(default)]
     pub defer_required: bool,
-    /// The spec carries `linux.seccomp`: the containerd shim's containers
-    /// enforce it; the CLI's single workload cannot (see
-    /// [`Bundle::refuse_unfiltered`]).
+    /// The process as the guest runs it (capabilities, rlimits,
+    /// noNewPrivileges, ...), read as the containerd door reads a
+    /// container's ([`crate::spec::process_spec`]).
+    pub process: crust_agent_proto::ProcessSpec,
+    /// `linux.seccomp`, enforced by the agent as for the containerd door's
+    /// containers.
     #[serde(default)]
-    pub seccomp: bool,
+    pub seccomp: Option<crust_agent_proto::Seccomp>,
     /// The spec asks for a user namespace: likewise only the shim's
     /// containers have one.
     #[serde(default)]
@@ -107,20 +110,14 @@ pub struct Bundle {
 }
 
 impl Bundle {
-    /// The CLI runs one guest workload, never filtered and never in a user
-    /// namespace: a profile or mapping there would read as honoured when
-    /// it is not.
-    pub fn refuse_unfiltered(&self) -> Result<(), BundleError> {
+    /// What the CLI's workload cannot have yet (a user namespace, host
+    /// devices): refused, since a mapping or device ignored would read as
+    /// honoured.
+    pub fn refuse_unsupported(&self) -> Result<(), BundleError> {
         if self.user_namespace {
             return Err(BundleError::Invalid {
                 path: self.dir.display().to_string(),
                 reason: "linux.namespaces: the crust-runtime CLI's workload has no user namespace; run it through containerd-shim-crust-v2".into(),
-            });
-        }
-        if self.seccomp {
-            return Err(BundleError::Invalid {
-                path: self.dir.display().to_string(),
-                reason: "linux.seccomp: the crust-runtime CLI's workload cannot be filtered; run it through containerd-shim-crust-v2".into(),
             });
         }
         if !self.devices.is_empty() {
@@ -241,6 +238,7 @@ impl Bundle {
         let anti_spoofing =
             crate::net::anti_spoofing(&spec.annotations().clone().unwrap_or_default())
                 .map_err(invalid)?;
+        let linux = spec.linux().as_ref();
         Ok(Bundle {
             dir: dir.to_path_buf(),
             args,
@@ -252,25 +250,33 @@ impl Bundle {
             mounts,
             pod_uid,
             defer_required,
-            seccomp: spec.linux().as_ref().is_some_and(|l| l.seccomp().is_some()),
-            user_namespace: spec.linux().as_ref().is_some_and(|l| {
+            process: crate::spec::process_spec(process),
+            seccomp: linux
+                .and_then(|l| l.seccomp().as_ref())
+                .map(crate::spec::seccomp)
+                .transpose()
+                .map_err(invalid)?,
+            user_namespace: linux.is_some_and(|l| {
                 l.namespaces()
                     .iter()
                     .flatten()
                     .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)
             }),
-            devices: spec
-                .linux()
-                .as_ref()
-                .and_then(|l| l.devices().clone())
-                .unwrap_or_default()
-                .iter()
-                .map(|d| format!("{} ({}:{})", d.path().display(), d.major(), d.minor()))
-                .collect(),
+            devices: linux.map(host_devices).unwrap_or_default(),
             network_namespace,
             anti_spoofing_off: anti_spoofing == crust_podnet::AntiSpoof::Off,
         })
     }
+}
+
+/// The host devices of `linux.devices`, as errors name them.
+fn host_devices(linux: &oci_spec::runtime::Linux) -> Vec<String> {
+    linux
+        .devices()
+        .iter()
+        .flatten()
+        .map(|d| format!("{} ({}:{})", d.path().display(), d.major(), d.minor()))
+        .collect()
 }
 
 /// A bundle of `/bin/true` with `mounts` and nothing else, for unit tests.
@@ -284,10 +290,15 @@ pub(crate) fn for_tests(mounts: Vec<BundleMount>) -> Bundle {
         uid: 0,
         gid: 0,
         additional_gids: vec![],
+        process: crust_agent_proto::ProcessSpec {
+            args: vec!["/bin/true".into()],
+            cwd: Some("/".into()),
+            ..Default::default()
+        },
         mounts,
         pod_uid: None,
         defer_required: false,
-        seccomp: false,
+        seccomp: None,
         user_namespace: false,
         devices: Vec::new(),
         network_namespace: None,
@@ -468,18 +479,17 @@ mod tests {
         s["process"]["env"] = json!(["NOEQUALS"]);
         assert!(parse(s).unwrap_err().to_string().contains("NAME=VALUE"));
         let mut s = spec(json!([]));
-        // Read for every door; only the CLI's refuses it (the shim filters).
+        // Enforced by both doors: read as the guest takes it.
         s["linux"] = json!({"seccomp": {"defaultAction": "SCMP_ACT_ERRNO"}});
         let b = parse(s).unwrap();
-        assert!(b.seccomp);
-        let e = b.refuse_unfiltered().unwrap_err().to_string();
-        assert!(e.contains("linux.seccomp"), "{e}");
+        assert!(b.seccomp.is_some());
+        b.refuse_unsupported().unwrap();
         let mut s = spec(json!([]));
         s["linux"] = json!({"namespaces": [{"type": "user"}],
             "uidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}]});
         let e = parse(s)
             .unwrap()
-            .refuse_unfiltered()
+            .refuse_unsupported()
             .unwrap_err()
             .to_string();
         assert!(e.contains("has no user namespace"), "{e}");
@@ -489,7 +499,7 @@ mod tests {
             json!({"devices": [{"path": "/dev/xvda", "type": "b", "major": 7, "minor": 3}]});
         let e = parse(s)
             .unwrap()
-            .refuse_unfiltered()
+            .refuse_unsupported()
             .unwrap_err()
             .to_string();
         assert!(e.contains("linux.devices (/dev/xvda (7:3))"), "{e}");

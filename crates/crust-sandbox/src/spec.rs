@@ -752,7 +752,7 @@ fn user_namespace(
 
 /// The section as the agent takes it: the same JSON (oci-spec has checked
 /// the names of actions, architectures, flags and operators).
-fn seccomp(s: &oci_spec::runtime::LinuxSeccomp) -> Result<Seccomp, String> {
+pub(crate) fn seccomp(s: &oci_spec::runtime::LinuxSeccomp) -> Result<Seccomp, String> {
     serde_json::to_value(s)
         .and_then(serde_json::from_value)
         .map_err(|e| format!("linux.seccomp: {e}"))

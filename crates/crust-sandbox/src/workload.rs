@@ -11,8 +11,8 @@ use std::time::Duration;
 use crust_agent_proto::stdio::{Output, StdioMux};
 use crust_agent_proto::{
     AgentClient, ClientError, ContainerMount, CreateContainer, MountSource, ProcessExit,
-    ProcessRef, ProcessSpec, RemoveContainer, Rootfs, ShareRef, SignalProcess, StartContainer,
-    StdioSpec, WaitProcess, WorkloadUser,
+    ProcessRef, RemoveContainer, Rootfs, ShareRef, SignalProcess, StartContainer, StdioSpec,
+    WaitProcess,
 };
 
 use crate::bundle::Bundle;
@@ -40,20 +40,21 @@ fn init() -> ProcessRef {
     }
 }
 
-/// The container the bundle's process asks for: its args, environment,
-/// working directory and user, with the sandbox's volumes (subPath
-/// included) and shared host binds at their destinations.
+/// The container the bundle asks for: its process (read as the containerd
+/// door reads a container's) and seccomp profile, with the sandbox's
+/// volumes (subPath included) and shared host binds at their destinations.
 pub fn request(bundle: &Bundle, state: &SandboxState, share_tag: &str) -> CreateContainer {
-    let user = (bundle.uid != 0 || bundle.gid != 0 || !bundle.additional_gids.is_empty())
-        .then(|| WorkloadUser {
-            uid: bundle.uid,
-            gid: bundle.gid,
-            supplemental_gids: bundle.additional_gids.clone(),
-        });
-    let mut env = bundle.env.clone();
-    if !env.iter().any(|kv| kv.starts_with("PATH=")) {
-        env.push(DEFAULT_PATH.into());
+    let mut process = bundle.process.clone();
+    if !process.env.iter().any(|kv| kv.starts_with("PATH=")) {
+        process.env.push(DEFAULT_PATH.into());
     }
+    process.cwd = Some(bundle.cwd.clone());
+    process.stdio = StdioSpec {
+        stream: STREAM,
+        stdin: false,
+        stdout: true,
+        stderr: true,
+    };
     let volumes = state.mounts.iter().map(|m| ContainerMount {
         destination: m.destination.clone(),
         source: MountSource::Volume {
@@ -78,19 +79,7 @@ pub fn request(bundle: &Bundle, state: &SandboxState, share_tag: &str) -> Create
         id: ID.into(),
         rootfs: Rootfs::Guest,
         rootfs_readonly: false,
-        process: ProcessSpec {
-            args: bundle.args.clone(),
-            env,
-            cwd: Some(bundle.cwd.clone()),
-            user,
-            stdio: StdioSpec {
-                stream: STREAM,
-                stdin: false,
-                stdout: true,
-                stderr: true,
-            },
-            ..Default::default()
-        },
+        process,
         mounts: volumes.chain(shares).collect(),
         masked_paths: Vec::new(),
         readonly_paths: Vec::new(),
@@ -101,7 +90,7 @@ pub fn request(bundle: &Bundle, state: &SandboxState, share_tag: &str) -> Create
         hostname: String::new(),
         pid: Default::default(),
         sysctl: Default::default(),
-        seccomp: None,
+        seccomp: bundle.seccomp.clone(),
         user: Default::default(),
     }
 }
@@ -265,7 +254,7 @@ mod tests {
         }];
         let r = request(&b, &st, "crust-pod");
         assert_eq!(r.rootfs, Rootfs::Guest);
-        assert_eq!(r.process.args, b.args);
+        assert_eq!(r.process.args, b.process.args);
         assert!(r.process.env.iter().any(|e| e.starts_with("PATH=")));
         assert!(r.process.stdio.stdout && r.process.stdio.stderr && !r.process.stdio.stdin);
         assert_eq!(r.mounts.len(), 2);

@@ -30,8 +30,13 @@
 //!   with netfilter rules refused by name, a CNI namespace mirrored into
 //!   the guest and left as CNI made it.
 //!
+//! * A seccomp profile (`the_workload_runs_under_its_seccomp_profile`):
+//!   the system calls it denies fail in the workload with its errno, the
+//!   rest run (issue 44: the CLI's workload is a container too).
+//!
 //! Budget: per door containerd + crust-csi + two TCG boots, ~30 s, and
-//! ~15 s for the network; the door tests run side by side (two VM slots).
+//! ~15 s each for the network and the seccomp profile; the door tests run
+//! side by side (two VM slots).
 
 #![allow(
     clippy::too_many_lines,
@@ -154,6 +159,30 @@ impl Door {
         script: &str,
         netns: Option<&str>,
     ) -> Result<Workload<'a>, String> {
+        self.launch(env, id, binds, script, netns, None)
+    }
+
+    /// [`Door::start`] under the seccomp profile in the file `profile`
+    /// (the CLI's bundle `linux.seccomp`, `ctr run --seccomp-profile`).
+    fn start_filtered<'a>(
+        self,
+        env: &'a Env,
+        id: &str,
+        script: &str,
+        profile: &Path,
+    ) -> Result<Workload<'a>, String> {
+        self.launch(env, id, &[], script, None, Some(profile))
+    }
+
+    fn launch<'a>(
+        self,
+        env: &'a Env,
+        id: &str,
+        binds: &[(&str, &str)],
+        script: &str,
+        netns: Option<&str>,
+        seccomp: Option<&Path>,
+    ) -> Result<Workload<'a>, String> {
         let w = Workload {
             env,
             door: self,
@@ -182,6 +211,10 @@ impl Door {
                     spec["linux"] =
                         serde_json::json!({"namespaces": [{"type": "network", "path": p}]});
                 }
+                if let Some(p) = seccomp {
+                    spec["linux"]["seccomp"] =
+                        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+                }
                 std::fs::write(bundle.join("config.json"), spec.to_string()).unwrap();
                 let o = cli(env, &["create", "--bundle", bundle.to_str().unwrap(), id]);
                 if o.status.success() {
@@ -202,6 +235,10 @@ impl Door {
                 let with_ns = netns.map(|p| format!("network:{p}"));
                 if let Some(ns) = &with_ns {
                     args.extend(["--with-ns", ns.as_str()]);
+                }
+                let profile = seccomp.map(|p| p.display().to_string());
+                if let Some(p) = &profile {
+                    args.extend(["--seccomp", "--seccomp-profile", p.as_str()]);
                 }
                 args.extend([BUSYBOX_IMAGE, id, "sh", "-c", script]);
                 env.ctrd.ctr_in(NS, &args)
@@ -945,4 +982,60 @@ async fn cli_door_takes_the_network_namespace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containerd_door_takes_the_network_namespace() {
     the_guest_takes_the_network_namespace(Door::Containerd).await;
+}
+
+/// The one seccomp body both doors run: a profile denying `mkdir` with
+/// EPERM; the workload records what it met.
+async fn the_workload_runs_under_its_seccomp_profile(door: Door) {
+    let env = Env::start(NS);
+    let profile = env.dir.path().join("no-mkdir.json");
+    std::fs::write(
+        &profile,
+        serde_json::json!({
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let id = format!("filtered-{door:?}").to_lowercase();
+    let w = door
+        .start_filtered(
+            &env,
+            &id,
+            "if mkdir /tmp/probe-dir 2>/tmp/probe-err; then echo made; else echo refused; fi \
+             > /tmp/probe; touch /tmp/probe-file && echo touched >> /tmp/probe; exec sleep 600",
+            &profile,
+        )
+        .unwrap_or_else(|e| panic!("{door:?}: start: {e}\n{}", env.logs()));
+    let until = Instant::now() + Duration::from_secs(60);
+    let seen = loop {
+        if let Some(o) = w
+            .exec("cat /tmp/probe /tmp/probe-err")
+            .filter(|o| o.contains("touched"))
+        {
+            break o;
+        }
+        assert!(
+            Instant::now() < until,
+            "{door:?}: the workload never ran\n{}",
+            env.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        seen.starts_with("refused\ntouched\n") && seen.contains("not permitted"),
+        "{door:?}: mkdir under a profile denying it with EPERM: {seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_door_runs_the_workload_under_its_seccomp_profile() {
+    the_workload_runs_under_its_seccomp_profile(Door::Cli).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containerd_door_runs_the_workload_under_its_seccomp_profile() {
+    the_workload_runs_under_its_seccomp_profile(Door::Containerd).await;
 }

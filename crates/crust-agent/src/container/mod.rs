@@ -31,7 +31,8 @@ use crust_agent_proto::stdio::Kind;
 use crust_agent_proto::{
     AgentError, ContainerStatsReply, CreateContainer, ErrorCode, ExecProcess, GUEST_SHARE_ROOT,
     MountSource, NamespaceSource, PidsReply, ProcessExit, ProcessRef, ProcessReply, ProcessSpec,
-    ResizePty, Rootfs, Seccomp, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id, valid_share_path,
+    ResizePty, Rootfs, Seccomp, ShareRef, SignalProcess, StdioSpec, WaitReply, valid_id,
+    valid_share_path,
 };
 use rustix::fs::{Mode, OFlags};
 

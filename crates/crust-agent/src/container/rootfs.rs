@@ -9,8 +9,8 @@
 //! be reached.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::path::{Component, Path};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
