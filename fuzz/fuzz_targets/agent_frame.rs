@@ -9,7 +9,7 @@
 use arbitrary::Unstructured;
 use crust_agent_proto::{
     ExecReply, FrameDecoder, GrowVolumeReply, MAX_FRAME_LEN, MountVolumeReply, Operation, Outcome,
-    PingReply, Response, VolumeStats, WorkloadLogReply, frame, parse_request,
+    PingReply, ProcessReply, Response, VolumeStats, WaitReply, frame, parse_request,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -63,6 +63,7 @@ fn as_response(body: &[u8]) {
     let _ = serde_json::from_value::<VolumeStats>(v.clone());
     let _ = serde_json::from_value::<MountVolumeReply>(v.clone());
     let _ = serde_json::from_value::<GrowVolumeReply>(v.clone());
-    let _ = serde_json::from_value::<WorkloadLogReply>(v.clone());
+    let _ = serde_json::from_value::<ProcessReply>(v.clone());
+    let _ = serde_json::from_value::<WaitReply>(v.clone());
     let _ = serde_json::from_value::<ExecReply>(v);
 }

@@ -200,6 +200,31 @@ pub struct CreateContainer {
     pub user: UserNamespace,
 }
 
+impl CreateContainer {
+    /// A container of `process` on `rootfs` with nothing else: no mounts,
+    /// the guest's namespaces, no limit, no filter.
+    pub fn new(id: impl Into<String>, rootfs: Rootfs, process: ProcessSpec) -> CreateContainer {
+        CreateContainer {
+            id: id.into(),
+            rootfs,
+            rootfs_readonly: false,
+            process,
+            mounts: Vec::new(),
+            masked_paths: Vec::new(),
+            readonly_paths: Vec::new(),
+            memory_limit_bytes: None,
+            devices: Vec::new(),
+            ipc: NamespaceSource::default(),
+            uts: NamespaceSource::default(),
+            hostname: String::new(),
+            pid: NamespaceSource::default(),
+            sysctl: std::collections::BTreeMap::new(),
+            seccomp: None,
+            user: UserNamespace::default(),
+        }
+    }
+}
+
 /// One line of a user namespace's uid or gid map (OCI `linux.uidMappings`
 /// / `gidMappings` entry): ids `container_id..container_id+size` in the
 /// container are `host_id..` in the guest.

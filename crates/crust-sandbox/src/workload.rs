@@ -76,22 +76,9 @@ pub fn request(bundle: &Bundle, state: &SandboxState, share_tag: &str) -> Create
         submounts: Vec::new(),
     });
     CreateContainer {
-        id: ID.into(),
-        rootfs: Rootfs::Guest,
-        rootfs_readonly: false,
-        process,
         mounts: volumes.chain(shares).collect(),
-        masked_paths: Vec::new(),
-        readonly_paths: Vec::new(),
-        memory_limit_bytes: None,
-        devices: Vec::new(),
-        ipc: Default::default(),
-        uts: Default::default(),
-        hostname: String::new(),
-        pid: Default::default(),
-        sysctl: Default::default(),
         seccomp: bundle.seccomp.clone(),
-        user: Default::default(),
+        ..CreateContainer::new(ID, Rootfs::Guest, process)
     }
 }
 
@@ -153,19 +140,22 @@ fn pump(mut rx: tokio::sync::mpsc::UnboundedReceiver<Output>, file: std::fs::Fil
     });
 }
 
+/// How the workload ended, if it did within `within`.
+async fn exited(agent: &AgentClient, within: Duration) -> Result<Option<ProcessExit>, ClientError> {
+    let req = WaitProcess {
+        process: init(),
+        timeout_ms: within.as_millis() as u64,
+    };
+    let r = agent
+        .call_with_timeout(req, within + Duration::from_secs(10))
+        .await?;
+    Ok(r.exited)
+}
+
 /// Waits for the workload to exit (asking again every [`WAIT_SLICE`]).
 pub async fn wait(agent: &AgentClient) -> Result<ProcessExit, ClientError> {
     loop {
-        let r = agent
-            .call_with_timeout(
-                WaitProcess {
-                    process: init(),
-                    timeout_ms: WAIT_SLICE.as_millis() as u64,
-                },
-                WAIT_SLICE + Duration::from_secs(10),
-            )
-            .await?;
-        if let Some(exit) = r.exited {
+        if let Some(exit) = exited(agent, WAIT_SLICE).await? {
             return Ok(exit);
         }
     }
@@ -187,23 +177,12 @@ pub async fn signal(agent: &AgentClient, signal: i32) -> Result<(), AgentCallErr
 /// TERM, then KILL after `grace`, then removes it (its binds go, so its
 /// volumes can be unmounted). Errors are logged: the guest is stopping.
 pub async fn stop(agent: &AgentClient, grace: Duration) {
-    let exited = |grace: Duration| async move {
-        let r = agent
-            .call_with_timeout(
-                WaitProcess {
-                    process: init(),
-                    timeout_ms: grace.as_millis() as u64,
-                },
-                grace + Duration::from_secs(10),
-            )
-            .await;
-        matches!(r, Ok(r) if r.exited.is_some())
-    };
-    if !exited(Duration::ZERO).await {
+    let gone = |within| async move { matches!(exited(agent, within).await, Ok(Some(_))) };
+    if !gone(Duration::ZERO).await {
         let _ = signal(agent, libc::SIGTERM).await;
-        if !exited(grace).await {
+        if !gone(grace).await {
             let _ = signal(agent, libc::SIGKILL).await;
-            exited(Duration::from_secs(10)).await;
+            gone(Duration::from_secs(10)).await;
         }
     }
     if let Err(e) = agent.call(RemoveContainer { id: ID.into() }).await {

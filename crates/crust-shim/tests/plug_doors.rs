@@ -129,6 +129,22 @@ fn text(o: &Output) -> String {
     )
 }
 
+/// One test per door running the same body: `per_door!(body: cli_test,
+/// containerd_test)`.
+macro_rules! per_door {
+    ($body:ident: $cli:ident, $containerd:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $cli() {
+            $body(Door::Cli).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $containerd() {
+            $body(Door::Containerd).await;
+        }
+    };
+}
+
 /// A workload started through a door; removed (forcibly) on drop.
 struct Workload<'a> {
     env: &'a Env,
@@ -886,15 +902,11 @@ async fn the_guest_holds_its_devices(door: Door) {
     phase("stale record refused");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cli_door_holds_the_device_while_the_guest_uses_it() {
-    the_guest_holds_its_devices(Door::Cli).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn containerd_door_holds_the_device_while_the_guest_uses_it() {
-    the_guest_holds_its_devices(Door::Containerd).await;
-}
+per_door!(
+    the_guest_holds_its_devices:
+    cli_door_holds_the_device_while_the_guest_uses_it,
+    containerd_door_holds_the_device_while_the_guest_uses_it
+);
 
 /// Both doors take a network namespace through crust-sandbox's `net`: one
 /// with netfilter rules is refused naming them and nothing is attached;
@@ -974,15 +986,11 @@ async fn the_guest_takes_the_network_namespace(door: Door) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cli_door_takes_the_network_namespace() {
-    the_guest_takes_the_network_namespace(Door::Cli).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn containerd_door_takes_the_network_namespace() {
-    the_guest_takes_the_network_namespace(Door::Containerd).await;
-}
+per_door!(
+    the_guest_takes_the_network_namespace:
+    cli_door_takes_the_network_namespace,
+    containerd_door_takes_the_network_namespace
+);
 
 /// The one seccomp body both doors run: a profile denying `mkdir` with
 /// EPERM; the workload records what it met.
@@ -1030,12 +1038,8 @@ async fn the_workload_runs_under_its_seccomp_profile(door: Door) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cli_door_runs_the_workload_under_its_seccomp_profile() {
-    the_workload_runs_under_its_seccomp_profile(Door::Cli).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn containerd_door_runs_the_workload_under_its_seccomp_profile() {
-    the_workload_runs_under_its_seccomp_profile(Door::Containerd).await;
-}
+per_door!(
+    the_workload_runs_under_its_seccomp_profile:
+    cli_door_runs_the_workload_under_its_seccomp_profile,
+    containerd_door_runs_the_workload_under_its_seccomp_profile
+);

@@ -45,28 +45,15 @@ fn guest_rooted(
     mounts: Vec<ContainerMount>,
     user: Option<WorkloadUser>,
 ) -> CreateContainer {
+    let process = ProcessSpec {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        env: vec!["PATH=/usr/bin:/bin".into()],
+        user,
+        ..Default::default()
+    };
     CreateContainer {
-        id: id.into(),
-        rootfs: Rootfs::Guest,
-        rootfs_readonly: false,
-        process: ProcessSpec {
-            args: args.iter().map(|a| a.to_string()).collect(),
-            env: vec!["PATH=/usr/bin:/bin".into()],
-            user,
-            ..Default::default()
-        },
         mounts,
-        masked_paths: vec![],
-        readonly_paths: vec![],
-        memory_limit_bytes: None,
-        devices: vec![],
-        ipc: Default::default(),
-        uts: Default::default(),
-        hostname: String::new(),
-        pid: Default::default(),
-        sysctl: Default::default(),
-        seccomp: None,
-        user: Default::default(),
+        ..CreateContainer::new(id, Rootfs::Guest, process)
     }
 }
 
