@@ -100,6 +100,14 @@ fn describe(holders: &[Holder]) -> String {
         .join("; ")
 }
 
+/// How long a busy device is asked again before it is refused: a process
+/// setting up a mount namespace of its own (virtiofsd's sandbox, a
+/// container's init) holds a copy of every mount of the node for a
+/// moment, which keeps a just-unmounted filesystem alive. A real holder
+/// is still refused, this much later.
+const TRANSIENT_HOLD: std::time::Duration = std::time::Duration::from_millis(500);
+const TRANSIENT_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// What [`claim_exclusive`] callers refuse to do while a device is held.
 pub const HAND_TO_GUEST: &str = "hand it to a guest";
 
@@ -261,14 +269,20 @@ fn hold(path: &Path, writable: bool, action: &'static str) -> Result<ExclusiveDe
         holders: name_holders(major, minor),
         action,
     };
-    let fd = match device::open_block(path, access | OFlags::EXCL) {
-        Ok(fd) => fd,
-        Err(DeviceError::Io { source, .. })
-            if sys::errno(&source) == Some(rustix::io::Errno::BUSY) =>
-        {
-            return Err(in_use());
+    let until = Instant::now() + TRANSIENT_HOLD;
+    let fd = loop {
+        match device::open_block(path, access | OFlags::EXCL) {
+            Ok(fd) => break fd,
+            Err(DeviceError::Io { source, .. })
+                if sys::errno(&source) == Some(rustix::io::Errno::BUSY) =>
+            {
+                if Instant::now() >= until {
+                    return Err(in_use());
+                }
+                std::thread::sleep(TRANSIENT_POLL);
+            }
+            Err(e) => return Err(e.into()),
         }
-        Err(e) => return Err(e.into()),
     };
     if !sysfs_holders(major, minor).is_empty() {
         return Err(in_use());

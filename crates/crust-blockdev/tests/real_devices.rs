@@ -786,6 +786,29 @@ fn other_openers_are_found_and_block_fsck_grow_mkfs_and_wipe() {
 /// namespace), a device another claim holds, a mounted partition's disk
 /// are refused with the holder named; while crust holds a device the
 /// kernel refuses host mounts and mkfs; after the hold it is free again.
+/// A process that mounts `dev` at `mnt` in a mount namespace of its own
+/// and lives `secs` seconds more; returns once it is mounted there.
+fn mounted_in_another_namespace(dev: &Path, mnt: &Path, secs: &str) -> std::process::Child {
+    let script = format!(
+        "mount -t ext4 {} {} && echo up && exec sleep {secs}",
+        dev.display(),
+        mnt.display()
+    );
+    let mut child = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "up");
+    child
+}
+
 #[test]
 fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
     crust_testkit::require_root();
@@ -837,23 +860,7 @@ fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
     .unwrap();
 
     // Mounted only in another mount namespace: still refused.
-    let script = format!(
-        "mount -t ext4 {} {} && echo up && exec sleep 30",
-        dev.display(),
-        mnt.display()
-    );
-    let mut child = Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sh", "-c", &script])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "up");
+    let mut child = mounted_in_another_namespace(&dev, &mnt, "30");
     assert!(
         find_mount(&mnt).unwrap().is_none(),
         "not mounted in our namespace"
@@ -874,6 +881,13 @@ fn exclusive_claims_refuse_mounted_and_held_devices_and_block_host_use() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+
+    // A copy of the mount that lives a moment only (a process setting up a
+    // namespace of its own when the device was still mounted here): the
+    // claim waits it out instead of refusing.
+    let mut child = mounted_in_another_namespace(&dev, &mnt, "0.05");
+    ensure_device_free(&dev, HAND_TO_GUEST).unwrap();
+    let _ = child.wait();
 
     // Held by a claim (a guest's): a second claim, a host mount and mkfs
     // are refused by the kernel; the data stays.
